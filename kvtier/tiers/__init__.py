@@ -1,0 +1,48 @@
+"""Scheduler-side bookkeeping of kvtier: tiers, policies, the cascading
+hierarchy and its residency events. Pure Python: no I/O, no vLLM."""
+
+from kvtier.tiers.events import MEDIA, MEDIUM_CPU, MEDIUM_DISK, TierEvent, replay
+from kvtier.tiers.hierarchy import (
+    BlockLocation,
+    HierarchyStats,
+    LoadPlan,
+    PromoteOrder,
+    Residency,
+    SpillOrder,
+    StorePlan,
+    TierHierarchy,
+    TransferItem,
+)
+from kvtier.tiers.policy import (
+    POLICIES,
+    ARCPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    make_policy,
+)
+from kvtier.tiers.tier import BlockState, Tier, TierBlock
+
+__all__ = [
+    "ARCPolicy",
+    "BlockLocation",
+    "BlockState",
+    "EvictionPolicy",
+    "HierarchyStats",
+    "LRUPolicy",
+    "LoadPlan",
+    "MEDIA",
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "POLICIES",
+    "PromoteOrder",
+    "Residency",
+    "SpillOrder",
+    "StorePlan",
+    "Tier",
+    "TierBlock",
+    "TierEvent",
+    "TierHierarchy",
+    "TransferItem",
+    "make_policy",
+    "replay",
+]

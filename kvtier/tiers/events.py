@@ -1,0 +1,51 @@
+"""Residency events: one per change of which medium holds a ready block.
+
+Every time a block becomes readable on a medium (``stored``) or stops being
+readable there (``removed``), the hierarchy appends one :class:`TierEvent`.
+Replaying the stream from an empty state reproduces exactly which keys are
+ready on which medium (:func:`replay`); the vLLM adapter maps these events
+1:1 onto vLLM's ``OffloadingEvent`` (medium CPU / STORAGE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+MEDIUM_CPU = "cpu"
+MEDIUM_DISK = "disk"
+MEDIA = (MEDIUM_CPU, MEDIUM_DISK)
+
+
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    """``keys`` became ready on (``removed=False``) or left (``removed=True``)
+    ``medium``. ``reason`` says why, for logs and metrics: ``store``,
+    ``spill``, ``promote``, ``restore``, ``evict``, ``corrupt``, ``reset``."""
+
+    keys: tuple[Hashable, ...]
+    medium: str
+    removed: bool
+    reason: str = ""
+
+
+def replay(events: Iterable[TierEvent]) -> dict[str, set[Hashable]]:
+    """Residency per medium implied by an event stream that starts empty.
+
+    Raises ``ValueError`` on an event that contradicts the state so far (a
+    store of a key already there, a removal of a key that is not): the
+    stream is then not a faithful log.
+    """
+    state: dict[str, set[Hashable]] = {m: set() for m in MEDIA}
+    for ev in events:
+        held = state[ev.medium]
+        for key in ev.keys:
+            if ev.removed:
+                if key not in held:
+                    raise ValueError(f"removed {key!r} from {ev.medium} twice")
+                held.discard(key)
+            else:
+                if key in held:
+                    raise ValueError(f"stored {key!r} on {ev.medium} twice")
+                held.add(key)
+    return state

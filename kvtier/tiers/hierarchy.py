@@ -1,0 +1,623 @@
+"""The cascading hierarchy: a CPU tier over an optional disk tier.
+
+This is the scheduler-side brain of kvtier. It decides where every block
+lives and hands out *orders* (GPU->CPU stores, CPU->disk spills, disk->CPU
+promotions) that the worker side executes asynchronously; it never performs
+or waits for I/O itself, so every call here is O(blocks touched).
+
+Block life cycle::
+
+    prepare_store ──► cpu WRITING ──complete_store──► cpu READY (dirty)
+                                                       │ spill order
+                                                       ▼
+                            cpu READY + disk WRITING ──complete_spill──►
+                            cpu READY (clean) + disk READY
+                                                       │ CPU needs room
+                                                       ▼
+                                                   disk READY only
+                                                       │ promotion order
+                                                       ▼
+                            cpu WRITING + disk READY (pinned) ──complete_promotion──►
+                            cpu READY (clean) + disk READY
+
+"Dirty" means the CPU copy is the only copy. Spilling is *write-back ahead
+of need*: when more than ``spill_watermark`` of the CPU tier is dirty, the
+least valuable dirty blocks are copied to disk while staying readable on
+CPU. When a store needs room, clean blocks are dropped from CPU at once
+(their disk copy stays), so a GPU->CPU store never waits for the disk. A
+dirty victim is never dropped while a disk tier exists: it is spilled first
+and its slot reused only after the spill completed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, TierEvent
+from kvtier.tiers.tier import BlockState, Tier, TierBlock
+
+Key = Hashable
+
+
+class Residency(Enum):
+    """Answer of :meth:`TierHierarchy.lookup` for one key."""
+
+    HIT_CPU = "hit_cpu"  # ready on CPU
+    HIT_DISK = "hit_disk"  # ready on disk only
+    PENDING = "pending"  # being written (store or promotion in flight)
+    MISS = "miss"
+
+    @property
+    def is_hit(self) -> bool:
+        return self in (Residency.HIT_CPU, Residency.HIT_DISK)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLocation:
+    medium: str
+    slot: int
+
+
+@dataclass(slots=True)
+class LoadPlan:
+    """Where to read each key from; the blocks stay pinned until
+    :meth:`TierHierarchy.complete_load`."""
+
+    keys: list[Key]
+    locations: list[BlockLocation]
+
+
+@dataclass(slots=True)
+class StorePlan:
+    """CPU slots to write ``keys_to_store`` into (same order), and the keys
+    that left the CPU tier to make room (their disk copy, if any, stays)."""
+
+    keys_to_store: list[Key]
+    cpu_slots: list[int]
+    evicted_keys: list[Key]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferItem:
+    key: Key
+    src_slot: int
+    dst_slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpillOrder:
+    """Copy CPU slot ``src_slot`` to disk slot ``dst_slot`` for each item."""
+
+    job_id: int
+    items: tuple[TransferItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PromoteOrder:
+    """Copy disk slot ``src_slot`` into CPU slot ``dst_slot`` for each item."""
+
+    job_id: int
+    items: tuple[TransferItem, ...]
+
+
+@dataclass
+class HierarchyStats:
+    """Monotonic counters since construction (the metrics layer diffs them)."""
+
+    stores_completed: int = 0
+    stores_failed: int = 0
+    stores_declined: int = 0
+    cpu_evictions: int = 0
+    disk_evictions: int = 0
+    spills_started: int = 0
+    spills_completed: int = 0
+    spill_failures: int = 0
+    promotions_started: int = 0
+    promotions_completed: int = 0
+    promotion_failures: int = 0
+    loads_cpu: int = 0
+    loads_disk: int = 0
+    corrupt_blocks: int = 0
+
+
+@dataclass
+class _PendingJob:
+    items: tuple[TransferItem, ...]
+
+
+@dataclass
+class _LoadPins:
+    # Media pinned by outstanding loads of one key, oldest first.
+    media: deque[str] = field(default_factory=deque)
+
+
+class TierHierarchy:
+    """A CPU tier over an optional disk tier, with cascade and promotion.
+
+    Contract (what the property tests check):
+      - capacities are never exceeded; a WRITING or pinned block is never
+        evicted or overwritten;
+      - ``lookup``/``prefix_hits`` report only READY blocks as hits;
+      - every residency change appends exactly one event, in order, and
+        :func:`kvtier.tiers.events.replay` of all events equals
+        :meth:`residency`;
+      - with a disk tier, a block leaves the CPU tier only when it is also
+        ready on disk, or when the disk refused it (spill failed), or on
+        ``reset``;
+      - ``prepare_store`` returns ``None`` (declines) when room cannot be
+        made without waiting; it never blocks.
+    """
+
+    def __init__(
+        self,
+        cpu_blocks: int,
+        disk_blocks: int = 0,
+        *,
+        cpu_policy: str = "lru",
+        disk_policy: str = "lru",
+        spill_watermark: float = 0.75,
+        spill_batch: int = 64,
+        promote_on_hit: bool = True,
+    ):
+        if cpu_blocks <= 0:
+            raise ValueError(f"cpu_blocks must be > 0, got {cpu_blocks}")
+        if not 0.0 <= spill_watermark <= 1.0:
+            raise ValueError(
+                f"spill_watermark must be within [0, 1], got {spill_watermark}"
+            )
+        self.cpu = Tier(MEDIUM_CPU, cpu_blocks, cpu_policy)
+        self.disk: Tier | None = (
+            Tier(MEDIUM_DISK, disk_blocks, disk_policy) if disk_blocks > 0 else None
+        )
+        self.spill_watermark = spill_watermark
+        self.spill_batch = max(1, spill_batch)
+        self.promote_on_hit = promote_on_hit
+        self.stats = HierarchyStats()
+
+        # Dirty CPU blocks (READY on CPU, not READY/WRITING on disk, not
+        # being spilled), oldest use first: the spill queue.
+        self._dirty: OrderedDict[Key, None] = OrderedDict()
+        # Keys whose spill failed: the disk refused them, so they may be
+        # dropped from CPU like clean blocks instead of wedging the tier.
+        self._unspillable: set[Key] = set()
+        self._spilling: dict[Key, int] = {}  # key -> job id
+        self._spill_jobs: dict[int, _PendingJob] = {}
+        self._promote_jobs: dict[int, _PendingJob] = {}
+        self._promoting: dict[Key, int] = {}  # key -> job id
+        self._new_spills: list[SpillOrder] = []
+        self._new_promotions: list[PromoteOrder] = []
+        self._promotion_wanted: list[Key] = []
+        # Keys whose CPU copy came from disk, so hits keep reporting "disk"
+        # as their source until the block is stored again.
+        self._promoted: set[Key] = set()
+        self._load_pins: dict[Key, _LoadPins] = {}
+        # Pending events as (medium, removed, reason, keys), frozen on take.
+        self._events: list[tuple[str, bool, str, list[Key]]] = []
+        self._next_job_id = 1
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, key: Key) -> Residency:
+        """Hit if READY in some tier (CPU first); PENDING if only being
+        written (a store, or a promotion whose disk copy is gone); else
+        MISS."""
+        block = self.cpu.get(key)
+        if block is not None and block.state is BlockState.READY:
+            return Residency.HIT_CPU
+        if self.disk is not None and self.disk.is_ready(key):
+            return Residency.HIT_DISK
+        return Residency.PENDING if block is not None else Residency.MISS
+
+    def is_promoting(self, key: Key) -> bool:
+        """A disk -> CPU copy of ``key`` is in flight."""
+        return key in self._promoting
+
+    def prefix_hits(self, keys: Iterable[Key]) -> int:
+        """Consecutive keys from the first that are ready in *any* tier."""
+        n = 0
+        for key in keys:
+            if not self.lookup(key).is_hit:
+                break
+            n += 1
+        return n
+
+    def source_of(self, key: Key) -> str:
+        """Medium a hit on ``key`` is credited to (disk if its CPU copy was
+        promoted from disk)."""
+        if self.cpu.is_ready(key):
+            return MEDIUM_DISK if key in self._promoted else MEDIUM_CPU
+        return MEDIUM_DISK
+
+    # -------------------------------------------------------------------- load
+
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
+        """Pin each key where it is ready (CPU preferred) and say where."""
+        locations: list[BlockLocation] = []
+        media: list[str] = []
+        for key in keys:
+            if self.cpu.is_ready(key):
+                medium, tier = MEDIUM_CPU, self.cpu
+            elif self.disk is not None and self.disk.is_ready(key):
+                medium, tier = MEDIUM_DISK, self.disk
+            else:
+                # Roll back the pins taken so far: a plan is all or nothing.
+                for done_key, done_medium in zip(keys, media):
+                    self._tier(done_medium).unpin(done_key)
+                    pins = self._load_pins[done_key]
+                    pins.media.pop()
+                    if not pins.media:
+                        del self._load_pins[done_key]
+                raise KeyError(f"prepare_load of {key!r}, which is not ready")
+            block = tier.pin(key)
+            tier.touch(key)
+            self._load_pins.setdefault(key, _LoadPins()).media.append(medium)
+            locations.append(BlockLocation(medium, block.slot))
+            media.append(medium)
+        self.stats.loads_cpu += media.count(MEDIUM_CPU)
+        self.stats.loads_disk += media.count(MEDIUM_DISK)
+        return LoadPlan(list(keys), locations)
+
+    def complete_load(self, keys: Iterable[Key]) -> None:
+        """Release the pins of the oldest outstanding load of each key."""
+        for key in keys:
+            pins = self._load_pins.get(key)
+            if pins is None or not pins.media:
+                raise KeyError(f"complete_load of {key!r} without prepare_load")
+            medium = pins.media.popleft()
+            if not pins.media:
+                del self._load_pins[key]
+            tier = self._tier(medium)
+            if key in tier:
+                tier.unpin(key)
+
+    def touch(self, keys: Iterable[Key]) -> None:
+        for key in keys:
+            if key in self.cpu:
+                self.cpu.touch(key)
+                if key in self._dirty:
+                    self._dirty.move_to_end(key)
+            if self.disk is not None:
+                self.disk.touch(key)
+
+    # ------------------------------------------------------------------- store
+
+    def prepare_store(self, keys: Sequence[Key]) -> StorePlan | None:
+        """Allocate CPU slots for the keys present in no tier.
+
+        Room is made by dropping clean CPU blocks (still on disk) or, without
+        a disk tier, any evictable block. Returns ``None`` when that is not
+        enough right now; dirty victims are then queued for spilling so a
+        later call succeeds.
+        """
+        present = set()
+        new_keys: list[Key] = []
+        for key in keys:
+            if key in self.cpu or (self.disk is not None and key in self.disk):
+                present.add(key)
+                self.touch((key,))
+            elif key not in present:
+                present.add(key)
+                new_keys.append(key)
+        if not new_keys:
+            return StorePlan([], [], [])
+
+        need = len(new_keys) - self.cpu.num_free
+        evicted: list[Key] = []
+        if need > 0:
+            victims = self.cpu.victims(need, self._droppable, exclude=present)
+            if len(victims) < need:
+                self.stats.stores_declined += 1
+                self._queue_spills(need - len(victims))
+                return None
+            for key in victims:
+                self._drop_from_cpu(key, reason="evict")
+            evicted = victims
+
+        slots: list[int] = []
+        for key in new_keys:
+            slots.append(self.cpu.allocate(key, origin="store").slot)
+            self._promoted.discard(key)
+            self._unspillable.discard(key)
+        return StorePlan(new_keys, slots, evicted)
+
+    def complete_store(self, keys: Iterable[Key], success: bool = True) -> None:
+        """Make stored keys readable, or forget them if the store failed."""
+        stored: list[Key] = []
+        for key in keys:
+            block = self.cpu.get(key)
+            if block is None or block.state is not BlockState.WRITING:
+                continue
+            if block.origin != "store":
+                continue
+            if success:
+                self.cpu.mark_ready(key)
+                stored.append(key)
+                self._mark_dirty_if_needed(key)
+            else:
+                self.cpu.remove(key)
+                self.stats.stores_failed += 1
+        if stored:
+            self.stats.stores_completed += len(stored)
+            self._emit(stored, MEDIUM_CPU, removed=False, reason="store")
+        self._maybe_spill()
+
+    # ------------------------------------------------------------------- spill
+
+    def take_spills(self) -> list[SpillOrder]:
+        """Spill orders decided since the last call, for the I/O side."""
+        self._maybe_spill()
+        orders, self._new_spills = self._new_spills, []
+        return orders
+
+    def complete_spill(self, job_id: int, failed_keys: Iterable[Key] = ()) -> None:
+        """A spill job finished; keys in ``failed_keys`` did not reach disk."""
+        job = self._spill_jobs.pop(job_id)
+        failed = set(failed_keys)
+        done: list[Key] = []
+        for item in job.items:
+            key = item.key
+            self._spilling.pop(key, None)
+            assert self.disk is not None
+            if key in self.cpu:
+                self.cpu.unpin(key)
+            if key in failed:
+                self.disk.remove(key)
+                self.stats.spill_failures += 1
+                if self.cpu.is_ready(key):
+                    # Let the tier drop it later instead of retrying forever.
+                    self._unspillable.add(key)
+                continue
+            self.disk.mark_ready(key)
+            done.append(key)
+        if done:
+            self.stats.spills_completed += len(done)
+            self._emit(done, MEDIUM_DISK, removed=False, reason="spill")
+
+    def _maybe_spill(self) -> None:
+        if self.disk is None:
+            return
+        # Keep at most `watermark` of the CPU tier dirty, so at least the
+        # rest is free or clean and a store finds room without waiting.
+        limit = math.floor(self.spill_watermark * self.cpu.capacity)
+        excess = len(self._dirty) - limit
+        if excess > 0:
+            self._queue_spills(excess)
+
+    def _queue_spills(self, n: int) -> None:
+        if self.disk is None or n <= 0:
+            return
+        items: list[TransferItem] = []
+        for key in list(self._dirty):
+            if len(items) >= n:
+                break
+            cpu_block = self.cpu.get(key)
+            assert cpu_block is not None and cpu_block.state is BlockState.READY
+            disk_block = self._allocate_disk(key, origin="spill")
+            if disk_block is None:
+                break  # disk full of pinned/pending blocks: try again later
+            del self._dirty[key]
+            self.cpu.pin(key)  # the spill reads this slot
+            items.append(TransferItem(key, cpu_block.slot, disk_block.slot))
+        if not items:
+            return
+        job_id = self._new_job_id()
+        for i in range(0, len(items), self.spill_batch):
+            chunk = tuple(items[i : i + self.spill_batch])
+            if i:
+                job_id = self._new_job_id()
+            self._spill_jobs[job_id] = _PendingJob(chunk)
+            for item in chunk:
+                self._spilling[item.key] = job_id
+            self._new_spills.append(SpillOrder(job_id, chunk))
+        self.stats.spills_started += len(items)
+
+    def _allocate_disk(self, key: Key, origin: str) -> TierBlock | None:
+        disk = self.disk
+        assert disk is not None
+        if disk.num_free == 0:
+            victims = disk.victims(1)
+            if not victims:
+                return None
+            self._drop_from_disk(victims[0], reason="evict")
+        return disk.allocate(key, origin=origin)
+
+    # --------------------------------------------------------------- promotion
+
+    def request_promotion(self, keys: Iterable[Key]) -> list[Key]:
+        """Queue disk-only keys to be copied up into the CPU tier.
+
+        Returns the keys for which a promotion is now in flight (including
+        ones already in flight). Keys that cannot get a CPU slot without
+        waiting are skipped; callers retry later.
+        """
+        in_flight: list[Key] = []
+        items: list[TransferItem] = []
+        for key in keys:
+            if key in self._promoting:
+                in_flight.append(key)
+                continue
+            if self.disk is None or key in self.cpu or not self.disk.is_ready(key):
+                continue
+            if self.cpu.num_free == 0:
+                victims = self.cpu.victims(1, self._droppable, exclude={key})
+                if not victims:
+                    self._queue_spills(1)
+                    break
+                self._drop_from_cpu(victims[0], reason="evict")
+            cpu_block = self.cpu.allocate(key, origin="promote")
+            disk_block = self.disk.pin(key)
+            self.disk.touch(key)
+            items.append(TransferItem(key, disk_block.slot, cpu_block.slot))
+            in_flight.append(key)
+        if items:
+            job_id = self._new_job_id()
+            self._promote_jobs[job_id] = _PendingJob(tuple(items))
+            for item in items:
+                self._promoting[item.key] = job_id
+            self._new_promotions.append(PromoteOrder(job_id, tuple(items)))
+            self.stats.promotions_started += len(items)
+        return in_flight
+
+    def take_promotions(self) -> list[PromoteOrder]:
+        orders, self._new_promotions = self._new_promotions, []
+        return orders
+
+    def complete_promotion(self, job_id: int, failed_keys: Iterable[Key] = ()) -> None:
+        """A promotion finished; ``failed_keys`` could not be read back
+        intact (I/O error, checksum, header mismatch): their disk copy is
+        dropped, so the next lookup is a clean miss."""
+        job = self._promote_jobs.pop(job_id)
+        failed = set(failed_keys)
+        done: list[Key] = []
+        for item in job.items:
+            key = item.key
+            self._promoting.pop(key, None)
+            assert self.disk is not None
+            if key in self.disk:
+                self.disk.unpin(key)
+            if key in failed:
+                if key in self.cpu:
+                    self.cpu.remove(key)
+                self.stats.promotion_failures += 1
+                if self.disk.is_ready(key) and self.disk.get(key).pins == 0:  # type: ignore[union-attr]
+                    self.stats.corrupt_blocks += 1
+                    self._drop_from_disk(key, reason="corrupt")
+                continue
+            self.cpu.mark_ready(key)
+            self._promoted.add(key)
+            done.append(key)
+        if done:
+            self.stats.promotions_completed += len(done)
+            self._emit(done, MEDIUM_CPU, removed=False, reason="promote")
+
+    def drop_corrupt(self, key: Key) -> None:
+        """The worker found ``key``'s disk copy unreadable during a load."""
+        if self.disk is not None and self.disk.is_ready(key):
+            block = self.disk.get(key)
+            assert block is not None
+            self.stats.corrupt_blocks += 1
+            if block.pins == 0:
+                self._drop_from_disk(key, reason="corrupt")
+
+    # ----------------------------------------------------------------- restore
+
+    def restore_disk(self, entries: list[tuple[Key, int]]) -> None:
+        """Warm restart: adopt blocks found on disk (oldest first)."""
+        if self.disk is None:
+            raise RuntimeError("no disk tier to restore into")
+        self.disk.restore(entries)
+        if entries:
+            self._emit(
+                [k for k, _ in entries], MEDIUM_DISK, removed=False, reason="restore"
+            )
+
+    def reset(self) -> None:
+        """Forget every block (vLLM's reset_cache); emits the removals.
+
+        Callers drain in-flight transfers first."""
+        cpu_ready = self.cpu.clear()
+        if cpu_ready:
+            self._emit(cpu_ready, MEDIUM_CPU, removed=True, reason="reset")
+        if self.disk is not None:
+            disk_ready = self.disk.clear()
+            if disk_ready:
+                self._emit(disk_ready, MEDIUM_DISK, removed=True, reason="reset")
+        self._dirty.clear()
+        self._unspillable.clear()
+        self._spilling.clear()
+        self._spill_jobs.clear()
+        self._promote_jobs.clear()
+        self._promoting.clear()
+        self._new_spills.clear()
+        self._new_promotions.clear()
+        self._promoted.clear()
+        self._load_pins.clear()
+
+    # ------------------------------------------------------------------ events
+
+    def take_events(self) -> list[TierEvent]:
+        """Drain the residency events since the last call, in order."""
+        events, self._events = self._events, []
+        return [TierEvent(tuple(k), m, r, why) for m, r, why, k in events]
+
+    def residency(self) -> dict[str, set[Key]]:
+        """Keys READY per medium (for tests and tools; O(n))."""
+        out = {
+            MEDIUM_CPU: {k for k, b in self.cpu.items() if b.state is BlockState.READY}
+        }
+        out[MEDIUM_DISK] = (
+            {k for k, b in self.disk.items() if b.state is BlockState.READY}
+            if self.disk is not None
+            else set()
+        )
+        return out
+
+    @property
+    def has_pending_io(self) -> bool:
+        return bool(self._spill_jobs or self._promote_jobs or self._new_spills)
+
+    @property
+    def num_dirty(self) -> int:
+        return len(self._dirty)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _tier(self, medium: str) -> Tier:
+        if medium == MEDIUM_CPU:
+            return self.cpu
+        assert self.disk is not None
+        return self.disk
+
+    def _new_job_id(self) -> int:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        return job_id
+
+    def _droppable(self, key: Key, block: TierBlock) -> bool:
+        """May this evictable CPU block leave the CPU tier right now?"""
+        if self.disk is None or key in self._unspillable:
+            return True
+        return self.disk.is_ready(key)
+
+    def _mark_dirty_if_needed(self, key: Key) -> None:
+        if self.disk is None or key in self._spilling or self.disk.is_ready(key):
+            return
+        self._dirty[key] = None
+
+    def _drop_from_cpu(self, key: Key, reason: str) -> None:
+        self.cpu.remove(key, evicted=True)
+        self._dirty.pop(key, None)
+        self._unspillable.discard(key)
+        self._promoted.discard(key)
+        self.stats.cpu_evictions += 1
+        self._emit([key], MEDIUM_CPU, removed=True, reason=reason)
+
+    def _drop_from_disk(self, key: Key, reason: str) -> None:
+        assert self.disk is not None
+        self.disk.remove(key, evicted=reason == "evict")
+        if reason == "evict":
+            self.stats.disk_evictions += 1
+        self._emit([key], MEDIUM_DISK, removed=True, reason=reason)
+        # Its CPU copy (if any) is the only copy again.
+        if self.cpu.is_ready(key):
+            self._mark_dirty_if_needed(key)
+
+    def _emit(
+        self, keys: Sequence[Key], medium: str, removed: bool, reason: str
+    ) -> None:
+        # Consecutive events of the same kind coalesce into one (amortized
+        # O(1) per key), which keeps event streams short for batch evictions.
+        last = self._events[-1] if self._events else None
+        if (
+            last is not None
+            and last[0] == medium
+            and last[1] == removed
+            and last[2] == reason
+        ):
+            last[3].extend(keys)
+        else:
+            self._events.append((medium, removed, reason, list(keys)))

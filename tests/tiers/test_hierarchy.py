@@ -1,0 +1,95 @@
+"""Scenario tests of the cascade: spill ahead, drop clean, promote, decline."""
+
+from kvtier.tiers import MEDIUM_CPU, MEDIUM_DISK, Residency, TierHierarchy, replay
+
+
+def _store(h, keys):
+    plan = h.prepare_store(keys)
+    assert plan is not None
+    h.complete_store(plan.keys_to_store)
+    return plan
+
+
+def _finish_spills(h, fail=()):
+    for order in h.take_spills():
+        h.complete_spill(order.job_id, [i.key for i in order.items if i.key in fail])
+
+
+def test_cpu_only_drops_lru_victims():
+    h = TierHierarchy(2)
+    _store(h, ["a", "b"])
+    plan = _store(h, ["c"])
+    assert plan.evicted_keys == ["a"]
+    assert h.lookup("a") is Residency.MISS
+    assert h.prefix_hits(["b", "c", "a"]) == 2
+
+
+def test_victims_cascade_to_disk_and_come_back():
+    h = TierHierarchy(2, 4, spill_watermark=0.0)
+    _store(h, ["a", "b"])
+    _finish_spills(h)  # watermark 0: everything dirty is spilled ahead
+    plan = _store(h, ["c", "d"])
+    assert sorted(plan.evicted_keys) == ["a", "b"]
+    assert h.lookup("a") is Residency.HIT_DISK
+    # A prefix spanning disk and CPU counts as one hit run.
+    assert h.prefix_hits(["a", "c", "b", "d"]) == 4
+    load = h.prepare_load(["a", "c"])
+    assert [loc.medium for loc in load.locations] == [MEDIUM_DISK, MEDIUM_CPU]
+    h.complete_load(["a", "c"])
+    ev = h.take_events()
+    assert [(e.medium, e.removed, e.reason) for e in ev] == [
+        ("cpu", False, "store"),
+        ("disk", False, "spill"),
+        ("cpu", True, "evict"),
+        ("cpu", False, "store"),
+    ]
+    assert replay(ev) == h.residency()
+
+
+def test_store_declines_rather_than_waiting_for_disk():
+    h = TierHierarchy(2, 4, spill_watermark=1.0)
+    _store(h, ["a", "b"])
+    assert h.take_spills() == []  # below the watermark: nothing to spill
+    assert h.prepare_store(["c"]) is None  # only dirty victims: decline...
+    orders = h.take_spills()  # ...and spill one so the retry succeeds
+    assert len(orders) == 1 and orders[0].items[0].key == "a"
+    assert h.prepare_store(["c"]) is None  # spill still in flight
+    h.complete_spill(orders[0].job_id)
+    assert _store(h, ["c"]).evicted_keys == ["a"]
+
+
+def test_failed_spill_costs_a_miss_not_a_wedge():
+    h = TierHierarchy(1, 2, spill_watermark=0.0)
+    _store(h, ["a"])
+    _finish_spills(h, fail={"a"})
+    assert h.lookup("a") is Residency.HIT_CPU
+    assert _store(h, ["b"]).evicted_keys == ["a"]
+    assert h.lookup("a") is Residency.MISS
+    assert h.stats.spill_failures == 1
+
+
+def test_promotion_and_corrupt_block():
+    h = TierHierarchy(2, 4, spill_watermark=0.0)
+    _store(h, ["a", "b"])
+    _finish_spills(h)
+    _store(h, ["c", "d"])
+    _finish_spills(h)  # c, d clean: their CPU slots can be given up
+    assert h.request_promotion(["a", "b"]) == ["a", "b"]
+    (order,) = h.take_promotions()
+    assert h.lookup("a") is Residency.HIT_DISK and h.is_promoting("a")
+    h.complete_promotion(order.job_id, failed_keys=["b"])
+    assert h.lookup("a") is Residency.HIT_CPU
+    assert h.source_of("a") == MEDIUM_DISK  # credited to the disk tier
+    assert h.lookup("b") is Residency.MISS  # corrupt copy dropped
+    assert h.stats.corrupt_blocks == 1
+    assert replay(h.take_events()) == h.residency()
+
+
+def test_disk_full_evicts_disk_lru():
+    h = TierHierarchy(1, 2, spill_watermark=0.0)
+    for k in "abc":
+        _store(h, [k])
+        _finish_spills(h)
+    assert h.lookup("a") is Residency.MISS
+    assert h.lookup("b") is Residency.HIT_DISK
+    assert h.lookup("c") is Residency.HIT_CPU

@@ -1,0 +1,77 @@
+"""Eviction policies rank keys as their algorithms say."""
+
+import pytest
+
+from kvtier.tiers import ARCPolicy, LRUPolicy, Tier, TierEvent, make_policy, replay
+
+
+def test_lru_orders_by_last_use():
+    p = LRUPolicy(4)
+    for k in "abcd":
+        p.insert(k)
+    p.touch("a")
+    assert list(p.candidates()) == ["b", "c", "d", "a"]
+    p.remove("c", evicted=True)
+    assert list(p.candidates()) == ["b", "d", "a"]
+
+
+def test_arc_is_scan_resistant():
+    # Keys used twice live in T2; a scan of one-shot keys evicts from T1.
+    p = ARCPolicy(4)
+    for k in ("hot1", "hot2"):
+        p.insert(k)
+        p.touch(k)
+    for k in ("s1", "s2"):
+        p.insert(k)
+    order = list(p.candidates())
+    assert order[:2] == ["s1", "s2"]
+    assert set(order[2:]) == {"hot1", "hot2"}
+
+
+def test_arc_ghost_hit_adapts_target():
+    p = ARCPolicy(2)
+    p.insert("a")
+    p.insert("b")
+    p.remove("a", evicted=True)  # a -> B1 ghost
+    assert p.p == 0
+    p.insert("a")  # ghost hit in B1: grow T1's target, a goes to T2
+    assert p.p >= 1
+    assert "a" in p._t2
+
+
+def test_make_policy_rejects_unknown_names():
+    assert isinstance(make_policy("lru", 1), LRUPolicy)
+    with pytest.raises(ValueError, match="accepted values"):
+        make_policy("fifo", 1)
+
+
+def test_tier_never_offers_pinned_or_writing_blocks():
+    t = Tier("cpu", 3, "lru")
+    for k in "abc":
+        t.allocate(k)
+    t.mark_ready("a")
+    t.mark_ready("b")
+    t.pin("a")
+    assert t.victims(3) == ["b"]  # a pinned, c still writing
+    t.unpin("a")
+    assert t.victims(3) == ["a", "b"]
+    slots = {t.get(k).slot for k in "abc"}
+    assert slots == {0, 1, 2}
+    t.remove("b")
+    assert t.allocate("d").slot not in {t.get("a").slot, t.get("c").slot}
+
+
+def test_tier_restore_keeps_slots_and_order():
+    t = Tier("disk", 5, "lru")
+    t.restore([("x", 3), ("y", 0)])
+    assert t.get("x").slot == 3 and t.is_ready("y")
+    assert t.victims(5) == ["x", "y"]
+    new = {t.allocate(k).slot for k in "abc"}
+    assert new == {1, 2, 4}
+
+
+def test_replay_rejects_inconsistent_streams():
+    ok = [TierEvent((1, 2), "cpu", False), TierEvent((1,), "cpu", True)]
+    assert replay(ok) == {"cpu": {2}, "disk": set()}
+    with pytest.raises(ValueError):
+        replay([TierEvent((1,), "disk", True)])
