@@ -1,0 +1,278 @@
+"""Asynchronous execution of transfer jobs between the CPU buffer and disk.
+
+The scheduler-side connector turns its decisions into jobs (spill: CPU rows ->
+disk slots; promote: disk slots -> CPU rows). Jobs must never block the model
+step, so ``submit*`` only enqueue, and the connector polls ``get_finished``.
+
+A job's items are fanned out individually onto the worker threads so one big
+job keeps every thread (and the disk queue) busy. Promotes are latency
+critical (a request is waiting for them) while spills are background
+write-back, so the queue is a priority queue and promote items run first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvtier.io.cpu_buffer import CpuBlockBuffer
+from kvtier.io.disk_store import DiskStore, ReadOutcome
+
+logger = logging.getLogger("kvtier.io")
+
+PROMOTE_PRIORITY = 0
+SPILL_PRIORITY = 1
+_STOP_PRIORITY = 1 << 30  # sorts after every real task: shutdown drains first
+
+# (key, cpu_slot, disk_slot) for spills, (key, disk_slot, cpu_slot) for promotes.
+TransferItem = tuple[bytes, int, int]
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What a job function reports: overall success, bytes moved, failed keys."""
+
+    success: bool
+    bytes: int = 0
+    failed_keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A finished job.
+
+    ``bytes`` counts logical block bytes moved by the successful items (not
+    on-disk bytes, which DiskStore.stats reports), ``seconds`` runs from
+    submission to completion (so it includes queueing), and ``failed_keys``
+    lists the keys whose transfer did not happen; ``success`` is False iff
+    anything failed.
+    """
+
+    job_id: int
+    success: bool
+    bytes: int
+    seconds: float
+    failed_keys: list[bytes]
+
+
+class _FanOut:
+    """Aggregates the per-item results of one spill/promote job."""
+
+    def __init__(self, job_id: int, count: int, started: float) -> None:
+        self.job_id = job_id
+        self.remaining = count
+        self.started = started
+        self.bytes = 0
+        self.failed: list[bytes] = []
+        self.lock = threading.Lock()
+
+    def item_done(self, key: bytes, nbytes: int | None) -> bool:
+        """Record one item; True when it was the last."""
+        with self.lock:
+            if nbytes is None:
+                self.failed.append(key)
+            else:
+                self.bytes += nbytes
+            self.remaining -= 1
+            return self.remaining == 0
+
+
+class TransferEngine:
+    """Runs transfer jobs on ``threads`` worker threads.
+
+    Contract:
+      - ``submit``/``submit_spill``/``submit_promote`` return immediately.
+        A ``job_id`` must not be reused while that job is pending.
+      - Every submitted job produces exactly one JobResult, returned once by
+        ``get_finished`` (which drains); a job function that raises yields a
+        failed result, it never kills a worker.
+      - For promote, a key whose read is not OK is in ``failed_keys`` and its
+        CPU row was not written (DiskStore.read_block guarantees it), so the
+        caller must not mark that row valid.
+      - CPU rows and disk slots named by a job belong to it until its
+        JobResult is returned: the caller must not reuse them before that.
+      - ``shutdown`` runs all queued work to completion, then stops the
+        threads; the buffer and store are borrowed, not closed.
+    """
+
+    def __init__(
+        self, cpu_buffer: CpuBlockBuffer, disk_store: DiskStore, threads: int = 4
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if cpu_buffer.block_bytes != disk_store.block_bytes:
+            raise ValueError(
+                f"CPU buffer rows are {cpu_buffer.block_bytes} B but disk blocks are "
+                f"{disk_store.block_bytes} B"
+            )
+        self.cpu_buffer = cpu_buffer
+        self.disk_store = disk_store
+        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
+            queue.PriorityQueue()
+        )
+        self._order = itertools.count()  # FIFO among equal priorities
+        self._cond = threading.Condition()
+        self._pending: set[int] = set()
+        self._finished: list[JobResult] = []
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"kvtier-xfer-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- plumbing -------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            _, _, task = self._queue.get()
+            if task is None:
+                return
+            try:
+                task()
+            except BaseException:  # tasks handle their own errors; belt and braces
+                logger.exception("kvtier transfer task crashed")
+
+    def _enqueue(self, priority: int, task: Callable[[], None]) -> None:
+        self._queue.put((priority, next(self._order), task))
+
+    def _begin(self, job_id: int) -> float:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("TransferEngine is shut down")
+            if job_id in self._pending:
+                raise ValueError(f"job {job_id} is already pending")
+            self._pending.add(job_id)
+        return time.perf_counter()
+
+    def _finish(self, job_id: int, started: float, outcome: JobOutcome) -> None:
+        result = JobResult(
+            job_id=job_id,
+            success=outcome.success and not outcome.failed_keys,
+            bytes=outcome.bytes,
+            seconds=time.perf_counter() - started,
+            failed_keys=list(outcome.failed_keys),
+        )
+        with self._cond:
+            self._pending.discard(job_id)
+            self._finished.append(result)
+            self._cond.notify_all()
+
+    # -- public API -----------------------------------------------------------
+
+    def submit(
+        self,
+        job_id: int,
+        fn: Callable[[], JobOutcome],
+        *,
+        priority: int = SPILL_PRIORITY,
+    ) -> None:
+        """Run ``fn`` on a worker thread; its JobOutcome becomes the JobResult."""
+        started = self._begin(job_id)
+
+        def task() -> None:
+            try:
+                outcome = fn()
+            except Exception:
+                logger.exception("kvtier transfer job %d failed", job_id)
+                outcome = JobOutcome(success=False)
+            self._finish(job_id, started, outcome)
+
+        self._enqueue(priority, task)
+
+    def submit_spill(self, job_id: int, items: Iterable[TransferItem]) -> None:
+        """Copy CPU rows to disk slots: ``items`` are (key, cpu_slot, disk_slot)."""
+        store, rows = self.disk_store, self.cpu_buffer.array
+
+        def spill_one(key: bytes, cpu_slot: int, disk_slot: int) -> int | None:
+            try:
+                store.write_block(disk_slot, key, rows[cpu_slot], store.next_seq())
+            except OSError:
+                return None  # the store already logged errno and path
+            return store.block_bytes
+
+        self._fan_out(job_id, list(items), spill_one, SPILL_PRIORITY)
+
+    def submit_promote(self, job_id: int, items: Iterable[TransferItem]) -> None:
+        """Load disk slots into CPU rows: ``items`` are (key, disk_slot, cpu_slot)."""
+        store, rows = self.disk_store, self.cpu_buffer.array
+
+        def promote_one(key: bytes, disk_slot: int, cpu_slot: int) -> int | None:
+            outcome = store.read_block(disk_slot, key, rows[cpu_slot])
+            if outcome is not ReadOutcome.OK:
+                logger.debug("promote of slot %d failed: %s", disk_slot, outcome.name)
+                return None
+            return store.block_bytes
+
+        self._fan_out(job_id, list(items), promote_one, PROMOTE_PRIORITY)
+
+    def _fan_out(
+        self,
+        job_id: int,
+        items: list[TransferItem],
+        move: Callable[[bytes, int, int], int | None],
+        priority: int,
+    ) -> None:
+        started = self._begin(job_id)
+        if not items:
+            self._finish(job_id, started, JobOutcome(success=True))
+            return
+        job = _FanOut(job_id, len(items), started)
+
+        def finish() -> None:
+            self._finish(
+                job_id, started, JobOutcome(not job.failed, job.bytes, job.failed)
+            )
+
+        for key, src, dst in items:
+
+            def task(key: bytes = key, src: int = src, dst: int = dst) -> None:
+                try:
+                    nbytes = move(key, src, dst)
+                except Exception:
+                    logger.exception(
+                        "kvtier transfer of one block in job %d failed", job_id
+                    )
+                    nbytes = None
+                if job.item_done(key, nbytes):
+                    finish()
+
+            self._enqueue(priority, task)
+
+    def get_finished(self) -> list[JobResult]:
+        """Results of jobs finished since the last call (drains them)."""
+        with self._cond:
+            done, self._finished = self._finished, []
+        return done
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
+        """Block until none of ``job_ids`` is pending; False on timeout.
+
+        Does not consume results (``get_finished`` still returns them). Ids
+        that were never submitted count as finished.
+        """
+        ids = set(job_ids)
+        with self._cond:
+            return self._cond.wait_for(lambda: not (ids & self._pending), timeout)
+
+    def pending(self) -> int:
+        """Number of submitted jobs not finished yet."""
+        with self._cond:
+            return len(self._pending)
+
+    def shutdown(self) -> None:
+        """Finish all queued work, then stop the worker threads. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        for _ in self._threads:
+            self._queue.put((_STOP_PRIORITY, next(self._order), None))
+        for t in self._threads:
+            t.join()
