@@ -12,6 +12,7 @@ write-back, so the queue is a priority queue and promote items run first.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -207,6 +208,11 @@ class TransferEngine:
             outcome = store.read_block(disk_slot, key, rows[cpu_slot])
             if outcome is not ReadOutcome.OK:
                 logger.debug("promote of slot %d failed: %s", disk_slot, outcome.name)
+                if outcome is not ReadOutcome.EMPTY:
+                    # Erase the bad header while the job still owns the slot,
+                    # so a restart never adopts it again.
+                    with contextlib.suppress(OSError):
+                        store.invalidate(disk_slot)
                 return None
             return store.block_bytes
 

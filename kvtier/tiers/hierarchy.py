@@ -195,6 +195,8 @@ class TierHierarchy:
         # as their source until the block is stored again.
         self._promoted: set[Key] = set()
         self._load_pins: dict[Key, _LoadPins] = {}
+        # Reservation pins held on promoted CPU blocks (see release()).
+        self._reserved: dict[Key, int] = {}
         # Pending events as (medium, removed, reason, keys), frozen on take.
         self._events: list[tuple[str, bool, str, list[Key]]] = []
         self._next_job_id = 1
@@ -427,12 +429,16 @@ class TierHierarchy:
 
     # --------------------------------------------------------------- promotion
 
-    def request_promotion(self, keys: Iterable[Key]) -> list[Key]:
+    def request_promotion(
+        self, keys: Iterable[Key], reserve: bool = False
+    ) -> list[Key]:
         """Queue disk-only keys to be copied up into the CPU tier.
 
         Returns the keys for which a promotion is now in flight (including
         ones already in flight). Keys that cannot get a CPU slot without
-        waiting are skipped; callers retry later.
+        waiting are skipped; callers retry later. With ``reserve``, each
+        newly promoted CPU block holds one pin until :meth:`release`, so
+        another promotion cannot evict it before its requester loads it.
         """
         in_flight: list[Key] = []
         items: list[TransferItem] = []
@@ -449,6 +455,9 @@ class TierHierarchy:
                     break
                 self._drop_from_cpu(victims[0], reason="evict")
             cpu_block = self.cpu.allocate(key, origin="promote")
+            if reserve:
+                cpu_block.pins += 1
+                self._reserved[key] = self._reserved.get(key, 0) + 1
             disk_block = self.disk.pin(key)
             self.disk.touch(key)
             items.append(TransferItem(key, disk_block.slot, cpu_block.slot))
@@ -461,6 +470,18 @@ class TierHierarchy:
             self._new_promotions.append(PromoteOrder(job_id, tuple(items)))
             self.stats.promotions_started += len(items)
         return in_flight
+
+    def release(self, key: Key) -> None:
+        """Drop the reservation pin taken by ``request_promotion(reserve=True)``
+        (no-op if the block already left, e.g. its promotion failed)."""
+        count = self._reserved.get(key, 0)
+        if count == 0:
+            return
+        if count == 1:
+            del self._reserved[key]
+        else:
+            self._reserved[key] = count - 1
+        self.cpu.unpin(key)
 
     def take_promotions(self) -> list[PromoteOrder]:
         orders, self._new_promotions = self._new_promotions, []
@@ -480,6 +501,7 @@ class TierHierarchy:
             if key in self.disk:
                 self.disk.unpin(key)
             if key in failed:
+                self._reserved.pop(key, None)
                 if key in self.cpu:
                     self.cpu.remove(key)
                 self.stats.promotion_failures += 1
@@ -493,6 +515,22 @@ class TierHierarchy:
         if done:
             self.stats.promotions_completed += len(done)
             self._emit(done, MEDIUM_CPU, removed=False, reason="promote")
+
+    def demote(self, key: Key) -> bool:
+        """Drop ``key``'s CPU copy if it is idle and also ready on disk (the
+        disk copy stays). True if dropped."""
+        if self.disk is None or not self.disk.is_ready(key):
+            return False
+        block = self.cpu.get(key)
+        if block is None or not block.evictable:
+            return False
+        self._drop_from_cpu(key, reason="evict")
+        return True
+
+    def drop_promoted_copy(self, key: Key) -> bool:
+        """Give up the CPU copy of a promoted block nobody reads any more
+        (``promote_on_hit`` off); its disk copy stays. True if dropped."""
+        return key in self._promoted and self.demote(key)
 
     def drop_corrupt(self, key: Key) -> None:
         """The worker found ``key``'s disk copy unreadable during a load."""
@@ -536,6 +574,7 @@ class TierHierarchy:
         self._new_promotions.clear()
         self._promoted.clear()
         self._load_pins.clear()
+        self._reserved.clear()
 
     # ------------------------------------------------------------------ events
 

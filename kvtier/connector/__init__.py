@@ -1,0 +1,32 @@
+"""The vLLM plugin. The only kvtier code that imports vLLM.
+
+``spec_module_path: "kvtier.connector"`` with ``spec_name:
+"TieredOffloadingSpec"`` loads :class:`kvtier.connector.spec.TieredOffloadingSpec`.
+Importing this package is cheap (vLLM's API server imports it to build
+metric definitions); the spec and its dependencies load on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "TieredOffloadingSpec": "kvtier.connector.spec",
+    "TieredOffloadingManager": "kvtier.connector.manager",
+    "TieredOffloadingWorker": "kvtier.connector.worker",
+}
+
+__all__ = ["TieredOffloadingManager", "TieredOffloadingSpec", "TieredOffloadingWorker"]
+
+if TYPE_CHECKING:
+    from kvtier.connector.manager import TieredOffloadingManager
+    from kvtier.connector.spec import TieredOffloadingSpec
+    from kvtier.connector.worker import TieredOffloadingWorker
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtier.connector' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

