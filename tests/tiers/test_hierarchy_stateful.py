@@ -62,6 +62,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         self.spills: list = []
         self.promotions: list = []
         self.spill_failed: set = set()
+        self.reserved: list = []
 
     # ------------------------------------------------------------- helpers
 
@@ -161,9 +162,14 @@ class HierarchyMachine(RuleBasedStateMachine):
         self._drain_orders()
         self._collect_events()
 
-    @rule(keys=st.lists(KEYS, min_size=1, max_size=3, unique=True))
-    def promote(self, keys):
-        self.h.request_promotion(keys)
+    @rule(
+        keys=st.lists(KEYS, min_size=1, max_size=3, unique=True), reserve=st.booleans()
+    )
+    def promote(self, keys, reserve):
+        before = {k for k in keys if self.h.is_promoting(k)}
+        started = self.h.request_promotion(keys, reserve=reserve)
+        if reserve:
+            self.reserved.extend(k for k in started if k not in before)
         self._drain_orders()
         self._collect_events()
 
@@ -184,11 +190,25 @@ class HierarchyMachine(RuleBasedStateMachine):
         self._drain_orders()
         self._collect_events()
 
+    @precondition(lambda self: self.reserved)
+    @rule(data=st.data())
+    def release(self, data):
+        idx = data.draw(st.integers(0, len(self.reserved) - 1))
+        self.h.release(self.reserved.pop(idx))
+        self._collect_events()
+
     @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True))
     def touch(self, keys):
         self.h.touch(keys)
 
     # ---------------------------------------------------------- invariants
+
+    @invariant()
+    def reservations_hold_their_blocks(self):
+        # A reserved promoted block cannot be evicted before its release.
+        for key in self.reserved:
+            if key in self.h._reserved:
+                assert key in self.h.cpu and self.h.cpu.get(key).pins > 0
 
     @invariant()
     def capacities(self):
