@@ -78,7 +78,10 @@ class DiskStoreStats:
     read_seconds: float = 0.0
     blocks_written: int = 0
     blocks_read: int = 0  # read attempts (read_block/verify), whatever the outcome
+    # Reads rejected as corrupt: payload checksum, or (read/verify only) a
+    # header that fails its own checksum/magic/version check.
     checksum_failures: int = 0
+    # Failed I/O (any errno), including short reads and writes (as EIO).
     io_errors: int = 0
 
 
@@ -264,6 +267,39 @@ class DiskStore:
                 "kvtier disk %s failed on %s: errno %s (%s)", op, path, exc.errno, name
             )
 
+    def _note_short_read(self, idx: int, got: int, wanted: int) -> None:
+        # A slab is preallocated to full size, so a read that ends early means
+        # the file was truncated or the device misbehaved: report it like
+        # write_block reports a short write (EIO, counted, logged once).
+        self._note_io_error(
+            "read",
+            idx,
+            OSError(
+                errno.EIO,
+                f"short read ({got} of {wanted} bytes)",
+                self.slabs[idx].path,
+            ),
+        )
+
+    def _note_corrupt(self, idx: int, slot: int, what: str) -> None:
+        # Rejected data used to be silent (or only counted): log the first
+        # one per slab with its path, as I/O errors are, and count it.
+        path = self.slabs[idx].path
+        key = ("corrupt", path, None)
+        with self._lock:
+            self._stats.checksum_failures += 1
+            first = key not in self._logged_errors
+            self._logged_errors.add(key)
+        log = logger.warning if first else logger.debug
+        log(
+            "kvtier disk read of slot %d on %s rejected: %s (corrupt or torn "
+            "block, treated as a miss)%s",
+            slot,
+            path,
+            what,
+            "; repeats logged at debug" if first else "",
+        )
+
     def _check_header(self, hdr: SlotHeader, key: bytes | None) -> ReadOutcome:
         if hdr.fingerprint != self._digest:
             return ReadOutcome.FINGERPRINT_MISMATCH
@@ -297,12 +333,14 @@ class DiskStore:
             try:
                 n = nread = self._read(idx, bounce[:first], offset)
                 if n < HEADER_SIZE:
+                    self._note_short_read(idx, n, first)
                     return ReadOutcome.TRUNCATED, None, None
                 try:
                     hdr = SlotHeader.unpack(bounce[:HEADER_SIZE])
                 except EmptySlotError:
                     return ReadOutcome.EMPTY, None, None
-                except CorruptHeaderError:
+                except CorruptHeaderError as exc:
+                    self._note_corrupt(idx, slot, f"bad header ({exc})")
                     return ReadOutcome.BAD_HEADER, None, None
                 outcome = self._check_header(hdr, key)
                 if outcome is not ReadOutcome.OK:
@@ -321,11 +359,11 @@ class DiskStore:
                 self._note_io_error("read", idx, exc)
                 return ReadOutcome.IO_ERROR, None, None
             if n < end:
+                self._note_short_read(idx, n, end)
                 return ReadOutcome.TRUNCATED, hdr, None
             payload = bounce[HEADER_SIZE:end]
             if payload_checksum(payload) != hdr.checksum:
-                with self._lock:
-                    self._stats.checksum_failures += 1
+                self._note_corrupt(idx, slot, "payload checksum mismatch")
                 return ReadOutcome.CHECKSUM_MISMATCH, hdr, None
             return ReadOutcome.OK, hdr, payload
         finally:
@@ -483,6 +521,7 @@ class DiskStore:
         with self._lock:
             self._stats.bytes_read += n
         if n < HEADER_SIZE:
+            self._note_short_read(slot % len(self.paths), n, HEADER_SIZE)
             return slot, None, ReadOutcome.TRUNCATED
         try:
             hdr = SlotHeader.unpack(buf)

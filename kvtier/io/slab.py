@@ -41,7 +41,7 @@ class SlabFile:
                 # Pre-existing file with looser permissions: tighten it.
                 os.fchmod(fd, SLAB_MODE)
             if st.st_size < self.size:
-                _preallocate(fd, self.size, path)
+                _preallocate(fd, self.size, path, st.st_size)
         finally:
             os.close(fd)
 
@@ -52,7 +52,7 @@ class SlabFile:
         return slot * self.slot_size
 
 
-def _preallocate(fd: int, size: int, path: str) -> None:
+def _preallocate(fd: int, size: int, path: str, old_size: int) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
         return
@@ -60,7 +60,20 @@ def _preallocate(fd: int, size: int, path: str) -> None:
         # tmpfs/overlay/NFS may not implement fallocate; a sparse file is
         # still correct, only allocation moves to the first write.
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
+            # Fix: ext4 keeps what a failed fallocate allocated (and grows the
+            # file), leaving the file system 100% full after a refused start,
+            # and os.posix_fallocate's OSError names no file. Give the space
+            # back and say which slab and size could not be had.
+            try:
+                os.ftruncate(fd, old_size)
+            except OSError as undo:
+                logger.warning("could not shrink %s back: %s", path, undo)
+            raise OSError(
+                exc.errno,
+                f"cannot preallocate {size} bytes for the kvtier slab "
+                f"({exc.strerror}); lower disk_bytes_to_use or free space",
+                path,
+            ) from exc
         logger.info(
             "posix_fallocate unsupported for %s (%s); using ftruncate", path, exc
         )

@@ -1,0 +1,378 @@
+"""Injected back-end faults, seen through DiskStore + TransferEngine and fed
+into a real TierHierarchy: every fault is a failed key (never a crash, never
+bad data), logged once with errno and path, and counted in DiskStore stats."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from reliability_common import (
+    BLOCK_BYTES,
+    SENTINEL,
+    EventLog,
+    Rig,
+    key_of,
+    kvtier_warnings,
+    pattern,
+    run_hierarchy_spills,
+    store_keys,
+)
+
+import kvtier
+import kvtier.io
+from kvtier.io.backends import make_backend
+from kvtier.io.disk_store import ReadOutcome
+from kvtier.io.faults import (
+    MAX_DELAY_S,
+    FaultKind,
+    FaultPlan,
+    FaultRule,
+    on_slot,
+)
+from kvtier.io.format import HEADER_SIZE
+from kvtier.tiers import Residency, TierHierarchy
+
+SYNC = pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+
+
+def fill_rows(rig: Rig, rows: range, first_key: int = 0) -> list[bytes]:
+    keys = [key_of(first_key + i) for i in range(len(rows))]
+    for key, row in zip(keys, rows):
+        rig.cpu.array[row] = pattern(key)
+    return keys
+
+
+def slot_data(rig: Rig, slot: int, key: bytes) -> tuple[ReadOutcome, np.ndarray]:
+    out = np.full(BLOCK_BYTES, SENTINEL, np.uint8)
+    return rig.store.read_block(slot, key, out), out
+
+
+# -- spill (write) faults -----------------------------------------------------
+
+
+@SYNC
+@pytest.mark.parametrize(
+    "code", [errno.EIO, errno.ENOSPC, errno.EACCES], ids=["EIO", "ENOSPC", "EACCES"]
+)
+def test_write_error_fails_only_that_key(
+    make_rig: Callable[..., Rig],
+    caplog: pytest.LogCaptureFixture,
+    sync: bool,
+    code: int,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    rig = make_rig(sync=sync)
+    keys = fill_rows(rig, range(4))
+    before = rig.cpu.array[:4].copy()
+    rig.plan.add(FaultRule.error(code, ops="write", **on_slot(rig.store, 2)))
+
+    res = rig.spill(1, [(k, i, i) for i, k in enumerate(keys)])
+    assert not res.success
+    assert res.failed_keys == [keys[2]]
+    assert res.bytes == 3 * BLOCK_BYTES
+    for slot in (0, 1, 3):
+        outcome, out = slot_data(rig, slot, keys[slot])
+        assert outcome is ReadOutcome.OK
+        assert np.array_equal(out, pattern(keys[slot]))
+    assert slot_data(rig, 2, keys[2])[0] is ReadOutcome.EMPTY
+    assert np.array_equal(rig.cpu.array[:4], before)  # a spill never writes CPU
+
+    # The same fault again: counted again, logged only the first time.
+    res = rig.spill(2, [(keys[2], 2, 2)])
+    assert res.failed_keys == [keys[2]]
+    stats = rig.store.stats()
+    assert stats.io_errors == 2 and stats.checksum_failures == 0
+    assert stats.blocks_written == 3
+    logged = kvtier_warnings(caplog)
+    assert len(logged) == 1, logged
+    name = errno.errorcode[code]
+    assert f"errno {code} ({name})" in logged[0]
+    assert rig.store.slabs[0].path in logged[0]
+    assert rig.plan.count(FaultKind.ERROR, "write") == 2
+
+
+@SYNC
+def test_short_write_fails_the_key_and_never_reads_back(
+    make_rig: Callable[..., Rig], caplog: pytest.LogCaptureFixture, sync: bool
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    rig = make_rig(sync=sync)
+    keys = fill_rows(rig, range(2))
+    rig.plan.add(FaultRule.short(ops="write", **on_slot(rig.store, 1)))
+    res = rig.spill(1, [(k, i, i) for i, k in enumerate(keys)])
+    assert res.failed_keys == [keys[1]]
+    # Half a slot reached the disk (new header, half the payload): torn.
+    outcome, out = slot_data(rig, 1, keys[1])
+    assert outcome is ReadOutcome.CHECKSUM_MISMATCH
+    assert (out == SENTINEL).all()
+    stats = rig.store.stats()
+    assert stats.io_errors == 1 and stats.checksum_failures == 1
+    logged = kvtier_warnings(caplog)
+    short = [m for m in logged if "short write" in m]
+    assert len(short) == 1 and "errno 5 (EIO)" in short[0]
+    assert rig.store.slabs[0].path in short[0]
+
+
+def test_bit_flip_on_write_is_caught_at_read(make_rig: Callable[..., Rig]) -> None:
+    """Corruption on the way to the disk (the caller's row is never touched)
+    is a checksum failure at the next read, not bad data."""
+    rig = make_rig(num_slots=4)
+    keys = fill_rows(rig, range(2))
+    start = on_slot(rig.store, 1)["ranges"][0][0]
+    rig.plan.add(
+        FaultRule.bit_flip(at=[start + HEADER_SIZE + 5], ops="write", first_n=1)
+    )
+    assert rig.spill(1, [(k, i, i) for i, k in enumerate(keys)]).success
+    assert np.array_equal(rig.cpu.array[1], pattern(keys[1]))
+    assert slot_data(rig, 0, keys[0])[0] is ReadOutcome.OK
+    outcome, out = slot_data(rig, 1, keys[1])
+    assert outcome is ReadOutcome.CHECKSUM_MISMATCH and (out == SENTINEL).all()
+    assert rig.store.stats().checksum_failures == 1
+
+
+# -- promote (read) faults ------------------------------------------------------
+
+READ_FAULTS: dict[str, Callable[[Rig, int], FaultRule]] = {
+    "eio": lambda rig, slot: FaultRule.error(
+        errno.EIO, ops="read", **on_slot(rig.store, slot)
+    ),
+    "short": lambda rig, slot: FaultRule.short(ops="read", **on_slot(rig.store, slot)),
+    "flip_payload": lambda rig, slot: FaultRule.bit_flip(
+        at=[on_slot(rig.store, slot)["ranges"][0][0] + HEADER_SIZE + 777],
+        ops="read",
+        **on_slot(rig.store, slot),
+    ),
+    "flip_header": lambda rig, slot: FaultRule.bit_flip(
+        at=[on_slot(rig.store, slot)["ranges"][0][0] + 40],  # inside the key
+        ops="read",
+        **on_slot(rig.store, slot),
+    ),
+}
+# fault -> (counter that must grow, text every log line must carry)
+EXPECTED: dict[str, tuple[str, str]] = {
+    "eio": ("io_errors", "errno 5 (EIO)"),
+    "short": ("io_errors", "errno 5 (EIO): short read"),
+    "flip_payload": ("checksum_failures", "payload checksum mismatch"),
+    "flip_header": ("checksum_failures", "bad header"),
+}
+
+
+@SYNC
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("fault", list(READ_FAULTS))
+def test_read_fault_fails_promote_and_leaves_row_untouched(
+    make_rig: Callable[..., Rig],
+    caplog: pytest.LogCaptureFixture,
+    sync: bool,
+    compression: str,
+    fault: str,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    rig = make_rig(sync=sync, compression=compression)
+    keys = fill_rows(rig, range(4))
+    assert rig.spill(1, [(k, i, i) for i, k in enumerate(keys)]).success
+    for slot in (1, 2):
+        rig.plan.add(READ_FAULTS[fault](rig, slot))
+    rig.cpu.array[8:12] = SENTINEL
+    base = rig.store.stats()
+
+    res = rig.promote(2, [(k, i, 8 + i) for i, k in enumerate(keys)])
+    assert not res.success
+    assert sorted(res.failed_keys) == sorted([keys[1], keys[2]])
+    assert res.bytes == 2 * BLOCK_BYTES
+    assert (rig.cpu.array[9:11] == SENTINEL).all()  # failed rows untouched
+    for row in (8, 11):
+        assert np.array_equal(rig.cpu.array[row], pattern(keys[row - 8]))
+
+    counter, text = EXPECTED[fault]
+    stats = rig.store.stats()
+    grown = {
+        "io_errors": stats.io_errors - base.io_errors,
+        "checksum_failures": stats.checksum_failures - base.checksum_failures,
+    }
+    assert grown == {
+        "io_errors": 2 if counter == "io_errors" else 0,
+        "checksum_failures": 2 if counter == "checksum_failures" else 0,
+    }
+    logged = kvtier_warnings(caplog)
+    assert len(logged) == 1, logged  # two faults, one line
+    assert text in logged[0] and rig.store.slabs[0].path in logged[0]
+    assert rig.plan.count(op="read") >= 2
+
+
+def test_random_bit_flips_never_return_wrong_bytes(
+    make_rig: Callable[..., Rig],
+) -> None:
+    """Flips anywhere in the slot (header padding included): whatever the
+    outcome, OK always comes with exactly the written bytes."""
+    rig = make_rig(num_slots=8)
+    keys = fill_rows(rig, range(8))
+    assert rig.spill(1, [(k, i, i) for i, k in enumerate(keys)]).success
+    rig.plan.add(FaultRule.bit_flip(ops="read", flips=3))
+    outcomes = []
+    for _ in range(6):
+        for slot, key in enumerate(keys):
+            outcome, out = slot_data(rig, slot, key)
+            outcomes.append(outcome)
+            if outcome is ReadOutcome.OK:
+                assert np.array_equal(out, pattern(key))
+            else:
+                assert outcome in (
+                    ReadOutcome.CHECKSUM_MISMATCH,
+                    ReadOutcome.BAD_HEADER,
+                )
+                assert (out == SENTINEL).all()
+    rejected = sum(o is not ReadOutcome.OK for o in outcomes)
+    assert rejected == rig.store.stats().checksum_failures
+    assert rejected > 0  # 144 header + 64 KiB payload bytes of 68 KiB are checked
+
+
+# -- rule selection: first-N, skip, probability, delay -------------------------
+
+
+def test_skip_and_first_n_select_exact_ios(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(num_slots=6)
+    rig.plan.add(FaultRule.error(errno.EIO, ops="write", skip=1, first_n=2))
+    data = pattern(key_of(0))
+    failed = []
+    for slot in range(6):
+        try:
+            rig.store.write_block(slot, key_of(slot), data, rig.store.next_seq())
+        except OSError as exc:
+            assert exc.errno == errno.EIO
+            failed.append(slot)
+    assert failed == [1, 2]
+
+
+def test_probability_is_seeded(tmp_path: Path, make_rig: Callable[..., Rig]) -> None:
+    def failed_slots(name: str, seed: int) -> list[int]:
+        plan = FaultPlan(
+            [FaultRule.error(errno.EIO, ops="write", probability=0.5)], seed=seed
+        )
+        rig = make_rig(path=str(tmp_path / name), num_slots=32, plan=plan)
+        failed = []
+        for slot in range(32):  # sequential, so the RNG order is the slot order
+            try:
+                rig.store.write_block(
+                    slot, key_of(slot), pattern(key_of(slot)), rig.store.next_seq()
+                )
+            except OSError:
+                failed.append(slot)
+        return failed
+
+    a, b, c = failed_slots("a", 7), failed_slots("b", 7), failed_slots("c", 8)
+    assert 0 < len(a) < 32
+    assert a == b and a != c
+
+
+def test_delays_are_bounded_and_change_no_data(make_rig: Callable[..., Rig]) -> None:
+    with pytest.raises(ValueError):
+        FaultRule.delay(MAX_DELAY_S + 1)
+    rig = make_rig(num_slots=4)
+    rig.plan.add(FaultRule.delay(0.02))
+    keys = fill_rows(rig, range(4))
+    assert rig.spill(1, [(k, i, i) for i, k in enumerate(keys)]).success
+    rig.cpu.array[8:12] = SENTINEL
+    assert rig.promote(2, [(k, i, 8 + i) for i, k in enumerate(keys)]).success
+    for i, key in enumerate(keys):
+        assert np.array_equal(rig.cpu.array[8 + i], pattern(key))
+    assert rig.plan.count(FaultKind.DELAY) == 8
+
+
+def test_open_fault_fails_store_creation_clearly(
+    tmp_path: Path, make_rig: Callable[..., Rig]
+) -> None:
+    plan = FaultPlan([FaultRule.error(errno.EACCES, ops="open")])
+    with pytest.raises(PermissionError) as info:
+        make_rig(path=str(tmp_path / "denied"), plan=plan)
+    assert info.value.errno == errno.EACCES
+    assert str(tmp_path / "denied") in str(info.value)
+
+
+# -- production can never enable it ---------------------------------------------
+
+
+def test_fault_layer_cannot_be_enabled_from_config() -> None:
+    for name in ("faults", "fault", "FaultInjectingBackend"):
+        with pytest.raises(ValueError):
+            make_backend(name)
+    assert not [n for n in kvtier.io.__all__ if "ault" in n]
+    root = Path(kvtier.__file__).parent
+    users = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "faults.py"
+        and re.search(r"\bfaults\b|FaultInjecting|FaultPlan", p.read_text())
+    ]
+    assert users == [], f"production code refers to the fault layer: {users}"
+
+
+# -- into the hierarchy ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("read_fault", ["eio", "short", "flip_payload"])
+def test_failed_jobs_drive_the_hierarchy(
+    make_rig: Callable[..., Rig], read_fault: str
+) -> None:
+    rig = make_rig(num_slots=8, cpu_blocks=4)
+    h = TierHierarchy(cpu_blocks=4, disk_blocks=8, spill_watermark=0.0)
+    log = EventLog(h)
+    first = [key_of(i) for i in range(4)]
+
+    # Spill: EIO on the write of first[1]'s disk slot.
+    store_keys(h, rig, first)
+    orders = h.take_spills()
+    dst = {it.key: it.dst_slot for o in orders for it in o.items}
+    assert set(dst) == set(first)
+    rule = rig.plan.add(
+        FaultRule.error(errno.EIO, ops="write", **on_slot(rig.store, dst[first[1]]))
+    )
+    for order in orders:
+        items = [(it.key, it.src_slot, it.dst_slot) for it in order.items]
+        res = rig.spill(order.job_id, items)
+        h.complete_spill(order.job_id, res.failed_keys)
+        assert res.failed_keys == [first[1]]
+    rig.plan.remove(rule)
+    assert h.lookup(first[1]) is Residency.HIT_CPU  # stays CPU-only
+    assert first[1] not in h.residency()["disk"]
+    assert {first[0], first[2], first[3]} <= h.residency()["disk"]
+    assert h.stats.spill_failures == 1
+    log.check()
+
+    # New blocks push the first ones out of CPU; they stay on disk (the
+    # unspillable first[1] is simply dropped: a miss, not a wedge).
+    second = [key_of(100 + i) for i in range(4)]
+    store_keys(h, rig, second)
+    assert all(r.success for r in run_hierarchy_spills(h, rig))
+    assert h.lookup(first[1]) is Residency.MISS
+    assert [h.lookup(k) for k in (first[2], first[3])] == [Residency.HIT_DISK] * 2
+    log.check()
+
+    # Promote first[2] (read fault) and first[3] (clean).
+    assert h.request_promotion([first[2], first[3]]) == [first[2], first[3]]
+    (order,) = h.take_promotions()
+    src = {it.key: it.src_slot for it in order.items}
+    rows = {it.key: it.dst_slot for it in order.items}
+    rig.plan.add(READ_FAULTS[read_fault](rig, src[first[2]]))
+    rig.cpu.array[rows[first[2]]] = SENTINEL
+    res = rig.promote(
+        order.job_id, [(it.key, it.src_slot, it.dst_slot) for it in order.items]
+    )
+    assert res.failed_keys == [first[2]]
+    assert (rig.cpu.array[rows[first[2]]] == SENTINEL).all()
+    assert np.array_equal(rig.cpu.array[rows[first[3]]], pattern(first[3]))
+    h.complete_promotion(order.job_id, res.failed_keys)
+
+    assert h.lookup(first[2]) is Residency.MISS
+    assert h.lookup(first[3]) is Residency.HIT_CPU
+    assert h.stats.promotion_failures == 1 and h.stats.corrupt_blocks == 1
+    log.check()
+    stats: Any = rig.store.stats()
+    assert stats.io_errors + stats.checksum_failures == 2  # 1 write + 1 read
