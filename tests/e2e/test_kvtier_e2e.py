@@ -13,65 +13,21 @@ import time
 import pytest
 import torch
 
-from .harness import (
-    KVEventSubscriber,
-    build_tiny_llama,
-    engine,
-    get_connector,
-    kv_bytes_per_block,
-    make_prompt,
-    offloading_kv_transfer_config,
-    run_prompts,
+from .harness import KVEventSubscriber, engine, make_prompt, run_prompts
+from .workload import (
+    BLOCKS_PER_PROMPT,
+    CPU_BLOCKS,
+    DISK_BLOCKS,
+    FIRST,
+    GPU_BLOCKS,
+    MAX_TOKENS,
+    PROMPT_LEN,
+    RETURNING,
+    kvtier_config,
+    manager_of,
 )
 
 pytestmark = pytest.mark.e2e
-
-BLOCKS_PER_PROMPT = 4
-PROMPT_LEN = BLOCKS_PER_PROMPT * 32 + 5  # 4 full 32-token blocks + a tail
-GPU_BLOCKS = 20
-CPU_BLOCKS = 8
-DISK_BLOCKS = 64
-MAX_TOKENS = 8
-FIRST = [make_prompt(i, PROMPT_LEN) for i in range(6)]
-RETURNING = [FIRST[0], FIRST[1]]
-
-
-@pytest.fixture(scope="module")
-def model() -> str:
-    return build_tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def block_bytes(model) -> int:
-    return kv_bytes_per_block(model, 32)
-
-
-@pytest.fixture(scope="module")
-def baseline(model) -> list[list[int]]:
-    """Greedy outputs of the same workload without any offloading."""
-    with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
-        first = run_prompts(llm, FIRST, MAX_TOKENS)
-        again = run_prompts(llm, RETURNING, MAX_TOKENS)
-    return first.outputs + again.outputs
-
-
-def kvtier_config(block_bytes: int, disk, **extra) -> dict:
-    from kvtier.io.format import slot_size
-
-    settings = dict(
-        cpu_bytes_to_use=CPU_BLOCKS * block_bytes,
-        disk_bytes_to_use=DISK_BLOCKS * slot_size(block_bytes),
-        disk_path=str(disk),
-        spill_watermark=0.5,
-    )
-    settings.update(extra)
-    return offloading_kv_transfer_config(
-        "TieredOffloadingSpec", "kvtier.connector", **settings
-    )
-
-
-def manager_of(llm):
-    return get_connector(llm).connector_scheduler.manager
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,27 @@
+"""Session-wide e2e fixtures: the tiny model and the no-offload baseline."""
+
+from __future__ import annotations
+
+import pytest
+
+from .harness import build_tiny_llama, engine, kv_bytes_per_block, run_prompts
+from .workload import FIRST, GPU_BLOCKS, MAX_TOKENS, RETURNING
+
+
+@pytest.fixture(scope="session")
+def model() -> str:
+    return build_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def block_bytes(model) -> int:
+    return kv_bytes_per_block(model, 32)
+
+
+@pytest.fixture(scope="session")
+def baseline(model) -> list[list[int]]:
+    """Greedy outputs of FIRST then RETURNING without any offloading."""
+    with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
+        first = run_prompts(llm, FIRST, MAX_TOKENS)
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+    return first.outputs + again.outputs

@@ -1,0 +1,187 @@
+"""Reliability on a real engine: disk faults, aborted requests, bounded soak.
+
+Every fault must cost a miss or a failed store, never a wrong token: each
+test compares greedy outputs with the no-offload baseline and checks that
+the tiers' bookkeeping (pins, reservations, pending jobs, slots) returns to
+rest afterwards.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+
+import pytest
+from vllm import SamplingParams
+
+from kvtier.io import disk_store as disk_store_module
+from kvtier.io.faults import FaultInjectingBackend, FaultPlan, FaultRule
+from kvtier.io.format import slot_size
+from kvtier.tiers import BlockState
+
+from .harness import drain, engine, make_prompt, run_prompts
+from .workload import (
+    FIRST,
+    GPU_BLOCKS,
+    MAX_TOKENS,
+    RETURNING,
+    kvtier_config,
+    manager_of,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def assert_at_rest(mgr) -> None:
+    """No pins, reservations, loads, writes or disk jobs left anywhere."""
+    h = mgr.hierarchy
+    deadline = time.monotonic() + 10
+    while mgr.has_pending_work() and time.monotonic() < deadline:
+        mgr.on_schedule_end(None)
+        time.sleep(0.005)
+    assert not mgr.has_pending_work()
+    for tier in (h.cpu, h.disk):
+        for key, block in tier.items():
+            assert block.pins == 0, (tier.medium, key.hex(), block)
+            assert block.state is BlockState.READY, (tier.medium, key.hex(), block)
+    assert not h._reserved and not h._load_pins and not h._promoting
+    assert not h._spilling
+
+
+@pytest.fixture
+def inject(monkeypatch):
+    """Wrap every disk back end kvtier creates in a FaultInjectingBackend."""
+    plan = FaultPlan(seed=7)
+    real = disk_store_module.make_backend
+
+    def faulty(disk_io="auto", *, threads=4):
+        return FaultInjectingBackend(real(disk_io, threads=threads), plan)
+
+    monkeypatch.setattr(disk_store_module, "make_backend", faulty)
+    return plan
+
+
+@pytest.mark.parametrize(
+    ("name", "rule"),
+    [
+        ("eio-on-read", FaultRule.error(errno.EIO, ops="read")),
+        ("short-read", FaultRule.short(ops="read")),
+        ("bit-flip-on-read", FaultRule.bit_flip(ops="read", flips=3)),
+        ("enospc-on-write", FaultRule.error(errno.ENOSPC, ops="write")),
+        ("eio-on-write", FaultRule.error(errno.EIO, ops="write")),
+    ],
+)
+def test_disk_faults_cost_misses_never_tokens(
+    model, block_bytes, baseline, tmp_path, inject, caplog, name, rule
+):
+    inject.add(rule)
+    with (
+        caplog.at_level(logging.WARNING, logger="kvtier"),
+        engine(
+            model, kvtier_config(block_bytes, tmp_path), num_gpu_blocks=GPU_BLOCKS
+        ) as llm,
+    ):
+        first = run_prompts(llm, FIRST, MAX_TOKENS)
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+        mgr = manager_of(llm)
+        stats = mgr.hierarchy.stats
+        errors = mgr.runtime.io_errors() + mgr.runtime.checksum_failures()
+        assert_at_rest(mgr)
+    # Correct tokens, recomputed instead of read from the failing disk.
+    assert first.outputs + again.outputs == baseline
+    assert again.totals.get("disk", 0) == 0
+    assert inject.count() > 0
+    if "write" in name:
+        assert stats.spill_failures > 0 and stats.spills_completed == 0
+    else:
+        assert stats.promotion_failures > 0 and stats.promotions_completed == 0
+        assert stats.corrupt_blocks > 0
+    assert errors > 0
+    # Logged, once per file and kind, naming the errno or the failed check.
+    faults = [r for r in caplog.records if r.name.startswith("kvtier")]
+    assert faults, "the fault was not logged"
+    assert len(faults) <= 4, [r.getMessage() for r in faults]
+
+
+def test_aborted_requests_return_pins_and_slots(model, block_bytes, baseline, tmp_path):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with engine(
+        model, kvtier_config(block_bytes, tmp_path), num_gpu_blocks=GPU_BLOCKS
+    ) as llm:
+        run_prompts(llm, FIRST, MAX_TOKENS)
+        mgr = manager_of(llm)
+        assert_at_rest(mgr)
+        # Returning prompts start promotions from disk; abort them in flight,
+        # at several points of their life.
+        for steps_before_abort in (0, 1, 2, 5):
+            ids = [f"abort-{steps_before_abort}-{i}" for i in range(len(RETURNING))]
+            for rid, prompt in zip(ids, RETURNING):
+                llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            for _ in range(steps_before_abort):
+                llm.llm_engine.step()
+            llm.llm_engine.abort_request(ids)
+            drain(llm)
+            assert_at_rest(mgr)
+        # The tiers still serve correct data afterwards.
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+        assert again.outputs == baseline[len(FIRST) :]
+        assert_at_rest(mgr)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+SOAK_ROUNDS = int(os.environ.get("KVTIER_SOAK_ROUNDS", "3"))
+
+
+def soak_workload(rounds: int) -> list[list[list[int]]]:
+    """Rounds of 8 concurrent requests over 4 shared prefixes: each request
+    is a 2-4 block shared prefix plus its own 1-2 block suffix."""
+    prefixes = [make_prompt(1000 + p, 32 * (2 + p % 3)) for p in range(4)]
+    batches = []
+    for r in range(rounds):
+        batch = []
+        for i in range(8):
+            suffix = make_prompt(2000 + 100 * r + i, 32 * (1 + i % 2) + 3)
+            batch.append(prefixes[(r + i) % 4] + suffix)
+        batches.append(batch)
+    return batches
+
+
+def test_bounded_soak_outputs_and_resources_return(model, block_bytes, tmp_path):
+    """Spills, evictions, promotions and loads overlap under tiny tiers;
+    outputs equal the baseline and resources return to where they began."""
+    batches = soak_workload(SOAK_ROUNDS)
+    with engine(model, None, num_gpu_blocks=GPU_BLOCKS + 12, max_num_seqs=8) as llm:
+        expected = [run_prompts(llm, b, MAX_TOKENS).outputs for b in batches]
+
+    fds, threads = _open_fds(), threading.active_count()
+    cfg = kvtier_config(
+        block_bytes,
+        tmp_path,
+        spill_watermark=0.25,
+        eviction_policy="arc",
+        disk_bytes_to_use=24 * slot_size(block_bytes),  # smaller than the load
+    )
+    deadline = time.monotonic() + 240  # bounded: stops by itself
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS + 12, max_num_seqs=8) as llm:
+        mgr = manager_of(llm)
+        for batch, want in zip(batches, expected):
+            assert time.monotonic() < deadline, "soak exceeded its time bound"
+            got = run_prompts(llm, batch, MAX_TOKENS).outputs
+            assert got == want
+        h = mgr.hierarchy
+        assert h.stats.spills_completed > 0
+        assert h.stats.disk_evictions > 0  # the disk budget was binding
+        assert len(h.disk) <= h.disk.capacity
+        assert_at_rest(mgr)
+    # After shutdown: no leaked files or threads of ours.
+    time.sleep(0.5)
+    assert _open_fds() <= fds
+    leaked = [t.name for t in threading.enumerate() if t.name.startswith("kvtier")]
+    assert not leaked, leaked
+    assert threading.active_count() <= threads + 1

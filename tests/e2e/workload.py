@@ -1,0 +1,36 @@
+"""The shared e2e workload: six 4-block prompts, then the first two again.
+
+Sized so the returning prompts have left the GPU cache (20 blocks) and the
+CPU tier (8 blocks) and must come back from disk."""
+
+from __future__ import annotations
+
+from .harness import get_connector, make_prompt, offloading_kv_transfer_config
+
+BLOCKS_PER_PROMPT = 4
+PROMPT_LEN = BLOCKS_PER_PROMPT * 32 + 5  # 4 full 32-token blocks + a tail
+GPU_BLOCKS = 20
+CPU_BLOCKS = 8
+DISK_BLOCKS = 64
+MAX_TOKENS = 8
+FIRST = [make_prompt(i, PROMPT_LEN) for i in range(6)]
+RETURNING = [FIRST[0], FIRST[1]]
+
+
+def kvtier_config(block_bytes: int, disk, **extra) -> dict:
+    from kvtier.io.format import slot_size
+
+    settings = dict(
+        cpu_bytes_to_use=CPU_BLOCKS * block_bytes,
+        disk_bytes_to_use=DISK_BLOCKS * slot_size(block_bytes),
+        disk_path=str(disk),
+        spill_watermark=0.5,
+    )
+    settings.update(extra)
+    return offloading_kv_transfer_config(
+        "TieredOffloadingSpec", "kvtier.connector", **settings
+    )
+
+
+def manager_of(llm):
+    return get_connector(llm).connector_scheduler.manager
