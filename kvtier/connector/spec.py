@@ -42,6 +42,22 @@ from kvtier.io.format import LayoutFingerprint, slot_size
 
 logger = logging.getLogger("kvtier.connector")
 
+
+def _route_logs_through_vllm() -> None:
+    """Give kvtier's loggers vLLM's handlers and level, once.
+
+    vLLM configures only the ``vllm`` logger (``propagate=False``), so under
+    ``vllm serve`` kvtier's start-up lines and fault warnings would reach no
+    handler. Applications that configure ``kvtier`` themselves keep theirs."""
+    ours = logging.getLogger("kvtier")
+    if ours.handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if theirs.handlers:
+        ours.setLevel(theirs.level or logging.INFO)
+
 _ELEM_SIZE = {
     "float32": 4,
     "float": 4,
@@ -56,6 +72,39 @@ _ELEM_SIZE = {
 }
 
 
+def layout_fingerprint(
+    config: OffloadingConfig,
+    block_bytes: int,
+    rank: int,
+    world_size: int,
+    host_layout: str | None = None,
+) -> LayoutFingerprint:
+    """The disk layout identity of one rank's blocks, from vLLM's config.
+
+    Shared by :class:`TieredOffloadingSpec` and the tiering-mode disk tier
+    (``kvtier.connector.tiering``); ``host_layout`` names a CPU-row layout
+    other than this spec's own, so the two never share slab directories."""
+    groups = ",".join(
+        f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}" for g in config.groups
+    )
+    geometry = (
+        f"groups={groups};blocks_per_chunk={config.cache.blocks_per_chunk};"
+        f"tokens_per_hash={config.cache.tokens_per_hash};"
+        f"layout={config.kv_cache_layout};"
+        f"canonical={config.canonical_layout}"
+    )
+    if host_layout is not None:
+        geometry += f";host_layout={host_layout}"
+    return LayoutFingerprint(
+        model=config.model.name,
+        dtype=str(config.model.dtype),
+        block_bytes=block_bytes,
+        geometry=geometry,
+        tp_rank=rank,
+        tp_size=world_size,
+    )
+
+
 class TieredOffloadingSpec(OffloadingSpec):
     """GPU -> CPU DRAM -> disk, with cascade, promotion and checksums."""
 
@@ -67,6 +116,7 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
+        _route_logs_through_vllm()
         self.kvtier: KvtierConfig = parse_extra_config(self.extra_config)
         check_disk_paths(self.kvtier)
         par = config.parallel
@@ -105,24 +155,7 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def fingerprint(self, rank: int) -> LayoutFingerprint:
         """What must match for a disk block to be reusable by this engine."""
-        groups = ",".join(
-            f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}"
-            for g in self.config.groups
-        )
-        geometry = (
-            f"groups={groups};blocks_per_chunk={self.blocks_per_chunk};"
-            f"tokens_per_hash={self.tokens_per_hash};"
-            f"layout={self.config.kv_cache_layout};"
-            f"canonical={self.config.canonical_layout}"
-        )
-        return LayoutFingerprint(
-            model=self.config.model.name,
-            dtype=str(self.config.model.dtype),
-            block_bytes=self.block_bytes,
-            geometry=geometry,
-            tp_rank=rank,
-            tp_size=self.world_size,
-        )
+        return layout_fingerprint(self.config, self.block_bytes, rank, self.world_size)
 
     def _buffer_path(self, rank: int) -> str:
         return cpu_buffer_path(self.config.engine_id, rank, self.world_size)
