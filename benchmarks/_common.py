@@ -1,0 +1,44 @@
+"""Shared bits of the trace benchmarks: paths, host description, output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+# 2,000 blocks of 512 tokens: ~4.6 % of the trace's 43,924 unique blocks
+# (see docs/benchmarks.md for why).
+DEFAULT_CPU_BLOCKS = 2000
+
+
+def host_info() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "description": "2-core CPU-only VM" if os.cpu_count() == 2 else None,
+    }
+
+
+def write_json(name: str, doc: dict[str, Any], out: str | None = None) -> Path:
+    path = Path(out) if out else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "benchmark": name,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": host_info(),
+        **doc,
+    }
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path

@@ -1,0 +1,515 @@
+"""Trace-driven sizing of the CPU and disk tiers (``kvtier size``).
+
+Replays a Mooncake-format trace (one JSON object per line: ``timestamp`` in
+ms, ``input_length``, ``output_length``, ``hash_ids``: prefix hashes of
+512-token blocks, where an id covers its block and everything before it)
+through the real :class:`~kvtier.tiers.TierHierarchy`, as the plugin's
+scheduler side would drive it, with every spill and promotion completing
+instantly. Only the offload tiers are modelled: every block of every request
+is looked up in CPU/disk (the GPU prefix cache is not simulated).
+
+Hit rate is block-level: hit blocks / all blocks of all requests. The
+infinite-cache bound counts every block seen earlier in the trace as a hit;
+with prefix hashes that is exactly what a never-evicting prefix cache gets.
+
+No vLLM import; pure Python on top of :mod:`kvtier.tiers`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtier.tiers import Residency, TierHierarchy
+
+TOKENS_PER_TRACE_BLOCK = 512
+DEFAULT_TARGET_FRACTION = 0.95
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a Mooncake trace."""
+
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def parse_request(obj: Mapping[str, Any]) -> TraceRequest:
+    """A :class:`TraceRequest` from one decoded trace line."""
+    try:
+        hash_ids = tuple(int(h) for h in obj["hash_ids"])
+    except KeyError:
+        raise ValueError("trace line has no 'hash_ids'") from None
+    return TraceRequest(
+        timestamp=float(obj.get("timestamp", 0.0)),
+        input_length=int(obj.get("input_length", 0)),
+        output_length=int(obj.get("output_length", 0)),
+        hash_ids=hash_ids,
+    )
+
+
+def load_trace(
+    path: str | os.PathLike[str], limit: int | None = None
+) -> list[TraceRequest]:
+    """Read a JSONL trace (blank lines skipped); at most ``limit`` requests."""
+    requests: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(requests) >= limit:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                requests.append(parse_request(json.loads(line)))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: {exc}") from None
+    return requests
+
+
+def _keys(req: TraceRequest | Sequence[Hashable]) -> Sequence[Hashable]:
+    return req.hash_ids if isinstance(req, TraceRequest) else req
+
+
+def infinite_cache_hit_rate(requests: Iterable[TraceRequest]) -> float:
+    """Block-level hit rate of a cache that never evicts."""
+    seen: set[Hashable] = set()
+    hits = total = 0
+    for req in requests:
+        keys = _keys(req)
+        total += len(keys)
+        hits += sum(1 for k in keys if k in seen)
+        seen.update(keys)
+    return hits / total if total else 0.0
+
+
+def unique_blocks(requests: Iterable[TraceRequest]) -> int:
+    """Distinct blocks in the trace (the capacity that never evicts)."""
+    seen: set[Hashable] = set()
+    for req in requests:
+        seen.update(_keys(req))
+    return len(seen)
+
+
+@dataclass
+class SizingResult:
+    """Outcome of one replay. Rates are fractions of ``blocks``."""
+
+    cpu_blocks: int
+    disk_blocks: int
+    cpu_policy: str
+    disk_policy: str
+    spill_watermark: float
+    requests: int = 0
+    blocks: int = 0
+    hit_blocks_cpu: int = 0
+    hit_blocks_disk: int = 0
+    infinite_hit_rate: float = 0.0
+    # Store batches refused even after completing the pending spills, and
+    # the new blocks they would have stored (a later request misses them).
+    stores_declined: int = 0
+    blocks_not_stored: int = 0
+    # Hits that were no longer readable when the load was prepared (evicted
+    # by this request's own promotions); already excluded from the hits.
+    lost_hits: int = 0
+    spills: int = 0
+    promotions: int = 0
+    cpu_evictions: int = 0
+    disk_evictions: int = 0
+
+    @property
+    def hit_blocks(self) -> int:
+        return self.hit_blocks_cpu + self.hit_blocks_disk
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def hit_rate_cpu(self) -> float:
+        return self.hit_blocks_cpu / self.blocks if self.blocks else 0.0
+
+    @property
+    def hit_rate_disk(self) -> float:
+        return self.hit_blocks_disk / self.blocks if self.blocks else 0.0
+
+    @property
+    def fraction_of_bound(self) -> float:
+        """hit_rate / infinite_hit_rate (1.0 when the bound is 0)."""
+        if self.infinite_hit_rate <= 0:
+            return 1.0
+        return self.hit_rate / self.infinite_hit_rate
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            hit_rate=self.hit_rate,
+            hit_rate_cpu=self.hit_rate_cpu,
+            hit_rate_disk=self.hit_rate_disk,
+            hit_blocks=self.hit_blocks,
+            fraction_of_bound=self.fraction_of_bound,
+        )
+        return d
+
+
+class TraceReplayer:
+    """Drives one :class:`TierHierarchy` request by request.
+
+    Each phase is a method so benchmarks can time them separately; ``replay``
+    runs them in order. I/O is instant: every spill and promotion order is
+    completed as soon as the hierarchy hands it out.
+    """
+
+    def __init__(self, hierarchy: TierHierarchy, max_store_blocks: int | None = None):
+        self.h = hierarchy
+        cap = hierarchy.cpu.capacity
+        # A store larger than the CPU tier can never succeed in one call.
+        self.max_store_blocks = min(max_store_blocks or cap, cap)
+        self.result = SizingResult(
+            cpu_blocks=cap,
+            disk_blocks=hierarchy.disk.capacity if hierarchy.disk is not None else 0,
+            cpu_policy=_policy_name(hierarchy.cpu.policy),
+            disk_policy=(
+                _policy_name(hierarchy.disk.policy) if hierarchy.disk else "lru"
+            ),
+            spill_watermark=hierarchy.spill_watermark,
+        )
+        self._seen: set[Hashable] = set()
+        self._infinite_hits = 0
+
+    # -- phases ---------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[Hashable]) -> tuple[int, list[Hashable]]:
+        """Prefix lookup (same semantics as ``prefix_hits``): the number of
+        leading keys ready in some tier, and those of them only on disk."""
+        lookup = self.h.lookup
+        n = 0
+        on_disk: list[Hashable] = []
+        for key in keys:
+            r = lookup(key)
+            if r is Residency.HIT_CPU:
+                n += 1
+            elif r is Residency.HIT_DISK:
+                n += 1
+                on_disk.append(key)
+            else:
+                break
+        return n, on_disk
+
+    def promote(self, disk_keys: Sequence[Hashable]) -> None:
+        """Copy disk hits up to CPU before the load, as the plugin does."""
+        if not disk_keys:
+            return
+        h = self.h
+        h.request_promotion(disk_keys)
+        self.drain_promotions()
+        # Keys skipped for want of a clean CPU victim queued spills; finish
+        # them (instant I/O) and retry once, as for a declined store.
+        self.drain_spills()
+        left = [k for k in disk_keys if h.lookup(k) is Residency.HIT_DISK]
+        if left:
+            h.request_promotion(left)
+            self.drain_promotions()
+            self.drain_spills()
+
+    def load(self, keys: Sequence[Hashable]) -> None:
+        """Pin and release the hit blocks (loading them to the GPU)."""
+        if keys:
+            self.h.prepare_load(keys)
+            self.h.complete_load(keys)
+
+    def store(self, keys: Sequence[Hashable]) -> None:
+        """Offer the computed blocks for storing, in CPU-sized batches."""
+        step = self.max_store_blocks
+        for i in range(0, len(keys), step):
+            batch = keys[i : i + step]
+            plan = self.h.prepare_store(batch)
+            if plan is None:
+                # Declined while dirty blocks wait for their spill: let the
+                # spills finish (instant I/O) and retry once.
+                self.drain_spills()
+                plan = self.h.prepare_store(batch)
+            if plan is None:
+                self.result.stores_declined += 1
+                self.result.blocks_not_stored += sum(
+                    1 for k in batch if not self.h.lookup(k).is_hit
+                )
+                continue
+            if plan.keys_to_store:
+                self.h.complete_store(plan.keys_to_store)
+            self.drain_spills()
+
+    def drain_spills(self) -> None:
+        for order in self.h.take_spills():
+            self.h.complete_spill(order.job_id)
+
+    def drain_promotions(self) -> None:
+        for order in self.h.take_promotions():
+            self.h.complete_promotion(order.job_id)
+
+    # -- driver ---------------------------------------------------------------
+
+    def replay(self, keys: Sequence[Hashable]) -> None:
+        """One request: lookup, promote disk hits, load, store the rest."""
+        res = self.result
+        n, disk_keys = self.lookup(keys)
+        hits = keys[:n]
+        if disk_keys:
+            self.promote(disk_keys)
+            # Promotion may have pushed blocks out; load what is still there.
+            ready = self.h.prefix_hits(hits)
+            if ready < n:
+                lost = hits[ready:]
+                lost_disk = len(set(lost).intersection(disk_keys))
+                res.lost_hits += len(lost)
+                disk_keys = disk_keys[: len(disk_keys) - lost_disk]
+                n, hits = ready, hits[:ready]
+        self.load(hits)
+        self.store(keys[n:])
+
+        res.requests += 1
+        res.blocks += len(keys)
+        res.hit_blocks_disk += len(disk_keys)
+        res.hit_blocks_cpu += n - len(disk_keys)
+        seen = self._seen
+        self._infinite_hits += sum(1 for k in keys if k in seen)
+        seen.update(keys)
+
+    def finish(self) -> SizingResult:
+        res = self.result
+        stats = self.h.stats
+        res.spills = stats.spills_completed
+        res.promotions = stats.promotions_completed
+        res.cpu_evictions = stats.cpu_evictions
+        res.disk_evictions = stats.disk_evictions
+        res.infinite_hit_rate = self._infinite_hits / res.blocks if res.blocks else 0.0
+        return res
+
+
+def _policy_name(policy: object) -> str:
+    name = type(policy).__name__.lower()
+    return name.removesuffix("policy") or name
+
+
+def replay_trace(
+    requests: Iterable[TraceRequest | Sequence[Hashable]],
+    cpu_blocks: int,
+    disk_blocks: int,
+    cpu_policy: str = "lru",
+    disk_policy: str = "lru",
+    spill_watermark: float = 0.75,
+    *,
+    max_store_blocks: int | None = None,
+    progress: Progress | None = None,
+) -> SizingResult:
+    """Replay ``requests`` through a fresh ``TierHierarchy`` and count hits.
+
+    Per request: prefix lookup (a hit block is credited to ``cpu`` when
+    ``lookup`` says HIT_CPU, to ``disk`` when HIT_DISK), promotion of the
+    disk hits to CPU, load of the hits, store of the remaining blocks.
+    ``progress`` is called with the number of requests done since its last
+    call.
+    """
+    h = TierHierarchy(
+        cpu_blocks,
+        disk_blocks,
+        cpu_policy=cpu_policy,
+        disk_policy=disk_policy,
+        spill_watermark=spill_watermark,
+    )
+    rep = TraceReplayer(h, max_store_blocks)
+    rep.result.disk_policy = disk_policy
+    pending = 0
+    for req in requests:
+        rep.replay(_keys(req))
+        if progress is not None:
+            pending += 1
+            if pending == 64:
+                progress(pending)
+                pending = 0
+    if progress is not None and pending:
+        progress(pending)
+    return rep.finish()
+
+
+# ----------------------------------------------------------------- sizing
+
+
+def bytes_per_block(
+    bytes_per_token: int, tokens_per_block: int = TOKENS_PER_TRACE_BLOCK
+) -> int:
+    if bytes_per_token <= 0:
+        raise ValueError(f"bytes_per_token must be > 0, got {bytes_per_token}")
+    return bytes_per_token * tokens_per_block
+
+
+def blocks_for_bytes(
+    nbytes: int, bytes_per_token: int, tokens_per_block: int = TOKENS_PER_TRACE_BLOCK
+) -> int:
+    """Whole trace blocks that fit in ``nbytes``."""
+    if nbytes < 0:
+        raise ValueError(f"byte budget must be >= 0, got {nbytes}")
+    return nbytes // bytes_per_block(bytes_per_token, tokens_per_block)
+
+
+@dataclass
+class Recommendation:
+    """Smallest disk tier (for a given CPU tier) reaching ``target_fraction``
+    of the infinite-cache hit rate; ``disk_blocks`` is None if the bound
+    cannot be reached (it always can with disk >= the trace's unique blocks,
+    unless stores are declined)."""
+
+    cpu_blocks: int
+    target_fraction: float
+    target_hit_rate: float
+    infinite_hit_rate: float
+    disk_blocks: int | None
+    hit_rate: float | None
+    unique_blocks: int
+    bytes_per_block: int | None = None
+    evaluated: list[SizingResult] = field(default_factory=list)
+
+    @property
+    def disk_bytes(self) -> int | None:
+        if self.disk_blocks is None or self.bytes_per_block is None:
+            return None
+        return self.disk_blocks * self.bytes_per_block
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cpu_blocks": self.cpu_blocks,
+            "target_fraction": self.target_fraction,
+            "target_hit_rate": self.target_hit_rate,
+            "infinite_hit_rate": self.infinite_hit_rate,
+            "disk_blocks": self.disk_blocks,
+            "disk_bytes": self.disk_bytes,
+            "hit_rate": self.hit_rate,
+            "unique_blocks": self.unique_blocks,
+            "bytes_per_block": self.bytes_per_block,
+            "evaluated": [
+                {"disk_blocks": r.disk_blocks, "hit_rate": r.hit_rate}
+                for r in sorted(self.evaluated, key=lambda r: r.disk_blocks)
+            ],
+        }
+
+
+def recommend_disk_blocks(
+    requests: Sequence[TraceRequest],
+    cpu_blocks: int,
+    target_fraction: float = DEFAULT_TARGET_FRACTION,
+    *,
+    cpu_policy: str = "lru",
+    disk_policy: str = "lru",
+    spill_watermark: float = 0.75,
+    tolerance: float = 0.02,
+    bytes_per_token: int | None = None,
+    on_replay: Callable[[SizingResult], None] | None = None,
+) -> Recommendation:
+    """Sweep disk capacities to find the smallest reaching the target.
+
+    Doubles the disk tier from ``cpu_blocks`` until the target is met (or the
+    disk holds every unique block), then bisects between the last miss and
+    the first success until they are within ``tolerance`` (relative) of each
+    other. Assumes the hit rate grows with disk capacity, which holds for
+    these policies up to small non-monotonic wiggles.
+    """
+    if not 0 < target_fraction <= 1:
+        raise ValueError(f"target_fraction must be in (0, 1], got {target_fraction}")
+    runs: dict[int, SizingResult] = {}
+
+    def run(disk: int) -> SizingResult:
+        if disk not in runs:
+            runs[disk] = replay_trace(
+                requests, cpu_blocks, disk, cpu_policy, disk_policy, spill_watermark
+            )
+            if on_replay is not None:
+                on_replay(runs[disk])
+        return runs[disk]
+
+    n_unique = unique_blocks(requests)
+    bound = infinite_cache_hit_rate(requests)
+    target = target_fraction * bound
+    rec = Recommendation(
+        cpu_blocks=cpu_blocks,
+        target_fraction=target_fraction,
+        target_hit_rate=target,
+        infinite_hit_rate=bound,
+        disk_blocks=None,
+        hit_rate=None,
+        unique_blocks=n_unique,
+        bytes_per_block=bytes_per_block(bytes_per_token) if bytes_per_token else None,
+    )
+
+    def ok(r: SizingResult) -> bool:
+        return r.hit_rate >= target - 1e-12
+
+    lo, hi = 0, None
+    if ok(run(0)):
+        hi = 0
+    else:
+        disk = max(1, cpu_blocks)
+        while True:
+            if ok(run(disk)):
+                hi = disk
+                break
+            lo = disk
+            if disk >= n_unique:
+                break
+            disk = min(2 * disk, max(n_unique, 1))
+    if hi is not None and hi > 0:
+        while hi - lo > max(1, int(tolerance * hi)):
+            mid = (lo + hi) // 2
+            if ok(run(mid)):
+                hi = mid
+            else:
+                lo = mid
+    rec.evaluated = list(runs.values())
+    if hi is not None:
+        rec.disk_blocks = hi
+        rec.hit_rate = runs[hi].hit_rate
+    return rec
+
+
+def sweep_disk(
+    requests: Sequence[TraceRequest],
+    cpu_blocks: int,
+    disk_sizes: Iterable[int],
+    *,
+    cpu_policy: str = "lru",
+    disk_policy: str = "lru",
+    spill_watermark: float = 0.75,
+    on_replay: Callable[[SizingResult], None] | None = None,
+) -> list[SizingResult]:
+    """One replay per disk size (sorted, deduplicated)."""
+    out = []
+    for disk in sorted(set(disk_sizes)):
+        r = replay_trace(
+            requests, cpu_blocks, disk, cpu_policy, disk_policy, spill_watermark
+        )
+        out.append(r)
+        if on_replay is not None:
+            on_replay(r)
+    return out
+
+
+def default_sweep_sizes(cpu_blocks: int, disk_blocks: int, n_unique: int) -> list[int]:
+    """Disk sizes for a hit-rate-vs-disk plot: 0, powers of two times the
+    CPU tier up to the trace's unique blocks, and the configured size."""
+    sizes = {0, disk_blocks}
+    mult = 1
+    while True:
+        d = int(cpu_blocks * mult)
+        if d >= n_unique:
+            sizes.add(n_unique)
+            break
+        if d > 0:
+            sizes.add(d)
+        mult *= 2
+    return sorted(sizes)

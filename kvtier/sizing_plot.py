@@ -1,0 +1,80 @@
+"""Plots of replay results: hit rate vs disk capacity, split by tier.
+
+matplotlib (Agg, no display) is imported lazily: install ``kvtier[tools]``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from kvtier.sizing import SizingResult
+
+CPU_COLOR = "#4c72b0"
+DISK_COLOR = "#dd8452"
+
+
+def _label(r: SizingResult) -> str:
+    if r.disk_blocks == 0:
+        return "CPU only"
+    mult = r.disk_blocks / r.cpu_blocks
+    shown = f"{mult:.0f}x" if abs(mult - round(mult)) < 0.05 else f"{mult:.2g}x"
+    return f"+disk {r.disk_blocks}\n({shown} CPU)"
+
+
+def plot_tier_split(
+    panels: Mapping[str, Sequence[SizingResult]],
+    out_path: str | os.PathLike[str],
+    title: str = "",
+    target_fraction: float | None = None,
+) -> None:
+    """One subplot per panel: stacked bars (CPU hits below, disk hits above)
+    per disk capacity, with the infinite-cache bound as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(panels)
+    cols = min(n, 2)
+    rows = (n + cols - 1) // cols
+    width = max(6.0, 0.9 * max((len(v) for v in panels.values()), default=1) + 2)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(width * cols, 4.2 * rows), squeeze=False, sharey=True
+    )
+    for ax, (name, results) in zip(axes.flat, panels.items()):
+        results = sorted(results, key=lambda r: r.disk_blocks)
+        xs = range(len(results))
+        cpu = [r.hit_rate_cpu for r in results]
+        disk = [r.hit_rate_disk for r in results]
+        ax.bar(xs, cpu, color=CPU_COLOR, label="hit on CPU")
+        ax.bar(xs, disk, bottom=cpu, color=DISK_COLOR, label="hit on disk")
+        for x, r in zip(xs, results):
+            ax.text(x, r.hit_rate + 0.01, f"{r.hit_rate:.3f}", ha="center", fontsize=8)
+        if results:
+            bound = results[0].infinite_hit_rate
+            ax.axhline(
+                bound, color="k", ls="--", lw=1, label=f"infinite cache {bound:.3f}"
+            )
+            if target_fraction is not None:
+                ax.axhline(
+                    bound * target_fraction,
+                    color="grey",
+                    ls=":",
+                    lw=1,
+                    label=f"{target_fraction:.0%} of bound",
+                )
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([_label(r) for r in results], fontsize=8)
+        ax.set_title(name, fontsize=10)
+        ax.set_ylim(0, 1.0)
+        ax.set_ylabel("block hit rate")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
