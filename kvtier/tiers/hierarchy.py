@@ -31,11 +31,13 @@ and its slot reused only after the spill completed.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, TierEvent
 from kvtier.tiers.tier import BlockState, Tier, TierBlock
@@ -56,8 +58,7 @@ class Residency(Enum):
         return self in (Residency.HIT_CPU, Residency.HIT_DISK)
 
 
-@dataclass(frozen=True, slots=True)
-class BlockLocation:
+class BlockLocation(NamedTuple):
     medium: str
     slot: int
 
@@ -129,12 +130,6 @@ class _PendingJob:
     items: tuple[TransferItem, ...]
 
 
-@dataclass
-class _LoadPins:
-    # Media pinned by outstanding loads of one key, oldest first.
-    media: deque[str] = field(default_factory=deque)
-
-
 class TierHierarchy:
     """A CPU tier over an optional disk tier, with cascade and promotion.
 
@@ -181,8 +176,9 @@ class TierHierarchy:
         # Dirty CPU blocks (READY on CPU, not READY/WRITING on disk, not
         # being spilled), oldest use first: the spill queue.
         self._dirty: OrderedDict[Key, None] = OrderedDict()
-        # Keys whose spill failed: the disk refused them, so they may be
-        # dropped from CPU like clean blocks instead of wedging the tier.
+        # CPU keys the disk refused (spill failed) or gave up (evicted its
+        # copy): they may be dropped from CPU like clean blocks instead of
+        # wedging the tier or being respilled over better blocks.
         self._unspillable: set[Key] = set()
         self._spilling: dict[Key, int] = {}  # key -> job id
         self._spill_jobs: dict[int, _PendingJob] = {}
@@ -194,7 +190,8 @@ class TierHierarchy:
         # Keys whose CPU copy came from disk, so hits keep reporting "disk"
         # as their source until the block is stored again.
         self._promoted: set[Key] = set()
-        self._load_pins: dict[Key, _LoadPins] = {}
+        # Media pinned by the outstanding loads of each key, oldest first.
+        self._load_pins: dict[Key, list[str]] = {}
         # Reservation pins held on promoted CPU blocks (see release()).
         self._reserved: dict[Key, int] = {}
         # Pending events as (medium, removed, reason, keys), frozen on take.
@@ -239,38 +236,51 @@ class TierHierarchy:
     def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
         """Pin each key where it is ready (CPU preferred) and say where."""
         locations: list[BlockLocation] = []
-        media: list[str] = []
-        for key in keys:
-            if self.cpu.is_ready(key):
-                medium, tier = MEDIUM_CPU, self.cpu
-            elif self.disk is not None and self.disk.is_ready(key):
-                medium, tier = MEDIUM_DISK, self.disk
+        cpu, disk, load_pins = self.cpu, self.disk, self._load_pins
+        for i, key in enumerate(keys):
+            block = cpu.get(key)
+            if block is not None and block.state is BlockState.READY:
+                medium, tier = MEDIUM_CPU, cpu
+                if key in self._dirty:
+                    self._dirty.move_to_end(key)
             else:
-                # Roll back the pins taken so far: a plan is all or nothing.
-                for done_key, done_medium in zip(keys, media):
-                    self._tier(done_medium).unpin(done_key)
-                    pins = self._load_pins[done_key]
-                    pins.media.pop()
-                    if not pins.media:
-                        del self._load_pins[done_key]
-                raise KeyError(f"prepare_load of {key!r}, which is not ready")
-            block = tier.pin(key)
-            tier.touch(key)
-            self._load_pins.setdefault(key, _LoadPins()).media.append(medium)
+                block = disk.get(key) if disk is not None else None
+                if block is None or block.state is not BlockState.READY:
+                    self._rollback_load(keys[:i], locations)
+                    raise KeyError(f"prepare_load of {key!r}, which is not ready")
+                medium, tier = MEDIUM_DISK, disk
+            block.pins += 1
+            tier.policy.touch(key)
+            pins = load_pins.get(key)
+            if pins is None:
+                load_pins[key] = [medium]
+            else:
+                pins.append(medium)
             locations.append(BlockLocation(medium, block.slot))
-            media.append(medium)
-        self.stats.loads_cpu += media.count(MEDIUM_CPU)
-        self.stats.loads_disk += media.count(MEDIUM_DISK)
+        n_disk = sum(1 for loc in locations if loc.medium == MEDIUM_DISK)
+        self.stats.loads_cpu += len(locations) - n_disk
+        self.stats.loads_disk += n_disk
         return LoadPlan(list(keys), locations)
+
+    def _rollback_load(
+        self, keys: Sequence[Key], locations: list[BlockLocation]
+    ) -> None:
+        # A plan is all or nothing: release the pins taken so far.
+        for key, loc in zip(keys, locations):
+            self._tier(loc.medium).unpin(key)
+            pins = self._load_pins[key]
+            pins.pop()
+            if not pins:
+                del self._load_pins[key]
 
     def complete_load(self, keys: Iterable[Key]) -> None:
         """Release the pins of the oldest outstanding load of each key."""
         for key in keys:
             pins = self._load_pins.get(key)
-            if pins is None or not pins.media:
+            if not pins:
                 raise KeyError(f"complete_load of {key!r} without prepare_load")
-            medium = pins.media.popleft()
-            if not pins.media:
+            medium = pins.pop(0)
+            if not pins:
                 del self._load_pins[key]
             tier = self._tier(medium)
             if key in tier:
@@ -393,9 +403,7 @@ class TierHierarchy:
         if self.disk is None or n <= 0:
             return
         items: list[TransferItem] = []
-        for key in list(self._dirty):
-            if len(items) >= n:
-                break
+        for key in list(itertools.islice(self._dirty, n)):
             cpu_block = self.cpu.get(key)
             assert cpu_block is not None and cpu_block.state is BlockState.READY
             disk_block = self._allocate_disk(key, origin="spill")
@@ -641,9 +649,15 @@ class TierHierarchy:
         if reason == "evict":
             self.stats.disk_evictions += 1
         self._emit([key], MEDIUM_DISK, removed=True, reason=reason)
-        # Its CPU copy (if any) is the only copy again.
         if self.cpu.is_ready(key):
-            self._mark_dirty_if_needed(key)
+            if reason == "evict":
+                # The disk judged this block its least valuable: respilling it
+                # would evict a better one. Its CPU copy may now be dropped
+                # like a clean block (and stays dirty-free, so it does not
+                # sit in the spill queue with a stale position).
+                self._unspillable.add(key)
+            else:
+                self._mark_dirty_if_needed(key)
 
     def _emit(
         self, keys: Sequence[Key], medium: str, removed: bool, reason: str

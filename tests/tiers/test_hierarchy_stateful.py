@@ -268,12 +268,26 @@ class HierarchyMachine(RuleBasedStateMachine):
             return
         self._collect_events()
         disk: set = set()
+        cpu: set = set()
+        declined: set = set()  # CPU keys whose disk copy the disk evicted
         for ev in self.events:
+            keys = set(ev.keys)
             if ev.medium == MEDIUM_DISK:
-                disk = disk - set(ev.keys) if ev.removed else disk | set(ev.keys)
-            elif ev.removed and ev.reason == "evict":
-                for key in ev.keys:
-                    assert key in disk or key in self.spill_failed, key
+                if ev.removed:
+                    disk -= keys
+                    declined |= keys & cpu
+                else:
+                    disk |= keys
+            elif ev.removed:
+                if ev.reason == "evict":
+                    for key in ev.keys:
+                        assert (
+                            key in disk or key in self.spill_failed or key in declined
+                        ), key
+                cpu -= keys
+                declined -= keys
+            else:
+                cpu |= keys
 
     @invariant()
     def no_dirty_drop_with_disk(self):
