@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -322,6 +322,8 @@ class TierHierarchy:
         if need > 0:
             victims = self.cpu.victims(need, self._droppable, exclude=present)
             if len(victims) < need:
+                # All or nothing: dropping some blocks now would lose them
+                # for a store that is declined anyway.
                 self.stats.stores_declined += 1
                 self._queue_spills(need - len(victims))
                 return None
@@ -400,40 +402,52 @@ class TierHierarchy:
             self._queue_spills(excess)
 
     def _queue_spills(self, n: int) -> None:
-        if self.disk is None or n <= 0:
+        disk = self.disk
+        if disk is None or n <= 0:
             return
+        candidates = list(itertools.islice(self._dirty, n))
+        # One victim scan for the whole batch: scans skip pinned blocks, so
+        # per-key scans would pay for the same pinned prefix again and again.
+        room = self._make_room(disk, len(candidates), self._always)
         items: list[TransferItem] = []
-        for key in list(itertools.islice(self._dirty, n)):
+        for key in candidates[:room]:
             cpu_block = self.cpu.get(key)
             assert cpu_block is not None and cpu_block.state is BlockState.READY
-            disk_block = self._allocate_disk(key, origin="spill")
-            if disk_block is None:
-                break  # disk full of pinned/pending blocks: try again later
+            disk_block = disk.allocate(key, origin="spill")
             del self._dirty[key]
-            self.cpu.pin(key)  # the spill reads this slot
+            cpu_block.pins += 1  # the spill reads this slot
             items.append(TransferItem(key, cpu_block.slot, disk_block.slot))
         if not items:
             return
-        job_id = self._new_job_id()
         for i in range(0, len(items), self.spill_batch):
             chunk = tuple(items[i : i + self.spill_batch])
-            if i:
-                job_id = self._new_job_id()
+            job_id = self._new_job_id()
             self._spill_jobs[job_id] = _PendingJob(chunk)
             for item in chunk:
                 self._spilling[item.key] = job_id
             self._new_spills.append(SpillOrder(job_id, chunk))
         self.stats.spills_started += len(items)
 
-    def _allocate_disk(self, key: Key, origin: str) -> TierBlock | None:
-        disk = self.disk
-        assert disk is not None
-        if disk.num_free == 0:
-            victims = disk.victims(1)
-            if not victims:
-                return None
-            self._drop_from_disk(victims[0], reason="evict")
-        return disk.allocate(key, origin=origin)
+    def _make_room(
+        self,
+        tier: Tier,
+        n: int,
+        accept: Callable[[Key, TierBlock], bool],
+        exclude: set[Key] | frozenset[Key] = frozenset(),
+    ) -> int:
+        """Free slots for up to ``n`` new blocks by dropping victims that
+        ``accept`` allows; returns how many slots are now free (<= n)."""
+        need = n - tier.num_free
+        if need > 0:
+            victims = tier.victims(need, accept, exclude)
+            drop = self._drop_from_cpu if tier is self.cpu else self._drop_from_disk
+            for key in victims:
+                drop(key, reason="evict")
+        return min(n, tier.num_free)
+
+    @staticmethod
+    def _always(key: Key, block: TierBlock) -> bool:
+        return True
 
     # --------------------------------------------------------------- promotion
 
@@ -448,28 +462,33 @@ class TierHierarchy:
         newly promoted CPU block holds one pin until :meth:`release`, so
         another promotion cannot evict it before its requester loads it.
         """
+        disk = self.disk
         in_flight: list[Key] = []
-        items: list[TransferItem] = []
+        wanted: list[Key] = []
         for key in keys:
             if key in self._promoting:
                 in_flight.append(key)
-                continue
-            if self.disk is None or key in self.cpu or not self.disk.is_ready(key):
-                continue
-            if self.cpu.num_free == 0:
-                victims = self.cpu.victims(1, self._droppable, exclude={key})
-                if not victims:
-                    self._queue_spills(1)
-                    break
-                self._drop_from_cpu(victims[0], reason="evict")
+            elif disk is not None and key not in self.cpu and disk.is_ready(key):
+                wanted.append(key)
+        if not wanted:
+            return in_flight
+        assert disk is not None
+        room = self._make_room(self.cpu, len(wanted), self._droppable)
+        items: list[TransferItem] = []
+        for key in wanted[:room]:
             cpu_block = self.cpu.allocate(key, origin="promote")
             if reserve:
                 cpu_block.pins += 1
                 self._reserved[key] = self._reserved.get(key, 0) + 1
-            disk_block = self.disk.pin(key)
-            self.disk.touch(key)
+            disk_block = disk.pin(key)
+            disk.touch(key)
             items.append(TransferItem(key, disk_block.slot, cpu_block.slot))
             in_flight.append(key)
+        if room < len(wanted):
+            # The rest waits for spills to make CPU blocks droppable; queued
+            # only now, so their disk evictions cannot take a block that is
+            # about to be promoted (those are pinned above).
+            self._queue_spills(len(wanted) - room)
         if items:
             job_id = self._new_job_id()
             self._promote_jobs[job_id] = _PendingJob(tuple(items))
