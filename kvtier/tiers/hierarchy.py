@@ -20,6 +20,11 @@ Block life cycle::
                             cpu WRITING + disk READY (pinned) ──complete_promotion──►
                             cpu READY (clean) + disk READY
 
+Keys passed together (a request's blocks, in prefix order) are ranked in
+*reverse*: a prompt's first block becomes the most recently used, so its
+tail is evicted before its head. A tail without its head is unreachable by
+prefix lookup; a head without its tail is still a hit.
+
 "Dirty" means the CPU copy is the only copy. Spilling is *write-back ahead
 of need*: when more than ``spill_watermark`` of the CPU tier is dirty, the
 least valuable dirty blocks are copied to disk while staying readable on
@@ -240,23 +245,24 @@ class TierHierarchy:
         for i, key in enumerate(keys):
             block = cpu.get(key)
             if block is not None and block.state is BlockState.READY:
-                medium, tier = MEDIUM_CPU, cpu
-                if key in self._dirty:
-                    self._dirty.move_to_end(key)
+                medium = MEDIUM_CPU
             else:
                 block = disk.get(key) if disk is not None else None
                 if block is None or block.state is not BlockState.READY:
                     self._rollback_load(keys[:i], locations)
                     raise KeyError(f"prepare_load of {key!r}, which is not ready")
-                medium, tier = MEDIUM_DISK, disk
+                medium = MEDIUM_DISK
             block.pins += 1
-            tier.policy.touch(key)
             pins = load_pins.get(key)
             if pins is None:
                 load_pins[key] = [medium]
             else:
                 pins.append(medium)
             locations.append(BlockLocation(medium, block.slot))
+        for key, loc in zip(reversed(keys), reversed(locations)):
+            self._tier(loc.medium).policy.touch(key)  # head ranks newest
+            if key in self._dirty:
+                self._dirty.move_to_end(key)
         n_disk = sum(1 for loc in locations if loc.medium == MEDIUM_DISK)
         self.stats.loads_cpu += len(locations) - n_disk
         self.stats.loads_disk += n_disk
@@ -287,7 +293,8 @@ class TierHierarchy:
                 tier.unpin(key)
 
     def touch(self, keys: Iterable[Key]) -> None:
-        for key in keys:
+        """Mark keys used; the first key ends up most recent (prefix order)."""
+        for key in reversed(list(keys)):
             if key in self.cpu:
                 self.cpu.touch(key)
                 if key in self._dirty:
@@ -332,16 +339,17 @@ class TierHierarchy:
             evicted = victims
 
         slots: list[int] = []
-        for key in new_keys:
+        for key in reversed(new_keys):  # head of the prefix ranks newest
             slots.append(self.cpu.allocate(key, origin="store").slot)
             self._promoted.discard(key)
             self._unspillable.discard(key)
+        slots.reverse()
         return StorePlan(new_keys, slots, evicted)
 
     def complete_store(self, keys: Iterable[Key], success: bool = True) -> None:
         """Make stored keys readable, or forget them if the store failed."""
         stored: list[Key] = []
-        for key in keys:
+        for key in reversed(list(keys)):
             block = self.cpu.get(key)
             if block is None or block.state is not BlockState.WRITING:
                 continue
@@ -355,6 +363,7 @@ class TierHierarchy:
                 self.cpu.remove(key)
                 self.stats.stores_failed += 1
         if stored:
+            stored.reverse()
             self.stats.stores_completed += len(stored)
             self._emit(stored, MEDIUM_CPU, removed=False, reason="store")
         self._maybe_spill()

@@ -16,12 +16,16 @@ def _finish_spills(h, fail=()):
 
 
 def test_cpu_only_drops_lru_victims():
-    h = TierHierarchy(2)
+    h = TierHierarchy(3)
+    _store(h, ["x"])
     _store(h, ["a", "b"])
     plan = _store(h, ["c"])
-    assert plan.evicted_keys == ["a"]
-    assert h.lookup("a") is Residency.MISS
-    assert h.prefix_hits(["b", "c", "a"]) == 2
+    assert plan.evicted_keys == ["x"]  # least recently used request first
+    # Within one request's prefix the tail goes before the head: "b" without
+    # "a" could never be hit, "a" without "b" still is.
+    assert _store(h, ["d"]).evicted_keys == ["b"]
+    assert h.lookup("b") is Residency.MISS
+    assert h.prefix_hits(["a", "b"]) == 1
 
 
 def test_victims_cascade_to_disk_and_come_back():
@@ -52,10 +56,10 @@ def test_store_declines_rather_than_waiting_for_disk():
     assert h.take_spills() == []  # below the watermark: nothing to spill
     assert h.prepare_store(["c"]) is None  # only dirty victims: decline...
     orders = h.take_spills()  # ...and spill one so the retry succeeds
-    assert len(orders) == 1 and orders[0].items[0].key == "a"
+    assert len(orders) == 1 and orders[0].items[0].key == "b"  # the tail
     assert h.prepare_store(["c"]) is None  # spill still in flight
     h.complete_spill(orders[0].job_id)
-    assert _store(h, ["c"]).evicted_keys == ["a"]
+    assert _store(h, ["c"]).evicted_keys == ["b"]
 
 
 def test_failed_spill_costs_a_miss_not_a_wedge():
