@@ -262,8 +262,10 @@ def test_cpu_only_spec_runs_without_disk(tmp_path):
     r = RequestRunner(spec)
     try:
         a = r.store("a", [1, 2])
-        r.store("b", [3, 4, 5])  # evicts a's oldest block: no disk to spill to
-        assert r.lookup("a", a) == 0
+        r.store("b", [3, 4, 5])  # evicts one of a's blocks: no disk to spill to
+        # The tail goes first, so a's head is still a (one-block) hit.
+        assert r.lookup("a", a) == 1
+        assert r.load(a[:1], [40]) == {"host": 1}
         assert r.manager.runtime is None
     finally:
         r.close()
