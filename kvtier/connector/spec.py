@@ -43,20 +43,27 @@ from kvtier.io.format import LayoutFingerprint, slot_size
 logger = logging.getLogger("kvtier.connector")
 
 
-def _route_logs_through_vllm() -> None:
-    """Give kvtier's loggers vLLM's handlers and level, once.
+class _ForwardToVllm(logging.Handler):
+    """Hands kvtier's records to whatever handlers vLLM's logger has now."""
 
-    vLLM configures only the ``vllm`` logger (``propagate=False``), so under
-    ``vllm serve`` kvtier's start-up lines and fault warnings would reach no
-    handler. Applications that configure ``kvtier`` themselves keep theirs."""
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def _route_logs_through_vllm() -> None:
+    """Make kvtier's start-up lines and fault warnings visible under vLLM.
+
+    vLLM configures only its own ``vllm`` logger (``propagate=False``), so
+    under ``vllm serve`` kvtier's records would reach no handler. When the
+    application configured no root handler either, forward them to vLLM's
+    (once); an application that configures logging itself keeps control."""
     ours = logging.getLogger("kvtier")
-    if ours.handlers:
+    if ours.handlers or logging.getLogger().handlers:
         return
-    theirs = logging.getLogger("vllm")
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    if theirs.handlers:
-        ours.setLevel(theirs.level or logging.INFO)
+    ours.addHandler(_ForwardToVllm())
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
+
 
 _ELEM_SIZE = {
     "float32": 4,

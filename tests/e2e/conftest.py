@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from .harness import build_tiny_llama, engine, kv_bytes_per_block, run_prompts
-from .workload import FIRST, GPU_BLOCKS, MAX_TOKENS, RETURNING
+from .workload import FIRST, GPU_BLOCKS, MAX_TOKENS, RETURNING, run_each
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +22,6 @@ def block_bytes(model) -> int:
 def baseline(model) -> list[list[int]]:
     """Greedy outputs of FIRST then RETURNING without any offloading."""
     with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
-        first = run_prompts(llm, FIRST, MAX_TOKENS)
+        first = run_each(llm, FIRST)
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
     return first.outputs + again.outputs

@@ -25,6 +25,7 @@ from .workload import (
     RETURNING,
     kvtier_config,
     manager_of,
+    run_each,
 )
 
 pytestmark = pytest.mark.e2e
@@ -47,7 +48,7 @@ def main_run(model, block_bytes, tmp_path_factory):
             kv_events_endpoint=sub.endpoint,
         ) as llm,
     ):
-        first = run_prompts(llm, FIRST, MAX_TOKENS)
+        first = run_each(llm, FIRST)
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         stats = manager_of(llm).hierarchy.stats
         # Events travel over ZMQ: wait until the last spill's event arrived.
@@ -140,7 +141,7 @@ def test_negative_control_wrong_bytes_change_the_output(
     with engine(
         model, kvtier_config(block_bytes, tmp_path), num_gpu_blocks=GPU_BLOCKS
     ) as llm:
-        first = run_prompts(llm, FIRST, MAX_TOKENS)
+        first = run_each(llm, FIRST)
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
     assert again.totals.get("disk", 0) > 0
     assert first.outputs == baseline[: len(FIRST)]
@@ -177,7 +178,7 @@ def test_warm_restart_serves_disk_blocks_from_a_previous_engine(
 ):
     cfg = kvtier_config(block_bytes, tmp_path)
     with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
-        run_prompts(llm, FIRST, MAX_TOKENS)
+        run_each(llm, FIRST)
         mgr = manager_of(llm)
         assert mgr.hierarchy.stats.spills_completed > 0
     # A new engine (new engine id, new CPU tier) on the same disk path.

@@ -30,6 +30,7 @@ from .workload import (
     RETURNING,
     kvtier_config,
     manager_of,
+    run_each,
 )
 
 pytestmark = pytest.mark.e2e
@@ -84,7 +85,7 @@ def test_disk_faults_cost_misses_never_tokens(
             model, kvtier_config(block_bytes, tmp_path), num_gpu_blocks=GPU_BLOCKS
         ) as llm,
     ):
-        first = run_prompts(llm, FIRST, MAX_TOKENS)
+        first = run_each(llm, FIRST)
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         mgr = manager_of(llm)
         stats = mgr.hierarchy.stats
@@ -111,7 +112,7 @@ def test_aborted_requests_return_pins_and_slots(model, block_bytes, baseline, tm
     with engine(
         model, kvtier_config(block_bytes, tmp_path), num_gpu_blocks=GPU_BLOCKS
     ) as llm:
-        run_prompts(llm, FIRST, MAX_TOKENS)
+        run_each(llm, FIRST)
         mgr = manager_of(llm)
         assert_at_rest(mgr)
         # Returning prompts start promotions from disk; abort them in flight,

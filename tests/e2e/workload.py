@@ -5,7 +5,15 @@ CPU tier (8 blocks) and must come back from disk."""
 
 from __future__ import annotations
 
-from .harness import get_connector, make_prompt, offloading_kv_transfer_config
+from collections import Counter
+
+from .harness import (
+    RunResult,
+    get_connector,
+    make_prompt,
+    offloading_kv_transfer_config,
+    run_prompts,
+)
 
 BLOCKS_PER_PROMPT = 4
 PROMPT_LEN = BLOCKS_PER_PROMPT * 32 + 5  # 4 full 32-token blocks + a tail
@@ -34,3 +42,26 @@ def kvtier_config(block_bytes: int, disk, **extra) -> dict:
 
 def manager_of(llm):
     return get_connector(llm).connector_scheduler.manager
+
+
+def run_each(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> RunResult:
+    """Run prompts one at a time (engine drained after each) and merge.
+
+    Sequential requests make the GPU cache's eviction order deterministic:
+    a batch can leave a few blocks of an early prompt cached on the GPU,
+    depending on scheduling."""
+    parts = [run_prompts(llm, [p], max_tokens) for p in prompts]
+    totals: Counter[str] = Counter()
+    aggregate: Counter[str] = Counter()
+    for part in parts:
+        totals.update(part.totals)
+        aggregate.update(part.aggregate)
+    return RunResult(
+        outputs=[o for part in parts for o in part.outputs],
+        num_cached_tokens=[n for part in parts for n in part.num_cached_tokens],
+        hits_by_source=[h for part in parts for h in part.hits_by_source],
+        totals=dict(totals),
+        aggregate=dict(aggregate),
+        request_ids=[r for part in parts for r in part.request_ids],
+        wall_s=sum(part.wall_s for part in parts),
+    )
