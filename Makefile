@@ -14,7 +14,7 @@ test: $(VENV)/.kvtier-ready
 	$(PY) -m pytest -q -m "not soak"
 
 demo: $(VENV)/.kvtier-ready
-	$(PY) -m kvtier.demo
+	$(PY) scripts/demo.py
 
 lint: $(VENV)/.kvtier-ready
 	$(VENV)/bin/ruff check .

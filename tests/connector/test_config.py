@@ -1,0 +1,294 @@
+"""``parse_extra_config`` and ``check_disk_paths``: every bad input raises a
+``ConfigError`` whose message names the key and what is accepted.
+
+Table-driven: each case is (extra_config, key the error must name,
+fragments the message must contain).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from kvtier.connector import config as c
+from kvtier.connector.config import (
+    KEY_NAMES,
+    KEYS,
+    ConfigError,
+    KvtierConfig,
+    check_disk_paths,
+    parse_extra_config,
+)
+
+BASE: dict[str, Any] = {
+    "spec_name": "TieredOffloadingSpec",
+    "spec_module_path": "kvtier.connector",
+    "cpu_bytes_to_use": 1 << 30,
+}
+DISK: dict[str, Any] = {**BASE, "disk_bytes_to_use": 1 << 30, "disk_path": "/mnt/d"}
+
+INT_MIN1 = "integer >= 1"
+INT_MIN0 = "integer >= 0"
+POLICY = "lru | arc"
+BOOL = "true | false"
+FRACTION = "number in [0, 1]"
+
+# kvtier-read keys: (key, bad value, accepted-values fragment)
+WRONG_TYPES: list[tuple[str, Any, str]] = []
+for _key, _frag in (
+    ("cpu_bytes_to_use", INT_MIN1),
+    ("disk_bytes_to_use", INT_MIN0),
+    ("disk_io_threads", INT_MIN1),
+):
+    for _bad in (1.5, "1e9", "lots", True, None, [1], {"a": 1}):
+        if _bad is None and _key != "cpu_bytes_to_use":
+            continue  # None means "use the default" for optional keys
+        WRONG_TYPES.append((_key, _bad, _frag if _bad is not None else "required"))
+for _key, _frag in (
+    ("eviction_policy", POLICY),
+    ("cpu_eviction_policy", POLICY),
+    ("disk_eviction_policy", POLICY),
+    ("disk_io", "auto | posix | kvikio"),
+    ("disk_compression", "none | zstd"),
+):
+    for _bad in (1, True, ["lru"], "", "fifo"):
+        WRONG_TYPES.append((_key, _bad, _frag))
+for _bad in (1, 0, "yes", "1", None, []):
+    WRONG_TYPES.append(("promote_on_hit", _bad, BOOL))
+for _bad in ("half", True, None, [0.5], -0.1, 1.01, float("nan")):
+    WRONG_TYPES.append(("spill_watermark", _bad, FRACTION))
+
+
+def _expect(extra: dict[str, Any], key: str, *fragments: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse_extra_config(extra)
+    err = info.value
+    assert err.key == key, str(err)
+    assert f"[{key!r}]" in str(err)
+    for fragment in fragments:
+        assert fragment in str(err), (fragment, str(err))
+    return err
+
+
+@pytest.mark.parametrize(
+    "key,value,accepted", WRONG_TYPES, ids=[f"{k}={v!r}" for k, v, _ in WRONG_TYPES]
+)
+def test_wrong_type(key: str, value: Any, accepted: str) -> None:
+    _expect({**DISK, key: value}, key, accepted)
+
+
+def test_every_kvtier_key_has_a_wrong_type_case() -> None:
+    kvtier_keys = {k.name for k in KEYS if k.owner == "kvtier"}
+    covered = {k for k, _, _ in WRONG_TYPES} | {"disk_path"}
+    assert kvtier_keys <= covered, kvtier_keys - covered
+
+
+@pytest.mark.parametrize(
+    "key,value,accepted",
+    [
+        ("cpu_bytes_to_use", 0, INT_MIN1),
+        ("cpu_bytes_to_use", -1, INT_MIN1),
+        ("cpu_bytes_to_use", "-5", INT_MIN1),
+        ("disk_bytes_to_use", -1, INT_MIN0),
+        ("disk_io_threads", 0, INT_MIN1),
+        ("disk_io_threads", -4, INT_MIN1),
+    ],
+)
+def test_zero_and_negative_sizes(key: str, value: Any, accepted: str) -> None:
+    err = _expect({**DISK, key: value}, key, accepted)
+    assert str(int(value)) in str(err)
+
+
+def test_missing_cpu_bytes_is_required() -> None:
+    extra = {k: v for k, v in BASE.items() if k != "cpu_bytes_to_use"}
+    _expect(extra, "cpu_bytes_to_use", "required")
+
+
+@pytest.mark.parametrize(
+    "key", ["eviction_policy", "cpu_eviction_policy", "disk_eviction_policy"]
+)
+@pytest.mark.parametrize("policy", ["fifo", "LFU", "random"])
+def test_unknown_policy(key: str, policy: str) -> None:
+    _expect({**DISK, key: policy}, key, repr(policy), POLICY)
+
+
+@pytest.mark.parametrize("key", ["cpu_bytes", "disk_paths", "CPU_BYTES_TO_USE", ""])
+def test_unknown_key_lists_valid_keys(key: str) -> None:
+    err = _expect({**DISK, key: 1}, key, "unknown key", "valid keys are")
+    for name in KEY_NAMES:
+        assert name in str(err)
+
+
+@pytest.mark.parametrize(
+    "paths,fragment",
+    [
+        ("relative/dir", "is relative"),
+        ("./kv", "is relative"),
+        (["/mnt/a", "rel"], "is relative"),
+        ([], "non-empty list"),
+        ("", "non-empty path"),
+        ([""], "non-empty path"),
+        ([None], "non-empty path"),
+        (5, "expected a path"),
+        ({"/mnt/a": 1}, "expected a path"),
+        (["/mnt/a", "/mnt/a/"], "listed twice"),
+        (["/mnt/a", "/mnt/b/../a"], "listed twice"),
+    ],
+)
+def test_bad_disk_path(paths: Any, fragment: str) -> None:
+    _expect({**DISK, "disk_path": paths}, "disk_path", fragment)
+
+
+def test_disk_budget_without_path() -> None:
+    extra = {k: v for k, v in DISK.items() if k != "disk_path"}
+    _expect(extra, "disk_path", "required when disk_bytes_to_use > 0")
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_path_without_disk_budget(budget: Any) -> None:
+    extra = {**BASE, "disk_path": "/mnt/d"}
+    if budget is not None:
+        extra["disk_bytes_to_use"] = budget
+    _expect(extra, "disk_bytes_to_use", "disk_bytes_to_use > 0")
+
+
+def test_vllm_keys_pass_through() -> None:
+    vllm_keys = {k.name: 16 for k in KEYS if k.owner == "vllm"}
+    vllm_keys.update(spec_name="TieredOffloadingSpec", spec_module_path="m")
+    assert parse_extra_config({**BASE, **vllm_keys}).cpu_bytes_to_use == 1 << 30
+
+
+def test_valid_config_and_defaults() -> None:
+    cfg = parse_extra_config(
+        {
+            **BASE,
+            "disk_bytes_to_use": "1000",
+            "disk_path": ["/mnt/a", "/mnt/b/"],
+            "eviction_policy": "ARC",
+            "cpu_eviction_policy": "lru",
+            "promote_on_hit": "false",
+            "spill_watermark": "0.5",
+        }
+    )
+    assert cfg == KvtierConfig(
+        cpu_bytes_to_use=1 << 30,
+        disk_bytes_to_use=1000,
+        disk_paths=("/mnt/a", "/mnt/b"),
+        cpu_eviction_policy="lru",
+        disk_eviction_policy="arc",
+        promote_on_hit=False,
+        spill_watermark=0.5,
+    )
+    plain = parse_extra_config(BASE)
+    assert not plain.disk_enabled and plain.disk_paths == ()
+    defaults = {k.name: k.default for k in KEYS}
+    assert plain.disk_io == defaults["disk_io"]
+    assert plain.disk_compression == defaults["disk_compression"]
+    assert plain.promote_on_hit is defaults["promote_on_hit"]
+    assert plain.spill_watermark == defaults["spill_watermark"]
+    assert plain.disk_io_threads == defaults["disk_io_threads"]
+    assert plain.cpu_eviction_policy == defaults["eviction_policy"]
+
+
+# ----------------------------------------------------------- check_disk_paths
+
+
+def _cfg(paths: list[str], budget: int = 1 << 20) -> KvtierConfig:
+    return parse_extra_config({**BASE, "disk_bytes_to_use": budget, "disk_path": paths})
+
+
+def _expect_check(cfg: KvtierConfig, key: str, *fragments: str, **kw: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_disk_paths(cfg, **kw)
+    assert info.value.key == key, str(info.value)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_check_passes_and_ignores_disabled_disk(tmp_path) -> None:
+    check_disk_paths(_cfg([str(tmp_path)]))
+    check_disk_paths(parse_extra_config(BASE))  # no disk tier: nothing to check
+
+
+def test_missing_path(tmp_path) -> None:
+    missing = str(tmp_path / "nope")
+    _expect_check(_cfg([missing]), "disk_path", repr(missing), "does not exist")
+
+
+def test_path_is_a_file(tmp_path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    _expect_check(_cfg([str(f)]), "disk_path", "not a directory")
+
+
+def test_second_path_missing(tmp_path) -> None:
+    missing = str(tmp_path / "nvme1")
+    _expect_check(_cfg([str(tmp_path), missing]), "disk_path", repr(missing))
+
+
+def test_unwritable_path(tmp_path, monkeypatch) -> None:
+    # root bypasses permission bits, so ask os.access what the check asks.
+    target = str(tmp_path)
+    real_access = os.access
+
+    def access(path, mode, *a, **kw):
+        if os.path.normpath(path) == target and mode & os.W_OK:
+            return False
+        return real_access(path, mode, *a, **kw)
+
+    monkeypatch.setattr(c.os, "access", access)
+    _expect_check(_cfg([target]), "disk_path", repr(target), "not writable")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses permission bits")
+def test_unwritable_path_for_real(tmp_path) -> None:
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        _expect_check(_cfg([str(locked)]), "disk_path", "not writable")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_too_little_free_space(tmp_path) -> None:
+    cfg = _cfg([str(tmp_path)], budget=10_000)
+    _expect_check(
+        cfg,
+        "disk_bytes_to_use",
+        "has 9999 bytes free but needs 10000",
+        "lower disk_bytes_to_use",
+        free_bytes=lambda _p: 9_999,
+    )
+    check_disk_paths(cfg, free_bytes=lambda _p: 10_000)
+
+
+def test_free_space_is_per_path_share(tmp_path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    cfg = _cfg([str(a), str(b)], budget=10_001)  # ceil(10001 / 2) = 5001 each
+    check_disk_paths(cfg, free_bytes=lambda _p: 5_001)
+    _expect_check(
+        cfg,
+        "disk_bytes_to_use",
+        "needs 5001",
+        "over 2 path(s)",
+        free_bytes=lambda p: 5_000 if p == str(b) else 10**9,
+    )
+
+
+def test_existing_kvtier_files_count_as_free(tmp_path) -> None:
+    slab_dir = tmp_path / "kvtier-0123456789abcdef"
+    slab_dir.mkdir()
+    (slab_dir / "slab-0.kvt").write_bytes(b"\1" * 8192)
+    cfg = _cfg([str(tmp_path)], budget=8192)
+    check_disk_paths(cfg, free_bytes=lambda _p: 0)  # the old slab is reused
+    _expect_check(
+        _cfg([str(tmp_path)], budget=8192 * 4),
+        "disk_bytes_to_use",
+        "bytes free",
+        free_bytes=lambda _p: 0,
+    )
