@@ -7,7 +7,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 $(VENV)/.kvtier-ready: pyproject.toml scripts/setup-venv.sh scripts/install-kvikio.sh
 	bash scripts/setup-venv.sh $(VENV)
 
-.PHONY: venv test demo lint bench
+.PHONY: venv test demo lint soak
 venv: $(VENV)/.kvtier-ready
 
 test: $(VENV)/.kvtier-ready
@@ -18,3 +18,7 @@ demo: $(VENV)/.kvtier-ready
 
 lint: $(VENV)/.kvtier-ready
 	$(VENV)/bin/ruff check .
+
+# The bounded soak at length (CI runs it with 3 rounds inside `make test`).
+soak: $(VENV)/.kvtier-ready
+	KVTIER_SOAK_ROUNDS=$${KVTIER_SOAK_ROUNDS:-30} $(PY) -m pytest -q tests/e2e/test_reliability_e2e.py -k soak
