@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,12 +296,14 @@ def check_disk_paths(
     cfg: KvtierConfig,
     *,
     free_bytes: Callable[[str], int] | None = None,
+    reusable: Iterable[str] = (),
 ) -> None:
     """Fail fast on disk paths that are missing, not writable, or too small.
 
-    Each path must hold its share of ``disk_bytes_to_use``; space already
-    used by kvtier's own slab files under that path counts as available
-    (a warm restart reuses them)."""
+    Each path must hold its share of ``disk_bytes_to_use``. Space used by
+    the store directories named in ``reusable`` (this engine's own layout,
+    which a warm restart reuses) counts as available; directories of other
+    layouts (another model or block size) do not."""
     if not cfg.disk_enabled:
         return
     free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
@@ -317,7 +319,7 @@ def check_disk_paths(
                 "disk_path",
                 f"{path!r} is not writable by this process (uid {os.getuid()})",
             )
-        available = free_bytes(path) + _existing_slab_bytes(path)
+        available = free_bytes(path) + _existing_slab_bytes(path, reusable)
         if available < share:
             raise ConfigError(
                 "disk_bytes_to_use",
@@ -327,7 +329,8 @@ def check_disk_paths(
             )
 
 
-def _existing_slab_bytes(path: str) -> int:
+def _existing_slab_bytes(path: str, names: Iterable[str] = ()) -> int:
+    wanted = set(names)
     total = 0
     try:
         entries = os.scandir(path)
@@ -335,9 +338,34 @@ def _existing_slab_bytes(path: str) -> int:
         return 0
     with entries:
         for entry in entries:
-            if entry.is_dir() and entry.name.startswith("kvtier-"):
+            if entry.is_dir() and entry.name in wanted:
                 for root, _dirs, files in os.walk(entry.path):
                     for name in files:
                         with contextlib.suppress(OSError):
                             total += os.stat(os.path.join(root, name)).st_blocks * 512
     return total
+
+
+def check_shm_space(
+    shm_dir: str,
+    needed: int,
+    existing: Iterable[str] = (),
+    *,
+    free_bytes: Callable[[str], int] | None = None,
+) -> None:
+    """Fail fast when the CPU tier's shared-memory file system is too small.
+
+    ``existing`` are this engine's CPU-tier files already created (by the
+    other role of the same engine); their space counts as available."""
+    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
+    available = free_bytes(shm_dir)
+    for path in existing:
+        with contextlib.suppress(OSError):
+            available += os.stat(path).st_blocks * 512
+    if available < needed:
+        raise ConfigError(
+            "cpu_bytes_to_use",
+            f"the CPU tier needs {needed} bytes of shared memory in {shm_dir!r} "
+            f"but only {available} are free; enlarge it (e.g. docker run "
+            "--shm-size) or lower cpu_bytes_to_use",
+        )

@@ -19,6 +19,7 @@ same ``OffloadingConfig`` and meet on the shared CPU-tier files.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -34,10 +35,12 @@ from kvtier.connector.config import (
     ConfigError,
     KvtierConfig,
     check_disk_paths,
+    check_shm_space,
     parse_extra_config,
 )
 from kvtier.connector.disk_runtime import DiskRuntime, cpu_buffer_path
 from kvtier.connector.metrics import metric_definitions
+from kvtier.io.disk_store import store_dirname
 from kvtier.io.format import LayoutFingerprint, slot_size
 
 logger = logging.getLogger("kvtier.connector")
@@ -125,7 +128,6 @@ class TieredOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         _route_logs_through_vllm()
         self.kvtier: KvtierConfig = parse_extra_config(self.extra_config)
-        check_disk_paths(self.kvtier)
         par = config.parallel
         self.rank = par.rank
         self.world_size = max(par.world_size, 1)
@@ -154,6 +156,22 @@ class TieredOffloadingSpec(OffloadingSpec):
                         f"disk slot takes {per_slot} bytes over {self.world_size} "
                         "rank(s); raise disk_bytes_to_use",
                     )
+        if self.block_bytes > 0:
+            check_disk_paths(
+                self.kvtier,
+                reusable=[
+                    store_dirname(self.fingerprint(r)) for r in range(self.world_size)
+                ],
+            )
+            # Ranks of this node share one shared-memory file system.
+            paths = [self._buffer_path(r) for r in range(self.world_size)]
+            check_shm_space(
+                os.path.dirname(paths[0]),
+                self.num_cpu_blocks * self.block_bytes * self.world_size,
+                existing=paths,
+            )
+        else:
+            check_disk_paths(self.kvtier)
         self.elem_size = _ELEM_SIZE.get(str(config.model.dtype).lower(), 2)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None

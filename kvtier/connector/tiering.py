@@ -90,6 +90,7 @@ from kvtier.connector.config import (
 )
 from kvtier.connector.disk_runtime import SPILL, DiskRuntime
 from kvtier.connector.spec import _ELEM_SIZE, layout_fingerprint
+from kvtier.io.disk_store import store_dirname
 from kvtier.io.engine import TransferEngine
 from kvtier.io.format import slot_size
 from kvtier.tiers.hierarchy import PromoteOrder, SpillOrder, TransferItem
@@ -343,7 +344,9 @@ class KvtierDiskTier(SecondaryTierManager):
             offloading_spec, primary_kv_view, tier_type, backpressure_detector
         )
         self.locality = Locality.LOCAL
-        self.settings = parse_tier_config(tier_config)
+        # Paths are checked below, once the layout (and so the directory a
+        # warm restart may reuse) is known.
+        self.settings = parse_tier_config(tier_config, check_paths=False)
         cfg = self.settings
         config = offloading_spec.config
         if config.canonical_layout:
@@ -384,6 +387,14 @@ class KvtierDiskTier(SecondaryTierManager):
         self._done: list[JobResult] = []
         self._last_metrics = (DiskTierStats(), 0, 0)
         host_layout = HOST_LAYOUT + ("-replicated" if replicated else "")
+        fingerprints = [
+            layout_fingerprint(config, self.block_bytes, r, world, host_layout)
+            for r in range(self.num_ranks)
+        ]
+        try:
+            check_disk_paths(cfg, reusable=[store_dirname(fp) for fp in fingerprints])
+        except ConfigError as exc:
+            raise _reraise(exc) from None
         self.runtime: _PrimaryViewRuntime | None = _PrimaryViewRuntime(
             [
                 _PrimaryRows(
@@ -396,10 +407,7 @@ class KvtierDiskTier(SecondaryTierManager):
             num_disk_blocks=self.capacity,
             num_cpu_blocks=rows.shape[0],
             block_bytes=self.block_bytes,
-            fingerprints=[
-                layout_fingerprint(config, self.block_bytes, r, world, host_layout)
-                for r in range(self.num_ranks)
-            ],
+            fingerprints=fingerprints,
             disk_io=cfg.disk_io,
             compression=cfg.disk_compression,
             elem_size=_ELEM_SIZE.get(str(config.model.dtype).lower(), 2),

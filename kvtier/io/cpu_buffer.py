@@ -9,6 +9,7 @@ the scheduler process and every worker, which then see the same bytes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -144,6 +145,25 @@ def _map_shared_file(
         # is harmless; shrinking would SIGBUS other mappers, so never do it.
         if os.fstat(fd).st_size < size:
             os.ftruncate(fd, size)
+        # Reserve the pages now: a sparse file on a full tmpfs (/dev/shm is
+        # 64 MiB in a default container) would otherwise SIGBUS the process
+        # on first touch, long after start-up.
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                pass  # the file system cannot reserve; keep the sparse file
+            else:
+                if owner:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                raise OSError(
+                    exc.errno,
+                    f"cannot reserve {size} bytes for the kvtier CPU tier "
+                    f"({os.strerror(exc.errno or 0)}); enlarge {os.path.dirname(path)} "
+                    "(e.g. docker run --shm-size) or lower cpu_bytes_to_use",
+                    path,
+                ) from exc
         return mmap.mmap(
             fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
         ), owner

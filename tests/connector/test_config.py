@@ -285,10 +285,69 @@ def test_existing_kvtier_files_count_as_free(tmp_path) -> None:
     slab_dir.mkdir()
     (slab_dir / "slab-0.kvt").write_bytes(b"\1" * 8192)
     cfg = _cfg([str(tmp_path)], budget=8192)
-    check_disk_paths(cfg, free_bytes=lambda _p: 0)  # the old slab is reused
+    reuse = ["kvtier-0123456789abcdef"]  # this engine's layout directory
+    check_disk_paths(cfg, free_bytes=lambda _p: 0, reusable=reuse)  # reused
     _expect_check(
         _cfg([str(tmp_path)], budget=8192 * 4),
         "disk_bytes_to_use",
         "bytes free",
         free_bytes=lambda _p: 0,
+        reusable=reuse,
     )
+
+
+# ------------------------------------------------- layout-aware space checks
+
+
+def test_only_this_layouts_slabs_count_as_reusable_space(tmp_path):
+    from kvtier.connector.config import check_disk_paths
+
+    (tmp_path / "kvtier-aaaa").mkdir()
+    (tmp_path / "kvtier-aaaa" / "slab-0.kvt").write_bytes(b"\1" * (1 << 20))
+    cfg = _cfg([str(tmp_path)])
+    need = cfg.disk_bytes_to_use
+    free = need - (1 << 19)  # short by half a MiB
+    # Our own layout's slab is reused by a warm restart: it counts.
+    check_disk_paths(cfg, free_bytes=lambda _p: free, reusable=["kvtier-aaaa"])
+    # Another layout's (retired model / block size) does not.
+    with pytest.raises(
+        ConfigError, match=r"\['disk_bytes_to_use'\].*bytes free but needs"
+    ):
+        check_disk_paths(cfg, free_bytes=lambda _p: free, reusable=["kvtier-bbbb"])
+
+
+def test_shared_memory_too_small_fails_at_start_up(tmp_path):
+    from kvtier.connector.config import check_shm_space
+
+    check_shm_space(str(tmp_path), 1000, free_bytes=lambda _p: 1000)
+    with pytest.raises(ConfigError, match=r"\['cpu_bytes_to_use'\].*--shm-size"):
+        check_shm_space(str(tmp_path), 1001, free_bytes=lambda _p: 1000)
+    # This engine's already created CPU-tier file counts as available.
+    existing = tmp_path / "kvtier-e-r0of1.cpu"
+    existing.write_bytes(b"\1" * 8192)
+    check_shm_space(str(tmp_path), 9000, [str(existing)], free_bytes=lambda _p: 1000)
+
+
+def test_cpu_buffer_reserves_shared_memory_or_fails_clearly(tmp_path):
+    import subprocess
+
+    from kvtier.io.cpu_buffer import CpuBlockBuffer
+
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+        capture_output=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        # 4 MiB on a 1 MiB tmpfs: an error now, not a SIGBUS on first touch.
+        with pytest.raises(OSError, match="cannot reserve .* --shm-size"):
+            CpuBlockBuffer(64, 65536, str(mnt / "tier.cpu"))
+        assert not (mnt / "tier.cpu").exists()
+        with CpuBlockBuffer(8, 65536, str(mnt / "ok.cpu")) as buf:
+            buf.array[:] = 7  # every page is really there
+            assert int(buf.array.sum()) == 7 * 8 * 65536
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
