@@ -125,16 +125,14 @@ class TieredOffloadingManager(OffloadingManager):
         if residency is Residency.MISS:
             return LookupResult.MISS
         # On disk only: it must be promoted (and verified) before loading.
+        # Lookups only queue promotions; the step's end submits them as one
+        # batch (on_schedule_end), keeping lookup O(1) and free of I/O calls.
         if h.is_promoting(key):
             return LookupResult.HIT_PENDING
-        self._pump()
-        if h.lookup(key) is Residency.HIT_CPU:
-            return LookupResult.HIT
         if h.request_promotion((key,), reserve=True):
             # Pinned for this request: a neighbour's promotion cannot evict
             # it before the load that it was promoted for.
             _state(req_context, _Reservations).keys.add(key)
-            self._pump()
             return LookupResult.HIT_PENDING
         budget = _state(req_context, _RetryBudget)
         if time.monotonic() < budget.deadline:

@@ -191,6 +191,7 @@ class TierHierarchy:
         self._promoting: dict[Key, int] = {}  # key -> job id
         self._new_spills: list[SpillOrder] = []
         self._new_promotions: list[PromoteOrder] = []
+        self._promotion_queue: list[TransferItem] = []  # not yet cut into orders
         self._promotion_wanted: list[Key] = []
         # Keys whose CPU copy came from disk, so hits keep reporting "disk"
         # as their source until the block is stored again.
@@ -499,11 +500,11 @@ class TierHierarchy:
             # about to be promoted (those are pinned above).
             self._queue_spills(len(wanted) - room)
         if items:
-            job_id = self._new_job_id()
-            self._promote_jobs[job_id] = _PendingJob(tuple(items))
+            # Orders are cut in take_promotions: promotions requested one key
+            # at a time during a scheduler pass leave as one batched job.
+            self._promotion_queue.extend(items)
             for item in items:
-                self._promoting[item.key] = job_id
-            self._new_promotions.append(PromoteOrder(job_id, tuple(items)))
+                self._promoting[item.key] = 0  # job id assigned when taken
             self.stats.promotions_started += len(items)
         return in_flight
 
@@ -520,6 +521,14 @@ class TierHierarchy:
         self.cpu.unpin(key)
 
     def take_promotions(self) -> list[PromoteOrder]:
+        queue, self._promotion_queue = self._promotion_queue, []
+        for i in range(0, len(queue), self.spill_batch):
+            chunk = tuple(queue[i : i + self.spill_batch])
+            job_id = self._new_job_id()
+            self._promote_jobs[job_id] = _PendingJob(chunk)
+            for item in chunk:
+                self._promoting[item.key] = job_id
+            self._new_promotions.append(PromoteOrder(job_id, chunk))
         orders, self._new_promotions = self._new_promotions, []
         return orders
 
@@ -608,6 +617,7 @@ class TierHierarchy:
         self._promoting.clear()
         self._new_spills.clear()
         self._new_promotions.clear()
+        self._promotion_queue.clear()
         self._promoted.clear()
         self._load_pins.clear()
         self._reserved.clear()
@@ -633,7 +643,12 @@ class TierHierarchy:
 
     @property
     def has_pending_io(self) -> bool:
-        return bool(self._spill_jobs or self._promote_jobs or self._new_spills)
+        return bool(
+            self._spill_jobs
+            or self._promote_jobs
+            or self._new_spills
+            or self._promotion_queue
+        )
 
     @property
     def num_dirty(self) -> int:
