@@ -435,6 +435,14 @@ def cmd_events(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        # Count what already arrived: batches still queued in the socket when
+        # Ctrl-C or --duration ends the watch belong to the summary.
+        with contextlib.suppress(KeyboardInterrupt):
+            if sub.decoder is None:
+                sub.decoder = BatchDecoder("auto")
+            drain_until = time.monotonic() + 5.0
+            while sub.poll(200) and time.monotonic() < drain_until:
+                pass
         sub.close()
     doc = sub.counts.to_dict()
     doc.update(

@@ -1,4 +1,8 @@
-"""`kvtier events` watching a real engine's KV-event publisher."""
+"""`kvtier events` watching a real engine's KV-event publisher.
+
+Both the engine and the CLI run in fresh processes: the CLI binds, vLLM's
+publisher connects (an endpoint without '*'), and the CLI's per-medium
+block counts must equal the hierarchy's own accounting."""
 
 from __future__ import annotations
 
@@ -13,19 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from .harness import engine, run_prompts
-from .workload import (
-    FIRST,
-    GPU_BLOCKS,
-    MAX_TOKENS,
-    RETURNING,
-    kvtier_config,
-    manager_of,
-    run_each,
-)
-
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
+ENGINE = Path(__file__).with_name("_events_engine.py")
 
 
 def _free_port() -> int:
@@ -34,10 +28,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_kvtier_events_counts_a_real_engines_events(model, block_bytes, tmp_path):
+def test_kvtier_events_counts_a_real_engines_events(tmp_path):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    # The CLI binds (vLLM's publisher connects to an endpoint without '*').
     cli = subprocess.Popen(
         [
             sys.executable,
@@ -49,7 +42,7 @@ def test_kvtier_events_counts_a_real_engines_events(model, block_bytes, tmp_path
             "--bind",
             "--json",
             "--duration",
-            "240",
+            "280",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -57,33 +50,33 @@ def test_kvtier_events_counts_a_real_engines_events(model, block_bytes, tmp_path
         env=env,
     )
     try:
-        time.sleep(1.0)  # the SUB socket binds before anything else
+        time.sleep(1.0)  # the CLI's SUB socket binds before anything else
         assert cli.poll() is None, cli.stderr.read()
-        cfg = kvtier_config(block_bytes, tmp_path)
-        with engine(
-            model,
-            cfg,
-            num_gpu_blocks=GPU_BLOCKS,
-            enable_kv_events=True,
-            kv_events_endpoint=endpoint,
-        ) as llm:
-            run_each(llm, FIRST)
-            again = run_prompts(llm, RETURNING, MAX_TOKENS)
-            stats = manager_of(llm).hierarchy.stats
-            time.sleep(1.5)  # let the last batches cross the socket
+        run = subprocess.run(
+            [sys.executable, str(ENGINE), str(tmp_path), endpoint],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=240,
+        )
+        found = [
+            ln for ln in run.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")
+        ]
+        assert run.returncode == 0 and found, run.stderr[-3000:]
         cli.send_signal(signal.SIGINT)
         out, err = cli.communicate(timeout=60)
     finally:
         if cli.poll() is None:
             cli.kill()
     assert cli.returncode == 0, err
-    doc = json.loads(out)
-    media = doc["media"]
-    assert again.totals.get("disk", 0) > 0
-    assert doc["decode_errors"] == 0
-    # The CLI's per-medium block counts are the tiers' own accounting.
-    assert media["disk"]["stored"] == stats.spills_completed > 0
-    assert media["disk"]["removed"] == stats.disk_evictions
-    assert media["cpu"]["stored"] == stats.stores_completed + stats.promotions_completed
-    assert media["cpu"]["removed"] == stats.cpu_evictions > 0
+    result = json.loads(found[-1].split(" ", 1)[1])
+    stats, media = result["stats"], json.loads(out)["media"]
+    assert result["disk_tokens"] > 0
+    assert media["disk"]["stored"] == stats["spills_completed"] > 0
+    assert media["disk"]["removed"] == stats["disk_evictions"]
+    assert (
+        media["cpu"]["stored"]
+        == stats["stores_completed"] + stats["promotions_completed"]
+    )
+    assert media["cpu"]["removed"] == stats["cpu_evictions"] > 0
     assert media["gpu"]["stored"] > 0

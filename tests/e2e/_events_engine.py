@@ -1,0 +1,50 @@
+"""Runs the shared workload in a fresh process with KV events published to
+argv[3] and prints the hierarchy's counters as JSON (for
+test_cli_events_e2e.py; a fresh process keeps vLLM's global state clean)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+def main() -> None:
+    from e2e.harness import build_tiny_llama, engine, kv_bytes_per_block, run_prompts
+    from e2e.workload import (
+        FIRST,
+        GPU_BLOCKS,
+        MAX_TOKENS,
+        RETURNING,
+        kvtier_config,
+        manager_of,
+        run_each,
+    )
+
+    disk, endpoint = sys.argv[1], sys.argv[2]
+    model = build_tiny_llama()
+    cfg = kvtier_config(kv_bytes_per_block(model, 32), disk)
+    with engine(
+        model,
+        cfg,
+        num_gpu_blocks=GPU_BLOCKS,
+        enable_kv_events=True,
+        kv_events_endpoint=endpoint,
+    ) as llm:
+        run_each(llm, FIRST)
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+        stats = dataclasses.asdict(manager_of(llm).hierarchy.stats)
+        time.sleep(1.5)  # let the last batches cross the socket
+    print(
+        "KVTIER-RESULT "
+        + json.dumps({"stats": stats, "disk_tokens": again.totals.get("disk", 0)})
+    )
+
+
+if __name__ == "__main__":
+    main()
