@@ -186,3 +186,35 @@ def test_bounded_soak_outputs_and_resources_return(model, block_bytes, tmp_path)
     leaked = [t.name for t in threading.enumerate() if t.name.startswith("kvtier")]
     assert not leaked, leaked
     assert threading.active_count() <= threads + 1
+
+
+def test_preempted_requests_return_pins_and_keep_outputs(model, block_bytes, tmp_path):
+    """A GPU cache too small for the batch makes vLLM preempt requests while
+    their prefixes come back from the CPU and disk tiers."""
+    from .harness import get_scheduler
+
+    prompts = [make_prompt(3000 + i, 3 * 32 + 5) for i in range(4)]
+    long_tokens = 40  # 4 requests x 5 blocks > 11 usable GPU blocks
+    small = dict(num_gpu_blocks=12, max_num_seqs=4)
+    with engine(model, None, **small) as llm:
+        expected = run_prompts(llm, prompts, long_tokens).outputs
+
+    with engine(model, kvtier_config(block_bytes, tmp_path), **small) as llm:
+        sched = get_scheduler(llm)
+        preemptions = 0
+        original = sched._preempt_request
+
+        def counting(*args, **kwargs):
+            nonlocal preemptions
+            preemptions += 1
+            return original(*args, **kwargs)
+
+        sched._preempt_request = counting
+        first = run_prompts(llm, prompts, long_tokens)
+        mgr = manager_of(llm)
+        assert_at_rest(mgr)
+        again = run_prompts(llm, prompts, long_tokens)  # prefixes from the tiers
+        assert_at_rest(mgr)
+    assert preemptions > 0
+    assert first.outputs == expected and again.outputs == expected
+    assert sum(again.totals.get(s, 0) for s in ("host", "disk")) > 0
