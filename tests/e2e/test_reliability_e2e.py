@@ -193,9 +193,9 @@ def test_preempted_requests_return_pins_and_keep_outputs(model, block_bytes, tmp
     their prefixes come back from the CPU and disk tiers."""
     from .harness import get_scheduler
 
-    prompts = [make_prompt(3000 + i, 3 * 32 + 5) for i in range(4)]
-    long_tokens = 40  # 4 requests x 5 blocks > 11 usable GPU blocks
-    small = dict(num_gpu_blocks=12, max_num_seqs=4)
+    prompts = [make_prompt(3000 + i, 3 * 32 + 5) for i in range(6)]
+    long_tokens = 64  # 6 requests x 6 blocks >> 11 usable GPU blocks
+    small = dict(num_gpu_blocks=12, max_num_seqs=6)
     with engine(model, None, **small) as llm:
         expected = run_prompts(llm, prompts, long_tokens).outputs
 
