@@ -26,6 +26,11 @@ from kvtier.io.disk_store import DiskStore, ReadOutcome
 
 logger = logging.getLogger("kvtier.io")
 
+# Read outcomes that mean the slot's own bytes are damaged.
+_CORRUPT = frozenset(
+    {ReadOutcome.CHECKSUM_MISMATCH, ReadOutcome.BAD_HEADER, ReadOutcome.TRUNCATED}
+)
+
 PROMOTE_PRIORITY = 0
 SPILL_PRIORITY = 1
 _STOP_PRIORITY = 1 << 30  # sorts after every real task: shutdown drains first
@@ -208,9 +213,11 @@ class TransferEngine:
             outcome = store.read_block(disk_slot, key, rows[cpu_slot])
             if outcome is not ReadOutcome.OK:
                 logger.debug("promote of slot %d failed: %s", disk_slot, outcome.name)
-                if outcome is not ReadOutcome.EMPTY:
+                if outcome in _CORRUPT:
                     # Erase the bad header while the job still owns the slot,
-                    # so a restart never adopts it again.
+                    # so a restart never adopts it again. A key or
+                    # fingerprint mismatch is someone else's intact block:
+                    # left alone.
                     with contextlib.suppress(OSError):
                         store.invalidate(disk_slot)
                 return None
