@@ -30,7 +30,6 @@ benchmarks/results/tiering_hit_rate.json.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
@@ -45,14 +44,7 @@ ROW_BYTES = 4096  # one trace block's row in the primary tier (page aligned)
 
 
 def make_config(cpu: int, disk: int, cpu_policy: str, disk_policy: str, path: str):
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
+    from kvtier.connector.testing import offloading_config
     from kvtier.io.format import slot_size
 
     tiers = []
@@ -67,32 +59,21 @@ def make_config(cpu: int, disk: int, cpu_policy: str, disk_policy: str, path: st
                 "disk_io": "posix",
             }
         )
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(512, ("layer.0",), 0),),
-        worker_kv_bytes_per_block=ROW_BYTES,
-        enable_kv_cache_events=False,
-        extra_config={
+    return offloading_config(
+        {
             "spec_name": "PortableTieringSpec",
             "spec_module_path": "kvtier.connector.tiering",
             "cpu_bytes_to_use": cpu * ROW_BYTES,
             "eviction_policy": cpu_policy,
             "secondary_tiers": tiers,
         },
-        engine_id=f"kvtier-bench-{os.getpid()}-{time.monotonic_ns()}",
-        model=OffloadingModelConfig("trace", "float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=512, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        worker_kv_bytes_per_block=ROW_BYTES,
+        layers=1,
+        tokens_per_block=512,
+        model="trace",
+        enable_kv_cache_events=False,
+        engine_tag="kvtier-bench",
+        parallelism_agnostic=False,
     )
 
 

@@ -26,14 +26,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ReqContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 
+from kvtier.connector.testing import offloading_config  # noqa: E402
 from kvtier.io.format import slot_size  # noqa: E402
 
 NUM_GPU_BLOCKS = 64
@@ -54,26 +48,12 @@ def make_config(tmp_path, cpu_blocks, disk_blocks, events=True, **extra):
         extra_config["disk_bytes_to_use"] = disk_blocks * slot_size(BLOCK_BYTES)
         extra_config["disk_path"] = str(tmp_path)
     extra_config.update(extra)
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(32, ("layer.0", "layer.1"), 0),),
+    return offloading_config(
+        extra_config,
         worker_kv_bytes_per_block=BLOCK_BYTES,
+        layers=LAYERS,
         enable_kv_cache_events=events,
-        extra_config=extra_config,
-        engine_id=f"runner-{time.monotonic_ns()}",
-        model=OffloadingModelConfig("tiny", "float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
+        engine_tag="runner",
     )
 
 

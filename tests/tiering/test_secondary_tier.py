@@ -36,16 +36,11 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
+from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
+from kvtier.connector.testing import offloading_config  # noqa: E402
 from kvtier.connector.tiering import (  # noqa: E402
     KvtierDiskTier,
     PortableTieringSpec,
@@ -80,31 +75,19 @@ def make_config(
     }
     if replace_tier is not None:
         entry = replace_tier
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(32, ("layer.0", "layer.1"), 0),),
-        worker_kv_bytes_per_block=BLOCK_BYTES,
-        enable_kv_cache_events=True,
-        extra_config={
+    return offloading_config(
+        {
             "spec_name": "PortableTieringSpec",
             "spec_module_path": "kvtier.connector.tiering",
             "cpu_bytes_to_use": cpu_chunks * BLOCK_BYTES * world_size,
             "secondary_tiers": [entry],
         },
-        engine_id=f"kvtier-tiering-test-{os.getpid()}-{time.monotonic_ns()}",
-        model=OffloadingModelConfig(model, "float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        worker_kv_bytes_per_block=BLOCK_BYTES,
+        layers=LAYERS,
+        world_size=world_size,
+        model=model,
+        engine_tag="kvtier-tiering-test",
+        parallelism_agnostic=False,
     )
 
 

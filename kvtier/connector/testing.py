@@ -1,0 +1,67 @@
+"""Build vLLM's ``OffloadingConfig`` outside an engine.
+
+vLLM derives this config from a running engine's model and cache; unit
+tests, benchmarks and tools that drive a spec's manager (or a worker over
+host tensors) directly need one by hand. One builder keeps them in step
+when vLLM's config dataclasses change.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+
+def offloading_config(
+    extra_config: Mapping[str, Any],
+    *,
+    worker_kv_bytes_per_block: int,
+    layers: int = 2,
+    tokens_per_block: int = 32,
+    world_size: int = 1,
+    model: str = "tiny",
+    dtype: str = "float16",
+    enable_kv_cache_events: bool = True,
+    engine_tag: str = "kvtier",
+    parallelism_agnostic: bool = True,
+) -> OffloadingConfig:
+    """One KV-cache group of ``layers`` layers, rank 0 of ``world_size``
+    (tensor parallel), one GPU block per offloaded block, a unique engine
+    id (so shared-memory CPU tiers never collide)."""
+    return OffloadingConfig(
+        groups=(
+            OffloadingGroupConfig(
+                tokens_per_block, tuple(f"layer.{i}" for i in range(layers)), 0
+            ),
+        ),
+        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+        enable_kv_cache_events=enable_kv_cache_events,
+        extra_config=dict(extra_config),
+        engine_id=f"{engine_tag}-{os.getpid()}-{time.monotonic_ns()}",
+        model=OffloadingModelConfig(model, dtype),
+        cache=OffloadingCacheConfig(
+            tokens_per_hash=tokens_per_block, blocks_per_chunk=1
+        ),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=parallelism_agnostic,
+        ),
+    )
