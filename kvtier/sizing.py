@@ -4,7 +4,7 @@ Replays a Mooncake-format trace (one JSON object per line: ``timestamp`` in
 ms, ``input_length``, ``output_length``, ``hash_ids``: prefix hashes of
 512-token blocks, where an id covers its block and everything before it)
 through the real :class:`~kvtier.tiers.TierHierarchy`, as the plugin's
-scheduler side would drive it, with every spill and promotion completing
+scheduler side would drive it, with every spill and load completing
 instantly. Only the offload tiers are modelled: every block of every request
 is looked up in CPU/disk (the GPU prefix cache is not simulated).
 
@@ -116,9 +116,6 @@ class SizingResult:
     # the new blocks they would have stored (a later request misses them).
     stores_declined: int = 0
     blocks_not_stored: int = 0
-    # Hits that were no longer readable when the load was prepared (evicted
-    # by this request's own promotions); already excluded from the hits.
-    lost_hits: int = 0
     spills: int = 0
     promotions: int = 0
     cpu_evictions: int = 0
@@ -163,7 +160,7 @@ class TraceReplayer:
     """Drives one :class:`TierHierarchy` request by request.
 
     Each phase is a method so benchmarks can time them separately; ``replay``
-    runs them in order. I/O is instant: every spill and promotion order is
+    runs them in order. I/O is instant: every spill order and every load is
     completed as soon as the hierarchy hands it out.
     """
 
@@ -203,27 +200,13 @@ class TraceReplayer:
                 break
         return n, on_disk
 
-    def promote(self, disk_keys: Sequence[Hashable]) -> None:
-        """Copy disk hits up to CPU before the load, as the plugin does."""
-        if not disk_keys:
-            return
-        h = self.h
-        h.request_promotion(disk_keys)
-        self.drain_promotions()
-        # Keys skipped for want of a clean CPU victim queued spills; finish
-        # them (instant I/O) and retry once, as for a declined store.
-        self.drain_spills()
-        left = [k for k in disk_keys if h.lookup(k) is Residency.HIT_DISK]
-        if left:
-            h.request_promotion(left)
-            self.drain_promotions()
-            self.drain_spills()
-
     def load(self, keys: Sequence[Hashable]) -> None:
-        """Pin and release the hit blocks (loading them to the GPU)."""
+        """Pin and release the hit blocks (loading them to the GPU); disk
+        hits are read in place and copied up into free CPU rows, as the
+        plugin's workers do."""
         if keys:
-            self.h.prepare_load(keys)
-            self.h.complete_load(keys)
+            plan = self.h.prepare_load(keys)
+            self.h.complete_load(plan.load_id)
 
     def store(self, keys: Sequence[Hashable]) -> None:
         """Offer the computed blocks for storing, in CPU-sized batches."""
@@ -250,27 +233,13 @@ class TraceReplayer:
         for order in self.h.take_spills():
             self.h.complete_spill(order.job_id)
 
-    def drain_promotions(self) -> None:
-        for order in self.h.take_promotions():
-            self.h.complete_promotion(order.job_id)
-
     # -- driver ---------------------------------------------------------------
 
     def replay(self, keys: Sequence[Hashable]) -> None:
-        """One request: lookup, promote disk hits, load, store the rest."""
+        """One request: lookup, load the hits (CPU or disk), store the rest."""
         res = self.result
         n, disk_keys = self.lookup(keys)
         hits = keys[:n]
-        if disk_keys:
-            self.promote(disk_keys)
-            # Promotion may have pushed blocks out; load what is still there.
-            ready = self.h.prefix_hits(hits)
-            if ready < n:
-                lost = hits[ready:]
-                lost_disk = len(set(lost).intersection(disk_keys))
-                res.lost_hits += len(lost)
-                disk_keys = disk_keys[: len(disk_keys) - lost_disk]
-                n, hits = ready, hits[:ready]
         self.load(hits)
         self.store(keys[n:])
 
@@ -312,8 +281,9 @@ def replay_trace(
     """Replay ``requests`` through a fresh ``TierHierarchy`` and count hits.
 
     Per request: prefix lookup (a hit block is credited to ``cpu`` when
-    ``lookup`` says HIT_CPU, to ``disk`` when HIT_DISK), promotion of the
-    disk hits to CPU, load of the hits, store of the remaining blocks.
+    ``lookup`` says HIT_CPU, to ``disk`` when HIT_DISK), load of the hits
+    (disk hits also copied into free CPU rows), store of the remaining
+    blocks.
     ``progress`` is called with the number of requests done since its last
     call.
     """

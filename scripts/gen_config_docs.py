@@ -47,9 +47,29 @@ HEADER = """\
 Do not edit by hand: edit the sources and run
 `.venv/bin/python scripts/gen_config_docs.py`. -->
 
-kvtier is configured entirely through the `kv_connector_extra_config` of
-vLLM's `OffloadingConnector`. The keys below are the whole schema
+kvtier is configured through `--kv-transfer-config`: kvtier's connector
+(`TieredOffloadingConnector`, a subclass of vLLM's `OffloadingConnector`),
+vLLM's `kv_load_failure_policy`, and kvtier's keys in
+`kv_connector_extra_config`. The keys below are the whole schema
 (`kvtier.connector.config.KEYS`); an unknown key is an error, not ignored.
+
+```json
+{"kv_connector": "TieredOffloadingConnector",
+ "kv_connector_module_path": "kvtier.connector",
+ "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+ "kv_connector_extra_config": {"spec_name": "TieredOffloadingSpec",
+                               "spec_module_path": "kvtier.connector", ...}}
+```
+
+Why the connector: a disk block can fail verification (torn write, bit rot,
+another key's slot, EIO). kvtier's connector reports it through vLLM's
+load-error path (block level for models with one KV-cache group, request
+level for several), so its tokens are recomputed; vLLM's stock
+`OffloadingConnector` would assert. With a disk tier configured,
+`TieredOffloadingSpec` refuses to start under the stock connector, and the
+connector refuses to start unless `kv_load_failure_policy` is `"recompute"`
+(vLLM's default `"fail"` would fail such a request instead); both errors name
+the fix. A CPU-only configuration may keep the stock connector.
 """
 
 PASSING = """\
@@ -67,8 +87,10 @@ Other forms vLLM 0.32 accepts (checked with its own argument parser):
 
 - `--kv-transfer-config='{"kv_connector": ...}'` (one argument with `=`).
 - Dotted keys, one per flag:
-  `--kv-transfer-config.kv_connector OffloadingConnector
+  `--kv-transfer-config.kv_connector TieredOffloadingConnector
+  --kv-transfer-config.kv_connector_module_path kvtier.connector
   --kv-transfer-config.kv_role kv_both
+  --kv-transfer-config.kv_load_failure_policy recompute
   --kv-transfer-config.kv_connector_extra_config.spec_name TieredOffloadingSpec
   --kv-transfer-config.kv_connector_extra_config.spec_module_path kvtier.connector
   --kv-transfer-config.kv_connector_extra_config.cpu_bytes_to_use 64000000000`.
@@ -139,9 +161,12 @@ a `tier` label (`cpu` or `disk`).
 METRICS_VLLM = """\
 vLLM's own series cover the rest: `vllm:prompt_tokens_cached_by_source_total`
 with `source="device"` (GPU prefix cache), `"host"` (kvtier's CPU tier) and
-`"disk"` (kvtier's disk tier, including blocks promoted from disk into the CPU
-tier for the load); and vLLM's `vllm:kv_offload_*` series (e.g. load and
-store times of the GPU <-> CPU-tier copies).
+`"disk"` (kvtier's disk tier, including CPU copies of blocks that a disk load
+promoted); and vLLM's `vllm:kv_offload_*` series (e.g. load and store times
+of the workers' transfers). vLLM counts `cached_by_source` when the load is
+*planned*: a disk block that then fails verification is still counted there,
+but not in kvtier's `loaded_blocks_total{tier="disk"}`, and it appears in
+`load_errors_total` (and `corrupt_blocks_total` once dropped).
 """
 
 # --------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """The vLLM plugin. The only kvtier code that imports vLLM.
 
-``spec_module_path: "kvtier.connector"`` with ``spec_name:
-"TieredOffloadingSpec"`` loads :class:`kvtier.connector.spec.TieredOffloadingSpec`.
+``kv_connector: "TieredOffloadingConnector"`` with
+``kv_connector_module_path: "kvtier.connector"`` loads kvtier's connector
+(:mod:`kvtier.connector.connector`), and ``spec_module_path:
+"kvtier.connector"`` with ``spec_name: "TieredOffloadingSpec"`` its spec
+(:class:`kvtier.connector.spec.TieredOffloadingSpec`).
 Importing this package is cheap (vLLM's API server imports it to build
 metric definitions); the spec and its dependencies load on first access.
 """
@@ -12,14 +15,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "TieredOffloadingConnector": "kvtier.connector.connector",
     "TieredOffloadingSpec": "kvtier.connector.spec",
     "TieredOffloadingManager": "kvtier.connector.manager",
     "TieredOffloadingWorker": "kvtier.connector.worker",
 }
 
-__all__ = ["TieredOffloadingManager", "TieredOffloadingSpec", "TieredOffloadingWorker"]
+__all__ = [
+    "TieredOffloadingConnector",
+    "TieredOffloadingManager",
+    "TieredOffloadingSpec",
+    "TieredOffloadingWorker",
+]
 
 if TYPE_CHECKING:
+    from kvtier.connector.connector import TieredOffloadingConnector
     from kvtier.connector.manager import TieredOffloadingManager
     from kvtier.connector.spec import TieredOffloadingSpec
     from kvtier.connector.worker import TieredOffloadingWorker

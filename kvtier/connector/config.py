@@ -104,7 +104,7 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec(
         "promote_on_hit",
-        "Keep a disk hit's copy in the CPU tier after it was loaded (false: drop it once loaded).",
+        "When a disk hit is loaded and a CPU row is free (or a clean block can give one up), also copy the verified block into the CPU tier; the load never waits for room (false: disk hits stay on disk only).",
         True,
         "true | false",
     ),
@@ -119,6 +119,12 @@ KEYS: tuple[KeySpec, ...] = (
         "Threads of the disk I/O pool (per TP rank).",
         4,
         "integer >= 1",
+    ),
+    KeySpec(
+        "disk_load_buffer_bytes",
+        "Host bounce area per worker for loading disk hits (page-locked on CUDA); longer prefixes are read in chunks of this size.",
+        64 << 20,
+        "integer >= 1048576",
     ),
     KeySpec(
         "block_size",
@@ -173,6 +179,7 @@ class KvtierConfig:
     promote_on_hit: bool = True
     spill_watermark: float = 0.75
     disk_io_threads: int = 4
+    disk_load_buffer_bytes: int = 64 << 20
 
     @property
     def disk_enabled(self) -> bool:
@@ -281,6 +288,7 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
         promote_on_hit=_bool(extra, "promote_on_hit", True),
         spill_watermark=_fraction(extra, "spill_watermark", 0.75),
         disk_io_threads=_int(extra, "disk_io_threads", 4, 1),
+        disk_load_buffer_bytes=_int(extra, "disk_load_buffer_bytes", 64 << 20, 1 << 20),
     )
     if disk_bytes == 0 and "disk_path" in extra:
         # A path without a budget is almost certainly a forgotten budget.

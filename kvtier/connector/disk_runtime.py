@@ -23,7 +23,7 @@ from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import DiskStore, ReadOutcome
 from kvtier.io.engine import TransferEngine
 from kvtier.io.format import LayoutFingerprint
-from kvtier.tiers.hierarchy import PromoteOrder, SpillOrder
+from kvtier.tiers.plans import PromoteOrder, SpillOrder
 
 logger = logging.getLogger("kvtier.connector")
 

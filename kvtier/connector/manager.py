@@ -1,19 +1,21 @@
 """Scheduler-side adapter: vLLM's OffloadingManager over a TierHierarchy.
 
-Disk hits reach the GPU through the CPU tier: ``lookup`` of a disk-only
-block starts an asynchronous, checksum-verified promotion into a CPU row
-and answers HIT_PENDING until it lands (vLLM re-asks on a later step).
-vLLM's connector treats a failed GPU load as fatal, so a block must be
-proven intact *before* a load is planned; a failed promotion turns into a
-clean MISS and the tokens are recomputed.
+A block that is ready on disk is a hit like a CPU-resident one: ``lookup``
+answers HIT, and ``prepare_load`` returns a :class:`TierLoadSpec` that names
+each block's CPU row or disk slot. The worker reads and verifies the disk
+slots itself (see ``kvtier.connector.worker``); a block that fails comes
+back through kvtier's connector (``note_worker_report``) and is dropped from
+the disk tier when its load completes, while vLLM recomputes its tokens.
+Nothing here waits for I/O: spills run on the disk runtime's threads and
+are pumped from the scheduler's calls.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
+from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -34,37 +36,19 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector import metrics as m
 from kvtier.connector.disk_runtime import SPILL, DiskRuntime
-from kvtier.connector.specs import CpuTierSpec
+from kvtier.connector.specs import CpuTierSpec, TierLoadSpec
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
-from kvtier.tiers.hierarchy import HierarchyStats, Residency, TierHierarchy
+from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.plans import HierarchyStats, Residency
 
 logger = logging.getLogger("kvtier.connector")
 
-# A request whose disk hits cannot get CPU room for this long stops waiting
-# and recomputes (a guard against a CPU tier wedged by other requests' pins).
-# Wall-clock, not a count: vLLM re-asks on every engine step, and idle steps
-# take microseconds.
-PROMOTION_WAIT_S = 5.0
 
+class _LoadInFlight:
+    """The hierarchy's id of a request's load (vLLM runs one at a time)."""
 
-class _RetryBudget:
-    def __init__(self) -> None:
-        self.deadline = time.monotonic() + PROMOTION_WAIT_S
-
-
-class _Reservations:
-    """Promoted blocks pinned for one request until it loads them."""
-
-    def __init__(self) -> None:
-        self.keys: set[OffloadKey] = set()
-
-
-def _state(req_context: ReqContext, cls: type):
-    state = req_context.get_state(cls)
-    if state is None:
-        state = cls()
-        req_context.set_state(state)
-    return state
+    def __init__(self, load_id: int) -> None:
+        self.load_id = load_id
 
 
 class TieredOffloadingManager(OffloadingManager):
@@ -78,17 +62,21 @@ class TieredOffloadingManager(OffloadingManager):
         block_bytes: int,
         world_size: int = 1,
         enable_events: bool = False,
-        promote_on_hit: bool = True,
     ):
         self.hierarchy = hierarchy
         self.runtime = runtime
         self.block_bytes = block_bytes
         self.world_size = world_size
         self.enable_events = enable_events
-        self.promote_on_hit = promote_on_hit
         self._last_stats = HierarchyStats()
-        self._last_disk_totals = (0, 0.0, 0, 0.0)
+        self._last_disk_totals = (0, 0.0)
         self._last_checks = (0, 0)
+        # Disk blocks the workers could not load, per request, until that
+        # request's load completes.
+        self._failed_loads: dict[str, set[bytes]] = {}
+        # What the workers report about their disk reads (cumulative).
+        self.worker_disk = {"bytes": 0, "seconds": 0.0, "corrupt": 0, "io_errors": 0}
+        self._last_worker_disk = dict(self.worker_disk)
 
     # ------------------------------------------------------------- plumbing
 
@@ -101,44 +89,28 @@ class TieredOffloadingManager(OffloadingManager):
             return
         h = self.hierarchy
         for job in runtime.poll():
-            if job.kind == SPILL:
-                h.complete_spill(job.job_id, job.failed_keys)
-            else:
-                h.complete_promotion(job.job_id, job.failed_keys)
+            assert job.kind == SPILL
+            h.complete_spill(job.job_id, job.failed_keys)
         for order in h.take_spills():
             runtime.submit_spill(order)
-        for order in h.take_promotions():
-            runtime.submit_promote(order)
 
     # ------------------------------------------------------------- contract
 
+    @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        h = self.hierarchy
-        residency = h.lookup(key)
-        if residency is Residency.HIT_CPU:
+        residency = self.hierarchy.lookup(key)
+        if residency.is_hit:
+            # Ready on CPU or on disk: the worker reads either directly.
             return LookupResult.HIT
         if residency is Residency.PENDING:
             return LookupResult.HIT_PENDING
-        if residency is Residency.MISS:
-            return LookupResult.MISS
-        # On disk only: it must be promoted (and verified) before loading.
-        # Lookups only queue promotions; the step's end submits them as one
-        # batch (on_schedule_end), keeping lookup O(1) and free of I/O calls.
-        if h.is_promoting(key):
-            return LookupResult.HIT_PENDING
-        if h.request_promotion((key,), reserve=True):
-            # Pinned for this request: a neighbour's promotion cannot evict
-            # it before the load that it was promoted for.
-            _state(req_context, _Reservations).keys.add(key)
-            return LookupResult.HIT_PENDING
-        budget = _state(req_context, _RetryBudget)
-        if time.monotonic() < budget.deadline:
-            return LookupResult.RETRY
         return LookupResult.MISS
 
+    @override
     def get_load_source(
         self, key: OffloadKey, req_context: ReqContext
     ) -> CacheHitSource:
@@ -146,43 +118,62 @@ class TieredOffloadingManager(OffloadingManager):
             return CacheHitSource.DISK
         return CacheHitSource.HOST
 
+    @override
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> LoadStoreSpec:
-        plan = self.hierarchy.prepare_load(list(keys))
-        if any(loc.medium != MEDIUM_CPU for loc in plan.locations):
-            # lookup only answers HIT for CPU-resident blocks, so this is a
-            # contract breach by the caller; refuse rather than load garbage.
-            self.hierarchy.complete_load(plan.keys)
-            raise RuntimeError("kvtier: prepare_load of a block not in the CPU tier")
-        self._release(req_context, plan.keys)  # the load's own pins hold them now
-        return CpuTierSpec([loc.slot for loc in plan.locations])
+        keys = list(keys)
+        plan = self.hierarchy.prepare_load(keys)
+        req_context.set_state(_LoadInFlight(plan.load_id))
+        return TierLoadSpec(keys, plan.locations)
 
-    def _release(self, req_context: ReqContext, keys: Iterable[OffloadKey]) -> None:
-        reservations = req_context.get_state(_Reservations)
-        if reservations is None or not reservations.keys:
-            return
-        for key in keys:
-            if key in reservations.keys:
-                reservations.keys.discard(key)
-                self.hierarchy.release(key)
+    def note_worker_report(
+        self,
+        failed: Mapping[str, Iterable[bytes]],
+        *,
+        read_bytes: int = 0,
+        read_seconds: float = 0.0,
+        corrupt: int = 0,
+        io_errors: int = 0,
+    ) -> None:
+        """What the workers said about their disk reads since the last call:
+        per request, the disk blocks its load could not use, and counters."""
+        for req_id, keys in failed.items():
+            self._failed_loads.setdefault(req_id, set()).update(keys)
+        d = self.worker_disk
+        d["bytes"] += read_bytes
+        d["seconds"] += read_seconds
+        d["corrupt"] += corrupt
+        d["io_errors"] += io_errors
 
+    @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        reservations = req_context.get_state(_Reservations)
-        if reservations is not None:
-            self._release(req_context, list(reservations.keys))
+        return
 
+    @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.hierarchy.touch(keys)
 
+    @override
     def complete_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> None:
-        self.hierarchy.complete_load(keys)
-        if not self.promote_on_hit:
-            for key in keys:
-                self.hierarchy.drop_promoted_copy(key)
+        load = req_context.get_state(_LoadInFlight)
+        if load is None or load.load_id < 0:
+            raise RuntimeError("kvtier: complete_load without prepare_load")
+        req_context.set_state(_LoadInFlight(-1))
+        failed = self._failed_loads.pop(req_context.req_id, ())
+        if failed:
+            logger.warning(
+                "kvtier: %d disk block(s) of request %s could not be loaded "
+                "(I/O error or failed verification); dropped from the disk "
+                "tier, their tokens are recomputed",
+                len(failed),
+                req_context.req_id,
+            )
+        self.hierarchy.complete_load(load.load_id, failed)
 
+    @override
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
@@ -196,6 +187,7 @@ class TieredOffloadingManager(OffloadingManager):
             evicted_keys=plan.evicted_keys,
         )
 
+    @override
     def complete_store(
         self,
         keys: Collection[OffloadKey],
@@ -205,14 +197,17 @@ class TieredOffloadingManager(OffloadingManager):
         self.hierarchy.complete_store(keys, success)
         self._pump()
 
+    @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._pump()
 
+    @override
     def has_pending_work(self) -> bool:
         return self.runtime is not None and (
             self.hierarchy.has_pending_io or self.runtime.pending > 0
         )
 
+    @override
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.hierarchy.take_events()
         if not self.enable_events:
@@ -230,6 +225,7 @@ class TieredOffloadingManager(OffloadingManager):
                     locality=Locality.LOCAL,
                 )
 
+    @override
     def reset_cache(self) -> None:
         if self.runtime is not None:
             self.runtime.drain()
@@ -237,7 +233,9 @@ class TieredOffloadingManager(OffloadingManager):
             self.runtime.drain()
             self.runtime.poll()
         self.hierarchy.reset()
+        self._failed_loads.clear()
 
+    @override
     def shutdown(self) -> None:
         if self.runtime is not None:
             self.runtime.drain()
@@ -246,6 +244,7 @@ class TieredOffloadingManager(OffloadingManager):
 
     # --------------------------------------------------------------- stats
 
+    @override
     def get_stats(self) -> OffloadingConnectorStats | None:
         h = self.hierarchy
         stats = OffloadingConnectorStats()
@@ -270,30 +269,35 @@ class TieredOffloadingManager(OffloadingManager):
             (now.stores_completed - last.stores_completed) * bytes_per_block,
             ("cpu",),
         )
-        loads = (now.loads_cpu - last.loads_cpu) + (now.loads_disk - last.loads_disk)
-        counter(m.READ_BYTES, loads * bytes_per_block, ("cpu",))
+        counter(
+            m.READ_BYTES, (now.loads_cpu - last.loads_cpu) * bytes_per_block, ("cpu",)
+        )
         counter(m.EVICTIONS, now.cpu_evictions - last.cpu_evictions, ("cpu",))
         counter(m.EVICTIONS, now.disk_evictions - last.disk_evictions, ("disk",))
         counter(m.SPILLS, now.spills_completed - last.spills_completed)
         counter(m.SPILL_FAILURES, now.spill_failures - last.spill_failures)
         counter(m.PROMOTIONS, now.promotions_completed - last.promotions_completed)
-        counter(m.PROMOTION_FAILURES, now.promotion_failures - last.promotion_failures)
+        counter(m.LOADED_BLOCKS, now.loads_cpu - last.loads_cpu, ("cpu",))
+        counter(m.LOADED_BLOCKS, now.loads_disk - last.loads_disk, ("disk",))
+        counter(m.LOAD_ERRORS, now.load_failures - last.load_failures)
+        counter(m.CORRUPT_BLOCKS, now.corrupt_blocks - last.corrupt_blocks)
         counter(m.STORES_DECLINED, now.stores_declined - last.stores_declined)
+        d, ld = self.worker_disk, self._last_worker_disk
+        self._last_worker_disk = dict(d)
+        counter(m.READ_BYTES, d["bytes"] - ld["bytes"], ("disk",))
+        counter(m.READ_SECONDS, d["seconds"] - ld["seconds"], ("disk",))
+        checks = (d["corrupt"], d["io_errors"])
         if self.runtime is not None:
             t = self.runtime.totals
-            wb, ws, rb, rs = self._last_disk_totals
-            self._last_disk_totals = (
-                t.write_bytes,
-                t.write_seconds,
-                t.read_bytes,
-                t.read_seconds,
-            )
+            wb, ws = self._last_disk_totals
+            self._last_disk_totals = (t.write_bytes, t.write_seconds)
             counter(m.WRITE_BYTES, t.write_bytes - wb, ("disk",))
             counter(m.WRITE_SECONDS, t.write_seconds - ws, ("disk",))
-            counter(m.READ_BYTES, t.read_bytes - rb, ("disk",))
-            counter(m.READ_SECONDS, t.read_seconds - rs, ("disk",))
-            checks = (self.runtime.checksum_failures(), self.runtime.io_errors())
-            counter(m.CHECKSUM_FAILURES, checks[0] - self._last_checks[0])
-            counter(m.IO_ERRORS, checks[1] - self._last_checks[1])
-            self._last_checks = checks
+            checks = (
+                checks[0] + self.runtime.checksum_failures(),
+                checks[1] + self.runtime.io_errors(),
+            )
+        counter(m.CHECKSUM_FAILURES, checks[0] - self._last_checks[0])
+        counter(m.IO_ERRORS, checks[1] - self._last_checks[1])
+        self._last_checks = checks
         return stats

@@ -29,6 +29,9 @@ SPILLS = PREFIX + "spills"
 SPILL_FAILURES = PREFIX + "spill_failures"
 PROMOTIONS = PREFIX + "promotions"
 PROMOTION_FAILURES = PREFIX + "promotion_failures"
+LOADED_BLOCKS = PREFIX + "loaded_blocks"
+LOAD_ERRORS = PREFIX + "load_errors"
+CORRUPT_BLOCKS = PREFIX + "corrupt_blocks"
 CHECKSUM_FAILURES = PREFIX + "checksum_failures"
 IO_ERRORS = PREFIX + "io_errors"
 STORES_DECLINED = PREFIX + "stores_declined"
@@ -40,12 +43,13 @@ _DEFS: dict[str, OffloadingMetricMetadata] = {
     TIER_BLOCKS: OffloadingGaugeMetadata("Blocks resident in the tier.", TIER),
     TIER_CAPACITY: OffloadingGaugeMetadata("Capacity of the tier in blocks.", TIER),
     READ_BYTES: OffloadingCounterMetadata(
-        "Bytes read out of the tier (cpu: loads into the GPU; disk: promotions).",
+        "Bytes loaded out of the tier into the KV cache (disk: verified slot "
+        "bytes the workers read).",
         TIER,
     ),
     READ_SECONDS: OffloadingCounterMetadata(
-        "Seconds spent in disk-tier reads (queueing included); cpu-tier copy "
-        "time is vLLM's vllm:kv_offload_load_time.",
+        "Seconds the workers spent reading disk-tier slots for loads; cpu-tier "
+        "copy time is vLLM's vllm:kv_offload_load_time.",
         TIER,
     ),
     WRITE_BYTES: OffloadingCounterMetadata(
@@ -62,12 +66,28 @@ _DEFS: dict[str, OffloadingMetricMetadata] = {
     SPILL_FAILURES: OffloadingCounterMetadata(
         "Spills that failed (I/O error, disk full); the block stays CPU-only."
     ),
-    PROMOTIONS: OffloadingCounterMetadata("Blocks promoted disk -> CPU."),
+    PROMOTIONS: OffloadingCounterMetadata(
+        "Disk blocks that a load also copied into the CPU tier (verified)."
+    ),
     PROMOTION_FAILURES: OffloadingCounterMetadata(
-        "Promotions that failed (I/O error, checksum or header mismatch); a miss."
+        "Tiering mode: disk -> CPU copies that failed (I/O error, failed "
+        "verification); a miss."
+    ),
+    LOADED_BLOCKS: OffloadingCounterMetadata(
+        "Blocks loaded into the KV cache from the tier (a failed disk block is "
+        "not counted).",
+        TIER,
+    ),
+    LOAD_ERRORS: OffloadingCounterMetadata(
+        "Disk blocks a load could not use (I/O error, failed verification): "
+        "reported to vLLM as load errors, their tokens recomputed."
+    ),
+    CORRUPT_BLOCKS: OffloadingCounterMetadata(
+        "Disk copies dropped from the index because they failed verification."
     ),
     CHECKSUM_FAILURES: OffloadingCounterMetadata(
-        "Disk reads rejected by the checksum; each cost a miss, never data."
+        "Disk reads rejected by verification (checksum, header, key, "
+        "truncation); each cost a miss, never data."
     ),
     IO_ERRORS: OffloadingCounterMetadata("Disk I/O errors (any errno)."),
     STORES_DECLINED: OffloadingCounterMetadata(

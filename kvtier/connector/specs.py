@@ -1,34 +1,75 @@
-"""kvtier's LoadStoreSpecs: where the worker finds a block.
+"""kvtier's LoadStoreSpecs: where the worker finds or puts a block.
 
-vLLM passes these opaque objects from the scheduler-side manager to the
-worker; ``medium`` says which tier the block ids index.
+vLLM passes these objects from the scheduler-side manager to the workers
+(pickled when they run in other processes); ``medium`` names the tier.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
-from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec
+import numpy as np
+from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, LoadStoreSpec
+
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
+from kvtier.tiers.plans import BlockLocation
 
 
-class TierLoadStoreSpec(BlockIDsLoadStoreSpec):
-    """Rows of one kvtier tier; ``block_ids`` are slot numbers."""
+class CpuTierSpec(BlockIDsLoadStoreSpec):
+    """CPU-tier rows (the shared host buffer); ``block_ids`` are row numbers.
+    Stores always go here."""
 
-    MEDIUM: ClassVar[str]
+    MEDIUM: ClassVar[str] = MEDIUM_CPU
 
     @classmethod
     def medium(cls) -> str:
         return cls.MEDIUM
 
 
-class CpuTierSpec(TierLoadStoreSpec):
-    """CPU-tier rows (the shared host buffer). Disk blocks always reach the
-    GPU through a verified promotion into these rows first."""
+class TierLoadSpec(LoadStoreSpec):
+    """One load's blocks, each from the CPU tier or from disk.
 
-    MEDIUM = "cpu"
+    Parallel per offloaded block, in the order vLLM listed the keys:
+      - ``block_ids``: the CPU row or the disk slot;
+      - ``on_disk``: whether ``block_ids[i]`` is a disk slot;
+      - ``keys``: the block's key for disk blocks (the worker checks it
+        against the slot header), ``b""`` for CPU rows;
+      - ``promote_rows``: a CPU row the worker also copies a verified disk
+        block into, or -1.
+    """
 
+    MEDIUM: ClassVar[str] = "cpu+disk"
 
-class DiskTierSpec(TierLoadStoreSpec):
-    """Disk-tier slots (for tools and direct-read back ends)."""
+    def __init__(
+        self,
+        keys: Sequence[bytes],
+        locations: Sequence[BlockLocation],
+    ):
+        n = len(locations)
+        self.block_ids = np.fromiter((loc.slot for loc in locations), np.int64, n)
+        self.on_disk = np.fromiter(
+            (loc.medium == MEDIUM_DISK for loc in locations), np.bool_, n
+        )
+        self.keys = [
+            bytes(k) if loc.medium == MEDIUM_DISK else b""
+            for k, loc in zip(keys, locations)
+        ]
+        self.promote_rows = np.fromiter(
+            (-1 if loc.promote_slot is None else loc.promote_slot for loc in locations),
+            np.int64,
+            n,
+        )
 
-    MEDIUM = "disk"
+    @classmethod
+    def medium(cls) -> str:
+        return cls.MEDIUM
+
+    @property
+    def num_disk(self) -> int:
+        return int(self.on_disk.sum())
+
+    def __repr__(self) -> str:
+        return (
+            f"TierLoadSpec({len(self.block_ids)} blocks, {self.num_disk} from disk)"
+        )

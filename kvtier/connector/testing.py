@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
@@ -20,6 +20,22 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+
+if TYPE_CHECKING:
+    from kvtier.connector.spec import TieredOffloadingSpec
+
+
+def tiered_spec(config: OffloadingConfig) -> TieredOffloadingSpec:
+    """A ``TieredOffloadingSpec`` built as kvtier's connector builds it, for
+    tests and tools that drive its manager and worker without an engine."""
+    from kvtier.connector.connector import UNDER_KVTIER_CONNECTOR
+    from kvtier.connector.spec import TieredOffloadingSpec
+
+    token = UNDER_KVTIER_CONNECTOR.set(True)
+    try:
+        return TieredOffloadingSpec(config)
+    finally:
+        UNDER_KVTIER_CONNECTOR.reset(token)
 
 
 def offloading_config(

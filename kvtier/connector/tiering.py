@@ -93,7 +93,7 @@ from kvtier.connector.spec import _ELEM_SIZE, layout_fingerprint
 from kvtier.io.disk_store import store_dirname
 from kvtier.io.engine import TransferEngine
 from kvtier.io.format import slot_size
-from kvtier.tiers.hierarchy import PromoteOrder, SpillOrder, TransferItem
+from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 from kvtier.tiers.tier import BlockState, Tier
 
 if TYPE_CHECKING:
@@ -661,13 +661,13 @@ class _GroupCopier:
         self.copiers = copiers
         self.block_bytes = sum(c.block_bytes for c in copiers)
 
-    def to_cpu(self, plan: CopyPlan) -> torch.cuda.Event | None:
-        events = [c.to_cpu(plan) for c in self.copiers]
-        return next((e for e in reversed(events) if e is not None), None)
+    # Every tensor's copier runs on its own stream: the job is done only
+    # when all of their events fired, so all of them are returned.
+    def to_cpu(self, plan: CopyPlan) -> list[torch.cuda.Event]:
+        return [e for c in self.copiers if (e := c.to_cpu(plan)) is not None]
 
-    def to_gpu(self, plan: CopyPlan) -> torch.cuda.Event | None:
-        events = [c.to_gpu(plan) for c in self.copiers]
-        return next((e for e in reversed(events) if e is not None), None)
+    def to_gpu(self, plan: CopyPlan) -> list[torch.cuda.Event]:
+        return [e for c in self.copiers if (e := c.to_gpu(plan)) is not None]
 
 
 class _RegionHandle:
@@ -723,8 +723,11 @@ def _portable_worker_cls() -> type:
             for refs in kv_caches.group_data_refs:
                 idx = list(dict.fromkeys(ref.tensor_idx for ref in refs))
                 self.copiers.append(_GroupCopier([per_tensor[i] for i in idx]))
+            self.reader = None
+            self.disk_copiers = []
             self._finished = []
             self._in_flight = []
+            self._load_errors = {}
 
     return PortableTieringWorker
 

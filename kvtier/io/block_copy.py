@@ -66,13 +66,36 @@ def plan_copy(
     return CopyPlan(gpu, rows[chunk], logical % blocks_per_chunk)
 
 
+def word_size(tensors: Sequence[torch.Tensor]) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that every byte view in
+    ``tensors`` can be reinterpreted as: sizes, strides and storage offsets
+    all divisible by it."""
+    for word in (8, 4, 2, 1):
+        if all(
+            t.shape[-1] % word == 0
+            and t.storage_offset() % word == 0
+            and all(st % word == 0 for st in t.stride()[:-1])
+            for t in tensors
+        ):
+            return word
+    return 1
+
+
+_WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
 class BlockCopier:
     """Copies blocks between KV-cache tensors and a CPU row buffer.
 
     ``kv_tensors`` are ``(num_gpu_blocks, page_bytes_i)`` byte views (any
     dtype is reinterpreted as uint8); ``cpu_rows`` is a uint8 tensor shaped
-    ``(num_rows, row_bytes)`` with ``row_bytes >=
-    blocks_per_chunk * sum(page_bytes_i)``.
+    ``(num_rows, row_bytes)`` (rows may be strided, e.g. the payloads of a
+    disk bounce area) with ``row_bytes >= blocks_per_chunk *
+    sum(page_bytes_i)``.
+
+    Copies index whole machine words, not bytes: on the CPU platform an
+    indexed copy costs per element, and an int64 view moves the same bytes
+    with an eighth of the elements (8 MiB: ~31 ms as bytes, ~4 ms as words).
     """
 
     def __init__(
@@ -83,24 +106,32 @@ class BlockCopier:
     ):
         if cpu_rows.dtype != torch.uint8 or cpu_rows.dim() != 2:
             raise ValueError("cpu_rows must be a 2-D uint8 tensor")
+        if cpu_rows.stride(1) != 1:
+            raise ValueError("cpu_rows must be contiguous within a row")
         self.blocks_per_chunk = blocks_per_chunk
-        self.kv = [self._as_bytes(t) for t in kv_tensors]
-        self.device = self.kv[0].device if self.kv else torch.device("cpu")
-        self.page_bytes = [t.shape[1] for t in self.kv]
+        kv_bytes = [self._as_bytes(t) for t in kv_tensors]
+        self.device = kv_bytes[0].device if kv_bytes else torch.device("cpu")
+        self.page_bytes = [t.shape[1] for t in kv_bytes]
         needed = blocks_per_chunk * sum(self.page_bytes)
         if needed > cpu_rows.shape[1]:
             raise ValueError(
                 f"a CPU row holds {cpu_rows.shape[1]} B but a chunk needs {needed} B"
             )
         self.block_bytes = sum(self.page_bytes)
-        # One strided (rows, sub-block, page) view per KV tensor into the
-        # row buffer, so a copy is one indexed assignment per tensor.
-        self.cpu_views: list[torch.Tensor] = []
+        spans: list[torch.Tensor] = []
         offset = 0
         for page in self.page_bytes:
-            span = cpu_rows[:, offset : offset + blocks_per_chunk * page]
-            self.cpu_views.append(span.unflatten(1, (blocks_per_chunk, page)))
+            spans.append(cpu_rows[:, offset : offset + blocks_per_chunk * page])
             offset += blocks_per_chunk * page
+        self.word = word_size([*kv_bytes, *spans])
+        dtype = _WORD_DTYPE[self.word]
+        self.kv = [t.view(dtype) for t in kv_bytes]
+        # One strided (rows, sub-block, page) view per KV tensor into the
+        # row buffer, so a copy is one indexed assignment per tensor.
+        self.cpu_views: list[torch.Tensor] = [
+            span.view(dtype).unflatten(1, (blocks_per_chunk, page // self.word))
+            for span, page in zip(spans, self.page_bytes)
+        ]
         self.is_cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
 

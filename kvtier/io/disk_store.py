@@ -68,6 +68,27 @@ class ReadOutcome(Enum):
     IO_ERROR = "io_error"  # the read itself failed (errno logged)
 
 
+def check_header(
+    hdr: SlotHeader,
+    key: bytes | None,
+    digest: bytes,
+    block_bytes: int,
+    slot_bytes: int,
+) -> ReadOutcome:
+    """Whether a parsed header belongs to this layout, this key (``None``:
+    any key) and a slot of ``slot_bytes`` holding ``block_bytes`` blocks.
+
+    The one header check shared by the disk store and the workers' slot
+    reader (``kvtier.io.slot_reader``)."""
+    if hdr.fingerprint != digest:
+        return ReadOutcome.FINGERPRINT_MISMATCH
+    if key is not None and hdr.key != key:
+        return ReadOutcome.KEY_MISMATCH
+    if hdr.raw_len != block_bytes or HEADER_SIZE + hdr.payload_len > slot_bytes:
+        return ReadOutcome.BAD_HEADER
+    return ReadOutcome.OK
+
+
 @dataclass
 class DiskStoreStats:
     """Cumulative counters of one DiskStore (``stats()`` returns a copy)."""
@@ -301,16 +322,7 @@ class DiskStore:
         )
 
     def _check_header(self, hdr: SlotHeader, key: bytes | None) -> ReadOutcome:
-        if hdr.fingerprint != self._digest:
-            return ReadOutcome.FINGERPRINT_MISMATCH
-        if key is not None and hdr.key != key:
-            return ReadOutcome.KEY_MISMATCH
-        if (
-            hdr.raw_len != self.block_bytes
-            or HEADER_SIZE + hdr.payload_len > self.slot_size
-        ):
-            return ReadOutcome.BAD_HEADER
-        return ReadOutcome.OK
+        return check_header(hdr, key, self._digest, self.block_bytes, self.slot_size)
 
     def _bump_seq(self, seen: int) -> None:
         with self._lock:

@@ -2,7 +2,8 @@
 hierarchy and its residency events. Pure Python: no I/O, no vLLM."""
 
 from kvtier.tiers.events import MEDIA, MEDIUM_CPU, MEDIUM_DISK, TierEvent, replay
-from kvtier.tiers.hierarchy import (
+from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.plans import (
     BlockLocation,
     HierarchyStats,
     LoadPlan,
@@ -10,7 +11,6 @@ from kvtier.tiers.hierarchy import (
     Residency,
     SpillOrder,
     StorePlan,
-    TierHierarchy,
     TransferItem,
 )
 from kvtier.tiers.policy import (

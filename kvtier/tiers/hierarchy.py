@@ -1,9 +1,10 @@
 """The cascading hierarchy: a CPU tier over an optional disk tier.
 
 This is the scheduler-side brain of kvtier. It decides where every block
-lives and hands out *orders* (GPU->CPU stores, CPU->disk spills, disk->CPU
-promotions) that the worker side executes asynchronously; it never performs
-or waits for I/O itself, so every call here is O(blocks touched).
+lives and hands out *plans* and *orders* (GPU->CPU stores, CPU->disk spills,
+loads from either tier) that the worker side executes asynchronously; it
+never performs or waits for I/O itself, so every call here is O(blocks
+touched).
 
 Block life cycle::
 
@@ -15,10 +16,19 @@ Block life cycle::
                                                        │ CPU needs room
                                                        ▼
                                                    disk READY only
-                                                       │ promotion order
+                                                       │ prepare_load: the worker
+                                                       │ reads the slot itself
                                                        ▼
-                            cpu WRITING + disk READY (pinned) ──complete_promotion──►
-                            cpu READY (clean) + disk READY
+                  disk READY (pinned) [+ cpu WRITING when a row was free]
+                                                       │ complete_load
+                                                       ▼
+                  disk READY [+ cpu READY (clean): the verified copy went up]
+
+A disk block is loaded straight from its slot: a load never waits for CPU
+room. When a CPU row can be had without waiting (a free row or a clean
+victim), the load also copies the verified block into it ("promotion"); a
+disk block that failed verification is dropped at ``complete_load`` and its
+promotion row is given back, so it is a miss next time.
 
 Keys passed together (a request's blocks, in prefix order) are ranked in
 *reverse*: a prompt's first block becomes the most recently used, so its
@@ -39,95 +49,25 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import NamedTuple
 
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, TierEvent
+from kvtier.tiers.plans import (
+    BlockLocation,
+    HierarchyStats,
+    Key,
+    LoadPlan,
+    Residency,
+    SpillOrder,
+    StorePlan,
+    TransferItem,
+)
 from kvtier.tiers.tier import BlockState, Tier, TierBlock
 
-Key = Hashable
-
-
-class Residency(Enum):
-    """Answer of :meth:`TierHierarchy.lookup` for one key."""
-
-    HIT_CPU = "hit_cpu"  # ready on CPU
-    HIT_DISK = "hit_disk"  # ready on disk only
-    PENDING = "pending"  # being written (store or promotion in flight)
-    MISS = "miss"
-
-    @property
-    def is_hit(self) -> bool:
-        return self in (Residency.HIT_CPU, Residency.HIT_DISK)
-
-
-class BlockLocation(NamedTuple):
-    medium: str
-    slot: int
-
-
-@dataclass(slots=True)
-class LoadPlan:
-    """Where to read each key from; the blocks stay pinned until
-    :meth:`TierHierarchy.complete_load`."""
-
-    keys: list[Key]
-    locations: list[BlockLocation]
-
-
-@dataclass(slots=True)
-class StorePlan:
-    """CPU slots to write ``keys_to_store`` into (same order), and the keys
-    that left the CPU tier to make room (their disk copy, if any, stays)."""
-
-    keys_to_store: list[Key]
-    cpu_slots: list[int]
-    evicted_keys: list[Key]
-
-
-@dataclass(frozen=True, slots=True)
-class TransferItem:
-    key: Key
-    src_slot: int
-    dst_slot: int
-
-
-@dataclass(frozen=True, slots=True)
-class SpillOrder:
-    """Copy CPU slot ``src_slot`` to disk slot ``dst_slot`` for each item."""
-
-    job_id: int
-    items: tuple[TransferItem, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PromoteOrder:
-    """Copy disk slot ``src_slot`` into CPU slot ``dst_slot`` for each item."""
-
-    job_id: int
-    items: tuple[TransferItem, ...]
-
-
-@dataclass
-class HierarchyStats:
-    """Monotonic counters since construction (the metrics layer diffs them)."""
-
-    stores_completed: int = 0
-    stores_failed: int = 0
-    stores_declined: int = 0
-    cpu_evictions: int = 0
-    disk_evictions: int = 0
-    spills_started: int = 0
-    spills_completed: int = 0
-    spill_failures: int = 0
-    promotions_started: int = 0
-    promotions_completed: int = 0
-    promotion_failures: int = 0
-    loads_cpu: int = 0
-    loads_disk: int = 0
-    corrupt_blocks: int = 0
+# How many eviction candidates a load may inspect to find a CPU row for a
+# promotion: a promotion is an extra, so it never pays for a long scan.
+PROMOTION_SCAN = 64
 
 
 @dataclass
@@ -162,6 +102,7 @@ class TierHierarchy:
         spill_watermark: float = 0.75,
         spill_batch: int = 64,
         promote_on_hit: bool = True,
+        record_events: bool = True,
     ):
         if cpu_blocks <= 0:
             raise ValueError(f"cpu_blocks must be > 0, got {cpu_blocks}")
@@ -176,6 +117,9 @@ class TierHierarchy:
         self.spill_watermark = spill_watermark
         self.spill_batch = max(1, spill_batch)
         self.promote_on_hit = promote_on_hit
+        # Without a consumer (KV events off) nothing drains the events, so
+        # none are recorded: an undrained list would grow without bound.
+        self.record_events = record_events
         self.stats = HierarchyStats()
 
         # Dirty CPU blocks (READY on CPU, not READY/WRITING on disk, not
@@ -187,19 +131,12 @@ class TierHierarchy:
         self._unspillable: set[Key] = set()
         self._spilling: dict[Key, int] = {}  # key -> job id
         self._spill_jobs: dict[int, _PendingJob] = {}
-        self._promote_jobs: dict[int, _PendingJob] = {}
-        self._promoting: dict[Key, int] = {}  # key -> job id
         self._new_spills: list[SpillOrder] = []
-        self._new_promotions: list[PromoteOrder] = []
-        self._promotion_queue: list[TransferItem] = []  # not yet cut into orders
-        self._promotion_wanted: list[Key] = []
         # Keys whose CPU copy came from disk, so hits keep reporting "disk"
         # as their source until the block is stored again.
         self._promoted: set[Key] = set()
-        # Media pinned by the outstanding loads of each key, oldest first.
-        self._load_pins: dict[Key, list[str]] = {}
-        # Reservation pins held on promoted CPU blocks (see release()).
-        self._reserved: dict[Key, int] = {}
+        # Loads planned and not completed yet: what each pinned where.
+        self._loads: dict[int, LoadPlan] = {}
         # Pending events as (medium, removed, reason, keys), frozen on take.
         self._events: list[tuple[str, bool, str, list[Key]]] = []
         self._next_job_id = 1
@@ -208,18 +145,13 @@ class TierHierarchy:
 
     def lookup(self, key: Key) -> Residency:
         """Hit if READY in some tier (CPU first); PENDING if only being
-        written (a store, or a promotion whose disk copy is gone); else
-        MISS."""
+        written (a store in flight); else MISS."""
         block = self.cpu.get(key)
         if block is not None and block.state is BlockState.READY:
             return Residency.HIT_CPU
         if self.disk is not None and self.disk.is_ready(key):
             return Residency.HIT_DISK
         return Residency.PENDING if block is not None else Residency.MISS
-
-    def is_promoting(self, key: Key) -> bool:
-        """A disk -> CPU copy of ``key`` is in flight."""
-        return key in self._promoting
 
     def prefix_hits(self, keys: Iterable[Key]) -> int:
         """Consecutive keys from the first that are ready in *any* tier."""
@@ -239,59 +171,98 @@ class TierHierarchy:
 
     # -------------------------------------------------------------------- load
 
-    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
-        """Pin each key where it is ready (CPU preferred) and say where."""
-        locations: list[BlockLocation] = []
-        cpu, disk, load_pins = self.cpu, self.disk, self._load_pins
-        for i, key in enumerate(keys):
+    def prepare_load(self, keys: Sequence[Key], promote: bool | None = None) -> LoadPlan:
+        """Pin each key where it is ready (CPU preferred) and say where.
+
+        A key read from disk also gets a CPU row to be copied into when one
+        is free or a clean block can give its row up (``promote``, default
+        ``promote_on_hit``); the load never waits for one. Raises
+        ``KeyError`` (pinning nothing) if a key is not ready anywhere."""
+        if promote is None:
+            promote = self.promote_on_hit
+        cpu, disk = self.cpu, self.disk
+        blocks: list[TierBlock] = []
+        media: list[str] = []
+        for key in keys:
             block = cpu.get(key)
             if block is not None and block.state is BlockState.READY:
-                medium = MEDIUM_CPU
+                media.append(MEDIUM_CPU)
             else:
                 block = disk.get(key) if disk is not None else None
                 if block is None or block.state is not BlockState.READY:
-                    self._rollback_load(keys[:i], locations)
                     raise KeyError(f"prepare_load of {key!r}, which is not ready")
-                medium = MEDIUM_DISK
+                media.append(MEDIUM_DISK)
+            blocks.append(block)
+        # Pin before making room for promotions: the victims must never
+        # include a block this very load reads.
+        for block in blocks:
             block.pins += 1
-            pins = load_pins.get(key)
-            if pins is None:
-                load_pins[key] = [medium]
-            else:
-                pins.append(medium)
-            locations.append(BlockLocation(medium, block.slot))
+        # Rows for promotions: only keys that have no CPU block at all (one
+        # being written already has its row), found by a short scan.
+        promote_keys: set[Key] = set()
+        if promote and disk is not None:
+            wanted = [
+                k for k, m in zip(keys, media) if m == MEDIUM_DISK and k not in cpu
+            ]
+            if wanted:
+                room = self._make_room(
+                    cpu, len(set(wanted)), self._droppable, limit=PROMOTION_SCAN
+                )
+                for key in wanted:
+                    if room == 0:
+                        break
+                    if key not in promote_keys:
+                        promote_keys.add(key)
+                        room -= 1
+        locations: list[BlockLocation] = []
+        for key, block, medium in zip(keys, blocks, media):
+            promote_slot = None
+            if key in promote_keys:
+                promote_keys.discard(key)
+                promote_slot = cpu.allocate(key, origin="promote").slot
+            locations.append(BlockLocation(medium, block.slot, promote_slot))
         for key, loc in zip(reversed(keys), reversed(locations)):
             self._tier(loc.medium).policy.touch(key)  # head ranks newest
             if key in self._dirty:
                 self._dirty.move_to_end(key)
-        n_disk = sum(1 for loc in locations if loc.medium == MEDIUM_DISK)
-        self.stats.loads_cpu += len(locations) - n_disk
-        self.stats.loads_disk += n_disk
-        return LoadPlan(list(keys), locations)
+        plan = LoadPlan(self._new_job_id(), list(keys), locations)
+        self._loads[plan.load_id] = plan
+        return plan
 
-    def _rollback_load(
-        self, keys: Sequence[Key], locations: list[BlockLocation]
-    ) -> None:
-        # A plan is all or nothing: release the pins taken so far.
-        for key, loc in zip(keys, locations):
-            self._tier(loc.medium).unpin(key)
-            pins = self._load_pins[key]
-            pins.pop()
-            if not pins:
-                del self._load_pins[key]
-
-    def complete_load(self, keys: Iterable[Key]) -> None:
-        """Release the pins of the oldest outstanding load of each key."""
-        for key in keys:
-            pins = self._load_pins.get(key)
-            if not pins:
-                raise KeyError(f"complete_load of {key!r} without prepare_load")
-            medium = pins.pop(0)
-            if not pins:
-                del self._load_pins[key]
-            tier = self._tier(medium)
-            if key in tier:
+    def complete_load(self, load_id: int, failed: Iterable[Key] = ()) -> None:
+        """Release a load's pins. Keys in ``failed`` were read from disk and
+        could not be used (I/O error or failed verification): their disk
+        copy is dropped as corrupt once no other load reads it, and their
+        promotion row is given back unwritten. Other promoted keys become
+        ready on CPU."""
+        plan = self._loads.pop(load_id)
+        bad = set(failed)
+        promoted: list[Key] = []
+        stats = self.stats
+        for key, loc in zip(plan.keys, plan.locations):
+            tier = self._tier(loc.medium)
+            block = tier.get(key)
+            if block is not None:
                 tier.unpin(key)
+            if loc.medium == MEDIUM_CPU:
+                stats.loads_cpu += 1
+                continue
+            if key in bad:
+                stats.load_failures += 1
+                if loc.promote_slot is not None:
+                    self.cpu.remove(key)
+                if block is not None and block.pins == 0:
+                    stats.corrupt_blocks += 1
+                    self._drop_from_disk(key, reason="corrupt")
+                continue
+            stats.loads_disk += 1
+            if loc.promote_slot is not None:
+                self.cpu.mark_ready(key)
+                self._promoted.add(key)
+                promoted.append(key)
+        if promoted:
+            stats.promotions_completed += len(promoted)
+            self._emit(promoted, MEDIUM_CPU, removed=False, reason="promote")
 
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark keys used; the first key ends up most recent (prefix order)."""
@@ -444,12 +415,14 @@ class TierHierarchy:
         n: int,
         accept: Callable[[Key, TierBlock], bool],
         exclude: set[Key] | frozenset[Key] = frozenset(),
+        limit: int | None = None,
     ) -> int:
         """Free slots for up to ``n`` new blocks by dropping victims that
-        ``accept`` allows; returns how many slots are now free (<= n)."""
+        ``accept`` allows (inspecting at most ``limit`` candidates); returns
+        how many slots are now free (<= n)."""
         need = n - tier.num_free
         if need > 0:
-            victims = tier.victims(need, accept, exclude)
+            victims = tier.victims(need, accept, exclude, limit=limit)
             drop = self._drop_from_cpu if tier is self.cpu else self._drop_from_disk
             for key in victims:
                 drop(key, reason="evict")
@@ -461,106 +434,6 @@ class TierHierarchy:
 
     # --------------------------------------------------------------- promotion
 
-    def request_promotion(
-        self, keys: Iterable[Key], reserve: bool = False
-    ) -> list[Key]:
-        """Queue disk-only keys to be copied up into the CPU tier.
-
-        Returns the keys for which a promotion is now in flight (including
-        ones already in flight). Keys that cannot get a CPU slot without
-        waiting are skipped; callers retry later. With ``reserve``, each
-        newly promoted CPU block holds one pin until :meth:`release`, so
-        another promotion cannot evict it before its requester loads it.
-        """
-        disk = self.disk
-        in_flight: list[Key] = []
-        wanted: list[Key] = []
-        for key in keys:
-            if key in self._promoting:
-                in_flight.append(key)
-            elif disk is not None and key not in self.cpu and disk.is_ready(key):
-                wanted.append(key)
-        if not wanted:
-            return in_flight
-        assert disk is not None
-        room = self._make_room(self.cpu, len(wanted), self._droppable)
-        items: list[TransferItem] = []
-        for key in wanted[:room]:
-            cpu_block = self.cpu.allocate(key, origin="promote")
-            if reserve:
-                cpu_block.pins += 1
-                self._reserved[key] = self._reserved.get(key, 0) + 1
-            disk_block = disk.pin(key)
-            disk.touch(key)
-            items.append(TransferItem(key, disk_block.slot, cpu_block.slot))
-            in_flight.append(key)
-        if room < len(wanted):
-            # The rest waits for spills to make CPU blocks droppable; queued
-            # only now, so their disk evictions cannot take a block that is
-            # about to be promoted (those are pinned above).
-            self._queue_spills(len(wanted) - room)
-        if items:
-            # Orders are cut in take_promotions: promotions requested one key
-            # at a time during a scheduler pass leave as one batched job.
-            self._promotion_queue.extend(items)
-            for item in items:
-                self._promoting[item.key] = 0  # job id assigned when taken
-            self.stats.promotions_started += len(items)
-        return in_flight
-
-    def release(self, key: Key) -> None:
-        """Drop the reservation pin taken by ``request_promotion(reserve=True)``
-        (no-op if the block already left, e.g. its promotion failed)."""
-        count = self._reserved.get(key, 0)
-        if count == 0:
-            return
-        if count == 1:
-            del self._reserved[key]
-        else:
-            self._reserved[key] = count - 1
-        self.cpu.unpin(key)
-
-    def take_promotions(self) -> list[PromoteOrder]:
-        queue, self._promotion_queue = self._promotion_queue, []
-        for i in range(0, len(queue), self.spill_batch):
-            chunk = tuple(queue[i : i + self.spill_batch])
-            job_id = self._new_job_id()
-            self._promote_jobs[job_id] = _PendingJob(chunk)
-            for item in chunk:
-                self._promoting[item.key] = job_id
-            self._new_promotions.append(PromoteOrder(job_id, chunk))
-        orders, self._new_promotions = self._new_promotions, []
-        return orders
-
-    def complete_promotion(self, job_id: int, failed_keys: Iterable[Key] = ()) -> None:
-        """A promotion finished; ``failed_keys`` could not be read back
-        intact (I/O error, checksum, header mismatch): their disk copy is
-        dropped, so the next lookup is a clean miss."""
-        job = self._promote_jobs.pop(job_id)
-        failed = set(failed_keys)
-        done: list[Key] = []
-        for item in job.items:
-            key = item.key
-            self._promoting.pop(key, None)
-            assert self.disk is not None
-            if key in self.disk:
-                self.disk.unpin(key)
-            if key in failed:
-                self._reserved.pop(key, None)
-                if key in self.cpu:
-                    self.cpu.remove(key)
-                self.stats.promotion_failures += 1
-                if self.disk.is_ready(key) and self.disk.get(key).pins == 0:  # type: ignore[union-attr]
-                    self.stats.corrupt_blocks += 1
-                    self._drop_from_disk(key, reason="corrupt")
-                continue
-            self.cpu.mark_ready(key)
-            self._promoted.add(key)
-            done.append(key)
-        if done:
-            self.stats.promotions_completed += len(done)
-            self._emit(done, MEDIUM_CPU, removed=False, reason="promote")
-
     def demote(self, key: Key) -> bool:
         """Drop ``key``'s CPU copy if it is idle and also ready on disk (the
         disk copy stays). True if dropped."""
@@ -571,20 +444,6 @@ class TierHierarchy:
             return False
         self._drop_from_cpu(key, reason="evict")
         return True
-
-    def drop_promoted_copy(self, key: Key) -> bool:
-        """Give up the CPU copy of a promoted block nobody reads any more
-        (``promote_on_hit`` off); its disk copy stays. True if dropped."""
-        return key in self._promoted and self.demote(key)
-
-    def drop_corrupt(self, key: Key) -> None:
-        """The worker found ``key``'s disk copy unreadable during a load."""
-        if self.disk is not None and self.disk.is_ready(key):
-            block = self.disk.get(key)
-            assert block is not None
-            self.stats.corrupt_blocks += 1
-            if block.pins == 0:
-                self._drop_from_disk(key, reason="corrupt")
 
     # ----------------------------------------------------------------- restore
 
@@ -613,14 +472,9 @@ class TierHierarchy:
         self._unspillable.clear()
         self._spilling.clear()
         self._spill_jobs.clear()
-        self._promote_jobs.clear()
-        self._promoting.clear()
         self._new_spills.clear()
-        self._new_promotions.clear()
-        self._promotion_queue.clear()
         self._promoted.clear()
-        self._load_pins.clear()
-        self._reserved.clear()
+        self._loads.clear()
 
     # ------------------------------------------------------------------ events
 
@@ -643,12 +497,12 @@ class TierHierarchy:
 
     @property
     def has_pending_io(self) -> bool:
-        return bool(
-            self._spill_jobs
-            or self._promote_jobs
-            or self._new_spills
-            or self._promotion_queue
-        )
+        return bool(self._spill_jobs or self._new_spills)
+
+    @property
+    def num_loads(self) -> int:
+        """Loads planned and not completed."""
+        return len(self._loads)
 
     @property
     def num_dirty(self) -> int:
@@ -705,6 +559,8 @@ class TierHierarchy:
     def _emit(
         self, keys: Sequence[Key], medium: str, removed: bool, reason: str
     ) -> None:
+        if not self.record_events:
+            return
         # Consecutive events of the same kind coalesce into one (amortized
         # O(1) per key), which keeps event streams short for batch evictions.
         last = self._events[-1] if self._events else None

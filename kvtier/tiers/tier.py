@@ -7,6 +7,7 @@ or onto disk (a slab slot).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -156,15 +157,20 @@ class Tier:
         n: int,
         accept: Callable[[Hashable, TierBlock], bool] | None = None,
         exclude: set[Hashable] | frozenset[Hashable] = frozenset(),
+        limit: int | None = None,
     ) -> list[Hashable]:
         """Up to ``n`` evictable keys in policy order (nothing is removed).
 
         ``accept`` can narrow the choice further (e.g. only blocks that are
-        safe to drop). Cost is proportional to the candidates inspected."""
+        safe to drop). Cost is proportional to the candidates inspected, at
+        most ``limit`` of them when given."""
         chosen: list[Hashable] = []
         if n <= 0:
             return chosen
-        for key in self.policy.candidates():
+        candidates = self.policy.candidates()
+        if limit is not None:
+            candidates = itertools.islice(candidates, limit)
+        for key in candidates:
             if key in exclude:
                 continue
             block = self._blocks[key]

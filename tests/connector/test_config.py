@@ -41,6 +41,7 @@ for _key, _frag in (
     ("cpu_bytes_to_use", INT_MIN1),
     ("disk_bytes_to_use", INT_MIN0),
     ("disk_io_threads", INT_MIN1),
+    ("disk_load_buffer_bytes", "integer >= 1048576"),
 ):
     for _bad in (1.5, "1e9", "lots", True, None, [1], {"a": 1}):
         if _bad is None and _key != "cpu_bytes_to_use":

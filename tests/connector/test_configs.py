@@ -56,17 +56,21 @@ def test_expected_files_exist() -> None:
 def test_config_file_is_valid(path: Path) -> None:
     assert path.suffix == ".json", f"{path.name}: configs/ holds JSON files only"
     cfg = _load(path)  # raises on invalid JSON
-    assert cfg["kv_connector"] == "OffloadingConnector"
     assert cfg["kv_role"] == "kv_both"
     extra = cfg["kv_connector_extra_config"]
     spec = extra.get("spec_name")
     if spec == TIERED:
+        # kvtier's connector, which recomputes a failed disk load.
+        assert cfg["kv_connector"] == "TieredOffloadingConnector"
+        assert cfg["kv_connector_module_path"] == "kvtier.connector"
+        assert cfg["kv_load_failure_policy"] == "recompute"
         assert extra["spec_module_path"] == "kvtier.connector"
         parsed = parse_extra_config(extra)
         assert parsed.cpu_bytes_to_use > 0
         for disk_path in parsed.disk_paths:
             assert disk_path.startswith("/mnt/"), disk_path
     elif spec in TIERING_SPECS:
+        assert cfg["kv_connector"] == "OffloadingConnector"
         assert extra.get("spec_module_path") == TIERING_SPECS[spec]
         assert int(extra["cpu_bytes_to_use"]) > 0
         tiers = [
@@ -110,6 +114,8 @@ def test_vllm_cli_accepts_config_file_text(path: Path) -> None:
     kv = args.kv_transfer_config
     cfg = _load(path)
     assert kv.kv_connector == cfg["kv_connector"]
+    assert kv.kv_connector_module_path == cfg.get("kv_connector_module_path")
+    assert kv.kv_load_failure_policy == cfg.get("kv_load_failure_policy", "fail")
     assert kv.kv_role == cfg["kv_role"]
     assert kv.kv_connector_extra_config == cfg["kv_connector_extra_config"]
 
@@ -118,6 +124,13 @@ def test_vllm_cli_accepts_config_file_text(path: Path) -> None:
 def test_tiered_spec_is_importable_by_name() -> None:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
-    extra = _extra(CONFIG_DIR / "cpu-disk.json")
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    cfg = _load(CONFIG_DIR / "cpu-disk.json")
+    extra = cfg["kv_connector_extra_config"]
     module = importlib.import_module(extra["spec_module_path"])
     assert issubclass(getattr(module, extra["spec_name"]), OffloadingSpec)
+    module = importlib.import_module(cfg["kv_connector_module_path"])
+    assert issubclass(getattr(module, cfg["kv_connector"]), OffloadingConnector)

@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     make_offload_key,
 )
 
-from kvtier.connector.testing import offloading_config  # noqa: E402
+from kvtier.connector.testing import offloading_config, tiered_spec  # noqa: E402
 from kvtier.io.format import slot_size  # noqa: E402
 
 NUM_GPU_BLOCKS = 64
@@ -82,25 +82,31 @@ class RequestRunner:
             for i in range(n)
         ]
 
-    def _run_job(self, submit, *args) -> None:
+    def _run_job(self, submit, *args):
         self.job += 1
         assert submit(self.job, *args)
         finished = self.worker.get_finished()
         assert [r.job_id for r in finished] == [self.job]
-        assert all(r.success for r in finished)
+        return finished[0]
 
-    def store(self, name: str, gpu_blocks: list[int]) -> list[bytes]:
-        """A request computed ``gpu_blocks``; offload them (vLLM order)."""
-        keys = self.keys(name, len(gpu_blocks))
+    def store(self, name: str, gpu_blocks: list[int], start: int = 0) -> list[bytes]:
+        """A request computed ``gpu_blocks`` (its blocks ``start``, ``start`` +
+        1, ...); offload them (vLLM order)."""
+        keys = self.keys(name, start + len(gpu_blocks))[start:]
         ctx = ReqContext(req_id=name)
         self.manager.on_new_request(ctx)
         out = self.manager.prepare_store(keys, ctx)
+        for _ in range(3):  # declined: vLLM asks again on a later step
+            if out is not None:
+                break
+            self.settle()
+            out = self.manager.prepare_store(keys, ctx)
         assert out is not None, "store declined"
         index = {k: b for k, b in zip(keys, gpu_blocks)}
         src = [index[k] for k in out.keys_to_store]
         if src:
             spec = GPULoadStoreSpec(src, [len(src)], [0])
-            self._run_job(self.worker.submit_store, spec, out.store_spec)
+            assert self._run_job(self.worker.submit_store, spec, out.store_spec).success
         for k, b in zip(keys, gpu_blocks):
             self.truth[k] = [t[b].clone() for t in self.kv]
         self.manager.complete_store(out.keys_to_store, ctx)
@@ -137,7 +143,12 @@ class RequestRunner:
             self.manager.on_schedule_end(None)
             time.sleep(0.005)
 
-    def load(self, keys: list[bytes], gpu_blocks: list[int]) -> dict[str, int]:
+    def load(
+        self, keys: list[bytes], gpu_blocks: list[int], *, expect_failed=()
+    ) -> dict[str, int]:
+        """Load ``keys`` into ``gpu_blocks`` as vLLM's connector does; keys in
+        ``expect_failed`` must come back as a failed job whose GPU blocks
+        were left untouched (and are reported to the manager)."""
         ctx = self.ctx
         spec = self.manager.prepare_load(keys, ctx)
         sources = {}
@@ -147,12 +158,23 @@ class RequestRunner:
         for t in self.kv:
             t[gpu_blocks] = 0  # the destination blocks hold garbage
         dst = GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0])
-        self._run_job(self.worker.submit_load, spec, dst)
+        result = self._run_job(self.worker.submit_load, spec, dst)
+        bad = set(expect_failed)
+        assert result.success == (not bad)
+        if bad:
+            error = self.worker.take_load_error(result.job_id)
+            assert set(error.keys) == bad
+            want = {b for k, b in zip(keys, gpu_blocks) if k in bad}
+            assert error.gpu_block_ids == want
+            self.manager.note_worker_report({ctx.req_id: error.keys})
         self.manager.complete_load(keys, ctx)
         self.manager.on_request_finished(ctx)
         for key, b in zip(keys, gpu_blocks):
             for layer, t in enumerate(self.kv):
-                assert torch.equal(t[b], self.truth[key][layer]), (key.hex(), layer)
+                if key in bad:  # never a byte of a block that failed
+                    assert not t[b].any(), (key.hex(), layer)
+                else:
+                    assert torch.equal(t[b], self.truth[key][layer]), (key.hex(), layer)
         return sources
 
     def close(self):
@@ -162,12 +184,21 @@ class RequestRunner:
 
 @pytest.fixture
 def runner(tmp_path):
-    from kvtier.connector.spec import TieredOffloadingSpec
-
-    spec = TieredOffloadingSpec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32))
-    r = RequestRunner(spec)
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
     yield r
     r.close()
+
+
+def push_to_disk(runner, first_blocks: list[int], others: str = "bcd") -> list[bytes]:
+    """Store request "a", then enough others that a lives on disk only."""
+    first = runner.store("a", first_blocks)
+    runner.settle()
+    for i, name in enumerate(others):
+        runner.store(name, [10 + 4 * i + j for j in range(4)])
+        runner.settle()
+    h = runner.manager.hierarchy
+    assert all(h.lookup(k).name == "HIT_DISK" for k in first)
+    return first
 
 
 def test_cpu_hit_roundtrip(runner):
@@ -177,43 +208,98 @@ def test_cpu_hit_roundtrip(runner):
 
 
 def test_cascade_to_disk_and_back(runner):
-    first = runner.store("a", [1, 2, 3, 4])
-    runner.settle()
-    for i, name in enumerate("bcd"):
-        runner.store(name, [10 + 4 * i + j for j in range(4)])
-        runner.settle()
+    first = push_to_disk(runner, [1, 2, 3, 4])
     h = runner.manager.hierarchy
-    assert all(h.lookup(k).name == "HIT_DISK" for k in first)
+    # Disk hits are hits at once: no deferral, no promotion first.
     assert runner.lookup("a", first) == 4
     assert runner.load(first, [50, 51, 52, 53]) == {"disk": 4}
+    assert h.stats.loads_disk == 4
+    # Clean CPU rows could be given up, so the verified blocks went up too,
+    # with the right bytes: a second load reads them from the CPU tier.
     assert h.stats.promotions_completed == 4
+    assert all(h.lookup(k).name == "HIT_CPU" for k in first)
+    assert runner.lookup("a", first) == 4
+    assert runner.load(first, [54, 55, 56, 57]) == {"disk": 4}
+    assert h.stats.loads_cpu == 4
 
 
-def test_corrupt_disk_block_is_a_miss_never_data(runner, tmp_path):
-    first = runner.store("a", [1, 2, 3, 4])
-    runner.settle()
-    for i, name in enumerate("bcd"):
-        runner.store(name, [10 + 4 * i + j for j in range(4)])
-        runner.settle()
-    h = runner.manager.hierarchy
+def test_prefix_longer_than_the_cpu_tier_loads_from_disk(tmp_path):
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=4, disk_blocks=64)))
+    try:
+        # 10 blocks, CPU holds 4: stored step by step, as vLLM offloads them
+        first = []
+        for start in (0, 4, 8):
+            blocks = list(range(1 + start, min(11, 5 + start)))
+            first += r.store("a", blocks, start=start)
+            r.settle()
+        for i, name in enumerate("bc"):
+            r.store(name, [20 + 4 * i + j for j in range(4)])
+            r.settle()
+        h = r.manager.hierarchy
+        assert sum(h.lookup(k).name == "HIT_DISK" for k in first) == 10
+        # A bounce area of 3 slots: the load is read in four chunks.
+        r.worker.reader.capacity = 3
+        assert r.lookup("a", first) == 10
+        assert r.load(first, list(range(40, 50))) == {"disk": 10}
+        assert h.stats.loads_disk == 10
+        assert h.num_loads == 0 and all(b.pins == 0 for _, b in h.disk.items())
+    finally:
+        r.close()
+
+
+def test_compressed_slots_load_verified(tmp_path):
+    config = make_config(tmp_path, cpu_blocks=8, disk_blocks=32, disk_compression="zstd")
+    r = RequestRunner(tiered_spec(config))
+    try:
+        for t in r.kv:  # compressible pages: zstd keeps the compressed form
+            t[:, : PAGE // 2] = 0
+        first = push_to_disk(r, [1, 2, 3, 4])
+        assert r.lookup("a", first) == 4
+        assert r.load(first, [50, 51, 52, 53]) == {"disk": 4}
+        assert r.worker.reader.stats().blocks_ok == 4
+    finally:
+        r.close()
+
+
+def _flip_payload_byte(runner, key: bytes) -> None:
     store = runner.manager.runtime.stores[0]
-    victim = first[1]
-    slot = h.disk.get(victim).slot
-    # Flip one payload byte of block 1 on the real file.
+    slot = runner.manager.hierarchy.disk.get(key).slot
     idx, offset = store._locate(slot)
-    path = store.slabs[idx].path
-    with open(path, "r+b") as f:
+    with open(store.slabs[idx].path, "r+b") as f:
         f.seek(offset + 4096 + 100)
         byte = f.read(1)
         f.seek(offset + 4096 + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    # The prefix stops at the corrupt block: one block loads, the rest is
-    # recomputed; the bad block is dropped from the tier.
-    assert runner.lookup("a", first) == 1
-    assert runner.load(first[:1], [50]) == {"disk": 1}
+
+
+def test_corrupt_disk_block_is_a_miss_never_data(runner):
+    first = push_to_disk(runner, [1, 2, 3, 4])
+    h = runner.manager.hierarchy
+    victim = first[1]
+    _flip_payload_byte(runner, victim)
+    # The load is planned in full; the worker refuses the bad block, leaves
+    # its GPU block untouched and reports it; the tier drops it.
+    assert runner.lookup("a", first) == 4
+    runner.load(first, [50, 51, 52, 53], expect_failed=[victim])
     assert h.lookup(victim).name == "MISS"
-    assert h.stats.corrupt_blocks == 1
-    assert runner.manager.runtime.checksum_failures() == 1
+    assert h.stats.corrupt_blocks == 1 and h.stats.load_failures == 1
+    assert h.stats.loads_disk == 3 and h.stats.promotions_completed == 3
+    assert runner.worker.reader.stats().corrupt == 1
+    assert victim not in h.cpu  # its promotion row was given back unwritten
+    # The rest is still a hit, from the CPU copies the load made.
+    assert runner.lookup("a", first) == 1
+    assert runner.load(first[:1], [54]) == {"disk": 1}
+
+
+def test_another_keys_slot_is_refused(runner):
+    first = push_to_disk(runner, [1, 2, 3, 4])
+    h = runner.manager.hierarchy
+    # Point block 2's index entry at block 3's slot (a stale index, or a
+    # slot reused under it): the header's key does not match.
+    h.disk.get(first[2]).slot = h.disk.get(first[3]).slot
+    assert runner.lookup("a", first[:3]) == 3
+    runner.load(first[:3], [50, 51, 52], expect_failed=[first[2]])
+    assert h.lookup(first[2]).name == "MISS"
 
 
 def test_events_replay_to_residency(runner):
@@ -236,10 +322,7 @@ def test_events_replay_to_residency(runner):
 
 
 def test_cpu_only_spec_runs_without_disk(tmp_path):
-    from kvtier.connector.spec import TieredOffloadingSpec
-
-    spec = TieredOffloadingSpec(make_config(tmp_path, cpu_blocks=4, disk_blocks=0))
-    r = RequestRunner(spec)
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=4, disk_blocks=0)))
     try:
         a = r.store("a", [1, 2])
         r.store("b", [3, 4, 5])  # evicts one of a's blocks: no disk to spill to

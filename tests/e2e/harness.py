@@ -214,6 +214,15 @@ def offloading_kv_transfer_config(
     extra_cfg: dict[str, Any] = {"spec_name": spec_name, **extra}
     if spec_module_path is not None:
         extra_cfg["spec_module_path"] = spec_module_path
+    if spec_name == "TieredOffloadingSpec":
+        # kvtier's connector: failed disk loads are recomputed, not fatal.
+        return {
+            "kv_connector": "TieredOffloadingConnector",
+            "kv_connector_module_path": "kvtier.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra_cfg,
+        }
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",

@@ -17,6 +17,7 @@ import time
 import pytest
 from vllm import SamplingParams
 
+from kvtier.io import backends as backends_module
 from kvtier.io import disk_store as disk_store_module
 from kvtier.io.faults import FaultInjectingBackend, FaultPlan, FaultRule
 from kvtier.io.format import slot_size
@@ -48,20 +49,22 @@ def assert_at_rest(mgr) -> None:
         for key, block in tier.items():
             assert block.pins == 0, (tier.medium, key.hex(), block)
             assert block.state is BlockState.READY, (tier.medium, key.hex(), block)
-    assert not h._reserved and not h._load_pins and not h._promoting
+    assert h.num_loads == 0 and not mgr._failed_loads
     assert not h._spilling
 
 
 @pytest.fixture
 def inject(monkeypatch):
-    """Wrap every disk back end kvtier creates in a FaultInjectingBackend."""
+    """Wrap every disk back end kvtier creates in a FaultInjectingBackend:
+    the scheduler's (spills) and the workers' (loads)."""
     plan = FaultPlan(seed=7)
-    real = disk_store_module.make_backend
+    real = backends_module.make_backend
 
     def faulty(disk_io="auto", *, threads=4):
         return FaultInjectingBackend(real(disk_io, threads=threads), plan)
 
     monkeypatch.setattr(disk_store_module, "make_backend", faulty)
+    monkeypatch.setattr(backends_module, "make_backend", faulty)
     return plan
 
 
@@ -89,17 +92,25 @@ def test_disk_faults_cost_misses_never_tokens(
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         mgr = manager_of(llm)
         stats = mgr.hierarchy.stats
-        errors = mgr.runtime.io_errors() + mgr.runtime.checksum_failures()
+        errors = (
+            mgr.runtime.io_errors()
+            + mgr.runtime.checksum_failures()
+            + mgr.worker_disk["io_errors"]
+            + mgr.worker_disk["corrupt"]
+        )
         assert_at_rest(mgr)
+        # The engine keeps serving, and correctly.
+        assert run_prompts(llm, RETURNING, MAX_TOKENS).outputs == baseline[len(FIRST) :]
     # Correct tokens, recomputed instead of read from the failing disk.
     assert first.outputs + again.outputs == baseline
-    assert again.totals.get("disk", 0) == 0
     assert inject.count() > 0
     if "write" in name:
         assert stats.spill_failures > 0 and stats.spills_completed == 0
+        assert again.totals.get("disk", 0) == 0
     else:
-        assert stats.promotion_failures > 0 and stats.promotions_completed == 0
-        assert stats.corrupt_blocks > 0
+        # Every failed block was reported to vLLM and dropped from the tier.
+        assert stats.load_failures > 0 and stats.corrupt_blocks > 0
+        assert stats.loads_disk + stats.load_failures == 2 * 4
     assert errors > 0
     # Logged, once per file and kind, naming the errno or the failed check.
     faults = [r for r in caplog.records if r.name.startswith("kvtier")]
@@ -115,8 +126,8 @@ def test_aborted_requests_return_pins_and_slots(model, block_bytes, baseline, tm
         run_each(llm, FIRST)
         mgr = manager_of(llm)
         assert_at_rest(mgr)
-        # Returning prompts start promotions from disk; abort them in flight,
-        # at several points of their life.
+        # Returning prompts load from disk; abort them in flight, at several
+        # points of their life.
         for steps_before_abort in (0, 1, 2, 5):
             ids = [f"abort-{steps_before_abort}-{i}" for i in range(len(RETURNING))]
             for rid, prompt in zip(ids, RETURNING):

@@ -37,6 +37,7 @@ from kvtier.io.faults import (
     on_slot,
 )
 from kvtier.io.format import HEADER_SIZE
+from kvtier.io.slot_reader import SlotReader
 from kvtier.tiers import Residency, TierHierarchy
 
 SYNC = pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
@@ -355,24 +356,34 @@ def test_failed_jobs_drive_the_hierarchy(
     assert [h.lookup(k) for k in (first[2], first[3])] == [Residency.HIT_DISK] * 2
     log.check()
 
-    # Promote first[2] (read fault) and first[3] (clean).
-    assert h.request_promotion([first[2], first[3]]) == [first[2], first[3]]
-    (order,) = h.take_promotions()
-    src = {it.key: it.src_slot for it in order.items}
-    rows = {it.key: it.dst_slot for it in order.items}
-    rig.plan.add(READ_FAULTS[read_fault](rig, src[first[2]]))
-    rig.cpu.array[rows[first[2]]] = SENTINEL
-    res = rig.promote(
-        order.job_id, [(it.key, it.src_slot, it.dst_slot) for it in order.items]
+    # Load first[2] (read fault) and first[3] (clean) as a worker does:
+    # straight from their slots, verified, with promotion rows.
+    reader = SlotReader(
+        rig.store.paths,
+        rig.store.num_slots,
+        rig.store.block_bytes,
+        rig.store.fingerprint,
+        rig.backend,
+        owns_backend=False,
     )
-    assert res.failed_keys == [first[2]]
-    assert (rig.cpu.array[rows[first[2]]] == SENTINEL).all()
-    assert np.array_equal(rig.cpu.array[rows[first[3]]], pattern(first[3]))
-    h.complete_promotion(order.job_id, res.failed_keys)
+    for key, ok in ((first[2], False), (first[3], True)):
+        plan = h.prepare_load([key])
+        (loc,) = plan.locations
+        assert loc.promote_slot is not None
+        if not ok:
+            rig.plan.add(READ_FAULTS[read_fault](rig, loc.slot))
+        (read,) = reader.read([(loc.slot, key)])
+        assert (read.outcome is ReadOutcome.OK) == ok
+        if ok:
+            assert np.array_equal(reader.rows[read.row], pattern(key))
+        h.complete_load(plan.load_id, [] if ok else [key])
+    reader.close()
 
     assert h.lookup(first[2]) is Residency.MISS
     assert h.lookup(first[3]) is Residency.HIT_CPU
-    assert h.stats.promotion_failures == 1 and h.stats.corrupt_blocks == 1
+    assert h.stats.load_failures == 1 and h.stats.corrupt_blocks == 1
     log.check()
+    read_errors = reader.stats().io_errors + reader.stats().corrupt
+    assert read_errors == 1
     stats: Any = rig.store.stats()
-    assert stats.io_errors + stats.checksum_failures == 2  # 1 write + 1 read
+    assert stats.io_errors + stats.checksum_failures == 1  # the write

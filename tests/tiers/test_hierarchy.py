@@ -39,7 +39,7 @@ def test_victims_cascade_to_disk_and_come_back():
     assert h.prefix_hits(["a", "c", "b", "d"]) == 4
     load = h.prepare_load(["a", "c"])
     assert [loc.medium for loc in load.locations] == [MEDIUM_DISK, MEDIUM_CPU]
-    h.complete_load(["a", "c"])
+    h.complete_load(load.load_id)
     ev = h.take_events()
     assert [(e.medium, e.removed, e.reason) for e in ev] == [
         ("cpu", False, "store"),
@@ -72,21 +72,41 @@ def test_failed_spill_costs_a_miss_not_a_wedge():
     assert h.stats.spill_failures == 1
 
 
-def test_promotion_and_corrupt_block():
+def test_disk_hits_load_in_place_with_promotion_and_corrupt_block():
     h = TierHierarchy(2, 4, spill_watermark=0.0)
     _store(h, ["a", "b"])
     _finish_spills(h)
     _store(h, ["c", "d"])
     _finish_spills(h)  # c, d clean: their CPU slots can be given up
-    assert h.request_promotion(["a", "b"]) == ["a", "b"]
-    (order,) = h.take_promotions()
-    assert h.lookup("a") is Residency.HIT_DISK and h.is_promoting("a")
-    h.complete_promotion(order.job_id, failed_keys=["b"])
+    assert h.lookup("a") is Residency.HIT_DISK
+    plan = h.prepare_load(["a", "b"])
+    # Read from their disk slots; CPU rows were free to copy them into.
+    assert [loc.medium for loc in plan.locations] == [MEDIUM_DISK, MEDIUM_DISK]
+    assert all(loc.promote_slot is not None for loc in plan.locations)
+    assert h.lookup("a") is Residency.HIT_DISK  # still loadable by others
+    h.complete_load(plan.load_id, failed=["b"])
     assert h.lookup("a") is Residency.HIT_CPU
     assert h.source_of("a") == MEDIUM_DISK  # credited to the disk tier
     assert h.lookup("b") is Residency.MISS  # corrupt copy dropped
-    assert h.stats.corrupt_blocks == 1
+    assert "b" not in h.cpu  # its promotion row given back unwritten
+    assert h.stats.corrupt_blocks == 1 and h.stats.load_failures == 1
+    assert h.stats.loads_disk == 1 and h.stats.promotions_completed == 1
     assert replay(h.take_events()) == h.residency()
+
+
+def test_disk_load_never_waits_for_cpu_room():
+    # CPU full of dirty blocks (their spills in flight): a disk hit still
+    # loads, just without a promotion row.
+    h = TierHierarchy(2, 4, spill_watermark=0.0)
+    _store(h, ["a", "b"])
+    _finish_spills(h)
+    _store(h, ["c", "d"])
+    h.take_spills()  # c, d spilling, not droppable
+    plan = h.prepare_load(["a"])
+    assert plan.locations[0].medium == MEDIUM_DISK
+    assert plan.locations[0].promote_slot is None
+    h.complete_load(plan.load_id)
+    assert h.stats.loads_disk == 1 and h.stats.promotions_completed == 0
 
 
 def test_disk_full_evicts_disk_lru():

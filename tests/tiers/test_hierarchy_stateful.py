@@ -1,8 +1,9 @@
 """Stateful property test of TierHierarchy against a reference model.
 
 The machine plays scheduler *and* worker: it issues random stores, loads,
-completions (successful or failed), spill and promotion jobs that finish in
-random order, and simulates the bytes in every CPU and disk slot. After
+completions (successful or failed), spill jobs and loads (disk reads that
+may fail verification, with promotion rows) that finish in random order,
+and simulates the bytes in every CPU and disk slot. After
 every step it checks the contract:
 
 - capacities are never exceeded;
@@ -60,15 +61,12 @@ class HierarchyMachine(RuleBasedStateMachine):
         self.pending_stores: list[tuple[list, list[int]]] = []
         self.loads: list[tuple[list, list]] = []
         self.spills: list = []
-        self.promotions: list = []
         self.spill_failed: set = set()
-        self.reserved: list = []
 
     # ------------------------------------------------------------- helpers
 
     def _drain_orders(self):
         self.spills.extend(self.h.take_spills())
-        self.promotions.extend(self.h.take_promotions())
 
     def _collect_events(self):
         self.events.extend(self.h.take_events())
@@ -84,9 +82,10 @@ class HierarchyMachine(RuleBasedStateMachine):
                 assert key in keys
             for slot in plan.cpu_slots:
                 # A slot handed out for writing must not be read by anyone.
-                for _lkeys, locs in self.loads:
+                for _id, _lkeys, locs in self.loads:
                     for loc in locs:
                         assert not (loc.medium == MEDIUM_CPU and loc.slot == slot)
+                        assert loc.promote_slot != slot
                 for order in self.spills:
                     assert all(it.src_slot != slot for it in order.items)
             if plan.keys_to_store:
@@ -128,19 +127,26 @@ class HierarchyMachine(RuleBasedStateMachine):
         for key, loc in zip(plan.keys, plan.locations):
             store = self.cpu_bytes if loc.medium == MEDIUM_CPU else self.disk_bytes
             assert store.get(loc.slot) == key, (key, loc)
-        self.loads.append((plan.keys, plan.locations))
+        self.loads.append((plan.load_id, plan.keys, plan.locations))
         self._collect_events()
 
     @precondition(lambda self: self.loads)
     @rule(data=st.data())
     def finish_load(self, data):
         idx = data.draw(st.integers(0, len(self.loads) - 1))
-        keys, locs = self.loads.pop(idx)
+        load_id, keys, locs = self.loads.pop(idx)
         # Bytes must still be intact at the end of the read.
+        failed = set()
         for key, loc in zip(keys, locs):
             store = self.cpu_bytes if loc.medium == MEDIUM_CPU else self.disk_bytes
             assert store.get(loc.slot) == key
-        self.h.complete_load(keys)
+            if loc.medium == MEDIUM_DISK and data.draw(st.integers(0, 9)) == 0:
+                failed.add(key)  # the worker's verification refused it
+        for key, loc in zip(keys, locs):
+            if loc.promote_slot is not None:
+                # The worker copies only verified blocks up.
+                self.cpu_bytes[loc.promote_slot] = None if key in failed else key
+        self.h.complete_load(load_id, failed)
         self._drain_orders()
         self._collect_events()
 
@@ -162,53 +168,11 @@ class HierarchyMachine(RuleBasedStateMachine):
         self._drain_orders()
         self._collect_events()
 
-    @rule(
-        keys=st.lists(KEYS, min_size=1, max_size=3, unique=True), reserve=st.booleans()
-    )
-    def promote(self, keys, reserve):
-        before = {k for k in keys if self.h.is_promoting(k)}
-        started = self.h.request_promotion(keys, reserve=reserve)
-        if reserve:
-            self.reserved.extend(k for k in started if k not in before)
-        self._drain_orders()
-        self._collect_events()
-
-    @precondition(lambda self: self.promotions)
-    @rule(data=st.data())
-    def finish_promotion(self, data):
-        idx = data.draw(st.integers(0, len(self.promotions) - 1))
-        order = self.promotions.pop(idx)
-        failed = set()
-        for item in order.items:
-            assert self.disk_bytes.get(item.src_slot) == item.key
-            if data.draw(st.integers(0, 9)) == 0:
-                failed.add(item.key)  # checksum mismatch on read
-                self.cpu_bytes[item.dst_slot] = None
-            else:
-                self.cpu_bytes[item.dst_slot] = item.key
-        self.h.complete_promotion(order.job_id, failed)
-        self._drain_orders()
-        self._collect_events()
-
-    @precondition(lambda self: self.reserved)
-    @rule(data=st.data())
-    def release(self, data):
-        idx = data.draw(st.integers(0, len(self.reserved) - 1))
-        self.h.release(self.reserved.pop(idx))
-        self._collect_events()
-
     @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True))
     def touch(self, keys):
         self.h.touch(keys)
 
     # ---------------------------------------------------------- invariants
-
-    @invariant()
-    def reservations_hold_their_blocks(self):
-        # A reserved promoted block cannot be evicted before its release.
-        for key in self.reserved:
-            if key in self.h._reserved:
-                assert key in self.h.cpu and self.h.cpu.get(key).pins > 0
 
     @invariant()
     def capacities(self):
@@ -224,11 +188,17 @@ class HierarchyMachine(RuleBasedStateMachine):
             for key, slot in zip(keys, slots):
                 block = self.h.cpu.get(key)
                 assert block is not None and block.slot == slot
-        for keys, locs in self.loads:
+        for _id, keys, locs in self.loads:
             for key, loc in zip(keys, locs):
                 tier = self.h.cpu if loc.medium == MEDIUM_CPU else self.h.disk
                 block = tier.get(key)
                 assert block is not None and block.slot == loc.slot and block.pins > 0
+                if loc.promote_slot is not None:
+                    # The promotion row stays the key's, unreadable, until
+                    # the load completes.
+                    row = self.h.cpu.get(key)
+                    assert row is not None and row.slot == loc.promote_slot
+                    assert not self.h.cpu.is_ready(key)
 
     @invariant()
     def events_replay_to_residency(self):

@@ -1,0 +1,232 @@
+"""``TieredOffloadingConnector``: vLLM's OffloadingConnector, with load errors.
+
+vLLM 0.32's offloading worker asserts that every transfer succeeded. A disk
+block can fail verification (torn write, bit rot, another key's slot, EIO),
+so kvtier ships this subclass, which reports such a block through vLLM's
+standard load-error path instead:
+
+- models with one KV-cache group: block level
+  (``get_block_ids_with_load_errors``), so vLLM keeps the valid prefix and
+  recomputes from the first failed block;
+- models with several groups (vLLM 0.32 raises on block-level errors
+  there): request level (``failed_recving``), so the request is recomputed.
+
+Either way vLLM needs ``kv_load_failure_policy: "recompute"`` (its default
+``fail`` would fail the request instead); the connector refuses to start
+without it when a disk tier is configured. The failed keys travel back to
+the scheduler in the worker metadata, where the manager drops the corrupt
+disk copies when the load completes. Enable with::
+
+    {"kv_connector": "TieredOffloadingConnector",
+     "kv_connector_module_path": "kvtier.connector",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"spec_name": "TieredOffloadingSpec",
+                                   "spec_module_path": "kvtier.connector", ...}}
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+    OffloadingConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+
+from kvtier.connector.config import ConfigError
+
+logger = logging.getLogger("kvtier.connector")
+
+# Set while TieredOffloadingConnector builds its spec: a spec with a disk
+# tier refuses to start under the stock OffloadingConnector, which would
+# assert (crash) on the first corrupt disk block.
+UNDER_KVTIER_CONNECTOR: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kvtier_under_connector", default=False
+)
+
+CONNECTOR_HINT = (
+    'set "kv_connector": "TieredOffloadingConnector", '
+    '"kv_connector_module_path": "kvtier.connector" and '
+    '"kv_load_failure_policy": "recompute" in --kv-transfer-config'
+)
+
+
+@dataclass
+class KvtierWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker -> scheduler metadata plus kvtier's disk-load report:
+    per request, the disk blocks its load could not use, and the workers'
+    disk-read counters since the last report (summed over workers)."""
+
+    failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
+    disk_corrupt: int = 0
+    disk_io_errors: int = 0
+
+    @override
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        base = super().aggregate(other)
+        assert isinstance(base, OffloadingWorkerMetadata)
+        merged = KvtierWorkerMetadata(
+            completed_jobs=base.completed_jobs,
+            transfer_stats=base.transfer_stats,
+            failed_keys={k: list(v) for k, v in self.failed_keys.items()},
+            disk_read_bytes=self.disk_read_bytes,
+            disk_read_seconds=self.disk_read_seconds,
+            disk_corrupt=self.disk_corrupt,
+            disk_io_errors=self.disk_io_errors,
+        )
+        if isinstance(other, KvtierWorkerMetadata):
+            for req_id, keys in other.failed_keys.items():
+                merged.failed_keys.setdefault(req_id, []).extend(keys)
+            merged.disk_read_bytes += other.disk_read_bytes
+            merged.disk_read_seconds += other.disk_read_seconds
+            merged.disk_corrupt += other.disk_corrupt
+            merged.disk_io_errors += other.disk_io_errors
+        return merged
+
+
+class KvtierConnectorWorker(OffloadingConnectorWorker):
+    """vLLM's connector worker, tolerating failed loads (see module doc)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._failed_keys: dict[str, list[bytes]] = {}
+        self._failed_reqs: set[str] = set()
+        self._invalid_block_ids: set[int] = set()
+        self._reported = (0, 0.0, 0, 0)
+
+    @override
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        assert self.worker is not None
+        finished_recving: set[str] = set()
+        meta = self._connector_worker_meta
+        for result in self.worker.get_finished():
+            job_id = result.job_id
+            req_id = self._load_jobs.pop(job_id, None)
+            if result.transfer_time is not None and result.transfer_size is not None:
+                stats = (
+                    meta.transfer_stats.load
+                    if req_id is not None
+                    else meta.transfer_stats.store
+                )
+                stats.record(result.transfer_size, result.transfer_time)
+            if not result.success:
+                take = getattr(self.worker, "take_load_error", None)
+                error = take(job_id) if take is not None else None
+                if req_id is None or error is None:
+                    # Only disk loads can fail; anything else is a bug that
+                    # must not pass as success.
+                    raise RuntimeError(f"kvtier: transfer job {job_id} failed")
+                self._failed_keys.setdefault(req_id, []).extend(error.keys)
+                self._failed_reqs.add(req_id)
+                self._invalid_block_ids |= error.gpu_block_ids
+            meta.mark_completed(job_id)
+            if req_id is not None:
+                finished_recving.add(req_id)
+        return set(), finished_recving
+
+    def take_load_errors(self) -> tuple[set[str], set[int]]:
+        """Requests whose load failed and GPU blocks left unfilled since the
+        last call."""
+        reqs, self._failed_reqs = self._failed_reqs, set()
+        blocks, self._invalid_block_ids = self._invalid_block_ids, set()
+        return reqs, blocks
+
+    @override
+    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        if meta is None:
+            return None
+        out = KvtierWorkerMetadata(
+            completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats
+        )
+        out.failed_keys, self._failed_keys = self._failed_keys, {}
+        reader = getattr(self.worker, "reader", None)
+        if reader is not None:
+            s = reader.stats()
+            now = (s.bytes_read, s.read_seconds, s.corrupt, s.io_errors)
+            last, self._reported = self._reported, now
+            out.disk_read_bytes = now[0] - last[0]
+            out.disk_read_seconds = now[1] - last[1]
+            out.disk_corrupt = now[2] - last[2]
+            out.disk_io_errors = now[3] - last[3]
+        return out
+
+
+class TieredOffloadingConnector(OffloadingConnector):
+    """OffloadingConnector that turns failed disk loads into recomputation."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ConfigError(
+                "kv_load_failure_policy",
+                f"is {transfer.kv_load_failure_policy!r}: a failed disk block "
+                "would fail its request instead of being recomputed; "
+                + CONNECTOR_HINT,
+            )
+        token = UNDER_KVTIER_CONNECTOR.set(True)
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            UNDER_KVTIER_CONNECTOR.reset(token)
+        # vLLM 0.32 accepts block-level errors only for one KV-cache group.
+        self._request_level_errors = len(kv_cache_config.kv_cache_groups) > 1
+        self._invalid_block_ids: set[int] = set()
+        if self.connector_worker is not None:
+            stock = self.connector_worker
+            self.connector_worker = KvtierConnectorWorker(
+                stock.spec, stock.vllm_config, stock.kv_cache_config
+            )
+
+    @override
+    def get_transfer_results(
+        self, finished_req_ids: set[str]
+    ) -> KVConnectorTransferResults:
+        worker = self.connector_worker
+        assert isinstance(worker, KvtierConnectorWorker)
+        sending, recving = self.get_finished(finished_req_ids)
+        failed_reqs, failed_blocks = worker.take_load_errors()
+        results = KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ())
+        )
+        if self._request_level_errors:
+            results.failed_recving = failed_reqs
+        else:
+            self._invalid_block_ids |= failed_blocks
+        return results
+
+    @override
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid_block_ids = self._invalid_block_ids, set()
+        return out
+
+    @override
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvtierWorkerMetadata):
+            report = getattr(self.scheduler.manager, "note_worker_report", None)
+            if report is not None:
+                report(
+                    meta.failed_keys,
+                    read_bytes=meta.disk_read_bytes,
+                    read_seconds=meta.disk_read_seconds,
+                    corrupt=meta.disk_corrupt,
+                    io_errors=meta.disk_io_errors,
+                )
+        super().update_connector_output(connector_output)

@@ -1,0 +1,337 @@
+"""Read-only, verified access to one rank's disk slots, for loads.
+
+The worker that loads a disk hit into the KV cache reads the slots itself:
+the slab files written by the scheduler-side :class:`~kvtier.io.disk_store.DiskStore`
+are opened read-only here, a batch of slots is read into a bounded bounce
+area with one ``preadv`` per run of consecutive slots of one file, and each
+slot is verified (header checksum, layout fingerprint, key, lengths, payload
+checksum, and zstd decoding when the slot is compressed) before its payload
+may be used. A slot that fails any check is reported, never returned.
+
+Why a second reader next to ``DiskStore.read_block``: the store reads one
+slot per call through a private per-thread bounce buffer and copies the
+payload out, which is right for background work but costs a call, a copy
+and (on a thread pool) a GIL hand-off per block. A load of a long prefix is
+latency critical and arrives as one job: reading whole runs into one area
+and scattering straight from it keeps the work per job, not per block.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.io.backend import DiskBackend
+from kvtier.io.checksum import payload_checksum
+from kvtier.io.compression import CorruptPayloadError, decompress
+from kvtier.io.disk_store import ReadOutcome, check_header, store_dirname
+from kvtier.io.format import (
+    HEADER_SIZE,
+    Codec,
+    CorruptHeaderError,
+    EmptySlotError,
+    LayoutFingerprint,
+    SlotHeader,
+    aligned_empty,
+    slot_size,
+)
+
+logger = logging.getLogger("kvtier.io")
+
+
+@dataclass
+class SlotReaderStats:
+    """Cumulative counters of one reader (``stats()`` returns a copy)."""
+
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    blocks_ok: int = 0
+    # Slots whose bytes failed verification (checksum, header, truncation)
+    # and slots holding another key or layout: never loaded.
+    corrupt: int = 0
+    io_errors: int = 0
+
+
+@dataclass(frozen=True)
+class SlotRead:
+    """Outcome of one requested slot; ``row`` indexes :attr:`SlotReader.rows`
+    and holds the verified, decoded block only when ``outcome`` is OK."""
+
+    outcome: ReadOutcome
+    row: int
+
+
+def _alloc_area(nbytes: int, pin: bool) -> tuple[np.ndarray, Any]:
+    """A 4 KiB-aligned host area (O_DIRECT needs it); page-locked through
+    torch's pinned allocator when asked and CUDA is present, so that
+    host-to-device copies from it are asynchronous."""
+    if pin:
+        import torch
+
+        if torch.cuda.is_available():
+            owner = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
+            raw = owner.numpy()
+            start = (-raw.ctypes.data) % 4096
+            return raw[start : start + nbytes], owner
+    area = aligned_empty(nbytes)
+    return area, None
+
+
+class SlotReader:
+    """Verified batch reads of one rank's slots into a bounce area.
+
+    Contract:
+      - Construction opens nothing: slab files are created by the scheduler
+        side and opened read-only on first use (and again after a failed
+        open), so a worker may start before the store exists.
+      - ``read(items)`` takes at most ``capacity`` ``(slot, key)`` pairs and
+        returns one :class:`SlotRead` per item, in order. It never raises for
+        I/O or data problems: an ``OSError`` (any errno) or a short read
+        makes the affected slots IO_ERROR/TRUNCATED, and a slot that fails a
+        check gets the matching outcome. Rows of OK items hold exactly the
+        block's ``block_bytes`` decoded bytes until the next ``read``.
+      - Reads are coalesced: slots that are consecutive in one slab file are
+        read with one I/O. Runs go to the back end's threads only when there
+        are several; one run is read on the calling thread.
+      - Not thread-safe: one reader per worker, used by one thread.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        num_slots: int,
+        block_bytes: int,
+        fingerprint: LayoutFingerprint,
+        backend: DiskBackend,
+        *,
+        bounce_bytes: int = 64 << 20,
+        pin: bool = False,
+        owns_backend: bool = True,
+    ) -> None:
+        if isinstance(paths, str):
+            paths = [paths]
+        if not paths or num_slots < 1 or block_bytes < 1:
+            raise ValueError("SlotReader needs paths, slots and a block size")
+        if block_bytes != fingerprint.block_bytes:
+            raise ValueError(
+                f"block_bytes={block_bytes} disagrees with fingerprint "
+                f"block_bytes={fingerprint.block_bytes}"
+            )
+        self.backend = backend
+        self._owns_backend = owns_backend
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
+        self.slot_size = slot_size(block_bytes)
+        self._digest = fingerprint.digest()
+        dirname = store_dirname(fingerprint)
+        self.slab_paths = [
+            os.path.join(os.path.abspath(p), dirname, f"slab-{i}.kvt")
+            for i, p in enumerate(paths)
+        ]
+        self._handles: list[Any] = [None] * len(paths)
+        self.capacity = max(1, bounce_bytes // self.slot_size)
+        area, self._area_owner = _alloc_area(self.capacity * self.slot_size, pin)
+        self._area = area.reshape(self.capacity, self.slot_size)
+        # The decoded blocks, one per bounce row: what loads copy from.
+        self.rows = self._area[:, HEADER_SIZE : HEADER_SIZE + block_bytes]
+        self._scratch: np.ndarray | None = None  # for zstd slots only
+        self._read_sync = getattr(backend, "read_sync", None)
+        self._stats = SlotReaderStats()
+        self._lock = threading.Lock()
+        self._logged: set[tuple[str, str]] = set()
+        self._closed = False
+
+    # ----------------------------------------------------------------- API
+
+    def read(self, items: Sequence[tuple[int, bytes]]) -> list[SlotRead]:
+        if len(items) > self.capacity:
+            raise ValueError(f"{len(items)} slots exceed capacity {self.capacity}")
+        if self._closed:
+            raise RuntimeError("SlotReader is closed")
+        npaths = len(self.slab_paths)
+        # Bounce rows follow file order, so each run lands in adjacent rows.
+        order = sorted(
+            range(len(items)),
+            key=lambda i: (items[i][0] % npaths, items[i][0] // npaths),
+        )
+        row_of = [0] * len(items)
+        runs: list[tuple[int, int, int, int]] = []  # file, local slot, row, count
+        for row, i in enumerate(order):
+            slot = items[i][0]
+            if not 0 <= slot < self.num_slots:
+                raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+            row_of[i] = row
+            f, local = slot % npaths, slot // npaths
+            if runs and runs[-1][0] == f and runs[-1][1] + runs[-1][3] == local:
+                runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
+            else:
+                runs.append((f, local, row, 1))
+        t0 = time.perf_counter()
+        got = self._read_runs(runs)
+        dt = time.perf_counter() - t0
+        # Rows a run filled completely; others failed (errno) or were cut short.
+        filled = np.zeros(len(items), dtype=np.int8)  # 0 io error, 1 ok, 2 short
+        nbytes = 0
+        for (_f, _local, row, count), n in zip(runs, got):
+            if n is None:
+                continue
+            nbytes += n
+            full = min(count, n // self.slot_size)
+            filled[row : row + full] = 1
+            filled[row + full : row + count] = 2
+        results: list[SlotRead] = []
+        ok = corrupt = 0
+        for i, (slot, key) in enumerate(items):
+            row = row_of[i]
+            state = filled[row]
+            if state == 0:
+                outcome = ReadOutcome.IO_ERROR
+            elif state == 2:
+                outcome = ReadOutcome.TRUNCATED
+                self._note("short read", slot)
+            else:
+                outcome = self._verify(row, key, slot)
+            if outcome is ReadOutcome.OK:
+                ok += 1
+            elif outcome is not ReadOutcome.IO_ERROR:
+                corrupt += 1
+            results.append(SlotRead(outcome, row))
+        with self._lock:
+            s = self._stats
+            s.bytes_read += nbytes
+            s.read_seconds += dt
+            s.blocks_ok += ok
+            s.corrupt += corrupt
+        return results
+
+    def stats(self) -> SlotReaderStats:
+        with self._lock:
+            return SlotReaderStats(**vars(self._stats))
+
+    def close(self) -> None:
+        """Close the slab handles and, if owned, the back end. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            if handle is not None:
+                try:
+                    self.backend.close(handle)
+                except OSError as exc:
+                    logger.debug("closing slab handle failed: %s", exc)
+        self._handles = [None] * len(self._handles)
+        if self._owns_backend:
+            self.backend.shutdown()
+
+    # ------------------------------------------------------------ internals
+
+    def _handle(self, f: int) -> Any:
+        handle = self._handles[f]
+        if handle is None:
+            handle = self.backend.open(self.slab_paths[f], writable=False)
+            self._handles[f] = handle
+        return handle
+
+    def _read_runs(self, runs: list[tuple[int, int, int, int]]) -> list[int | None]:
+        """Bytes read per run, or None where the read (or open) failed."""
+        flat = self._area.reshape(-1)
+        ss = self.slot_size
+
+        def target(run: tuple[int, int, int, int]) -> tuple[Any, np.ndarray, int]:
+            f, local, row, count = run
+            return self._handle(f), flat[row * ss : (row + count) * ss], local * ss
+
+        out: list[int | None] = [None] * len(runs)
+        if len(runs) == 1 and self._read_sync is not None:
+            try:
+                out[0] = int(self._read_sync(*target(runs[0])))
+            except OSError as exc:
+                self._io_error(runs[0][0], exc)
+            return out
+        futures: list[Any] = []
+        for i, run in enumerate(runs):
+            try:
+                futures.append(self.backend.submit_read(*target(run)))
+            except OSError as exc:
+                self._io_error(run[0], exc)
+                futures.append(None)
+                out[i] = None
+        for i, fut in enumerate(futures):
+            if fut is None:
+                continue
+            try:
+                out[i] = int(fut.result())
+            except OSError as exc:
+                self._io_error(runs[i][0], exc)
+        return out
+
+    def _verify(self, row: int, key: bytes, slot: int) -> ReadOutcome:
+        buf = self._area[row]
+        try:
+            hdr = SlotHeader.unpack(buf[:HEADER_SIZE])
+        except EmptySlotError:
+            return ReadOutcome.EMPTY
+        except CorruptHeaderError as exc:
+            self._note(f"bad header ({exc})", slot)
+            return ReadOutcome.BAD_HEADER
+        outcome = check_header(
+            hdr, key, self._digest, self.block_bytes, self.slot_size
+        )
+        if outcome is not ReadOutcome.OK:
+            # Another key or layout in this slot: stale, not damaged bytes.
+            return outcome
+        end = HEADER_SIZE + hdr.payload_len
+        if payload_checksum(buf[HEADER_SIZE:end]) != hdr.checksum:
+            self._note("payload checksum mismatch", slot)
+            return ReadOutcome.CHECKSUM_MISMATCH
+        if hdr.codec is not Codec.RAW:
+            # Decode through a scratch block: the output would overlap its
+            # own input inside the row.
+            if self._scratch is None:
+                self._scratch = np.empty(self.block_bytes, dtype=np.uint8)
+            try:
+                decompress(
+                    hdr.codec, buf[HEADER_SIZE:end], hdr.raw_len, hdr.elem_size,
+                    self._scratch,
+                )
+            except (CorruptPayloadError, ValueError):
+                self._note("payload does not decode", slot)
+                return ReadOutcome.BAD_HEADER
+            self.rows[row] = self._scratch
+        return ReadOutcome.OK
+
+    def _io_error(self, f: int, exc: OSError) -> None:
+        with self._lock:
+            self._stats.io_errors += 1
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        self._log_once(
+            ("io", f"{f}:{exc.errno}"),
+            "kvtier disk load from %s failed: errno %s (%s): %s; the blocks are "
+            "recomputed",
+            self.slab_paths[f], exc.errno, name, exc.strerror,
+        )
+
+    def _note(self, what: str, slot: int) -> None:
+        f = slot % len(self.slab_paths)
+        self._log_once(
+            ("corrupt", str(f)),
+            "kvtier disk load of slot %d from %s rejected: %s (corrupt or torn "
+            "block, recomputed)",
+            slot, self.slab_paths[f], what,
+        )
+
+    def _log_once(self, key: tuple[str, str], msg: str, *args: Any) -> None:
+        first = key not in self._logged
+        self._logged.add(key)
+        if first:
+            logger.warning(msg + "; repeats logged at debug", *args)
+        else:
+            logger.debug(msg, *args)
