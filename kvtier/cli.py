@@ -371,7 +371,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     views = _open_views(args.paths, "inspect")
     if views is None:
         return 2
-    reports = [inspect_store(v) for v in views]
+    try:
+        reports = [inspect_store(v) for v in views]
+    except (OSError, ValueError) as exc:  # a slab swapped for a FIFO since
+        print(f"kvtier inspect: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         _emit_json({"stores": reports})
         return 0
@@ -428,7 +432,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     views = _open_views(args.paths, "verify")
     if views is None:
         return 2
-    reports = [verify_store(v) for v in views]
+    try:
+        reports = [verify_store(v) for v in views]
+    except (OSError, ValueError) as exc:
+        print(f"kvtier verify: {exc}", file=sys.stderr)
+        return 2
     nbad = sum(len(r["bad"]) for r in reports)
     if args.json:
         _emit_json({"ok": nbad == 0, "bad_slots": nbad, "stores": reports})
