@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
+from kvtier.events_sub import DEFAULT_MAX_MESSAGE_BYTES
 from kvtier.tiers.policy import POLICIES
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
@@ -465,15 +466,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from kvtier.events_sub import BatchDecoder, EventSubscriber
+    from kvtier.events_sub import BatchDecoder, EventSubscriber, bind_endpoint
 
+    endpoint = args.endpoint
+    if args.bind:
+        try:
+            endpoint, note = bind_endpoint(endpoint, args.allow_remote)
+        except ValueError as exc:
+            print(f"kvtier events: {exc}", file=sys.stderr)
+            return 2
+        if note:
+            print(f"kvtier events: {note}", file=sys.stderr)
     try:
-        sub = EventSubscriber(args.endpoint, args.topic, bind=args.bind)
-    except Exception as exc:  # zmq.ZMQError: bad endpoint, port in use
-        print(
-            f"kvtier events: cannot subscribe to {args.endpoint}: {exc}",
-            file=sys.stderr,
+        sub = EventSubscriber(
+            endpoint,
+            args.topic,
+            bind=args.bind,
+            max_message_bytes=args.max_message_bytes,
         )
+    except Exception as exc:  # zmq.ZMQError: bad endpoint, port in use
+        print(f"kvtier events: cannot subscribe to {endpoint}: {exc}", file=sys.stderr)
         return 2
     start = time.monotonic()
     deadline = start + args.duration if args.duration else None
@@ -488,7 +500,7 @@ def cmd_events(args: argparse.Namespace) -> int:
             return 2
         if live:
             print(
-                f"listening on {args.endpoint} ({'bound' if args.bind else 'connected'}, "
+                f"listening on {endpoint} ({'bound' if args.bind else 'connected'}, "
                 f"topic {args.topic!r}, decoder {sub.decoder.kind})",
                 flush=True,
             )
@@ -521,7 +533,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         sub.close()
     doc = sub.counts.to_dict()
     doc.update(
-        endpoint=args.endpoint,
+        endpoint=endpoint,
         seconds=round(time.monotonic() - start, 3),
         decoder=sub.decoder.kind if sub.decoder else None,
     )
@@ -531,6 +543,11 @@ def cmd_events(args: argparse.Namespace) -> int:
         if tty:
             print()
         print(f"summary after {doc['seconds']:.1f}s: {sub.counts.line()}")
+        if sub.counts.decode_errors:
+            print(
+                f"skipped {sub.counts.decode_errors} malformed message(s); last: "
+                f"{sub.counts.last_decode_error}"
+            )
     return 0
 
 
@@ -635,7 +652,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--bind",
         action="store_true",
-        help="bind the endpoint instead of connecting (when vLLM's endpoint has no '*')",
+        help=(
+            "bind the endpoint instead of connecting (when vLLM's endpoint has no "
+            "'*'); a tcp wildcard binds 127.0.0.1, other non-loopback addresses "
+            "need --allow-remote"
+        ),
+    )
+    e.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="with --bind: listen on the endpoint as given, even off this host",
+    )
+    e.add_argument(
+        "--max-message-bytes",
+        type=_pos_bytes,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest ZMQ frame accepted; a sender of a bigger one is dropped "
+        "(default 64MiB)",
     )
     e.add_argument("--decoder", choices=("auto", "vllm", "plain"), default="auto")
     e.add_argument("--max-batches", type=_pos_int, help="stop after N batches")
