@@ -104,9 +104,9 @@ def parse_request(obj: Mapping[str, Any]) -> TraceRequest:
 
 
 def _open_trace(path: str | os.PathLike[str]) -> Any:
-    """A binary reader for a trace: a regular file, or a pipe (``<(zcat
-    t.gz)``, ``/dev/stdin``). Devices (``/dev/zero``) and directories are
-    refused, and opening a FIFO without a writer does not block."""
+    """A binary reader for a trace, which must be a regular file: devices
+    (``/dev/zero``), FIFOs and directories are refused, and opening never
+    blocks (``O_NONBLOCK``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
@@ -115,15 +115,21 @@ def _open_trace(path: str | os.PathLike[str]) -> Any:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
             raise TraceError(f"{path}: is a directory, not a trace file")
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
-            kind = "character device" if stat.S_ISCHR(st.st_mode) else "special file"
-            raise TraceError(f"{path}: is a {kind}, not a trace file")
-        if stat.S_ISREG(st.st_mode) and st.st_size > MAX_TRACE_BYTES:
+        if not stat.S_ISREG(st.st_mode):
+            kind = (
+                "character device"
+                if stat.S_ISCHR(st.st_mode)
+                else "FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "special file"
+            )
+            raise TraceError(f"{path}: is a {kind}, not a regular trace file")
+        if st.st_size > MAX_TRACE_BYTES:
             raise TraceError(
                 f"{path}: {st.st_size} bytes, more than the {MAX_TRACE_BYTES} "
                 "a trace may have"
             )
-        os.set_blocking(fd, True)  # a pipe's reads wait for its writer
+        os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -136,7 +142,7 @@ def load_trace(
     """Read a JSONL trace (blank lines skipped); at most ``limit`` requests.
 
     Raises :class:`TraceError` (a ValueError) naming the file and line for
-    anything that is not a trace: a device or directory, a line longer than
+    anything that is not a trace: not a regular file, a line longer than
     MAX_TRACE_LINE_BYTES (``/dev/zero``-like input has no newlines), more
     than MAX_TRACE_BYTES in all, invalid JSON or a bad record (see
     :func:`parse_request`), or no request at all.
