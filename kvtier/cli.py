@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+import os
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+from kvtier.events_sub import DEFAULT_MAX_MESSAGE_BYTES
 from kvtier.tiers.policy import POLICIES
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
@@ -28,7 +31,21 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r}")
     value, unit, binary = m.groups()
     base = 1024 if binary or unit == "" else 1000
-    return int(float(value) * base ** _EXPONENT[unit.lower()])
+    v = float(value) * base ** _EXPONENT[unit.lower()]
+    if not math.isfinite(v) or v > _MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"byte size too large: {_short(text)}")
+    return int(v)
+
+
+# 2**70 B (1 ZiB): more than any budget, small enough for exact arithmetic.
+_MAX_BYTES = float(1 << 70)
+
+
+def _pos_bytes(text: str) -> int:
+    v = parse_bytes(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
+    return v
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -41,17 +58,59 @@ def _fmt_bytes(n: int | None) -> str:
     return str(n)
 
 
+def _short(text: str, n: int = 40) -> str:
+    return repr(text) if len(text) <= n else repr(text[:n]) + "..."
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {_short(text)}") from None
+
+
 def _nonneg_int(text: str) -> int:
-    v = int(text)
+    v = _int(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
 
 def _pos_int(text: str) -> int:
-    v = int(text)
+    v = _int(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {_short(text)}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be finite, got {_short(text)}")
+    return v
+
+
+def _watermark(text: str) -> float:
+    v = _float(text)
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
+    return v
+
+
+def _target(text: str) -> float:
+    v = _float(text)
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within (0, 1], got {text}")
+    return v
+
+
+def _pos_seconds(text: str) -> float:
+    v = _float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
     return v
 
 
@@ -124,6 +183,15 @@ def cmd_size(args: argparse.Namespace) -> int:
         return 2
     cpu_policy = args.cpu_policy or args.policy
     disk_policy = args.disk_policy or args.policy
+    if args.plot:
+        # Before the replay, which can take minutes: not after it.
+        from kvtier.sizing_plot import check_plot_path
+
+        try:
+            check_plot_path(args.plot)
+        except ValueError as exc:
+            print(f"kvtier size: --plot: {exc}", file=sys.stderr)
+            return 2
     try:
         requests = sizing.load_trace(args.trace, limit=args.limit)
     except (OSError, ValueError) as exc:
@@ -304,7 +372,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     views = _open_views(args.paths, "inspect")
     if views is None:
         return 2
-    reports = [inspect_store(v) for v in views]
+    try:
+        reports = [inspect_store(v) for v in views]
+    except (OSError, ValueError) as exc:  # a slab swapped for a FIFO since
+        print(f"kvtier inspect: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         _emit_json({"stores": reports})
         return 0
@@ -361,7 +433,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     views = _open_views(args.paths, "verify")
     if views is None:
         return 2
-    reports = [verify_store(v) for v in views]
+    try:
+        reports = [verify_store(v) for v in views]
+    except (OSError, ValueError) as exc:
+        print(f"kvtier verify: {exc}", file=sys.stderr)
+        return 2
     nbad = sum(len(r["bad"]) for r in reports)
     if args.json:
         _emit_json({"ok": nbad == 0, "bad_slots": nbad, "stores": reports})
@@ -390,15 +466,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from kvtier.events_sub import BatchDecoder, EventSubscriber
+    from kvtier.events_sub import BatchDecoder, EventSubscriber, bind_endpoint
 
+    endpoint = args.endpoint
+    if args.bind:
+        try:
+            endpoint, note = bind_endpoint(endpoint, args.allow_remote)
+        except ValueError as exc:
+            print(f"kvtier events: {exc}", file=sys.stderr)
+            return 2
+        if note:
+            print(f"kvtier events: {note}", file=sys.stderr)
     try:
-        sub = EventSubscriber(args.endpoint, args.topic, bind=args.bind)
-    except Exception as exc:  # zmq.ZMQError: bad endpoint, port in use
-        print(
-            f"kvtier events: cannot subscribe to {args.endpoint}: {exc}",
-            file=sys.stderr,
+        sub = EventSubscriber(
+            endpoint,
+            args.topic,
+            bind=args.bind,
+            max_message_bytes=args.max_message_bytes,
         )
+    except Exception as exc:  # zmq.ZMQError: bad endpoint, port in use
+        print(f"kvtier events: cannot subscribe to {endpoint}: {exc}", file=sys.stderr)
         return 2
     start = time.monotonic()
     deadline = start + args.duration if args.duration else None
@@ -413,7 +500,7 @@ def cmd_events(args: argparse.Namespace) -> int:
             return 2
         if live:
             print(
-                f"listening on {args.endpoint} ({'bound' if args.bind else 'connected'}, "
+                f"listening on {endpoint} ({'bound' if args.bind else 'connected'}, "
                 f"topic {args.topic!r}, decoder {sub.decoder.kind})",
                 flush=True,
             )
@@ -446,7 +533,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         sub.close()
     doc = sub.counts.to_dict()
     doc.update(
-        endpoint=args.endpoint,
+        endpoint=endpoint,
         seconds=round(time.monotonic() - start, 3),
         decoder=sub.decoder.kind if sub.decoder else None,
     )
@@ -456,14 +543,26 @@ def cmd_events(args: argparse.Namespace) -> int:
         if tty:
             print()
         print(f"summary after {doc['seconds']:.1f}s: {sub.counts.line()}")
+        if sub.counts.decode_errors:
+            print(
+                f"skipped {sub.counts.decode_errors} malformed message(s); last: "
+                f"{sub.counts.last_decode_error}"
+            )
     return 0
 
 
 # -------------------------------------------------------------------- parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kvtier",
         description="kvtier tools: tier sizing, disk store inspection, KV events.",
     )
@@ -486,17 +585,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--disk-blocks", type=_nonneg_int, help="disk tier capacity (default 0)"
     )
-    s.add_argument("--bytes-per-token", type=parse_bytes, help="KV bytes per token")
+    s.add_argument("--bytes-per-token", type=_pos_bytes, help="KV bytes per token")
     s.add_argument("--cpu-bytes", type=parse_bytes, help="CPU budget, e.g. 64GiB")
     s.add_argument("--disk-bytes", type=parse_bytes, help="disk budget, e.g. 2TiB")
     s.add_argument("--policy", choices=POLICIES, default="lru", help="both tiers")
     s.add_argument("--cpu-policy", choices=POLICIES, help="overrides --policy")
     s.add_argument("--disk-policy", choices=POLICIES, help="overrides --policy")
-    s.add_argument("--spill-watermark", type=float, default=0.75)
+    s.add_argument(
+        "--spill-watermark",
+        type=_watermark,
+        default=0.75,
+        help="fraction of the CPU tier that may be dirty, in [0, 1] (default 0.75)",
+    )
     s.add_argument("--limit", type=_pos_int, help="replay only the first N requests")
     s.add_argument(
         "--target",
-        type=float,
+        type=_target,
         default=0.95,
         help="fraction of the infinite-cache bound to recommend for (default 0.95)",
     )
@@ -540,12 +644,31 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--endpoint", required=True, help="e.g. tcp://HOST:5557")
     e.add_argument("--topic", default="", help="topic prefix (default: all)")
     e.add_argument(
-        "--duration", type=float, default=None, help="seconds (default: until Ctrl-C)"
+        "--duration",
+        type=_pos_seconds,
+        default=None,
+        help="seconds (default: until Ctrl-C)",
     )
     e.add_argument(
         "--bind",
         action="store_true",
-        help="bind the endpoint instead of connecting (when vLLM's endpoint has no '*')",
+        help=(
+            "bind the endpoint instead of connecting (when vLLM's endpoint has no "
+            "'*'); a tcp wildcard binds 127.0.0.1, other non-loopback addresses "
+            "need --allow-remote"
+        ),
+    )
+    e.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="with --bind: listen on the endpoint as given, even off this host",
+    )
+    e.add_argument(
+        "--max-message-bytes",
+        type=_pos_bytes,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest ZMQ frame accepted; a sender of a bigger one is dropped "
+        "(default 64MiB)",
     )
     e.add_argument("--decoder", choices=("auto", "vllm", "plain"), default="auto")
     e.add_argument("--max-batches", type=_pos_int, help="stop after N batches")
@@ -556,7 +679,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:  # kvtier ... | head
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - no flush error at exit
+        return 141
 
 
 if __name__ == "__main__":

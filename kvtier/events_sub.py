@@ -16,11 +16,21 @@ None -> ``gpu``.
 vLLM's publisher *binds* an endpoint containing ``*`` (e.g. the default
 ``tcp://*:5557``), and *connects* otherwise; the subscriber does the
 opposite (``bind=True`` for the latter case).
+
+The stream is untrusted input: every message that cannot be read (wrong
+frame count, bad sequence number, any decoding error) is counted in
+``decode_errors`` and skipped, frames larger than ``max_message_bytes`` make
+ZMQ drop the sender (``MAXMSGSIZE``), and a bound socket listens on loopback
+unless told otherwise (:func:`bind_endpoint`): vLLM's ``BlockStored`` events
+carry the token ids of each block, i.e. the prompts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import ipaddress
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,13 +38,83 @@ from typing import Any
 MEDIA = ("gpu", "cpu", "disk")
 _MEDIUM_MAP = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
 DECODERS = ("auto", "vllm", "plain")
+# Unknown media get their own counters, up to this many; then "other".
+MAX_MEDIA = 8
+OTHER_MEDIUM = "other"
+_MEDIUM_NAME_RE = re.compile(r"^[a-z0-9_.-]{1,32}$")
+# Largest ZMQ frame accepted (MAXMSGSIZE); a bigger one disconnects its
+# sender. A batch of one engine step with token ids is well under 1 MiB.
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+# Messages queued in the socket at most (vLLM's publisher uses the same hwm).
+RCV_HWM = 100_000
+# Messages handled per poll() call, so that deadlines hold under a flood.
+MAX_PER_POLL = 1000
 
 
 def kvtier_medium(medium: str | None) -> str:
-    """vLLM medium -> kvtier medium (unknown names are lower-cased)."""
+    """vLLM medium -> kvtier medium (unknown names are lower-cased; names
+    that are not short identifiers become ``other``)."""
     if medium is None:
         return "gpu"
-    return _MEDIUM_MAP.get(medium, str(medium).lower())
+    if medium in _MEDIUM_MAP:
+        return _MEDIUM_MAP[medium]
+    name = str(medium)[:64].lower()
+    return name if _MEDIUM_NAME_RE.match(name) else OTHER_MEDIUM
+
+
+_LOOPBACK_NAMES = ("localhost", "lo")
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_endpoint(endpoint: str, allow_remote: bool = False) -> tuple[str, str | None]:
+    """The endpoint a subscriber should bind, and a note for the user.
+
+    Without ``allow_remote`` a TCP wildcard (``tcp://*:5557``,
+    ``tcp://0.0.0.0:5557``) becomes ``tcp://127.0.0.1:5557``, and any other
+    non-loopback address or transport (other than ``ipc://`` and
+    ``inproc://``) raises ValueError. With it the endpoint is kept and the
+    note warns that anyone who can reach it can send events.
+    """
+    transport, sep, rest = endpoint.partition("://")
+    if not sep:
+        raise ValueError(f"not a ZMQ endpoint: {endpoint!r}")
+    if transport in ("ipc", "inproc"):
+        return endpoint, None
+    if transport != "tcp":
+        if allow_remote:
+            return endpoint, f"binding {endpoint}: not restricted to this host"
+        raise ValueError(
+            f"refusing to bind {endpoint!r}: only tcp://127.0.0.1, ipc:// and "
+            "inproc:// are bound without --allow-remote"
+        )
+    host, colon, port = rest.rpartition(":")
+    if not colon:
+        raise ValueError(f"tcp endpoint needs HOST:PORT: {endpoint!r}")
+    if _is_loopback(host):
+        return endpoint, None
+    if allow_remote:
+        return endpoint, (
+            f"listening on {endpoint}: anyone who can reach it can send this "
+            "command events (--allow-remote)"
+        )
+    if host in _WILDCARD_HOSTS:
+        safe = f"tcp://127.0.0.1:{port}"
+        return safe, (
+            f"binding {safe} instead of {endpoint} (loopback only; give "
+            "--allow-remote to listen on every interface)"
+        )
+    raise ValueError(
+        f"refusing to bind non-loopback address {host!r} without --allow-remote"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +239,16 @@ class EventCounts:
     events: int = 0
     cleared: int = 0
     decode_errors: int = 0
+    last_decode_error: str | None = None
+    # Connections dropped (publisher gone, or a frame over MAXMSGSIZE).
+    disconnects: int = 0
     seq_gaps: int = 0
     last_seq: int | None = None
+
+    def malformed(self, reason: str) -> None:
+        """Count one message that could not be read."""
+        self.decode_errors += 1
+        self.last_decode_error = reason[:200]
 
     def add(self, batch: Batch, seq: int | None = None) -> None:
         if seq is not None:
@@ -173,7 +261,10 @@ class EventCounts:
             if ev.kind == "cleared":
                 self.cleared += 1
                 continue
-            c = self.media.setdefault(ev.medium, _zero())
+            medium = ev.medium
+            if medium not in self.media and len(self.media) >= MAX_MEDIA:
+                medium = OTHER_MEDIUM
+            c = self.media.setdefault(medium, _zero())
             c[ev.kind] += ev.blocks
             c[f"{ev.kind}_events"] += 1
 
@@ -186,6 +277,8 @@ class EventCounts:
             tail += f", decode errors {self.decode_errors}"
         if self.seq_gaps:
             tail += f", seq gaps {self.seq_gaps}"
+        if self.disconnects:
+            tail += f", disconnects {self.disconnects}"
         return "  ".join(parts) + "  | " + tail
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,7 +288,9 @@ class EventCounts:
             "events": self.events,
             "all_blocks_cleared": self.cleared,
             "decode_errors": self.decode_errors,
+            "last_decode_error": self.last_decode_error,
             "seq_gaps": self.seq_gaps,
+            "disconnects": self.disconnects,
         }
 
 
@@ -203,56 +298,128 @@ class EventSubscriber:
     """ZMQ SUB socket feeding :class:`EventCounts`.
 
     Create it (which connects or binds at once), then set ``decoder`` (slow
-    with vLLM), then call :meth:`poll` repeatedly.
+    with vLLM), then call :meth:`poll` repeatedly. ``bind`` binds the
+    endpoint as given: pass it through :func:`bind_endpoint` first.
     """
 
-    def __init__(self, endpoint: str, topic: str = "", bind: bool = False) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str = "",
+        bind: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         import zmq
 
         self._zmq = zmq
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt_string(zmq.SUBSCRIBE, topic)
-        if bind:
-            self._sock.bind(endpoint)
-        else:
-            self._sock.connect(endpoint)
+        try:
+            self._sock = self._ctx.socket(zmq.SUB)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            if "[" in endpoint or endpoint.count(":") > 2:
+                self._sock.setsockopt(zmq.IPV6, 1)
+            self._sock.setsockopt_string(zmq.SUBSCRIBE, topic)
+            if bind:
+                self._sock.bind(endpoint)
+            else:
+                self._sock.connect(endpoint)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
         self.endpoint = endpoint
+        self.max_message_bytes = max_message_bytes
+        self._bind = bind
         self.counts = EventCounts()
         self.decoder: BatchDecoder | None = None
+        # A frame over MAXMSGSIZE is a protocol error: ZMQ drops that
+        # connection and, on the connecting side, never reconnects. Watch for
+        # disconnects to count them and to reconnect ourselves.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
 
-    def poll(self, timeout_ms: int) -> int:
-        """Wait up to ``timeout_ms`` for messages, then take all that are
-        queued. Returns the number of batches handled."""
+    def poll(self, timeout_ms: int, max_messages: int = MAX_PER_POLL) -> int:
+        """Wait up to ``timeout_ms`` for messages, then take those queued, at
+        most ``max_messages``. Returns the number of messages handled
+        (malformed ones included)."""
         zmq = self._zmq
-        if not self._sock.poll(max(0, timeout_ms), zmq.POLLIN):
-            return 0
+        ready = dict(self._poller.poll(max(0, timeout_ms)))
         n = 0
+        if self._sock in ready:
+            while n < max_messages:
+                try:
+                    frames, nframes = self._recv()
+                except zmq.Again:
+                    break
+                self.handle(frames, nframes)
+                n += 1
+        # After draining: reconnecting drops what is still queued.
+        if self._monitor in ready and n < max_messages:
+            self._check_monitor()
+        return n
+
+    def _check_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        zmq = self._zmq
         while True:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                msg = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
-                return n
-            self.handle(frames)
-            n += 1
+                return
+            if msg["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            self.counts.disconnects += 1
+            if not self._bind:
+                # ZMQ would retry after a plain disconnect, not after a
+                # protocol error (oversized frame): start over either way.
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disconnect(self.endpoint)
+                self._sock.connect(self.endpoint)
 
-    def handle(self, frames: Iterable[bytes]) -> None:
+    def _recv(self) -> tuple[list[bytes], int]:
+        """One multipart message: its first three frames and its frame count
+        (the rest is read and dropped, so a many-frame message costs no
+        memory)."""
+        zmq = self._zmq
+        frames: list[bytes] = []
+        nframes = 0
+        while True:
+            frame = self._sock.recv(zmq.NOBLOCK)
+            nframes += 1
+            if nframes <= 3:
+                frames.append(frame)
+            if not self._sock.getsockopt(zmq.RCVMORE):
+                return frames, nframes
+
+    def handle(self, frames: Iterable[bytes], nframes: int | None = None) -> None:
+        """Count one message ``(topic, seq, payload)``; anything else, or
+        anything that fails to decode, is counted as malformed and skipped."""
         frames = list(frames)
+        if nframes is None:
+            nframes = len(frames)
         if self.decoder is None:
             self.decoder = BatchDecoder("plain")
-        if len(frames) != 3:
-            self.counts.decode_errors += 1
+        if nframes != 3:
+            self.counts.malformed(f"{nframes} frames, expected 3")
             return
         _topic, seq_b, payload = frames
+        if len(seq_b) != 8:
+            self.counts.malformed(f"sequence frame of {len(seq_b)} bytes, expected 8")
+            return
         try:
             batch = self.decoder.decode(payload)
-        except DecodeError:
-            self.counts.decode_errors += 1
+        except Exception as exc:  # untrusted input: never fatal
+            self.counts.malformed(f"{type(exc).__name__}: {exc}")
             return
         self.counts.add(batch, int.from_bytes(seq_b, "big", signed=True))
 
     def close(self) -> None:
+        with contextlib.suppress(self._zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()

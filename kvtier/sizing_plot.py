@@ -6,6 +6,7 @@ matplotlib (Agg, no display) is imported lazily: install ``kvtier[tools]``.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping, Sequence
 
 from kvtier.sizing import SizingResult
@@ -20,6 +21,47 @@ def _label(r: SizingResult) -> str:
     mult = r.disk_blocks / r.cpu_blocks
     shown = f"{mult:.0f}x" if abs(mult - round(mult)) < 0.05 else f"{mult:.2g}x"
     return f"+disk {r.disk_blocks}\n({shown} CPU)"
+
+
+def check_plot_path(out_path: str | os.PathLike[str]) -> None:
+    """Raise ValueError unless a plot can be saved to ``out_path``.
+
+    Meant to run before a long replay: matplotlib must import, the extension
+    must be a format it writes (none means PNG), and the file must be
+    creatable or, if it exists, a writable regular file. Nothing is left
+    behind: an existing file is opened without truncation, a new one is
+    created and removed again.
+    """
+    path = os.fspath(out_path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as exc:
+        raise ValueError(
+            f"plotting needs matplotlib (pip install 'kvtier[tools]'): {exc}"
+        ) from None
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory")
+    ext = os.path.splitext(path)[1][1:].lower()
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in supported:
+        raise ValueError(
+            f"{path}: unknown image format {ext!r} "
+            f"(one of {', '.join(sorted(supported))})"
+        )
+    flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        if os.path.lexists(path):
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise ValueError(f"{path}: not a regular file")
+            os.close(os.open(path, flags))
+        else:
+            os.close(os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(path)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 
 def plot_tier_split(

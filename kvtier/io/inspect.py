@@ -13,19 +13,29 @@ slab ``slab-<path index>.kvt`` of that path. With several disk paths, global
 slot ``s`` lives in slab ``s % P`` at local slot ``s // P``; pass every path
 of such a store together so global slot numbers can be reconstructed
 (``P`` is taken as the highest slab index found + 1).
+
+Nothing found on disk is trusted: slab and ``layout.json`` candidates are
+opened ``O_NOFOLLOW | O_NONBLOCK`` and refused unless they are regular files
+(a FIFO named like a slab would otherwise block forever), and the slot size
+is derived from the slot format (:func:`~kvtier.io.format.slot_size` of
+``block_bytes``) and checked against ``layout.json``'s ``slot_size`` and the
+slab sizes. A store that cannot be read raises :class:`StoreError`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import struct
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.io.backend import IO_ALIGNMENT
 from kvtier.io.checksum import payload_checksum
 from kvtier.io.disk_store import LAYOUT_FILE, ReadOutcome
 from kvtier.io.format import (
@@ -41,6 +51,19 @@ from kvtier.io.format import (
 STORE_DIR_RE = re.compile(r"^kvtier-([0-9a-f]{16})$")
 SLAB_RE = re.compile(r"^slab-(\d+)\.kvt$")
 _VERSION = struct.Struct("<I")
+
+# Sanity bounds on geometry read from layout.json or a slot header. A 16-token
+# block of a 405B model in bf16 is about 8 MiB per rank; 4 GiB is absurd.
+MAX_BLOCK_BYTES = 1 << 32
+MAX_SLOT_SIZE = slot_size(MAX_BLOCK_BYTES)
+MIN_SLOT_SIZE = slot_size(1)  # header + one aligned payload unit
+MAX_LAYOUT_BYTES = 1 << 20  # layout.json is a few hundred bytes
+
+
+class StoreError(ValueError):
+    """A store that cannot be read safely: a slab or layout.json that is not
+    a regular file, an impossible geometry, no slabs. The message names the
+    file and the problem."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +139,8 @@ def find_stores(paths: Sequence[str]) -> list[StoreView]:
 
     The same store name found under several paths is merged into one view.
     Raises FileNotFoundError / NotADirectoryError for a bad path, and
-    ValueError when a path holds no store.
+    ValueError (:class:`StoreError`) when a path holds no store or a store
+    cannot be read safely (see :func:`open_store`).
     """
     by_name: dict[str, list[str]] = {}
     for path in paths:
@@ -135,7 +159,7 @@ def find_stores(paths: Sequence[str]) -> list[StoreView]:
                 if STORE_DIR_RE.match(n) and os.path.isdir(os.path.join(path, n))
             )
         if not dirs:
-            raise ValueError(f"{path}: no kvtier-<digest> store directory found")
+            raise StoreError(f"{path}: no kvtier-<digest> store directory found")
         for d in dirs:
             by_name.setdefault(os.path.basename(d), []).append(d)
     return [open_store(name, dirs) for name, dirs in sorted(by_name.items())]
@@ -146,14 +170,59 @@ def _looks_like_store(path: str) -> bool:
     return LAYOUT_FILE in names or any(SLAB_RE.match(n) for n in names)
 
 
-def _read_layout(directory: str) -> tuple[dict[str, Any] | None, str | None]:
-    path = os.path.join(directory, LAYOUT_FILE)
+def _open_regular(path: str) -> tuple[int, os.stat_result]:
+    """``os.open`` for reading that never blocks or follows a symlink, and
+    accepts only a regular file (a FIFO named like a slab would otherwise
+    block forever, a device would be read endlessly)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreError(f"{path}: is a symbolic link (refused)") from None
+        raise StoreError(f"{path}: cannot open: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise StoreError(f"{path}: cannot stat: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise StoreError(f"{path}: not a regular file ({_file_kind(st.st_mode)})")
+    return fd, st
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _read_layout(directory: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(layout, None), or (None, warning) for a missing or unparsable file.
+    Raises StoreError for a layout.json that is not a regular file or is
+    implausibly large."""
+    path = os.path.join(directory, LAYOUT_FILE)
+    if not os.path.lexists(path):
         return None, f"{path}: missing"
-    except (OSError, ValueError) as exc:
+    fd, st = _open_regular(path)
+    try:
+        if st.st_size > MAX_LAYOUT_BYTES:
+            raise StoreError(f"{path}: {st.st_size} bytes, not a kvtier layout.json")
+        data = os.pread(fd, MAX_LAYOUT_BYTES + 1, 0)
+    except OSError as exc:
+        return None, f"{path}: unreadable ({exc})"
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
         return None, f"{path}: unreadable ({exc})"
     if not isinstance(doc, dict):
         return None, f"{path}: not a JSON object"
@@ -161,7 +230,16 @@ def _read_layout(directory: str) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def open_store(name: str, directories: Sequence[str]) -> StoreView:
-    """Read ``layout.json`` and list the slabs of one store (no slot I/O)."""
+    """Read ``layout.json`` and list the slabs of one store (no slot I/O).
+
+    The slot size is derived from the slot format (``slot_size(block_bytes)``)
+    and checked against layout.json's ``slot_size`` and the slab sizes; it is
+    never taken on trust. Raises :class:`StoreError` when a slab candidate or
+    layout.json is not a regular file, when layout.json's geometry is
+    impossible (non-integer, non-positive, not 4 KiB-aligned, absurdly large,
+    or inconsistent), when there is no slab, or when no slot size can be
+    established.
+    """
     view = StoreView(
         name=name,
         directories=list(directories),
@@ -182,48 +260,98 @@ def open_store(name: str, directories: Sequence[str]) -> StoreView:
         _apply_layout(view, view.layout)
 
     for d in directories:
-        for n in sorted(os.listdir(d)):
+        try:
+            names = sorted(os.listdir(d))
+        except OSError as exc:
+            raise StoreError(f"{d}: cannot list: {exc.strerror or exc}") from None
+        for n in names:
             m = SLAB_RE.match(n)
             if m is None:
                 continue
             path = os.path.join(d, n)
-            view.slabs.append(Slab(path, int(m.group(1)), os.stat(path).st_size, 0))
+            fd, st = _open_regular(path)
+            os.close(fd)
+            view.slabs.append(Slab(path, int(m.group(1)), st.st_size, 0))
     view.slabs.sort(key=lambda s: (s.index, s.path))
+    if not view.slabs:
+        raise StoreError(
+            f"{', '.join(view.directories)}: no slab-<n>.kvt file in the store"
+        )
 
     if view.slot_size is None:
         _infer_geometry(view)
-    if view.slot_size:
-        view.slabs = [
-            Slab(s.path, s.index, s.size, s.size // view.slot_size) for s in view.slabs
-        ]
-        for s in view.slabs:
-            if s.size % view.slot_size:
-                view.warnings.append(
-                    f"{s.path}: size {s.size} is not a multiple of the slot size "
-                    f"{view.slot_size}; the partial tail is ignored"
-                )
+    if view.slot_size is None:
+        raise StoreError(f"{', '.join(view.directories)}: {view.warnings[-1]}")
+    ssz = view.slot_size
+    for s in view.slabs:
+        if 0 < s.size < ssz:
+            raise StoreError(
+                f"{s.path}: {s.size} bytes, smaller than one slot of {ssz} bytes "
+                f"(block_bytes {view.block_bytes}): wrong layout.json?"
+            )
+    view.slabs = [Slab(s.path, s.index, s.size, s.size // ssz) for s in view.slabs]
+    for s in view.slabs:
+        if s.size % ssz:
+            view.warnings.append(
+                f"{s.path}: size {s.size} is not a multiple of the slot size "
+                f"{ssz}; the partial tail is ignored"
+            )
+    if view.total_slots == 0:
+        raise StoreError(
+            f"{', '.join(view.directories)}: every slab is empty (0 bytes, no slots)"
+        )
     return view
 
 
+def _layout_int(layout: dict[str, Any], key: str) -> int:
+    v = layout[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise StoreError(f"{key} {v!r:.40} is not an integer")
+    return v
+
+
 def _apply_layout(view: StoreView, layout: dict[str, Any]) -> None:
-    try:
-        view.block_bytes = int(layout["block_bytes"])
-        view.slot_size = int(layout.get("slot_size") or slot_size(view.block_bytes))
-        if int(layout.get("header_size", HEADER_SIZE)) != HEADER_SIZE:
-            view.warnings.append(
-                f"layout.json header_size {layout['header_size']} != {HEADER_SIZE}"
+    where = f"{view.directories[0]}/{LAYOUT_FILE}"
+    if "block_bytes" not in layout:
+        view.warnings.append(f"{where}: no block_bytes; geometry taken from headers")
+    else:
+        try:
+            bb = _layout_int(layout, "block_bytes")
+        except StoreError as exc:
+            raise StoreError(f"{where}: {exc}") from None
+        if not 0 < bb <= MAX_BLOCK_BYTES:
+            raise StoreError(
+                f"{where}: block_bytes {bb} is not within [1, {MAX_BLOCK_BYTES}]"
             )
-    except (KeyError, TypeError, ValueError) as exc:
+        expected = slot_size(bb)
+        if "slot_size" in layout:
+            try:
+                ssz = _layout_int(layout, "slot_size")
+            except StoreError as exc:
+                raise StoreError(f"{where}: {exc}") from None
+            if not MIN_SLOT_SIZE <= ssz <= MAX_SLOT_SIZE or ssz % IO_ALIGNMENT:
+                raise StoreError(
+                    f"{where}: slot_size {ssz} is impossible (a slot is a "
+                    f"{HEADER_SIZE} B header plus the payload, a multiple of "
+                    f"{IO_ALIGNMENT} B between {MIN_SLOT_SIZE} and {MAX_SLOT_SIZE})"
+                )
+            if ssz != expected:
+                raise StoreError(
+                    f"{where}: slot_size {ssz} does not match block_bytes {bb} "
+                    f"(this format's slot is {expected} B)"
+                )
+        view.block_bytes = bb
+        view.slot_size = expected
+    if layout.get("header_size", HEADER_SIZE) != HEADER_SIZE:
         view.warnings.append(
-            f"layout.json lacks a usable block_bytes/slot_size ({exc})"
+            f"layout.json header_size {layout['header_size']!r:.40} != {HEADER_SIZE}"
         )
-        view.block_bytes = view.slot_size = None
     digest = layout.get("digest")
     if isinstance(digest, str):
         try:
             view.digest = bytes.fromhex(digest)
         except ValueError:
-            view.warnings.append(f"layout.json digest {digest!r} is not hex")
+            view.warnings.append(f"layout.json digest {digest!r:.80} is not hex")
     m = STORE_DIR_RE.match(view.name)
     if view.digest is not None and m and view.digest.hex()[:16] != m.group(1):
         view.warnings.append(
@@ -233,11 +361,17 @@ def _apply_layout(view: StoreView, layout: dict[str, Any]) -> None:
 
 
 def _infer_geometry(view: StoreView) -> None:
-    """Without layout.json: take the block size from slot 0's header."""
+    """Without a usable layout.json: take the block size from the header of
+    slot 0 of the first slab that has a valid one (within MAX_BLOCK_BYTES)."""
     for slab in view.slabs:
         try:
             hdr = SlotHeader.unpack(_pread(slab.path, HEADER_SIZE, 0))
         except (OSError, CorruptHeaderError, EmptySlotError):
+            continue
+        if not 0 < hdr.raw_len <= MAX_BLOCK_BYTES:
+            view.warnings.append(
+                f"{slab.path}: slot 0 header raw_len {hdr.raw_len} is implausible"
+            )
             continue
         view.block_bytes = hdr.raw_len
         view.slot_size = slot_size(hdr.raw_len)
@@ -246,15 +380,14 @@ def _infer_geometry(view: StoreView) -> None:
             f"of {slab.path}"
         )
         return
-    if view.slabs:
-        view.warnings.append(
-            "no layout.json and no readable header at slot 0: slot size unknown, "
-            "slots not scanned"
-        )
+    view.warnings.append(
+        "no usable layout.json and no readable header at slot 0 of any slab: "
+        "slot size unknown"
+    )
 
 
 def _pread(path: str, n: int, offset: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd, _ = _open_regular(path)
     try:
         return os.pread(fd, n, offset)
     finally:
@@ -318,7 +451,7 @@ def scan(view: StoreView, verify_payload: bool = False) -> Iterator[SlotRecord]:
         return
     ssz = view.slot_size
     for slab in view.slabs:
-        fd = os.open(slab.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, _ = _open_regular(slab.path)  # StoreError if it was swapped since
         try:
             for local in range(slab.num_slots):
                 offset = local * ssz

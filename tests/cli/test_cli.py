@@ -12,6 +12,7 @@ import hashlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -494,7 +495,7 @@ def test_events_cli_counts_published_batches(
     finally:
         pub.close(linger=0)
         ctx.term()
-    assert box.get("rc") == 0
+    assert not t.is_alive() and box.get("rc") == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["media"] == expected
     assert doc["batches"] == 2 and doc["all_blocks_cleared"] == 1
@@ -525,10 +526,12 @@ def test_events_cli_with_vllm_publisher(capsys: pytest.CaptureFixture[str]) -> N
         ]
     )
     pub = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint)
+    deadline = time.monotonic() + 120
     try:
         # PUB drops batches until the CLI's subscription has arrived, so keep
         # publishing identical batches until the CLI has counted one.
         while t.is_alive():
+            assert time.monotonic() < deadline, "the CLI never counted a batch"
             pub.publish(
                 kv.KVEventBatch(
                     ts=0.0,
@@ -549,7 +552,7 @@ def test_events_cli_with_vllm_publisher(capsys: pytest.CaptureFixture[str]) -> N
             t.join(timeout=0.05)
     finally:
         pub.shutdown()
-    assert box.get("rc") == 0
+    assert not t.is_alive() and box.get("rc") == 0
     doc = json.loads(capsys.readouterr().out)
     n = doc["batches"]
     assert n >= 1 and doc["decode_errors"] == 0
