@@ -122,11 +122,10 @@ def test_vllm_cli_accepts_config_file_text(path: Path) -> None:
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM")
 def test_tiered_spec_is_importable_by_name() -> None:
-    from vllm.v1.kv_offload.base import OffloadingSpec
-
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
+    from vllm.v1.kv_offload.base import OffloadingSpec
 
     cfg = _load(CONFIG_DIR / "cpu-disk.json")
     extra = cfg["kv_connector_extra_config"]
