@@ -14,6 +14,7 @@ buffer, so a torn, stale or corrupted slot is reported, never returned.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -46,6 +47,12 @@ from kvtier.io.format import (
     aligned_empty,
     round_up,
     slot_size,
+)
+from kvtier.io.safe_open import (
+    InUseError,
+    flock_exclusive,
+    open_private,
+    open_private_dir,
 )
 from kvtier.io.slab import SlabFile
 
@@ -191,19 +198,28 @@ class DiskStore:
         self.dirs: list[str] = []
         self.slabs: list[SlabFile] = []
         self._handles: list[Any] = []
+        # One descriptor per store directory, held (with its flock) until
+        # close: everything inside is opened relative to it.
+        self._dir_fds: list[int] = []
         npaths = len(self.paths)
         try:
             for i, base in enumerate(self.paths):
                 d = os.path.join(base, store_dirname(fingerprint))
-                _make_private_dir(d)
-                _write_layout(d, fingerprint, self.slot_size)
+                dir_fd = _open_store_dir(d, base)
+                self._dir_fds.append(dir_fd)
+                _write_layout(d, fingerprint, self.slot_size, dir_fd=dir_fd)
                 local_slots = (num_slots - i + npaths - 1) // npaths
                 slab = SlabFile(
-                    os.path.join(d, f"slab-{i}.kvt"), local_slots, self.slot_size
+                    os.path.join(d, f"slab-{i}.kvt"),
+                    local_slots,
+                    self.slot_size,
+                    dir_fd=dir_fd,
                 )
                 self.dirs.append(d)
                 self.slabs.append(slab)
-                self._handles.append(self.backend.open(slab.path, writable=True))
+                handle = self.backend.open(slab.path, writable=True)
+                self._handles.append(handle)
+                _check_same_slab(self.backend, handle, slab)
         except BaseException:
             self.close()
             raise
@@ -555,6 +571,20 @@ class DiskStore:
         self._handles.clear()
         if self._owns_backend:
             self.backend.shutdown()
+        for fd in self._dir_fds:  # releases the store-directory locks
+            try:
+                os.close(fd)
+            except OSError as exc:
+                logger.debug("closing store directory failed: %s", exc)
+        self._dir_fds.clear()
+
+    def abandon(self) -> None:
+        """Mark closed without closing anything: for a store whose I/O threads
+        may still be blocked in a read or write (a hung disk). Its descriptors
+        stay open (a closed number could be reused by another file while a
+        blocked write still targets it) and its locks stay held until the
+        process exits."""
+        self._closed = True
 
     def __enter__(self) -> DiskStore:
         return self
@@ -568,29 +598,73 @@ class DiskStore:
         self.close()
 
 
-def _make_private_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
+def _open_store_dir(path: str, base: str) -> int:
+    """Create or open a store directory, check it and lock it; returns its fd.
+
+    Refused: a symbolic link, a non-directory, a directory of another owner,
+    one writable by group or others (see kvtier.io.safe_open), and one locked
+    by another live store (two engines on one ``disk_path`` would adopt each
+    other's blocks and evict each other's slots)."""
     try:
-        os.chmod(path, 0o700)  # makedirs' mode is filtered by the umask
-    except PermissionError:
-        logger.warning("cannot restrict permissions of %s (not the owner)", path)
+        os.makedirs(base, exist_ok=True)
+    except FileExistsError as exc:
+        raise NotADirectoryError(
+            errno.ENOTDIR, "kvtier disk_path exists but is not a directory", base
+        ) from exc
+    fd = open_private_dir(path)
+    try:
+        if not flock_exclusive(fd):
+            raise InUseError(
+                f"kvtier disk store {path!r} (disk_path {base!r}) is in use by "
+                "another running kvtier engine with the same model and layout "
+                "(another process, or another engine in this process). Give each "
+                "engine its own disk_path, or stop the other engine first",
+                path,
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_same_slab(backend: DiskBackend, handle: Any, slab: SlabFile) -> None:
+    """The back end opened the slab by name: make sure it is the inode that
+    was checked through the locked directory (no swap in between)."""
+    fd = backend.fileno(handle)
+    if fd is not None and not slab.matches(fd):
+        raise PermissionError(
+            errno.EPERM,
+            "kvtier refuses the slab: the file opened by name is not the one "
+            "checked a moment earlier (the directory was swapped?)",
+            slab.path,
+        )
 
 
 def _write_layout(
-    directory: str, fingerprint: LayoutFingerprint, slot_bytes: int
+    directory: str, fingerprint: LayoutFingerprint, slot_bytes: int, *, dir_fd: int
 ) -> None:
     """Write ``layout.json`` (human/inspect aid; never trusted for reads)."""
     doc = dict(fingerprint.describe(), header_size=HEADER_SIZE, slot_size=slot_bytes)
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     path = os.path.join(directory, LAYOUT_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            if f.read() == text:
-                return
+        fd = open_private(LAYOUT_FILE, os.O_RDONLY, dir_fd=dir_fd, private=True)
     except FileNotFoundError:
         pass
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        # A link, or not private to us: it is only an aid, so replace it
+        # (rename replaces the name itself, never a link's target).
+        logger.info("replacing %s: %s", path, exc)
+    else:
+        with os.fdopen(fd, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    tmp = f"{LAYOUT_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dir_fd)  # a crashed run's leftover
+    fd = open_private(
+        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd, private=True
+    )
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
-    os.replace(tmp, path)
+    os.replace(tmp, LAYOUT_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -441,6 +441,9 @@ class FaultInjectingBackend(DiskBackend):
     def close(self, handle: FaultHandle) -> None:
         self.inner.close(handle.inner)
 
+    def fileno(self, handle: FaultHandle) -> int | None:
+        return self.inner.fileno(handle.inner)
+
     def describe(self) -> str:
         return f"faults({self.inner.describe()})"
 
