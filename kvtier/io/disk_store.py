@@ -397,11 +397,21 @@ class DiskStore:
             self._seq += 1
             return self._seq
 
-    def write_block(self, slot: int, key: bytes, data: np.ndarray, seq: int) -> int:
+    def write_block(
+        self,
+        slot: int,
+        key: bytes,
+        data: np.ndarray,
+        seq: int,
+        *,
+        on_staged: Callable[[], None] | None = None,
+    ) -> int:
         """Write one block (header + payload in one aligned write).
 
         ``data`` is a C-contiguous array of exactly ``block_bytes`` bytes.
         Returns the bytes written to disk; raises OSError on failure.
+        ``on_staged`` is called once ``data`` was copied into the private
+        bounce buffer, before the write: ``data`` is not read after that.
         """
         if len(key) > MAX_KEY_LEN:
             raise ValueError(f"key is {len(key)} bytes, max {MAX_KEY_LEN}")
@@ -432,6 +442,8 @@ class DiskStore:
         bounce[:HEADER_SIZE] = np.frombuffer(header.pack(), dtype=np.uint8)
         end = round_up(HEADER_SIZE + n, IO_ALIGNMENT)
         bounce[HEADER_SIZE + n : end] = 0  # don't leak a previous block's tail
+        if on_staged is not None:
+            on_staged()
         self._bump_seq(seq)
         try:
             written = self._write(idx, bounce[:end], offset)
@@ -451,17 +463,25 @@ class DiskStore:
             self._stats.blocks_written += 1
         return written
 
-    def read_block(self, slot: int, key: bytes, out: np.ndarray) -> ReadOutcome:
+    def read_block(
+        self, slot: int, key: bytes, out: np.ndarray, *, guard: Any = None
+    ) -> ReadOutcome:
         """Read the block stored under ``key`` in ``slot`` into ``out``.
 
         ``out`` is a C-contiguous array of exactly ``block_bytes`` bytes and is
         written only when the result is OK. Never raises for I/O or data errors.
+        ``guard`` (e.g. :class:`kvtier.io.engine.RowGuard`): ``out`` is written
+        only between a successful ``guard.enter()`` and ``guard.leave()``; when
+        ``enter()`` refuses (the caller gave ``out`` away meanwhile), ``out``
+        is left alone and IO_ERROR is returned.
         """
         flat_out = _flat_u8(out, self.block_bytes, "out")
         outcome, hdr, payload = self._load(slot, key)
         if outcome is not ReadOutcome.OK:
             return outcome
         assert hdr is not None and payload is not None
+        if guard is not None and not guard.enter():
+            return ReadOutcome.IO_ERROR
         try:
             # decompress validates the decoded size before writing ``out``.
             decompress(hdr.codec, payload, hdr.raw_len, hdr.elem_size, flat_out)
@@ -469,6 +489,9 @@ class DiskStore:
             # Checksum matched but the header's codec/lengths lie: treat the
             # header as untrustworthy.
             return ReadOutcome.BAD_HEADER
+        finally:
+            if guard is not None:
+                guard.leave()
         return ReadOutcome.OK
 
     def verify(self, slot: int) -> ReadOutcome:
