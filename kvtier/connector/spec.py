@@ -38,6 +38,7 @@ from kvtier.connector.config import (
 )
 from kvtier.connector.disk_runtime import DiskRuntime, cpu_buffer_path
 from kvtier.connector.host import close_on_error, open_worker_buffer, prepare_cpu_tier
+from kvtier.connector.identity import namespace
 from kvtier.connector.metrics import metric_definitions
 from kvtier.io.disk_store import store_dirname
 from kvtier.io.format import LayoutFingerprint, slot_size
@@ -111,6 +112,7 @@ def layout_fingerprint(
         geometry=geometry,
         tp_rank=rank,
         tp_size=world_size,
+        **namespace(config),  # model contents + DP rank (kvtier.connector.identity)
     )
 
 
