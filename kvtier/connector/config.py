@@ -352,8 +352,8 @@ def _existing_slab_bytes(path: str, names: Iterable[str] = ()) -> int:
         return 0
     with entries:
         for entry in entries:
-            if entry.is_dir() and entry.name in wanted:
-                for root, _dirs, files in os.walk(entry.path):
+            if entry.is_dir(follow_symlinks=False) and entry.name in wanted:
+                for root, _dirs, files in os.walk(entry.path, followlinks=False):
                     for name in files:
                         with contextlib.suppress(OSError):
                             total += os.stat(os.path.join(root, name)).st_blocks * 512
