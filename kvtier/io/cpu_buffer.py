@@ -15,6 +15,7 @@ import mmap
 import os
 import secrets
 import tempfile
+import time
 import weakref
 from types import TracebackType
 
@@ -343,6 +344,18 @@ def _release_owned(path: str, fd: int) -> None:
         os.close(fd)
 
 
+# A temporary file is created and locked in two steps; a sweep leaves young
+# ones alone so it never races an owner in between.
+_TMP_GRACE_S = 60.0
+
+
+def _younger_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path, follow_symlinks=False).st_mtime < seconds
+    except OSError:
+        return True
+
+
 def reclaim_stale_cpu_files(directory: str) -> list[tuple[str, int]]:
     """Remove CPU-tier files in ``directory`` that no live engine holds.
 
@@ -360,6 +373,8 @@ def reclaim_stale_cpu_files(directory: str) -> list[tuple[str, int]]:
         if not (entry.endswith(".cpu") or entry.endswith(".tmp")):
             continue
         path = os.path.join(directory, entry)
+        if entry.endswith(".tmp") and _younger_than(path, _TMP_GRACE_S):
+            continue  # an owner between creating and locking it: not stale
         try:
             fd = open_private(path, os.O_RDONLY, private=True)
         except OSError as exc:
