@@ -248,3 +248,16 @@ def test_close_with_a_hung_disk_is_bounded(
         assert rt.broken
     finally:
         release.set()
+
+
+def test_second_runtime_on_one_disk_path_is_refused(tmp_path: Path) -> None:
+    from kvtier.io.safe_open import InUseError
+
+    first = make_runtime(tmp_path, "/nonexistent")
+    try:
+        with pytest.raises(InUseError, match="disk_path") as info:
+            make_runtime(tmp_path, "/nonexistent")
+        assert str(tmp_path / "disk") in str(info.value)
+    finally:
+        first.close()
+    make_runtime(tmp_path, "/nonexistent").close()  # free again
