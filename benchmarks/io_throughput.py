@@ -277,7 +277,10 @@ class KvtierRig:
         threads: int,
         compression: str,
     ) -> None:
-        fp = LayoutFingerprint("bench", "bfloat16", block, f"bench-{block}", 0, 1)
+        # One store directory per back end: a store locks its directory.
+        fp = LayoutFingerprint(
+            "bench", "bfloat16", block, f"bench-{block}-{backend.name}", 0, 1
+        )
         self.block, self.count, self.backend = block, count, backend
         self.store = DiskStore(
             [directory], count, block, fp, backend=backend, compression=compression

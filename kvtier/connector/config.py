@@ -17,6 +17,9 @@ from typing import Any
 from kvtier.tiers.policy import POLICIES
 
 DISK_IO_CHOICES = ("auto", "posix", "kvikio")
+# Threads are started at engine start-up (per TP rank, plus as many in the
+# back end); beyond a few dozen they only add contention.
+MAX_DISK_IO_THREADS = 256
 COMPRESSION_CHOICES = ("none", "zstd")
 
 
@@ -26,6 +29,15 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str):
         self.key = key
         super().__init__(f"kvtier: kv_connector_extra_config[{key!r}]: {message}")
+
+
+class TransferConfigError(ConfigError):
+    """A bad top-level ``--kv-transfer-config`` value (not an extra-config
+    key): the connector class or vLLM's ``kv_load_failure_policy``."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        ValueError.__init__(self, f"kvtier: kv_transfer_config[{key!r}]: {message}")
 
 
 @dataclass(frozen=True)
@@ -116,9 +128,9 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec(
         "disk_io_threads",
-        "Threads of the disk I/O pool (per TP rank).",
+        "Threads of the disk I/O pool (per TP rank); they start with the engine.",
         4,
-        "integer >= 1",
+        "integer in [1, 256]",
     ),
     KeySpec(
         "disk_load_buffer_bytes",
@@ -186,21 +198,30 @@ class KvtierConfig:
         return self.disk_bytes_to_use > 0
 
 
-def _int(extra: Mapping[str, Any], key: str, default: int | None, minimum: int) -> int:
+def _int(
+    extra: Mapping[str, Any],
+    key: str,
+    default: int | None,
+    minimum: int,
+    maximum: int | None = None,
+) -> int:
+    want = (
+        f"an integer >= {minimum}"
+        if maximum is None
+        else f"an integer in [{minimum}, {maximum}]"
+    )
     value = extra.get(key, default)
     if value is None:
-        raise ConfigError(key, f"is required: an integer >= {minimum}")
+        raise ConfigError(key, f"is required: {want}")
     # bool is an int subclass; "true" is never a byte count.
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigError(key, f"expected an integer >= {minimum}, got {value!r}")
+        raise ConfigError(key, f"expected {want}, got {value!r}")
     try:
         number = int(value)
     except ValueError:
-        raise ConfigError(
-            key, f"expected an integer >= {minimum}, got {value!r}"
-        ) from None
-    if number < minimum:
-        raise ConfigError(key, f"expected an integer >= {minimum}, got {number}")
+        raise ConfigError(key, f"expected {want}, got {value!r}") from None
+    if number < minimum or (maximum is not None and number > maximum):
+        raise ConfigError(key, f"expected {want}, got {number}")
     return number
 
 
@@ -287,7 +308,9 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
         ),
         promote_on_hit=_bool(extra, "promote_on_hit", True),
         spill_watermark=_fraction(extra, "spill_watermark", 0.75),
-        disk_io_threads=_int(extra, "disk_io_threads", 4, 1),
+        disk_io_threads=_int(
+            extra, "disk_io_threads", 4, 1, maximum=MAX_DISK_IO_THREADS
+        ),
         disk_load_buffer_bytes=_int(extra, "disk_load_buffer_bytes", 64 << 20, 1 << 20),
     )
     if disk_bytes == 0 and "disk_path" in extra:
@@ -346,8 +369,8 @@ def _existing_slab_bytes(path: str, names: Iterable[str] = ()) -> int:
         return 0
     with entries:
         for entry in entries:
-            if entry.is_dir() and entry.name in wanted:
-                for root, _dirs, files in os.walk(entry.path):
+            if entry.is_dir(follow_symlinks=False) and entry.name in wanted:
+                for root, _dirs, files in os.walk(entry.path, followlinks=False):
                     for name in files:
                         with contextlib.suppress(OSError):
                             total += os.stat(os.path.join(root, name)).st_blocks * 512

@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
-from kvtier.connector.config import ConfigError
+from kvtier.connector.config import TransferConfigError
 
 logger = logging.getLogger("kvtier.connector")
 
@@ -174,7 +174,7 @@ class TieredOffloadingConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         transfer = vllm_config.kv_transfer_config
         if transfer.kv_load_failure_policy != "recompute":
-            raise ConfigError(
+            raise TransferConfigError(
                 "kv_load_failure_policy",
                 f"is {transfer.kv_load_failure_policy!r}: a failed disk block "
                 "would fail its request instead of being recomputed; "

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.io.cpu_buffer import CpuBlockBuffer
+import numpy as np
+
+from kvtier.io.cpu_buffer import CpuBlockBuffer, cpu_buffer_dir
 from kvtier.io.disk_store import DiskStore, ReadOutcome
 from kvtier.io.engine import TransferEngine
 from kvtier.io.format import LayoutFingerprint
@@ -32,10 +34,48 @@ PROMOTE = "promote"
 
 
 def cpu_buffer_path(engine_id: str, rank: int, world_size: int) -> str:
-    """Where rank ``rank``'s CPU tier lives, shared by scheduler and worker."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    """Where rank ``rank``'s CPU tier lives, shared by scheduler and worker.
+
+    Inside this user's private directory (``cpu_buffer_dir``: 0700, owner
+    checked, created on first use), so other users can neither read the
+    rows nor plant a file under the predictable name."""
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
-    return os.path.join(base, f"kvtier-{safe}-r{rank}of{world_size}.cpu")
+    return os.path.join(cpu_buffer_dir(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
+
+
+# Bound on waiting for the I/O threads at close(): a hung disk must not hang
+# the engine's shutdown.
+CLOSE_TIMEOUT_S = 10.0
+
+
+class _LazyRows:
+    """Rank ``rank``'s CPU-tier rows, mapped on first use.
+
+    The workers create the CPU-tier files; the first spill can only follow a
+    completed store, so mapping at the first job (not at start-up) never
+    races a worker. A failure to map surfaces in that job's submission,
+    which the runtime turns into failed keys (misses), not an exception in
+    the scheduler step."""
+
+    def __init__(self, runtime: DiskRuntime, rank: int):
+        self._runtime = runtime
+        self._rank = rank
+        self.block_bytes = runtime.block_bytes
+
+    @property
+    def array(self) -> np.ndarray:
+        rt = self._runtime
+        buffer = rt._buffers[self._rank]
+        if buffer is None:
+            buffer = CpuBlockBuffer(
+                rt.num_cpu_blocks,
+                rt.block_bytes,
+                rt._buffer_paths[self._rank],
+                owner=False,
+                pin=False,
+            )
+            rt._buffers[self._rank] = buffer
+        return buffer.array
 
 
 @dataclass
@@ -69,9 +109,16 @@ class DiskIOTotals:
 class DiskRuntime:
     """Runs SpillOrders and PromoteOrders for all TP ranks; never blocks.
 
-    Contract: ``submit`` returns at once; ``poll`` returns each job exactly
-    once after every rank finished it; ``drain`` waits for everything
-    submitted (shutdown and reset only)."""
+    Contract: ``submit`` returns at once and never raises for I/O set-up
+    problems (a CPU-tier file that cannot be mapped, a stopped runtime): the
+    job's keys fail instead. ``poll`` returns each job exactly once after
+    every rank finished it. ``drain`` waits for everything submitted
+    (shutdown and reset only), at most ``timeout``; when it times out the
+    runtime is *broken*: its threads never touch a CPU row again (so the
+    caller may reuse every row), unfinished jobs are forgotten (no late
+    result ever reaches ``poll``) and later jobs fail at once. All I/O
+    threads start in the constructor, so what can fail fails at start-up,
+    with the real error (nothing is left behind)."""
 
     def __init__(
         self,
@@ -89,10 +136,22 @@ class DiskRuntime:
     ):
         if len(fingerprints) != len(cpu_buffer_paths):
             raise ValueError("one fingerprint and one CPU buffer per rank")
+        # Everything close() touches exists before anything can fail.
         self.num_cpu_blocks = num_cpu_blocks
         self.block_bytes = block_bytes
         self._buffer_paths = list(cpu_buffer_paths)
+        self._threads = threads
         self.stores: list[DiskStore] = []
+        # CPU buffers are mapped lazily (see _LazyRows).
+        self._buffers: list[CpuBlockBuffer | None] = [None] * len(fingerprints)
+        self._engines: list[TransferEngine | None] = [None] * len(fingerprints)
+        self._jobs: dict[int, _RankedJob] = {}
+        # (job_id, failed keys) of rank parts that could not be submitted.
+        self._refused: list[tuple[int, list[bytes]]] = []
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        self._warned: set[str] = set()
+        self.totals = DiskIOTotals()
         try:
             for fp in fingerprints:
                 self.stores.append(
@@ -107,17 +166,11 @@ class DiskRuntime:
                         threads=threads,
                     )
                 )
+            for rank in range(len(fingerprints)):
+                self._engine(rank)  # the I/O threads start now, not at a spill
         except BaseException:
             self.close()
             raise
-        self._threads = threads
-        # CPU buffers are mapped lazily: the workers create them at start-up,
-        # and the first spill can only follow a completed store.
-        self._buffers: list[CpuBlockBuffer | None] = [None] * len(fingerprints)
-        self._engines: list[TransferEngine | None] = [None] * len(fingerprints)
-        self._jobs: dict[int, _RankedJob] = {}
-        self._lock = threading.Lock()
-        self.totals = DiskIOTotals()
         logger.info(
             "kvtier disk tier: %d blocks of %d B per rank on %s via %s",
             num_disk_blocks,
@@ -160,17 +213,28 @@ class DiskRuntime:
     def _engine(self, rank: int) -> TransferEngine:
         engine = self._engines[rank]
         if engine is None:
-            buffer = CpuBlockBuffer(
-                self.num_cpu_blocks,
-                self.block_bytes,
-                self._buffer_paths[rank],
-                owner=None,
-                pin=False,
+            engine = TransferEngine(
+                _LazyRows(self, rank),  # type: ignore[arg-type]  (duck-typed)
+                self.stores[rank],
+                threads=self._threads,
             )
-            self._buffers[rank] = buffer
-            engine = TransferEngine(buffer, self.stores[rank], threads=self._threads)
             self._engines[rank] = engine
         return engine
+
+    @property
+    def broken(self) -> str | None:
+        """Why the runtime stopped taking jobs (a drain timed out), or None."""
+        return self._broken
+
+    def _warn_once(self, what: str, exc: BaseException | str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(
+                "kvtier disk tier: %s (%s); the affected blocks are misses "
+                "(recomputed), the engine keeps running",
+                what,
+                exc,
+            )
 
     def submit_spill(self, order: SpillOrder) -> None:
         items = [(it.key, it.src_slot, it.dst_slot) for it in order.items]
@@ -186,38 +250,52 @@ class DiskRuntime:
         with self._lock:
             self._jobs[job_id] = _RankedJob(kind, remaining=len(self.stores))
         for rank in range(len(self.stores)):
-            engine = self._engine(rank)
-            if kind == SPILL:
-                engine.submit_spill(job_id, items)
-            else:
-                engine.submit_promote(job_id, items)
+            try:
+                if self._broken is not None:
+                    raise RuntimeError(self._broken)
+                engine = self._engine(rank)
+                if kind == SPILL:
+                    engine.submit_spill(job_id, items)
+                else:
+                    engine.submit_promote(job_id, items)
+            except Exception as exc:
+                # E.g. the CPU-tier file cannot be mapped: a miss, not a crash.
+                self._warn_once(f"cannot run {kind} jobs on rank {rank}", exc)
+                with self._lock:
+                    self._refused.append((job_id, [key for key, _, _ in items]))
 
     def poll(self) -> list[FinishedJob]:
-        done: list[FinishedJob] = []
+        with self._lock:
+            parts = [(job_id, keys, 0, 0.0) for job_id, keys in self._refused]
+            self._refused.clear()
         for engine in self._engines:
-            if engine is None:
-                continue
-            for result in engine.get_finished():
-                with self._lock:
-                    job = self._jobs[result.job_id]
-                    job.failed.update(result.failed_keys)
-                    job.bytes += result.bytes
-                    job.seconds = max(job.seconds, result.seconds)
-                    job.remaining -= 1
-                    if job.remaining:
-                        continue
-                    del self._jobs[result.job_id]
-                if job.kind == SPILL:
-                    self.totals.write_bytes += job.bytes
-                    self.totals.write_seconds += job.seconds
-                else:
-                    self.totals.read_bytes += job.bytes
-                    self.totals.read_seconds += job.seconds
-                done.append(
-                    FinishedJob(
-                        job.kind, result.job_id, job.failed, job.bytes, job.seconds
-                    )
+            if engine is not None:
+                parts.extend(
+                    (r.job_id, r.failed_keys, r.bytes, r.seconds)
+                    for r in engine.get_finished()
                 )
+        done: list[FinishedJob] = []
+        for job_id, failed, nbytes, seconds in parts:
+            with self._lock:
+                job = self._jobs.get(job_id)
+                if job is None:
+                    continue  # forgotten by a timed-out drain: never reported
+                job.failed.update(failed)
+                job.bytes += nbytes
+                job.seconds = max(job.seconds, seconds)
+                job.remaining -= 1
+                if job.remaining:
+                    continue
+                del self._jobs[job_id]
+            if job.kind == SPILL:
+                self.totals.write_bytes += job.bytes
+                self.totals.write_seconds += job.seconds
+            else:
+                self.totals.read_bytes += job.bytes
+                self.totals.read_seconds += job.seconds
+            done.append(
+                FinishedJob(job.kind, job_id, job.failed, job.bytes, job.seconds)
+            )
         return done
 
     @property
@@ -225,10 +303,41 @@ class DiskRuntime:
         with self._lock:
             return len(self._jobs)
 
-    def drain(self, timeout: float | None = 60.0) -> None:
+    def drain(self, timeout: float | None = 60.0) -> bool:
+        """Wait until every submitted job finished (results stay for poll);
+        at most ``timeout`` seconds in all. Returns False on timeout, after
+        which the runtime is broken (see the class docstring)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            ids = list(self._jobs)
+        for engine in self._engines:
+            if engine is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not engine.wait(ids, timeout=left):
+                self._break(
+                    f"disk jobs did not finish within {timeout} s (a hung disk?)"
+                )
+                return False
+        return True
+
+    def _break(self, why: str) -> None:
+        """Stop for good: no thread touches a CPU row again, unfinished jobs
+        are forgotten, later jobs fail at once (misses)."""
+        if self._broken is None:
+            self._broken = why
+            logger.error(
+                "kvtier disk tier stopped: %s. Pending spills and promotions are "
+                "dropped and the disk tier takes no more jobs (lookups miss); "
+                "restart the engine once the disk is healthy",
+                why,
+            )
         for engine in self._engines:
             if engine is not None:
-                engine.wait(list(self._jobs), timeout=timeout)
+                engine.abandon()
+        with self._lock:
+            self._jobs.clear()
+            self._refused.clear()
 
     def checksum_failures(self) -> int:
         return sum(s.stats().checksum_failures for s in self.stores)
@@ -236,11 +345,26 @@ class DiskRuntime:
     def io_errors(self) -> int:
         return sum(s.stats().io_errors for s in self.stores)
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the I/O threads (at most ``timeout`` s in all), unmap the CPU
+        tier and close the stores. Threads still blocked then (a hung disk)
+        are abandoned: the mappings and descriptors they use are left open
+        (a closed descriptor number could be reused by another file) until
+        the process exits. Idempotent; safe after a failed constructor."""
+        deadline = time.monotonic() + timeout
+        stopped = True
         for engine in self._engines:
             if engine is not None:
-                engine.shutdown()
+                left = max(0.0, deadline - time.monotonic())
+                stopped = engine.shutdown(timeout=left) and stopped
         self._engines = [None] * len(self._engines)
+        if not stopped:
+            self._break("I/O threads did not stop at shutdown (a hung disk?)")
+            for store in self.stores:
+                store.abandon()
+            self._buffers = [None] * len(self._buffers)
+            self.stores = []
+            return
         for buffer in self._buffers:
             if buffer is not None:
                 buffer.close()

@@ -19,7 +19,6 @@ same ``OffloadingConfig`` and meet on the shared CPU-tier files.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -34,12 +33,14 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvtier.connector.config import (
     ConfigError,
     KvtierConfig,
+    TransferConfigError,
     check_disk_paths,
-    check_shm_space,
     parse_extra_config,
 )
 from kvtier.connector.connector import CONNECTOR_HINT, UNDER_KVTIER_CONNECTOR
 from kvtier.connector.disk_runtime import DiskRuntime, cpu_buffer_path
+from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
+from kvtier.connector.identity import namespace
 from kvtier.connector.metrics import metric_definitions
 from kvtier.io.disk_store import store_dirname
 from kvtier.io.format import LayoutFingerprint, slot_size
@@ -113,6 +114,7 @@ def layout_fingerprint(
         geometry=geometry,
         tp_rank=rank,
         tp_size=world_size,
+        **namespace(config),  # model contents + DP rank (kvtier.connector.identity)
     )
 
 
@@ -160,7 +162,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         if self.kvtier.disk_enabled and not UNDER_KVTIER_CONNECTOR.get():
             # The stock connector asserts on a failed load: a corrupt disk
             # block would crash the engine. Say how to fix it, at start.
-            raise ConfigError(
+            raise TransferConfigError(
                 "kv_connector",
                 "kvtier's disk tier needs kvtier's connector, which reports a "
                 "corrupt disk block to vLLM for recomputation instead of "
@@ -182,11 +184,9 @@ class TieredOffloadingSpec(OffloadingSpec):
                 ],
             )
             # Ranks of this node share one shared-memory file system.
-            paths = [self._buffer_path(r) for r in range(self.world_size)]
-            check_shm_space(
-                os.path.dirname(paths[0]),
+            prepare_cpu_tier(
+                [self._buffer_path(r) for r in range(self.world_size)],
                 self.num_cpu_blocks * self.block_bytes * self.world_size,
-                existing=paths,
             )
         else:
             check_disk_paths(self.kvtier)
@@ -271,15 +271,15 @@ class TieredOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             from kvtier.connector.worker import TieredOffloadingWorker
             from kvtier.io.backends import make_backend
-            from kvtier.io.cpu_buffer import CpuBlockBuffer
             from kvtier.io.slot_reader import SlotReader
 
             cfg = self.kvtier
-            buffer = CpuBlockBuffer(
+            buffer = open_worker_buffer(
+                self.config.engine_id,
+                self.rank,
+                self.world_size,
                 self.num_cpu_blocks,
                 self.block_bytes,
-                self._buffer_path(self.rank),
-                owner=True,
             )
             reader = None
             try:

@@ -603,13 +603,13 @@ class KvtierDiskTier(SecondaryTierManager):
     @override
     def drain_jobs(self) -> None:
         if self.runtime is not None:
-            self.runtime.drain(timeout=None)
+            self.runtime.drain()
 
     @override
     def shutdown(self) -> None:
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
-            runtime.drain(timeout=None)
+            runtime.drain()
             runtime.close()
 
     # ------------------------------------------------------------ metrics

@@ -55,6 +55,11 @@ class DiskBackend(ABC):
     def close(self, handle: Any) -> None:
         """Close a handle returned by ``open``."""
 
+    def fileno(self, handle: Any) -> int | None:
+        """The OS descriptor behind ``handle`` if there is one (used to check
+        that the file opened by name is the one checked before), else None."""
+        return None
+
     def describe(self) -> str:
         """One line for logs: which back end, and in which mode."""
         return self.name

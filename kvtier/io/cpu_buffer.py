@@ -13,12 +13,23 @@ import errno
 import logging
 import mmap
 import os
+import secrets
+import tempfile
+import time
+import weakref
 from types import TracebackType
 
 import numpy as np
 import torch
 
 from kvtier.io.format import round_up
+from kvtier.io.safe_open import (
+    InUseError,
+    flock_exclusive,
+    is_locked,
+    open_private,
+    open_private_dir,
+)
 
 logger = logging.getLogger("kvtier.io")
 
@@ -32,12 +43,20 @@ class CpuBlockBuffer:
         page-aligned address whenever ``block_bytes`` is a multiple of 4096.
       - Without ``shm_path`` the memory is anonymous and private to this
         process (and zero-filled). With ``shm_path`` it is a MAP_SHARED mapping
-        of that file (mode 0o600): ``owner=None`` creates the file if absent
-        and becomes its owner, ``owner=True`` creates or reuses it and owns it,
-        ``owner=False`` opens an existing one. The file is grown to size
-        (never shrunk) by whoever maps it first.
-      - ``close`` unpins, unmaps and, for the owner, unlinks the file. Views
-        handed out must be dropped first, or unmapping is left to the GC.
+        of that file (mode 0o600, never followed through a symbolic link,
+        owner and mode checked on the opened descriptor). ``owner=True``
+        creates the file exclusively, fully sized, and holds an exclusive
+        flock on it for its lifetime (the kernel drops it when the process
+        dies): a file already there is removed if its lock can be taken (a
+        dead engine's leftover) and otherwise refused with InUseError (a
+        live engine uses that name); another user's file is refused, never
+        adopted. ``owner=False`` maps an existing file whose owner is alive
+        (its lock is held), else FileNotFoundError. ``owner=None``: the
+        latter if possible, else the former.
+      - ``close`` unpins, unmaps and, for the owner, unlinks the file and
+        releases the lock (also done at garbage collection or interpreter
+        exit, so a failed start leaves no file). Views handed out must be
+        dropped first, or unmapping is left to the GC.
       - When CUDA is available the mapping is page-locked with
         cudaHostRegister (``pin=False`` to skip); on CPU-only hosts nothing
         happens.
@@ -59,17 +78,31 @@ class CpuBlockBuffer:
         self.nbytes = num_blocks * block_bytes
         self.shm_path = shm_path
         self._map_size = round_up(self.nbytes, mmap.PAGESIZE)
+        self._closed = False
+        self._pinned = False
+        self._array: np.ndarray | None = None
+        self._tensor: torch.Tensor | None = None
+        self._release: weakref.finalize | None = None
         if shm_path is None:
             self.owner = True
             self._mmap = mmap.mmap(-1, self._map_size)
         else:
-            self._mmap, self.owner = _map_shared_file(shm_path, self._map_size, owner)
-        self._array: np.ndarray | None = np.frombuffer(
-            self._mmap, dtype=np.uint8, count=self.nbytes
-        ).reshape(num_blocks, block_bytes)
-        self._tensor: torch.Tensor | None = torch.from_numpy(self._array)
-        self._pinned = pin and _pin(self._array)
-        self._closed = False
+            self._mmap, self.owner, fd = _map_shared_file(
+                shm_path, self._map_size, owner
+            )
+            if self.owner:
+                # Unlinks the file and drops the lock on close(), on garbage
+                # collection or at interpreter exit, whichever comes first.
+                self._release = weakref.finalize(self, _release_owned, shm_path, fd)
+        try:
+            self._array = np.frombuffer(
+                self._mmap, dtype=np.uint8, count=self.nbytes
+            ).reshape(num_blocks, block_bytes)
+            self._tensor = torch.from_numpy(self._array)
+            self._pinned = pin and _pin(self._array)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def array(self) -> np.ndarray:
@@ -109,9 +142,8 @@ class CpuBlockBuffer:
             logger.warning(
                 "CpuBlockBuffer closed while views are alive; unmap deferred"
             )
-        if self.owner and self.shm_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.shm_path)
+        if self._release is not None:
+            self._release()
 
     def __enter__(self) -> CpuBlockBuffer:
         return self
@@ -125,50 +157,247 @@ class CpuBlockBuffer:
         self.close()
 
 
-def _map_shared_file(
-    path: str, size: int, owner: bool | None
-) -> tuple[mmap.mmap, bool]:
-    flags = os.O_RDWR | os.O_CLOEXEC
-    if owner is None:
-        try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-            owner = True
-        except FileExistsError:
-            fd = os.open(path, flags)
-            owner = False
-    elif owner:
-        fd = os.open(path, flags | os.O_CREAT, 0o600)
-    else:
-        fd = os.open(path, flags)
+def cpu_buffer_dir(base: str | None = None) -> str:
+    """This user's private directory for CPU-tier files, created if needed.
+
+    ``<base>/kvtier-<euid>`` (``base``: /dev/shm, or the temp directory where
+    there is no /dev/shm), mode 0700, owned by the effective user and not a
+    symbolic link, else PermissionError/OSError naming it: other users can
+    neither read, plant nor replace files in it, and the names inside can
+    stay predictable (the scheduler and the workers derive them from the
+    same config)."""
+    if base is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(base, f"kvtier-{os.geteuid()}")
+    os.close(open_private_dir(path))
+    return path
+
+
+def _same_name(path: str, fd: int) -> bool:
+    """Whether ``path`` (not followed) still names the inode behind ``fd``."""
     try:
-        # Growing is idempotent, so a worker racing the scheduler's ftruncate
-        # is harmless; shrinking would SIGBUS other mappers, so never do it.
-        if os.fstat(fd).st_size < size:
-            os.ftruncate(fd, size)
-        # Reserve the pages now: a sparse file on a full tmpfs (/dev/shm is
-        # 64 MiB in a default container) would otherwise SIGBUS the process
-        # on first touch, long after start-up.
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                pass  # the file system cannot reserve; keep the sparse file
-            else:
-                if owner:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                raise OSError(
-                    exc.errno,
-                    f"cannot reserve {size} bytes for the kvtier CPU tier "
-                    f"({os.strerror(exc.errno or 0)}); enlarge {os.path.dirname(path)} "
-                    "(e.g. docker run --shm-size) or lower cpu_bytes_to_use",
-                    path,
-                ) from exc
-        return mmap.mmap(
-            fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        ), owner
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
+
+
+def _unlink_if_same(path: str, fd: int) -> None:
+    """Unlink ``path`` only if it still names our inode (never a successor's)."""
+    with contextlib.suppress(OSError):
+        if _same_name(path, fd):
+            os.unlink(path)
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+    os.ftruncate(fd, size)
+    # Reserve the pages now: a sparse file on a full tmpfs (/dev/shm is
+    # 64 MiB in a default container) would otherwise SIGBUS the process on
+    # first touch, long after start-up.
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return  # the file system cannot reserve; keep the sparse file
+        raise OSError(
+            exc.errno,
+            f"cannot reserve {size} bytes for the kvtier CPU tier "
+            f"({os.strerror(exc.errno or 0)}); enlarge {os.path.dirname(path)} "
+            "(e.g. docker run --shm-size) or lower cpu_bytes_to_use",
+            path,
+        ) from exc
+
+
+def _try_reclaim(path: str) -> bool:
+    """The file at ``path`` exists: reclaim it if no live engine holds it.
+
+    Returns True when it was removed (a dead engine's leftover). Raises
+    InUseError when a live process holds its lock, PermissionError/OSError
+    when it is not ours (another user's file, a symlink): never adopted."""
+    try:
+        fd = open_private(path, os.O_RDONLY, private=True)
+    except FileNotFoundError:
+        return True  # gone meanwhile: try creating again
+    try:
+        if not flock_exclusive(fd):
+            raise InUseError(
+                f"kvtier CPU-tier file {path!r} is in use by another live process",
+                path,
+            )
+        if not _same_name(path, fd):
+            return True
+        size = os.fstat(fd).st_size
+        os.unlink(path)
+        logger.info(
+            "kvtier: reclaimed stale CPU-tier file %s (%d bytes) left by an "
+            "engine that is no longer running",
+            path,
+            size,
+        )
+        return True
     finally:
         os.close(fd)
+
+
+def _create_owned(path: str, size: int) -> int:
+    """Create ``path`` exclusively, locked and fully sized; returns its fd.
+
+    The file is built under a random temporary name (O_EXCL, O_NOFOLLOW,
+    0600), locked (flock, held for the owner's lifetime and released by the
+    kernel when the process dies), sized and reserved, and only then linked
+    to ``path`` (link fails if the name exists). So the name never shows a
+    half-built or unlocked file. An existing file is a dead engine's
+    leftover if its lock can be taken (then it is removed and the creation
+    retried) and otherwise a live engine's: InUseError."""
+    directory, name = os.path.split(path)
+    for _attempt in range(5):
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
+        fd = open_private(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, private=True)
+        try:
+            if not flock_exclusive(fd):  # a brand-new inode: cannot happen
+                raise InUseError(f"cannot lock {tmp!r}", tmp)
+            _reserve(fd, size, path)
+            try:
+                os.link(tmp, path, follow_symlinks=False)
+            except FileExistsError:
+                os.unlink(tmp)
+                os.close(fd)
+                fd = -1
+                _try_reclaim(path)
+                continue
+            os.unlink(tmp)
+            return fd
+        except BaseException:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                os.close(fd)
+            raise
+    raise InUseError(
+        f"kvtier CPU-tier file {path!r} keeps being re-created by another process",
+        path,
+    )
+
+
+def _open_attached(path: str, size: int) -> int:
+    """Open a live owner's file: ours, 0600, not a link, locked by its owner,
+    big enough. Raises FileNotFoundError/OSError/PermissionError otherwise."""
+    fd = open_private(path, os.O_RDWR, private=True)
+    try:
+        if not is_locked(fd):
+            raise FileNotFoundError(
+                errno.ENOENT,
+                "kvtier CPU-tier file has no live owner (a stale leftover of an "
+                "engine that is no longer running); refusing to map its rows",
+                path,
+            )
+        have = os.fstat(fd).st_size
+        if have < size:
+            raise OSError(
+                errno.EINVAL,
+                f"kvtier CPU-tier file holds {have} bytes but {size} are expected "
+                "(another engine's geometry?)",
+                path,
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map_shared_file(
+    path: str, size: int, owner: bool | None
+) -> tuple[mmap.mmap, bool, int]:
+    """Map ``path``; returns (mapping, owner, fd). The owner's fd is open (it
+    holds the lock) and must be closed by the caller; otherwise it is -1."""
+    if owner is None:
+        try:
+            fd, owner = _open_attached(path, size), False
+        except FileNotFoundError:
+            fd, owner = _create_owned(path, size), True
+    elif owner:
+        fd = _create_owned(path, size)
+    else:
+        fd = _open_attached(path, size)
+    try:
+        mapping = mmap.mmap(
+            fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    except BaseException:
+        if owner:
+            _unlink_if_same(path, fd)
+        os.close(fd)
+        raise
+    if not owner:
+        os.close(fd)
+        fd = -1
+    return mapping, owner, fd
+
+
+def _release_owned(path: str, fd: int) -> None:
+    """Unlink the owner's file (if the name is still ours) and drop its lock.
+    Runs from close(), from the GC, or at interpreter exit (weakref.finalize),
+    so a failed start never leaves the file behind."""
+    _unlink_if_same(path, fd)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+# A temporary file is created and locked in two steps; a sweep leaves young
+# ones alone so it never races an owner in between.
+_TMP_GRACE_S = 60.0
+
+
+def _younger_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path, follow_symlinks=False).st_mtime < seconds
+    except OSError:
+        return True
+
+
+def reclaim_stale_cpu_files(directory: str) -> list[tuple[str, int]]:
+    """Remove CPU-tier files in ``directory`` that no live engine holds.
+
+    A live owner keeps an exclusive flock on its file; the kernel drops it
+    when the process dies (SIGKILL and OOM kill included), so an unlocked
+    ``*.cpu`` file (or half-built temporary) is a dead engine's leftover that
+    still pins shared memory. Files of other users and symbolic links are
+    skipped. Returns ``(path, bytes)`` of what was removed."""
+    removed: list[tuple[str, int]] = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for entry in sorted(names):
+        if not (entry.endswith(".cpu") or entry.endswith(".tmp")):
+            continue
+        path = os.path.join(directory, entry)
+        if entry.endswith(".tmp") and _younger_than(path, _TMP_GRACE_S):
+            continue  # an owner between creating and locking it: not stale
+        try:
+            fd = open_private(path, os.O_RDONLY, private=True)
+        except OSError as exc:
+            logger.warning("kvtier: leaving %s alone: %s", path, exc)
+            continue
+        try:
+            if not flock_exclusive(fd) or not _same_name(path, fd):
+                continue
+            size = os.fstat(fd).st_blocks * 512
+            os.unlink(path)
+        except OSError as exc:
+            logger.warning("kvtier: could not reclaim %s: %s", path, exc)
+            continue
+        finally:
+            os.close(fd)
+        logger.info(
+            "kvtier: reclaimed stale CPU-tier file %s (%d bytes of shared memory) "
+            "left by an engine that is no longer running",
+            path,
+            size,
+        )
+        removed.append((path, size))
+    return removed
 
 
 def _pin(array: np.ndarray) -> bool:

@@ -14,6 +14,7 @@ buffer, so a torn, stale or corrupted slot is reported, never returned.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -46,6 +47,12 @@ from kvtier.io.format import (
     aligned_empty,
     round_up,
     slot_size,
+)
+from kvtier.io.safe_open import (
+    InUseError,
+    flock_exclusive,
+    open_private,
+    open_private_dir,
 )
 from kvtier.io.slab import SlabFile
 
@@ -212,19 +219,28 @@ class DiskStore:
         self.dirs: list[str] = []
         self.slabs: list[SlabFile] = []
         self._handles: list[Any] = []
+        # One descriptor per store directory, held (with its flock) until
+        # close: everything inside is opened relative to it.
+        self._dir_fds: list[int] = []
         npaths = len(self.paths)
         try:
             for i, base in enumerate(self.paths):
                 d = os.path.join(base, store_dirname(fingerprint))
-                _make_private_dir(d)
-                _write_layout(d, fingerprint, self.slot_size)
+                dir_fd = _open_store_dir(d, base)
+                self._dir_fds.append(dir_fd)
+                _write_layout(d, fingerprint, self.slot_size, dir_fd=dir_fd)
                 local_slots = (num_slots - i + npaths - 1) // npaths
                 slab = SlabFile(
-                    os.path.join(d, f"slab-{i}.kvt"), local_slots, self.slot_size
+                    os.path.join(d, f"slab-{i}.kvt"),
+                    local_slots,
+                    self.slot_size,
+                    dir_fd=dir_fd,
                 )
                 self.dirs.append(d)
                 self.slabs.append(slab)
-                self._handles.append(self.backend.open(slab.path, writable=True))
+                handle = self.backend.open(slab.path, writable=True)
+                self._handles.append(handle)
+                _check_same_slab(self.backend, handle, slab)
         except BaseException:
             self.close()
             raise
@@ -393,11 +409,21 @@ class DiskStore:
             self._seq += 1
             return self._seq
 
-    def write_block(self, slot: int, key: bytes, data: np.ndarray, seq: int) -> int:
+    def write_block(
+        self,
+        slot: int,
+        key: bytes,
+        data: np.ndarray,
+        seq: int,
+        *,
+        on_staged: Callable[[], None] | None = None,
+    ) -> int:
         """Write one block (header + payload in one aligned write).
 
         ``data`` is a C-contiguous array of exactly ``block_bytes`` bytes.
         Returns the bytes written to disk; raises OSError on failure.
+        ``on_staged`` is called once ``data`` was copied into the private
+        bounce buffer, before the write: ``data`` is not read after that.
         """
         if len(key) > MAX_KEY_LEN:
             raise ValueError(f"key is {len(key)} bytes, max {MAX_KEY_LEN}")
@@ -428,6 +454,8 @@ class DiskStore:
         bounce[:HEADER_SIZE] = np.frombuffer(header.pack(), dtype=np.uint8)
         end = round_up(HEADER_SIZE + n, IO_ALIGNMENT)
         bounce[HEADER_SIZE + n : end] = 0  # don't leak a previous block's tail
+        if on_staged is not None:
+            on_staged()
         self._bump_seq(seq)
         try:
             written = self._write(idx, bounce[:end], offset)
@@ -447,17 +475,25 @@ class DiskStore:
             self._stats.blocks_written += 1
         return written
 
-    def read_block(self, slot: int, key: bytes, out: np.ndarray) -> ReadOutcome:
+    def read_block(
+        self, slot: int, key: bytes, out: np.ndarray, *, guard: Any = None
+    ) -> ReadOutcome:
         """Read the block stored under ``key`` in ``slot`` into ``out``.
 
         ``out`` is a C-contiguous array of exactly ``block_bytes`` bytes and is
         written only when the result is OK. Never raises for I/O or data errors.
+        ``guard`` (e.g. :class:`kvtier.io.engine.RowGuard`): ``out`` is written
+        only between a successful ``guard.enter()`` and ``guard.leave()``; when
+        ``enter()`` refuses (the caller gave ``out`` away meanwhile), ``out``
+        is left alone and IO_ERROR is returned.
         """
         flat_out = _flat_u8(out, self.block_bytes, "out")
         outcome, hdr, payload = self._load(slot, key)
         if outcome is not ReadOutcome.OK:
             return outcome
         assert hdr is not None and payload is not None
+        if guard is not None and not guard.enter():
+            return ReadOutcome.IO_ERROR
         try:
             # decompress validates the decoded size before writing ``out``.
             decompress(hdr.codec, payload, hdr.raw_len, hdr.elem_size, flat_out)
@@ -465,6 +501,9 @@ class DiskStore:
             # Checksum matched but the header's codec/lengths lie: treat the
             # header as untrustworthy.
             return ReadOutcome.BAD_HEADER
+        finally:
+            if guard is not None:
+                guard.leave()
         return ReadOutcome.OK
 
     def verify(self, slot: int) -> ReadOutcome:
@@ -567,6 +606,20 @@ class DiskStore:
         self._handles.clear()
         if self._owns_backend:
             self.backend.shutdown()
+        for fd in self._dir_fds:  # releases the store-directory locks
+            try:
+                os.close(fd)
+            except OSError as exc:
+                logger.debug("closing store directory failed: %s", exc)
+        self._dir_fds.clear()
+
+    def abandon(self) -> None:
+        """Mark closed without closing anything: for a store whose I/O threads
+        may still be blocked in a read or write (a hung disk). Its descriptors
+        stay open (a closed number could be reused by another file while a
+        blocked write still targets it) and its locks stay held until the
+        process exits."""
+        self._closed = True
 
     def __enter__(self) -> DiskStore:
         return self
@@ -580,29 +633,73 @@ class DiskStore:
         self.close()
 
 
-def _make_private_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
+def _open_store_dir(path: str, base: str) -> int:
+    """Create or open a store directory, check it and lock it; returns its fd.
+
+    Refused: a symbolic link, a non-directory, a directory of another owner,
+    one writable by group or others (see kvtier.io.safe_open), and one locked
+    by another live store (two engines on one ``disk_path`` would adopt each
+    other's blocks and evict each other's slots)."""
     try:
-        os.chmod(path, 0o700)  # makedirs' mode is filtered by the umask
-    except PermissionError:
-        logger.warning("cannot restrict permissions of %s (not the owner)", path)
+        os.makedirs(base, exist_ok=True)
+    except FileExistsError as exc:
+        raise NotADirectoryError(
+            errno.ENOTDIR, "kvtier disk_path exists but is not a directory", base
+        ) from exc
+    fd = open_private_dir(path)
+    try:
+        if not flock_exclusive(fd):
+            raise InUseError(
+                f"kvtier disk store {path!r} (disk_path {base!r}) is in use by "
+                "another running kvtier engine with the same model and layout "
+                "(another process, or another engine in this process). Give each "
+                "engine its own disk_path, or stop the other engine first",
+                path,
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_same_slab(backend: DiskBackend, handle: Any, slab: SlabFile) -> None:
+    """The back end opened the slab by name: make sure it is the inode that
+    was checked through the locked directory (no swap in between)."""
+    fd = backend.fileno(handle)
+    if fd is not None and not slab.matches(fd):
+        raise PermissionError(
+            errno.EPERM,
+            "kvtier refuses the slab: the file opened by name is not the one "
+            "checked a moment earlier (the directory was swapped?)",
+            slab.path,
+        )
 
 
 def _write_layout(
-    directory: str, fingerprint: LayoutFingerprint, slot_bytes: int
+    directory: str, fingerprint: LayoutFingerprint, slot_bytes: int, *, dir_fd: int
 ) -> None:
     """Write ``layout.json`` (human/inspect aid; never trusted for reads)."""
     doc = dict(fingerprint.describe(), header_size=HEADER_SIZE, slot_size=slot_bytes)
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     path = os.path.join(directory, LAYOUT_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            if f.read() == text:
-                return
+        fd = open_private(LAYOUT_FILE, os.O_RDONLY, dir_fd=dir_fd, private=True)
     except FileNotFoundError:
         pass
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        # A link, or not private to us: it is only an aid, so replace it
+        # (rename replaces the name itself, never a link's target).
+        logger.info("replacing %s: %s", path, exc)
+    else:
+        with os.fdopen(fd, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    tmp = f"{LAYOUT_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dir_fd)  # a crashed run's leftover
+    fd = open_private(
+        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd, private=True
+    )
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
-    os.replace(tmp, path)
+    os.replace(tmp, LAYOUT_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -88,6 +88,44 @@ class _FanOut:
             return self.remaining == 0
 
 
+class RowGuard:
+    """Fences every touch of CPU rows by transfer threads.
+
+    A thread calls ``enter()`` before it reads or writes a row and
+    ``leave()`` right after; ``close()`` makes every later ``enter()`` fail
+    and waits for the touches in progress, which are memory copies and never
+    wait for a disk. After a successful ``close()`` no thread of the engine
+    touches a CPU row again, even one that is still blocked in a read or
+    write of a hung disk, so the caller may hand the rows to someone else."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            self._active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def close(self, timeout: float | None = 5.0) -> bool:
+        with self._cond:
+            self._closed = True
+            return self._cond.wait_for(lambda: self._active == 0, timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
 class TransferEngine:
     """Runs transfer jobs on ``threads`` worker threads.
 
@@ -103,7 +141,12 @@ class TransferEngine:
       - CPU rows and disk slots named by a job belong to it until its
         JobResult is returned: the caller must not reuse them before that.
       - ``shutdown`` runs all queued work to completion, then stops the
-        threads; the buffer and store are borrowed, not closed.
+        threads, waiting at most ``timeout``; threads still busy then (a hung
+        disk) are abandoned (see ``abandon``) and it returns False. The
+        buffer and store are borrowed, not closed.
+      - ``abandon`` stops all row access for good: queued items fail without
+        I/O, and once it returned True no thread touches a CPU row again,
+        even one still blocked in a disk read or write.
     """
 
     def __init__(
@@ -126,6 +169,7 @@ class TransferEngine:
         self._pending: set[int] = set()
         self._finished: list[JobResult] = []
         self._closed = False
+        self._guard = RowGuard()
         self._threads = [
             threading.Thread(target=self._worker, name=f"kvtier-xfer-{i}", daemon=True)
             for i in range(threads)
@@ -194,23 +238,40 @@ class TransferEngine:
 
     def submit_spill(self, job_id: int, items: Iterable[TransferItem]) -> None:
         """Copy CPU rows to disk slots: ``items`` are (key, cpu_slot, disk_slot)."""
-        store, rows = self.disk_store, self.cpu_buffer.array
+        store, rows, guard = self.disk_store, self.cpu_buffer.array, self._guard
 
         def spill_one(key: bytes, cpu_slot: int, disk_slot: int) -> int | None:
+            if not guard.enter():
+                return None  # abandoned: the row may belong to someone else
+            held = [True]
+
+            def staged() -> None:  # the row is in the bounce buffer now
+                if held[0]:
+                    held[0] = False
+                    guard.leave()
+
             try:
-                store.write_block(disk_slot, key, rows[cpu_slot], store.next_seq())
+                store.write_block(
+                    disk_slot, key, rows[cpu_slot], store.next_seq(), on_staged=staged
+                )
             except OSError:
                 return None  # the store already logged errno and path
+            finally:
+                staged()
             return store.block_bytes
 
         self._fan_out(job_id, list(items), spill_one, SPILL_PRIORITY)
 
     def submit_promote(self, job_id: int, items: Iterable[TransferItem]) -> None:
         """Load disk slots into CPU rows: ``items`` are (key, disk_slot, cpu_slot)."""
-        store, rows = self.disk_store, self.cpu_buffer.array
+        store, rows, guard = self.disk_store, self.cpu_buffer.array, self._guard
 
         def promote_one(key: bytes, disk_slot: int, cpu_slot: int) -> int | None:
-            outcome = store.read_block(disk_slot, key, rows[cpu_slot])
+            if guard.closed:
+                return None
+            outcome = store.read_block(disk_slot, key, rows[cpu_slot], guard=guard)
+            if guard.closed:
+                return None  # abandoned meanwhile: no bookkeeping either
             if outcome is not ReadOutcome.OK:
                 logger.debug("promote of slot %d failed: %s", disk_slot, outcome.name)
                 if outcome in _CORRUPT:
@@ -279,13 +340,47 @@ class TransferEngine:
         with self._cond:
             return len(self._pending)
 
-    def shutdown(self) -> None:
-        """Finish all queued work, then stop the worker threads. Idempotent."""
+    def abandon(self, timeout: float | None = 5.0) -> bool:
+        """Stop touching CPU rows for good (a drain or shutdown timed out).
+
+        Items not started yet fail without I/O; items blocked in a disk read
+        or write finish later without writing any row. Returns True once no
+        row copy is in progress (copies are memory-bound, so this is quick);
+        False only if one is still running after ``timeout``."""
+        return self._guard.close(timeout)
+
+    def shutdown(self, timeout: float | None = 30.0) -> bool:
+        """Finish queued work, then stop the worker threads; idempotent.
+
+        Waits at most ``timeout`` seconds in all (None: forever). Threads
+        still busy then (a hung disk) are abandoned: they are daemon threads
+        and never touch a CPU row again (``abandon``). Returns True when every
+        thread stopped; on False the caller must keep the buffer mapped and
+        the store's descriptors open, since a blocked thread still uses them."""
         with self._cond:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
-        for _ in self._threads:
-            self._queue.put((_STOP_PRIORITY, next(self._order), None))
+        if first:
+            for _ in self._threads:
+                self._queue.put((_STOP_PRIORITY, next(self._order), None))
+        deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
-            t.join()
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if not alive:
+            return True
+        self.abandon()
+        # Queued items now fail fast; threads blocked in I/O stay blocked.
+        for t in self._threads:
+            t.join(0.5)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if not alive:
+            return True
+        logger.warning(
+            "kvtier: %d disk I/O thread(s) still blocked after %.0f s (a hung "
+            "disk?); shutting down without them (they will never touch the CPU "
+            "tier again)",
+            len(alive),
+            timeout or 0.0,
+        )
+        return False

@@ -15,6 +15,9 @@ the failures real disks produce:
             transfer, on writes in a private copy before it (the caller's
             buffer is never modified).
   DELAY     sleep before the operation (at most ``MAX_DELAY_S`` per I/O).
+  HANG      block before the operation until the rule's ``release`` event
+            is set (a hung disk); then the I/O runs normally. Unbounded on
+            purpose: tests set the event when done.
 
 Each :class:`FaultRule` selects the I/Os it applies to by operation kind
 (``open``/``read``/``write``), file path, byte ranges the I/O must overlap
@@ -83,6 +86,7 @@ class FaultKind(Enum):
     SHORT = "short"
     BIT_FLIP = "bit_flip"
     DELAY = "delay"
+    HANG = "hang"
 
 
 _ALL_IO = frozenset({Op.READ, Op.WRITE})
@@ -117,6 +121,7 @@ class FaultRule:
     flip_at: tuple[int, ...] | None = None
     flips: int = 1
     delay_s: float = 0.0
+    release: threading.Event | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", _ops(self.ops))
@@ -132,7 +137,13 @@ class FaultRule:
             raise ValueError("short_bytes must be >= 0")
         if self.flips < 1:
             raise ValueError("flips must be >= 1")
-        if Op.OPEN in self.ops and self.kind not in (FaultKind.ERROR, FaultKind.DELAY):
+        if self.kind is FaultKind.HANG and self.release is None:
+            raise ValueError("a HANG rule needs a release event")
+        if Op.OPEN in self.ops and self.kind not in (
+            FaultKind.ERROR,
+            FaultKind.DELAY,
+            FaultKind.HANG,
+        ):
             raise ValueError(f"{self.kind.name} cannot apply to open")
         if self.kind is FaultKind.ERROR and self.errno <= 0:
             raise ValueError(f"bad errno {self.errno}")
@@ -159,6 +170,11 @@ class FaultRule:
     def delay(cls, seconds: float, **kw: Any) -> FaultRule:
         """Sleep ``seconds`` (bounded by MAX_DELAY_S) before the I/O."""
         return cls(FaultKind.DELAY, delay_s=seconds, **kw)
+
+    @classmethod
+    def hang(cls, release: threading.Event, **kw: Any) -> FaultRule:
+        """Block the I/O until ``release`` is set (a hung disk), then run it."""
+        return cls(FaultKind.HANG, release=release, **kw)
 
     def _selects(self, op: Op, path: str, offset: int, nbytes: int) -> bool:
         if op not in self.ops or (self.path is not None and path != self.path):
@@ -384,6 +400,9 @@ class FaultInjectingBackend(DiskBackend):
         rule = decision.fault
         if rule is not None and rule.kind is FaultKind.ERROR:
             raise OSError(rule.errno, os.strerror(rule.errno), handle.path)
+        if rule is not None and rule.kind is FaultKind.HANG:
+            assert rule.release is not None
+            rule.release.wait()
         return decision
 
     def _read(
@@ -440,6 +459,9 @@ class FaultInjectingBackend(DiskBackend):
 
     def close(self, handle: FaultHandle) -> None:
         self.inner.close(handle.inner)
+
+    def fileno(self, handle: FaultHandle) -> int | None:
+        return self.inner.fileno(handle.inner)
 
     def describe(self) -> str:
         return f"faults({self.inner.describe()})"

@@ -98,6 +98,12 @@ class LayoutFingerprint:
     ``geometry`` is a free-form canonical string of the KV layout (layers,
     heads, head size, block tokens, ...) chosen by the connector; ``tp_rank``
     and ``tp_size`` are included because each rank stores its own shard.
+    ``model_id`` identifies the model's *contents* beyond its name (a hash of
+    its config and weight files' names, sizes and mtimes; see
+    ``kvtier.connector.identity``), so a checkpoint replaced at the same path
+    gets a new namespace; ``dp_rank`` keeps data-parallel replicas (same
+    config otherwise) apart. Both enter the digest only when set, so
+    fingerprints without them keep their digests.
     """
 
     model: str
@@ -106,12 +112,24 @@ class LayoutFingerprint:
     geometry: str
     tp_rank: int
     tp_size: int
+    model_id: str = ""
+    dp_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {self.block_bytes}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"bad tp_rank/tp_size: {self.tp_rank}/{self.tp_size}")
+        if self.dp_rank < 0:
+            raise ValueError(f"bad dp_rank: {self.dp_rank}")
+
+    def _optional(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.model_id:
+            extra["model_id"] = self.model_id
+        if self.dp_rank:
+            extra["dp_rank"] = self.dp_rank
+        return extra
 
     def _canonical(self) -> bytes:
         fields = {
@@ -122,6 +140,7 @@ class LayoutFingerprint:
             "geometry": self.geometry,
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
+            **self._optional(),
         }
         return json.dumps(
             fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True
@@ -143,6 +162,7 @@ class LayoutFingerprint:
             "geometry": self.geometry,
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
+            **self._optional(),
             "digest": self.digest().hex(),
         }
 

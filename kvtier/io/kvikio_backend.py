@@ -36,6 +36,7 @@ from typing import Any
 
 from kvtier.io.backend import DiskBackend
 from kvtier.io.backends import BackendUnavailableError
+from kvtier.io.safe_open import open_private, same_file
 
 logger = logging.getLogger("kvtier.io")
 
@@ -334,12 +335,36 @@ class KvikioBackend(DiskBackend):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-kvikio")
 
     def open(self, path: str, writable: bool = True) -> KvikioHandle:
+        # kvikio opens by name: check the name first (no symlink, our own
+        # regular file, not group/other-writable), then make sure kvikio
+        # opened that very inode.
+        checked = open_private(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
-            # "r+" never creates or truncates: the disk store preallocates.
-            cufile = self._kvikio.CuFile(path, "r+" if writable else "r")
-        except Exception as exc:
-            raise _to_oserror(exc, "open", path) from exc
+            try:
+                # "r+" never creates or truncates: the disk store preallocates.
+                cufile = self._kvikio.CuFile(path, "r+" if writable else "r")
+            except Exception as exc:
+                raise _to_oserror(exc, "open", path) from exc
+            try:
+                same = same_file(checked, cufile.fileno())
+            except Exception:
+                same = True  # no descriptor to compare (a stub); name was checked
+            if not same:
+                cufile.close()
+                raise PermissionError(
+                    errno.EPERM,
+                    "kvtier refuses the file: it was replaced while being opened",
+                    path,
+                )
+        finally:
+            os.close(checked)
         return KvikioHandle(cufile, path, writable)
+
+    def fileno(self, handle: KvikioHandle) -> int | None:
+        try:
+            return int(handle.file.fileno())
+        except Exception:
+            return None
 
     def submit_read(self, handle: KvikioHandle, buf: Any, offset: int) -> Future[int]:
         target, nbytes = _as_target(buf, for_read=True)

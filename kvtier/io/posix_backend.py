@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.io.backend import IO_ALIGNMENT, DiskBackend
+from kvtier.io.safe_open import open_private
 
 logger = logging.getLogger("kvtier.io")
 
@@ -30,8 +31,10 @@ _O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
 
 
 def _open_fd(path: str, flags: int, mode: int = 0o600) -> int:
-    """os.open, isolated so tests can simulate file systems rejecting O_DIRECT."""
-    return os.open(path, flags, mode)
+    """open_private (O_NOFOLLOW, owner and write-bit checks on the opened
+    descriptor), isolated so tests can simulate file systems rejecting
+    O_DIRECT."""
+    return open_private(path, flags, mode)
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,9 @@ class PosixBackend(DiskBackend):
 
     def close(self, handle: PosixHandle) -> None:
         os.close(handle.fd)
+
+    def fileno(self, handle: PosixHandle) -> int:
+        return handle.fd
 
     def describe(self) -> str:
         with self._lock:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
+
+from kvtier.io.safe_open import open_private
 
 logger = logging.getLogger("kvtier.io")
 
@@ -25,25 +26,40 @@ class SlabFile:
     least ``num_slots * slot_size`` bytes; ``offset(slot)`` is
     ``slot * slot_size``. An existing larger file is never shrunk (its tail
     is simply unused). Reading and writing go through a DiskBackend handle.
+
+    The file is opened with :func:`~kvtier.io.safe_open.open_private`: a
+    symbolic link, a file of another owner or a group/other-writable file is
+    refused (looser read bits are tightened). With ``dir_fd`` the name is
+    resolved inside that (already checked) directory descriptor.
+    ``dev_ino`` identifies the inode, so a later open by name can be checked
+    against it (:meth:`matches`).
     """
 
-    def __init__(self, path: str, num_slots: int, slot_size: int) -> None:
+    def __init__(
+        self, path: str, num_slots: int, slot_size: int, *, dir_fd: int | None = None
+    ) -> None:
         if num_slots < 0 or slot_size <= 0:
             raise ValueError(f"bad slab geometry: {num_slots} x {slot_size}")
         self.path = path
         self.num_slots = num_slots
         self.slot_size = slot_size
         self.size = num_slots * slot_size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, SLAB_MODE)
+        name = os.path.basename(path) if dir_fd is not None else path
+        fd = open_private(
+            name, os.O_RDWR | os.O_CREAT, SLAB_MODE, dir_fd=dir_fd, fix_mode=True
+        )
         try:
             st = os.fstat(fd)
-            if stat.S_IMODE(st.st_mode) != SLAB_MODE:
-                # Pre-existing file with looser permissions: tighten it.
-                os.fchmod(fd, SLAB_MODE)
+            self.dev_ino = (st.st_dev, st.st_ino)
             if st.st_size < self.size:
                 _preallocate(fd, self.size, path, st.st_size)
         finally:
             os.close(fd)
+
+    def matches(self, fd: int) -> bool:
+        """Whether ``fd`` refers to this slab's inode."""
+        st = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == self.dev_ino
 
     def offset(self, slot: int) -> int:
         """Byte offset of ``slot`` within the file."""

@@ -30,6 +30,7 @@ BASE: dict[str, Any] = {
 DISK: dict[str, Any] = {**BASE, "disk_bytes_to_use": 1 << 30, "disk_path": "/mnt/d"}
 
 INT_MIN1 = "integer >= 1"
+THREADS = "integer in [1, 256]"
 INT_MIN0 = "integer >= 0"
 POLICY = "lru | arc"
 BOOL = "true | false"
@@ -40,7 +41,7 @@ WRONG_TYPES: list[tuple[str, Any, str]] = []
 for _key, _frag in (
     ("cpu_bytes_to_use", INT_MIN1),
     ("disk_bytes_to_use", INT_MIN0),
-    ("disk_io_threads", INT_MIN1),
+    ("disk_io_threads", THREADS),
     ("disk_load_buffer_bytes", "integer >= 1048576"),
 ):
     for _bad in (1.5, "1e9", "lots", True, None, [1], {"a": 1}):
@@ -93,8 +94,10 @@ def test_every_kvtier_key_has_a_wrong_type_case() -> None:
         ("cpu_bytes_to_use", -1, INT_MIN1),
         ("cpu_bytes_to_use", "-5", INT_MIN1),
         ("disk_bytes_to_use", -1, INT_MIN0),
-        ("disk_io_threads", 0, INT_MIN1),
-        ("disk_io_threads", -4, INT_MIN1),
+        ("disk_io_threads", 0, THREADS),
+        ("disk_io_threads", -4, THREADS),
+        ("disk_io_threads", 257, THREADS),
+        ("disk_io_threads", 10**7, THREADS),
     ],
 )
 def test_zero_and_negative_sizes(key: str, value: Any, accepted: str) -> None:

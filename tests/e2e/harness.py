@@ -5,6 +5,7 @@ subscriber.
 Public API
 ----------
 build_tiny_llama(out_dir=None, **overrides) -> str
+build_tiny_gemma2(out_dir=None, **overrides) -> str  (two KV-cache groups)
 make_llm(model_dir, kv_transfer_config, *, num_gpu_blocks, block_size=32,
          enable_kv_events=False, kv_events_endpoint=None, **kw) -> LLM
 run_prompts(llm, prompts, max_tokens, *, drain_after=True) -> RunResult
@@ -173,6 +174,97 @@ def build_tiny_llama(out_dir: str | os.PathLike | None = None, **overrides: Any)
             os.replace(tmp, target)
         except OSError:
             # A concurrent builder won the race; its result is identical.
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+# A Gemma-2-style model: sliding-window and full-attention layers
+# alternate, so vLLM builds two KV-cache groups (one per attention type).
+TINY_GEMMA2_CONFIG: dict[str, Any] = dict(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    query_pre_attn_scalar=32,
+    max_position_embeddings=4096,
+    sliding_window=64,
+    layer_types=[
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
+    # Untied: with a tied head the residual's own-token embedding wins and
+    # greedy decoding repeats one token, which would hide wrong KV.
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    seed=0,
+)
+
+
+def _save_word_tokenizer(target: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<unk>": UNK_ID}
+    for i in range(FIRST_REGULAR_ID, vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    ).save_pretrained(target)
+
+
+def build_tiny_gemma2(out_dir: str | os.PathLike | None = None, **overrides: Any) -> str:
+    """Like :func:`build_tiny_llama`, for a tiny random Gemma2ForCausalLM whose
+    layers alternate sliding-window and full attention: vLLM gives it two
+    KV-cache groups. Built locally, no download; cached by config hash."""
+    cfg = {"arch": "gemma2", **TINY_GEMMA2_CONFIG, **overrides}
+    root = Path(out_dir) if out_dir is not None else DEFAULT_CACHE_DIR
+    target = root / f"tiny-gemma2-{_config_hash(cfg)}"
+    if (target / ".complete").exists():
+        return str(target)
+
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=root))
+    try:
+        cfg_kw = dict(cfg)
+        cfg_kw.pop("arch")
+        seed = cfg_kw.pop("seed")
+        rope_theta = cfg_kw.pop("rope_theta")
+        hf_cfg = Gemma2Config(
+            **cfg_kw,
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+        )
+        torch.manual_seed(seed)
+        model = Gemma2ForCausalLM(hf_cfg).to(torch.float32)
+        model.save_pretrained(tmp, safe_serialization=True)
+        _save_word_tokenizer(tmp, cfg["vocab_size"])
+        (tmp / "kvtier_tiny_config.json").write_text(json.dumps(cfg, indent=1))
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            os.replace(tmp, target)
+        except OSError:
             if not (target / ".complete").exists():
                 raise
     finally:

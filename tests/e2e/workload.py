@@ -5,6 +5,8 @@ CPU tier (8 blocks) and must come back from disk."""
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import Counter
 
 from .harness import (
@@ -65,3 +67,75 @@ def run_each(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> Run
         request_ids=[r for part in parts for r in part.request_ids],
         wall_s=sum(part.wall_s for part in parts),
     )
+
+
+def settle(mgr, timeout: float = 10.0) -> None:
+    """Pump the disk runtime until no spill is in flight (deadline bound)."""
+    deadline = time.monotonic() + timeout
+    while mgr.has_pending_work():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"kvtier disk work still pending after {timeout}s")
+        mgr.on_schedule_end(None)  # applies finished spills, submits new ones
+        time.sleep(0.005)
+
+
+def run_settled(
+    llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, timeout: float = 120.0
+) -> RunResult:
+    """Like :func:`run_each`, stepping the engine by hand and letting every
+    spill finish between two steps (as if the disk kept up with the GPU).
+
+    With chunked prefill (small ``max_num_batched_tokens``) each step stores
+    a few blocks; settling the spills in between makes the CPU tier's clean
+    victims available to the next step's store deterministically, so a
+    prompt longer than the whole CPU tier reaches the disk tier in full."""
+    from vllm import SamplingParams
+
+    from .harness import get_hit_recorder, get_scheduler
+
+    mgr = manager_of(llm)
+    sched = get_scheduler(llm)
+    rec = get_hit_recorder(llm)
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+    )
+    deadline = time.monotonic() + timeout
+    outputs, cached, per_src, ids = [], [], [], []
+    totals: Counter[str] = Counter()
+    before = rec.snapshot()
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        rid = f"settled{next(_SETTLED_IDS)}"
+        llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
+        final = None
+        while final is None or sched.has_requests():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run_settled exceeded {timeout}s")
+            for out in llm.llm_engine.step():
+                if out.finished:
+                    final = out
+            settle(mgr, timeout=max(0.1, deadline - time.monotonic()))
+        ids.append(final.request_id)
+        outputs.append(list(final.outputs[0].token_ids))
+        n_cached = int(final.num_cached_tokens or 0)
+        cached.append(n_cached)
+        ext = dict(rec.per_request.get(final.request_id, {}))
+        src = {k: v for k, v in ext.items() if v}
+        if n_cached - sum(ext.values()):
+            src["device"] = n_cached - sum(ext.values())
+        per_src.append(src)
+        totals.update(src)
+    after = rec.snapshot()
+    agg = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+    return RunResult(
+        outputs=outputs,
+        num_cached_tokens=cached,
+        hits_by_source=per_src,
+        totals=dict(totals),
+        aggregate=agg,
+        request_ids=ids,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
+_SETTLED_IDS = itertools.count()

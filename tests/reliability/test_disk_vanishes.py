@@ -68,7 +68,10 @@ def test_chmod_000_after_open_does_not_disturb_the_open_store(
         assert rig.store.stats().io_errors == 0
         if os.geteuid() == 0:
             # A restart (root ignores the modes) repairs them to 0700/0600
-            # and finds the blocks written before and after the chmod.
+            # and finds the blocks written before and after the chmod. The
+            # running store holds the directory's lock: close it first.
+            rig.engine.shutdown()
+            rig.store.close()
             with DiskStore(
                 rig.store.paths, 8, BLOCK_BYTES, make_fingerprint(), backend="posix"
             ) as again:

@@ -150,8 +150,8 @@ def test_negative_control_corrupted_disk_reads_change_the_output(
 
     original = DiskStore.read_block
 
-    def corrupting_read(self, slot, key, out):
-        outcome = original(self, slot, key, out)
+    def corrupting_read(self, slot, key, out, **kwargs):
+        outcome = original(self, slot, key, out, **kwargs)
         if outcome is ReadOutcome.OK:
             data = out.view(np.float32)
             data[:] = -data + 0.25

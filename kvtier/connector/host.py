@@ -1,0 +1,115 @@
+"""Host-level safety of the CPU tier: one owner per file, no leftovers.
+
+The CPU tier of rank ``r`` lives in ``cpu_buffer_path(engine_id, r, world)``
+inside this user's private shared-memory directory. The worker owns (creates,
+locks, unlinks) the file; the scheduler maps it. This module holds what the
+spec does around that, so ``spec.py`` only calls in:
+
+- :func:`prepare_cpu_tier` (both roles, at start-up): reclaim files of dead
+  engines (their lock is gone), then check that shared memory suffices,
+  naming the kvtier files that still hold it when it does not;
+- :func:`open_worker_buffer` (worker): create the rank's file, with a clear
+  error naming ``engine_id`` when a live engine already uses that id;
+- :func:`close_on_error`: a half-built worker never leaves its file behind.
+
+No vLLM import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kvtier.connector.config import ConfigError, check_shm_space
+from kvtier.connector.disk_runtime import cpu_buffer_path
+from kvtier.io.cpu_buffer import CpuBlockBuffer, reclaim_stale_cpu_files
+from kvtier.io.safe_open import InUseError
+
+logger = logging.getLogger("kvtier.connector")
+
+
+def _kvtier_shm_files(directory: str, exclude: Sequence[str]) -> list[tuple[str, int]]:
+    """Other kvtier CPU-tier files still holding shared memory: in our private
+    directory (live engines) and, from older kvtier versions, directly in its
+    parent (``/dev/shm/kvtier-*.cpu``)."""
+    skip = {os.path.abspath(p) for p in exclude}
+    patterns = [
+        os.path.join(directory, "*.cpu"),
+        os.path.join(os.path.dirname(directory), "kvtier-*.cpu"),
+    ]
+    found: list[tuple[str, int]] = []
+    for pattern in patterns:
+        for path in sorted(glob.glob(pattern)):
+            if os.path.abspath(path) in skip:
+                continue
+            with contextlib.suppress(OSError):
+                st = os.stat(path, follow_symlinks=False)
+                if st.st_uid == os.geteuid():
+                    found.append((path, st.st_blocks * 512))
+    return found
+
+
+def prepare_cpu_tier(paths: Sequence[str], needed: int) -> None:
+    """Reclaim dead engines' CPU-tier files, then check shared memory.
+
+    ``paths`` are this engine's files (one per rank, all in one directory).
+    A file whose owner died (SIGKILL, OOM kill) keeps its shared memory
+    until removed; its lock died with the owner, so it is removed here. When
+    space is still short, the error names the kvtier files that hold it."""
+    directory = os.path.dirname(paths[0])
+    reclaim_stale_cpu_files(directory)
+    try:
+        check_shm_space(directory, needed, existing=paths)
+    except ConfigError as exc:
+        others = _kvtier_shm_files(directory, paths)
+        if not others:
+            raise
+        listed = ", ".join(f"{p} ({n} bytes)" for p, n in others)
+        raise ConfigError(
+            "cpu_bytes_to_use",
+            f"{str(exc).split(': ', 1)[1]}. Other kvtier CPU-tier files hold "
+            f"{sum(n for _, n in others)} bytes of it: {listed}. Files in "
+            f"{directory} are held by running engines (stop them); files "
+            "outside it were left by older kvtier versions: remove those no "
+            "running engine uses",
+        ) from None
+
+
+def open_worker_buffer(
+    engine_id: str, rank: int, world_size: int, num_blocks: int, block_bytes: int
+) -> CpuBlockBuffer:
+    """Create and own rank ``rank``'s CPU-tier file for the worker.
+
+    A live engine holding a file of the same name means two engines run with
+    one ``engine_id`` on this host; they would share rows (wrong outputs), so
+    that is refused with the fix."""
+    path = cpu_buffer_path(engine_id, rank, world_size)
+    try:
+        return CpuBlockBuffer(num_blocks, block_bytes, path, owner=True)
+    except InUseError as exc:
+        raise InUseError(
+            f"kvtier: another running engine on this host uses engine_id "
+            f"{engine_id!r} (its CPU tier {path!r} is locked by a live process). "
+            "Two engines with one engine_id would share CPU-tier rows; give each "
+            "engine a unique engine_id (kv_transfer_config 'engine_id', or leave "
+            "it unset so vLLM generates one), or stop the other engine",
+            path,
+        ) from exc
+
+
+@contextlib.contextmanager
+def close_on_error(resource: Any) -> Iterator[Any]:
+    """Close ``resource`` (and so unlink an owned CPU-tier file) if the block
+    raises, e.g. when building the worker around it fails."""
+    try:
+        yield resource
+    except BaseException:
+        try:
+            resource.close()
+        except Exception as exc:  # the original error matters more
+            logger.warning("kvtier: cleanup after a failed start failed: %r", exc)
+        raise

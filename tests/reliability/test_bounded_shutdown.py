@@ -1,0 +1,263 @@
+"""Issue #11 items 6, 8, 9: failed starts show the real error, I/O set-up
+failures cost misses, and a hung disk bounds drain and shutdown without
+ever letting a late transfer touch a reused CPU row."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from reliability_common import (
+    BLOCK_BYTES,
+    SENTINEL,
+    Rig,
+    key_of,
+    make_fingerprint,
+    pattern,
+)
+
+from kvtier.connector.disk_runtime import DiskRuntime
+from kvtier.io import disk_store as disk_store_mod
+from kvtier.io import slab as slab_mod
+from kvtier.io.backends import BackendUnavailableError
+from kvtier.io.cpu_buffer import CpuBlockBuffer
+from kvtier.io.disk_store import store_dirname
+from kvtier.io.faults import FaultInjectingBackend, FaultPlan, FaultRule
+from kvtier.io.posix_backend import PosixBackend
+from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
+
+# -- TransferEngine ---------------------------------------------------------------
+
+
+def test_shutdown_with_a_hung_disk_returns_within_its_bound(
+    make_rig: Callable[..., Rig],
+) -> None:
+    rig = make_rig(num_slots=8)
+    release = threading.Event()
+    rig.plan.add(FaultRule.hang(release, ops="write"))
+    keys = [key_of(i) for i in range(3)]
+    for row, key in enumerate(keys):
+        rig.cpu.array[row] = pattern(key)
+    rig.engine.submit_spill(1, [(k, i, i) for i, k in enumerate(keys)])
+    time.sleep(0.2)  # the two threads are now blocked in pwrite
+    t0 = time.monotonic()
+    stopped = rig.engine.shutdown(timeout=1.0)
+    elapsed = time.monotonic() - t0
+    assert not stopped and elapsed < 5.0
+    release.set()  # the disk comes back: the blocked writes complete...
+    time.sleep(0.3)
+    # ...but the item still queued was dropped without touching its row.
+    assert rig.engine.wait([1], timeout=5.0)
+    results = rig.engine.get_finished()
+    assert [r.job_id for r in results] == [1]
+    assert keys[2] in results[0].failed_keys
+
+
+def test_abandoned_promotion_never_writes_its_row(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(num_slots=8)
+    key = key_of(1)
+    rig.cpu.array[0] = pattern(key)
+    assert rig.spill(1, [(key, 0, 0)]).success
+    release = threading.Event()
+    rig.plan.add(FaultRule.hang(release, ops="read"))
+    rig.cpu.array[5] = SENTINEL
+    rig.engine.submit_promote(2, [(key, 0, 5)])
+    assert not rig.engine.wait([2], timeout=0.5)  # hung in pread
+    assert rig.engine.abandon(timeout=1.0)
+    rig.cpu.array[5] = 0x11  # the row now belongs to someone else
+    release.set()
+    assert rig.engine.wait([2], timeout=5.0)
+    (result,) = rig.engine.get_finished()
+    assert result.failed_keys == [key]
+    assert (rig.cpu.array[5] == 0x11).all()
+
+
+# -- DiskRuntime --------------------------------------------------------------
+
+
+@pytest.fixture
+def shm_file(tmp_path: Path) -> Iterator[Callable[[int], CpuBlockBuffer]]:
+    made: list[CpuBlockBuffer] = []
+
+    def make(rows: int) -> CpuBlockBuffer:
+        made.append(
+            CpuBlockBuffer(rows, BLOCK_BYTES, str(tmp_path / "tier.cpu"), pin=False)
+        )
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def make_runtime(tmp_path: Path, cpu_path: str, **kw) -> DiskRuntime:
+    kw.setdefault("disk_io", "posix")
+    return DiskRuntime(
+        disk_paths=[str(tmp_path / "disk")],
+        num_disk_blocks=8,
+        num_cpu_blocks=8,
+        block_bytes=BLOCK_BYTES,
+        fingerprints=[make_fingerprint()],
+        cpu_buffer_paths=[cpu_path],
+        threads=2,
+        **kw,
+    )
+
+
+def spill(job_id: int, keys: list[bytes]) -> SpillOrder:
+    return SpillOrder(job_id, [TransferItem(k, i, i) for i, k in enumerate(keys)])
+
+
+def poll_until(rt: DiskRuntime, timeout: float = 10.0) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = rt.poll()
+        if done:
+            return done
+        time.sleep(0.01)
+    raise AssertionError("no job finished")
+
+
+def test_failed_start_kvikio_absent_shows_the_real_error(tmp_path: Path) -> None:
+    from kvtier.io.backends import _kvikio_status
+
+    if _kvikio_status()[0]:
+        pytest.skip("kvikio is usable here")
+    with pytest.raises(BackendUnavailableError, match="disk_io='kvikio'"):
+        make_runtime(tmp_path, "/nonexistent", disk_io="kvikio")
+
+
+def test_failed_start_file_where_the_store_dir_goes(tmp_path: Path) -> None:
+    base = tmp_path / "disk"
+    base.mkdir()
+    (base / store_dirname(make_fingerprint())).write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        make_runtime(tmp_path, "/nonexistent")
+
+
+def test_failed_start_enospc_at_preallocation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(slab_mod.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="cannot preallocate") as info:
+        make_runtime(tmp_path, "/nonexistent")
+    assert info.value.errno == errno.ENOSPC
+    # The store's lock died with the failed start: a retry is not "in use".
+    monkeypatch.undo()
+    make_runtime(tmp_path, "/nonexistent").close()
+
+
+def test_io_threads_start_with_the_runtime(tmp_path: Path) -> None:
+    before = threading.active_count()
+    rt = make_runtime(tmp_path, "/nonexistent")
+    try:
+        assert threading.active_count() >= before + 2
+    finally:
+        rt.close()
+
+
+def test_unmappable_cpu_tier_costs_misses_not_the_engine(tmp_path: Path) -> None:
+    rt = make_runtime(tmp_path, str(tmp_path / "no-such-worker-file.cpu"))
+    try:
+        keys = [key_of(i) for i in range(2)]
+        rt.submit_spill(spill(1, keys))  # does not raise into the step
+        (done,) = poll_until(rt)
+        assert done.job_id == 1 and done.failed_keys == set(keys)
+        assert rt.pending == 0
+    finally:
+        rt.close()
+
+
+def test_drain_timeout_breaks_the_runtime_and_late_results_never_surface(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shm_file: Callable[[int], CpuBlockBuffer],
+) -> None:
+    release = threading.Event()
+    plan = FaultPlan()
+    real = disk_store_mod.make_backend
+
+    def faulty(name: str, *, threads: int = 4):
+        return FaultInjectingBackend(real(name, threads=threads), plan)
+
+    monkeypatch.setattr(disk_store_mod, "make_backend", faulty)
+    cpu = shm_file(8)
+    rt = make_runtime(tmp_path, cpu.shm_path)
+    try:
+        keys = [key_of(i) for i in range(3)]
+        for row, key in enumerate(keys):
+            cpu.array[row] = pattern(key)
+        rt.submit_spill(spill(1, keys))
+        (done,) = poll_until(rt)
+        assert not done.failed_keys
+        plan.add(FaultRule.hang(release, ops=("read", "write")))
+        cpu.array[4:7] = SENTINEL
+        rt.submit_promote(
+            PromoteOrder(2, [TransferItem(k, i, 4 + i) for i, k in enumerate(keys)])
+        )
+        t0 = time.monotonic()
+        assert rt.drain(timeout=0.5) is False
+        assert time.monotonic() - t0 < 3.0
+        assert rt.broken and rt.pending == 0
+        # The caller may now reuse every row: nothing writes them any more.
+        cpu.array[4:7] = 0x22
+        rt.submit_spill(spill(3, keys[:1]))  # refused at once: a miss
+        (refused,) = rt.poll()
+        assert refused.job_id == 3 and refused.failed_keys == {keys[0]}
+        release.set()
+        time.sleep(0.5)
+        assert rt.poll() == []  # job 2's late result never surfaces
+        assert (cpu.array[4:7] == 0x22).all()
+    finally:
+        release.set()
+        t0 = time.monotonic()
+        rt.close()
+        assert time.monotonic() - t0 < 15.0
+
+
+def test_close_with_a_hung_disk_is_bounded(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shm_file: Callable[[int], CpuBlockBuffer],
+) -> None:
+    release = threading.Event()
+    plan = FaultPlan([FaultRule.hang(release, ops="write")])
+    made: list[FaultInjectingBackend] = []
+
+    def faulty(name: str, *, threads: int = 4):
+        made.append(FaultInjectingBackend(PosixBackend(threads), plan))
+        return made[-1]
+
+    monkeypatch.setattr(disk_store_mod, "make_backend", faulty)
+    cpu = shm_file(8)
+    rt = make_runtime(tmp_path, cpu.shm_path)
+    try:
+        rt.submit_spill(spill(1, [key_of(0), key_of(1)]))
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        rt.close(timeout=1.0)
+        assert time.monotonic() - t0 < 5.0
+        assert rt.broken
+    finally:
+        release.set()
+
+
+def test_second_runtime_on_one_disk_path_is_refused(tmp_path: Path) -> None:
+    from kvtier.io.safe_open import InUseError
+
+    first = make_runtime(tmp_path, "/nonexistent")
+    try:
+        with pytest.raises(InUseError, match="disk_path") as info:
+            make_runtime(tmp_path, "/nonexistent")
+        assert str(tmp_path / "disk") in str(info.value)
+    finally:
+        first.close()
+    make_runtime(tmp_path, "/nonexistent").close()  # free again

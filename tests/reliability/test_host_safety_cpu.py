@@ -1,0 +1,277 @@
+"""Issue #11, CPU tier: one owner per /dev/shm file, nothing adopted from
+another user or a dead engine, nothing left behind by a failed start.
+
+Tests run as root here; "another user" is ``nobody`` (a forked child that
+drops to that uid)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_host_safety_disk import NOBODY, as_user, needs_root
+
+from kvtier.connector.config import ConfigError
+from kvtier.connector.disk_runtime import cpu_buffer_path
+from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
+from kvtier.io import cpu_buffer as cpu_buffer_mod
+from kvtier.io.cpu_buffer import CpuBlockBuffer, cpu_buffer_dir, reclaim_stale_cpu_files
+from kvtier.io.safe_open import InUseError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ROW = 4096
+
+
+@pytest.fixture
+def private_dir() -> Iterator[str]:
+    """A fresh 0700 directory on /dev/shm (like cpu_buffer_dir)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = tempfile.mkdtemp(prefix="kvtier-test-", dir=base)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def sticky_dir() -> Iterator[Path]:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = Path(tempfile.mkdtemp(prefix="kvtier-1777-", dir=base))
+    d.chmod(0o1777)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def unique_engine_id() -> str:
+    return f"host-safety-{os.getpid()}-{time.monotonic_ns()}"
+
+
+# -- one engine_id, one owner --------------------------------------------------
+
+
+def test_two_engines_with_one_engine_id_never_share_rows() -> None:
+    engine_id = unique_engine_id()
+    first = open_worker_buffer(engine_id, 0, 1, 4, ROW)
+    try:
+        path = cpu_buffer_path(engine_id, 0, 1)
+        assert first.shm_path == path and first.owner
+        first.array[1, :3] = [1, 2, 3]
+        with pytest.raises(InUseError) as info:
+            open_worker_buffer(engine_id, 0, 1, 4, ROW)
+        message = str(info.value)
+        assert repr(engine_id) in message and "unique engine_id" in message
+        # The refused attempt left the first engine's file and rows alone.
+        assert os.path.exists(path)
+        assert first.array[1, :3].tolist() == [1, 2, 3]
+        # The scheduler side of the live engine still maps the same rows.
+        with CpuBlockBuffer(4, ROW, path, owner=False, pin=False) as sched:
+            assert sched.array[1, :3].tolist() == [1, 2, 3]
+    finally:
+        first.close()
+    assert not os.path.exists(path)
+    # Once the first engine is gone, the id is free again.
+    with open_worker_buffer(engine_id, 0, 1, 4, ROW) as again:
+        assert not again.array.any()
+
+
+def test_cpu_buffer_dir_is_private_and_owner_checked(sticky_dir: Path) -> None:
+    d = Path(cpu_buffer_dir(str(sticky_dir)))
+    assert d.name == f"kvtier-{os.geteuid()}"
+    st = d.stat()
+    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+    d.chmod(0o755)  # ours but readable by others: tightened
+    cpu_buffer_dir(str(sticky_dir))
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    d.chmod(0o777)  # writable by others: refused
+    with pytest.raises(PermissionError, match="group or others write"):
+        cpu_buffer_dir(str(sticky_dir))
+    d.rmdir()
+    d.symlink_to(sticky_dir)
+    with pytest.raises(OSError) as info:
+        cpu_buffer_dir(str(sticky_dir))
+    assert info.value.errno == errno.ELOOP
+
+
+@needs_root
+def test_cpu_buffer_dir_squatted_by_another_user_is_refused(sticky_dir: Path) -> None:
+    d = sticky_dir / f"kvtier-{os.geteuid()}"
+    as_user(NOBODY, lambda: d.mkdir(mode=0o777))
+    with pytest.raises(PermissionError, match=f"owned by uid {NOBODY}"):
+        cpu_buffer_dir(str(sticky_dir))
+
+
+@needs_root
+@pytest.mark.parametrize("owner", [True, None, False])
+def test_file_precreated_by_another_user_is_never_adopted(
+    sticky_dir: Path, owner: bool | None
+) -> None:
+    path = sticky_dir / "kvtier-e-r0of1.cpu"
+
+    def plant() -> None:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o666)
+        os.fchmod(fd, 0o666)
+        os.write(fd, b"\x5a" * (4 * ROW))
+        os.close(fd)
+
+    as_user(NOBODY, plant)
+    with pytest.raises(PermissionError, match=f"owned by uid {NOBODY}"):
+        CpuBlockBuffer(4, ROW, str(path), owner=owner, pin=False)
+    assert path.read_bytes() == b"\x5a" * (4 * ROW)  # neither used nor removed
+    assert path.stat().st_uid == NOBODY
+
+
+def test_symlink_in_place_of_the_cpu_file_is_refused(private_dir: str) -> None:
+    target = Path(private_dir) / "target"
+    target.write_bytes(b"\0" * ROW)
+    target.chmod(0o600)
+    link = Path(private_dir) / "tier.cpu"
+    link.symlink_to(target)
+    for owner in (True, None, False):
+        with pytest.raises(OSError) as info:
+            CpuBlockBuffer(1, ROW, str(link), owner=owner, pin=False)
+        assert info.value.errno == errno.ELOOP, owner
+    assert link.is_symlink() and target.read_bytes() == b"\0" * ROW
+
+
+def test_scheduler_side_never_maps_a_file_without_a_live_owner(
+    private_dir: str,
+) -> None:
+    path = os.path.join(private_dir, "stale.cpu")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)  # nobody holds its lock
+    os.ftruncate(fd, ROW)
+    os.close(fd)
+    with pytest.raises(FileNotFoundError, match="no live owner"):
+        CpuBlockBuffer(1, ROW, path, owner=False, pin=False)
+
+
+# -- dead engines' leftovers -----------------------------------------------------
+
+
+def _child_holding(paths: list[str]) -> int:
+    """Fork a child that owns a CPU buffer at each path; returns its pid once
+    the buffers exist."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.close(ready_r)
+            held = [CpuBlockBuffer(4, ROW, p, owner=True, pin=False) for p in paths]
+            for i, b in enumerate(held):
+                b.array[:] = 0x40 + i
+            os.write(ready_w, b"1")
+            while True:
+                time.sleep(1)
+        finally:
+            os._exit(1)
+    os.close(ready_w)
+    assert os.read(ready_r, 1) == b"1"
+    os.close(ready_r)
+    return pid
+
+
+def test_sigkilled_owner_leaves_a_file_that_a_restart_reclaims(
+    private_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvtier.io")
+    same = os.path.join(private_dir, "kvtier-e1-r0of1.cpu")  # engine id reused
+    other = os.path.join(private_dir, "kvtier-e0-r0of1.cpu")  # a new engine id
+    pid = _child_holding([same, other])
+    try:
+        with pytest.raises(InUseError):  # alive: refused, not reclaimed
+            CpuBlockBuffer(4, ROW, same, owner=True, pin=False)
+        assert reclaim_stale_cpu_files(private_dir) == []
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    # SIGKILL ran no cleanup: both files still hold shared memory...
+    assert os.path.exists(same) and os.path.exists(other)
+    # ...the scheduler side refuses the dead engine's rows...
+    with pytest.raises(FileNotFoundError, match="no live owner"):
+        CpuBlockBuffer(4, ROW, other, owner=False, pin=False)
+    # ...a restart with the same engine id reclaims its file and starts clean,
+    with CpuBlockBuffer(4, ROW, same, owner=True, pin=False) as buf:
+        assert not buf.array.any()
+        # ...and the start-up sweep removes the other dead engine's file while
+        # leaving the live one (ours, locked) alone.
+        removed = reclaim_stale_cpu_files(private_dir)
+        assert [p for p, _ in removed] == [other]
+        assert os.path.exists(same) and not os.path.exists(other)
+    assert "reclaimed stale CPU-tier file" in caplog.text
+
+
+def test_shm_space_error_names_the_files_holding_it(private_dir: str) -> None:
+    live = os.path.join(private_dir, "kvtier-live-r0of1.cpu")
+    dead = os.path.join(private_dir, "kvtier-dead-r0of1.cpu")
+    fd = os.open(dead, os.O_CREAT | os.O_RDWR, 0o600)
+    os.posix_fallocate(fd, 0, 8 * ROW)
+    os.close(fd)
+    mine = [os.path.join(private_dir, "kvtier-me-r0of1.cpu")]
+    with CpuBlockBuffer(4, ROW, live, owner=True, pin=False):
+        with pytest.raises(ConfigError) as info:
+            prepare_cpu_tier(mine, 1 << 62)
+        message = str(info.value)
+        assert live in message and "--shm-size" in message
+        assert not os.path.exists(dead)  # reclaimed before the check
+        assert dead not in message
+    prepare_cpu_tier(mine, ROW)  # enough space: passes
+
+
+# -- failed starts leave nothing behind ----------------------------------------
+
+
+def test_enospc_while_reserving_leaves_no_file(
+    private_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(cpu_buffer_mod.os, "posix_fallocate", full)
+    path = os.path.join(private_dir, "tier.cpu")
+    with pytest.raises(OSError, match="cannot reserve .* --shm-size") as info:
+        CpuBlockBuffer(4, ROW, path, owner=True, pin=False)
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(private_dir) == []
+
+
+def test_owner_that_exits_without_close_leaves_no_file(private_dir: str) -> None:
+    """A failed start that raises out of the process (no close()) must not
+    leave the file: the owner's finalizer runs at interpreter exit."""
+    path = os.path.join(private_dir, "tier.cpu")
+    code = (
+        "from kvtier.io.cpu_buffer import CpuBlockBuffer as B;"
+        f"b = B(2, 4096, {path!r}, owner=True, pin=False);"
+        "import os; assert os.path.exists(b.shm_path);"
+        "raise SystemExit('engine start failed')"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert r.returncode == 1 and "engine start failed" in r.stderr, r.stderr
+    assert os.listdir(private_dir) == []
+
+
+def test_owner_close_unlinks_only_its_own_file(private_dir: str) -> None:
+    path = os.path.join(private_dir, "tier.cpu")
+    buf = CpuBlockBuffer(2, ROW, path, owner=True, pin=False)
+    os.unlink(path)  # an operator removed it; a successor created a new one
+    successor = CpuBlockBuffer(2, ROW, path, owner=True, pin=False)
+    buf.close()
+    assert os.path.exists(path)  # the successor's file survives
+    successor.close()
+    assert not os.path.exists(path)
