@@ -94,15 +94,21 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
                 out[m.name + (f"{{{tier}}}" if tier else "")] = m.value
         return out
 
+    nudge = TokensPrompt(prompt_token_ids=make_prompt(7, BLOCK // 2))
+
     def wait_spilled(llm, timeout=60.0):
-        # Every block stored to CPU is on disk too before the next step.
+        # Every block stored to CPU is on disk too before the next prompt.
+        # An idle engine does not step, and kvtier's counters reach the
+        # metrics only from steps: a sub-block prompt (nothing to store)
+        # makes it step and report.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            llm.generate([nudge], sp, use_tqdm=False)
             c = counters(llm)
             stored = c.get("vllm:kv_offload_kvtier_write_bytes{cpu}", 0) / bpb
             if stored and c.get("vllm:kv_offload_kvtier_spills", 0) >= stored:
                 return
-            time.sleep(0.05)
+            time.sleep(0.02)
         raise TimeoutError("spills did not finish")
 
     prompts = {n: [make_prompt(10 * n + i, n + 1) for i in range(3)] for n in lengths}

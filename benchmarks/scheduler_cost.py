@@ -10,7 +10,7 @@ keys (vLLM ``OffloadKey``s: ``make_offload_key(hash_id.to_bytes(32, "big"),
 vLLM's ``CPUOffloadingManager`` (LRU, events on) at the same CPU capacity.
 Per request: prefix lookup one key at a time, load of the hits
 (prepare_load/complete_load), store of the rest (prepare_store/
-complete_store), draining of events; kvtier CPU+disk also promotes disk hits
+complete_store), draining of events; kvtier CPU+disk also loads disk hits
 and completes spills instantly, exactly as ``kvtier.sizing.TraceReplayer``
 (the replay behind ``kvtier size``) does: the kvtier runs *are* that
 replayer, with a timer around each hierarchy call. vLLM's per-request
@@ -80,9 +80,9 @@ class TimedHierarchy(TierHierarchy):
     def prepare_load(self, keys):  # type: ignore[override]
         return self._timed("prepare_load", len(keys), super().prepare_load, keys)
 
-    def complete_load(self, keys):  # type: ignore[override]
-        keys = list(keys)
-        return self._timed("complete_load", len(keys), super().complete_load, keys)
+    def complete_load(self, load_id, failed=()):  # type: ignore[override]
+        n = len(self._loads[load_id].keys)
+        return self._timed("complete_load", n, super().complete_load, load_id, failed)
 
     def prepare_store(self, keys):  # type: ignore[override]
         return self._timed("prepare_store", len(keys), super().prepare_store, keys)
@@ -101,24 +101,6 @@ class TimedHierarchy(TierHierarchy):
 
     def complete_spill(self, job_id, failed_keys=()):  # type: ignore[override]
         return self._timed("spill", 0, super().complete_spill, job_id, failed_keys)
-
-    def request_promotion(self, keys):  # type: ignore[override]
-        keys = list(keys)
-        t0 = ns()
-        out = super().request_promotion(keys)
-        self.times.add("promote", ns() - t0, 0)
-        return out
-
-    def take_promotions(self):  # type: ignore[override]
-        t0 = ns()
-        orders = super().take_promotions()
-        self.times.add("promote", ns() - t0, sum(len(o.items) for o in orders))
-        return orders
-
-    def complete_promotion(self, job_id, failed_keys=()):  # type: ignore[override]
-        return self._timed(
-            "promote", 0, super().complete_promotion, job_id, failed_keys
-        )
 
 
 class TimedReplayer(TraceReplayer):
@@ -280,7 +262,7 @@ def main() -> None:
                 raise SystemExit(f"{name}: timed replay diverged from replay_trace")
             print(f"run {rep + 1} {name}: {wall[name][-1]:.2f} s", flush=True)
 
-    ops = COMMON_OPS + ("promote", "spill", "request_bookkeeping")
+    ops = COMMON_OPS + ("spill", "request_bookkeeping")
     result: dict[str, Any] = {}
     for name, tlist in runs.items():
         per_op = {}
