@@ -87,11 +87,21 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
         return time.perf_counter() - t0, list(out[0].outputs[0].token_ids)
 
     def counters(llm) -> dict[str, float]:
+        # The front end's registry, read directly: vLLM's get_metrics() casts
+        # counters to int, which would truncate seconds.
+        from prometheus_client import REGISTRY
+
         out: dict[str, float] = {}
-        for m in llm.get_metrics():
-            if m.name.startswith("vllm:kv_offload_kvtier_") and hasattr(m, "value"):
-                tier = m.labels.get("tier")
-                out[m.name + (f"{{{tier}}}" if tier else "")] = m.value
+        for family in REGISTRY.collect():
+            for sample in family.samples:
+                name = sample.name.removesuffix("_total")
+                if not name.startswith("vllm:kv_offload_kvtier_"):
+                    continue
+                if sample.name.endswith("_created"):
+                    continue
+                tier = sample.labels.get("tier")
+                key = name + (f"{{{tier}}}" if tier else "")
+                out[key] = out.get(key, 0.0) + sample.value
         return out
 
     nudge = TokensPrompt(prompt_token_ids=make_prompt(7, BLOCK // 2))

@@ -344,3 +344,19 @@ def test_multi_chunk_rows_and_partial_first_chunk(tmp_path):
     with pytest.raises(ValueError):
         plan_copy([1, 2, 3], [0], 2, 0)
     assert np.array_equal(plan.gpu_ids, [7, 8, 9])
+
+
+def test_disk_tier_refuses_the_stock_connector(tmp_path):
+    """vLLM's stock OffloadingConnector asserts on a failed load: with a disk
+    tier, the spec refuses to start under it and names the fix."""
+    from kvtier.connector.config import TransferConfigError
+    from kvtier.connector.spec import TieredOffloadingSpec
+
+    with pytest.raises(TransferConfigError) as info:
+        TieredOffloadingSpec(make_config(tmp_path, cpu_blocks=4, disk_blocks=8))
+    text = str(info.value)
+    assert "kv_transfer_config['kv_connector']" in text
+    assert '"kv_connector": "TieredOffloadingConnector"' in text
+    assert '"kv_load_failure_policy": "recompute"' in text
+    # CPU-only has no load that can fail: the stock connector is fine.
+    TieredOffloadingSpec(make_config(tmp_path, cpu_blocks=4, disk_blocks=0))

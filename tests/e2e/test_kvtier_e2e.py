@@ -230,3 +230,21 @@ def test_misconfiguration_fails_engine_start_with_a_clear_message(
         chain.append(str(exc))
         exc = exc.__cause__ or exc.__context__
     assert any(re.search(pattern, text) for text in chain), chain
+
+
+def test_connector_requires_the_recompute_policy(model, block_bytes, tmp_path):
+    """With vLLM's default kv_load_failure_policy ("fail") a corrupt disk
+    block would fail its request: kvtier's connector refuses to start."""
+    cfg = kvtier_config(block_bytes, tmp_path)
+    cfg["kv_load_failure_policy"] = "fail"
+    with (
+        pytest.raises(Exception) as info,
+        engine(model, cfg, num_gpu_blocks=GPU_BLOCKS),
+    ):
+        pass
+    chain, exc = [], info.value
+    while exc is not None:
+        chain.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    pattern = r"kv_transfer_config\['kv_load_failure_policy'\].*\"recompute\""
+    assert any(re.search(pattern, text) for text in chain), chain
