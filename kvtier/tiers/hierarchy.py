@@ -301,11 +301,19 @@ class TierHierarchy:
         if need > 0:
             victims = self.cpu.victims(need, self._droppable, exclude=present)
             if len(victims) < need:
-                # All or nothing: dropping some blocks now would lose them
-                # for a store that is declined anyway.
-                self.stats.stores_declined += 1
+                room = self.cpu.num_free + len(victims)
                 self._queue_spills(need - len(victims))
-                return None
+                if len(new_keys) <= self.cpu.capacity or room == 0:
+                    # All or nothing: dropping some blocks now would lose
+                    # them for a store that is declined anyway; vLLM offers
+                    # the same keys again on a later step.
+                    self.stats.stores_declined += 1
+                    return None
+                # An offer larger than the whole CPU tier can never be taken
+                # at once: store the head that fits now (a head without its
+                # tail is still a hit) rather than decline it forever.
+                self.stats.store_blocks_skipped += len(new_keys) - room
+                new_keys = new_keys[:room]
             for key in victims:
                 self._drop_from_cpu(key, reason="evict")
             evicted = victims

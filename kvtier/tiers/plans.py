@@ -85,6 +85,9 @@ class HierarchyStats:
     stores_completed: int = 0
     stores_failed: int = 0
     stores_declined: int = 0
+    # Blocks of offers larger than the whole CPU tier that were left out
+    # (the head that fit was stored).
+    store_blocks_skipped: int = 0
     cpu_evictions: int = 0
     disk_evictions: int = 0
     spills_started: int = 0

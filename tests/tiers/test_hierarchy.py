@@ -117,3 +117,15 @@ def test_disk_full_evicts_disk_lru():
     assert h.lookup("a") is Residency.MISS
     assert h.lookup("b") is Residency.HIT_DISK
     assert h.lookup("c") is Residency.HIT_CPU
+
+
+def test_offer_larger_than_the_cpu_tier_stores_its_head():
+    h = TierHierarchy(4, 16, spill_watermark=0.0)
+    keys = [f"k{i}" for i in range(10)]
+    plan = _store(h, keys)
+    assert plan.keys_to_store == keys[:4]  # the head, not nothing
+    assert h.stats.store_blocks_skipped == 6 and h.stats.stores_declined == 0
+    assert h.prefix_hits(keys) == 4
+    # An offer that fits the tier stays all or nothing (dirty blocks wait).
+    assert h.prepare_store(["x", "y"]) is None
+    assert h.stats.stores_declined == 1
