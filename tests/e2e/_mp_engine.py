@@ -51,7 +51,17 @@ def main() -> None:
         for m in llm.get_metrics()
         if m.name.startswith("vllm:kv_offload_kvtier_") and hasattr(m, "value")
     }
-    print("KVTIER-RESULT " + json.dumps({"outputs": outputs, "metrics": metrics}))
+    # Labelled series too (e.g. loaded_blocks{tier="disk"}), which the dict
+    # above collapses to one value per name.
+    series = [
+        [m.name, dict(getattr(m, "labels", {}) or {}), m.value]
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:kv_offload_kvtier_") and hasattr(m, "value")
+    ]
+    print(
+        "KVTIER-RESULT "
+        + json.dumps({"outputs": outputs, "metrics": metrics, "series": series})
+    )
 
 
 if __name__ == "__main__":  # spawn re-imports this module in the engine core

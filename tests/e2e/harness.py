@@ -201,10 +201,12 @@ TINY_GEMMA2_CONFIG: dict[str, Any] = dict(
         "sliding_attention",
         "full_attention",
     ],
-    # Untied: with a tied head the residual's own-token embedding wins and
-    # greedy decoding repeats one token, which would hide wrong KV.
-    tie_word_embeddings=False,
-    initializer_range=0.1,
+    # vLLM's Gemma2 always ties the head to the embeddings; then the scaled
+    # own-token embedding dominates the residual and greedy decoding repeats
+    # one token. Larger weights and post-norm gains (1 + w) let the layers,
+    # i.e. the KV, decide the next token instead.
+    initializer_range=0.3,
+    post_norm_weight=4.0,
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
     seed=0,
@@ -229,7 +231,9 @@ def _save_word_tokenizer(target: Path, vocab_size: int) -> None:
     ).save_pretrained(target)
 
 
-def build_tiny_gemma2(out_dir: str | os.PathLike | None = None, **overrides: Any) -> str:
+def build_tiny_gemma2(
+    out_dir: str | os.PathLike | None = None, **overrides: Any
+) -> str:
     """Like :func:`build_tiny_llama`, for a tiny random Gemma2ForCausalLM whose
     layers alternate sliding-window and full attention: vLLM gives it two
     KV-cache groups. Built locally, no download; cached by config hash."""
@@ -249,6 +253,7 @@ def build_tiny_gemma2(out_dir: str | os.PathLike | None = None, **overrides: Any
         cfg_kw.pop("arch")
         seed = cfg_kw.pop("seed")
         rope_theta = cfg_kw.pop("rope_theta")
+        post_norm = cfg_kw.pop("post_norm_weight")
         hf_cfg = Gemma2Config(
             **cfg_kw,
             rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
@@ -258,6 +263,15 @@ def build_tiny_gemma2(out_dir: str | os.PathLike | None = None, **overrides: Any
         )
         torch.manual_seed(seed)
         model = Gemma2ForCausalLM(hf_cfg).to(torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(
+                    (
+                        "post_attention_layernorm.weight",
+                        "post_feedforward_layernorm.weight",
+                    )
+                ):
+                    param.fill_(post_norm)
         model.save_pretrained(tmp, safe_serialization=True)
         _save_word_tokenizer(tmp, cfg["vocab_size"])
         (tmp / "kvtier_tiny_config.json").write_text(json.dumps(cfg, indent=1))

@@ -1,0 +1,441 @@
+"""Disk hits loaded straight from disk by the worker, on a real engine.
+
+The worker reads a disk hit's slots itself, verifies each (header, key,
+fingerprint, checksum) and scatters it into the KV cache; a block that
+fails goes through vLLM's load-error path (block level for one KV-cache
+group, request level for several) and its tokens are recomputed. Each test
+proves it by data: greedy outputs equal a run without offloading, vLLM's
+hit source says the tokens came from disk, and the tiers' counters say how
+many blocks were loaded, failed or dropped.
+
+Engines live in class-scoped fixtures (one engine alive at a time); the
+no-offload baselines are computed first, once per model, prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections import defaultdict
+
+import pytest
+
+from kvtier.io.faults import FaultPlan, FaultRule, on_slot
+from kvtier.io.format import HEADER_SIZE, slot_size
+from kvtier.tiers.plans import Residency
+
+from .harness import (
+    build_tiny_gemma2,
+    engine,
+    get_connector,
+    get_scheduler,
+    kv_bytes_per_block,
+    make_prompt,
+    run_prompts,
+)
+from .test_reliability_e2e import assert_at_rest
+from .workload import MAX_TOKENS, kvtier_config, manager_of, run_each, run_settled
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+LONG_BLOCKS = 10
+LONG_LEN = LONG_BLOCKS * BLOCK + 5  # 10 full blocks and a tail
+SHORT_LEN = 4 * BLOCK + 5
+LONG_GPU_BLOCKS = 12  # 11 usable: one 10-block request fills the GPU cache
+LONG_CPU_BLOCKS = 4  # the CPU tier holds less than half the returning prefix
+
+# Test 1: (returning prompt, the prompt that pushes it out), per variant.
+LONG_CASES = {
+    "one-chunk": (make_prompt(800, LONG_LEN), make_prompt(801, LONG_LEN)),
+    "chunks-of-3": (make_prompt(802, LONG_LEN), make_prompt(803, LONG_LEN)),
+    "single-step-prefill": (make_prompt(804, LONG_LEN), make_prompt(805, LONG_LEN)),
+}
+CORRUPTIONS = ["bit-flip", "other-key", "truncated-slab", "eio-on-read"]
+# Test 2: one returning prompt per corruption kind (the same for both models).
+CORRUPT_PROMPTS = {
+    k: make_prompt(900 + i, SHORT_LEN) for i, k in enumerate(CORRUPTIONS)
+}
+# Test 3: a prompt whose prefix comes back from CPU and disk, one from disk.
+MIXED_PROMPT = make_prompt(950, SHORT_LEN)
+DISK_PROMPT = make_prompt(951, SHORT_LEN)
+
+GEMMA_GPU_BLOCKS = 24
+GEMMA_MAX_LEN = 352
+
+
+def _expected(model_dir: str, prompts: list[list[int]], **kw) -> dict:
+    """Greedy outputs without offloading, prompt by prompt."""
+    unique = list({tuple(p): p for p in prompts}.values())
+    with engine(model_dir, None, **kw) as llm:
+        outs = run_each(llm, unique).outputs
+    # Outputs that depend on the KV: not one token repeated everywhere.
+    assert sum(len(set(o)) > 2 for o in outs) > len(outs) // 2, outs
+    return {tuple(p): o for p, o in zip(unique, outs)}
+
+
+@pytest.fixture(scope="module")
+def llama_expected(model) -> dict:
+    prompts = [p for pair in LONG_CASES.values() for p in pair]
+    prompts += list(CORRUPT_PROMPTS.values())
+    return _expected(model, prompts, num_gpu_blocks=LONG_GPU_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def gemma_model() -> str:
+    return build_tiny_gemma2()
+
+
+@pytest.fixture(scope="module")
+def gemma_expected(gemma_model) -> dict:
+    prompts = [*CORRUPT_PROMPTS.values(), MIXED_PROMPT, DISK_PROMPT]
+    return _expected(
+        gemma_model,
+        prompts,
+        num_gpu_blocks=GEMMA_GPU_BLOCKS,
+        max_model_len=GEMMA_MAX_LEN,
+    )
+
+
+def worker_reader(llm):
+    """The worker's SlotReader (the worker-side connector, in-process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().connector_worker.worker.reader
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+# --------------------------------------------------------------------------
+# 1. A returning prefix longer than the whole CPU tier, served from disk
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="class")
+def long_llm(model, block_bytes, llama_expected, tmp_path_factory):
+    cfg = kvtier_config(
+        block_bytes,
+        tmp_path_factory.mktemp("disk-long"),
+        cpu_bytes_to_use=LONG_CPU_BLOCKS * block_bytes,
+        spill_watermark=0.0,
+        disk_load_buffer_bytes=1 << 20,  # the minimum
+    )
+    # Chunked prefill, two blocks a step: each store fits the CPU tier.
+    with engine(
+        model, cfg, num_gpu_blocks=LONG_GPU_BLOCKS, max_num_batched_tokens=64
+    ) as llm:
+        yield llm
+
+
+class TestPrefixLongerThanCpuTier:
+    @pytest.mark.parametrize("variant", ["one-chunk", "chunks-of-3"])
+    def test_served_in_full_from_disk(
+        self, long_llm, block_bytes, llama_expected, monkeypatch, variant
+    ):
+        llm = long_llm
+        mgr = manager_of(llm)
+        reader = worker_reader(llm)
+        # 1 MiB holds 28 slots of 36 KiB: the 10-block prefix is one chunk.
+        assert reader.capacity == (1 << 20) // slot_size(block_bytes) >= LONG_BLOCKS
+        if variant == "chunks-of-3":
+            monkeypatch.setattr(reader, "capacity", 3)
+        batches: list[int] = []
+        original_read = reader.read
+
+        def recording_read(items):
+            batches.append(len(items))
+            return original_read(items)
+
+        monkeypatch.setattr(reader, "read", recording_read)
+        stats = mgr.hierarchy.stats
+        before = dict(vars(stats))
+
+        prompt, pusher = LONG_CASES[variant]
+        res = run_settled(llm, [prompt, pusher, prompt])
+
+        # The whole 10-block prefix came back from disk, none from the GPU
+        # cache or the CPU tier (which could never hold it all).
+        assert res.hits_by_source[2] == {"disk": LONG_BLOCKS * BLOCK}, (
+            res.hits_by_source
+        )
+        assert res.outputs == [
+            llama_expected[tuple(p)] for p in (prompt, pusher, prompt)
+        ]
+        d = _delta(dict(vars(stats)), before)
+        assert d["loads_disk"] == LONG_BLOCKS, d
+        assert d["load_failures"] == 0 and d["corrupt_blocks"] == 0, d
+        assert d["spills_completed"] >= 2 * LONG_BLOCKS, d
+        # Every block was read exactly once, in bounce-area-sized chunks.
+        assert sum(batches) == LONG_BLOCKS, batches
+        if variant == "chunks-of-3":
+            assert batches == [3, 3, 3, 1], batches
+        else:
+            assert batches == [LONG_BLOCKS], batches
+        assert_at_rest(mgr)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "KVTIER BUG: TierHierarchy.prepare_store is all-or-nothing, so a "
+        "request whose prefill stores more blocks in one step than the whole "
+        "CPU tier holds is declined on every retry ('cannot store chunks') "
+        "and never reaches the CPU or disk tier; its prefix returns as a miss"
+    ),
+)
+def test_single_step_prefill_longer_than_cpu_tier_served_from_disk(
+    model, block_bytes, llama_expected, tmp_path
+):
+    cfg = kvtier_config(
+        block_bytes,
+        tmp_path,
+        cpu_bytes_to_use=LONG_CPU_BLOCKS * block_bytes,
+        spill_watermark=0.0,
+    )
+    prompt, pusher = LONG_CASES["single-step-prefill"]
+    with engine(model, cfg, num_gpu_blocks=LONG_GPU_BLOCKS) as llm:
+        res = run_each(llm, [prompt, pusher, prompt])
+        stats = manager_of(llm).hierarchy.stats
+    assert res.outputs == [llama_expected[tuple(p)] for p in (prompt, pusher, prompt)]
+    assert res.hits_by_source[2] == {"disk": LONG_BLOCKS * BLOCK}, (
+        res.hits_by_source,
+        vars(stats),
+    )
+    assert stats.loads_disk >= LONG_BLOCKS and stats.load_failures == 0
+
+
+# --------------------------------------------------------------------------
+# 2./3. Corruption between spill and load, one and two KV-cache groups
+# --------------------------------------------------------------------------
+
+
+class Env:
+    """A kvtier engine plus what the tests need to find a block on disk."""
+
+    def __init__(self, llm, expected: dict, plan: FaultPlan) -> None:
+        self.llm = llm
+        self.expected = expected
+        self.plan = plan
+        self.mgr = manager_of(llm)
+        self.h = self.mgr.hierarchy
+        groups = get_scheduler(llm).kv_cache_config.kv_cache_groups
+        self.group_specs = [type(g.kv_cache_spec).__name__ for g in groups]
+        self.full_group = self.group_specs.index("FullAttentionSpec")
+        # Keys each request stored, in prefix order (per external id).
+        self.stored: dict[str, list[bytes]] = defaultdict(list)
+        # (key, residency, disk block) right after each load that had
+        # failed keys completed: before anything could store them again.
+        self.after_failed_load: list[tuple[bytes, Residency, object]] = []
+        mgr, h = self.mgr, self.h
+        prepare_store, complete_load = mgr.prepare_store, h.complete_load
+
+        def recording_prepare_store(keys, req_context):
+            out = prepare_store(keys, req_context)
+            if out is not None:
+                rid = req_context.req_id.rsplit("-", 1)[0]
+                self.stored[rid].extend(out.keys_to_store)
+            return out
+
+        def recording_complete_load(load_id, failed=()):
+            failed = list(failed)
+            complete_load(load_id, failed)
+            for key in failed:
+                self.after_failed_load.append(
+                    (key, h.lookup(key), h.disk.get(key) if h.disk else None)
+                )
+
+        mgr.prepare_store = recording_prepare_store
+        h.complete_load = recording_complete_load
+
+    def want(self, prompt: list[int]) -> list[int]:
+        return self.expected[tuple(prompt)]
+
+    def full_keys(self, request_id: str) -> list[bytes]:
+        keys = self.stored[request_id]
+        return [k for k in keys if int.from_bytes(k[-4:], "big") == self.full_group]
+
+    def slot_file(self, key: bytes) -> tuple[str, int]:
+        """Slab file and byte offset of ``key``'s disk slot."""
+        store = self.mgr.runtime.stores[0]
+        idx, offset = store._locate(self.h.disk.get(key).slot)
+        return store.slabs[idx].path, offset
+
+    def only_on_disk(self, prompt: list[int]) -> tuple[str, list[bytes]]:
+        """Run ``prompt``, spill all its blocks, then forget the CPU and GPU
+        copies: its prefix can only come back from disk. Returns its request
+        id and keys."""
+        res = run_prompts(self.llm, [prompt], MAX_TOKENS)
+        assert res.outputs == [self.want(prompt)]
+        assert_at_rest(self.mgr)  # every spill finished
+        keys = self.stored[res.request_ids[0]]
+        assert keys, "nothing was stored"
+        for key in keys:
+            self.h.demote(key)
+            assert self.h.lookup(key) is Residency.HIT_DISK, key.hex()
+        assert self.llm.reset_prefix_cache()
+        return res.request_ids[0], keys
+
+
+@pytest.fixture(scope="class", params=["llama", "gemma2"])
+def env(request, model, block_bytes, tmp_path_factory):
+    name = request.param
+    if name == "llama":
+        model_dir, expected = model, request.getfixturevalue("llama_expected")
+        offload_bytes, groups = block_bytes, 1
+        kw = dict(num_gpu_blocks=20)
+    else:
+        model_dir = request.getfixturevalue("gemma_model")
+        expected = request.getfixturevalue("gemma_expected")
+        groups = 2
+        offload_bytes = kv_bytes_per_block(model_dir, BLOCK) // groups
+        kw = dict(num_gpu_blocks=GEMMA_GPU_BLOCKS, max_model_len=GEMMA_MAX_LEN)
+    cfg = kvtier_config(
+        offload_bytes,
+        tmp_path_factory.mktemp(f"disk-{name}"),
+        cpu_bytes_to_use=16 * offload_bytes,
+        spill_watermark=0.0,
+    )
+    # Every disk back end kvtier builds (spills and the worker's loads) goes
+    # through a fault layer; its plan stays empty until a test adds a rule.
+    from kvtier.io import backends as backends_module
+    from kvtier.io import disk_store as disk_store_module
+    from kvtier.io.faults import FaultInjectingBackend
+
+    plan = FaultPlan(seed=11)
+    real = backends_module.make_backend
+
+    def faulty(disk_io="auto", *, threads=4):
+        return FaultInjectingBackend(real(disk_io, threads=threads), plan)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(disk_store_module, "make_backend", faulty)
+        mp.setattr(backends_module, "make_backend", faulty)
+        with engine(model_dir, cfg, **kw) as llm:
+            e = Env(llm, expected, plan)
+            assert manager_of(llm).block_bytes == offload_bytes
+            assert len(e.group_specs) == groups, e.group_specs
+            yield e
+
+
+def _corrupt(e: Env, kind: str, keys: list[bytes], victim: bytes):
+    """Damage ``victim``'s slot on disk; returns the EIO rule, if any."""
+    path, offset = e.slot_file(victim)
+    if kind == "bit-flip":
+        with open(path, "r+b") as f:
+            f.seek(offset + HEADER_SIZE + 1000)
+            byte = f.read(1)
+            f.seek(offset + HEADER_SIZE + 1000)
+            f.write(bytes([byte[0] ^ 0x10]))
+            f.flush()
+            os.fsync(f.fileno())
+    elif kind == "other-key":
+        other = next(k for k in keys if k != victim)
+        other_path, other_offset = e.slot_file(other)
+        size = slot_size(e.mgr.block_bytes)
+        with open(other_path, "rb") as f:
+            f.seek(other_offset)
+            data = f.read(size)
+        assert len(data) == size
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    elif kind == "truncated-slab":
+        assert os.path.getsize(path) > offset + HEADER_SIZE + 100
+        os.truncate(path, offset + HEADER_SIZE + 100)
+    elif kind == "eio-on-read":
+        store = e.mgr.runtime.stores[0]
+        rule = FaultRule.error(
+            errno.EIO, ops="read", **on_slot(store, e.h.disk.get(victim).slot)
+        )
+        e.plan.add(rule)
+        return rule
+    else:
+        raise AssertionError(kind)
+    return None
+
+
+class TestDiskCorruption:
+    @pytest.mark.parametrize("kind", CORRUPTIONS)
+    def test_corrupt_disk_block_is_recomputed_and_dropped(self, env, kind):
+        e = env
+        prompt = CORRUPT_PROMPTS[kind]
+        rid, keys = e.only_on_disk(prompt)
+        full = e.full_keys(rid)
+        assert len(full) == 4, (len(full), len(keys))
+        victim = full[1]  # a block in the middle of the returning prefix
+        stats = e.h.stats
+        before = dict(vars(stats))
+        disk_before = dict(e.mgr.worker_disk)
+        e.after_failed_load.clear()
+
+        rule = _corrupt(e, kind, keys, victim)
+        try:
+            again = run_prompts(e.llm, [prompt], MAX_TOKENS)
+        finally:
+            if rule is not None:
+                e.plan.remove(rule)
+
+        # Correct tokens: the failed block (and, with two groups, the whole
+        # request) was recomputed instead of read.
+        assert again.outputs == [e.want(prompt)]
+        assert again.hits_by_source[0].get("disk", 0) > 0, again.hits_by_source
+        d = _delta(dict(vars(stats)), before)
+        wd = _delta(e.mgr.worker_disk, disk_before)
+        assert d["load_failures"] >= 1 and d["corrupt_blocks"] >= 1, d
+        if kind == "eio-on-read":
+            assert e.plan.count() >= 1
+            assert wd["io_errors"] >= 1, wd
+        else:
+            assert wd["corrupt"] >= 1, wd
+        # The corrupt copy left the disk index as the load completed, before
+        # the recomputed block could be stored again.
+        dropped = {k: (res, blk) for k, res, blk in e.after_failed_load}
+        assert victim in dropped, [k.hex() for k in dropped]
+        residency, disk_block = dropped[victim]
+        assert disk_block is None and residency is Residency.MISS, dropped[victim]
+        assert_at_rest(e.mgr)
+
+        # The engine keeps serving, correctly.
+        assert run_prompts(e.llm, [prompt], MAX_TOKENS).outputs == [e.want(prompt)]
+        assert_at_rest(e.mgr)
+
+    @pytest.mark.parametrize("env", ["gemma2"], indirect=True)
+    def test_two_kv_cache_groups_through_cpu_and_disk_hits(self, env):
+        e = env
+        # Gemma-2: sliding-window and full-attention layers, two groups, and
+        # kvtier's connector reports failed loads per request there.
+        assert sorted(e.group_specs) == ["FullAttentionSpec", "SlidingWindowSpec"]
+        assert get_connector(e.llm)._request_level_errors is True
+        stats = e.h.stats
+        before = dict(vars(stats))
+
+        # Half of a prefix on CPU, half on disk.
+        res = run_prompts(e.llm, [MIXED_PROMPT], MAX_TOKENS)
+        assert_at_rest(e.mgr)
+        keys = e.stored[res.request_ids[0]]
+        full = e.full_keys(res.request_ids[0])
+        assert len(full) == 4
+        for key in keys:
+            if key in full[1::2] or key not in full:
+                assert e.h.demote(key) or e.h.lookup(key) is Residency.HIT_DISK
+        assert e.llm.reset_prefix_cache()
+        mixed = run_prompts(e.llm, [MIXED_PROMPT], MAX_TOKENS)
+        assert mixed.outputs == [e.want(MIXED_PROMPT)]
+        hits = mixed.hits_by_source[0]
+        assert hits.get("disk", 0) > 0 and hits.get("host", 0) > 0, hits
+
+        # A prefix entirely on disk.
+        e.only_on_disk(DISK_PROMPT)
+        disk = run_prompts(e.llm, [DISK_PROMPT], MAX_TOKENS)
+        assert disk.outputs == [e.want(DISK_PROMPT)]
+        assert set(disk.hits_by_source[0]) == {"disk"}, disk.hits_by_source
+        assert disk.hits_by_source[0]["disk"] == 4 * BLOCK
+
+        d = _delta(dict(vars(stats)), before)
+        assert d["loads_disk"] > 0 and d["loads_cpu"] > 0, d
+        assert d["load_failures"] == 0 and d["corrupt_blocks"] == 0, d
+        assert_at_rest(e.mgr)
