@@ -45,7 +45,6 @@ BLOCK = 32
 
 
 def _child(mode: str, lengths: list[int], repeats: int) -> dict:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     from e2e.harness import (
@@ -54,6 +53,9 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
         make_prompt,
         offloading_kv_transfer_config,
     )
+
+    # After the harness import, which pins in-process mode for the tests.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -204,7 +206,14 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
         g = [x for x in results[n].pop("disk_read_gbps", []) if x]
         results[n]["disk_read_gbps"] = statistics.median(g) if g else None
         results[n].pop("slab")
-    return {"mode": mode, "results": results, "outputs_equal": mismatches == 0}
+    import vllm.envs as envs
+
+    return {
+        "mode": mode,
+        "multiprocessing": bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING),
+        "results": results,
+        "outputs_equal": mismatches == 0,
+    }
 
 
 def _fio_same_span(store_root: Path, blocks: int, slot_bytes: int) -> dict | None:
