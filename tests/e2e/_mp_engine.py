@@ -21,6 +21,10 @@ def main() -> None:
 
     from e2e.workload import FIRST, GPU_BLOCKS, MAX_TOKENS, RETURNING, kvtier_config
 
+    # The harness (imported through the workload) pins in-process mode for
+    # the in-process tests; this script is about the other mode.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+
     model, block_bytes, disk = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     llm = LLM(
         model=model,
@@ -60,7 +64,16 @@ def main() -> None:
     ]
     print(
         "KVTIER-RESULT "
-        + json.dumps({"outputs": outputs, "metrics": metrics, "series": series})
+        + json.dumps(
+            {
+                "outputs": outputs,
+                "metrics": metrics,
+                "series": series,
+                # Which engine-core client ran: SyncMPClient is the
+                # multiprocess engine core, InprocClient the in-process one.
+                "engine_core": type(llm.llm_engine.engine_core).__name__,
+            }
+        )
     )
 
 

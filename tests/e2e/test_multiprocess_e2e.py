@@ -40,6 +40,7 @@ def test_disk_tier_under_the_multiprocess_engine(
     found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
     assert proc.returncode == 0 and found, proc.stderr[-3000:]
     result = json.loads(found[-1].split(" ", 1)[1])
+    assert result["engine_core"] == "SyncMPClient", result["engine_core"]
     assert result["outputs"] == baseline
     metrics = result["metrics"]
     assert metrics["vllm:kv_offload_kvtier_spills"] > 0
