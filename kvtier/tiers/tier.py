@@ -107,6 +107,9 @@ class Tier:
         self._seq = itertools.count()
         self._pos: dict[Hashable, tuple[int, int]] = {}
         self._eligible: set[Hashable] = set()
+        # key -> seq of the entry it has in a heap (live or, while the key
+        # is ineligible, dormant): a pin/unpin cycle pushes nothing.
+        self._heaped: dict[Hashable, int] = {}
         nseg = self._adapter.segments if self._adapter is not None else 0
         self._heaps: list[list[tuple[int, Hashable]]] = [[] for _ in range(nseg)]
         # Candidates examined by ``victims`` (index entries or policy
@@ -198,6 +201,7 @@ class Tier:
         self.policy.remove(key, evicted)
         self._free.append(block.slot)
         self._pos.pop(key, None)
+        self._heaped.pop(key, None)
         self._eligible.discard(key)  # its heap entry goes stale
         return block
 
@@ -264,6 +268,9 @@ class Tier:
         if self._adapter is None:
             return
         seg, seq = self._pos[key]
+        if self._heaped.get(key) == seq:
+            return  # its entry is still there
+        self._heaped[key] = seq
         heap = self._heaps[seg]
         heapq.heappush(heap, (seq, key))
         if len(heap) > 2 * len(self._eligible) + 64:
@@ -272,9 +279,11 @@ class Tier:
     def _rebuild(self) -> None:
         """Drop stale entries: O(eligible), after at least as many pushes."""
         heaps: list[list[tuple[int, Hashable]]] = [[] for _ in self._heaps]
+        self._heaped = {}
         for key in self._eligible:
             seg, seq = self._pos[key]
             heaps[seg].append((seq, key))
+            self._heaped[key] = seq
         for heap in heaps:
             heapq.heapify(heap)
         self._heaps = heaps
@@ -321,6 +330,7 @@ class Tier:
         held: list[tuple[int, tuple[int, Hashable]]] = []
         seen: set[Hashable] = set()
         eligible, pos, blocks = self._eligible, self._pos, self._blocks
+        heaped = self._heaped
         for seg in self._adapter.order(self.policy):
             heap = self._heaps[seg]
             while heap and len(chosen) < n:
@@ -328,7 +338,11 @@ class Tier:
                 self.inspected += 1
                 seq, key = entry
                 if key in seen or key not in eligible or pos[key] != (seg, seq):
-                    continue  # stale or duplicate: gone for good
+                    # Stale, dormant (the key is ineligible now) or a
+                    # duplicate: gone for good.
+                    if heaped.get(key) == seq and key not in seen:
+                        del heaped[key]
+                    continue
                 seen.add(key)
                 held.append((seg, entry))
                 if key in exclude:
@@ -383,5 +397,6 @@ class Tier:
         self._next_fresh = 0
         self._pos.clear()
         self._eligible.clear()
+        self._heaped.clear()
         self._heaps = [[] for _ in self._heaps]
         return ready
