@@ -22,6 +22,16 @@ blocks passed to them; for lookup, per key looked up), median and minimum
 over interleaved runs, and the ratio kvtier / vLLM as the median of the
 per-run ratios of back-to-back runs (robust to background load). Prints a table and
 writes benchmarks/results/scheduler_cost.json.
+
+Slow spills (issue 11), ``--slow-spill-lag K [--slow-spill-cpu-blocks N]``:
+the same replay through kvtier CPU+disk, once with instant spills and once
+with a disk that falls behind (each spill order completes only K requests
+after it was issued, so the CPU tier fills with dirty and in-flight
+blocks and stores are declined). Reports microseconds per scheduler call
+(prepare_store, prepare_load, ...) and per request step (all hierarchy
+calls of one request: mean, p99, max) for both, and writes
+benchmarks/results/scheduler_cost_slow_spill.json. ``--slow-spill-only``
+skips the vLLM comparison (no vLLM needed).
 """
 
 from __future__ import annotations
@@ -142,6 +152,117 @@ def run_kvtier(
     }
 
 
+class SlowSpillReplayer(TimedReplayer):
+    """The timed replayer with a disk that falls behind: every spill order
+    completes ``lag`` requests after it was issued (0: at once)."""
+
+    def __init__(self, h: TimedHierarchy, lag: int) -> None:
+        super().__init__(h)
+        self.lag = lag
+        self.request = 0
+        self.in_flight: list[tuple[int, int]] = []  # (due request, job id)
+        self.step_ns: list[int] = []
+
+    def drain_spills(self) -> None:
+        due = self.request + self.lag
+        self.in_flight.extend((due, o.job_id) for o in self.h.take_spills())
+        self._complete_due()
+
+    def _complete_due(self) -> None:
+        done = 0
+        for due, job_id in self.in_flight:
+            if due > self.request:
+                break
+            self.h.complete_spill(job_id)
+            done += 1
+        del self.in_flight[:done]
+
+    def replay(self, keys: Sequence[Hashable]) -> None:
+        before = sum(self.times.ns.values())
+        self._complete_due()
+        super().replay(keys)
+        self.step_ns.append(sum(self.times.ns.values()) - before)
+        self.request += 1
+
+
+def run_slow_spill(
+    reqs: list[list[bytes]], cpu: int, disk: int, lag: int
+) -> dict[str, Any]:
+    h = TimedHierarchy(cpu, disk)
+    h.times = OpTimes()
+    rep = SlowSpillReplayer(h, lag)
+    gc.collect()
+    t0 = time.perf_counter()
+    for keys in reqs:
+        rep.replay(keys)
+    wall = time.perf_counter() - t0
+    res = rep.finish()
+    t = h.times
+    steps = sorted(rep.step_ns)
+    return {
+        "lag_requests": lag,
+        "us_per_call": {
+            op: t.ns[op] / t.calls[op] / 1000 for op in sorted(t.calls) if t.calls[op]
+        },
+        "calls": dict(t.calls),
+        "step_us_mean": sum(steps) / len(steps) / 1000,
+        "step_us_p99": steps[int(0.99 * (len(steps) - 1))] / 1000,
+        "step_us_max": steps[-1] / 1000,
+        "stores_declined": h.stats.stores_declined,
+        "spills_completed": h.stats.spills_completed,
+        "victim_candidates_inspected": {
+            "cpu": getattr(h.cpu, "inspected", None),
+            "disk": getattr(h.disk, "inspected", None),
+        },
+        "hit_rate": res.hit_rate,
+        "wall_s": wall,
+    }
+
+
+def slow_spill_main(args: argparse.Namespace, reqs: list[list[Any]]) -> None:
+    cpu = args.slow_spill_cpu_blocks
+    disk = cpu * args.disk_mult
+    rows = [run_slow_spill(reqs, cpu, disk, lag) for lag in (0, args.slow_spill_lag)]
+    ops = ("prepare_store", "complete_store", "prepare_load", "complete_load", "spill")
+    print(
+        f"\nslow spills: {len(reqs)} requests; CPU {cpu} blocks, disk {disk} blocks;"
+        " us per scheduler call"
+    )
+    print(f"{'':<22}" + "".join(f"{'lag ' + str(r['lag_requests']):>14}" for r in rows))
+    for op in ops:
+        cells = "".join(
+            f"{r['us_per_call'].get(op, float('nan')):>14.1f}" for r in rows
+        )
+        print(f"{op:<22}{cells}")
+    for k in ("step_us_mean", "step_us_p99", "step_us_max"):
+        print(
+            f"{k.replace('_us', ' us'):<22}" + "".join(f"{r[k]:>14.1f}" for r in rows)
+        )
+    for k in ("stores_declined", "spills_completed"):
+        print(f"{k:<22}" + "".join(f"{r[k]:>14}" for r in rows))
+    insp = [r["victim_candidates_inspected"] for r in rows]
+    print(
+        f"{'candidates inspected':<22}"
+        + "".join(f"{str(i['cpu']) + '/' + str(i['disk']):>14}" for i in insp)
+    )
+    path = write_json(
+        "scheduler_cost_slow_spill",
+        {
+            "params": {
+                "trace": args.trace,
+                "requests": len(reqs),
+                "cpu_blocks": cpu,
+                "disk_blocks": disk,
+                "lag": "a spill order completes this many requests after issue",
+                "unit": "microseconds per call; step = all calls of one request",
+            },
+            "rows": rows,
+        },
+        args.slow_spill_out,
+    )
+    print(f"wrote {path}")
+
+
 def run_vllm(
     reqs: list[list[bytes]], cpu: int, policy: str = "lru"
 ) -> tuple[OpTimes, dict[str, Any]]:
@@ -223,7 +344,22 @@ def main() -> None:
     )
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--slow-spill-lag",
+        type=int,
+        default=0,
+        help="also replay with spills completing K requests late (0: skip)",
+    )
+    ap.add_argument("--slow-spill-cpu-blocks", type=int, default=32768)
+    ap.add_argument("--slow-spill-only", action="store_true")
+    ap.add_argument("--slow-spill-out", default=None)
     args = ap.parse_args()
+
+    if args.slow_spill_only:
+        trace = load_trace(args.trace, limit=args.limit)
+        reqs = [[h.to_bytes(32, "big") for h in r.hash_ids] for r in trace]
+        slow_spill_main(args, reqs)
+        return
 
     from vllm.v1.kv_offload.base import make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: F401
@@ -371,6 +507,8 @@ def main() -> None:
         args.out,
     )
     print(f"wrote {path}")
+    if args.slow_spill_lag:
+        slow_spill_main(args, reqs)
 
 
 if __name__ == "__main__":

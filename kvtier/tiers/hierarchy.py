@@ -49,7 +49,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, TierEvent
@@ -114,6 +114,12 @@ class TierHierarchy:
         self.disk: Tier | None = (
             Tier(MEDIUM_DISK, disk_blocks, disk_policy) if disk_blocks > 0 else None
         )
+        if self.disk is not None:
+            # Victims of the CPU tier are only blocks it may drop now; the
+            # tier indexes them, so a tier full of dirty or in-flight
+            # blocks costs nothing to ask. Every change to what
+            # _droppable reads calls _refresh_cpu.
+            self.cpu.set_filter(self._droppable)
         self.spill_watermark = spill_watermark
         self.spill_batch = max(1, spill_batch)
         self.promote_on_hit = promote_on_hit
@@ -195,8 +201,8 @@ class TierHierarchy:
             blocks.append(block)
         # Pin before making room for promotions: the victims must never
         # include a block this very load reads.
-        for block in blocks:
-            block.pins += 1
+        for key, medium in zip(keys, media):
+            self._tier(medium).pin(key)
         # Rows for promotions: only keys that have no CPU block at all (one
         # being written already has its row), found by a short scan.
         promote_keys: set[Key] = set()
@@ -205,9 +211,7 @@ class TierHierarchy:
                 k for k, m in zip(keys, media) if m == MEDIUM_DISK and k not in cpu
             ]
             if wanted:
-                room = self._make_room(
-                    cpu, len(set(wanted)), self._droppable, limit=PROMOTION_SCAN
-                )
+                room = self._make_room(cpu, len(set(wanted)), limit=PROMOTION_SCAN)
                 for key in wanted:
                     if room == 0:
                         break
@@ -222,7 +226,7 @@ class TierHierarchy:
                 promote_slot = cpu.allocate(key, origin="promote").slot
             locations.append(BlockLocation(medium, block.slot, promote_slot))
         for key, loc in zip(reversed(keys), reversed(locations)):
-            self._tier(loc.medium).policy.touch(key)  # head ranks newest
+            self._tier(loc.medium).touch(key)  # head ranks newest
             if key in self._dirty:
                 self._dirty.move_to_end(key)
         plan = LoadPlan(self._new_job_id(), list(keys), locations)
@@ -299,7 +303,8 @@ class TierHierarchy:
         need = len(new_keys) - self.cpu.num_free
         evicted: list[Key] = []
         if need > 0:
-            victims = self.cpu.victims(need, self._droppable, exclude=present)
+            # O(blocks touched): the tier walks only droppable blocks.
+            victims = self.cpu.victims(need, exclude=present)
             if len(victims) < need:
                 room = self.cpu.num_free + len(victims)
                 self._queue_spills(need - len(victims))
@@ -373,8 +378,10 @@ class TierHierarchy:
                 if self.cpu.is_ready(key):
                     # Let the tier drop it later instead of retrying forever.
                     self._unspillable.add(key)
+                self._refresh_cpu(key)
                 continue
             self.disk.mark_ready(key)
+            self._refresh_cpu(key)  # clean now: droppable
             done.append(key)
         if done:
             self.stats.spills_completed += len(done)
@@ -397,14 +404,14 @@ class TierHierarchy:
         candidates = list(itertools.islice(self._dirty, n))
         # One victim scan for the whole batch: scans skip pinned blocks, so
         # per-key scans would pay for the same pinned prefix again and again.
-        room = self._make_room(disk, len(candidates), self._always)
+        room = self._make_room(disk, len(candidates))
         items: list[TransferItem] = []
         for key in candidates[:room]:
             cpu_block = self.cpu.get(key)
             assert cpu_block is not None and cpu_block.state is BlockState.READY
             disk_block = disk.allocate(key, origin="spill")
             del self._dirty[key]
-            cpu_block.pins += 1  # the spill reads this slot
+            self.cpu.pin(key)  # the spill reads this slot
             items.append(TransferItem(key, cpu_block.slot, disk_block.slot))
         if not items:
             return
@@ -421,24 +428,20 @@ class TierHierarchy:
         self,
         tier: Tier,
         n: int,
-        accept: Callable[[Key, TierBlock], bool],
         exclude: set[Key] | frozenset[Key] = frozenset(),
         limit: int | None = None,
     ) -> int:
-        """Free slots for up to ``n`` new blocks by dropping victims that
-        ``accept`` allows (inspecting at most ``limit`` candidates); returns
-        how many slots are now free (<= n)."""
+        """Free slots for up to ``n`` new blocks by dropping victims the tier
+        allows (for the CPU tier: droppable ones), inspecting at most
+        ``limit`` candidates when given; returns how many slots are now
+        free (<= n)."""
         need = n - tier.num_free
         if need > 0:
-            victims = tier.victims(need, accept, exclude, limit=limit)
+            victims = tier.victims(need, exclude=exclude, limit=limit)
             drop = self._drop_from_cpu if tier is self.cpu else self._drop_from_disk
             for key in victims:
                 drop(key, reason="evict")
         return min(n, tier.num_free)
-
-    @staticmethod
-    def _always(key: Key, block: TierBlock) -> bool:
-        return True
 
     # --------------------------------------------------------------- promotion
 
@@ -460,6 +463,8 @@ class TierHierarchy:
         if self.disk is None:
             raise RuntimeError("no disk tier to restore into")
         self.disk.restore(entries)
+        for key, _ in entries:
+            self._refresh_cpu(key)
         if entries:
             self._emit(
                 [k for k, _ in entries], MEDIUM_DISK, removed=False, reason="restore"
@@ -530,10 +535,17 @@ class TierHierarchy:
         return job_id
 
     def _droppable(self, key: Key, block: TierBlock) -> bool:
-        """May this evictable CPU block leave the CPU tier right now?"""
+        """May this evictable CPU block leave the CPU tier right now?
+
+        The CPU tier's filter: whatever this reads (the disk block's state,
+        ``_unspillable``) is followed by :meth:`_refresh_cpu` when it
+        changes."""
         if self.disk is None or key in self._unspillable:
             return True
         return self.disk.is_ready(key)
+
+    def _refresh_cpu(self, key: Key) -> None:
+        self.cpu.refresh(key)
 
     def _mark_dirty_if_needed(self, key: Key) -> None:
         if self.disk is None or key in self._spilling or self.disk.is_ready(key):
@@ -563,6 +575,7 @@ class TierHierarchy:
                 self._unspillable.add(key)
             else:
                 self._mark_dirty_if_needed(key)
+        self._refresh_cpu(key)
 
     def _emit(
         self, keys: Sequence[Key], medium: str, removed: bool, reason: str

@@ -3,16 +3,24 @@
 A tier does bookkeeping only; it never moves bytes. Slots are integers in
 ``[0, capacity)`` that the worker side maps onto memory (a CPU buffer row)
 or onto disk (a slab slot).
+
+Victim choice is O(blocks touched). The tier keeps an index of its
+*eligible* blocks (READY, unpinned, and allowed by the tier's filter, e.g.
+"also on disk" for a CPU tier over a disk tier), updated on every state
+change, ordered exactly as the policy ranks them. ``victims`` walks only
+that index, so a tier whose blocks are nearly all dirty, pinned or being
+written answers at once instead of scanning every block it holds.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kvtier.tiers.policy import EvictionPolicy, make_policy
+from kvtier.tiers.policy import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 
 
 class BlockState(Enum):
@@ -34,12 +42,44 @@ class TierBlock:
         return self.state is BlockState.READY and self.pins == 0
 
 
+# How a policy orders its candidates, for the eligible index: the policy's
+# candidate order is a sequence of *segments* (LRU: one list; ARC: T1 and
+# T2, in an order that depends on ``p``), each ordered by when a key last
+# entered it or moved to its end (its last insert or touch). ``segment``
+# says which segment a resident key is in right after its insert/touch;
+# ``order`` which segments ``candidates()`` yields first. Policies without
+# an adapter (exact type match only) fall back to scanning ``candidates()``.
+@dataclass(frozen=True, slots=True)
+class _OrderAdapter:
+    segments: int
+    segment: Callable[[EvictionPolicy, Hashable], int]
+    order: Callable[[EvictionPolicy], Sequence[int]]
+
+
+def _arc_order(policy: ARCPolicy) -> Sequence[int]:
+    # Mirrors ARCPolicy.candidates: T1 first while it exceeds its target p.
+    return (0, 1) if policy._t1 and len(policy._t1) > policy.p else (1, 0)
+
+
+_ORDER_ADAPTERS: dict[type, _OrderAdapter] = {
+    LRUPolicy: _OrderAdapter(1, lambda policy, key: 0, lambda policy: (0,)),
+    ARCPolicy: _OrderAdapter(
+        2, lambda policy, key: 1 if key in policy._t2 else 0, _arc_order
+    ),
+}
+
+
 class Tier:
     """Capacity, slot allocator, key map and eviction policy of one medium.
 
     Invariants: ``len(self) <= capacity``; every resident key holds exactly
     one slot and no two keys share one; a block that is WRITING or pinned is
     never offered as a victim.
+
+    Block state changes go through the tier's methods (``pin``, ``unpin``,
+    ``mark_ready``...), which keep the eligible index current. When what the
+    tier's ``filter`` depends on changes outside the tier, the owner calls
+    :meth:`refresh` for that key.
     """
 
     def __init__(
@@ -57,6 +97,24 @@ class Tier:
         # tier of millions of slots costs nothing.
         self._next_fresh = 0
         self._free: list[int] = []
+        # Eligible index. ``_pos[key]`` = (segment, seq) of every resident
+        # key (seq grows on each insert/touch); ``_eligible`` the keys that
+        # may be victims now; one heap of (seq, key) per segment holding
+        # every eligible key, plus stale entries dropped lazily when popped
+        # (an entry is live iff the key is eligible and its _pos matches).
+        self.filter: Callable[[Hashable, TierBlock], bool] | None = None
+        self._adapter = _ORDER_ADAPTERS.get(type(self.policy))
+        self._seq = itertools.count()
+        self._pos: dict[Hashable, tuple[int, int]] = {}
+        self._eligible: set[Hashable] = set()
+        # key -> seq of the entry it has in a heap (live or, while the key
+        # is ineligible, dormant): a pin/unpin cycle pushes nothing.
+        self._heaped: dict[Hashable, int] = {}
+        nseg = self._adapter.segments if self._adapter is not None else 0
+        self._heaps: list[list[tuple[int, Hashable]]] = [[] for _ in range(nseg)]
+        # Candidates examined by ``victims`` (index entries or policy
+        # candidates), for tests and benchmarks.
+        self.inspected = 0
 
     # --- queries ---
 
@@ -76,6 +134,11 @@ class Tier:
     @property
     def num_free(self) -> int:
         return len(self._free) + self.capacity - self._next_fresh
+
+    @property
+    def num_eligible(self) -> int:
+        """Blocks that may be chosen as victims now."""
+        return len(self._eligible)
 
     def keys(self) -> Iterator[Hashable]:
         return iter(self._blocks)
@@ -99,6 +162,7 @@ class Tier:
         block = TierBlock(slot=slot, state=BlockState.WRITING, origin=origin)
         self._blocks[key] = block
         self.policy.insert(key)
+        self._reposition(key)  # WRITING: not eligible yet
         return block
 
     def restore(self, entries: list[tuple[Hashable, int]]) -> None:
@@ -119,6 +183,7 @@ class Tier:
                 slot=slot, state=BlockState.READY, origin="restore"
             )
             self.policy.insert(key)
+            self._reposition(key)
         # Free slots go on a stack popped from the end: keep low slots last
         # so fresh allocations fill the slab front to back.
         self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
@@ -127,6 +192,7 @@ class Tier:
     def mark_ready(self, key: Hashable) -> TierBlock:
         block = self._blocks[key]
         block.state = BlockState.READY
+        self.refresh(key)
         return block
 
     def remove(self, key: Hashable, evicted: bool = False) -> TierBlock:
@@ -134,15 +200,20 @@ class Tier:
         block = self._blocks.pop(key)
         self.policy.remove(key, evicted)
         self._free.append(block.slot)
+        self._pos.pop(key, None)
+        self._heaped.pop(key, None)
+        self._eligible.discard(key)  # its heap entry goes stale
         return block
 
     def touch(self, key: Hashable) -> None:
         if key in self._blocks:
             self.policy.touch(key)
+            self._reposition(key)
 
     def pin(self, key: Hashable) -> TierBlock:
         block = self._blocks[key]
         block.pins += 1
+        self._eligible.discard(key)
         return block
 
     def unpin(self, key: Hashable) -> TierBlock:
@@ -150,7 +221,90 @@ class Tier:
         if block.pins <= 0:
             raise RuntimeError(f"unpin of unpinned {key!r} in {self.medium} tier")
         block.pins -= 1
+        if block.pins == 0:
+            self.refresh(key)
         return block
+
+    # --- eligible index ---
+
+    def set_filter(self, accept: Callable[[Hashable, TierBlock], bool] | None) -> None:
+        """Narrow victims to evictable blocks ``accept`` allows. The owner
+        calls :meth:`refresh` whenever ``accept``'s answer for a resident
+        key may have changed. O(blocks) once."""
+        self.filter = accept
+        for key in self._blocks:
+            self.refresh(key)
+
+    def refresh(self, key: Hashable) -> None:
+        """Re-evaluate whether ``key`` may be a victim. O(log n)."""
+        block = self._blocks.get(key)
+        if block is None:
+            return
+        ok = (
+            block.state is BlockState.READY
+            and block.pins == 0
+            and (self.filter is None or self.filter(key, block))
+        )
+        if not ok:
+            self._eligible.discard(key)
+        elif key not in self._eligible:
+            self._eligible.add(key)
+            self._push(key)
+
+    def _reposition(self, key: Hashable) -> None:
+        """``key`` was inserted into or touched in the policy: record where
+        the policy put it."""
+        adapter = self._adapter
+        if adapter is None:
+            self.refresh(key)
+            return
+        self._pos[key] = (adapter.segment(self.policy, key), next(self._seq))
+        if key in self._eligible:
+            self._push(key)  # the old entry is stale now
+        else:
+            self.refresh(key)
+
+    def _push(self, key: Hashable) -> None:
+        if self._adapter is None:
+            return
+        seg, seq = self._pos[key]
+        if self._heaped.get(key) == seq:
+            return  # its entry is still there
+        self._heaped[key] = seq
+        heap = self._heaps[seg]
+        heapq.heappush(heap, (seq, key))
+        if len(heap) > 2 * len(self._eligible) + 64:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Drop stale entries: O(eligible), after at least as many pushes."""
+        heaps: list[list[tuple[int, Hashable]]] = [[] for _ in self._heaps]
+        self._heaped = {}
+        for key in self._eligible:
+            seg, seq = self._pos[key]
+            heaps[seg].append((seq, key))
+            self._heaped[key] = seq
+        for heap in heaps:
+            heapq.heapify(heap)
+        self._heaps = heaps
+
+    def eligible_in_order(self) -> list[Hashable]:
+        """Every eligible key, most evictable first (O(n); for tests)."""
+        return self.victims(len(self._eligible))
+
+    def check_index(self) -> None:
+        """Assert the eligible index agrees with a full scan (O(n); tests)."""
+        expect = [
+            k
+            for k in self.policy.candidates()
+            if self._blocks[k].evictable
+            and (self.filter is None or self.filter(k, self._blocks[k]))
+        ]
+        assert set(expect) == self._eligible, (self.medium, expect, self._eligible)
+        saved = self.inspected
+        got = self.eligible_in_order()
+        self.inspected = saved
+        assert got == expect, (self.medium, got, expect)
 
     def victims(
         self,
@@ -159,27 +313,77 @@ class Tier:
         exclude: set[Hashable] | frozenset[Hashable] = frozenset(),
         limit: int | None = None,
     ) -> list[Hashable]:
-        """Up to ``n`` evictable keys in policy order (nothing is removed).
+        """Up to ``n`` eligible keys in policy order (nothing is removed).
 
-        ``accept`` can narrow the choice further (e.g. only blocks that are
-        safe to drop). Cost is proportional to the candidates inspected, at
-        most ``limit`` of them when given."""
+        Eligible: READY, unpinned and allowed by the tier's ``filter``.
+        ``accept`` can narrow the choice further per call. Cost is
+        proportional to the eligible candidates inspected (the chosen, the
+        excluded and those ``accept`` rejects), plus stale index entries,
+        each dropped once: never to the blocks that may not be victims.
+        With ``limit``, only the first ``limit`` keys of the policy's order
+        (eligible or not) are considered, as a bounded scan."""
         chosen: list[Hashable] = []
-        if n <= 0:
+        if n <= 0 or not self._eligible:
             return chosen
+        if limit is not None or self._adapter is None:
+            return self._scan(n, accept, exclude, limit)
+        held: list[tuple[int, tuple[int, Hashable]]] = []
+        seen: set[Hashable] = set()
+        eligible, pos, blocks = self._eligible, self._pos, self._blocks
+        heaped = self._heaped
+        for seg in self._adapter.order(self.policy):
+            heap = self._heaps[seg]
+            while heap and len(chosen) < n:
+                entry = heapq.heappop(heap)
+                self.inspected += 1
+                seq, key = entry
+                if key in seen or key not in eligible or pos[key] != (seg, seq):
+                    # Stale, dormant (the key is ineligible now) or a
+                    # duplicate: gone for good.
+                    if heaped.get(key) == seq and key not in seen:
+                        del heaped[key]
+                    continue
+                seen.add(key)
+                held.append((seg, entry))
+                if key in exclude:
+                    continue
+                if accept is not None and not accept(key, blocks[key]):
+                    continue
+                chosen.append(key)
+            if len(chosen) >= n:
+                break
+        for seg, entry in held:
+            heapq.heappush(self._heaps[seg], entry)
+        return chosen
+
+    def _scan(
+        self,
+        n: int,
+        accept: Callable[[Hashable, TierBlock], bool] | None,
+        exclude: set[Hashable] | frozenset[Hashable],
+        limit: int | None,
+    ) -> list[Hashable]:
+        """Victims by walking the policy's candidates (a bounded scan, or a
+        policy without an order adapter); stops once every eligible key was
+        seen."""
+        chosen: list[Hashable] = []
         candidates = self.policy.candidates()
         if limit is not None:
             candidates = itertools.islice(candidates, limit)
+        eligible = self._eligible
+        left = len(eligible)
         for key in candidates:
-            if key in exclude:
+            self.inspected += 1
+            if key not in eligible:
                 continue
-            block = self._blocks[key]
-            if not block.evictable:
-                continue
-            if accept is not None and not accept(key, block):
-                continue
-            chosen.append(key)
-            if len(chosen) >= n:
+            left -= 1
+            if key not in exclude and (
+                accept is None or accept(key, self._blocks[key])
+            ):
+                chosen.append(key)
+                if len(chosen) >= n:
+                    break
+            if left == 0:
                 break
         return chosen
 
@@ -191,4 +395,8 @@ class Tier:
         self._blocks.clear()
         self._free.clear()
         self._next_fresh = 0
+        self._pos.clear()
+        self._eligible.clear()
+        self._heaped.clear()
+        self._heaps = [[] for _ in self._heaps]
         return ready

@@ -8,6 +8,7 @@ fragments the message must contain).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -246,15 +247,50 @@ def test_unwritable_path(tmp_path, monkeypatch) -> None:
     _expect_check(_cfg([target]), "disk_path", repr(target), "not writable")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses permission bits")
+def _check_unwritable_as_nobody(path: str) -> None:
+    """Child of a root test run: become user nobody, then check ``path``."""
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    _expect_check(_cfg([path]), "disk_path", "not writable")
+
+
 def test_unwritable_path_for_real(tmp_path) -> None:
-    locked = tmp_path / "ro"
-    locked.mkdir()
-    locked.chmod(0o500)
+    if os.geteuid() != 0:
+        locked = tmp_path / "ro"
+        locked.mkdir()
+        locked.chmod(0o500)
+        try:
+            _expect_check(_cfg([str(locked)]), "disk_path", "not writable")
+        finally:
+            locked.chmod(0o700)
+        return
+    # Root bypasses permission bits: run the check in a child that drops to
+    # user nobody. The directory lives in a fresh root-owned directory that
+    # nobody may enter (pytest's tmp_path parents are private to root).
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="kvtier-perm-"))
     try:
-        _expect_check(_cfg([str(locked)]), "disk_path", "not writable")
+        top.chmod(0o711)
+        locked = top / "ro"
+        locked.mkdir(mode=0o755)  # root's: not writable by nobody
+        child = multiprocessing.get_context("fork").Process(
+            target=_check_unwritable_as_nobody, args=(str(locked),)
+        )
+        child.start()
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
+            raise AssertionError("the check as user nobody did not finish in 60 s")
+        assert child.exitcode == 0, (
+            f"the check as user nobody failed ({child.exitcode})"
+        )
     finally:
-        locked.chmod(0o700)
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_too_little_free_space(tmp_path) -> None:

@@ -54,7 +54,7 @@ def main_run(model, block_bytes, tmp_path_factory):
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         stats = manager_of(llm).hierarchy.stats
         # Events travel over ZMQ: wait until the last spill's event arrived.
-        sub.wait_for(
+        assert sub.wait_for(
             lambda s: (
                 s.block_counts()[("BlockStored", "STORAGE")] >= stats.spills_completed
             ),

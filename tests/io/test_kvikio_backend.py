@@ -350,8 +350,6 @@ DISK_STORE_CHILD = """
 
 
 def test_disk_store_roundtrip_through_kvikio(tmp_path: Path, stub_dir: Path) -> None:
-    if not (REPO_ROOT / "kvtier" / "io" / "disk_store.py").exists():
-        pytest.skip("kvtier/io/disk_store.py does not exist yet")
     result = run_child(DISK_STORE_CHILD, stub_dir, tmp_path)
     assert result["checked"] == 16
     assert result["owned_backend"] == "kvikio"

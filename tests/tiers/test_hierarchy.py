@@ -1,5 +1,7 @@
 """Scenario tests of the cascade: spill ahead, drop clean, promote, decline."""
 
+import pytest
+
 from kvtier.tiers import MEDIUM_CPU, MEDIUM_DISK, Residency, TierHierarchy, replay
 
 
@@ -129,3 +131,63 @@ def test_offer_larger_than_the_cpu_tier_stores_its_head():
     # An offer that fits the tier stays all or nothing (dirty blocks wait).
     assert h.prepare_store(["x", "y"]) is None
     assert h.stats.stores_declined == 1
+
+
+def _count_candidates(tier):
+    """Count the candidates ``tier`` inspects when choosing victims: keys its
+    policy yields by scanning, plus entries of its eligible index."""
+    seen = [0]
+    scan = tier.policy.candidates
+
+    def counting():
+        for key in scan():
+            seen[0] += 1
+            yield key
+
+    tier.policy.candidates = counting  # this instance only
+    return lambda: seen[0] + getattr(tier, "inspected", 0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("disk_blocks", [65536, 16384])
+def test_declined_stores_inspect_blocks_touched_not_the_tier(policy, disk_blocks):
+    """Issue 11: spills are slow, so every CPU block is dirty or being
+    spilled; a declined prepare_store (and the spill queueing it triggers)
+    must cost O(blocks touched), not a scan of the 32k-block tier. With
+    16384 disk blocks the disk is also full of spills in flight, so making
+    disk room for new spills finds no victim either."""
+    cpu_blocks, chunk = 32768, 512
+    h = TierHierarchy(
+        cpu_blocks,
+        disk_blocks,
+        cpu_policy=policy,
+        disk_policy=policy,
+        spill_watermark=0.0,
+        record_events=False,
+    )
+    for i in range(0, cpu_blocks, chunk):
+        _store(h, [("old", k) for k in range(i, i + chunk)])
+    in_flight = h.take_spills()  # issued, never completed: the disk is slow
+    assert sum(len(o.items) for o in in_flight) == min(cpu_blocks, disk_blocks)
+    assert h.cpu.num_free == 0
+    cpu_seen, disk_seen = _count_candidates(h.cpu), _count_candidates(h.disk)
+
+    calls, per_call = 200, 16
+    for i in range(calls):
+        keys = [("new", i, k) for k in range(per_call)]
+        assert h.prepare_store(keys) is None
+        h.take_spills()
+    assert h.stats.stores_declined == calls
+    touched = calls * per_call
+    # The old full scan inspected cpu_blocks (plus up to disk_blocks)
+    # candidates per call: 6.5M here. Now each call looks at most at the
+    # blocks it touches.
+    assert cpu_seen() + disk_seen() <= 2 * touched, (cpu_seen(), disk_seen())
+
+    # The spills land: the same stores now succeed, evicting clean blocks
+    # in policy order (the index agrees with a full scan).
+    for order in in_flight:
+        h.complete_spill(order.job_id)
+    h.cpu.check_index()
+    h.disk.check_index()
+    assert h.prepare_store([("new", 0, k) for k in range(per_call)]) is not None

@@ -11,7 +11,9 @@ every step it checks the contract:
 - every load reads a slot that really holds that key's bytes (no slot reuse
   race can serve another block's data);
 - replaying all events gives exactly the residency per medium;
-- prefix lookup equals the model's (the replayed residency).
+- prefix lookup equals the model's (the replayed residency);
+- each tier's victim index equals a full scan of the tier (same blocks, in
+  policy order).
 """
 
 from __future__ import annotations
@@ -258,6 +260,15 @@ class HierarchyMachine(RuleBasedStateMachine):
                 declined -= keys
             else:
                 cpu |= keys
+
+    @invariant()
+    def victim_index_matches_full_scan(self):
+        # Each tier's index of eligible blocks (what victims walks) holds
+        # exactly the evictable blocks its filter allows, in policy order:
+        # the same victims, in the same order, as scanning the whole tier.
+        self.h.cpu.check_index()
+        if self.h.disk is not None:
+            self.h.disk.check_index()
 
     @invariant()
     def no_dirty_drop_with_disk(self):
