@@ -46,15 +46,15 @@ BLOCK = 32
 
 def _child(mode: str, lengths: list[int], repeats: int) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-    from e2e.harness import (
+    sys.path.insert(0, str(ROOT))
+    from kvtier.testing.engine import (
         build_tiny_llama,
         kv_bytes_per_block,
         make_prompt,
         offloading_kv_transfer_config,
     )
 
-    # After the harness import, which pins in-process mode for the tests.
+    # Before the first engine: vLLM caches its env then.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

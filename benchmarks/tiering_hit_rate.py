@@ -44,8 +44,8 @@ ROW_BYTES = 4096  # one trace block's row in the primary tier (page aligned)
 
 
 def make_config(cpu: int, disk: int, cpu_policy: str, disk_policy: str, path: str):
-    from kvtier.connector.testing import offloading_config
     from kvtier.io.format import slot_size
+    from kvtier.testing.offloading import offloading_config
 
     tiers = []
     if disk:

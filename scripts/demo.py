@@ -24,7 +24,7 @@ by the worker, without first needing room in the CPU tier.
 Exits 1, loudly, when no prompt token came from disk or any output differs
 from the baseline. ``--json`` prints the same report as JSON.
 
-The engine setup is tests/e2e/harness.py's (shared with the e2e tests).
+The engine setup is kvtier.testing.engine's (shared with the e2e tests).
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-for _path in (REPO_ROOT, REPO_ROOT / "tests"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
 BLOCK = 32  # tokens per GPU block, and per offloaded block
 TAIL = 5  # tokens after a prompt's full blocks (a partial block is never cached)
@@ -431,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-    from e2e import harness as h  # sets vLLM's env before vLLM is imported
+    from kvtier.testing import engine as h
+
+    h.use_in_process_engines()  # before vLLM builds an engine
 
     model_dir = h.build_tiny_llama()
     from vllm import __version__ as vllm_version

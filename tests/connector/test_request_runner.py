@@ -27,8 +27,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     make_offload_key,
 )
 
-from kvtier.connector.testing import offloading_config, tiered_spec  # noqa: E402
 from kvtier.io.format import slot_size  # noqa: E402
+from kvtier.testing.offloading import offloading_config, tiered_spec  # noqa: E402
 
 NUM_GPU_BLOCKS = 64
 PAGE = 4096  # bytes of one block of one layer

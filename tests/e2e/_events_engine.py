@@ -15,7 +15,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def main() -> None:
-    from e2e.harness import build_tiny_llama, engine, kv_bytes_per_block, run_prompts
     from e2e.workload import (
         FIRST,
         GPU_BLOCKS,
@@ -24,6 +23,12 @@ def main() -> None:
         kvtier_config,
         manager_of,
         run_each,
+    )
+    from kvtier.testing.engine import (
+        build_tiny_llama,
+        engine,
+        kv_bytes_per_block,
+        run_prompts,
     )
 
     disk, endpoint = sys.argv[1], sys.argv[2]

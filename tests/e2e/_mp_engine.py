@@ -21,8 +21,8 @@ def main() -> None:
 
     from e2e.workload import FIRST, GPU_BLOCKS, MAX_TOKENS, RETURNING, kvtier_config
 
-    # The harness (imported through the workload) pins in-process mode for
-    # the in-process tests; this script is about the other mode.
+    # tests/e2e pins in-process engines when imported (through the
+    # workload); this script is about the other mode.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 
     model, block_bytes, disk = sys.argv[1], int(sys.argv[2]), sys.argv[3]

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import build_tiny_llama, engine, kv_bytes_per_block, run_prompts
+from kvtier.testing.engine import (
+    build_tiny_llama,
+    engine,
+    kv_bytes_per_block,
+    run_prompts,
+)
+
 from .workload import FIRST, GPU_BLOCKS, MAX_TOKENS, RETURNING, run_each
 
 

@@ -22,9 +22,7 @@ import pytest
 
 from kvtier.io.faults import FaultPlan, FaultRule, on_slot
 from kvtier.io.format import HEADER_SIZE, slot_size
-from kvtier.tiers.plans import Residency
-
-from .harness import (
+from kvtier.testing.engine import (
     build_tiny_gemma2,
     engine,
     get_connector,
@@ -33,6 +31,8 @@ from .harness import (
     make_prompt,
     run_prompts,
 )
+from kvtier.tiers.plans import Residency
+
 from .test_reliability_e2e import assert_at_rest
 from .workload import MAX_TOKENS, kvtier_config, manager_of, run_each, run_settled
 

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from .harness import (  # noqa: E402
+from kvtier.testing.engine import (  # noqa: E402
     KVEventSubscriber,
     build_tiny_llama,
     make_llm,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvtier.io.format import slot_size
+from kvtier.testing.engine import KVEventSubscriber, engine, make_prompt, run_prompts
 
-from .harness import KVEventSubscriber, engine, make_prompt, run_prompts
 from .workload import (
     BLOCKS_PER_PROMPT,
     CPU_BLOCKS,

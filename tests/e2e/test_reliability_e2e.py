@@ -21,9 +21,9 @@ from kvtier.io import backends as backends_module
 from kvtier.io import disk_store as disk_store_module
 from kvtier.io.faults import FaultInjectingBackend, FaultPlan, FaultRule
 from kvtier.io.format import slot_size
+from kvtier.testing.engine import drain, engine, make_prompt, run_prompts
 from kvtier.tiers import BlockState
 
-from .harness import drain, engine, make_prompt, run_prompts
 from .workload import (
     FIRST,
     GPU_BLOCKS,
@@ -209,7 +209,7 @@ def test_bounded_soak_outputs_and_resources_return(model, block_bytes, tmp_path)
 def test_preempted_requests_return_pins_and_keep_outputs(model, block_bytes, tmp_path):
     """A GPU cache too small for the batch makes vLLM preempt requests while
     their prefixes come back from the CPU and disk tiers."""
-    from .harness import get_scheduler
+    from kvtier.testing.engine import get_scheduler
 
     prompts = [make_prompt(3000 + i, 3 * 32 + 5) for i in range(6)]
     long_tokens = 64  # 6 requests x 6 blocks >> 11 usable GPU blocks

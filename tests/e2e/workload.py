@@ -9,7 +9,7 @@ import itertools
 import time
 from collections import Counter
 
-from .harness import (
+from kvtier.testing.engine import (
     RunResult,
     get_connector,
     make_prompt,
@@ -91,7 +91,7 @@ def run_settled(
     prompt longer than the whole CPU tier reaches the disk tier in full."""
     from vllm import SamplingParams
 
-    from .harness import get_hit_recorder, get_scheduler
+    from kvtier.testing.engine import get_hit_recorder, get_scheduler
 
     mgr = manager_of(llm)
     sched = get_scheduler(llm)

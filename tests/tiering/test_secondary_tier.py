@@ -40,13 +40,13 @@ from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from kvtier.connector.testing import offloading_config  # noqa: E402
 from kvtier.connector.tiering import (  # noqa: E402
     KvtierDiskTier,
     PortableTieringSpec,
     TierConfigError,
 )
 from kvtier.io.format import HEADER_SIZE, slot_size  # noqa: E402
+from kvtier.testing.offloading import offloading_config  # noqa: E402
 
 PAGE = 4096  # bytes of one block of one layer
 LAYERS = 2

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from e2e.harness import (
+
+from kvtier.testing.engine import (
     KVEventSubscriber,
     build_tiny_llama,
     engine,

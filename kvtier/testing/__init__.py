@@ -1,0 +1,10 @@
+"""Helpers for kvtier's tests, benchmarks and demo; never used by the plugin.
+
+- :mod:`kvtier.testing.engine`: a real vLLM engine on a tiny random model
+  built locally (no download), per-source hit recording, a KV-event
+  subscriber, prompt builders.
+- :mod:`kvtier.testing.offloading`: vLLM's ``OffloadingConfig`` and kvtier's
+  spec built outside an engine.
+
+Importing this package imports nothing else; each module imports vLLM.
+"""
