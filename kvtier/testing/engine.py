@@ -217,6 +217,28 @@ def get_connector(llm):
     return get_scheduler(llm).connector
 
 
+def wait_events_delivered(llm, sub, timeout: float = 10.0) -> bool:
+    """Wait until every KV-event batch the engine published so far reached
+    ``sub`` (a :class:`KVEventSubscriber`); False if not within ``timeout``.
+
+    Exact, not a grace period: vLLM's ZMQ publisher numbers its batches, so
+    this waits for its queue to drain and then for the subscriber to have
+    seen the last sequence number sent. In-process engines only."""
+    pub = get_scheduler(llm).kv_event_publisher
+    deadline = time.monotonic() + timeout
+    while pub._event_queue.unfinished_tasks:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    if not pub._buffer:
+        return True
+    last = pub._buffer[-1][0]
+    return sub.wait_for(
+        lambda s: s._last_seq is not None and s._last_seq >= last,
+        timeout=max(0.0, deadline - time.monotonic()),
+    )
+
+
 def shutdown_llm(llm) -> None:
     """Tear the engine down (scheduler, KV publisher, connector, dist env).
 

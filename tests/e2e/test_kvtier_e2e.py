@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from kvtier.io.format import slot_size
-from kvtier.testing.engine import KVEventSubscriber, engine, make_prompt, run_prompts
+from kvtier.testing.engine import (
+    KVEventSubscriber,
+    engine,
+    make_prompt,
+    run_prompts,
+    wait_events_delivered,
+)
 
 from .workload import (
     BLOCKS_PER_PROMPT,
@@ -53,14 +59,8 @@ def main_run(model, block_bytes, tmp_path_factory):
         first = run_each(llm, FIRST)
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         stats = manager_of(llm).hierarchy.stats
-        # Events travel over ZMQ: wait until the last spill's event arrived.
-        assert sub.wait_for(
-            lambda s: (
-                s.block_counts()[("BlockStored", "STORAGE")] >= stats.spills_completed
-            ),
-            timeout=10,
-        )
-        time.sleep(0.2)
+        # Events travel over ZMQ: wait until every published batch arrived.
+        assert wait_events_delivered(llm, sub, timeout=10)
         record = dict(
             first=first,
             again=again,

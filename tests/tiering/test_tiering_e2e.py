@@ -12,7 +12,6 @@ a disk budget smaller than the workload evicts and stays under budget.
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from kvtier.testing.engine import (
     make_prompt,
     offloading_kv_transfer_config,
     run_prompts,
+    wait_events_delivered,
 )
 
 pytestmark = pytest.mark.e2e
@@ -120,13 +120,7 @@ def test_returning_prompts_are_served_through_the_kvtier_tier(
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         tier = tier_of(llm)
         stats = tier.stats
-        assert sub.wait_for(
-            lambda s: (
-                s.block_counts()[("BlockStored", "STORAGE")] >= stats.stores_completed
-            ),
-            timeout=20,
-        )
-        time.sleep(0.2)
+        assert wait_events_delivered(llm, sub, timeout=20)
         events = sub.block_counts()
         on_disk = len(tier.tier)
 
