@@ -1,8 +1,11 @@
 """Eviction policies rank keys as their algorithms say."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.tiers import ARCPolicy, LRUPolicy, Tier, TierEvent, make_policy, replay
+from kvtier.tiers.policy import POLICIES, Doorkeeper, TwoQueuePolicy
 
 
 def test_lru_orders_by_last_use():
@@ -75,3 +78,64 @@ def test_replay_rejects_inconsistent_streams():
     assert replay(ok) == {"cpu": {2}, "disk": set()}
     with pytest.raises(ValueError):
         replay([TierEvent((1,), "disk", True)])
+
+
+# ------------------------------------------------------- every policy's contract
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["insert", "touch", "remove", "evict"]), st.integers(0, 15)),
+    max_size=200,
+)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS, capacity=st.integers(1, 8))
+def test_policy_contract(name, ops, capacity):
+    """Whatever the calls, ``candidates`` yields every resident key exactly
+    once (a tier relies on it to find a victim), and ``len`` counts them."""
+    p = make_policy(name, capacity)
+    resident: set[int] = set()
+    for op, key in ops:
+        if op == "insert":
+            if key in resident:
+                continue
+            if len(resident) >= capacity:  # a tier evicts before it inserts
+                victim = next(iter(p.candidates()))
+                p.remove(victim, evicted=True)
+                resident.discard(victim)
+            p.insert(key)
+            resident.add(key)
+        elif op == "touch":
+            p.touch(key)  # also for keys not resident: must be a no-op
+        elif key in resident:
+            p.remove(key, evicted=op == "evict")
+            resident.discard(key)
+        order = list(p.candidates())
+        assert len(order) == len(set(order)) == len(p)
+        assert set(order) == resident
+
+
+def test_2q_first_sight_keys_go_first_and_seen_keys_stay():
+    p = TwoQueuePolicy(10, small=0.1, history=5)
+    for k in range(4):
+        p.insert(k)
+    p.touch(0)  # reused while on probation: main
+    p.remove(1, evicted=True)
+    p.insert(1)  # seen before (doorkeeper): straight to main
+    for k in (10, 11, 12):
+        p.insert(k)  # first sight: probation, over its target of 1
+    order = list(p.candidates())
+    assert order[:4] == [2, 3, 10, 11]  # probation beyond its target of 1
+    assert order[4:6] == [0, 1]  # then main, least recent first
+    assert order[6:] == [12]  # then the probation it may keep
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 10**9), min_size=1, max_size=300, unique=True))
+def test_doorkeeper_has_no_false_negatives_within_its_window(keys):
+    dk = Doorkeeper(64)
+    for i, k in enumerate(keys):
+        dk.add(k)
+        # Everything among the last `window` additions is remembered.
+        assert all(x in dk for x in keys[max(0, i + 1 - 64) : i + 1])

@@ -1,0 +1,50 @@
+"""The offline optimum replay equals exhaustive search on small traces."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.tiers.optimum import brute_force_hits, optimal_hit_rate, optimal_hits
+
+
+def _prefix_trace(prompts: list[list[int]]) -> list[list[int]]:
+    """Prefix hashes: a block's id names its tokens and all before it."""
+    ids: dict[tuple[int, ...], int] = {}
+    return [
+        [ids.setdefault(tuple(p[: i + 1]), len(ids)) for i in range(len(p))]
+        for p in prompts
+    ]
+
+
+PROMPTS = st.lists(
+    st.lists(st.integers(0, 2), min_size=1, max_size=4), min_size=1, max_size=6
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(PROMPTS, st.integers(0, 3))
+def test_belady_equals_brute_force(prompts, capacity):
+    trace = _prefix_trace(prompts)
+    assert optimal_hits(trace, capacity) == brute_force_hits(trace, capacity)
+
+
+@settings(max_examples=100, deadline=None)
+@given(PROMPTS, st.integers(0, 6))
+def test_optimum_bounds(prompts, capacity):
+    trace = _prefix_trace(prompts)
+    hits = optimal_hits(trace, capacity)
+    seen: set[int] = set()
+    infinite = 0
+    for r in trace:
+        infinite += sum(1 for k in r if k in seen)
+        seen.update(r)
+    assert 0 <= hits <= infinite
+    assert optimal_hits(trace, capacity + 1) >= hits  # monotone in capacity
+    if capacity >= len(seen):
+        assert hits == infinite
+
+
+def test_optimum_keeps_the_block_used_next():
+    # Capacity 1: after [a] and [b], keep a (used next) rather than b.
+    assert optimal_hits([[0], [1], [0], [1]], 1) == 1
+    assert optimal_hit_rate([[0], [0]], 1) == 0.5
+    assert optimal_hit_rate([], 4) == 0.0
