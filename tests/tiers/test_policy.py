@@ -83,7 +83,9 @@ def test_replay_rejects_inconsistent_streams():
 # ------------------------------------------------------- every policy's contract
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["insert", "touch", "remove", "evict"]), st.integers(0, 15)),
+    st.tuples(
+        st.sampled_from(["insert", "touch", "remove", "evict"]), st.integers(0, 15)
+    ),
     max_size=200,
 )
 
