@@ -24,6 +24,8 @@ class EvictionPolicy(ABC):
     early, so the cost is proportional to what they consume).
     """
 
+    name = ""  # what make_policy accepts for it
+
     def __init__(self, capacity: int):
         self.capacity = capacity
 
@@ -49,6 +51,8 @@ class EvictionPolicy(ABC):
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used first."""
+
+    name = "lru"
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -82,6 +86,8 @@ class ARCPolicy(EvictionPolicy):
     that would have kept it, so the cache adapts between recency and
     frequency. Scan-resistant: one pass over new keys only churns T1.
     """
+
+    name = "arc"
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -199,6 +205,8 @@ class TwoQueuePolicy(EvictionPolicy):
     ones, for about half the capacity; a prefix cache's reuse distances are
     many capacities long). O(1) per call; ~2 bytes per key of history.
     """
+
+    name = "2q"
 
     def __init__(self, capacity: int, small: float = 0.01, history: float = 5.0):
         super().__init__(capacity)
