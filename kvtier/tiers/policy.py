@@ -177,15 +177,22 @@ class Doorkeeper:
                 return True
         return False
 
-    def add(self, key: Hashable) -> None:
-        a, b = self._bits(key)
-        cur = self._cur
-        cur[a >> 3] |= 1 << (a & 7)
-        cur[b >> 3] |= 1 << (b & 7)
+    def add(self, key: Hashable) -> bool:
+        """Remember ``key``; returns whether it was already remembered."""
+        h = hash(key)
+        a, b = h & self._mask, (h >> 32 ^ h >> 7) & self._mask
+        ia, ma, ib, mb = a >> 3, 1 << (a & 7), b >> 3, 1 << (b & 7)
+        cur, prev = self._cur, self._prev
+        seen = bool(
+            (cur[ia] & ma and cur[ib] & mb) or (prev[ia] & ma and prev[ib] & mb)
+        )
+        cur[ia] |= ma
+        cur[ib] |= mb
         self._added += 1
         if self._added >= self.window:
             self._prev, self._cur = cur, bytearray(self._nbytes)
             self._added = 0
+        return seen
 
 
 class TwoQueuePolicy(EvictionPolicy):
@@ -219,12 +226,10 @@ class TwoQueuePolicy(EvictionPolicy):
         self._main: OrderedDict[Hashable, None] = OrderedDict()
 
     def insert(self, key: Hashable) -> None:
-        dk = self.doorkeeper
-        if key in dk:
+        if self.doorkeeper.add(key):
             self._main[key] = None
         else:
             self._probation[key] = None
-        dk.add(key)
 
     def touch(self, key: Hashable) -> None:
         if key in self._probation:

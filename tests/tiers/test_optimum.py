@@ -3,7 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.sizing import replay_trace
 from kvtier.tiers.optimum import brute_force_hits, optimal_hit_rate, optimal_hits
+from kvtier.tiers.policy import POLICIES
 
 
 def _prefix_trace(prompts: list[list[int]]) -> list[list[int]]:
@@ -48,3 +50,20 @@ def test_optimum_keeps_the_block_used_next():
     assert optimal_hits([[0], [1], [0], [1]], 1) == 1
     assert optimal_hit_rate([[0], [0]], 1) == 0.5
     assert optimal_hit_rate([], 4) == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=12
+    ),
+    st.integers(1, 4),
+    st.integers(0, 4),
+    st.sampled_from(POLICIES),
+)
+def test_no_policy_beats_the_optimum(prompts, cpu, disk, policy):
+    """Every policy, through the real hierarchy replay, stays under the
+    optimum of one tier of the total capacity."""
+    trace = _prefix_trace(prompts)
+    r = replay_trace(trace, cpu, disk, policy, policy)
+    assert r.hit_blocks <= optimal_hits(trace, cpu + disk)

@@ -141,3 +141,13 @@ def test_doorkeeper_has_no_false_negatives_within_its_window(keys):
         dk.add(k)
         # Everything among the last `window` additions is remembered.
         assert all(x in dk for x in keys[max(0, i + 1 - 64) : i + 1])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 50), max_size=300))
+def test_doorkeeper_add_reports_what_contains_said(keys):
+    dk = Doorkeeper(64)
+    for k in keys:
+        before = k in dk
+        assert dk.add(k) == before
+        assert k in dk
