@@ -92,6 +92,39 @@ message shown under [Errors](#errors) (in `vllm serve` it appears as
 `RuntimeError: Worker failed with error 'kvtier: ...'`).
 """
 
+POLICIES = """\
+## Choosing an eviction policy
+
+`eviction_policy` sets both tiers; `cpu_eviction_policy` and
+`disk_eviction_policy` override it per tier. All policies cost O(1) per
+block, and a tier never evicts a block that is pinned or still being
+written, whatever the policy says.
+
+- `lru` (the default): least recently used first. Best when prompts are
+  reused soon after they are first seen (multi-turn chat whose next turn
+  arrives while the previous one is still among the newest blocks) and the
+  tier holds most of what is reused.
+- `arc`: adaptive replacement (ARC), balancing recency and frequency with
+  ghost lists as long as the tier. Scan-resistant, no tuning; on the
+  Mooncake trace it is between `lru` and `2q`.
+- `2q`: a block seen for the first time goes to a probation queue of 10 %
+  of the tier; a block seen again (within the last 5x the tier's capacity
+  of stored blocks, remembered in a ~2-byte-per-key Bloom filter) or hit
+  while on probation goes to the main LRU. Pick it when many prompts are
+  sent once and never again (shared-document or agent workloads with a long
+  tail of one-off prompts) and the reused ones come back after more blocks
+  than the tier holds: one-time blocks then pass through probation instead
+  of pushing reused ones out. It pays most on the **disk tier**, which sees
+  every spilled block. It never did worse than `lru` at any size in the
+  sweep of [benchmarks](benchmarks.md#hit-rate-benchmarkshit_ratepy) (0.5x
+  to 20x the CPU tier, each half of the trace), but a workload whose
+  reuse comes mostly within a tenth of the tier can lose a little with it.
+
+Measure before choosing: `kvtier size --trace YOUR_TRACE.jsonl
+--cpu-blocks N --disk-blocks M --compare` replays every policy (every
+CPU/disk pair with a disk tier) next to the offline optimum.
+"""
+
 SIZING = """\
 ## Sizing: from bytes to blocks
 
@@ -438,6 +471,7 @@ def render() -> str:
         PASSING,
         configs_section(),
         keys_section(),
+        POLICIES,
         sizing_section(),
         errors_section(),
         metrics_section(),
