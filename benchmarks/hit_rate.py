@@ -8,8 +8,9 @@ replay behind ``kvtier size``) with a CPU tier of ``--cpu-blocks`` 512-token
 blocks, alone (every policy) and over a disk tier of 5x, 10x and 20x that
 capacity (every cpu/disk policy pair at 5x, the same policy on both tiers
 and lru/2q at 10x and 20x), next to the offline optimum (Belady on prefix
-hits, one tier of the total capacity: ``kvtier.tiers.optimum``) and the
-infinite cache. Then the *sweep*: the trace cut into halves (first half for
+hits, one tier of the total capacity: ``kvtier.tiers.optimum``), two
+clairvoyant references (LRU behind a perfect admission filter; the
+most-used blocks of the whole trace) and the infinite cache. Then the *sweep*: the trace cut into halves (first half for
 tuning, second for reporting; both are shown), CPU-only tiers of 0.5x to 20x
 ``--cpu-blocks`` and CPU + disk tiers of 0.5x to 20x of it, every policy
 against LRU and the optimum at each size. As a cross-check it also replays
@@ -38,6 +39,7 @@ from kvtier.sizing import (
     unique_blocks,
 )
 from kvtier.sizing_plot import plot_tier_split
+from kvtier.tiers.optimum import oracle_admission_lru_hits, static_frequency_hits
 from kvtier.tiers.policy import POLICIES
 
 _TRACE: list[Any] = []
@@ -163,6 +165,25 @@ def main() -> None:
     for p, v in vllm.items():
         print(f"vLLM CPUOffloadingManager {p}, {cpu} blocks: hit rate {v:.4f}")
 
+    total = sum(map(len, keys))
+    references = []
+    print("\nclairvoyant references, one tier of the total capacity (hit rate)")
+    print(
+        f"{'blocks':>7}  {'optimum':>8}  {'oracle admission+LRU':>20}  {'static top-k':>12}"
+    )
+    for cap in sorted({row["cpu_blocks"] + row["disk_blocks"] for row in full}):
+        ref = {
+            "blocks": cap,
+            "optimum": optimum["full", cap],
+            "oracle_admission_lru": oracle_admission_lru_hits(keys, cap) / total,
+            "static_top_k": static_frequency_hits(keys, cap) / total,
+        }
+        references.append(ref)
+        print(
+            f"{cap:>7}  {ref['optimum']:>8.4f}  {ref['oracle_admission_lru']:>20.4f}  "
+            f"{ref['static_top_k']:>12.4f}"
+        )
+
     sweep: dict[str, Any] = {}
     for part in ("first", "second") if sweep_sizes else ():
         print(f"\nsweep, {part} half of the trace (hit rate; optimum; vs LRU)")
@@ -233,6 +254,7 @@ def main() -> None:
             },
             "infinite_hit_rate": bound,
             "rows": rows,
+            "clairvoyant_references": references,
             "sweep": sweep,
             "vllm_cpu_offloading_manager": vllm,
             "plot": os.path.relpath(args.plot, RESULTS_DIR.parent.parent),
@@ -240,7 +262,8 @@ def main() -> None:
         },
         args.out,
     )
-    print(f"wrote {path}, {args.plot} and {args.sweep_plot}")
+    made = f" and {args.sweep_plot}" if sweep_sizes else ""
+    print(f"wrote {path}, {args.plot}{made}")
 
 
 def _plot_sweep(

@@ -114,3 +114,66 @@ def brute_force_hits(requests: Sequence[Sequence[Hashable]], capacity: int) -> i
         return n + out
 
     return best(0, frozenset())
+
+
+# ------------------------------------------------ clairvoyant reference points
+#
+# Not bounds on every online policy, but on two families of them: they show
+# how much of the gap to the optimum *admission* and *frequency ranking*
+# could close even if they were told the future.
+
+
+def oracle_admission_lru_hits(
+    requests: Sequence[Sequence[Hashable]], capacity: int
+) -> int:
+    """Prefix hits of an LRU cache (a request's head ranked newest) that
+    stores a block only if some later request uses it again: the most an
+    admission filter in front of LRU can get."""
+    from collections import OrderedDict
+
+    next_use = _next_uses(requests)
+    lru: OrderedDict[Hashable, None] = OrderedDict()
+    hits = 0
+    for t, keys in enumerate(requests):
+        n = 0
+        for k in keys:
+            if k not in lru:
+                break
+            n += 1
+        hits += n
+        for k, nu in zip(reversed(keys), reversed(next_use[t])):
+            if k in lru:
+                lru.move_to_end(k)
+            elif nu != NEVER:
+                lru[k] = None
+        while len(lru) > capacity:
+            lru.popitem(last=False)
+    return hits
+
+
+def static_frequency_hits(requests: Sequence[Sequence[Hashable]], capacity: int) -> int:
+    """Prefix hits of a cache that holds, once seen, exactly the
+    ``capacity`` blocks used most often in the whole trace: perfect
+    knowledge of popularity, none of timing (what frequency-ranked
+    policies such as LFU or TinyLFU estimate)."""
+    from collections import Counter
+
+    counts = Counter(k for keys in requests for k in keys)
+    # Ties: a parent is counted at least as often as its child, so taking
+    # shallower blocks first keeps the chosen set prefix-closed.
+    depth: dict[Hashable, int] = {}
+    for keys in requests:
+        for d, k in enumerate(keys):
+            depth.setdefault(k, d)
+    chosen = set(
+        sorted(counts, key=lambda k: (-counts[k], depth[k]))[: max(capacity, 0)]
+    )
+    seen: set[Hashable] = set()
+    hits = 0
+    for keys in requests:
+        for k in keys:
+            if k not in chosen or k not in seen:
+                break
+            hits += 1
+        seen.update(keys)
+    return hits

@@ -4,7 +4,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.sizing import replay_trace
-from kvtier.tiers.optimum import brute_force_hits, optimal_hit_rate, optimal_hits
+from kvtier.tiers.optimum import (
+    brute_force_hits,
+    optimal_hit_rate,
+    optimal_hits,
+    oracle_admission_lru_hits,
+    static_frequency_hits,
+)
 from kvtier.tiers.policy import POLICIES
 
 
@@ -67,3 +73,20 @@ def test_no_policy_beats_the_optimum(prompts, cpu, disk, policy):
     trace = _prefix_trace(prompts)
     r = replay_trace(trace, cpu, disk, policy, policy)
     assert r.hit_blocks <= optimal_hits(trace, cpu + disk)
+
+
+@settings(max_examples=100, deadline=None)
+@given(PROMPTS, st.integers(0, 6))
+def test_clairvoyant_references_stay_under_the_optimum(prompts, capacity):
+    trace = _prefix_trace(prompts)
+    opt = optimal_hits(trace, capacity)
+    assert oracle_admission_lru_hits(trace, capacity) <= opt
+    assert static_frequency_hits(trace, capacity) <= opt
+
+
+def test_oracle_admission_skips_one_time_blocks():
+    # Capacity 2: a one-time prompt between two uses of [0, 1] evicts them
+    # under LRU; the oracle never stores it.
+    trace = [[0, 1], [5, 6], [0, 1]]
+    assert oracle_admission_lru_hits(trace, 2) == 2
+    assert static_frequency_hits(trace, 2) == 2
