@@ -109,7 +109,7 @@ written, whatever the policy says.
   Mooncake trace it is between `lru` and `2q`.
 - `2q`: a block seen for the first time goes to a probation queue of 10 %
   of the tier; a block seen again (within the last 5x the tier's capacity
-  of stored blocks, remembered in a ~2-byte-per-key Bloom filter) or hit
+  of stored blocks, remembered in a ~4-byte-per-key Bloom filter) or hit
   while on probation goes to the main LRU. Pick it when many prompts are
   sent once and never again (shared-document or agent workloads with a long
   tail of one-off prompts) and the reused ones come back after more blocks

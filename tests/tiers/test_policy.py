@@ -151,3 +151,17 @@ def test_doorkeeper_add_reports_what_contains_said(keys):
         before = k in dk
         assert dk.add(k) == before
         assert k in dk
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_is_accepted_by_the_config_and_the_hierarchy(name):
+    from kvtier.connector.config import parse_extra_config
+    from kvtier.tiers import TierHierarchy
+
+    base = {"cpu_bytes_to_use": 1 << 30}
+    cfg = parse_extra_config({**base, "eviction_policy": name.upper()})
+    assert cfg.cpu_eviction_policy == cfg.disk_eviction_policy == name
+    cfg = parse_extra_config({**base, "disk_eviction_policy": name})
+    assert cfg.disk_eviction_policy == name
+    h = TierHierarchy(4, 8, cpu_policy=name, disk_policy=name)
+    assert h.cpu.policy.name == h.disk.policy.name == name
