@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from itertools import islice
 
-POLICIES = ("lru", "arc", "2q")
+POLICIES = ("lru", "arc", "2q", "arcdk")
 
 
 class EvictionPolicy(ABC):
@@ -267,6 +267,34 @@ class TwoQueuePolicy(EvictionPolicy):
         return len(self._probation) + len(self._main)
 
 
+class ARCDoorkeeperPolicy(ARCPolicy):
+    """ARC whose memory of "seen before" reaches past its ghost lists.
+
+    ARC sends a key to T2 (the frequency side) only when it finds it in a
+    ghost list, which remembers evicted keys for about one capacity; a
+    prefix cache's blocks come back after many capacities. Here a key that
+    is in no ghost list but in the doorkeeper (the same Bloom filter as
+    ``2q``'s: every inserted key of the last ``history`` = 5 capacities)
+    also goes to T2, without moving ARC's target ``p`` (that is reserved for
+    ghost hits, which say which list was too short). Everything else is ARC,
+    so a tier that is small next to the short-term reuse still adapts toward
+    recency, where ``2q``'s fixed 10 % probation cannot. O(1) per call.
+    """
+
+    name = "arcdk"
+
+    def __init__(self, capacity: int, history: float = 5.0):
+        super().__init__(capacity)
+        self.doorkeeper = Doorkeeper(int(history * max(capacity, 1)))
+
+    def insert(self, key: Hashable) -> None:
+        seen = self.doorkeeper.add(key)
+        if seen and key not in self._b1 and key not in self._b2:
+            self._t2[key] = None
+        else:
+            super().insert(key)
+
+
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
     """Build a policy by name; unknown names raise ``ValueError``."""
     if name == "lru":
@@ -275,6 +303,8 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
         return ARCPolicy(capacity)
     if name == "2q":
         return TwoQueuePolicy(capacity)
+    if name == "arcdk":
+        return ARCDoorkeeperPolicy(capacity)
     raise ValueError(
         f"unknown eviction policy {name!r}: accepted values are {POLICIES}"
     )

@@ -5,7 +5,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.tiers import ARCPolicy, LRUPolicy, Tier, TierEvent, make_policy, replay
-from kvtier.tiers.policy import POLICIES, Doorkeeper, TwoQueuePolicy
+from kvtier.tiers.policy import (
+    POLICIES,
+    ARCDoorkeeperPolicy,
+    Doorkeeper,
+    TwoQueuePolicy,
+)
 
 
 def test_lru_orders_by_last_use():
@@ -165,3 +170,18 @@ def test_every_policy_is_accepted_by_the_config_and_the_hierarchy(name):
     assert cfg.disk_eviction_policy == name
     h = TierHierarchy(4, 8, cpu_policy=name, disk_policy=name)
     assert h.cpu.policy.name == h.disk.policy.name == name
+
+
+def test_arcdk_sends_keys_seen_long_ago_to_t2_without_moving_p():
+    p = ARCDoorkeeperPolicy(2)
+    p.insert("a")
+    p.remove("a", evicted=True)  # a -> B1
+    for k in "bcdef":  # push a out of the ghost lists (bounded by c = 2)
+        p.insert(k)
+        p.remove(k, evicted=True)
+    assert "a" not in p._b1 and "a" not in p._b2
+    p.insert("a")  # ARC would put it in T1; the doorkeeper remembers it
+    assert "a" in p._t2 and p.p == 0
+    p.insert("z")  # first sight: T1 as in ARC
+    assert "z" in p._t1
+    assert isinstance(make_policy("arcdk", 2), ARCDoorkeeperPolicy)
