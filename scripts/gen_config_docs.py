@@ -98,27 +98,34 @@ POLICIES = """\
 `eviction_policy` sets both tiers; `cpu_eviction_policy` and
 `disk_eviction_policy` override it per tier. All policies cost O(1) per
 block, and a tier never evicts a block that is pinned or still being
-written, whatever the policy says.
+written, whatever the policy says. Numbers below: the Mooncake trace in
+[benchmarks](benchmarks.md#hit-rate-benchmarkshit_ratepy).
 
-- `lru` (the default): least recently used first. Best when prompts are
-  reused soon after they are first seen (multi-turn chat whose next turn
-  arrives while the previous one is still among the newest blocks) and the
-  tier holds most of what is reused.
+- `lru` (the default): least recently used first. Best when prompts come
+  back soon after they were first seen (the next turn of a chat arrives
+  while the previous one is still among the newest blocks of the tier).
 - `arc`: adaptive replacement (ARC), balancing recency and frequency with
-  ghost lists as long as the tier. Scan-resistant, no tuning; on the
-  Mooncake trace it is between `lru` and `2q`.
+  ghost lists one tier long. Scan-resistant, no tuning; it lost to `lru`
+  at one size of the sweep.
 - `2q`: a block seen for the first time goes to a probation queue of 10 %
   of the tier; a block seen again (within the last 5x the tier's capacity
   of stored blocks, remembered in a ~4-byte-per-key Bloom filter) or hit
   while on probation goes to the main LRU. Pick it when many prompts are
-  sent once and never again (shared-document or agent workloads with a long
-  tail of one-off prompts) and the reused ones come back after more blocks
-  than the tier holds: one-time blocks then pass through probation instead
-  of pushing reused ones out. It pays most on the **disk tier**, which sees
-  every spilled block. It never did worse than `lru` at any size in the
-  sweep of [benchmarks](benchmarks.md#hit-rate-benchmarkshit_ratepy) (0.5x
-  to 20x the CPU tier, each half of the trace), but a workload whose
-  reuse comes mostly within a tenth of the tier can lose a little with it.
+  sent once and never again and the reused ones come back after more
+  blocks than the tier holds: one-time blocks then pass through probation
+  instead of pushing reused ones out. Best of all at 1x-4x of the CPU tier
+  on the tuning half of the trace, but a fixed probation cannot adapt: on a
+  tier small next to the short-term reuse it can fall (slightly) below
+  `lru`.
+- `arcdk`: ARC whose "seen before" reaches 5 tier capacities back through
+  the same Bloom filter (a block the filter remembers enters ARC's
+  frequency side). **The safe choice when you cannot measure**: it was
+  never below `lru` at any size of the sweep (0.5x to 20x the CPU tier,
+  CPU-only and CPU + disk, on either half of the trace), within ~0.01 of
+  `2q` where `2q` is best.
+- Per tier: the policy of the **disk tier** matters most once a disk tier
+  exists (it sees every spilled block; the CPU tier then only drops blocks
+  already on disk). `2q` or `arcdk` there, either on the CPU tier.
 
 Measure before choosing: `kvtier size --trace YOUR_TRACE.jsonl
 --cpu-blocks N --disk-blocks M --compare` replays every policy (every
