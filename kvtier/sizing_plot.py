@@ -142,38 +142,3 @@ def plot_policy_comparison(
     fig.savefig(out_path, dpi=110)
     plt.close(fig)
 
-
-def plot_policy_sweep(
-    curves: Mapping[str, Sequence[tuple[int, float]]],
-    out_path: str | os.PathLike[str],
-    title: str = "",
-    xlabel: str = "capacity (blocks)",
-) -> None:
-    """Hit rate vs capacity, one line per policy (and the optimum)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, pts in curves.items():
-        pts = sorted(pts)
-        style = "-." if name.startswith("optimum") else "-"
-        ax.plot(
-            [p[0] for p in pts],
-            [p[1] for p in pts],
-            style,
-            marker="o",
-            ms=3,
-            label=name,
-        )
-    ax.set_xscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("block hit rate")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
