@@ -141,4 +141,3 @@ def plot_policy_comparison(
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
     plt.close(fig)
-
