@@ -113,19 +113,20 @@ written, whatever the policy says. Numbers below: the Mooncake trace in
   while on probation goes to the main LRU. Pick it when many prompts are
   sent once and never again and the reused ones come back after more
   blocks than the tier holds: one-time blocks then pass through probation
-  instead of pushing reused ones out. Best of all at 1x-4x of the CPU tier
-  on the tuning half of the trace, but a fixed probation cannot adapt: on a
-  tier small next to the short-term reuse it can fall (slightly) below
-  `lru`.
+  instead of pushing reused ones out. The best disk-tier policy in most
+  rows of the sweep, but a fixed probation cannot adapt: on a tier small
+  next to the short-term reuse it can fall (slightly) below `lru`.
 - `arcdk`: ARC whose "seen before" reaches 5 tier capacities back through
   the same Bloom filter (a block the filter remembers enters ARC's
-  frequency side). **The safe choice when you cannot measure**: it was
-  never below `lru` at any size of the sweep (0.5x to 20x the CPU tier,
-  CPU-only and CPU + disk, on either half of the trace), within ~0.01 of
-  `2q` where `2q` is best.
-- Per tier: the policy of the **disk tier** matters most once a disk tier
-  exists (it sees every spilled block; the CPU tier then only drops blocks
-  already on disk). `2q` or `arcdk` there, either on the CPU tier.
+  frequency side). Keeps ARC's adaptation toward recency, so it also holds
+  up on a CPU tier small next to the short-term reuse.
+- **Recommended when you cannot measure: `cpu_eviction_policy: "arcdk"`,
+  `disk_eviction_policy: "2q"`.** That pair was never below `lru` at any
+  size of the sweep (0.5x to 20x the CPU tier, CPU-only and CPU + disk,
+  either half of the trace); each policy alone fell below `lru` once, by
+  at most 0.004. Once a disk tier exists its policy is the one that matters
+  (it sees every spilled block; the CPU tier then drops only blocks already
+  on disk).
 
 Measure before choosing: `kvtier size --trace YOUR_TRACE.jsonl
 --cpu-blocks N --disk-blocks M --compare` replays every policy (every
