@@ -1,15 +1,22 @@
-"""Hit rate of CPU-only vs CPU+disk tiers on the shared Mooncake trace.
+"""Hit rate of every eviction policy against the offline optimum.
 
     .venv/bin/python benchmarks/hit_rate.py [--trace FILE] [--cpu-blocks 2000]
-        [--mults 5 10 20] [--jobs 2] [--no-vllm]
+        [--mults 5 10 20] [--jobs 2] [--no-vllm] [--no-sweep]
 
 Replays the trace through kvtier's TierHierarchy (``kvtier.sizing``, the
 replay behind ``kvtier size``) with a CPU tier of ``--cpu-blocks`` 512-token
-blocks, alone and over a disk tier of 5x, 10x and 20x that capacity, for
-every LRU/ARC choice per tier, next to the infinite-cache bound. As a cross-
-check it also replays vLLM's own CPUOffloadingManager (LRU and ARC) at the
-same CPU capacity. Prints a table, writes benchmarks/results/hit_rate.json
-and the plot benchmarks/results/hit_rate.png.
+blocks, alone (every policy) and over a disk tier of 5x, 10x and 20x that
+capacity (every cpu/disk policy pair at 5x, the same policy on both tiers
+and lru/2q at 10x and 20x), next to the offline optimum (Belady on prefix
+hits, one tier of the total capacity: ``kvtier.tiers.optimum``), two
+clairvoyant references (LRU behind a perfect admission filter; the
+most-used blocks of the whole trace) and the infinite cache. Then the *sweep*: the trace cut into halves (first half for
+tuning, second for reporting; both are shown), CPU-only tiers of 0.5x to 20x
+``--cpu-blocks`` and CPU + disk tiers of 0.5x to 20x of it, every policy
+against LRU and the optimum at each size. As a cross-check it also replays
+vLLM's own CPUOffloadingManager (LRU and ARC) at the same CPU capacity.
+Prints tables, writes benchmarks/results/hit_rate.json and the plots
+benchmarks/results/hit_rate.png (by tier) and hit_rate_sweep.png.
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ from kvtier.sizing import (
     SizingResult,
     infinite_cache_hit_rate,
     load_trace,
+    optimal_hit_rate,
     replay_trace,
     unique_blocks,
 )
 from kvtier.sizing_plot import plot_tier_split
+from kvtier.tiers.optimum import oracle_admission_lru_hits, static_frequency_hits
+from kvtier.tiers.policy import POLICIES
 
 _TRACE: list[Any] = []
 
@@ -39,11 +49,19 @@ def _init(path: str) -> None:
     _TRACE[:] = load_trace(path)
 
 
-def _replay(cfg: tuple[int, int, str, str]) -> tuple[SizingResult, float]:
-    cpu, disk, cpu_policy, disk_policy = cfg
+def _replay(cfg: tuple[int, int, str, str, str]) -> tuple[SizingResult, float]:
+    cpu, disk, cpu_policy, disk_policy, part = cfg
     t0 = time.perf_counter()
-    r = replay_trace(_TRACE, cpu, disk, cpu_policy, disk_policy)
+    r = replay_trace(_part(part), cpu, disk, cpu_policy, disk_policy)
     return r, time.perf_counter() - t0
+
+
+def _part(part: str) -> list[Any]:
+    half = len(_TRACE) // 2
+    return {"full": _TRACE, "first": _TRACE[:half], "second": _TRACE[half:]}[part]
+
+
+SWEEP_MULTS = (0.5, 1, 2, 4, 8, 20)
 
 
 def vllm_hit_rates(path: str, cpu: int) -> dict[str, float]:
@@ -64,64 +82,150 @@ def main() -> None:
     ap.add_argument("--mults", type=int, nargs="+", default=[5, 10, 20])
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM cross-check")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the halves sweep")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=str(RESULTS_DIR / "hit_rate.png"))
+    ap.add_argument("--sweep-plot", default=str(RESULTS_DIR / "hit_rate_sweep.png"))
     args = ap.parse_args()
 
     trace = load_trace(args.trace)
+    _TRACE[:] = trace
+    keys = [r.hash_ids for r in trace]
     bound = infinite_cache_hit_rate(trace)
     n_unique = unique_blocks(trace)
     cpu = args.cpu_blocks
-    policies = ("lru", "arc")
-    cfgs = [(cpu, 0, p, "lru") for p in policies] + [
-        (cpu, cpu * m, cp, dp)
-        for m in args.mults
-        for cp, dp in itertools.product(policies, policies)
-    ]
+    cfgs = [(cpu, 0, p, p, "full") for p in POLICIES]
+    for i, m in enumerate(args.mults):
+        pairs = (
+            list(itertools.product(POLICIES, POLICIES))
+            if i == 0
+            else [(p, p) for p in POLICIES] + [("lru", "2q")]
+        )
+        cfgs += [(cpu, cpu * m, cp, dp, "full") for cp, dp in pairs]
+    sweep_sizes: list[tuple[int, int]] = []
+    if not args.no_sweep:
+        sweep_sizes = [(max(1, int(cpu * m)), 0) for m in SWEEP_MULTS] + [
+            (cpu, max(1, int(cpu * m))) for m in SWEEP_MULTS
+        ]
+        cfgs += [
+            (c, d, p, p, part)
+            for part in ("first", "second")
+            for c, d in sweep_sizes
+            for p in POLICIES
+        ]
     with ProcessPoolExecutor(
         args.jobs, initializer=_init, initargs=(args.trace,)
     ) as ex:
         done = list(ex.map(_replay, cfgs))
-    results = [r for r, _ in done]
+    half = len(keys) // 2
+    parts = {"full": keys, "first": keys[:half], "second": keys[half:]}
+    optimum: dict[tuple[str, int], float] = {}
+    for c, d, _, _, part in cfgs:
+        if (part, c + d) not in optimum:
+            optimum[part, c + d] = optimal_hit_rate(parts[part], c + d)
     vllm = {} if args.no_vllm else vllm_hit_rates(args.trace, cpu)
 
     rows = []
     for (r, secs), cfg in zip(done, cfgs):
         row = r.to_dict()
-        row["disk_mult"] = r.disk_blocks // cpu
+        row["part"] = cfg[4]
+        row["disk_mult"] = r.disk_blocks / cpu
         row["replay_s"] = secs
+        row["optimal_hit_rate"] = optimum[cfg[4], r.cpu_blocks + r.disk_blocks]
+        row["fraction_of_optimum"] = (
+            r.hit_rate / row["optimal_hit_rate"] if row["optimal_hit_rate"] else 1.0
+        )
         if cfg[1] == 0:
             row["disk_policy"] = None
         rows.append(row)
+    full = [row for row in rows if row["part"] == "full"]
 
     print(
-        f"trace {args.trace}: {len(trace)} requests, {results[0].blocks} blocks, "
+        f"trace {args.trace}: {len(trace)} requests, {sum(map(len, keys))} blocks, "
         f"{n_unique} unique; infinite-cache hit rate {bound:.4f}; CPU tier {cpu} blocks "
         f"({cpu / n_unique:.1%} of unique blocks)"
     )
     print(
-        f"{'cpu pol':<8}{'disk pol':<9}{'disk':>12}  {'hit rate':>8}  {'cpu':>6}  "
-        f"{'disk':>6}  {'of bound':>8}  {'replay s':>8}"
+        f"{'cpu pol':<8}{'disk pol':<9}{'disk':>13}  {'hit rate':>8}  {'cpu':>6}  "
+        f"{'disk':>6}  {'optimum':>7}  {'of opt':>6}  {'of bound':>8}  {'replay s':>8}"
     )
-    for row in rows:
+    for row in full:
         disk = (
-            f"{row['disk_blocks']} ({row['disk_mult']}x)" if row["disk_blocks"] else "-"
+            f"{row['disk_blocks']} ({row['disk_mult']:.0f}x)"
+            if row["disk_blocks"]
+            else "-"
         )
         print(
-            f"{row['cpu_policy']:<8}{row['disk_policy'] or '-':<9}{disk:>12}  "
+            f"{row['cpu_policy']:<8}{row['disk_policy'] or '-':<9}{disk:>13}  "
             f"{row['hit_rate']:>8.4f}  {row['hit_rate_cpu']:>6.4f}  "
-            f"{row['hit_rate_disk']:>6.4f}  {row['fraction_of_bound']:>8.1%}  "
+            f"{row['hit_rate_disk']:>6.4f}  {row['optimal_hit_rate']:>7.4f}  "
+            f"{row['fraction_of_optimum']:>6.1%}  {row['fraction_of_bound']:>8.1%}  "
             f"{row['replay_s']:>8.1f}"
         )
     for p, v in vllm.items():
         print(f"vLLM CPUOffloadingManager {p}, {cpu} blocks: hit rate {v:.4f}")
 
+    total = sum(map(len, keys))
+    references = []
+    print("\nclairvoyant references, one tier of the total capacity (hit rate)")
+    print(
+        f"{'blocks':>7}  {'optimum':>8}  {'oracle admission+LRU':>20}  {'static top-k':>12}"
+    )
+    for cap in sorted({row["cpu_blocks"] + row["disk_blocks"] for row in full}):
+        ref = {
+            "blocks": cap,
+            "optimum": optimum["full", cap],
+            "oracle_admission_lru": oracle_admission_lru_hits(keys, cap) / total,
+            "static_top_k": static_frequency_hits(keys, cap) / total,
+        }
+        references.append(ref)
+        print(
+            f"{cap:>7}  {ref['optimum']:>8.4f}  {ref['oracle_admission_lru']:>20.4f}  "
+            f"{ref['static_top_k']:>12.4f}"
+        )
+
+    sweep: dict[str, Any] = {}
+    for part in ("first", "second") if sweep_sizes else ():
+        print(f"\nsweep, {part} half of the trace (hit rate; optimum; vs LRU)")
+        print(
+            f"{'cpu':>6}{'disk':>7}  "
+            + "".join(f"{p:>8}" for p in POLICIES)
+            + f"{'optimum':>9}"
+        )
+        table = []
+        for c, d in sweep_sizes:
+            by = {
+                row["cpu_policy"]: row["hit_rate"]
+                for row in rows
+                if row["part"] == part
+                and row["cpu_blocks"] == c
+                and row["disk_blocks"] == d
+            }
+            table.append(
+                {
+                    "cpu_blocks": c,
+                    "disk_blocks": d,
+                    "optimum": optimum[part, c + d],
+                    **by,
+                }
+            )
+            print(
+                f"{c:>6}{d:>7}  "
+                + "".join(f"{by[p]:>8.4f}" for p in POLICIES)
+                + f"{optimum[part, c + d]:>9.4f}"
+            )
+        never_worse = {
+            p: all(t[p] >= t["lru"] - 1e-12 for t in table) for p in POLICIES
+        }
+        print("never worse than LRU at any size:", never_worse)
+        sweep[part] = {"sizes": table, "never_worse_than_lru": never_worse}
+
     panels: dict[str, list[SizingResult]] = {}
-    for cp, dp in itertools.product(policies, policies):
-        panels[f"CPU {cp.upper()}, disk {dp.upper()}"] = [
+    for p in POLICIES:
+        panels[f"{p.upper()} on both tiers"] = [
             r
-            for r, cfg in zip(results, cfgs)
-            if cfg[2] == cp and (cfg[1] == 0 or cfg[3] == dp)
+            for (r, _), cfg in zip(done, cfgs)
+            if cfg[4] == "full" and cfg[2] == p and cfg[3] == p
         ]
     plot_tier_split(
         panels,
@@ -131,27 +235,71 @@ def main() -> None:
             f"CPU tier {cpu} blocks"
         ),
     )
+    if sweep_sizes:
+        _plot_sweep(sweep, sweep_sizes, args.sweep_plot, cpu)
     path = write_json(
         "hit_rate",
         {
             "params": {
                 "trace": args.trace,
                 "requests": len(trace),
-                "blocks": results[0].blocks,
+                "blocks": sum(map(len, keys)),
                 "unique_blocks": n_unique,
                 "cpu_blocks": cpu,
                 "disk_mults": args.mults,
+                "sweep_mults": SWEEP_MULTS,
                 "spill_watermark": 0.75,
                 "hit_rate": "block-level: hit blocks / all blocks of all requests",
+                "optimum": "offline Belady on prefix hits, one tier of cpu+disk blocks",
             },
             "infinite_hit_rate": bound,
             "rows": rows,
+            "clairvoyant_references": references,
+            "sweep": sweep,
             "vllm_cpu_offloading_manager": vllm,
             "plot": os.path.relpath(args.plot, RESULTS_DIR.parent.parent),
+            "sweep_plot": os.path.relpath(args.sweep_plot, RESULTS_DIR.parent.parent),
         },
         args.out,
     )
-    print(f"wrote {path} and {args.plot}")
+    made = f" and {args.sweep_plot}" if sweep_sizes else ""
+    print(f"wrote {path}, {args.plot}{made}")
+
+
+def _plot_sweep(
+    sweep: dict[str, Any], sizes: list[tuple[int, int]], out: str, cpu: int
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey="row")
+    for col, part in enumerate(("first", "second")):
+        for row, with_disk in enumerate((False, True)):
+            ax = axes[row][col]
+            table = [
+                t for t in sweep[part]["sizes"] if (t["disk_blocks"] > 0) == with_disk
+            ]
+            xs = [t["cpu_blocks"] + t["disk_blocks"] for t in table]
+            for p in POLICIES:
+                ax.plot(xs, [t[p] for t in table], marker="o", ms=3, label=p)
+            ax.plot(
+                xs, [t["optimum"] for t in table], "k-.", label="optimum (one tier)"
+            )
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+            ax.set_title(
+                f"{part} half, "
+                + (f"CPU {cpu} + disk (x = total blocks)" if with_disk else "CPU only"),
+                fontsize=9,
+            )
+            ax.set_xlabel("total capacity (blocks)")
+            ax.set_ylabel("block hit rate")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

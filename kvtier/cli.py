@@ -222,13 +222,29 @@ def cmd_size(args: argparse.Namespace) -> int:
         bpb = sizing.bytes_per_block(bpt)
         doc["cpu_bytes"] = cpu * bpb
         doc["disk_bytes"] = disk * bpb
-    if args.plot:
+    cmp = None
+    if args.compare:
+        with _progress(show, None, "compare") as tick:
+            cmp = sizing.compare_policies(
+                requests, cpu, disk, spill_watermark=args.spill_watermark, progress=tick
+            )
+        doc["comparison"] = cmp.to_dict()
+    if args.plot and cmp is not None:
+        from kvtier.sizing_plot import plot_policy_comparison
+
+        plot_policy_comparison(cmp, args.plot, title=args.trace)
+        doc["plot"] = args.plot
+    elif args.plot:
         _plot_size(args, requests, cpu, disk, cpu_policy, disk_policy, result, rec)
         doc["plot"] = args.plot
     if args.json:
         _emit_json(doc)
     else:
         _print_size(args.trace, result, bpt, rec)
+        if cmp is not None:
+            print("policies:")
+            for line in sizing.format_comparison(cmp):
+                print("  " + line)
     return 0
 
 
@@ -610,6 +626,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also sweep disk sizes for a recommendation (implied by --bytes-per-token)",
     )
     s.add_argument("--json", action="store_true", help="print JSON, no progress bar")
+    s.add_argument(
+        "--compare",
+        action="store_true",
+        help="also replay every policy (every cpu/disk pair with a disk tier) and "
+        "print them next to the offline optimum; --plot then plots them",
+    )
     s.add_argument(
         "--plot", metavar="PNG", help="plot hit rate vs disk capacity by tier"
     )

@@ -9,7 +9,7 @@ import os
 import stat
 from collections.abc import Mapping, Sequence
 
-from kvtier.sizing import SizingResult
+from kvtier.sizing import PolicyComparison, SizingResult
 
 CPU_COLOR = "#4c72b0"
 DISK_COLOR = "#dd8452"
@@ -117,6 +117,69 @@ def plot_tier_split(
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+
+
+def plot_policy_comparison(
+    cmp: PolicyComparison, out_path: str | os.PathLike[str], title: str = ""
+) -> None:
+    """One stacked bar (CPU hits below, disk hits above) per policy choice,
+    best first, with the offline optimum and the infinite cache as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = sorted(cmp.results, key=lambda r: -r.hit_rate)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(results) + 2), 4.5))
+    xs = range(len(results))
+    cpu = [r.hit_rate_cpu for r in results]
+    disk = [r.hit_rate_disk for r in results]
+    ax.bar(xs, cpu, color=CPU_COLOR, label="hit on CPU")
+    ax.bar(xs, disk, bottom=cpu, color=DISK_COLOR, label="hit on disk")
+    for x, r in zip(xs, results):
+        ax.text(
+            x,
+            r.hit_rate + 0.01,
+            f"{r.hit_rate:.3f}\n{cmp.fraction_of_optimum(r):.0%}",
+            ha="center",
+            fontsize=7,
+        )
+    ax.axhline(
+        cmp.optimal_hit_rate,
+        color="green",
+        ls="-.",
+        lw=1,
+        label=f"offline optimum {cmp.optimal_hit_rate:.3f}",
+    )
+    ax.axhline(
+        cmp.infinite_hit_rate,
+        color="k",
+        ls="--",
+        lw=1,
+        label=f"infinite cache {cmp.infinite_hit_rate:.3f}",
+    )
+    with_disk = cmp.disk_blocks > 0
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(
+        [
+            f"{r.cpu_policy}/{r.disk_policy}" if with_disk else r.cpu_policy
+            for r in results
+        ],
+        fontsize=8,
+        rotation=30 if len(results) > 5 else 0,
+    )
+    ax.set_ylim(0, 1.0)
+    ax.set_ylabel("block hit rate")
+    ax.set_xlabel("policy (cpu/disk)" if with_disk else "policy")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    tiers = f"CPU {cmp.cpu_blocks}" + (
+        f" + disk {cmp.disk_blocks} blocks" if with_disk else " blocks"
+    )
+    ax.set_title(f"{title}\n{tiers}; labels: hit rate, share of optimum", fontsize=9)
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
     plt.close(fig)

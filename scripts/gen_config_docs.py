@@ -114,6 +114,48 @@ message shown under [Errors](#errors) (in `vllm serve` it appears as
 `RuntimeError: Worker failed with error 'kvtier: ...'`).
 """
 
+POLICIES = """\
+## Choosing an eviction policy
+
+`eviction_policy` sets both tiers; `cpu_eviction_policy` and
+`disk_eviction_policy` override it per tier. All policies cost O(1) per
+block, and a tier never evicts a block that is pinned or still being
+written, whatever the policy says. Numbers below: the Mooncake trace in
+[benchmarks](benchmarks.md#hit-rate-benchmarkshit_ratepy).
+
+- `lru` (the default): least recently used first. Best when prompts come
+  back soon after they were first seen (the next turn of a chat arrives
+  while the previous one is still among the newest blocks of the tier).
+- `arc`: adaptive replacement (ARC), balancing recency and frequency with
+  ghost lists one tier long. Scan-resistant, no tuning; it lost to `lru`
+  at one size of the sweep.
+- `2q`: a block seen for the first time goes to a probation queue of 10 %
+  of the tier; a block seen again (within the last 5x the tier's capacity
+  of stored blocks, remembered in a ~4-byte-per-key Bloom filter) or hit
+  while on probation goes to the main LRU. Pick it when many prompts are
+  sent once and never again and the reused ones come back after more
+  blocks than the tier holds: one-time blocks then pass through probation
+  instead of pushing reused ones out. On the disk tier it was the best or
+  within 0.012 of the best at every size of the sweep, but a fixed
+  probation cannot adapt: on a tier small next to the short-term reuse it
+  can fall (slightly) below `lru`.
+- `arcdk`: ARC whose "seen before" reaches 5 tier capacities back through
+  the same Bloom filter (a block the filter remembers enters ARC's
+  frequency side). Keeps ARC's adaptation toward recency, so it also holds
+  up on a CPU tier small next to the short-term reuse.
+- **Recommended when you cannot measure: `cpu_eviction_policy: "arcdk"`,
+  `disk_eviction_policy: "2q"`.** That pair was never below `lru` at any
+  size of the sweep (0.5x to 20x the CPU tier, CPU-only and CPU + disk,
+  either half of the trace); each policy alone fell below `lru` once, by
+  at most 0.004. Once a disk tier exists its policy is the one that matters
+  (it sees every spilled block; the CPU tier then drops only blocks already
+  on disk).
+
+Measure before choosing: `kvtier size --trace YOUR_TRACE.jsonl
+--cpu-blocks N --disk-blocks M --compare` replays every policy (every
+CPU/disk pair with a disk tier) next to the offline optimum.
+"""
+
 SIZING = """\
 ## Sizing: from bytes to blocks
 
@@ -463,6 +505,7 @@ def render() -> str:
         PASSING,
         configs_section(),
         keys_section(),
+        POLICIES,
         sizing_section(),
         errors_section(),
         metrics_section(),

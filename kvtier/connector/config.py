@@ -88,19 +88,19 @@ KEYS: tuple[KeySpec, ...] = (
         "eviction_policy",
         "Eviction policy of both tiers (overridden per tier below).",
         "lru",
-        "lru | arc",
+        "lru | arc | 2q | arcdk",
     ),
     KeySpec(
         "cpu_eviction_policy",
         "Eviction policy of the CPU tier.",
         None,
-        "lru | arc (default: eviction_policy)",
+        "lru | arc | 2q | arcdk (default: eviction_policy)",
     ),
     KeySpec(
         "disk_eviction_policy",
         "Eviction policy of the disk tier.",
         None,
-        "lru | arc (default: eviction_policy)",
+        "lru | arc | 2q | arcdk (default: eviction_policy)",
     ),
     KeySpec(
         "disk_io",

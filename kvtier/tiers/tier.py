@@ -20,7 +20,13 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kvtier.tiers.policy import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from kvtier.tiers.policy import (
+    ARCDoorkeeperPolicy,
+    ARCPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    make_policy,
+)
 
 
 class BlockState(Enum):
@@ -67,6 +73,8 @@ _ORDER_ADAPTERS: dict[type, _OrderAdapter] = {
         2, lambda policy, key: 1 if key in policy._t2 else 0, _arc_order
     ),
 }
+# ARC with a doorkeeper keeps ARC's lists and eviction order.
+_ORDER_ADAPTERS[ARCDoorkeeperPolicy] = _ORDER_ADAPTERS[ARCPolicy]
 
 
 class Tier:

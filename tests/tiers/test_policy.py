@@ -1,8 +1,16 @@
 """Eviction policies rank keys as their algorithms say."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.tiers import ARCPolicy, LRUPolicy, Tier, TierEvent, make_policy, replay
+from kvtier.tiers.policy import (
+    POLICIES,
+    ARCDoorkeeperPolicy,
+    Doorkeeper,
+    TwoQueuePolicy,
+)
 
 
 def test_lru_orders_by_last_use():
@@ -75,3 +83,105 @@ def test_replay_rejects_inconsistent_streams():
     assert replay(ok) == {"cpu": {2}, "disk": set()}
     with pytest.raises(ValueError):
         replay([TierEvent((1,), "disk", True)])
+
+
+# ------------------------------------------------------- every policy's contract
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "touch", "remove", "evict"]), st.integers(0, 15)
+    ),
+    max_size=200,
+)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS, capacity=st.integers(1, 8))
+def test_policy_contract(name, ops, capacity):
+    """Whatever the calls, ``candidates`` yields every resident key exactly
+    once (a tier relies on it to find a victim), and ``len`` counts them."""
+    p = make_policy(name, capacity)
+    resident: set[int] = set()
+    for op, key in ops:
+        if op == "insert":
+            if key in resident:
+                continue
+            if len(resident) >= capacity:  # a tier evicts before it inserts
+                victim = next(iter(p.candidates()))
+                p.remove(victim, evicted=True)
+                resident.discard(victim)
+            p.insert(key)
+            resident.add(key)
+        elif op == "touch":
+            p.touch(key)  # also for keys not resident: must be a no-op
+        elif key in resident:
+            p.remove(key, evicted=op == "evict")
+            resident.discard(key)
+        order = list(p.candidates())
+        assert len(order) == len(set(order)) == len(p)
+        assert set(order) == resident
+
+
+def test_2q_first_sight_keys_go_first_and_seen_keys_stay():
+    p = TwoQueuePolicy(10, small=0.1, history=5)
+    for k in range(4):
+        p.insert(k)
+    p.touch(0)  # reused while on probation: main
+    p.remove(1, evicted=True)
+    p.insert(1)  # seen before (doorkeeper): straight to main
+    for k in (10, 11, 12):
+        p.insert(k)  # first sight: probation, over its target of 1
+    order = list(p.candidates())
+    assert order[:4] == [2, 3, 10, 11]  # probation beyond its target of 1
+    assert order[4:6] == [0, 1]  # then main, least recent first
+    assert order[6:] == [12]  # then the probation it may keep
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 10**9), min_size=1, max_size=300, unique=True))
+def test_doorkeeper_has_no_false_negatives_within_its_window(keys):
+    dk = Doorkeeper(64)
+    for i, k in enumerate(keys):
+        dk.add(k)
+        # Everything among the last `window` additions is remembered.
+        assert all(x in dk for x in keys[max(0, i + 1 - 64) : i + 1])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 50), max_size=300))
+def test_doorkeeper_add_reports_what_contains_said(keys):
+    dk = Doorkeeper(64)
+    for k in keys:
+        before = k in dk
+        assert dk.add(k) == before
+        assert k in dk
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_is_accepted_by_the_config_and_the_hierarchy(name):
+    from kvtier.connector.config import parse_extra_config
+    from kvtier.tiers import TierHierarchy
+
+    base = {"cpu_bytes_to_use": 1 << 30}
+    cfg = parse_extra_config({**base, "eviction_policy": name.upper()})
+    assert cfg.cpu_eviction_policy == cfg.disk_eviction_policy == name
+    cfg = parse_extra_config({**base, "disk_eviction_policy": name})
+    assert cfg.disk_eviction_policy == name
+    h = TierHierarchy(4, 8, cpu_policy=name, disk_policy=name)
+    assert h.cpu.policy.name == h.disk.policy.name == name
+
+
+def test_arcdk_sends_keys_seen_long_ago_to_t2_without_moving_p():
+    p = ARCDoorkeeperPolicy(2)
+    p.insert("a")
+    p.remove("a", evicted=True)  # a -> B1
+    for k in "bcdef":  # push a out of the ghost lists (bounded by c = 2)
+        p.insert(k)
+        p.remove(k, evicted=True)
+    assert "a" not in p._b1 and "a" not in p._b2
+    p.insert("a")  # ARC would put it in T1; the doorkeeper remembers it
+    assert "a" in p._t2 and p.p == 0
+    p.insert("z")  # first sight: T1 as in ARC
+    assert "z" in p._t1
+    assert isinstance(make_policy("arcdk", 2), ARCDoorkeeperPolicy)

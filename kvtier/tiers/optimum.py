@@ -1,0 +1,179 @@
+"""The offline optimum of a prefix cache on a known trace (Belady's MIN).
+
+A request is a list of prefix-hash keys (a key covers its block and every
+block before it); a block is a *hit* when it and every block before it in
+the request are cached (the leading run). After a request the cache may
+keep any of the blocks it holds or just saw, up to its capacity; blocks are
+never fetched except by a request. The optimum keeps the blocks whose next
+use is nearest: after each request, while over capacity, it drops the block
+used farthest in the future (never again first), and among blocks next used
+by the same request the deepest one, so a cached block's parent is always
+cached too and every cached block of a request is a hit.
+
+Why that is optimal: the hits of a prefix cache are at most those of a
+plain cache of the same blocks (a hit needs the block cached), and serving a
+request's blocks one after another turns the problem into classic paging
+with the option not to cache (bypass), where evicting the farthest next use
+is optimal (Belady 1966; Mattson et al. 1970). The deepest-first tie-break
+keeps the cache prefix-closed (a child's next use is never before its
+parent's: every request holding the child holds the parent), so the plain
+cache's hits are all prefix hits and the bound is reached.
+``tests/tiers/test_optimum.py`` checks it against exhaustive search.
+
+Two tiers can never beat one tier of their total capacity holding the
+same blocks, so ``optimal_hits(trace, cpu + disk)`` bounds any two-tier
+configuration. Cost: O(B log B) for B blocks in the trace.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Sequence
+
+NEVER = float("inf")
+
+
+def _next_uses(requests: Sequence[Sequence[Hashable]]) -> list[list[float]]:
+    """For each request and position, the index of the next request that
+    holds the same key (``NEVER`` if none)."""
+    nxt: dict[Hashable, float] = {}
+    out: list[list[float]] = [[] for _ in requests]
+    for t in range(len(requests) - 1, -1, -1):
+        row = [nxt.get(k, NEVER) for k in requests[t]]
+        out[t] = row
+        for k in requests[t]:
+            nxt[k] = t
+    return out
+
+
+def optimal_hits(requests: Sequence[Sequence[Hashable]], capacity: int) -> int:
+    """Most prefix-hit blocks any cache of ``capacity`` blocks gets on
+    ``requests`` (lists of keys in prefix order; duplicate keys in one
+    request count once per occurrence but are cached once)."""
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    next_use = _next_uses(requests)
+    cached: dict[Hashable, tuple[float, int]] = {}  # key -> (next use, depth)
+    heap: list[tuple[float, int, int, Hashable]] = []  # max-heap by negation
+    tick = 0  # heap tie-break that never compares keys
+    hits = 0
+    for t, keys in enumerate(requests):
+        n = 0
+        for k in keys:
+            if k not in cached:
+                break
+            n += 1
+        hits += n
+        for depth, (k, nu) in enumerate(zip(keys, next_use[t])):
+            entry = (nu, depth)
+            if cached.get(k) != entry:
+                cached[k] = entry
+                tick += 1
+                heapq.heappush(heap, (-nu, -depth, tick, k))
+        while len(cached) > capacity:
+            neg_nu, neg_depth, _, k = heapq.heappop(heap)
+            if cached.get(k) == (-neg_nu, -neg_depth):
+                del cached[k]
+        # Lazy deletion leaves stale entries; rebuild when they dominate.
+        if len(heap) > 4 * len(cached) + 1024:
+            heap = [(-nu, -d, i, k) for i, (k, (nu, d)) in enumerate(cached.items())]
+            heapq.heapify(heap)
+            tick = len(heap)
+    return hits
+
+
+def optimal_hit_rate(requests: Sequence[Sequence[Hashable]], capacity: int) -> float:
+    """:func:`optimal_hits` / all blocks of all requests."""
+    total = sum(len(r) for r in requests)
+    return optimal_hits(requests, capacity) / total if total else 0.0
+
+
+def brute_force_hits(requests: Sequence[Sequence[Hashable]], capacity: int) -> int:
+    """Exhaustive optimum (every choice of blocks to keep after every
+    request); exponential, for tests on tiny traces only."""
+    from functools import cache
+    from itertools import combinations
+
+    reqs = [tuple(r) for r in requests]
+
+    @cache
+    def best(t: int, cache: frozenset) -> int:
+        if t == len(reqs):
+            return 0
+        keys = reqs[t]
+        n = 0
+        for k in keys:
+            if k not in cache:
+                break
+            n += 1
+        pool = sorted(cache | set(keys), key=repr)
+        out = 0
+        for size in range(min(capacity, len(pool)) + 1):
+            for keep in combinations(pool, size):
+                out = max(out, best(t + 1, frozenset(keep)))
+        return n + out
+
+    return best(0, frozenset())
+
+
+# ------------------------------------------------ clairvoyant reference points
+#
+# Not bounds on every online policy, but on two families of them: they show
+# how much of the gap to the optimum *admission* and *frequency ranking*
+# could close even if they were told the future.
+
+
+def oracle_admission_lru_hits(
+    requests: Sequence[Sequence[Hashable]], capacity: int
+) -> int:
+    """Prefix hits of an LRU cache (a request's head ranked newest) that
+    stores a block only if some later request uses it again: the most an
+    admission filter in front of LRU can get."""
+    from collections import OrderedDict
+
+    next_use = _next_uses(requests)
+    lru: OrderedDict[Hashable, None] = OrderedDict()
+    hits = 0
+    for t, keys in enumerate(requests):
+        n = 0
+        for k in keys:
+            if k not in lru:
+                break
+            n += 1
+        hits += n
+        for k, nu in zip(reversed(keys), reversed(next_use[t])):
+            if k in lru:
+                lru.move_to_end(k)
+            elif nu != NEVER:
+                lru[k] = None
+        while len(lru) > capacity:
+            lru.popitem(last=False)
+    return hits
+
+
+def static_frequency_hits(requests: Sequence[Sequence[Hashable]], capacity: int) -> int:
+    """Prefix hits of a cache that holds, once seen, exactly the
+    ``capacity`` blocks used most often in the whole trace: perfect
+    knowledge of popularity, none of timing (what frequency-ranked
+    policies such as LFU or TinyLFU estimate)."""
+    from collections import Counter
+
+    counts = Counter(k for keys in requests for k in keys)
+    # Ties: a parent is counted at least as often as its child, so taking
+    # shallower blocks first keeps the chosen set prefix-closed.
+    depth: dict[Hashable, int] = {}
+    for keys in requests:
+        for d, k in enumerate(keys):
+            depth.setdefault(k, d)
+    chosen = set(
+        sorted(counts, key=lambda k: (-counts[k], depth[k]))[: max(capacity, 0)]
+    )
+    seen: set[Hashable] = set()
+    hits = 0
+    for keys in requests:
+        for k in keys:
+            if k not in chosen or k not in seen:
+                break
+            hits += 1
+        seen.update(keys)
+    return hits
