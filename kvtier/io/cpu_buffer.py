@@ -253,7 +253,14 @@ def _create_owned(path: str, size: int) -> int:
     directory, name = os.path.split(path)
     for _attempt in range(5):
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
-        fd = open_private(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, private=True)
+        try:
+            fd = open_private(
+                tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, private=True
+            )
+        except FileNotFoundError:
+            # The last other engine removed the (empty) directory meanwhile.
+            os.close(open_private_dir(directory))
+            continue
         try:
             if not flock_exclusive(fd):  # a brand-new inode: cannot happen
                 raise InUseError(f"cannot lock {tmp!r}", tmp)
@@ -342,6 +349,13 @@ def _release_owned(path: str, fd: int) -> None:
     _unlink_if_same(path, fd)
     with contextlib.suppress(OSError):
         os.close(fd)
+    directory = os.path.dirname(path)
+    if os.path.basename(directory) == f"kvtier-{os.geteuid()}":
+        # The last engine leaves no trace in /dev/shm: rmdir fails while
+        # other files remain, and a creator racing it re-creates the
+        # directory (_create_owned).
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
 
 
 # A temporary file is created and locked in two steps; a sweep leaves young

@@ -82,3 +82,23 @@ def test_close_with_live_view_does_not_raise(caplog: pytest.LogCaptureFixture) -
 def test_bad_geometry() -> None:
     with pytest.raises(ValueError):
         CpuBlockBuffer(0, 4096)
+
+
+def test_last_owner_leaves_nothing_in_the_shared_memory_directory():
+    import os
+
+    from kvtier.io.cpu_buffer import CpuBlockBuffer, cpu_buffer_dir
+
+    d = cpu_buffer_dir()
+    a = CpuBlockBuffer(1, 4096, os.path.join(d, "kvtier-t1-r0of1.cpu"), owner=True)
+    b = CpuBlockBuffer(1, 4096, os.path.join(d, "kvtier-t2-r0of1.cpu"), owner=True)
+    a.close()
+    assert sorted(os.listdir(d)) == ["kvtier-t2-r0of1.cpu"]  # b's stays
+    b.close()
+    assert not os.path.exists(d)  # the last owner removed the empty directory
+    # A later engine re-creates it.
+    c = CpuBlockBuffer(
+        1, 4096, os.path.join(cpu_buffer_dir(), "kvtier-t3-r0of1.cpu"), owner=True
+    )
+    c.close()
+    assert not os.path.exists(d)
