@@ -9,7 +9,7 @@ ready on which medium (:func:`replay`); the vLLM adapter maps these events
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 MEDIUM_CPU = "cpu"
@@ -49,3 +49,31 @@ def replay(events: Iterable[TierEvent]) -> dict[str, set[Hashable]]:
                     raise ValueError(f"stored {key!r} on {ev.medium} twice")
                 held.add(key)
     return state
+
+
+class EventLog:
+    """The pending residency events of one hierarchy, drained by ``take``.
+
+    Consecutive events of the same kind coalesce into one (amortized O(1)
+    per key), which keeps streams short for batch evictions. Disabled (no
+    consumer, e.g. KV events off) it records nothing, so nothing grows."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._pending: list[tuple[str, bool, str, list[Hashable]]] = []
+
+    def record(
+        self, keys: Sequence[Hashable], medium: str, removed: bool, reason: str
+    ) -> None:
+        if not self.enabled:
+            return
+        last = self._pending[-1] if self._pending else None
+        if last is not None and last[:3] == (medium, removed, reason):
+            last[3].extend(keys)
+        else:
+            self._pending.append((medium, removed, reason, list(keys)))
+
+    def take(self) -> list[TierEvent]:
+        """Drain the events since the last call, in order."""
+        pending, self._pending = self._pending, []
+        return [TierEvent(tuple(k), m, r, why) for m, r, why, k in pending]

@@ -6,23 +6,8 @@ loads from either tier) that the worker side executes asynchronously; it
 never performs or waits for I/O itself, so every call here is O(blocks
 touched).
 
-Block life cycle::
-
-    prepare_store ──► cpu WRITING ──complete_store──► cpu READY (dirty)
-                                                       │ spill order
-                                                       ▼
-                            cpu READY + disk WRITING ──complete_spill──►
-                            cpu READY (clean) + disk READY
-                                                       │ CPU needs room
-                                                       ▼
-                                                   disk READY only
-                                                       │ prepare_load: the worker
-                                                       │ reads the slot itself
-                                                       ▼
-                  disk READY (pinned) [+ cpu WRITING when a row was free]
-                                                       │ complete_load
-                                                       ▼
-                  disk READY [+ cpu READY (clean): the verified copy went up]
+The life of a block (store, spill, drop, load from either tier, copy up)
+is drawn in docs/architecture.md ("A block's life").
 
 A disk block is loaded straight from its slot: a load never waits for CPU
 room. When a CPU row can be had without waiting (a free row or a clean
@@ -50,11 +35,10 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
-from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, TierEvent
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, EventLog, TierEvent
+from kvtier.tiers.loading import PROMOTION_SCAN, LoadPlanning  # noqa: F401
 from kvtier.tiers.plans import (
-    BlockLocation,
     HierarchyStats,
     Key,
     LoadPlan,
@@ -65,17 +49,8 @@ from kvtier.tiers.plans import (
 )
 from kvtier.tiers.tier import BlockState, Tier, TierBlock
 
-# How many eviction candidates a load may inspect to find a CPU row for a
-# promotion: a promotion is an extra, so it never pays for a long scan.
-PROMOTION_SCAN = 64
 
-
-@dataclass
-class _PendingJob:
-    items: tuple[TransferItem, ...]
-
-
-class TierHierarchy:
+class TierHierarchy(LoadPlanning):
     """A CPU tier over an optional disk tier, with cascade and promotion.
 
     Contract (what the property tests check):
@@ -123,9 +98,6 @@ class TierHierarchy:
         self.spill_watermark = spill_watermark
         self.spill_batch = max(1, spill_batch)
         self.promote_on_hit = promote_on_hit
-        # Without a consumer (KV events off) nothing drains the events, so
-        # none are recorded: an undrained list would grow without bound.
-        self.record_events = record_events
         self.stats = HierarchyStats()
 
         # Dirty CPU blocks (READY on CPU, not READY/WRITING on disk, not
@@ -136,15 +108,16 @@ class TierHierarchy:
         # wedging the tier or being respilled over better blocks.
         self._unspillable: set[Key] = set()
         self._spilling: dict[Key, int] = {}  # key -> job id
-        self._spill_jobs: dict[int, _PendingJob] = {}
+        self._spill_jobs: dict[int, tuple[TransferItem, ...]] = {}
         self._new_spills: list[SpillOrder] = []
         # Keys whose CPU copy came from disk, so hits keep reporting "disk"
         # as their source until the block is stored again.
         self._promoted: set[Key] = set()
         # Loads planned and not completed yet: what each pinned where.
         self._loads: dict[int, LoadPlan] = {}
-        # Pending events as (medium, removed, reason, keys), frozen on take.
-        self._events: list[tuple[str, bool, str, list[Key]]] = []
+        # Without a consumer (KV events off) nothing drains the events, so
+        # none are recorded: an undrained log would grow without bound.
+        self._events = EventLog(record_events)
         self._next_job_id = 1
 
     # ------------------------------------------------------------------ lookup
@@ -174,99 +147,6 @@ class TierHierarchy:
         if self.cpu.is_ready(key):
             return MEDIUM_DISK if key in self._promoted else MEDIUM_CPU
         return MEDIUM_DISK
-
-    # -------------------------------------------------------------------- load
-
-    def prepare_load(self, keys: Sequence[Key], promote: bool | None = None) -> LoadPlan:
-        """Pin each key where it is ready (CPU preferred) and say where.
-
-        A key read from disk also gets a CPU row to be copied into when one
-        is free or a clean block can give its row up (``promote``, default
-        ``promote_on_hit``); the load never waits for one. Raises
-        ``KeyError`` (pinning nothing) if a key is not ready anywhere."""
-        if promote is None:
-            promote = self.promote_on_hit
-        cpu, disk = self.cpu, self.disk
-        blocks: list[TierBlock] = []
-        media: list[str] = []
-        for key in keys:
-            block = cpu.get(key)
-            if block is not None and block.state is BlockState.READY:
-                media.append(MEDIUM_CPU)
-            else:
-                block = disk.get(key) if disk is not None else None
-                if block is None or block.state is not BlockState.READY:
-                    raise KeyError(f"prepare_load of {key!r}, which is not ready")
-                media.append(MEDIUM_DISK)
-            blocks.append(block)
-        # Pin before making room for promotions: the victims must never
-        # include a block this very load reads.
-        for key, medium in zip(keys, media):
-            self._tier(medium).pin(key)
-        # Rows for promotions: only keys that have no CPU block at all (one
-        # being written already has its row), found by a short scan.
-        promote_keys: set[Key] = set()
-        if promote and disk is not None:
-            wanted = [
-                k for k, m in zip(keys, media) if m == MEDIUM_DISK and k not in cpu
-            ]
-            if wanted:
-                room = self._make_room(cpu, len(set(wanted)), limit=PROMOTION_SCAN)
-                for key in wanted:
-                    if room == 0:
-                        break
-                    if key not in promote_keys:
-                        promote_keys.add(key)
-                        room -= 1
-        locations: list[BlockLocation] = []
-        for key, block, medium in zip(keys, blocks, media):
-            promote_slot = None
-            if key in promote_keys:
-                promote_keys.discard(key)
-                promote_slot = cpu.allocate(key, origin="promote").slot
-            locations.append(BlockLocation(medium, block.slot, promote_slot))
-        for key, loc in zip(reversed(keys), reversed(locations)):
-            self._tier(loc.medium).touch(key)  # head ranks newest
-            if key in self._dirty:
-                self._dirty.move_to_end(key)
-        plan = LoadPlan(self._new_job_id(), list(keys), locations)
-        self._loads[plan.load_id] = plan
-        return plan
-
-    def complete_load(self, load_id: int, failed: Iterable[Key] = ()) -> None:
-        """Release a load's pins. Keys in ``failed`` were read from disk and
-        could not be used (I/O error or failed verification): their disk
-        copy is dropped as corrupt once no other load reads it, and their
-        promotion row is given back unwritten. Other promoted keys become
-        ready on CPU."""
-        plan = self._loads.pop(load_id)
-        bad = set(failed)
-        promoted: list[Key] = []
-        stats = self.stats
-        for key, loc in zip(plan.keys, plan.locations):
-            tier = self._tier(loc.medium)
-            block = tier.get(key)
-            if block is not None:
-                tier.unpin(key)
-            if loc.medium == MEDIUM_CPU:
-                stats.loads_cpu += 1
-                continue
-            if key in bad:
-                stats.load_failures += 1
-                if loc.promote_slot is not None:
-                    self.cpu.remove(key)
-                if block is not None and block.pins == 0:
-                    stats.corrupt_blocks += 1
-                    self._drop_from_disk(key, reason="corrupt")
-                continue
-            stats.loads_disk += 1
-            if loc.promote_slot is not None:
-                self.cpu.mark_ready(key)
-                self._promoted.add(key)
-                promoted.append(key)
-        if promoted:
-            stats.promotions_completed += len(promoted)
-            self._emit(promoted, MEDIUM_CPU, removed=False, reason="promote")
 
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark keys used; the first key ends up most recent (prefix order)."""
@@ -363,10 +243,10 @@ class TierHierarchy:
 
     def complete_spill(self, job_id: int, failed_keys: Iterable[Key] = ()) -> None:
         """A spill job finished; keys in ``failed_keys`` did not reach disk."""
-        job = self._spill_jobs.pop(job_id)
+        items = self._spill_jobs.pop(job_id)
         failed = set(failed_keys)
         done: list[Key] = []
-        for item in job.items:
+        for item in items:
             key = item.key
             self._spilling.pop(key, None)
             assert self.disk is not None
@@ -418,7 +298,7 @@ class TierHierarchy:
         for i in range(0, len(items), self.spill_batch):
             chunk = tuple(items[i : i + self.spill_batch])
             job_id = self._new_job_id()
-            self._spill_jobs[job_id] = _PendingJob(chunk)
+            self._spill_jobs[job_id] = chunk
             for item in chunk:
                 self._spilling[item.key] = job_id
             self._new_spills.append(SpillOrder(job_id, chunk))
@@ -442,8 +322,6 @@ class TierHierarchy:
             for key in victims:
                 drop(key, reason="evict")
         return min(n, tier.num_free)
-
-    # --------------------------------------------------------------- promotion
 
     def demote(self, key: Key) -> bool:
         """Drop ``key``'s CPU copy if it is idle and also ready on disk (the
@@ -489,24 +367,14 @@ class TierHierarchy:
         self._promoted.clear()
         self._loads.clear()
 
-    # ------------------------------------------------------------------ events
-
     def take_events(self) -> list[TierEvent]:
         """Drain the residency events since the last call, in order."""
-        events, self._events = self._events, []
-        return [TierEvent(tuple(k), m, r, why) for m, r, why, k in events]
+        return self._events.take()
 
     def residency(self) -> dict[str, set[Key]]:
         """Keys READY per medium (for tests and tools; O(n))."""
-        out = {
-            MEDIUM_CPU: {k for k, b in self.cpu.items() if b.state is BlockState.READY}
-        }
-        out[MEDIUM_DISK] = (
-            {k for k, b in self.disk.items() if b.state is BlockState.READY}
-            if self.disk is not None
-            else set()
-        )
-        return out
+        disk = self.disk.ready_keys() if self.disk is not None else set()
+        return {MEDIUM_CPU: self.cpu.ready_keys(), MEDIUM_DISK: disk}
 
     @property
     def has_pending_io(self) -> bool:
@@ -516,10 +384,6 @@ class TierHierarchy:
     def num_loads(self) -> int:
         """Loads planned and not completed."""
         return len(self._loads)
-
-    @property
-    def num_dirty(self) -> int:
-        return len(self._dirty)
 
     # ----------------------------------------------------------------- helpers
 
@@ -580,17 +444,4 @@ class TierHierarchy:
     def _emit(
         self, keys: Sequence[Key], medium: str, removed: bool, reason: str
     ) -> None:
-        if not self.record_events:
-            return
-        # Consecutive events of the same kind coalesce into one (amortized
-        # O(1) per key), which keeps event streams short for batch evictions.
-        last = self._events[-1] if self._events else None
-        if (
-            last is not None
-            and last[0] == medium
-            and last[1] == removed
-            and last[2] == reason
-        ):
-            last[3].extend(keys)
-        else:
-            self._events.append((medium, removed, reason, list(keys)))
+        self._events.record(keys, medium, removed, reason)

@@ -148,6 +148,10 @@ class Tier:
         """Blocks that may be chosen as victims now."""
         return len(self._eligible)
 
+    def ready_keys(self) -> set[Hashable]:
+        """Keys whose block is READY (O(n): tests and tools)."""
+        return {k for k, b in self._blocks.items() if b.state is BlockState.READY}
+
     def keys(self) -> Iterator[Hashable]:
         return iter(self._blocks)
 

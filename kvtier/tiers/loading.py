@@ -1,0 +1,138 @@
+"""Loads: where each block of a request is read from, and what a finished
+load changes (the copy up of verified disk blocks, the drop of corrupt ones).
+
+:class:`LoadPlanning` is the load half of
+:class:`~kvtier.tiers.hierarchy.TierHierarchy`, kept apart because it is one
+responsibility: it reads and changes the hierarchy's state through the names
+listed on the class, and nothing else uses it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
+from kvtier.tiers.plans import BlockLocation, HierarchyStats, Key, LoadPlan
+from kvtier.tiers.tier import BlockState, Tier, TierBlock
+
+# How many eviction candidates a load may inspect to find a CPU row for a
+# promotion: a promotion is an extra, so it never pays for a long scan.
+PROMOTION_SCAN = 64
+
+
+class LoadPlanning:
+    """``prepare_load`` / ``complete_load`` of the hierarchy.
+
+    Uses the hierarchy's ``cpu`` and ``disk`` tiers, ``stats``,
+    ``promote_on_hit``, ``_dirty``, ``_promoted``, ``_loads`` and its helpers
+    ``_make_room``, ``_droppable``, ``_tier``, ``_new_job_id``,
+    ``_drop_from_disk`` and ``_emit``."""
+
+    if TYPE_CHECKING:
+        cpu: Tier
+        disk: Tier | None
+        stats: HierarchyStats
+        promote_on_hit: bool
+        _dirty: OrderedDict[Key, None]
+        _promoted: set[Key]
+        _loads: dict[int, LoadPlan]
+        _make_room: Callable[..., int]
+        _droppable: Callable[[Key, TierBlock], bool]
+        _tier: Callable[[str], Tier]
+        _new_job_id: Callable[[], int]
+        _drop_from_disk: Callable[[Key, str], None]
+        _emit: Callable[..., None]
+
+    def prepare_load(self, keys: Sequence[Key], promote: bool | None = None) -> LoadPlan:
+        """Pin each key where it is ready (CPU preferred) and say where.
+
+        A key read from disk also gets a CPU row to be copied into when one
+        is free or a clean block can give its row up (``promote``, default
+        ``promote_on_hit``); the load never waits for one. Raises
+        ``KeyError`` (pinning nothing) if a key is not ready anywhere."""
+        if promote is None:
+            promote = self.promote_on_hit
+        cpu, disk = self.cpu, self.disk
+        blocks: list[TierBlock] = []
+        media: list[str] = []
+        for key in keys:
+            block = cpu.get(key)
+            if block is not None and block.state is BlockState.READY:
+                media.append(MEDIUM_CPU)
+            else:
+                block = disk.get(key) if disk is not None else None
+                if block is None or block.state is not BlockState.READY:
+                    raise KeyError(f"prepare_load of {key!r}, which is not ready")
+                media.append(MEDIUM_DISK)
+            blocks.append(block)
+        # Pin before making room for promotions: the victims must never
+        # include a block this very load reads.
+        for key, medium in zip(keys, media):
+            self._tier(medium).pin(key)
+        # Rows for promotions: only keys that have no CPU block at all (one
+        # being written already has its row), found by a short scan.
+        promote_keys: set[Key] = set()
+        if promote and disk is not None:
+            wanted = [
+                k for k, m in zip(keys, media) if m == MEDIUM_DISK and k not in cpu
+            ]
+            if wanted:
+                room = self._make_room(cpu, len(set(wanted)), limit=PROMOTION_SCAN)
+                for key in wanted:
+                    if room == 0:
+                        break
+                    if key not in promote_keys:
+                        promote_keys.add(key)
+                        room -= 1
+        locations: list[BlockLocation] = []
+        for key, block, medium in zip(keys, blocks, media):
+            promote_slot = None
+            if key in promote_keys:
+                promote_keys.discard(key)
+                promote_slot = cpu.allocate(key, origin="promote").slot
+            locations.append(BlockLocation(medium, block.slot, promote_slot))
+        for key, loc in zip(reversed(keys), reversed(locations)):
+            self._tier(loc.medium).touch(key)  # head ranks newest
+            if key in self._dirty:
+                self._dirty.move_to_end(key)
+        plan = LoadPlan(self._new_job_id(), list(keys), locations)
+        self._loads[plan.load_id] = plan
+        return plan
+
+    def complete_load(self, load_id: int, failed: Iterable[Key] = ()) -> None:
+        """Release a load's pins. Keys in ``failed`` were read from disk and
+        could not be used (I/O error or failed verification): their disk
+        copy is dropped as corrupt once no other load reads it, and their
+        promotion row is given back unwritten. Other promoted keys become
+        ready on CPU."""
+        plan = self._loads.pop(load_id)
+        bad = set(failed)
+        promoted: list[Key] = []
+        stats = self.stats
+        for key, loc in zip(plan.keys, plan.locations):
+            tier = self._tier(loc.medium)
+            block = tier.get(key)
+            if block is not None:
+                tier.unpin(key)
+            if loc.medium == MEDIUM_CPU:
+                stats.loads_cpu += 1
+                continue
+            if key in bad:
+                stats.load_failures += 1
+                if loc.promote_slot is not None:
+                    self.cpu.remove(key)
+                if block is not None and block.pins == 0:
+                    stats.corrupt_blocks += 1
+                    self._drop_from_disk(key, reason="corrupt")
+                continue
+            stats.loads_disk += 1
+            if loc.promote_slot is not None:
+                self.cpu.mark_ready(key)
+                self._promoted.add(key)
+                promoted.append(key)
+        if promoted:
+            stats.promotions_completed += len(promoted)
+            self._emit(promoted, MEDIUM_CPU, removed=False, reason="promote")
+
