@@ -31,17 +31,9 @@ Config (vLLM 0.32 - 0.33)::
                           "eviction_policy": "lru",
                           "disk_compression": "none"}]}
 
-Row layout. vLLM's primary tier is one ``SharedOffloadRegion`` mmap of
-``num_chunks`` rows of ``kv_bytes_per_chunk`` bytes (page aligned)::
-
-    | rank 0 page | rank 1 page | ... | rank W-1 page | padding |
-
-Each rank page (``cpu_page_size_per_worker`` = KV bytes of one offloaded
-block of one rank) is what kvtier's full spec calls one block: it goes to
-that rank's own slab, under that rank's layout fingerprint (model, dtype,
-block geometry, TP rank/size, plus ``host_layout=vllm-tiering`` because
-vLLM orders a rank's page per KV tensor, which differs from the full spec's
-per-group rows on hybrid models). A key is on disk iff every rank's slot is.
+The ``secondary_tiers`` keys and their checks are in
+:mod:`kvtier.connector.tiering_config`, the primary-row layout and the data
+path in :mod:`kvtier.connector.tiering_rows`.
 
 When to use this mode instead of the full ``TieredOffloadingSpec``, and its
 measured hit rate: docs/tiering-mode.md.
@@ -50,21 +42,17 @@ measured hit rate: docs/tiering-mode.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from typing_extensions import override
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats,
-)
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
-    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -77,18 +65,19 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from kvtier.connector import metrics as m
-from kvtier.connector.config import (
-    ConfigError,
-    KeySpec,
-    KvtierConfig,
-    check_disk_paths,
-    parse_extra_config,
-)
-from kvtier.connector.disk_runtime import SPILL, DiskRuntime
+from kvtier.connector.config import ConfigError, check_disk_paths
+from kvtier.connector.disk_runtime import SPILL
 from kvtier.connector.spec import _ELEM_SIZE, layout_fingerprint
+from kvtier.connector.tiering_config import (
+    TIER_KEYS,
+    TIER_TYPE,
+    TierConfigError,
+    as_tier_error,
+    parse_tier_config,
+)
+from kvtier.connector.tiering_metrics import DiskTierMetrics, DiskTierStats
+from kvtier.connector.tiering_rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
 from kvtier.io.disk_store import store_dirname
-from kvtier.io.engine import TransferEngine
 from kvtier.io.format import slot_size
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 from kvtier.tiers.tier import BlockState, Tier
@@ -98,190 +87,6 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger("kvtier.connector")
-
-TIER_TYPE = "KvtierDiskTier"
-HOST_LAYOUT = "vllm-tiering"
-
-# Keys of one ``secondary_tiers`` entry. vLLM's factory consumes ``type``,
-# ``module_path`` and ``backpressure`` and passes the rest to the tier.
-TIER_KEYS: tuple[KeySpec, ...] = (
-    KeySpec("type", f"`{TIER_TYPE}`.", None, "string", "vllm"),
-    KeySpec("module_path", "`kvtier.connector.tiering`.", None, "string", "vllm"),
-    KeySpec(
-        "backpressure",
-        "vLLM's per-tier back-pressure detector settings.",
-        None,
-        "object",
-        "vllm",
-    ),
-    KeySpec(
-        "disk_bytes_to_use",
-        "Bytes of disk for this tier, all TP ranks and paths together.",
-        None,
-        "integer > 0 (required)",
-    ),
-    KeySpec(
-        "disk_path",
-        "Directory (or list of directories, one per NVMe device) for the slab "
-        "files; blocks are striped across them.",
-        None,
-        "absolute path or non-empty list of absolute paths (required)",
-    ),
-    KeySpec("eviction_policy", "Eviction policy of this tier.", "lru", "lru | arc"),
-    KeySpec(
-        "disk_compression",
-        "zstd over byte planes (stored raw when it saves too little).",
-        "none",
-        "none | zstd",
-    ),
-    KeySpec(
-        "disk_io",
-        "Disk I/O back end (kvikio where it loads, else POSIX with O_DIRECT).",
-        "auto",
-        "auto | posix | kvikio",
-    ),
-    KeySpec("disk_io_threads", "I/O threads per TP rank.", 4, "integer >= 1"),
-    KeySpec(
-        "locality",
-        "Where the storage is, for vLLM's tier filters; a local disk.",
-        "LOCAL",
-        "LOCAL",
-        "vllm",
-    ),
-)
-TIER_KEY_NAMES = tuple(k.name for k in TIER_KEYS)
-
-# kvtier's metric series this tier feeds (tier label "disk"); vLLM's tiering
-# manager already exports read/write bytes and time per tier type.
-_METRICS = (
-    m.TIER_USAGE,
-    m.TIER_BLOCKS,
-    m.TIER_CAPACITY,
-    m.EVICTIONS,
-    m.SPILLS,
-    m.SPILL_FAILURES,
-    m.PROMOTIONS,
-    m.PROMOTION_FAILURES,
-    m.CHECKSUM_FAILURES,
-    m.IO_ERRORS,
-)
-_DISK = ("disk",)
-
-
-# ----------------------------------------------------------------- config
-
-
-class TierConfigError(ConfigError):
-    """A bad key of the ``KvtierDiskTier`` entry in ``secondary_tiers``."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        ValueError.__init__(
-            self,
-            f"kvtier: kv_connector_extra_config['secondary_tiers'][type={TIER_TYPE}]"
-            f"[{key!r}]: {message}",
-        )
-
-
-def _reraise(exc: ConfigError) -> TierConfigError:
-    text = str(exc)
-    marker = f"[{exc.key!r}]: "
-    return TierConfigError(exc.key, text.split(marker, 1)[-1])
-
-
-def parse_tier_config(
-    tier_config: Mapping[str, Any], *, check_paths: bool = True
-) -> KvtierConfig:
-    """Validate one ``KvtierDiskTier`` entry; raise :class:`TierConfigError`.
-
-    The values are checked by the full spec's own schema
-    (:func:`kvtier.connector.config.parse_extra_config`), so both modes
-    accept exactly the same disk settings; ``check_paths`` also checks the
-    directories (exist, writable, room for the budget)."""
-    unknown = sorted(k for k in tier_config if k not in TIER_KEY_NAMES)
-    if unknown:
-        raise TierConfigError(
-            unknown[0], f"unknown key; valid keys are: {', '.join(TIER_KEY_NAMES)}"
-        )
-    for key in ("disk_bytes_to_use", "disk_path"):
-        if tier_config.get(key) is None:
-            raise TierConfigError(key, f"is required ({_accepted(key)})")
-    locality = tier_config.get("locality", "LOCAL")
-    if locality != "LOCAL":
-        raise TierConfigError(
-            "locality", f"got {locality!r}; accepted values: LOCAL (a local disk)"
-        )
-    mapped: dict[str, Any] = {"cpu_bytes_to_use": 1}  # the primary's, not ours
-    for key in (
-        "disk_bytes_to_use",
-        "disk_path",
-        "eviction_policy",
-        "disk_compression",
-        "disk_io",
-        "disk_io_threads",
-    ):
-        if key in tier_config:
-            mapped[key] = tier_config[key]
-    try:
-        cfg = parse_extra_config(mapped)
-        if not cfg.disk_enabled:
-            raise ConfigError("disk_bytes_to_use", "must be > 0 for a disk tier")
-        if check_paths:
-            check_disk_paths(cfg)
-    except TierConfigError:
-        raise
-    except ConfigError as exc:
-        raise _reraise(exc) from None
-    return cfg
-
-
-def _accepted(key: str) -> str:
-    return next(k.accepted for k in TIER_KEYS if k.name == key)
-
-
-# ------------------------------------------------------------ data path
-
-
-class _PrimaryRows:
-    """One rank's page of every primary-tier row, as the ``CpuBlockBuffer``
-    face that :class:`~kvtier.io.TransferEngine` reads and writes
-    (``array[row]`` is a contiguous ``block_bytes`` view into the mmap)."""
-
-    def __init__(self, array: np.ndarray, block_bytes: int):
-        self.array = array
-        self.block_bytes = block_bytes
-
-
-class _PrimaryViewRuntime(DiskRuntime):
-    """kvtier's scheduler-side disk runtime, with vLLM's primary memoryview
-    in place of kvtier's CPU-buffer files: rank ``r``'s engine moves bytes
-    between rank ``r``'s slab and rank ``r``'s page of the primary rows."""
-
-    def __init__(self, rows: list[_PrimaryRows], **kwargs: Any):
-        self._rows = rows
-        super().__init__(
-            cpu_buffer_paths=[f"<primary rows, rank {r}>" for r in range(len(rows))],
-            **kwargs,
-        )
-
-    @override
-    def _engine(self, rank: int) -> TransferEngine:
-        engine = self._engines[rank]
-        if engine is None:
-            engine = TransferEngine(
-                self._rows[rank],  # type: ignore[arg-type]  (duck-typed buffer)
-                self.stores[rank],
-                threads=self._threads,
-            )
-            self._engines[rank] = engine
-        return engine
-
-    @override
-    def close(self) -> None:
-        super().close()
-        # Drop the views into vLLM's mmap so the primary tier can unmap it.
-        self._rows = []
-
 
 # ------------------------------------------------------------------- tier
 
@@ -296,21 +101,7 @@ class _Job:
     missing: list[OffloadKey] = field(default_factory=list)
 
 
-@dataclass
-class DiskTierStats:
-    """Monotonic counters (the metrics diff them)."""
-
-    stores_submitted: int = 0
-    stores_completed: int = 0
-    store_failures: int = 0
-    stores_skipped_full: int = 0
-    promotions_completed: int = 0
-    promotion_failures: int = 0
-    evictions: int = 0
-    restored: int = 0
-
-
-class KvtierDiskTier(SecondaryTierManager):
+class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
     """kvtier's checksummed, bounded disk tier behind vLLM's tiering manager.
 
     Scheduler-side and non-blocking: ``submit_store``/``submit_load`` do the
@@ -388,10 +179,10 @@ class KvtierDiskTier(SecondaryTierManager):
         try:
             check_disk_paths(cfg, reusable=[store_dirname(fp) for fp in fingerprints])
         except ConfigError as exc:
-            raise _reraise(exc) from None
-        self.runtime: _PrimaryViewRuntime | None = _PrimaryViewRuntime(
+            raise as_tier_error(exc) from None
+        self.runtime: PrimaryViewRuntime | None = PrimaryViewRuntime(
             [
-                _PrimaryRows(
+                PrimaryRows(
                     rows[:, r * self.block_bytes : (r + 1) * self.block_bytes],
                     self.block_bytes,
                 )
@@ -605,43 +396,6 @@ class KvtierDiskTier(SecondaryTierManager):
         if runtime is not None:
             runtime.drain()
             runtime.close()
-
-    # ------------------------------------------------------------ metrics
-
-    @classmethod
-    @override
-    def build_metric_definitions(
-        cls, extra_config: dict[str, Any]
-    ) -> dict[str, OffloadingMetricMetadata]:
-        defs = m.metric_definitions()
-        return {name: defs[name] for name in _METRICS}
-
-    @override
-    def get_stats(self) -> OffloadingConnectorStats | None:
-        out = OffloadingConnectorStats()
-        tier = self.tier
-        out.set_gauge(m.TIER_BLOCKS, len(tier), _DISK)
-        out.set_gauge(m.TIER_CAPACITY, tier.capacity, _DISK)
-        out.set_gauge(m.TIER_USAGE, len(tier) / tier.capacity, _DISK)
-        now = self.stats
-        checks = (0, 0)
-        if self.runtime is not None:
-            checks = (self.runtime.checksum_failures(), self.runtime.io_errors())
-        last, last_sum, last_io = self._last_metrics
-        self._last_metrics = (DiskTierStats(**vars(now)), *checks)
-
-        def counter(name: str, delta: int, labels: tuple[str, ...] = ()) -> None:
-            if delta:
-                out.increase_counter(name, delta, labels)
-
-        counter(m.EVICTIONS, now.evictions - last.evictions, _DISK)
-        counter(m.SPILLS, now.stores_completed - last.stores_completed)
-        counter(m.SPILL_FAILURES, now.store_failures - last.store_failures)
-        counter(m.PROMOTIONS, now.promotions_completed - last.promotions_completed)
-        counter(m.PROMOTION_FAILURES, now.promotion_failures - last.promotion_failures)
-        counter(m.CHECKSUM_FAILURES, checks[0] - last_sum)
-        counter(m.IO_ERRORS, checks[1] - last_io)
-        return out
 
 
 # The CPU-platform spec lives in kvtier.connector.portable; configs name it

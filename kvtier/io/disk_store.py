@@ -10,23 +10,22 @@ Global slot ``s`` lives in path ``s % len(paths)`` at local slot
 Every read is verified (magic, header checksum, fingerprint, key, payload
 checksum) in a private bounce buffer before anything reaches the caller's
 buffer, so a torn, stale or corrupted slot is reported, never returned.
+
+The read path lives in :mod:`kvtier.io.disk_reads`, the store directory
+(creation, lock, ``layout.json``) in :mod:`kvtier.io.store_dir`; their
+public names stay importable from here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
-import json
 import logging
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from types import TracebackType
 from typing import Any
 
@@ -35,65 +34,41 @@ import numpy as np
 from kvtier.io.backend import IO_ALIGNMENT, DiskBackend
 from kvtier.io.backends import make_backend
 from kvtier.io.checksum import payload_checksum
-from kvtier.io.compression import CorruptPayloadError, compress, decompress
+from kvtier.io.compression import compress
+from kvtier.io.disk_reads import DiskReads, ReadOutcome, check_header, flat_u8
 from kvtier.io.format import (
     HEADER_SIZE,
     MAX_KEY_LEN,
     Codec,
-    CorruptHeaderError,
-    EmptySlotError,
     LayoutFingerprint,
     SlotHeader,
     aligned_empty,
     round_up,
     slot_size,
 )
-from kvtier.io.safe_open import (
-    InUseError,
-    flock_exclusive,
-    open_private,
-    open_private_dir,
-)
 from kvtier.io.slab import SlabFile
+from kvtier.io.store_dir import (
+    LAYOUT_FILE,
+    check_same_slab,
+    open_store_dir,
+    store_dirname,
+    write_layout,
+)
 
 logger = logging.getLogger("kvtier.io")
 
 COMPRESSION_CHOICES = ("none", "zstd")
-LAYOUT_FILE = "layout.json"
 
-
-class ReadOutcome(Enum):
-    """Result of reading a slot. Only OK means the caller's buffer was written."""
-
-    OK = "ok"
-    EMPTY = "empty"  # never written or invalidated
-    KEY_MISMATCH = "key_mismatch"  # slot holds another block
-    FINGERPRINT_MISMATCH = "fingerprint_mismatch"  # written by another layout
-    CHECKSUM_MISMATCH = "checksum_mismatch"  # payload corrupted or torn
-    BAD_HEADER = "bad_header"  # magic/version/header checksum/fields wrong
-    TRUNCATED = "truncated"  # file ends inside the slot
-    IO_ERROR = "io_error"  # the read itself failed (errno logged)
-
-
-def check_header(
-    hdr: SlotHeader,
-    key: bytes | None,
-    digest: bytes,
-    block_bytes: int,
-    slot_bytes: int,
-) -> ReadOutcome:
-    """Whether a parsed header belongs to this layout, this key (``None``:
-    any key) and a slot of ``slot_bytes`` holding ``block_bytes`` blocks.
-
-    The one header check shared by the disk store and the workers' slot
-    reader (``kvtier.io.slot_reader``)."""
-    if hdr.fingerprint != digest:
-        return ReadOutcome.FINGERPRINT_MISMATCH
-    if key is not None and hdr.key != key:
-        return ReadOutcome.KEY_MISMATCH
-    if hdr.raw_len != block_bytes or HEADER_SIZE + hdr.payload_len > slot_bytes:
-        return ReadOutcome.BAD_HEADER
-    return ReadOutcome.OK
+# Re-exported: long imported from this module.
+__all__ = [
+    "COMPRESSION_CHOICES",
+    "LAYOUT_FILE",
+    "DiskStore",
+    "DiskStoreStats",
+    "ReadOutcome",
+    "check_header",
+    "store_dirname",
+]
 
 
 @dataclass
@@ -113,21 +88,7 @@ class DiskStoreStats:
     io_errors: int = 0
 
 
-def store_dirname(fingerprint: LayoutFingerprint) -> str:
-    """Name of the per-layout directory created under each path."""
-    return f"kvtier-{fingerprint.digest().hex()[:16]}"
-
-
-def _flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:
-    if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
-        raise ValueError(f"{what} must be a C-contiguous numpy array")
-    flat = arr.reshape(-1).view(np.uint8)
-    if flat.size != nbytes:
-        raise ValueError(f"{what} has {flat.size} bytes, expected block_bytes={nbytes}")
-    return flat
-
-
-class DiskStore:
+class DiskStore(DiskReads):
     """Fixed-size block slots on one or more paths, verified on every read.
 
     Contract:
@@ -226,9 +187,9 @@ class DiskStore:
         try:
             for i, base in enumerate(self.paths):
                 d = os.path.join(base, store_dirname(fingerprint))
-                dir_fd = _open_store_dir(d, base)
+                dir_fd = open_store_dir(d, base)
                 self._dir_fds.append(dir_fd)
-                _write_layout(d, fingerprint, self.slot_size, dir_fd=dir_fd)
+                write_layout(d, fingerprint, self.slot_size, dir_fd=dir_fd)
                 local_slots = (num_slots - i + npaths - 1) // npaths
                 slab = SlabFile(
                     os.path.join(d, f"slab-{i}.kvt"),
@@ -240,7 +201,7 @@ class DiskStore:
                 self.slabs.append(slab)
                 handle = self.backend.open(slab.path, writable=True)
                 self._handles.append(handle)
-                _check_same_slab(self.backend, handle, slab)
+                check_same_slab(self.backend, handle, slab)
         except BaseException:
             self.close()
             raise
@@ -304,102 +265,9 @@ class DiskStore:
                 "kvtier disk %s failed on %s: errno %s (%s)", op, path, exc.errno, name
             )
 
-    def _note_short_read(self, idx: int, got: int, wanted: int) -> None:
-        # A slab is preallocated to full size, so a read that ends early means
-        # the file was truncated or the device misbehaved: report it like
-        # write_block reports a short write (EIO, counted, logged once).
-        self._note_io_error(
-            "read",
-            idx,
-            OSError(
-                errno.EIO,
-                f"short read ({got} of {wanted} bytes)",
-                self.slabs[idx].path,
-            ),
-        )
-
-    def _note_corrupt(self, idx: int, slot: int, what: str) -> None:
-        # Rejected data used to be silent (or only counted): log the first
-        # one per slab with its path, as I/O errors are, and count it.
-        path = self.slabs[idx].path
-        key = ("corrupt", path, None)
-        with self._lock:
-            self._stats.checksum_failures += 1
-            first = key not in self._logged_errors
-            self._logged_errors.add(key)
-        log = logger.warning if first else logger.debug
-        log(
-            "kvtier disk read of slot %d on %s rejected: %s (corrupt or torn "
-            "block, treated as a miss)%s",
-            slot,
-            path,
-            what,
-            "; repeats logged at debug" if first else "",
-        )
-
-    def _check_header(self, hdr: SlotHeader, key: bytes | None) -> ReadOutcome:
-        return check_header(hdr, key, self._digest, self.block_bytes, self.slot_size)
-
     def _bump_seq(self, seen: int) -> None:
         with self._lock:
             self._seq = max(self._seq, seen)
-
-    def _load(
-        self, slot: int, key: bytes | None
-    ) -> tuple[ReadOutcome, SlotHeader | None, np.ndarray | None]:
-        """Read and verify a slot into this thread's bounce buffer.
-
-        Returns the outcome, the header when it parsed, and (for OK only) the
-        verified stored payload as a view into the bounce buffer.
-        """
-        idx, offset = self._locate(slot)
-        bounce = self._bounce()
-        first = HEADER_SIZE if self._two_step_reads else self.slot_size
-        t0 = time.perf_counter()
-        nread = 0
-        try:
-            try:
-                n = nread = self._read(idx, bounce[:first], offset)
-                if n < HEADER_SIZE:
-                    self._note_short_read(idx, n, first)
-                    return ReadOutcome.TRUNCATED, None, None
-                try:
-                    hdr = SlotHeader.unpack(bounce[:HEADER_SIZE])
-                except EmptySlotError:
-                    return ReadOutcome.EMPTY, None, None
-                except CorruptHeaderError as exc:
-                    self._note_corrupt(idx, slot, f"bad header ({exc})")
-                    return ReadOutcome.BAD_HEADER, None, None
-                outcome = self._check_header(hdr, key)
-                if outcome is not ReadOutcome.OK:
-                    return outcome, hdr, None
-                end = HEADER_SIZE + hdr.payload_len
-                if self._two_step_reads and hdr.payload_len:
-                    more = round_up(hdr.payload_len, IO_ALIGNMENT)
-                    got = self._read(
-                        idx,
-                        bounce[HEADER_SIZE : HEADER_SIZE + more],
-                        offset + HEADER_SIZE,
-                    )
-                    nread += got
-                    n = HEADER_SIZE + got
-            except OSError as exc:
-                self._note_io_error("read", idx, exc)
-                return ReadOutcome.IO_ERROR, None, None
-            if n < end:
-                self._note_short_read(idx, n, end)
-                return ReadOutcome.TRUNCATED, hdr, None
-            payload = bounce[HEADER_SIZE:end]
-            if payload_checksum(payload) != hdr.checksum:
-                self._note_corrupt(idx, slot, "payload checksum mismatch")
-                return ReadOutcome.CHECKSUM_MISMATCH, hdr, None
-            return ReadOutcome.OK, hdr, payload
-        finally:
-            dt = time.perf_counter() - t0
-            with self._lock:
-                self._stats.bytes_read += nread
-                self._stats.read_seconds += dt
-                self._stats.blocks_read += 1
 
     # -- public API -----------------------------------------------------------
 
@@ -427,7 +295,7 @@ class DiskStore:
         """
         if len(key) > MAX_KEY_LEN:
             raise ValueError(f"key is {len(key)} bytes, max {MAX_KEY_LEN}")
-        flat = _flat_u8(data, self.block_bytes, "data")
+        flat = flat_u8(data, self.block_bytes, "data")
         idx, offset = self._locate(slot)
         t0 = time.perf_counter()
         bounce = self._bounce()
@@ -475,50 +343,6 @@ class DiskStore:
             self._stats.blocks_written += 1
         return written
 
-    def read_block(
-        self, slot: int, key: bytes, out: np.ndarray, *, guard: Any = None
-    ) -> ReadOutcome:
-        """Read the block stored under ``key`` in ``slot`` into ``out``.
-
-        ``out`` is a C-contiguous array of exactly ``block_bytes`` bytes and is
-        written only when the result is OK. Never raises for I/O or data errors.
-        ``guard`` (e.g. :class:`kvtier.io.engine.RowGuard`): ``out`` is written
-        only between a successful ``guard.enter()`` and ``guard.leave()``; when
-        ``enter()`` refuses (the caller gave ``out`` away meanwhile), ``out``
-        is left alone and IO_ERROR is returned.
-        """
-        flat_out = _flat_u8(out, self.block_bytes, "out")
-        outcome, hdr, payload = self._load(slot, key)
-        if outcome is not ReadOutcome.OK:
-            return outcome
-        assert hdr is not None and payload is not None
-        if guard is not None and not guard.enter():
-            return ReadOutcome.IO_ERROR
-        try:
-            # decompress validates the decoded size before writing ``out``.
-            decompress(hdr.codec, payload, hdr.raw_len, hdr.elem_size, flat_out)
-        except (CorruptPayloadError, ValueError):
-            # Checksum matched but the header's codec/lengths lie: treat the
-            # header as untrustworthy.
-            return ReadOutcome.BAD_HEADER
-        finally:
-            if guard is not None:
-                guard.leave()
-        return ReadOutcome.OK
-
-    def verify(self, slot: int) -> ReadOutcome:
-        """Read the full slot and check header, fingerprint and payload checksum."""
-        outcome, _, _ = self._load(slot, None)
-        return outcome
-
-    def read_header(self, slot: int) -> tuple[SlotHeader | None, ReadOutcome]:
-        """Read one slot's header only (the same classification as ``scan``)."""
-        idx, offset = self._locate(slot)
-        buf = self._bounce()[:HEADER_SIZE]
-        fut = self.backend.submit_read(self._handles[idx], buf, offset)
-        _, hdr, outcome = self._classify_header(slot, buf, fut)
-        return hdr, outcome
-
     def invalidate(self, slot: int) -> None:
         """Zero the slot's header so no reader or restart scan trusts it again.
 
@@ -536,57 +360,6 @@ class DiskStore:
         except OSError as exc:
             self._note_io_error("invalidate", idx, exc)
             raise
-
-    def scan(
-        self, window: int = 64
-    ) -> Iterator[tuple[int, SlotHeader | None, ReadOutcome]]:
-        """Yield ``(slot, header, outcome)`` for every slot, in slot order.
-
-        Reads headers only (``window`` reads in flight). OK means the header is
-        intact and ours; the payload is not verified (use ``verify``). The header
-        is returned for OK and for FINGERPRINT_MISMATCH (so ``kvtier inspect``
-        can show foreign slots), otherwise ``None``.
-        """
-        window = max(1, window)
-        bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
-        inflight: deque[tuple[int, np.ndarray, Future[int]]] = deque()
-        for slot in range(self.num_slots):
-            if len(inflight) == window:
-                yield self._classify_header(*inflight.popleft())
-            idx, offset = self._locate(slot)
-            buf = bufs[slot % window]
-            inflight.append(
-                (slot, buf, self.backend.submit_read(self._handles[idx], buf, offset))
-            )
-        while inflight:
-            yield self._classify_header(*inflight.popleft())
-
-    def _classify_header(
-        self, slot: int, buf: np.ndarray, fut: Future[int]
-    ) -> tuple[int, SlotHeader | None, ReadOutcome]:
-        try:
-            n = fut.result()
-        except OSError as exc:
-            self._note_io_error("read", slot % len(self.paths), exc)
-            return slot, None, ReadOutcome.IO_ERROR
-        with self._lock:
-            self._stats.bytes_read += n
-        if n < HEADER_SIZE:
-            self._note_short_read(slot % len(self.paths), n, HEADER_SIZE)
-            return slot, None, ReadOutcome.TRUNCATED
-        try:
-            hdr = SlotHeader.unpack(buf)
-        except EmptySlotError:
-            return slot, None, ReadOutcome.EMPTY
-        except CorruptHeaderError:
-            return slot, None, ReadOutcome.BAD_HEADER
-        outcome = self._check_header(hdr, None)
-        if outcome is ReadOutcome.OK:
-            self._bump_seq(hdr.seq)
-            return slot, hdr, outcome
-        if outcome is ReadOutcome.FINGERPRINT_MISMATCH:
-            return slot, hdr, outcome
-        return slot, None, outcome
 
     def stats(self) -> DiskStoreStats:
         """A consistent snapshot of the counters."""
@@ -631,75 +404,3 @@ class DiskStore:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _open_store_dir(path: str, base: str) -> int:
-    """Create or open a store directory, check it and lock it; returns its fd.
-
-    Refused: a symbolic link, a non-directory, a directory of another owner,
-    one writable by group or others (see kvtier.io.safe_open), and one locked
-    by another live store (two engines on one ``disk_path`` would adopt each
-    other's blocks and evict each other's slots)."""
-    try:
-        os.makedirs(base, exist_ok=True)
-    except FileExistsError as exc:
-        raise NotADirectoryError(
-            errno.ENOTDIR, "kvtier disk_path exists but is not a directory", base
-        ) from exc
-    fd = open_private_dir(path)
-    try:
-        if not flock_exclusive(fd):
-            raise InUseError(
-                f"kvtier disk store {path!r} (disk_path {base!r}) is in use by "
-                "another running kvtier engine with the same model and layout "
-                "(another process, or another engine in this process). Give each "
-                "engine its own disk_path, or stop the other engine first",
-                path,
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _check_same_slab(backend: DiskBackend, handle: Any, slab: SlabFile) -> None:
-    """The back end opened the slab by name: make sure it is the inode that
-    was checked through the locked directory (no swap in between)."""
-    fd = backend.fileno(handle)
-    if fd is not None and not slab.matches(fd):
-        raise PermissionError(
-            errno.EPERM,
-            "kvtier refuses the slab: the file opened by name is not the one "
-            "checked a moment earlier (the directory was swapped?)",
-            slab.path,
-        )
-
-
-def _write_layout(
-    directory: str, fingerprint: LayoutFingerprint, slot_bytes: int, *, dir_fd: int
-) -> None:
-    """Write ``layout.json`` (human/inspect aid; never trusted for reads)."""
-    doc = dict(fingerprint.describe(), header_size=HEADER_SIZE, slot_size=slot_bytes)
-    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
-    path = os.path.join(directory, LAYOUT_FILE)
-    try:
-        fd = open_private(LAYOUT_FILE, os.O_RDONLY, dir_fd=dir_fd, private=True)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        # A link, or not private to us: it is only an aid, so replace it
-        # (rename replaces the name itself, never a link's target).
-        logger.info("replacing %s: %s", path, exc)
-    else:
-        with os.fdopen(fd, encoding="utf-8") as f:
-            if f.read() == text:
-                return
-    tmp = f"{LAYOUT_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp, dir_fd=dir_fd)  # a crashed run's leftover
-    fd = open_private(
-        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd, private=True
-    )
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, LAYOUT_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
