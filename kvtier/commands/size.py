@@ -42,7 +42,8 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
 
 
 def cmd_size(args: argparse.Namespace) -> int:
-    from kvtier import sizing
+    from kvtier import sizing, sizing_compare
+    from kvtier.trace import load_trace
 
     try:
         cpu, disk, bpt = _size_blocks(args)
@@ -61,7 +62,7 @@ def cmd_size(args: argparse.Namespace) -> int:
             print(f"kvtier size: --plot: {exc}", file=sys.stderr)
             return 2
     try:
-        requests = sizing.load_trace(args.trace, limit=args.limit)
+        requests = load_trace(args.trace, limit=args.limit)
     except (OSError, ValueError) as exc:
         print(f"kvtier size: cannot read trace: {exc}", file=sys.stderr)
         return 2
@@ -93,7 +94,7 @@ def cmd_size(args: argparse.Namespace) -> int:
     cmp = None
     if args.compare:
         with progress_bar(show, None, "compare") as tick:
-            cmp = sizing.compare_policies(
+            cmp = sizing_compare.compare_policies(
                 requests, cpu, disk, spill_watermark=args.spill_watermark, progress=tick
             )
         doc["comparison"] = cmp.to_dict()
@@ -111,7 +112,7 @@ def cmd_size(args: argparse.Namespace) -> int:
         _print_size(args.trace, result, bpt, rec)
         if cmp is not None:
             print("policies:")
-            for line in sizing.format_comparison(cmp):
+            for line in sizing_compare.format_comparison(cmp):
                 print("  " + line)
     return 0
 
@@ -161,11 +162,12 @@ def _plot_size(
 ) -> None:
     from kvtier import sizing
     from kvtier.sizing_plot import plot_tier_split
+    from kvtier.trace import unique_blocks
 
     known = {result.disk_blocks: result}
     if rec is not None:
         known.update({r.disk_blocks: r for r in rec.evaluated})
-    sizes = sizing.default_sweep_sizes(cpu, disk, sizing.unique_blocks(requests))
+    sizes = sizing.default_sweep_sizes(cpu, disk, unique_blocks(requests))
     if rec is not None and rec.disk_blocks is not None:
         sizes = sorted(set(sizes) | {rec.disk_blocks})
     todo = [d for d in sizes if d not in known]
