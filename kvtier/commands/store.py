@@ -11,7 +11,7 @@ from kvtier.commands.common import emit_json, fmt_bytes
 
 
 def _open_views(paths: Sequence[str], cmd: str) -> list[Any] | None:
-    from kvtier.io.inspect import find_stores
+    from kvtier.io.store_view import find_stores
 
     try:
         return find_stores(paths)
