@@ -30,17 +30,12 @@ from typing import Any
 
 from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, RESULTS_DIR, write_json
 
-from kvtier.sizing import (
-    SizingResult,
-    infinite_cache_hit_rate,
-    load_trace,
-    optimal_hit_rate,
-    replay_trace,
-    unique_blocks,
-)
+from kvtier.sizing import SizingResult, replay_trace
+from kvtier.sizing_compare import optimal_hit_rate
 from kvtier.sizing_plot import plot_tier_split
 from kvtier.tiers.optimum import oracle_admission_lru_hits, static_frequency_hits
 from kvtier.tiers.policy import POLICIES
+from kvtier.trace import infinite_cache_hit_rate, load_trace, unique_blocks
 
 _TRACE: list[Any] = []
 

@@ -26,8 +26,8 @@ from scheduler_cost import (
     total_us_per_block,
 )
 
-from kvtier.sizing import load_trace
 from kvtier.tiers.policy import POLICIES
+from kvtier.trace import load_trace
 
 
 def run_policy(reqs: list, cpu: int, policy: str) -> tuple[float, float]:

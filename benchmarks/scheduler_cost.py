@@ -46,8 +46,9 @@ from typing import Any
 
 from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json
 
-from kvtier.sizing import TraceReplayer, load_trace, replay_trace
+from kvtier.sizing import TraceReplayer, replay_trace
 from kvtier.tiers import TierHierarchy
+from kvtier.trace import load_trace
 
 ns = time.perf_counter_ns
 COMMON_OPS = (

@@ -38,7 +38,8 @@ from typing import Any
 
 from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json
 
-from kvtier.sizing import infinite_cache_hit_rate, load_trace, replay_trace
+from kvtier.sizing import replay_trace
+from kvtier.trace import infinite_cache_hit_rate, load_trace
 
 ROW_BYTES = 4096  # one trace block's row in the primary tier (page aligned)
 

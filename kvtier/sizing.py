@@ -12,198 +12,30 @@ Hit rate is block-level: hit blocks / all blocks of all requests. The
 infinite-cache bound counts every block seen earlier in the trace as a hit;
 with prefix hashes that is exactly what a never-evicting prefix cache gets.
 
+Traces are read by :mod:`kvtier.trace`; the every-policy comparison against
+the offline optimum is :mod:`kvtier.sizing_compare`.
+
 No vLLM import; pure Python on top of :mod:`kvtier.tiers`.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import stat
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtier.tiers import Residency, TierHierarchy
+from kvtier.trace import (
+    TOKENS_PER_TRACE_BLOCK,
+    TraceRequest,
+    infinite_cache_hit_rate,
+    request_keys,
+    unique_blocks,
+)
 
-TOKENS_PER_TRACE_BLOCK = 512
 DEFAULT_TARGET_FRACTION = 0.95
 
 Progress = Callable[[int], None]
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One request of a Mooncake trace."""
-
-    timestamp: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-# Input bounds for trace files. The shared 3,993-request trace is 1.1 MB with
-# lines under 2 KB; a line holds the prefix hashes of one request (about 10
-# bytes per 512-token block), so 4 MiB is ~200 M tokens.
-MAX_TRACE_LINE_BYTES = 4 << 20
-MAX_TRACE_BYTES = 4 << 30
-# Hash ids are unsigned 64-bit integers (benchmarks turn them into 32-byte
-# keys with ``int.to_bytes``, which refuses negatives).
-_HASH_MAX = (1 << 64) - 1
-_LENGTH_MAX = (1 << 63) - 1
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be read; the message names file and line."""
-
-
-def _int_field(obj: Mapping[str, Any], name: str) -> int:
-    v = obj.get(name, 0)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{name!r} must be an integer, got {v!r:.40}")
-    if not 0 <= v <= _LENGTH_MAX:
-        raise ValueError(f"{name!r} out of range: {v!r:.40}")
-    return v
-
-
-def parse_request(obj: Mapping[str, Any]) -> TraceRequest:
-    """A :class:`TraceRequest` from one decoded trace line.
-
-    Raises ValueError for anything that is not a trace record: a non-object,
-    missing or non-list ``hash_ids``, a hash id that is not a 64-bit integer
-    (``1e400``, ``"12"``, ``3.0``, ``true``), or a non-numeric timestamp.
-    """
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    if "hash_ids" not in obj:
-        raise ValueError("trace line has no 'hash_ids'")
-    raw = obj["hash_ids"]
-    if not isinstance(raw, list):
-        raise ValueError(f"'hash_ids' must be a list, got {type(raw).__name__}")
-    for i, h in enumerate(raw):
-        if isinstance(h, bool) or not isinstance(h, int):
-            raise ValueError(f"hash id #{i} is not an integer: {h!r:.40}")
-        if not 0 <= h <= _HASH_MAX:
-            raise ValueError(f"hash id #{i} is not in [0, 2**64): {h!r:.40}")
-    ts = obj.get("timestamp", 0.0)
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-        raise ValueError(f"'timestamp' must be a number, got {ts!r:.40}")
-    try:
-        timestamp = float(ts)
-    except OverflowError:
-        raise ValueError(f"'timestamp' out of range: {ts!r:.40}") from None
-    if not math.isfinite(timestamp):
-        raise ValueError(f"'timestamp' must be finite, got {ts!r:.40}")
-    return TraceRequest(
-        timestamp=timestamp,
-        input_length=_int_field(obj, "input_length"),
-        output_length=_int_field(obj, "output_length"),
-        hash_ids=tuple(raw),
-    )
-
-
-def _open_trace(path: str | os.PathLike[str]) -> Any:
-    """A binary reader for a trace, which must be a regular file: devices
-    (``/dev/zero``), FIFOs and directories are refused, and opening never
-    blocks (``O_NONBLOCK``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise TraceError(f"{path}: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise TraceError(f"{path}: is a directory, not a trace file")
-        if not stat.S_ISREG(st.st_mode):
-            kind = (
-                "character device"
-                if stat.S_ISCHR(st.st_mode)
-                else "FIFO"
-                if stat.S_ISFIFO(st.st_mode)
-                else "special file"
-            )
-            raise TraceError(f"{path}: is a {kind}, not a regular trace file")
-        if st.st_size > MAX_TRACE_BYTES:
-            raise TraceError(
-                f"{path}: {st.st_size} bytes, more than the {MAX_TRACE_BYTES} "
-                "a trace may have"
-            )
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def load_trace(
-    path: str | os.PathLike[str], limit: int | None = None
-) -> list[TraceRequest]:
-    """Read a JSONL trace (blank lines skipped); at most ``limit`` requests.
-
-    Raises :class:`TraceError` (a ValueError) naming the file and line for
-    anything that is not a trace: not a regular file, a line longer than
-    MAX_TRACE_LINE_BYTES (``/dev/zero``-like input has no newlines), more
-    than MAX_TRACE_BYTES in all, invalid JSON or a bad record (see
-    :func:`parse_request`), or no request at all.
-    """
-    requests: list[TraceRequest] = []
-    total = 0
-    with _open_trace(path) as f:
-        lineno = 0
-        while limit is None or len(requests) < limit:
-            raw = f.readline(MAX_TRACE_LINE_BYTES + 1)
-            if not raw:
-                break
-            lineno += 1
-            total += len(raw)
-            if len(raw) > MAX_TRACE_LINE_BYTES:
-                raise TraceError(
-                    f"{path}:{lineno}: line longer than {MAX_TRACE_LINE_BYTES} "
-                    "bytes (not a JSONL trace?)"
-                )
-            if total > MAX_TRACE_BYTES:
-                raise TraceError(
-                    f"{path}:{lineno}: more than {MAX_TRACE_BYTES} bytes of trace"
-                )
-            line = raw.strip()
-            if not line:
-                continue
-            try:
-                requests.append(parse_request(json.loads(line)))
-            except RecursionError:
-                raise TraceError(f"{path}:{lineno}: JSON nested too deeply") from None
-            except (ValueError, TypeError) as exc:
-                raise TraceError(f"{path}:{lineno}: {exc}") from None
-    if not requests:
-        raise TraceError(f"{path}: no trace records (empty file?)")
-    return requests
-
-
-def _keys(req: TraceRequest | Sequence[Hashable]) -> Sequence[Hashable]:
-    return req.hash_ids if isinstance(req, TraceRequest) else req
-
-
-def infinite_cache_hit_rate(
-    requests: Iterable[TraceRequest | Sequence[Hashable]],
-) -> float:
-    """Block-level hit rate of a cache that never evicts."""
-    seen: set[Hashable] = set()
-    hits = total = 0
-    for req in requests:
-        keys = _keys(req)
-        total += len(keys)
-        hits += sum(1 for k in keys if k in seen)
-        seen.update(keys)
-    return hits / total if total else 0.0
-
-
-def unique_blocks(requests: Iterable[TraceRequest]) -> int:
-    """Distinct blocks in the trace (the capacity that never evicts)."""
-    seen: set[Hashable] = set()
-    for req in requests:
-        seen.update(_keys(req))
-    return len(seen)
 
 
 @dataclass
@@ -408,7 +240,7 @@ def replay_trace(
     rep.result.disk_policy = disk_policy
     pending = 0
     for req in requests:
-        rep.replay(_keys(req))
+        rep.replay(request_keys(req))
         if progress is not None:
             pending += 1
             if pending == 64:
@@ -593,130 +425,3 @@ def default_sweep_sizes(cpu_blocks: int, disk_blocks: int, n_unique: int) -> lis
             sizes.add(d)
         mult *= 2
     return sorted(sizes)
-
-
-# ------------------------------------------------------------- comparison
-
-
-@dataclass
-class PolicyComparison:
-    """Every policy choice replayed on one trace and tier size, next to the
-    offline optimum of one tier of the total capacity (an upper bound for
-    any policy, see :mod:`kvtier.tiers.optimum`) and the infinite cache."""
-
-    cpu_blocks: int
-    disk_blocks: int
-    optimal_hit_rate: float
-    infinite_hit_rate: float
-    results: list[SizingResult] = field(default_factory=list)
-
-    def fraction_of_optimum(self, r: SizingResult) -> float:
-        if self.optimal_hit_rate <= 0:
-            return 1.0
-        return r.hit_rate / self.optimal_hit_rate
-
-    def best(self) -> SizingResult:
-        return max(self.results, key=lambda r: r.hit_rate)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "cpu_blocks": self.cpu_blocks,
-            "disk_blocks": self.disk_blocks,
-            "optimal_hit_rate": self.optimal_hit_rate,
-            "infinite_hit_rate": self.infinite_hit_rate,
-            "policies": [
-                {
-                    "cpu_policy": r.cpu_policy,
-                    "disk_policy": r.disk_policy if self.disk_blocks else None,
-                    "hit_rate": r.hit_rate,
-                    "hit_rate_cpu": r.hit_rate_cpu,
-                    "hit_rate_disk": r.hit_rate_disk,
-                    "fraction_of_optimum": self.fraction_of_optimum(r),
-                    "fraction_of_bound": r.fraction_of_bound,
-                }
-                for r in self.results
-            ],
-        }
-
-
-def policy_pairs(
-    disk_blocks: int, policies: Sequence[str] | None = None
-) -> list[tuple[str, str]]:
-    """(cpu, disk) policy choices worth comparing: each policy alone without
-    a disk tier; with one, every combination."""
-    from kvtier.tiers.policy import POLICIES
-
-    names = list(policies or POLICIES)
-    if disk_blocks <= 0:
-        return [(p, p) for p in names]
-    return [(c, d) for c in names for d in names]
-
-
-def optimal_hit_rate(
-    requests: Sequence[TraceRequest | Sequence[Hashable]], capacity: int
-) -> float:
-    """Offline optimum (Belady on prefix hits) of one tier of ``capacity``."""
-    from kvtier.tiers.optimum import optimal_hit_rate as _opt
-
-    return _opt([_keys(r) for r in requests], capacity)
-
-
-def compare_policies(
-    requests: Sequence[TraceRequest | Sequence[Hashable]],
-    cpu_blocks: int,
-    disk_blocks: int,
-    pairs: Sequence[tuple[str, str]] | None = None,
-    spill_watermark: float = 0.75,
-    *,
-    progress: Progress | None = None,
-) -> PolicyComparison:
-    """Replay every (cpu, disk) policy pair (default :func:`policy_pairs`)
-    and compute the optimum of one tier of ``cpu_blocks + disk_blocks``."""
-    pairs = list(pairs or policy_pairs(disk_blocks))
-    results = [
-        replay_trace(
-            requests,
-            cpu_blocks,
-            disk_blocks,
-            cp,
-            dp,
-            spill_watermark,
-            progress=progress,
-        )
-        for cp, dp in pairs
-    ]
-    return PolicyComparison(
-        cpu_blocks=cpu_blocks,
-        disk_blocks=disk_blocks,
-        optimal_hit_rate=optimal_hit_rate(requests, cpu_blocks + disk_blocks),
-        infinite_hit_rate=infinite_cache_hit_rate(requests),
-        results=results,
-    )
-
-
-def format_comparison(cmp: PolicyComparison) -> list[str]:
-    """The comparison as text lines (``kvtier size --compare``)."""
-    with_disk = cmp.disk_blocks > 0
-    head = f"{'cpu policy':<11}" + (f"{'disk policy':<12}" if with_disk else "")
-    lines = [
-        head + f"{'hit rate':>9}{'cpu':>8}{'disk':>8}{'of optimum':>12}{'of bound':>10}"
-    ]
-    for r in sorted(cmp.results, key=lambda r: -r.hit_rate):
-        lines.append(
-            f"{r.cpu_policy:<11}"
-            + (f"{r.disk_policy:<12}" if with_disk else "")
-            + f"{r.hit_rate:>9.4f}{r.hit_rate_cpu:>8.4f}{r.hit_rate_disk:>8.4f}"
-            f"{cmp.fraction_of_optimum(r):>12.1%}{r.fraction_of_bound:>10.1%}"
-        )
-    total = cmp.cpu_blocks + cmp.disk_blocks
-    lines.append(
-        f"{'optimum':<11}"
-        + (f"{'(one tier)':<12}" if with_disk else "")
-        + f"{cmp.optimal_hit_rate:>9.4f}   offline Belady, one tier of {total} blocks"
-    )
-    lines.append(
-        f"{'infinite':<11}"
-        + (" " * 12 if with_disk else "")
-        + f"{cmp.infinite_hit_rate:>9.4f}"
-    )
-    return lines

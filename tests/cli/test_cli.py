@@ -24,6 +24,12 @@ from kvtier import sizing
 from kvtier.cli import main, parse_bytes
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.format import HEADER_SIZE, LayoutFingerprint
+from kvtier.trace import (
+    TraceRequest,
+    infinite_cache_hit_rate,
+    load_trace,
+    unique_blocks,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_TRACE = REPO_ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
@@ -115,8 +121,8 @@ def test_size_alternating_prefixes_only_disk_hits(tmp_path: Path) -> None:
     assert (
         tiered.hit_rate
         == pytest.approx(0.8)
-        == sizing.infinite_cache_hit_rate(
-            [sizing.TraceRequest(0, 0, 0, tuple(r)) for r in reqs]
+        == infinite_cache_hit_rate(
+            [TraceRequest(0, 0, 0, tuple(r)) for r in reqs]
         )
     )
 
@@ -165,7 +171,7 @@ def test_size_bytes_form_converts_and_recommends(
     d = rec["disk_blocks"]
     assert d is not None and rec["disk_bytes"] == d * 512 * 1024
     # The recommended size meets the target; one block less does not.
-    reqs = sizing.load_trace(trace)
+    reqs = load_trace(trace)
     at = sizing.replay_trace(reqs, 4, d, spill_watermark=0.0)
     below = sizing.replay_trace(reqs, 4, d - 1, spill_watermark=0.0)
     assert at.hit_rate >= rec["target_hit_rate"] > below.hit_rate
@@ -194,9 +200,9 @@ def test_size_text_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 def test_infinite_cache_definition(tmp_path: Path) -> None:
     # Blocks seen before count as hits, wherever they are in the request.
-    reqs = [sizing.TraceRequest(0, 0, 0, ids) for ids in [(1, 2), (1, 3), (4, 2)]]
-    assert sizing.infinite_cache_hit_rate(reqs) == pytest.approx(2 / 6)
-    assert sizing.unique_blocks(reqs) == 4
+    reqs = [TraceRequest(0, 0, 0, ids) for ids in [(1, 2), (1, 3), (4, 2)]]
+    assert infinite_cache_hit_rate(reqs) == pytest.approx(2 / 6)
+    assert unique_blocks(reqs) == 4
 
 
 def _shared_trace() -> str:

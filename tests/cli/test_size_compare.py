@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import sizing
+from kvtier import sizing, sizing_compare
 from kvtier.cli import main
 from kvtier.tiers.policy import POLICIES
 
@@ -37,7 +37,7 @@ def test_size_compare_json_lists_every_policy_under_the_optimum(
     cmp = doc["comparison"]
     assert [p["cpu_policy"] for p in cmp["policies"]] == list(POLICIES)
     assert cmp["optimal_hit_rate"] == pytest.approx(
-        sizing.optimal_hit_rate(PREFIXES, 4)
+        sizing_compare.optimal_hit_rate(PREFIXES, 4)
     )
     for p in cmp["policies"]:
         assert p["hit_rate"] <= cmp["optimal_hit_rate"] + 1e-12
@@ -65,7 +65,7 @@ def test_size_compare_with_disk_pairs_text_and_plot(
 
 
 def test_size_compare_each_policy_matches_a_plain_replay(tmp_path: Path) -> None:
-    cmp = sizing.compare_policies(PREFIXES, 4, 0)
+    cmp = sizing_compare.compare_policies(PREFIXES, 4, 0)
     for r in cmp.results:
         again = sizing.replay_trace(PREFIXES, 4, 0, r.cpu_policy)
         assert again.hit_rate == r.hit_rate

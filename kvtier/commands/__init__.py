@@ -1,0 +1,7 @@
+"""The ``kvtier`` subcommands; the parser and dispatch are in ``kvtier.cli``.
+
+  common   output helpers (byte sizes, progress bar, JSON)
+  size     ``kvtier size``: trace replay, recommendation, policy comparison
+  store    ``kvtier inspect`` and ``kvtier verify``
+  events   ``kvtier events``: KV event counts per medium
+"""

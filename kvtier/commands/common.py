@@ -1,0 +1,44 @@
+"""Output helpers shared by the ``kvtier`` subcommands."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@contextlib.contextmanager
+def progress_bar(
+    enabled: bool, total: int | None, desc: str
+) -> Iterator[Callable[[int], None] | None]:
+    """A tqdm bar on stderr, or None when disabled / not a terminal."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield None
+        return
+    bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
+def emit_json(doc: Any) -> None:
+    json.dump(doc, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")

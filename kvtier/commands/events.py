@@ -1,0 +1,96 @@
+"""``kvtier events``: count a running vLLM's KV events per medium."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+
+from kvtier.commands.common import emit_json
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from kvtier.events_sub import BatchDecoder, EventSubscriber, bind_endpoint
+
+    endpoint = args.endpoint
+    if args.bind:
+        try:
+            endpoint, note = bind_endpoint(endpoint, args.allow_remote)
+        except ValueError as exc:
+            print(f"kvtier events: {exc}", file=sys.stderr)
+            return 2
+        if note:
+            print(f"kvtier events: {note}", file=sys.stderr)
+    try:
+        sub = EventSubscriber(
+            endpoint,
+            args.topic,
+            bind=args.bind,
+            max_message_bytes=args.max_message_bytes,
+        )
+    except Exception as exc:  # zmq.ZMQError: bad endpoint, port in use
+        print(f"kvtier events: cannot subscribe to {endpoint}: {exc}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    deadline = start + args.duration if args.duration else None
+    live = not args.json
+    tty = sys.stdout.isatty()
+    try:
+        # Subscribed already: batches queue while vLLM's classes import.
+        try:
+            sub.decoder = BatchDecoder(args.decoder)
+        except ImportError as exc:
+            print(f"kvtier events: --decoder vllm needs vLLM: {exc}", file=sys.stderr)
+            return 2
+        if live:
+            print(
+                f"listening on {endpoint} ({'bound' if args.bind else 'connected'}, "
+                f"topic {args.topic!r}, decoder {sub.decoder.kind})",
+                flush=True,
+            )
+        next_line = time.monotonic() + 1.0
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                break
+            if args.max_batches and sub.counts.batches >= args.max_batches:
+                break
+            wake = next_line if deadline is None else min(next_line, deadline)
+            sub.poll(int(max(0.0, wake - now) * 1000) + 1)
+            if live and time.monotonic() >= next_line:
+                line = f"[{time.monotonic() - start:6.0f}s] {sub.counts.line()}"
+                print(
+                    ("\r" + line) if tty else line, end="" if tty else "\n", flush=True
+                )
+                next_line += 1.0
+    except KeyboardInterrupt:
+        pass
+    finally:
+        # Count what already arrived: batches still queued in the socket when
+        # Ctrl-C or --duration ends the watch belong to the summary.
+        with contextlib.suppress(KeyboardInterrupt):
+            if sub.decoder is None:
+                sub.decoder = BatchDecoder("auto")
+            drain_until = time.monotonic() + 5.0
+            while sub.poll(200) and time.monotonic() < drain_until:
+                pass
+        sub.close()
+    doc = sub.counts.to_dict()
+    doc.update(
+        endpoint=endpoint,
+        seconds=round(time.monotonic() - start, 3),
+        decoder=sub.decoder.kind if sub.decoder else None,
+    )
+    if args.json:
+        emit_json(doc)
+    else:
+        if tty:
+            print()
+        print(f"summary after {doc['seconds']:.1f}s: {sub.counts.line()}")
+        if sub.counts.decode_errors:
+            print(
+                f"skipped {sub.counts.decode_errors} malformed message(s); last: "
+                f"{sub.counts.last_decode_error}"
+            )
+    return 0

@@ -1,0 +1,239 @@
+"""``kvtier size``: replay a trace through the tier hierarchy."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.commands.common import emit_json, fmt_bytes, progress_bar
+
+
+def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
+    """(cpu_blocks, disk_blocks, bytes_per_token) from the blocks or bytes form."""
+    from kvtier.sizing import blocks_for_bytes
+
+    bpt = args.bytes_per_token
+    if (args.cpu_bytes is not None or args.disk_bytes is not None) and bpt is None:
+        raise ValueError("--cpu-bytes/--disk-bytes need --bytes-per-token")
+    if args.cpu_blocks is not None and args.cpu_bytes is not None:
+        raise ValueError("give --cpu-blocks or --cpu-bytes, not both")
+    if args.disk_blocks is not None and args.disk_bytes is not None:
+        raise ValueError("give --disk-blocks or --disk-bytes, not both")
+    if args.cpu_blocks is not None:
+        cpu = args.cpu_blocks
+    elif args.cpu_bytes is not None:
+        cpu = blocks_for_bytes(args.cpu_bytes, bpt)
+    else:
+        raise ValueError("give --cpu-blocks, or --cpu-bytes with --bytes-per-token")
+    if args.disk_blocks is not None:
+        disk = args.disk_blocks
+    elif args.disk_bytes is not None:
+        disk = blocks_for_bytes(args.disk_bytes, bpt)
+    else:
+        disk = 0
+    if cpu <= 0:
+        raise ValueError(
+            "the CPU tier must hold at least one 512-token block "
+            f"({fmt_bytes(512 * (bpt or 0))} at {bpt} bytes/token)"
+        )
+    return cpu, disk, bpt
+
+
+def cmd_size(args: argparse.Namespace) -> int:
+    from kvtier import sizing, sizing_compare
+    from kvtier.trace import load_trace
+
+    try:
+        cpu, disk, bpt = _size_blocks(args)
+    except ValueError as exc:
+        print(f"kvtier size: {exc}", file=sys.stderr)
+        return 2
+    cpu_policy = args.cpu_policy or args.policy
+    disk_policy = args.disk_policy or args.policy
+    if args.plot:
+        # Before the replay, which can take minutes: not after it.
+        from kvtier.sizing_plot import check_plot_path
+
+        try:
+            check_plot_path(args.plot)
+        except ValueError as exc:
+            print(f"kvtier size: --plot: {exc}", file=sys.stderr)
+            return 2
+    try:
+        requests = load_trace(args.trace, limit=args.limit)
+    except (OSError, ValueError) as exc:
+        print(f"kvtier size: cannot read trace: {exc}", file=sys.stderr)
+        return 2
+    show = not args.json
+
+    def replay(disk_blocks: int, desc: str) -> sizing.SizingResult:
+        with progress_bar(show, len(requests), desc) as tick:
+            return sizing.replay_trace(
+                requests,
+                cpu,
+                disk_blocks,
+                cpu_policy,
+                disk_policy,
+                args.spill_watermark,
+                progress=tick,
+            )
+
+    result = replay(disk, "replay")
+    doc: dict[str, Any] = {"trace": args.trace, **result.to_dict()}
+    rec = None
+    if bpt is not None or args.recommend:
+        rec = _recommend(requests, cpu, cpu_policy, disk_policy, args, bpt)
+        doc["bytes_per_token"] = bpt
+        doc["recommendation"] = rec.to_dict()
+    if bpt is not None:
+        bpb = sizing.bytes_per_block(bpt)
+        doc["cpu_bytes"] = cpu * bpb
+        doc["disk_bytes"] = disk * bpb
+    cmp = None
+    if args.compare:
+        with progress_bar(show, None, "compare") as tick:
+            cmp = sizing_compare.compare_policies(
+                requests, cpu, disk, spill_watermark=args.spill_watermark, progress=tick
+            )
+        doc["comparison"] = cmp.to_dict()
+    if args.plot and cmp is not None:
+        from kvtier.sizing_plot import plot_policy_comparison
+
+        plot_policy_comparison(cmp, args.plot, title=args.trace)
+        doc["plot"] = args.plot
+    elif args.plot:
+        _plot_size(args, requests, cpu, disk, cpu_policy, disk_policy, result, rec)
+        doc["plot"] = args.plot
+    if args.json:
+        emit_json(doc)
+    else:
+        _print_size(args.trace, result, bpt, rec)
+        if cmp is not None:
+            print("policies:")
+            for line in sizing_compare.format_comparison(cmp):
+                print("  " + line)
+    return 0
+
+
+def _recommend(
+    requests: Sequence[Any],
+    cpu: int,
+    cpu_policy: str,
+    disk_policy: str,
+    args: argparse.Namespace,
+    bpt: int | None,
+) -> Any:
+    from kvtier import sizing
+
+    n = 0
+
+    def on_replay(_r: Any) -> None:
+        nonlocal n
+        n += 1
+        if not args.json and sys.stderr.isatty():
+            print(f"\rsizing sweep: {n} replays", end="", file=sys.stderr, flush=True)
+
+    rec = sizing.recommend_disk_blocks(
+        requests,
+        cpu,
+        args.target,
+        cpu_policy=cpu_policy,
+        disk_policy=disk_policy,
+        spill_watermark=args.spill_watermark,
+        bytes_per_token=bpt,
+        on_replay=on_replay,
+    )
+    if n and not args.json and sys.stderr.isatty():
+        print(file=sys.stderr)
+    return rec
+
+
+def _plot_size(
+    args: argparse.Namespace,
+    requests: Sequence[Any],
+    cpu: int,
+    disk: int,
+    cpu_policy: str,
+    disk_policy: str,
+    result: Any,
+    rec: Any,
+) -> None:
+    from kvtier import sizing
+    from kvtier.sizing_plot import plot_tier_split
+    from kvtier.trace import unique_blocks
+
+    known = {result.disk_blocks: result}
+    if rec is not None:
+        known.update({r.disk_blocks: r for r in rec.evaluated})
+    sizes = sizing.default_sweep_sizes(cpu, disk, unique_blocks(requests))
+    if rec is not None and rec.disk_blocks is not None:
+        sizes = sorted(set(sizes) | {rec.disk_blocks})
+    todo = [d for d in sizes if d not in known]
+    with progress_bar(not args.json, len(todo) * len(requests), "plot sweep") as tick:
+        for d in todo:
+            known[d] = sizing.replay_trace(
+                requests,
+                cpu,
+                d,
+                cpu_policy,
+                disk_policy,
+                args.spill_watermark,
+                progress=tick,
+            )
+    title = f"{args.trace}: CPU {cpu} blocks ({cpu_policy}), disk policy {disk_policy}"
+    plot_tier_split(
+        {"hit rate vs disk capacity": [known[d] for d in sizes]},
+        args.plot,
+        title=title,
+        target_fraction=args.target,
+    )
+
+
+def _print_size(trace: str, r: Any, bpt: int | None, rec: Any) -> None:
+    from kvtier.sizing import bytes_per_block
+
+    bpb = bytes_per_block(bpt) if bpt else None
+
+    def size(blocks: int) -> str:
+        return f"{blocks} blocks" + (f" ({fmt_bytes(blocks * bpb)})" if bpb else "")
+
+    print(
+        f"trace            {trace}: {r.requests} requests, {r.blocks} blocks of 512 tokens"
+    )
+    print(
+        f"tiers            cpu {size(r.cpu_blocks)} [{r.cpu_policy}], "
+        f"disk {size(r.disk_blocks)} [{r.disk_policy}], "
+        f"spill watermark {r.spill_watermark}"
+    )
+    print(
+        f"hit rate         {r.hit_rate:.4f}  (cpu {r.hit_rate_cpu:.4f}, "
+        f"disk {r.hit_rate_disk:.4f})"
+    )
+    print(
+        f"infinite cache   {r.infinite_hit_rate:.4f}  "
+        f"(this configuration reaches {r.fraction_of_bound:.1%} of it)"
+    )
+    if r.stores_declined:
+        print(
+            f"stores declined  {r.stores_declined} ({r.blocks_not_stored} blocks not stored)"
+        )
+    if rec is None:
+        return
+    goal = (
+        f"{rec.target_fraction:.0%} of the bound (hit rate {rec.target_hit_rate:.4f})"
+    )
+    if rec.disk_blocks is None:
+        print(f"recommendation   {goal} is not reachable with this CPU tier")
+    elif rec.disk_blocks == 0:
+        print(
+            f"recommendation   the CPU tier alone reaches {goal}; no disk tier needed"
+        )
+    else:
+        print(
+            f"recommendation   smallest disk reaching {goal}: "
+            f"{size(rec.disk_blocks)}, hit rate {rec.hit_rate:.4f}"
+        )
+        verdict = "meets" if r.hit_rate >= rec.target_hit_rate else "falls short of"
+        print(f"                 the given disk tier {verdict} that target")
