@@ -219,17 +219,7 @@ def test_warm_restart_serves_disk_blocks_from_a_previous_engine(
 def test_misconfiguration_fails_engine_start_with_a_clear_message(
     model, block_bytes, tmp_path, extra, pattern
 ):
-    cfg = kvtier_config(block_bytes, tmp_path, **extra)
-    with (
-        pytest.raises(Exception) as info,
-        engine(model, cfg, num_gpu_blocks=GPU_BLOCKS),
-    ):
-        pass
-    chain, exc = [], info.value
-    while exc is not None:
-        chain.append(str(exc))
-        exc = exc.__cause__ or exc.__context__
-    assert any(re.search(pattern, text) for text in chain), chain
+    assert_start_fails(model, kvtier_config(block_bytes, tmp_path, **extra), pattern)
 
 
 def test_connector_requires_the_recompute_policy(model, block_bytes, tmp_path):
@@ -237,6 +227,12 @@ def test_connector_requires_the_recompute_policy(model, block_bytes, tmp_path):
     block would fail its request: kvtier's connector refuses to start."""
     cfg = kvtier_config(block_bytes, tmp_path)
     cfg["kv_load_failure_policy"] = "fail"
+    pattern = r"kv_transfer_config\['kv_load_failure_policy'\].*\"recompute\""
+    assert_start_fails(model, cfg, pattern)
+
+
+def assert_start_fails(model, cfg, pattern: str) -> None:
+    """The engine refuses to start, and some error in the chain matches."""
     with (
         pytest.raises(Exception) as info,
         engine(model, cfg, num_gpu_blocks=GPU_BLOCKS),
@@ -246,5 +242,4 @@ def test_connector_requires_the_recompute_policy(model, block_bytes, tmp_path):
     while exc is not None:
         chain.append(str(exc))
         exc = exc.__cause__ or exc.__context__
-    pattern = r"kv_transfer_config\['kv_load_failure_policy'\].*\"recompute\""
     assert any(re.search(pattern, text) for text in chain), chain
