@@ -399,11 +399,17 @@ def run_prompts(
     wall = time.perf_counter() - t0
     if drain_after:
         drain(llm)
-    after = rec.snapshot()
+    return collect_result(rec, before, outs, wall)
 
+
+def collect_result(rec: HitRecorder, before, finals, wall_s: float) -> RunResult:
+    """A :class:`RunResult` from finished ``RequestOutput``s: outputs, and
+    the cached tokens per source (device = cached minus external hits)
+    recorded since the ``before`` snapshot of ``rec``."""
+    after = rec.snapshot()
     outputs, cached, per_src, ids = [], [], [], []
     totals: Counter[str] = Counter()
-    for o in outs:
+    for o in finals:
         ids.append(o.request_id)
         outputs.append(list(o.outputs[0].token_ids))
         n_cached = int(o.num_cached_tokens or 0)
@@ -423,6 +429,6 @@ def run_prompts(
         totals=dict(totals),
         aggregate=agg,
         request_ids=ids,
-        wall_s=wall,
+        wall_s=wall_s,
     )
 

@@ -91,7 +91,7 @@ def run_settled(
     prompt longer than the whole CPU tier reaches the disk tier in full."""
     from vllm import SamplingParams
 
-    from kvtier.testing.engine import get_hit_recorder, get_scheduler
+    from kvtier.testing.engine import collect_result, get_hit_recorder, get_scheduler
 
     mgr = manager_of(llm)
     sched = get_scheduler(llm)
@@ -100,8 +100,7 @@ def run_settled(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
     )
     deadline = time.monotonic() + timeout
-    outputs, cached, per_src, ids = [], [], [], []
-    totals: Counter[str] = Counter()
+    finals = []
     before = rec.snapshot()
     t0 = time.perf_counter()
     for prompt in prompts:
@@ -115,27 +114,8 @@ def run_settled(
                 if out.finished:
                     final = out
             settle(mgr, timeout=max(0.1, deadline - time.monotonic()))
-        ids.append(final.request_id)
-        outputs.append(list(final.outputs[0].token_ids))
-        n_cached = int(final.num_cached_tokens or 0)
-        cached.append(n_cached)
-        ext = dict(rec.per_request.get(final.request_id, {}))
-        src = {k: v for k, v in ext.items() if v}
-        if n_cached - sum(ext.values()):
-            src["device"] = n_cached - sum(ext.values())
-        per_src.append(src)
-        totals.update(src)
-    after = rec.snapshot()
-    agg = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
-    return RunResult(
-        outputs=outputs,
-        num_cached_tokens=cached,
-        hits_by_source=per_src,
-        totals=dict(totals),
-        aggregate=agg,
-        request_ids=ids,
-        wall_s=time.perf_counter() - t0,
-    )
+        finals.append(final)
+    return collect_result(rec, before, finals, time.perf_counter() - t0)
 
 
 _SETTLED_IDS = itertools.count()
