@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,38 @@ def _config_hash(cfg: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _build_cached(
+    name: str,
+    cfg: dict[str, Any],
+    out_dir: str | os.PathLike | None,
+    write: Callable[[Path], None],
+) -> str:
+    """``<out_dir or DEFAULT_CACHE_DIR>/<name>-<config hash>``, built once.
+
+    ``write(tmp)`` saves the model and tokenizer into a fresh temporary
+    directory, which then replaces the target atomically (a concurrent
+    builder's identical result wins the race harmlessly)."""
+    root = Path(out_dir) if out_dir is not None else DEFAULT_CACHE_DIR
+    target = root / f"{name}-{_config_hash(cfg)}"
+    if (target / ".complete").exists():
+        return str(target)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=root))
+    try:
+        write(tmp)
+        (tmp / "kvtier_tiny_config.json").write_text(json.dumps(cfg, indent=1))
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
 def build_tiny_llama(out_dir: str | os.PathLike | None = None, **overrides: Any) -> str:
     """Build (or reuse) a tiny random LlamaForCausalLM + WordLevel tokenizer.
 
@@ -60,18 +93,11 @@ def build_tiny_llama(out_dir: str | os.PathLike | None = None, **overrides: Any)
     the model directory (loadable by vLLM and transformers, fully offline).
     """
     cfg = {**TINY_LLAMA_CONFIG, **overrides}
-    root = Path(out_dir) if out_dir is not None else DEFAULT_CACHE_DIR
-    target = root / f"tiny-llama-{_config_hash(cfg)}"
-    if (target / ".complete").exists():
-        return str(target)
 
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    def write(tmp: Path) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=root))
-    try:
         cfg_kw = dict(cfg)
         seed = cfg_kw.pop("seed")
         rope_theta = cfg_kw.pop("rope_theta")
@@ -84,33 +110,12 @@ def build_tiny_llama(out_dir: str | os.PathLike | None = None, **overrides: Any)
             tie_word_embeddings=False,
         )
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(hf_cfg).to(torch.float32)
-        model.save_pretrained(tmp, safe_serialization=True)
+        LlamaForCausalLM(hf_cfg).to(torch.float32).save_pretrained(
+            tmp, safe_serialization=True
+        )
+        _save_word_tokenizer(tmp, cfg["vocab_size"])
 
-        vocab = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<unk>": UNK_ID}
-        for i in range(FIRST_REGULAR_ID, cfg["vocab_size"]):
-            vocab[f"w{i}"] = i
-        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token="<s>",
-            eos_token="</s>",
-            unk_token="<unk>",
-            pad_token="<pad>",
-        ).save_pretrained(tmp)
-        (tmp / "kvtier_tiny_config.json").write_text(json.dumps(cfg, indent=1))
-        (tmp / ".complete").write_text("ok\n")
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # A concurrent builder won the race; its result is identical.
-            if not (target / ".complete").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    return _build_cached("tiny-llama", cfg, out_dir, write)
 
 
 # A Gemma-2-style model: sliding-window and full-attention layers
@@ -169,17 +174,11 @@ def build_tiny_gemma2(
     layers alternate sliding-window and full attention: vLLM gives it two
     KV-cache groups. Built locally, no download; cached by config hash."""
     cfg = {"arch": "gemma2", **TINY_GEMMA2_CONFIG, **overrides}
-    root = Path(out_dir) if out_dir is not None else DEFAULT_CACHE_DIR
-    target = root / f"tiny-gemma2-{_config_hash(cfg)}"
-    if (target / ".complete").exists():
-        return str(target)
 
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    def write(tmp: Path) -> None:
+        import torch
+        from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=root))
-    try:
         cfg_kw = dict(cfg)
         cfg_kw.pop("arch")
         seed = cfg_kw.pop("seed")
@@ -194,28 +193,18 @@ def build_tiny_gemma2(
         )
         torch.manual_seed(seed)
         model = Gemma2ForCausalLM(hf_cfg).to(torch.float32)
+        post_norms = (
+            "post_attention_layernorm.weight",
+            "post_feedforward_layernorm.weight",
+        )
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith(
-                    (
-                        "post_attention_layernorm.weight",
-                        "post_feedforward_layernorm.weight",
-                    )
-                ):
+                if name.endswith(post_norms):
                     param.fill_(post_norm)
         model.save_pretrained(tmp, safe_serialization=True)
         _save_word_tokenizer(tmp, cfg["vocab_size"])
-        (tmp / "kvtier_tiny_config.json").write_text(json.dumps(cfg, indent=1))
-        (tmp / ".complete").write_text("ok\n")
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / ".complete").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+
+    return _build_cached("tiny-gemma2", cfg, out_dir, write)
 
 
 def kv_bytes_per_block(model_dir: str, block_size: int, dtype_bytes: int = 4) -> int:
@@ -238,4 +227,3 @@ def make_prompt(seed: int, length: int, vocab_size: int = 1024) -> list[int]:
 
     rng = random.Random(seed)
     return [rng.randrange(FIRST_REGULAR_ID, vocab_size) for _ in range(length)]
-
