@@ -20,7 +20,6 @@ from collections import defaultdict
 
 import pytest
 
-from kvtier.io.faults import FaultPlan, FaultRule, on_slot
 from kvtier.io.format import HEADER_SIZE, slot_size
 from kvtier.testing.engine import (
     build_tiny_gemma2,
@@ -31,6 +30,7 @@ from kvtier.testing.engine import (
     make_prompt,
     run_prompts,
 )
+from kvtier.testing.faults import FaultPlan, FaultRule, on_slot
 from kvtier.tiers.plans import Residency
 
 from .test_reliability_e2e import assert_at_rest
@@ -301,7 +301,7 @@ def env(request, model, block_bytes, tmp_path_factory):
     # through a fault layer; its plan stays empty until a test adds a rule.
     from kvtier.io import backends as backends_module
     from kvtier.io import disk_store as disk_store_module
-    from kvtier.io.faults import FaultInjectingBackend
+    from kvtier.testing.faults import FaultInjectingBackend
 
     plan = FaultPlan(seed=11)
     real = backends_module.make_backend

@@ -19,9 +19,9 @@ from vllm import SamplingParams
 
 from kvtier.io import backends as backends_module
 from kvtier.io import disk_store as disk_store_module
-from kvtier.io.faults import FaultInjectingBackend, FaultPlan, FaultRule
 from kvtier.io.format import slot_size
 from kvtier.testing.engine import drain, engine, make_prompt, run_prompts
+from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
 from kvtier.tiers import BlockState
 
 from .workload import (

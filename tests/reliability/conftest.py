@@ -16,8 +16,8 @@ from reliability_common import (
 from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.engine import TransferEngine
-from kvtier.io.faults import FaultInjectingBackend, FaultPlan
 from kvtier.io.posix_backend import PosixBackend
+from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ import pytest
 from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.engine import JobResult, TransferEngine
-from kvtier.io.faults import FaultInjectingBackend, FaultPlan
 from kvtier.io.format import LayoutFingerprint
+from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
 from kvtier.tiers import TierEvent, TierHierarchy, replay
 
 BLOCK_BYTES = 64 * 1024

@@ -27,8 +27,8 @@ from kvtier.io import slab as slab_mod
 from kvtier.io.backends import BackendUnavailableError
 from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import store_dirname
-from kvtier.io.faults import FaultInjectingBackend, FaultPlan, FaultRule
 from kvtier.io.posix_backend import PosixBackend
+from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 
 # -- TransferEngine ---------------------------------------------------------------

@@ -23,9 +23,9 @@ import kvtier
 from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import DiskStore, ReadOutcome
 from kvtier.io.engine import TransferEngine
-from kvtier.io.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 from kvtier.io.format import HEADER_SIZE, SlotHeader
 from kvtier.io.posix_backend import PosixBackend
+from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 from kvtier.tiers import Residency, TierEvent, TierHierarchy, replay
 
 BLOCK = 512 * 1024

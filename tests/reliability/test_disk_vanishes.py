@@ -27,7 +27,7 @@ from reliability_common import (
 )
 
 from kvtier.io.disk_store import DiskStore, ReadOutcome
-from kvtier.io.faults import FaultPlan, FaultRule, on_slot
+from kvtier.testing.faults import FaultPlan, FaultRule, on_slot
 
 NOBODY = 65534
 
@@ -112,8 +112,8 @@ def test_permission_denied_io_is_a_failed_key(
 
 
 def test_permission_denied_at_open_fails_store_creation(tmp_path: Path) -> None:
-    from kvtier.io.faults import FaultInjectingBackend
     from kvtier.io.posix_backend import PosixBackend
+    from kvtier.testing.faults import FaultInjectingBackend
 
     backend = FaultInjectingBackend(
         PosixBackend(threads=1), FaultPlan([FaultRule.error(errno.EACCES, ops="open")])
