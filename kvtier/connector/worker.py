@@ -169,8 +169,14 @@ class TieredOffloadingWorker(OffloadingWorker):
 
     @override
     def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
     ) -> bool:
+        # ``expedited`` (vLLM >= 0.33): the load is waited on within the
+        # step. kvtier's loads already complete their disk reads here.
         started = time.perf_counter()
         if isinstance(src_spec, TierLoadSpec):
             slots, on_disk = src_spec.block_ids, src_spec.on_disk
