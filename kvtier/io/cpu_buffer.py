@@ -1,7 +1,7 @@
 """The CPU tier's storage: one contiguous, page-aligned host buffer of blocks.
 
 One big mapping instead of many small tensors because (a) the disk path needs
-page-aligned rows for O_DIRECT, (b) a single cudaHostRegister pins it all for
+page-aligned rows for O_DIRECT, (b) a single registration page-locks it all for
 fast GPU<->CPU copies, and (c) backed by a file in /dev/shm it can be mapped by
 the scheduler process and every worker, which then see the same bytes.
 """
@@ -53,13 +53,13 @@ class CpuBlockBuffer:
         adopted. ``owner=False`` maps an existing file whose owner is alive
         (its lock is held), else FileNotFoundError. ``owner=None``: the
         latter if possible, else the former.
-      - ``close`` unpins, unmaps and, for the owner, unlinks the file and
+      - ``close`` unmaps and, for the owner, unlinks the file and
         releases the lock (also done at garbage collection or interpreter
         exit, so a failed start leaves no file). Views handed out must be
         dropped first, or unmapping is left to the GC.
-      - When CUDA is available the mapping is page-locked with
-        cudaHostRegister (``pin=False`` to skip); on CPU-only hosts nothing
-        happens.
+      - Page-locking for an accelerator is not done here: the worker's copy
+        path registers the rows it transfers (vLLM's ``host_register``, see
+        kvtier.connector.device_copy) and unregisters them before close.
     """
 
     def __init__(
@@ -69,7 +69,6 @@ class CpuBlockBuffer:
         shm_path: str | None = None,
         *,
         owner: bool | None = None,
-        pin: bool = True,
     ) -> None:
         if num_blocks < 1 or block_bytes < 1:
             raise ValueError(f"bad buffer geometry: {num_blocks} x {block_bytes}")
@@ -79,7 +78,6 @@ class CpuBlockBuffer:
         self.shm_path = shm_path
         self._map_size = round_up(self.nbytes, mmap.PAGESIZE)
         self._closed = False
-        self._pinned = False
         self._array: np.ndarray | None = None
         self._tensor: torch.Tensor | None = None
         self._release: weakref.finalize | None = None
@@ -99,7 +97,6 @@ class CpuBlockBuffer:
                 self._mmap, dtype=np.uint8, count=self.nbytes
             ).reshape(num_blocks, block_bytes)
             self._tensor = torch.from_numpy(self._array)
-            self._pinned = pin and _pin(self._array)
         except BaseException:
             self.close()
             raise
@@ -116,23 +113,15 @@ class CpuBlockBuffer:
             raise RuntimeError("CpuBlockBuffer is closed")
         return self._tensor
 
-    @property
-    def pinned(self) -> bool:
-        """Whether the buffer is registered with CUDA as page-locked memory."""
-        return self._pinned
-
     def row(self, index: int) -> np.ndarray:
         """Row ``index`` as a 1-D uint8 view."""
         return self.array[index]
 
     def close(self) -> None:
-        """Unpin, unmap and (owner) unlink. Idempotent."""
+        """Unmap and (owner) unlink. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._pinned and self._array is not None:
-            _unpin(self._array)
-            self._pinned = False
         self._array = None
         self._tensor = None
         try:
@@ -413,23 +402,3 @@ def reclaim_stale_cpu_files(directory: str) -> list[tuple[str, int]]:
         removed.append((path, size))
     return removed
 
-
-def _pin(array: np.ndarray) -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        rc = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)
-    except Exception as exc:  # pinning is an optimisation, never fatal
-        logger.warning("cudaHostRegister failed (%r); CPU tier stays pageable", exc)
-        return False
-    if int(rc) != 0:
-        logger.warning("cudaHostRegister returned %s; CPU tier stays pageable", rc)
-        return False
-    return True
-
-
-def _unpin(array: np.ndarray) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
-    except Exception as exc:
-        logger.warning("cudaHostUnregister failed: %r", exc)

@@ -139,6 +139,9 @@ class SlotReader:
         self._handles: list[Any] = [None] * len(paths)
         self.capacity = max(1, bounce_bytes // self.slot_size)
         area, self._area_owner = _alloc_area(self.capacity * self.slot_size, pin)
+        # Page-locked (torch's pinned allocator), so device copies from it
+        # are asynchronous and vLLM's copy path may read it from the GPU.
+        self.pinned = self._area_owner is not None
         self._area = area.reshape(self.capacity, self.slot_size)
         # The decoded blocks, one per bounce row: what loads copy from.
         self.rows = self._area[:, HEADER_SIZE : HEADER_SIZE + block_bytes]
