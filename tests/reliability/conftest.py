@@ -51,7 +51,7 @@ def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
         except BaseException:
             backend.shutdown()
             raise
-        cpu = CpuBlockBuffer(cpu_blocks, BLOCK_BYTES, pin=False)
+        cpu = CpuBlockBuffer(cpu_blocks, BLOCK_BYTES)
         rig = Rig(plan, backend, store, cpu, TransferEngine(cpu, store, threads=2))
         rigs.append(rig)
         return rig

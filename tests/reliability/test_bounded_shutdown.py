@@ -86,7 +86,7 @@ def shm_file(tmp_path: Path) -> Iterator[Callable[[int], CpuBlockBuffer]]:
 
     def make(rows: int) -> CpuBlockBuffer:
         made.append(
-            CpuBlockBuffer(rows, BLOCK_BYTES, str(tmp_path / "tier.cpu"), pin=False)
+            CpuBlockBuffer(rows, BLOCK_BYTES, str(tmp_path / "tier.cpu"))
         )
         return made[-1]
 

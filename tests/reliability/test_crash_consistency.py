@@ -102,7 +102,7 @@ def restore_and_reuse(store: DiskStore, s: Survey) -> None:
     fresh = [b"fresh" + i.to_bytes(4, "little") for i in range(h.disk.num_free)]
     plan = h.prepare_store(fresh)
     assert plan is not None
-    with CpuBlockBuffer(SLOTS, BLOCK, pin=False) as cpu:
+    with CpuBlockBuffer(SLOTS, BLOCK) as cpu:
         for key, row in zip(plan.keys_to_store, plan.cpu_slots):
             cpu.array[row] = block_for(key, BLOCK)
         h.complete_store(plan.keys_to_store)

@@ -75,7 +75,7 @@ def test_two_engines_with_one_engine_id_never_share_rows() -> None:
         assert os.path.exists(path)
         assert first.array[1, :3].tolist() == [1, 2, 3]
         # The scheduler side of the live engine still maps the same rows.
-        with CpuBlockBuffer(4, ROW, path, owner=False, pin=False) as sched:
+        with CpuBlockBuffer(4, ROW, path, owner=False) as sched:
             assert sched.array[1, :3].tolist() == [1, 2, 3]
     finally:
         first.close()
@@ -126,7 +126,7 @@ def test_file_precreated_by_another_user_is_never_adopted(
 
     as_user(NOBODY, plant)
     with pytest.raises(PermissionError, match=f"owned by uid {NOBODY}"):
-        CpuBlockBuffer(4, ROW, str(path), owner=owner, pin=False)
+        CpuBlockBuffer(4, ROW, str(path), owner=owner)
     assert path.read_bytes() == b"\x5a" * (4 * ROW)  # neither used nor removed
     assert path.stat().st_uid == NOBODY
 
@@ -139,7 +139,7 @@ def test_symlink_in_place_of_the_cpu_file_is_refused(private_dir: str) -> None:
     link.symlink_to(target)
     for owner in (True, None, False):
         with pytest.raises(OSError) as info:
-            CpuBlockBuffer(1, ROW, str(link), owner=owner, pin=False)
+            CpuBlockBuffer(1, ROW, str(link), owner=owner)
         assert info.value.errno == errno.ELOOP, owner
     assert link.is_symlink() and target.read_bytes() == b"\0" * ROW
 
@@ -152,7 +152,7 @@ def test_scheduler_side_never_maps_a_file_without_a_live_owner(
     os.ftruncate(fd, ROW)
     os.close(fd)
     with pytest.raises(FileNotFoundError, match="no live owner"):
-        CpuBlockBuffer(1, ROW, path, owner=False, pin=False)
+        CpuBlockBuffer(1, ROW, path, owner=False)
 
 
 # -- dead engines' leftovers -----------------------------------------------------
@@ -166,7 +166,7 @@ def _child_holding(paths: list[str]) -> int:
     if pid == 0:  # pragma: no cover - child
         try:
             os.close(ready_r)
-            held = [CpuBlockBuffer(4, ROW, p, owner=True, pin=False) for p in paths]
+            held = [CpuBlockBuffer(4, ROW, p, owner=True) for p in paths]
             for i, b in enumerate(held):
                 b.array[:] = 0x40 + i
             os.write(ready_w, b"1")
@@ -189,7 +189,7 @@ def test_sigkilled_owner_leaves_a_file_that_a_restart_reclaims(
     pid = _child_holding([same, other])
     try:
         with pytest.raises(InUseError):  # alive: refused, not reclaimed
-            CpuBlockBuffer(4, ROW, same, owner=True, pin=False)
+            CpuBlockBuffer(4, ROW, same, owner=True)
         assert reclaim_stale_cpu_files(private_dir) == []
     finally:
         os.kill(pid, signal.SIGKILL)
@@ -198,9 +198,9 @@ def test_sigkilled_owner_leaves_a_file_that_a_restart_reclaims(
     assert os.path.exists(same) and os.path.exists(other)
     # ...the scheduler side refuses the dead engine's rows...
     with pytest.raises(FileNotFoundError, match="no live owner"):
-        CpuBlockBuffer(4, ROW, other, owner=False, pin=False)
+        CpuBlockBuffer(4, ROW, other, owner=False)
     # ...a restart with the same engine id reclaims its file and starts clean,
-    with CpuBlockBuffer(4, ROW, same, owner=True, pin=False) as buf:
+    with CpuBlockBuffer(4, ROW, same, owner=True) as buf:
         assert not buf.array.any()
         # ...and the start-up sweep removes the other dead engine's file while
         # leaving the live one (ours, locked) alone.
@@ -217,7 +217,7 @@ def test_shm_space_error_names_the_files_holding_it(private_dir: str) -> None:
     os.posix_fallocate(fd, 0, 8 * ROW)
     os.close(fd)
     mine = [os.path.join(private_dir, "kvtier-me-r0of1.cpu")]
-    with CpuBlockBuffer(4, ROW, live, owner=True, pin=False):
+    with CpuBlockBuffer(4, ROW, live, owner=True):
         with pytest.raises(ConfigError) as info:
             prepare_cpu_tier(mine, 1 << 62)
         message = str(info.value)
@@ -239,7 +239,7 @@ def test_enospc_while_reserving_leaves_no_file(
     monkeypatch.setattr(cpu_buffer_mod.os, "posix_fallocate", full)
     path = os.path.join(private_dir, "tier.cpu")
     with pytest.raises(OSError, match="cannot reserve .* --shm-size") as info:
-        CpuBlockBuffer(4, ROW, path, owner=True, pin=False)
+        CpuBlockBuffer(4, ROW, path, owner=True)
     assert info.value.errno == errno.ENOSPC
     assert os.listdir(private_dir) == []
 
@@ -250,7 +250,7 @@ def test_owner_that_exits_without_close_leaves_no_file(private_dir: str) -> None
     path = os.path.join(private_dir, "tier.cpu")
     code = (
         "from kvtier.io.cpu_buffer import CpuBlockBuffer as B;"
-        f"b = B(2, 4096, {path!r}, owner=True, pin=False);"
+        f"b = B(2, 4096, {path!r}, owner=True);"
         "import os; assert os.path.exists(b.shm_path);"
         "raise SystemExit('engine start failed')"
     )
@@ -268,9 +268,9 @@ def test_owner_that_exits_without_close_leaves_no_file(private_dir: str) -> None
 
 def test_owner_close_unlinks_only_its_own_file(private_dir: str) -> None:
     path = os.path.join(private_dir, "tier.cpu")
-    buf = CpuBlockBuffer(2, ROW, path, owner=True, pin=False)
+    buf = CpuBlockBuffer(2, ROW, path, owner=True)
     os.unlink(path)  # an operator removed it; a successor created a new one
-    successor = CpuBlockBuffer(2, ROW, path, owner=True, pin=False)
+    successor = CpuBlockBuffer(2, ROW, path, owner=True)
     buf.close()
     assert os.path.exists(path)  # the successor's file survives
     successor.close()
