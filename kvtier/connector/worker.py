@@ -288,9 +288,11 @@ class TieredOffloadingWorker(OffloadingWorker):
         return transfer
 
     def _settle(self, job: _Job, started: float) -> None:
-        # Host work (CPU-platform copies, disk reads) counts in full; device
-        # transfers add their CUDA-event time when they finish.
-        job.seconds += time.perf_counter() - started
+        # As vLLM measures: device transfers count their CUDA-event time
+        # when they finish; host work counts its wall time (the whole job
+        # on the CPU platform, the disk reads on accelerators).
+        if isinstance(self.copies, HostCopies):
+            job.seconds += time.perf_counter() - started
         if job.transfers:
             self._jobs[job.job_id] = job
         else:
@@ -325,9 +327,12 @@ class TieredOffloadingWorker(OffloadingWorker):
                 self.copies.wait(self._bounce_readers)
                 self._bounce_readers.clear()
             chunk = positions[start : start + reader.capacity]
+            read_started = time.perf_counter()
             results = reader.read(
                 [(int(spec.block_ids[p]), spec.keys[p]) for p in chunk]
             )
+            if not isinstance(self.copies, HostCopies):
+                job.seconds += time.perf_counter() - read_started
             bounce_row[:] = -1
             for p, result in zip(chunk, results):
                 if result.outcome is ReadOutcome.OK:

@@ -128,11 +128,11 @@ def test_stores_and_loads_match_the_host_layout_byte_for_byte(bpc):
         torch.cuda.synchronize()
         for group, plan in jobs:
             blocks = torch.as_tensor(plan.gpu_ids, device="cuda")
-            for ref in gpu_caches.group_data_refs[group]:
-                t = gpu_tensors[ref.tensor_idx].view(torch.uint8)
-                w = want[ref.tensor_idx].view(torch.uint8)
-                page = ref.page_size_bytes
-                assert torch.equal(t[blocks, :page], w[blocks, :page]), (group, ref)
+            for layer in gpu_caches.group_data_refs[group]:
+                t = gpu_tensors[layer.tensor_idx].view(torch.uint8)
+                w = want[layer.tensor_idx].view(torch.uint8)
+                page = layer.page_size_bytes
+                assert torch.equal(t[blocks, :page], w[blocks, :page]), (group, layer)
         dev.shutdown()
         ref.shutdown()
 
