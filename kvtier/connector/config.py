@@ -139,6 +139,13 @@ KEYS: tuple[KeySpec, ...] = (
         "integer >= 1048576",
     ),
     KeySpec(
+        "sync_load_budget_bytes",
+        "KV bytes per step (per worker) that vLLM may load within the step that schedules a hit, instead of holding the request for a step; vLLM >= 0.33, 0 = off. Refused on vLLM 0.32, and with a disk tier on a model with several KV-cache groups (docs/compatibility.md).",
+        0,
+        "integer >= 0",
+        "vllm",
+    ),
+    KeySpec(
         "block_size",
         "Tokens per offloaded block (a multiple of vLLM's block size); read by vLLM.",
         None,
@@ -192,6 +199,7 @@ class KvtierConfig:
     spill_watermark: float = 0.75
     disk_io_threads: int = 4
     disk_load_buffer_bytes: int = 64 << 20
+    sync_load_budget_bytes: int = 0  # read by vLLM >= 0.33
 
     @property
     def disk_enabled(self) -> bool:
@@ -312,6 +320,7 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
             extra, "disk_io_threads", 4, 1, maximum=MAX_DISK_IO_THREADS
         ),
         disk_load_buffer_bytes=_int(extra, "disk_load_buffer_bytes", 64 << 20, 1 << 20),
+        sync_load_budget_bytes=_int(extra, "sync_load_budget_bytes", 0, 0),
     )
     if disk_bytes == 0 and "disk_path" in extra:
         # A path without a budget is almost certainly a forgotten budget.

@@ -8,8 +8,13 @@ standard load-error path instead:
 - models with one KV-cache group: block level
   (``get_block_ids_with_load_errors``), so vLLM keeps the valid prefix and
   recomputes from the first failed block;
-- models with several groups (vLLM 0.32 raises on block-level errors
-  there): request level (``failed_recving``), so the request is recomputed.
+- models with several groups (vLLM 0.32 and 0.33 raise on block-level
+  errors there): request level (``failed_recving``), so the request is
+  recomputed;
+- synchronous loads (vLLM >= 0.33, ``sync_load_budget_bytes``): block level
+  always, as their request already runs in the step the load feeds;
+  ``kvtier.connector.compat`` refuses them where that cannot work (a disk
+  tier on a model with several groups).
 
 Either way vLLM needs ``kv_load_failure_policy: "recompute"`` (its default
 ``fail`` would fail the request instead); the connector refuses to start
@@ -38,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
@@ -47,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
+from kvtier.connector.compat import KV_CACHE_GROUPS
 from kvtier.connector.config import TransferConfigError
 
 logger = logging.getLogger("kvtier.connector")
@@ -108,7 +115,19 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         self._failed_keys: dict[str, list[bytes]] = {}
         self._failed_reqs: set[str] = set()
         self._invalid_block_ids: set[int] = set()
+        # Synchronous loads (vLLM >= 0.33): vLLM records them in _load_jobs
+        # with no request (no finished_recving), kvtier needs it for the
+        # failed keys. Their unfilled blocks are reported block level only.
+        self._sync_load_reqs: dict[int, str] = {}
+        self._sync_invalid_block_ids: set[int] = set()
         self._reported = (0, 0.0, 0, 0)
+
+    @override
+    def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
+        for job_id, entry in metadata.load_jobs.items():
+            if getattr(entry, "sync", False):
+                self._sync_load_reqs[job_id] = entry.req_id
+        super().start_kv_transfers(metadata)
 
     @override
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -117,35 +136,40 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         meta = self._connector_worker_meta
         for result in self.worker.get_finished():
             job_id = result.job_id
+            # Membership, not value: a sync load's entry is None.
+            is_load = job_id in self._load_jobs
             req_id = self._load_jobs.pop(job_id, None)
+            sync_req = self._sync_load_reqs.pop(job_id, None)
             if result.transfer_time is not None and result.transfer_size is not None:
-                stats = (
-                    meta.transfer_stats.load
-                    if req_id is not None
-                    else meta.transfer_stats.store
-                )
+                stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
                 stats.record(result.transfer_size, result.transfer_time)
             if not result.success:
                 take = getattr(self.worker, "take_load_error", None)
                 error = take(job_id) if take is not None else None
-                if req_id is None or error is None:
+                owner = req_id if req_id is not None else sync_req
+                if not is_load or owner is None or error is None:
                     # Only disk loads can fail; anything else is a bug that
                     # must not pass as success.
                     raise RuntimeError(f"kvtier: transfer job {job_id} failed")
-                self._failed_keys.setdefault(req_id, []).extend(error.keys)
-                self._failed_reqs.add(req_id)
-                self._invalid_block_ids |= error.gpu_block_ids
+                self._failed_keys.setdefault(owner, []).extend(error.keys)
+                if req_id is None:  # sync: the request runs this step
+                    self._sync_invalid_block_ids |= error.gpu_block_ids
+                else:
+                    self._failed_reqs.add(req_id)
+                    self._invalid_block_ids |= error.gpu_block_ids
             meta.mark_completed(job_id)
             if req_id is not None:
                 finished_recving.add(req_id)
         return set(), finished_recving
 
-    def take_load_errors(self) -> tuple[set[str], set[int]]:
-        """Requests whose load failed and GPU blocks left unfilled since the
-        last call."""
+    def take_load_errors(self) -> tuple[set[str], set[int], set[int]]:
+        """Since the last call: requests whose asynchronous load failed, the
+        GPU blocks those loads left unfilled, and the GPU blocks synchronous
+        loads left unfilled."""
         reqs, self._failed_reqs = self._failed_reqs, set()
         blocks, self._invalid_block_ids = self._invalid_block_ids, set()
-        return reqs, blocks
+        sync, self._sync_invalid_block_ids = self._sync_invalid_block_ids, set()
+        return reqs, blocks, sync
 
     @override
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
@@ -181,11 +205,13 @@ class TieredOffloadingConnector(OffloadingConnector):
                 + CONNECTOR_HINT,
             )
         token = UNDER_KVTIER_CONNECTOR.set(True)
+        groups = KV_CACHE_GROUPS.set(len(kv_cache_config.kv_cache_groups))
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
+            KV_CACHE_GROUPS.reset(groups)
             UNDER_KVTIER_CONNECTOR.reset(token)
-        # vLLM 0.32 accepts block-level errors only for one KV-cache group.
+        # vLLM (0.32, 0.33) accepts block-level errors only for one group.
         self._request_level_errors = len(kv_cache_config.kv_cache_groups) > 1
         self._invalid_block_ids: set[int] = set()
         if self.connector_worker is not None:
@@ -201,7 +227,7 @@ class TieredOffloadingConnector(OffloadingConnector):
         worker = self.connector_worker
         assert isinstance(worker, KvtierConnectorWorker)
         sending, recving = self.get_finished(finished_req_ids)
-        failed_reqs, failed_blocks = worker.take_load_errors()
+        failed_reqs, failed_blocks, sync_blocks = worker.take_load_errors()
         results = KVConnectorTransferResults(
             finished_sending=set(sending or ()), finished_recving=set(recving or ())
         )
@@ -209,6 +235,10 @@ class TieredOffloadingConnector(OffloadingConnector):
             results.failed_recving = failed_reqs
         else:
             self._invalid_block_ids |= failed_blocks
+        # A sync load's request is running, not waiting: request-level
+        # failed_recving does not apply (sync_load_budget_bytes is refused
+        # where block level cannot be used: compat.check_sync_load_budget).
+        self._invalid_block_ids |= sync_blocks
         return results
 
     @override

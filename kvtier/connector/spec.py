@@ -31,6 +31,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvtier.connector.compat import KV_CACHE_GROUPS, check_sync_load_budget
 from kvtier.connector.config import (
     ConfigError,
     KvtierConfig,
@@ -154,6 +155,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         _route_logs_through_vllm()
         self.kvtier: KvtierConfig = parse_extra_config(self.extra_config)
+        check_sync_load_budget(self.kvtier, kv_cache_groups=KV_CACHE_GROUPS.get())
         if config.canonical_layout:
             raise ConfigError(
                 "canonical_layout",

@@ -1,0 +1,193 @@
+"""kvtier's connector worker under vLLM's own ``start_kv_transfers``.
+
+vLLM 0.33 added synchronous loads: a ``TransferJob`` with ``sync=True`` is
+submitted with ``expedited=True`` and waited on within the step, and vLLM
+records it in ``_load_jobs`` with no request (``None``), so it never shows
+in ``finished_recving``. kvtier must still count it as a load, and report a
+failed disk block of it block level, with the request's failed keys for the
+manager. These tests drive vLLM's real worker-side code with a fake
+``OffloadingWorker``; test_vllm_next.py runs them against vLLM 0.33 (where
+the sync cases must run), ``make test`` against the venv's 0.32.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
+    OffloadingConnectorMetadata,
+    TransferJob,
+)
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult  # noqa: E402
+
+from kvtier.connector.compat import SYNC_LOADS  # noqa: E402
+from kvtier.connector.connector import KvtierConnectorWorker  # noqa: E402
+from kvtier.connector.specs import CpuTierSpec  # noqa: E402
+from kvtier.connector.worker import LoadError  # noqa: E402
+
+needs_sync_loads = pytest.mark.skipif(
+    not SYNC_LOADS and not os.environ.get("KVTIER_EXPECT_VLLM"),
+    reason="vLLM < 0.33 has no synchronous loads",
+)
+
+
+class FakeWorker:
+    """Completes every job at submission; fails the loads in ``fail``."""
+
+    def __init__(self, fail: dict[int, LoadError] | None = None):
+        self.fail = dict(fail or {})
+        self.loads: list[tuple[int, bool]] = []  # (job_id, expedited)
+        self.waited: list[set[int]] = []
+        self._done: list[TransferResult] = []
+        self._errors: dict[int, LoadError] = {}
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        self._done.append(TransferResult(job_id, True, 100, 0.5))
+        return True
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        self.loads.append((job_id, expedited))
+        error = self.fail.pop(job_id, None)
+        if error is not None:
+            self._errors[job_id] = error
+        self._done.append(TransferResult(job_id, error is None, 200, 0.25))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.waited.append(set(job_ids))
+
+    def take_load_error(self, job_id: int) -> LoadError | None:
+        return self._errors.pop(job_id, None)
+
+
+def _worker(fake: FakeWorker) -> KvtierConnectorWorker:
+    spec = SimpleNamespace(
+        replicated_layout=False,
+        config=SimpleNamespace(canonical_layout=False, parallel=SimpleNamespace(rank=0)),
+    )
+    worker = KvtierConnectorWorker(spec, None, None)
+    worker.worker = fake  # type: ignore[assignment]
+    return worker
+
+
+def _load(req_id: str, blocks: list[int], sync: bool = False) -> TransferJob:
+    kwargs = {"sync": True} if sync else {}
+    return TransferJob(
+        req_id=req_id,
+        src_spec=CpuTierSpec(list(range(len(blocks)))),
+        dst_spec=GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[0]),
+        **kwargs,
+    )
+
+
+def _run(worker: KvtierConnectorWorker, loads: dict[int, TransferJob]):
+    worker.start_kv_transfers(
+        OffloadingConnectorMetadata(load_jobs=loads, store_jobs={}, jobs_to_flush=set())
+    )
+    sending, recving = worker.get_finished(set())
+    meta = worker.build_connector_worker_meta()
+    return sending, recving, worker.take_load_errors(), meta
+
+
+def test_failed_async_load_is_reported_per_request_and_block() -> None:
+    fake = FakeWorker({1: LoadError(keys=[b"k1"], gpu_block_ids={6})})
+    worker = _worker(fake)
+    sending, recving, errors, meta = _run(
+        worker, {1: _load("r1", [5, 6]), 2: _load("r2", [7])}
+    )
+    assert fake.loads == [(1, False), (2, False)]
+    assert fake.waited == []
+    assert sending == set() and recving == {"r1", "r2"}
+    assert errors == ({"r1"}, {6}, set())
+    assert meta is not None and meta.failed_keys == {"r1": [b"k1"]}
+    assert meta.completed_jobs == {1: 1, 2: 1}
+    assert meta.transfer_stats.load.bytes == 400
+    assert meta.transfer_stats.store.bytes == 0
+
+
+def test_a_failed_store_is_a_bug_not_a_load_error() -> None:
+    fake = FakeWorker()
+    worker = _worker(fake)
+    fake._done.append(TransferResult(9, False, 0, 0.0))
+    with pytest.raises(RuntimeError, match="transfer job 9 failed"):
+        worker.get_finished(set())
+
+
+@needs_sync_loads
+def test_sync_load_counts_as_a_load_without_finished_recving() -> None:
+    assert SYNC_LOADS, "vLLM >= 0.33 expected to have TransferJob.sync"
+    fake = FakeWorker()
+    worker = _worker(fake)
+    _, recving, errors, meta = _run(
+        worker, {3: _load("r3", [1, 2], sync=True), 4: _load("r4", [3])}
+    )
+    assert sorted(fake.loads) == [(3, True), (4, False)]
+    assert fake.waited == [{3}]
+    assert recving == {"r4"}  # the sync load's request is already running
+    assert errors == (set(), set(), set())
+    assert meta is not None and meta.completed_jobs == {3: 1, 4: 1}
+    # Both are loads: none of their bytes may count as stores.
+    assert meta.transfer_stats.load.bytes == 400
+    assert meta.transfer_stats.store.bytes == 0
+    assert worker._sync_load_reqs == {}
+
+
+@needs_sync_loads
+def test_failed_sync_load_is_reported_block_level_with_its_keys() -> None:
+    assert SYNC_LOADS, "vLLM >= 0.33 expected to have TransferJob.sync"
+    fake = FakeWorker({5: LoadError(keys=[b"a", b"b"], gpu_block_ids={8, 9})})
+    worker = _worker(fake)
+    _, recving, errors, meta = _run(worker, {5: _load("r5", [7, 8, 9], sync=True)})
+    assert recving == set()
+    # Never request level: the request is not waiting for its KV.
+    assert errors == (set(), set(), {8, 9})
+    assert meta is not None and meta.failed_keys == {"r5": [b"a", b"b"]}
+    assert meta.completed_jobs == {5: 1}
+
+
+@needs_sync_loads
+@pytest.mark.parametrize("request_level", [False, True], ids=["1-group", "n-groups"])
+def test_connector_reports_sync_failures_block_level(request_level: bool) -> None:
+    from kvtier.connector.connector import TieredOffloadingConnector
+
+    fake = FakeWorker(
+        {
+            1: LoadError(keys=[b"x"], gpu_block_ids={2}),
+            2: LoadError(keys=[b"y"], gpu_block_ids={5}),
+        }
+    )
+    worker = _worker(fake)
+    meta = OffloadingConnectorMetadata(
+        load_jobs={1: _load("async", [1, 2]), 2: _load("sync", [4, 5], sync=True)},
+        store_jobs={},
+        jobs_to_flush=set(),
+    )
+    worker.start_kv_transfers(meta)
+    # The connector as vLLM built it, minus the engine: only what
+    # get_transfer_results reads.
+    conn = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
+    conn.connector_worker = worker
+    conn._connector_metadata = meta
+    conn._request_level_errors = request_level
+    conn._invalid_block_ids = set()
+    results = conn.get_transfer_results(set())
+    assert results.finished_recving == {"async"}
+    if request_level:
+        assert results.failed_recving == {"async"}
+        assert conn.get_block_ids_with_load_errors() == {5}
+    else:
+        assert results.failed_recving == set()
+        assert conn.get_block_ids_with_load_errors() == {2, 5}
+    assert conn.get_block_ids_with_load_errors() == set()

@@ -1,0 +1,83 @@
+"""``sync_load_budget_bytes`` (vLLM >= 0.33): accepted where kvtier can report
+a failed synchronous load, refused with the key and the fix elsewhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvtier.connector.config import ConfigError, parse_extra_config
+
+pytest.importorskip("vllm")
+
+from kvtier.connector.compat import SYNC_LOADS, check_sync_load_budget  # noqa: E402
+
+KEY = "sync_load_budget_bytes"
+CPU: dict[str, Any] = {
+    "spec_name": "TieredOffloadingSpec",
+    "spec_module_path": "kvtier.connector",
+    "cpu_bytes_to_use": 1 << 30,
+}
+DISK: dict[str, Any] = {**CPU, "disk_bytes_to_use": 1 << 30, "disk_path": "/mnt/d"}
+
+
+@pytest.mark.parametrize("value", [-1, "x", True, 1.5, None])
+def test_value_must_be_a_byte_count(value: Any) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_extra_config({**CPU, KEY: value})
+    assert err.value.key == KEY and "integer >= 0" in str(err.value)
+
+
+def test_default_is_off() -> None:
+    assert parse_extra_config(CPU).sync_load_budget_bytes == 0
+    assert parse_extra_config({**CPU, KEY: "4096"}).sync_load_budget_bytes == 4096
+
+
+# (extra config, vLLM has sync loads, KV-cache groups, refusal fragments or None)
+CASES = [
+    (CPU, False, 1, ["vLLM >= 0.33", f"remove {KEY}"]),
+    (DISK, False, 1, ["vLLM >= 0.33"]),
+    (CPU, True, 1, None),
+    (CPU, True, 3, None),  # a CPU-only hierarchy never fails a load
+    (DISK, True, 1, None),  # block-level errors work for one group
+    (DISK, True, None, None),  # groups unknown: kvtier's connector checks
+    (DISK, True, 2, ["2 KV-cache groups", "block by block", "disk_bytes_to_use: 0"]),
+]
+
+
+@pytest.mark.parametrize("extra,sync_loads,groups,refusal", CASES)
+def test_decision(
+    extra: dict[str, Any], sync_loads: bool, groups: int | None, refusal: list[str] | None
+) -> None:
+    cfg = parse_extra_config({**extra, KEY: 1 << 20})
+    if refusal is None:
+        check_sync_load_budget(cfg, sync_loads=sync_loads, kv_cache_groups=groups)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_sync_load_budget(cfg, sync_loads=sync_loads, kv_cache_groups=groups)
+    assert err.value.key == KEY
+    message = str(err.value)
+    assert f"kv_connector_extra_config['{KEY}']" in message
+    assert str(1 << 20) in message
+    for fragment in refusal:
+        assert fragment in message
+
+
+def test_zero_is_accepted_everywhere() -> None:
+    cfg = parse_extra_config({**DISK, KEY: 0})
+    check_sync_load_budget(cfg, sync_loads=False, kv_cache_groups=4)
+    check_sync_load_budget(cfg, sync_loads=True, kv_cache_groups=4)
+
+
+def test_the_spec_applies_the_decision_of_this_vllm() -> None:
+    """The spec checks at start-up, before it creates any file."""
+    from kvtier.testing.offloading import offloading_config, tiered_spec
+
+    config = offloading_config({**CPU, KEY: 1 << 20}, worker_kv_bytes_per_block=4096)
+    if SYNC_LOADS:
+        spec = tiered_spec(config)
+        assert spec.kvtier.sync_load_budget_bytes == 1 << 20
+        return
+    with pytest.raises(ConfigError, match="vLLM >= 0.33"):
+        tiered_spec(config)
