@@ -107,6 +107,16 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("create_next_worker_view", "cleanup", "mmap_path"),
     ),
     ("vllm.v1.kv_offload.tiering.base", "TransferJob", ("job_id", "keys", "chunk_ids")),
+    (
+        "vllm.v1.kv_offload.cpu.gpu_worker",
+        "SingleDirectionOffloadingHandler",
+        ("transfer_async", "get_finished", "wait", "shutdown"),
+    ),
+    (
+        "vllm.v1.kv_offload.base",
+        "TransferResult",
+        ("job_id", "success", "transfer_size", "transfer_time"),
+    ),
 )
 
 
