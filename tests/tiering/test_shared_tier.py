@@ -1,0 +1,170 @@
+"""kvtier's local disk tier over vLLM's shared ``fs`` tier (scheduler side).
+
+``secondary_tiers = [KvtierDiskTier (local), fs (shared root)]`` through
+vLLM's own ``TieringOffloadingManager`` (built by ``PortableTieringSpec``),
+with real slab files and real ``fs`` block files. Two managers play two
+engines on one shared root: A stores, B (fresh local disk) finds the blocks
+in the shared tier, keeps them locally, and serves the next hit from its
+local tier. Bytes are compared in primary memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.manager")
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    Locality,
+    Medium,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
+from kvtier.connector.tiering import KvtierDiskTier  # noqa: E402
+from kvtier.io.format import slot_size  # noqa: E402
+from kvtier.testing.offloading import offloading_config  # noqa: E402
+
+from .test_secondary_tier import BLOCK_BYTES, LAYERS, Driver  # noqa: E402
+
+
+def shared_config(local: Path, shared: Path, *, cpu_chunks: int = 4, order="local"):
+    local_tier = {
+        "type": "KvtierDiskTier",
+        "module_path": "kvtier.connector.tiering",
+        "disk_path": str(local),
+        "disk_bytes_to_use": 32 * slot_size(BLOCK_BYTES),
+        "disk_io": "posix",
+    }
+    shared_tier = {
+        "type": "fs",
+        "root_dir": str(shared),
+        "locality": "REMOTE",
+        "enable_kv_events": True,
+        "n_read_threads": 2,
+        "n_write_threads": 2,
+    }
+    tiers = [local_tier, shared_tier]
+    if order != "local":
+        tiers.reverse()
+    return offloading_config(
+        {
+            "spec_name": "PortableTieringSpec",
+            "spec_module_path": "kvtier.connector.tiering",
+            "cpu_bytes_to_use": cpu_chunks * BLOCK_BYTES,
+            "secondary_tiers": tiers,
+        },
+        worker_kv_bytes_per_block=BLOCK_BYTES,
+        layers=LAYERS,
+        engine_tag="kvtier-shared-test",
+        parallelism_agnostic=False,
+    )
+
+
+class SharedDriver(Driver):
+    def __init__(self, config, truth=None):
+        super().__init__(config)
+        # Driver expects one tier; here: [local kvtier, shared fs].
+        self.local = next(
+            t for t in self.manager.secondary_tiers if isinstance(t, KvtierDiskTier)
+        )
+        self.shared = next(
+            t for t in self.manager.secondary_tiers if t.tier_type == "fs"
+        )
+        self.tier = self.local
+        if truth is not None:
+            self.truth = truth
+            self.rng = np.random.default_rng(1)
+
+    def storage_events(self):  # both STORAGE tiers: split by ownership
+        self.events.extend(self.manager.take_events())
+        return [e for e in self.events if e.medium is Medium.STORAGE]
+
+
+@pytest.fixture
+def drivers():
+    made: list[SharedDriver] = []
+
+    def make(config, truth=None) -> SharedDriver:
+        d = SharedDriver(config, truth)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def fs_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.bin"))
+
+
+def test_a_block_from_the_shared_tier_is_kept_locally(tmp_path, drivers):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    a = drivers(shared_config(tmp_path / "a", shared))
+    keys = a.store("prompt", 4)
+    a.settle()
+    assert len(fs_files(shared)) == 4  # cascaded to the shared tier
+    assert all(a.local.tier.is_ready(k) for k in keys)  # and to A's disk
+    truth = dict(a.truth)
+    a.close()
+
+    (tmp_path / "b").mkdir()
+    b = drivers(shared_config(tmp_path / "b", shared), truth)
+    assert len(b.local.tier) == 0
+    b.rows[:, :] = 0xAB
+    hits, ctx = b.lookup("b-first", keys)
+    assert hits == 4
+    # Served by the shared tier (vLLM reports both STORAGE tiers as disk).
+    assert b.load_and_check(keys, ctx) == {CacheHitSource.DISK.value: 4}
+    assert b.local.stats.promotions_completed == 0
+    b.settle()
+    # ... and kept on B's local disk, from the primary rows it landed in.
+    assert b.local.stats.pulled == 4
+    assert all(b.local.tier.is_ready(k) for k in keys)
+    assert len(b.local._pull) == 0 and not b.manager.has_pending_work()
+
+    # Push the blocks out of B's 4-chunk primary tier; the next hit is local.
+    b.store("other", 4)
+    b.settle()
+    assert not any(b.in_primary(k) for k in keys)
+    b.rows[:, :] = 0xCD
+    before = len(fs_files(shared))
+    hits, ctx = b.lookup("b-again", keys)
+    assert hits == 4
+    assert b.load_and_check(keys, ctx) == {CacheHitSource.DISK.value: 4}
+    assert b.local.stats.promotions_completed == 4
+    assert len(fs_files(shared)) == before
+    # The local tier's events name it among the two STORAGE tiers.
+    events = b.storage_events()
+    ours = [e for e in events if e.ownership == "KvtierDiskTier"]
+    assert ours and all(
+        e.locality is Locality.LOCAL and e.removal_expected for e in ours
+    )
+    stored_here = {k for e in ours if not e.removed for k in e.keys}
+    assert set(keys) <= stored_here
+    theirs = [e for e in events if e.ownership is None]
+    assert theirs and all(e.locality is Locality.REMOTE for e in theirs)
+
+
+def test_local_miss_of_a_fresh_block_is_forgotten(tmp_path, drivers):
+    """Keys nobody supplies are dropped at the end of the step: no store job,
+    no pending work left behind."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    d = drivers(shared_config(tmp_path / "a", shared))
+    ctx = ReqContext(req_id="fresh")
+    d.manager.on_new_request(ctx)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(3)]
+    for key in keys:
+        d.manager.lookup(key, ctx)
+    assert len(d.local._pull) >= 1
+    d.settle()
+    assert len(d.local._pull) == 0
+    assert d.local.stats.pulled == 0 and len(d.local.tier) == 0
