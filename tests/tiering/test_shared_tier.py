@@ -10,6 +10,7 @@ local tier. Bytes are compared in primary memory.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,15 @@ from kvtier.testing.offloading import offloading_config  # noqa: E402
 from .test_secondary_tier import BLOCK_BYTES, LAYERS, Driver  # noqa: E402
 
 
-def shared_config(local: Path, shared: Path, *, cpu_chunks: int = 4, order="local"):
+def shared_config(
+    local: Path,
+    shared: Path,
+    *,
+    cpu_chunks: int = 4,
+    order: str = "local",
+    guarded: bool = False,
+    **guard,
+):
     local_tier = {
         "type": "KvtierDiskTier",
         "module_path": "kvtier.connector.tiering",
@@ -47,6 +56,10 @@ def shared_config(local: Path, shared: Path, *, cpu_chunks: int = 4, order="loca
         "n_read_threads": 2,
         "n_write_threads": 2,
     }
+    if guarded:
+        shared_tier.update(
+            type="SharedFsTier", module_path="kvtier.connector.shared_tier", **guard
+        )
     tiers = [local_tier, shared_tier]
     if order != "local":
         tiers.reverse()
@@ -72,7 +85,9 @@ class SharedDriver(Driver):
             t for t in self.manager.secondary_tiers if isinstance(t, KvtierDiskTier)
         )
         self.shared = next(
-            t for t in self.manager.secondary_tiers if t.tier_type == "fs"
+            t
+            for t in self.manager.secondary_tiers
+            if t.tier_type in ("fs", "SharedFsTier")
         )
         self.tier = self.local
         if truth is not None:
@@ -168,3 +183,94 @@ def test_local_miss_of_a_fresh_block_is_forgotten(tmp_path, drivers):
     d.settle()
     assert len(d.local._pull) == 0
     assert d.local.stats.pulled == 0 and len(d.local.tier) == 0
+
+
+# ------------------------------------------------- SharedFsTier, the guard
+
+
+@pytest.mark.parametrize("case", ["absent", "file"])
+def test_unusable_shared_root_starts_offline_and_costs_misses(
+    tmp_path, drivers, case
+):
+    (tmp_path / "a").mkdir()
+    if case == "absent":
+        shared = tmp_path / "not-mounted" / "kv"
+    else:
+        shared = tmp_path / "a-file"
+        shared.write_bytes(b"x")
+    d = drivers(shared_config(tmp_path / "a", shared, guarded=True))
+    assert not d.shared.online
+    assert ("does not exist" if case == "absent" else "not a directory") in (
+        d.shared.offline_reason
+    )
+    if case == "absent":
+        assert not shared.parent.exists()  # never created on the local disk
+    # Stores to the shared tier fail at once (their primary pins released),
+    # the local tier works, and nothing is left pending.
+    first = d.store("a", 4)
+    d.settle()
+    second = d.store("b", 4)  # evicts "a" from the 4-chunk primary tier
+    d.settle()
+    assert not any(d.in_primary(k) for k in first)
+    assert all(d.local.tier.is_ready(k) for k in first + second)
+    d.rows[:, :] = 0xAB
+    hits, ctx = d.lookup("a-again", first, timeout=5)
+    assert hits == 4
+    assert d.load_and_check(first, ctx) == {CacheHitSource.DISK.value: 4}
+    assert d.local.stats.promotions_completed == 4
+    assert not d.manager.has_pending_work()
+
+
+def test_hung_shared_lookups_turn_into_misses(tmp_path, drivers):
+    """A mount that stops answering: vLLM's fs tier would answer RETRY
+    forever (the request deferred step after step); the guard answers MISS
+    after lookup_timeout_s and takes the tier offline."""
+    import threading
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    d = drivers(
+        shared_config(tmp_path / "a", shared, guarded=True, lookup_timeout_s=0.3)
+    )
+    assert d.shared.online
+    release = threading.Event()
+    hung = d.shared.inner._lookup_manager
+
+    def hanging_batch_lookup(keys, req_context):  # the injected fault
+        release.wait(30)
+        return [False] * len(keys)
+
+    hung.batch_lookup = hanging_batch_lookup
+    try:
+        keys = [make_offload_key(bytes([7, i]) * 16, 0) for i in range(2)]
+        start = time.monotonic()
+        hits, _ = d.lookup("hung", keys, timeout=10)
+        assert hits == 0
+        assert time.monotonic() - start < 5
+        assert not d.shared.online
+        assert "lookup_timeout_s" in d.shared.offline_reason
+        # Offline: a store fails at once instead of queueing on the mount.
+        stored = d.store("after", 2)
+        d.settle()
+        assert all(d.local.tier.is_ready(k) for k in stored)
+        assert not list(shared.rglob("*.bin"))
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize(
+    ("entry", "key"),
+    [
+        ({"root_dir": "relative/kv"}, "root_dir"),
+        ({"root_dir": "/x", "lookup_timeout_s": 0}, "lookup_timeout_s"),
+        ({"root_dir": "/x", "probe_timeout_s": "5"}, "probe_timeout_s"),
+        ({"root_dir": "/x", "locality": "NEAR"}, "locality"),
+        ({"root_dir": "/x", "rootdir": "/y"}, "rootdir"),
+    ],
+)
+def test_bad_shared_tier_config_names_the_key(entry, key):
+    from kvtier.connector.shared_tier import SharedTierConfigError, parse_guard
+
+    with pytest.raises(SharedTierConfigError, match=rf"\[type=SharedFsTier\]\['{key}'\]"):
+        parse_guard(entry)
