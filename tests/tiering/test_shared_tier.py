@@ -274,3 +274,33 @@ def test_bad_shared_tier_config_names_the_key(entry, key):
 
     with pytest.raises(SharedTierConfigError, match=rf"\[type=SharedFsTier\]\['{key}'\]"):
         parse_guard(entry)
+
+
+def test_ready_shared_config_orders_local_before_shared():
+    import json
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from kvtier.connector.shared_tier import SharedFsTier, parse_guard
+    from kvtier.connector.tiering import parse_tier_config
+
+    path = Path(__file__).resolve().parents[2] / "configs"
+    text = (path / "vllm-tiering-kvtier-disk-shared.json").read_text()
+    extra = json.loads(text)["kv_connector_extra_config"]
+    local, shared = extra["secondary_tiers"]
+    # Local first: vLLM asks the tiers in list order and promotes from the
+    # first hit, so a local NVMe hit is preferred to the shared tier.
+    assert SecondaryTierFactory.get_tier_class(local) is KvtierDiskTier
+    assert SecondaryTierFactory.get_tier_class(shared) is SharedFsTier
+    parse_tier_config(local, check_paths=False)
+    rest = {k: v for k, v in shared.items() if k not in ("type", "module_path")}
+    root, locality, guard, fs_keys = parse_guard(rest)
+    assert root == "/mnt/shared/kvcache" and locality == "REMOTE"
+    assert fs_keys["enable_kv_events"] is True
+    assert extra["self_describing_kv_events"] is True
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--kv-transfer-config", text]
+    )
+    assert args.kv_transfer_config.kv_connector_extra_config == extra
