@@ -43,6 +43,10 @@ from kvtier.tiers.plans import HierarchyStats, Residency
 
 logger = logging.getLogger("kvtier.connector")
 
+# ``ownership`` of the full spec's disk events (tiering mode's tier uses its
+# tier type, ``KvtierDiskTier``): tells a router which STORAGE tier it is.
+DISK_OWNERSHIP = "kvtier"
+
 
 class _LoadInFlight:
     """The hierarchy's id of a request's load (vLLM runs one at a time)."""
@@ -223,6 +227,11 @@ class TieredOffloadingManager(OffloadingManager):
                     medium=Medium.STORAGE,
                     removed=ev.removed,
                     locality=Locality.LOCAL,
+                    # Every disk block leaves with a BlockRemoved: vLLM keeps
+                    # its self-describing payload (all block hashes, tokens)
+                    # until then, so a router can map the removal back.
+                    ownership=DISK_OWNERSHIP,
+                    removal_expected=True,
                 )
 
     @override

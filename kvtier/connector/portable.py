@@ -21,9 +21,11 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.connector.config import ConfigError
+from kvtier.connector.topology import check_single_node
 
 if TYPE_CHECKING:
     import torch
+    from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
     from kvtier.io.block_copy import BlockCopier, CopyPlan
@@ -120,6 +122,12 @@ class PortableTieringSpec(TieringOffloadingSpec):
     between the KV cache and the *same* region file, so the secondary tiers
     read and write exactly the bytes the worker stored and will load.
     """
+
+    def __init__(self, config: OffloadingConfig):
+        # The secondary tiers read the primary rows in the scheduler, which
+        # only meets the workers' rows on one node (kvtier.connector.topology).
+        check_single_node(config)
+        super().__init__(config)
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -44,6 +44,7 @@ from kvtier.connector.disk_runtime import DiskRuntime, cpu_buffer_path
 from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
 from kvtier.connector.identity import namespace
 from kvtier.connector.metrics import metric_definitions
+from kvtier.connector.topology import check_single_node
 from kvtier.io.disk_store import store_dirname
 from kvtier.io.format import LayoutFingerprint, slot_size
 
@@ -154,6 +155,7 @@ class TieredOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
         _route_logs_through_vllm()
+        check_single_node(config)  # workers on another node: refuse
         self.kvtier: KvtierConfig = parse_extra_config(self.extra_config)
         check_sync_load_budget(self.kvtier, kv_cache_groups=KV_CACHE_GROUPS.get())
         if config.canonical_layout:

@@ -61,6 +61,7 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import (
     JobId,
     JobResult,
+    ParentManager,
     SecondaryTierManager,
     TransferJob,
 )
@@ -76,6 +77,7 @@ from kvtier.connector.tiering_config import (
     parse_tier_config,
 )
 from kvtier.connector.tiering_metrics import DiskTierMetrics, DiskTierStats
+from kvtier.connector.tiering_pull import PullBack
 from kvtier.connector.tiering_rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
 from kvtier.io.disk_store import store_dirname
 from kvtier.io.format import slot_size
@@ -170,6 +172,7 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
         )
         self._jobs: dict[JobId, _Job] = {}
         self._done: list[JobResult] = []
+        self._pull = PullBack()
         self._last_metrics = (DiskTierStats(), 0, 0)
         host_layout = HOST_LAYOUT + ("-replicated" if replicated else "")
         fingerprints = [
@@ -236,6 +239,11 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
                     medium=Medium.STORAGE,
                     removed=removed,
                     locality=Locality.LOCAL,
+                    # Names this tier among several STORAGE tiers, and (every
+                    # block leaves with a BlockRemoved) keeps vLLM's
+                    # self-describing payload alive until that removal.
+                    ownership=self.tier_type,
+                    removal_expected=True,
                 )
             )
 
@@ -255,7 +263,22 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # A block still being written is a MISS here: its bytes are in the
         # primary tier anyway (the cascade reads them from there, pinned).
-        return LookupResult.HIT if self.tier.is_ready(key) else LookupResult.MISS
+        if self.tier.is_ready(key):
+            return LookupResult.HIT
+        if key not in self.tier:
+            self._pull.note(key)  # a later tier may supply it: keep it then
+        return LookupResult.MISS
+
+    @override
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        # Blocks a later secondary tier promoted into the primary tier are
+        # stored here too (kvtier.connector.tiering_pull).
+        if self.runtime is None:
+            return
+        job = self._pull.serve(parent, self.tier.__contains__)
+        if job is not None:
+            self.stats.pulled += len(job.keys)
+            self.submit_store(job)
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -377,7 +400,7 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
 
     @override
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._done)
+        return bool(self._jobs or self._done or len(self._pull))
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:

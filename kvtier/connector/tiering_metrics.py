@@ -51,6 +51,8 @@ class DiskTierStats:
     promotion_failures: int = 0
     evictions: int = 0
     restored: int = 0
+    # Blocks another secondary tier supplied, stored here too (tiering_pull).
+    pulled: int = 0
 
 
 class DiskTierMetrics:

@@ -106,7 +106,7 @@ class Driver:
         self.spec = PortableTieringSpec(config)
         self.manager = self.spec.get_manager()
         assert type(self.manager) is TieringOffloadingManager
-        (self.tier,) = self.manager.secondary_tiers
+        self.tier = self.manager.secondary_tiers[0]  # the first (or only) one
         assert type(self.tier) is KvtierDiskTier
         view = self.manager.primary_tier.get_kv_memoryview()
         self.rows = np.asarray(view).view(np.uint8)

@@ -1,0 +1,328 @@
+"""``SharedFsTier``: vLLM's ``fs`` tier on a shared mount, behind a guard.
+
+vLLM's ``FileSystemTierManager`` (``"type": "fs"``) is a fine shared tier on
+Lustre, CephFS, NFS or a 3FS FUSE mount, and kvtier composes with it as is
+(``secondary_tiers = [KvtierDiskTier, fs]``). What it does not do is cope
+with the mount itself failing:
+
+- at start-up it ``makedirs`` its root: an unmounted root is silently
+  created on the local disk (the fleet stops sharing without a word), and an
+  unwritable or hung root raises or blocks, so the engine does not start;
+- at run time its existence checks run on a helper thread, and while they
+  are unanswered the lookup says ``RETRY``: on a hung mount every request
+  that misses locally is deferred, step after step, forever.
+
+This tier wraps an unmodified ``FileSystemTierManager`` and adds exactly
+that guard. At start-up the root must already exist and accept an
+exclusively created probe file within ``probe_timeout_s``; otherwise the
+tier starts *offline*, with one warning naming the reason. A lookup left
+unanswered for ``lookup_timeout_s``, or a store unfinished after
+``store_timeout_s``, takes the tier offline at run time. Offline, lookups
+are misses, stores and loads finish at once as failed (vLLM releases the
+primary slots and recomputes), and nothing waits on the mount. The engine
+runs on its GPU cache, CPU tier and local NVMe tier meanwhile. A restart
+brings the tier back.
+
+Two things stay vLLM's: a read or write already blocked in the kernel keeps
+its primary slot pinned until it returns (it cannot be aborted safely), and
+``reset_cache`` / shutdown wait for in-flight I/O, as vLLM's contract for
+``drain_jobs`` requires (shutdown waits at most ``probe_timeout_s`` once the
+tier is offline).
+
+Config (one ``secondary_tiers`` entry; the keys of ``fs`` plus the guard's)::
+
+    {"type": "SharedFsTier", "module_path": "kvtier.connector.shared_tier",
+     "root_dir": "/mnt/shared/kv", "locality": "REMOTE",
+     "enable_kv_events": true, "n_read_threads": 16, "n_write_threads": 16,
+     "probe_timeout_s": 5, "lookup_timeout_s": 5, "store_timeout_s": 60}
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from typing_extensions import override
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import (
+    JobId,
+    JobResult,
+    ParentManager,
+    SecondaryTierManager,
+    TransferJob,
+)
+
+from kvtier.connector.config import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+logger = logging.getLogger("kvtier.connector")
+
+TIER_TYPE = "SharedFsTier"
+# Keys handed to vLLM's FileSystemTierManager unchanged.
+FS_KEYS = ("n_read_threads", "n_write_threads", "enable_kv_events")
+GUARD_KEYS = {"probe_timeout_s": 5.0, "lookup_timeout_s": 5.0, "store_timeout_s": 60.0}
+
+
+class SharedTierConfigError(ConfigError):
+    """A bad key of the ``SharedFsTier`` entry in ``secondary_tiers``."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        ValueError.__init__(
+            self,
+            f"kvtier: kv_connector_extra_config['secondary_tiers'][type={TIER_TYPE}]"
+            f"[{key!r}]: {message}",
+        )
+
+
+def parse_guard(config: dict[str, Any]) -> tuple[str, str, dict[str, float], dict]:
+    """(root_dir, locality, guard timeouts, fs keys) of one entry; raise
+    :class:`SharedTierConfigError` naming the key."""
+    valid = ("root_dir", "locality", *FS_KEYS, *GUARD_KEYS)
+    for key in config:
+        if key not in valid:
+            raise SharedTierConfigError(
+                key, f"unknown key; valid keys are: {', '.join(valid)}"
+            )
+    root = config.get("root_dir")
+    if not isinstance(root, str) or not os.path.isabs(root):
+        raise SharedTierConfigError(
+            "root_dir", f"got {root!r}; give the shared mount's absolute path"
+        )
+    locality = config.get("locality", "REMOTE")
+    if locality not in ("LOCAL", "REMOTE"):
+        raise SharedTierConfigError(
+            "locality", f"got {locality!r}; accepted values: REMOTE | LOCAL"
+        )
+    guard = {}
+    for key, default in GUARD_KEYS.items():
+        value = config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise SharedTierConfigError(key, f"got {value!r}; give seconds > 0")
+        guard[key] = float(value)
+    return root, locality, guard, {k: config[k] for k in FS_KEYS if k in config}
+
+
+def probe_root(root: str, timeout: float) -> str | None:
+    """None if ``root`` is a directory that takes an exclusively created file
+    within ``timeout`` seconds, else why not. Runs on a daemon thread, so a
+    hung mount costs ``timeout``, not the scheduler."""
+    answer: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            if not stat.S_ISDIR(os.stat(root).st_mode):
+                answer.append("is not a directory")
+                return
+            path = os.path.join(root, f".kvtier-probe-{os.getpid()}-{time.time_ns()}")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            os.close(os.open(path, flags, 0o600))
+            os.unlink(path)
+            answer.append(None)
+        except FileNotFoundError:
+            answer.append(
+                "does not exist (not mounted?); kvtier does not create it, so "
+                "an absent mount is never replaced by a local directory"
+            )
+        except OSError as exc:
+            answer.append(f"is not usable ({exc.strerror or exc})")
+
+    thread = threading.Thread(target=probe, name="kvtier-shared-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive() or not answer:
+        return f"did not answer within {timeout:g} s (probe_timeout_s)"
+    return answer[0]
+
+
+class SharedFsTier(SecondaryTierManager):
+    """vLLM's ``fs`` tier with the guard described in the module doc."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **config: Any,
+    ) -> None:
+        super().__init__(
+            offloading_spec, primary_kv_view, tier_type, backpressure_detector
+        )
+        root, locality, guard, fs_kwargs = parse_guard(config)
+        self.root_dir = root
+        self.locality = Locality(locality)
+        self.probe_timeout_s = guard["probe_timeout_s"]
+        self.lookup_timeout_s = guard["lookup_timeout_s"]
+        self.store_timeout_s = guard["store_timeout_s"]
+        self.inner: FileSystemTierManager | None = None
+        self.offline_reason: str | None = probe_root(root, self.probe_timeout_s)
+        if self.offline_reason is None:
+            from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+            try:
+                self.inner = FileSystemTierManager(
+                    offloading_spec,
+                    primary_kv_view,
+                    tier_type,
+                    root_dir=root,
+                    locality=locality,
+                    **fs_kwargs,
+                )
+            except OSError as exc:
+                self.offline_reason = f"could not be prepared ({exc})"
+        if self.offline_reason is not None:
+            self._go_offline(self.offline_reason)
+        else:
+            logger.info("kvtier %s: shared tier on %s", tier_type, root)
+        self._retry_since: dict[OffloadKey, float] = {}
+        self._store_since: dict[JobId, float] = {}
+        self._done: list[JobResult] = []
+
+    @property
+    def online(self) -> bool:
+        return self.offline_reason is None
+
+    def _go_offline(self, reason: str) -> None:
+        self.offline_reason = reason
+        logger.warning(
+            "kvtier %s: shared root %s %s; the shared tier is offline until the "
+            "engine restarts (lookups miss, stores are skipped)",
+            self.tier_type,
+            self.root_dir,
+            reason,
+        )
+
+    def _fail(self, job: TransferJob) -> None:
+        self._done.append(JobResult(job.job_id, False, transfer_time=0.0))
+
+    # ----------------------------------------------------------- contract
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if self.inner is None:
+            return RequestOffloadingContext()
+        return self.inner.on_new_request(req_context)
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not self.online or self.inner is None:
+            return LookupResult.MISS
+        result = self.inner.lookup(key, req_context)
+        if result is not LookupResult.RETRY:
+            self._retry_since.pop(key, None)
+            return result
+        now = time.monotonic()
+        since = self._retry_since.setdefault(key, now)
+        if now - since > self.lookup_timeout_s:
+            self._retry_since.clear()
+            self._go_offline(
+                f"left a lookup unanswered for {self.lookup_timeout_s:g} s "
+                "(lookup_timeout_s)"
+            )
+            return LookupResult.MISS
+        return result
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self.inner is not None:
+            self.inner.touch(keys, req_context)
+
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        if not self.online or self.inner is None:
+            self._fail(job_metadata)
+            return
+        self._store_since[job_metadata.job_id] = time.monotonic()
+        self.inner.submit_store(job_metadata)
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        if not self.online or self.inner is None:
+            self._fail(job_metadata)
+            return
+        self.inner.submit_load(job_metadata)
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results, self._done = self._done, []
+        if self.inner is None:
+            return results
+        for result in self.inner.get_finished_jobs():
+            self._store_since.pop(result.job_id, None)
+            results.append(result)
+        if self.online and self._store_since:
+            oldest = min(self._store_since.values())
+            if time.monotonic() - oldest > self.store_timeout_s:
+                self._go_offline(
+                    f"left a store unfinished for {self.store_timeout_s:g} s "
+                    "(store_timeout_s)"
+                )
+        return results
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(self._done)
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.inner is not None:
+            yield from self.inner.take_events()
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        if self.inner is not None:
+            self.inner.on_request_finished(req_context)
+        if len(self._retry_since) > 65536:  # keys of long-gone requests
+            self._retry_since.clear()
+
+    @override
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        if self.inner is not None:
+            self.inner.serve_external_requests(parent)
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self.inner is not None:
+            self.inner.on_schedule_end(context)
+
+    @override
+    def drain_jobs(self) -> None:
+        # vLLM's contract: no I/O may touch primary memory after this
+        # returns, so this waits even for a hung mount (reset_cache only).
+        if self.inner is not None:
+            self.inner.drain_jobs()
+
+    @override
+    def shutdown(self) -> None:
+        inner, self.inner = self.inner, None
+        if inner is None:
+            return
+        if self.online:
+            inner.shutdown()
+            return
+        # Offline because the mount stopped answering: give its threads
+        # probe_timeout_s to finish, then leave them (daemon threads).
+        closer = threading.Thread(target=inner.shutdown, daemon=True)
+        closer.start()
+        closer.join(self.probe_timeout_s)

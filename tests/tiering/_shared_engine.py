@@ -1,0 +1,158 @@
+"""One engine of the shared-tier e2e test (test_shared_tier_e2e.py), run in
+its own process: ``PortableTieringSpec`` with ``secondary_tiers`` = [kvtier's
+disk tier on a local directory, vLLM's ``fs`` tier on a shared root].
+
+``python _shared_engine.py ROLE LOCAL_DIR SHARED_ROOT`` prints one line
+``KVTIER-RESULT {json}``. ROLE ``a``: run PROMPT once. ROLE ``b``: run PROMPT,
+push it out of the GPU cache and the CPU tier with PUSHERS, run it again;
+KV events (self-describing) are collected by a real ZMQ subscriber.
+ROLE ``dead``: ROLE b's workload with the shared root given as-is (absent
+or unusable), for the failure test. A uses vLLM's ``fs`` tier, B and dead
+kvtier's ``SharedFsTier`` (the same files, behind a guard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kvtier.testing.model import make_prompt  # noqa: E402
+
+BLOCK_TOKENS = 32
+BLOCKS_PER_PROMPT = 4
+PROMPT_LEN = BLOCKS_PER_PROMPT * BLOCK_TOKENS + 5
+GPU_BLOCKS = 20
+CPU_CHUNKS = 8
+LOCAL_BLOCKS = 64
+MAX_TOKENS = 8
+PROMPT = make_prompt(300, PROMPT_LEN)
+# Seven prompts of four blocks push PROMPT out of the 19-block GPU cache and
+# the 8-chunk CPU tier (cf. tests/tiering/test_tiering_e2e.py).
+PUSHERS = [make_prompt(301 + i, PROMPT_LEN) for i in range(7)]
+
+
+def shared_tiering_config(
+    block_bytes: int,
+    local: str,
+    shared: str,
+    *,
+    events: bool = False,
+    shared_type: str = "fs",
+) -> dict[str, Any]:
+    from kvtier.io.format import slot_size
+    from kvtier.testing.engine import offloading_kv_transfer_config
+
+    extra: dict[str, Any] = {}
+    if events:
+        extra["self_describing_kv_events"] = True
+    return offloading_kv_transfer_config(
+        "PortableTieringSpec",
+        "kvtier.connector.tiering",
+        cpu_bytes_to_use=CPU_CHUNKS * block_bytes,
+        secondary_tiers=[
+            {  # first: asked first, so a local hit wins over the shared tier
+                "type": "KvtierDiskTier",
+                "module_path": "kvtier.connector.tiering",
+                "disk_path": local,
+                "disk_bytes_to_use": LOCAL_BLOCKS * slot_size(block_bytes),
+                "disk_io": "posix",
+            },
+            {
+                "type": shared_type,
+                **(
+                    {"module_path": "kvtier.connector.shared_tier"}
+                    if shared_type == "SharedFsTier"
+                    else {}
+                ),
+                "root_dir": shared,
+                "locality": "REMOTE",
+                "enable_kv_events": True,
+                "n_read_threads": 2,
+                "n_write_threads": 2,
+            },
+        ],
+        **extra,
+    )
+
+
+def _event(ev: Any) -> dict[str, Any]:
+    def h(x: Any) -> Any:
+        return x.hex() if isinstance(x, bytes) else x
+
+    return {
+        "type": type(ev).__name__,
+        "medium": getattr(ev, "medium", None),
+        "ownership": getattr(ev, "ownership", None),
+        "locality": getattr(ev, "locality", None),
+        "block_hashes": [h(x) for x in getattr(ev, "block_hashes", ()) or ()],
+        "token_ids": list(getattr(ev, "token_ids", ()) or ()),
+        "block_size": getattr(ev, "block_size", None),
+    }
+
+
+def main() -> None:
+    from kvtier.testing.engine import (
+        KVEventSubscriber,
+        build_tiny_llama,
+        engine,
+        get_connector,
+        kv_bytes_per_block,
+        run_prompts,
+        wait_events_delivered,
+    )
+
+    role, local, shared = sys.argv[1:4]
+    model = build_tiny_llama()
+    cfg = shared_tiering_config(
+        kv_bytes_per_block(model, BLOCK_TOKENS),
+        local,
+        shared,
+        events=role == "b",
+        # A: vLLM's own fs tier; B and the failure runs: kvtier's guard
+        # around it (the same files, so B reads what A wrote).
+        shared_type="fs" if role == "a" else "SharedFsTier",
+    )
+    out: dict[str, Any] = {}
+    with KVEventSubscriber() as sub, engine(
+        model,
+        cfg,
+        num_gpu_blocks=GPU_BLOCKS,
+        enable_kv_events=role == "b",
+        kv_events_endpoint=sub.endpoint,
+    ) as llm:
+        manager = get_connector(llm).connector_scheduler.manager
+        tier = manager.secondary_tiers[0]
+        assert type(tier).__name__ == "KvtierDiskTier", tier
+
+        def stats() -> dict[str, int]:
+            return dataclasses.asdict(tier.stats)
+
+        first = run_prompts(llm, [PROMPT], MAX_TOKENS)
+        out["first"] = {"outputs": first.outputs, "hits": first.hits_by_source}
+        out["after_first"] = stats()
+        if role != "a":
+            pushed = [run_prompts(llm, [p], MAX_TOKENS).outputs[0] for p in PUSHERS]
+            again = run_prompts(llm, [PROMPT], MAX_TOKENS)
+            out["pushers"] = pushed
+            out["again"] = {"outputs": again.outputs, "hits": again.hits_by_source}
+            out["after_again"] = stats()
+        if role == "b":
+            out["events_delivered"] = wait_events_delivered(llm, sub, timeout=30)
+            out["events"] = [
+                _event(e.event) for e in sub.events if e.medium == "STORAGE"
+            ]
+        out["local_resident"] = len(tier.tier)
+        shared_tier = manager.secondary_tiers[1]
+        out["shared_online"] = getattr(shared_tier, "online", True)
+    print("KVTIER-RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

