@@ -32,7 +32,8 @@ lint: $(VENV)/.kvtier-ready
 soak: $(VENV)/.kvtier-ready
 	KVTIER_SOAK_ROUNDS=$${KVTIER_SOAK_ROUNDS:-30} $(PY) -m pytest -q tests/e2e/test_reliability_e2e.py -k soak
 
-# The CUDA tests (tests/gpu, marked gpu) on a GPU host whose Python has torch
-# with CUDA and vLLM's CUDA build; elsewhere they skip.
+# The CUDA tests (marked gpu: tests/gpu, tests/e2e/test_gpu_e2e.py) on a GPU
+# host whose Python has torch with CUDA and vLLM's CUDA build; elsewhere they
+# skip.
 test-gpu:
-	$${PYTHON:-python3} -m pytest -q -m gpu tests/gpu
+	$${PYTHON:-python3} -m pytest -q -m gpu tests/gpu tests/e2e/test_gpu_e2e.py

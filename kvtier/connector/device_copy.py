@@ -113,6 +113,8 @@ class DeviceCopies:
     device time; :meth:`wait` blocks until the given ones completed.
     Called from one thread (the model runner's)."""
 
+    synchronous = False  # transfers finish later, reported by poll()
+
     def __init__(
         self,
         group_views: list[list[torch.Tensor]],

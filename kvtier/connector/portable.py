@@ -24,30 +24,70 @@ from kvtier.connector.config import ConfigError
 from kvtier.connector.topology import check_single_node
 
 if TYPE_CHECKING:
-    import torch
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-    from kvtier.io.block_copy import BlockCopier, CopyPlan
+    from kvtier.io.block_copy import CopyPlan
 
 logger = logging.getLogger("kvtier.connector")
 
 
-class _GroupCopier:
-    """One KV-cache group's copies: one :class:`BlockCopier` per KV tensor of
-    the group, each over that tensor's slice of this rank's page."""
+class _RegionCopies:
+    """The worker's copy path over vLLM's region rows (CPU platform): one
+    :class:`BlockCopier` per KV tensor, each over that tensor's area of this
+    rank's page, complete on return (the interface of
+    :class:`kvtier.io.block_copy.HostCopies`)."""
 
-    def __init__(self, copiers: list[BlockCopier]):
-        self.copiers = copiers
-        self.block_bytes = sum(c.block_bytes for c in copiers)
+    synchronous = True
 
-    # Every tensor's copier runs on its own stream: the job is done only
-    # when all of their events fired, so all of them are returned.
-    def to_cpu(self, plan: CopyPlan) -> list[torch.cuda.Event]:
-        return [e for c in self.copiers if (e := c.to_cpu(plan)) is not None]
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        region: SharedOffloadRegion,
+        blocks_per_chunk: int,
+    ):
+        import torch
 
-    def to_gpu(self, plan: CopyPlan) -> list[torch.cuda.Event]:
-        return [e for c in self.copiers if (e := c.to_gpu(plan)) is not None]
+        from kvtier.io.block_copy import BlockCopier
+
+        per_tensor: list[BlockCopier] = []
+        for t in kv_caches.tensors:
+            page = t.page_size_bytes
+            # .view (not reshape): a KV cache that is not block-contiguous
+            # raises here instead of being copied from a silent copy.
+            gpu = t.tensor.view(torch.int8).view(-1, page).view(torch.uint8)
+            cpu = region.create_next_worker_view(page * blocks_per_chunk)
+            per_tensor.append(
+                BlockCopier([gpu], cpu.view(torch.uint8), blocks_per_chunk)
+            )
+        self.groups = [
+            [per_tensor[i] for i in dict.fromkeys(ref.tensor_idx for ref in refs)]
+            for refs in kv_caches.group_data_refs
+        ]
+        self.block_bytes = [sum(c.block_bytes for c in g) for g in self.groups]
+
+    def submit(
+        self,
+        area: str,
+        group: int,
+        plan: CopyPlan,
+        to_host: bool,
+        expedited: bool = False,
+    ) -> None:
+        for copier in self.groups[group]:
+            if to_host:
+                copier.to_cpu(plan)
+            else:
+                copier.to_gpu(plan)
+
+    def poll(self) -> dict[int, float]:
+        return {}
+
+    def wait(self, transfers: set[int]) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.groups = []  # drop the views before the region is unmapped
 
 
 class _RegionHandle:
@@ -73,8 +113,9 @@ def _portable_worker_cls() -> type:
         exactly as vLLM's ``CPUOffloadingWorker`` lays them out: in this
         rank's page, one area per KV tensor in ``kv_caches.tensors`` order,
         ``blocks_per_chunk`` (padded) pages each. Copies are kvtier's
-        :class:`BlockCopier` (plain indexed copies on the CPU platform), and
-        the job bookkeeping is :class:`TieredOffloadingWorker`'s.
+        :class:`BlockCopier` (plain indexed copies on the CPU platform,
+        :class:`_RegionCopies`), and the job bookkeeping is
+        :class:`TieredOffloadingWorker`'s.
         """
 
         def __init__(
@@ -83,31 +124,18 @@ def _portable_worker_cls() -> type:
             region: SharedOffloadRegion,
             blocks_per_chunk: int,
         ):
-            import torch
-
-            from kvtier.io.block_copy import BlockCopier
-
             # Not TieredOffloadingWorker.__init__: that one lays out groups
             # over kvtier's CpuBlockBuffer; these rows are vLLM's.
+            self.copies = _RegionCopies(kv_caches, region, blocks_per_chunk)
             self.cpu_buffer = _RegionHandle(region)
             self.blocks_per_chunk = blocks_per_chunk
-            per_tensor: list[BlockCopier] = []
-            for t in kv_caches.tensors:
-                page = t.page_size_bytes
-                gpu = t.tensor.view(torch.int8).view(-1, page).view(torch.uint8)
-                cpu = region.create_next_worker_view(page * blocks_per_chunk)
-                per_tensor.append(
-                    BlockCopier([gpu], cpu.view(torch.uint8), blocks_per_chunk)
-                )
-            self.copiers = []
-            for refs in kv_caches.group_data_refs:
-                idx = list(dict.fromkeys(ref.tensor_idx for ref in refs))
-                self.copiers.append(_GroupCopier([per_tensor[i] for i in idx]))
             self.reader = None
-            self.disk_copiers = []
+            self.block_bytes = self.copies.block_bytes
+            self._jobs = {}
+            self._owner = {}
             self._finished = []
-            self._in_flight = []
             self._load_errors = {}
+            self._bounce_readers = set()
 
     return PortableTieringWorker
 
@@ -180,5 +208,3 @@ class PortableTieringSpec(TieringOffloadingSpec):
             rank * self.cpu_page_size_per_worker,
         )
         return worker
-
-

@@ -291,7 +291,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         # As vLLM measures: device transfers count their CUDA-event time
         # when they finish; host work counts its wall time (the whole job
         # on the CPU platform, the disk reads on accelerators).
-        if isinstance(self.copies, HostCopies):
+        if self.copies.synchronous:
             job.seconds += time.perf_counter() - started
         if job.transfers:
             self._jobs[job.job_id] = job
@@ -331,7 +331,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             results = reader.read(
                 [(int(spec.block_ids[p]), spec.keys[p]) for p in chunk]
             )
-            if not isinstance(self.copies, HostCopies):
+            if not self.copies.synchronous:
                 job.seconds += time.perf_counter() - read_started
             bounce_row[:] = -1
             for p, result in zip(chunk, results):

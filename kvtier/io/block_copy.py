@@ -184,6 +184,8 @@ class HostCopies:
     (which queues on the accelerator instead): :meth:`submit` returns no
     transfer id because nothing stays in flight."""
 
+    synchronous = True  # copies are complete when submit returns
+
     def __init__(
         self,
         group_views: list[list[torch.Tensor]],

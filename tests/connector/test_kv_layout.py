@@ -154,3 +154,12 @@ def test_canonical_layout_is_refused_by_the_full_spec() -> None:
     cfg = dataclasses.replace(_spec_config(), canonical_layout=True)
     with pytest.raises(ConfigError, match="canonical_layout"):
         tiered_spec(cfg)
+
+
+def test_replicated_layout_keeps_a_copy_per_rank() -> None:
+    # vLLM's replicated layout (MLA under TP) lets only rank 0 store when the
+    # spec says so; kvtier's rows and slots are per rank, so its spec keeps
+    # the flag off and every rank stores (and later loads) its own copy.
+    spec = tiered_spec(dataclasses.replace(_spec_config(), replicated_layout=True))
+    assert spec.config.replicated_layout is True
+    assert spec.replicated_layout is False

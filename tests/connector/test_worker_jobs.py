@@ -35,6 +35,8 @@ class LateCopies:
     what landed, ``wait`` lands the given ones (and, in order, those queued
     before them), as CUDA streams and events would."""
 
+    synchronous = False
+
     def __init__(self, inner: HostCopies):
         self.inner = inner
         self.queued: OrderedDict[int, tuple] = OrderedDict()
