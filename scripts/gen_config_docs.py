@@ -154,6 +154,16 @@ written, whatever the policy says. Numbers below: the Mooncake trace in
 Measure before choosing: `kvtier size --trace YOUR_TRACE.jsonl
 --cpu-blocks N --disk-blocks M --compare` replays every policy (every
 CPU/disk pair with a disk tier) next to the offline optimum.
+
+When no policy comes close to the optimum, the gap is usually not one a
+policy can close: `benchmarks/optimum_anatomy.py --trace YOUR_TRACE.jsonl
+--capacities N` shows how much of the optimum comes from blocks reused
+within the tier's capacity (what `lru` already gets) and how much from
+blocks reused several capacities later, which only a bigger tier (or a
+disk tier) reliably catches. On the benchmark trace S3-FIFO, bimodal
+insertion, conversation-level LFU and prefix-inherited admission were
+all measured and none beat `2q`/`arcdk`
+([benchmarks](benchmarks.md#hit-rate-benchmarkshit_ratepy)).
 """
 
 SIZING = """\

@@ -50,20 +50,27 @@ def optimal_hits(requests: Sequence[Sequence[Hashable]], capacity: int) -> int:
     """Most prefix-hit blocks any cache of ``capacity`` blocks gets on
     ``requests`` (lists of keys in prefix order; duplicate keys in one
     request count once per occurrence but are cached once)."""
+    return sum(_belady_hit_counts(requests, capacity))
+
+
+def _belady_hit_counts(
+    requests: Sequence[Sequence[Hashable]], capacity: int
+) -> list[int]:
+    """Per request, how many of its leading blocks the optimum hits."""
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
     next_use = _next_uses(requests)
     cached: dict[Hashable, tuple[float, int]] = {}  # key -> (next use, depth)
     heap: list[tuple[float, int, int, Hashable]] = []  # max-heap by negation
     tick = 0  # heap tie-break that never compares keys
-    hits = 0
+    out: list[int] = []
     for t, keys in enumerate(requests):
         n = 0
         for k in keys:
             if k not in cached:
                 break
             n += 1
-        hits += n
+        out.append(n)
         for depth, (k, nu) in enumerate(zip(keys, next_use[t])):
             entry = (nu, depth)
             if cached.get(k) != entry:
@@ -79,7 +86,40 @@ def optimal_hits(requests: Sequence[Sequence[Hashable]], capacity: int) -> int:
             heap = [(-nu, -d, i, k) for i, (k, (nu, d)) in enumerate(cached.items())]
             heapq.heapify(heap)
             tick = len(heap)
-    return hits
+    return out
+
+
+def optimal_hits_by_reuse_distance(
+    requests: Sequence[Sequence[Hashable]], capacity: int, edges: Sequence[float]
+) -> tuple[list[int], list[int]]:
+    """Where the optimum's hits come from: every reuse of a block (a block
+    seen in an earlier request) binned by its *reuse distance*, the blocks
+    requested in between (after the block's previous request, before this
+    one), at bin edges ``edges`` (ascending; bin i is ``[edges[i-1],
+    edges[i])``, the last bin open-ended). Returns (optimum's hits, all
+    reuses) per bin; the hits sum to :func:`optimal_hits`.
+
+    An LRU cache of ``capacity`` blocks hits (about) the reuses closer than
+    ``capacity``; what the optimum gets beyond that is what an online
+    policy can only get by guessing which blocks come back."""
+    from bisect import bisect_right
+
+    counts = _belady_hit_counts(requests, capacity)
+    hits = [0] * (len(edges) + 1)
+    reuses = [0] * (len(edges) + 1)
+    last: dict[Hashable, int] = {}  # key -> blocks requested up to its last use
+    done = 0  # blocks of all earlier requests
+    for keys, n in zip(requests, counts):
+        for i, k in enumerate(keys):
+            prev = last.get(k)
+            if prev is not None:
+                b = bisect_right(edges, done - prev)
+                reuses[b] += 1
+                hits[b] += i < n
+        done += len(keys)
+        for k in keys:
+            last[k] = done
+    return hits, reuses
 
 
 def optimal_hit_rate(requests: Sequence[Sequence[Hashable]], capacity: int) -> float:

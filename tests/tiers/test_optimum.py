@@ -8,6 +8,7 @@ from kvtier.tiers.optimum import (
     brute_force_hits,
     optimal_hit_rate,
     optimal_hits,
+    optimal_hits_by_reuse_distance,
     oracle_admission_lru_hits,
     static_frequency_hits,
 )
@@ -90,3 +91,28 @@ def test_oracle_admission_skips_one_time_blocks():
     trace = [[0, 1], [5, 6], [0, 1]]
     assert oracle_admission_lru_hits(trace, 2) == 2
     assert static_frequency_hits(trace, 2) == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(PROMPTS, st.integers(0, 6), st.lists(st.integers(0, 8), max_size=3))
+def test_optimum_by_reuse_distance_adds_up(prompts, capacity, edges):
+    trace = _prefix_trace(prompts)
+    hits, reuses = optimal_hits_by_reuse_distance(trace, capacity, sorted(edges))
+    assert len(hits) == len(reuses) == len(edges) + 1
+    assert sum(hits) == optimal_hits(trace, capacity)
+    seen: set[int] = set()
+    infinite = 0
+    for r in trace:
+        infinite += sum(1 for k in r if k in seen)
+        seen.update(r)
+    assert sum(reuses) == infinite
+    assert all(0 <= h <= n for h, n in zip(hits, reuses))
+
+
+def test_optimum_by_reuse_distance_bins():
+    # Block 0 comes back after 0 blocks in between (distance 0), then after
+    # the 2 blocks of [1, 2] (distance 2); capacity 1 keeps it throughout.
+    trace = [[0], [0], [1], [2], [0]]
+    hits, reuses = optimal_hits_by_reuse_distance(trace, 1, [1, 2])
+    assert reuses == [1, 0, 1]
+    assert hits == [1, 0, 1]
