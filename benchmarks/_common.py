@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,3 +43,43 @@ def write_json(name: str, doc: dict[str, Any], out: str | None = None) -> Path:
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only); False where the host does not allow it."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fio_sequential_read(
+    fio: str, path: str, size: int, loops: int = 5, timeout: float = 300
+) -> dict[str, Any]:
+    """fio's O_DIRECT, 1 MiB sequential read of ``size`` bytes of ``path``
+    from offset 0: the raw-drive baseline for kvtier's disk reads."""
+    res = subprocess.run(
+        [
+            fio,
+            "--name=span",
+            f"--filename={path}",
+            "--rw=read",
+            "--bs=1M",
+            "--direct=1",
+            "--ioengine=psync",
+            f"--size={size}",
+            "--offset=0",
+            "--output-format=json",
+            f"--loops={loops}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if res.returncode:
+        return {"error": res.stderr[-300:]}
+    job = json.loads(res.stdout)["jobs"][0]["read"]
+    return {"gbps": job["bw_bytes"] / 1e9, "bytes": size}

@@ -224,29 +224,9 @@ def _fio_same_span(store_root: Path, blocks: int, slot_bytes: int) -> dict | Non
     slabs = sorted(store_root.glob("kvtier-*/slab-0.kvt"))
     if not fio or not slabs:
         return None
-    size = blocks * slot_bytes
-    res = subprocess.run(
-        [
-            fio,
-            "--name=span",
-            f"--filename={slabs[0]}",
-            "--rw=read",
-            "--bs=1M",
-            "--direct=1",
-            "--ioengine=psync",
-            f"--size={size}",
-            "--offset=0",
-            "--output-format=json",
-            "--loops=5",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if res.returncode:
-        return {"error": res.stderr[-300:]}
-    job = json.loads(res.stdout)["jobs"][0]["read"]
-    return {"gbps": job["bw_bytes"] / 1e9, "bytes": size}
+    from benchmarks._common import fio_sequential_read
+
+    return fio_sequential_read(fio, str(slabs[0]), blocks * slot_bytes, timeout=120)
 
 
 def main() -> int:

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import drop_caches, fio_sequential_read  # noqa: E402
 
 
 def _caches(layers: int, page: int, num_blocks: int):
@@ -77,42 +77,11 @@ def _run_job(worker, submit, job_id: int, *args) -> tuple[float, float, bool]:
             raise TimeoutError(f"job {job_id} did not finish")
 
 
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def _fio(fio: str | None, path: str, size: int) -> dict[str, Any] | None:
     if not fio:
         return None
-    _drop_caches()
-    res = subprocess.run(
-        [
-            fio,
-            "--name=span",
-            f"--filename={path}",
-            "--rw=read",
-            "--bs=1M",
-            "--direct=1",
-            "--ioengine=psync",
-            f"--size={size}",
-            "--offset=0",
-            "--output-format=json",
-            "--loops=3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if res.returncode:
-        return {"error": res.stderr[-300:]}
-    job = json.loads(res.stdout)["jobs"][0]["read"]
-    return {"gbps": job["bw_bytes"] / 1e9, "bytes": size}
+    drop_caches()
+    return fio_sequential_read(fio, path, size, loops=3)
 
 
 def _summary(walls: list[float], reported: list[float], nbytes: int) -> dict[str, Any]:
@@ -248,7 +217,7 @@ def main() -> int:
     dropped = []
     for r in range(args.repeats):
         for name in backends if r % 2 else backends[::-1]:
-            dropped.append(_drop_caches())
+            dropped.append(drop_caches())
             job += 1
             wall, _, ok = _run_job(
                 workers[name], workers[name].submit_load, job, spec, dst

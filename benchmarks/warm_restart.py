@@ -30,20 +30,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import drop_caches  # noqa: E402
 from kvtier.connector.disk_runtime import DiskRuntime  # noqa: E402
 from kvtier.io.disk_store import DiskStore  # noqa: E402
 from kvtier.io.format import LayoutFingerprint, slot_size  # noqa: E402
 from kvtier.tiers.hierarchy import TierHierarchy  # noqa: E402
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def fill(store: DiskStore, block_bytes: int) -> float:
