@@ -135,7 +135,8 @@ def _portable_worker_cls() -> type:
             self._owner = {}
             self._finished = []
             self._load_errors = {}
-            self._bounce_readers = set()
+            self._bounce_readers = [set(), set()]
+            self._next_half = 0
 
     return PortableTieringWorker
 

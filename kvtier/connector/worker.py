@@ -10,7 +10,9 @@ planned:
   (:class:`~kvtier.io.slot_reader.SlotReader`), each block is verified, and
   the verified blocks are scattered from the bounce area straight into the
   KV cache. A block the scheduler gave a promotion row is also copied into
-  that CPU row. Prefixes larger than the bounce area are read in chunks.
+  that CPU row. Prefixes larger than the bounce area are read in chunks;
+  with asynchronous (accelerator) copies the area is double buffered, so
+  reading a chunk overlaps copying the previous one.
 
 A disk block that fails (I/O error, checksum, header, wrong key) is never
 copied anywhere: the job is reported failed with the keys and GPU blocks it
@@ -171,9 +173,12 @@ class TieredOffloadingWorker(OffloadingWorker):
         self._owner: dict[int, _Job] = {}  # transfer id -> its job
         self._finished: list[TransferResult] = []
         self._load_errors: dict[int, LoadError] = {}
-        # Transfers reading the bounce area: the next disk read waits for
-        # them, whichever job they belong to.
-        self._bounce_readers: set[int] = set()
+        # Transfers still reading each half of the bounce area: a disk read
+        # into a half waits for them, whichever job they belong to. With
+        # asynchronous copies the halves alternate, so one chunk's read
+        # overlaps the previous chunk's copies (double buffering).
+        self._bounce_readers: list[set[int]] = [set(), set()]
+        self._next_half = 0
 
     # ------------------------------------------------------------- contract
 
@@ -227,7 +232,8 @@ class TieredOffloadingWorker(OffloadingWorker):
     @override
     def get_finished(self) -> list[TransferResult]:
         for transfer, seconds in self.copies.poll().items():
-            self._bounce_readers.discard(transfer)
+            for readers in self._bounce_readers:
+                readers.discard(transfer)
             job = self._owner.pop(transfer, None)
             if job is None:
                 continue
@@ -320,16 +326,22 @@ class TieredOffloadingWorker(OffloadingWorker):
             failed[positions] = True
             return self._error(spec, groups, failed)
         bounce_row = np.full(len(spec.block_ids), -1, dtype=np.int64)
-        for start in range(0, len(positions), reader.capacity):
-            if self._bounce_readers:
-                # The bounce area is reused: copies still reading it (an
-                # earlier chunk, or an earlier job) must have left it.
-                self.copies.wait(self._bounce_readers)
-                self._bounce_readers.clear()
-            chunk = positions[start : start + reader.capacity]
+        halves = 1 if self.copies.synchronous or reader.capacity < 2 else 2
+        per_read = reader.capacity // halves
+        for start in range(0, len(positions), per_read):
+            half = self._next_half % halves
+            self._next_half = half + 1
+            readers = self._bounce_readers[half]
+            if readers:
+                # This half is reused: copies still reading it (an earlier
+                # chunk, or an earlier job) must have left it.
+                self.copies.wait(readers)
+                readers.clear()
+            chunk = positions[start : start + per_read]
             read_started = time.perf_counter()
             results = reader.read(
-                [(int(spec.block_ids[p]), spec.keys[p]) for p in chunk]
+                [(int(spec.block_ids[p]), spec.keys[p]) for p in chunk],
+                first_row=half * per_read,
             )
             if not self.copies.synchronous:
                 job.seconds += time.perf_counter() - read_started
@@ -351,7 +363,7 @@ class TieredOffloadingWorker(OffloadingWorker):
                         job, "disk", gp.group, plan, to_host=False, expedited=expedited
                     )
                     if transfer is not None:
-                        self._bounce_readers.add(transfer)
+                        readers.add(transfer)
         if failed.any():
             return self._error(spec, groups, failed)
         return None

@@ -154,9 +154,17 @@ class SlotReader:
 
     # ----------------------------------------------------------------- API
 
-    def read(self, items: Sequence[tuple[int, bytes]]) -> list[SlotRead]:
-        if len(items) > self.capacity:
-            raise ValueError(f"{len(items)} slots exceed capacity {self.capacity}")
+    def read(
+        self, items: Sequence[tuple[int, bytes]], first_row: int = 0
+    ) -> list[SlotRead]:
+        """Read and verify ``items`` ((slot, key) pairs) into bounce rows
+        ``first_row`` onwards (a caller double-buffering the area reads into
+        one part while copies still read another)."""
+        if not 0 <= first_row <= self.capacity - len(items):
+            raise ValueError(
+                f"{len(items)} slots from row {first_row} exceed capacity "
+                f"{self.capacity}"
+            )
         if self._closed:
             raise RuntimeError("SlotReader is closed")
         npaths = len(self.slab_paths)
@@ -167,7 +175,8 @@ class SlotReader:
         )
         row_of = [0] * len(items)
         runs: list[tuple[int, int, int, int]] = []  # file, local slot, row, count
-        for row, i in enumerate(order):
+        for k, i in enumerate(order):
+            row = first_row + k
             slot = items[i][0]
             if not 0 <= slot < self.num_slots:
                 raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
@@ -188,13 +197,14 @@ class SlotReader:
                 continue
             nbytes += n
             full = min(count, n // self.slot_size)
-            filled[row : row + full] = 1
-            filled[row + full : row + count] = 2
+            at = row - first_row
+            filled[at : at + full] = 1
+            filled[at + full : at + count] = 2
         results: list[SlotRead] = []
         ok = corrupt = 0
         for i, (slot, key) in enumerate(items):
             row = row_of[i]
-            state = filled[row]
+            state = filled[row - first_row]
             if state == 0:
                 outcome = ReadOutcome.IO_ERROR
             elif state == 2:

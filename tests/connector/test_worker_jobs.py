@@ -109,12 +109,15 @@ def test_a_job_is_reported_only_when_every_transfer_landed(runner):
     late, r.worker.copies = r.worker.copies, r.worker.copies.inner
     keys = push_to_disk(r, [1, 2, 3, 4])
     r.worker.copies = late
-    r.worker.reader.capacity = 2  # two bounce chunks: two transfers
+    # Two bounce halves of one slot: four chunks, four transfers. The third
+    # and fourth reads reuse a half, so they waited for transfers 1 and 2.
+    r.worker.reader.capacity = 2
     ctx = _submit_disk_load(r, "a", keys, [40, 41, 42, 43], job_id=7)
-    # The second chunk's read waited for the first chunk's transfer.
-    assert late.landed == [1] and list(late.queued) == [2]
-    assert r.worker.get_finished() == []  # transfer 2 still in flight
+    assert late.landed == [1, 2] and list(late.queued) == [3, 4]
+    assert r.worker.get_finished() == []  # transfers 3 and 4 still in flight
     assert not any(t[[42, 43]].any() for t in r.kv)
+    assert r.worker.get_finished() == []  # transfer 4 still in flight
+    assert not any(t[43].any() for t in r.kv)
     done = r.worker.get_finished()
     assert [(d.job_id, d.success) for d in done] == [(7, True)]
     assert done[0].transfer_size == 4 * r.worker.block_bytes[0]
@@ -125,19 +128,26 @@ def test_the_next_disk_read_waits_for_copies_still_reading_the_bounce_area(runne
     r = runner
     late, r.worker.copies = r.worker.copies, r.worker.copies.inner
     first = push_to_disk(r, [1, 2], others="bcdef")
-    second = r.keys("b", 4)[:2]
-    assert all(r.manager.hierarchy.lookup(k).name == "HIT_DISK" for k in second)
+    second, third = r.keys("b", 4)[:2], r.keys("c", 4)[:2]
+    on_disk = [r.manager.hierarchy.lookup(k).name for k in second + third]
+    assert on_disk == ["HIT_DISK"] * 4
+    r.worker.reader.capacity = 4  # two halves of two slots
     r.worker.copies = late
     ctx_a = _submit_disk_load(r, "a", first, [40, 41], job_id=1)
-    assert list(late.queued) == [1]  # job 1's copy has not left the bounce area
+    assert list(late.queued) == [1]  # job 1's copy has not left its half
+    # Job 2 reads into the other half while job 1's copy is in flight.
     ctx_b = _submit_disk_load(r, "b", second, [44, 45], job_id=2)
-    # Job 2's read would overwrite the bounce area: job 1's copy landed first.
-    assert late.landed == [1]
+    assert late.landed == [] and list(late.queued) == [1, 2]
+    # Job 3 would overwrite job 1's half: job 1's copy landed first, and
+    # only it (job 2's copy reads the other half).
+    ctx_c = _submit_disk_load(r, "c", third, [48, 49], job_id=3)
+    assert late.landed == [1] and list(late.queued) == [2, 3]
     assert sorted(d.job_id for d in r.worker.get_finished()) == [1]
-    r.worker.wait({2})
-    assert sorted(d.job_id for d in r.worker.get_finished()) == [2]
+    r.worker.wait({2, 3})
+    assert sorted(d.job_id for d in r.worker.get_finished()) == [2, 3]
     _finish(r, first, [40, 41], ctx_a)
     _finish(r, second, [44, 45], ctx_b)
+    _finish(r, third, [48, 49], ctx_c)
 
 
 def test_wait_lands_a_store(runner):

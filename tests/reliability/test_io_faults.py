@@ -396,3 +396,38 @@ def test_failed_jobs_drive_the_hierarchy(
     assert read_errors == 1
     stats: Any = rig.store.stats()
     assert stats.io_errors + stats.checksum_failures == 1  # the write
+
+
+def test_reads_into_part_of_the_bounce_area_leave_the_rest_alone(
+    make_rig: Callable[..., Rig],
+) -> None:
+    # The worker double-buffers the bounce area on accelerators: a read into
+    # one half must not touch the other, whose rows copies may still read.
+    rig = make_rig()
+    keys = [key_of(i) for i in range(4)]
+    for slot, key in enumerate(keys):
+        rig.store.write_block(slot, key, pattern(key), rig.store.next_seq())
+    reader = SlotReader(
+        rig.store.paths,
+        rig.store.num_slots,
+        rig.store.block_bytes,
+        rig.store.fingerprint,
+        rig.backend,
+        bounce_bytes=4 * rig.store.slot_size,
+        owns_backend=False,
+    )
+    try:
+        assert reader.capacity == 4
+        low = reader.read([(0, keys[0]), (1, keys[1])])
+        assert [r.row for r in low] == [0, 1]
+        high = reader.read([(3, keys[3]), (2, keys[2])], first_row=2)
+        assert [r.outcome for r in high] == [ReadOutcome.OK] * 2
+        assert sorted(r.row for r in high) == [2, 3]
+        for slot, r in zip((3, 2), high):
+            assert np.array_equal(reader.rows[r.row], pattern(keys[slot]))
+        for slot in (0, 1):  # the first half still holds its blocks
+            assert np.array_equal(reader.rows[slot], pattern(keys[slot]))
+        with pytest.raises(ValueError, match="exceed capacity"):
+            reader.read([(0, keys[0]), (1, keys[1])], first_row=3)
+    finally:
+        reader.close()
