@@ -233,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--decoder", choices=("auto", "vllm", "plain"), default="auto")
     e.add_argument("--max-batches", type=_pos_int, help="stop after N batches")
     e.add_argument("--json", action="store_true", help="print only the final counts")
+    e.add_argument(
+        "--progress",
+        action="store_true",
+        help="also report on stderr when listening and each new sequence number "
+        "received ('kvtier events: seq N'), e.g. to know a publisher's last batch "
+        "arrived",
+    )
     e.set_defaults(func=cmd_events)
     return p
 

@@ -43,12 +43,16 @@ def cmd_events(args: argparse.Namespace) -> int:
         except ImportError as exc:
             print(f"kvtier events: --decoder vllm needs vLLM: {exc}", file=sys.stderr)
             return 2
+        listening = (
+            f"listening on {endpoint} ({'bound' if args.bind else 'connected'}, "
+            f"topic {args.topic!r}, decoder {sub.decoder.kind})"
+        )
         if live:
-            print(
-                f"listening on {endpoint} ({'bound' if args.bind else 'connected'}, "
-                f"topic {args.topic!r}, decoder {sub.decoder.kind})",
-                flush=True,
-            )
+            print(listening, flush=True)
+        progress = getattr(args, "progress", False)
+        if progress:
+            print(f"kvtier events: {listening}", file=sys.stderr, flush=True)
+        reported = None
         next_line = time.monotonic() + 1.0
         while True:
             now = time.monotonic()
@@ -58,6 +62,9 @@ def cmd_events(args: argparse.Namespace) -> int:
                 break
             wake = next_line if deadline is None else min(next_line, deadline)
             sub.poll(int(max(0.0, wake - now) * 1000) + 1)
+            if progress and sub.counts.last_seq != reported:
+                reported = sub.counts.last_seq
+                print(f"kvtier events: seq {reported}", file=sys.stderr, flush=True)
             if live and time.monotonic() >= next_line:
                 line = f"[{time.monotonic() - start:6.0f}s] {sub.counts.line()}"
                 print(

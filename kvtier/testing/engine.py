@@ -217,6 +217,20 @@ def get_connector(llm):
     return get_scheduler(llm).connector
 
 
+def last_event_seq(llm, timeout: float = 10.0) -> int | None:
+    """The sequence number of the last KV-event batch the engine's ZMQ
+    publisher sent, once its queue drained (None: nothing sent). Raises
+    TimeoutError if the queue does not drain within ``timeout``. In-process
+    engines only."""
+    pub = get_scheduler(llm).kv_event_publisher
+    deadline = time.monotonic() + timeout
+    while pub._event_queue.unfinished_tasks:
+        if time.monotonic() >= deadline:
+            raise TimeoutError("the KV-event publisher did not drain its queue")
+        time.sleep(0.002)
+    return pub._buffer[-1][0] if pub._buffer else None
+
+
 def wait_events_delivered(llm, sub, timeout: float = 10.0) -> bool:
     """Wait until every KV-event batch the engine published so far reached
     ``sub`` (a :class:`KVEventSubscriber`); False if not within ``timeout``.
@@ -224,15 +238,13 @@ def wait_events_delivered(llm, sub, timeout: float = 10.0) -> bool:
     Exact, not a grace period: vLLM's ZMQ publisher numbers its batches, so
     this waits for its queue to drain and then for the subscriber to have
     seen the last sequence number sent. In-process engines only."""
-    pub = get_scheduler(llm).kv_event_publisher
     deadline = time.monotonic() + timeout
-    while pub._event_queue.unfinished_tasks:
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.002)
-    if not pub._buffer:
+    try:
+        last = last_event_seq(llm, timeout)
+    except TimeoutError:
+        return False
+    if last is None:
         return True
-    last = pub._buffer[-1][0]
     return sub.wait_for(
         lambda s: s._last_seq is not None and s._last_seq >= last,
         timeout=max(0.0, deadline - time.monotonic()),

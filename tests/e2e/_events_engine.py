@@ -1,13 +1,16 @@
 """Runs the shared workload in a fresh process with KV events published to
-argv[3] and prints the hierarchy's counters as JSON (for
-test_cli_events_e2e.py; a fresh process keeps vLLM's global state clean)."""
+argv[2] and prints the hierarchy's counters as JSON (for
+test_cli_events_e2e.py; a fresh process keeps vLLM's global state clean).
+Before shutting the engine down it prints the last event batch's sequence
+number and waits for one line on stdin: the test's word that the external
+subscriber received that batch."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import select
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +31,7 @@ def main() -> None:
         build_tiny_llama,
         engine,
         kv_bytes_per_block,
+        last_event_seq,
         run_prompts,
     )
 
@@ -44,7 +48,13 @@ def main() -> None:
         run_each(llm, FIRST)
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         stats = dataclasses.asdict(manager_of(llm).hierarchy.stats)
-        time.sleep(1.5)  # let the last batches cross the socket
+        # The publisher's socket closes with the engine (linger 0): say which
+        # batch was the last, and keep the engine up until the test saw
+        # `kvtier events` receive it (one line on stdin), within a deadline.
+        print(f"KVTIER-LASTSEQ {last_event_seq(llm)}", flush=True)
+        ready, _, _ = select.select([sys.stdin], [], [], 120)
+        if not ready or not sys.stdin.readline():
+            raise SystemExit("the test never confirmed the last batch arrived")
     print(
         "KVTIER-RESULT "
         + json.dumps({"stats": stats, "disk_tokens": again.totals.get("disk", 0)})
