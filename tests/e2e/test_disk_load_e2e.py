@@ -144,9 +144,9 @@ class TestPrefixLongerThanCpuTier:
         batches: list[int] = []
         original_read = reader.read
 
-        def recording_read(items):
+        def recording_read(items, first_row=0):
             batches.append(len(items))
-            return original_read(items)
+            return original_read(items, first_row=first_row)
 
         monkeypatch.setattr(reader, "read", recording_read)
         stats = mgr.hierarchy.stats
