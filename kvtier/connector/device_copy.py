@@ -104,7 +104,9 @@ def vllm_block_spec(
 
 
 class DeviceCopies:
-    """Transfers of one worker between its KV cache and its host areas.
+    """A worker's :class:`~kvtier.io.block_copy.CopyPath` on accelerators:
+    transfers between its KV cache and its host areas through vLLM's
+    handlers.
 
     ``group_views[g]`` are group ``g``'s KV-cache tensors as byte views
     ``(num_gpu_blocks, page_bytes)`` on the device (strided over padded

@@ -37,7 +37,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -52,7 +51,13 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.connector.kv_layout import group_views
 from kvtier.connector.specs import TierLoadSpec
-from kvtier.io.block_copy import CopyPlan, HostArea, HostCopies, plan_copy
+from kvtier.io.block_copy import (
+    CopyPath,
+    CopyPlan,
+    HostArea,
+    HostCopies,
+    plan_copy,
+)
 from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import ReadOutcome
 from kvtier.io.slot_reader import SlotReader
@@ -148,7 +153,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         cpu_buffer: CpuBlockBuffer,
         blocks_per_chunk: int,
         reader: SlotReader | None = None,
-        device_copies: Callable[..., Any] | None = None,
+        device_copies: Callable[..., CopyPath] | None = None,
     ):
         views = group_views(
             kv_caches,
@@ -162,7 +167,7 @@ class TieredOffloadingWorker(OffloadingWorker):
                 HostArea("disk", torch.from_numpy(reader.rows), pinned=reader.pinned)
             )
         if device_copies is None:
-            self.copies: Any = HostCopies(views, areas, blocks_per_chunk)
+            self.copies: CopyPath = HostCopies(views, areas, blocks_per_chunk)
         else:
             self.copies = device_copies(views, areas, blocks_per_chunk)
         self.cpu_buffer = cpu_buffer

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -165,6 +166,48 @@ class BlockCopier:
                 kv[gpu_idx] = view[row_idx, sub_idx]
 
 
+class CopyPath(Protocol):
+    """How a worker moves blocks between its KV cache and its host areas.
+
+    Contract:
+      - ``submit(area, group, plan, to_host)`` copies KV-cache group
+        ``group``'s GPU blocks of ``plan`` to (``to_host``) or from the rows
+        of host area ``area`` (a :class:`HostArea` name). It returns a
+        transfer id while the copy may still be in flight, or ``None`` when
+        it completed before returning. It never blocks on earlier transfers
+        except where the platform orders them (vLLM orders the transfers of
+        one direction and group); a refused transfer raises.
+      - ``poll()`` returns the transfers that completed since the last call,
+        each once, with the device seconds it took (CUDA events).
+      - ``wait(ids)`` returns once the given transfers completed (ids that
+        already completed or are unknown are ignored); they are still
+        reported by the next ``poll``.
+      - ``shutdown()`` waits for every transfer in flight, then releases
+        what the path holds (views into the host areas, page-locking); the
+        areas may be unmapped afterwards.
+      - ``synchronous`` is True when every ``submit`` completes its copy
+        before returning (then nothing is ever in flight).
+      - One thread (the model runner's) calls all of it.
+    """
+
+    synchronous: bool
+
+    def submit(
+        self,
+        area: str,
+        group: int,
+        plan: CopyPlan,
+        to_host: bool,
+        expedited: bool = False,
+    ) -> int | None: ...
+
+    def poll(self) -> dict[int, float]: ...
+
+    def wait(self, transfers: set[int]) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class HostArea:
     """Host rows that one kind of transfer reads or writes: ``rows`` is a
@@ -177,8 +220,9 @@ class HostArea:
 
 
 class HostCopies:
-    """A worker's copies on the CPU platform: one :class:`BlockCopier` per
-    (host area, KV-cache group), every copy complete on return.
+    """A worker's :class:`CopyPath` on the CPU platform: one
+    :class:`BlockCopier` per (host area, KV-cache group), every copy
+    complete on return.
 
     Same interface as :class:`kvtier.connector.device_copy.DeviceCopies`
     (which queues on the accelerator instead): :meth:`submit` returns no
