@@ -1,0 +1,155 @@
+"""vLLM's ``obj`` tier under kvtier's local tier: two real engines, one bucket.
+
+Each engine runs ``PortableTieringSpec`` with ``secondary_tiers`` = [kvtier's
+disk tier on its own local directory, vLLM's ``obj`` tier], in its own
+process (tests/tiering/_shared_engine.py, roles ``obj-a`` and ``obj-b``). The
+``obj`` tier is vLLM's, unmodified, on real NIXL (its OBJ plugin, the AWS SDK
+inside) against a real S3-compatible server: moto's, bound to 127.0.0.1 on an
+ephemeral port, in a thread of this process, stopped by the test.
+
+Engine A computes a prompt and exits: its blocks are objects in the bucket.
+Engine B, fresh, with an empty local disk, gets the prompt from the bucket
+(outputs equal the no-offload baseline), keeps it on its local disk, and
+serves the prompt's next hit from there. The server's request log shows B
+fetching each of the prompt's objects exactly once.
+
+Needs nixl-cu12, nixl and moto's S3 server: ``bash scripts/install-obj-deps.sh``
+(scripts/setup-venv.sh runs it). Without them the test skips, and fails under
+``CI=true``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import urllib.request
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from ._shared_engine import BLOCK_TOKENS, BLOCKS_PER_PROMPT, run_engine
+
+pytestmark = pytest.mark.e2e
+FULL = BLOCKS_PER_PROMPT * BLOCK_TOKENS
+BUCKET = "kvtier-test"
+# The modules vLLM's obj tier and the server need.
+NEEDED = ("nixl", "nixl_cu12", "moto", "flask", "flask_cors")
+# The AWS SDK must not look for instance metadata (169.254.169.254): the
+# test talks to 127.0.0.1 and nothing else.
+ENGINE_ENV = {"AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def _require_deps() -> None:
+    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    message = (
+        f"vLLM's obj tier test needs {', '.join(missing)}: run "
+        "`PYTHON=.venv/bin/python bash scripts/install-obj-deps.sh`"
+    )
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+class S3Server:
+    """moto's S3-compatible server on 127.0.0.1 (an ephemeral port) in a
+    thread of this process, with a log of the requests it answered."""
+
+    def __init__(self) -> None:
+        from moto.moto_server.threaded_moto_server import MotoRequestHandler
+        from moto.server import DomainDispatcherApplication, create_backend_app
+        from werkzeug.serving import make_server
+
+        app = DomainDispatcherApplication(create_backend_app)
+        self.requests: list[tuple[str, str]] = []
+
+        def logged(environ, start_response):
+            self.requests.append((environ["REQUEST_METHOD"], environ["PATH_INFO"]))
+            return app(environ, start_response)
+
+        # Bound here, before the thread starts: no readiness wait needed.
+        self._server = make_server(
+            "127.0.0.1", 0, logged, threaded=True, request_handler=MotoRequestHandler
+        )
+        self.endpoint = f"127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="moto-s3", daemon=True
+        )
+        self._thread.start()
+
+    def call(self, method: str, path: str) -> bytes:
+        req = urllib.request.Request(f"http://{self.endpoint}{path}", method=method)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.read()
+
+    def keys(self, bucket: str) -> list[str]:
+        root = ET.fromstring(self.call("GET", f"/{bucket}?list-type=2"))
+        return sorted(e.text or "" for e in root.iter() if e.tag.endswith("}Key"))
+
+    def stop(self) -> None:
+        self._server.shutdown()  # returns once serve_forever's loop has ended
+        self._server.server_close()
+        self._thread.join(timeout=10)
+        assert not self._thread.is_alive(), "moto's server did not stop"
+
+
+@pytest.fixture
+def s3():
+    _require_deps()
+    server = S3Server()
+    try:
+        server.call("PUT", f"/{BUCKET}")  # create the bucket
+        yield server
+    finally:
+        server.stop()
+
+
+def object_gets(requests: list[tuple[str, str]]) -> list[str]:
+    prefix = f"/{BUCKET}/"
+    return sorted(
+        p.removeprefix(prefix)
+        for m, p in requests
+        if m == "GET" and p.startswith(prefix) and len(p) > len(prefix)
+    )
+
+
+def test_second_engine_gets_the_prompt_from_the_object_store_then_locally(
+    shared_baseline, s3, tmp_path
+):
+    baseline = shared_baseline
+    local_a, local_b = tmp_path / "a", tmp_path / "b"
+    local_a.mkdir()
+    local_b.mkdir()
+    target = f"{s3.endpoint}/{BUCKET}"
+
+    a = run_engine("obj-a", local_a, target, env=ENGINE_ENV)
+    assert a["first"]["outputs"] == baseline["first"]
+    assert a["first"]["hits"] == [{}]  # computed
+    assert a["local_resident"] == BLOCKS_PER_PROMPT  # cascaded to A's disk
+    stored = s3.keys(BUCKET)  # and written through to the bucket
+    assert len(stored) == BLOCKS_PER_PROMPT, stored
+    assert all(k.startswith("kvcache/") and k.endswith(".bin") for k in stored)
+    assert object_gets(s3.requests) == []  # A loaded nothing from the bucket
+
+    mark = len(s3.requests)
+    b = run_engine("obj-b", local_b, target, env=ENGINE_ENV)
+    # Fresh engine, empty local disk: the prompt's blocks came from the
+    # bucket (both STORAGE tiers count as "disk" in vLLM's hit source; B's
+    # local tier promoted nothing yet), and the outputs are right.
+    assert b["first"]["hits"] == [{"disk": FULL}]
+    assert b["after_first"]["promotions_completed"] == 0
+    assert b["first"]["outputs"] == baseline["first"]
+    # Kept on B's local disk (pulled from the primary rows they landed in).
+    assert b["after_first"]["pulled"] == BLOCKS_PER_PROMPT
+    assert b["after_first"]["stores_completed"] == BLOCKS_PER_PROMPT
+    # Pushed out of GPU and CPU, the next hit is B's local disk tier.
+    assert b["pushers"] == baseline["pushers"]
+    assert b["again"]["hits"] == [{"disk": FULL}]
+    assert b["after_again"]["promotions_completed"] == BLOCKS_PER_PROMPT
+    assert b["after_again"]["promotion_failures"] == 0
+    assert b["again"]["outputs"] == baseline["again"]
+    # Over B's whole run the server sent each of A's objects once: the first
+    # hit; the second came from local NVMe, not from the bucket.
+    assert object_gets(s3.requests[mark:]) == stored
