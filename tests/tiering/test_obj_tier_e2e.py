@@ -40,7 +40,6 @@ NEEDED = ("nixl", "nixl_cu12", "moto", "flask", "flask_cors")
 # test talks to 127.0.0.1 and nothing else.
 ENGINE_ENV = {"AWS_EC2_METADATA_DISABLED": "true"}
 
-
 MISSING = [m for m in NEEDED if importlib.util.find_spec(m) is None]
 UNDER_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 MESSAGE = (
