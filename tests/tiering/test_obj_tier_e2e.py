@@ -5,7 +5,8 @@ disk tier on its own local directory, vLLM's ``obj`` tier], in its own
 process (tests/tiering/_shared_engine.py, roles ``obj-a`` and ``obj-b``). The
 ``obj`` tier is vLLM's, unmodified, on real NIXL (its OBJ plugin, the AWS SDK
 inside) against a real S3-compatible server: moto's, bound to 127.0.0.1 on an
-ephemeral port, in a thread of this process, stopped by the test.
+ephemeral port, in its own process (tests/tiering/_s3_server.py), stopped by
+the test.
 
 Engine A computes a prompt and exits: its blocks are objects in the bucket.
 Engine B, fresh, with an empty local disk, gets the prompt from the bucket
@@ -23,12 +24,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import threading
-import urllib.request
-import xml.etree.ElementTree as ET
 
 import pytest
 
+from ._s3_server import S3Server
 from ._shared_engine import BLOCK_TOKENS, BLOCKS_PER_PROMPT, run_engine
 
 pytestmark = pytest.mark.e2e
@@ -50,53 +49,11 @@ if MISSING and not UNDER_CI:  # before the baseline engine runs
     pytest.skip(MESSAGE, allow_module_level=True)
 
 
-class S3Server:
-    """moto's S3-compatible server on 127.0.0.1 (an ephemeral port) in a
-    thread of this process, with a log of the requests it answered."""
-
-    def __init__(self) -> None:
-        from moto.moto_server.threaded_moto_server import MotoRequestHandler
-        from moto.server import DomainDispatcherApplication, create_backend_app
-        from werkzeug.serving import make_server
-
-        app = DomainDispatcherApplication(create_backend_app)
-        self.requests: list[tuple[str, str]] = []
-
-        def logged(environ, start_response):
-            self.requests.append((environ["REQUEST_METHOD"], environ["PATH_INFO"]))
-            return app(environ, start_response)
-
-        # Bound here, before the thread starts: no readiness wait needed.
-        self._server = make_server(
-            "127.0.0.1", 0, logged, threaded=True, request_handler=MotoRequestHandler
-        )
-        self.endpoint = f"127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="moto-s3", daemon=True
-        )
-        self._thread.start()
-
-    def call(self, method: str, path: str) -> bytes:
-        req = urllib.request.Request(f"http://{self.endpoint}{path}", method=method)
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.read()
-
-    def keys(self, bucket: str) -> list[str]:
-        root = ET.fromstring(self.call("GET", f"/{bucket}?list-type=2"))
-        return sorted(e.text or "" for e in root.iter() if e.tag.endswith("}Key"))
-
-    def stop(self) -> None:
-        self._server.shutdown()  # returns once serve_forever's loop has ended
-        self._server.server_close()
-        self._thread.join(timeout=10)
-        assert not self._thread.is_alive(), "moto's server did not stop"
-
-
 @pytest.fixture
-def s3():
+def s3(tmp_path):
     if MISSING:  # under CI: a failure, not a skip
         pytest.fail(MESSAGE)
-    server = S3Server()
+    server = S3Server(tmp_path / "s3")
     try:
         server.call("PUT", f"/{BUCKET}")  # create the bucket
         yield server
@@ -129,9 +86,9 @@ def test_second_engine_gets_the_prompt_from_the_object_store_then_locally(
     stored = s3.keys(BUCKET)  # and written through to the bucket
     assert len(stored) == BLOCKS_PER_PROMPT, stored
     assert all(k.startswith("kvcache/") and k.endswith(".bin") for k in stored)
-    assert object_gets(s3.requests) == []  # A loaded nothing from the bucket
+    assert object_gets(s3.requests()) == []  # A loaded nothing from the bucket
 
-    mark = len(s3.requests)
+    mark = len(s3.requests())
     b = run_engine("obj-b", local_b, target, env=ENGINE_ENV)
     # Fresh engine, empty local disk: the prompt's blocks came from the
     # bucket (both STORAGE tiers count as "disk" in vLLM's hit source; B's
@@ -150,7 +107,7 @@ def test_second_engine_gets_the_prompt_from_the_object_store_then_locally(
     assert b["again"]["outputs"] == baseline["again"]
     # Over B's whole run the server sent each of A's objects once: the first
     # hit; the second came from local NVMe, not from the bucket.
-    assert object_gets(s3.requests[mark:]) == stored
+    assert object_gets(s3.requests()[mark:]) == stored
 
 
 def test_missing_bucket_costs_misses_only(shared_baseline, s3, tmp_path):
@@ -167,6 +124,6 @@ def test_missing_bucket_costs_misses_only(shared_baseline, s3, tmp_path):
     assert out["again"]["outputs"] == baseline["again"]
     assert out["again"]["hits"] == [{"disk": FULL}]
     assert out["after_again"]["promotions_completed"] == BLOCKS_PER_PROMPT
-    puts = [p for m, p in s3.requests if m == "PUT" and p.startswith(f"/{missing}/")]
+    puts = [p for m, p in s3.requests() if m == "PUT" and p.startswith(f"/{missing}/")]
     assert puts, "the obj tier tried to store"
-    assert object_gets(s3.requests, missing) == []  # nothing came from there
+    assert object_gets(s3.requests(), missing) == []  # nothing came from there
