@@ -8,7 +8,7 @@ VLLM_NEXT ?= .vllm-0.33
 export KVTIER_VLLM_NEXT_TREE ?= $(abspath $(VLLM_NEXT))
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 
-$(VENV)/.kvtier-ready: pyproject.toml scripts/setup-venv.sh scripts/install-kvikio.sh
+$(VENV)/.kvtier-ready: pyproject.toml scripts/setup-venv.sh scripts/install-kvikio.sh scripts/install-obj-deps.sh
 	bash scripts/setup-venv.sh $(VENV)
 
 # Re-fetched when the script (its pinned version and sha256) changes.

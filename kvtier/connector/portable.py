@@ -14,10 +14,15 @@ module re-exports it) or ``"kvtier.connector.portable"``.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from typing_extensions import override
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingWorker,
+)
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.connector.config import ConfigError
@@ -141,6 +146,33 @@ def _portable_worker_cls() -> type:
     return PortableTieringWorker
 
 
+def enable_nixl_telemetry() -> None:
+    """Let vLLM 0.32's ``obj`` tier read its transfers' durations.
+
+    vLLM 0.32's ``ObjectStoreSecondaryTierManager`` creates its NIXL agent
+    without ``capture_telemetry`` yet calls ``get_xfer_telemetry`` on every
+    finished transfer; NIXL (1.5.1) then raises ``nixlNoTelemetryError:
+    NIXL_ERR_NO_TELEMETRY`` in the scheduler and the engine dies at its first
+    completed store. vLLM 0.33 passes ``capture_telemetry=True``. NIXL's
+    ``NIXL_TELEMETRY_ENABLE`` turns capture on for the agent (vLLM's
+    NixlConnector sets it the same way); it is read when the agent is
+    created, in this process, so it is set before the tiers are built.
+    """
+    value = os.environ.get("NIXL_TELEMETRY_ENABLE")
+    if value is None:
+        os.environ["NIXL_TELEMETRY_ENABLE"] = "y"
+        logger.info(
+            "kvtier: set NIXL_TELEMETRY_ENABLE=y for vLLM's obj tier "
+            "(vLLM 0.32 reads each transfer's telemetry)"
+        )
+    elif value.strip().lower() in ("n", "0", "no", "off", "false", "disable"):
+        logger.warning(
+            "kvtier: NIXL_TELEMETRY_ENABLE=%s: vLLM 0.32's obj tier fails its "
+            "first finished transfer without NIXL telemetry (vLLM 0.33 does not)",
+            value,
+        )
+
+
 class PortableTieringSpec(TieringOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec``, runnable on the CPU platform too.
 
@@ -157,6 +189,12 @@ class PortableTieringSpec(TieringOffloadingSpec):
         # only meets the workers' rows on one node (kvtier.connector.topology).
         check_single_node(config)
         super().__init__(config)
+
+    @override
+    def get_manager(self) -> OffloadingManager:
+        if any(t.get("type") == "obj" for t in self.secondary_tier_configs):
+            enable_nixl_telemetry()
+        return super().get_manager()
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

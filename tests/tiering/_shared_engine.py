@@ -9,12 +9,17 @@ KV events (self-describing) are collected by a real ZMQ subscriber.
 ROLE ``dead``: ROLE b's workload with the shared root given as-is (absent
 or unusable), for the failure test. A uses vLLM's ``fs`` tier, B and dead
 kvtier's ``SharedFsTier`` (the same files, behind a guard).
+ROLES ``obj-a`` and ``obj-b``: A's and B's workloads with vLLM's ``obj`` tier
+(NIXL's OBJ plugin) as the shared tier; SHARED_ROOT is then
+``HOST:PORT/BUCKET`` of an S3-compatible server (test_obj_tier_e2e.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,39 @@ PROMPT = make_prompt(300, PROMPT_LEN)
 # Seven prompts of four blocks push PROMPT out of the 19-block GPU cache and
 # the 8-chunk CPU tier (cf. tests/tiering/test_tiering_e2e.py).
 PUSHERS = [make_prompt(301 + i, PROMPT_LEN) for i in range(7)]
+
+
+def run_engine(
+    role: str,
+    local: Path,
+    shared: Path | str,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> dict:
+    """Run this script as ROLE in a fresh process; its KVTIER-RESULT."""
+    full_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
+    proc = subprocess.run(
+        [sys.executable, __file__, role, str(local), str(shared)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
+    assert proc.returncode == 0 and found, proc.stderr[-4000:]
+    return json.loads(found[-1].split(" ", 1)[1])
+
+
+def baseline_outputs() -> dict[str, list]:
+    """The workload's outputs on one engine without offloading."""
+    from kvtier.testing.engine import build_tiny_llama, engine, run_prompts
+
+    model = build_tiny_llama()
+    with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
+        first = run_prompts(llm, [PROMPT], MAX_TOKENS).outputs
+        pushers = [run_prompts(llm, [p], MAX_TOKENS).outputs[0] for p in PUSHERS]
+        again = run_prompts(llm, [PROMPT], MAX_TOKENS).outputs
+    return {"first": first, "pushers": pushers, "again": again}
 
 
 def shared_tiering_config(
@@ -64,7 +102,9 @@ def shared_tiering_config(
                 "disk_bytes_to_use": LOCAL_BLOCKS * slot_size(block_bytes),
                 "disk_io": "posix",
             },
-            {
+            obj_tier_entry(shared)
+            if shared_type == "obj"
+            else {
                 "type": shared_type,
                 **(
                     {"module_path": "kvtier.connector.shared_tier"}
@@ -80,6 +120,26 @@ def shared_tiering_config(
         ],
         **extra,
     )
+
+
+def obj_tier_entry(endpoint_bucket: str) -> dict[str, Any]:
+    """vLLM's ``obj`` tier on ``HOST:PORT/BUCKET`` (plain http, the test's
+    local S3-compatible server, which takes any credentials)."""
+    endpoint, bucket = endpoint_bucket.rsplit("/", 1)
+    return {
+        "type": "obj",
+        "locality": "REMOTE",
+        "prefix": "kvcache",
+        "io_threads": 2,
+        "store_config": {
+            "bucket": bucket,
+            "endpoint_override": endpoint,
+            "scheme": "http",
+            "region": "us-east-1",
+            "access_key": "testing",
+            "secret_key": "testing",
+        },
+    }
 
 
 def _event(ev: Any) -> dict[str, Any]:
@@ -109,22 +169,24 @@ def main() -> None:
     )
 
     role, local, shared = sys.argv[1:4]
+    obj = role.startswith("obj-")
+    role = role.removeprefix("obj-")
     model = build_tiny_llama()
     cfg = shared_tiering_config(
         kv_bytes_per_block(model, BLOCK_TOKENS),
         local,
         shared,
-        events=role == "b",
+        events=role == "b" and not obj,
         # A: vLLM's own fs tier; B and the failure runs: kvtier's guard
         # around it (the same files, so B reads what A wrote).
-        shared_type="fs" if role == "a" else "SharedFsTier",
+        shared_type="obj" if obj else "fs" if role == "a" else "SharedFsTier",
     )
     out: dict[str, Any] = {}
     with KVEventSubscriber() as sub, engine(
         model,
         cfg,
         num_gpu_blocks=GPU_BLOCKS,
-        enable_kv_events=role == "b",
+        enable_kv_events=role == "b" and not obj,
         kv_events_endpoint=sub.endpoint,
     ) as llm:
         manager = get_connector(llm).connector_scheduler.manager
@@ -143,7 +205,7 @@ def main() -> None:
             out["pushers"] = pushed
             out["again"] = {"outputs": again.outputs, "hits": again.hits_by_source}
             out["after_again"] = stats()
-        if role == "b":
+        if role == "b" and not obj:
             out["events_delivered"] = wait_events_delivered(llm, sub, timeout=30)
             out["events"] = [
                 _event(e.event) for e in sub.events if e.medium == "STORAGE"

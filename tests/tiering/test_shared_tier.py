@@ -10,6 +10,7 @@ local tier. Bytes are compared in primary memory.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -304,3 +305,58 @@ def test_ready_shared_config_orders_local_before_shared():
         ["--kv-transfer-config", text]
     )
     assert args.kv_transfer_config.kv_connector_extra_config == extra
+
+
+def test_ready_obj_config_orders_local_before_the_object_store():
+    import inspect
+    import json
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.obj.config import ObjStoreConfig
+    from vllm.v1.kv_offload.tiering.obj.manager import (
+        ObjectStoreSecondaryTierManager,
+    )
+
+    from kvtier.connector.tiering import parse_tier_config
+
+    path = Path(__file__).resolve().parents[2] / "configs"
+    text = (path / "vllm-tiering-kvtier-disk-obj.json").read_text()
+    extra = json.loads(text)["kv_connector_extra_config"]
+    local, obj = extra["secondary_tiers"]
+    assert SecondaryTierFactory.get_tier_class(local) is KvtierDiskTier
+    assert SecondaryTierFactory.get_tier_class(obj) is ObjectStoreSecondaryTierManager
+    parse_tier_config(local, check_paths=False)
+    # Every key is one vLLM's obj tier takes (the factory passes them as
+    # keyword arguments), and store_config is a valid ObjStoreConfig.
+    rest = {k: v for k, v in obj.items() if k != "type"}
+    inspect.signature(ObjectStoreSecondaryTierManager).bind(
+        offloading_spec=None,
+        primary_kv_view=None,
+        tier_type="obj",
+        backpressure_detector=None,
+        **rest,
+    )
+    params = ObjStoreConfig(**obj["store_config"]).to_nixl_params()
+    assert params["bucket"] == "BUCKET" and "access_key" not in params
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--kv-transfer-config", text]
+    )
+    assert args.kv_transfer_config.kv_connector_extra_config == extra
+
+
+@pytest.mark.parametrize(
+    ("before", "after"), [(None, "y"), ("1", "1"), ("n", "n")]
+)
+def test_obj_tier_gets_nixl_telemetry_unless_turned_off(monkeypatch, before, after):
+    """vLLM 0.32's obj tier reads every transfer's NIXL telemetry; kvtier's
+    spec turns capture on (NIXL_TELEMETRY_ENABLE) and keeps a user's value."""
+    from kvtier.connector.portable import enable_nixl_telemetry
+
+    if before is None:
+        monkeypatch.delenv("NIXL_TELEMETRY_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", before)
+    enable_nixl_telemetry()
+    assert os.environ["NIXL_TELEMETRY_ENABLE"] == after

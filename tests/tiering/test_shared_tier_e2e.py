@@ -11,58 +11,18 @@ tier holds what, with token blocks a router can map back.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from kvtier.testing.engine import build_tiny_llama, engine, run_prompts
-
-from ._shared_engine import (
-    BLOCK_TOKENS,
-    BLOCKS_PER_PROMPT,
-    GPU_BLOCKS,
-    MAX_TOKENS,
-    PROMPT,
-    PUSHERS,
-)
+from ._shared_engine import BLOCK_TOKENS, BLOCKS_PER_PROMPT, PROMPT, run_engine
 
 pytestmark = pytest.mark.e2e
-SCRIPT = Path(__file__).with_name("_shared_engine.py")
 FULL = BLOCKS_PER_PROMPT * BLOCK_TOKENS  # prompt tokens in full blocks
 
 
-@pytest.fixture(scope="module")
-def baseline() -> dict[str, list]:
-    """The same sequence on one engine without offloading."""
-    model = build_tiny_llama()
-    with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
-        first = run_prompts(llm, [PROMPT], MAX_TOKENS).outputs
-        pushers = [run_prompts(llm, [p], MAX_TOKENS).outputs[0] for p in PUSHERS]
-        again = run_prompts(llm, [PROMPT], MAX_TOKENS).outputs
-    return {"first": first, "pushers": pushers, "again": again}
-
-
-def run_engine(role: str, local: Path, shared: Path, timeout: float = 300) -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), role, str(local), str(shared)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
-    assert proc.returncode == 0 and found, proc.stderr[-4000:]
-    return json.loads(found[-1].split(" ", 1)[1])
-
-
 def test_second_engine_gets_the_prompt_from_the_shared_tier_then_locally(
-    baseline, tmp_path
+    shared_baseline, tmp_path
 ):
+    baseline = shared_baseline
     shared, local_a, local_b = (tmp_path / n for n in ("shared", "a", "b"))
     for d in (shared, local_a, local_b):
         d.mkdir()
@@ -107,13 +67,14 @@ def test_second_engine_gets_the_prompt_from_the_shared_tier_then_locally(
     assert all(len(e["block_hashes"]) == 1 for e in pulled)
 
 
-def test_absent_shared_root_costs_misses_only(baseline, tmp_path):
+def test_absent_shared_root_costs_misses_only(shared_baseline, tmp_path):
     """The shared mount is not there: the engine starts (the guard does not
     create the root, so it never writes a "shared" tier to the local disk),
     serves every prompt right, and the local tier still serves returns."""
     local = tmp_path / "local"
     local.mkdir()
     shared = tmp_path / "not-mounted" / "kv"
+    baseline = shared_baseline
     out = run_engine("dead", local, shared, timeout=240)
     assert out["shared_online"] is False
     assert not shared.parent.exists()
