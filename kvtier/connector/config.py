@@ -175,7 +175,7 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec(
         "canonical_layout",
-        "vLLM's canonical host layout; read by vLLM.",
+        "vLLM's canonical host layout; read by vLLM. TieredOffloadingSpec refuses it (its rows and disk slots are the direct layout), as does PortableTieringSpec's CPU-platform worker.",
         False,
         "true | false",
         "vllm",
