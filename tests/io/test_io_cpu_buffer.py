@@ -83,12 +83,14 @@ def test_bad_geometry() -> None:
         CpuBlockBuffer(0, 4096)
 
 
-def test_last_owner_leaves_nothing_in_the_shared_memory_directory():
+def test_last_owner_leaves_nothing_in_the_shared_memory_directory(tmp_path):
     import os
 
     from kvtier.io.cpu_buffer import CpuBlockBuffer, cpu_buffer_dir
 
-    d = cpu_buffer_dir()
+    # A private base: the real /dev/shm/kvtier-<euid> is shared with any
+    # engine this user runs meanwhile, whose files would keep it alive.
+    d = cpu_buffer_dir(str(tmp_path))
     a = CpuBlockBuffer(1, 4096, os.path.join(d, "kvtier-t1-r0of1.cpu"), owner=True)
     b = CpuBlockBuffer(1, 4096, os.path.join(d, "kvtier-t2-r0of1.cpu"), owner=True)
     a.close()
@@ -97,7 +99,10 @@ def test_last_owner_leaves_nothing_in_the_shared_memory_directory():
     assert not os.path.exists(d)  # the last owner removed the empty directory
     # A later engine re-creates it.
     c = CpuBlockBuffer(
-        1, 4096, os.path.join(cpu_buffer_dir(), "kvtier-t3-r0of1.cpu"), owner=True
+        1,
+        4096,
+        os.path.join(cpu_buffer_dir(str(tmp_path)), "kvtier-t3-r0of1.cpu"),
+        owner=True,
     )
     c.close()
     assert not os.path.exists(d)
