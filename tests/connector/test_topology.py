@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier.connector.disk_runtime import cpu_buffer_path  # noqa: E402
 from kvtier.connector.topology import (  # noqa: E402
     Topology,
     TopologyError,
@@ -66,12 +67,13 @@ def two_nodes(monkeypatch):
         yield
 
 
-def _cpu_files() -> set[str]:
-    return {p for p in os.listdir("/dev/shm") if p.startswith("kvtier-")}
+def _cpu_files(engine_id: str) -> list[str]:
+    """This engine's CPU-tier files (every rank), where they would be."""
+    paths = [cpu_buffer_path(engine_id, rank, 2) for rank in range(2)]
+    return [p for p in paths if os.path.exists(p)]
 
 
 def test_full_spec_refuses_workers_on_two_nodes(two_nodes, tmp_path) -> None:
-    before = _cpu_files()
     cfg = offloading_config(
         {"cpu_bytes_to_use": 4 * BLOCK * 2},
         worker_kv_bytes_per_block=BLOCK,
@@ -79,7 +81,7 @@ def test_full_spec_refuses_workers_on_two_nodes(two_nodes, tmp_path) -> None:
     )
     with pytest.raises(TopologyError, match=r"span 2 nodes .*scheduler's node"):
         tiered_spec(cfg)
-    assert _cpu_files() == before  # refused before any CPU-tier file exists
+    assert _cpu_files(cfg.engine_id) == []  # refused before any file exists
 
 
 def test_full_spec_starts_on_one_node(tmp_path) -> None:
