@@ -76,6 +76,29 @@ def baseline_outputs() -> dict[str, list]:
     return {"first": first, "pushers": pushers, "again": again}
 
 
+def assert_second_tier_then_local(b: dict, baseline: dict) -> None:
+    """Engine B's run when its local disk started empty and the prompt sat in
+    the tier after it (shared fs, object store): the first hit came from
+    that tier, the blocks were kept on B's local disk, and the prompt's
+    return, pushed out of GPU and CPU, came from local NVMe; every output
+    equals the no-offload baseline."""
+    full = BLOCKS_PER_PROMPT * BLOCK_TOKENS
+    # Both STORAGE tiers count as "disk" in vLLM's hit source; B's local
+    # tier promoted nothing yet, so these came from the later tier.
+    assert b["first"]["hits"] == [{"disk": full}]
+    assert b["after_first"]["promotions_completed"] == 0
+    assert b["first"]["outputs"] == baseline["first"]
+    # Kept on B's local disk (pulled from the primary rows they landed in).
+    assert b["after_first"]["pulled"] == BLOCKS_PER_PROMPT
+    assert b["after_first"]["stores_completed"] == BLOCKS_PER_PROMPT
+    # Pushed out of GPU and CPU, the next hit is B's local disk tier.
+    assert b["pushers"] == baseline["pushers"]
+    assert b["again"]["hits"] == [{"disk": full}]
+    assert b["after_again"]["promotions_completed"] == BLOCKS_PER_PROMPT
+    assert b["after_again"]["promotion_failures"] == 0
+    assert b["again"]["outputs"] == baseline["again"]
+
+
 def shared_tiering_config(
     block_bytes: int,
     local: str,
@@ -182,13 +205,16 @@ def main() -> None:
         shared_type="obj" if obj else "fs" if role == "a" else "SharedFsTier",
     )
     out: dict[str, Any] = {}
-    with KVEventSubscriber() as sub, engine(
-        model,
-        cfg,
-        num_gpu_blocks=GPU_BLOCKS,
-        enable_kv_events=role == "b" and not obj,
-        kv_events_endpoint=sub.endpoint,
-    ) as llm:
+    with (
+        KVEventSubscriber() as sub,
+        engine(
+            model,
+            cfg,
+            num_gpu_blocks=GPU_BLOCKS,
+            enable_kv_events=role == "b" and not obj,
+            kv_events_endpoint=sub.endpoint,
+        ) as llm,
+    ):
         manager = get_connector(llm).connector_scheduler.manager
         tier = manager.secondary_tiers[0]
         assert type(tier).__name__ == "KvtierDiskTier", tier

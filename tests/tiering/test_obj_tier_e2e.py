@@ -28,7 +28,12 @@ import os
 import pytest
 
 from ._s3_server import S3Server
-from ._shared_engine import BLOCK_TOKENS, BLOCKS_PER_PROMPT, run_engine
+from ._shared_engine import (
+    BLOCK_TOKENS,
+    BLOCKS_PER_PROMPT,
+    assert_second_tier_then_local,
+    run_engine,
+)
 
 pytestmark = pytest.mark.e2e
 FULL = BLOCKS_PER_PROMPT * BLOCK_TOKENS
@@ -90,21 +95,8 @@ def test_second_engine_gets_the_prompt_from_the_object_store_then_locally(
 
     mark = len(s3.requests())
     b = run_engine("obj-b", local_b, target, env=ENGINE_ENV)
-    # Fresh engine, empty local disk: the prompt's blocks came from the
-    # bucket (both STORAGE tiers count as "disk" in vLLM's hit source; B's
-    # local tier promoted nothing yet), and the outputs are right.
-    assert b["first"]["hits"] == [{"disk": FULL}]
-    assert b["after_first"]["promotions_completed"] == 0
-    assert b["first"]["outputs"] == baseline["first"]
-    # Kept on B's local disk (pulled from the primary rows they landed in).
-    assert b["after_first"]["pulled"] == BLOCKS_PER_PROMPT
-    assert b["after_first"]["stores_completed"] == BLOCKS_PER_PROMPT
-    # Pushed out of GPU and CPU, the next hit is B's local disk tier.
-    assert b["pushers"] == baseline["pushers"]
-    assert b["again"]["hits"] == [{"disk": FULL}]
-    assert b["after_again"]["promotions_completed"] == BLOCKS_PER_PROMPT
-    assert b["after_again"]["promotion_failures"] == 0
-    assert b["again"]["outputs"] == baseline["again"]
+    # Fresh engine, empty local disk: from the later tier, then kept locally.
+    assert_second_tier_then_local(b, baseline)
     # Over B's whole run the server sent each of A's objects once: the first
     # hit; the second came from local NVMe, not from the bucket.
     assert object_gets(s3.requests()[mark:]) == stored

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from ._shared_engine import BLOCK_TOKENS, BLOCKS_PER_PROMPT, PROMPT, run_engine
+from ._shared_engine import (
+    BLOCK_TOKENS,
+    BLOCKS_PER_PROMPT,
+    PROMPT,
+    assert_second_tier_then_local,
+    run_engine,
+)
 
 pytestmark = pytest.mark.e2e
 FULL = BLOCKS_PER_PROMPT * BLOCK_TOKENS  # prompt tokens in full blocks
@@ -35,21 +41,8 @@ def test_second_engine_gets_the_prompt_from_the_shared_tier_then_locally(
 
     b = run_engine("b", local_b, shared)  # kvtier's guard around fs
     assert b["shared_online"] is True
-    # Fresh engine, empty local disk: the prompt's blocks came from the
-    # shared tier (both STORAGE tiers count as "disk" in vLLM's hit source;
-    # B's local tier promoted nothing yet), and the outputs are right.
-    assert b["first"]["hits"] == [{"disk": FULL}]
-    assert b["after_first"]["promotions_completed"] == 0
-    assert b["first"]["outputs"] == baseline["first"]
-    # Kept on B's local disk (pulled from the primary rows they landed in).
-    assert b["after_first"]["pulled"] == BLOCKS_PER_PROMPT
-    assert b["after_first"]["stores_completed"] == BLOCKS_PER_PROMPT
-    # Pushed out of GPU and CPU, the next hit is B's local disk tier.
-    assert b["pushers"] == baseline["pushers"]
-    assert b["again"]["hits"] == [{"disk": FULL}]
-    assert b["after_again"]["promotions_completed"] == BLOCKS_PER_PROMPT
-    assert b["after_again"]["promotion_failures"] == 0
-    assert b["again"]["outputs"] == baseline["again"]
+    # Fresh engine, empty local disk: from the later tier, then kept locally.
+    assert_second_tier_then_local(b, baseline)
 
     # What a cache-aware router sees: every STORAGE event names its tier and
     # locality; kvtier's carry the prompt's token blocks (self-describing).
