@@ -131,17 +131,14 @@ def _portable_worker_cls() -> type:
         ):
             # Not TieredOffloadingWorker.__init__: that one lays out groups
             # over kvtier's CpuBlockBuffer; these rows are vLLM's.
-            self.copies = _RegionCopies(kv_caches, region, blocks_per_chunk)
-            self.cpu_buffer = _RegionHandle(region)
-            self.blocks_per_chunk = blocks_per_chunk
-            self.reader = None
-            self.block_bytes = self.copies.block_bytes
-            self._jobs = {}
-            self._owner = {}
-            self._finished = []
-            self._load_errors = {}
-            self._bounce_readers = [set(), set()]
-            self._next_half = 0
+            copies = _RegionCopies(kv_caches, region, blocks_per_chunk)
+            self._set_up(
+                copies,
+                _RegionHandle(region),
+                blocks_per_chunk,
+                None,
+                copies.block_bytes,
+            )
 
     return PortableTieringWorker
 

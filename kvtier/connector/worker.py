@@ -37,6 +37,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -166,14 +167,33 @@ class TieredOffloadingWorker(OffloadingWorker):
             areas.append(
                 HostArea("disk", torch.from_numpy(reader.rows), pinned=reader.pinned)
             )
-        if device_copies is None:
-            self.copies: CopyPath = HostCopies(views, areas, blocks_per_chunk)
-        else:
-            self.copies = device_copies(views, areas, blocks_per_chunk)
+        make = HostCopies if device_copies is None else device_copies
+        self._set_up(
+            make(views, areas, blocks_per_chunk),
+            cpu_buffer,
+            blocks_per_chunk,
+            reader,
+            [sum(v.shape[1] for v in g) for g in views],
+        )
+
+    def _set_up(
+        self,
+        copies: CopyPath,
+        cpu_buffer: Any,
+        blocks_per_chunk: int,
+        reader: SlotReader | None,
+        block_bytes: list[int],
+    ) -> None:
+        """The state every worker shares, whatever its host rows: the copy
+        path, what ``shutdown`` closes (``cpu_buffer``), the disk reader,
+        the bytes of one offloaded block per KV-cache group, and the job
+        bookkeeping. Subclasses with other host rows call it instead of
+        ``__init__``."""
+        self.copies = copies
         self.cpu_buffer = cpu_buffer
         self.blocks_per_chunk = blocks_per_chunk
         self.reader = reader
-        self.block_bytes = [sum(v.shape[1] for v in g) for g in views]
+        self.block_bytes = block_bytes
         self._jobs: dict[int, _Job] = {}  # in flight, by job id
         self._owner: dict[int, _Job] = {}  # transfer id -> its job
         self._finished: list[TransferResult] = []
