@@ -8,13 +8,15 @@ replay behind ``kvtier size``) with a CPU tier of ``--cpu-blocks`` 512-token
 blocks, alone (every policy) and over a disk tier of 5x, 10x and 20x that
 capacity (every cpu/disk policy pair at 5x, the same policy on both tiers
 and lru/2q at 10x and 20x), next to the offline optimum (Belady on prefix
-hits, one tier of the total capacity: ``kvtier.tiers.optimum``), two
+hits, one tier of the total capacity: ``kvtier.tiers.optimum``),
 clairvoyant references (LRU behind a perfect admission filter; the
-most-used blocks of the whole trace) and the infinite cache. Then the *sweep*: the trace cut into halves (first half for
-tuning, second for reporting; both are shown), CPU-only tiers of 0.5x to 20x
-``--cpu-blocks`` and CPU + disk tiers of 0.5x to 20x of it, every policy
-against LRU and the optimum at each size. As a cross-check it also replays
-vLLM's own CPUOffloadingManager (LRU and ARC) at the same CPU capacity.
+most-used blocks of the whole trace; each block's true reuse rate, alone
+and with its last use known) and the infinite cache. Then the *sweep*: the
+trace cut into halves (first half for tuning, second for reporting; both
+are shown), CPU-only tiers of 0.5x to 20x ``--cpu-blocks`` and CPU + disk
+tiers of 0.5x to 20x of it, every policy against LRU and the optimum at
+each size. As a cross-check it also replays vLLM's own
+CPUOffloadingManager (LRU and ARC) at the same CPU capacity.
 Prints tables, writes benchmarks/results/hit_rate.json and the plots
 benchmarks/results/hit_rate.png (by tier) and hit_rate_sweep.png.
 """
@@ -33,7 +35,11 @@ from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, RESULTS_DIR, write_json
 from kvtier.sizing import SizingResult, replay_trace
 from kvtier.sizing_compare import optimal_hit_rate
 from kvtier.sizing_plot import plot_tier_split
-from kvtier.tiers.optimum import oracle_admission_lru_hits, static_frequency_hits
+from kvtier.tiers.optimum import (
+    oracle_admission_lru_hits,
+    rate_oracle_hits,
+    static_frequency_hits,
+)
 from kvtier.tiers.policy import POLICIES
 from kvtier.trace import infinite_cache_hit_rate, load_trace, unique_blocks
 
@@ -165,6 +171,7 @@ def main() -> None:
     print("\nclairvoyant references, one tier of the total capacity (hit rate)")
     print(
         f"{'blocks':>7}  {'optimum':>8}  {'oracle admission+LRU':>20}  {'static top-k':>12}"
+        f"  {'rate':>6}  {'rate+last use':>13}"
     )
     for cap in sorted({row["cpu_blocks"] + row["disk_blocks"] for row in full}):
         ref = {
@@ -172,11 +179,15 @@ def main() -> None:
             "optimum": optimum["full", cap],
             "oracle_admission_lru": oracle_admission_lru_hits(keys, cap) / total,
             "static_top_k": static_frequency_hits(keys, cap) / total,
+            "rate_oracle": rate_oracle_hits(keys, cap) / total,
+            "rate_last_use_oracle": rate_oracle_hits(keys, cap, knows_last_use=True)
+            / total,
         }
         references.append(ref)
         print(
             f"{cap:>7}  {ref['optimum']:>8.4f}  {ref['oracle_admission_lru']:>20.4f}  "
-            f"{ref['static_top_k']:>12.4f}"
+            f"{ref['static_top_k']:>12.4f}  {ref['rate_oracle']:>6.4f}  "
+            f"{ref['rate_last_use_oracle']:>13.4f}"
         )
 
     sweep: dict[str, Any] = {}

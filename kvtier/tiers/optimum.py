@@ -217,3 +217,65 @@ def static_frequency_hits(requests: Sequence[Sequence[Hashable]], capacity: int)
             hits += 1
         seen.update(keys)
     return hits
+
+
+def rate_oracle_hits(
+    requests: Sequence[Sequence[Hashable]],
+    capacity: int,
+    *,
+    knows_last_use: bool = False,
+) -> int:
+    """Prefix hits of a cache that ranks blocks by their true reuse *rate*:
+    a block used by ``n`` requests between request ``first`` and ``last``
+    is worth ``(n - 1) / (last - first)`` (0 if ``n == 1``), and the cache
+    evicts the lowest worth, then the least recently used, deepest first.
+    A block is worth no more than its parent in the same request (its hits
+    need the parent), so the ranking stays prefix-closed.
+
+    This is the optimal policy when requests arrive independently at known
+    rates (the independent reference model, Coffman & Denning's A0), told
+    each block's rate over its lifetime: perfect popularity *and* perfect
+    admission, but no knowledge of when the next request comes. With
+    ``knows_last_use`` it is also told when a block is used for the last
+    time (its worth drops to 0 then): a perfect dead-block predictor on
+    top. The gap between the two is what only a prediction of *which*
+    blocks are finished could add."""
+    first: dict[Hashable, int] = {}
+    last: dict[Hashable, int] = {}
+    count: dict[Hashable, int] = {}
+    for t, keys in enumerate(requests):
+        for k in set(keys):
+            first.setdefault(k, t)
+            last[k] = t
+            count[k] = count.get(k, 0) + 1
+    rate = {
+        k: (n - 1) / (last[k] - first[k]) if n > 1 else 0.0 for k, n in count.items()
+    }
+    cached: dict[Hashable, tuple[float, int, int]] = {}  # key -> eviction rank
+    heap: list[tuple[tuple[float, int, int], int, Hashable]] = []
+    tick = 0  # heap tie-break that never compares keys
+    hits = 0
+    for t, keys in enumerate(requests):
+        n = 0
+        for k in keys:
+            if k not in cached:
+                break
+            n += 1
+        hits += n
+        worth = float("inf")
+        for depth, k in enumerate(keys):
+            own = 0.0 if knows_last_use and last[k] == t else rate[k]
+            worth = min(worth, own)
+            rank = (worth, t, -depth)
+            cached[k] = rank
+            tick += 1
+            heapq.heappush(heap, (rank, tick, k))
+        while len(cached) > capacity:
+            rank, _, k = heapq.heappop(heap)
+            if cached.get(k) == rank:
+                del cached[k]
+        if len(heap) > 4 * len(cached) + 1024:
+            heap = [(r, i, k) for i, (k, r) in enumerate(cached.items())]
+            heapq.heapify(heap)
+            tick = len(heap)
+    return hits

@@ -10,6 +10,7 @@ from kvtier.tiers.optimum import (
     optimal_hits,
     optimal_hits_by_reuse_distance,
     oracle_admission_lru_hits,
+    rate_oracle_hits,
     static_frequency_hits,
 )
 from kvtier.tiers.policy import POLICIES
@@ -83,6 +84,8 @@ def test_clairvoyant_references_stay_under_the_optimum(prompts, capacity):
     opt = optimal_hits(trace, capacity)
     assert oracle_admission_lru_hits(trace, capacity) <= opt
     assert static_frequency_hits(trace, capacity) <= opt
+    assert rate_oracle_hits(trace, capacity) <= opt
+    assert rate_oracle_hits(trace, capacity, knows_last_use=True) <= opt
 
 
 def test_oracle_admission_skips_one_time_blocks():
@@ -91,6 +94,27 @@ def test_oracle_admission_skips_one_time_blocks():
     trace = [[0, 1], [5, 6], [0, 1]]
     assert oracle_admission_lru_hits(trace, 2) == 2
     assert static_frequency_hits(trace, 2) == 2
+
+
+def test_rate_oracle_keeps_the_higher_rate_and_drops_the_finished():
+    # Capacity 1. A: requests 0 and 1 (rate 1, finished after 1); B:
+    # requests 2 and 4 (rate 1/2); C: request 3 only (rate 0).
+    trace = [["A"], ["A"], ["B"], ["C"], ["B"]]
+    # Rates alone keep A over B and C: only A's second use hits.
+    assert rate_oracle_hits(trace, 1) == 1
+    # Told that A is finished, it keeps B through C: B's return hits too.
+    assert rate_oracle_hits(trace, 1, knows_last_use=True) == 2
+    assert optimal_hits(trace, 1) == 2
+
+
+def test_rate_oracle_ranks_a_child_no_higher_than_its_parent():
+    # Parent 0: requests 0, 1 and 10 (rate 0.2); its child 1: requests 0
+    # and 1 (rate 1); one-time blocks in between. Ranked by its own rate the
+    # child would push out the parent it needs and nothing would hit; capped
+    # at the parent's worth, the parent stays.
+    trace = [[0, 1], [0, 1]] + [[100 + i] for i in range(8)] + [[0]]
+    assert rate_oracle_hits(trace, 1) == 2 == optimal_hits(trace, 1)
+    assert rate_oracle_hits(trace, 2) == 3 == optimal_hits(trace, 2)
 
 
 @settings(max_examples=100, deadline=None)
