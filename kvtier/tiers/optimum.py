@@ -28,7 +28,7 @@ configuration. Cost: O(B log B) for B blocks in the trace.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 
 NEVER = float("inf")
 
@@ -44,6 +44,16 @@ def _next_uses(requests: Sequence[Sequence[Hashable]]) -> list[list[float]]:
         for k in requests[t]:
             nxt[k] = t
     return out
+
+
+def _leading_hits(keys: Sequence[Hashable], cache: Container[Hashable]) -> int:
+    """How many of a request's keys, from its first, are in ``cache``."""
+    n = 0
+    for k in keys:
+        if k not in cache:
+            break
+        n += 1
+    return n
 
 
 def optimal_hits(requests: Sequence[Sequence[Hashable]], capacity: int) -> int:
@@ -65,11 +75,7 @@ def _belady_hit_counts(
     tick = 0  # heap tie-break that never compares keys
     out: list[int] = []
     for t, keys in enumerate(requests):
-        n = 0
-        for k in keys:
-            if k not in cached:
-                break
-            n += 1
+        n = _leading_hits(keys, cached)
         out.append(n)
         for depth, (k, nu) in enumerate(zip(keys, next_use[t])):
             entry = (nu, depth)
@@ -141,11 +147,7 @@ def brute_force_hits(requests: Sequence[Sequence[Hashable]], capacity: int) -> i
         if t == len(reqs):
             return 0
         keys = reqs[t]
-        n = 0
-        for k in keys:
-            if k not in cache:
-                break
-            n += 1
+        n = _leading_hits(keys, cache)
         pool = sorted(cache | set(keys), key=repr)
         out = 0
         for size in range(min(capacity, len(pool)) + 1):
@@ -175,11 +177,7 @@ def oracle_admission_lru_hits(
     lru: OrderedDict[Hashable, None] = OrderedDict()
     hits = 0
     for t, keys in enumerate(requests):
-        n = 0
-        for k in keys:
-            if k not in lru:
-                break
-            n += 1
+        n = _leading_hits(keys, lru)
         hits += n
         for k, nu in zip(reversed(keys), reversed(next_use[t])):
             if k in lru:
@@ -256,11 +254,7 @@ def rate_oracle_hits(
     tick = 0  # heap tie-break that never compares keys
     hits = 0
     for t, keys in enumerate(requests):
-        n = 0
-        for k in keys:
-            if k not in cached:
-                break
-            n += 1
+        n = _leading_hits(keys, cached)
         hits += n
         worth = float("inf")
         for depth, k in enumerate(keys):
