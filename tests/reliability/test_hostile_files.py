@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 from reliability_common import BLOCK_BYTES, key_of, make_fingerprint, pattern
 
 from kvtier.io.disk_store import DiskStore
@@ -29,6 +30,19 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def kvtier_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``kvtier ...`` in a subprocess; a hang raises TimeoutExpired."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *argv],
         capture_output=True,
         text=True,
         timeout=DEADLINE_S,
@@ -116,3 +130,59 @@ def test_worker_reader_refuses_a_fifo_swapped_in_for_the_slab(tmp_path: Path) ->
     """
     )
     assert p.returncode == 0, p.stderr
+
+
+# ------------------------------------- headers whose fields disagree
+
+
+def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
+    tmp_path: Path,
+) -> None:
+    """A raw slot whose header (valid header checksum, our fingerprint and
+    key) says payload_len is half the block: the payload checksum covers
+    only that half. The worker's reader used to load the whole block, the
+    second half unverified; ``kvtier verify`` called the slot ok."""
+    from kvtier.io.checksum import payload_checksum
+    from kvtier.io.disk_store import ReadOutcome
+    from kvtier.io.format import HEADER_SIZE, Codec, SlotHeader
+    from kvtier.io.posix_backend import PosixBackend
+    from kvtier.io.slot_reader import SlotReader
+
+    d = make_store(tmp_path, blocks=1)
+    key, half = key_of(0), BLOCK_BYTES // 2
+    with open(d / "slab-0.kvt", "r+b") as f:
+        f.seek(HEADER_SIZE)
+        first = np.frombuffer(f.read(half), np.uint8)
+        f.seek(0)
+        f.write(
+            SlotHeader(
+                key=key,
+                fingerprint=make_fingerprint().digest(),
+                payload_len=half,
+                raw_len=BLOCK_BYTES,
+                codec=Codec.RAW,
+                checksum=payload_checksum(first),
+                seq=1,
+                written_at=0.0,
+            ).pack()
+        )
+        f.seek(HEADER_SIZE + half)
+        f.write(b"\xee" * half)  # what an unverified read would serve
+
+    reader = SlotReader(
+        [str(tmp_path)], 4, BLOCK_BYTES, make_fingerprint(), PosixBackend(threads=1)
+    )
+    try:
+        (res,) = reader.read([(0, key)])
+        assert res.outcome is ReadOutcome.BAD_HEADER
+    finally:
+        reader.close()
+    with DiskStore(
+        [str(tmp_path)], 4, BLOCK_BYTES, make_fingerprint(), backend="posix"
+    ) as store:
+        out = np.zeros(BLOCK_BYTES, np.uint8)
+        assert store.read_block(0, key, out) is ReadOutcome.BAD_HEADER
+        assert not out.any()
+        assert [o for _, _, o in store.scan()][0] is ReadOutcome.BAD_HEADER
+    p = kvtier_cli("verify", str(d))
+    assert p.returncode == 1 and "slot 0: bad_header" in p.stdout, p.stdout
