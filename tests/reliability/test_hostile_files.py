@@ -186,3 +186,25 @@ def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
         assert [o for _, _, o in store.scan()][0] is ReadOutcome.BAD_HEADER
     p = kvtier_cli("verify", str(d))
     assert p.returncode == 1 and "slot 0: bad_header" in p.stdout, p.stdout
+
+
+# ------------------------------------------------- inspect/verify and links
+
+
+def test_inspect_refuses_a_symlinked_store_directory(tmp_path: Path) -> None:
+    """A ``kvtier-<digest>`` link in a (shared) disk path may point
+    anywhere: listing the path must not follow it and report what it points
+    to as this path's store."""
+    real = make_store(tmp_path / "real")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / real.name).symlink_to(real)
+    for command in ("inspect", "verify"):
+        p = kvtier_cli(command, str(shared))
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert len(lines) == 1 and "symbolic link" in lines[0], p.stderr
+        assert str(shared / real.name) in lines[0]
+        assert p.stdout == ""
+    # The directory itself, named by the operator, is still inspected.
+    assert kvtier_cli("verify", str(real)).returncode == 0
