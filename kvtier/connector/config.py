@@ -348,11 +348,25 @@ def check_disk_paths(
         return
     free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
     share = -(-cfg.disk_bytes_to_use // len(cfg.disk_paths))
+    seen: dict[tuple[int, int], str] = {}
     for path in cfg.disk_paths:
         if not os.path.isdir(path):
             raise ConfigError(
                 "disk_path",
                 f"{path!r} does not exist or is not a directory; create it first",
+            )
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None  # raced away: the writability check below says so
+        other = path if st is None else seen.setdefault((st.st_dev, st.st_ino), path)
+        if other != path:
+            # Else the store's second directory is its first one, whose
+            # lock it already holds: "in use by another engine".
+            raise ConfigError(
+                "disk_path",
+                f"{other!r} and {path!r} are the same directory (a link or "
+                "bind mount); list each directory once",
             )
         if not os.access(path, os.W_OK | os.X_OK):
             raise ConfigError(

@@ -176,7 +176,8 @@ class SlotHeader:
       - ``unpack`` raises EmptySlotError for a zeroed (never written or
         invalidated) header and CorruptHeaderError for anything else it cannot
         trust: wrong magic, other format version, header checksum mismatch,
-        out-of-range fields. It never returns a header whose own checksum
+        out-of-range fields (a raw payload shorter or longer than the
+        block included). It never returns a header whose own checksum
         failed, so a torn header write is always detected.
       - ``checksum`` is xxh3_64 of the ``payload_len`` stored bytes (i.e. after
         compression); ``raw_len`` is the decoded size.
@@ -258,6 +259,12 @@ class SlotHeader:
             raise CorruptHeaderError(f"unknown codec {codec}") from None
         if elem_size == 0 or payload_len > raw_len:
             raise CorruptHeaderError("inconsistent lengths or element size")
+        if codec_enum is Codec.RAW and payload_len != raw_len:
+            # The checksum covers payload_len bytes only: a reader using
+            # raw_len bytes of a raw slot would take the rest unverified.
+            raise CorruptHeaderError(
+                f"raw payload_len {payload_len} != raw_len {raw_len}"
+            )
         return cls(
             key=key[:key_len],
             fingerprint=fingerprint,

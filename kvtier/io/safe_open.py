@@ -44,6 +44,7 @@ __all__ = [
 _O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY: int = getattr(os, "O_DIRECTORY", 0)
+_O_NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
@@ -127,7 +128,9 @@ def open_private(
     """``os.open`` for kvtier's own regular files; returns the descriptor.
 
     Adds ``O_NOFOLLOW | O_CLOEXEC`` (a symbolic link in place of the file is
-    refused with ELOOP), then checks the opened descriptor: a regular file,
+    refused with ELOOP) and opens ``O_NONBLOCK`` (cleared again unless asked
+    for), so a FIFO in place of the file is refused instead of blocking the
+    open forever; then checks the opened descriptor: a regular file,
     owned by the effective user, not writable by group or others. With
     ``private`` any group/other bit is refused too; ``fix_mode`` removes
     group/other read bits instead. ``path`` is relative to ``dir_fd`` when
@@ -138,9 +141,15 @@ def open_private(
     A read-only opener of slab files (workers) calls
     ``open_private(slab_path, os.O_RDONLY)``."""
     shown = _display(path, dir_fd)
+    extra = _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK
     try:
-        fd = os.open(path, flags | _O_NOFOLLOW | _O_CLOEXEC, mode, dir_fd=dir_fd)
+        fd = os.open(path, flags | extra, mode, dir_fd=dir_fd)
     except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            # O_WRONLY | O_NONBLOCK on a FIFO without a reader.
+            raise _refuse(
+                errno.EINVAL, "not a regular file (a FIFO or socket)", shown
+            ) from exc
         if exc.errno == errno.ELOOP:
             raise _refuse(
                 errno.ELOOP,
@@ -159,6 +168,10 @@ def open_private(
             # store keeps its files 0600); type, owner and write bits are
             # what make the contents trustworthy.
             _check_owned(os.fstat(fd), shown, False)
+        if _O_NONBLOCK and not flags & _O_NONBLOCK:
+            fcntl.fcntl(
+                fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_NONBLOCK
+            )
     except BaseException:
         os.close(fd)
         raise

@@ -103,7 +103,8 @@ def find_stores(paths: Sequence[str]) -> list[StoreView]:
     """Stores under ``paths`` (disk paths or ``kvtier-*`` directories).
 
     The same store name found under several paths is merged into one view.
-    Raises FileNotFoundError / NotADirectoryError for a bad path, and
+    A ``kvtier-*`` entry found by listing a path must be a directory, not a
+    symbolic link (see :func:`_store_dir`). Raises FileNotFoundError / NotADirectoryError for a bad path, and
     ValueError (:class:`StoreError`) when a path holds no store or a store
     cannot be read safely (see :func:`open_store`).
     """
@@ -121,13 +122,30 @@ def find_stores(paths: Sequence[str]) -> list[StoreView]:
             dirs = sorted(
                 os.path.join(path, n)
                 for n in os.listdir(path)
-                if STORE_DIR_RE.match(n) and os.path.isdir(os.path.join(path, n))
+                if STORE_DIR_RE.match(n) and _store_dir(os.path.join(path, n))
             )
         if not dirs:
             raise StoreError(f"{path}: no kvtier-<digest> store directory found")
         for d in dirs:
             by_name.setdefault(os.path.basename(d), []).append(d)
     return [open_store(name, dirs) for name, dirs in sorted(by_name.items())]
+
+
+def _store_dir(path: str) -> bool:
+    """Whether ``path`` (found by listing) is a directory; a symbolic link
+    is refused, never followed (another user may have planted it in a
+    shared disk path, pointing anywhere)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False  # gone meanwhile
+    if stat.S_ISLNK(mode):
+        raise StoreError(
+            f"{path}: is a symbolic link (refused: kvtier never follows links "
+            "to its store directories). Remove it, or pass the directory it "
+            "points to"
+        )
+    return stat.S_ISDIR(mode)
 
 
 def _looks_like_store(path: str) -> bool:

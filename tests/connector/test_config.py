@@ -293,6 +293,17 @@ def test_unwritable_path_for_real(tmp_path) -> None:
         shutil.rmtree(top, ignore_errors=True)
 
 
+def test_one_directory_listed_under_two_names(tmp_path) -> None:
+    """A link (or bind mount) alias of a listed path: the second DiskStore
+    directory would be refused as 'in use by another running engine' (its
+    own lock), and the free space counted twice."""
+    real = tmp_path / "kv"
+    real.mkdir()
+    (tmp_path / "alias").symlink_to(real)
+    cfg = _cfg([str(real), str(tmp_path / "alias")])
+    _expect_check(cfg, "disk_path", "same directory", str(real), "once")
+
+
 def test_too_little_free_space(tmp_path) -> None:
     cfg = _cfg([str(tmp_path)], budget=10_000)
     _expect_check(

@@ -1,0 +1,210 @@
+"""Hostile and malformed files where kvtier expects its own: FIFOs in place
+of kvtier's files (a hang, not a refusal, would stall the engine for good),
+slot headers whose fields disagree with each other, and the read-only
+``kvtier inspect``/``verify`` on directories holding links.
+
+Every case that could hang runs in a subprocess with a deadline, so a hang
+fails the test instead of stalling the suite."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+from reliability_common import BLOCK_BYTES, key_of, make_fingerprint, pattern
+
+from kvtier.io.disk_store import DiskStore
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEADLINE_S = 60  # each case takes about a second
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (reliability_common importable);
+    a hang raises TimeoutExpired."""
+    path = os.pathsep.join([str(REPO_ROOT), str(Path(__file__).parent)])
+    env = dict(os.environ, PYTHONPATH=path)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def kvtier_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``kvtier ...`` in a subprocess; a hang raises TimeoutExpired."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def make_store(root: Path, blocks: int = 2) -> Path:
+    """A closed store under ``root`` with ``blocks`` slots written; returns
+    its kvtier-<digest> directory."""
+    with DiskStore(
+        [str(root)], 4, BLOCK_BYTES, make_fingerprint(), backend="posix"
+    ) as store:
+        for i in range(blocks):
+            store.write_block(i, key_of(i), pattern(key_of(i)), store.next_seq())
+    return Path(store.dirs[0])
+
+
+# ------------------------------------------------------- FIFOs never block
+
+
+def test_fifo_in_place_of_layout_json_does_not_hang_the_store_start(
+    tmp_path: Path,
+) -> None:
+    d = make_store(tmp_path)
+    (d / "layout.json").unlink()
+    os.mkfifo(d / "layout.json")
+    p = run_python(
+        f"""
+    from reliability_common import BLOCK_BYTES, make_fingerprint
+    from kvtier.io.disk_store import DiskStore
+    with DiskStore([{str(tmp_path)!r}], 4, BLOCK_BYTES, make_fingerprint(),
+                   backend="posix"):
+        pass
+    """
+    )
+    assert p.returncode == 0, p.stderr
+    # layout.json is only an aid: the FIFO was replaced by a regular file.
+    assert (d / "layout.json").is_file()
+
+
+def test_fifo_named_like_a_cpu_tier_file_is_refused_not_waited_on(
+    tmp_path: Path,
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    fifo = shm / "kvtier-e-r0of1.cpu"
+    os.mkfifo(fifo, 0o600)
+    p = run_python(
+        f"""
+    from kvtier.io.cpu_buffer import CpuBlockBuffer, reclaim_stale_cpu_files
+    assert reclaim_stale_cpu_files({str(shm)!r}) == []
+    try:
+        CpuBlockBuffer(4, 4096, {str(fifo)!r}, owner=True)
+    except OSError as exc:
+        print("refused:", exc)
+    else:
+        raise SystemExit("a FIFO was adopted as the CPU tier")
+    """
+    )
+    assert p.returncode == 0, p.stderr
+    assert "not a regular file" in p.stdout and str(fifo) in p.stdout
+    assert fifo.exists()  # skipped, never removed or adopted
+
+
+def test_worker_reader_refuses_a_fifo_swapped_in_for_the_slab(tmp_path: Path) -> None:
+    """The worker opens the slab by name at its first load, after the
+    scheduler created it: a FIFO put there meanwhile is an I/O error (a
+    miss), not a load thread blocked forever."""
+    d = make_store(tmp_path)
+    (d / "slab-0.kvt").rename(d / "moved")
+    os.mkfifo(d / "slab-0.kvt", 0o600)
+    p = run_python(
+        f"""
+    from reliability_common import BLOCK_BYTES, key_of, make_fingerprint
+    from kvtier.io.disk_store import ReadOutcome
+    from kvtier.io.posix_backend import PosixBackend
+    from kvtier.io.slot_reader import SlotReader
+    r = SlotReader([{str(tmp_path)!r}], 4, BLOCK_BYTES, make_fingerprint(),
+                   PosixBackend(threads=1))
+    (res,) = r.read([(0, key_of(0))])
+    assert res.outcome is ReadOutcome.IO_ERROR, res.outcome
+    r.close()
+    """
+    )
+    assert p.returncode == 0, p.stderr
+
+
+# ------------------------------------- headers whose fields disagree
+
+
+def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
+    tmp_path: Path,
+) -> None:
+    """A raw slot whose header (valid header checksum, our fingerprint and
+    key) says payload_len is half the block: the payload checksum covers
+    only that half. The worker's reader used to load the whole block, the
+    second half unverified; ``kvtier verify`` called the slot ok."""
+    from kvtier.io.checksum import payload_checksum
+    from kvtier.io.disk_store import ReadOutcome
+    from kvtier.io.format import HEADER_SIZE, Codec, SlotHeader
+    from kvtier.io.posix_backend import PosixBackend
+    from kvtier.io.slot_reader import SlotReader
+
+    d = make_store(tmp_path, blocks=1)
+    key, half = key_of(0), BLOCK_BYTES // 2
+    with open(d / "slab-0.kvt", "r+b") as f:
+        f.seek(HEADER_SIZE)
+        first = np.frombuffer(f.read(half), np.uint8)
+        f.seek(0)
+        f.write(
+            SlotHeader(
+                key=key,
+                fingerprint=make_fingerprint().digest(),
+                payload_len=half,
+                raw_len=BLOCK_BYTES,
+                codec=Codec.RAW,
+                checksum=payload_checksum(first),
+                seq=1,
+                written_at=0.0,
+            ).pack()
+        )
+        f.seek(HEADER_SIZE + half)
+        f.write(b"\xee" * half)  # what an unverified read would serve
+
+    reader = SlotReader(
+        [str(tmp_path)], 4, BLOCK_BYTES, make_fingerprint(), PosixBackend(threads=1)
+    )
+    try:
+        (res,) = reader.read([(0, key)])
+        assert res.outcome is ReadOutcome.BAD_HEADER
+    finally:
+        reader.close()
+    with DiskStore(
+        [str(tmp_path)], 4, BLOCK_BYTES, make_fingerprint(), backend="posix"
+    ) as store:
+        out = np.zeros(BLOCK_BYTES, np.uint8)
+        assert store.read_block(0, key, out) is ReadOutcome.BAD_HEADER
+        assert not out.any()
+        assert [o for _, _, o in store.scan()][0] is ReadOutcome.BAD_HEADER
+    p = kvtier_cli("verify", str(d))
+    assert p.returncode == 1 and "slot 0: bad_header" in p.stdout, p.stdout
+
+
+# ------------------------------------------------- inspect/verify and links
+
+
+def test_inspect_refuses_a_symlinked_store_directory(tmp_path: Path) -> None:
+    """A ``kvtier-<digest>`` link in a (shared) disk path may point
+    anywhere: listing the path must not follow it and report what it points
+    to as this path's store."""
+    real = make_store(tmp_path / "real")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / real.name).symlink_to(real)
+    for command in ("inspect", "verify"):
+        p = kvtier_cli(command, str(shared))
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert len(lines) == 1 and "symbolic link" in lines[0], p.stderr
+        assert str(shared / real.name) in lines[0]
+        assert p.stdout == ""
+    # The directory itself, named by the operator, is still inspected.
+    assert kvtier_cli("verify", str(real)).returncode == 0
