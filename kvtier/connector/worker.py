@@ -17,7 +17,11 @@ planned:
 A disk block that fails (I/O error, checksum, header, wrong key) is never
 copied anywhere: the job is reported failed with the keys and GPU blocks it
 could not fill (:meth:`take_load_error`), and kvtier's connector turns that
-into vLLM's load-error path, so the tokens are recomputed.
+into vLLM's load-error path, so the tokens are recomputed. An exception
+raised while a job is submitted (a bug, an unforeseen error of the reader or
+the copy path) never leaves ``submit_load``: it is logged and counted
+(:mod:`kvtier.connector.job_errors`) and fails the load with every one of
+its blocks.
 
 All work of a job happens inside ``submit_*`` on the calling (model-runner)
 thread, with no hand-off per block. The copies between the KV cache and the
@@ -50,6 +54,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier.connector.job_errors import JobExceptions, LoadError, whole_load_error
 from kvtier.connector.kv_layout import group_views
 from kvtier.connector.specs import TierLoadSpec
 from kvtier.io.block_copy import (
@@ -64,15 +69,6 @@ from kvtier.io.disk_store import ReadOutcome
 from kvtier.io.slot_reader import SlotReader
 
 logger = logging.getLogger("kvtier.connector")
-
-
-@dataclass
-class LoadError:
-    """What a failed load could not deliver: the keys of the disk blocks
-    that failed, and the GPU blocks that were left unfilled."""
-
-    keys: list[bytes] = field(default_factory=list)
-    gpu_block_ids: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -198,6 +194,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         self._owner: dict[int, _Job] = {}  # transfer id -> its job
         self._finished: list[TransferResult] = []
         self._load_errors: dict[int, LoadError] = {}
+        self.exceptions = JobExceptions()
         # Transfers still reading each half of the bounce area: a disk read
         # into a half waits for them, whichever job they belong to. With
         # asynchronous copies the halves alternate, so one chunk's read
@@ -228,29 +225,25 @@ class TieredOffloadingWorker(OffloadingWorker):
         dst_spec: GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
-        # ``expedited`` (vLLM >= 0.33): the load is waited on within the
-        # step; on accelerators it runs on its own streams.
+        """Fill the job's GPU blocks from CPU rows and disk slots; returns
+        True.
+
+        Never raises for the job. A disk block that fails is left unfilled;
+        an exception is contained (logged, counted in ``exceptions``) and
+        fails every block of the job (:func:`~kvtier.connector.job_errors.
+        whole_load_error`). Either way the job is reported failed once the
+        copies it had already submitted landed, and :meth:`take_load_error`
+        names the keys and GPU blocks it could not deliver."""
         started = time.perf_counter()
         job = _Job(job_id)
-        if isinstance(src_spec, TierLoadSpec):
-            slots, on_disk = src_spec.block_ids, src_spec.on_disk
-        else:  # a plain row spec: every block from the CPU tier
-            slots = np.asarray(src_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
-            on_disk = np.zeros(len(slots), dtype=np.bool_)
-        groups = _split_by_group(dst_spec, len(slots), self.blocks_per_chunk)
-        for gp in groups:
-            mask = ~on_disk[gp.plan.row_ids]
-            if mask.any():
-                plan = _select(gp.plan, mask, slots[gp.plan.row_ids[mask]])
-                self._copy(
-                    job, "cpu", gp.group, plan, to_host=False, expedited=expedited
-                )
-        if on_disk.any():
-            assert isinstance(src_spec, TierLoadSpec)
-            error = self._load_from_disk(job, src_spec, groups, expedited)
-            if error is not None:
-                self._load_errors[job_id] = error
-                job.success = False
+        try:
+            error = self._load(job, src_spec, dst_spec, expedited)
+        except Exception as exc:
+            self.exceptions.note(exc, "load", job_id)
+            error = whole_load_error(src_spec, dst_spec)
+        if error is not None:
+            self._load_errors[job_id] = error
+            job.success = False
         self._settle(job, started)
         return True
 
@@ -299,6 +292,33 @@ class TieredOffloadingWorker(OffloadingWorker):
         return self._load_errors.pop(job_id, None)
 
     # ------------------------------------------------------------- internals
+
+    def _load(
+        self,
+        job: _Job,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool,
+    ) -> LoadError | None:
+        # ``expedited`` (vLLM >= 0.33): the load is waited on within the
+        # step; on accelerators it runs on its own streams.
+        if isinstance(src_spec, TierLoadSpec):
+            slots, on_disk = src_spec.block_ids, src_spec.on_disk
+        else:  # a plain row spec: every block from the CPU tier
+            slots = np.asarray(src_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
+            on_disk = np.zeros(len(slots), dtype=np.bool_)
+        groups = _split_by_group(dst_spec, len(slots), self.blocks_per_chunk)
+        for gp in groups:
+            mask = ~on_disk[gp.plan.row_ids]
+            if mask.any():
+                plan = _select(gp.plan, mask, slots[gp.plan.row_ids[mask]])
+                self._copy(
+                    job, "cpu", gp.group, plan, to_host=False, expedited=expedited
+                )
+        if not on_disk.any():
+            return None
+        assert isinstance(src_spec, TierLoadSpec)
+        return self._load_from_disk(job, src_spec, groups, expedited)
 
     def _copy(
         self,

@@ -168,3 +168,100 @@ def test_wait_lands_a_store(runner):
     assert [d.job_id for d in r.worker.get_finished()] == [3]
     r.manager.complete_store(out.keys_to_store, ctx)
     r.manager.on_request_finished(ctx)
+
+
+# --------------------------------------------------------------------------
+# A job that raises: contained, failed whole, reported after its transfers
+# --------------------------------------------------------------------------
+
+
+def _results(r: RequestRunner, polls: int = 6) -> list[tuple[int, bool]]:
+    """Every job the worker reports over ``polls`` polls."""
+    return [
+        (d.job_id, d.success) for _ in range(polls) for d in r.worker.get_finished()
+    ]
+
+
+def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
+    runner, monkeypatch, caplog
+):
+    r = runner
+    late, r.worker.copies = r.worker.copies, r.worker.copies.inner
+    on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
+    on_cpu = r.store("z", [30, 31])
+    r.worker.copies = late
+    r.worker.reader.capacity = 2  # two halves of one slot: a read per block
+    keys = on_cpu + on_disk[:3]
+    gpu_blocks = [50, 51, 52, 53, 54]
+    assert r.lookup("mixed", keys) == len(keys)
+    ctx = r.ctx
+    spec = r.manager.prepare_load(keys, ctx)
+    assert list(spec.on_disk) == [False, False, True, True, True]
+    for t in r.kv:
+        t[gpu_blocks] = 0
+    reads = []
+    real_read = r.worker.reader.read
+
+    def read(items, first_row=0):
+        reads.append(len(items))
+        if len(reads) == 2:
+            raise RuntimeError("a bug in the reader")
+        return real_read(items, first_row=first_row)
+
+    monkeypatch.setattr(r.worker.reader, "read", read)
+    dst = GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0])
+    with caplog.at_level("DEBUG", logger="kvtier.connector"):
+        assert r.worker.submit_load(9, spec, dst)  # contained, not raised
+    # The CPU rows' copy and the first disk block's copy were submitted
+    # before the second read raised; both are still in flight.
+    assert reads == [1, 1] and list(late.queued) == [1, 2]
+    assert r.worker.get_finished() == []
+    assert r.worker.get_finished() == []  # transfer 2 still in flight
+    assert late.landed == [1] and r.worker._bounce_readers == [{2}, set()]
+    assert _results(r) == [(9, False)]  # once, after transfer 2 landed
+    assert r.worker._bounce_readers == [set(), set()]
+    assert not r.worker._jobs and not r.worker._owner
+    # Every block of the job counts as failed, the CPU ones included.
+    error = r.worker.take_load_error(9)
+    assert error.keys == on_disk[:3]
+    assert error.gpu_block_ids == set(gpu_blocks)
+    assert r.worker.take_load_error(9) is None
+    assert r.worker.exceptions.count == 1
+    logged = [rec for rec in caplog.records if "load job 9 raised" in rec.message]
+    assert len(logged) == 1 and logged[0].levelname == "ERROR"
+    assert logged[0].exc_info is not None  # with its traceback
+    # The manager gives the disk copies and their promotion rows up.
+    r.manager.note_worker_report({ctx.req_id: error.keys})
+    r.manager.complete_load(keys, ctx)
+    r.manager.on_request_finished(ctx)
+    h = r.manager.hierarchy
+    assert [h.lookup(k).name for k in on_disk[:3]] == ["MISS"] * 3
+    assert [h.lookup(k).name for k in on_cpu] == ["HIT_CPU"] * 2
+    assert h.num_loads == 0
+
+    # The next jobs work, through both halves of the bounce area; the same
+    # cause raising again is counted and logged at debug only.
+    monkeypatch.setattr(r.worker.reader, "read", real_read)
+    second = r.keys("b", 4)[:2]
+    ctx = _submit_disk_load(r, "b", second, [56, 57], job_id=10)
+    r.worker.wait({10})
+    assert _results(r) == [(10, True)]
+    _finish(r, second, [56, 57], ctx)
+    reads.clear()
+    monkeypatch.setattr(r.worker.reader, "read", read)
+    with caplog.at_level("DEBUG", logger="kvtier.connector"):
+        ctx = _submit_disk_load(r, "last", [on_disk[3]], [58], job_id=11)
+        assert _results(r) == [(11, True)]  # one read only: it did not raise
+        third = r.keys("c", 4)[:2]
+        ctx_c = _submit_disk_load(r, "c", third, [60, 61], job_id=12)
+    assert reads == [1, 1]
+    assert r.worker.exceptions.count == 2
+    again = [rec for rec in caplog.records if "load job 12 raised" in rec.message]
+    assert len(again) == 1 and again[0].levelname == "DEBUG"
+    assert _results(r) == [(12, False)]  # its first read raised
+    error = r.worker.take_load_error(12)
+    assert error.keys == third and error.gpu_block_ids == {60, 61}
+    _finish(r, [on_disk[3]], [58], ctx)
+    r.manager.note_worker_report({ctx_c.req_id: error.keys})
+    r.manager.complete_load(third, ctx_c)
+    assert [h.lookup(k).name for k in third] == ["MISS"] * 2
