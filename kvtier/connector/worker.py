@@ -55,6 +55,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.connector.job_errors import JobExceptions, LoadError, whole_load_error
+from kvtier.connector.job_plan import GroupPlan, select_rows, split_by_group
 from kvtier.connector.kv_layout import group_views
 from kvtier.connector.specs import TierLoadSpec
 from kvtier.io.block_copy import (
@@ -62,7 +63,6 @@ from kvtier.io.block_copy import (
     CopyPlan,
     HostArea,
     HostCopies,
-    plan_copy,
 )
 from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import ReadOutcome
@@ -82,55 +82,6 @@ class _Job:
     nbytes: int = 0
     seconds: float = 0.0
     success: bool = True
-
-
-@dataclass
-class _GroupPlan:
-    """One KV-cache group's part of a job: GPU blocks and, per block, the
-    position of its offloaded block in the job's spec."""
-
-    group: int
-    plan: CopyPlan  # row_ids are spec positions
-
-
-def _split_by_group(
-    gpu: GPULoadStoreSpec, num_rows: int, blocks_per_chunk: int
-) -> list[_GroupPlan]:
-    """Map every GPU block of a job onto its offloaded block's position.
-
-    vLLM lists a job's GPU blocks group by group (``group_sizes``), each
-    group's blocks logically consecutive from ``block_indices[g]``, and the
-    offloaded blocks (rows) in the same group order."""
-    gpu_ids = gpu.block_ids
-    group_sizes = list(gpu.group_sizes) if gpu.group_sizes else [len(gpu_ids)]
-    block_indices = list(gpu.block_indices) if gpu.block_indices else [0]
-    plans: list[_GroupPlan] = []
-    g_start = r_start = 0
-    for group, (size, first) in enumerate(zip(group_sizes, block_indices)):
-        if size == 0:
-            continue
-        n_rows = (first + size - 1) // blocks_per_chunk - first // blocks_per_chunk + 1
-        positions = np.arange(r_start, r_start + n_rows, dtype=np.int64)
-        plans.append(
-            _GroupPlan(
-                group,
-                plan_copy(
-                    gpu_ids[g_start : g_start + size],
-                    positions,
-                    blocks_per_chunk,
-                    first,
-                ),
-            )
-        )
-        g_start += size
-        r_start += n_rows
-    if r_start != num_rows:
-        raise ValueError(f"job lists {num_rows} offloaded blocks, GPU spec {r_start}")
-    return plans
-
-
-def _select(plan: CopyPlan, mask: np.ndarray, rows: np.ndarray) -> CopyPlan:
-    return CopyPlan(plan.gpu_ids[mask], rows, plan.sub_ids[mask])
 
 
 class TieredOffloadingWorker(OffloadingWorker):
@@ -211,7 +162,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         started = time.perf_counter()
         job = _Job(job_id)
         rows = np.asarray(dst_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
-        for gp in _split_by_group(src_spec, len(rows), self.blocks_per_chunk):
+        for gp in split_by_group(src_spec, len(rows), self.blocks_per_chunk):
             plan = CopyPlan(gp.plan.gpu_ids, rows[gp.plan.row_ids], gp.plan.sub_ids)
             self._copy(job, "cpu", gp.group, plan, to_host=True)
         self._settle(job, started)
@@ -307,11 +258,11 @@ class TieredOffloadingWorker(OffloadingWorker):
         else:  # a plain row spec: every block from the CPU tier
             slots = np.asarray(src_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
             on_disk = np.zeros(len(slots), dtype=np.bool_)
-        groups = _split_by_group(dst_spec, len(slots), self.blocks_per_chunk)
+        groups = split_by_group(dst_spec, len(slots), self.blocks_per_chunk)
         for gp in groups:
             mask = ~on_disk[gp.plan.row_ids]
             if mask.any():
-                plan = _select(gp.plan, mask, slots[gp.plan.row_ids[mask]])
+                plan = select_rows(gp.plan, mask, slots[gp.plan.row_ids[mask]])
                 self._copy(
                     job, "cpu", gp.group, plan, to_host=False, expedited=expedited
                 )
@@ -359,7 +310,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         self,
         job: _Job,
         spec: TierLoadSpec,
-        groups: list[_GroupPlan],
+        groups: list[GroupPlan],
         expedited: bool,
     ) -> LoadError | None:
         """Read, verify and scatter a job's disk blocks, chunk by chunk."""
@@ -403,7 +354,7 @@ class TieredOffloadingWorker(OffloadingWorker):
                 rows = bounce_row[gp.plan.row_ids]
                 mask = rows >= 0
                 if mask.any():
-                    plan = _select(gp.plan, mask, rows[mask])
+                    plan = select_rows(gp.plan, mask, rows[mask])
                     transfer = self._copy(
                         job, "disk", gp.group, plan, to_host=False, expedited=expedited
                     )
@@ -415,7 +366,7 @@ class TieredOffloadingWorker(OffloadingWorker):
 
     @staticmethod
     def _error(
-        spec: TierLoadSpec, groups: list[_GroupPlan], failed: np.ndarray
+        spec: TierLoadSpec, groups: list[GroupPlan], failed: np.ndarray
     ) -> LoadError:
         error = LoadError(keys=[spec.keys[p] for p in np.flatnonzero(failed)])
         for gp in groups:
