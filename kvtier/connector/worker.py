@@ -19,9 +19,10 @@ copied anywhere: the job is reported failed with the keys and GPU blocks it
 could not fill (:meth:`take_load_error`), and kvtier's connector turns that
 into vLLM's load-error path, so the tokens are recomputed. An exception
 raised while a job is submitted (a bug, an unforeseen error of the reader or
-the copy path) never leaves ``submit_load``: it is logged and counted
-(:mod:`kvtier.connector.job_errors`) and fails the load with every one of
-its blocks.
+the copy path) never leaves ``submit_*``: it is logged and counted
+(:mod:`kvtier.connector.job_errors`) and fails the whole job, a load with
+every one of its blocks, a store with every CPU row it was to fill
+(:meth:`take_store_error`).
 
 All work of a job happens inside ``submit_*`` on the calling (model-runner)
 thread, with no hand-off per block. The copies between the KV cache and the
@@ -93,7 +94,13 @@ class TieredOffloadingWorker(OffloadingWorker):
     in host memory (the CPU platform) and kvtier's own copier runs.
     Construction validates the KV cache (:mod:`kvtier.connector.kv_layout`)
     and owns nothing until it returns: the caller releases ``cpu_buffer``
-    and ``reader`` if it raises."""
+    and ``reader`` if it raises.
+
+    ``contain_exceptions``: whether ``submit_*`` turn an exception into a
+    failed job (see the module doc) instead of raising it. Only kvtier's
+    connector handles a failed job; vLLM's stock connector asserts success
+    (``python -O`` would drop that check), so the spec sets it only under
+    kvtier's connector."""
 
     def __init__(
         self,
@@ -102,6 +109,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         blocks_per_chunk: int,
         reader: SlotReader | None = None,
         device_copies: Callable[..., CopyPath] | None = None,
+        contain_exceptions: bool = False,
     ):
         views = group_views(
             kv_caches,
@@ -122,6 +130,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             reader,
             [sum(v.shape[1] for v in g) for g in views],
         )
+        self.contain_exceptions = contain_exceptions
 
     def _set_up(
         self,
@@ -145,6 +154,8 @@ class TieredOffloadingWorker(OffloadingWorker):
         self._owner: dict[int, _Job] = {}  # transfer id -> its job
         self._finished: list[TransferResult] = []
         self._load_errors: dict[int, LoadError] = {}
+        self._store_errors: dict[int, list[int]] = {}
+        self.contain_exceptions = False
         self.exceptions = JobExceptions()
         # Transfers still reading each half of the bounce area: a disk read
         # into a half waits for them, whichever job they belong to. With
@@ -159,12 +170,26 @@ class TieredOffloadingWorker(OffloadingWorker):
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
+        """Copy the job's GPU blocks into its CPU rows; returns True.
+
+        With ``contain_exceptions``, an exception raised on the way is
+        logged, counted (``exceptions``) and fails the job: it is reported
+        failed once the copies it had already submitted landed, and
+        :meth:`take_store_error` names every CPU row of the job, none of
+        which may be read. Without, it propagates."""
         started = time.perf_counter()
         job = _Job(job_id)
         rows = np.asarray(dst_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
-        for gp in split_by_group(src_spec, len(rows), self.blocks_per_chunk):
-            plan = CopyPlan(gp.plan.gpu_ids, rows[gp.plan.row_ids], gp.plan.sub_ids)
-            self._copy(job, "cpu", gp.group, plan, to_host=True)
+        try:
+            for gp in split_by_group(src_spec, len(rows), self.blocks_per_chunk):
+                plan = CopyPlan(gp.plan.gpu_ids, rows[gp.plan.row_ids], gp.plan.sub_ids)
+                self._copy(job, "cpu", gp.group, plan, to_host=True)
+        except Exception as exc:
+            if not self.contain_exceptions:
+                raise
+            self.exceptions.note(exc, "store", job_id)
+            self._store_errors[job_id] = [int(r) for r in rows]
+            job.success = False
         self._settle(job, started)
         return True
 
@@ -179,17 +204,20 @@ class TieredOffloadingWorker(OffloadingWorker):
         """Fill the job's GPU blocks from CPU rows and disk slots; returns
         True.
 
-        Never raises for the job. A disk block that fails is left unfilled;
-        an exception is contained (logged, counted in ``exceptions``) and
-        fails every block of the job (:func:`~kvtier.connector.job_errors.
-        whole_load_error`). Either way the job is reported failed once the
-        copies it had already submitted landed, and :meth:`take_load_error`
-        names the keys and GPU blocks it could not deliver."""
+        A disk block that fails is left unfilled. With
+        ``contain_exceptions``, an exception raised on the way is logged,
+        counted (``exceptions``) and fails every block of the job
+        (:func:`~kvtier.connector.job_errors.whole_load_error`); without, it
+        propagates. A failed job is reported once the copies it had already
+        submitted landed, and :meth:`take_load_error` names the keys and
+        GPU blocks it could not deliver."""
         started = time.perf_counter()
         job = _Job(job_id)
         try:
             error = self._load(job, src_spec, dst_spec, expedited)
         except Exception as exc:
+            if not self.contain_exceptions:
+                raise
             self.exceptions.note(exc, "load", job_id)
             error = whole_load_error(src_spec, dst_spec)
         if error is not None:
@@ -241,6 +269,11 @@ class TieredOffloadingWorker(OffloadingWorker):
     def take_load_error(self, job_id: int) -> LoadError | None:
         """What a job reported failed by ``get_finished`` could not load."""
         return self._load_errors.pop(job_id, None)
+
+    def take_store_error(self, job_id: int) -> list[int] | None:
+        """The CPU rows of a store reported failed by ``get_finished``: the
+        manager must give them back unwritten (``note_worker_report``)."""
+        return self._store_errors.pop(job_id, None)
 
     # ------------------------------------------------------------- internals
 

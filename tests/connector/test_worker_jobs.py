@@ -265,3 +265,78 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     r.manager.note_worker_report({ctx_c.req_id: error.keys})
     r.manager.complete_load(third, ctx_c)
     assert [h.lookup(k).name for k in third] == ["MISS"] * 2
+
+
+def test_a_store_that_raises_fails_and_its_rows_are_given_back(runner, monkeypatch):
+    r = runner
+    assert r.worker.contain_exceptions  # built under kvtier's connector
+    late = r.worker.copies
+    keys = r.keys("s", 2)
+    ctx = ReqContext(req_id="s")
+    r.manager.on_new_request(ctx)
+    out = r.manager.prepare_store(keys, ctx)
+    rows = [int(x) for x in out.store_spec.block_ids]
+    # Another job's copy is in flight; the store's own copy raises.
+    other = r.keys("o", 1)
+    other_ctx = ReqContext(req_id="o")
+    r.manager.on_new_request(other_ctx)
+    other_out = r.manager.prepare_store(other, other_ctx)
+    assert r.worker.submit_store(
+        1, GPULoadStoreSpec([7], [1], [0]), other_out.store_spec
+    )
+
+    def submit(*args, **kwargs):
+        raise TypeError("a bug in the copy path")
+
+    monkeypatch.setattr(late, "submit", submit)
+    assert r.worker.submit_store(2, GPULoadStoreSpec([5, 6], [2], [0]), out.store_spec)
+    monkeypatch.undo()
+    assert r.worker.exceptions.count == 1
+    assert _results(r) == [(2, False), (1, True)]  # 2 at once: nothing in flight
+    assert r.worker.take_store_error(2) == rows
+    assert r.worker.take_store_error(1) is None
+    # vLLM completes every store as a success; the worker's report makes
+    # the manager give the rows back unwritten.
+    h = r.manager.hierarchy
+    used = len(h.cpu)
+    r.manager.note_worker_report({}, failed_store_rows=rows)
+    r.manager.complete_store(out.keys_to_store, ctx)
+    r.manager.complete_store(other_out.keys_to_store, other_ctx)
+    assert [h.lookup(k).name for k in keys] == ["MISS", "MISS"]
+    assert h.lookup(other[0]).name == "HIT_CPU"
+    assert len(h.cpu) == used - 2 and h.stats.stores_failed == 2
+    assert not r.manager._failed_store_rows
+
+    # The next store of the same blocks works, and loads back byte for byte.
+    r.worker.copies = late.inner
+    assert r.store("s", [5, 6]) == keys
+    assert [h.lookup(k).name for k in keys] == ["HIT_CPU", "HIT_CPU"]
+    assert r.lookup("s", keys) == 2
+    assert r.load(keys, [20, 21]) == {"host": 2}
+
+
+def test_outside_kvtiers_connector_an_exception_propagates(tmp_path, monkeypatch):
+    """vLLM's stock connector cannot take a failed job (it asserts success):
+    a worker built outside kvtier's connector raises, as vLLM's would."""
+    from kvtier.connector.spec import TieredOffloadingSpec
+
+    # A CPU-only spec is allowed under the stock connector.
+    r = RequestRunner(
+        TieredOffloadingSpec(make_config(tmp_path, cpu_blocks=8, disk_blocks=0))
+    )
+    try:
+        assert not r.worker.contain_exceptions
+        keys = r.keys("s", 1)
+        ctx = ReqContext(req_id="s")
+        r.manager.on_new_request(ctx)
+        out = r.manager.prepare_store(keys, ctx)
+
+        def submit(*args, **kwargs):
+            raise TypeError("a bug in the copy path")
+
+        monkeypatch.setattr(r.worker.copies, "submit", submit)
+        with pytest.raises(TypeError):
+            r.worker.submit_store(1, GPULoadStoreSpec([5], [1], [0]), out.store_spec)
+        assert r.worker.exceptions.count == 0 and r.worker.get_finished() == []
+    finally:
+        r.close()
