@@ -83,8 +83,8 @@ CONNECTOR_HINT = (
 class KvtierWorkerMetadata(OffloadingWorkerMetadata):
     """vLLM's worker -> scheduler metadata plus kvtier's disk-load report:
     per request, the disk blocks its load could not use; the CPU rows of
-    failed stores; and the workers' disk-read counters since the last report
-    (summed over workers)."""
+    failed stores; and the workers' disk-read and exception counters since
+    the last report (summed over workers)."""
 
     failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
     failed_store_rows: list[int] = field(default_factory=list)
@@ -92,6 +92,7 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
     disk_read_seconds: float = 0.0
     disk_corrupt: int = 0
     disk_io_errors: int = 0
+    worker_exceptions: int = 0
 
     @override
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -106,6 +107,7 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
             disk_read_seconds=self.disk_read_seconds,
             disk_corrupt=self.disk_corrupt,
             disk_io_errors=self.disk_io_errors,
+            worker_exceptions=self.worker_exceptions,
         )
         if isinstance(other, KvtierWorkerMetadata):
             for req_id, keys in other.failed_keys.items():
@@ -115,6 +117,7 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
             merged.disk_read_seconds += other.disk_read_seconds
             merged.disk_corrupt += other.disk_corrupt
             merged.disk_io_errors += other.disk_io_errors
+            merged.worker_exceptions += other.worker_exceptions
         return merged
 
 
@@ -133,6 +136,7 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         self._sync_load_reqs: dict[int, str] = {}
         self._sync_invalid_block_ids: set[int] = set()
         self._reported = (0, 0.0, 0, 0)
+        self._reported_exceptions = 0
 
     @override
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
@@ -208,6 +212,10 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
             out.disk_read_seconds = now[1] - last[1]
             out.disk_corrupt = now[2] - last[2]
             out.disk_io_errors = now[3] - last[3]
+        exceptions = getattr(self.worker, "exceptions", None)
+        if exceptions is not None:
+            out.worker_exceptions = exceptions.count - self._reported_exceptions
+            self._reported_exceptions = exceptions.count
         return out
 
 
@@ -285,5 +293,6 @@ class TieredOffloadingConnector(OffloadingConnector):
                     read_seconds=meta.disk_read_seconds,
                     corrupt=meta.disk_corrupt,
                     io_errors=meta.disk_io_errors,
+                    worker_exceptions=meta.worker_exceptions,
                 )
         super().update_connector_output(connector_output)

@@ -85,6 +85,9 @@ class TieredOffloadingManager(OffloadingManager):
         # What the workers report about their disk reads (cumulative).
         self.worker_disk = {"bytes": 0, "seconds": 0.0, "corrupt": 0, "io_errors": 0}
         self._last_worker_disk = dict(self.worker_disk)
+        # Transfer jobs that raised in a worker (contained there).
+        self.worker_exceptions = 0
+        self._last_worker_exceptions = 0
 
     # ------------------------------------------------------------- plumbing
 
@@ -144,11 +147,12 @@ class TieredOffloadingManager(OffloadingManager):
         read_seconds: float = 0.0,
         corrupt: int = 0,
         io_errors: int = 0,
+        worker_exceptions: int = 0,
     ) -> None:
         """What the workers said since the last call: per request, the disk
         blocks its load could not use; the CPU rows of stores that failed
         (their keys are completed as failed, see ``complete_store``); and
-        disk-read counters."""
+        counters (disk reads, exceptions contained)."""
         for req_id, keys in failed.items():
             self._failed_loads.setdefault(req_id, set()).update(keys)
         self._failed_store_rows.update(failed_store_rows)
@@ -157,6 +161,7 @@ class TieredOffloadingManager(OffloadingManager):
         d["seconds"] += read_seconds
         d["corrupt"] += corrupt
         d["io_errors"] += io_errors
+        self.worker_exceptions += worker_exceptions
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -326,6 +331,11 @@ class TieredOffloadingManager(OffloadingManager):
         counter(m.LOAD_ERRORS, now.load_failures - last.load_failures)
         counter(m.CORRUPT_BLOCKS, now.corrupt_blocks - last.corrupt_blocks)
         counter(m.STORES_DECLINED, now.stores_declined - last.stores_declined)
+        counter(
+            m.WORKER_EXCEPTIONS,
+            self.worker_exceptions - self._last_worker_exceptions,
+        )
+        self._last_worker_exceptions = self.worker_exceptions
         d, ld = self.worker_disk, self._last_worker_disk
         self._last_worker_disk = dict(d)
         counter(m.READ_BYTES, d["bytes"] - ld["bytes"], ("disk",))

@@ -134,6 +134,7 @@ def test_failed_async_load_is_reported_per_request_and_block() -> None:
 
 def test_a_failed_store_travels_to_the_scheduler_as_its_rows() -> None:
     fake = FakeWorker(failed_stores={3: [4, 5]})
+    fake.exceptions = SimpleNamespace(count=1)  # the worker contained one
     worker = _worker(fake)
     store = TransferJob(
         req_id="s",
@@ -147,10 +148,13 @@ def test_a_failed_store_travels_to_the_scheduler_as_its_rows() -> None:
     assert (sending, recving, errors) == (set(), set(), (set(), set(), set()))
     assert meta is not None and meta.completed_jobs == {3: 1}
     assert meta.failed_store_rows == [4, 5] and meta.failed_keys == {}
+    assert meta.worker_exceptions == 1
     # Every rank reports its rows; the scheduler gets them all.
-    other = KvtierWorkerMetadata(completed_jobs={3: 1}, failed_store_rows=[4, 5])
+    other = KvtierWorkerMetadata(
+        completed_jobs={3: 1}, failed_store_rows=[4, 5], worker_exceptions=1
+    )
     merged = meta.aggregate(other)
-    assert merged.completed_jobs == {3: 2}
+    assert merged.completed_jobs == {3: 2} and merged.worker_exceptions == 2
     assert sorted(merged.failed_store_rows) == [4, 4, 5, 5]
 
 
@@ -174,6 +178,7 @@ def test_the_scheduler_refuses_failed_stores_a_manager_cannot_take() -> None:
 
     def note_worker_report(failed, **kwargs):
         reports.append((failed, kwargs["failed_store_rows"]))
+        assert kwargs["worker_exceptions"] == 0
 
     inner.manager = SimpleNamespace(note_worker_report=note_worker_report)
     conn.update_connector_output(output)

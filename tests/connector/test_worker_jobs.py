@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext  # noqa: E402
 
+from kvtier.connector import metrics  # noqa: E402
 from kvtier.io.block_copy import HostCopies  # noqa: E402
 from kvtier.testing.offloading import tiered_spec  # noqa: E402
 from tests.connector.test_request_runner import (  # noqa: E402
@@ -299,7 +300,10 @@ def test_a_store_that_raises_fails_and_its_rows_are_given_back(runner, monkeypat
     # the manager give the rows back unwritten.
     h = r.manager.hierarchy
     used = len(h.cpu)
-    r.manager.note_worker_report({}, failed_store_rows=rows)
+    r.manager.get_stats()  # what vLLM exported so far
+    r.manager.note_worker_report({}, failed_store_rows=rows, worker_exceptions=1)
+    counted = r.manager.get_stats()._values[metrics.WORKER_EXCEPTIONS]
+    assert counted == {(): 1}
     r.manager.complete_store(out.keys_to_store, ctx)
     r.manager.complete_store(other_out.keys_to_store, other_ctx)
     assert [h.lookup(k).name for k in keys] == ["MISS", "MISS"]
