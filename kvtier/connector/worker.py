@@ -17,9 +17,10 @@ planned:
 A disk block that fails (I/O error, checksum, header, wrong key) is never
 copied anywhere: the job is reported failed with the keys and GPU blocks it
 could not fill (:meth:`take_load_error`), and kvtier's connector turns that
-into vLLM's load-error path, so the tokens are recomputed. An exception
-raised while a job is submitted (a bug, an unforeseen error of the reader or
-the copy path) never leaves ``submit_*``: it is logged and counted
+into vLLM's load-error path, so the tokens are recomputed. Under kvtier's
+connector (``contain_exceptions``) an exception raised while a job is
+submitted (a bug, an unforeseen error of the reader or the copy path) never
+leaves ``submit_*``: it is logged and counted
 (:mod:`kvtier.connector.job_errors`) and fails the whole job, a load with
 every one of its blocks, a store with every CPU row it was to fill
 (:meth:`take_store_error`).
