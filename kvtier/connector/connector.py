@@ -20,7 +20,14 @@ Either way vLLM needs ``kv_load_failure_policy: "recompute"`` (its default
 ``fail`` would fail the request instead); the connector refuses to start
 without it when a disk tier is configured. The failed keys travel back to
 the scheduler in the worker metadata, where the manager drops the corrupt
-disk copies when the load completes. Enable with::
+disk copies when the load completes.
+
+A store can fail too, though only by an exception the worker contained (a
+bug): vLLM (0.32, 0.33) neither carries a store's failure to the scheduler
+nor calls ``complete_store(success=False)``, so the failed job's CPU rows
+travel in the worker metadata as well, and kvtier's manager completes those
+keys as failed (``note_worker_report``): the blocks are not offloaded, and
+never read unwritten. Enable with::
 
     {"kv_connector": "TieredOffloadingConnector",
      "kv_connector_module_path": "kvtier.connector",
@@ -75,14 +82,17 @@ CONNECTOR_HINT = (
 @dataclass
 class KvtierWorkerMetadata(OffloadingWorkerMetadata):
     """vLLM's worker -> scheduler metadata plus kvtier's disk-load report:
-    per request, the disk blocks its load could not use, and the workers'
-    disk-read counters since the last report (summed over workers)."""
+    per request, the disk blocks its load could not use; the CPU rows of
+    failed stores; and the workers' disk-read and exception counters since
+    the last report (summed over workers)."""
 
     failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
+    failed_store_rows: list[int] = field(default_factory=list)
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
     disk_corrupt: int = 0
     disk_io_errors: int = 0
+    worker_exceptions: int = 0
 
     @override
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -92,18 +102,22 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
             completed_jobs=base.completed_jobs,
             transfer_stats=base.transfer_stats,
             failed_keys={k: list(v) for k, v in self.failed_keys.items()},
+            failed_store_rows=list(self.failed_store_rows),
             disk_read_bytes=self.disk_read_bytes,
             disk_read_seconds=self.disk_read_seconds,
             disk_corrupt=self.disk_corrupt,
             disk_io_errors=self.disk_io_errors,
+            worker_exceptions=self.worker_exceptions,
         )
         if isinstance(other, KvtierWorkerMetadata):
             for req_id, keys in other.failed_keys.items():
                 merged.failed_keys.setdefault(req_id, []).extend(keys)
+            merged.failed_store_rows.extend(other.failed_store_rows)
             merged.disk_read_bytes += other.disk_read_bytes
             merged.disk_read_seconds += other.disk_read_seconds
             merged.disk_corrupt += other.disk_corrupt
             merged.disk_io_errors += other.disk_io_errors
+            merged.worker_exceptions += other.worker_exceptions
         return merged
 
 
@@ -113,6 +127,7 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._failed_keys: dict[str, list[bytes]] = {}
+        self._failed_store_rows: list[int] = []
         self._failed_reqs: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         # Synchronous loads (vLLM >= 0.33): vLLM records them in _load_jobs
@@ -121,6 +136,7 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         self._sync_load_reqs: dict[int, str] = {}
         self._sync_invalid_block_ids: set[int] = set()
         self._reported = (0, 0.0, 0, 0)
+        self._reported_exceptions = 0
 
     @override
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
@@ -143,14 +159,20 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
             if result.transfer_time is not None and result.transfer_size is not None:
                 stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
                 stats.record(result.transfer_size, result.transfer_time)
-            if not result.success:
+            if not result.success and not is_load:
+                take = getattr(self.worker, "take_store_error", None)
+                rows = take(job_id) if take is not None else None
+                if rows is None:
+                    # A failure the scheduler cannot be told of: its rows
+                    # would pass as written.
+                    raise RuntimeError(f"kvtier: store job {job_id} failed")
+                self._failed_store_rows.extend(rows)
+            elif not result.success:
                 take = getattr(self.worker, "take_load_error", None)
                 error = take(job_id) if take is not None else None
                 owner = req_id if req_id is not None else sync_req
-                if not is_load or owner is None or error is None:
-                    # Only disk loads can fail; anything else is a bug that
-                    # must not pass as success.
-                    raise RuntimeError(f"kvtier: transfer job {job_id} failed")
+                if owner is None or error is None:
+                    raise RuntimeError(f"kvtier: load job {job_id} failed")
                 self._failed_keys.setdefault(owner, []).extend(error.keys)
                 if req_id is None:  # sync: the request runs this step
                     self._sync_invalid_block_ids |= error.gpu_block_ids
@@ -180,6 +202,7 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
             completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats
         )
         out.failed_keys, self._failed_keys = self._failed_keys, {}
+        out.failed_store_rows, self._failed_store_rows = self._failed_store_rows, []
         reader = getattr(self.worker, "reader", None)
         if reader is not None:
             s = reader.stats()
@@ -189,6 +212,10 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
             out.disk_read_seconds = now[1] - last[1]
             out.disk_corrupt = now[2] - last[2]
             out.disk_io_errors = now[3] - last[3]
+        exceptions = getattr(self.worker, "exceptions", None)
+        if exceptions is not None:
+            out.worker_exceptions = exceptions.count - self._reported_exceptions
+            self._reported_exceptions = exceptions.count
         return out
 
 
@@ -251,12 +278,21 @@ class TieredOffloadingConnector(OffloadingConnector):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
             report = getattr(self.scheduler.manager, "note_worker_report", None)
+            if report is None and meta.failed_store_rows:
+                # Before vLLM completes the store as a success: a manager
+                # that cannot be told would serve the rows unwritten.
+                raise RuntimeError(
+                    "kvtier: a store failed and this manager cannot take it "
+                    f"back (rows {meta.failed_store_rows})"
+                )
             if report is not None:
                 report(
                     meta.failed_keys,
+                    failed_store_rows=meta.failed_store_rows,
                     read_bytes=meta.disk_read_bytes,
                     read_seconds=meta.disk_read_seconds,
                     corrupt=meta.disk_corrupt,
                     io_errors=meta.disk_io_errors,
+                    worker_exceptions=meta.worker_exceptions,
                 )
         super().update_connector_output(connector_output)

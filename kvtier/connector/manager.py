@@ -40,6 +40,7 @@ from kvtier.connector.specs import CpuTierSpec, TierLoadSpec
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import HierarchyStats, Residency
+from kvtier.tiers.tier import BlockState
 
 logger = logging.getLogger("kvtier.connector")
 
@@ -78,9 +79,15 @@ class TieredOffloadingManager(OffloadingManager):
         # Disk blocks the workers could not load, per request, until that
         # request's load completes.
         self._failed_loads: dict[str, set[bytes]] = {}
+        # CPU rows of stores a worker reported failed, until their store
+        # completes (vLLM completes it as a success: complete_store).
+        self._failed_store_rows: set[int] = set()
         # What the workers report about their disk reads (cumulative).
         self.worker_disk = {"bytes": 0, "seconds": 0.0, "corrupt": 0, "io_errors": 0}
         self._last_worker_disk = dict(self.worker_disk)
+        # Transfer jobs that raised in a worker (contained there).
+        self.worker_exceptions = 0
+        self._last_worker_exceptions = 0
 
     # ------------------------------------------------------------- plumbing
 
@@ -135,20 +142,26 @@ class TieredOffloadingManager(OffloadingManager):
         self,
         failed: Mapping[str, Iterable[bytes]],
         *,
+        failed_store_rows: Iterable[int] = (),
         read_bytes: int = 0,
         read_seconds: float = 0.0,
         corrupt: int = 0,
         io_errors: int = 0,
+        worker_exceptions: int = 0,
     ) -> None:
-        """What the workers said about their disk reads since the last call:
-        per request, the disk blocks its load could not use, and counters."""
+        """What the workers said since the last call: per request, the disk
+        blocks its load could not use; the CPU rows of stores that failed
+        (their keys are completed as failed, see ``complete_store``); and
+        counters (disk reads, exceptions contained)."""
         for req_id, keys in failed.items():
             self._failed_loads.setdefault(req_id, set()).update(keys)
+        self._failed_store_rows.update(failed_store_rows)
         d = self.worker_disk
         d["bytes"] += read_bytes
         d["seconds"] += read_seconds
         d["corrupt"] += corrupt
         d["io_errors"] += io_errors
+        self.worker_exceptions += worker_exceptions
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -198,8 +211,32 @@ class TieredOffloadingManager(OffloadingManager):
         req_context: ReqContext,
         success: bool = True,
     ) -> None:
+        """Make the stored keys readable, except where the store failed: vLLM
+        says so with ``success`` (it never does, 0.32 - 0.33), a worker by
+        naming the key's CPU row in ``note_worker_report``."""
+        keys = list(keys)
+        failed = self._failed_stores(keys) if self._failed_store_rows else []
+        if failed:
+            self.hierarchy.complete_store(failed, success=False)
+            bad = set(failed)
+            keys = [k for k in keys if k not in bad]
         self.hierarchy.complete_store(keys, success)
         self._pump()
+
+    def _failed_stores(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The keys being stored into a row a worker reported failed."""
+        failed = []
+        for key in keys:
+            block = self.hierarchy.cpu.get(key)
+            if (
+                block is not None
+                and block.state is BlockState.WRITING
+                and block.origin == "store"
+                and block.slot in self._failed_store_rows
+            ):
+                self._failed_store_rows.discard(block.slot)
+                failed.append(key)
+        return failed
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -243,6 +280,9 @@ class TieredOffloadingManager(OffloadingManager):
             self.runtime.poll()
         self.hierarchy.reset()
         self._failed_loads.clear()
+        # A report arriving after this (a job vLLM no longer completes) can
+        # only fail a later store into the same row: a miss, never data.
+        self._failed_store_rows.clear()
 
     @override
     def shutdown(self) -> None:
@@ -291,6 +331,11 @@ class TieredOffloadingManager(OffloadingManager):
         counter(m.LOAD_ERRORS, now.load_failures - last.load_failures)
         counter(m.CORRUPT_BLOCKS, now.corrupt_blocks - last.corrupt_blocks)
         counter(m.STORES_DECLINED, now.stores_declined - last.stores_declined)
+        counter(
+            m.WORKER_EXCEPTIONS,
+            self.worker_exceptions - self._last_worker_exceptions,
+        )
+        self._last_worker_exceptions = self.worker_exceptions
         d, ld = self.worker_disk, self._last_worker_disk
         self._last_worker_disk = dict(d)
         counter(m.READ_BYTES, d["bytes"] - ld["bytes"], ("disk",))

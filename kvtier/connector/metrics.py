@@ -35,6 +35,7 @@ CORRUPT_BLOCKS = PREFIX + "corrupt_blocks"
 CHECKSUM_FAILURES = PREFIX + "checksum_failures"
 IO_ERRORS = PREFIX + "io_errors"
 STORES_DECLINED = PREFIX + "stores_declined"
+WORKER_EXCEPTIONS = PREFIX + "worker_exceptions"
 
 _DEFS: dict[str, OffloadingMetricMetadata] = {
     TIER_USAGE: OffloadingGaugeMetadata(
@@ -93,6 +94,11 @@ _DEFS: dict[str, OffloadingMetricMetadata] = {
     STORES_DECLINED: OffloadingCounterMetadata(
         "GPU -> CPU stores declined because no CPU room could be made without "
         "waiting for the disk."
+    ),
+    WORKER_EXCEPTIONS: OffloadingCounterMetadata(
+        "Transfer jobs that raised an unexpected exception in a worker (a bug; "
+        "logged with its traceback): the job failed whole, a load's tokens "
+        "recomputed, a store's blocks not offloaded."
     ),
 }
 

@@ -197,7 +197,9 @@ class TieredOffloadingSpec(OffloadingSpec):
                         f"disk slot takes {per_slot} bytes over {self.world_size} "
                         "rank(s); raise disk_bytes_to_use",
                     )
-        if self.kvtier.disk_enabled and not UNDER_KVTIER_CONNECTOR.get():
+        # Only kvtier's connector turns a failed job into a miss.
+        self.under_kvtier_connector = UNDER_KVTIER_CONNECTOR.get()
+        if self.kvtier.disk_enabled and not self.under_kvtier_connector:
             # The stock connector asserts on a failed load: a corrupt disk
             # block would crash the engine. Say how to fix it, at start.
             raise TransferConfigError(
@@ -339,6 +341,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                     self.blocks_per_chunk,
                     reader,
                     device_copies=device_copy_path(),
+                    contain_exceptions=self.under_kvtier_connector,
                 )
             except BaseException:
                 # Nothing of a failed start may outlive it (cf. vLLM's

@@ -17,7 +17,13 @@ planned:
 A disk block that fails (I/O error, checksum, header, wrong key) is never
 copied anywhere: the job is reported failed with the keys and GPU blocks it
 could not fill (:meth:`take_load_error`), and kvtier's connector turns that
-into vLLM's load-error path, so the tokens are recomputed.
+into vLLM's load-error path, so the tokens are recomputed. Under kvtier's
+connector (``contain_exceptions``) an exception raised while a job is
+submitted (a bug, an unforeseen error of the reader or the copy path) never
+leaves ``submit_*``: it is logged and counted
+(:mod:`kvtier.connector.job_errors`) and fails the whole job, a load with
+every one of its blocks, a store with every CPU row it was to fill
+(:meth:`take_store_error`).
 
 All work of a job happens inside ``submit_*`` on the calling (model-runner)
 thread, with no hand-off per block. The copies between the KV cache and the
@@ -50,6 +56,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier.connector.job_errors import JobExceptions, LoadError, whole_load_error
+from kvtier.connector.job_plan import GroupPlan, select_rows, split_by_group
 from kvtier.connector.kv_layout import group_views
 from kvtier.connector.specs import TierLoadSpec
 from kvtier.io.block_copy import (
@@ -57,22 +65,12 @@ from kvtier.io.block_copy import (
     CopyPlan,
     HostArea,
     HostCopies,
-    plan_copy,
 )
 from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import ReadOutcome
 from kvtier.io.slot_reader import SlotReader
 
 logger = logging.getLogger("kvtier.connector")
-
-
-@dataclass
-class LoadError:
-    """What a failed load could not deliver: the keys of the disk blocks
-    that failed, and the GPU blocks that were left unfilled."""
-
-    keys: list[bytes] = field(default_factory=list)
-    gpu_block_ids: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -88,55 +86,6 @@ class _Job:
     success: bool = True
 
 
-@dataclass
-class _GroupPlan:
-    """One KV-cache group's part of a job: GPU blocks and, per block, the
-    position of its offloaded block in the job's spec."""
-
-    group: int
-    plan: CopyPlan  # row_ids are spec positions
-
-
-def _split_by_group(
-    gpu: GPULoadStoreSpec, num_rows: int, blocks_per_chunk: int
-) -> list[_GroupPlan]:
-    """Map every GPU block of a job onto its offloaded block's position.
-
-    vLLM lists a job's GPU blocks group by group (``group_sizes``), each
-    group's blocks logically consecutive from ``block_indices[g]``, and the
-    offloaded blocks (rows) in the same group order."""
-    gpu_ids = gpu.block_ids
-    group_sizes = list(gpu.group_sizes) if gpu.group_sizes else [len(gpu_ids)]
-    block_indices = list(gpu.block_indices) if gpu.block_indices else [0]
-    plans: list[_GroupPlan] = []
-    g_start = r_start = 0
-    for group, (size, first) in enumerate(zip(group_sizes, block_indices)):
-        if size == 0:
-            continue
-        n_rows = (first + size - 1) // blocks_per_chunk - first // blocks_per_chunk + 1
-        positions = np.arange(r_start, r_start + n_rows, dtype=np.int64)
-        plans.append(
-            _GroupPlan(
-                group,
-                plan_copy(
-                    gpu_ids[g_start : g_start + size],
-                    positions,
-                    blocks_per_chunk,
-                    first,
-                ),
-            )
-        )
-        g_start += size
-        r_start += n_rows
-    if r_start != num_rows:
-        raise ValueError(f"job lists {num_rows} offloaded blocks, GPU spec {r_start}")
-    return plans
-
-
-def _select(plan: CopyPlan, mask: np.ndarray, rows: np.ndarray) -> CopyPlan:
-    return CopyPlan(plan.gpu_ids[mask], rows, plan.sub_ids[mask])
-
-
 class TieredOffloadingWorker(OffloadingWorker):
     """Transfers between the KV cache and kvtier's tiers for one rank.
 
@@ -146,7 +95,13 @@ class TieredOffloadingWorker(OffloadingWorker):
     in host memory (the CPU platform) and kvtier's own copier runs.
     Construction validates the KV cache (:mod:`kvtier.connector.kv_layout`)
     and owns nothing until it returns: the caller releases ``cpu_buffer``
-    and ``reader`` if it raises."""
+    and ``reader`` if it raises.
+
+    ``contain_exceptions``: whether ``submit_*`` turn an exception into a
+    failed job (see the module doc) instead of raising it. Only kvtier's
+    connector handles a failed job; vLLM's stock connector asserts success
+    (``python -O`` would drop that check), so the spec sets it only under
+    kvtier's connector."""
 
     def __init__(
         self,
@@ -155,6 +110,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         blocks_per_chunk: int,
         reader: SlotReader | None = None,
         device_copies: Callable[..., CopyPath] | None = None,
+        contain_exceptions: bool = False,
     ):
         views = group_views(
             kv_caches,
@@ -175,6 +131,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             reader,
             [sum(v.shape[1] for v in g) for g in views],
         )
+        self.contain_exceptions = contain_exceptions
 
     def _set_up(
         self,
@@ -198,6 +155,9 @@ class TieredOffloadingWorker(OffloadingWorker):
         self._owner: dict[int, _Job] = {}  # transfer id -> its job
         self._finished: list[TransferResult] = []
         self._load_errors: dict[int, LoadError] = {}
+        self._store_errors: dict[int, list[int]] = {}
+        self.contain_exceptions = False
+        self.exceptions = JobExceptions()
         # Transfers still reading each half of the bounce area: a disk read
         # into a half waits for them, whichever job they belong to. With
         # asynchronous copies the halves alternate, so one chunk's read
@@ -211,12 +171,26 @@ class TieredOffloadingWorker(OffloadingWorker):
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
+        """Copy the job's GPU blocks into its CPU rows; returns True.
+
+        With ``contain_exceptions``, an exception raised on the way is
+        logged, counted (``exceptions``) and fails the job: it is reported
+        failed once the copies it had already submitted landed, and
+        :meth:`take_store_error` names every CPU row of the job, none of
+        which may be read. Without, it propagates."""
         started = time.perf_counter()
         job = _Job(job_id)
         rows = np.asarray(dst_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
-        for gp in _split_by_group(src_spec, len(rows), self.blocks_per_chunk):
-            plan = CopyPlan(gp.plan.gpu_ids, rows[gp.plan.row_ids], gp.plan.sub_ids)
-            self._copy(job, "cpu", gp.group, plan, to_host=True)
+        try:
+            for gp in split_by_group(src_spec, len(rows), self.blocks_per_chunk):
+                plan = CopyPlan(gp.plan.gpu_ids, rows[gp.plan.row_ids], gp.plan.sub_ids)
+                self._copy(job, "cpu", gp.group, plan, to_host=True)
+        except Exception as exc:
+            if not self.contain_exceptions:
+                raise
+            self.exceptions.note(exc, "store", job_id)
+            self._store_errors[job_id] = [int(r) for r in rows]
+            job.success = False
         self._settle(job, started)
         return True
 
@@ -228,29 +202,28 @@ class TieredOffloadingWorker(OffloadingWorker):
         dst_spec: GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
-        # ``expedited`` (vLLM >= 0.33): the load is waited on within the
-        # step; on accelerators it runs on its own streams.
+        """Fill the job's GPU blocks from CPU rows and disk slots; returns
+        True.
+
+        A disk block that fails is left unfilled. With
+        ``contain_exceptions``, an exception raised on the way is logged,
+        counted (``exceptions``) and fails every block of the job
+        (:func:`~kvtier.connector.job_errors.whole_load_error`); without, it
+        propagates. A failed job is reported once the copies it had already
+        submitted landed, and :meth:`take_load_error` names the keys and
+        GPU blocks it could not deliver."""
         started = time.perf_counter()
         job = _Job(job_id)
-        if isinstance(src_spec, TierLoadSpec):
-            slots, on_disk = src_spec.block_ids, src_spec.on_disk
-        else:  # a plain row spec: every block from the CPU tier
-            slots = np.asarray(src_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
-            on_disk = np.zeros(len(slots), dtype=np.bool_)
-        groups = _split_by_group(dst_spec, len(slots), self.blocks_per_chunk)
-        for gp in groups:
-            mask = ~on_disk[gp.plan.row_ids]
-            if mask.any():
-                plan = _select(gp.plan, mask, slots[gp.plan.row_ids[mask]])
-                self._copy(
-                    job, "cpu", gp.group, plan, to_host=False, expedited=expedited
-                )
-        if on_disk.any():
-            assert isinstance(src_spec, TierLoadSpec)
-            error = self._load_from_disk(job, src_spec, groups, expedited)
-            if error is not None:
-                self._load_errors[job_id] = error
-                job.success = False
+        try:
+            error = self._load(job, src_spec, dst_spec, expedited)
+        except Exception as exc:
+            if not self.contain_exceptions:
+                raise
+            self.exceptions.note(exc, "load", job_id)
+            error = whole_load_error(src_spec, dst_spec)
+        if error is not None:
+            self._load_errors[job_id] = error
+            job.success = False
         self._settle(job, started)
         return True
 
@@ -298,7 +271,39 @@ class TieredOffloadingWorker(OffloadingWorker):
         """What a job reported failed by ``get_finished`` could not load."""
         return self._load_errors.pop(job_id, None)
 
+    def take_store_error(self, job_id: int) -> list[int] | None:
+        """The CPU rows of a store reported failed by ``get_finished``: the
+        manager must give them back unwritten (``note_worker_report``)."""
+        return self._store_errors.pop(job_id, None)
+
     # ------------------------------------------------------------- internals
+
+    def _load(
+        self,
+        job: _Job,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool,
+    ) -> LoadError | None:
+        # ``expedited`` (vLLM >= 0.33): the load is waited on within the
+        # step; on accelerators it runs on its own streams.
+        if isinstance(src_spec, TierLoadSpec):
+            slots, on_disk = src_spec.block_ids, src_spec.on_disk
+        else:  # a plain row spec: every block from the CPU tier
+            slots = np.asarray(src_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
+            on_disk = np.zeros(len(slots), dtype=np.bool_)
+        groups = split_by_group(dst_spec, len(slots), self.blocks_per_chunk)
+        for gp in groups:
+            mask = ~on_disk[gp.plan.row_ids]
+            if mask.any():
+                plan = select_rows(gp.plan, mask, slots[gp.plan.row_ids[mask]])
+                self._copy(
+                    job, "cpu", gp.group, plan, to_host=False, expedited=expedited
+                )
+        if not on_disk.any():
+            return None
+        assert isinstance(src_spec, TierLoadSpec)
+        return self._load_from_disk(job, src_spec, groups, expedited)
 
     def _copy(
         self,
@@ -339,7 +344,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         self,
         job: _Job,
         spec: TierLoadSpec,
-        groups: list[_GroupPlan],
+        groups: list[GroupPlan],
         expedited: bool,
     ) -> LoadError | None:
         """Read, verify and scatter a job's disk blocks, chunk by chunk."""
@@ -383,7 +388,7 @@ class TieredOffloadingWorker(OffloadingWorker):
                 rows = bounce_row[gp.plan.row_ids]
                 mask = rows >= 0
                 if mask.any():
-                    plan = _select(gp.plan, mask, rows[mask])
+                    plan = select_rows(gp.plan, mask, rows[mask])
                     transfer = self._copy(
                         job, "disk", gp.group, plan, to_host=False, expedited=expedited
                     )
@@ -395,7 +400,7 @@ class TieredOffloadingWorker(OffloadingWorker):
 
     @staticmethod
     def _error(
-        spec: TierLoadSpec, groups: list[_GroupPlan], failed: np.ndarray
+        spec: TierLoadSpec, groups: list[GroupPlan], failed: np.ndarray
     ) -> LoadError:
         error = LoadError(keys=[spec.keys[p] for p in np.flatnonzero(failed)])
         for gp in groups:

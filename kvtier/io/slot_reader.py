@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +97,8 @@ class SlotReader:
         returns one :class:`SlotRead` per item, in order. It never raises for
         I/O or data problems: an ``OSError`` (any errno) or a short read
         makes the affected slots IO_ERROR/TRUNCATED, and a slot that fails a
-        check gets the matching outcome. Rows of OK items hold exactly the
+        check gets the matching outcome. Anything else raised (a bug)
+        leaves only once none of its reads is still writing the area. Rows of OK items hold exactly the
         block's ``block_bytes`` decoded bytes until the next ``read``.
       - Reads are coalesced: slots that are consecutive in one slab file are
         read with one I/O. Runs go to the back end's threads only when there
@@ -270,20 +272,26 @@ class SlotReader:
                 self._io_error(runs[0][0], exc)
             return out
         futures: list[Any] = []
-        for i, run in enumerate(runs):
-            try:
-                futures.append(self.backend.submit_read(*target(run)))
-            except OSError as exc:
-                self._io_error(run[0], exc)
-                futures.append(None)
-                out[i] = None
-        for i, fut in enumerate(futures):
-            if fut is None:
-                continue
-            try:
-                out[i] = int(fut.result())
-            except OSError as exc:
-                self._io_error(runs[i][0], exc)
+        try:
+            for i, run in enumerate(runs):
+                try:
+                    futures.append(self.backend.submit_read(*target(run)))
+                except OSError as exc:
+                    self._io_error(run[0], exc)
+                    futures.append(None)
+                    out[i] = None
+            for i, fut in enumerate(futures):
+                if fut is None:
+                    continue
+                try:
+                    out[i] = int(fut.result())
+                except OSError as exc:
+                    self._io_error(runs[i][0], exc)
+        except BaseException:
+            # Anything else (a bug): reads still in flight write into the
+            # bounce area, which the caller may reuse once it contained this.
+            wait([f for f in futures if f is not None])
+            raise
         return out
 
     def _verify(self, row: int, key: bytes, slot: int) -> ReadOutcome:

@@ -5,7 +5,8 @@ submitted with ``expedited=True`` and waited on within the step, and vLLM
 records it in ``_load_jobs`` with no request (``None``), so it never shows
 in ``finished_recving``. kvtier must still count it as a load, and report a
 failed disk block of it block level, with the request's failed keys for the
-manager. These tests drive vLLM's real worker-side code with a fake
+manager. A failed store (an exception the worker contained) travels to the
+scheduler as its CPU rows, which vLLM itself has no way to say. These tests drive vLLM's real worker-side code with a fake
 ``OffloadingWorker``; test_vllm_next.py runs them against vLLM 0.33 (where
 the sync cases must run), ``make test`` against the venv's 0.32.
 """
@@ -27,7 +28,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult  # noqa: E402
 
 from kvtier.connector.compat import SYNC_LOADS  # noqa: E402
-from kvtier.connector.connector import KvtierConnectorWorker  # noqa: E402
+from kvtier.connector.connector import (  # noqa: E402
+    KvtierConnectorWorker,
+    KvtierWorkerMetadata,
+)
 from kvtier.connector.specs import CpuTierSpec  # noqa: E402
 from kvtier.connector.worker import LoadError  # noqa: E402
 
@@ -40,15 +44,21 @@ needs_sync_loads = pytest.mark.skipif(
 class FakeWorker:
     """Completes every job at submission; fails the loads in ``fail``."""
 
-    def __init__(self, fail: dict[int, LoadError] | None = None):
+    def __init__(
+        self,
+        fail: dict[int, LoadError] | None = None,
+        failed_stores: dict[int, list[int]] | None = None,
+    ):
         self.fail = dict(fail or {})
+        self.failed_stores = dict(failed_stores or {})
         self.loads: list[tuple[int, bool]] = []  # (job_id, expedited)
         self.waited: list[set[int]] = []
         self._done: list[TransferResult] = []
         self._errors: dict[int, LoadError] = {}
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        self._done.append(TransferResult(job_id, True, 100, 0.5))
+        ok = job_id not in self.failed_stores
+        self._done.append(TransferResult(job_id, ok, 100, 0.5))
         return True
 
     def submit_load(
@@ -71,11 +81,16 @@ class FakeWorker:
     def take_load_error(self, job_id: int) -> LoadError | None:
         return self._errors.pop(job_id, None)
 
+    def take_store_error(self, job_id: int) -> list[int] | None:
+        return self.failed_stores.pop(job_id, None)
+
 
 def _worker(fake: FakeWorker) -> KvtierConnectorWorker:
     spec = SimpleNamespace(
         replicated_layout=False,
-        config=SimpleNamespace(canonical_layout=False, parallel=SimpleNamespace(rank=0)),
+        config=SimpleNamespace(
+            canonical_layout=False, parallel=SimpleNamespace(rank=0)
+        ),
     )
     worker = KvtierConnectorWorker(spec, None, None)
     worker.worker = fake  # type: ignore[assignment]
@@ -117,12 +132,63 @@ def test_failed_async_load_is_reported_per_request_and_block() -> None:
     assert meta.transfer_stats.store.bytes == 0
 
 
-def test_a_failed_store_is_a_bug_not_a_load_error() -> None:
+def test_a_failed_store_travels_to_the_scheduler_as_its_rows() -> None:
+    fake = FakeWorker(failed_stores={3: [4, 5]})
+    fake.exceptions = SimpleNamespace(count=1)  # the worker contained one
+    worker = _worker(fake)
+    store = TransferJob(
+        req_id="s",
+        src_spec=GPULoadStoreSpec([1, 2], group_sizes=[2], block_indices=[0]),
+        dst_spec=CpuTierSpec([4, 5]),
+    )
+    worker.prepare_store_kv(
+        OffloadingConnectorMetadata(load_jobs={}, store_jobs={3: store})
+    )
+    sending, recving, errors, meta = _run(worker, {})  # submits it: no raise
+    assert (sending, recving, errors) == (set(), set(), (set(), set(), set()))
+    assert meta is not None and meta.completed_jobs == {3: 1}
+    assert meta.failed_store_rows == [4, 5] and meta.failed_keys == {}
+    assert meta.worker_exceptions == 1
+    # Every rank reports its rows; the scheduler gets them all.
+    other = KvtierWorkerMetadata(
+        completed_jobs={3: 1}, failed_store_rows=[4, 5], worker_exceptions=1
+    )
+    merged = meta.aggregate(other)
+    assert merged.completed_jobs == {3: 2} and merged.worker_exceptions == 2
+    assert sorted(merged.failed_store_rows) == [4, 4, 5, 5]
+
+
+def test_a_failed_store_with_no_rows_to_report_is_a_bug() -> None:
     fake = FakeWorker()
     worker = _worker(fake)
     fake._done.append(TransferResult(9, False, 0, 0.0))
-    with pytest.raises(RuntimeError, match="transfer job 9 failed"):
+    with pytest.raises(RuntimeError, match="store job 9 failed"):
         worker.get_finished(set())
+
+
+def test_the_scheduler_refuses_failed_stores_a_manager_cannot_take() -> None:
+    from kvtier.connector.connector import TieredOffloadingConnector
+
+    reports: list[tuple] = []
+    conn = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
+    inner = SimpleNamespace(update_connector_output=lambda out: reports.append(out))
+    conn.connector_scheduler = inner
+    meta = KvtierWorkerMetadata(completed_jobs={3: 1}, failed_store_rows=[4, 5])
+    output = SimpleNamespace(kv_connector_worker_meta=meta)
+
+    def note_worker_report(failed, **kwargs):
+        reports.append((failed, kwargs["failed_store_rows"]))
+        assert kwargs["worker_exceptions"] == 0
+
+    inner.manager = SimpleNamespace(note_worker_report=note_worker_report)
+    conn.update_connector_output(output)
+    assert reports == [({}, [4, 5]), output]  # told before vLLM completes it
+    # A manager that cannot be told (vLLM's own, tiering mode) would
+    # complete the store as a success: stop instead.
+    inner.manager = SimpleNamespace()
+    with pytest.raises(RuntimeError, match="store failed"):
+        conn.update_connector_output(output)
+    assert reports == [({}, [4, 5]), output]
 
 
 @needs_sync_loads

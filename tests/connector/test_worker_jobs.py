@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext  # noqa: E402
 
+from kvtier.connector import metrics  # noqa: E402
 from kvtier.io.block_copy import HostCopies  # noqa: E402
 from kvtier.testing.offloading import tiered_spec  # noqa: E402
 from tests.connector.test_request_runner import (  # noqa: E402
@@ -168,3 +169,178 @@ def test_wait_lands_a_store(runner):
     assert [d.job_id for d in r.worker.get_finished()] == [3]
     r.manager.complete_store(out.keys_to_store, ctx)
     r.manager.on_request_finished(ctx)
+
+
+# --------------------------------------------------------------------------
+# A job that raises: contained, failed whole, reported after its transfers
+# --------------------------------------------------------------------------
+
+
+def _results(r: RequestRunner, polls: int = 6) -> list[tuple[int, bool]]:
+    """Every job the worker reports over ``polls`` polls."""
+    return [
+        (d.job_id, d.success) for _ in range(polls) for d in r.worker.get_finished()
+    ]
+
+
+def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
+    runner, monkeypatch, caplog
+):
+    r = runner
+    late, r.worker.copies = r.worker.copies, r.worker.copies.inner
+    on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
+    on_cpu = r.store("z", [30, 31])
+    r.worker.copies = late
+    r.worker.reader.capacity = 2  # two halves of one slot: a read per block
+    keys = on_cpu + on_disk[:3]
+    gpu_blocks = [50, 51, 52, 53, 54]
+    assert r.lookup("mixed", keys) == len(keys)
+    ctx = r.ctx
+    spec = r.manager.prepare_load(keys, ctx)
+    assert list(spec.on_disk) == [False, False, True, True, True]
+    for t in r.kv:
+        t[gpu_blocks] = 0
+    reads = []
+    real_read = r.worker.reader.read
+
+    def read(items, first_row=0):
+        reads.append(len(items))
+        if len(reads) == 2:
+            raise RuntimeError("a bug in the reader")
+        return real_read(items, first_row=first_row)
+
+    monkeypatch.setattr(r.worker.reader, "read", read)
+    dst = GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0])
+    with caplog.at_level("DEBUG", logger="kvtier.connector"):
+        assert r.worker.submit_load(9, spec, dst)  # contained, not raised
+    # The CPU rows' copy and the first disk block's copy were submitted
+    # before the second read raised; both are still in flight.
+    assert reads == [1, 1] and list(late.queued) == [1, 2]
+    assert r.worker.get_finished() == []
+    assert r.worker.get_finished() == []  # transfer 2 still in flight
+    assert late.landed == [1] and r.worker._bounce_readers == [{2}, set()]
+    assert _results(r) == [(9, False)]  # once, after transfer 2 landed
+    assert r.worker._bounce_readers == [set(), set()]
+    assert not r.worker._jobs and not r.worker._owner
+    # Every block of the job counts as failed, the CPU ones included.
+    error = r.worker.take_load_error(9)
+    assert error.keys == on_disk[:3]
+    assert error.gpu_block_ids == set(gpu_blocks)
+    assert r.worker.take_load_error(9) is None
+    assert r.worker.exceptions.count == 1
+    logged = [rec for rec in caplog.records if "load job 9 raised" in rec.message]
+    assert len(logged) == 1 and logged[0].levelname == "ERROR"
+    assert logged[0].exc_info is not None  # with its traceback
+    # The manager gives the disk copies and their promotion rows up.
+    r.manager.note_worker_report({ctx.req_id: error.keys})
+    r.manager.complete_load(keys, ctx)
+    r.manager.on_request_finished(ctx)
+    h = r.manager.hierarchy
+    assert [h.lookup(k).name for k in on_disk[:3]] == ["MISS"] * 3
+    assert [h.lookup(k).name for k in on_cpu] == ["HIT_CPU"] * 2
+    assert h.num_loads == 0
+
+    # The next jobs work, through both halves of the bounce area; the same
+    # cause raising again is counted and logged at debug only.
+    monkeypatch.setattr(r.worker.reader, "read", real_read)
+    second = r.keys("b", 4)[:2]
+    ctx = _submit_disk_load(r, "b", second, [56, 57], job_id=10)
+    r.worker.wait({10})
+    assert _results(r) == [(10, True)]
+    _finish(r, second, [56, 57], ctx)
+    reads.clear()
+    monkeypatch.setattr(r.worker.reader, "read", read)
+    with caplog.at_level("DEBUG", logger="kvtier.connector"):
+        ctx = _submit_disk_load(r, "last", [on_disk[3]], [58], job_id=11)
+        assert _results(r) == [(11, True)]  # one read only: it did not raise
+        third = r.keys("c", 4)[:2]
+        ctx_c = _submit_disk_load(r, "c", third, [60, 61], job_id=12)
+    assert reads == [1, 1]
+    assert r.worker.exceptions.count == 2
+    again = [rec for rec in caplog.records if "load job 12 raised" in rec.message]
+    assert len(again) == 1 and again[0].levelname == "DEBUG"
+    assert _results(r) == [(12, False)]  # its first read raised
+    error = r.worker.take_load_error(12)
+    assert error.keys == third and error.gpu_block_ids == {60, 61}
+    _finish(r, [on_disk[3]], [58], ctx)
+    r.manager.note_worker_report({ctx_c.req_id: error.keys})
+    r.manager.complete_load(third, ctx_c)
+    assert [h.lookup(k).name for k in third] == ["MISS"] * 2
+
+
+def test_a_store_that_raises_fails_and_its_rows_are_given_back(runner, monkeypatch):
+    r = runner
+    assert r.worker.contain_exceptions  # built under kvtier's connector
+    late = r.worker.copies
+    keys = r.keys("s", 2)
+    ctx = ReqContext(req_id="s")
+    r.manager.on_new_request(ctx)
+    out = r.manager.prepare_store(keys, ctx)
+    rows = [int(x) for x in out.store_spec.block_ids]
+    # Another job's copy is in flight; the store's own copy raises.
+    other = r.keys("o", 1)
+    other_ctx = ReqContext(req_id="o")
+    r.manager.on_new_request(other_ctx)
+    other_out = r.manager.prepare_store(other, other_ctx)
+    assert r.worker.submit_store(
+        1, GPULoadStoreSpec([7], [1], [0]), other_out.store_spec
+    )
+
+    def submit(*args, **kwargs):
+        raise TypeError("a bug in the copy path")
+
+    monkeypatch.setattr(late, "submit", submit)
+    assert r.worker.submit_store(2, GPULoadStoreSpec([5, 6], [2], [0]), out.store_spec)
+    monkeypatch.undo()
+    assert r.worker.exceptions.count == 1
+    assert _results(r) == [(2, False), (1, True)]  # 2 at once: nothing in flight
+    assert r.worker.take_store_error(2) == rows
+    assert r.worker.take_store_error(1) is None
+    # vLLM completes every store as a success; the worker's report makes
+    # the manager give the rows back unwritten.
+    h = r.manager.hierarchy
+    used = len(h.cpu)
+    r.manager.get_stats()  # what vLLM exported so far
+    r.manager.note_worker_report({}, failed_store_rows=rows, worker_exceptions=1)
+    counted = r.manager.get_stats()._values[metrics.WORKER_EXCEPTIONS]
+    assert counted == {(): 1}
+    r.manager.complete_store(out.keys_to_store, ctx)
+    r.manager.complete_store(other_out.keys_to_store, other_ctx)
+    assert [h.lookup(k).name for k in keys] == ["MISS", "MISS"]
+    assert h.lookup(other[0]).name == "HIT_CPU"
+    assert len(h.cpu) == used - 2 and h.stats.stores_failed == 2
+    assert not r.manager._failed_store_rows
+
+    # The next store of the same blocks works, and loads back byte for byte.
+    r.worker.copies = late.inner
+    assert r.store("s", [5, 6]) == keys
+    assert [h.lookup(k).name for k in keys] == ["HIT_CPU", "HIT_CPU"]
+    assert r.lookup("s", keys) == 2
+    assert r.load(keys, [20, 21]) == {"host": 2}
+
+
+def test_outside_kvtiers_connector_an_exception_propagates(tmp_path, monkeypatch):
+    """vLLM's stock connector cannot take a failed job (it asserts success):
+    a worker built outside kvtier's connector raises, as vLLM's would."""
+    from kvtier.connector.spec import TieredOffloadingSpec
+
+    # A CPU-only spec is allowed under the stock connector.
+    r = RequestRunner(
+        TieredOffloadingSpec(make_config(tmp_path, cpu_blocks=8, disk_blocks=0))
+    )
+    try:
+        assert not r.worker.contain_exceptions
+        keys = r.keys("s", 1)
+        ctx = ReqContext(req_id="s")
+        r.manager.on_new_request(ctx)
+        out = r.manager.prepare_store(keys, ctx)
+
+        def submit(*args, **kwargs):
+            raise TypeError("a bug in the copy path")
+
+        monkeypatch.setattr(r.worker.copies, "submit", submit)
+        with pytest.raises(TypeError):
+            r.worker.submit_store(1, GPULoadStoreSpec([5], [1], [0]), out.store_spec)
+        assert r.worker.exceptions.count == 0 and r.worker.get_finished() == []
+    finally:
+        r.close()

@@ -1,9 +1,10 @@
-"""Reliability on a real engine: disk faults, aborted requests, bounded soak.
+"""Reliability on a real engine: disk faults, exceptions in the worker,
+aborted requests, bounded soak.
 
-Every fault must cost a miss or a failed store, never a wrong token: each
-test compares greedy outputs with the no-offload baseline and checks that
-the tiers' bookkeeping (pins, reservations, pending jobs, slots) returns to
-rest afterwards.
+Every fault must cost a miss or a failed store, never a wrong token or a
+hung request: each test compares greedy outputs with the no-offload
+baseline and checks that the tiers' bookkeeping (pins, reservations,
+pending jobs, slots) returns to rest afterwards.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .workload import (
     kvtier_config,
     manager_of,
     run_each,
+    run_settled,
 )
 
 pytestmark = pytest.mark.e2e
@@ -116,6 +118,106 @@ def test_disk_faults_cost_misses_never_tokens(
     faults = [r for r in caplog.records if r.name.startswith("kvtier")]
     assert faults, "the fault was not logged"
     assert len(faults) <= 4, [r.getMessage() for r in faults]
+
+
+def _worker(llm):
+    """The engine's TieredOffloadingWorker (worker-side connector, in-process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().connector_worker.worker
+
+
+def _raise_once(monkeypatch, obj, name: str, exc: Exception, when=None) -> list:
+    """Make ``obj.name`` raise ``exc`` at its first call that ``when`` picks
+    (any call by default); every other call goes through. Returns the
+    calls' positional arguments."""
+    real = getattr(obj, name)
+    calls: list = []
+
+    def patched(*args, **kwargs):
+        picked = when is None or when(*args, **kwargs)
+        calls.append((args, picked))
+        if picked and sum(p for _, p in calls) == 1:
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, patched)
+    return calls
+
+
+def test_a_disk_load_that_raises_is_recomputed_not_hung(
+    model, block_bytes, baseline, tmp_path, monkeypatch, caplog
+):
+    with (
+        caplog.at_level(logging.ERROR, logger="kvtier"),
+        engine(
+            model, kvtier_config(block_bytes, tmp_path), num_gpu_blocks=GPU_BLOCKS
+        ) as llm,
+    ):
+        first = run_each(llm, FIRST)
+        mgr = manager_of(llm)
+        assert_at_rest(mgr)
+        stats = mgr.hierarchy.stats
+        before = dict(vars(stats))
+        reads = _raise_once(
+            monkeypatch, _worker(llm).reader, "read", RuntimeError("reader bug")
+        )
+        # One at a time, stepped by hand under a deadline: RETURNING[0]'s
+        # load raises in the worker, RETURNING[1]'s then reads from disk.
+        again = run_settled(llm, RETURNING, timeout=120)
+        assert_at_rest(mgr)
+        after = dict(vars(stats))
+        # The engine keeps serving, correctly, from the tiers once the GPU
+        # cache forgot both prompts. (RETURNING[0] misses: its disk copies
+        # were given up, and vLLM does not store blocks it had planned to
+        # load, recomputed or not.)
+        assert llm.reset_prefix_cache()
+        later = run_settled(llm, RETURNING, timeout=120)
+        assert_at_rest(mgr)
+        exceptions = mgr.worker_exceptions
+    assert first.outputs + again.outputs == baseline
+    assert later.outputs == baseline[len(FIRST) :]
+    assert len(reads) >= 2  # the raising read, and RETURNING[1]'s
+    # Both loads were planned from disk; the first failed whole and was
+    # recomputed (its disk copies given up), the second was served.
+    assert [h.get("disk", 0) for h in again.hits_by_source] == [4 * 32, 4 * 32]
+    assert after["load_failures"] - before["load_failures"] == 4
+    assert after["loads_disk"] - before["loads_disk"] == 4
+    assert exceptions == 1
+    errors = [r for r in caplog.records if "raised RuntimeError" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+    hits = later.hits_by_source[1]
+    assert hits.get("disk", 0) + hits.get("host", 0) == 4 * 32, later.hits_by_source
+
+
+def test_a_store_that_raises_is_not_offloaded_and_nothing_hangs(
+    model, block_bytes, baseline, tmp_path, monkeypatch
+):
+    with engine(
+        model, kvtier_config(block_bytes, tmp_path), num_gpu_blocks=GPU_BLOCKS
+    ) as llm:
+        worker = _worker(llm)
+        stores = _raise_once(
+            monkeypatch,
+            worker.copies,
+            "submit",
+            TypeError("copy path bug"),
+            when=lambda area, group, plan, to_host, *rest: to_host,
+        )
+        first = run_settled(llm, FIRST, timeout=120)
+        mgr = manager_of(llm)
+        assert_at_rest(mgr)
+        h = mgr.hierarchy
+        # FIRST[0]'s store raised: its blocks were never offloaded; the
+        # others were, and FIRST[1] is on disk.
+        assert sum(p for _, p in stores) > 1
+        assert h.stats.stores_failed == 4 and mgr.worker_exceptions == 1
+        assert not mgr._failed_store_rows
+        again = run_settled(llm, RETURNING, timeout=120)
+        assert_at_rest(mgr)
+    assert first.outputs + again.outputs == baseline
+    assert again.hits_by_source[0].get("disk", 0) == 0, again.hits_by_source
+    assert again.hits_by_source[1].get("disk", 0) == 4 * 32, again.hits_by_source
 
 
 def test_aborted_requests_return_pins_and_slots(model, block_bytes, baseline, tmp_path):

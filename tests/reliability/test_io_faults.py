@@ -7,7 +7,9 @@ from __future__ import annotations
 import errno
 import logging
 import re
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -431,3 +433,53 @@ def test_reads_into_part_of_the_bounce_area_leave_the_rest_alone(
             reader.read([(0, keys[0]), (1, keys[1])], first_row=3)
     finally:
         reader.close()
+
+
+def test_a_read_that_raises_leaves_no_io_writing_the_bounce_area(
+    make_rig: Callable[..., Rig],
+) -> None:
+    # The worker contains an exception from a read and may read into the
+    # same rows next: no run of the failed read may still be landing there.
+    rig = make_rig()
+    keys = [key_of(i) for i in range(3)]
+    for slot, key in enumerate(keys):
+        rig.store.write_block(slot, key, pattern(key), rig.store.next_seq())
+    pool = ThreadPoolExecutor(1)
+    futures: list[Future[int]] = []
+
+    class Flaky:
+        """The first run fails with a bug at once, the second lands late."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(rig.backend, name)
+
+        def submit_read(self, handle: Any, buf: Any, offset: int) -> Future[int]:
+            if not futures:
+                fut: Future[int] = Future()
+                fut.set_exception(RuntimeError("a bug in the back end"))
+            else:
+
+                def late() -> int:
+                    time.sleep(0.2)  # a slow disk
+                    return rig.backend.submit_read(handle, buf, offset).result()
+
+                fut = pool.submit(late)
+            futures.append(fut)
+            return fut
+
+    reader = SlotReader(
+        rig.store.paths,
+        rig.store.num_slots,
+        rig.store.block_bytes,
+        rig.store.fingerprint,
+        Flaky(),  # type: ignore[arg-type]
+        bounce_bytes=4 * rig.store.slot_size,
+        owns_backend=False,
+    )
+    try:
+        with pytest.raises(RuntimeError, match="a bug"):
+            reader.read([(0, keys[0]), (2, keys[2])])  # two runs
+        assert len(futures) == 2 and all(f.done() for f in futures)
+    finally:
+        reader.close()
+        pool.shutdown()

@@ -1,0 +1,77 @@
+"""What a worker reports about a transfer job that did not deliver.
+
+Two kinds of failure reach a job. A disk block that fails (I/O error,
+checksum, header, another key's slot) is expected: the slot reader reports
+it per block and only that block is given up. Anything *raised* while a job
+is submitted (a bug, an error no one foresaw in the reader or the copy path)
+is unexpected: the worker contains it, so that it never reaches vLLM's model
+runner, and fails the whole job, as nothing the job wrote can be trusted.
+:class:`JobExceptions` logs and counts those; :func:`whole_load_error` is
+what such a load reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass, field
+
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
+
+from kvtier.connector.specs import TierLoadSpec
+
+logger = logging.getLogger("kvtier.connector")
+
+# Distinct causes remembered for the log; past that, every one is a repeat.
+MAX_CAUSES = 64
+
+
+@dataclass
+class LoadError:
+    """What a failed load could not deliver: the keys of the disk blocks
+    that failed, and the GPU blocks that were left unfilled."""
+
+    keys: list[bytes] = field(default_factory=list)
+    gpu_block_ids: set[int] = field(default_factory=set)
+
+
+def whole_load_error(src: LoadStoreSpec, dst: GPULoadStoreSpec) -> LoadError:
+    """A load that raised: every disk key of the job (its disk copies and
+    promotion rows are then given up by the manager) and every GPU block,
+    whether meant for a disk or a CPU block (a partial load counts for
+    nothing)."""
+    keys = [k for k in src.keys if k] if isinstance(src, TierLoadSpec) else []
+    return LoadError(keys=keys, gpu_block_ids={int(b) for b in dst.block_ids})
+
+
+class JobExceptions:
+    """The exceptions a worker contained: ``count`` of them, and a log line
+    with the traceback for the first of each distinct cause (exception type
+    and the line that raised it); repeats go to DEBUG, so a persistent bug
+    costs one ERROR line, not one per request."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._seen: set[tuple[str, str, int]] = set()
+
+    def note(self, exc: Exception, kind: str, job_id: int) -> None:
+        self.count += 1
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = (frames[-1].filename, frames[-1].lineno or 0) if frames else ("", 0)
+        cause = (type(exc).__qualname__, *where)
+        first = cause not in self._seen and len(self._seen) < MAX_CAUSES
+        if first:
+            self._seen.add(cause)
+        cost = "recomputed" if kind == "load" else "not offloaded"
+        logger.log(
+            logging.ERROR if first else logging.DEBUG,
+            "kvtier: %s job %d raised %s: %s; the job is reported failed, its "
+            "blocks are %s%s",
+            kind,
+            job_id,
+            type(exc).__name__,
+            exc,
+            cost,
+            "; repeats of this cause are logged at debug" if first else "",
+            exc_info=exc if first else None,
+        )
