@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.io.cpu_buffer import CpuBlockBuffer, cpu_buffer_dir
-from kvtier.io.disk_store import DiskStore, ReadOutcome
+from kvtier.io.disk_store import DiskStore
 from kvtier.io.engine import TransferEngine
 from kvtier.io.format import LayoutFingerprint
+from kvtier.io.layout import ReadOutcome
 from kvtier.tiers.plans import PromoteOrder, SpillOrder
 
 logger = logging.getLogger("kvtier.connector")

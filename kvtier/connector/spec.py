@@ -45,8 +45,8 @@ from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
 from kvtier.connector.identity import namespace
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.topology import check_single_node
-from kvtier.io.disk_store import store_dirname
 from kvtier.io.format import LayoutFingerprint, slot_size
+from kvtier.io.store_dir import store_dirname
 
 logger = logging.getLogger("kvtier.connector")
 

@@ -79,8 +79,8 @@ from kvtier.connector.tiering_config import (
 from kvtier.connector.tiering_metrics import DiskTierMetrics, DiskTierStats
 from kvtier.connector.tiering_pull import PullBack
 from kvtier.connector.tiering_rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
-from kvtier.io.disk_store import store_dirname
 from kvtier.io.format import slot_size
+from kvtier.io.store_dir import store_dirname
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 from kvtier.tiers.tier import BlockState, Tier
 

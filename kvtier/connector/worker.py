@@ -67,7 +67,7 @@ from kvtier.io.block_copy import (
     HostCopies,
 )
 from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import ReadOutcome
+from kvtier.io.layout import ReadOutcome
 from kvtier.io.slot_reader import SlotReader
 
 logger = logging.getLogger("kvtier.connector")

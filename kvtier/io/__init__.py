@@ -1,13 +1,15 @@
 """Worker-side data movement and the on-disk format (never imports vLLM).
 
   format        slot header, layout fingerprint, alignment helpers
-  checksum      xxh3_64 for payloads and headers
+  checksum      xxh3_64 for payloads and headers; the device checksum
   compression   optional zstd over byte planes
   backend       the DiskBackend interface
   posix_backend preadv/pwritev thread pool with O_DIRECT where supported
   backends      make_backend("auto" | "posix" | "kvikio")
   slab          preallocated owner-only slab files
+  layout        slab names, slot striping and the one slot verification
   disk_store    verified fixed-size block slots striped over paths
+  device_staging slots read into a torch staging area, verified on the device
   cpu_buffer    the CPU tier's page-aligned (optionally shared) host buffer
   engine        asynchronous spill/promote jobs
 
@@ -23,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     "IO_ALIGNMENT": "kvtier.io.backend",
     "DiskBackend": "kvtier.io.backend",
-    "BackendUnavailableError": "kvtier.io.backends",
+    "BackendUnavailableError": "kvtier.io.backend",
     "make_backend": "kvtier.io.backends",
     "compress": "kvtier.io.compression",
     "decompress": "kvtier.io.compression",
     "CpuBlockBuffer": "kvtier.io.cpu_buffer",
     "DiskStore": "kvtier.io.disk_store",
-    "DiskStoreStats": "kvtier.io.disk_store",
-    "ReadOutcome": "kvtier.io.disk_store",
+    "DiskStoreStats": "kvtier.io.disk_reads",
+    "ReadOutcome": "kvtier.io.layout",
     "JobOutcome": "kvtier.io.engine",
     "JobResult": "kvtier.io.engine",
     "TransferEngine": "kvtier.io.engine",
@@ -70,11 +72,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from kvtier.io.backend import IO_ALIGNMENT, DiskBackend
-    from kvtier.io.backends import BackendUnavailableError, make_backend
+    from kvtier.io.backend import IO_ALIGNMENT, BackendUnavailableError, DiskBackend
+    from kvtier.io.backends import make_backend
     from kvtier.io.compression import compress, decompress
     from kvtier.io.cpu_buffer import CpuBlockBuffer
-    from kvtier.io.disk_store import DiskStore, DiskStoreStats, ReadOutcome
+    from kvtier.io.disk_reads import DiskStoreStats
+    from kvtier.io.disk_store import DiskStore
     from kvtier.io.engine import JobOutcome, JobResult, TransferEngine
     from kvtier.io.format import (
         FORMAT_VERSION,
@@ -84,6 +87,7 @@ if TYPE_CHECKING:
         SlotHeader,
         slot_size,
     )
+    from kvtier.io.layout import ReadOutcome
     from kvtier.io.posix_backend import PosixBackend
     from kvtier.io.slab import SlabFile
 

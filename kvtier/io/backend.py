@@ -17,6 +17,10 @@ from typing import Any, ClassVar
 IO_ALIGNMENT = 4096
 
 
+class BackendUnavailableError(RuntimeError):
+    """The explicitly requested back end cannot be used on this machine."""
+
+
 class DiskBackend(ABC):
     """Positional, asynchronous reads and writes on files.
 

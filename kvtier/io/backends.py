@@ -6,16 +6,12 @@ import importlib
 import logging
 import threading
 
-from kvtier.io.backend import DiskBackend
+from kvtier.io.backend import BackendUnavailableError, DiskBackend
 from kvtier.io.posix_backend import PosixBackend
 
 logger = logging.getLogger("kvtier.io")
 
 DISK_IO_CHOICES = ("auto", "posix", "kvikio")
-
-
-class BackendUnavailableError(RuntimeError):
-    """The explicitly requested back end cannot be used on this machine."""
 
 
 _logged: set[tuple[str, str]] = set()

@@ -1,8 +1,9 @@
-"""DiskStore's verified read path: ReadOutcome, the header check and the reads.
+"""DiskStore's verified read path: its counters and the reads.
 
 Every read is verified (magic, header checksum, fingerprint, key, payload
-checksum) in a private bounce buffer before anything reaches the caller's
-buffer, so a torn, stale or corrupted slot is reported, never returned.
+checksum; the checks of :mod:`kvtier.io.layout`) in a private bounce buffer
+before anything reaches the caller's buffer, so a torn, stale or corrupted
+slot is reported, never returned.
 :class:`DiskReads` holds ``read_block``/``verify``/``read_header``/``scan``
 of :class:`kvtier.io.disk_store.DiskStore`, which sets up the state they use.
 """
@@ -16,62 +17,44 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
-from enum import Enum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtier.io.backend import IO_ALIGNMENT, DiskBackend
-from kvtier.io.checksum import payload_checksum
 from kvtier.io.compression import CorruptPayloadError, decompress
-from kvtier.io.format import (
-    HEADER_SIZE,
-    CorruptHeaderError,
-    EmptySlotError,
-    SlotHeader,
-    aligned_empty,
-    round_up,
+from kvtier.io.format import HEADER_SIZE, SlotHeader, aligned_empty, round_up
+from kvtier.io.layout import (
+    ReadOutcome,
+    SlotVerdict,
+    check_header,
+    check_payload,
+    locate,
+    parse_header,
 )
 
 if TYPE_CHECKING:
-    from kvtier.io.disk_store import DiskStoreStats
     from kvtier.io.slab import SlabFile
 
 logger = logging.getLogger("kvtier.io")
 
 
-class ReadOutcome(Enum):
-    """Result of reading a slot. Only OK means the caller's buffer was written."""
+@dataclass
+class DiskStoreStats:
+    """Cumulative counters of one DiskStore (``stats()`` returns a copy)."""
 
-    OK = "ok"
-    EMPTY = "empty"  # never written or invalidated
-    KEY_MISMATCH = "key_mismatch"  # slot holds another block
-    FINGERPRINT_MISMATCH = "fingerprint_mismatch"  # written by another layout
-    CHECKSUM_MISMATCH = "checksum_mismatch"  # payload corrupted or torn
-    BAD_HEADER = "bad_header"  # magic/version/header checksum/fields wrong
-    TRUNCATED = "truncated"  # file ends inside the slot
-    IO_ERROR = "io_error"  # the read itself failed (errno logged)
-
-
-def check_header(
-    hdr: SlotHeader,
-    key: bytes | None,
-    digest: bytes,
-    block_bytes: int,
-    slot_bytes: int,
-) -> ReadOutcome:
-    """Whether a parsed header belongs to this layout, this key (``None``:
-    any key) and a slot of ``slot_bytes`` holding ``block_bytes`` blocks.
-
-    The one header check shared by the disk store and the workers' slot
-    reader (``kvtier.io.slot_reader``)."""
-    if hdr.fingerprint != digest:
-        return ReadOutcome.FINGERPRINT_MISMATCH
-    if key is not None and hdr.key != key:
-        return ReadOutcome.KEY_MISMATCH
-    if hdr.raw_len != block_bytes or HEADER_SIZE + hdr.payload_len > slot_bytes:
-        return ReadOutcome.BAD_HEADER
-    return ReadOutcome.OK
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    blocks_written: int = 0
+    blocks_read: int = 0  # read attempts (read_block/verify), whatever the outcome
+    # Reads rejected as corrupt: payload checksum, or (read/verify only) a
+    # header that fails its own checksum/magic/version check.
+    checksum_failures: int = 0
+    # Failed I/O (any errno), including short reads and writes (as EIO).
+    io_errors: int = 0
 
 
 def flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:
@@ -107,8 +90,14 @@ class DiskReads:
         def _bump_seq(self, seen: int) -> None: ...
         def _note_io_error(self, op: str, idx: int, exc: OSError) -> None: ...
 
-    def _check_header(self, hdr: SlotHeader, key: bytes | None) -> ReadOutcome:
-        return check_header(hdr, key, self._digest, self.block_bytes, self.slot_size)
+    def _check_header(self, hdr: SlotHeader, key: bytes | None) -> SlotVerdict:
+        return check_header(
+            hdr,
+            key=key,
+            digest=self._digest,
+            block_bytes=self.block_bytes,
+            slot_bytes=self.slot_size,
+        )
 
     def _note_short_read(self, idx: int, got: int, wanted: int) -> None:
         # A slab is preallocated to full size, so a read that ends early means
@@ -159,19 +148,19 @@ class DiskReads:
         try:
             try:
                 n = nread = self._read(idx, bounce[:first], offset)
-                if n < HEADER_SIZE:
+                verdict = parse_header(bounce, n)
+                if verdict.outcome is ReadOutcome.TRUNCATED:
                     self._note_short_read(idx, n, first)
                     return ReadOutcome.TRUNCATED, None, None
-                try:
-                    hdr = SlotHeader.unpack(bounce[:HEADER_SIZE])
-                except EmptySlotError:
-                    return ReadOutcome.EMPTY, None, None
-                except CorruptHeaderError as exc:
-                    self._note_corrupt(idx, slot, f"bad header ({exc})")
-                    return ReadOutcome.BAD_HEADER, None, None
-                outcome = self._check_header(hdr, key)
-                if outcome is not ReadOutcome.OK:
-                    return outcome, hdr, None
+                if verdict.outcome is ReadOutcome.BAD_HEADER:
+                    self._note_corrupt(idx, slot, verdict.detail)
+                if not verdict.ok:
+                    return verdict.outcome, None, None
+                assert verdict.header is not None
+                hdr = verdict.header
+                verdict = self._check_header(hdr, key)
+                if not verdict.ok:
+                    return verdict.outcome, hdr, None
                 end = HEADER_SIZE + hdr.payload_len
                 if self._two_step_reads and hdr.payload_len:
                     more = round_up(hdr.payload_len, IO_ALIGNMENT)
@@ -185,13 +174,14 @@ class DiskReads:
             except OSError as exc:
                 self._note_io_error("read", idx, exc)
                 return ReadOutcome.IO_ERROR, None, None
-            if n < end:
+            payload = bounce[HEADER_SIZE:end]
+            verdict = check_payload(hdr, payload, n - HEADER_SIZE)
+            if verdict.outcome is ReadOutcome.TRUNCATED:
                 self._note_short_read(idx, n, end)
                 return ReadOutcome.TRUNCATED, hdr, None
-            payload = bounce[HEADER_SIZE:end]
-            if payload_checksum(payload) != hdr.checksum:
+            if not verdict.ok:
                 self._note_corrupt(idx, slot, "payload checksum mismatch")
-                return ReadOutcome.CHECKSUM_MISMATCH, hdr, None
+                return verdict.outcome, hdr, None
             return ReadOutcome.OK, hdr, payload
         finally:
             dt = time.perf_counter() - t0
@@ -271,23 +261,22 @@ class DiskReads:
     def _classify_header(
         self, slot: int, buf: np.ndarray, fut: Future[int]
     ) -> tuple[int, SlotHeader | None, ReadOutcome]:
+        idx, _ = locate(slot, len(self.paths))
         try:
             n = fut.result()
         except OSError as exc:
-            self._note_io_error("read", slot % len(self.paths), exc)
+            self._note_io_error("read", idx, exc)
             return slot, None, ReadOutcome.IO_ERROR
         with self._lock:
             self._stats.bytes_read += n
-        if n < HEADER_SIZE:
-            self._note_short_read(slot % len(self.paths), n, HEADER_SIZE)
-            return slot, None, ReadOutcome.TRUNCATED
-        try:
-            hdr = SlotHeader.unpack(buf)
-        except EmptySlotError:
-            return slot, None, ReadOutcome.EMPTY
-        except CorruptHeaderError:
-            return slot, None, ReadOutcome.BAD_HEADER
-        outcome = self._check_header(hdr, None)
+        verdict = parse_header(buf, n)
+        if verdict.outcome is ReadOutcome.TRUNCATED:
+            self._note_short_read(idx, n, HEADER_SIZE)
+        if not verdict.ok:
+            return slot, None, verdict.outcome
+        assert verdict.header is not None
+        hdr = verdict.header
+        outcome = self._check_header(hdr, None).outcome
         if outcome is ReadOutcome.OK:
             self._bump_seq(hdr.seq)
             return slot, hdr, outcome

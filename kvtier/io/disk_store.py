@@ -4,16 +4,16 @@ Layout (see docs/on-disk-format.md): for each configured path there is a
 directory ``<path>/kvtier-<digest hex[:16]>/`` (named by the layout
 fingerprint, so different models/dtypes/TP ranks never share files) holding
 ``layout.json`` and exactly one preallocated slab ``slab-<path index>.kvt``.
-Global slot ``s`` lives in path ``s % len(paths)`` at local slot
-``s // len(paths)``, striping consecutive slots over devices.
+Slots are striped over the paths by :mod:`kvtier.io.layout` (global slot
+``s`` in slab ``s % len(paths)``, local slot ``s // len(paths)``).
 
 Every read is verified (magic, header checksum, fingerprint, key, payload
 checksum) in a private bounce buffer before anything reaches the caller's
 buffer, so a torn, stale or corrupted slot is reported, never returned.
 
 The read path lives in :mod:`kvtier.io.disk_reads`, the store directory
-(creation, lock, ``layout.json``) in :mod:`kvtier.io.store_dir`; their
-public names stay importable from here.
+(creation, lock, ``layout.json``) in :mod:`kvtier.io.store_dir`, the slot
+checks and striping rule in :mod:`kvtier.io.layout`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -33,9 +32,9 @@ import numpy as np
 
 from kvtier.io.backend import IO_ALIGNMENT, DiskBackend
 from kvtier.io.backends import make_backend
-from kvtier.io.checksum import payload_checksum
+from kvtier.io.checksum import device_checksum, payload_checksum
 from kvtier.io.compression import compress
-from kvtier.io.disk_reads import DiskReads, ReadOutcome, check_header, flat_u8
+from kvtier.io.disk_reads import DiskReads, DiskStoreStats, flat_u8
 from kvtier.io.format import (
     HEADER_SIZE,
     MAX_KEY_LEN,
@@ -46,9 +45,9 @@ from kvtier.io.format import (
     round_up,
     slot_size,
 )
+from kvtier.io.layout import local_slot_count, locate, slab_name
 from kvtier.io.slab import SlabFile
 from kvtier.io.store_dir import (
-    LAYOUT_FILE,
     check_same_slab,
     open_store_dir,
     store_dirname,
@@ -58,35 +57,6 @@ from kvtier.io.store_dir import (
 logger = logging.getLogger("kvtier.io")
 
 COMPRESSION_CHOICES = ("none", "zstd")
-
-# Re-exported: long imported from this module.
-__all__ = [
-    "COMPRESSION_CHOICES",
-    "LAYOUT_FILE",
-    "DiskStore",
-    "DiskStoreStats",
-    "ReadOutcome",
-    "check_header",
-    "store_dirname",
-]
-
-
-@dataclass
-class DiskStoreStats:
-    """Cumulative counters of one DiskStore (``stats()`` returns a copy)."""
-
-    bytes_written: int = 0
-    bytes_read: int = 0
-    write_seconds: float = 0.0
-    read_seconds: float = 0.0
-    blocks_written: int = 0
-    blocks_read: int = 0  # read attempts (read_block/verify), whatever the outcome
-    # Reads rejected as corrupt: payload checksum, or (read/verify only) a
-    # header that fails its own checksum/magic/version check.
-    checksum_failures: int = 0
-    # Failed I/O (any errno), including short reads and writes (as EIO).
-    io_errors: int = 0
-
 
 class DiskStore(DiskReads):
     """Fixed-size block slots on one or more paths, verified on every read.
@@ -190,9 +160,9 @@ class DiskStore(DiskReads):
                 dir_fd = open_store_dir(d, base)
                 self._dir_fds.append(dir_fd)
                 write_layout(d, fingerprint, self.slot_size, dir_fd=dir_fd)
-                local_slots = (num_slots - i + npaths - 1) // npaths
+                local_slots = local_slot_count(num_slots, i, npaths)
                 slab = SlabFile(
-                    os.path.join(d, f"slab-{i}.kvt"),
+                    os.path.join(d, slab_name(i)),
                     local_slots,
                     self.slot_size,
                     dir_fd=dir_fd,
@@ -221,9 +191,8 @@ class DiskStore(DiskReads):
             raise RuntimeError("DiskStore is closed")
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
-        n = len(self.paths)
-        idx = slot % n
-        return idx, self.slabs[idx].offset(slot // n)
+        idx, local = locate(slot, len(self.paths))
+        return idx, self.slabs[idx].offset(local)
 
     def _bounce(self) -> np.ndarray:
         # One aligned slot-sized buffer per calling thread: O_DIRECT needs the
@@ -308,13 +277,15 @@ class DiskStore(DiskReads):
         else:
             codec, n = Codec.RAW, flat.size
             bounce[HEADER_SIZE : HEADER_SIZE + n] = flat
+        payload = bounce[HEADER_SIZE : HEADER_SIZE + n]
         header = SlotHeader(
             key=bytes(key),
             fingerprint=self._digest,
             payload_len=n,
             raw_len=flat.size,
             codec=codec,
-            checksum=payload_checksum(bounce[HEADER_SIZE : HEADER_SIZE + n]),
+            checksum=payload_checksum(payload),
+            device_checksum=device_checksum(payload),
             seq=seq,
             written_at=time.time(),
             elem_size=self.elem_size if codec is Codec.ZSTD_BYTEPLANE else 1,

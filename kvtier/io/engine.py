@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import DiskStore, ReadOutcome
+from kvtier.io.disk_store import DiskStore
+from kvtier.io.layout import ReadOutcome
 
 logger = logging.getLogger("kvtier.io")
 

@@ -22,10 +22,18 @@ import numpy as np
 from kvtier.io.backend import IO_ALIGNMENT
 from kvtier.io.checksum import header_checksum
 
-# Bump on ANY change to the header layout, checksum algorithms or codecs. The
-# version is part of the fingerprint digest too, so a bump also moves slabs to
-# a fresh directory instead of misreading old ones.
+# The store layout version: part of the fingerprint digest (so it names the
+# directory). Bump it on a change old readers must never see (slot geometry,
+# codecs): a bump moves slabs to a fresh directory instead of misreading them.
 FORMAT_VERSION = 1
+# The slot header's own version (the ``version`` field). Headers evolve
+# compatibly inside one FORMAT_VERSION: a reader accepts every version in
+# HEADER_VERSIONS and refuses any other (a newer kvtier's slot) by name.
+#   1: xxh3_64 payload checksum only.
+#   2: adds ``device_checksum`` (kvtier.io.checksum.device_checksum), which
+#      torch computes on the GPU for reads staged in device memory.
+HEADER_VERSION = 2
+HEADER_VERSIONS = (1, 2)
 MAGIC = b"KVTIERS1"
 # A whole alignment unit: the payload then starts 4 KiB-aligned for O_DIRECT.
 HEADER_SIZE = 4096
@@ -36,11 +44,17 @@ FINGERPRINT_LEN = 16
 # position forever so any future reader can tell versions apart.
 #   magic 8s | version I | codec B | elem_size B | key_len B | reserved B |
 #   fingerprint 16s | key 64s | payload_len Q | raw_len Q | payload_checksum Q |
-#   seq Q | written_at d
-_FIELDS = struct.Struct("<8sIBBBB16s64sQQQQd")
+#   seq Q | written_at d                                     (version 1)
+#   ... | written_at d | device_checksum Q                   (version 2)
+# followed by the header checksum Q over the fields before it.
+_FIELDS_V1 = struct.Struct("<8sIBBBB16s64sQQQQd")
+_FIELDS_V2 = struct.Struct("<8sIBBBB16s64sQQQQdQ")
+_FIELDS = {1: _FIELDS_V1, 2: _FIELDS_V2}
+_VERSION_AT = struct.Struct("<I")
 _HEADER_CHECKSUM = struct.Struct("<Q")
-# Bytes of the header that carry meaning; the rest of HEADER_SIZE is zeros.
-FIXED_HEADER_LEN = _FIELDS.size + _HEADER_CHECKSUM.size
+# Bytes of the header that carry meaning (the longest version's); the rest of
+# HEADER_SIZE is zeros. Reading this many bytes of a slot parses any version.
+FIXED_HEADER_LEN = _FIELDS_V2.size + _HEADER_CHECKSUM.size
 
 
 class Codec(IntEnum):
@@ -180,7 +194,12 @@ class SlotHeader:
         block included). It never returns a header whose own checksum
         failed, so a torn header write is always detected.
       - ``checksum`` is xxh3_64 of the ``payload_len`` stored bytes (i.e. after
-        compression); ``raw_len`` is the decoded size.
+        compression); ``raw_len`` is the decoded size. ``device_checksum``
+        (version 2 headers; ``None`` in version 1) is
+        :func:`kvtier.io.checksum.device_checksum` of the same bytes.
+      - ``version`` 1 and 2 are read; ``pack`` writes ``version`` (2 unless
+        told otherwise, 1 only to make old-format slots in tests). Any other
+        version is refused by ``unpack`` with a message naming it.
       - ``seq`` grows monotonically per store (also across restarts) and
         ``written_at`` is wall-clock seconds; both order warm-restart eviction.
     """
@@ -195,14 +214,22 @@ class SlotHeader:
     written_at: float
     elem_size: int = 1
     magic: bytes = MAGIC
-    version: int = FORMAT_VERSION
+    version: int = HEADER_VERSION
+    device_checksum: int | None = None
 
     def pack(self) -> bytes:
         if len(self.key) > MAX_KEY_LEN:
             raise ValueError(f"key is {len(self.key)} bytes, max {MAX_KEY_LEN}")
         if len(self.fingerprint) != FINGERPRINT_LEN:
             raise ValueError(f"fingerprint must be {FINGERPRINT_LEN} bytes")
-        fixed = _FIELDS.pack(
+        if self.version not in HEADER_VERSIONS:
+            raise ValueError(f"cannot write header version {self.version}")
+        extra: tuple[int, ...] = ()
+        if self.version >= 2:
+            if self.device_checksum is None:
+                raise ValueError("a version 2 header needs device_checksum")
+            extra = (self.device_checksum,)
+        fixed = _FIELDS[self.version].pack(
             self.magic,
             self.version,
             int(self.codec),
@@ -216,6 +243,7 @@ class SlotHeader:
             self.checksum,
             self.seq,
             self.written_at,
+            *extra,
         )
         fixed += _HEADER_CHECKSUM.pack(header_checksum(fixed))
         return fixed + bytes(HEADER_SIZE - len(fixed))
@@ -229,6 +257,19 @@ class SlotHeader:
         fixed = bytes(view[:FIXED_HEADER_LEN])
         if fixed[: len(MAGIC)] == bytes(len(MAGIC)):
             raise EmptySlotError("empty slot")
+        if fixed[: len(MAGIC)] != MAGIC:
+            raise CorruptHeaderError(f"bad magic {fixed[: len(MAGIC)]!r}")
+        (version,) = _VERSION_AT.unpack_from(fixed, len(MAGIC))
+        fields = _FIELDS.get(version)
+        if fields is None:
+            raise CorruptHeaderError(
+                f"unsupported slot header version {version} (this kvtier reads "
+                f"versions {', '.join(map(str, HEADER_VERSIONS))}): the slot was "
+                "written by another kvtier release; it is never read. Upgrade "
+                "kvtier or give this one an empty disk path"
+            )
+        values = fields.unpack_from(fixed)
+        device_checksum = values[13] if version >= 2 else None
         (
             magic,
             version,
@@ -243,13 +284,9 @@ class SlotHeader:
             checksum,
             seq,
             written_at,
-        ) = _FIELDS.unpack_from(fixed)
-        if magic != MAGIC:
-            raise CorruptHeaderError(f"bad magic {magic!r}")
-        if version != FORMAT_VERSION:
-            raise CorruptHeaderError(f"unsupported format version {version}")
-        (stored,) = _HEADER_CHECKSUM.unpack_from(fixed, _FIELDS.size)
-        if stored != header_checksum(fixed[: _FIELDS.size]):
+        ) = values[:13]
+        (stored,) = _HEADER_CHECKSUM.unpack_from(fixed, fields.size)
+        if stored != header_checksum(fixed[: fields.size]):
             raise CorruptHeaderError("header checksum mismatch")
         if key_len > MAX_KEY_LEN:
             raise CorruptHeaderError(f"key length {key_len} > {MAX_KEY_LEN}")
@@ -277,4 +314,5 @@ class SlotHeader:
             elem_size=elem_size,
             magic=magic,
             version=version,
+            device_checksum=device_checksum,
         )

@@ -16,16 +16,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.io.checksum import payload_checksum
-from kvtier.io.disk_store import ReadOutcome
 from kvtier.io.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
+    HEADER_VERSIONS,
     MAGIC,
-    CorruptHeaderError,
-    EmptySlotError,
     SlotHeader,
 )
+from kvtier.io.layout import ReadOutcome, check_payload, verify_header
 from kvtier.io.store_view import (
     STORE_DIR_RE,
     Slab,
@@ -70,49 +68,35 @@ class SlotRecord:
 # ------------------------------------------------------------------ scanning
 
 
-def _expected_fingerprint(view: StoreView, hdr: SlotHeader) -> bool:
+def _expected_digest(view: StoreView) -> bytes | str | None:
+    """The full digest from layout.json, else the directory name's prefix."""
     if view.digest is not None:
-        return hdr.fingerprint == view.digest
+        return view.digest
     m = STORE_DIR_RE.match(view.name)
-    return m is None or hdr.fingerprint.hex()[:16] == m.group(1)
+    return m.group(1) if m else None
 
 
 def _classify(view: StoreView, slab: Slab, local: int, buf: bytes) -> SlotRecord:
-    slot = view.global_slot(slab, local)
-
-    def rec(
-        outcome: ReadOutcome, hdr: SlotHeader | None = None, detail: str = ""
-    ) -> SlotRecord:
-        return SlotRecord(slot, slab.path, local, outcome, hdr, detail)
-
-    if len(buf) < HEADER_SIZE:
-        return rec(
-            ReadOutcome.TRUNCATED, detail=f"read {len(buf)} of {HEADER_SIZE} bytes"
-        )
-    try:
-        hdr = SlotHeader.unpack(buf)
-    except EmptySlotError:
-        return rec(ReadOutcome.EMPTY)
-    except CorruptHeaderError as exc:
-        return rec(ReadOutcome.BAD_HEADER, detail=str(exc))
-    if not _expected_fingerprint(view, hdr):
-        return rec(
-            ReadOutcome.FINGERPRINT_MISMATCH,
-            hdr,
-            f"header fingerprint {hdr.fingerprint.hex()}",
-        )
     assert view.slot_size is not None
-    if view.block_bytes is not None and hdr.raw_len != view.block_bytes:
-        return rec(
-            ReadOutcome.BAD_HEADER,
-            detail=f"raw_len {hdr.raw_len} != block_bytes {view.block_bytes}",
-        )
-    if HEADER_SIZE + hdr.payload_len > view.slot_size:
-        return rec(
-            ReadOutcome.BAD_HEADER,
-            detail=f"payload_len {hdr.payload_len} overflows the slot",
-        )
-    return rec(ReadOutcome.OK, hdr)
+    verdict = verify_header(
+        buf,
+        len(buf),
+        key=None,
+        digest=_expected_digest(view),
+        block_bytes=view.block_bytes,
+        slot_bytes=view.slot_size,
+    )
+    detail = verdict.detail
+    if verdict.outcome is ReadOutcome.BAD_HEADER and detail.startswith("bad header ("):
+        detail = detail[len("bad header (") : -1]
+    return SlotRecord(
+        view.global_slot(slab, local),
+        slab.path,
+        local,
+        verdict.outcome,
+        verdict.header,
+        "" if verdict.ok else detail,
+    )
 
 
 def scan(view: StoreView, verify_payload: bool = False) -> Iterator[SlotRecord]:
@@ -156,23 +140,10 @@ def _verify_payload(fd: int, offset: int, rec: SlotRecord) -> SlotRecord:
         return SlotRecord(
             rec.slot, rec.slab, rec.local_slot, ReadOutcome.IO_ERROR, hdr, str(exc)
         )
-    if len(payload) < hdr.payload_len:
+    verdict = check_payload(hdr, payload, len(payload))
+    if not verdict.ok:
         return SlotRecord(
-            rec.slot,
-            rec.slab,
-            rec.local_slot,
-            ReadOutcome.TRUNCATED,
-            hdr,
-            f"payload: read {len(payload)} of {hdr.payload_len} bytes",
-        )
-    if payload_checksum(payload) != hdr.checksum:
-        return SlotRecord(
-            rec.slot,
-            rec.slab,
-            rec.local_slot,
-            ReadOutcome.CHECKSUM_MISMATCH,
-            hdr,
-            "payload checksum does not match the header",
+            rec.slot, rec.slab, rec.local_slot, verdict.outcome, hdr, verdict.detail
         )
     return rec
 
@@ -218,6 +189,7 @@ def inspect_store(view: StoreView) -> dict[str, Any]:
         "layout": view.layout,
         "format_version": layout_version,
         "reader_format_version": FORMAT_VERSION,
+        "reader_header_versions": list(HEADER_VERSIONS),
         "header_format_versions": {str(k): v for k, v in sorted(versions.items())},
         "block_bytes": view.block_bytes,
         "slot_size": view.slot_size,

@@ -34,8 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.io.backend import DiskBackend
-from kvtier.io.backends import BackendUnavailableError
+from kvtier.io.backend import BackendUnavailableError, DiskBackend
 from kvtier.io.safe_open import open_private, same_file
 
 logger = logging.getLogger("kvtier.io")
@@ -388,6 +387,11 @@ class KvikioBackend(DiskBackend):
             handle.file.close()
         except Exception as exc:
             raise _to_oserror(exc, "close", handle.path) from exc
+
+    @property
+    def gds(self) -> bool:
+        """Whether reads go through GPUDirect Storage (else compat mode)."""
+        return bool(self._gds)
 
     def describe(self) -> str:
         version = getattr(self._kvikio, "__version__", "?")

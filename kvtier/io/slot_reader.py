@@ -31,19 +31,16 @@ from typing import Any
 import numpy as np
 
 from kvtier.io.backend import DiskBackend
-from kvtier.io.checksum import payload_checksum
 from kvtier.io.compression import CorruptPayloadError, decompress
-from kvtier.io.disk_store import ReadOutcome, check_header, store_dirname
 from kvtier.io.format import (
     HEADER_SIZE,
     Codec,
-    CorruptHeaderError,
-    EmptySlotError,
     LayoutFingerprint,
-    SlotHeader,
     aligned_empty,
     slot_size,
 )
+from kvtier.io.layout import ReadOutcome, locate, slab_name, verify_slot
+from kvtier.io.store_dir import store_dirname
 
 logger = logging.getLogger("kvtier.io")
 
@@ -135,7 +132,7 @@ class SlotReader:
         self._digest = fingerprint.digest()
         dirname = store_dirname(fingerprint)
         self.slab_paths = [
-            os.path.join(os.path.abspath(p), dirname, f"slab-{i}.kvt")
+            os.path.join(os.path.abspath(p), dirname, slab_name(i))
             for i, p in enumerate(paths)
         ]
         self._handles: list[Any] = [None] * len(paths)
@@ -173,7 +170,7 @@ class SlotReader:
         # Bounce rows follow file order, so each run lands in adjacent rows.
         order = sorted(
             range(len(items)),
-            key=lambda i: (items[i][0] % npaths, items[i][0] // npaths),
+            key=lambda i: locate(items[i][0], npaths),
         )
         row_of = [0] * len(items)
         runs: list[tuple[int, int, int, int]] = []  # file, local slot, row, count
@@ -183,7 +180,7 @@ class SlotReader:
             if not 0 <= slot < self.num_slots:
                 raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
             row_of[i] = row
-            f, local = slot % npaths, slot // npaths
+            f, local = locate(slot, npaths)
             if runs and runs[-1][0] == f and runs[-1][1] + runs[-1][3] == local:
                 runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
             else:
@@ -296,23 +293,22 @@ class SlotReader:
 
     def _verify(self, row: int, key: bytes, slot: int) -> ReadOutcome:
         buf = self._area[row]
-        try:
-            hdr = SlotHeader.unpack(buf[:HEADER_SIZE])
-        except EmptySlotError:
-            return ReadOutcome.EMPTY
-        except CorruptHeaderError as exc:
-            self._note(f"bad header ({exc})", slot)
-            return ReadOutcome.BAD_HEADER
-        outcome = check_header(
-            hdr, key, self._digest, self.block_bytes, self.slot_size
+        verdict = verify_slot(
+            buf,
+            self.slot_size,
+            key=key,
+            digest=self._digest,
+            block_bytes=self.block_bytes,
+            slot_bytes=self.slot_size,
         )
-        if outcome is not ReadOutcome.OK:
-            # Another key or layout in this slot: stale, not damaged bytes.
-            return outcome
+        if verdict.outcome in (ReadOutcome.BAD_HEADER, ReadOutcome.CHECKSUM_MISMATCH):
+            self._note(verdict.detail, slot)
+        if not verdict.ok:
+            # EMPTY, or another key or layout in this slot: stale, not damaged.
+            return verdict.outcome
+        hdr = verdict.header
+        assert hdr is not None
         end = HEADER_SIZE + hdr.payload_len
-        if payload_checksum(buf[HEADER_SIZE:end]) != hdr.checksum:
-            self._note("payload checksum mismatch", slot)
-            return ReadOutcome.CHECKSUM_MISMATCH
         if hdr.codec is not Codec.RAW:
             # Decode through a scratch block: the output would overlap its
             # own input inside the row.
@@ -341,7 +337,7 @@ class SlotReader:
         )
 
     def _note(self, what: str, slot: int) -> None:
-        f = slot % len(self.slab_paths)
+        f, _ = locate(slot, len(self.slab_paths))
         self._log_once(
             ("corrupt", str(f)),
             "kvtier disk load of slot %d from %s rejected: %s (corrupt or torn "

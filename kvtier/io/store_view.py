@@ -35,17 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.io.backend import IO_ALIGNMENT
-from kvtier.io.disk_store import LAYOUT_FILE
-from kvtier.io.format import (
-    HEADER_SIZE,
-    CorruptHeaderError,
-    EmptySlotError,
-    SlotHeader,
-    slot_size,
-)
+from kvtier.io.format import HEADER_SIZE, slot_size
+from kvtier.io.layout import SLAB_RE, global_slot, parse_header
+from kvtier.io.store_dir import LAYOUT_FILE
 
 STORE_DIR_RE = re.compile(r"^kvtier-([0-9a-f]{16})$")
-SLAB_RE = re.compile(r"^slab-(\d+)\.kvt$")
 
 # Sanity bounds on geometry read from layout.json or a slot header. A 16-token
 # block of a 405B model in bf16 is about 8 MiB per rank; 4 GiB is absurd.
@@ -93,7 +87,7 @@ class StoreView:
         return sum(s.num_slots for s in self.slabs)
 
     def global_slot(self, slab: Slab, local: int) -> int:
-        return local * max(self.stripes, 1) + slab.index
+        return global_slot(slab.index, local, max(self.stripes, 1))
 
 
 # ----------------------------------------------------------------- discovery
@@ -348,8 +342,11 @@ def _infer_geometry(view: StoreView) -> None:
     slot 0 of the first slab that has a valid one (within MAX_BLOCK_BYTES)."""
     for slab in view.slabs:
         try:
-            hdr = SlotHeader.unpack(pread_file(slab.path, HEADER_SIZE, 0))
-        except (OSError, CorruptHeaderError, EmptySlotError):
+            buf = pread_file(slab.path, HEADER_SIZE, 0)
+        except OSError:
+            continue
+        hdr = parse_header(buf, len(buf)).header
+        if hdr is None:
             continue
         if not 0 < hdr.raw_len <= MAX_BLOCK_BYTES:
             view.warnings.append(

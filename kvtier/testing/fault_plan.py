@@ -19,6 +19,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvtier.io.backend import IO_ALIGNMENT
+from kvtier.io.layout import locate
 
 if TYPE_CHECKING:
     from kvtier.io.disk_store import DiskStore
@@ -147,9 +148,9 @@ class FaultRule:
 
 def on_slot(store: DiskStore, slot: int) -> dict[str, Any]:
     """``path`` and ``ranges`` keywords selecting every I/O on ``slot``."""
-    idx = slot % len(store.paths)
+    idx, local = locate(slot, len(store.paths))
     slab = store.slabs[idx]
-    start = slab.offset(slot // len(store.paths))
+    start = slab.offset(local)
     return {"path": slab.path, "ranges": ((start, start + store.slot_size),)}
 
 

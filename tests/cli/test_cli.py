@@ -322,7 +322,8 @@ def test_inspect_and_verify_real_store(
     if compression == "zstd":
         assert rep["payload_bytes"] < rep["raw_bytes"]
     assert rep["fingerprints"] == {_fingerprint().digest().hex(): 5}
-    assert rep["format_version"] == 1 and rep["header_format_versions"] == {"1": 5}
+    assert rep["format_version"] == 1 and rep["header_format_versions"] == {"2": 5}
+    assert rep["reader_header_versions"] == [1, 2]
     assert rep["layout"]["model"] == "test/model"
 
     rc, out = run_cli(capsys, "verify", str(tmp_path))

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from kvtier.io import backends
-from kvtier.io.backends import BackendUnavailableError, make_backend
+from kvtier.io.backend import BackendUnavailableError
+from kvtier.io.backends import make_backend
 from kvtier.io.posix_backend import PosixBackend
 
 MODULE = "kvtier.io.kvikio_backend"

@@ -12,8 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.io.disk_store import DiskStore, ReadOutcome, store_dirname
+from kvtier.io.disk_store import DiskStore
 from kvtier.io.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
+from kvtier.io.layout import ReadOutcome
+from kvtier.io.store_dir import store_dirname
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 KEY = bytes(range(32)) + b"\x00\x00\x00\x01"  # 32-byte hash + 4-byte group

@@ -12,6 +12,7 @@ from kvtier.io.format import (
     FIXED_HEADER_LEN,
     FORMAT_VERSION,
     HEADER_SIZE,
+    HEADER_VERSION,
     MAGIC,
     Codec,
     CorruptHeaderError,
@@ -39,6 +40,7 @@ def header(**kw: object) -> SlotHeader:
         seq=42,
         written_at=1_700_000_000.25,
         elem_size=2,
+        device_checksum=0x0765_4321_0FED_CBA9,
     )
     base.update(kw)
     return SlotHeader(**base)  # type: ignore[arg-type]
@@ -53,6 +55,21 @@ def test_header_roundtrip_and_size() -> None:
     assert SlotHeader.unpack(packed) == h
     assert SlotHeader.unpack(header(key=b"").pack()).key == b""
     assert SlotHeader.unpack(header(key=b"k" * 64).pack()).key == b"k" * 64
+
+
+def test_version_1_header_still_parses() -> None:
+    old = header(version=1, device_checksum=None)
+    packed = old.pack()
+    assert packed[8:12] == (1).to_bytes(4, "little")
+    back = SlotHeader.unpack(packed)
+    assert back == old and back.device_checksum is None
+    # A version 1 header is shorter: flipping a byte past it changes nothing
+    # it reads, but every byte it has is still under the header checksum.
+    for i in range(0, 144, 7):
+        bad = bytearray(packed)
+        bad[i] ^= 0x10
+        with pytest.raises(CorruptHeaderError):
+            SlotHeader.unpack(bytes(bad))
 
 
 def test_every_fixed_header_byte_is_protected() -> None:
@@ -72,8 +89,14 @@ def test_zeroed_header_is_empty_and_short_is_corrupt() -> None:
 
 
 def test_other_version_and_bad_fields_rejected() -> None:
-    with pytest.raises(CorruptHeaderError, match="version"):
-        SlotHeader.unpack(header(version=FORMAT_VERSION + 1).pack())
+    newer = bytearray(header().pack())
+    newer[8:12] = (HEADER_VERSION + 1).to_bytes(4, "little")
+    with pytest.raises(CorruptHeaderError, match="header version 3 .*Upgrade kvtier"):
+        SlotHeader.unpack(bytes(newer))
+    with pytest.raises(ValueError, match="cannot write header version"):
+        header(version=HEADER_VERSION + 1).pack()
+    with pytest.raises(ValueError, match="needs device_checksum"):
+        header(device_checksum=None).pack()
     with pytest.raises(CorruptHeaderError, match="magic"):
         SlotHeader.unpack(header(magic=b"NOTKVTIE").pack())
     with pytest.raises(CorruptHeaderError):

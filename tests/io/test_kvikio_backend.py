@@ -119,7 +119,8 @@ def run_child(code: str, lib_dir: Path | None, work_dir: Path) -> dict[str, Any]
 UNUSABLE_CHILD = """
     import json
     import pytest
-    from kvtier.io.backends import BackendUnavailableError, make_backend
+    from kvtier.io.backend import BackendUnavailableError
+    from kvtier.io.backends import make_backend
     from kvtier.io.kvikio_backend import (
         KvikioBackend, gds_available, kvikio_unusable_reason, kvikio_usable,
     )
@@ -300,7 +301,9 @@ DISK_STORE_CHILD = """
 
     import numpy as np
 
-    from kvtier.io.disk_store import DiskStore, ReadOutcome
+    from kvtier.io.disk_store import DiskStore
+
+    from kvtier.io.layout import ReadOutcome
     from kvtier.io.format import LayoutFingerprint
     from kvtier.io.kvikio_backend import KvikioBackend
 

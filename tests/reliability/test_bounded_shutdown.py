@@ -24,10 +24,10 @@ from reliability_common import (
 from kvtier.connector.disk_runtime import DiskRuntime
 from kvtier.io import disk_store as disk_store_mod
 from kvtier.io import slab as slab_mod
-from kvtier.io.backends import BackendUnavailableError
+from kvtier.io.backend import BackendUnavailableError
 from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import store_dirname
 from kvtier.io.posix_backend import PosixBackend
+from kvtier.io.store_dir import store_dirname
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 

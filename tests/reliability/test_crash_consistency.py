@@ -21,9 +21,10 @@ from reliability_common import SENTINEL
 
 import kvtier
 from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import DiskStore, ReadOutcome
+from kvtier.io.disk_store import DiskStore
 from kvtier.io.engine import TransferEngine
 from kvtier.io.format import HEADER_SIZE, SlotHeader
+from kvtier.io.layout import ReadOutcome
 from kvtier.io.posix_backend import PosixBackend
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 from kvtier.tiers import Residency, TierEvent, TierHierarchy, replay

@@ -26,7 +26,8 @@ from reliability_common import (
     pattern,
 )
 
-from kvtier.io.disk_store import DiskStore, ReadOutcome
+from kvtier.io.disk_store import DiskStore
+from kvtier.io.layout import ReadOutcome
 from kvtier.testing.faults import FaultPlan, FaultRule, on_slot
 
 NOBODY = 65534

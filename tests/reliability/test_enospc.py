@@ -32,7 +32,8 @@ from reliability_common import (
 )
 
 from kvtier.io import slab as slab_mod
-from kvtier.io.disk_store import DiskStore, ReadOutcome
+from kvtier.io.disk_store import DiskStore
+from kvtier.io.layout import ReadOutcome
 from kvtier.io.posix_backend import PosixBackend
 from kvtier.tiers import Residency, TierHierarchy
 

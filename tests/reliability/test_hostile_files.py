@@ -119,7 +119,7 @@ def test_worker_reader_refuses_a_fifo_swapped_in_for_the_slab(tmp_path: Path) ->
     p = run_python(
         f"""
     from reliability_common import BLOCK_BYTES, key_of, make_fingerprint
-    from kvtier.io.disk_store import ReadOutcome
+    from kvtier.io.layout import ReadOutcome
     from kvtier.io.posix_backend import PosixBackend
     from kvtier.io.slot_reader import SlotReader
     r = SlotReader([{str(tmp_path)!r}], 4, BLOCK_BYTES, make_fingerprint(),
@@ -142,9 +142,9 @@ def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
     key) says payload_len is half the block: the payload checksum covers
     only that half. The worker's reader used to load the whole block, the
     second half unverified; ``kvtier verify`` called the slot ok."""
-    from kvtier.io.checksum import payload_checksum
-    from kvtier.io.disk_store import ReadOutcome
+    from kvtier.io.checksum import device_checksum, payload_checksum
     from kvtier.io.format import HEADER_SIZE, Codec, SlotHeader
+    from kvtier.io.layout import ReadOutcome
     from kvtier.io.posix_backend import PosixBackend
     from kvtier.io.slot_reader import SlotReader
 
@@ -162,6 +162,7 @@ def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
                 raw_len=BLOCK_BYTES,
                 codec=Codec.RAW,
                 checksum=payload_checksum(first),
+                device_checksum=device_checksum(first),
                 seq=1,
                 written_at=0.0,
             ).pack()

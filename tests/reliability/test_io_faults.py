@@ -30,8 +30,8 @@ from reliability_common import (
 import kvtier
 import kvtier.io
 from kvtier.io.backends import make_backend
-from kvtier.io.disk_store import ReadOutcome
 from kvtier.io.format import HEADER_SIZE
+from kvtier.io.layout import ReadOutcome
 from kvtier.io.slot_reader import SlotReader
 from kvtier.testing.faults import (
     MAX_DELAY_S,

@@ -141,7 +141,8 @@ def test_negative_control_corrupted_disk_reads_change_the_output(
     model, block_bytes, baseline, tmp_path, monkeypatch
 ):
     """If the bytes promoted from disk were wrong, the comparison above fails."""
-    from kvtier.io.disk_store import DiskStore, ReadOutcome
+    from kvtier.io.disk_store import DiskStore
+    from kvtier.io.layout import ReadOutcome
 
     original = DiskStore.read_block
 

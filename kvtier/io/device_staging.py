@@ -1,0 +1,399 @@
+"""Disk slots read into a torch staging area and verified where they land.
+
+The load path for a CUDA worker (issue 20, item 3): slots go from the slab
+files into a ``torch.uint8`` staging tensor on the worker's device, their
+headers are checked on the host (they are small) and their payloads on the
+device with :func:`kvtier.io.checksum.device_checksums`, so no verified byte
+has to travel back to the host. The same code runs with a CPU staging tensor,
+which is how CI tests it.
+
+How bytes arrive, by back end (the *mode*, logged once per reader):
+
+  gds     kvikio with GPUDirect Storage: kvikio reads straight into the
+          device tensor (futures from the back end's thread pool, each
+          running ``CuFile.pread``).
+  compat  kvikio without GDS (no driver, file system without O_DIRECT, or
+          ``KVIKIO_COMPAT_MODE=ON``): the same calls; kvikio bounces through
+          its own host buffers internally.
+  posix   any other back end (POSIX, the test fault layer): reads into a
+          4 KiB-aligned host bounce area (page-locked when CUDA is present),
+          then one copy per run into the staging tensor. With a CPU staging
+          tensor the bounce area *is* the staging tensor.
+
+Only slots written with a version 2 header and stored raw can be verified
+on the device; an intact version 1 slot or a zstd slot is reported
+``HOST_ONLY`` (read it with :class:`kvtier.io.slot_reader.SlotReader`),
+never used unverified.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.io.backend import DiskBackend
+from kvtier.io.checksum import device_checksums
+from kvtier.io.format import (
+    FIXED_HEADER_LEN,
+    HEADER_SIZE,
+    Codec,
+    LayoutFingerprint,
+    aligned_empty,
+    slot_size,
+)
+from kvtier.io.layout import ReadOutcome, locate, slab_name, verify_header
+from kvtier.io.store_dir import store_dirname
+
+logger = logging.getLogger("kvtier.io")
+
+MODES = ("gds", "compat", "posix")
+
+
+def staging_mode(backend: DiskBackend) -> str:
+    """``"gds"``, ``"compat"`` or ``"posix"`` for ``backend`` (see module doc)."""
+    if getattr(backend, "name", "") == "kvikio":
+        return "gds" if getattr(backend, "gds", False) else "compat"
+    return "posix"
+
+
+@dataclass(frozen=True)
+class StagedSlot:
+    """Outcome of one requested slot. Only when ``outcome`` is OK does
+    ``DeviceStagingReader.rows[row]`` hold the verified block."""
+
+    outcome: ReadOutcome
+    row: int
+    detail: str = ""
+
+
+class DeviceStagingReader:
+    """Reads (slot, key) pairs into a torch staging tensor, verified.
+
+    Contract:
+      - ``read(items, first_row)`` reads ``items`` ((global slot, key) pairs,
+        at most ``capacity - first_row`` of them) into rows ``first_row`` on
+        of :attr:`staging` and returns one :class:`StagedSlot` per item, in
+        order. OK means: the read was complete, the header is intact (magic,
+        version, header checksum), of this layout and this key, the payload
+        is raw and its device checksum matches. Then ``rows[row]`` (a view
+        of ``block_bytes`` bytes) holds the block until the next ``read``
+        that uses that row. Any other outcome means the row is garbage and
+        must not be used (the load is a miss, i.e. recompute).
+      - Errors: a failed read (any errno, from open or the I/O) is IO_ERROR
+        for every slot of its run, logged once per slab and errno; a short
+        read (file truncated) is TRUNCATED for the slots it did not cover;
+        bad bytes are BAD_HEADER / CHECKSUM_MISMATCH (logged once per slab);
+        another key or layout is KEY_MISMATCH / FINGERPRINT_MISMATCH; a
+        valid version 1 or compressed slot is HOST_ONLY. ``read`` never
+        raises for disk or data problems; it raises ValueError / IndexError
+        for bad arguments, RuntimeError after ``close``. An unexpected
+        exception leaves only after every read it started has finished.
+      - Blocking: ``read`` returns when every read landed and the checksums
+        were computed and compared (one device synchronisation per call, by
+        reading the checksums back). Call it on an I/O thread, never on the
+        engine's step.
+      - Alignment: offsets are slot starts (4 KiB multiples); the host bounce
+        and CPU staging areas are 4 KiB-aligned. A CUDA staging tensor comes
+        from torch's allocator (kvikio handles its alignment).
+      - Streams: on CUDA, copies and checksums run on the current stream of
+        the calling thread; rows are complete on that stream when ``read``
+        returns (the readback synchronised it).
+      - Not thread-safe: one reader per I/O thread. ``close`` is idempotent
+        and closes the slab handles (and the back end when owned).
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        num_slots: int,
+        block_bytes: int,
+        fingerprint: LayoutFingerprint,
+        backend: DiskBackend,
+        *,
+        device: Any = "cpu",
+        capacity: int = 64,
+        owns_backend: bool = False,
+    ) -> None:
+        import torch
+
+        if isinstance(paths, str):
+            paths = [paths]
+        if not paths or num_slots < 1 or capacity < 1:
+            raise ValueError("DeviceStagingReader needs paths, slots and capacity")
+        if block_bytes != fingerprint.block_bytes:
+            raise ValueError(
+                f"block_bytes={block_bytes} disagrees with fingerprint "
+                f"block_bytes={fingerprint.block_bytes}"
+            )
+        self.backend = backend
+        self._owns_backend = owns_backend
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
+        self.slot_size = slot_size(block_bytes)
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self._digest = fingerprint.digest()
+        dirname = store_dirname(fingerprint)
+        self.slab_paths = [
+            os.path.join(os.path.abspath(p), dirname, slab_name(i))
+            for i, p in enumerate(paths)
+        ]
+        self._handles: list[Any] = [None] * len(paths)
+        self.mode = staging_mode(backend)
+        nbytes = capacity * self.slot_size
+        self._bounce: np.ndarray | None = None
+        self._bounce_owner: Any = None
+        if self.device.type == "cpu":
+            # 4 KiB-aligned (O_DIRECT), shared with numpy for the back ends.
+            self.staging = torch.from_numpy(aligned_empty(nbytes)).view(
+                capacity, self.slot_size
+            )
+        else:
+            self.staging = torch.empty(
+                capacity, self.slot_size, dtype=torch.uint8, device=self.device
+            )
+            if self.mode == "posix":
+                area, self._bounce_owner = _host_area(nbytes)
+                self._bounce = area.reshape(capacity, self.slot_size)
+        self.rows = self.staging[:, HEADER_SIZE : HEADER_SIZE + block_bytes]
+        self._direct = self.device.type == "cpu" or self.mode != "posix"
+        self._logged: set[tuple[str, str]] = set()
+        self._closed = False
+        logger.info(
+            "kvtier device staging: mode %s, staging on %s, back end %s",
+            self.mode, self.device, backend.describe(),
+        )
+
+    # ----------------------------------------------------------------- API
+
+    def read(
+        self, items: Sequence[tuple[int, bytes]], first_row: int = 0
+    ) -> list[StagedSlot]:
+        """See the class contract."""
+        import torch
+
+        if self._closed:
+            raise RuntimeError("DeviceStagingReader is closed")
+        if not 0 <= first_row <= self.capacity - len(items):
+            raise ValueError(
+                f"{len(items)} slots from row {first_row} exceed capacity "
+                f"{self.capacity}"
+            )
+        npaths = len(self.slab_paths)
+        runs: list[tuple[int, int, int, int]] = []  # file, local, row, count
+        for k, (slot, _key) in enumerate(items):
+            if not 0 <= slot < self.num_slots:
+                raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+            f, local = locate(slot, npaths)
+            row = first_row + k
+            last = runs[-1] if runs else None
+            if last and last[0] == f and last[1] + last[3] == local and last[2] + last[3] == row:
+                runs[-1] = (*last[:3], last[3] + 1)
+            else:
+                runs.append((f, local, row, 1))
+        got = self._read_runs(runs)
+        # Per item: 0 failed, 1 complete, 2 short.
+        state = [0] * len(items)
+        for (_f, _local, row, count), n in zip(runs, got):
+            if n is None:
+                continue
+            full = min(count, n // self.slot_size)
+            for r in range(row, row + count):
+                state[r - first_row] = 1 if r < row + full else 2
+        headers = self._headers(first_row, len(items))
+        results: list[StagedSlot | None] = [None] * len(items)
+        to_check: list[int] = []
+        expected: list[int] = []
+        for i, (slot, key) in enumerate(items):
+            row = first_row + i
+            if state[i] == 0:
+                results[i] = StagedSlot(ReadOutcome.IO_ERROR, row, "read failed")
+                continue
+            if state[i] == 2:
+                self._note("short read", slot)
+                results[i] = StagedSlot(ReadOutcome.TRUNCATED, row, "short read")
+                continue
+            verdict = verify_header(
+                headers[i],
+                HEADER_SIZE,
+                key=key,
+                digest=self._digest,
+                block_bytes=self.block_bytes,
+                slot_bytes=self.slot_size,
+            )
+            if verdict.outcome is ReadOutcome.BAD_HEADER:
+                self._note(verdict.detail, slot)
+            if not verdict.ok:
+                results[i] = StagedSlot(verdict.outcome, row, verdict.detail)
+                continue
+            hdr = verdict.header
+            assert hdr is not None
+            if hdr.device_checksum is None or hdr.codec is not Codec.RAW:
+                why = (
+                    f"header version {hdr.version} has no device checksum"
+                    if hdr.device_checksum is None
+                    else f"codec {hdr.codec.name} decodes on the host only"
+                )
+                self._note_host_only(why, slot)
+                results[i] = StagedSlot(ReadOutcome.HOST_ONLY, row, why)
+                continue
+            to_check.append(i)
+            expected.append(hdr.device_checksum)
+        if to_check:
+            # One batch over the rows of this call (a strided view, no copy);
+            # rows that are not checked cost a little arithmetic, not a sync.
+            padded = -(-self.block_bytes // 4) * 4
+            payload = self.staging[
+                first_row : first_row + len(items), HEADER_SIZE : HEADER_SIZE + padded
+            ]
+            if padded != self.block_bytes:
+                # The checksum covers the payload zero-padded to 4 bytes; the
+                # pad bytes on disk are the slot's (zeroed) tail: force them.
+                payload[:, self.block_bytes :] = 0
+            sums = device_checksums(payload, padded).tolist()  # synchronises
+            for i, want in zip(to_check, expected):
+                have = sums[i]
+                row = first_row + i
+                if want == have:
+                    results[i] = StagedSlot(ReadOutcome.OK, row)
+                else:
+                    self._note("device checksum mismatch", items[i][0])
+                    results[i] = StagedSlot(
+                        ReadOutcome.CHECKSUM_MISMATCH, row, "device checksum mismatch"
+                    )
+        if self.device.type == "cuda" and not to_check:
+            # The bounce copies must land before the next read reuses it.
+            torch.cuda.current_stream(self.device).synchronize()
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        """Close the slab handles and, if owned, the back end. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            if handle is not None:
+                try:
+                    self.backend.close(handle)
+                except OSError as exc:
+                    logger.debug("closing slab handle failed: %s", exc)
+        self._handles = [None] * len(self._handles)
+        if self._owns_backend:
+            self.backend.shutdown()
+
+    # ------------------------------------------------------------ internals
+
+    def _target(self, row: int, count: int) -> Any:
+        if self._bounce is not None:
+            return self._bounce[row : row + count].reshape(-1)
+        return self.staging[row : row + count].reshape(-1)
+
+    def _read_runs(self, runs: list[tuple[int, int, int, int]]) -> list[int | None]:
+        """Bytes read per run, or None where the open or the read failed."""
+        out: list[int | None] = [None] * len(runs)
+        futures: list[Future[int] | None] = []
+        try:
+            for f, local, row, count in runs:
+                try:
+                    handle = self._handle(f)
+                    futures.append(
+                        self.backend.submit_read(
+                            handle, self._target(row, count), local * self.slot_size
+                        )
+                    )
+                except OSError as exc:
+                    self._io_error(f, exc)
+                    futures.append(None)
+            for i, fut in enumerate(futures):
+                if fut is None:
+                    continue
+                try:
+                    out[i] = int(fut.result())
+                except OSError as exc:
+                    self._io_error(runs[i][0], exc)
+        except BaseException:
+            wait([f for f in futures if f is not None])
+            raise
+        if self._bounce is not None:
+            import torch
+
+            for (_f, _l, row, count), n in zip(runs, out):
+                if n:
+                    src = torch.from_numpy(self._bounce[row : row + count])
+                    self.staging[row : row + count].copy_(src, non_blocking=True)
+        return out
+
+    def _headers(self, first_row: int, count: int) -> np.ndarray:
+        """The rows' header bytes, on the host (the fixed part only)."""
+        if self._bounce is not None:
+            part = self._bounce[first_row : first_row + count, :FIXED_HEADER_LEN]
+            heads = np.zeros((count, HEADER_SIZE), dtype=np.uint8)
+            heads[:, :FIXED_HEADER_LEN] = part
+            return heads
+        part = self.staging[first_row : first_row + count, :FIXED_HEADER_LEN].cpu()
+        heads = np.zeros((count, HEADER_SIZE), dtype=np.uint8)
+        heads[:, :FIXED_HEADER_LEN] = part.numpy()
+        return heads
+
+    def _handle(self, f: int) -> Any:
+        handle = self._handles[f]
+        if handle is None:
+            handle = self.backend.open(self.slab_paths[f], writable=False)
+            self._handles[f] = handle
+        return handle
+
+    def _io_error(self, f: int, exc: OSError) -> None:
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        self._log_once(
+            ("io", f"{f}:{exc.errno}"),
+            "kvtier device-staged load from %s failed: errno %s (%s): %s; the "
+            "blocks are recomputed",
+            self.slab_paths[f], exc.errno, name, exc.strerror,
+        )
+
+    def _note(self, what: str, slot: int) -> None:
+        f, _ = locate(slot, len(self.slab_paths))
+        self._log_once(
+            ("corrupt", str(f)),
+            "kvtier device-staged load of slot %d from %s rejected: %s (corrupt "
+            "or torn block, recomputed)",
+            slot, self.slab_paths[f], what,
+        )
+
+    def _note_host_only(self, why: str, slot: int) -> None:
+        f, _ = locate(slot, len(self.slab_paths))
+        self._log_once(
+            ("host_only", str(f)),
+            "kvtier slot %d of %s cannot be verified on the device (%s): it must "
+            "be read through the host path",
+            slot, self.slab_paths[f], why,
+        )
+
+    def _log_once(self, key: tuple[str, str], msg: str, *args: Any) -> None:
+        first = key not in self._logged
+        self._logged.add(key)
+        if first:
+            logger.warning(msg + "; repeats logged at debug", *args)
+        else:
+            logger.debug(msg, *args)
+
+
+def _host_area(nbytes: int) -> tuple[np.ndarray, Any]:
+    """A 4 KiB-aligned host area and the object keeping it alive: page-locked
+    through torch when CUDA is present (so copies to the device are
+    asynchronous)."""
+    import torch
+
+    if torch.cuda.is_available():
+        owner = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
+        raw = owner.numpy()
+        start = (-raw.ctypes.data) % 4096
+        return raw[start : start + nbytes], owner
+    return aligned_empty(nbytes), None
