@@ -1,0 +1,195 @@
+"""DeviceStagingReader on CPU tensors (and, marked ``gpu``, on CUDA): real
+slabs written by DiskStore, faults injected at the back-end boundary."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.io.device_staging import DeviceStagingReader, staging_mode
+from kvtier.io.disk_store import DiskStore
+from kvtier.io.format import HEADER_SIZE, LayoutFingerprint
+from kvtier.io.layout import ReadOutcome
+from kvtier.io.posix_backend import PosixBackend
+from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
+
+torch = pytest.importorskip("torch")
+
+BLOCK = 16384
+SLOTS = 8
+
+
+def fp() -> LayoutFingerprint:
+    return LayoutFingerprint("t/m", "bfloat16", BLOCK, "g", 0, 1)
+
+
+def key_of(slot: int) -> bytes:
+    return b"k%03d" % slot
+
+
+def block_of(slot: int) -> np.ndarray:
+    return np.random.default_rng(100 + slot).integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+def write_store(paths: list[str], compression: str = "none") -> DiskStore:
+    store = DiskStore(
+        paths, SLOTS, BLOCK, fp(), backend="posix", compression=compression
+    )
+    for s in range(SLOTS):
+        store.write_block(s, key_of(s), block_of(s), seq=s + 1)
+    return store
+
+
+@pytest.fixture
+def two_paths(tmp_path: Path) -> Iterator[tuple[list[str], DiskStore]]:
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for p in paths:
+        os.mkdir(p)
+    store = write_store(paths)
+    store.close()  # attributes (paths, slabs) stay usable for on_slot
+    yield paths, store
+
+
+def _reader(paths: list[str], backend: object, **kw: object) -> DeviceStagingReader:
+    return DeviceStagingReader(paths, SLOTS, BLOCK, fp(), backend, **kw)  # type: ignore[arg-type]
+
+
+def _assert_rows(reader: DeviceStagingReader, res: list, items: list) -> None:
+    rows = reader.rows.cpu().numpy()
+    for (slot, _), r in zip(items, res):
+        if r.outcome is ReadOutcome.OK:
+            assert np.array_equal(rows[r.row], block_of(slot))
+
+
+def test_posix_reads_and_verifies_all_slots(
+    two_paths: tuple[list[str], DiskStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    paths, _ = two_paths
+    backend = PosixBackend(threads=2)
+    caplog.set_level(logging.INFO, logger="kvtier.io")
+    reader = _reader(paths, backend, capacity=SLOTS, owns_backend=True)
+    try:
+        assert reader.mode == "posix" == staging_mode(backend)
+        assert "device staging: mode posix" in caplog.text
+        items = [(s, key_of(s)) for s in (5, 0, 3, 6, 1)]
+        res = reader.read(items, first_row=2)
+        assert [r.outcome for r in res] == [ReadOutcome.OK] * 5
+        assert [r.row for r in res] == [2, 3, 4, 5, 6]
+        _assert_rows(reader, res, items)
+        # The wrong key for a slot is refused.
+        (bad,) = reader.read([(4, key_of(5))])
+        assert bad.outcome is ReadOutcome.KEY_MISMATCH
+        with pytest.raises(ValueError, match="capacity"):
+            reader.read([(0, key_of(0))], first_row=SLOTS)
+        with pytest.raises(IndexError):
+            reader.read([(SLOTS, b"x")])
+    finally:
+        reader.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        reader.read([(0, key_of(0))])
+
+
+@pytest.mark.parametrize("fault", ["eio", "short", "bit_flip", "open_eio"])
+def test_posix_faults_fail_only_their_slot(
+    two_paths: tuple[list[str], DiskStore], fault: str
+) -> None:
+    paths, store = two_paths
+    victim = 3
+    plan = FaultPlan(seed=1)
+    where = on_slot(store, victim)
+    if fault == "eio":
+        plan.add(FaultRule.error(errno.EIO, ops="read", **where))
+        want = ReadOutcome.IO_ERROR
+    elif fault == "short":
+        plan.add(FaultRule.short(HEADER_SIZE + 4096, ops="read", **where))
+        want = ReadOutcome.TRUNCATED
+    elif fault == "bit_flip":
+        start = where["ranges"][0][0]
+        plan.add(FaultRule.bit_flip([start + HEADER_SIZE + 777], ops="read", **where))
+        want = ReadOutcome.CHECKSUM_MISMATCH
+    else:
+        plan.add(FaultRule.error(errno.EIO, ops="open", path=where["path"]))
+        want = ReadOutcome.IO_ERROR
+    backend = FaultInjectingBackend(PosixBackend(threads=2), plan)
+    reader = _reader(paths, backend, capacity=SLOTS, owns_backend=True)
+    try:
+        items = [(s, key_of(s)) for s in range(6)]
+        res = reader.read(items)
+        assert plan.injected, "the fault never fired"
+        for (slot, _), r in zip(items, res):
+            if slot == victim or (fault == "open_eio" and slot % 2 == victim % 2):
+                assert r.outcome is want, (slot, r)
+            else:
+                assert r.outcome is ReadOutcome.OK, (slot, r)
+        _assert_rows(reader, res, items)
+    finally:
+        reader.close()
+
+
+def test_short_read_inside_a_run_keeps_the_whole_slots(tmp_path: Path) -> None:
+    store = write_store([str(tmp_path)])
+    store.close()
+    ss = store.slot_size
+    plan = FaultPlan(seed=1)
+    # One path: slots 2, 3, 4 are one run; the read stops 1.5 slots in.
+    plan.add(FaultRule.short(ss + ss // 2, ops="read", **on_slot(store, 2)))
+    backend = FaultInjectingBackend(PosixBackend(threads=1), plan)
+    reader = DeviceStagingReader(
+        [str(tmp_path)], SLOTS, BLOCK, fp(), backend, capacity=4, owns_backend=True
+    )
+    try:
+        items = [(s, key_of(s)) for s in (2, 3, 4)]
+        res = reader.read(items)
+        assert [r.outcome for r in res] == [
+            ReadOutcome.OK,
+            ReadOutcome.TRUNCATED,
+            ReadOutcome.TRUNCATED,
+        ]
+        _assert_rows(reader, res, items)
+    finally:
+        reader.close()
+
+
+def test_compressed_and_old_slots_are_host_only(tmp_path: Path) -> None:
+    store = write_store([str(tmp_path)], compression="zstd")
+    # Compressible data so zstd is kept for this slot.
+    store.write_block(0, key_of(0), np.zeros(BLOCK, np.uint8), seq=99)
+    store.close()
+    backend = PosixBackend(threads=1)
+    reader = DeviceStagingReader(
+        [str(tmp_path)], SLOTS, BLOCK, fp(), backend, capacity=2, owns_backend=True
+    )
+    try:
+        (r,) = reader.read([(0, key_of(0))])
+        assert r.outcome is ReadOutcome.HOST_ONLY and "codec" in r.detail
+    finally:
+        reader.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_staging_posix_bounce(two_paths: tuple[list[str], DiskStore]) -> None:
+    paths, store = two_paths
+    plan = FaultPlan(seed=1)
+    start = on_slot(store, 2)["ranges"][0][0]
+    plan.add(
+        FaultRule.bit_flip([start + HEADER_SIZE + 5], ops="read", **on_slot(store, 2))
+    )
+    backend = FaultInjectingBackend(PosixBackend(threads=2), plan)
+    reader = _reader(paths, backend, device="cuda", capacity=SLOTS, owns_backend=True)
+    try:
+        assert reader.staging.is_cuda and reader.mode == "posix"
+        items = [(s, key_of(s)) for s in range(SLOTS)]
+        res = reader.read(items)
+        for (slot, _), r in zip(items, res):
+            want = ReadOutcome.CHECKSUM_MISMATCH if slot == 2 else ReadOutcome.OK
+            assert r.outcome is want
+        _assert_rows(reader, res, items)
+    finally:
+        reader.close()
