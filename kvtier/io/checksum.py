@@ -60,22 +60,33 @@ def header_checksum(data: Any) -> int:
 DEVICE_CHECKSUM_PRIME = (1 << 31) - 1
 _P = DEVICE_CHECKSUM_PRIME
 _MASK32 = 0xFFFFFFFF
+# How it is computed (both implementations): the words are cut into q rows of
+# _COLS words (plus a tail of r < _COLS words). With T_c the row sums and K_j
+# the column sums, sum((i+1) u_i) = sum_c (c*_COLS) T_c + sum_j (j+1) K_j
+# (+ the tail's own weighted sum). So the big data is only summed twice along
+# two axes (exact: every sum < n * 2**32 < 2**63); the weights and the
+# modular products touch the small vectors T and K only.
+_COLS = 1024
 # Words per torch chunk: bounds the int64 temporaries to 8 bytes * this.
 _TORCH_CHUNK_WORDS = 1 << 22
-_np_weights: dict[int, Any] = {}
-_torch_weights: dict[tuple[str, int], Any] = {}
+_weights: dict[tuple[str, int, int], Any] = {}
 _weights_lock = threading.Lock()
 
 
-def _np_weights_for(n: int) -> Any:
+def _np_weights(q: int, n: int) -> tuple[Any, Any, Any]:
     import numpy as np
 
+    key = ("np", q, n)
     with _weights_lock:
-        w = _np_weights.get(n)
+        w = _weights.get(key)
         if w is None:
-            if len(_np_weights) > 16:
-                _np_weights.clear()
-            w = _np_weights[n] = np.arange(1, n + 1, dtype=np.uint64)
+            if len(_weights) > 32:
+                _weights.clear()
+            w = _weights[key] = (
+                (np.arange(q, dtype=np.uint64) * _COLS) % _P,
+                np.arange(1, _COLS + 1, dtype=np.uint64),
+                np.arange(q * _COLS + 1, n + 1, dtype=np.uint64) % _P,
+            )
     return w
 
 
@@ -94,14 +105,19 @@ def device_checksum(data: Any) -> int:
     n = words.size
     if n >= 1 << 31:
         raise ValueError(f"payload of {raw.size} bytes is too long for the device checksum")
-    if n == 0:
-        return 0
-    s1 = int(words.sum(dtype=np.uint64)) & _MASK32  # exact: n * 2**32 < 2**63
-    u = words.astype(np.uint64)
-    u = (u & _P) + (u >> 31)  # == u mod P (congruent), <= 2**31
-    u *= _np_weights_for(n)  # < 2**31 * 2**31 = 2**62
-    u = (u & _P) + (u >> 31)  # congruent, < 2**32
-    s2 = int(u.sum(dtype=np.uint64)) % _P  # exact: n * 2**32 < 2**63
+    q = n // _COLS
+    cw, jw, tw = _np_weights(q, n)
+    main = words[: q * _COLS].reshape(q, _COLS)
+    tail = words[q * _COLS :].astype(np.uint64)
+    t = main.sum(axis=1, dtype=np.uint64)  # (q,), each < 2**42
+    k = main.sum(axis=0, dtype=np.uint64)  # (_COLS,), each < q * 2**32
+    s1 = (int(t.sum()) + int(tail.sum())) & _MASK32
+    # Products of two residues < 2**31 stay < 2**62; their sums < 2**63.
+    s2 = (
+        int(((t % _P) * cw % _P).sum())
+        + int(((k % _P) * jw % _P).sum())
+        + int(((tail % _P) * tw % _P).sum())
+    ) % _P
     return (s2 << 32) | s1
 
 
@@ -113,8 +129,9 @@ def device_checksums(rows: Any, nbytes: int) -> Any:
     stride is a multiple of 4; ``nbytes`` must be a multiple of 4 (pad with
     zeros first otherwise). Returns an int64 tensor of one checksum per row on
     ``rows``' device, equal to :func:`device_checksum` of each row's bytes
-    (which is < 2**63, so int64 holds it unchanged). Launches a fixed number of kernels per chunk
-    of rows; never synchronises the device itself.
+    (which is < 2**63, so int64 holds it unchanged). Integer ops only (exact,
+    so deterministic on any device); a fixed number of kernels per chunk of
+    rows; never synchronises the device itself.
     """
     import torch
 
@@ -129,24 +146,34 @@ def device_checksums(rows: Any, nbytes: int) -> Any:
         return out
     if n >= 1 << 31:
         raise ValueError("rows too long for the device checksum")
-    key = (str(rows.device), n)
+    q = n // _COLS
+    key = (str(rows.device), q, n)
     with _weights_lock:
-        weights = _torch_weights.get(key)
-        if weights is None:
-            if len(_torch_weights) > 16:
-                _torch_weights.clear()
-            weights = _torch_weights[key] = torch.arange(
-                1, n + 1, dtype=torch.int64, device=rows.device
+        w = _weights.get(key)
+        if w is None:
+            if len(_weights) > 32:
+                _weights.clear()
+            dev = rows.device
+            w = _weights[key] = (
+                (torch.arange(q, dtype=torch.int64, device=dev) * _COLS) % _P,
+                torch.arange(1, _COLS + 1, dtype=torch.int64, device=dev),
+                torch.arange(q * _COLS + 1, n + 1, dtype=torch.int64, device=dev) % _P,
             )
+    cw, jw, tw = w
     words = rows[:, :nbytes].view(torch.int32)
     step = max(1, _TORCH_CHUNK_WORDS // n)
     for lo in range(0, count, step):
-        w = words[lo : lo + step].to(torch.int64) & _MASK32  # uint32 values
-        s1 = w.sum(dim=1) & _MASK32
-        w = (w & _P) + (w >> 31)
-        w *= weights
-        w = (w & _P) + (w >> 31)
-        s2 = torch.remainder(w.sum(dim=1), _P)
+        u = words[lo : lo + step].to(torch.int64) & _MASK32  # uint32 values
+        m = u.shape[0]
+        main = u[:, : q * _COLS].reshape(m, q, _COLS)
+        tail = u[:, q * _COLS :]
+        t = main.sum(dim=2)  # (m, q)
+        k = main.sum(dim=1)  # (m, _COLS)
+        s1 = (t.sum(dim=1) + tail.sum(dim=1)) & _MASK32
+        s2 = (
+            (t % _P * cw % _P).sum(dim=1)
+            + (k % _P * jw % _P).sum(dim=1)
+            + (tail % _P * tw % _P).sum(dim=1)
+        ) % _P
         out[lo : lo + step] = (s2 << 32) | s1
     return out
-
