@@ -10,8 +10,8 @@ which is how CI tests it.
 How bytes arrive, by back end (the *mode*, logged once per reader):
 
   gds     kvikio with GPUDirect Storage: kvikio reads straight into the
-          device tensor (futures from the back end's thread pool, each
-          running ``CuFile.pread``).
+          device tensor (``KvikioBackend.start_read``: kvikio's own
+          asynchronous ``CuFile.pread`` futures, all runs in flight at once).
   compat  kvikio without GDS (no driver, file system without O_DIRECT, or
           ``KVIKIO_COMPAT_MODE=ON``): the same calls; kvikio bounces through
           its own host buffers internally.
@@ -28,11 +28,11 @@ never used unverified.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
-from collections.abc import Sequence
-from concurrent.futures import Future, wait
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,28 +298,39 @@ class DeviceStagingReader:
     def _read_runs(self, runs: list[tuple[int, int, int, int]]) -> list[int | None]:
         """Bytes read per run, or None where the open or the read failed."""
         out: list[int | None] = [None] * len(runs)
-        futures: list[Future[int] | None] = []
+        # kvikio: its own IOFutures (start_read); others: the back end's futures.
+        start = getattr(self.backend, "start_read", None)
+        waiters: list[Callable[[], int] | None] = []
+        waited = 0
         try:
             for f, local, row, count in runs:
                 try:
                     handle = self._handle(f)
-                    futures.append(
-                        self.backend.submit_read(
-                            handle, self._target(row, count), local * self.slot_size
-                        )
-                    )
+                    target = self._target(row, count)
+                    offset = local * self.slot_size
+                    if start is not None:
+                        waiters.append(start(handle, target, offset))
+                    else:
+                        fut = self.backend.submit_read(handle, target, offset)
+                        waiters.append(fut.result)
                 except OSError as exc:
                     self._io_error(f, exc)
-                    futures.append(None)
-            for i, fut in enumerate(futures):
-                if fut is None:
+                    waiters.append(None)
+            for i, waiter in enumerate(waiters):
+                waited = i + 1
+                if waiter is None:
                     continue
                 try:
-                    out[i] = int(fut.result())
+                    out[i] = int(waiter())
                 except OSError as exc:
                     self._io_error(runs[i][0], exc)
         except BaseException:
-            wait([f for f in futures if f is not None])
+            # A bug: reads still in flight write into the staging area; let
+            # them land before the exception leaves.
+            for pending in waiters[waited:]:
+                if pending is not None:
+                    with contextlib.suppress(Exception):
+                        pending()
             raise
         if self._bounce is not None:
             import torch

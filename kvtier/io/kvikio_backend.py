@@ -370,6 +370,34 @@ class KvikioBackend(DiskBackend):
         _check_offset(offset)
         return self._pool.submit(_read, handle, target, nbytes, offset)
 
+    def start_read(
+        self, handle: KvikioHandle, buf: Any, offset: int
+    ) -> Callable[[], int]:
+        """Start ``len(buf)`` bytes at ``offset`` with kvikio's own
+        asynchronous ``CuFile.pread`` (an IOFuture that kvikio splits over its
+        thread pool; device buffers go NVMe -> GPU under GDS) and return a
+        function that waits for it and returns the byte count (short at end
+        of file, like ``submit_read``) or raises OSError. Bad arguments raise
+        here; so does a failure to start (as OSError)."""
+        target, nbytes = _as_target(buf, for_read=True)
+        _check_offset(offset)
+        try:
+            size = os.fstat(handle.file.fileno()).st_size
+            count = min(nbytes, max(0, size - offset))
+            fut = handle.file.pread(target, count, offset) if count else None
+        except Exception as exc:
+            raise _to_oserror(exc, "read", handle.path) from exc
+
+        def wait() -> int:
+            if fut is None:
+                return 0
+            try:
+                return int(fut.get())
+            except Exception as exc:
+                raise _to_oserror(exc, "read", handle.path) from exc
+
+        return wait
+
     def submit_write(self, handle: KvikioHandle, buf: Any, offset: int) -> Future[int]:
         target, nbytes = _as_target(buf, for_read=False)
         _check_offset(offset)
