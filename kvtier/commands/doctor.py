@@ -1,0 +1,176 @@
+"""``kvtier doctor``: check this host and a kvtier config before ``vllm serve``.
+
+Reads the same JSON as ``--kv-transfer-config`` (``--config FILE``), or a
+disk path and sizes given as flags, and reports one line per check: ``ok``,
+``warning`` or ``error``, each problem with its fix. The checks live by idea
+in ``doctor_config`` (vLLM, connector, keys), ``doctor_disk`` (each disk
+path), ``doctor_host`` (GDS / I/O path, ``/dev/shm``, prefix hashing) and
+``doctor_store`` (would an existing store be adopted).
+
+Exit status: 0 when no check is an error (warnings included), 1 when one
+is, 2 when the input cannot be read (missing file, malformed JSON, bad
+flags). Nothing is created or modified, except the probe files of the
+O_DIRECT and throughput probes (removed again) and, with
+``--reclaim-stale``, dead engines' CPU-tier files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvtier.commands.common import emit_json
+
+OK, WARNING, ERROR = "ok", "warning", "error"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding: ``area`` (vllm, config, disk, io, shm, warm-restart),
+    ``subject`` (what was checked, e.g. a path), ``status`` (ok / warning /
+    error), ``detail`` (what was found) and ``fix`` (what to do; empty when
+    nothing is to be done)."""
+
+    area: str
+    subject: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class DoctorInput:
+    """What the checks look at: the transfer config (None with flags), its
+    ``kv_connector_extra_config`` and the command-line options."""
+
+    transfer: dict[str, Any] | None
+    extra: dict[str, Any]
+    args: argparse.Namespace
+
+
+class InputError(ValueError):
+    """Input that cannot be read at all (exit status 2)."""
+
+
+def load_input(args: argparse.Namespace) -> DoctorInput:
+    """The config from ``--config`` or from the flags; raises InputError."""
+    flags = [
+        f
+        for f, v in (
+            ("--disk-path", args.disk_path),
+            ("--cpu-bytes", args.cpu_bytes),
+            ("--disk-bytes", args.disk_bytes),
+        )
+        if v
+    ]
+    if args.config is not None:
+        if flags:
+            raise InputError(
+                f"give --config or {', '.join(flags)}, not both (the config "
+                "file holds the sizes and paths)"
+            )
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"cannot read --config {args.config!r}: {exc}") from None
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(
+                f"--config {args.config!r} is not valid JSON (line {exc.lineno}, "
+                f"column {exc.colno}: {exc.msg}); it takes the JSON given to "
+                "vllm serve --kv-transfer-config"
+            ) from None
+        if not isinstance(doc, dict):
+            raise InputError(
+                f"--config {args.config!r} holds a JSON {type(doc).__name__}, "
+                "expected an object (the --kv-transfer-config JSON)"
+            )
+        extra = doc.get("kv_connector_extra_config")
+        if not isinstance(extra, dict):
+            raise InputError(
+                f"--config {args.config!r}: 'kv_connector_extra_config' is "
+                f"{'missing' if extra is None else 'not an object'}; kvtier's "
+                "keys (cpu_bytes_to_use, disk_path, ...) go there (see "
+                "configs/cpu-disk.json)"
+            )
+        return DoctorInput(doc, extra, args)
+    if not flags:
+        raise InputError(
+            "give --config FILE.json (the --kv-transfer-config JSON), or "
+            "--cpu-bytes with --disk-path and --disk-bytes"
+        )
+    extra = {"cpu_bytes_to_use": args.cpu_bytes}
+    if args.disk_bytes:
+        extra["disk_bytes_to_use"] = args.disk_bytes
+    if args.disk_path:
+        extra["disk_path"] = list(args.disk_path)
+    if args.cpu_bytes is None:
+        extra.pop("cpu_bytes_to_use")
+    return DoctorInput(None, extra, args)
+
+
+def run_checks(inp: DoctorInput) -> list[Check]:
+    """Every check, in report order. Never raises for a host problem."""
+    from kvtier.commands import doctor_config, doctor_disk, doctor_host, doctor_store
+
+    checks: list[Check] = []
+    checks += doctor_config.check_vllm()
+    config_checks, cfg = doctor_config.check_config(inp)
+    checks += config_checks
+    if cfg is None:
+        return checks
+    adopted: dict[str, list[str]] = {}
+    if cfg.disk_enabled:
+        store_checks, adopted = doctor_store.check_stores(
+            cfg.disk_paths, inp.args.model
+        )
+        for path in cfg.disk_paths:
+            checks += doctor_disk.check_disk_path(
+                cfg,
+                path,
+                reusable=adopted.get(path, []),
+                probe_seconds=0.0 if inp.args.no_probe else inp.args.probe_seconds,
+            )
+        checks += store_checks
+    checks += doctor_host.check_io_path(cfg)
+    checks += doctor_host.check_shm(cfg, inp.args.shm_dir, inp.args.reclaim_stale)
+    checks += doctor_host.check_prefix_hash(inp.args.hash_algo)
+    return checks
+
+
+def _render(checks: list[Check]) -> str:
+    width = max((len(c.area) for c in checks), default=4)
+    lines = []
+    for c in checks:
+        lines.append(
+            f"[{c.status.upper():7}] {c.area:<{width}}  {c.subject}: {c.detail}"
+        )
+        if c.fix:
+            lines.append(f"{'':9} {'':<{width}}  fix: {c.fix}")
+    errors = sum(c.status == ERROR for c in checks)
+    warnings = sum(c.status == WARNING for c in checks)
+    lines.append(
+        f"{len(checks)} checks: {errors} error(s), {warnings} warning(s)"
+        + ("" if errors else " -- ready for vllm serve")
+    )
+    return "\n".join(lines)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    try:
+        inp = load_input(args)
+    except InputError as exc:
+        print(f"kvtier doctor: {exc}", file=sys.stderr)
+        return 2
+    checks = run_checks(inp)
+    failed = any(c.status == ERROR for c in checks)
+    if args.json:
+        emit_json({"ok": not failed, "checks": [asdict(c) for c in checks]})
+    else:
+        print(_render(checks))
+    return 1 if failed else 0
