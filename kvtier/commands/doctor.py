@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -114,32 +115,63 @@ def load_input(args: argparse.Namespace) -> DoctorInput:
     return DoctorInput(None, extra, args)
 
 
+def _guarded(area: str, subject: str, fn: Callable[[], list[Check]]) -> list[Check]:
+    """``fn()``'s checks; an unexpected exception becomes an error check
+    (one broken probe must not hide the rest of the report)."""
+    try:
+        return fn()
+    except Exception as exc:
+        return [
+            Check(
+                area,
+                subject,
+                ERROR,
+                f"the check itself failed: {exc!r}",
+                "fix what the message names, or report it as a kvtier bug",
+            )
+        ]
+
+
 def run_checks(inp: DoctorInput) -> list[Check]:
     """Every check, in report order. Never raises for a host problem."""
     from kvtier.commands import doctor_config, doctor_disk, doctor_host, doctor_store
 
-    checks: list[Check] = []
-    checks += doctor_config.check_vllm()
+    args = inp.args
+    checks = _guarded("vllm", "version", doctor_config.check_vllm)
     config_checks, cfg = doctor_config.check_config(inp)
     checks += config_checks
     if cfg is None:
         return checks
-    adopted: dict[str, list[str]] = {}
     if cfg.disk_enabled:
-        store_checks, adopted = doctor_store.check_stores(
-            cfg.disk_paths, inp.args.model
-        )
+        adopted: dict[str, list[str]] = {}
+
+        def stores() -> list[Check]:
+            found, reusable = doctor_store.check_stores(cfg.disk_paths, args.model)
+            adopted.update(reusable)
+            return found
+
+        store_checks = _guarded("warm-restart", "existing stores", stores)
+        seconds = 0.0 if args.no_probe else args.probe_seconds
         for path in cfg.disk_paths:
-            checks += doctor_disk.check_disk_path(
-                cfg,
+            checks += _guarded(
+                "disk",
                 path,
-                reusable=adopted.get(path, []),
-                probe_seconds=0.0 if inp.args.no_probe else inp.args.probe_seconds,
+                lambda p=path: doctor_disk.check_disk_path(
+                    cfg, p, reusable=adopted.get(p, []), probe_seconds=seconds
+                ),
             )
         checks += store_checks
-    checks += doctor_host.check_io_path(cfg)
-    checks += doctor_host.check_shm(cfg, inp.args.shm_dir, inp.args.reclaim_stale)
-    checks += doctor_host.check_prefix_hash(inp.args.hash_algo)
+    checks += _guarded("io", "disk I/O path", lambda: doctor_host.check_io_path(cfg))
+    checks += _guarded(
+        "shm",
+        "CPU tier",
+        lambda: doctor_host.check_shm(cfg, args.shm_dir, args.reclaim_stale),
+    )
+    checks += _guarded(
+        "warm-restart",
+        "prefix hash",
+        lambda: doctor_host.check_prefix_hash(args.hash_algo),
+    )
     return checks
 
 
