@@ -358,3 +358,72 @@ def test_text_output_and_exit_status(capsys, tmp_path, shm):
     assert (
         out.rstrip().splitlines()[-1].startswith(f"{out.count('[')} checks: 1 error(s)")
     )
+
+
+# ------------------------------------------------------------- kvikio / GDS
+
+
+def _stub_lib_dir(broken: bool) -> Path:
+    """tests/stubs' libcuda.so.1 (the test-only CUDA driver stub)."""
+    import importlib.util
+
+    if importlib.util.find_spec("kvikio") is None:
+        pytest.skip("kvikio not installed (run scripts/install-kvikio.sh)")
+    path = Path(__file__).resolve().parents[1] / "stubs" / "build_stub.py"
+    spec = importlib.util.spec_from_file_location("kvtier_doctor_build_stub", path)
+    assert spec is not None and spec.loader is not None
+    build_stub = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_stub)
+    if build_stub.compiler() is None:
+        pytest.skip("no C compiler (gcc) to build the CUDA driver stub")
+    if not broken:
+        return build_stub.build_stub().parent
+    out = build_stub.DEFAULT_OUT_DIR / "broken"
+    return build_stub.build_stub(out, defines=["KVTIER_STUB_BROKEN_DRIVER"]).parent
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["stub-driver", "broken-driver"])
+def test_io_path_with_a_cuda_driver_stub(tmp_path, disk, shm, broken):
+    """kvikio over a (stub) driver: usable, compat mode, chosen by 'auto'; a
+    driver whose cuDriverGetVersion fails: refused, no hang."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVIKIO_")}
+    env["LD_LIBRARY_PATH"] = str(_stub_lib_dir(broken))
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "doctor", "--json", *flags(disk, shm)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    checks = {c["subject"]: c for c in json.loads(proc.stdout)["checks"]}
+    kvikio, path = checks["kvikio"]["detail"], checks["disk I/O path"]["detail"]
+    if broken:
+        assert kvikio.startswith("not usable") and "cuDriverGetVersion" in kvikio
+        assert path.startswith("posix threads")
+    else:
+        assert kvikio.startswith("usable, compat mode")
+        assert path.startswith("kvikio, compat mode")
+
+
+def test_tiering_mode_config(capsys, tmp_path, disk, shm):
+    text = (
+        Path(__file__).resolve().parents[2]
+        / "configs"
+        / "vllm-tiering-kvtier-disk.json"
+    ).read_text()
+    doc = json.loads(
+        text.replace("/mnt/nvme0/kvtier", str(disk))
+        .replace("64000000000", str(MiB))
+        .replace("1000000000000", str(MiB))
+    )
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 0, [c for c in checks.values() if c["status"] == "error"]
+    assert "tiering mode" in checks["kv_connector"]["detail"]
+    assert checks[f"{disk}: free space"]["status"] == "ok"
+    doc["kv_connector_extra_config"]["secondary_tiers"][0]["disk_bytez"] = 1
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1 and "secondary_tiers" in checks["disk_bytez"]["detail"]
