@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,6 +28,7 @@ from typing import Any
 from kvtier.commands.common import emit_json
 
 OK, WARNING, ERROR = "ok", "warning", "error"
+MAX_CONFIG_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,33 @@ class InputError(ValueError):
     """Input that cannot be read at all (exit status 2)."""
 
 
+def _read_config(path: str) -> str:
+    """The text of a regular file of at most MAX_CONFIG_BYTES (a FIFO or a
+    device would block or never end); raises InputError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InputError(f"cannot read --config {path!r}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"--config {path!r} is not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise InputError(
+                f"--config {path!r} holds {st.st_size} bytes; a transfer config "
+                f"is a few hundred (limit {MAX_CONFIG_BYTES})"
+            )
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read --config {path!r}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"--config {path!r} is not UTF-8 text: {exc}") from None
+
+
 def load_input(args: argparse.Namespace) -> DoctorInput:
     """The config from ``--config`` or from the flags; raises InputError."""
     flags = [
@@ -73,11 +103,7 @@ def load_input(args: argparse.Namespace) -> DoctorInput:
                 f"give --config or {', '.join(flags)}, not both (the config "
                 "file holds the sizes and paths)"
             )
-        try:
-            with open(args.config, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"cannot read --config {args.config!r}: {exc}") from None
+        text = _read_config(args.config)
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -427,3 +427,30 @@ def test_tiering_mode_config(capsys, tmp_path, disk, shm):
     doc["kv_connector_extra_config"]["secondary_tiers"][0]["disk_bytez"] = 1
     rc, checks = run_config(capsys, tmp_path, shm, doc)
     assert rc == 1 and "secondary_tiers" in checks["disk_bytez"]["detail"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "missing", "binary"])
+def test_unreadable_config_is_one_line_and_no_hang(tmp_path, kind):
+    """In a subprocess with a timeout: a FIFO must not block the read."""
+    import sys
+
+    path = tmp_path / "kv.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "binary":
+        path.write_bytes(b"\xff\xfe{")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "doctor", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtier doctor: "), proc.stderr
+    assert str(path) in lines[0] and "Traceback" not in proc.stderr
