@@ -1,4 +1,4 @@
-"""configs/grafana-kvtier.json is an importable Grafana dashboard: unique
+"""docs/grafana-kvtier.json is an importable Grafana dashboard: unique
 panel ids, one data source variable, no overlapping panels, every query a
 PromQL expression over vLLM's series. (That every series is exported is
 tests/e2e/test_grafana_dashboard.py, against a live server.)"""
@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana-kvtier.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-kvtier.json"
 
 
 def test_dashboard_structure():

@@ -1,4 +1,4 @@
-"""configs/grafana-kvtier.json names only series a live server exports.
+"""docs/grafana-kvtier.json names only series a live server exports.
 
 One OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``,
 the multiprocess engine ``vllm serve`` runs) on the tiny model with a disk
@@ -34,7 +34,7 @@ from kvtier.testing.model import build_tiny_llama
 
 pytestmark = pytest.mark.e2e
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana-kvtier.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-kvtier.json"
 SERIES_RE = re.compile(r"(vllm:[A-Za-z0-9_:]+)(\{[^}]*\})?")
 MATCHER_RE = re.compile(r'(\w+)\s*=\s*"([^"$]*)"')
 BLOCK_TOKENS = 32
