@@ -73,6 +73,15 @@ def _config_error(exc: ConfigError) -> Check:
     return Check("config", exc.key, ERROR, str(exc), "see docs/configuration.md")
 
 
+def _connector_hint() -> str:
+    """The fix the connector itself names at engine start."""
+    try:
+        from kvtier.connector.connector import CONNECTOR_HINT
+    except Exception:  # vLLM missing or broken: check_vllm says so
+        return "see docs/configuration.md#passing-it-to-vllm"
+    return CONNECTOR_HINT
+
+
 def _transfer_keys() -> tuple[str, ...] | None:
     """vLLM's ``KVTransferConfig`` fields (None if vLLM cannot be imported)."""
     try:
@@ -101,10 +110,7 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
     connector = transfer.get("kv_connector")
     module = transfer.get("kv_connector_module_path")
     policy = transfer.get("kv_load_failure_policy", "fail")
-    hint = (
-        f'set "kv_connector": "{KVTIER_CONNECTOR}", "kv_connector_module_path": '
-        f'"{KVTIER_MODULE}" and "kv_load_failure_policy": "recompute"'
-    )
+    hint = _connector_hint()
     if spec == TIERING_SPEC:
         if connector != "OffloadingConnector":
             out.append(
