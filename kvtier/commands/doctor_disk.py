@@ -65,22 +65,28 @@ def _mode_check(path: str) -> Check:
         mode = stat.S_IMODE(st.st_mode)
         try:
             check_private_fd(fd, path, directory=True)
-        except PermissionError as exc:
-            sticky = bool(mode & stat.S_ISVTX)
-            detail = f"{exc.strerror or exc}"
-            if mode & 0o002 and not sticky:
-                detail += (
-                    "; world-writable without the sticky bit: another user can "
-                    "also rename or remove kvtier's store directory"
+        except PermissionError:
+            # Allowed for a disk path (kvtier's own store directory inside is
+            # private), but see docs/operations.md#security.
+            if st.st_uid != os.geteuid():
+                detail = (
+                    f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
                 )
-            elif st.st_uid == os.geteuid() and not mode & 0o022:
+            elif mode & 0o022:
+                detail = f"mode {mode:04o}: group or others can write here"
+            else:
                 detail = (
                     f"mode {mode:04o}: readable by others (the store inside is 0700)"
                 )
-            else:
+            if mode & 0o002 and not mode & stat.S_ISVTX:
                 detail += (
-                    "; kvtier's store directory inside is private, but anyone "
-                    "who creates it first keeps the engine from starting"
+                    "; world-writable without the sticky bit: another user can "
+                    "rename or remove kvtier's store directory"
+                )
+            elif st.st_uid != os.geteuid() or mode & 0o022:
+                detail += (
+                    "; anyone who creates kvtier's store directory here first "
+                    "keeps the engine from starting"
                 )
             return Check(
                 "disk",
@@ -256,11 +262,12 @@ def _probe_check(cfg: KvtierConfig, path: str, seconds: float) -> Check:
             "disk", subject, ERROR, f"probe I/O failed: {exc}", "check the device"
         )
     fill_s = share / max(w_bps, 1.0)
+    fill = f"{fill_s:.1f}" if fill_s < 10 else f"{fill_s:,.0f}"
     detail = (
         f"write {fmt_bytes(int(w_bps))}/s, read {fmt_bytes(int(r_bps))}/s "
         f"({fmt_bytes(n)} probe, {cfg.disk_io_threads} threads, "
         f"{'O_DIRECT' if direct else 'buffered'}): spills fill this path's "
-        f"{fmt_bytes(share)} in about {fill_s:,.0f} s; disk hits load at up "
+        f"{fmt_bytes(share)} in about {fill} s; disk hits load at up "
         f"to ~{fmt_bytes(int(r_bps))}/s from this path"
     )
     if n < 64 * PROBE_CHUNK:
