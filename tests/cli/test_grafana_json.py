@@ -49,3 +49,29 @@ def test_dashboard_structure():
         "corrupt",
     ):
         assert any(needed.lower() in t.lower() for t in titles), needed
+
+
+def test_vllm_series_exist_in_vllm_033_too():
+    """The dashboard's vLLM-owned series are named in vLLM 0.33's sources as
+    well (the live test runs 0.32); kvtier's own come from kvtier."""
+    import os
+
+    import pytest
+
+    tree = Path(
+        os.environ.get("KVTIER_VLLM_NEXT_TREE")
+        or Path(__file__).resolve().parents[2] / ".vllm-0.33"
+    )
+    if not (tree / "vllm").is_dir():
+        pytest.skip(f"no vLLM 0.33 tree at {tree} (make vllm-next)")
+    sources = "".join(
+        (tree / "vllm" / rel).read_text()
+        for rel in (
+            "v1/metrics/loggers.py",
+            "distributed/kv_transfer/kv_connector/v1/offloading/metrics.py",
+        )
+    )
+    names = set(re.findall(r"vllm:[A-Za-z0-9_:]+", DASHBOARD.read_text()))
+    theirs = {n.removesuffix("_total") for n in names if "kv_offload_kvtier_" not in n}
+    assert len(theirs) >= 8
+    assert sorted(n for n in theirs if f'"{n}"' not in sources) == []
