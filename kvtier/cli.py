@@ -1,7 +1,9 @@
-"""The ``kvtier`` command line: ``size``, ``inspect``, ``verify``, ``events``.
+"""The ``kvtier`` command line: ``size``, ``inspect``, ``verify``, ``events``,
+``doctor``.
 
 ``python -m kvtier.cli ...`` works too. Exit status: 0 on success, 1 when
-``verify`` finds a bad slot, 2 on bad usage or unreadable input.
+``verify`` finds a bad slot (``doctor``: a check failed), 2 on bad usage or
+unreadable input.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from kvtier.commands.doctor import cmd_doctor
 from kvtier.commands.events import cmd_events
 from kvtier.commands.size import cmd_size
 from kvtier.commands.store import cmd_inspect, cmd_verify
 from kvtier.events_sub import DEFAULT_MAX_MESSAGE_BYTES
 from kvtier.tiers.policy import POLICIES
+
+# vLLM's PrefixCachingHashAlgo (vllm.config.cache); a test keeps them equal.
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
 _EXPONENT = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -118,7 +124,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="kvtier",
-        description="kvtier tools: tier sizing, disk store inspection, KV events.",
+        description="kvtier tools: tier sizing, disk store inspection, KV events, host checks.",
     )
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -241,6 +247,60 @@ def build_parser() -> argparse.ArgumentParser:
         "arrived",
     )
     e.set_defaults(func=cmd_events)
+
+    d = sub.add_parser(
+        "doctor",
+        help="check this host and a kvtier config before vllm serve",
+        description=(
+            "Check vLLM, the connector keys, each disk path (owner and mode, free "
+            "space, file system, O_DIRECT, a short throughput probe), the disk I/O "
+            "path (kvikio/GDS or POSIX), /dev/shm for the CPU tier, prefix-hash "
+            "reproducibility and existing stores. Exit status 1 if any check is "
+            "an error, 2 on unreadable input."
+        ),
+    )
+    d.add_argument(
+        "--config", metavar="FILE.json", help="the --kv-transfer-config JSON"
+    )
+    d.add_argument(
+        "--disk-path",
+        action="append",
+        metavar="DIR",
+        help="instead of --config: a disk path (repeat for several)",
+    )
+    d.add_argument("--cpu-bytes", type=_pos_bytes, help="instead of --config: CPU tier")
+    d.add_argument(
+        "--disk-bytes", type=_pos_bytes, help="instead of --config: disk tier"
+    )
+    d.add_argument(
+        "--model",
+        help="the model vllm serve will load: tells whether an existing store "
+        "would be adopted",
+    )
+    d.add_argument(
+        "--hash-algo",
+        choices=HASH_ALGOS,
+        default="sha256",
+        help="vllm serve's --prefix-caching-hash-algo (default sha256)",
+    )
+    d.add_argument(
+        "--probe-seconds",
+        type=_pos_seconds,
+        default=2.0,
+        help="time budget of each path's throughput probe (default 2)",
+    )
+    d.add_argument("--no-probe", action="store_true", help="skip the throughput probe")
+    d.add_argument(
+        "--shm-dir",
+        help="shared-memory directory of the CPU tier (default /dev/shm)",
+    )
+    d.add_argument(
+        "--reclaim-stale",
+        action="store_true",
+        help="remove dead engines' CPU-tier files (default: only report them)",
+    )
+    d.add_argument("--json", action="store_true", help="print JSON")
+    d.set_defaults(func=cmd_doctor)
     return p
 
 

@@ -483,7 +483,9 @@ def errors_section() -> str:
         "",
         "Every bad value raises `kvtier.connector.config.ConfigError` (a "
         "`ValueError`) at engine start. The message names the key, what was "
-        "given and what is accepted. Generated from real calls:",
+        "given and what is accepted. `kvtier doctor --config FILE.json` prints "
+        "the same messages before start, with the host checks "
+        "([operations](operations.md#kvtier-doctor)). Generated from real calls:",
         "",
         "| input | message |",
         "| --- | --- |",

@@ -4,4 +4,6 @@
   size     ``kvtier size``: trace replay, recommendation, policy comparison
   store    ``kvtier inspect`` and ``kvtier verify``
   events   ``kvtier events``: KV event counts per medium
+  doctor   ``kvtier doctor``: host and config checks (doctor_config,
+           doctor_disk, doctor_host, doctor_store: the checks by idea)
 """

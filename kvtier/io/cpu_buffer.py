@@ -359,14 +359,18 @@ def _younger_than(path: str, seconds: float) -> bool:
         return True
 
 
-def reclaim_stale_cpu_files(directory: str) -> list[tuple[str, int]]:
+def reclaim_stale_cpu_files(
+    directory: str, *, dry_run: bool = False
+) -> list[tuple[str, int]]:
     """Remove CPU-tier files in ``directory`` that no live engine holds.
 
     A live owner keeps an exclusive flock on its file; the kernel drops it
     when the process dies (SIGKILL and OOM kill included), so an unlocked
     ``*.cpu`` file (or half-built temporary) is a dead engine's leftover that
     still pins shared memory. Files of other users and symbolic links are
-    skipped. Returns ``(path, bytes)`` of what was removed."""
+    skipped. Returns ``(path, bytes)`` of what was removed; with ``dry_run``
+    (``kvtier doctor``) of what would be, and nothing is removed (the lock is
+    taken and dropped again)."""
     removed: list[tuple[str, int]] = []
     try:
         names = os.listdir(directory)
@@ -387,6 +391,9 @@ def reclaim_stale_cpu_files(directory: str) -> list[tuple[str, int]]:
             if not flock_exclusive(fd) or not _same_name(path, fd):
                 continue
             size = os.fstat(fd).st_blocks * 512
+            if dry_run:
+                removed.append((path, size))
+                continue
             os.unlink(path)
         except OSError as exc:
             logger.warning("kvtier: could not reclaim %s: %s", path, exc)

@@ -215,6 +215,13 @@ def gds_available() -> bool:
     return _gds_status()[0]
 
 
+def gds_unavailable_reason() -> str | None:
+    """One line saying why ``gds_available()`` is False (compat mode forced
+    or preferred, cuFile without GDS, kvikio unusable); None when True."""
+    available, why = _gds_status()
+    return None if available else why
+
+
 def _reset_probes() -> None:
     """Forget cached probe results (tests only)."""
     global _usable, _gds

@@ -84,7 +84,7 @@ class PosixBackend(DiskBackend):
             cached = self._direct_dirs.get(key)
             if cached is not None:
                 return cached
-            ok, reason = _probe_direct(key)
+            ok, reason = probe_direct(key)
             self._direct_dirs[key] = ok
         if not ok:
             logger.warning(
@@ -166,8 +166,12 @@ def _transfer(op: Any, handle: PosixHandle, view: memoryview, offset: int) -> in
     return done
 
 
-def _probe_direct(directory: str) -> tuple[bool, str]:
-    """Open a probe file with O_DIRECT and do an aligned 4 KiB write + read."""
+def probe_direct(directory: str) -> tuple[bool, str]:
+    """Whether O_DIRECT works in ``directory``, and why not: (ok, reason).
+
+    Creates a private probe file there (O_EXCL, 0600), does an aligned 4 KiB
+    write and read-back with O_DIRECT, and removes it. Never raises for an
+    I/O error: it is the reason."""
     if _O_DIRECT == 0:
         return False, "O_DIRECT not available on this platform"
     path = os.path.join(

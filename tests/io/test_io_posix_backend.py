@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.io.backend import IO_ALIGNMENT
 from kvtier.io.format import aligned_empty
-from kvtier.io.posix_backend import PosixBackend, _probe_direct
+from kvtier.io.posix_backend import PosixBackend, probe_direct
 
 
 def make_file(path: Path, size: int) -> str:
@@ -57,7 +57,7 @@ def test_roundtrip_on_disk_uses_o_direct_where_probe_says_so(tmp_path: Path) -> 
         path = make_file(tmp_path / "f", 8 * IO_ALIGNMENT)
         roundtrip(backend, path)
         h = backend.open(path)
-        assert h.direct == _probe_direct(str(tmp_path))[0]
+        assert h.direct == probe_direct(str(tmp_path))[0]
         backend.close(h)
     finally:
         backend.shutdown()
@@ -73,7 +73,7 @@ def test_roundtrip_on_tmpfs_logs_at_most_once(
             roundtrip(backend, make_file(Path(shm_dir) / name, 8 * IO_ALIGNMENT))
         # Kernels before 6.6 reject O_DIRECT on tmpfs (fallback + one warning);
         # newer ones accept it.
-        expected = 0 if _probe_direct(shm_dir)[0] else 1
+        expected = 0 if probe_direct(shm_dir)[0] else 1
         assert len(o_direct_warnings(caplog)) == expected
     finally:
         backend.shutdown()

@@ -1,0 +1,234 @@
+"""``kvtier doctor``: check this host and a kvtier config before ``vllm serve``.
+
+Reads the same JSON as ``--kv-transfer-config`` (``--config FILE``), or a
+disk path and sizes given as flags, and reports one line per check: ``ok``,
+``warning`` or ``error``, each problem with its fix. The checks live by idea
+in ``doctor_config`` (vLLM, connector, keys), ``doctor_disk`` (each disk
+path), ``doctor_host`` (GDS / I/O path, ``/dev/shm``, prefix hashing) and
+``doctor_store`` (would an existing store be adopted).
+
+Exit status: 0 when no check is an error (warnings included), 1 when one
+is, 2 when the input cannot be read (missing file, malformed JSON, bad
+flags). Nothing is created or modified, except the probe files of the
+O_DIRECT and throughput probes (removed again) and, with
+``--reclaim-stale``, dead engines' CPU-tier files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvtier.commands.common import emit_json
+
+OK, WARNING, ERROR = "ok", "warning", "error"
+MAX_CONFIG_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding: ``area`` (vllm, config, disk, io, shm, warm-restart),
+    ``subject`` (what was checked, e.g. a path), ``status`` (ok / warning /
+    error), ``detail`` (what was found) and ``fix`` (what to do; empty when
+    nothing is to be done)."""
+
+    area: str
+    subject: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class DoctorInput:
+    """What the checks look at: the transfer config (None with flags), its
+    ``kv_connector_extra_config`` and the command-line options."""
+
+    transfer: dict[str, Any] | None
+    extra: dict[str, Any]
+    args: argparse.Namespace
+
+
+class InputError(ValueError):
+    """Input that cannot be read at all (exit status 2)."""
+
+
+def _read_config(path: str) -> str:
+    """The text of a regular file of at most MAX_CONFIG_BYTES (a FIFO or a
+    device would block or never end); raises InputError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InputError(f"cannot read --config {path!r}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"--config {path!r} is not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise InputError(
+                f"--config {path!r} holds {st.st_size} bytes; a transfer config "
+                f"is a few hundred (limit {MAX_CONFIG_BYTES})"
+            )
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read --config {path!r}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"--config {path!r} is not UTF-8 text: {exc}") from None
+
+
+def load_input(args: argparse.Namespace) -> DoctorInput:
+    """The config from ``--config`` or from the flags; raises InputError."""
+    flags = [
+        f
+        for f, v in (
+            ("--disk-path", args.disk_path),
+            ("--cpu-bytes", args.cpu_bytes),
+            ("--disk-bytes", args.disk_bytes),
+        )
+        if v
+    ]
+    if args.config is not None:
+        if flags:
+            raise InputError(
+                f"give --config or {', '.join(flags)}, not both (the config "
+                "file holds the sizes and paths)"
+            )
+        text = _read_config(args.config)
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(
+                f"--config {args.config!r} is not valid JSON (line {exc.lineno}, "
+                f"column {exc.colno}: {exc.msg}); it takes the JSON given to "
+                "vllm serve --kv-transfer-config"
+            ) from None
+        if not isinstance(doc, dict):
+            raise InputError(
+                f"--config {args.config!r} holds a JSON {type(doc).__name__}, "
+                "expected an object (the --kv-transfer-config JSON)"
+            )
+        extra = doc.get("kv_connector_extra_config")
+        if not isinstance(extra, dict):
+            raise InputError(
+                f"--config {args.config!r}: 'kv_connector_extra_config' is "
+                f"{'missing' if extra is None else 'not an object'}; kvtier's "
+                "keys (cpu_bytes_to_use, disk_path, ...) go there (see "
+                "configs/cpu-disk.json)"
+            )
+        return DoctorInput(doc, extra, args)
+    if not flags:
+        raise InputError(
+            "give --config FILE.json (the --kv-transfer-config JSON), or "
+            "--cpu-bytes with --disk-path and --disk-bytes"
+        )
+    extra = {"cpu_bytes_to_use": args.cpu_bytes}
+    if args.disk_bytes:
+        extra["disk_bytes_to_use"] = args.disk_bytes
+    if args.disk_path:
+        extra["disk_path"] = list(args.disk_path)
+    if args.cpu_bytes is None:
+        extra.pop("cpu_bytes_to_use")
+    return DoctorInput(None, extra, args)
+
+
+def _guarded(area: str, subject: str, fn: Callable[[], list[Check]]) -> list[Check]:
+    """``fn()``'s checks; an unexpected exception becomes an error check
+    (one broken probe must not hide the rest of the report)."""
+    try:
+        return fn()
+    except Exception as exc:
+        return [
+            Check(
+                area,
+                subject,
+                ERROR,
+                f"the check itself failed: {exc!r}",
+                "fix what the message names, or report it as a kvtier bug",
+            )
+        ]
+
+
+def run_checks(inp: DoctorInput) -> list[Check]:
+    """Every check, in report order. Never raises for a host problem."""
+    from kvtier.commands import doctor_config, doctor_disk, doctor_host, doctor_store
+
+    args = inp.args
+    checks = _guarded("vllm", "version", doctor_config.check_vllm)
+    config_checks, cfg = doctor_config.check_config(inp)
+    checks += config_checks
+    if cfg is None:
+        return checks
+    if cfg.disk_enabled:
+        adopted: dict[str, list[str]] = {}
+
+        def stores() -> list[Check]:
+            found, reusable = doctor_store.check_stores(cfg.disk_paths, args.model)
+            adopted.update(reusable)
+            return found
+
+        store_checks = _guarded("warm-restart", "existing stores", stores)
+        seconds = 0.0 if args.no_probe else args.probe_seconds
+        for path in cfg.disk_paths:
+            checks += _guarded(
+                "disk",
+                path,
+                lambda p=path: doctor_disk.check_disk_path(
+                    cfg, p, reusable=adopted.get(p, []), probe_seconds=seconds
+                ),
+            )
+        checks += store_checks
+    checks += _guarded("io", "disk I/O path", lambda: doctor_host.check_io_path(cfg))
+    checks += _guarded(
+        "shm",
+        "CPU tier",
+        lambda: doctor_host.check_shm(cfg, args.shm_dir, args.reclaim_stale),
+    )
+    checks += _guarded(
+        "warm-restart",
+        "prefix hash",
+        lambda: doctor_host.check_prefix_hash(args.hash_algo),
+    )
+    return checks
+
+
+def _render(checks: list[Check]) -> str:
+    width = max((len(c.area) for c in checks), default=4)
+    lines = []
+    for c in checks:
+        lines.append(
+            f"[{c.status.upper():7}] {c.area:<{width}}  {c.subject}: {c.detail}"
+        )
+        if c.fix:
+            lines.append(f"{'':9} {'':<{width}}  fix: {c.fix}")
+    errors = sum(c.status == ERROR for c in checks)
+    warnings = sum(c.status == WARNING for c in checks)
+    lines.append(
+        f"{len(checks)} checks: {errors} error(s), {warnings} warning(s)"
+        + ("" if errors else " -- ready for vllm serve")
+    )
+    return "\n".join(lines)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    try:
+        inp = load_input(args)
+    except InputError as exc:
+        print(f"kvtier doctor: {exc}", file=sys.stderr)
+        return 2
+    checks = run_checks(inp)
+    failed = any(c.status == ERROR for c in checks)
+    if args.json:
+        emit_json({"ok": not failed, "checks": [asdict(c) for c in checks]})
+    else:
+        print(_render(checks))
+    return 1 if failed else 0

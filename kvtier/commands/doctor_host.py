@@ -1,0 +1,207 @@
+"""``kvtier doctor``: the host beyond the disk paths.
+
+- which disk I/O path kvtier takes here and why (the decision of
+  :func:`kvtier.io.backends.make_backend`, with kvikio's own probes, which
+  never hang and never need a GPU to answer);
+- shared memory for the CPU tier (the engine's own space rule,
+  :func:`kvtier.connector.config.check_shm_space`) and dead engines' files
+  there (:func:`kvtier.io.cpu_buffer.reclaim_stale_cpu_files`);
+- prefix hashing: whether block keys survive a restart.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import tempfile
+
+from kvtier.commands.common import fmt_bytes
+from kvtier.commands.doctor import ERROR, OK, WARNING, Check
+from kvtier.connector.config import ConfigError, KvtierConfig, check_shm_space
+
+
+def _gds_host_facts() -> str:
+    """Driver and cuFile presence, from files only (nothing is loaded)."""
+    facts = []
+    facts.append(
+        "NVIDIA driver "
+        + ("loaded" if os.path.exists("/proc/driver/nvidia/version") else "absent")
+    )
+    facts.append(
+        "nvidia-fs (GDS) driver "
+        + ("loaded" if os.path.exists("/proc/driver/nvidia-fs") else "absent")
+    )
+    facts.append(
+        "libcufile " + ("found" if ctypes.util.find_library("cufile") else "absent")
+    )
+    return ", ".join(facts)
+
+
+def check_io_path(cfg: KvtierConfig) -> list[Check]:
+    """kvikio/GDS status and the back end ``disk_io`` gets on this host."""
+    if not cfg.disk_enabled:
+        return []
+    from kvtier.io import kvikio_backend as kb
+
+    facts = _gds_host_facts()
+    usable = kb.kvikio_usable()
+    out: list[Check] = []
+    if usable:
+        gds = kb.gds_available()
+        why = (
+            "GPUDirect Storage active"
+            if gds
+            else f"compat mode ({kb.gds_unavailable_reason()})"
+        )
+        out.append(Check("io", "kvikio", OK, f"usable, {why}; {facts}"))
+    else:
+        gds = False
+        out.append(
+            Check(
+                "io",
+                "kvikio",
+                OK,
+                f"not usable: {kb.kvikio_unusable_reason()}; {facts}",
+            )
+        )
+    if cfg.disk_io == "posix":
+        path, status, fix = "posix threads (disk_io='posix')", OK, ""
+    elif cfg.disk_io == "kvikio" and not usable:
+        path, status = (
+            "none: engine start fails (disk_io='kvikio' but kvikio is not usable)",
+            ERROR,
+        )
+        fix = "set disk_io to 'auto' or 'posix', or install kvikio with a CUDA driver (docs/gds.md)"
+    elif usable:
+        mode = (
+            "GDS (NVMe <-> GPU, no host bounce)"
+            if gds
+            else "compat mode (POSIX I/O through a bounce buffer)"
+        )
+        path, fix = f"kvikio, {mode} (disk_io={cfg.disk_io!r})", ""
+        status = WARNING if cfg.disk_io == "kvikio" and not gds else OK
+        if status == WARNING:
+            fix = "load nvidia-fs and use a GDS-capable file system for GPUDirect (docs/gds.md); compat mode is correct, only slower"
+    else:
+        path, status, fix = (
+            "posix threads, O_DIRECT where the path accepts it (disk_io='auto', kvikio not usable)",
+            OK,
+            "",
+        )
+    out.append(Check("io", "disk I/O path", status, path, fix))
+    return out
+
+
+def shm_base(base: str | None) -> str:
+    """The CPU tier's shared-memory file system, as kvtier.io.cpu_buffer
+    chooses it (/dev/shm, else the temp directory), or ``base``."""
+    if base is not None:
+        return base
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]:
+    """Room for ``cpu_bytes_to_use`` and stale CPU-tier files of this user."""
+    from kvtier.io.cpu_buffer import reclaim_stale_cpu_files
+
+    base = shm_base(base)
+    directory = os.path.join(base, f"kvtier-{os.geteuid()}")
+    out: list[Check] = []
+    stale: list[tuple[str, int]] = []
+    if os.path.isdir(directory) and not os.path.islink(directory):
+        stale = reclaim_stale_cpu_files(directory, dry_run=not reclaim)
+    stale_bytes = sum(n for _, n in stale)
+    if stale and reclaim:
+        out.append(
+            Check(
+                "shm",
+                f"{directory}: stale files",
+                OK,
+                f"removed {len(stale)} dead engine file(s), {fmt_bytes(stale_bytes)}: "
+                + ", ".join(os.path.basename(p) for p, _ in stale),
+            )
+        )
+        stale_bytes = 0
+    elif stale:
+        out.append(
+            Check(
+                "shm",
+                f"{directory}: stale files",
+                WARNING,
+                f"{len(stale)} CPU-tier file(s) of engines no longer running pin "
+                f"{fmt_bytes(stale_bytes)} of shared memory: "
+                + ", ".join(os.path.basename(p) for p, _ in stale),
+                "kvtier doctor --reclaim-stale removes them (an engine starting "
+                "here also does)",
+            )
+        )
+    else:
+        out.append(Check("shm", f"{directory}: stale files", OK, "none"))
+    try:
+        check_shm_space(base, cfg.cpu_bytes_to_use, [p for p, _ in stale])
+    except ConfigError as exc:
+        return [
+            *out,
+            Check(
+                "shm",
+                f"{base}: room for the CPU tier",
+                ERROR,
+                str(exc),
+                "docker run --shm-size=<more>, or lower cpu_bytes_to_use",
+            ),
+        ]
+    free = os.statvfs(base)
+    free_bytes = free.f_bavail * free.f_frsize
+    out.append(
+        Check(
+            "shm",
+            f"{base}: room for the CPU tier",
+            OK,
+            f"needs {fmt_bytes(cfg.cpu_bytes_to_use)}, {fmt_bytes(free_bytes)} free"
+            + (
+                f" (+{fmt_bytes(stale_bytes)} stale, reclaimed at start)"
+                if stale_bytes
+                else ""
+            ),
+        )
+    )
+    return out
+
+
+def check_prefix_hash(algo: str) -> list[Check]:
+    """Whether vLLM's prefix block hashes (kvtier's keys) are the same after a
+    restart: ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    seed_set = seed not in (None, "", "random")
+    subject = f"prefix hash {algo}"
+    if algo.startswith("xxhash") and not seed_set:
+        return [
+            Check(
+                "warm-restart",
+                subject,
+                WARNING,
+                "non-cryptographic hashing without PYTHONHASHSEED: vLLM seeds it "
+                "randomly per process, so nothing on disk matches after a restart",
+                "export PYTHONHASHSEED=<a fixed value> before vllm serve, or "
+                "--prefix-caching-hash-algo sha256",
+            )
+        ]
+    if seed_set:
+        return [
+            Check(
+                "warm-restart",
+                subject,
+                OK,
+                f"PYTHONHASHSEED={seed} seeds the hashes: keep it identical on "
+                "every start, or the disk tier starts cold",
+            )
+        ]
+    return [
+        Check(
+            "warm-restart",
+            subject,
+            OK,
+            "reproducible across restarts (PYTHONHASHSEED unset; setting it "
+            "later changes every key once)",
+        )
+    ]

@@ -1,0 +1,250 @@
+"""``kvtier doctor``'s host checks against real conditions built here:
+modes, mounts (as root; skipped where mount is not permitted), stale
+CPU-tier files, stores of another identity, the CUDA driver stub."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+from doctor_util import MiB, doctor, flags, mounted
+
+from kvtier.cli import HASH_ALGOS
+from kvtier.connector.identity import model_identity
+from kvtier.io.disk_store import DiskStore
+from kvtier.io.format import LayoutFingerprint
+from kvtier.testing.model import build_tiny_llama
+
+
+def test_a_healthy_path_passes(capsys, disk, shm):
+    rc, checks = doctor(capsys, *flags(disk, shm))
+    assert rc == 0
+    assert checks[f"{disk}: owner and mode"]["status"] == "ok"
+    assert checks[f"{disk}: free space"]["status"] == "ok"
+    assert checks[f"{shm}: room for the CPU tier"]["status"] == "ok"
+    assert checks["version"]["status"] == "ok"
+
+
+def test_missing_path_is_an_error(capsys, tmp_path, shm):
+    rc, checks = doctor(capsys, *flags(tmp_path / "nope", shm))
+    assert rc == 1
+    c = checks[f"{tmp_path / 'nope'}: exists"]
+    assert c["status"] == "error" and "install -d -m 0700" in c["fix"]
+
+
+def test_world_writable_path_without_sticky_bit_is_flagged(capsys, disk, shm):
+    os.chmod(disk, 0o777)
+    rc, checks = doctor(capsys, *flags(disk, shm))
+    c = checks[f"{disk}: owner and mode"]
+    assert c["status"] == "warning"
+    assert "0777" in c["detail"] and "sticky" in c["detail"]
+    assert rc == 0  # a warning, not an error
+    os.chmod(disk, 0o1777)
+    _, checks = doctor(capsys, *flags(disk, shm))
+    c = checks[f"{disk}: owner and mode"]
+    assert c["status"] == "warning" and "sticky" not in c["detail"]
+
+
+def test_unwritable_path_is_an_error(capsys, disk, shm):
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere: no unwritable directory to build")
+    os.chmod(disk, 0o500)
+    rc, checks = doctor(capsys, *flags(disk, shm))
+    assert rc == 1 and checks[f"{disk}: writable"]["status"] == "error"
+
+
+def test_tmpfs_is_named_and_odirect_reported(capsys, tmp_path, shm):
+    from kvtier.io.posix_backend import probe_direct
+
+    with mounted(tmp_path / "mnt", "tmpfs", "size=16m,mode=0700") as mnt:
+        rc, checks = doctor(capsys, *flags(mnt, shm))
+        fs = checks[f"{mnt}: file system"]
+        assert fs["status"] == "warning" and fs["detail"].startswith("tmpfs")
+        direct = checks[f"{mnt}: O_DIRECT"]
+        assert direct["status"] == ("ok" if probe_direct(str(mnt))[0] else "warning")
+        assert os.listdir(mnt) == []  # the probe file is gone
+
+
+def test_a_file_system_without_odirect_is_a_warning(capsys, tmp_path, shm):
+    from kvtier.io.posix_backend import probe_direct
+
+    # tmpfs takes O_DIRECT since Linux 6.6; ramfs never has.
+    for fstype in ("tmpfs", "ramfs"):
+        with mounted(tmp_path / fstype, fstype, "mode=0700") as mnt:
+            if probe_direct(str(mnt))[0]:
+                continue
+            rc, checks = doctor(capsys, *flags(mnt, shm))
+            c = checks[f"{mnt}: O_DIRECT"]
+            assert c["status"] == "warning" and "buffered I/O" in c["detail"]
+            assert "EINVAL" in c["detail"]
+            return
+    pytest.skip("every RAM file system here accepts O_DIRECT")
+
+
+def _fill(mnt: Path) -> None:
+    with open(mnt / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\xff" * MiB)
+
+
+def test_a_full_file_system_is_an_error(capsys, tmp_path, shm):
+    with mounted(tmp_path / "full", "tmpfs", "size=8m,mode=0700") as mnt:
+        _fill(mnt)
+        assert os.statvfs(mnt).f_bavail < 2 * MiB // os.statvfs(mnt).f_frsize
+        rc, checks = doctor(capsys, *flags(mnt, shm, disk_bytes="4MiB"))
+        assert rc == 1
+        c = checks[f"{mnt}: free space"]
+        assert c["status"] == "error" and "disk_bytes_to_use" in c["detail"]
+
+
+def test_a_small_shm_is_an_error(capsys, tmp_path, disk):
+    with mounted(tmp_path / "shm", "tmpfs", "size=4m,mode=0700") as small:
+        rc, checks = doctor(
+            capsys,
+            "--disk-path", str(disk), "--cpu-bytes", "8MiB", "--disk-bytes", "1MiB",
+            "--shm-dir", str(small), "--no-probe",
+        )  # fmt: skip
+        assert rc == 1
+        c = checks[f"{small}: room for the CPU tier"]
+        assert c["status"] == "error" and "--shm-size" in c["detail"]
+
+
+def _cpu_file(directory: Path, name: str) -> int:
+    fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.posix_fallocate(fd, 0, MiB)
+    return fd
+
+
+def test_stale_cpu_tier_files_are_reported_then_reclaimed(capsys, disk, shm):
+    own = shm / f"kvtier-{os.geteuid()}"
+    own.mkdir(mode=0o700)
+    os.close(_cpu_file(own, "kvtier-dead-r0of1.cpu"))  # no live owner
+    live = _cpu_file(own, "kvtier-live-r0of1.cpu")
+    fcntl.flock(live, fcntl.LOCK_EX)  # a running engine holds its lock
+    try:
+        rc, checks = doctor(capsys, *flags(disk, shm))
+        c = checks[f"{own}: stale files"]
+        assert c["status"] == "warning" and rc == 0
+        assert "kvtier-dead-r0of1.cpu" in c["detail"] and "live" not in c["detail"]
+        assert "--reclaim-stale" in c["fix"]
+        assert sorted(os.listdir(own)) == [
+            "kvtier-dead-r0of1.cpu",
+            "kvtier-live-r0of1.cpu",
+        ]
+        _, checks = doctor(capsys, *flags(disk, shm, "--reclaim-stale"))
+        assert "removed 1" in checks[f"{own}: stale files"]["detail"]
+        assert os.listdir(own) == ["kvtier-live-r0of1.cpu"]
+    finally:
+        os.close(live)
+
+
+def _store(disk: Path, model: str, model_id: str) -> str:
+    fp = LayoutFingerprint(
+        model=model, dtype="float32", block_bytes=4096, geometry="g", tp_rank=0,
+        tp_size=1, model_id=model_id,
+    )  # fmt: skip
+    with DiskStore([str(disk)], 4, 4096, fp, backend="posix") as s:
+        return os.path.basename(s.dirs[0])
+
+
+def test_stores_of_another_identity_are_set_aside(capsys, disk, shm):
+    model = build_tiny_llama()
+    same = model_identity(model, kv_cache_dtype="float32")
+    _store(disk, model, same)
+    _store(disk, model, "0" * 32)  # an older checkpoint at the same path
+    _store(disk, "/models/other", "1" * 32)
+    rc, checks = doctor(capsys, *flags(disk, shm, "--model", model))
+    stores = {k: v for k, v in checks.items() if k.startswith("store kvtier-")}
+    verdicts = sorted((v["status"], v["detail"].split(":")[0]) for v in stores.values())
+    assert verdicts == [
+        ("ok", "adopted"),
+        ("warning", "set aside"),
+        ("warning", "set aside"),
+    ]
+    details = " ".join(v["detail"] for v in stores.values())
+    assert "files changed" in details and "another model ('/models/other')" in details
+    # Without --model nothing is claimed either way.
+    _, checks = doctor(capsys, *flags(disk, shm))
+    assert all(
+        "pass --model" in v["detail"]
+        for k, v in checks.items()
+        if k.startswith("store ")
+    )
+
+
+def test_xxhash_without_seed_warns(capsys, disk, shm, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    _, checks = doctor(capsys, *flags(disk, shm, "--hash-algo", "xxhash"))
+    c = checks["prefix hash xxhash"]
+    assert c["status"] == "warning" and "PYTHONHASHSEED" in c["fix"]
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    _, checks = doctor(capsys, *flags(disk, shm, "--hash-algo", "xxhash"))
+    assert checks["prefix hash xxhash"]["status"] == "ok"
+
+
+def test_hash_algos_are_vllms():
+    from vllm.config.cache import PrefixCachingHashAlgo
+
+    assert typing.get_args(PrefixCachingHashAlgo) == HASH_ALGOS
+
+
+def test_throughput_probe_is_bounded_and_cleans_up(capsys, disk, shm):
+    argv = [a for a in flags(disk, shm, disk_bytes="64MiB") if a != "--no-probe"]
+    rc, checks = doctor(capsys, *argv, "--probe-seconds", "0.5")
+    c = checks[f"{disk}: throughput"]
+    assert c["status"] == "ok" and "write" in c["detail"] and "fill" in c["detail"]
+    assert [n for n in os.listdir(disk) if n.startswith(".kvtier")] == []
+
+
+# ------------------------------------------------------------- kvikio / GDS
+
+
+def _stub_lib_dir(broken: bool) -> Path:
+    """tests/stubs' libcuda.so.1 (the test-only CUDA driver stub)."""
+    import importlib.util
+
+    if importlib.util.find_spec("kvikio") is None:
+        pytest.skip("kvikio not installed (run scripts/install-kvikio.sh)")
+    path = Path(__file__).resolve().parents[1] / "stubs" / "build_stub.py"
+    spec = importlib.util.spec_from_file_location("kvtier_doctor_build_stub", path)
+    assert spec is not None and spec.loader is not None
+    build_stub = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_stub)
+    if build_stub.compiler() is None:
+        pytest.skip("no C compiler (gcc) to build the CUDA driver stub")
+    if not broken:
+        return build_stub.build_stub().parent
+    out = build_stub.DEFAULT_OUT_DIR / "broken"
+    return build_stub.build_stub(out, defines=["KVTIER_STUB_BROKEN_DRIVER"]).parent
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["stub-driver", "broken-driver"])
+def test_io_path_with_a_cuda_driver_stub(tmp_path, disk, shm, broken):
+    """kvikio over a (stub) driver: usable, compat mode, chosen by 'auto'; a
+    driver whose cuDriverGetVersion fails: refused, no hang."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVIKIO_")}
+    env["LD_LIBRARY_PATH"] = str(_stub_lib_dir(broken))
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "doctor", "--json", *flags(disk, shm)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    checks = {c["subject"]: c for c in json.loads(proc.stdout)["checks"]}
+    kvikio, path = checks["kvikio"]["detail"], checks["disk I/O path"]["detail"]
+    if broken:
+        assert kvikio.startswith("not usable") and "cuDriverGetVersion" in kvikio
+        assert path.startswith("posix threads")
+    else:
+        assert kvikio.startswith("usable, compat mode")
+        assert path.startswith("kvikio, compat mode")

@@ -1,0 +1,142 @@
+"""``kvtier doctor``'s config checks and its bad input: clear errors that
+name the key or the file, exit status 1 (a check failed) or 2 (unreadable)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from doctor_util import REPO_ROOT, flags, run_config, shipped_config, write
+
+from kvtier.cli import main
+
+
+def good_config(disk: Path) -> dict:
+    return shipped_config("cpu-disk.json", disk)
+
+
+def test_the_shipped_config_shape_passes(capsys, tmp_path, disk, shm):
+    rc, checks = run_config(capsys, tmp_path, shm, good_config(disk))
+    assert rc == 0, [c for c in checks.values() if c["status"] == "error"]
+    assert checks["kv_connector"]["status"] == "ok"
+    assert checks["kv_load_failure_policy"]["status"] == "ok"
+
+
+def test_a_disk_tier_under_the_stock_connector_is_an_error(capsys, tmp_path, disk, shm):
+    doc = good_config(disk)
+    doc["kv_connector"] = "OffloadingConnector"
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1 and checks["kv_connector"]["status"] == "error"
+    assert "TieredOffloadingConnector" in checks["kv_connector"]["fix"]
+
+
+def test_missing_recompute_policy_is_an_error(capsys, tmp_path, disk, shm):
+    doc = good_config(disk)
+    del doc["kv_load_failure_policy"]
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1
+    c = checks["kv_load_failure_policy"]
+    assert c["status"] == "error" and '"recompute"' in c["fix"]
+
+
+def test_kvikio_requested_without_a_driver_is_an_error(capsys, tmp_path, disk, shm):
+    from kvtier.io.kvikio_backend import kvikio_usable
+
+    if kvikio_usable():
+        pytest.skip("kvikio is usable on this host")
+    doc = good_config(disk)
+    doc["kv_connector_extra_config"]["disk_io"] = "kvikio"
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1 and checks["disk I/O path"]["status"] == "error"
+    assert "'auto' or 'posix'" in checks["disk I/O path"]["fix"]
+
+
+def test_missing_config_file(capsys, tmp_path):
+    assert main(["doctor", "--config", str(tmp_path / "absent.json")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read --config" in err and "No such file" in err
+
+
+def test_malformed_json(capsys, tmp_path):
+    path = write(tmp_path, '{"kv_connector": "TieredOffloadingConnector",\n  oops}')
+    assert main(["doctor", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "is not valid JSON (line 2, column 3" in err and "--kv-transfer-config" in err
+    )
+
+
+def test_not_an_object_and_no_extra_config(capsys, tmp_path):
+    assert main(["doctor", "--config", write(tmp_path, [1, 2])]) == 2
+    assert "expected an object" in capsys.readouterr().err
+    assert main(["doctor", "--config", write(tmp_path, {"kv_role": "kv_both"})]) == 2
+    assert "'kv_connector_extra_config' is missing" in capsys.readouterr().err
+
+
+def test_unknown_keys_name_the_key(capsys, tmp_path, disk, shm):
+    doc = good_config(disk)
+    doc["kv_connector_extra_config"]["disk_bytes"] = 5
+    doc["kv_conector"] = "x"
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1
+    assert checks["disk_bytes"]["status"] == "error"
+    assert "unknown key; valid keys are" in checks["disk_bytes"]["detail"]
+    assert checks["kv_conector"]["status"] == "error"
+    assert "kv_connector" in checks["kv_conector"]["detail"]
+
+
+def test_config_and_flags_together_or_neither(capsys, tmp_path, disk):
+    path = write(tmp_path, good_config(disk))
+    assert main(["doctor", "--config", path, "--disk-path", str(disk)]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["doctor"]) == 2
+    assert "give --config FILE.json" in capsys.readouterr().err
+
+
+def test_text_output_and_exit_status(capsys, tmp_path, shm):
+    rc = main(["doctor", *flags(tmp_path / "nope", shm)])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "[ERROR  ] disk" in out and "fix: install -d -m 0700" in out
+    assert (
+        out.rstrip().splitlines()[-1].startswith(f"{out.count('[')} checks: 1 error(s)")
+    )
+
+
+def test_tiering_mode_config(capsys, tmp_path, disk, shm):
+    doc = shipped_config("vllm-tiering-kvtier-disk.json", disk)
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 0, [c for c in checks.values() if c["status"] == "error"]
+    assert "tiering mode" in checks["kv_connector"]["detail"]
+    assert checks[f"{disk}: free space"]["status"] == "ok"
+    doc["kv_connector_extra_config"]["secondary_tiers"][0]["disk_bytez"] = 1
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1 and "secondary_tiers" in checks["disk_bytez"]["detail"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "missing", "binary"])
+def test_unreadable_config_is_one_line_and_no_hang(tmp_path, kind):
+    """In a subprocess with a timeout: a FIFO must not block the read."""
+    path = tmp_path / "kv.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "binary":
+        path.write_bytes(b"\xff\xfe{")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "doctor", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtier doctor: "), proc.stderr
+    assert str(path) in lines[0] and "Traceback" not in proc.stderr
