@@ -7,7 +7,7 @@ file system:
   slots -> CPU rows) through the real path: CpuBlockBuffer -> TransferEngine
   (``threads`` workers) -> DiskStore (slot headers, xxh3 checksums, verify on
   read) -> back end. Back ends: ``posix`` always, ``kvikio`` only where
-  ``kvtier.io.kvikio_backend.kvikio_usable()`` is True (otherwise its reason is
+  ``kvtier.io.kvikio_probe.kvikio_usable()`` is True (otherwise its reason is
   recorded). Where a CUDA GPU exists, **disk -> GPU** is measured as well
   (load into the pinned CPU rows, then one host -> device copy, timed
   together); without one the JSON says why not.
@@ -350,9 +350,9 @@ class KvtierRig:
 
 def kvikio_status() -> tuple[bool, str]:
     try:
-        from kvtier.io.kvikio_backend import kvikio_unusable_reason, kvikio_usable
+        from kvtier.io.kvikio_probe import kvikio_unusable_reason, kvikio_usable
     except ImportError as exc:
-        return False, f"kvtier.io.kvikio_backend cannot be imported: {exc}"
+        return False, f"kvtier.io.kvikio_probe cannot be imported: {exc}"
     if kvikio_usable():
         return True, "kvikio_usable() is True"
     return False, kvikio_unusable_reason() or "kvikio_usable() is False"

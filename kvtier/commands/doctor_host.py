@@ -41,7 +41,7 @@ def check_io_path(cfg: KvtierConfig) -> list[Check]:
     """kvikio/GDS status and the back end ``disk_io`` gets on this host."""
     if not cfg.disk_enabled:
         return []
-    from kvtier.io import kvikio_backend as kb
+    from kvtier.io import kvikio_probe as kb
 
     facts = _gds_host_facts()
     usable = kb.kvikio_usable()

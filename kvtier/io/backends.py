@@ -32,15 +32,15 @@ def _kvikio_status() -> tuple[bool, str]:
     try:
         # import_module (not "from kvtier.io import ...") so sys.modules is
         # authoritative, which is what tests and a failed import rely on.
-        kvikio_backend = importlib.import_module("kvtier.io.kvikio_backend")
+        kvikio_probe = importlib.import_module("kvtier.io.kvikio_probe")
     except ImportError as exc:
-        return False, f"kvtier.io.kvikio_backend unavailable: {exc}"
+        return False, f"kvtier.io.kvikio_probe unavailable: {exc}"
     try:
-        usable = bool(kvikio_backend.kvikio_usable())
+        usable = bool(kvikio_probe.kvikio_usable())
         if usable:
             return True, "kvikio_usable() is True"
         # Optional companion that explains the refusal in one line.
-        reason_fn = getattr(kvikio_backend, "kvikio_unusable_reason", None)
+        reason_fn = getattr(kvikio_probe, "kvikio_unusable_reason", None)
         reason = reason_fn() if reason_fn is not None else None
     except Exception as exc:  # a probe must never take the worker down
         return False, f"kvikio_usable() failed: {exc!r}"

@@ -43,7 +43,7 @@ def test_missing_recompute_policy_is_an_error(capsys, tmp_path, disk, shm):
 
 
 def test_kvikio_requested_without_a_driver_is_an_error(capsys, tmp_path, disk, shm):
-    from kvtier.io.kvikio_backend import kvikio_usable
+    from kvtier.io.kvikio_probe import kvikio_usable
 
     if kvikio_usable():
         pytest.skip("kvikio is usable on this host")

@@ -12,7 +12,8 @@ from kvtier.io.backend import BackendUnavailableError
 from kvtier.io.backends import make_backend
 from kvtier.io.posix_backend import PosixBackend
 
-MODULE = "kvtier.io.kvikio_backend"
+PROBE = "kvtier.io.kvikio_probe"
+BACKEND = "kvtier.io.kvikio_backend"
 
 
 class FakeKvikio(PosixBackend):
@@ -24,16 +25,18 @@ class FakeKvikio(PosixBackend):
 
 
 def install_fake(monkeypatch: pytest.MonkeyPatch, usable: Any) -> None:
-    mod = types.ModuleType(MODULE)
+    probe = types.ModuleType(PROBE)
+    mod = types.ModuleType(BACKEND)
 
     def kvikio_usable() -> bool:
         if isinstance(usable, Exception):
             raise usable
         return bool(usable)
 
-    mod.kvikio_usable = kvikio_usable  # type: ignore[attr-defined]
+    probe.kvikio_usable = kvikio_usable  # type: ignore[attr-defined]
     mod.KvikioBackend = FakeKvikio  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, MODULE, mod)
+    monkeypatch.setitem(sys.modules, PROBE, probe)
+    monkeypatch.setitem(sys.modules, BACKEND, mod)
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +58,7 @@ def test_auto_without_kvikio_module_is_posix(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="kvtier.io")
-    monkeypatch.setitem(sys.modules, MODULE, None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, PROBE, None)  # import raises ImportError
     b = make_backend("auto")
     assert type(b) is PosixBackend
     b.shutdown()
@@ -91,7 +94,7 @@ def test_explicit_kvikio_unusable_raises_naming_setting(
     install_fake(monkeypatch, False)
     with pytest.raises(BackendUnavailableError, match="disk_io"):
         make_backend("kvikio")
-    monkeypatch.setitem(sys.modules, MODULE, None)
+    monkeypatch.setitem(sys.modules, PROBE, None)
     with pytest.raises(BackendUnavailableError, match="disk_io='kvikio'"):
         make_backend("kvikio")
 

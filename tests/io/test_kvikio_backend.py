@@ -121,8 +121,9 @@ UNUSABLE_CHILD = """
     import pytest
     from kvtier.io.backend import BackendUnavailableError
     from kvtier.io.backends import make_backend
-    from kvtier.io.kvikio_backend import (
-        KvikioBackend, gds_available, kvikio_unusable_reason, kvikio_usable,
+    from kvtier.io.kvikio_backend import KvikioBackend
+    from kvtier.io.kvikio_probe import (
+        gds_available, kvikio_unusable_reason, kvikio_usable,
     )
 
     usable = kvikio_usable()
@@ -168,8 +169,9 @@ ROUNDTRIP_CHILD = """
     import torch
 
     from kvtier.io.backends import make_backend
-    from kvtier.io.kvikio_backend import (
-        KvikioBackend, gds_available, kvikio_unusable_reason, kvikio_usable,
+    from kvtier.io.kvikio_backend import KvikioBackend
+    from kvtier.io.kvikio_probe import (
+        gds_available, kvikio_unusable_reason, kvikio_usable,
     )
 
     assert kvikio_usable(), kvikio_unusable_reason()
