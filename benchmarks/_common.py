@@ -45,6 +45,26 @@ def write_json(name: str, doc: dict[str, Any], out: str | None = None) -> Path:
     return path
 
 
+def kvtier_counters() -> dict[str, float]:
+    """kvtier's counters in this process's Prometheus registry, summed over
+    every label but ``tier`` (``name{tier}``). Read directly: vLLM's
+    ``LLM.get_metrics()`` casts counters to int, which truncates seconds."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if not name.startswith("vllm:kv_offload_kvtier_"):
+                continue
+            if sample.name.endswith("_created"):
+                continue
+            tier = sample.labels.get("tier")
+            key = name + (f"{{{tier}}}" if tier else "")
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 def drop_caches() -> bool:
     """Drop the page cache (root only); False where the host does not allow it."""
     try:

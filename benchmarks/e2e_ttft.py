@@ -59,6 +59,7 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from benchmarks._common import kvtier_counters
     from kvtier.io.format import slot_size
 
     longest = max(lengths)
@@ -88,24 +89,6 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
         return time.perf_counter() - t0, list(out[0].outputs[0].token_ids)
 
-    def counters(llm) -> dict[str, float]:
-        # The front end's registry, read directly: vLLM's get_metrics() casts
-        # counters to int, which would truncate seconds.
-        from prometheus_client import REGISTRY
-
-        out: dict[str, float] = {}
-        for family in REGISTRY.collect():
-            for sample in family.samples:
-                name = sample.name.removesuffix("_total")
-                if not name.startswith("vllm:kv_offload_kvtier_"):
-                    continue
-                if sample.name.endswith("_created"):
-                    continue
-                tier = sample.labels.get("tier")
-                key = name + (f"{{{tier}}}" if tier else "")
-                out[key] = out.get(key, 0.0) + sample.value
-        return out
-
     nudge = TokensPrompt(prompt_token_ids=make_prompt(7, BLOCK // 2))
 
     def wait_spilled(llm, timeout=60.0):
@@ -116,7 +99,7 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             llm.generate([nudge], sp, use_tqdm=False)
-            c = counters(llm)
+            c = kvtier_counters()
             stored = c.get("vllm:kv_offload_kvtier_write_bytes{cpu}", 0) / bpb
             if stored and c.get("vllm:kv_offload_kvtier_spills", 0) >= stored:
                 return
@@ -164,9 +147,9 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
                 samples, tiers = [], []
                 for _ in range(repeats):
                     llm.reset_prefix_cache()
-                    before = counters(llm)
+                    before = kvtier_counters()
                     dt, out = generate(llm, prompt)
-                    after = counters(llm)
+                    after = kvtier_counters()
                     mismatches += out != want
                     samples.append(dt)
                     tiers.append(

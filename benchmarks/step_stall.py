@@ -1,0 +1,385 @@
+"""Engine step stalls while a returning prefix loads: disk vs CPU vs recompute.
+
+Three requests decode; a fourth arrives whose long prefix sits only on
+kvtier's disk tier (``disk``), only in its CPU tier (``cpu``), or nowhere
+(``recompute``, an engine without offloading). Every engine step is timed
+(``LLMEngine.add_request`` + ``step()``), so the table shows what the
+running decoders feel while the fourth request's prefix arrives:
+
+  decode     steps with the three decoders only (no load in flight)
+  <case>     steps from the fourth request's arrival to its first token
+
+per case p50 / p99 / max step time and the fourth request's TTFT, in both
+of vLLM's engine modes (in-process, whose loop spins, and the multiprocess
+engine core of ``vllm serve``), each in a fresh child process. The disk
+rows also give the workers' read rate (kvtier's ``read_bytes`` /
+``read_seconds`` counters) next to ``dd`` (or fio, when installed) reading
+the same slab span with O_DIRECT. Greedy outputs of the fourth request are
+checked equal to the no-offload engine's.
+
+Model: the tiny random Llama grown to 8 layers x 4 KV heads x 64 (fp32),
+16 KiB of KV per token, 32-token blocks: a 4,096-token prefix is 64 MiB,
+16,384 tokens are 256 MiB. The disk-only state is made by sizing, as in
+``e2e_ttft.py``: the CPU tier holds one prefix plus slack, prefixes P, Q, R
+are computed and spilled, so P is on disk only and R in the CPU tier;
+``promote_on_hit: false`` keeps P on disk across repeats.
+
+    .venv/bin/python benchmarks/step_stall.py [--lengths 4096,16384] [--repeats 3]
+
+Prints a table and writes benchmarks/results/step_stall.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 32
+MODEL = dict(
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=64,
+    hidden_size=256,
+    intermediate_size=512,
+)
+DECODERS = 3
+DECODE_PROMPT = 64
+BASELINE_STEPS = 40
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _summary(steps: list[float]) -> dict:
+    return {
+        "steps": len(steps),
+        "p50_ms": 1e3 * statistics.median(steps),
+        "p99_ms": 1e3 * _pct(steps, 0.99),
+        "max_ms": 1e3 * max(steps),
+    }
+
+
+def _child(mode: str, lengths: list[int], repeats: int) -> dict:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
+    sys.path.insert(0, str(ROOT))
+    from vllm import LLM, SamplingParams
+
+    from benchmarks._common import kvtier_counters
+    from kvtier.io.format import slot_size
+    from kvtier.testing.engine import (
+        build_tiny_llama,
+        kv_bytes_per_block,
+        make_prompt,
+        offloading_kv_transfer_config,
+    )
+
+    longest = max(lengths)
+    model = build_tiny_llama(max_position_embeddings=2 * longest, **MODEL)
+    bpb = kv_bytes_per_block(model, BLOCK)
+    gpu_blocks = longest // BLOCK + 64
+    decode_sp = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    first_sp = SamplingParams(temperature=0.0, max_tokens=2)
+    decoders = [make_prompt(900 + i, DECODE_PROMPT) for i in range(DECODERS)]
+
+    def make(kv_transfer_config):
+        return LLM(
+            model=model,
+            dtype="float32",
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            block_size=BLOCK,
+            num_gpu_blocks_override=gpu_blocks,
+            kv_cache_memory_bytes=gpu_blocks * bpb,
+            max_model_len=longest + 128,
+            max_num_batched_tokens=512,
+            kv_transfer_config=kv_transfer_config,
+            seed=0,
+            disable_log_stats=False,
+            compilation_config={"mode": 0},
+        )
+
+    def run_case(llm, prompt: list[int], tag: str) -> dict:
+        """Decoders running, then ``prompt`` arrives: step times of both
+        phases, its TTFT, its tokens, and kvtier's counters just before it
+        arrived and once its first token is out."""
+        engine = llm.llm_engine
+        llm.reset_prefix_cache()
+        ids = [f"{tag}-d{i}" for i in range(DECODERS)]
+        for rid, p in zip(ids, decoders):
+            engine.add_request(rid, {"prompt_token_ids": p}, decode_sp)
+        # Warm up: every decoder past its prefill.
+        produced: dict[str, int] = {}
+        deadline = time.monotonic() + 120
+        while min(produced.get(r, 0) for r in ids) < 2:
+            for out in engine.step():
+                produced[out.request_id] = len(out.outputs[0].token_ids)
+            if time.monotonic() > deadline:
+                raise TimeoutError("decoders did not start")
+        base: list[float] = []
+        for _ in range(BASELINE_STEPS):
+            t0 = time.perf_counter()
+            engine.step()
+            base.append(time.perf_counter() - t0)
+        rid = f"{tag}-x"
+        during: list[float] = []
+        tokens: list[int] = []
+        before = kvtier_counters()
+        t_add = time.perf_counter()
+        engine.add_request(rid, {"prompt_token_ids": prompt}, first_sp)
+        ttft = None
+        deadline = time.monotonic() + 600
+        while ttft is None:
+            t0 = time.perf_counter()
+            outs = engine.step()
+            t1 = time.perf_counter()
+            during.append(t1 - t0)
+            for out in outs:
+                if out.request_id == rid and out.outputs[0].token_ids:
+                    ttft = t1 - t_add
+                    tokens = list(out.outputs[0].token_ids)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{tag}: no first token")
+        after = kvtier_counters()
+        engine.abort_request(ids + [rid])
+        while engine.has_unfinished_requests():
+            engine.step()
+        return {
+            "decode": base,
+            "during": during,
+            "ttft": ttft,
+            "first": tokens[:1],
+            "counters": (before, after),
+        }
+
+    prompts = {n: [make_prompt(10 * n + i, n + 1) for i in range(3)] for n in lengths}
+    results: dict[int, dict] = {n: {} for n in lengths}
+    expected: dict[int, list[int]] = {}
+    base_llm = make(None)
+    for n in lengths:
+        runs = [run_case(base_llm, prompts[n][0], f"r{n}-{k}") for k in range(repeats)]
+        expected[n] = runs[0]["first"]
+        results[n]["recompute"] = runs
+    del base_llm
+
+    mismatches = 0
+    disk_dir = tempfile.mkdtemp(prefix="kvtier-stall-")
+    try:
+        for n in lengths:
+            blocks = n // BLOCK
+            root = os.path.join(disk_dir, str(n))
+            os.makedirs(root)
+            cfg = offloading_kv_transfer_config(
+                "TieredOffloadingSpec",
+                "kvtier.connector",
+                # One prefix plus room for the decoders' blocks, less than
+                # two prefixes: P and Q leave the CPU tier for R.
+                cpu_bytes_to_use=(blocks + min(48, blocks // 2)) * bpb,
+                disk_bytes_to_use=4 * blocks * slot_size(bpb) + (256 << 20),
+                disk_path=root,
+                spill_watermark=0.0,
+                promote_on_hit=False,
+            )
+            llm = make(cfg)
+            sp = SamplingParams(temperature=0.0, max_tokens=1)
+            nudge = {"prompt_token_ids": make_prompt(7, BLOCK // 2)}
+            for p in prompts[n]:  # P ends up on disk only, R in the CPU tier
+                llm.reset_prefix_cache()
+                llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+                deadline = time.monotonic() + 120
+                while True:  # every stored block spilled before the next
+                    llm.generate([nudge], sp, use_tqdm=False)
+                    c = kvtier_counters()
+                    stored = c.get("vllm:kv_offload_kvtier_write_bytes{cpu}", 0) / bpb
+                    if stored and c.get("vllm:kv_offload_kvtier_spills", 0) >= stored:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("spills did not finish")
+                    time.sleep(0.02)
+            p, _q, r = prompts[n]
+            for case, prompt in (("cpu", r), ("disk", p)):
+                runs = []
+                for k in range(repeats):
+                    run = run_case(llm, prompt, f"{case}{n}-{k}")
+                    before, after = run.pop("counters")
+
+                    def delta(name: str, a=after, b=before) -> float:
+                        return a.get(name, 0.0) - b.get(name, 0.0)
+
+                    run["loaded_blocks"] = {
+                        t: delta(f"vllm:kv_offload_kvtier_loaded_blocks{{{t}}}")
+                        for t in ("cpu", "disk")
+                    }
+                    rs = delta("vllm:kv_offload_kvtier_read_seconds{disk}")
+                    rb = delta("vllm:kv_offload_kvtier_read_bytes{disk}")
+                    run["read_gbps"] = rb / rs / 1e9 if rs else None
+                    mismatches += run["first"] != (
+                        expected[n] if case == "disk" else run["first"]
+                    )
+                    runs.append(run)
+                results[n][case] = runs
+            results[n]["kv_bytes"] = blocks * bpb
+            if mode == "inproc":
+                slabs = sorted(Path(root).glob("kvtier-*/slab-0.kvt"))
+                if slabs:
+                    results[n]["direct_read"] = _direct_read(
+                        str(slabs[0]), blocks * slot_size(bpb)
+                    )
+            del llm
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    # The CPU-tier prompt R has its own expected output: equal across repeats
+    # is what we can check without a second baseline run.
+    for n in lengths:
+        firsts = {tuple(run["first"]) for run in results[n]["cpu"]}
+        mismatches += len(firsts) != 1
+    summary: dict[int, dict] = {}
+    for n in lengths:
+        row: dict = {"kv_bytes": results[n]["kv_bytes"]}
+        decode = [
+            s
+            for case in ("recompute", "cpu", "disk")
+            for run in results[n][case]
+            for s in run["decode"]
+        ]
+        row["decode"] = _summary(decode)
+        for case in ("recompute", "cpu", "disk"):
+            runs = results[n][case]
+            row[case] = _summary([s for run in runs for s in run["during"]])
+            row[case]["ttft_s"] = statistics.median(run["ttft"] for run in runs)
+            if case != "recompute":
+                row[case]["loaded_blocks"] = runs[-1]["loaded_blocks"]
+        g = [run["read_gbps"] for run in results[n]["disk"] if run["read_gbps"]]
+        row["worker_read_gbps"] = statistics.median(g) if g else None
+        row["direct_read"] = results[n].get("direct_read")
+        summary[n] = row
+    return {"mode": mode, "results": summary, "outputs_equal": mismatches == 0}
+
+
+def _direct_read(path: str, size: int) -> dict | None:
+    """O_DIRECT sequential 1 MiB reads of the first ``size`` bytes of
+    ``path`` (where P was spilled first): fio when installed, else dd."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks._common import drop_caches, fio_sequential_read
+
+    fio = shutil.which("fio")
+    if fio:
+        return {"tool": "fio", **fio_sequential_read(fio, path, size, timeout=300)}
+    drop_caches()
+    count = max(1, size >> 20)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        ["dd", f"if={path}", "of=/dev/null", "bs=1M", f"count={count}", "iflag=direct"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    secs = time.perf_counter() - t0
+    m = re.search(r"(\d+) bytes", proc.stderr)
+    if proc.returncode or not m:
+        return None
+    return {"tool": "dd", "gbps": int(m.group(1)) / secs / 1e9}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="4096,16384")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", default="inproc,mp")
+    ap.add_argument("--child", choices=("inproc", "mp"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/step_stall.json"))
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.child:
+        print("KVTIER-STALL " + json.dumps(_child(args.child, lengths, args.repeats)))
+        return 0
+    runs = []
+    for mode in args.modes.split(","):
+        env = {
+            k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
+        }
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                mode,
+                "--lengths",
+                args.lengths,
+                "--repeats",
+                str(args.repeats),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=3600,
+        )
+        found = [
+            ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-STALL ")
+        ]
+        if proc.returncode or not found:
+            print(proc.stderr[-4000:], file=sys.stderr)
+            return 1
+        runs.append(json.loads(found[-1].split(" ", 1)[1]))
+    head = (
+        f"{'mode':>6} | {'MiB':>4} | {'case':>9} | {'p50 ms':>7} | {'p99 ms':>7} | "
+        f"{'max ms':>7} | {'max/decode p50':>14} | {'TTFT s':>7} | loaded cpu/disk"
+    )
+    print(head)
+    print("-" * len(head))
+    ok = True
+    for run in runs:
+        ok &= run["outputs_equal"]
+        for row in run["results"].values():
+            dec = row["decode"]["p50_ms"]
+            for case in ("decode", "recompute", "cpu", "disk"):
+                s = row[case]
+                lb = s.get("loaded_blocks")
+                print(
+                    f"{run['mode']:>6} | {row['kv_bytes'] >> 20:>4} | {case:>9} | "
+                    f"{s['p50_ms']:>7.1f} | {s['p99_ms']:>7.1f} | {s['max_ms']:>7.1f} | "
+                    f"{s['max_ms'] / dec:>13.1f}x | "
+                    f"{s.get('ttft_s', float('nan')):>7.3f} | "
+                    + (f"{int(lb['cpu'])}/{int(lb['disk'])}" if lb else "")
+                )
+            d = row.get("direct_read") or {}
+            print(
+                f"{'':>6} | {'':>4} | disk/cpu TTFT {row['disk']['ttft_s'] / row['cpu']['ttft_s']:.2f}x"
+                f" | worker read {row['worker_read_gbps'] or 0:.2f} GB/s"
+                f" | {d.get('tool', 'direct')} {d.get('gbps', float('nan')):.2f} GB/s"
+            )
+    print(f"outputs equal: {ok}")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks._common import write_json
+
+    path = write_json(
+        "step_stall",
+        {
+            "model": "tiny random Llama, 8 layers x 4 KV heads x 64, fp32, "
+            "16 KiB KV per token, block 32 tokens",
+            "decoders": DECODERS,
+            "repeats": args.repeats,
+            "runs": runs,
+            "outputs_equal": ok,
+        },
+        args.out,
+    )
+    print(f"wrote {path}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
