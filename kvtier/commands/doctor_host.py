@@ -171,21 +171,14 @@ def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]
 def check_prefix_hash(algo: str) -> list[Check]:
     """Whether vLLM's prefix block hashes (kvtier's keys) are the same after a
     restart: ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``."""
+    from kvtier.connector.identity import HASH_FIX, prefix_hash_problem
+
     seed = os.environ.get("PYTHONHASHSEED")
     seed_set = seed not in (None, "", "random")
     subject = f"prefix hash {algo}"
-    if algo.startswith("xxhash") and not seed_set:
-        return [
-            Check(
-                "warm-restart",
-                subject,
-                WARNING,
-                "non-cryptographic hashing without PYTHONHASHSEED: vLLM seeds it "
-                "randomly per process, so nothing on disk matches after a restart",
-                "export PYTHONHASHSEED=<a fixed value> before vllm serve, or "
-                "--prefix-caching-hash-algo sha256",
-            )
-        ]
+    problem = prefix_hash_problem(algo, seed)
+    if problem:
+        return [Check("warm-restart", subject, WARNING, problem, HASH_FIX)]
     if seed_set:
         return [
             Check(

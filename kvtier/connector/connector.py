@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 
 from kvtier.connector.compat import KV_CACHE_GROUPS
 from kvtier.connector.config import TransferConfigError
+from kvtier.connector.identity import (
+    HASH_FIX,
+    prefix_hash_problem,
+    settings_identity,
+)
 
 logger = logging.getLogger("kvtier.connector")
 
@@ -70,6 +76,14 @@ logger = logging.getLogger("kvtier.connector")
 # assert (crash) on the first corrupt disk block.
 UNDER_KVTIER_CONNECTOR: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "kvtier_under_connector", default=False
+)
+
+# Set while TieredOffloadingConnector builds its spec: what the resolved
+# VllmConfig says produces KV values (kvtier.connector.identity
+# .settings_identity), for the disk tier's namespace. The scheduler's and
+# every worker's connector compute it from the same VllmConfig.
+KV_SETTINGS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "kvtier_kv_settings", default=None
 )
 
 CONNECTOR_HINT = (
@@ -157,7 +171,9 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
             req_id = self._load_jobs.pop(job_id, None)
             sync_req = self._sync_load_reqs.pop(job_id, None)
             if result.transfer_time is not None and result.transfer_size is not None:
-                stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
+                stats = (
+                    meta.transfer_stats.load if is_load else meta.transfer_stats.store
+                )
                 stats.record(result.transfer_size, result.transfer_time)
             if not result.success and not is_load:
                 take = getattr(self.worker, "take_store_error", None)
@@ -228,14 +244,25 @@ class TieredOffloadingConnector(OffloadingConnector):
             raise TransferConfigError(
                 "kv_load_failure_policy",
                 f"is {transfer.kv_load_failure_policy!r}: a failed disk block "
-                "would fail its request instead of being recomputed; "
-                + CONNECTOR_HINT,
+                "would fail its request instead of being recomputed; " + CONNECTOR_HINT,
             )
+        if role == KVConnectorRole.SCHEDULER:
+            algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+            problem = prefix_hash_problem(algo, os.environ.get("PYTHONHASHSEED"))
+            if problem:
+                logger.warning(
+                    "kvtier: --prefix-caching-hash-algo %s: %s; fix: %s",
+                    algo,
+                    problem,
+                    HASH_FIX,
+                )
         token = UNDER_KVTIER_CONNECTOR.set(True)
         groups = KV_CACHE_GROUPS.set(len(kv_cache_config.kv_cache_groups))
+        settings = KV_SETTINGS.set(settings_identity(vllm_config))
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
+            KV_SETTINGS.reset(settings)
             KV_CACHE_GROUPS.reset(groups)
             UNDER_KVTIER_CONNECTOR.reset(token)
         # vLLM (0.32, 0.33) accepts block-level errors only for one group.

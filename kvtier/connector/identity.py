@@ -1,29 +1,39 @@
-"""A cheap identity of a model's contents, for the disk tier's namespace.
+"""What produced a block: the model's contents and every setting that
+changes KV values, for the disk tier's namespace.
 
-The layout fingerprint used to name the model by its path only, so a
-checkpoint replaced at the same path (a fine-tune copied over the base, a
-re-downloaded revision) would be served the old checkpoint's KV blocks after
-a warm restart. :func:`model_identity` hashes what changes when the weights
-change, without reading any weights:
+The disk tier outlives the engine, so a warm restart may serve a block only
+to the model and settings that wrote it. Two parts enter the store's
+``model_id`` (and so its directory name and every slot header):
 
-- the model's ``config.json`` (contents);
-- its weight index files (``*.index.json``, contents);
-- every weight file's name, size and ``mtime_ns`` (one ``stat`` each), plus
-  the link target for Hugging Face cache snapshots (whose blob names are
-  content hashes).
+- :func:`model_identity`, the model's contents: ``config.json`` and weight
+  index files (``*.index.json``) by content; every weight file's name, size,
+  ``mtime_ns`` and a **sampled digest** (:func:`sampled_digest`: the
+  safetensors header plus 16 small reads spread over the file), so a
+  same-size rewrite that kept the mtime (``cp -p``, ``rsync -a``,
+  ``touch -r``) still changes the identity; the link target for Hugging Face
+  cache snapshots (blob names are content hashes). A hub id that is not a
+  local directory falls back to its Hugging Face cache snapshot (offline),
+  else to the name alone.
+- :func:`settings_identity`, vLLM's *resolved* configuration: the model
+  config's hash factors as vLLM computes them (the effective HF config after
+  ``hf_overrides``, dtype, quantization and its config, revision, ...) less
+  the fields that cannot change a KV value (:data:`KV_NEUTRAL_MODEL_FIELDS`),
+  and the exact KV-cache dtype and KV-scale settings. docs/operations.md
+  ("Store identity") lists every field in and why each field out is out.
 
-A hub id that is not a local directory falls back to the Hugging Face cache
-snapshot it resolves to (offline, no download), else to the name alone.
-
-No vLLM import.
+:func:`model_identity` imports no vLLM (``kvtier doctor`` uses it);
+:func:`settings_identity` imports vLLM lazily.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import stat
+import struct
 from typing import Any
 
 logger = logging.getLogger("kvtier.connector")
@@ -31,8 +41,64 @@ logger = logging.getLogger("kvtier.connector")
 CONFIG_FILES = ("config.json",)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5")
 INDEX_SUFFIX = ".index.json"
-# Small files hashed by content; anything bigger is described by stat only.
+# Small files hashed by content; anything bigger is described by stat and a
+# sampled digest.
 _MAX_HASHED_BYTES = 16 << 20
+# Sampled digest of a weight file: this many reads of _SAMPLE_BYTES, evenly
+# spread from the first byte to the last (~64 KiB per file, whatever its size).
+_SAMPLES = 16
+_SAMPLE_BYTES = 4096
+# A safetensors header longer than this is sampled, not read whole.
+_MAX_HEADER_BYTES = 16 << 20
+
+# ModelConfig hash factors (vllm.config.utils.get_hash_factors) that cannot
+# change a KV value: limits, sampling and output options, tokenizer and
+# serving plumbing, memory management, paths whose effect is already in
+# hf_config. Everything else vLLM hashes is in the identity; a field vLLM
+# adds later is in by default (stricter, never wrong).
+KV_NEUTRAL_MODEL_FIELDS = frozenset(
+    {
+        "max_model_len",  # how long a sequence may grow, not its values
+        "spec_target_max_model_len",
+        "max_logprobs",
+        "logprobs_mode",
+        "return_sampling_mask",
+        "use_fp64_gumbel",
+        "generation_config",  # sampling defaults
+        "override_generation_config",
+        "logits_processors",
+        "seed",  # sampling seed
+        "served_model_name",
+        "tokenizer",  # prompts arrive as token ids; hashes cover the ids
+        "tokenizer_mode",
+        "tokenizer_revision",
+        "skip_tokenizer_init",
+        "hf_token",
+        "hf_config_path",  # its effect is hf_config, which is in
+        "hf_overrides",  # idem
+        "config_format",  # idem
+        "enforce_eager",  # CUDA graphs replay the same kernels
+        "enable_trace_replay",
+        "enable_sleep_mode",
+        "sleep_mode_backend",
+        "sleep_mode_offload_cudagraph",
+        "sleep_preserve_parameter_names",
+        "enable_cumem_allocator",
+        "enable_nccl_comm_suspend",
+        "renderer_num_workers",
+        "io_processor_plugin",
+        "allowed_local_media_path",
+        "allowed_media_domains",
+    }
+)
+# CacheConfig fields that change what a KV value is.
+KV_CACHE_FIELDS = (
+    "cache_dtype",
+    "calculate_kv_scales",
+    "kv_cache_dtype_skip_layers",
+    "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype",
+)
 
 
 def resolve_model_dir(model: str) -> str | None:
@@ -50,6 +116,28 @@ def resolve_model_dir(model: str) -> str | None:
     if isinstance(found, str) and os.path.isfile(found):
         return os.path.dirname(found)
     return None
+
+
+def sampled_digest(path: str, size: int) -> str:
+    """A 32-hex-digit digest of ``path``'s safetensors header (when it is
+    one) and ``_SAMPLES`` reads of ``_SAMPLE_BYTES`` evenly spread over its
+    ``size`` bytes. Cost: ~17 small reads per file, whatever its size.
+    Raises OSError."""
+    h = hashlib.blake2b(digest_size=16, person=b"kvtier-weights")
+    # O_NONBLOCK: a FIFO planted in a model directory must not hang start-up.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        if path.endswith(".safetensors") and size >= 8:
+            (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            h.update(os.pread(fd, min(hlen, _MAX_HEADER_BYTES), 8))
+        span = max(size - _SAMPLE_BYTES, 0)
+        for i in range(_SAMPLES):
+            h.update(os.pread(fd, _SAMPLE_BYTES, span * i // (_SAMPLES - 1)))
+    finally:
+        os.close(fd)
+    return h.hexdigest()
 
 
 def _describe_files(root: str) -> dict[str, Any]:
@@ -71,7 +159,12 @@ def _describe_files(root: str) -> dict[str, Any]:
             if os.path.islink(path):
                 # HF cache: snapshots link to blobs named by their hash.
                 entry["target"] = os.path.basename(os.readlink(path))
-            if hashed and st.st_size <= _MAX_HASHED_BYTES:
+            if not hashed:
+                try:
+                    entry["sample"] = sampled_digest(path, st.st_size)
+                except OSError as exc:
+                    entry["error"] = exc.errno
+            elif st.st_size <= _MAX_HASHED_BYTES:
                 try:
                     with open(path, "rb") as f:
                         entry["blake2b"] = hashlib.blake2b(
@@ -87,9 +180,9 @@ def model_identity(model: str, dtype: str = "", kv_cache_dtype: str = "") -> str
     """A 32-hex-digit identity of ``model``'s contents (plus the dtypes).
 
     Changes when ``config.json`` or a weight index changes, or when a weight
-    file is added, removed, resized or rewritten (its mtime changes); reads
-    no weight data. For a name that resolves to no local directory the
-    identity covers the name only (and says so)."""
+    file is added, removed, resized, touched or rewritten (the sampled
+    digest sees a rewrite that kept size and mtime). For a name that
+    resolves to no local directory the identity covers the name only."""
     root = resolve_model_dir(model)
     doc: dict[str, Any] = {
         "name": model,
@@ -106,18 +199,82 @@ def model_identity(model: str, dtype: str = "", kv_cache_dtype: str = "") -> str
     ).hexdigest()
 
 
-def namespace(config: Any) -> dict[str, Any]:
+def _canonical_digest(doc: Any, person: bytes) -> str:
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.blake2b(
+        canonical.encode(), digest_size=16, person=person
+    ).hexdigest()
+
+
+def settings_identity(vllm_config: Any) -> dict[str, Any]:
+    """Every setting of ``vllm_config`` (a resolved ``VllmConfig``) that
+    changes KV values, as a JSON-able dict: vLLM's own ModelConfig hash
+    factors (``get_hash_factors``: the effective HF config after
+    ``hf_overrides``, dtype, quantization and its config, revision, runner,
+    model implementation, ...) less :data:`KV_NEUTRAL_MODEL_FIELDS`, and the
+    cache config's :data:`KV_CACHE_FIELDS` (the exact KV-cache dtype string,
+    KV-scale settings). Deterministic across processes and restarts."""
+    from vllm.config.utils import get_hash_factors
+
+    model = vllm_config.model_config
+    factors = get_hash_factors(model, set(KV_NEUTRAL_MODEL_FIELDS))
+    cache = vllm_config.cache_config
+    return {
+        "model_factors": {k: str(v) for k, v in sorted(factors.items())},
+        "kv_cache": {f: str(getattr(cache, f, None)) for f in KV_CACHE_FIELDS},
+    }
+
+
+def settings_digest(settings: dict[str, Any]) -> str:
+    """32 hex digits naming :func:`settings_identity`'s result."""
+    return _canonical_digest(settings, b"kvtier-settings")
+
+
+def describe_settings(settings: dict[str, Any]) -> dict[str, str]:
+    """The fields an operator reads first (log line, layout.json)."""
+    factors = settings.get("model_factors", {})
+    out = {k: factors[k] for k in ("dtype", "quantization", "revision") if k in factors}
+    out["kv_cache_dtype"] = settings.get("kv_cache", {}).get("cache_dtype", "")
+    out["settings"] = settings_digest(settings)[:16]
+    return out
+
+
+def namespace(config: Any, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """``LayoutFingerprint`` keyword arguments beyond the layout, from vLLM's
-    ``OffloadingConfig`` (duck-typed): the model's content identity (with
-    its KV-cache dtype) and the data-parallel rank, so DP replicas sharing
-    one config (and one disk_path) get separate store directories."""
+    ``OffloadingConfig`` (duck-typed) and, under kvtier's connector, the
+    resolved configuration's :func:`settings_identity`: ``model_id`` covers
+    the model's contents (with its KV-cache dtype) and those settings;
+    ``dp_rank`` keeps DP replicas sharing one config (and one disk_path) in
+    separate store directories."""
     par = config.parallel
     dp_rank = getattr(par, "data_parallel_index", None)
     if dp_rank is None:
         dp_rank = getattr(par, "data_parallel_rank", 0) or 0
-    return {
-        "model_id": model_identity(
-            config.model.name, kv_cache_dtype=str(config.model.dtype)
-        ),
-        "dp_rank": int(dp_rank),
-    }
+    model_id = model_identity(config.model.name, kv_cache_dtype=str(config.model.dtype))
+    if settings is not None:
+        model_id = _canonical_digest(
+            {"model": model_id, "settings": settings_digest(settings)},
+            b"kvtier-model",
+        )
+    return {"model_id": model_id, "dp_rank": int(dp_rank)}
+
+
+# The fix, named wherever a non-reproducible prefix hash is reported.
+HASH_FIX = (
+    "export PYTHONHASHSEED=<a fixed value> before vllm serve, or "
+    "--prefix-caching-hash-algo sha256"
+)
+
+
+def prefix_hash_problem(algo: str, seed: str | None) -> str | None:
+    """Why vLLM's prefix block hashes (kvtier's keys) would differ after a
+    restart under ``--prefix-caching-hash-algo algo`` and PYTHONHASHSEED
+    ``seed``, or None when they are reproducible. vLLM seeds its
+    non-cryptographic hashes (xxhash*) randomly per process unless
+    PYTHONHASHSEED is set, so no block on disk would ever match."""
+    if algo.startswith("xxhash") and seed in (None, "", "random"):
+        return (
+            "non-cryptographic hashing without PYTHONHASHSEED: vLLM seeds it "
+            "randomly per process, so nothing on disk matches after a restart"
+        )
+    return None

@@ -39,10 +39,14 @@ from kvtier.connector.config import (
     check_disk_paths,
     parse_extra_config,
 )
-from kvtier.connector.connector import CONNECTOR_HINT, UNDER_KVTIER_CONNECTOR
+from kvtier.connector.connector import (
+    CONNECTOR_HINT,
+    KV_SETTINGS,
+    UNDER_KVTIER_CONNECTOR,
+)
 from kvtier.connector.disk_runtime import DiskRuntime, cpu_buffer_path
 from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
-from kvtier.connector.identity import namespace
+from kvtier.connector.identity import describe_settings, namespace
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.topology import check_single_node
 from kvtier.io.format import LayoutFingerprint, slot_size
@@ -94,12 +98,16 @@ def layout_fingerprint(
     rank: int,
     world_size: int,
     host_layout: str | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> LayoutFingerprint:
     """The disk layout identity of one rank's blocks, from vLLM's config.
 
     Shared by :class:`TieredOffloadingSpec` and the tiering-mode disk tier
     (``kvtier.connector.tiering``); ``host_layout`` names a CPU-row layout
-    other than this spec's own, so the two never share slab directories."""
+    other than this spec's own, so the two never share slab directories.
+    ``settings``: the resolved configuration's KV-relevant settings
+    (:func:`~kvtier.connector.identity.settings_identity`), known under
+    kvtier's connector."""
     groups = ",".join(
         f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}" for g in config.groups
     )
@@ -118,7 +126,8 @@ def layout_fingerprint(
         geometry=geometry,
         tp_rank=rank,
         tp_size=world_size,
-        **namespace(config),  # model contents + DP rank (kvtier.connector.identity)
+        # model contents + settings + DP rank (kvtier.connector.identity)
+        **namespace(config, settings),
     )
 
 
@@ -199,6 +208,9 @@ class TieredOffloadingSpec(OffloadingSpec):
                     )
         # Only kvtier's connector turns a failed job into a miss.
         self.under_kvtier_connector = UNDER_KVTIER_CONNECTOR.get()
+        # What produced the blocks (always known when a disk tier runs: a
+        # disk tier needs kvtier's connector, which sets it).
+        self.settings = KV_SETTINGS.get()
         if self.kvtier.disk_enabled and not self.under_kvtier_connector:
             # The stock connector asserts on a failed load: a corrupt disk
             # block would crash the engine. Say how to fix it, at start.
@@ -238,7 +250,9 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def fingerprint(self, rank: int) -> LayoutFingerprint:
         """What must match for a disk block to be reusable by this engine."""
-        return layout_fingerprint(self.config, self.block_bytes, rank, self.world_size)
+        return layout_fingerprint(
+            self.config, self.block_bytes, rank, self.world_size, settings=self.settings
+        )
 
     def _buffer_path(self, rank: int) -> str:
         return cpu_buffer_path(self.config.engine_id, rank, self.world_size)
@@ -284,9 +298,19 @@ class TieredOffloadingSpec(OffloadingSpec):
                     if len(restored) > self.num_disk_blocks:
                         restored = restored[-self.num_disk_blocks :]
                     hierarchy.restore_disk(restored)
-                    logger.info(
-                        "kvtier: warm restart adopted %d disk blocks", len(restored)
-                    )
+                fp = self.fingerprint(0)
+                logger.info(
+                    "kvtier store identity: model %s, model_id %s, %s; store %s: %s",
+                    fp.model,
+                    fp.model_id[:16],
+                    describe_settings(self.settings)
+                    if self.settings is not None
+                    else "settings unknown (not under kvtier's connector)",
+                    store_dirname(fp),
+                    f"warm restart adopted {len(restored)} disk blocks"
+                    if restored
+                    else "no blocks adopted (new or empty store)",
+                )
             self._manager = TieredOffloadingManager(
                 hierarchy,
                 runtime,

@@ -70,6 +70,4 @@ class TierLoadSpec(LoadStoreSpec):
         return int(self.on_disk.sum())
 
     def __repr__(self) -> str:
-        return (
-            f"TierLoadSpec({len(self.block_ids)} blocks, {self.num_disk} from disk)"
-        )
+        return f"TierLoadSpec({len(self.block_ids)} blocks, {self.num_disk} from disk)"

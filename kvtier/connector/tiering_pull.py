@@ -91,7 +91,9 @@ class PullBack:
                 result = parent.lookup(key, ctx)
                 if result is LookupResult.HIT:
                     ready.append(key)
-                elif result is LookupResult.HIT_PENDING and now - since < self.patience_s:
+                elif (
+                    result is LookupResult.HIT_PENDING and now - since < self.patience_s
+                ):
                     continue
                 del self._noted[key]
             job = parent.create_store_job(ready, ctx) if ready else None

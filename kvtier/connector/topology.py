@@ -115,7 +115,10 @@ def observe(config: Any) -> Topology:
         topo["measured_nodes"] = parallel_state._NODE_COUNT
     except ImportError:  # pragma: no cover
         pass
-    for key, env in (("launcher_world", "WORLD_SIZE"), ("launcher_local", "LOCAL_WORLD_SIZE")):
+    for key, env in (
+        ("launcher_world", "WORLD_SIZE"),
+        ("launcher_local", "LOCAL_WORLD_SIZE"),
+    ):
         value = os.environ.get(env, "")
         if value.isdigit():
             topo[key] = int(value)

@@ -1,0 +1,142 @@
+"""Issue #19: the store identity covers the model's contents (sampled, not
+only stat) and vLLM's resolved settings, identically on every side and
+every start."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.connector.identity import (
+    HASH_FIX,
+    model_identity,
+    prefix_hash_problem,
+    sampled_digest,
+    settings_digest,
+    settings_identity,
+)
+from kvtier.testing.model import build_tiny_llama
+
+_DIGEST_CHILD = """
+import os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm.engine.arg_utils import EngineArgs
+from kvtier.connector.identity import settings_digest, settings_identity
+cfg = EngineArgs(model=sys.argv[1], dtype="float32", block_size=32).create_engine_config()
+print("DIGEST", settings_digest(settings_identity(cfg)))
+"""
+
+
+def _config(model: str, dtype: str = "float32", **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=model, dtype=dtype, block_size=32, **kw
+    ).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return build_tiny_llama()
+
+
+def test_settings_survive_the_trip_to_a_worker(model) -> None:
+    """Workers get the VllmConfig pickled: their identity must be the
+    scheduler's, or every disk lookup would miss."""
+    cfg = _config(model)
+    assert settings_identity(pickle.loads(pickle.dumps(cfg))) == settings_identity(cfg)
+
+
+def test_settings_are_the_same_in_every_process(model) -> None:
+    digests = set()
+    for seed in ("0", "12345"):
+        out = subprocess.run(
+            [sys.executable, "-c", _DIGEST_CHILD, model],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        digests |= {
+            ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("DIGEST")
+        }
+    assert digests == {settings_digest(settings_identity(_config(model)))}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"hf_overrides": {"rms_norm_eps": 0.5}},
+        {
+            "hf_overrides": {
+                "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}
+            }
+        },
+        {"dtype": "bfloat16"},
+        {"kv_cache_dtype": "fp8_e5m2"},
+        {"revision": "other"},
+    ],
+    ids=["rms_norm_eps", "rope", "dtype", "kv_cache_dtype", "revision"],
+)
+def test_each_kv_changing_setting_changes_the_identity(model, change) -> None:
+    base = settings_identity(_config(model))
+    cfg = _config(model, **change)
+    assert settings_digest(settings_identity(cfg)) != settings_digest(base)
+
+
+def test_kv_neutral_settings_keep_the_identity(model) -> None:
+    base = settings_digest(settings_identity(_config(model)))
+    assert (
+        settings_digest(settings_identity(_config(model, max_model_len=1024, seed=7)))
+        == base
+    )
+
+
+def test_a_same_size_same_mtime_rewrite_changes_the_model_identity(tmp_path) -> None:
+    src = Path(build_tiny_llama())
+    mdir = tmp_path / "m"
+    shutil.copytree(src, mdir, copy_function=shutil.copy2)
+    first = model_identity(str(mdir))
+    weights = next(mdir.glob("*.safetensors"))
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF  # one byte in the last sample window
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size
+    assert weights.stat().st_mtime_ns == st.st_mtime_ns
+    assert model_identity(str(mdir)) != first
+
+
+def test_sampled_digest_reads_the_safetensors_header(tmp_path) -> None:
+    """The header names every tensor's dtype, shape and offsets: a change
+    there changes the digest even where no sample lands."""
+    body = b"\0" * (1 << 20)
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    for path, name in ((a, b'{"x":1}'), (b, b'{"y":1}')):
+        path.write_bytes(len(name).to_bytes(8, "little") + name + body)
+    assert sampled_digest(str(a), a.stat().st_size) != sampled_digest(
+        str(b), b.stat().st_size
+    )
+
+
+def test_a_fifo_in_the_model_directory_does_not_hang(tmp_path) -> None:
+    os.mkfifo(tmp_path / "model.safetensors")
+    with pytest.raises(OSError):
+        sampled_digest(str(tmp_path / "model.safetensors"), 0)
+    model_identity(str(tmp_path))  # recorded as an error, never a hang
+
+
+def test_prefix_hash_reproducibility() -> None:
+    assert prefix_hash_problem("xxhash", None)
+    assert prefix_hash_problem("xxhash_cbor", "random")
+    assert prefix_hash_problem("xxhash", "42") is None
+    assert prefix_hash_problem("sha256", None) is None
+    assert "PYTHONHASHSEED" in HASH_FIX

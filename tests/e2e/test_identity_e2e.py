@@ -1,0 +1,125 @@
+"""Issue #19: a disk block is only ever served to the model and settings
+that produced it.
+
+Engine 1 fills the disk tier; engine 2 starts on the same ``disk_path`` and
+model directory with one thing changed. A change that alters KV values
+must leave the old store unadopted (nothing restored, no disk hits); a
+restart with nothing changed must still adopt it and serve from disk, with
+outputs equal to the no-offload baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvtier.testing.engine import engine, run_prompts
+from kvtier.testing.model import build_tiny_llama
+
+from .workload import (
+    BLOCKS_PER_PROMPT,
+    FIRST,
+    GPU_BLOCKS,
+    MAX_TOKENS,
+    RETURNING,
+    kvtier_config,
+    manager_of,
+    run_each,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def _rewrite_weights_keeping_stat(model_dir: Path) -> None:
+    """Another checkpoint's weights (same architecture, so the same size)
+    copied over the model's, with the old mtime put back: what ``cp -p`` or
+    ``rsync -a`` of a fine-tune does."""
+    other = Path(build_tiny_llama(seed=1))
+    for src in other.glob("*.safetensors"):
+        dst = model_dir / src.name
+        st = dst.stat()
+        assert src.stat().st_size == st.st_size
+        shutil.copyfile(src, dst)
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert dst.stat().st_mtime_ns == st.st_mtime_ns
+
+
+# (case, engine 1 keywords, engine 2 keywords, change to the model dir)
+CHANGES = [
+    ("rms_norm_eps", {}, {"hf_overrides": {"rms_norm_eps": 0.5}}, None),
+    (
+        "rope_theta",
+        {},
+        {
+            "hf_overrides": {
+                "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}
+            }
+        },
+        None,
+    ),
+    ("dtype", {}, {"dtype": "bfloat16"}, None),
+    (
+        "kv_cache_dtype",
+        {"kv_cache_dtype": "fp8_e4m3"},
+        {"kv_cache_dtype": "fp8_e5m2"},
+        None,
+    ),
+    ("weights_same_stat", {}, {}, _rewrite_weights_keeping_stat),
+]
+
+
+@pytest.fixture
+def private_model(model, tmp_path) -> Path:
+    """A copy of the tiny model that a case may rewrite."""
+    dst = tmp_path / "model"
+    shutil.copytree(model, dst)
+    return dst
+
+
+def _fill(model_dir: Path, cfg: dict, **kw) -> None:
+    with engine(str(model_dir), cfg, num_gpu_blocks=GPU_BLOCKS, **kw) as llm:
+        run_each(llm, FIRST)
+        assert manager_of(llm).hierarchy.stats.spills_completed > 0
+
+
+@pytest.mark.parametrize(
+    ("first_kw", "second_kw", "change"),
+    [c[1:] for c in CHANGES],
+    ids=[c[0] for c in CHANGES],
+)
+def test_a_changed_setting_never_adopts_the_old_store(
+    private_model, block_bytes, tmp_path, first_kw, second_kw, change
+):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cfg = kvtier_config(block_bytes, disk)
+    _fill(private_model, cfg, **first_kw)
+    if change is not None:
+        change(private_model)
+    with engine(str(private_model), cfg, num_gpu_blocks=GPU_BLOCKS, **second_kw) as llm:
+        adopted = len(manager_of(llm).hierarchy.disk)
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+    assert adopted == 0
+    assert again.totals.get("disk", 0) == 0
+    # The old store is still there (set aside, not destroyed) next to the new.
+    assert len([p for p in disk.iterdir() if p.name.startswith("kvtier-")]) == 2
+
+
+def test_an_unchanged_restart_still_adopts_and_serves_from_disk(
+    private_model, block_bytes, baseline, tmp_path
+):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cfg = kvtier_config(block_bytes, disk)
+    _fill(private_model, cfg)
+    # Stat changes alone (a copy without -p) are not content changes, but the
+    # identity keeps mtime as a cheap extra signal: leave them alone here.
+    with engine(str(private_model), cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        adopted = len(manager_of(llm).hierarchy.disk)
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+    assert adopted > 0
+    assert again.totals.get("disk") == len(RETURNING) * BLOCKS_PER_PROMPT * 32
+    assert again.outputs == baseline[: len(RETURNING)]
