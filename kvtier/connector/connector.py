@@ -101,6 +101,8 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
     the last report (summed over workers)."""
 
     failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
+    # Per request, disk blocks a load raised on: not delivered, not bad.
+    unloaded_keys: dict[str, list[bytes]] = field(default_factory=dict)
     failed_store_rows: list[int] = field(default_factory=list)
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
@@ -116,6 +118,7 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
             completed_jobs=base.completed_jobs,
             transfer_stats=base.transfer_stats,
             failed_keys={k: list(v) for k, v in self.failed_keys.items()},
+            unloaded_keys={k: list(v) for k, v in self.unloaded_keys.items()},
             failed_store_rows=list(self.failed_store_rows),
             disk_read_bytes=self.disk_read_bytes,
             disk_read_seconds=self.disk_read_seconds,
@@ -126,6 +129,8 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
         if isinstance(other, KvtierWorkerMetadata):
             for req_id, keys in other.failed_keys.items():
                 merged.failed_keys.setdefault(req_id, []).extend(keys)
+            for req_id, keys in other.unloaded_keys.items():
+                merged.unloaded_keys.setdefault(req_id, []).extend(keys)
             merged.failed_store_rows.extend(other.failed_store_rows)
             merged.disk_read_bytes += other.disk_read_bytes
             merged.disk_read_seconds += other.disk_read_seconds
@@ -141,6 +146,7 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._failed_keys: dict[str, list[bytes]] = {}
+        self._unloaded_keys: dict[str, list[bytes]] = {}
         self._failed_store_rows: list[int] = []
         self._failed_reqs: set[str] = set()
         self._invalid_block_ids: set[int] = set()
@@ -190,6 +196,8 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
                 if owner is None or error is None:
                     raise RuntimeError(f"kvtier: load job {job_id} failed")
                 self._failed_keys.setdefault(owner, []).extend(error.keys)
+                if error.unloaded:
+                    self._unloaded_keys.setdefault(owner, []).extend(error.unloaded)
                 if req_id is None:  # sync: the request runs this step
                     self._sync_invalid_block_ids |= error.gpu_block_ids
                 else:
@@ -218,6 +226,7 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
             completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats
         )
         out.failed_keys, self._failed_keys = self._failed_keys, {}
+        out.unloaded_keys, self._unloaded_keys = self._unloaded_keys, {}
         out.failed_store_rows, self._failed_store_rows = self._failed_store_rows, []
         reader = getattr(self.worker, "reader", None)
         if reader is not None:
@@ -315,6 +324,7 @@ class TieredOffloadingConnector(OffloadingConnector):
             if report is not None:
                 report(
                     meta.failed_keys,
+                    unloaded=meta.unloaded_keys,
                     failed_store_rows=meta.failed_store_rows,
                     read_bytes=meta.disk_read_bytes,
                     read_seconds=meta.disk_read_seconds,

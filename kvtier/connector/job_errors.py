@@ -28,20 +28,25 @@ MAX_CAUSES = 64
 
 @dataclass
 class LoadError:
-    """What a failed load could not deliver: the keys of the disk blocks
-    that failed, and the GPU blocks that were left unfilled."""
+    """What a failed load could not deliver: ``keys``, the disk blocks shown
+    bad (I/O error or failed verification: their copies are dropped);
+    ``unloaded``, disk blocks not delivered for a reason that says nothing
+    about their copies (the job raised: the copies stay); and the GPU blocks
+    that were left unfilled."""
 
     keys: list[bytes] = field(default_factory=list)
     gpu_block_ids: set[int] = field(default_factory=set)
+    unloaded: list[bytes] = field(default_factory=list)
 
 
 def whole_load_error(src: LoadStoreSpec, dst: GPULoadStoreSpec) -> LoadError:
-    """A load that raised: every disk key of the job (its disk copies and
-    promotion rows are then given up by the manager) and every GPU block,
-    whether meant for a disk or a CPU block (a partial load counts for
-    nothing)."""
+    """A load that raised: every disk key of the job as *unloaded* (their
+    promotion rows are given back unwritten; the disk copies were not shown
+    bad, so they stay and a later request may load them) and every GPU
+    block, whether meant for a disk or a CPU block (a partial load counts
+    for nothing)."""
     keys = [k for k in src.keys if k] if isinstance(src, TierLoadSpec) else []
-    return LoadError(keys=keys, gpu_block_ids={int(b) for b in dst.block_ids})
+    return LoadError(unloaded=keys, gpu_block_ids={int(b) for b in dst.block_ids})
 
 
 class JobExceptions:

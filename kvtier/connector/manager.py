@@ -79,6 +79,7 @@ class TieredOffloadingManager(OffloadingManager):
         # Disk blocks the workers could not load, per request, until that
         # request's load completes.
         self._failed_loads: dict[str, set[bytes]] = {}
+        self._unloaded_loads: dict[str, set[bytes]] = {}
         # CPU rows of stores a worker reported failed, until their store
         # completes (vLLM completes it as a success: complete_store).
         self._failed_store_rows: set[int] = set()
@@ -142,6 +143,7 @@ class TieredOffloadingManager(OffloadingManager):
         self,
         failed: Mapping[str, Iterable[bytes]],
         *,
+        unloaded: Mapping[str, Iterable[bytes]] | None = None,
         failed_store_rows: Iterable[int] = (),
         read_bytes: int = 0,
         read_seconds: float = 0.0,
@@ -150,11 +152,14 @@ class TieredOffloadingManager(OffloadingManager):
         worker_exceptions: int = 0,
     ) -> None:
         """What the workers said since the last call: per request, the disk
-        blocks its load could not use; the CPU rows of stores that failed
+        blocks its load could not use (shown bad) and, in ``unloaded``, those
+        it did not deliver for another reason (kept); the CPU rows of stores that failed
         (their keys are completed as failed, see ``complete_store``); and
         counters (disk reads, exceptions contained)."""
         for req_id, keys in failed.items():
             self._failed_loads.setdefault(req_id, set()).update(keys)
+        for req_id, keys in (unloaded or {}).items():
+            self._unloaded_loads.setdefault(req_id, set()).update(keys)
         self._failed_store_rows.update(failed_store_rows)
         d = self.worker_disk
         d["bytes"] += read_bytes
@@ -188,7 +193,8 @@ class TieredOffloadingManager(OffloadingManager):
                 len(failed),
                 req_context.req_id,
             )
-        self.hierarchy.complete_load(load.load_id, failed)
+        unloaded = self._unloaded_loads.pop(req_context.req_id, ())
+        self.hierarchy.complete_load(load.load_id, failed, unloaded=unloaded)
 
     @override
     def prepare_store(

@@ -45,7 +45,9 @@ class LoadPlanning:
         _drop_from_disk: Callable[[Key, str], None]
         _emit: Callable[..., None]
 
-    def prepare_load(self, keys: Sequence[Key], promote: bool | None = None) -> LoadPlan:
+    def prepare_load(
+        self, keys: Sequence[Key], promote: bool | None = None
+    ) -> LoadPlan:
         """Pin each key where it is ready (CPU preferred) and say where.
 
         A key read from disk also gets a CPU row to be copied into when one
@@ -101,14 +103,19 @@ class LoadPlanning:
         self._loads[plan.load_id] = plan
         return plan
 
-    def complete_load(self, load_id: int, failed: Iterable[Key] = ()) -> None:
+    def complete_load(
+        self, load_id: int, failed: Iterable[Key] = (), unloaded: Iterable[Key] = ()
+    ) -> None:
         """Release a load's pins. Keys in ``failed`` were read from disk and
         could not be used (I/O error or failed verification): their disk
         copy is dropped as corrupt once no other load reads it, and their
-        promotion row is given back unwritten. Other promoted keys become
-        ready on CPU."""
+        promotion row is given back unwritten. Keys in ``unloaded`` were not
+        delivered for a reason that says nothing about their copy (the load
+        raised): the promotion row is given back, the disk copy stays.
+        Other promoted keys become ready on CPU."""
         plan = self._loads.pop(load_id)
         bad = set(failed)
+        skipped = set(unloaded) - bad
         promoted: list[Key] = []
         stats = self.stats
         for key, loc in zip(plan.keys, plan.locations):
@@ -118,6 +125,11 @@ class LoadPlanning:
                 tier.unpin(key)
             if loc.medium == MEDIUM_CPU:
                 stats.loads_cpu += 1
+                continue
+            if key in skipped:
+                stats.load_failures += 1
+                if loc.promote_slot is not None:
+                    self.cpu.remove(key)
                 continue
             if key in bad:
                 stats.load_failures += 1
@@ -135,4 +147,3 @@ class LoadPlanning:
         if promoted:
             stats.promotions_completed += len(promoted)
             self._emit(promoted, MEDIUM_CPU, removed=False, reason="promote")
-

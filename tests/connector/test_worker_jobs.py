@@ -222,21 +222,27 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     assert _results(r) == [(9, False)]  # once, after transfer 2 landed
     assert r.worker._bounce_readers == [set(), set()]
     assert not r.worker._jobs and not r.worker._owner
-    # Every block of the job counts as failed, the CPU ones included.
+    # Every block of the job counts as failed, the CPU ones included; the
+    # disk copies are reported unloaded, not bad (nothing showed them bad).
     error = r.worker.take_load_error(9)
-    assert error.keys == on_disk[:3]
+    assert error.keys == []
+    assert error.unloaded == on_disk[:3]
     assert error.gpu_block_ids == set(gpu_blocks)
     assert r.worker.take_load_error(9) is None
     assert r.worker.exceptions.count == 1
     logged = [rec for rec in caplog.records if "load job 9 raised" in rec.message]
     assert len(logged) == 1 and logged[0].levelname == "ERROR"
     assert logged[0].exc_info is not None  # with its traceback
-    # The manager gives the disk copies and their promotion rows up.
-    r.manager.note_worker_report({ctx.req_id: error.keys})
+    # The manager keeps the disk copies (an exception is no evidence
+    # against them) and gives their promotion rows back.
+    r.manager.note_worker_report(
+        {ctx.req_id: error.keys}, unloaded={ctx.req_id: error.unloaded}
+    )
     r.manager.complete_load(keys, ctx)
     r.manager.on_request_finished(ctx)
     h = r.manager.hierarchy
-    assert [h.lookup(k).name for k in on_disk[:3]] == ["MISS"] * 3
+    assert all(h.disk.is_ready(k) for k in on_disk[:3])
+    assert h.stats.corrupt_blocks == 0
     assert [h.lookup(k).name for k in on_cpu] == ["HIT_CPU"] * 2
     assert h.num_loads == 0
 
@@ -261,11 +267,14 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     assert len(again) == 1 and again[0].levelname == "DEBUG"
     assert _results(r) == [(12, False)]  # its first read raised
     error = r.worker.take_load_error(12)
-    assert error.keys == third and error.gpu_block_ids == {60, 61}
+    assert error.keys == [] and error.unloaded == third
+    assert error.gpu_block_ids == {60, 61}
     _finish(r, [on_disk[3]], [58], ctx)
-    r.manager.note_worker_report({ctx_c.req_id: error.keys})
+    r.manager.note_worker_report(
+        {ctx_c.req_id: error.keys}, unloaded={ctx_c.req_id: error.unloaded}
+    )
     r.manager.complete_load(third, ctx_c)
-    assert [h.lookup(k).name for k in third] == ["MISS"] * 2
+    assert [h.lookup(k).name for k in third] == ["HIT_DISK"] * 2
 
 
 def test_a_store_that_raises_fails_and_its_rows_are_given_back(runner, monkeypatch):
