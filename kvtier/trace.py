@@ -195,4 +195,3 @@ def unique_blocks(requests: Iterable[TraceRequest]) -> int:
     for req in requests:
         seen.update(request_keys(req))
     return len(seen)
-

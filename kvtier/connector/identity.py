@@ -235,6 +235,10 @@ def describe_settings(settings: dict[str, Any]) -> dict[str, str]:
     factors = settings.get("model_factors", {})
     out = {k: factors[k] for k in ("dtype", "quantization", "revision") if k in factors}
     out["kv_cache_dtype"] = settings.get("kv_cache", {}).get("cache_dtype", "")
+    if "hf_config" in factors:
+        out["hf_config"] = _canonical_digest(factors["hf_config"], b"kvtier-hfconf")[
+            :16
+        ]
     out["settings"] = settings_digest(settings)[:16]
     return out
 

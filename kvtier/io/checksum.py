@@ -104,7 +104,9 @@ def device_checksum(data: Any) -> int:
     words = raw.view("<u4")
     n = words.size
     if n >= 1 << 31:
-        raise ValueError(f"payload of {raw.size} bytes is too long for the device checksum")
+        raise ValueError(
+            f"payload of {raw.size} bytes is too long for the device checksum"
+        )
     q = n // _COLS
     cw, jw, tw = _np_weights(q, n)
     main = words[: q * _COLS].reshape(q, _COLS)

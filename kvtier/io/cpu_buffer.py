@@ -408,4 +408,3 @@ def reclaim_stale_cpu_files(
         )
         removed.append((path, size))
     return removed
-

@@ -168,7 +168,9 @@ class DeviceStagingReader:
         self._closed = False
         logger.info(
             "kvtier device staging: mode %s, staging on %s, back end %s",
-            self.mode, self.device, backend.describe(),
+            self.mode,
+            self.device,
+            backend.describe(),
         )
 
     # ----------------------------------------------------------------- API
@@ -194,7 +196,12 @@ class DeviceStagingReader:
             f, local = locate(slot, npaths)
             row = first_row + k
             last = runs[-1] if runs else None
-            if last and last[0] == f and last[1] + last[3] == local and last[2] + last[3] == row:
+            if (
+                last
+                and last[0] == f
+                and last[1] + last[3] == local
+                and last[2] + last[3] == row
+            ):
                 runs[-1] = (*last[:3], last[3] + 1)
             else:
                 runs.append((f, local, row, 1))
@@ -366,7 +373,10 @@ class DeviceStagingReader:
             ("io", f"{f}:{exc.errno}"),
             "kvtier device-staged load from %s failed: errno %s (%s): %s; the "
             "blocks are recomputed",
-            self.slab_paths[f], exc.errno, name, exc.strerror,
+            self.slab_paths[f],
+            exc.errno,
+            name,
+            exc.strerror,
         )
 
     def _note(self, what: str, slot: int) -> None:
@@ -375,7 +385,9 @@ class DeviceStagingReader:
             ("corrupt", str(f)),
             "kvtier device-staged load of slot %d from %s rejected: %s (corrupt "
             "or torn block, recomputed)",
-            slot, self.slab_paths[f], what,
+            slot,
+            self.slab_paths[f],
+            what,
         )
 
     def _note_host_only(self, why: str, slot: int) -> None:
@@ -384,7 +396,9 @@ class DeviceStagingReader:
             ("host_only", str(f)),
             "kvtier slot %d of %s cannot be verified on the device (%s): it must "
             "be read through the host path",
-            slot, self.slab_paths[f], why,
+            slot,
+            self.slab_paths[f],
+            why,
         )
 
     def _log_once(self, key: tuple[str, str], msg: str, *args: Any) -> None:

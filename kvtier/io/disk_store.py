@@ -58,6 +58,7 @@ logger = logging.getLogger("kvtier.io")
 
 COMPRESSION_CHOICES = ("none", "zstd")
 
+
 class DiskStore(DiskReads):
     """Fixed-size block slots on one or more paths, verified on every read.
 

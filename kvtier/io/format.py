@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -128,6 +128,10 @@ class LayoutFingerprint:
     tp_size: int
     model_id: str = ""
     dp_rank: int = 0
+    # What ``model_id`` was derived from, in words (kvtier.connector.identity
+    # .describe_settings): written to layout.json for ``kvtier inspect``;
+    # not part of the digest (``model_id`` already is).
+    identity: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.block_bytes <= 0:
@@ -177,6 +181,7 @@ class LayoutFingerprint:
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
             **self._optional(),
+            **({"identity": dict(self.identity)} if self.identity else {}),
             "digest": self.digest().hex(),
         }
 

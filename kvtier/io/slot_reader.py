@@ -316,7 +316,10 @@ class SlotReader:
                 self._scratch = np.empty(self.block_bytes, dtype=np.uint8)
             try:
                 decompress(
-                    hdr.codec, buf[HEADER_SIZE:end], hdr.raw_len, hdr.elem_size,
+                    hdr.codec,
+                    buf[HEADER_SIZE:end],
+                    hdr.raw_len,
+                    hdr.elem_size,
                     self._scratch,
                 )
             except (CorruptPayloadError, ValueError):
@@ -333,7 +336,10 @@ class SlotReader:
             ("io", f"{f}:{exc.errno}"),
             "kvtier disk load from %s failed: errno %s (%s): %s; the blocks are "
             "recomputed",
-            self.slab_paths[f], exc.errno, name, exc.strerror,
+            self.slab_paths[f],
+            exc.errno,
+            name,
+            exc.strerror,
         )
 
     def _note(self, what: str, slot: int) -> None:
@@ -342,7 +348,9 @@ class SlotReader:
             ("corrupt", str(f)),
             "kvtier disk load of slot %d from %s rejected: %s (corrupt or torn "
             "block, recomputed)",
-            slot, self.slab_paths[f], what,
+            slot,
+            self.slab_paths[f],
+            what,
         )
 
     def _log_once(self, key: tuple[str, str], msg: str, *args: Any) -> None:

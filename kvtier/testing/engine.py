@@ -87,6 +87,7 @@ def use_in_process_engines() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
 # --------------------------------------------------------------------------
 # 2. Engine
 # --------------------------------------------------------------------------
@@ -443,4 +444,3 @@ def collect_result(rec: HitRecorder, before, finals, wall_s: float) -> RunResult
         request_ids=ids,
         wall_s=wall_s,
     )
-

@@ -286,5 +286,3 @@ def _short_len(rule: FaultRule, nbytes: int) -> int:
     if rule.short_bytes is not None:
         return min(rule.short_bytes, nbytes)
     return (nbytes // 2) // IO_ALIGNMENT * IO_ALIGNMENT
-
-

@@ -44,8 +44,16 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker",
         "OffloadingConnectorWorker",
-        ("spec", "vllm_config", "kv_cache_config", "worker", "_load_jobs",
-         "_connector_worker_meta", "start_kv_transfers", "get_finished"),
+        (
+            "spec",
+            "vllm_config",
+            "kv_cache_config",
+            "worker",
+            "_load_jobs",
+            "_connector_worker_meta",
+            "start_kv_transfers",
+            "get_finished",
+        ),
     ),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
@@ -93,8 +101,13 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "vllm.v1.kv_offload.base",
         "OffloadingSpec",
-        ("config", "extra_config", "blocks_per_chunk", "kv_events_config",
-         "replicated_layout"),
+        (
+            "config",
+            "extra_config",
+            "blocks_per_chunk",
+            "kv_events_config",
+            "replicated_layout",
+        ),
     ),
     (
         "vllm.v1.kv_offload.tiering.spec",
@@ -343,9 +356,7 @@ def check_calls(module: Any) -> list[str]:
     tree = ast.parse(inspect.getsource(module))
     names: dict[str, Any] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-            "vllm"
-        ):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm"):
             source = importlib.import_module(node.module)
             for alias in node.names:
                 names[alias.asname or alias.name] = getattr(source, alias.name)

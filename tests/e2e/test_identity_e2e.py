@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,13 @@ def test_an_unchanged_restart_still_adopts_and_serves_from_disk(
     assert adopted > 0
     assert again.totals.get("disk") == len(RETURNING) * BLOCKS_PER_PROMPT * 32
     assert again.outputs == baseline[: len(RETURNING)]
+    # The operator sees what produced the store.
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "inspect", str(disk)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "model_id" in shown.stdout
+    assert "kv_cache_dtype=auto" in shown.stdout and "hf_config=" in shown.stdout
