@@ -49,6 +49,20 @@ def _bytes_of(directories: Sequence[str]) -> int:
     return total
 
 
+def _contents(layout: dict) -> str | None:
+    """The model-contents digest a store was written for: layout.json's
+    ``identity.contents``; a store from before the settings identity has
+    only ``model_id``, which was that digest."""
+    ident = layout.get("identity") or {}
+    return ident.get("contents") or (layout.get("model_id") if not ident else None)
+
+
+def _settings(layout: dict) -> str:
+    ident = layout.get("identity") or {}
+    shown = {k: v for k, v in ident.items() if k not in ("contents", "settings")}
+    return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "not recorded"
+
+
 def store_verdicts(paths: Sequence[str], model: str | None) -> list[StoreVerdict]:
     """The stores under ``paths`` and whether a config serving ``model``
     would adopt them (identity match) or set them aside. Raises
@@ -75,7 +89,7 @@ def store_verdicts(paths: Sequence[str], model: str | None) -> list[StoreVerdict
             )
         elif name != model:
             verdict, reason = SET_ASIDE, f"written for another model ({name!r})"
-        elif layout.get("model_id") and layout["model_id"] != model_identity(
+        elif _contents(layout) and _contents(layout) != model_identity(
             model, kv_cache_dtype=str(layout.get("dtype", ""))
         ):
             verdict, reason = (
@@ -86,8 +100,10 @@ def store_verdicts(paths: Sequence[str], model: str | None) -> list[StoreVerdict
         else:
             verdict, reason = (
                 ADOPTED,
-                "same model and contents; adopted if the KV layout (block_size, "
-                "dtype, TP size) is unchanged too",
+                "same model and contents; adopted if the settings that change "
+                "KV (dtype, hf_overrides, quantization, kv_cache_dtype: "
+                + _settings(layout)
+                + ") and the KV layout (block_size, TP size) are unchanged too",
             )
         out.append(
             StoreVerdict(

@@ -249,18 +249,27 @@ def namespace(config: Any, settings: dict[str, Any] | None = None) -> dict[str, 
     resolved configuration's :func:`settings_identity`: ``model_id`` covers
     the model's contents (with its KV-cache dtype) and those settings;
     ``dp_rank`` keeps DP replicas sharing one config (and one disk_path) in
-    separate store directories."""
+    separate store directories; ``identity`` describes both parts for
+    layout.json (``contents`` is the model contents' own digest, which
+    ``kvtier doctor`` recomputes from ``--model``)."""
     par = config.parallel
     dp_rank = getattr(par, "data_parallel_index", None)
     if dp_rank is None:
         dp_rank = getattr(par, "data_parallel_rank", 0) or 0
-    model_id = model_identity(config.model.name, kv_cache_dtype=str(config.model.dtype))
+    contents = model_identity(config.model.name, kv_cache_dtype=str(config.model.dtype))
+    described = {"contents": contents}
+    model_id = contents
     if settings is not None:
+        described.update(describe_settings(settings))
         model_id = _canonical_digest(
-            {"model": model_id, "settings": settings_digest(settings)},
+            {"model": contents, "settings": settings_digest(settings)},
             b"kvtier-model",
         )
-    return {"model_id": model_id, "dp_rank": int(dp_rank)}
+    return {
+        "model_id": model_id,
+        "dp_rank": int(dp_rank),
+        "identity": tuple(sorted(described.items())),
+    }
 
 
 # The fix, named wherever a non-reproducible prefix hash is reported.

@@ -128,9 +128,6 @@ def layout_fingerprint(
         tp_size=world_size,
         # model contents + settings + DP rank (kvtier.connector.identity)
         **namespace(config, settings),
-        identity=tuple(sorted(describe_settings(settings).items()))
-        if settings is not None
-        else (),
     )
 
 

@@ -11,6 +11,7 @@ outputs equal to the no-offload baseline.
 from __future__ import annotations
 
 import os
+import json
 import shutil
 import subprocess
 import sys
@@ -135,3 +136,32 @@ def test_an_unchanged_restart_still_adopts_and_serves_from_disk(
     assert shown.returncode == 0, shown.stderr
     assert "model_id" in shown.stdout
     assert "kv_cache_dtype=auto" in shown.stdout and "hf_config=" in shown.stdout
+    # kvtier doctor tells that this model would adopt the store, and that a
+    # rewritten checkpoint would not.
+    for expect in ("adopted", "set aside"):
+        if expect == "set aside":
+            _rewrite_weights_keeping_stat(private_model)
+        doc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvtier.cli",
+                "doctor",
+                "--disk-path",
+                str(disk),
+                "--model",
+                str(private_model),
+                "--no-probe",
+                "--cpu-bytes",
+                str(1 << 20),
+                "--disk-bytes",
+                str(64 << 20),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        checks = json.loads(doc.stdout)["checks"]
+        stores = [c for c in checks if c["subject"].startswith("store ")]
+        assert len(stores) == 1 and expect in stores[0]["detail"], checks
