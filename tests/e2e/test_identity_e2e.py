@@ -10,8 +10,8 @@ outputs equal to the no-offload baseline.
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import shutil
 import subprocess
 import sys
