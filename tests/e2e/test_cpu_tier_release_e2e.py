@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.io.cpu_buffer import reclaim_stale_cpu_files
 from kvtier.testing.model import build_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -217,6 +218,9 @@ def launch(model, tmp_path) -> Iterator:
             k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
         }
         log = tmp_path / f"server{len(started)}.log"
+        # Dead engines' leftovers (an earlier failed run) would be reclaimed
+        # by this start and hide its tier in the Shmem delta: clear first.
+        reclaim_stale_cpu_files(f"/dev/shm/kvtier-{os.geteuid()}")
         baseline = shmem_bytes()
         with open(log, "wb") as out:
             proc = subprocess.Popen(
