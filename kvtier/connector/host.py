@@ -97,7 +97,9 @@ def open_worker_buffer(
     """Create and own rank ``rank``'s CPU-tier file for the worker.
 
     ``shared=False`` (no other process maps it: no disk tier) removes the
-    name at once, so the memory has no name from start-up on. A live engine holding a file of the same name means two engines run with
+    name at once, so the memory has no name from start-up on (and no other
+    engine can reach its rows). A live engine holding a file of the same
+    name (before its scheduler side mapped it) means two engines run with
     one ``engine_id`` on this host; they would share rows (wrong outputs), so
     that is refused with the fix."""
     path = cpu_buffer_path(engine_id, rank, world_size)
