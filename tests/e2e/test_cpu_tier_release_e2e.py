@@ -184,7 +184,7 @@ def model() -> str:
 def launch(model, tmp_path) -> Iterator:
     started: list[Server] = []
 
-    def start(**extra) -> Server:
+    def start(disk_tier: bool = True, **extra) -> Server:
         disk = tmp_path / f"disk{len(started)}"
         disk.mkdir(mode=0o700)
         engine_id = f"rel{uuid.uuid4().hex[:12]}"
@@ -198,9 +198,12 @@ def launch(model, tmp_path) -> Iterator:
                 "spec_name": "TieredOffloadingSpec",
                 "spec_module_path": "kvtier.connector",
                 "cpu_bytes_to_use": CPU_TIER,
-                "disk_bytes_to_use": 8 << 20,
-                "disk_path": str(disk),
                 "block_size": BLOCK_TOKENS,
+                **(
+                    {"disk_bytes_to_use": 8 << 20, "disk_path": str(disk)}
+                    if disk_tier
+                    else {}
+                ),
                 **extra,
             },
         }
@@ -315,8 +318,11 @@ def test_sigterm_to_the_api_server(launch, attempt):
     assert_released(server)
 
 
-def test_sigkill_of_the_engine_core(launch):
-    server = launch()
+@pytest.mark.parametrize("disk_tier", [True, False], ids=["cpu+disk", "cpu-only"])
+def test_sigkill_of_the_engine_core(launch, disk_tier):
+    # With a disk tier the engine core maps the worker's file too; without
+    # one the worker alone does.
+    server = launch(disk_tier=disk_tier)
     wait_up(server)
     serve_from_cpu_tier(server)
     core = engine_core_pid(server)
