@@ -246,6 +246,10 @@ def launch(model, tmp_path) -> Iterator:
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             server.proc.wait(timeout=30)
+        # The next case's baseline must not see this one's processes.
+        with contextlib.suppress(AssertionError):
+            pgid = server.proc.pid
+            wait_for("the group to exit", lambda p=pgid: not group_pids(p), 30)
 
 
 def wait_up(server: Server) -> None:
