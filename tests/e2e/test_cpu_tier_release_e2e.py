@@ -277,6 +277,10 @@ def serve_from_cpu_tier(server: Server) -> None:
     wait_for(
         "CPU-tier loads in /metrics", lambda: cpu_loaded_blocks(server.base) > 0, 30
     )
+    # Every process that needs the tier has it mapped: it has no name left
+    # that could outlive them (however they end; the kills below race
+    # vLLM's own clean-up, so this is what holds every time).
+    assert run_files(server.engine_id) == [], run_files(server.engine_id)
     # The tier's memory is visible in Shmem while the engine runs.
     assert shmem_bytes() - server.baseline > CPU_TIER * 3 // 4, (
         server.baseline,
