@@ -6,7 +6,8 @@ Each case starts the real OpenAI-compatible server
 256 MiB CPU tier (so its shared memory shows in ``Shmem`` of
 /proc/meminfo) and a small disk tier (so the scheduler side maps the
 worker's file too), with an ``engine_id`` of its own. While up, the server
-serves a repeated prompt from the CPU tier (kvtier's metrics at /metrics).
+serves a repeated prompt from the CPU tier (kvtier's metrics at /metrics),
+its tier shows in ``Shmem`` and has no name left under /dev/shm.
 Then the server ends one way (SIGTERM to the API server, twice in a row;
 SIGKILL of the engine core; SIGKILL of the API server; a worker failing at
 start-up) and, once its whole process group is gone, no file of that
