@@ -50,21 +50,24 @@ CLOSE_TIMEOUT_S = 10.0
 
 
 class _LazyRows:
-    """Rank ``rank``'s CPU-tier rows, mapped on first use.
+    """Rank ``rank``'s CPU-tier rows, mapped at start-up or on first use.
 
-    The workers create the CPU-tier files; the first spill can only follow a
-    completed store, so mapping at the first job (not at start-up) never
-    races a worker. A failure to map surfaces in that job's submission,
-    which the runtime turns into failed keys (misses), not an exception in
-    the scheduler step."""
+    vLLM (0.32 EngineCore) builds the workers and their KV caches, so the
+    CPU-tier files, before the scheduler: the runtime maps every rank's file
+    in its constructor (``attach``) and removes the name, so the memory goes
+    back to the system when the last process mapping it ends, however it
+    ends. A file not there yet is mapped at the first job instead (that can
+    only follow a completed store); a failure to map then surfaces in that
+    job's submission, which the runtime turns into failed keys (misses), not
+    an exception in the scheduler step."""
 
     def __init__(self, runtime: DiskRuntime, rank: int):
         self._runtime = runtime
         self._rank = rank
         self.block_bytes = runtime.block_bytes
 
-    @property
-    def array(self) -> np.ndarray:
+    def attach(self) -> CpuBlockBuffer:
+        """Map the rank's file (a live worker's) and remove its name."""
         rt = self._runtime
         buffer = rt._buffers[self._rank]
         if buffer is None:
@@ -75,7 +78,13 @@ class _LazyRows:
                 owner=False,
             )
             rt._buffers[self._rank] = buffer
-        return buffer.array
+            # Every process that needs the name has it open now.
+            buffer.unlink_name()
+        return buffer
+
+    @property
+    def array(self) -> np.ndarray:
+        return self.attach().array
 
 
 @dataclass
@@ -171,6 +180,16 @@ class DiskRuntime:
         except BaseException:
             self.close()
             raise
+        for rank in range(len(fingerprints)):
+            try:
+                _LazyRows(self, rank).attach()
+            except OSError as exc:  # not created yet: mapped at the first job
+                logger.info(
+                    "kvtier: CPU tier of rank %d not mapped at start-up (%s); "
+                    "mapping it at the first spill",
+                    rank,
+                    exc,
+                )
         logger.info(
             "kvtier disk tier: %d blocks of %d B per rank on %s via %s",
             num_disk_blocks,

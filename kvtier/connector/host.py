@@ -2,7 +2,13 @@
 
 The CPU tier of rank ``r`` lives in ``cpu_buffer_path(engine_id, r, world)``
 inside this user's private shared-memory directory. The worker owns (creates,
-locks, unlinks) the file; the scheduler maps it. This module holds what the
+locks) the file; the name lives only until every process that needs it has
+it mapped: the worker removes it at once when no disk tier is configured
+(nobody else maps it), else the scheduler-side DiskRuntime removes it right
+after mapping it at start-up (vLLM builds the workers' KV caches before the
+scheduler). From then on the kernel frees the memory when the last mapping
+goes, however the processes end. A crash inside that window leaves a file
+whose lock died with its owner: the next start reclaims it. This module holds what the
 spec does around that, so ``spec.py`` only calls in:
 
 - :func:`prepare_cpu_tier` (both roles, at start-up): reclaim files of dead
@@ -80,16 +86,25 @@ def prepare_cpu_tier(paths: Sequence[str], needed: int) -> None:
 
 
 def open_worker_buffer(
-    engine_id: str, rank: int, world_size: int, num_blocks: int, block_bytes: int
+    engine_id: str,
+    rank: int,
+    world_size: int,
+    num_blocks: int,
+    block_bytes: int,
+    *,
+    shared: bool = True,
 ) -> CpuBlockBuffer:
     """Create and own rank ``rank``'s CPU-tier file for the worker.
 
-    A live engine holding a file of the same name means two engines run with
+    ``shared=False`` (no other process maps it: no disk tier) removes the
+    name at once, so the memory has no name from start-up on (and no other
+    engine can reach its rows). A live engine holding a file of the same
+    name (before its scheduler side mapped it) means two engines run with
     one ``engine_id`` on this host; they would share rows (wrong outputs), so
     that is refused with the fix."""
     path = cpu_buffer_path(engine_id, rank, world_size)
     try:
-        return CpuBlockBuffer(num_blocks, block_bytes, path, owner=True)
+        buffer = CpuBlockBuffer(num_blocks, block_bytes, path, owner=True)
     except InUseError as exc:
         raise InUseError(
             f"kvtier: another running engine on this host uses engine_id "
@@ -99,6 +114,9 @@ def open_worker_buffer(
             "it unset so vLLM generates one), or stop the other engine",
             path,
         ) from exc
+    if not shared:
+        buffer.unlink_name()
+    return buffer
 
 
 @contextlib.contextmanager

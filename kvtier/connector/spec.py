@@ -344,6 +344,8 @@ class TieredOffloadingSpec(OffloadingSpec):
                 self.world_size,
                 self.num_cpu_blocks,
                 self.block_bytes,
+                # Only the scheduler's DiskRuntime (disk tier) maps it too.
+                shared=self.num_disk_blocks > 0,
             )
             reader = None
             try:

@@ -53,6 +53,12 @@ class CpuBlockBuffer:
         adopted. ``owner=False`` maps an existing file whose owner is alive
         (its lock is held), else FileNotFoundError. ``owner=None``: the
         latter if possible, else the former.
+      - ``unlink_name`` removes the file's name (only while it still names
+        the mapped inode) once every process that needs the rows has them
+        mapped: the memory then goes back to the system when the last
+        mapping goes, however its processes end (SIGKILL and OOM kill
+        included). Until then a dead owner's file is reclaimed by the next
+        start (its lock died with it).
       - ``close`` unmaps and, for the owner, unlinks the file and
         releases the lock (also done at garbage collection or interpreter
         exit, so a failed start leaves no file). Views handed out must be
@@ -81,11 +87,12 @@ class CpuBlockBuffer:
         self._array: np.ndarray | None = None
         self._tensor: torch.Tensor | None = None
         self._release: weakref.finalize | None = None
+        self._inode: tuple[int, int] | None = None
         if shm_path is None:
             self.owner = True
             self._mmap = mmap.mmap(-1, self._map_size)
         else:
-            self._mmap, self.owner, fd = _map_shared_file(
+            self._mmap, self.owner, fd, self._inode = _map_shared_file(
                 shm_path, self._map_size, owner
             )
             if self.owner:
@@ -116,6 +123,22 @@ class CpuBlockBuffer:
     def row(self, index: int) -> np.ndarray:
         """Row ``index`` as a 1-D uint8 view."""
         return self.array[index]
+
+    def unlink_name(self) -> bool:
+        """Remove ``shm_path`` if it still names the mapped inode (never a
+        successor's file); the mapping stays valid. Returns whether it was
+        removed. Idempotent; False for an anonymous buffer."""
+        if self.shm_path is None or self._inode is None:
+            return False
+        try:
+            st = os.stat(self.shm_path, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) != self._inode:
+                return False
+            os.unlink(self.shm_path)
+        except OSError:
+            return False
+        _rmdir_if_empty(os.path.dirname(self.shm_path))
+        return True
 
     def close(self) -> None:
         """Unmap and (owner) unlink. Idempotent."""
@@ -304,9 +327,10 @@ def _open_attached(path: str, size: int) -> int:
 
 def _map_shared_file(
     path: str, size: int, owner: bool | None
-) -> tuple[mmap.mmap, bool, int]:
-    """Map ``path``; returns (mapping, owner, fd). The owner's fd is open (it
-    holds the lock) and must be closed by the caller; otherwise it is -1."""
+) -> tuple[mmap.mmap, bool, int, tuple[int, int]]:
+    """Map ``path``; returns (mapping, owner, fd, (st_dev, st_ino)). The
+    owner's fd is open (it holds the lock) and must be closed by the caller;
+    otherwise it is -1."""
     if owner is None:
         try:
             fd, owner = _open_attached(path, size), False
@@ -317,6 +341,7 @@ def _map_shared_file(
     else:
         fd = _open_attached(path, size)
     try:
+        st = os.fstat(fd)
         mapping = mmap.mmap(
             fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
@@ -328,7 +353,7 @@ def _map_shared_file(
     if not owner:
         os.close(fd)
         fd = -1
-    return mapping, owner, fd
+    return mapping, owner, fd, (st.st_dev, st.st_ino)
 
 
 def _release_owned(path: str, fd: int) -> None:
@@ -338,7 +363,11 @@ def _release_owned(path: str, fd: int) -> None:
     _unlink_if_same(path, fd)
     with contextlib.suppress(OSError):
         os.close(fd)
-    directory = os.path.dirname(path)
+    _rmdir_if_empty(os.path.dirname(path))
+
+
+def _rmdir_if_empty(directory: str) -> None:
+    """Remove this user's private CPU-tier directory if no file is left."""
     if os.path.basename(directory) == f"kvtier-{os.geteuid()}":
         # The last engine leaves no trace in /dev/shm: rmdir fails while
         # other files remain, and a creator racing it re-creates the

@@ -115,12 +115,33 @@ def spec_config(tmp_path: Path, **extra: Any):
 
 
 def test_second_engine_with_the_same_engine_id_is_refused(tmp_path: Path) -> None:
-    cfg = spec_config(tmp_path)
+    # With a disk tier the worker's file keeps its name until the scheduler
+    # side maps it (issue #23); a second engine with that id meanwhile
+    # would share its rows, so it is refused.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cfg = spec_config(
+        tmp_path, disk_bytes_to_use=4 * slot_size(BLOCK), disk_path=str(disk)
+    )
     first = tiered_spec(cfg).get_worker(caches())
     try:
         with pytest.raises(InUseError) as info:
             tiered_spec(cfg).get_worker(caches())
         assert repr(cfg.engine_id) in str(info.value)
+    finally:
+        first.shutdown()
+
+
+def test_a_cpu_only_worker_tier_has_no_name(tmp_path: Path) -> None:
+    # Nobody else maps it: the name goes at creation (issue #23), so the
+    # kernel frees it with the process, and no other engine can reach it.
+    cfg = spec_config(tmp_path)
+    spec = tiered_spec(cfg)
+    first = spec.get_worker(caches())
+    try:
+        assert not os.path.lexists(spec._buffer_path(0))
+        second = tiered_spec(cfg).get_worker(caches())  # its own memory
+        second.shutdown()
     finally:
         first.shutdown()
 
