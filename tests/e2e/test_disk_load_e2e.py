@@ -238,9 +238,9 @@ class Env:
                 self.stored[rid].extend(out.keys_to_store)
             return out
 
-        def recording_complete_load(load_id, failed=()):
+        def recording_complete_load(load_id, failed=(), **kwargs):
             failed = list(failed)
-            complete_load(load_id, failed)
+            complete_load(load_id, failed, **kwargs)
             for key in failed:
                 self.after_failed_load.append(
                     (key, h.lookup(key), h.disk.get(key) if h.disk else None)
