@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,20 @@ class SlotReaderStats:
     # and slots holding another key or layout: never loaded.
     corrupt: int = 0
     io_errors: int = 0
+
+
+@dataclass
+class PendingRead:
+    """A chunk submitted with :meth:`SlotReader.submit`: its items, the runs
+    read (file, local slot, first row, count), each item's row, and per run
+    the future (or result) of its read."""
+
+    items: list[tuple[int, bytes]]
+    first_row: int
+    runs: list[tuple[int, int, int, int]]
+    row_of: list[int]
+    parts: list[Any]
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -100,7 +114,12 @@ class SlotReader:
       - Reads are coalesced: slots that are consecutive in one slab file are
         read with one I/O. Runs go to the back end's threads only when there
         are several; one run is read on the calling thread.
-      - Not thread-safe: one reader per worker, used by one thread.
+      - ``submit(items)`` starts the same reads on the back end's threads
+        and returns a :class:`PendingRead`; ``complete(pending)`` waits and
+        verifies, with ``read``'s result. Chunks in flight must use
+        disjoint rows.
+      - Not thread-safe: one reader per worker, used by one thread at a
+        time (``stats()`` may be called from any thread).
     """
 
     def __init__(
@@ -158,36 +177,27 @@ class SlotReader:
     ) -> list[SlotRead]:
         """Read and verify ``items`` ((slot, key) pairs) into bounce rows
         ``first_row`` onwards (a caller double-buffering the area reads into
-        one part while copies still read another)."""
-        if not 0 <= first_row <= self.capacity - len(items):
-            raise ValueError(
-                f"{len(items)} slots from row {first_row} exceed capacity "
-                f"{self.capacity}"
-            )
-        if self._closed:
-            raise RuntimeError("SlotReader is closed")
-        npaths = len(self.slab_paths)
-        # Bounce rows follow file order, so each run lands in adjacent rows.
-        order = sorted(
-            range(len(items)),
-            key=lambda i: locate(items[i][0], npaths),
-        )
-        row_of = [0] * len(items)
-        runs: list[tuple[int, int, int, int]] = []  # file, local slot, row, count
-        for k, i in enumerate(order):
-            row = first_row + k
-            slot = items[i][0]
-            if not 0 <= slot < self.num_slots:
-                raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
-            row_of[i] = row
-            f, local = locate(slot, npaths)
-            if runs and runs[-1][0] == f and runs[-1][1] + runs[-1][3] == local:
-                runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
-            else:
-                runs.append((f, local, row, 1))
+        one part while copies still read another). One run is read on the
+        calling thread."""
+        return self.complete(self._start(items, first_row, inline=True))
+
+    def submit(
+        self, items: Sequence[tuple[int, bytes]], first_row: int = 0
+    ) -> PendingRead:
+        """Start reading ``items`` into rows ``first_row`` onwards on the back
+        end's threads and return at once; :meth:`complete` waits for the
+        reads and verifies. A caller pipelines by submitting the next chunk
+        (into other rows) before completing the previous one. Rows of a
+        submitted chunk must not be reused before it is completed."""
+        return self._start(items, first_row, inline=False)
+
+    def complete(self, pending: PendingRead) -> list[SlotRead]:
+        """Wait for a submitted chunk's reads and verify its slots: one
+        :class:`SlotRead` per item, in order (see the class contract)."""
+        items, first_row, runs = pending.items, pending.first_row, pending.runs
         t0 = time.perf_counter()
-        got = self._read_runs(runs)
-        dt = time.perf_counter() - t0
+        got = self._collect(runs, pending.parts)
+        dt = time.perf_counter() - t0 + pending.seconds
         # Rows a run filled completely; others failed (errno) or were cut short.
         filled = np.zeros(len(items), dtype=np.int8)  # 0 io error, 1 ok, 2 short
         nbytes = 0
@@ -202,7 +212,7 @@ class SlotReader:
         results: list[SlotRead] = []
         ok = corrupt = 0
         for i, (slot, key) in enumerate(items):
-            row = row_of[i]
+            row = pending.row_of[i]
             state = filled[row - first_row]
             if state == 0:
                 outcome = ReadOutcome.IO_ERROR
@@ -223,6 +233,11 @@ class SlotReader:
             s.blocks_ok += ok
             s.corrupt += corrupt
         return results
+
+    def abandon(self, pending: PendingRead) -> None:
+        """Wait for a submitted chunk's reads without verifying it (a caller
+        that gives the job up): afterwards its rows may be reused."""
+        wait([f for f in pending.parts if isinstance(f, Future)])
 
     def stats(self) -> SlotReaderStats:
         with self._lock:
@@ -252,42 +267,88 @@ class SlotReader:
             self._handles[f] = handle
         return handle
 
-    def _read_runs(self, runs: list[tuple[int, int, int, int]]) -> list[int | None]:
-        """Bytes read per run, or None where the read (or open) failed."""
-        flat = self._area.reshape(-1)
+    def _start(
+        self, items: Sequence[tuple[int, bytes]], first_row: int, inline: bool
+    ) -> PendingRead:
+        if not 0 <= first_row <= self.capacity - len(items):
+            raise ValueError(
+                f"{len(items)} slots from row {first_row} exceed capacity "
+                f"{self.capacity}"
+            )
+        if self._closed:
+            raise RuntimeError("SlotReader is closed")
+        npaths = len(self.slab_paths)
+        # Bounce rows follow file order, so each run lands in adjacent rows.
+        order = sorted(
+            range(len(items)),
+            key=lambda i: locate(items[i][0], npaths),
+        )
+        row_of = [0] * len(items)
+        runs: list[tuple[int, int, int, int]] = []  # file, local slot, row, count
+        for k, i in enumerate(order):
+            row = first_row + k
+            slot = items[i][0]
+            if not 0 <= slot < self.num_slots:
+                raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+            row_of[i] = row
+            f, local = locate(slot, npaths)
+            if runs and runs[-1][0] == f and runs[-1][1] + runs[-1][3] == local:
+                runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
+            else:
+                runs.append((f, local, row, 1))
+        t0 = time.perf_counter()
+        parts = self._issue(runs, inline)
+        return PendingRead(
+            list(items), first_row, runs, row_of, parts, time.perf_counter() - t0
+        )
+
+    def _target(self, run: tuple[int, int, int, int]) -> tuple[Any, np.ndarray, int]:
+        f, local, row, count = run
         ss = self.slot_size
+        flat = self._area.reshape(-1)
+        return self._handle(f), flat[row * ss : (row + count) * ss], local * ss
 
-        def target(run: tuple[int, int, int, int]) -> tuple[Any, np.ndarray, int]:
-            f, local, row, count = run
-            return self._handle(f), flat[row * ss : (row + count) * ss], local * ss
-
-        out: list[int | None] = [None] * len(runs)
-        if len(runs) == 1 and self._read_sync is not None:
+    def _issue(self, runs: list[tuple[int, int, int, int]], inline: bool) -> list[Any]:
+        """Per run: a future of the bytes read, the bytes read (``inline``:
+        one run read on this thread), or None where the open or submit
+        failed (logged)."""
+        if inline and len(runs) == 1 and self._read_sync is not None:
             try:
-                out[0] = int(self._read_sync(*target(runs[0])))
+                return [int(self._read_sync(*self._target(runs[0])))]
             except OSError as exc:
                 self._io_error(runs[0][0], exc)
-            return out
-        futures: list[Any] = []
+                return [None]
+        parts: list[Any] = []
         try:
-            for i, run in enumerate(runs):
+            for run in runs:
                 try:
-                    futures.append(self.backend.submit_read(*target(run)))
+                    parts.append(self.backend.submit_read(*self._target(run)))
                 except OSError as exc:
                     self._io_error(run[0], exc)
-                    futures.append(None)
-                    out[i] = None
-            for i, fut in enumerate(futures):
-                if fut is None:
+                    parts.append(None)
+        except BaseException:
+            # Anything else (a bug): reads already in flight write into the
+            # bounce area, which the caller may reuse once it contained this.
+            wait([f for f in parts if isinstance(f, Future)])
+            raise
+        return parts
+
+    def _collect(
+        self, runs: list[tuple[int, int, int, int]], parts: list[Any]
+    ) -> list[int | None]:
+        """Bytes read per run, or None where the read (or open) failed."""
+        out: list[int | None] = [None] * len(runs)
+        try:
+            for i, part in enumerate(parts):
+                if not isinstance(part, Future):
+                    out[i] = part
                     continue
                 try:
-                    out[i] = int(fut.result())
+                    out[i] = int(part.result())
                 except OSError as exc:
                     self._io_error(runs[i][0], exc)
         except BaseException:
-            # Anything else (a bug): reads still in flight write into the
-            # bounce area, which the caller may reuse once it contained this.
-            wait([f for f in futures if f is not None])
+            wait([f for f in parts if isinstance(f, Future)])
             raise
         return out
 
