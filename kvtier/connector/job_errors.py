@@ -3,7 +3,7 @@
 Two kinds of failure reach a job. A disk block that fails (I/O error,
 checksum, header, another key's slot) is expected: the slot reader reports
 it per block and only that block is given up. Anything *raised* while a job
-is submitted (a bug, an error no one foresaw in the reader or the copy path)
+runs (a bug, an error no one foresaw in the reader or the copy path)
 is unexpected: the worker contains it, so that it never reaches vLLM's model
 runner, and fails the whole job, as nothing the job wrote can be trusted.
 :class:`JobExceptions` logs and counts those; :func:`whole_load_error` is
@@ -16,8 +16,10 @@ import logging
 import traceback
 from dataclasses import dataclass, field
 
+import numpy as np
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 
+from kvtier.connector.job_plan import GroupPlan
 from kvtier.connector.specs import TierLoadSpec
 
 logger = logging.getLogger("kvtier.connector")
@@ -37,6 +39,27 @@ class LoadError:
     keys: list[bytes] = field(default_factory=list)
     gpu_block_ids: set[int] = field(default_factory=set)
     unloaded: list[bytes] = field(default_factory=list)
+
+    def merge(self, other: LoadError) -> LoadError:
+        """One error with everything both name (a job fails once)."""
+        return LoadError(
+            keys=list(dict.fromkeys(self.keys + other.keys)),
+            gpu_block_ids=self.gpu_block_ids | other.gpu_block_ids,
+            unloaded=list(dict.fromkeys(self.unloaded + other.unloaded)),
+        )
+
+
+def disk_load_error(
+    spec: TierLoadSpec, groups: list[GroupPlan], failed: np.ndarray
+) -> LoadError:
+    """A load whose disk blocks ``failed`` (a mask over the spec's blocks:
+    I/O error or failed verification) could not be delivered: their keys and
+    the GPU blocks they were to fill, in every KV-cache group."""
+    error = LoadError(keys=[spec.keys[p] for p in np.flatnonzero(failed)])
+    for gp in groups:
+        mask = failed[gp.plan.row_ids]
+        error.gpu_block_ids.update(int(b) for b in gp.plan.gpu_ids[mask])
+    return error
 
 
 def whole_load_error(src: LoadStoreSpec, dst: GPULoadStoreSpec) -> LoadError:

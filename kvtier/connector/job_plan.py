@@ -3,7 +3,8 @@
 vLLM hands a worker each job as a GPU spec (block ids, group by group) and
 a host spec (one offloaded block per ``blocks_per_chunk`` GPU blocks of a
 group). :func:`split_by_group` pairs them up per KV-cache group; the
-worker then picks each plan's rows (CPU rows, bounce rows) by medium.
+worker then picks each plan's rows (CPU rows, bounce rows) by medium, for a
+load through :func:`plan_load`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 
+from kvtier.connector.specs import TierLoadSpec
 from kvtier.io.block_copy import CopyPlan, plan_copy
 
 
@@ -64,3 +66,35 @@ def split_by_group(
 def select_rows(plan: CopyPlan, mask: np.ndarray, rows: np.ndarray) -> CopyPlan:
     """The blocks of ``plan`` under ``mask``, copied to or from ``rows``."""
     return CopyPlan(plan.gpu_ids[mask], rows, plan.sub_ids[mask])
+
+
+@dataclass
+class LoadPlan:
+    """A load job, planned: its per-group plans, and its blocks by medium.
+    ``cpu`` holds, per KV-cache group, the copies from CPU rows (row ids are
+    CPU rows); ``spec`` is the load spec when some blocks are on disk
+    (``on_disk`` marks them)."""
+
+    groups: list[GroupPlan]
+    cpu: list[tuple[int, CopyPlan]]
+    on_disk: np.ndarray
+    spec: TierLoadSpec | None
+
+
+def plan_load(
+    src: LoadStoreSpec, dst: GPULoadStoreSpec, blocks_per_chunk: int
+) -> LoadPlan:
+    """Split a load into CPU-row copies and disk blocks. A plain row spec
+    (vLLM's ``CPULoadStoreSpec``) loads every block from the CPU tier."""
+    if isinstance(src, TierLoadSpec):
+        slots, on_disk, spec = src.block_ids, src.on_disk, src
+    else:
+        slots = np.asarray(src.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
+        on_disk, spec = np.zeros(len(slots), dtype=np.bool_), None
+    groups = split_by_group(dst, len(slots), blocks_per_chunk)
+    cpu = []
+    for gp in groups:
+        mask = ~on_disk[gp.plan.row_ids]
+        if mask.any():
+            cpu.append((gp.group, select_rows(gp.plan, mask, slots[gp.plan.row_ids[mask]])))
+    return LoadPlan(groups, cpu, on_disk, spec if on_disk.any() else None)

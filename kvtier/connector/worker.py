@@ -1,40 +1,35 @@
 """Worker-side adapter: vLLM's OffloadingWorker over kvtier's tiers.
 
 A worker (one TP rank) moves the bytes of every transfer the scheduler
-planned:
+planned: stores (KV cache -> CPU-tier rows) and loads, one job per request
+whatever its media (CPU-tier rows and disk slots -> KV cache; a verified
+disk block the scheduler gave a promotion row is also copied into that CPU
+row).
 
-- stores: KV cache -> CPU-tier rows (the shared host buffer);
-- loads: CPU-tier rows -> KV cache, and disk slots -> KV cache. A load is
-  one job per request whatever its media: the disk slots are read with one
-  ``preadv`` per run of consecutive slots into a bounded bounce area
-  (:class:`~kvtier.io.slot_reader.SlotReader`), each block is verified, and
-  the verified blocks are scattered from the bounce area straight into the
-  KV cache. A block the scheduler gave a promotion row is also copied into
-  that CPU row. Prefixes larger than the bounce area are read in chunks;
-  with asynchronous (accelerator) copies the area is double buffered, so
-  reading a chunk overlaps copying the previous one.
+``submit_*`` never waits for I/O. A store's copies are issued on the
+calling (model-runner) thread. A load is planned there (index arithmetic)
+and its slow part runs on the worker's load thread
+(:mod:`kvtier.connector.load_runner`): the disk reads, pipelined chunk by
+chunk through the bounce area, the verification of every slot, and on the
+CPU platform the copies into the KV cache too. It completes through
+``get_finished``. Copies between the KV cache and the host go through a
+copy path: on accelerators vLLM's own transfer code
+(:class:`~kvtier.connector.device_copy.DeviceCopies`), issued from the
+model runner's thread only; on the CPU platform kvtier's word-sized copier
+(:class:`~kvtier.io.block_copy.HostCopies`). A job may be several transfers
+(one per KV-cache group and host area, one per bounce chunk); it is
+reported done once its host work finished and every transfer landed.
 
-A disk block that fails (I/O error, checksum, header, wrong key) is never
-copied anywhere: the job is reported failed with the keys and GPU blocks it
-could not fill (:meth:`take_load_error`), and kvtier's connector turns that
-into vLLM's load-error path, so the tokens are recomputed. Under kvtier's
-connector (``contain_exceptions``) an exception raised while a job is
-submitted (a bug, an unforeseen error of the reader or the copy path) never
-leaves ``submit_*``: it is logged and counted
-(:mod:`kvtier.connector.job_errors`) and fails the whole job, a load with
-every one of its blocks, a store with every CPU row it was to fill
-(:meth:`take_store_error`).
-
-All work of a job happens inside ``submit_*`` on the calling (model-runner)
-thread, with no hand-off per block. The copies between the KV cache and the
-host (CPU rows, the bounce area) go through a copy path: on accelerators
-vLLM's own transfer code (:class:`~kvtier.connector.device_copy.
-DeviceCopies`: batched copies on pooled streams, timed by CUDA events), on
-the CPU platform kvtier's word-sized copier (:class:`~kvtier.io.block_copy.
-HostCopies`, complete on return). A job may be several transfers (one per
-KV-cache group and host area); it is reported done only when every one of
-them is. Disk reads hand off to the back end's threads only when a chunk
-has several runs.
+What fails costs a recompute, never wrong KV or a hang. A disk block that
+fails (I/O error, checksum, header, wrong key) is copied nowhere; the job
+reports the keys and GPU blocks it could not fill (:meth:`take_load_error`)
+and kvtier's connector turns that into vLLM's load-error path. Under
+kvtier's connector (``contain_exceptions``) an exception raised by a job (a
+bug, an unforeseen error of the reader or the copy path) is logged, counted
+(:mod:`kvtier.connector.job_errors`) and fails the whole job: a load with
+every block, a store with every CPU row (:meth:`take_store_error`). A load
+that does not finish within ``LOAD_DEADLINE_S`` (a read that never returns)
+is given up whole.
 """
 
 from __future__ import annotations
@@ -56,10 +51,15 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvtier.connector.job_errors import JobExceptions, LoadError, whole_load_error
-from kvtier.connector.job_plan import GroupPlan, select_rows, split_by_group
+from kvtier.connector.job_errors import (
+    JobExceptions,
+    LoadError,
+    disk_load_error,
+    whole_load_error,
+)
+from kvtier.connector.job_plan import plan_load, select_rows, split_by_group
 from kvtier.connector.kv_layout import group_views
-from kvtier.connector.specs import TierLoadSpec
+from kvtier.connector.load_runner import ChunkReady, LoadRunner, LoadTask
 from kvtier.io.block_copy import (
     CopyPath,
     CopyPlan,
@@ -67,23 +67,37 @@ from kvtier.io.block_copy import (
     HostCopies,
 )
 from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.layout import ReadOutcome
 from kvtier.io.slot_reader import SlotReader
 
 logger = logging.getLogger("kvtier.connector")
 
 
+# A load whose host work has not finished by then is given up (see the
+# module doc): long enough for any healthy drive to read a whole bounce
+# area many times over, short enough that a request never waits forever.
+LOAD_DEADLINE_S = 60.0
+# How long shutdown waits for the load thread before leaving the host areas
+# mapped (a read that never returns must not write into unmapped memory).
+STOP_DEADLINE_S = 10.0
+
+
 @dataclass
 class _Job:
-    """A submitted job: its transfers still in flight, the bytes it moves
-    and the time it took so far (device time of finished transfers, plus
-    the host work done for it: CPU-platform copies, disk reads)."""
+    """A submitted job: its transfers still in flight, its work on the load
+    thread (``task``, until that finished), the bytes it moves and the time
+    it took so far (device time of finished transfers, plus the host work
+    done for it: CPU-platform copies, disk reads)."""
 
     job_id: int
     transfers: set[int] = field(default_factory=set)
     nbytes: int = 0
     seconds: float = 0.0
     success: bool = True
+    task: LoadTask | None = None
+    deadline: float = 0.0
+    # A load's specs, for the error of a load that fails whole.
+    src: LoadStoreSpec | None = None
+    dst: GPULoadStoreSpec | None = None
 
 
 class TieredOffloadingWorker(OffloadingWorker):
@@ -97,11 +111,15 @@ class TieredOffloadingWorker(OffloadingWorker):
     and owns nothing until it returns: the caller releases ``cpu_buffer``
     and ``reader`` if it raises.
 
-    ``contain_exceptions``: whether ``submit_*`` turn an exception into a
-    failed job (see the module doc) instead of raising it. Only kvtier's
-    connector handles a failed job; vLLM's stock connector asserts success
-    (``python -O`` would drop that check), so the spec sets it only under
-    kvtier's connector."""
+    ``contain_exceptions``: whether an exception raised by a job (while it
+    is submitted, or on the load thread) turns into a failed job (see the
+    module doc) instead of propagating from ``submit_*`` or
+    ``get_finished``. Only kvtier's connector handles a failed job; vLLM's
+    stock connector asserts success (``python -O`` would drop that check),
+    so the spec sets it only under kvtier's connector.
+
+    Thread-safety: vLLM calls every method from the model runner's thread;
+    the load thread shares only what :class:`LoadRunner` hands over."""
 
     def __init__(
         self,
@@ -143,14 +161,15 @@ class TieredOffloadingWorker(OffloadingWorker):
     ) -> None:
         """The state every worker shares, whatever its host rows: the copy
         path, what ``shutdown`` closes (``cpu_buffer``), the disk reader,
-        the bytes of one offloaded block per KV-cache group, and the job
-        bookkeeping. Subclasses with other host rows call it instead of
-        ``__init__``."""
-        self.copies = copies
+        the bytes of one offloaded block per KV-cache group, the load
+        thread and the job bookkeeping. Subclasses with other host rows
+        call it instead of ``__init__``."""
         self.cpu_buffer = cpu_buffer
         self.blocks_per_chunk = blocks_per_chunk
         self.reader = reader
         self.block_bytes = block_bytes
+        self.loads = LoadRunner(reader, copies, cpu_buffer, block_bytes)
+        self.copies = copies
         self._jobs: dict[int, _Job] = {}  # in flight, by job id
         self._owner: dict[int, _Job] = {}  # transfer id -> its job
         self._finished: list[TransferResult] = []
@@ -158,12 +177,20 @@ class TieredOffloadingWorker(OffloadingWorker):
         self._store_errors: dict[int, list[int]] = {}
         self.contain_exceptions = False
         self.exceptions = JobExceptions()
-        # Transfers still reading each half of the bounce area: a disk read
-        # into a half waits for them, whichever job they belong to. With
-        # asynchronous copies the halves alternate, so one chunk's read
-        # overlaps the previous chunk's copies (double buffering).
+        # Transfers still reading each half of the bounce area (asynchronous
+        # copy paths): the half goes back to the load thread once they all
+        # landed.
         self._bounce_readers: list[set[int]] = [set(), set()]
-        self._next_half = 0
+        self.deadline_s = LOAD_DEADLINE_S
+
+    @property
+    def copies(self) -> CopyPath:
+        """The copy path (the load thread's too: one per worker)."""
+        return self.loads.copies
+
+    @copies.setter
+    def copies(self, copies: CopyPath) -> None:
+        self.loads.copies = copies
 
     # ------------------------------------------------------------- contract
 
@@ -191,7 +218,9 @@ class TieredOffloadingWorker(OffloadingWorker):
             self.exceptions.note(exc, "store", job_id)
             self._store_errors[job_id] = [int(r) for r in rows]
             job.success = False
-        self._settle(job, started)
+        if self.copies.synchronous:
+            job.seconds += time.perf_counter() - started
+        self._settle(job)
         return True
 
     @override
@@ -202,58 +231,67 @@ class TieredOffloadingWorker(OffloadingWorker):
         dst_spec: GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
-        """Fill the job's GPU blocks from CPU rows and disk slots; returns
-        True.
+        """Plan the job and hand its slow part to the load thread; returns
+        True without waiting for any I/O or (CPU platform) copy.
 
         A disk block that fails is left unfilled. With
-        ``contain_exceptions``, an exception raised on the way is logged,
-        counted (``exceptions``) and fails every block of the job
-        (:func:`~kvtier.connector.job_errors.whole_load_error`); without, it
-        propagates. A failed job is reported once the copies it had already
-        submitted landed, and :meth:`take_load_error` names the keys and
-        GPU blocks it could not deliver."""
-        started = time.perf_counter()
-        job = _Job(job_id)
+        ``contain_exceptions``, an exception raised on the way (here or on
+        the load thread) is logged, counted (``exceptions``) and fails every
+        block of the job (:func:`~kvtier.connector.job_errors.
+        whole_load_error`); without, it propagates (from here, or from
+        ``get_finished``). A failed job is reported once the copies it had
+        already submitted landed, and :meth:`take_load_error` names the
+        keys and GPU blocks it could not deliver."""
+        deadline = time.monotonic() + self.deadline_s
+        job = _Job(job_id, deadline=deadline, src=src_spec, dst=dst_spec)
+        self._jobs[job_id] = job
         try:
-            error = self._load(job, src_spec, dst_spec, expedited)
+            task = self._plan_load(job, src_spec, dst_spec, expedited)
         except Exception as exc:
             if not self.contain_exceptions:
+                self._jobs.pop(job_id, None)
                 raise
             self.exceptions.note(exc, "load", job_id)
-            error = whole_load_error(src_spec, dst_spec)
-        if error is not None:
-            self._load_errors[job_id] = error
-            job.success = False
-        self._settle(job, started)
+            self._fail(job, whole_load_error(src_spec, dst_spec))
+            self._settle(job)
+            return True
+        if task is not None:
+            job.task = task
+            self.loads.submit(task)
+        else:
+            self._settle(job)
         return True
 
     @override
     def get_finished(self) -> list[TransferResult]:
-        for transfer, seconds in self.copies.poll().items():
-            for readers in self._bounce_readers:
-                readers.discard(transfer)
-            job = self._owner.pop(transfer, None)
-            if job is None:
-                continue
-            job.seconds += seconds
-            job.transfers.discard(transfer)
-            if not job.transfers:
-                self._finish(job)
+        self._pump()
         done, self._finished = self._finished, []
         return done
 
     @override
     def wait(self, job_ids: set[int]) -> None:
-        transfers: set[int] = set()
-        for job_id in job_ids:
-            job = self._jobs.get(job_id)
-            if job is not None:
-                transfers |= job.transfers
-        if transfers:
-            self.copies.wait(transfers)
+        """Return once the given jobs finished (they are still reported by
+        the next ``get_finished``). A load whose host work outlives its
+        deadline is given up as in ``get_finished``."""
+        while True:
+            self._pump()
+            jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
+            if not jobs:
+                return
+            transfers = set().union(*(job.transfers for job in jobs))
+            if all(job.task is None for job in jobs):
+                self.copies.wait(transfers)
+                continue
+            busy = self._bounce_readers[0] | self._bounce_readers[1]
+            if busy:
+                # The load thread may wait for a half these copies read.
+                self.copies.wait(busy)
+            else:
+                self.loads.wait_output(0.05)
 
     @override
     def shutdown(self) -> None:
+        stopped = self.loads.stop(STOP_DEADLINE_S)
         try:
             # Drains every transfer still in flight before the host areas
             # they read or write go away.
@@ -261,9 +299,19 @@ class TieredOffloadingWorker(OffloadingWorker):
         finally:
             self._jobs.clear()
             self._owner.clear()
-            if self.reader is not None:
-                self.reader.close()
-            self.cpu_buffer.close()
+            if stopped:
+                if self.reader is not None:
+                    self.reader.close()
+                self.cpu_buffer.close()
+            else:
+                # A read that never returned still targets the bounce area
+                # (and a promotion row after it): leave both mapped.
+                logger.error(
+                    "kvtier: the load thread did not stop within %.0f s (a disk "
+                    "read that never returns); its host areas stay mapped "
+                    "until the process exits",
+                    STOP_DEADLINE_S,
+                )
 
     # ---------------------------------------------------------------- extras
 
@@ -278,32 +326,123 @@ class TieredOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------- internals
 
-    def _load(
+    def _plan_load(
         self,
         job: _Job,
         src_spec: LoadStoreSpec,
         dst_spec: GPULoadStoreSpec,
         expedited: bool,
-    ) -> LoadError | None:
-        # ``expedited`` (vLLM >= 0.33): the load is waited on within the
-        # step; on accelerators it runs on its own streams.
-        if isinstance(src_spec, TierLoadSpec):
-            slots, on_disk = src_spec.block_ids, src_spec.on_disk
-        else:  # a plain row spec: every block from the CPU tier
-            slots = np.asarray(src_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
-            on_disk = np.zeros(len(slots), dtype=np.bool_)
-        groups = split_by_group(dst_spec, len(slots), self.blocks_per_chunk)
-        for gp in groups:
-            mask = ~on_disk[gp.plan.row_ids]
-            if mask.any():
-                plan = select_rows(gp.plan, mask, slots[gp.plan.row_ids[mask]])
-                self._copy(
-                    job, "cpu", gp.group, plan, to_host=False, expedited=expedited
-                )
-        if not on_disk.any():
+    ) -> LoadTask | None:
+        """Issue (accelerators) or plan (CPU platform) the CPU-row copies and
+        plan the disk reads; the task for the load thread, or None when
+        nothing is left for it. ``expedited`` (vLLM >= 0.33: waited on
+        within the step) runs on its own streams on accelerators and goes
+        ahead of queued loads on the load thread."""
+        plan = plan_load(src_spec, dst_spec, self.blocks_per_chunk)
+        task = LoadTask(job.job_id, plan.groups, expedited=expedited)
+        for group, copy in plan.cpu:
+            if self.copies.synchronous:
+                task.host_plans.append((group, copy))
+            else:
+                self._copy(job, "cpu", group, copy, False, expedited)
+        if plan.spec is not None:
+            if self.reader is None:
+                # No disk tier on this worker: nothing can be read.
+                self._fail(job, disk_load_error(plan.spec, plan.groups, plan.on_disk))
+            else:
+                task.spec = plan.spec
+                task.failed = np.zeros(len(plan.on_disk), dtype=np.bool_)
+        if task.spec is None and not task.host_plans:
             return None
-        assert isinstance(src_spec, TierLoadSpec)
-        return self._load_from_disk(job, src_spec, groups, expedited)
+        return task
+
+    def _pump(self) -> None:
+        """Take what the load thread finished (issuing the copies of its
+        verified chunks on accelerators), collect landed transfers (freeing
+        bounce halves no copy reads any more), give up loads past their
+        deadline, and report finished jobs."""
+        for item in self.loads.take():
+            if isinstance(item, ChunkReady):
+                self._copy_chunk(item)
+            else:
+                self._task_done(item)
+        for transfer, seconds in self.copies.poll().items():
+            for half, readers in enumerate(self._bounce_readers):
+                if transfer in readers:
+                    readers.discard(transfer)
+                    if not readers:
+                        self.loads.release(half)
+            job = self._owner.pop(transfer, None)
+            if job is None:
+                continue
+            job.seconds += seconds
+            job.transfers.discard(transfer)
+            self._settle(job)
+        now = time.monotonic()
+        for job in list(self._jobs.values()):
+            if job.task is not None and now > job.deadline:
+                self._give_up(job)
+
+    def _copy_chunk(self, item: ChunkReady) -> None:
+        task = item.task
+        job = self._jobs.get(task.job_id)
+        readers = self._bounce_readers[item.half]
+        if job is not None and job.task is task:
+            for gp in task.groups:
+                rows = item.bounce_row[gp.plan.row_ids]
+                mask = rows >= 0
+                if mask.any():
+                    plan = select_rows(gp.plan, mask, rows[mask])
+                    transfer = self._copy(
+                        job, "disk", gp.group, plan, False, task.expedited
+                    )
+                    if transfer is not None:
+                        readers.add(transfer)
+        if not readers:
+            self.loads.release(item.half)
+
+    def _task_done(self, task: LoadTask) -> None:
+        job = self._jobs.get(task.job_id)
+        if job is None or job.task is not task:
+            return  # given up earlier: already reported
+        job.task = None
+        job.seconds += task.seconds
+        job.nbytes += task.nbytes
+        if task.error is not None:
+            exc = task.error
+            if not self.contain_exceptions or not isinstance(exc, Exception):
+                self._jobs.pop(job.job_id, None)
+                raise exc
+            self.exceptions.note(exc, "load", job.job_id)
+            self._fail(job, self._whole_error(job))
+        elif task.failed is not None and task.failed.any():
+            assert task.spec is not None
+            self._fail(job, disk_load_error(task.spec, task.groups, task.failed))
+        self._settle(job)
+
+    def _give_up(self, job: _Job) -> None:
+        task = job.task
+        assert task is not None
+        self.loads.cancel(task)
+        job.task = None
+        logger.error(
+            "kvtier: load job %d did not finish within %.0f s (a disk read that "
+            "does not return?); its blocks are recomputed",
+            job.job_id,
+            self.deadline_s,
+        )
+        self._fail(job, self._whole_error(job))
+        self._settle(job)
+
+    @staticmethod
+    def _whole_error(job: _Job) -> LoadError:
+        assert job.src is not None and job.dst is not None
+        return whole_load_error(job.src, job.dst)
+
+    def _fail(self, job: _Job, error: LoadError) -> None:
+        old = self._load_errors.get(job.job_id)
+        self._load_errors[job.job_id] = error if old is None else old.merge(error)
+        job.success = False
 
     def _copy(
         self,
@@ -323,87 +462,13 @@ class TieredOffloadingWorker(OffloadingWorker):
             self._owner[transfer] = job
         return transfer
 
-    def _settle(self, job: _Job, started: float) -> None:
-        # As vLLM measures: device transfers count their CUDA-event time
-        # when they finish; host work counts its wall time (the whole job
-        # on the CPU platform, the disk reads on accelerators).
-        if self.copies.synchronous:
-            job.seconds += time.perf_counter() - started
-        if job.transfers:
+    def _settle(self, job: _Job) -> None:
+        """Report the job once its host work finished and every transfer
+        landed; until then it stays in flight."""
+        if job.task is not None or job.transfers:
             self._jobs[job.job_id] = job
-        else:
-            self._finish(job)
-
-    def _finish(self, job: _Job) -> None:
+            return
         self._jobs.pop(job.job_id, None)
         self._finished.append(
             TransferResult(job.job_id, job.success, job.nbytes, job.seconds)
         )
-
-    def _load_from_disk(
-        self,
-        job: _Job,
-        spec: TierLoadSpec,
-        groups: list[GroupPlan],
-        expedited: bool,
-    ) -> LoadError | None:
-        """Read, verify and scatter a job's disk blocks, chunk by chunk."""
-        positions = np.flatnonzero(spec.on_disk)
-        failed = np.zeros(len(spec.block_ids), dtype=np.bool_)
-        reader = self.reader
-        if reader is None:
-            # No disk tier on this worker: nothing can be read.
-            failed[positions] = True
-            return self._error(spec, groups, failed)
-        bounce_row = np.full(len(spec.block_ids), -1, dtype=np.int64)
-        halves = 1 if self.copies.synchronous or reader.capacity < 2 else 2
-        per_read = reader.capacity // halves
-        for start in range(0, len(positions), per_read):
-            half = self._next_half % halves
-            self._next_half = half + 1
-            readers = self._bounce_readers[half]
-            if readers:
-                # This half is reused: copies still reading it (an earlier
-                # chunk, or an earlier job) must have left it.
-                self.copies.wait(readers)
-                readers.clear()
-            chunk = positions[start : start + per_read]
-            read_started = time.perf_counter()
-            results = reader.read(
-                [(int(spec.block_ids[p]), spec.keys[p]) for p in chunk],
-                first_row=half * per_read,
-            )
-            if not self.copies.synchronous:
-                job.seconds += time.perf_counter() - read_started
-            bounce_row[:] = -1
-            for p, result in zip(chunk, results):
-                if result.outcome is ReadOutcome.OK:
-                    bounce_row[p] = result.row
-                    row = int(spec.promote_rows[p])
-                    if row >= 0:
-                        self.cpu_buffer.array[row] = reader.rows[result.row]
-                else:
-                    failed[p] = True
-            for gp in groups:
-                rows = bounce_row[gp.plan.row_ids]
-                mask = rows >= 0
-                if mask.any():
-                    plan = select_rows(gp.plan, mask, rows[mask])
-                    transfer = self._copy(
-                        job, "disk", gp.group, plan, to_host=False, expedited=expedited
-                    )
-                    if transfer is not None:
-                        readers.add(transfer)
-        if failed.any():
-            return self._error(spec, groups, failed)
-        return None
-
-    @staticmethod
-    def _error(
-        spec: TierLoadSpec, groups: list[GroupPlan], failed: np.ndarray
-    ) -> LoadError:
-        error = LoadError(keys=[spec.keys[p] for p in np.flatnonzero(failed)])
-        for gp in groups:
-            mask = failed[gp.plan.row_ids]
-            error.gpu_block_ids.update(int(b) for b in gp.plan.gpu_ids[mask])
-        return error

@@ -81,3 +81,17 @@ def offloading_config(
             is_parallelism_agnostic=parallelism_agnostic,
         ),
     )
+
+
+def wait_finished(worker: Any, count: int = 1, timeout: float = 10.0) -> list:
+    """A worker's ``get_finished``, called as vLLM calls it (once a step),
+    until ``count`` jobs were reported; a load completes on the worker's
+    load thread, not inside ``submit_load``."""
+    deadline = time.monotonic() + timeout
+    done = list(worker.get_finished())
+    while len(done) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} job(s) not finished in {timeout} s: {done}")
+        time.sleep(0.001)
+        done += worker.get_finished()
+    return done

@@ -28,7 +28,11 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 from kvtier.io.format import slot_size  # noqa: E402
-from kvtier.testing.offloading import offloading_config, tiered_spec  # noqa: E402
+from kvtier.testing.offloading import (  # noqa: E402
+    offloading_config,
+    tiered_spec,
+    wait_finished,
+)
 
 NUM_GPU_BLOCKS = 64
 PAGE = 4096  # bytes of one block of one layer
@@ -85,7 +89,7 @@ class RequestRunner:
     def _run_job(self, submit, *args):
         self.job += 1
         assert submit(self.job, *args)
-        finished = self.worker.get_finished()
+        finished = wait_finished(self.worker)
         assert [r.job_id for r in finished] == [self.job]
         return finished[0]
 

@@ -11,6 +11,7 @@ across jobs), and its ``wait`` must land a job's transfers."""
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import pytest
@@ -105,23 +106,67 @@ def _finish(r: RequestRunner, keys, gpu_blocks, ctx: ReqContext) -> None:
             assert torch.equal(t[b], r.truth[key][layer]), (key.hex(), layer)
 
 
+def _guard_reads(r: RequestRunner, late: LateCopies) -> list[tuple[int, int]]:
+    """Check, at every disk read the load thread starts, that no transfer
+    still in flight reads the bounce rows it is about to overwrite; returns
+    the (first row, slots) of each read, in order."""
+    reader = r.worker.reader
+    real = reader.submit
+    reads: list[tuple[int, int]] = []
+
+    def submit(items, first_row=0):
+        rows = set(range(first_row, first_row + len(items)))
+        for area, _group, plan, _to_host in list(late.queued.values()):
+            if area == "disk":
+                assert not rows & {int(x) for x in plan.row_ids}, (
+                    "a read overwrites bounce rows a copy still reads"
+                )
+        reads.append((first_row, len(items)))
+        return real(items, first_row=first_row)
+
+    reader.submit = submit
+    return reads
+
+
+def _poll_until(r: RequestRunner, job_ids: set[int], timeout: float = 10.0):
+    """``get_finished`` each step until ``job_ids`` were reported; returns
+    the results and how many polls it took."""
+    deadline = time.monotonic() + timeout
+    done, polls = [], 0
+    while {d.job_id for d in done} != job_ids:
+        assert time.monotonic() < deadline, f"jobs {job_ids} not finished: {done}"
+        done += r.worker.get_finished()
+        polls += 1
+        time.sleep(0.001)
+    return done, polls
+
+
 def test_a_job_is_reported_only_when_every_transfer_landed(runner):
     r = runner
     late, r.worker.copies = r.worker.copies, r.worker.copies.inner
     keys = push_to_disk(r, [1, 2, 3, 4])
     r.worker.copies = late
     # Two bounce halves of one slot: four chunks, four transfers. The third
-    # and fourth reads reuse a half, so they waited for transfers 1 and 2.
+    # and fourth reads reuse a half: each waits for the copy of the chunk
+    # before it, which lands only on a later poll.
     r.worker.reader.capacity = 2
+    reads = _guard_reads(r, late)
     ctx = _submit_disk_load(r, "a", keys, [40, 41, 42, 43], job_id=7)
-    assert late.landed == [1, 2] and list(late.queued) == [3, 4]
-    assert r.worker.get_finished() == []  # transfers 3 and 4 still in flight
-    assert not any(t[[42, 43]].any() for t in r.kv)
-    assert r.worker.get_finished() == []  # transfer 4 still in flight
-    assert not any(t[43].any() for t in r.kv)
-    done = r.worker.get_finished()
-    assert [(d.job_id, d.success) for d in done] == [(7, True)]
-    assert done[0].transfer_size == 4 * r.worker.block_bytes[0]
+    seen = []
+    deadline = time.monotonic() + 10
+    while not seen:
+        assert time.monotonic() < deadline
+        seen = r.worker.get_finished()
+        if not seen:
+            # Never reported while a block is unfilled.
+            landed = sum(1 for t in late.landed if t <= 4)
+            assert landed < 4 or not late.queued
+        time.sleep(0.001)
+    assert [(d.job_id, d.success) for d in seen] == [(7, True)]
+    assert late.landed == [1, 2, 3, 4] and not late.queued
+    assert reads == [(0, 1), (1, 1), (0, 1), (1, 1)]
+    assert seen[0].transfer_size == 4 * r.worker.block_bytes[0]
+    assert r.worker._bounce_readers == [set(), set()]
     _finish(r, keys, [40, 41, 42, 43], ctx)
 
 
@@ -134,21 +179,33 @@ def test_the_next_disk_read_waits_for_copies_still_reading_the_bounce_area(runne
     assert on_disk == ["HIT_DISK"] * 4
     r.worker.reader.capacity = 4  # two halves of two slots
     r.worker.copies = late
+    reads = _guard_reads(r, late)
+    # Three jobs in flight at once: job 3 reads into job 1's half, so only
+    # after job 1's copy landed (checked at the read, see _guard_reads).
     ctx_a = _submit_disk_load(r, "a", first, [40, 41], job_id=1)
-    assert list(late.queued) == [1]  # job 1's copy has not left its half
-    # Job 2 reads into the other half while job 1's copy is in flight.
     ctx_b = _submit_disk_load(r, "b", second, [44, 45], job_id=2)
-    assert late.landed == [] and list(late.queued) == [1, 2]
-    # Job 3 would overwrite job 1's half: job 1's copy landed first, and
-    # only it (job 2's copy reads the other half).
     ctx_c = _submit_disk_load(r, "c", third, [48, 49], job_id=3)
-    assert late.landed == [1] and list(late.queued) == [2, 3]
-    assert sorted(d.job_id for d in r.worker.get_finished()) == [1]
-    r.worker.wait({2, 3})
-    assert sorted(d.job_id for d in r.worker.get_finished()) == [2, 3]
+    done, _ = _poll_until(r, {1, 2, 3})
+    assert all(d.success for d in done)
+    assert reads == [(0, 2), (2, 2), (0, 2)]
     _finish(r, first, [40, 41], ctx_a)
     _finish(r, second, [44, 45], ctx_b)
     _finish(r, third, [48, 49], ctx_c)
+
+
+def test_wait_returns_once_loads_landed(runner):
+    """vLLM 0.33 waits on a synchronous load right after submitting it; the
+    load thread's chunks need the waiting thread to issue their copies."""
+    r = runner
+    late, r.worker.copies = r.worker.copies, r.worker.copies.inner
+    keys = push_to_disk(r, [1, 2, 3, 4])
+    r.worker.copies = late
+    r.worker.reader.capacity = 2
+    ctx = _submit_disk_load(r, "a", keys, [40, 41, 42, 43], job_id=7)
+    r.worker.wait({7})
+    assert late.landed == [1, 2, 3, 4]
+    assert [(d.job_id, d.success) for d in r.worker.get_finished()] == [(7, True)]
+    _finish(r, keys, [40, 41, 42, 43], ctx)
 
 
 def test_wait_lands_a_store(runner):
@@ -201,25 +258,23 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     for t in r.kv:
         t[gpu_blocks] = 0
     reads = []
-    real_read = r.worker.reader.read
+    real_complete = r.worker.reader.complete
 
-    def read(items, first_row=0):
-        reads.append(len(items))
+    def complete(pending):
+        reads.append(len(pending.items))
         if len(reads) == 2:
             raise RuntimeError("a bug in the reader")
-        return real_read(items, first_row=first_row)
+        return real_complete(pending)
 
-    monkeypatch.setattr(r.worker.reader, "read", read)
+    monkeypatch.setattr(r.worker.reader, "complete", complete)
     dst = GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0])
     with caplog.at_level("DEBUG", logger="kvtier.connector"):
-        assert r.worker.submit_load(9, spec, dst)  # contained, not raised
-    # The CPU rows' copy and the first disk block's copy were submitted
-    # before the second read raised; both are still in flight.
-    assert reads == [1, 1] and list(late.queued) == [1, 2]
-    assert r.worker.get_finished() == []
-    assert r.worker.get_finished() == []  # transfer 2 still in flight
-    assert late.landed == [1] and r.worker._bounce_readers == [{2}, set()]
-    assert _results(r) == [(9, False)]  # once, after transfer 2 landed
+        assert r.worker.submit_load(9, spec, dst)  # never raises here
+        # The CPU rows' copy left at submission, the first disk block's
+        # copy when its chunk came back; the second chunk raised.
+        done, _ = _poll_until(r, {9})
+    assert done[0].success is False
+    assert reads == [1, 1] and late.landed == [1, 2] and not late.queued
     assert r.worker._bounce_readers == [set(), set()]
     assert not r.worker._jobs and not r.worker._owner
     # Every block of the job counts as failed, the CPU ones included; the
@@ -248,24 +303,24 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
 
     # The next jobs work, through both halves of the bounce area; the same
     # cause raising again is counted and logged at debug only.
-    monkeypatch.setattr(r.worker.reader, "read", real_read)
+    monkeypatch.setattr(r.worker.reader, "complete", real_complete)
     second = r.keys("b", 4)[:2]
     ctx = _submit_disk_load(r, "b", second, [56, 57], job_id=10)
     r.worker.wait({10})
-    assert _results(r) == [(10, True)]
+    assert [(d.job_id, d.success) for d in r.worker.get_finished()] == [(10, True)]
     _finish(r, second, [56, 57], ctx)
     reads.clear()
-    monkeypatch.setattr(r.worker.reader, "read", read)
+    monkeypatch.setattr(r.worker.reader, "complete", complete)
     with caplog.at_level("DEBUG", logger="kvtier.connector"):
         ctx = _submit_disk_load(r, "last", [on_disk[3]], [58], job_id=11)
-        assert _results(r) == [(11, True)]  # one read only: it did not raise
+        assert [d.success for d in _poll_until(r, {11})[0]] == [True]
         third = r.keys("c", 4)[:2]
         ctx_c = _submit_disk_load(r, "c", third, [60, 61], job_id=12)
-    assert reads == [1, 1]
+        assert [d.success for d in _poll_until(r, {12})[0]] == [False]
+    assert reads == [1, 1]  # job 12's first chunk raised
     assert r.worker.exceptions.count == 2
     again = [rec for rec in caplog.records if "load job 12 raised" in rec.message]
     assert len(again) == 1 and again[0].levelname == "DEBUG"
-    assert _results(r) == [(12, False)]  # its first read raised
     error = r.worker.take_load_error(12)
     assert error.keys == [] and error.unloaded == third
     assert error.gpu_block_ids == {60, 61}

@@ -26,20 +26,32 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 
     model, block_bytes, disk = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    # "workload" (default): FIRST then RETURNING; "decode-while-loading":
+    # FIRST, then FIRST[0] returns from disk while three requests decode
+    # (test_async_load_e2e.py, same sizes as there).
+    mode = sys.argv[4] if len(sys.argv) > 4 else "workload"
+    gpu_blocks = 48 if mode == "decode-while-loading" else GPU_BLOCKS
+    with open(Path(model) / "config.json") as f:
+        max_pos = json.load(f)["max_position_embeddings"]
+    extra: dict = {}
+    kw: dict = {}
+    if mode == "decode-while-loading":  # as kvtier.testing.engine.make_llm
+        extra, kw = {"spill_watermark": 0.0}, {"max_num_batched_tokens": 2048}
     llm = LLM(
         model=model,
         dtype="float32",
         enforce_eager=True,
         enable_prefix_caching=True,
         block_size=32,
-        num_gpu_blocks_override=GPU_BLOCKS,
-        kv_cache_memory_bytes=GPU_BLOCKS * block_bytes,
-        max_model_len=(GPU_BLOCKS - 1) * 32,
-        kv_transfer_config=kvtier_config(block_bytes, disk),
+        num_gpu_blocks_override=gpu_blocks,
+        kv_cache_memory_bytes=gpu_blocks * block_bytes,
+        max_model_len=min((gpu_blocks - 1) * 32, max_pos),
+        kv_transfer_config=kvtier_config(block_bytes, disk, **extra),
         seed=0,
         max_num_seqs=8,
         disable_log_stats=False,
         compilation_config={"mode": 0},
+        **kw,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -49,7 +61,16 @@ def main() -> None:
         )
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    outputs = [o for p in FIRST for o in run([p])] + run(RETURNING)
+    cached = None
+    if mode == "decode-while-loading":
+        from e2e.workload import decode_while_loading
+
+        for p in FIRST:
+            run([p])
+        assert llm.reset_prefix_cache()
+        outputs, cached, _ = decode_while_loading(llm, FIRST[0])
+    else:
+        outputs = [o for p in FIRST for o in run([p])] + run(RETURNING)
     metrics = {
         m.name: m.value
         for m in llm.get_metrics()
@@ -67,6 +88,7 @@ def main() -> None:
         + json.dumps(
             {
                 "outputs": outputs,
+                "cached": cached,
                 "metrics": metrics,
                 "series": series,
                 # Which engine-core client ran: SyncMPClient is the

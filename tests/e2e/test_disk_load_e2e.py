@@ -140,15 +140,17 @@ class TestPrefixLongerThanCpuTier:
         # 1 MiB holds 28 slots of 36 KiB: the 10-block prefix is one chunk.
         assert reader.capacity == (1 << 20) // slot_size(block_bytes) >= LONG_BLOCKS
         if variant == "chunks-of-3":
-            monkeypatch.setattr(reader, "capacity", 3)
+            # Two halves of three slots: the load thread reads a chunk into
+            # one while it verifies and copies the other.
+            monkeypatch.setattr(reader, "capacity", 6)
         batches: list[int] = []
-        original_read = reader.read
+        original_submit = reader.submit
 
-        def recording_read(items, first_row=0):
+        def recording_submit(items, first_row=0):
             batches.append(len(items))
-            return original_read(items, first_row=first_row)
+            return original_submit(items, first_row=first_row)
 
-        monkeypatch.setattr(reader, "read", recording_read)
+        monkeypatch.setattr(reader, "submit", recording_submit)
         stats = mgr.hierarchy.stats
         before = dict(vars(stats))
 

@@ -159,8 +159,9 @@ def test_a_disk_load_that_raises_is_recomputed_not_hung(
         assert_at_rest(mgr)
         stats = mgr.hierarchy.stats
         before = dict(vars(stats))
+        # Raised on the worker's load thread, where reads are verified.
         reads = _raise_once(
-            monkeypatch, _worker(llm).reader, "read", RuntimeError("reader bug")
+            monkeypatch, _worker(llm).reader, "complete", RuntimeError("reader bug")
         )
         # One at a time, stepped by hand under a deadline: RETURNING[0]'s
         # load raises in the worker, RETURNING[1]'s then reads from disk.

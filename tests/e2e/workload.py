@@ -119,3 +119,70 @@ def run_settled(
 
 
 _SETTLED_IDS = itertools.count()
+
+
+# -- decoding while a returning prefix loads --------------------------------
+
+DECODERS = [make_prompt(500 + i, 40) for i in range(3)]
+DECODE_TOKENS = 64
+# Decoder tokens that must come out while the returning prefix's read is
+# held (the engine kept stepping while a load was in flight).
+TOKENS_WHILE_HELD = 8
+
+
+def decode_while_loading(llm, prompt: list[int], hold=None, timeout: float = 120.0):
+    """Three requests decode; ``prompt`` arrives. Returns ``(outputs,
+    cached, held)``: every request's greedy tokens (decoders first,
+    ``prompt`` last), the prompt's cached tokens, and, with ``hold``, the
+    decoder tokens produced while it held the prompt's load back.
+
+    ``hold`` is ``(loading, release)``: ``loading()`` tells whether the
+    prompt's disk read has started (and is being held); once it has, the
+    engine is stepped until every decoder produced ``TOKENS_WHILE_HELD``
+    more tokens while the prompt produced none, then ``release()`` lets the
+    read go. Works on both engine modes (``LLMEngine.add_request`` and
+    ``step()``); every wait has a deadline."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    dec_sp = SamplingParams(
+        temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True, detokenize=False
+    )
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
+    )
+    tag = f"dwl{next(_SETTLED_IDS)}"
+    ids = [f"{tag}-d{i}" for i in range(len(DECODERS))] + [f"{tag}-x"]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    cached: dict[str, int] = {}
+    deadline = time.monotonic() + timeout
+
+    def step() -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"decode_while_loading exceeded {timeout}s")
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+            if out.num_cached_tokens is not None:
+                cached[out.request_id] = out.num_cached_tokens
+
+    for rid, p in zip(ids, DECODERS):
+        engine.add_request(rid, {"prompt_token_ids": list(p)}, dec_sp)
+    while min(len(tokens[rid]) for rid in ids[:-1]) < 2:
+        step()
+    engine.add_request(ids[-1], {"prompt_token_ids": list(prompt)}, sp)
+    held = None
+    if hold is not None:
+        loading, release = hold
+        try:
+            while not loading():
+                step()
+            start = {rid: len(tokens[rid]) for rid in ids[:-1]}
+            while min(len(tokens[r]) - start[r] for r in start) < TOKENS_WHILE_HELD:
+                step()
+                assert not tokens[ids[-1]], "the held prompt produced a token"
+            held = min(len(tokens[r]) - start[r] for r in start)
+        finally:
+            release()
+    while engine.has_unfinished_requests():
+        step()
+    return [tokens[rid] for rid in ids], cached.get(ids[-1], 0), held

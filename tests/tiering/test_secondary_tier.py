@@ -46,7 +46,7 @@ from kvtier.connector.tiering import (  # noqa: E402
     TierConfigError,
 )
 from kvtier.io.format import HEADER_SIZE, slot_size  # noqa: E402
-from kvtier.testing.offloading import offloading_config  # noqa: E402
+from kvtier.testing.offloading import offloading_config, wait_finished  # noqa: E402
 
 PAGE = 4096  # bytes of one block of one layer
 LAYERS = 2
@@ -433,7 +433,8 @@ def test_portable_worker_shares_the_primary_memory(tmp_path, make_driver):
             nonlocal job
             job += 1
             assert submit(job, *args)
-            assert [(r.job_id, r.success) for r in worker.get_finished()] == [
+            # A load completes on the worker's load thread.
+            assert [(r.job_id, r.success) for r in wait_finished(worker)] == [
                 (job, True)
             ]
 

@@ -1,0 +1,278 @@
+"""Loads run on the worker's load thread: ``submit_load`` never waits for
+the disk, reads are pipelined, and a read that fails, hangs or raises costs
+that job a recompute, never a hang, a crash or wrong KV.
+
+Drives the real spec's manager and worker (real disk tier, real slab files)
+with every disk back end the worker builds wrapped in kvtier's fault layer,
+whose plan holds a read back (``FaultRule.hang``) until the test lets it go,
+fails it (EIO), or cuts it short."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
+
+from kvtier.connector import worker as worker_mod  # noqa: E402
+from kvtier.io.format import HEADER_SIZE  # noqa: E402
+from kvtier.testing.fault_plan import (  # noqa: E402
+    FaultKind,
+    FaultPlan,
+    FaultRule,
+    on_slot,
+)
+from kvtier.testing.faults import FaultInjectingBackend  # noqa: E402
+from kvtier.testing.offloading import tiered_spec, wait_finished  # noqa: E402
+from tests.connector.test_request_runner import (  # noqa: E402
+    RequestRunner,
+    make_config,
+    push_to_disk,
+)
+
+DEADLINE_S = 10.0
+
+
+@pytest.fixture
+def plan(monkeypatch) -> FaultPlan:
+    """The fault plan of every back end the spec builds from here on."""
+    from kvtier.io import backends as backends_module
+    from kvtier.io import disk_store as disk_store_module
+
+    plan = FaultPlan(seed=3)
+    real = backends_module.make_backend
+
+    def faulty(disk_io="auto", *, threads=4):
+        return FaultInjectingBackend(real(disk_io, threads=threads), plan)
+
+    monkeypatch.setattr(disk_store_module, "make_backend", faulty)
+    monkeypatch.setattr(backends_module, "make_backend", faulty)
+    return plan
+
+
+@pytest.fixture
+def runner(tmp_path, plan):
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
+    yield r
+    r.close()
+
+
+def _wait_for(cond, what: str, timeout: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def _submit(r: RequestRunner, keys, gpu_blocks, job_id: int):
+    """Plan a load of ``keys`` and submit it from another thread: a
+    ``submit_load`` that waited for a held read would never return, and the
+    test must fail, not hang."""
+    assert r.lookup(f"load{job_id}", keys) == len(keys)
+    ctx = r.ctx
+    spec = r.manager.prepare_load(keys, ctx)
+    for t in r.kv:
+        t[gpu_blocks] = 0
+    dst = GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0])
+    caller = threading.Thread(target=r.worker.submit_load, args=(job_id, spec, dst))
+    caller.start()
+    caller.join(DEADLINE_S)
+    assert not caller.is_alive(), "submit_load waited for the disk"
+    return ctx
+
+
+def _landed(r: RequestRunner, keys, gpu_blocks) -> list[bool]:
+    return [
+        all(torch.equal(t[b], r.truth[k][i]) for i, t in enumerate(r.kv))
+        for k, b in zip(keys, gpu_blocks)
+    ]
+
+
+def _complete(r: RequestRunner, keys, ctx, error=None) -> None:
+    if error is not None:
+        r.manager.note_worker_report(
+            {ctx.req_id: error.keys}, unloaded={ctx.req_id: error.unloaded}
+        )
+    r.manager.complete_load(keys, ctx)
+    r.manager.on_request_finished(ctx)
+
+
+def test_submit_returns_before_the_read_and_the_job_completes_after(runner, plan):
+    r = runner
+    keys = push_to_disk(r, [1, 2, 3, 4])
+    release = threading.Event()
+    plan.add(FaultRule.hang(release, ops="read"))
+    try:
+        ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
+        _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held read")
+        # The engine steps on: nothing finished, nothing written yet.
+        for _ in range(20):
+            assert r.worker.get_finished() == []
+        assert not any(_landed(r, keys, [40, 41, 42, 43]))
+    finally:
+        release.set()
+    done = wait_finished(r.worker)
+    assert [(d.job_id, d.success) for d in done] == [(1, True)]
+    assert _landed(r, keys, [40, 41, 42, 43]) == [True] * 4
+    _complete(r, keys, ctx)
+
+
+def test_chunk_reads_overlap_the_previous_chunks_verification(runner):
+    r = runner
+    keys = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
+    reader = r.worker.reader
+    reader.capacity = 2  # two halves of one slot: a chunk per block
+    calls: list[str] = []
+    real_submit, real_complete = reader.submit, reader.complete
+
+    def submit(items, first_row=0):
+        calls.append(f"read{len(calls)}@{first_row}")
+        return real_submit(items, first_row=first_row)
+
+    def complete(pending):
+        calls.append(f"verify@{pending.first_row}")
+        return real_complete(pending)
+
+    reader.submit, reader.complete = submit, complete
+    ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
+    assert [d.success for d in wait_finished(r.worker)] == [True]
+    # Chunk k+1 is read (into the other half) before chunk k is verified.
+    reads = [c for c in calls if c.startswith("read")]
+    assert [c.split("@")[1] for c in reads] == ["0", "1", "0", "1"]
+    assert calls[1].startswith("read") and calls[2] == "verify@0", calls
+    assert _landed(r, keys, [40, 41, 42, 43]) == [True] * 4
+    _complete(r, keys, ctx)
+
+
+@pytest.mark.parametrize("fault", ["eio", "short", "bit-flip"])
+def test_a_failed_read_in_flight_fails_only_its_block(runner, plan, fault):
+    r = runner
+    keys = push_to_disk(r, [1, 2, 3, 4])
+    store = r.manager.runtime.stores[0]
+    target = on_slot(store, r.manager.hierarchy.disk.get(keys[2]).slot)
+    rule = {
+        "eio": FaultRule.error(errno.EIO, ops="read", **target),
+        "short": FaultRule.short(100, ops="read", **target),
+        # A byte inside the payload (random ones may hit the slot's padding).
+        "bit-flip": FaultRule.bit_flip(
+            at=[target["ranges"][0][0] + HEADER_SIZE + 100], ops="read", **target
+        ),
+    }[fault]
+    r.worker.reader.capacity = 2  # the bad block is a chunk of its own
+    plan.add(rule)
+    ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
+    done = wait_finished(r.worker)
+    assert [(d.job_id, d.success) for d in done] == [(1, False)]
+    error = r.worker.take_load_error(1)
+    assert error.keys == [keys[2]] and error.gpu_block_ids == {42}
+    # Never a byte of the failed block; the others are whole.
+    assert not any(t[42].any() for t in r.kv)
+    good = [keys[0], keys[1], keys[3]]
+    assert _landed(r, good, [40, 41, 43]) == [True, True, True]
+    _complete(r, keys, ctx, error)
+    h = r.manager.hierarchy
+    assert h.lookup(keys[2]).name == "MISS"  # dropped as bad
+    assert all(h.lookup(k).name != "MISS" for k in keys[:2] + keys[3:])
+
+
+def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, caplog):
+    r = runner
+    keys = push_to_disk(r, [1, 2, 3, 4])
+    r.worker.deadline_s = 0.3
+    release = threading.Event()
+    rule = plan.add(FaultRule.hang(release, ops="read"))
+    try:
+        with caplog.at_level("ERROR", logger="kvtier.connector"):
+            ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
+            done = wait_finished(r.worker)
+        assert [(d.job_id, d.success) for d in done] == [(1, False)]
+        assert any("did not finish within" in m for m in caplog.messages)
+        error = r.worker.take_load_error(1)
+        # Nothing showed the copies bad: unloaded, kept for a later request.
+        assert error.keys == [] and error.unloaded == keys
+        assert error.gpu_block_ids == {40, 41, 42, 43}
+        _complete(r, keys, ctx, error)
+        assert not any(_landed(r, keys, [40, 41, 42, 43]))
+    finally:
+        plan.remove(rule)
+        release.set()
+    # The held read returns late: its job was given up, so it writes
+    # nothing into the blocks vLLM has since handed to other requests.
+    _wait_for(lambda: not r.worker.loads._queue, "the load thread to go idle")
+    time.sleep(0.05)
+    assert r.worker.get_finished() == []
+    assert not any(_landed(r, keys, [40, 41, 42, 43]))
+    r.worker.deadline_s = worker_mod.LOAD_DEADLINE_S
+    ctx = _submit(r, keys, [44, 45, 46, 47], job_id=2)
+    assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(2, True)]
+    assert _landed(r, keys, [44, 45, 46, 47]) == [True] * 4
+    _complete(r, keys, ctx)
+
+
+def test_expedited_loads_go_ahead_of_queued_ones(runner, plan):
+    r = runner
+    first = push_to_disk(r, [1, 2], others="bcdef")
+    second, third = r.keys("b", 4)[:2], r.keys("c", 4)[:2]
+    order: list[int] = []
+    real_run = r.worker.loads._run_task
+
+    def run_task(task):
+        order.append(task.job_id)
+        return real_run(task)
+
+    r.worker.loads._run_task = run_task
+    release = threading.Event()
+    rule = plan.add(FaultRule.hang(release, ops="read", first_n=1))
+    try:
+        ctxs = [_submit(r, first, [40, 41], job_id=1)]
+        _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held read")
+        ctxs.append(_submit(r, second, [44, 45], job_id=2))
+        assert r.lookup("x", third) == 2
+        spec = r.manager.prepare_load(third, r.ctx)
+        ctxs.append(r.ctx)
+        r.worker.submit_load(
+            3, spec, GPULoadStoreSpec([48, 49], [2], [0]), expedited=True
+        )
+    finally:
+        release.set()
+    r.worker.wait({1, 2, 3})
+    assert order == [1, 3, 2]
+    assert sorted(d.job_id for d in r.worker.get_finished()) == [1, 2, 3]
+    plan.remove(rule)
+    for keys, ctx in zip([first, second, third], ctxs):
+        _complete(r, keys, ctx)
+
+
+def test_shutdown_mid_read_is_bounded_and_never_unmaps_under_a_read(
+    tmp_path, plan, monkeypatch, caplog
+):
+    monkeypatch.setattr(worker_mod, "STOP_DEADLINE_S", 0.3)
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
+    keys = push_to_disk(r, [1, 2, 3, 4])
+    release = threading.Event()
+    plan.add(FaultRule.hang(release, ops="read"))
+    buffer = r.worker.cpu_buffer
+    try:
+        _submit(r, keys, [40, 41, 42, 43], job_id=1)
+        _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held read")
+        with caplog.at_level("ERROR", logger="kvtier.connector"):
+            started = time.monotonic()
+            r.worker.shutdown()
+            assert time.monotonic() - started < DEADLINE_S
+        assert any("did not stop within" in m for m in caplog.messages)
+        # The held read still targets the bounce area: nothing was unmapped.
+        assert not buffer._closed
+    finally:
+        release.set()
+    thread = r.worker.loads._thread
+    thread.join(DEADLINE_S)
+    assert not thread.is_alive()
+    r.worker.reader.close()
+    buffer.close()
+    r.manager.shutdown()

@@ -1,0 +1,139 @@
+"""A disk hit never stops the engine: three requests decode while a
+returning prefix is read from disk on the worker's load thread.
+
+In-process engine (its loop spins): the prefix's disk read is held back by
+kvtier's fault layer until the decoders produced several more tokens, which
+they can only do if ``submit_load`` returned without waiting for the read
+and the engine kept stepping. Then the read goes, the prefix is served from
+disk in full, and every output equals the no-offload engine's. The same
+workload under the multiprocess engine core (no hold: the fault layer lives
+in this process) checks the full disk hit and the outputs there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvtier.testing.engine import engine
+from kvtier.testing.fault_plan import FaultKind, FaultPlan, FaultRule
+
+from .workload import (
+    FIRST,
+    TOKENS_WHILE_HELD,
+    decode_while_loading,
+    kvtier_config,
+    manager_of,
+    run_each,
+)
+
+pytestmark = pytest.mark.e2e
+GPU_BLOCKS = 48
+RETURNING = FIRST[0]
+SCRIPT = Path(__file__).with_name("_mp_engine.py")
+WATCHDOG_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    """The no-offload engine's greedy outputs of the same workload."""
+    with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
+        run_each(llm, FIRST)
+        outputs, _, _ = decode_while_loading(llm, RETURNING)
+    return outputs
+
+
+def _only_on_disk(llm) -> None:
+    """Compute FIRST (pushing RETURNING's blocks through the small CPU tier
+    onto disk), then make the GPU cache forget them."""
+    run_each(llm, FIRST)
+    assert llm.reset_prefix_cache()
+
+
+def test_decoders_keep_stepping_while_a_disk_read_is_held(
+    model, block_bytes, expected, tmp_path, monkeypatch
+):
+    from kvtier.io import backends as backends_module
+    from kvtier.io import disk_store as disk_store_module
+    from kvtier.testing.faults import FaultInjectingBackend
+
+    plan = FaultPlan(seed=5)
+    real = backends_module.make_backend
+
+    def faulty(disk_io="auto", *, threads=4):
+        return FaultInjectingBackend(real(disk_io, threads=threads), plan)
+
+    monkeypatch.setattr(disk_store_module, "make_backend", faulty)
+    monkeypatch.setattr(backends_module, "make_backend", faulty)
+    release = threading.Event()
+    cfg = kvtier_config(block_bytes, tmp_path, spill_watermark=0.0)
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        _only_on_disk(llm)
+        stats = manager_of(llm).hierarchy.stats
+        loads_before, failures_before = stats.loads_disk, stats.load_failures
+        rule = plan.add(FaultRule.hang(release, ops="read"))
+        # A step that waited for the held read would never return: let the
+        # read go after a while, and fail the test if that had to happen.
+        fired = threading.Event()
+
+        def let_go() -> None:
+            fired.set()
+            release.set()
+
+        watchdog = threading.Timer(WATCHDOG_S, let_go)
+        watchdog.start()
+        try:
+            outputs, cached, held = decode_while_loading(
+                llm,
+                RETURNING,
+                hold=(lambda: plan.count(FaultKind.HANG) >= 1, release.set),
+            )
+        finally:
+            watchdog.cancel()
+            release.set()
+            plan.remove(rule)
+        # While the read was held the decoders went on producing tokens.
+        assert held is not None and held >= TOKENS_WHILE_HELD
+        assert not fired.is_set(), "an engine step waited for the held read"
+        assert outputs == expected
+        # The whole 4-block prefix came from disk, verified.
+        assert cached == 4 * 32
+        assert stats.loads_disk - loads_before == 4
+        assert stats.load_failures == failures_before
+
+
+def test_disk_hit_while_decoding_under_the_multiprocess_engine(
+    model, block_bytes, expected, tmp_path
+):
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            model,
+            str(block_bytes),
+            str(tmp_path),
+            "decode-while-loading",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
+    assert proc.returncode == 0 and found, proc.stderr[-3000:]
+    result = json.loads(found[-1].split(" ", 1)[1])
+    assert result["engine_core"] == "SyncMPClient", result["engine_core"]
+    assert result["outputs"] == expected
+    assert result["cached"] == 4 * 32
+    loaded = sum(
+        value
+        for n, lab, value in result["series"]
+        if n == "vllm:kv_offload_kvtier_loaded_blocks" and lab.get("tier") == "disk"
+    )
+    assert loaded == 4, result["series"]
