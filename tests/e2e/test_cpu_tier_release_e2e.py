@@ -318,7 +318,7 @@ def engine_core_pid(server: Server) -> int:
 # ------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("attempt", [1, 2])
+@pytest.mark.parametrize("attempt", [1, 2, 3])
 def test_sigterm_to_the_api_server(launch, attempt):
     server = launch()
     wait_up(server)

@@ -11,6 +11,7 @@ outputs equal to the no-offload baseline.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -50,6 +51,16 @@ def _rewrite_weights_keeping_stat(model_dir: Path) -> None:
         assert dst.stat().st_mtime_ns == st.st_mtime_ns
 
 
+def _replace_weights(model_dir: Path) -> None:
+    """Another checkpoint's weight files copied over the model's, as a plain
+    copy leaves them: new contents, new mtime."""
+    other = Path(build_tiny_llama(seed=2))
+    for src in other.glob("*.safetensors"):
+        before = (model_dir / src.name).stat().st_mtime_ns
+        shutil.copyfile(src, model_dir / src.name)
+        os.utime(model_dir / src.name, ns=(before + 10**9, before + 10**9))
+
+
 # (case, engine 1 keywords, engine 2 keywords, change to the model dir)
 CHANGES = [
     ("rms_norm_eps", {}, {"hf_overrides": {"rms_norm_eps": 0.5}}, None),
@@ -71,6 +82,7 @@ CHANGES = [
         None,
     ),
     ("weights_same_stat", {}, {}, _rewrite_weights_keeping_stat),
+    ("weights_replaced", {}, {}, _replace_weights),
 ]
 
 
@@ -111,19 +123,34 @@ def test_a_changed_setting_never_adopts_the_old_store(
     assert len([p for p in disk.iterdir() if p.name.startswith("kvtier-")]) == 2
 
 
+def _identity_lines(caplog) -> list[str]:
+    return [m for m in caplog.messages if m.startswith("kvtier store identity:")]
+
+
 def test_an_unchanged_restart_still_adopts_and_serves_from_disk(
-    private_model, block_bytes, baseline, tmp_path
+    private_model, block_bytes, baseline, tmp_path, caplog
 ):
     disk = tmp_path / "disk"
     disk.mkdir()
     cfg = kvtier_config(block_bytes, disk)
-    _fill(private_model, cfg)
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        _fill(private_model, cfg)
+    # One start-up line tells the identity and that nothing was adopted.
+    (first,) = _identity_lines(caplog)
+    assert "model_id" in first and "no blocks adopted" in first
+    caplog.clear()
     # Stat changes alone (a copy without -p) are not content changes, but the
     # identity keeps mtime as a cheap extra signal: leave them alone here.
-    with engine(str(private_model), cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+    with (
+        caplog.at_level(logging.INFO, logger="kvtier"),
+        engine(str(private_model), cfg, num_gpu_blocks=GPU_BLOCKS) as llm,
+    ):
         adopted = len(manager_of(llm).hierarchy.disk)
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
     assert adopted > 0
+    (line,) = _identity_lines(caplog)
+    assert f"warm restart adopted {adopted} disk blocks" in line, line
+    assert first.split(";")[0] == line.split(";")[0]  # the same identity
     assert again.totals.get("disk") == len(RETURNING) * BLOCKS_PER_PROMPT * 32
     assert again.outputs == baseline[: len(RETURNING)]
     # The operator sees what produced the store.
@@ -165,3 +192,26 @@ def test_an_unchanged_restart_still_adopts_and_serves_from_disk(
         checks = json.loads(doc.stdout)["checks"]
         stores = [c for c in checks if c["subject"].startswith("store ")]
         assert len(stores) == 1 and expect in stores[0]["detail"], checks
+
+
+def test_a_prefix_hash_that_changes_per_process_is_warned_at_start(
+    model, block_bytes, tmp_path, caplog, monkeypatch
+):
+    """vLLM seeds xxhash prefix hashes randomly per process unless
+    PYTHONHASHSEED is set: no warm restart could ever hit. Start-up says so
+    and names the fix."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    cfg = kvtier_config(block_bytes, tmp_path)
+    with (
+        caplog.at_level(logging.WARNING, logger="kvtier"),
+        engine(
+            model,
+            cfg,
+            num_gpu_blocks=GPU_BLOCKS,
+            prefix_caching_hash_algo="xxhash",
+        ),
+    ):
+        pass
+    warned = [m for m in caplog.messages if "--prefix-caching-hash-algo" in m]
+    assert len(warned) == 1, caplog.messages
+    assert "PYTHONHASHSEED" in warned[0] and "sha256" in warned[0]
