@@ -21,6 +21,7 @@ DISK_IO_CHOICES = ("auto", "posix", "kvikio")
 # back end); beyond a few dozen they only add contention.
 MAX_DISK_IO_THREADS = 256
 COMPRESSION_CHOICES = ("none", "zstd")
+LOAD_PATH_CHOICES = ("host", "device")
 
 
 class ConfigError(ValueError):
@@ -139,6 +140,12 @@ KEYS: tuple[KeySpec, ...] = (
         "integer >= 1048576",
     ),
     KeySpec(
+        "disk_load_path",
+        "Where a worker receives and verifies disk hits: host (the bounce area above, xxh3; copied into the KV cache by vLLM's transfer code) or device (a staging area of the same size on the KV cache's device, filled by kvikio, straight from NVMe under GDS, verified there with the device checksum and copied device-to-device; needs disk_compression none). docs/gds.md.",
+        "host",
+        "host | device",
+    ),
+    KeySpec(
         "sync_load_budget_bytes",
         "KV bytes per step (per worker) that vLLM may load within the step that schedules a hit, instead of holding the request for a step; vLLM >= 0.33, 0 = off. Refused on vLLM 0.32, and with a disk tier on a model with several KV-cache groups (docs/compatibility.md).",
         0,
@@ -199,6 +206,7 @@ class KvtierConfig:
     spill_watermark: float = 0.75
     disk_io_threads: int = 4
     disk_load_buffer_bytes: int = 64 << 20
+    disk_load_path: str = "host"
     sync_load_budget_bytes: int = 0  # read by vLLM >= 0.33
 
     @property
@@ -320,8 +328,15 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
             extra, "disk_io_threads", 4, 1, maximum=MAX_DISK_IO_THREADS
         ),
         disk_load_buffer_bytes=_int(extra, "disk_load_buffer_bytes", 64 << 20, 1 << 20),
+        disk_load_path=_choice(extra, "disk_load_path", "host", LOAD_PATH_CHOICES),
         sync_load_budget_bytes=_int(extra, "sync_load_budget_bytes", 0, 0),
     )
+    if cfg.disk_load_path == "device" and cfg.disk_compression != "none":
+        raise ConfigError(
+            "disk_load_path",
+            "device cannot verify zstd slots (they decode on the host); set "
+            "disk_compression to none, or disk_load_path to host",
+        )
     if disk_bytes == 0 and "disk_path" in extra:
         # A path without a budget is almost certainly a forgotten budget.
         raise ConfigError(

@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
 
-from kvtier.io.block_copy import CopyPlan, HostArea
+from kvtier.io.block_copy import BlockCopier, CopyPlan, HostArea
 
 logger = logging.getLogger("kvtier.connector")
 
@@ -113,6 +113,11 @@ class DeviceCopies:
     pages), each tensor once. :meth:`submit` queues one transfer and returns
     its id; :meth:`poll` reports the transfers that completed with their
     device time; :meth:`wait` blocks until the given ones completed.
+    An area whose rows live on the device (the staging area of
+    ``disk_load_path: device``) is copied into the KV cache by kvtier's
+    :class:`~kvtier.io.block_copy.BlockCopier` on a stream of its own,
+    ordered after the current stream and timed by CUDA events, since vLLM's
+    handlers copy between host and device only.
     Called from one thread (the model runner's)."""
 
     synchronous = False  # transfers finish later, reported by poll()
@@ -132,7 +137,20 @@ class DeviceCopies:
         # in shutdown() after the last transfer drained.
         self._registered: list[int] = []
         self.areas: dict[str, HostArea] = {}
+        # Areas in device memory (the device staging area of verified disk
+        # slots): copied into the KV cache by kvtier on a stream of its own,
+        # since vLLM's handlers copy between host and device only.
+        self._scatter: dict[str, list[BlockCopier]] = {}
+        self._stream: torch.cuda.Stream | None = None
+        self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
         for area in areas:
+            if area.rows.device.type != "cpu":
+                self._scatter[area.name] = [
+                    BlockCopier(views, area.rows, blocks_per_chunk)
+                    for views in group_views
+                ]
+                self.areas[area.name] = area
+                continue
             if not area.pinned and area.rows.is_contiguous():
                 addresses = pin_host_area(area.rows.numpy())
                 self._registered += addresses
@@ -153,6 +171,8 @@ class DeviceCopies:
     ) -> int:
         """Queue the copies of ``plan`` (group ``group``'s GPU blocks <-> rows
         of ``area``); returns the transfer id."""
+        if area in self._scatter:
+            return self._submit_scatter(area, group, plan, to_host)
         gpu_ids, rows, skip = vllm_block_spec(plan, self.blocks_per_chunk)
         gpu = GPULoadStoreSpec(gpu_ids.tolist(), [len(gpu_ids)], [skip])
         host = CPULoadStoreSpec(rows.tolist())
@@ -169,11 +189,17 @@ class DeviceCopies:
         for handler in self._handlers.values():
             for result in handler.get_finished():
                 done[result.job_id] = result.transfer_time or 0.0
+        for transfer, (start, end) in list(self._events.items()):
+            if end.query():
+                del self._events[transfer]
+                done[transfer] = start.elapsed_time(end) / 1000
         return done
 
     def wait(self, transfers: set[int]) -> None:
         for handler in self._handlers.values():
             handler.wait(transfers)
+        for transfer in transfers & self._events.keys():
+            self._events[transfer][1].synchronize()
 
     def shutdown(self) -> None:
         """Drain every handler (vLLM's shutdown waits for its transfers)."""
@@ -184,12 +210,37 @@ class DeviceCopies:
             except Exception as exc:  # drain the others before reporting
                 errors.append(exc)
         self._handlers.clear()
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._events.clear()
+        self._scatter.clear()
         self.group_views = []
         self.areas = {}
         if not errors:  # never unlock memory a stuck copy may still touch
             unpin_host_area(self._registered)
         if errors:
             raise errors[0]
+
+    def _submit_scatter(self, area: str, group: int, plan: CopyPlan, to_host: bool) -> int:
+        """Device staging rows -> KV cache, queued on kvtier's stream after
+        the work already queued on the current (model) stream; timed by
+        CUDA events like vLLM's transfers."""
+        if to_host:
+            raise ValueError(f"the device area {area!r} is only copied from")
+        copier = self._scatter[area][group]
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(copier.kv[0].device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            copier.to_gpu(plan)
+            end.record(stream)
+        transfer = next(self._ids)
+        self._events[transfer] = (start, end)
+        return transfer
 
     def _handler(
         self, area: str, to_host: bool, group: int, expedited: bool

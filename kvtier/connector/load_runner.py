@@ -44,10 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvtier.connector.job_plan import GroupPlan, select_rows
 from kvtier.connector.specs import TierLoadSpec
 from kvtier.io.block_copy import CopyPath, CopyPlan
+from kvtier.io.device_staging import DeviceStagingReader, PendingStage
 from kvtier.io.layout import ReadOutcome
 from kvtier.io.slot_reader import PendingRead, SlotReader
 
@@ -122,7 +124,7 @@ class LoadRunner:
 
     def __init__(
         self,
-        reader: SlotReader | None,
+        reader: SlotReader | DeviceStagingReader | None,
         copies: CopyPath,
         cpu_buffer: Any,
         block_bytes: list[int],
@@ -191,6 +193,12 @@ class LoadRunner:
     # ------------------------------------------------------ the load thread
 
     def _run(self) -> None:
+        device = getattr(self.reader, "device", None)
+        if device is not None and device.type == "cuda":
+            # A device staging reader copies and checks on this thread's
+            # current stream: its own, never the legacy default stream that
+            # would serialise with the model's work.
+            torch.cuda.set_stream(torch.cuda.Stream(device))
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._stopping)
@@ -228,7 +236,7 @@ class LoadRunner:
         per_read = reader.capacity // halves
         # Chunks read but not yet verified and copied, oldest first: at most
         # two (one per half), so chunk k is finished while k+1 is read.
-        inflight: deque[tuple[PendingRead, np.ndarray, int]] = deque()
+        inflight: deque[tuple[PendingRead | PendingStage, np.ndarray, int]] = deque()
         try:
             for start in range(0, len(positions), per_read):
                 if task.cancelled:
@@ -266,7 +274,11 @@ class LoadRunner:
             self._free[half] = False
 
     def _finish_chunk(
-        self, task: LoadTask, read: PendingRead, chunk: np.ndarray, half: int
+        self,
+        task: LoadTask,
+        read: PendingRead | PendingStage,
+        chunk: np.ndarray,
+        half: int,
     ) -> None:
         reader = self.reader
         spec = task.spec
@@ -289,8 +301,11 @@ class LoadRunner:
                     return
                 up = np.flatnonzero((bounce_row >= 0) & (spec.promote_rows >= 0))
                 if len(up):  # one gathered copy for the chunk, not one per block
+                    src = reader.rows[bounce_row[up]]
+                    if isinstance(src, torch.Tensor):  # a device staging area
+                        src = src.cpu().numpy()
                     rows = self.cpu_buffer.array
-                    rows[spec.promote_rows[up]] = reader.rows[bounce_row[up]]
+                    rows[spec.promote_rows[up]] = src
                     del rows
                 if not self.copies.synchronous:
                     with self._cond:

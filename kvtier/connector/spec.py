@@ -330,12 +330,39 @@ class TieredOffloadingSpec(OffloadingSpec):
             )
         return self._manager
 
+    def _disk_reader(
+        self, cfg: Any, backend: Any, kv_caches: CanonicalKVCaches
+    ) -> Any:
+        """The worker's reader of disk hits (``disk_load_path``): a host
+        bounce area, or a staging area on the KV cache's device. Owns
+        ``backend`` once built."""
+        from kvtier.io.device_staging import DeviceStagingReader
+        from kvtier.io.slot_reader import SlotReader
+
+        args = (
+            cfg.disk_paths,
+            self.num_disk_blocks,
+            self.block_bytes,
+            self.fingerprint(self.rank),
+            backend,
+        )
+        try:
+            if cfg.disk_load_path == "device":
+                device = kv_caches.tensors[0].tensor.device
+                capacity = max(1, cfg.disk_load_buffer_bytes // slot_size(self.block_bytes))
+                return DeviceStagingReader(
+                    *args, device=device, capacity=capacity, owns_backend=True
+                )
+            return SlotReader(*args, bounce_bytes=cfg.disk_load_buffer_bytes, pin=True)
+        except BaseException:
+            backend.shutdown()
+            raise
+
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             from kvtier.connector.worker import TieredOffloadingWorker
             from kvtier.io.backends import make_backend
-            from kvtier.io.slot_reader import SlotReader
 
             cfg = self.kvtier
             buffer = open_worker_buffer(
@@ -347,20 +374,13 @@ class TieredOffloadingSpec(OffloadingSpec):
                 # Only the scheduler's DiskRuntime (disk tier) maps it too.
                 shared=self.num_disk_blocks > 0,
             )
-            reader = None
+            reader: Any = None
             try:
                 if self.num_disk_blocks > 0:
                     # This rank's slots, read-only, verified before use; the
                     # back end (kvikio where configured) lives only here.
-                    reader = SlotReader(
-                        cfg.disk_paths,
-                        self.num_disk_blocks,
-                        self.block_bytes,
-                        self.fingerprint(self.rank),
-                        make_backend(cfg.disk_io, threads=cfg.disk_io_threads),
-                        bounce_bytes=cfg.disk_load_buffer_bytes,
-                        pin=True,
-                    )
+                    backend = make_backend(cfg.disk_io, threads=cfg.disk_io_threads)
+                    reader = self._disk_reader(cfg, backend, kv_caches)
                 self._worker = TieredOffloadingWorker(
                     kv_caches,
                     buffer,

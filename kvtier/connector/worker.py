@@ -67,6 +67,7 @@ from kvtier.io.block_copy import (
     HostCopies,
 )
 from kvtier.io.cpu_buffer import CpuBlockBuffer
+from kvtier.io.device_staging import DeviceStagingReader
 from kvtier.io.slot_reader import SlotReader
 
 logger = logging.getLogger("kvtier.connector")
@@ -126,7 +127,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         kv_caches: CanonicalKVCaches,
         cpu_buffer: CpuBlockBuffer,
         blocks_per_chunk: int,
-        reader: SlotReader | None = None,
+        reader: SlotReader | DeviceStagingReader | None = None,
         device_copies: Callable[..., CopyPath] | None = None,
         contain_exceptions: bool = False,
     ):
@@ -138,9 +139,11 @@ class TieredOffloadingWorker(OffloadingWorker):
         )
         areas = [HostArea("cpu", cpu_buffer.tensor)]
         if reader is not None:
-            areas.append(
-                HostArea("disk", torch.from_numpy(reader.rows), pinned=reader.pinned)
-            )
+            # A host bounce area (numpy), or a device staging area (torch).
+            rows = reader.rows
+            if not isinstance(rows, torch.Tensor):
+                rows = torch.from_numpy(rows)
+            areas.append(HostArea("disk", rows, pinned=reader.pinned))
         make = HostCopies if device_copies is None else device_copies
         self._set_up(
             make(views, areas, blocks_per_chunk),
@@ -156,7 +159,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         copies: CopyPath,
         cpu_buffer: Any,
         blocks_per_chunk: int,
-        reader: SlotReader | None,
+        reader: SlotReader | DeviceStagingReader | None,
         block_bytes: list[int],
     ) -> None:
         """The state every worker shares, whatever its host rows: the copy

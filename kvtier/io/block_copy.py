@@ -86,13 +86,16 @@ _WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 class BlockCopier:
-    """Copies blocks between KV-cache tensors and a CPU row buffer.
+    """Copies blocks between KV-cache tensors and a row buffer on the same
+    device (host memory on the CPU platform; on an accelerator, a device
+    staging area of verified disk slots).
 
     ``kv_tensors`` are ``(num_gpu_blocks, page_bytes_i)`` byte views (any
-    dtype is reinterpreted as uint8) in host memory; ``cpu_rows`` is a uint8
+    dtype is reinterpreted as uint8); ``cpu_rows`` is a uint8
     tensor shaped ``(num_rows, row_bytes)`` (rows may be strided, e.g. the
     payloads of a disk bounce area) with ``row_bytes >= blocks_per_chunk *
-    sum(page_bytes_i)``. Copies are complete when a call returns.
+    sum(page_bytes_i)``. On the host, copies are complete when a call
+    returns; on a device they are queued on the current stream.
 
     Copies index whole machine words, not bytes: on the CPU platform an
     indexed copy costs per element, and an int64 view moves the same bytes
@@ -110,10 +113,11 @@ class BlockCopier:
         if cpu_rows.stride(1) != 1:
             raise ValueError("cpu_rows must be contiguous within a row")
         kv_bytes = [self._as_bytes(t) for t in kv_tensors]
-        if any(t.device.type != "cpu" for t in kv_bytes):
+        if any(t.device != cpu_rows.device for t in kv_bytes):
             raise ValueError(
-                "BlockCopier copies host-memory KV caches (the CPU platform); "
-                "accelerators use vLLM's transfer code"
+                "BlockCopier copies within one device (host-memory KV caches on "
+                "the CPU platform, or a device staging area into its KV cache); "
+                "host <-> accelerator copies use vLLM's transfer code"
             )
         self.blocks_per_chunk = blocks_per_chunk
         self.page_bytes = [t.shape[1] for t in kv_bytes]
@@ -156,9 +160,11 @@ class BlockCopier:
     def _copy(self, plan: CopyPlan, to_cpu: bool) -> None:
         if len(plan) == 0:
             return
-        gpu_idx = torch.from_numpy(plan.gpu_ids)
-        row_idx = torch.from_numpy(plan.row_ids)
-        sub_idx = torch.from_numpy(plan.sub_ids)
+        device = self.kv[0].device
+        gpu_idx, row_idx, sub_idx = (
+            torch.from_numpy(ids).to(device)
+            for ids in (plan.gpu_ids, plan.row_ids, plan.sub_ids)
+        )
         for kv, view in zip(self.kv, self.cpu_views):
             if to_cpu:
                 view[row_idx, sub_idx] = kv[gpu_idx]

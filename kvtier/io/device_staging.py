@@ -29,9 +29,8 @@ never used unverified.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
-import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +47,8 @@ from kvtier.io.format import (
     aligned_empty,
     slot_size,
 )
-from kvtier.io.layout import ReadOutcome, locate, slab_name, verify_header
-from kvtier.io.store_dir import store_dirname
+from kvtier.io.layout import ReadOutcome, locate, verify_header
+from kvtier.io.slab_files import SlabFiles, SlotReaderStats
 
 logger = logging.getLogger("kvtier.io")
 
@@ -61,6 +60,17 @@ def staging_mode(backend: DiskBackend) -> str:
     if getattr(backend, "name", "") == "kvikio":
         return "gds" if getattr(backend, "gds", False) else "compat"
     return "posix"
+
+
+@dataclass
+class PendingStage:
+    """A chunk submitted with :meth:`DeviceStagingReader.submit`."""
+
+    items: list[tuple[int, bytes]]
+    first_row: int
+    runs: list[tuple[int, int, int, int]]
+    waiters: list[Callable[[], int] | None]
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -105,8 +115,12 @@ class DeviceStagingReader:
       - Streams: on CUDA, copies and checksums run on the current stream of
         the calling thread; rows are complete on that stream when ``read``
         returns (the readback synchronised it).
-      - Not thread-safe: one reader per I/O thread. ``close`` is idempotent
-        and closes the slab handles (and the back end when owned).
+      - ``submit``/``complete`` split ``read`` for a caller that pipelines
+        chunks (the worker's load thread), as :class:`SlotReader` does;
+        ``stats()`` counts as it does.
+      - Not thread-safe: one reader per I/O thread (``stats`` from any).
+        ``close`` is idempotent and closes the slab handles (and the back
+        end when owned).
     """
 
     def __init__(
@@ -133,19 +147,14 @@ class DeviceStagingReader:
                 f"block_bytes={fingerprint.block_bytes}"
             )
         self.backend = backend
-        self._owns_backend = owns_backend
+        self.files = SlabFiles(paths, fingerprint, backend, owns_backend)
+        self.slab_paths = self.files.paths
         self.num_slots = num_slots
         self.block_bytes = block_bytes
         self.slot_size = slot_size(block_bytes)
         self.capacity = capacity
         self.device = torch.device(device)
         self._digest = fingerprint.digest()
-        dirname = store_dirname(fingerprint)
-        self.slab_paths = [
-            os.path.join(os.path.abspath(p), dirname, slab_name(i))
-            for i, p in enumerate(paths)
-        ]
-        self._handles: list[Any] = [None] * len(paths)
         self.mode = staging_mode(backend)
         nbytes = capacity * self.slot_size
         self._bounce: np.ndarray | None = None
@@ -164,8 +173,8 @@ class DeviceStagingReader:
                 self._bounce = area.reshape(capacity, self.slot_size)
         self.rows = self.staging[:, HEADER_SIZE : HEADER_SIZE + block_bytes]
         self._direct = self.device.type == "cpu" or self.mode != "posix"
-        self._logged: set[tuple[str, str]] = set()
         self._closed = False
+        self.pinned = False  # rows are device memory (or plain host memory)
         logger.info(
             "kvtier device staging: mode %s, staging on %s, back end %s",
             self.mode,
@@ -179,8 +188,15 @@ class DeviceStagingReader:
         self, items: Sequence[tuple[int, bytes]], first_row: int = 0
     ) -> list[StagedSlot]:
         """See the class contract."""
-        import torch
+        return self.complete(self.submit(items, first_row))
 
+    def submit(
+        self, items: Sequence[tuple[int, bytes]], first_row: int = 0
+    ) -> PendingStage:
+        """Start reading ``items`` into rows ``first_row`` onwards and return
+        at once (kvikio's futures, or the back end's threads);
+        :meth:`complete` waits, checks and returns ``read``'s result. Chunks
+        in flight must use disjoint rows."""
         if self._closed:
             raise RuntimeError("DeviceStagingReader is closed")
         if not 0 <= first_row <= self.capacity - len(items):
@@ -205,7 +221,20 @@ class DeviceStagingReader:
                 runs[-1] = (*last[:3], last[3] + 1)
             else:
                 runs.append((f, local, row, 1))
-        got = self._read_runs(runs)
+        started = time.perf_counter()
+        waiters = self._start_runs(runs)
+        return PendingStage(
+            list(items), first_row, runs, waiters, time.perf_counter() - started
+        )
+
+    def complete(self, pending: PendingStage) -> list[StagedSlot]:
+        """Wait for a submitted chunk and verify it (see the class contract)."""
+        import torch
+
+        items, first_row, runs = pending.items, pending.first_row, pending.runs
+        started = time.perf_counter()
+        got = self._collect(runs, pending.waiters)
+        seconds = time.perf_counter() - started + pending.seconds
         # Per item: 0 failed, 1 complete, 2 short.
         state = [0] * len(items)
         for (_f, _local, row, count), n in zip(runs, got):
@@ -224,7 +253,7 @@ class DeviceStagingReader:
                 results[i] = StagedSlot(ReadOutcome.IO_ERROR, row, "read failed")
                 continue
             if state[i] == 2:
-                self._note("short read", slot)
+                self.files.rejected(slot, "short read")
                 results[i] = StagedSlot(ReadOutcome.TRUNCATED, row, "short read")
                 continue
             verdict = verify_header(
@@ -236,7 +265,7 @@ class DeviceStagingReader:
                 slot_bytes=self.slot_size,
             )
             if verdict.outcome is ReadOutcome.BAD_HEADER:
-                self._note(verdict.detail, slot)
+                self.files.rejected(slot, verdict.detail)
             if not verdict.ok:
                 results[i] = StagedSlot(verdict.outcome, row, verdict.detail)
                 continue
@@ -248,7 +277,7 @@ class DeviceStagingReader:
                     if hdr.device_checksum is None
                     else f"codec {hdr.codec.name} decodes on the host only"
                 )
-                self._note_host_only(why, slot)
+                self.files.host_only(slot, why)
                 results[i] = StagedSlot(ReadOutcome.HOST_ONLY, row, why)
                 continue
             to_check.append(i)
@@ -271,29 +300,36 @@ class DeviceStagingReader:
                 if want == have:
                     results[i] = StagedSlot(ReadOutcome.OK, row)
                 else:
-                    self._note("device checksum mismatch", items[i][0])
+                    self.files.rejected(items[i][0], "device checksum mismatch")
                     results[i] = StagedSlot(
                         ReadOutcome.CHECKSUM_MISMATCH, row, "device checksum mismatch"
                     )
         if self.device.type == "cuda" and not to_check:
             # The bounce copies must land before the next read reuses it.
             torch.cuda.current_stream(self.device).synchronize()
-        return [r for r in results if r is not None]
+        out = [r for r in results if r is not None]
+        self._count(out, got, seconds)
+        return out
+
+    def abandon(self, pending: PendingStage) -> None:
+        """Wait for a submitted chunk's reads without checking it (a caller
+        that gives the job up): afterwards its rows may be reused."""
+        for waiter in pending.waiters:
+            if waiter is not None:
+                with contextlib.suppress(Exception):
+                    waiter()
+
+    def stats(self) -> SlotReaderStats:
+        """Cumulative counters, as :meth:`SlotReader.stats` (HOST_ONLY slots
+        count as neither corrupt nor I/O errors)."""
+        return self.files.stats()
+
 
     def close(self) -> None:
         """Close the slab handles and, if owned, the back end. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for handle in self._handles:
-            if handle is not None:
-                try:
-                    self.backend.close(handle)
-                except OSError as exc:
-                    logger.debug("closing slab handle failed: %s", exc)
-        self._handles = [None] * len(self._handles)
-        if self._owns_backend:
-            self.backend.shutdown()
+        if not self._closed:
+            self._closed = True
+            self.files.close()
 
     # ------------------------------------------------------------ internals
 
@@ -302,17 +338,18 @@ class DeviceStagingReader:
             return self._bounce[row : row + count].reshape(-1)
         return self.staging[row : row + count].reshape(-1)
 
-    def _read_runs(self, runs: list[tuple[int, int, int, int]]) -> list[int | None]:
-        """Bytes read per run, or None where the open or the read failed."""
-        out: list[int | None] = [None] * len(runs)
+    def _start_runs(
+        self, runs: list[tuple[int, int, int, int]]
+    ) -> list[Callable[[], int] | None]:
+        """Start every run's read: per run a function that waits for it and
+        returns the bytes read, or None where the open or start failed."""
         # kvikio: its own IOFutures (start_read); others: the back end's futures.
         start = getattr(self.backend, "start_read", None)
         waiters: list[Callable[[], int] | None] = []
-        waited = 0
         try:
             for f, local, row, count in runs:
                 try:
-                    handle = self._handle(f)
+                    handle = self.files.handle(f)
                     target = self._target(row, count)
                     offset = local * self.slot_size
                     if start is not None:
@@ -321,8 +358,28 @@ class DeviceStagingReader:
                         fut = self.backend.submit_read(handle, target, offset)
                         waiters.append(fut.result)
                 except OSError as exc:
-                    self._io_error(f, exc)
+                    self.files.io_error(f, exc)
                     waiters.append(None)
+        except BaseException:
+            # A bug: reads already in flight write into the staging area;
+            # let them land before the exception leaves.
+            for waiter in waiters:
+                if waiter is not None:
+                    with contextlib.suppress(Exception):
+                        waiter()
+            raise
+        return waiters
+
+    def _collect(
+        self,
+        runs: list[tuple[int, int, int, int]],
+        waiters: list[Callable[[], int] | None],
+    ) -> list[int | None]:
+        """Bytes read per run, or None where the open or the read failed;
+        with a host bounce area, the landed runs are copied on to the device."""
+        out: list[int | None] = [None] * len(runs)
+        waited = 0
+        try:
             for i, waiter in enumerate(waiters):
                 waited = i + 1
                 if waiter is None:
@@ -330,14 +387,12 @@ class DeviceStagingReader:
                 try:
                     out[i] = int(waiter())
                 except OSError as exc:
-                    self._io_error(runs[i][0], exc)
+                    self.files.io_error(runs[i][0], exc)
         except BaseException:
-            # A bug: reads still in flight write into the staging area; let
-            # them land before the exception leaves.
-            for pending in waiters[waited:]:
-                if pending is not None:
+            for waiter in waiters[waited:]:
+                if waiter is not None:
                     with contextlib.suppress(Exception):
-                        pending()
+                        waiter()
             raise
         if self._bounce is not None:
             import torch
@@ -347,6 +402,18 @@ class DeviceStagingReader:
                     src = torch.from_numpy(self._bounce[row : row + count])
                     self.staging[row : row + count].copy_(src, non_blocking=True)
         return out
+
+    def _count(
+        self, results: list[StagedSlot], got: list[int | None], seconds: float
+    ) -> None:
+        ok = sum(r.outcome is ReadOutcome.OK for r in results)
+        bad = sum(
+            r.outcome not in (ReadOutcome.OK, ReadOutcome.IO_ERROR, ReadOutcome.HOST_ONLY)
+            for r in results
+        )
+        self.files.count(
+            nbytes=sum(n or 0 for n in got), seconds=seconds, ok=ok, corrupt=bad
+        )
 
     def _headers(self, first_row: int, count: int) -> np.ndarray:
         """The rows' header bytes, on the host (the fixed part only)."""
@@ -359,55 +426,6 @@ class DeviceStagingReader:
         heads = np.zeros((count, HEADER_SIZE), dtype=np.uint8)
         heads[:, :FIXED_HEADER_LEN] = part.numpy()
         return heads
-
-    def _handle(self, f: int) -> Any:
-        handle = self._handles[f]
-        if handle is None:
-            handle = self.backend.open(self.slab_paths[f], writable=False)
-            self._handles[f] = handle
-        return handle
-
-    def _io_error(self, f: int, exc: OSError) -> None:
-        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-        self._log_once(
-            ("io", f"{f}:{exc.errno}"),
-            "kvtier device-staged load from %s failed: errno %s (%s): %s; the "
-            "blocks are recomputed",
-            self.slab_paths[f],
-            exc.errno,
-            name,
-            exc.strerror,
-        )
-
-    def _note(self, what: str, slot: int) -> None:
-        f, _ = locate(slot, len(self.slab_paths))
-        self._log_once(
-            ("corrupt", str(f)),
-            "kvtier device-staged load of slot %d from %s rejected: %s (corrupt "
-            "or torn block, recomputed)",
-            slot,
-            self.slab_paths[f],
-            what,
-        )
-
-    def _note_host_only(self, why: str, slot: int) -> None:
-        f, _ = locate(slot, len(self.slab_paths))
-        self._log_once(
-            ("host_only", str(f)),
-            "kvtier slot %d of %s cannot be verified on the device (%s): it must "
-            "be read through the host path",
-            slot,
-            self.slab_paths[f],
-            why,
-        )
-
-    def _log_once(self, key: tuple[str, str], msg: str, *args: Any) -> None:
-        first = key not in self._logged
-        self._logged.add(key)
-        if first:
-            logger.warning(msg + "; repeats logged at debug", *args)
-        else:
-            logger.debug(msg, *args)
 
 
 def _host_area(nbytes: int) -> tuple[np.ndarray, Any]:

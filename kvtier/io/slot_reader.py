@@ -18,10 +18,7 @@ and scattering straight from it keeps the work per job, not per block.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
@@ -39,23 +36,10 @@ from kvtier.io.format import (
     aligned_empty,
     slot_size,
 )
-from kvtier.io.layout import ReadOutcome, locate, slab_name, verify_slot
-from kvtier.io.store_dir import store_dirname
+from kvtier.io.layout import ReadOutcome, locate, verify_slot
+from kvtier.io.slab_files import SlabFiles, SlotReaderStats
 
 logger = logging.getLogger("kvtier.io")
-
-
-@dataclass
-class SlotReaderStats:
-    """Cumulative counters of one reader (``stats()`` returns a copy)."""
-
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-    blocks_ok: int = 0
-    # Slots whose bytes failed verification (checksum, header, truncation)
-    # and slots holding another key or layout: never loaded.
-    corrupt: int = 0
-    io_errors: int = 0
 
 
 @dataclass
@@ -144,17 +128,12 @@ class SlotReader:
                 f"block_bytes={fingerprint.block_bytes}"
             )
         self.backend = backend
-        self._owns_backend = owns_backend
+        self.files = SlabFiles(paths, fingerprint, backend, owns_backend)
+        self.slab_paths = self.files.paths
         self.num_slots = num_slots
         self.block_bytes = block_bytes
         self.slot_size = slot_size(block_bytes)
         self._digest = fingerprint.digest()
-        dirname = store_dirname(fingerprint)
-        self.slab_paths = [
-            os.path.join(os.path.abspath(p), dirname, slab_name(i))
-            for i, p in enumerate(paths)
-        ]
-        self._handles: list[Any] = [None] * len(paths)
         self.capacity = max(1, bounce_bytes // self.slot_size)
         area, self._area_owner = _alloc_area(self.capacity * self.slot_size, pin)
         # Page-locked (torch's pinned allocator), so device copies from it
@@ -165,9 +144,6 @@ class SlotReader:
         self.rows = self._area[:, HEADER_SIZE : HEADER_SIZE + block_bytes]
         self._scratch: np.ndarray | None = None  # for zstd slots only
         self._read_sync = getattr(backend, "read_sync", None)
-        self._stats = SlotReaderStats()
-        self._lock = threading.Lock()
-        self._logged: set[tuple[str, str]] = set()
         self._closed = False
 
     # ----------------------------------------------------------------- API
@@ -218,7 +194,7 @@ class SlotReader:
                 outcome = ReadOutcome.IO_ERROR
             elif state == 2:
                 outcome = ReadOutcome.TRUNCATED
-                self._note("short read", slot)
+                self.files.rejected(slot, "short read")
             else:
                 outcome = self._verify(row, key, slot)
             if outcome is ReadOutcome.OK:
@@ -226,12 +202,7 @@ class SlotReader:
             elif outcome is not ReadOutcome.IO_ERROR:
                 corrupt += 1
             results.append(SlotRead(outcome, row))
-        with self._lock:
-            s = self._stats
-            s.bytes_read += nbytes
-            s.read_seconds += dt
-            s.blocks_ok += ok
-            s.corrupt += corrupt
+        self.files.count(nbytes=nbytes, seconds=dt, ok=ok, corrupt=corrupt)
         return results
 
     def abandon(self, pending: PendingRead) -> None:
@@ -240,32 +211,15 @@ class SlotReader:
         wait([f for f in pending.parts if isinstance(f, Future)])
 
     def stats(self) -> SlotReaderStats:
-        with self._lock:
-            return SlotReaderStats(**vars(self._stats))
+        return self.files.stats()
 
     def close(self) -> None:
         """Close the slab handles and, if owned, the back end. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for handle in self._handles:
-            if handle is not None:
-                try:
-                    self.backend.close(handle)
-                except OSError as exc:
-                    logger.debug("closing slab handle failed: %s", exc)
-        self._handles = [None] * len(self._handles)
-        if self._owns_backend:
-            self.backend.shutdown()
+        if not self._closed:
+            self._closed = True
+            self.files.close()
 
     # ------------------------------------------------------------ internals
-
-    def _handle(self, f: int) -> Any:
-        handle = self._handles[f]
-        if handle is None:
-            handle = self.backend.open(self.slab_paths[f], writable=False)
-            self._handles[f] = handle
-        return handle
 
     def _start(
         self, items: Sequence[tuple[int, bytes]], first_row: int, inline: bool
@@ -306,7 +260,7 @@ class SlotReader:
         f, local, row, count = run
         ss = self.slot_size
         flat = self._area.reshape(-1)
-        return self._handle(f), flat[row * ss : (row + count) * ss], local * ss
+        return self.files.handle(f), flat[row * ss : (row + count) * ss], local * ss
 
     def _issue(self, runs: list[tuple[int, int, int, int]], inline: bool) -> list[Any]:
         """Per run: a future of the bytes read, the bytes read (``inline``:
@@ -316,7 +270,7 @@ class SlotReader:
             try:
                 return [int(self._read_sync(*self._target(runs[0])))]
             except OSError as exc:
-                self._io_error(runs[0][0], exc)
+                self.files.io_error(runs[0][0], exc)
                 return [None]
         parts: list[Any] = []
         try:
@@ -324,7 +278,7 @@ class SlotReader:
                 try:
                     parts.append(self.backend.submit_read(*self._target(run)))
                 except OSError as exc:
-                    self._io_error(run[0], exc)
+                    self.files.io_error(run[0], exc)
                     parts.append(None)
         except BaseException:
             # Anything else (a bug): reads already in flight write into the
@@ -346,7 +300,7 @@ class SlotReader:
                 try:
                     out[i] = int(part.result())
                 except OSError as exc:
-                    self._io_error(runs[i][0], exc)
+                    self.files.io_error(runs[i][0], exc)
         except BaseException:
             wait([f for f in parts if isinstance(f, Future)])
             raise
@@ -363,7 +317,7 @@ class SlotReader:
             slot_bytes=self.slot_size,
         )
         if verdict.outcome in (ReadOutcome.BAD_HEADER, ReadOutcome.CHECKSUM_MISMATCH):
-            self._note(verdict.detail, slot)
+            self.files.rejected(slot, verdict.detail)
         if not verdict.ok:
             # EMPTY, or another key or layout in this slot: stale, not damaged.
             return verdict.outcome
@@ -384,40 +338,7 @@ class SlotReader:
                     self._scratch,
                 )
             except (CorruptPayloadError, ValueError):
-                self._note("payload does not decode", slot)
+                self.files.rejected(slot, "payload does not decode")
                 return ReadOutcome.BAD_HEADER
             self.rows[row] = self._scratch
         return ReadOutcome.OK
-
-    def _io_error(self, f: int, exc: OSError) -> None:
-        with self._lock:
-            self._stats.io_errors += 1
-        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-        self._log_once(
-            ("io", f"{f}:{exc.errno}"),
-            "kvtier disk load from %s failed: errno %s (%s): %s; the blocks are "
-            "recomputed",
-            self.slab_paths[f],
-            exc.errno,
-            name,
-            exc.strerror,
-        )
-
-    def _note(self, what: str, slot: int) -> None:
-        f, _ = locate(slot, len(self.slab_paths))
-        self._log_once(
-            ("corrupt", str(f)),
-            "kvtier disk load of slot %d from %s rejected: %s (corrupt or torn "
-            "block, recomputed)",
-            slot,
-            self.slab_paths[f],
-            what,
-        )
-
-    def _log_once(self, key: tuple[str, str], msg: str, *args: Any) -> None:
-        first = key not in self._logged
-        self._logged.add(key)
-        if first:
-            logger.warning(msg + "; repeats logged at debug", *args)
-        else:
-            logger.debug(msg, *args)

@@ -55,6 +55,7 @@ for _key, _frag in (
     ("disk_eviction_policy", POLICY),
     ("disk_io", "auto | posix | kvikio"),
     ("disk_compression", "none | zstd"),
+    ("disk_load_path", "host | device"),
 ):
     for _bad in (1, True, ["lru"], "", "fifo"):
         WRONG_TYPES.append((_key, _bad, _frag))

@@ -7,7 +7,8 @@ they can only do if ``submit_load`` returned without waiting for the read
 and the engine kept stepping. Then the read goes, the prefix is served from
 disk in full, and every output equals the no-offload engine's. The same
 workload under the multiprocess engine core (no hold: the fault layer lives
-in this process) checks the full disk hit and the outputs there."""
+in this process) checks the full disk hit and the outputs there. Both load
+paths (``disk_load_path`` host and device) run the in-process case."""
 
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ def expected(model):
     return outputs
 
 
+def _worker(llm):
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().connector_worker.worker
+
+
 def _only_on_disk(llm) -> None:
     """Compute FIRST (pushing RETURNING's blocks through the small CPU tier
     onto disk), then make the GPU cache forget them."""
@@ -55,8 +62,9 @@ def _only_on_disk(llm) -> None:
     assert llm.reset_prefix_cache()
 
 
+@pytest.mark.parametrize("load_path", ["host", "device"])
 def test_decoders_keep_stepping_while_a_disk_read_is_held(
-    model, block_bytes, expected, tmp_path, monkeypatch
+    model, block_bytes, expected, tmp_path, monkeypatch, load_path
 ):
     from kvtier.io import backends as backends_module
     from kvtier.io import disk_store as disk_store_module
@@ -71,9 +79,13 @@ def test_decoders_keep_stepping_while_a_disk_read_is_held(
     monkeypatch.setattr(disk_store_module, "make_backend", faulty)
     monkeypatch.setattr(backends_module, "make_backend", faulty)
     release = threading.Event()
-    cfg = kvtier_config(block_bytes, tmp_path, spill_watermark=0.0)
+    cfg = kvtier_config(
+        block_bytes, tmp_path, spill_watermark=0.0, disk_load_path=load_path
+    )
     with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
         _only_on_disk(llm)
+        if load_path == "device":  # a staging area on the KV cache's device
+            assert type(_worker(llm).reader).__name__ == "DeviceStagingReader"
         stats = manager_of(llm).hierarchy.stats
         loads_before, failures_before = stats.loads_disk, stats.load_failures
         rule = plan.add(FaultRule.hang(release, ops="read"))

@@ -48,6 +48,7 @@ from kvtier.connector.worker import TieredOffloadingWorker  # noqa: E402
 from kvtier.io.backends import make_backend  # noqa: E402
 from kvtier.io.block_copy import HostArea, HostCopies, plan_copy  # noqa: E402
 from kvtier.io.cpu_buffer import CpuBlockBuffer  # noqa: E402
+from kvtier.io.device_staging import DeviceStagingReader  # noqa: E402
 from kvtier.io.disk_store import DiskStore  # noqa: E402
 from kvtier.io.format import HEADER_SIZE, LayoutFingerprint  # noqa: E402
 from kvtier.io.slot_reader import SlotReader  # noqa: E402
@@ -151,10 +152,11 @@ def _key(i: int) -> bytes:
     return hashlib.sha256(f"gpu/{i}".encode()).digest()
 
 
-@pytest.fixture
-def disk_worker(tmp_path):
+@pytest.fixture(params=["host", "device"])
+def disk_worker(tmp_path, request):
     """A worker over CUDA KV caches, a CPU tier and a real disk tier whose
-    slots 0..15 hold the blocks of keys 0..15 (random bytes)."""
+    slots 0..15 hold the blocks of keys 0..15 (random bytes), read through
+    the host bounce area or a CUDA staging area (``disk_load_path``)."""
     caches, tensors = hybrid_caches("cuda")
     buffer = CpuBlockBuffer(16, 3 * PAGE)
     store = DiskStore([str(tmp_path)], 32, 3 * PAGE, FINGERPRINT, backend="posix")
@@ -163,15 +165,13 @@ def disk_worker(tmp_path):
     for slot in range(16):
         store.write_block(slot, _key(slot), blocks[slot], store.next_seq())
     store.close()
-    reader = SlotReader(
-        [str(tmp_path)],
-        32,
-        3 * PAGE,
-        FINGERPRINT,
-        make_backend("posix"),
-        bounce_bytes=4 * (HEADER_SIZE + 3 * PAGE),
-        pin=True,
-    )
+    args = ([str(tmp_path)], 32, 3 * PAGE, FINGERPRINT, make_backend("posix"))
+    if request.param == "device":
+        reader = DeviceStagingReader(
+            *args, device="cuda", capacity=4, owns_backend=True
+        )
+    else:
+        reader = SlotReader(*args, bounce_bytes=4 * (HEADER_SIZE + 3 * PAGE), pin=True)
     worker = TieredOffloadingWorker(
         caches, buffer, 1, reader, device_copies=DeviceCopies
     )
