@@ -7,7 +7,10 @@ kvtier's disk tier (``disk``), only in its CPU tier (``cpu``), or nowhere
 running decoders feel while the fourth request's prefix arrives:
 
   decode     steps with the three decoders only (no load in flight)
-  <case>     steps from the fourth request's arrival to its first token
+  <case>     steps from the fourth request's arrival to its first token;
+             "wait max" is the longest of them before the last one (while
+             the prefix arrives), "own step" the last one (the request's own
+             compute over its whole prefix, whatever the source)
 
 per case p50 / p99 / max step time and the fourth request's TTFT, in both
 of vLLM's engine modes (in-process, whose loop spins, and the multiprocess
@@ -260,6 +263,14 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
             runs = results[n][case]
             row[case] = _summary([s for run in runs for s in run["during"]])
             row[case]["ttft_s"] = statistics.median(run["ttft"] for run in runs)
+            # The last step computes the fourth request's own tokens (over
+            # its whole prefix, whatever the source); the steps before it
+            # are the ones a load in flight can stall.
+            waiting = [s for run in runs for s in run["during"][:-1]]
+            row[case]["wait_max_ms"] = 1e3 * max(waiting) if waiting else None
+            row[case]["own_step_ms"] = 1e3 * statistics.median(
+                run["during"][-1] for run in runs
+            )
             if case != "recompute":
                 row[case]["loaded_blocks"] = runs[-1]["loaded_blocks"]
         g = [run["read_gbps"] for run in results[n]["disk"] if run["read_gbps"]]
@@ -307,10 +318,17 @@ def main() -> int:
         print("KVTIER-STALL " + json.dumps(_child(args.child, lengths, args.repeats)))
         return 0
     runs = []
+    # The engine's OpenMP threads on every core would make any other work on
+    # the host (a load thread, or an unrelated process) stall their barriers:
+    # one busy neighbour took the decode step's max from 7 to 182 ms on a
+    # 2-core VM. Leave one core free, as vLLM's CPU deployment guide does.
+    omp = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 2) - 1))
+    print(f"OMP_NUM_THREADS={omp}")
     for mode in args.modes.split(","):
         env = {
             k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
         }
+        env["OMP_NUM_THREADS"] = omp
         proc = subprocess.run(
             [
                 sys.executable,
@@ -336,7 +354,8 @@ def main() -> int:
         runs.append(json.loads(found[-1].split(" ", 1)[1]))
     head = (
         f"{'mode':>6} | {'MiB':>4} | {'case':>9} | {'p50 ms':>7} | {'p99 ms':>7} | "
-        f"{'max ms':>7} | {'max/decode p50':>14} | {'TTFT s':>7} | loaded cpu/disk"
+        f"{'max ms':>7} | {'max/decode p50':>14} | {'wait max':>8} | "
+        f"{'own step':>8} | {'TTFT s':>7} | loaded cpu/disk"
     )
     print(head)
     print("-" * len(head))
@@ -352,6 +371,8 @@ def main() -> int:
                     f"{run['mode']:>6} | {row['kv_bytes'] >> 20:>4} | {case:>9} | "
                     f"{s['p50_ms']:>7.1f} | {s['p99_ms']:>7.1f} | {s['max_ms']:>7.1f} | "
                     f"{s['max_ms'] / dec:>13.1f}x | "
+                    f"{s.get('wait_max_ms') or float('nan'):>8.1f} | "
+                    f"{s.get('own_step_ms', float('nan')):>8.1f} | "
                     f"{s.get('ttft_s', float('nan')):>7.3f} | "
                     + (f"{int(lb['cpu'])}/{int(lb['disk'])}" if lb else "")
                 )
@@ -372,6 +393,7 @@ def main() -> int:
             "16 KiB KV per token, block 32 tokens",
             "decoders": DECODERS,
             "repeats": args.repeats,
+            "omp_threads": int(omp),
             "runs": runs,
             "outputs_equal": ok,
         },

@@ -87,6 +87,7 @@ __all__ = [
     "FaultRule",
     "InjectedFault",
     "Op",
+    "inject_faults",
     "on_slot",
 ]
 
@@ -227,3 +228,21 @@ class FaultInjectingBackend(DiskBackend):
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
         self.inner.shutdown()
+
+
+def inject_faults(monkeypatch: Any, plan: FaultPlan) -> FaultPlan:
+    """Wrap every disk back end kvtier builds from now on (the scheduler's
+    spills and the workers' loads) in a :class:`FaultInjectingBackend`
+    driven by ``plan``; ``monkeypatch`` (pytest's) undoes it. Returns
+    ``plan``, empty until a test adds a rule."""
+    from kvtier.io import backends as backends_module
+    from kvtier.io import disk_store as disk_store_module
+
+    real = backends_module.make_backend
+
+    def faulty(disk_io: str = "auto", *, threads: int = 4) -> FaultInjectingBackend:
+        return FaultInjectingBackend(real(disk_io, threads=threads), plan)
+
+    monkeypatch.setattr(disk_store_module, "make_backend", faulty)
+    monkeypatch.setattr(backends_module, "make_backend", faulty)
+    return plan

@@ -19,11 +19,10 @@ pytest.importorskip("vllm")
 from kvtier.connector.config import ConfigError  # noqa: E402
 from kvtier.io.device_staging import DeviceStagingReader  # noqa: E402
 from kvtier.testing.fault_plan import FaultPlan, FaultRule, on_slot  # noqa: E402
-from kvtier.testing.faults import FaultInjectingBackend  # noqa: E402
+from kvtier.testing.faults import inject_faults  # noqa: E402
 from kvtier.testing.offloading import tiered_spec  # noqa: E402
 from tests.connector.test_request_runner import (  # noqa: E402
     RequestRunner,
-    _flip_payload_byte,
     make_config,
     push_to_disk,
 )
@@ -76,42 +75,8 @@ def test_a_long_prefix_is_read_in_chunks_through_both_halves(runner):
     assert calls == [0, 1, 0, 1]
 
 
-def test_a_corrupt_payload_fails_the_device_checksum_and_is_never_loaded(runner):
-    r = runner
-    first = push_to_disk(r, [1, 2, 3, 4])
-    victim = first[2]
-    _flip_payload_byte(r, victim)
-    assert r.lookup("a", first) == 4
-    # RequestRunner.load checks the victim's GPU block stays untouched.
-    r.load(first, [50, 51, 52, 53], expect_failed=[victim])
-    h = r.manager.hierarchy
-    assert h.lookup(victim).name == "MISS"
-    assert h.stats.corrupt_blocks == 1
-    assert r.worker.reader.stats().corrupt == 1
-
-
-def test_another_keys_slot_is_refused(runner):
-    r = runner
-    first = push_to_disk(r, [1, 2, 3, 4])
-    h = r.manager.hierarchy
-    h.disk.get(first[2]).slot = h.disk.get(first[3]).slot
-    assert r.lookup("a", first[:3]) == 3
-    r.load(first[:3], [50, 51, 52], expect_failed=[first[2]])
-    assert h.lookup(first[2]).name == "MISS"
-
-
 def test_an_io_error_fails_only_its_block(tmp_path, monkeypatch):
-    from kvtier.io import backends as backends_module
-
-    plan = FaultPlan(seed=9)
-    real = backends_module.make_backend
-    monkeypatch.setattr(
-        backends_module,
-        "make_backend",
-        lambda disk_io="auto", *, threads=4: FaultInjectingBackend(
-            real(disk_io, threads=threads), plan
-        ),
-    )
+    plan = inject_faults(monkeypatch, FaultPlan(seed=9))
     r = _runner(tmp_path, disk_load_path="device")
     try:
         first = push_to_disk(r, [1, 2, 3, 4])

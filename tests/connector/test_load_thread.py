@@ -28,7 +28,7 @@ from kvtier.testing.fault_plan import (  # noqa: E402
     FaultRule,
     on_slot,
 )
-from kvtier.testing.faults import FaultInjectingBackend  # noqa: E402
+from kvtier.testing.faults import inject_faults  # noqa: E402
 from kvtier.testing.offloading import tiered_spec, wait_finished  # noqa: E402
 from tests.connector.test_request_runner import (  # noqa: E402
     RequestRunner,
@@ -42,18 +42,7 @@ DEADLINE_S = 10.0
 @pytest.fixture
 def plan(monkeypatch) -> FaultPlan:
     """The fault plan of every back end the spec builds from here on."""
-    from kvtier.io import backends as backends_module
-    from kvtier.io import disk_store as disk_store_module
-
-    plan = FaultPlan(seed=3)
-    real = backends_module.make_backend
-
-    def faulty(disk_io="auto", *, threads=4):
-        return FaultInjectingBackend(real(disk_io, threads=threads), plan)
-
-    monkeypatch.setattr(disk_store_module, "make_backend", faulty)
-    monkeypatch.setattr(backends_module, "make_backend", faulty)
-    return plan
+    return inject_faults(monkeypatch, FaultPlan(seed=3))
 
 
 @pytest.fixture

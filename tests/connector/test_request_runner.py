@@ -186,9 +186,12 @@ class RequestRunner:
         self.worker.shutdown()
 
 
-@pytest.fixture
-def runner(tmp_path):
-    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
+@pytest.fixture(params=["host", "device"])
+def runner(tmp_path, request):
+    """Both ``disk_load_path`` readers: the host bounce area, and a staging
+    area on the KV cache's device (host memory on the CPU platform)."""
+    cfg = make_config(tmp_path, cpu_blocks=8, disk_blocks=32, disk_load_path=request.param)
+    r = RequestRunner(tiered_spec(cfg))
     yield r
     r.close()
 

@@ -12,17 +12,13 @@ paths (``disk_load_path`` host and device) run the in-process case."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from kvtier.testing.engine import engine
 from kvtier.testing.fault_plan import FaultKind, FaultPlan, FaultRule
+from kvtier.testing.faults import inject_faults
 
 from .workload import (
     FIRST,
@@ -31,12 +27,12 @@ from .workload import (
     kvtier_config,
     manager_of,
     run_each,
+    run_multiprocess,
 )
 
 pytestmark = pytest.mark.e2e
 GPU_BLOCKS = 48
 RETURNING = FIRST[0]
-SCRIPT = Path(__file__).with_name("_mp_engine.py")
 WATCHDOG_S = 60.0
 
 
@@ -66,18 +62,7 @@ def _only_on_disk(llm) -> None:
 def test_decoders_keep_stepping_while_a_disk_read_is_held(
     model, block_bytes, expected, tmp_path, monkeypatch, load_path
 ):
-    from kvtier.io import backends as backends_module
-    from kvtier.io import disk_store as disk_store_module
-    from kvtier.testing.faults import FaultInjectingBackend
-
-    plan = FaultPlan(seed=5)
-    real = backends_module.make_backend
-
-    def faulty(disk_io="auto", *, threads=4):
-        return FaultInjectingBackend(real(disk_io, threads=threads), plan)
-
-    monkeypatch.setattr(disk_store_module, "make_backend", faulty)
-    monkeypatch.setattr(backends_module, "make_backend", faulty)
+    plan = inject_faults(monkeypatch, FaultPlan(seed=5))
     release = threading.Event()
     cfg = kvtier_config(
         block_bytes, tmp_path, spill_watermark=0.0, disk_load_path=load_path
@@ -122,25 +107,7 @@ def test_decoders_keep_stepping_while_a_disk_read_is_held(
 def test_disk_hit_while_decoding_under_the_multiprocess_engine(
     model, block_bytes, expected, tmp_path
 ):
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            model,
-            str(block_bytes),
-            str(tmp_path),
-            "decode-while-loading",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
-    assert proc.returncode == 0 and found, proc.stderr[-3000:]
-    result = json.loads(found[-1].split(" ", 1)[1])
-    assert result["engine_core"] == "SyncMPClient", result["engine_core"]
+    result = run_multiprocess(model, block_bytes, tmp_path, "decode-while-loading")
     assert result["outputs"] == expected
     assert result["cached"] == 4 * 32
     loaded = sum(

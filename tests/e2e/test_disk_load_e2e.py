@@ -301,19 +301,10 @@ def env(request, model, block_bytes, tmp_path_factory):
     )
     # Every disk back end kvtier builds (spills and the worker's loads) goes
     # through a fault layer; its plan stays empty until a test adds a rule.
-    from kvtier.io import backends as backends_module
-    from kvtier.io import disk_store as disk_store_module
-    from kvtier.testing.faults import FaultInjectingBackend
-
-    plan = FaultPlan(seed=11)
-    real = backends_module.make_backend
-
-    def faulty(disk_io="auto", *, threads=4):
-        return FaultInjectingBackend(real(disk_io, threads=threads), plan)
+    from kvtier.testing.faults import inject_faults
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(disk_store_module, "make_backend", faulty)
-        mp.setattr(backends_module, "make_backend", faulty)
+        plan = inject_faults(mp, FaultPlan(seed=11))
         with engine(model_dir, cfg, **kw) as llm:
             e = Env(llm, expected, plan)
             assert manager_of(llm).block_bytes == offload_bytes

@@ -4,16 +4,13 @@ elsewhere; the CPU tier is shared through its /dev/shm file."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from .workload import run_multiprocess
+
 pytestmark = pytest.mark.e2e
-SCRIPT = Path(__file__).with_name("_mp_engine.py")
 
 
 def _cpu_tier_files() -> set[str]:
@@ -28,19 +25,8 @@ def _cpu_tier_files() -> set[str]:
 def test_disk_tier_under_the_multiprocess_engine(
     model, block_bytes, baseline, tmp_path
 ):
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     before = _cpu_tier_files()
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), model, str(block_bytes), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
-    assert proc.returncode == 0 and found, proc.stderr[-3000:]
-    result = json.loads(found[-1].split(" ", 1)[1])
-    assert result["engine_core"] == "SyncMPClient", result["engine_core"]
+    result = run_multiprocess(model, block_bytes, tmp_path)
     assert result["outputs"] == baseline
     metrics = result["metrics"]
     assert metrics["vllm:kv_offload_kvtier_spills"] > 0

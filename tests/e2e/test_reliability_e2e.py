@@ -18,11 +18,9 @@ import time
 import pytest
 from vllm import SamplingParams
 
-from kvtier.io import backends as backends_module
-from kvtier.io import disk_store as disk_store_module
 from kvtier.io.format import slot_size
 from kvtier.testing.engine import drain, engine, make_prompt, run_prompts
-from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
+from kvtier.testing.faults import FaultPlan, FaultRule, inject_faults
 from kvtier.tiers import BlockState
 
 from .workload import (
@@ -59,15 +57,7 @@ def assert_at_rest(mgr) -> None:
 def inject(monkeypatch):
     """Wrap every disk back end kvtier creates in a FaultInjectingBackend:
     the scheduler's (spills) and the workers' (loads)."""
-    plan = FaultPlan(seed=7)
-    real = backends_module.make_backend
-
-    def faulty(disk_io="auto", *, threads=4):
-        return FaultInjectingBackend(real(disk_io, threads=threads), plan)
-
-    monkeypatch.setattr(disk_store_module, "make_backend", faulty)
-    monkeypatch.setattr(backends_module, "make_backend", faulty)
-    return plan
+    return inject_faults(monkeypatch, FaultPlan(seed=7))
 
 
 @pytest.mark.parametrize(

@@ -186,3 +186,29 @@ def decode_while_loading(llm, prompt: list[int], hold=None, timeout: float = 120
     while engine.has_unfinished_requests():
         step()
     return [tokens[rid] for rid in ids], cached.get(ids[-1], 0), held
+
+
+def run_multiprocess(model: str, block_bytes: int, disk, *mode: str) -> dict:
+    """Run ``_mp_engine.py`` (the workload, or ``mode``) on vLLM's
+    multiprocess engine core in a child process; its result as a dict
+    (outputs, kvtier's series, which engine-core client ran)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("_mp_engine.py")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    proc = subprocess.run(
+        [sys.executable, str(script), model, str(block_bytes), str(disk), *mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
+    assert proc.returncode == 0 and found, proc.stderr[-3000:]
+    result = json.loads(found[-1].split(" ", 1)[1])
+    assert result["engine_core"] == "SyncMPClient", result["engine_core"]
+    return result
