@@ -65,7 +65,7 @@ def main() -> int:
             {
                 "spec_name": "TieredOffloadingSpec",
                 "spec_module_path": "kvtier.connector",
-                "cpu_bytes_to_use": (n + 8) * BLOCK_BYTES,
+                "cpu_bytes_to_use": n * BLOCK_BYTES,  # "c" pushes all of "d" out
                 "disk_bytes_to_use": 3 * n * slot_size(BLOCK_BYTES),
                 "disk_path": disk,
                 "spill_watermark": 0.0,
