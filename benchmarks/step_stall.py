@@ -28,6 +28,7 @@ are computed and spilled, so P is on disk only and R in the CPU tier;
 ``promote_on_hit: false`` keeps P on disk across repeats.
 
     .venv/bin/python benchmarks/step_stall.py [--lengths 4096,16384] [--repeats 3]
+        [--warmup 1]
 
 Prints a table and writes benchmarks/results/step_stall.json.
 """
@@ -75,7 +76,7 @@ def _summary(steps: list[float]) -> dict:
     }
 
 
-def _child(mode: str, lengths: list[int], repeats: int) -> dict:
+def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
     sys.path.insert(0, str(ROOT))
@@ -173,6 +174,8 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
     expected: dict[int, list[int]] = {}
     base_llm = make(None)
     for n in lengths:
+        for k in range(warmup):  # untimed: first-use costs (see --warmup)
+            run_case(base_llm, prompts[n][0], f"r{n}-w{k}")
         runs = [run_case(base_llm, prompts[n][0], f"r{n}-{k}") for k in range(repeats)]
         expected[n] = runs[0]["first"]
         results[n]["recompute"] = runs
@@ -215,6 +218,8 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
             p, _q, r = prompts[n]
             for case, prompt in (("cpu", r), ("disk", p)):
                 runs = []
+                for k in range(warmup):  # untimed: first-use costs
+                    run_case(llm, prompt, f"{case}{n}-w{k}")
                 for k in range(repeats):
                     run = run_case(llm, prompt, f"{case}{n}-{k}")
                     before, after = run.pop("counters")
@@ -309,13 +314,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="4096,16384")
     ap.add_argument("--repeats", type=int, default=3)
+    # A server's first load after start-up pays one-time costs (opening the
+    # slab files and probing O_DIRECT in the worker, first touch of the
+    # bounce area and of KV-cache pages); --warmup 0 times it too.
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--modes", default="inproc,mp")
     ap.add_argument("--child", choices=("inproc", "mp"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/step_stall.json"))
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.child:
-        print("KVTIER-STALL " + json.dumps(_child(args.child, lengths, args.repeats)))
+        result = _child(args.child, lengths, args.repeats, args.warmup)
+        print("KVTIER-STALL " + json.dumps(result))
         return 0
     runs = []
     # The engine's OpenMP threads on every core would make any other work on
@@ -339,6 +349,8 @@ def main() -> int:
                 args.lengths,
                 "--repeats",
                 str(args.repeats),
+                "--warmup",
+                str(args.warmup),
             ],
             capture_output=True,
             text=True,
@@ -393,6 +405,7 @@ def main() -> int:
             "16 KiB KV per token, block 32 tokens",
             "decoders": DECODERS,
             "repeats": args.repeats,
+            "warmup": args.warmup,
             "omp_threads": int(omp),
             "runs": runs,
             "outputs_equal": ok,
