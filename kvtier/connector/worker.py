@@ -185,6 +185,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         # landed.
         self._bounce_readers: list[set[int]] = [set(), set()]
         self.deadline_s = LOAD_DEADLINE_S
+        self._warm = reader is None  # nothing to open ahead without a disk tier
 
     @property
     def copies(self) -> CopyPath:
@@ -267,6 +268,11 @@ class TieredOffloadingWorker(OffloadingWorker):
 
     @override
     def get_finished(self) -> list[TransferResult]:
+        if not self._warm:
+            # Called every step from the first on, when the scheduler side
+            # has created the store: open it ahead of the first disk hit.
+            self._warm = True
+            self.loads.warm_up()
         self._pump()
         done, self._finished = self._finished, []
         return done

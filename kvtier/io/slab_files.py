@@ -76,6 +76,17 @@ class SlabFiles:
             self._handles[f] = handle
         return handle
 
+    def open_all(self) -> int:
+        """Open every slab not open yet; a file that cannot be opened now
+        (not created yet, or failing) is left for its first read. Returns how
+        many are open."""
+        for f in range(len(self.paths)):
+            try:
+                self.handle(f)
+            except OSError as exc:
+                logger.debug("slab %s not opened ahead: %s", self.paths[f], exc)
+        return sum(h is not None for h in self._handles)
+
     def count(
         self, *, nbytes: int = 0, seconds: float = 0.0, ok: int = 0, corrupt: int = 0
     ) -> None:

@@ -78,6 +78,9 @@ def _alloc_area(nbytes: int, pin: bool) -> tuple[np.ndarray, Any]:
             start = (-raw.ctypes.data) % 4096
             return raw[start : start + nbytes], owner
     area = aligned_empty(nbytes)
+    # Touched once here, at start-up: otherwise the first load's reads
+    # fault its pages in while the engine steps.
+    area.fill(0)
     return area, None
 
 

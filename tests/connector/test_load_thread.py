@@ -265,3 +265,17 @@ def test_shutdown_mid_read_is_bounded_and_never_unmaps_under_a_read(
     r.worker.reader.close()
     buffer.close()
     r.manager.shutdown()
+
+
+def test_the_store_is_opened_ahead_of_the_first_load(runner):
+    """The first open probes O_DIRECT (tens of ms); the load thread does it
+    at the first step, not during the first disk hit."""
+    r = runner
+    files = r.worker.reader.files
+    assert files._handles == [None]  # the worker started before the store
+    assert r.worker.get_finished() == []  # the first step
+    _wait_for(lambda: files._handles[0] is not None, "the slab opened ahead")
+    keys = push_to_disk(r, [1, 2, 3, 4])
+    ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
+    assert [d.success for d in wait_finished(r.worker)] == [True]
+    _complete(r, keys, ctx)
