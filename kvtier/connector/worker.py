@@ -18,7 +18,8 @@ copy path: on accelerators vLLM's own transfer code
 model runner's thread only; on the CPU platform kvtier's word-sized copier
 (:class:`~kvtier.io.block_copy.HostCopies`). A job may be several transfers
 (one per KV-cache group and host area, one per bounce chunk); it is
-reported done once its host work finished and every transfer landed.
+reported done once its host work finished and every transfer landed (the
+bookkeeping: :mod:`kvtier.connector.job_book`).
 
 What fails costs a recompute, never wrong KV or a hang. A disk block that
 fails (I/O error, checksum, header, wrong key) is copied nowhere; the job
@@ -37,7 +38,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier.connector.job_book import Job, JobBook
 from kvtier.connector.job_errors import (
     JobExceptions,
     LoadError,
@@ -80,25 +81,6 @@ LOAD_DEADLINE_S = 60.0
 # How long shutdown waits for the load thread before leaving the host areas
 # mapped (a read that never returns must not write into unmapped memory).
 STOP_DEADLINE_S = 10.0
-
-
-@dataclass
-class _Job:
-    """A submitted job: its transfers still in flight, its work on the load
-    thread (``task``, until that finished), the bytes it moves and the time
-    it took so far (device time of finished transfers, plus the host work
-    done for it: CPU-platform copies, disk reads)."""
-
-    job_id: int
-    transfers: set[int] = field(default_factory=set)
-    nbytes: int = 0
-    seconds: float = 0.0
-    success: bool = True
-    task: LoadTask | None = None
-    deadline: float = 0.0
-    # A load's specs, for the error of a load that fails whole.
-    src: LoadStoreSpec | None = None
-    dst: GPULoadStoreSpec | None = None
 
 
 class TieredOffloadingWorker(OffloadingWorker):
@@ -173,11 +155,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         self.block_bytes = block_bytes
         self.loads = LoadRunner(reader, copies, cpu_buffer, block_bytes)
         self.copies = copies
-        self._jobs: dict[int, _Job] = {}  # in flight, by job id
-        self._owner: dict[int, _Job] = {}  # transfer id -> its job
-        self._finished: list[TransferResult] = []
-        self._load_errors: dict[int, LoadError] = {}
-        self._store_errors: dict[int, list[int]] = {}
+        self.book = JobBook(block_bytes)
         self.contain_exceptions = False
         self.exceptions = JobExceptions()
         # Transfers still reading each half of the bounce area (asynchronous
@@ -210,21 +188,20 @@ class TieredOffloadingWorker(OffloadingWorker):
         :meth:`take_store_error` names every CPU row of the job, none of
         which may be read. Without, it propagates."""
         started = time.perf_counter()
-        job = _Job(job_id)
+        job = Job(job_id)
         rows = np.asarray(dst_spec.block_ids, dtype=np.int64)  # type: ignore[attr-defined]
         try:
             for gp in split_by_group(src_spec, len(rows), self.blocks_per_chunk):
                 plan = CopyPlan(gp.plan.gpu_ids, rows[gp.plan.row_ids], gp.plan.sub_ids)
-                self._copy(job, "cpu", gp.group, plan, to_host=True)
+                self.book.copy(self.copies, job, "cpu", gp.group, plan, to_host=True)
         except Exception as exc:
             if not self.contain_exceptions:
                 raise
             self.exceptions.note(exc, "store", job_id)
-            self._store_errors[job_id] = [int(r) for r in rows]
-            job.success = False
+            self.book.fail_store(job, [int(r) for r in rows])
         if self.copies.synchronous:
             job.seconds += time.perf_counter() - started
-        self._settle(job)
+        self.book.settle(job)
         return True
 
     @override
@@ -247,23 +224,23 @@ class TieredOffloadingWorker(OffloadingWorker):
         already submitted landed, and :meth:`take_load_error` names the
         keys and GPU blocks it could not deliver."""
         deadline = time.monotonic() + self.deadline_s
-        job = _Job(job_id, deadline=deadline, src=src_spec, dst=dst_spec)
-        self._jobs[job_id] = job
+        job = Job(job_id, deadline=deadline, src=src_spec, dst=dst_spec)
+        self.book.jobs[job_id] = job
         try:
             task = self._plan_load(job, src_spec, dst_spec, expedited)
         except Exception as exc:
             if not self.contain_exceptions:
-                self._jobs.pop(job_id, None)
+                self.book.jobs.pop(job_id, None)
                 raise
             self.exceptions.note(exc, "load", job_id)
-            self._fail(job, whole_load_error(src_spec, dst_spec))
-            self._settle(job)
+            self.book.fail(job, whole_load_error(src_spec, dst_spec))
+            self.book.settle(job)
             return True
         if task is not None:
             job.task = task
             self.loads.submit(task)
         else:
-            self._settle(job)
+            self.book.settle(job)
         return True
 
     @override
@@ -274,8 +251,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             self._warm = True
             self.loads.warm_up()
         self._pump()
-        done, self._finished = self._finished, []
-        return done
+        return self.book.take_finished()
 
     @override
     def wait(self, job_ids: set[int]) -> None:
@@ -284,7 +260,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         deadline is given up as in ``get_finished``."""
         while True:
             self._pump()
-            jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
+            jobs = [self.book.jobs[j] for j in job_ids if j in self.book.jobs]
             if not jobs:
                 return
             transfers = set().union(*(job.transfers for job in jobs))
@@ -306,8 +282,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             # they read or write go away.
             self.copies.shutdown()
         finally:
-            self._jobs.clear()
-            self._owner.clear()
+            self.book.clear()
             if stopped:
                 if self.reader is not None:
                     self.reader.close()
@@ -326,18 +301,18 @@ class TieredOffloadingWorker(OffloadingWorker):
 
     def take_load_error(self, job_id: int) -> LoadError | None:
         """What a job reported failed by ``get_finished`` could not load."""
-        return self._load_errors.pop(job_id, None)
+        return self.book.take_load_error(job_id)
 
     def take_store_error(self, job_id: int) -> list[int] | None:
         """The CPU rows of a store reported failed by ``get_finished``: the
         manager must give them back unwritten (``note_worker_report``)."""
-        return self._store_errors.pop(job_id, None)
+        return self.book.take_store_error(job_id)
 
     # ------------------------------------------------------------- internals
 
     def _plan_load(
         self,
-        job: _Job,
+        job: Job,
         src_spec: LoadStoreSpec,
         dst_spec: GPULoadStoreSpec,
         expedited: bool,
@@ -353,11 +328,11 @@ class TieredOffloadingWorker(OffloadingWorker):
             if self.copies.synchronous:
                 task.host_plans.append((group, copy))
             else:
-                self._copy(job, "cpu", group, copy, False, expedited)
+                self.book.copy(self.copies, job, "cpu", group, copy, False, expedited)
         if plan.spec is not None:
             if self.reader is None:
                 # No disk tier on this worker: nothing can be read.
-                self._fail(job, disk_load_error(plan.spec, plan.groups, plan.on_disk))
+                self.book.fail(job, disk_load_error(plan.spec, plan.groups, plan.on_disk))
             else:
                 task.spec = plan.spec
                 task.failed = np.zeros(len(plan.on_disk), dtype=np.bool_)
@@ -381,20 +356,15 @@ class TieredOffloadingWorker(OffloadingWorker):
                     readers.discard(transfer)
                     if not readers:
                         self.loads.release(half)
-            job = self._owner.pop(transfer, None)
-            if job is None:
-                continue
-            job.seconds += seconds
-            job.transfers.discard(transfer)
-            self._settle(job)
+            self.book.landed(transfer, seconds)
         now = time.monotonic()
-        for job in list(self._jobs.values()):
+        for job in list(self.book.jobs.values()):
             if job.task is not None and now > job.deadline:
                 self._give_up(job)
 
     def _copy_chunk(self, item: ChunkReady) -> None:
         task = item.task
-        job = self._jobs.get(task.job_id)
+        job = self.book.jobs.get(task.job_id)
         readers = self._bounce_readers[item.half]
         if job is not None and job.task is task:
             for gp in task.groups:
@@ -402,8 +372,8 @@ class TieredOffloadingWorker(OffloadingWorker):
                 mask = rows >= 0
                 if mask.any():
                     plan = select_rows(gp.plan, mask, rows[mask])
-                    transfer = self._copy(
-                        job, "disk", gp.group, plan, False, task.expedited
+                    transfer = self.book.copy(
+                        self.copies, job, "disk", gp.group, plan, False, task.expedited
                     )
                     if transfer is not None:
                         readers.add(transfer)
@@ -411,7 +381,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             self.loads.release(item.half)
 
     def _task_done(self, task: LoadTask) -> None:
-        job = self._jobs.get(task.job_id)
+        job = self.book.jobs.get(task.job_id)
         if job is None or job.task is not task:
             return  # given up earlier: already reported
         job.task = None
@@ -420,16 +390,16 @@ class TieredOffloadingWorker(OffloadingWorker):
         if task.error is not None:
             exc = task.error
             if not self.contain_exceptions or not isinstance(exc, Exception):
-                self._jobs.pop(job.job_id, None)
+                self.book.jobs.pop(job.job_id, None)
                 raise exc
             self.exceptions.note(exc, "load", job.job_id)
-            self._fail(job, self._whole_error(job))
+            self.book.fail(job, job.whole_error())
         elif task.failed is not None and task.failed.any():
             assert task.spec is not None
-            self._fail(job, disk_load_error(task.spec, task.groups, task.failed))
-        self._settle(job)
+            self.book.fail(job, disk_load_error(task.spec, task.groups, task.failed))
+        self.book.settle(job)
 
-    def _give_up(self, job: _Job) -> None:
+    def _give_up(self, job: Job) -> None:
         task = job.task
         assert task is not None
         self.loads.cancel(task)
@@ -440,44 +410,5 @@ class TieredOffloadingWorker(OffloadingWorker):
             job.job_id,
             self.deadline_s,
         )
-        self._fail(job, self._whole_error(job))
-        self._settle(job)
-
-    @staticmethod
-    def _whole_error(job: _Job) -> LoadError:
-        assert job.src is not None and job.dst is not None
-        return whole_load_error(job.src, job.dst)
-
-    def _fail(self, job: _Job, error: LoadError) -> None:
-        old = self._load_errors.get(job.job_id)
-        self._load_errors[job.job_id] = error if old is None else old.merge(error)
-        job.success = False
-
-    def _copy(
-        self,
-        job: _Job,
-        area: str,
-        group: int,
-        plan: CopyPlan,
-        to_host: bool,
-        expedited: bool = False,
-    ) -> int | None:
-        if len(plan) == 0:
-            return None
-        transfer = self.copies.submit(area, group, plan, to_host, expedited)
-        job.nbytes += len(plan) * self.block_bytes[group]
-        if transfer is not None:
-            job.transfers.add(transfer)
-            self._owner[transfer] = job
-        return transfer
-
-    def _settle(self, job: _Job) -> None:
-        """Report the job once its host work finished and every transfer
-        landed; until then it stays in flight."""
-        if job.task is not None or job.transfers:
-            self._jobs[job.job_id] = job
-            return
-        self._jobs.pop(job.job_id, None)
-        self._finished.append(
-            TransferResult(job.job_id, job.success, job.nbytes, job.seconds)
-        )
+        self.book.fail(job, job.whole_error())
+        self.book.settle(job)

@@ -276,7 +276,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     assert done[0].success is False
     assert reads == [1, 1] and late.landed == [1, 2] and not late.queued
     assert r.worker._bounce_readers == [set(), set()]
-    assert not r.worker._jobs and not r.worker._owner
+    assert r.worker.book.empty()
     # Every block of the job counts as failed, the CPU ones included; the
     # disk copies are reported unloaded, not bad (nothing showed them bad).
     error = r.worker.take_load_error(9)
