@@ -339,7 +339,7 @@ class KvtierRig:
         return self.count * self.block / (time.perf_counter() - t0) / 1e6
 
     def disk_bytes_written(self) -> int:
-        return self.store.stats().bytes_written
+        return self.store.stats().write_bytes
 
     def close(self) -> None:
         self.engine.shutdown()

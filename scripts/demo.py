@@ -206,14 +206,15 @@ def run_kvtier(h, model_dir: str, phases, args, disk_dir: str) -> dict[str, Any]
 
                 # In-process, this process also holds the worker's connector.
                 reader = get_kv_transfer_group().connector_worker.worker.reader
-                wd = manager.worker_disk
+                wd = manager.worker_totals
                 disk_io = {
                     "backend": reader.backend.describe(),
                     "write_bytes": runtime.totals.write_bytes,
-                    "read_bytes": wd["bytes"],
-                    "read_seconds": wd["seconds"],
-                    "checksum_failures": runtime.checksum_failures() + wd["corrupt"],
-                    "io_errors": runtime.io_errors() + wd["io_errors"],
+                    "read_bytes": wd.read_bytes,
+                    "read_seconds": wd.read_seconds,
+                    "checksum_failures": runtime.checksum_failures()
+                    + wd.checksum_failures,
+                    "io_errors": runtime.io_errors() + wd.io_errors,
                 }
             resident = {"cpu": len(hier.cpu), "disk": len(hier.disk or ())}
             # One KV event per block and residency change: wait until the

@@ -68,6 +68,7 @@ from kvtier.connector.identity import (
     prefix_hash_problem,
     settings_identity,
 )
+from kvtier.connector.worker_report import CounterDeltas, WorkerReport
 
 logger = logging.getLogger("kvtier.connector")
 
@@ -95,49 +96,26 @@ CONNECTOR_HINT = (
 
 @dataclass
 class KvtierWorkerMetadata(OffloadingWorkerMetadata):
-    """vLLM's worker -> scheduler metadata plus kvtier's disk-load report:
-    per request, the disk blocks its load could not use; the CPU rows of
-    failed stores; and the workers' disk-read and exception counters since
-    the last report (summed over workers)."""
+    """vLLM's worker -> scheduler metadata plus kvtier's
+    :class:`~kvtier.connector.worker_report.WorkerReport` (summed over
+    workers)."""
 
-    failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
-    # Per request, disk blocks a load raised on: not delivered, not bad.
-    unloaded_keys: dict[str, list[bytes]] = field(default_factory=dict)
-    failed_store_rows: list[int] = field(default_factory=list)
-    disk_read_bytes: int = 0
-    disk_read_seconds: float = 0.0
-    disk_corrupt: int = 0
-    disk_io_errors: int = 0
-    worker_exceptions: int = 0
+    report: WorkerReport = field(default_factory=WorkerReport)
 
     @override
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         base = super().aggregate(other)
         assert isinstance(base, OffloadingWorkerMetadata)
-        merged = KvtierWorkerMetadata(
+        report = self.report
+        if isinstance(other, KvtierWorkerMetadata):
+            report = report.merge(other.report)
+        else:
+            report = report.merge(WorkerReport())
+        return KvtierWorkerMetadata(
             completed_jobs=base.completed_jobs,
             transfer_stats=base.transfer_stats,
-            failed_keys={k: list(v) for k, v in self.failed_keys.items()},
-            unloaded_keys={k: list(v) for k, v in self.unloaded_keys.items()},
-            failed_store_rows=list(self.failed_store_rows),
-            disk_read_bytes=self.disk_read_bytes,
-            disk_read_seconds=self.disk_read_seconds,
-            disk_corrupt=self.disk_corrupt,
-            disk_io_errors=self.disk_io_errors,
-            worker_exceptions=self.worker_exceptions,
+            report=report,
         )
-        if isinstance(other, KvtierWorkerMetadata):
-            for req_id, keys in other.failed_keys.items():
-                merged.failed_keys.setdefault(req_id, []).extend(keys)
-            for req_id, keys in other.unloaded_keys.items():
-                merged.unloaded_keys.setdefault(req_id, []).extend(keys)
-            merged.failed_store_rows.extend(other.failed_store_rows)
-            merged.disk_read_bytes += other.disk_read_bytes
-            merged.disk_read_seconds += other.disk_read_seconds
-            merged.disk_corrupt += other.disk_corrupt
-            merged.disk_io_errors += other.disk_io_errors
-            merged.worker_exceptions += other.worker_exceptions
-        return merged
 
 
 class KvtierConnectorWorker(OffloadingConnectorWorker):
@@ -145,9 +123,7 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._failed_keys: dict[str, list[bytes]] = {}
-        self._unloaded_keys: dict[str, list[bytes]] = {}
-        self._failed_store_rows: list[int] = []
+        self._report = WorkerReport()  # since the last worker metadata
         self._failed_reqs: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         # Synchronous loads (vLLM >= 0.33): vLLM records them in _load_jobs
@@ -155,8 +131,7 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         # failed keys. Their unfilled blocks are reported block level only.
         self._sync_load_reqs: dict[int, str] = {}
         self._sync_invalid_block_ids: set[int] = set()
-        self._reported = (0, 0.0, 0, 0)
-        self._reported_exceptions = 0
+        self._deltas = CounterDeltas()
 
     @override
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
@@ -188,16 +163,17 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
                     # A failure the scheduler cannot be told of: its rows
                     # would pass as written.
                     raise RuntimeError(f"kvtier: store job {job_id} failed")
-                self._failed_store_rows.extend(rows)
+                self._report.failed_store_rows.extend(rows)
             elif not result.success:
                 take = getattr(self.worker, "take_load_error", None)
                 error = take(job_id) if take is not None else None
                 owner = req_id if req_id is not None else sync_req
                 if owner is None or error is None:
                     raise RuntimeError(f"kvtier: load job {job_id} failed")
-                self._failed_keys.setdefault(owner, []).extend(error.keys)
+                report = self._report
+                report.failed_keys.setdefault(owner, []).extend(error.keys)
                 if error.unloaded:
-                    self._unloaded_keys.setdefault(owner, []).extend(error.unloaded)
+                    report.unloaded_keys.setdefault(owner, []).extend(error.unloaded)
                 if req_id is None:  # sync: the request runs this step
                     self._sync_invalid_block_ids |= error.gpu_block_ids
                 else:
@@ -222,25 +198,25 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         meta = super().build_connector_worker_meta()
         if meta is None:
             return None
-        out = KvtierWorkerMetadata(
-            completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats
-        )
-        out.failed_keys, self._failed_keys = self._failed_keys, {}
-        out.unloaded_keys, self._unloaded_keys = self._unloaded_keys, {}
-        out.failed_store_rows, self._failed_store_rows = self._failed_store_rows, []
+        report, self._report = self._report, WorkerReport()
+        d = self._deltas.delta
         reader = getattr(self.worker, "reader", None)
         if reader is not None:
             s = reader.stats()
-            now = (s.bytes_read, s.read_seconds, s.corrupt, s.io_errors)
-            last, self._reported = self._reported, now
-            out.disk_read_bytes = now[0] - last[0]
-            out.disk_read_seconds = now[1] - last[1]
-            out.disk_corrupt = now[2] - last[2]
-            out.disk_io_errors = now[3] - last[3]
+            report.counters.read_bytes = int(d("read_bytes", s.read_bytes))
+            report.counters.read_seconds = d("read_seconds", s.read_seconds)
+            report.counters.checksum_failures = int(
+                d("checksum_failures", s.checksum_failures)
+            )
+            report.counters.io_errors = int(d("io_errors", s.io_errors))
         exceptions = getattr(self.worker, "exceptions", None)
         if exceptions is not None:
-            out.worker_exceptions = exceptions.count - self._reported_exceptions
-            self._reported_exceptions = exceptions.count
+            report.counters.exceptions = int(d("exceptions", exceptions.count))
+        out = KvtierWorkerMetadata(
+            completed_jobs=meta.completed_jobs,
+            transfer_stats=meta.transfer_stats,
+            report=report,
+        )
         return out
 
 
@@ -314,22 +290,13 @@ class TieredOffloadingConnector(OffloadingConnector):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
             report = getattr(self.scheduler.manager, "note_worker_report", None)
-            if report is None and meta.failed_store_rows:
+            if report is None and meta.report.failed_store_rows:
                 # Before vLLM completes the store as a success: a manager
                 # that cannot be told would serve the rows unwritten.
                 raise RuntimeError(
                     "kvtier: a store failed and this manager cannot take it "
-                    f"back (rows {meta.failed_store_rows})"
+                    f"back (rows {meta.report.failed_store_rows})"
                 )
             if report is not None:
-                report(
-                    meta.failed_keys,
-                    unloaded=meta.unloaded_keys,
-                    failed_store_rows=meta.failed_store_rows,
-                    read_bytes=meta.disk_read_bytes,
-                    read_seconds=meta.disk_read_seconds,
-                    corrupt=meta.disk_corrupt,
-                    io_errors=meta.disk_io_errors,
-                    worker_exceptions=meta.worker_exceptions,
-                )
+                report(meta.report)
         super().update_connector_output(connector_output)

@@ -13,7 +13,7 @@ are pumped from the scheduler's calls.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable
 
 from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -37,9 +37,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector import metrics as m
 from kvtier.connector.disk_runtime import SPILL, DiskRuntime
 from kvtier.connector.specs import CpuTierSpec, TierLoadSpec
+from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, WorkerReport
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
-from kvtier.tiers.plans import HierarchyStats, Residency
+from kvtier.tiers.plans import Residency
 from kvtier.tiers.tier import BlockState
 
 logger = logging.getLogger("kvtier.connector")
@@ -73,9 +74,7 @@ class TieredOffloadingManager(OffloadingManager):
         self.block_bytes = block_bytes
         self.world_size = world_size
         self.enable_events = enable_events
-        self._last_stats = HierarchyStats()
-        self._last_disk_totals = (0, 0.0)
-        self._last_checks = (0, 0)
+        self._deltas = CounterDeltas()  # metric totals -> counter increases
         # Disk blocks the workers could not load, per request, until that
         # request's load completes.
         self._failed_loads: dict[str, set[bytes]] = {}
@@ -83,12 +82,9 @@ class TieredOffloadingManager(OffloadingManager):
         # CPU rows of stores a worker reported failed, until their store
         # completes (vLLM completes it as a success: complete_store).
         self._failed_store_rows: set[int] = set()
-        # What the workers report about their disk reads (cumulative).
-        self.worker_disk = {"bytes": 0, "seconds": 0.0, "corrupt": 0, "io_errors": 0}
-        self._last_worker_disk = dict(self.worker_disk)
-        # Transfer jobs that raised in a worker (contained there).
-        self.worker_exceptions = 0
-        self._last_worker_exceptions = 0
+        # What the workers reported of their disk reads and contained
+        # exceptions, cumulative.
+        self.worker_totals = WorkerCounters()
 
     # ------------------------------------------------------------- plumbing
 
@@ -139,34 +135,18 @@ class TieredOffloadingManager(OffloadingManager):
         req_context.set_state(_LoadInFlight(plan.load_id))
         return TierLoadSpec(keys, plan.locations)
 
-    def note_worker_report(
-        self,
-        failed: Mapping[str, Iterable[bytes]],
-        *,
-        unloaded: Mapping[str, Iterable[bytes]] | None = None,
-        failed_store_rows: Iterable[int] = (),
-        read_bytes: int = 0,
-        read_seconds: float = 0.0,
-        corrupt: int = 0,
-        io_errors: int = 0,
-        worker_exceptions: int = 0,
-    ) -> None:
-        """What the workers said since the last call: per request, the disk
-        blocks its load could not use (shown bad) and, in ``unloaded``, those
-        it did not deliver for another reason (kept); the CPU rows of stores that failed
-        (their keys are completed as failed, see ``complete_store``); and
-        counters (disk reads, exceptions contained)."""
-        for req_id, keys in failed.items():
+    def note_worker_report(self, report: WorkerReport) -> None:
+        """Apply what the workers said since the last call: per request, the
+        disk blocks its load could not use (shown bad: dropped when the load
+        completes) and those it did not deliver for another reason (kept);
+        the CPU rows of stores that failed (their keys are completed as
+        failed, see ``complete_store``); and their counters."""
+        for req_id, keys in report.failed_keys.items():
             self._failed_loads.setdefault(req_id, set()).update(keys)
-        for req_id, keys in (unloaded or {}).items():
+        for req_id, keys in report.unloaded_keys.items():
             self._unloaded_loads.setdefault(req_id, set()).update(keys)
-        self._failed_store_rows.update(failed_store_rows)
-        d = self.worker_disk
-        d["bytes"] += read_bytes
-        d["seconds"] += read_seconds
-        d["corrupt"] += corrupt
-        d["io_errors"] += io_errors
-        self.worker_exceptions += worker_exceptions
+        self._failed_store_rows.update(report.failed_store_rows)
+        self.worker_totals = self.worker_totals + report.counters
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -309,55 +289,37 @@ class TieredOffloadingManager(OffloadingManager):
             stats.set_gauge(m.TIER_CAPACITY, tier.capacity, (name,))
             stats.set_gauge(m.TIER_USAGE, len(tier) / tier.capacity, (name,))
 
-        now, last = h.stats, self._last_stats
-        self._last_stats = HierarchyStats(**vars(now))
+        now = h.stats
         bytes_per_block = self.block_bytes * self.world_size
-
-        def counter(
-            name: str, delta: int | float, labels: tuple[str, ...] = ()
-        ) -> None:
-            if delta:
-                stats.increase_counter(name, delta, labels)
-
-        counter(
-            m.WRITE_BYTES,
-            (now.stores_completed - last.stores_completed) * bytes_per_block,
-            ("cpu",),
-        )
-        counter(
-            m.READ_BYTES, (now.loads_cpu - last.loads_cpu) * bytes_per_block, ("cpu",)
-        )
-        counter(m.EVICTIONS, now.cpu_evictions - last.cpu_evictions, ("cpu",))
-        counter(m.EVICTIONS, now.disk_evictions - last.disk_evictions, ("disk",))
-        counter(m.SPILLS, now.spills_completed - last.spills_completed)
-        counter(m.SPILL_FAILURES, now.spill_failures - last.spill_failures)
-        counter(m.PROMOTIONS, now.promotions_completed - last.promotions_completed)
-        counter(m.LOADED_BLOCKS, now.loads_cpu - last.loads_cpu, ("cpu",))
-        counter(m.LOADED_BLOCKS, now.loads_disk - last.loads_disk, ("disk",))
-        counter(m.LOAD_ERRORS, now.load_failures - last.load_failures)
-        counter(m.CORRUPT_BLOCKS, now.corrupt_blocks - last.corrupt_blocks)
-        counter(m.STORES_DECLINED, now.stores_declined - last.stores_declined)
-        counter(
-            m.WORKER_EXCEPTIONS,
-            self.worker_exceptions - self._last_worker_exceptions,
-        )
-        self._last_worker_exceptions = self.worker_exceptions
-        d, ld = self.worker_disk, self._last_worker_disk
-        self._last_worker_disk = dict(d)
-        counter(m.READ_BYTES, d["bytes"] - ld["bytes"], ("disk",))
-        counter(m.READ_SECONDS, d["seconds"] - ld["seconds"], ("disk",))
-        checks = (d["corrupt"], d["io_errors"])
+        w = self.worker_totals
+        checksum_failures, io_errors = w.checksum_failures, w.io_errors
+        totals: list[tuple[str, tuple[str, ...], float]] = [
+            (m.WRITE_BYTES, ("cpu",), now.stores_completed * bytes_per_block),
+            (m.READ_BYTES, ("cpu",), now.loads_cpu * bytes_per_block),
+            (m.EVICTIONS, ("cpu",), now.cpu_evictions),
+            (m.EVICTIONS, ("disk",), now.disk_evictions),
+            (m.SPILLS, (), now.spills_completed),
+            (m.SPILL_FAILURES, (), now.spill_failures),
+            (m.PROMOTIONS, (), now.promotions_completed),
+            (m.LOADED_BLOCKS, ("cpu",), now.loads_cpu),
+            (m.LOADED_BLOCKS, ("disk",), now.loads_disk),
+            (m.LOAD_ERRORS, (), now.load_failures),
+            (m.CORRUPT_BLOCKS, (), now.corrupt_blocks),
+            (m.STORES_DECLINED, (), now.stores_declined),
+            (m.WORKER_EXCEPTIONS, (), w.exceptions),
+            (m.READ_BYTES, ("disk",), w.read_bytes),
+            (m.READ_SECONDS, ("disk",), w.read_seconds),
+        ]
         if self.runtime is not None:
             t = self.runtime.totals
-            wb, ws = self._last_disk_totals
-            self._last_disk_totals = (t.write_bytes, t.write_seconds)
-            counter(m.WRITE_BYTES, t.write_bytes - wb, ("disk",))
-            counter(m.WRITE_SECONDS, t.write_seconds - ws, ("disk",))
-            checks = (
-                checks[0] + self.runtime.checksum_failures(),
-                checks[1] + self.runtime.io_errors(),
-            )
-        counter(m.CHECKSUM_FAILURES, checks[0] - self._last_checks[0])
-        counter(m.IO_ERRORS, checks[1] - self._last_checks[1])
-        self._last_checks = checks
+            totals.append((m.WRITE_BYTES, ("disk",), t.write_bytes))
+            totals.append((m.WRITE_SECONDS, ("disk",), t.write_seconds))
+            checksum_failures += self.runtime.checksum_failures()
+            io_errors += self.runtime.io_errors()
+        totals.append((m.CHECKSUM_FAILURES, (), checksum_failures))
+        totals.append((m.IO_ERRORS, (), io_errors))
+        for name, labels, total in totals:
+            delta = self._deltas.delta((name, labels), total)
+            if delta:
+                stats.increase_counter(name, delta, labels)
         return stats

@@ -412,7 +412,7 @@ class DeviceStagingReader:
             for r in results
         )
         self.files.count(
-            nbytes=sum(n or 0 for n in got), seconds=seconds, ok=ok, corrupt=bad
+            nbytes=sum(n or 0 for n in got), seconds=seconds, ok=ok, checksum_failures=bad
         )
 
     def _headers(self, first_row: int, count: int) -> np.ndarray:

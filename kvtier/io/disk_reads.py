@@ -44,8 +44,8 @@ logger = logging.getLogger("kvtier.io")
 class DiskStoreStats:
     """Cumulative counters of one DiskStore (``stats()`` returns a copy)."""
 
-    bytes_written: int = 0
-    bytes_read: int = 0
+    write_bytes: int = 0
+    read_bytes: int = 0
     write_seconds: float = 0.0
     read_seconds: float = 0.0
     blocks_written: int = 0
@@ -186,7 +186,7 @@ class DiskReads:
         finally:
             dt = time.perf_counter() - t0
             with self._lock:
-                self._stats.bytes_read += nread
+                self._stats.read_bytes += nread
                 self._stats.read_seconds += dt
                 self._stats.blocks_read += 1
 
@@ -268,7 +268,7 @@ class DiskReads:
             self._note_io_error("read", idx, exc)
             return slot, None, ReadOutcome.IO_ERROR
         with self._lock:
-            self._stats.bytes_read += n
+            self._stats.read_bytes += n
         verdict = parse_header(buf, n)
         if verdict.outcome is ReadOutcome.TRUNCATED:
             self._note_short_read(idx, n, HEADER_SIZE)

@@ -310,7 +310,7 @@ class DiskStore(DiskReads):
             raise
         dt = time.perf_counter() - t0
         with self._lock:
-            self._stats.bytes_written += written
+            self._stats.write_bytes += written
             self._stats.write_seconds += dt
             self._stats.blocks_written += 1
         return written

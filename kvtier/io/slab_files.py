@@ -38,12 +38,12 @@ logger = logging.getLogger("kvtier.io")
 class SlotReaderStats:
     """Cumulative counters of one reader (``stats()`` returns a copy)."""
 
-    bytes_read: int = 0
+    read_bytes: int = 0
     read_seconds: float = 0.0
     blocks_ok: int = 0
     # Slots whose bytes failed verification (checksum, header, truncation)
     # and slots holding another key or layout: never loaded.
-    corrupt: int = 0
+    checksum_failures: int = 0
     io_errors: int = 0
 
 
@@ -88,14 +88,14 @@ class SlabFiles:
         return sum(h is not None for h in self._handles)
 
     def count(
-        self, *, nbytes: int = 0, seconds: float = 0.0, ok: int = 0, corrupt: int = 0
+        self, *, nbytes: int = 0, seconds: float = 0.0, ok: int = 0, checksum_failures: int = 0
     ) -> None:
         with self._lock:
             s = self._stats
-            s.bytes_read += nbytes
+            s.read_bytes += nbytes
             s.read_seconds += seconds
             s.blocks_ok += ok
-            s.corrupt += corrupt
+            s.checksum_failures += checksum_failures
 
     def stats(self) -> SlotReaderStats:
         with self._lock:

@@ -205,7 +205,7 @@ class SlotReader:
             elif outcome is not ReadOutcome.IO_ERROR:
                 corrupt += 1
             results.append(SlotRead(outcome, row))
-        self.files.count(nbytes=nbytes, seconds=dt, ok=ok, corrupt=corrupt)
+        self.files.count(nbytes=nbytes, seconds=dt, ok=ok, checksum_failures=corrupt)
         return results
 
     def abandon(self, pending: PendingRead) -> None:

@@ -32,8 +32,9 @@ from kvtier.connector.connector import (  # noqa: E402
     KvtierConnectorWorker,
     KvtierWorkerMetadata,
 )
+from kvtier.connector.job_errors import LoadError  # noqa: E402
 from kvtier.connector.specs import CpuTierSpec  # noqa: E402
-from kvtier.connector.worker import LoadError  # noqa: E402
+from kvtier.connector.worker_report import WorkerCounters, WorkerReport  # noqa: E402
 
 needs_sync_loads = pytest.mark.skipif(
     not SYNC_LOADS and not os.environ.get("KVTIER_EXPECT_VLLM"),
@@ -126,7 +127,7 @@ def test_failed_async_load_is_reported_per_request_and_block() -> None:
     assert fake.waited == []
     assert sending == set() and recving == {"r1", "r2"}
     assert errors == ({"r1"}, {6}, set())
-    assert meta is not None and meta.failed_keys == {"r1": [b"k1"]}
+    assert meta is not None and meta.report.failed_keys == {"r1": [b"k1"]}
     assert meta.completed_jobs == {1: 1, 2: 1}
     assert meta.transfer_stats.load.bytes == 400
     assert meta.transfer_stats.store.bytes == 0
@@ -147,15 +148,19 @@ def test_a_failed_store_travels_to_the_scheduler_as_its_rows() -> None:
     sending, recving, errors, meta = _run(worker, {})  # submits it: no raise
     assert (sending, recving, errors) == (set(), set(), (set(), set(), set()))
     assert meta is not None and meta.completed_jobs == {3: 1}
-    assert meta.failed_store_rows == [4, 5] and meta.failed_keys == {}
-    assert meta.worker_exceptions == 1
+    report = meta.report
+    assert report.failed_store_rows == [4, 5] and report.failed_keys == {}
+    assert report.counters.exceptions == 1
     # Every rank reports its rows; the scheduler gets them all.
     other = KvtierWorkerMetadata(
-        completed_jobs={3: 1}, failed_store_rows=[4, 5], worker_exceptions=1
+        completed_jobs={3: 1},
+        report=WorkerReport(
+            failed_store_rows=[4, 5], counters=WorkerCounters(exceptions=1)
+        ),
     )
     merged = meta.aggregate(other)
-    assert merged.completed_jobs == {3: 2} and merged.worker_exceptions == 2
-    assert sorted(merged.failed_store_rows) == [4, 4, 5, 5]
+    assert merged.completed_jobs == {3: 2} and merged.report.counters.exceptions == 2
+    assert sorted(merged.report.failed_store_rows) == [4, 4, 5, 5]
 
 
 def test_a_failed_store_with_no_rows_to_report_is_a_bug() -> None:
@@ -173,12 +178,14 @@ def test_the_scheduler_refuses_failed_stores_a_manager_cannot_take() -> None:
     conn = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
     inner = SimpleNamespace(update_connector_output=lambda out: reports.append(out))
     conn.connector_scheduler = inner
-    meta = KvtierWorkerMetadata(completed_jobs={3: 1}, failed_store_rows=[4, 5])
+    meta = KvtierWorkerMetadata(
+        completed_jobs={3: 1}, report=WorkerReport(failed_store_rows=[4, 5])
+    )
     output = SimpleNamespace(kv_connector_worker_meta=meta)
 
-    def note_worker_report(failed, **kwargs):
-        reports.append((failed, kwargs["failed_store_rows"]))
-        assert kwargs["worker_exceptions"] == 0
+    def note_worker_report(report):
+        reports.append((report.failed_keys, report.failed_store_rows))
+        assert report.counters.exceptions == 0
 
     inner.manager = SimpleNamespace(note_worker_report=note_worker_report)
     conn.update_connector_output(output)
@@ -219,7 +226,7 @@ def test_failed_sync_load_is_reported_block_level_with_its_keys() -> None:
     assert recving == set()
     # Never request level: the request is not waiting for its KV.
     assert errors == (set(), set(), {8, 9})
-    assert meta is not None and meta.failed_keys == {"r5": [b"a", b"b"]}
+    assert meta is not None and meta.report.failed_keys == {"r5": [b"a", b"b"]}
     assert meta.completed_jobs == {5: 1}
 
 

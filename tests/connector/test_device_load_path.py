@@ -50,7 +50,7 @@ def test_the_worker_reads_through_a_staging_area_on_the_kv_caches_device(runner)
     # Loaded byte for byte (RequestRunner.load checks every layer).
     assert r.load(first, [50, 51, 52, 53]) == {"disk": 4}
     s = reader.stats()
-    assert s.blocks_ok == 4 and s.corrupt == 0 and s.bytes_read > 0
+    assert s.blocks_ok == 4 and s.checksum_failures == 0 and s.read_bytes > 0
     # Promoted on the way: the CPU copies serve the next hit, equal too.
     h = r.manager.hierarchy
     assert [h.lookup(k).name for k in first] == ["HIT_CPU"] * 4

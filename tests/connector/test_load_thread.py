@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 
 from kvtier.connector import worker as worker_mod  # noqa: E402
+from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.io.format import HEADER_SIZE  # noqa: E402
 from kvtier.testing.fault_plan import (  # noqa: E402
     FaultKind,
@@ -86,7 +87,7 @@ def _landed(r: RequestRunner, keys, gpu_blocks) -> list[bool]:
 def _complete(r: RequestRunner, keys, ctx, error=None) -> None:
     if error is not None:
         r.manager.note_worker_report(
-            {ctx.req_id: error.keys}, unloaded={ctx.req_id: error.unloaded}
+            WorkerReport({ctx.req_id: error.keys}, {ctx.req_id: error.unloaded})
         )
     r.manager.complete_load(keys, ctx)
     r.manager.on_request_finished(ctx)

@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     make_offload_key,
 )
 
+from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.io.format import slot_size  # noqa: E402
 from kvtier.testing.offloading import (  # noqa: E402
     offloading_config,
@@ -170,7 +171,7 @@ class RequestRunner:
             assert set(error.keys) == bad
             want = {b for k, b in zip(keys, gpu_blocks) if k in bad}
             assert error.gpu_block_ids == want
-            self.manager.note_worker_report({ctx.req_id: error.keys})
+            self.manager.note_worker_report(WorkerReport({ctx.req_id: error.keys}))
         self.manager.complete_load(keys, ctx)
         self.manager.on_request_finished(ctx)
         for key, b in zip(keys, gpu_blocks):
@@ -291,7 +292,7 @@ def test_corrupt_disk_block_is_a_miss_never_data(runner):
     assert h.lookup(victim).name == "MISS"
     assert h.stats.corrupt_blocks == 1 and h.stats.load_failures == 1
     assert h.stats.loads_disk == 3 and h.stats.promotions_completed == 3
-    assert runner.worker.reader.stats().corrupt == 1
+    assert runner.worker.reader.stats().checksum_failures == 1
     assert victim not in h.cpu  # its promotion row was given back unwritten
     # The rest is still a hit, from the CPU copies the load made.
     assert runner.lookup("a", first) == 1

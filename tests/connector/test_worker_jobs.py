@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext  # noqa: E402
 
 from kvtier.connector import metrics  # noqa: E402
+from kvtier.connector.worker_report import WorkerCounters, WorkerReport  # noqa: E402
 from kvtier.io.block_copy import HostCopies  # noqa: E402
 from kvtier.testing.offloading import tiered_spec  # noqa: E402
 from tests.connector.test_request_runner import (  # noqa: E402
@@ -291,7 +292,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     # The manager keeps the disk copies (an exception is no evidence
     # against them) and gives their promotion rows back.
     r.manager.note_worker_report(
-        {ctx.req_id: error.keys}, unloaded={ctx.req_id: error.unloaded}
+        WorkerReport({ctx.req_id: error.keys}, {ctx.req_id: error.unloaded})
     )
     r.manager.complete_load(keys, ctx)
     r.manager.on_request_finished(ctx)
@@ -326,7 +327,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     assert error.gpu_block_ids == {60, 61}
     _finish(r, [on_disk[3]], [58], ctx)
     r.manager.note_worker_report(
-        {ctx_c.req_id: error.keys}, unloaded={ctx_c.req_id: error.unloaded}
+        WorkerReport({ctx_c.req_id: error.keys}, {ctx_c.req_id: error.unloaded})
     )
     r.manager.complete_load(third, ctx_c)
     assert [h.lookup(k).name for k in third] == ["HIT_DISK"] * 2
@@ -365,7 +366,9 @@ def test_a_store_that_raises_fails_and_its_rows_are_given_back(runner, monkeypat
     h = r.manager.hierarchy
     used = len(h.cpu)
     r.manager.get_stats()  # what vLLM exported so far
-    r.manager.note_worker_report({}, failed_store_rows=rows, worker_exceptions=1)
+    r.manager.note_worker_report(
+        WorkerReport(failed_store_rows=rows, counters=WorkerCounters(exceptions=1))
+    )
     counted = r.manager.get_stats()._values[metrics.WORKER_EXCEPTIONS]
     assert counted == {(): 1}
     r.manager.complete_store(out.keys_to_store, ctx)

@@ -362,7 +362,7 @@ class TestDiskCorruption:
         victim = full[1]  # a block in the middle of the returning prefix
         stats = e.h.stats
         before = dict(vars(stats))
-        disk_before = dict(e.mgr.worker_disk)
+        disk_before = dict(vars(e.mgr.worker_totals))
         e.after_failed_load.clear()
 
         rule = _corrupt(e, kind, keys, victim)
@@ -377,13 +377,13 @@ class TestDiskCorruption:
         assert again.outputs == [e.want(prompt)]
         assert again.hits_by_source[0].get("disk", 0) > 0, again.hits_by_source
         d = _delta(dict(vars(stats)), before)
-        wd = _delta(e.mgr.worker_disk, disk_before)
+        wd = _delta(dict(vars(e.mgr.worker_totals)), disk_before)
         assert d["load_failures"] >= 1 and d["corrupt_blocks"] >= 1, d
         if kind == "eio-on-read":
             assert e.plan.count() >= 1
             assert wd["io_errors"] >= 1, wd
         else:
-            assert wd["corrupt"] >= 1, wd
+            assert wd["checksum_failures"] >= 1, wd
         # The corrupt copy left the disk index as the load completed, before
         # the recomputed block could be stored again.
         dropped = {k: (res, blk) for k, res, blk in e.after_failed_load}

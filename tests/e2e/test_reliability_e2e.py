@@ -87,8 +87,8 @@ def test_disk_faults_cost_misses_never_tokens(
         errors = (
             mgr.runtime.io_errors()
             + mgr.runtime.checksum_failures()
-            + mgr.worker_disk["io_errors"]
-            + mgr.worker_disk["corrupt"]
+            + mgr.worker_totals.io_errors
+            + mgr.worker_totals.checksum_failures
         )
         assert_at_rest(mgr)
         # The engine keeps serving, and correctly.
@@ -164,7 +164,7 @@ def test_a_disk_load_that_raises_is_recomputed_not_hung(
         assert llm.reset_prefix_cache()
         later = run_settled(llm, RETURNING, timeout=120)
         assert_at_rest(mgr)
-        exceptions = mgr.worker_exceptions
+        exceptions = mgr.worker_totals.exceptions
     assert first.outputs + again.outputs == baseline
     assert later.outputs == baseline[len(FIRST) :]
     assert len(reads) >= 2  # the raising read, and RETURNING[1]'s
@@ -205,7 +205,7 @@ def test_a_store_that_raises_is_not_offloaded_and_nothing_hangs(
         # FIRST[0]'s store raised: its blocks were never offloaded; the
         # others were, and FIRST[1] is on disk.
         assert sum(p for _, p in stores) > 1
-        assert h.stats.stores_failed == 4 and mgr.worker_exceptions == 1
+        assert h.stats.stores_failed == 4 and mgr.worker_totals.exceptions == 1
         assert not mgr._failed_store_rows
         again = run_settled(llm, RETURNING, timeout=120)
         assert_at_rest(mgr)

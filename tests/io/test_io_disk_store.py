@@ -66,7 +66,7 @@ def test_roundtrip_persists_across_reopen(
     with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
         assert s.write_block(2, KEY, data, seq=7) == slot_size(BLOCK_BYTES)
         st = s.stats()
-        assert st.bytes_written == slot_size(BLOCK_BYTES) and st.blocks_written == 1
+        assert st.write_bytes == slot_size(BLOCK_BYTES) and st.blocks_written == 1
     with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
         out = sentinel_out()
         assert s.read_block(2, KEY, out) is ReadOutcome.OK
@@ -74,7 +74,7 @@ def test_roundtrip_persists_across_reopen(
         assert s.read_block(1, KEY, sentinel_out()) is ReadOutcome.EMPTY
         assert s.verify(2) is ReadOutcome.OK
         st = s.stats()
-        assert st.blocks_read == 3 and st.bytes_read > 0 and st.read_seconds > 0
+        assert st.blocks_read == 3 and st.read_bytes > 0 and st.read_seconds > 0
 
 
 def test_layout_permissions_and_striping(

@@ -104,10 +104,10 @@ def test_spill_promote_roundtrip_is_byte_exact(
     if compression == "zstd":
         # KV data in 16-bit floats compresses by more than the 5% threshold.
         assert codecs == {Codec.ZSTD_BYTEPLANE}
-        assert stats.bytes_written < N * (HEADER_SIZE + BLOCK_BYTES)
+        assert stats.write_bytes < N * (HEADER_SIZE + BLOCK_BYTES)
     else:
         assert codecs == {Codec.RAW}
-        assert stats.bytes_written == N * (HEADER_SIZE + BLOCK_BYTES)
+        assert stats.write_bytes == N * (HEADER_SIZE + BLOCK_BYTES)
     handles_direct = {h.direct for h in store._handles}
     assert handles_direct == ({False} if where == "tmp-buffered" else handles_direct)
 

@@ -394,7 +394,7 @@ def test_failed_jobs_drive_the_hierarchy(
     assert h.lookup(first[3]) is Residency.HIT_CPU
     assert h.stats.load_failures == 1 and h.stats.corrupt_blocks == 1
     log.check()
-    read_errors = reader.stats().io_errors + reader.stats().corrupt
+    read_errors = reader.stats().io_errors + reader.stats().checksum_failures
     assert read_errors == 1
     stats: Any = rig.store.stats()
     assert stats.io_errors + stats.checksum_failures == 1  # the write

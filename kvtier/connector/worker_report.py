@@ -1,0 +1,84 @@
+"""What the workers tell the scheduler side: one report per step.
+
+vLLM carries a connector's worker metadata from every worker to the
+scheduler once per step and sums it (``aggregate``). kvtier's part of it is
+one :class:`WorkerReport`: which disk blocks loads could not use, which
+stores failed, and the workers' counters since their last report. The
+connector worker builds it (:mod:`kvtier.connector.connector`), the manager
+applies it (``TieredOffloadingManager.note_worker_report``).
+
+Counter names are the reader's (:class:`~kvtier.io.slab_files.
+SlotReaderStats`): ``read_bytes``, ``read_seconds``, ``checksum_failures``,
+``io_errors``; and ``exceptions``, the jobs that raised in a worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class WorkerCounters:
+    """Counters of the workers' disk reads and contained exceptions: since
+    the last report in a :class:`WorkerReport`, cumulative in the manager."""
+
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    checksum_failures: int = 0  # slots that failed verification, never loaded
+    io_errors: int = 0
+    exceptions: int = 0  # transfer jobs that raised (contained, failed whole)
+
+    def __add__(self, other: WorkerCounters) -> WorkerCounters:
+        return WorkerCounters(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
+
+
+@dataclass
+class WorkerReport:
+    """One step's report of one worker, or of all (:meth:`merge`).
+
+    ``failed_keys``: per request, the disk blocks its load could not use
+    (failed a read or verification: the scheduler drops those copies).
+    ``unloaded_keys``: per request, disk blocks not delivered for another
+    reason (the job raised or was given up: the copies are kept).
+    ``failed_store_rows``: CPU rows of stores that failed; never readable.
+    """
+
+    failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
+    unloaded_keys: dict[str, list[bytes]] = field(default_factory=dict)
+    failed_store_rows: list[int] = field(default_factory=list)
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        """A new report with both reports' contents (neither is changed)."""
+        out = WorkerReport(
+            {k: list(v) for k, v in self.failed_keys.items()},
+            {k: list(v) for k, v in self.unloaded_keys.items()},
+            list(self.failed_store_rows),
+            self.counters + other.counters,
+        )
+        for req_id, keys in other.failed_keys.items():
+            out.failed_keys.setdefault(req_id, []).extend(keys)
+        for req_id, keys in other.unloaded_keys.items():
+            out.unloaded_keys.setdefault(req_id, []).extend(keys)
+        out.failed_store_rows.extend(other.failed_store_rows)
+        return out
+
+
+class CounterDeltas:
+    """What cumulative totals grew by since the previous call: the one
+    place that turns totals into deltas (worker reports, Prometheus
+    counters, which vLLM increases by deltas).
+
+    ``delta(key, total)`` returns ``total`` minus the total given with the
+    same key last time (0 the first time). Not thread-safe: one caller."""
+
+    def __init__(self) -> None:
+        self._last: dict[Hashable, float] = {}
+
+    def delta(self, key: Hashable, total: float) -> float:
+        last = self._last.get(key, 0)
+        self._last[key] = total
+        return total - last
