@@ -22,8 +22,10 @@ DISK_IO_CHOICES = ("auto", "posix", "kvikio")
 MAX_DISK_IO_THREADS = 256
 COMPRESSION_CHOICES = ("none", "zstd")
 LOAD_PATH_CHOICES = ("host", "device")
-# The registered eviction policies (kvtier.tiers.policy.POLICY_REGISTRY), as
-# the keys below accept and document them.
+# The eviction policies registered when this module is imported (the
+# built-ins of kvtier.tiers.policy), as the key docs below list them.
+# parse_extra_config asks the registry itself, so it also accepts a policy
+# registered later.
 POLICY_CHOICES = " | ".join(policy_names())
 
 

@@ -15,8 +15,7 @@ tier whose blocks are nearly all dirty, pinned or being written answers at
 once instead of scanning every block it holds. Only an explicitly bounded
 scan (``victims(limit=...)``) walks ``candidates()``.
 
-Not thread-safe: the owner (the hierarchy, or the disk tier's driver)
-serializes calls.
+Not thread-safe: the tier's owner serializes calls.
 """
 
 from __future__ import annotations
