@@ -40,7 +40,7 @@ from kvtier.tiers.optimum import (
     rate_oracle_hits,
     static_frequency_hits,
 )
-from kvtier.tiers.policy import POLICIES
+from kvtier.tiers.policy import policy_names
 from kvtier.trace import infinite_cache_hit_rate, load_trace, unique_blocks
 
 _TRACE: list[Any] = []
@@ -95,12 +95,12 @@ def main() -> None:
     bound = infinite_cache_hit_rate(trace)
     n_unique = unique_blocks(trace)
     cpu = args.cpu_blocks
-    cfgs = [(cpu, 0, p, p, "full") for p in POLICIES]
+    cfgs = [(cpu, 0, p, p, "full") for p in policy_names()]
     for i, m in enumerate(args.mults):
         pairs = (
-            list(itertools.product(POLICIES, POLICIES))
+            list(itertools.product(policy_names(), policy_names()))
             if i == 0
-            else [(p, p) for p in POLICIES] + [("lru", "2q")]
+            else [(p, p) for p in policy_names()] + [("lru", "2q")]
         )
         cfgs += [(cpu, cpu * m, cp, dp, "full") for cp, dp in pairs]
     sweep_sizes: list[tuple[int, int]] = []
@@ -112,7 +112,7 @@ def main() -> None:
             (c, d, p, p, part)
             for part in ("first", "second")
             for c, d in sweep_sizes
-            for p in POLICIES
+            for p in policy_names()
         ]
     with ProcessPoolExecutor(
         args.jobs, initializer=_init, initargs=(args.trace,)
@@ -195,7 +195,7 @@ def main() -> None:
         print(f"\nsweep, {part} half of the trace (hit rate; optimum; vs LRU)")
         print(
             f"{'cpu':>6}{'disk':>7}  "
-            + "".join(f"{p:>8}" for p in POLICIES)
+            + "".join(f"{p:>8}" for p in policy_names())
             + f"{'optimum':>9}"
         )
         table = []
@@ -217,17 +217,17 @@ def main() -> None:
             )
             print(
                 f"{c:>6}{d:>7}  "
-                + "".join(f"{by[p]:>8.4f}" for p in POLICIES)
+                + "".join(f"{by[p]:>8.4f}" for p in policy_names())
                 + f"{optimum[part, c + d]:>9.4f}"
             )
         never_worse = {
-            p: all(t[p] >= t["lru"] - 1e-12 for t in table) for p in POLICIES
+            p: all(t[p] >= t["lru"] - 1e-12 for t in table) for p in policy_names()
         }
         print("never worse than LRU at any size:", never_worse)
         sweep[part] = {"sizes": table, "never_worse_than_lru": never_worse}
 
     panels: dict[str, list[SizingResult]] = {}
-    for p in POLICIES:
+    for p in policy_names():
         panels[f"{p.upper()} on both tiers"] = [
             r
             for (r, _), cfg in zip(done, cfgs)
@@ -288,7 +288,7 @@ def _plot_sweep(
                 t for t in sweep[part]["sizes"] if (t["disk_blocks"] > 0) == with_disk
             ]
             xs = [t["cpu_blocks"] + t["disk_blocks"] for t in table]
-            for p in POLICIES:
+            for p in policy_names():
                 ax.plot(xs, [t[p] for t in table], marker="o", ms=3, label=p)
             ax.plot(
                 xs, [t["optimum"] for t in table], "k-.", label="optimum (one tier)"

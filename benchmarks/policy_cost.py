@@ -4,7 +4,7 @@
         [--repeats 5] [--limit N]
 
 The CPU-only run of ``benchmarks/scheduler_cost.py`` (same timed replayer,
-same keys, same per-operation timers) once per policy in ``POLICIES``,
+same keys, same per-operation timers) once per policy in ``policy_names()``,
 each back to back with a run of vLLM's ``CPUOffloadingManager`` (LRU, events
 on) at the same capacity. Reported: total microseconds per trace block
 (median) and the ratio to vLLM as the median of the paired per-run ratios;
@@ -26,7 +26,7 @@ from scheduler_cost import (
     total_us_per_block,
 )
 
-from kvtier.tiers.policy import POLICIES
+from kvtier.tiers.policy import policy_names
 from kvtier.trace import load_trace
 
 
@@ -58,11 +58,11 @@ def main() -> None:
         for r in load_trace(args.trace, limit=args.limit)
     ]
     nblocks = sum(map(len, reqs))
-    us: dict[str, list[float]] = {p: [] for p in (*POLICIES, "vllm")}
-    ratios: dict[str, list[float]] = {p: [] for p in POLICIES}
+    us: dict[str, list[float]] = {p: [] for p in (*policy_names(), "vllm")}
+    ratios: dict[str, list[float]] = {p: [] for p in policy_names()}
     hit: dict[str, float] = {}
     for _ in range(args.repeats):
-        for p in POLICIES:
+        for p in policy_names():
             t_vllm, r = run_vllm(reqs, args.cpu_blocks, "lru")
             v = total_us_per_block(t_vllm, nblocks)
             k, hit[p] = run_policy(reqs, args.cpu_blocks, p)
@@ -75,7 +75,7 @@ def main() -> None:
         f"median of {args.repeats} paired runs"
     )
     print(f"{'policy':<8}{'us/block':>10}{'vs vLLM':>9}{'hit rate':>10}")
-    for p in POLICIES:
+    for p in policy_names():
         print(
             f"{p:<8}{statistics.median(us[p]):>10.3f}"
             f"{statistics.median(ratios[p]):>9.2f}{hit[p]:>10.4f}"

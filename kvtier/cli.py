@@ -22,7 +22,7 @@ from kvtier.commands.events import cmd_events
 from kvtier.commands.size import cmd_size
 from kvtier.commands.store import cmd_inspect, cmd_verify
 from kvtier.events_sub import DEFAULT_MAX_MESSAGE_BYTES
-from kvtier.tiers.policy import POLICIES
+from kvtier.tiers.policy import policy_names
 
 # vLLM's PrefixCachingHashAlgo (vllm.config.cache); a test keeps them equal.
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -148,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bytes-per-token", type=_pos_bytes, help="KV bytes per token")
     s.add_argument("--cpu-bytes", type=parse_bytes, help="CPU budget, e.g. 64GiB")
     s.add_argument("--disk-bytes", type=parse_bytes, help="disk budget, e.g. 2TiB")
-    s.add_argument("--policy", choices=POLICIES, default="lru", help="both tiers")
-    s.add_argument("--cpu-policy", choices=POLICIES, help="overrides --policy")
-    s.add_argument("--disk-policy", choices=POLICIES, help="overrides --policy")
+    s.add_argument("--policy", choices=policy_names(), default="lru", help="both tiers")
+    s.add_argument("--cpu-policy", choices=policy_names(), help="overrides --policy")
+    s.add_argument("--disk-policy", choices=policy_names(), help="overrides --policy")
     s.add_argument(
         "--spill-watermark",
         type=_watermark,

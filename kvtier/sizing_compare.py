@@ -57,9 +57,9 @@ def policy_pairs(
 ) -> list[tuple[str, str]]:
     """(cpu, disk) policy choices worth comparing: each policy alone without
     a disk tier; with one, every combination."""
-    from kvtier.tiers.policy import POLICIES
+    from kvtier.tiers.policy import policy_names
 
-    names = list(policies or POLICIES)
+    names = list(policies or policy_names())
     if disk_blocks <= 0:
         return [(p, p) for p in names]
     return [(c, d) for c in names for d in names]

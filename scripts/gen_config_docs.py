@@ -20,6 +20,7 @@ import argparse
 import ast
 import json
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -114,35 +115,35 @@ message shown under [Errors](#errors) (in `vllm serve` it appears as
 `RuntimeError: Worker failed with error 'kvtier: ...'`).
 """
 
-POLICIES = """\
+POLICIES_INTRO = """\
 ## Choosing an eviction policy
 
 `eviction_policy` sets both tiers; `cpu_eviction_policy` and
 `disk_eviction_policy` override it per tier. All policies cost O(1) per
 block, and a tier never evicts a block that is pinned or still being
-written, whatever the policy says. Numbers below: the Mooncake trace in
+written, whatever the policy says. The policies are those registered in
+`kvtier.tiers.policy.POLICY_REGISTRY` (each line starts with the policy's
+own `summary`); numbers below: the Mooncake trace in
 [benchmarks](benchmarks.md#hit-rate-benchmarkshit_ratepy).
+"""
 
-- `lru` (the default): least recently used first. Best when prompts come
-  back soon after they were first seen (the next turn of a chat arrives
-  while the previous one is still among the newest blocks of the tier).
-- `arc`: adaptive replacement (ARC), balancing recency and frequency with
-  ghost lists one tier long. Scan-resistant, no tuning; it lost to `lru`
-  at one size of the sweep.
-- `2q`: a block seen for the first time goes to a probation queue of 10 %
-  of the tier; a block seen again (within the last 5x the tier's capacity
-  of stored blocks, remembered in a ~4-byte-per-key Bloom filter) or hit
-  while on probation goes to the main LRU. Pick it when many prompts are
-  sent once and never again and the reused ones come back after more
-  blocks than the tier holds: one-time blocks then pass through probation
-  instead of pushing reused ones out. On the disk tier it was the best or
-  within 0.012 of the best at every size of the sweep, but a fixed
-  probation cannot adapt: on a tier small next to the short-term reuse it
-  can fall (slightly) below `lru`.
-- `arcdk`: ARC whose "seen before" reaches 5 tier capacities back through
-  the same Bloom filter (a block the filter remembers enters ARC's
-  frequency side). Keeps ARC's adaptation toward recency, so it also holds
-  up on a CPU tier small next to the short-term reuse.
+# Measured advice per policy, after its registered summary.
+POLICY_ADVICE = {
+    "lru": "Best when prompts come back soon after they were first seen (the "
+    "next turn of a chat arrives while the previous one is still among the "
+    "newest blocks of the tier).",
+    "arc": "It lost to `lru` at one size of the sweep.",
+    "2q": "Pick it when many prompts are sent once and never again and the "
+    "reused ones come back after more blocks than the tier holds: one-time "
+    "blocks then pass through probation instead of pushing reused ones out. "
+    "On the disk tier it was the best or within 0.012 of the best at every "
+    "size of the sweep, but a fixed probation cannot adapt: on a tier small "
+    "next to the short-term reuse it can fall (slightly) below `lru`.",
+    "arcdk": "Keeps ARC's adaptation toward recency, so it also holds up on a "
+    "CPU tier small next to the short-term reuse.",
+}
+
+POLICIES_OUTRO = """\
 - **Recommended when you cannot measure: `cpu_eviction_policy: "arcdk"`,
   `disk_eviction_policy: "2q"`.** That pair was never below `lru` at any
   size of the sweep (0.5x to 20x the CPU tier, CPU-only and CPU + disk,
@@ -165,6 +166,24 @@ insertion, conversation-level LFU and prefix-inherited admission were
 all measured and none beat `2q`/`arcdk`
 ([benchmarks](benchmarks.md#hit-rate-benchmarkshit_ratepy)).
 """
+
+
+def policies_section() -> str:
+    """One bullet per registered policy: its summary, then measured advice."""
+
+    from kvtier.connector.config import KEYS
+    from kvtier.tiers.policy import POLICY_REGISTRY
+
+    default = next(k.default for k in KEYS if k.name == "eviction_policy")
+    bullets = []
+    for name, cls in POLICY_REGISTRY.items():
+        head = f"`{name}`" + (" (the default)" if name == default else "")
+        text = f"{head}: {cls.summary} {POLICY_ADVICE.get(name, '')}".rstrip()
+        bullets.append(
+            textwrap.fill(text, width=74, initial_indent="- ", subsequent_indent="  ")
+        )
+    return POLICIES_INTRO + "\n" + "\n".join(bullets) + "\n" + POLICIES_OUTRO
+
 
 SIZING = """\
 ## Sizing: from bytes to blocks
@@ -538,7 +557,7 @@ def render() -> str:
         PASSING,
         configs_section(),
         keys_section(),
-        POLICIES,
+        policies_section(),
         sizing_section(),
         errors_section(),
         metrics_section(),

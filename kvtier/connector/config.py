@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.tiers.policy import POLICIES
+from kvtier.tiers.policy import policy_names
 
 DISK_IO_CHOICES = ("auto", "posix", "kvikio")
 # Threads are started at engine start-up (per TP rank, plus as many in the
@@ -22,6 +22,11 @@ DISK_IO_CHOICES = ("auto", "posix", "kvikio")
 MAX_DISK_IO_THREADS = 256
 COMPRESSION_CHOICES = ("none", "zstd")
 LOAD_PATH_CHOICES = ("host", "device")
+# The eviction policies registered when this module is imported (the
+# built-ins of kvtier.tiers.policy), as the key docs below list them.
+# parse_extra_config asks the registry itself, so it also accepts a policy
+# registered later.
+POLICY_CHOICES = " | ".join(policy_names())
 
 
 class ConfigError(ValueError):
@@ -87,21 +92,21 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec(
         "eviction_policy",
-        "Eviction policy of both tiers (overridden per tier below).",
+        "Eviction policy of both tiers (overridden per tier below); see Choosing an eviction policy.",
         "lru",
-        "lru | arc | 2q | arcdk",
+        POLICY_CHOICES,
     ),
     KeySpec(
         "cpu_eviction_policy",
         "Eviction policy of the CPU tier.",
         None,
-        "lru | arc | 2q | arcdk (default: eviction_policy)",
+        f"{POLICY_CHOICES} (default: eviction_policy)",
     ),
     KeySpec(
         "disk_eviction_policy",
         "Eviction policy of the disk tier.",
         None,
-        "lru | arc | 2q | arcdk (default: eviction_policy)",
+        f"{POLICY_CHOICES} (default: eviction_policy)",
     ),
     KeySpec(
         "disk_io",
@@ -310,14 +315,15 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
             unknown[0],
             f"unknown key; valid keys are: {', '.join(KEY_NAMES)}",
         )
-    policy = _choice(extra, "eviction_policy", "lru", POLICIES)
+    policies = policy_names()
+    policy = _choice(extra, "eviction_policy", "lru", policies)
     disk_bytes = _int(extra, "disk_bytes_to_use", 0, 0)
     cfg = KvtierConfig(
         cpu_bytes_to_use=_int(extra, "cpu_bytes_to_use", None, 1),
         disk_bytes_to_use=disk_bytes,
         disk_paths=_paths(extra) if disk_bytes > 0 else (),
-        cpu_eviction_policy=_choice(extra, "cpu_eviction_policy", policy, POLICIES),
-        disk_eviction_policy=_choice(extra, "disk_eviction_policy", policy, POLICIES),
+        cpu_eviction_policy=_choice(extra, "cpu_eviction_policy", policy, policies),
+        disk_eviction_policy=_choice(extra, "disk_eviction_policy", policy, policies),
         disk_io=_choice(extra, "disk_io", "auto", DISK_IO_CHOICES),
         disk_compression=_choice(
             extra, "disk_compression", "none", COMPRESSION_CHOICES

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtier.connector.config import (
+    POLICY_CHOICES,
     ConfigError,
     KeySpec,
     KvtierConfig,
@@ -45,7 +46,7 @@ TIER_KEYS: tuple[KeySpec, ...] = (
         None,
         "absolute path or non-empty list of absolute paths (required)",
     ),
-    KeySpec("eviction_policy", "Eviction policy of this tier.", "lru", "lru | arc"),
+    KeySpec("eviction_policy", "Eviction policy of this tier.", "lru", POLICY_CHOICES),
     KeySpec(
         "disk_compression",
         "zstd over byte planes (stored raw when it saves too little).",

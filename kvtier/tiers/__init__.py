@@ -14,11 +14,13 @@ from kvtier.tiers.plans import (
     TransferItem,
 )
 from kvtier.tiers.policy import (
-    POLICIES,
+    POLICY_REGISTRY,
     ARCPolicy,
     EvictionPolicy,
     LRUPolicy,
     make_policy,
+    policy_names,
+    register_policy,
 )
 from kvtier.tiers.tier import BlockState, Tier, TierBlock
 
@@ -33,7 +35,7 @@ __all__ = [
     "MEDIA",
     "MEDIUM_CPU",
     "MEDIUM_DISK",
-    "POLICIES",
+    "POLICY_REGISTRY",
     "PromoteOrder",
     "Residency",
     "SpillOrder",
@@ -44,5 +46,7 @@ __all__ = [
     "TierHierarchy",
     "TransferItem",
     "make_policy",
+    "policy_names",
+    "register_policy",
     "replay",
 ]

@@ -1,18 +1,33 @@
-"""Eviction policies: the order in which a tier gives up its blocks.
+"""Eviction policies, the registry that names them, and their victim order.
 
 A policy only ranks keys; it knows nothing of slots, pins or I/O. The tier
 asks it for candidates in eviction order and skips those it may not evict
 (pinned, being written), so a policy never has to be told about pins.
+
+Every policy describes its order in a form a tier can index incrementally
+(see :class:`EvictionPolicy`: ``segments``, ``position`` and
+``victim_order``), so choosing victims costs O(blocks touched) whatever the
+policy. :func:`register_policy` refuses a class that does not, and
+:data:`POLICY_REGISTRY` is the one list of policies: ``make_policy``, the
+configuration keys, the CLI and the docs all read it.
+
+Not thread-safe: a policy belongs to one tier, whose caller serializes calls.
 """
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
-from itertools import islice
+from typing import ClassVar, TypeVar
 
-POLICIES = ("lru", "arc", "2q", "arcdk")
+from kvtier.tiers.doorkeeper import Doorkeeper
+
+# One run of a victim order: (segment, stop). The run yields the keys of
+# ``segment`` not yet yielded whose stamp is below ``stop`` (all of them when
+# ``stop`` is None), oldest stamp first.
+Run = tuple[int, int | None]
 
 
 class EvictionPolicy(ABC):
@@ -20,14 +35,35 @@ class EvictionPolicy(ABC):
 
     Contract: every resident key was ``insert``-ed exactly once and is
     ``remove``-d exactly once when it leaves; ``candidates`` yields each
-    resident key at most once, most evictable first, lazily (callers stop
+    resident key exactly once, most evictable first, lazily (callers stop
     early, so the cost is proportional to what they consume).
+
+    Victim order, what lets a tier keep an O(blocks touched) index of its
+    evictable keys: the resident keys are split into ``segments`` ordered
+    lists (LRU: one; ARC: T1 and T2). ``position(key)`` is a resident key's
+    (segment, stamp), and
+
+    - a key's position changes only when that key is ``insert``-ed or
+      ``touch``-ed (never as a side effect of another key's call), and each
+      such change gives it a stamp larger than every stamp given before;
+    - ``victim_order()`` is a sequence of runs ``(segment, stop)`` such that
+      ``candidates()`` equals: for each run in turn, the keys of ``segment``
+      not yet yielded with stamp < ``stop`` (every one when ``stop`` is
+      None), by increasing stamp. Every segment has a run with ``stop``
+      None. It may depend on the policy's state (ARC's target ``p``).
+
+    Both are O(1). ``name`` is what configurations and :func:`make_policy`
+    accept, ``summary`` one sentence for the docs; subclasses register with
+    :func:`register_policy`.
     """
 
-    name = ""  # what make_policy accepts for it
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    segments: ClassVar[int] = 1
 
     def __init__(self, capacity: int):
         self.capacity = capacity
+        self._clock = itertools.count()  # stamps, shared by all segments
 
     @abstractmethod
     def insert(self, key: Hashable) -> None:
@@ -35,7 +71,8 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def touch(self, key: Hashable) -> None:
-        """A resident key was used (hit, load, or re-offered for store)."""
+        """A resident key was used (hit, load, or re-offered for store); a
+        key that is not resident is ignored."""
 
     @abstractmethod
     def remove(self, key: Hashable, evicted: bool) -> None:
@@ -43,40 +80,115 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def candidates(self) -> Iterator[Hashable]:
-        """Resident keys, most evictable first."""
+        """Resident keys, most evictable first (a walk: O(keys consumed))."""
+
+    @abstractmethod
+    def position(self, key: Hashable) -> tuple[int, int]:
+        """(segment, stamp) of a resident key. O(1)."""
+
+    @abstractmethod
+    def victim_order(self) -> tuple[Run, ...]:
+        """The current order of the segments, as runs. O(1)."""
 
     @abstractmethod
     def __len__(self) -> int: ...
 
 
+P = TypeVar("P", bound=type[EvictionPolicy])
+
+# name -> policy class, in registration order (the built-ins first, lru the
+# default). Read it through policy_names / make_policy; add with
+# register_policy.
+POLICY_REGISTRY: dict[str, type[EvictionPolicy]] = {}
+
+
+def register_policy(cls: P) -> P:
+    """Class decorator: make ``cls`` selectable by ``cls.name``.
+
+    Refuses (``TypeError``) a class without a name or summary, a name taken
+    by another class, and a class that does not implement the victim order
+    (``position``/``victim_order`` left abstract, or ``segments`` < 1): a
+    tier could only scan such a policy, which breaks its O(blocks touched)
+    promise."""
+    label = f"eviction policy {cls.__qualname__}"
+    if not cls.name or not cls.summary:
+        raise TypeError(f"{label} needs a class attribute name and a summary")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise TypeError(
+            f"{label} ({cls.name!r}) cannot be registered: it does not "
+            f"implement {', '.join(missing)}. A tier chooses victims from "
+            "the policy's victim order (segments, position, victim_order; "
+            "see EvictionPolicy) to stay O(blocks touched); it never scans."
+        )
+    if not isinstance(cls.segments, int) or cls.segments < 1:
+        raise TypeError(f"{label} ({cls.name!r}): segments must be an int >= 1")
+    other = POLICY_REGISTRY.get(cls.name)
+    if other is not None and other is not cls:
+        raise TypeError(
+            f"{label}: the name {cls.name!r} is taken by {other.__qualname__}"
+        )
+    POLICY_REGISTRY[cls.name] = cls
+    return cls
+
+
+def policy_names() -> tuple[str, ...]:
+    """Every registered policy name, in registration order."""
+    return tuple(POLICY_REGISTRY)
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """Build a registered policy by name; unknown names raise ``ValueError``
+    listing the accepted ones."""
+    cls = POLICY_REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(
+            f"unknown eviction policy {name!r}: accepted values are "
+            f"{' | '.join(policy_names())}"
+        )
+    return cls(capacity)
+
+
+@register_policy
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
+    """Least recently used first. One segment: the keys by last use."""
 
     name = "lru"
+    summary = "least recently used first."
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._order: OrderedDict[Hashable, int] = OrderedDict()  # key -> stamp
 
     def insert(self, key: Hashable) -> None:
-        self._order[key] = None
+        self._order[key] = next(self._clock)
 
     def touch(self, key: Hashable) -> None:
         if key in self._order:
+            self._order[key] = next(self._clock)
             self._order.move_to_end(key)
 
     def remove(self, key: Hashable, evicted: bool) -> None:
         self._order.pop(key, None)
 
     def candidates(self) -> Iterator[Hashable]:
-        # Snapshot-free iteration would break if the caller evicts while
-        # iterating; callers collect first, then evict, so iterate directly.
+        # Callers collect first, then evict, so iterate directly.
         return iter(self._order)
+
+    def position(self, key: Hashable) -> tuple[int, int]:
+        return 0, self._order[key]
+
+    def victim_order(self) -> tuple[Run, ...]:
+        return ((0, None),)
 
     def __len__(self) -> int:
         return len(self._order)
 
 
+_T1, _T2 = 0, 1
+
+
+@register_policy
 class ARCPolicy(EvictionPolicy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST'03).
 
@@ -85,15 +197,23 @@ class ARCPolicy(EvictionPolicy):
     hits a ghost list shifts the target size ``p`` of T1 toward the list
     that would have kept it, so the cache adapts between recency and
     frequency. Scan-resistant: one pass over new keys only churns T1.
+    Segments: T1 and T2, each by last use; T1 goes first while it exceeds
+    its target ``p`` (ARC's REPLACE).
     """
 
     name = "arc"
+    summary = (
+        "adaptive replacement (ARC): balances recency and frequency with "
+        "ghost lists one tier long; scan-resistant, no tuning."
+    )
+    segments = 2
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self.p = 0.0
-        self._t1: OrderedDict[Hashable, None] = OrderedDict()
-        self._t2: OrderedDict[Hashable, None] = OrderedDict()
+        # Resident lists: key -> stamp. Ghost lists: key -> None.
+        self._t1: OrderedDict[Hashable, int] = OrderedDict()
+        self._t2: OrderedDict[Hashable, int] = OrderedDict()
         self._b1: OrderedDict[Hashable, None] = OrderedDict()
         self._b2: OrderedDict[Hashable, None] = OrderedDict()
 
@@ -102,19 +222,20 @@ class ARCPolicy(EvictionPolicy):
         if key in self._b1:
             self.p = min(c, self.p + max(len(self._b2) / max(len(self._b1), 1), 1))
             del self._b1[key]
-            self._t2[key] = None
+            self._t2[key] = next(self._clock)
         elif key in self._b2:
             self.p = max(0.0, self.p - max(len(self._b1) / max(len(self._b2), 1), 1))
             del self._b2[key]
-            self._t2[key] = None
+            self._t2[key] = next(self._clock)
         else:
-            self._t1[key] = None
+            self._t1[key] = next(self._clock)
 
     def touch(self, key: Hashable) -> None:
         if key in self._t1:
             del self._t1[key]
-            self._t2[key] = None
+            self._t2[key] = next(self._clock)
         elif key in self._t2:
+            self._t2[key] = next(self._clock)
             self._t2.move_to_end(key)
 
     def remove(self, key: Hashable, evicted: bool) -> None:
@@ -135,75 +256,35 @@ class ARCPolicy(EvictionPolicy):
                     last=False
                 )
 
-    def candidates(self) -> Iterator[Hashable]:
+    def _t1_first(self) -> bool:
         # ARC's REPLACE: take from T1 while it exceeds its target p.
-        if self._t1 and len(self._t1) > self.p:
+        return bool(self._t1) and len(self._t1) > self.p
+
+    def candidates(self) -> Iterator[Hashable]:
+        if self._t1_first():
             yield from self._t1
             yield from self._t2
         else:
             yield from self._t2
             yield from self._t1
 
+    def position(self, key: Hashable) -> tuple[int, int]:
+        stamp = self._t1.get(key)
+        return (_T1, stamp) if stamp is not None else (_T2, self._t2[key])
+
+    def victim_order(self) -> tuple[Run, ...]:
+        if self._t1_first():
+            return ((_T1, None), (_T2, None))
+        return ((_T2, None), (_T1, None))
+
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
 
 
-_M64 = (1 << 64) - 1
-_MIX1 = 0x9E3779B97F4A7C15  # odd 64-bit constants (Fibonacci hashing)
-_MIX2 = 0xC2B2AE3D27D4EB4F
+_PROBATION, _MAIN = 0, 1
 
 
-class Doorkeeper:
-    """Has this key been seen among the last ``window`` to ``2 * window``
-    keys added? A Bloom filter (two bits per key, 16 bits of filter per
-    key of window, so ~1 % false positives) in two generations: the current
-    one takes new keys, the previous one is still asked, and after
-    ``window`` additions the previous is dropped. 4 bytes per key of window
-    whatever the keys are; never a false negative within the window. O(1).
-
-    ``hash(key)`` is mixed by two multiplications, so keys whose hashes
-    are sequential (the integer block ids of a trace) collide as often as
-    real block hashes do: ``kvtier size`` then predicts what the plugin gets.
-    """
-
-    def __init__(self, window: int):
-        self.window = max(64, window)
-        self._bits = (16 * self.window - 1).bit_length()  # >= 16 bits per key
-        self._shift = 64 - self._bits
-        self._nbytes = (1 << self._bits) // 8
-        self._cur = bytearray(self._nbytes)
-        self._prev = bytearray(self._nbytes)
-        self._added = 0
-
-    def _index(self, key: Hashable) -> tuple[int, int, int, int]:
-        h = hash(key)
-        a = ((h * _MIX1) & _M64) >> self._shift
-        b = ((h * _MIX2) & _M64) >> self._shift
-        return a >> 3, 1 << (a & 7), b >> 3, 1 << (b & 7)
-
-    def __contains__(self, key: Hashable) -> bool:
-        ia, ma, ib, mb = self._index(key)
-        cur, prev = self._cur, self._prev
-        return bool(
-            (cur[ia] & ma and cur[ib] & mb) or (prev[ia] & ma and prev[ib] & mb)
-        )
-
-    def add(self, key: Hashable) -> bool:
-        """Remember ``key``; returns whether it was already remembered."""
-        ia, ma, ib, mb = self._index(key)
-        cur, prev = self._cur, self._prev
-        seen = bool(
-            (cur[ia] & ma and cur[ib] & mb) or (prev[ia] & ma and prev[ib] & mb)
-        )
-        cur[ia] |= ma
-        cur[ib] |= mb
-        self._added += 1
-        if self._added >= self.window:
-            self._prev, self._cur = cur, bytearray(self._nbytes)
-            self._added = 0
-        return seen
-
-
+@register_policy
 class TwoQueuePolicy(EvictionPolicy):
     """2Q (Johnson & Shasha, VLDB'94) with a TinyLFU-style doorkeeper.
 
@@ -223,50 +304,84 @@ class TwoQueuePolicy(EvictionPolicy):
     reused too rarely to survive in the main LRU then crowd it (10x lost to
     5x at small tiers on the tuning half of the trace). O(1) per call;
     ~4 bytes per key of history.
+
+    Segments: probation and main. Probation is kept as its older part
+    (beyond the target) and its newest ``small_target`` keys, so the order
+    "older probation, main, newest probation" is one stamp threshold.
     """
 
     name = "2q"
+    summary = (
+        "a block seen for the first time goes to a FIFO probation of 10 % of "
+        "the tier; one seen again within 5 tier capacities (a Bloom filter) "
+        "or hit on probation goes to the main LRU."
+    )
+    segments = 2
 
     def __init__(self, capacity: int, small: float = 0.1, history: float = 5.0):
         super().__init__(capacity)
         self.small_target = max(1, int(small * capacity))
         self.doorkeeper = Doorkeeper(int(history * max(capacity, 1)))
-        self._probation: OrderedDict[Hashable, None] = OrderedDict()
-        self._main: OrderedDict[Hashable, None] = OrderedDict()
+        # Probation = _old + _young in FIFO order (key -> stamp); _young
+        # holds its newest min(len, small_target) keys.
+        self._old: OrderedDict[Hashable, int] = OrderedDict()
+        self._young: OrderedDict[Hashable, int] = OrderedDict()
+        self._main: OrderedDict[Hashable, int] = OrderedDict()
 
     def insert(self, key: Hashable) -> None:
         if self.doorkeeper.add(key):
-            self._main[key] = None
-        else:
-            self._probation[key] = None
+            self._main[key] = next(self._clock)
+            return
+        self._young[key] = next(self._clock)
+        if len(self._young) > self.small_target:
+            oldest, stamp = self._young.popitem(last=False)
+            self._old[oldest] = stamp
+
+    def _leave_probation(self, key: Hashable) -> bool:
+        """Drop ``key`` from probation, keeping _young full; False if it was
+        not there. O(1)."""
+        if self._old.pop(key, None) is not None:
+            return True
+        if self._young.pop(key, None) is None:
+            return False
+        if self._old:  # the newest older key is among the newest again
+            newest, stamp = self._old.popitem(last=True)
+            self._young[newest] = stamp
+            self._young.move_to_end(newest, last=False)
+        return True
 
     def touch(self, key: Hashable) -> None:
-        if key in self._probation:
-            del self._probation[key]
-            self._main[key] = None
-        elif key in self._main:
+        if self._leave_probation(key) or key in self._main:
+            self._main[key] = next(self._clock)
             self._main.move_to_end(key)
 
     def remove(self, key: Hashable, evicted: bool) -> None:
-        if key in self._probation:
-            del self._probation[key]
-        else:
+        if not self._leave_probation(key):
             self._main.pop(key, None)
 
     def candidates(self) -> Iterator[Hashable]:
-        excess = len(self._probation) - self.small_target
-        if excess > 0:
-            yield from islice(self._probation, excess)
-            yield from self._main
-            yield from islice(self._probation, excess, None)
-        else:
-            yield from self._main
-            yield from self._probation
+        yield from self._old  # probation beyond its target
+        yield from self._main
+        yield from self._young
+
+    def position(self, key: Hashable) -> tuple[int, int]:
+        stamp = self._main.get(key)
+        if stamp is not None:
+            return _MAIN, stamp
+        stamp = self._young.get(key)
+        return _PROBATION, self._old[key] if stamp is None else stamp
+
+    def victim_order(self) -> tuple[Run, ...]:
+        if not self._old:
+            return ((_MAIN, None), (_PROBATION, None))
+        threshold = next(iter(self._young.values()))
+        return ((_PROBATION, threshold), (_MAIN, None), (_PROBATION, None))
 
     def __len__(self) -> int:
-        return len(self._probation) + len(self._main)
+        return len(self._old) + len(self._young) + len(self._main)
 
 
+@register_policy
 class ARCDoorkeeperPolicy(ARCPolicy):
     """ARC whose memory of "seen before" reaches past its ghost lists.
 
@@ -276,12 +391,17 @@ class ARCDoorkeeperPolicy(ARCPolicy):
     is in no ghost list but in the doorkeeper (the same Bloom filter as
     ``2q``'s: every inserted key of the last ``history`` = 5 capacities)
     also goes to T2, without moving ARC's target ``p`` (that is reserved for
-    ghost hits, which say which list was too short). Everything else is ARC,
-    so a tier that is small next to the short-term reuse still adapts toward
-    recency, where ``2q``'s fixed 10 % probation cannot. O(1) per call.
+    ghost hits, which say which list was too short). Everything else is ARC
+    (its segments and victim order included), so a tier that is small next
+    to the short-term reuse still adapts toward recency, where ``2q``'s
+    fixed 10 % probation cannot. O(1) per call.
     """
 
     name = "arcdk"
+    summary = (
+        'ARC whose "seen before" reaches 5 tier capacities back through '
+        "2q's Bloom filter: such a block enters ARC's frequency side."
+    )
 
     def __init__(self, capacity: int, history: float = 5.0):
         super().__init__(capacity)
@@ -290,21 +410,6 @@ class ARCDoorkeeperPolicy(ARCPolicy):
     def insert(self, key: Hashable) -> None:
         seen = self.doorkeeper.add(key)
         if seen and key not in self._b1 and key not in self._b2:
-            self._t2[key] = None
+            self._t2[key] = next(self._clock)
         else:
             super().insert(key)
-
-
-def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """Build a policy by name; unknown names raise ``ValueError``."""
-    if name == "lru":
-        return LRUPolicy(capacity)
-    if name == "arc":
-        return ARCPolicy(capacity)
-    if name == "2q":
-        return TwoQueuePolicy(capacity)
-    if name == "arcdk":
-        return ARCDoorkeeperPolicy(capacity)
-    raise ValueError(
-        f"unknown eviction policy {name!r}: accepted values are {POLICIES}"
-    )

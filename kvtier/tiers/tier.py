@@ -4,29 +4,29 @@ A tier does bookkeeping only; it never moves bytes. Slots are integers in
 ``[0, capacity)`` that the worker side maps onto memory (a CPU buffer row)
 or onto disk (a slab slot).
 
-Victim choice is O(blocks touched). The tier keeps an index of its
-*eligible* blocks (READY, unpinned, and allowed by the tier's filter, e.g.
-"also on disk" for a CPU tier over a disk tier), updated on every state
-change, ordered exactly as the policy ranks them. ``victims`` walks only
-that index, so a tier whose blocks are nearly all dirty, pinned or being
-written answers at once instead of scanning every block it holds.
+Victim choice is O(blocks touched), for every registered policy. The tier
+keeps an index of its *eligible* blocks (READY, unpinned, and allowed by the
+tier's filter, e.g. "also on disk" for a CPU tier over a disk tier), updated
+on every state change, ordered exactly as the policy ranks them: one heap
+per policy segment, keyed by the stamps the policy hands out
+(:class:`kvtier.tiers.policy.EvictionPolicy`'s victim order). ``victims``
+walks only that index, following the policy's ``victim_order`` runs, so a
+tier whose blocks are nearly all dirty, pinned or being written answers at
+once instead of scanning every block it holds. Only an explicitly bounded
+scan (``victims(limit=...)``) walks ``candidates()``.
+
+Not thread-safe: the tier's owner serializes calls.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
-from kvtier.tiers.policy import (
-    ARCDoorkeeperPolicy,
-    ARCPolicy,
-    EvictionPolicy,
-    LRUPolicy,
-    make_policy,
-)
+from kvtier.tiers.policy import EvictionPolicy, make_policy
 
 
 class BlockState(Enum):
@@ -46,35 +46,6 @@ class TierBlock:
     @property
     def evictable(self) -> bool:
         return self.state is BlockState.READY and self.pins == 0
-
-
-# How a policy orders its candidates, for the eligible index: the policy's
-# candidate order is a sequence of *segments* (LRU: one list; ARC: T1 and
-# T2, in an order that depends on ``p``), each ordered by when a key last
-# entered it or moved to its end (its last insert or touch). ``segment``
-# says which segment a resident key is in right after its insert/touch;
-# ``order`` which segments ``candidates()`` yields first. Policies without
-# an adapter (exact type match only) fall back to scanning ``candidates()``.
-@dataclass(frozen=True, slots=True)
-class _OrderAdapter:
-    segments: int
-    segment: Callable[[EvictionPolicy, Hashable], int]
-    order: Callable[[EvictionPolicy], Sequence[int]]
-
-
-def _arc_order(policy: ARCPolicy) -> Sequence[int]:
-    # Mirrors ARCPolicy.candidates: T1 first while it exceeds its target p.
-    return (0, 1) if policy._t1 and len(policy._t1) > policy.p else (1, 0)
-
-
-_ORDER_ADAPTERS: dict[type, _OrderAdapter] = {
-    LRUPolicy: _OrderAdapter(1, lambda policy, key: 0, lambda policy: (0,)),
-    ARCPolicy: _OrderAdapter(
-        2, lambda policy, key: 1 if key in policy._t2 else 0, _arc_order
-    ),
-}
-# ARC with a doorkeeper keeps ARC's lists and eviction order.
-_ORDER_ADAPTERS[ARCDoorkeeperPolicy] = _ORDER_ADAPTERS[ARCPolicy]
 
 
 class Tier:
@@ -105,23 +76,23 @@ class Tier:
         # tier of millions of slots costs nothing.
         self._next_fresh = 0
         self._free: list[int] = []
-        # Eligible index. ``_pos[key]`` = (segment, seq) of every resident
-        # key (seq grows on each insert/touch); ``_eligible`` the keys that
-        # may be victims now; one heap of (seq, key) per segment holding
-        # every eligible key, plus stale entries dropped lazily when popped
-        # (an entry is live iff the key is eligible and its _pos matches).
+        # Eligible index. ``_pos[key]`` = the policy's (segment, stamp) of
+        # every resident key, as of its last insert/touch; ``_eligible`` the
+        # keys that may be victims now; one heap of (stamp, key) per segment
+        # holding every eligible key, plus stale entries dropped lazily when
+        # popped (an entry is live iff the key is eligible and its _pos
+        # matches).
         self.filter: Callable[[Hashable, TierBlock], bool] | None = None
-        self._adapter = _ORDER_ADAPTERS.get(type(self.policy))
-        self._seq = itertools.count()
         self._pos: dict[Hashable, tuple[int, int]] = {}
         self._eligible: set[Hashable] = set()
-        # key -> seq of the entry it has in a heap (live or, while the key
+        # key -> stamp of the entry it has in a heap (live or, while the key
         # is ineligible, dormant): a pin/unpin cycle pushes nothing.
         self._heaped: dict[Hashable, int] = {}
-        nseg = self._adapter.segments if self._adapter is not None else 0
-        self._heaps: list[list[tuple[int, Hashable]]] = [[] for _ in range(nseg)]
-        # Candidates examined by ``victims`` (index entries or policy
-        # candidates), for tests and benchmarks.
+        self._heaps: list[list[tuple[int, Hashable]]] = [
+            [] for _ in range(self.policy.segments)
+        ]
+        # Candidates examined by ``victims`` (index entries, or policy
+        # candidates of a bounded scan), for tests and benchmarks.
         self.inspected = 0
 
     # --- queries ---
@@ -265,26 +236,20 @@ class Tier:
 
     def _reposition(self, key: Hashable) -> None:
         """``key`` was inserted into or touched in the policy: record where
-        the policy put it."""
-        adapter = self._adapter
-        if adapter is None:
-            self.refresh(key)
-            return
-        self._pos[key] = (adapter.segment(self.policy, key), next(self._seq))
+        the policy put it (only that key's position changed)."""
+        self._pos[key] = self.policy.position(key)
         if key in self._eligible:
             self._push(key)  # the old entry is stale now
         else:
             self.refresh(key)
 
     def _push(self, key: Hashable) -> None:
-        if self._adapter is None:
-            return
-        seg, seq = self._pos[key]
-        if self._heaped.get(key) == seq:
+        seg, stamp = self._pos[key]
+        if self._heaped.get(key) == stamp:
             return  # its entry is still there
-        self._heaped[key] = seq
+        self._heaped[key] = stamp
         heap = self._heaps[seg]
-        heapq.heappush(heap, (seq, key))
+        heapq.heappush(heap, (stamp, key))
         if len(heap) > 2 * len(self._eligible) + 64:
             self._rebuild()
 
@@ -293,9 +258,9 @@ class Tier:
         heaps: list[list[tuple[int, Hashable]]] = [[] for _ in self._heaps]
         self._heaped = {}
         for key in self._eligible:
-            seg, seq = self._pos[key]
-            heaps[seg].append((seq, key))
-            self._heaped[key] = seq
+            seg, stamp = self._pos[key]
+            heaps[seg].append((stamp, key))
+            self._heaped[key] = stamp
         for heap in heaps:
             heapq.heapify(heap)
         self._heaps = heaps
@@ -337,22 +302,24 @@ class Tier:
         chosen: list[Hashable] = []
         if n <= 0 or not self._eligible:
             return chosen
-        if limit is not None or self._adapter is None:
+        if limit is not None:
             return self._scan(n, accept, exclude, limit)
         held: list[tuple[int, tuple[int, Hashable]]] = []
         seen: set[Hashable] = set()
         eligible, pos, blocks = self._eligible, self._pos, self._blocks
         heaped = self._heaped
-        for seg in self._adapter.order(self.policy):
+        for seg, stop in self.policy.victim_order():
             heap = self._heaps[seg]
             while heap and len(chosen) < n:
+                if stop is not None and heap[0][0] >= stop:
+                    break  # the rest of this segment comes in a later run
                 entry = heapq.heappop(heap)
                 self.inspected += 1
-                seq, key = entry
-                if key in seen or key not in eligible or pos[key] != (seg, seq):
+                stamp, key = entry
+                if key in seen or key not in eligible or pos[key] != (seg, stamp):
                     # Stale, dormant (the key is ineligible now) or a
                     # duplicate: gone for good.
-                    if heaped.get(key) == seq and key not in seen:
+                    if heaped.get(key) == stamp and key not in seen:
                         del heaped[key]
                     continue
                 seen.add(key)
@@ -373,15 +340,12 @@ class Tier:
         n: int,
         accept: Callable[[Hashable, TierBlock], bool] | None,
         exclude: set[Hashable] | frozenset[Hashable],
-        limit: int | None,
+        limit: int,
     ) -> list[Hashable]:
-        """Victims by walking the policy's candidates (a bounded scan, or a
-        policy without an order adapter); stops once every eligible key was
-        seen."""
+        """Victims among the first ``limit`` of the policy's candidates (a
+        bounded scan); stops once every eligible key was seen."""
         chosen: list[Hashable] = []
-        candidates = self.policy.candidates()
-        if limit is not None:
-            candidates = itertools.islice(candidates, limit)
+        candidates = itertools.islice(self.policy.candidates(), limit)
         eligible = self._eligible
         left = len(eligible)
         for key in candidates:

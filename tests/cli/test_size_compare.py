@@ -9,7 +9,7 @@ import pytest
 
 from kvtier import sizing, sizing_compare
 from kvtier.cli import main
-from kvtier.tiers.policy import POLICIES
+from kvtier.tiers.policy import policy_names
 
 
 def _trace(path: Path, prefixes: list[list[int]]) -> str:
@@ -35,7 +35,7 @@ def test_size_compare_json_lists_every_policy_under_the_optimum(
     )
     doc = json.loads(capsys.readouterr().out)
     cmp = doc["comparison"]
-    assert [p["cpu_policy"] for p in cmp["policies"]] == list(POLICIES)
+    assert [p["cpu_policy"] for p in cmp["policies"]] == list(policy_names())
     assert cmp["optimal_hit_rate"] == pytest.approx(
         sizing_compare.optimal_hit_rate(PREFIXES, 4)
     )
@@ -59,8 +59,8 @@ def test_size_compare_with_disk_pairs_text_and_plot(
     out = capsys.readouterr().out
     assert "optimum" in out and "one tier of 5 blocks" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("  ")]
-    pairs = {(r[0], r[1]) for r in rows if r[0] in POLICIES}
-    assert pairs == {(c, d) for c in POLICIES for d in POLICIES}
+    pairs = {(r[0], r[1]) for r in rows if r[0] in policy_names()}
+    assert pairs == {(c, d) for c in policy_names() for d in policy_names()}
     assert png.stat().st_size > 0
 
 

@@ -22,6 +22,7 @@ from kvtier.connector.config import (
     check_disk_paths,
     parse_extra_config,
 )
+from kvtier.tiers.policy import policy_names
 
 BASE: dict[str, Any] = {
     "spec_name": "TieredOffloadingSpec",
@@ -33,7 +34,7 @@ DISK: dict[str, Any] = {**BASE, "disk_bytes_to_use": 1 << 30, "disk_path": "/mnt
 INT_MIN1 = "integer >= 1"
 THREADS = "integer in [1, 256]"
 INT_MIN0 = "integer >= 0"
-POLICY = "lru | arc"
+POLICY = " | ".join(policy_names())  # every registered policy, listed
 BOOL = "true | false"
 FRACTION = "number in [0, 1]"
 

@@ -2,7 +2,14 @@
 
 import pytest
 
-from kvtier.tiers import MEDIUM_CPU, MEDIUM_DISK, Residency, TierHierarchy, replay
+from kvtier.tiers import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    Residency,
+    TierHierarchy,
+    policy_names,
+    replay,
+)
 
 
 def _store(h, keys):
@@ -148,7 +155,7 @@ def _count_candidates(tier):
     return lambda: seen[0] + getattr(tier, "inspected", 0)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("disk_blocks", [65536, 16384])
 def test_declined_stores_inspect_blocks_touched_not_the_tier(policy, disk_blocks):
     """Issue 11: spills are slow, so every CPU block is dirty or being

@@ -33,6 +33,7 @@ from kvtier.tiers import (
     MEDIUM_DISK,
     Residency,
     TierHierarchy,
+    policy_names,
     replay,
 )
 
@@ -43,8 +44,8 @@ class HierarchyMachine(RuleBasedStateMachine):
     @initialize(
         cpu=st.integers(1, 6),
         disk=st.integers(0, 10),
-        cpu_policy=st.sampled_from(["lru", "arc", "2q", "arcdk"]),
-        disk_policy=st.sampled_from(["lru", "arc", "2q", "arcdk"]),
+        cpu_policy=st.sampled_from(policy_names()),
+        disk_policy=st.sampled_from(policy_names()),
         watermark=st.sampled_from([0.0, 0.5, 0.75, 1.0]),
     )
     def setup(self, cpu, disk, cpu_policy, disk_policy, watermark):

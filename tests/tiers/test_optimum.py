@@ -13,7 +13,7 @@ from kvtier.tiers.optimum import (
     rate_oracle_hits,
     static_frequency_hits,
 )
-from kvtier.tiers.policy import POLICIES
+from kvtier.tiers.policy import policy_names
 
 
 def _prefix_trace(prompts: list[list[int]]) -> list[list[int]]:
@@ -67,7 +67,7 @@ def test_optimum_keeps_the_block_used_next():
     ),
     st.integers(1, 4),
     st.integers(0, 4),
-    st.sampled_from(POLICIES),
+    st.sampled_from(policy_names()),
 )
 def test_no_policy_beats_the_optimum(prompts, cpu, disk, policy):
     """Every policy, through the real hierarchy replay, stays under the

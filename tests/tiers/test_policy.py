@@ -5,11 +5,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.tiers import ARCPolicy, LRUPolicy, Tier, TierEvent, make_policy, replay
+from kvtier.tiers.doorkeeper import Doorkeeper
 from kvtier.tiers.policy import (
-    POLICIES,
     ARCDoorkeeperPolicy,
-    Doorkeeper,
     TwoQueuePolicy,
+    policy_names,
 )
 
 
@@ -95,15 +95,18 @@ OPS = st.lists(
 )
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", policy_names())
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS, capacity=st.integers(1, 8))
 def test_policy_contract(name, ops, capacity):
     """Whatever the calls, ``candidates`` yields every resident key exactly
-    once (a tier relies on it to find a victim), and ``len`` counts them."""
+    once (a tier relies on it to find a victim), ``len`` counts them, the
+    victim order (runs over segments by stamp) is the same order, and a
+    call moves no key but its own."""
     p = make_policy(name, capacity)
     resident: set[int] = set()
     for op, key in ops:
+        before = {k: p.position(k) for k in resident}
         if op == "insert":
             if key in resident:
                 continue
@@ -121,6 +124,29 @@ def test_policy_contract(name, ops, capacity):
         order = list(p.candidates())
         assert len(order) == len(set(order)) == len(p)
         assert set(order) == resident
+        assert _order_from_runs(p, resident) == order
+        # Only the key called moved: the tier re-reads no other position.
+        moved = {k for k in resident & before.keys() if p.position(k) != before[k]}
+        assert moved <= {key}
+
+
+def _order_from_runs(p, resident):
+    """The order ``victim_order`` and ``position`` describe (what a tier's
+    index follows), computed naively from the resident keys."""
+    pos = {k: p.position(k) for k in resident}
+    assert all(0 <= seg < p.segments for seg, _ in pos.values())
+    assert len({stamp for _, stamp in pos.values()}) == len(pos)  # unique
+    out: list = []
+    left = set(resident)
+    for seg, stop in p.victim_order():
+        run = [
+            k for k in left if pos[k][0] == seg and (stop is None or pos[k][1] < stop)
+        ]
+        run.sort(key=lambda k: pos[k][1])
+        out += run
+        left -= set(run)
+    assert not left, "every segment needs a run with stop None"
+    return out
 
 
 def test_2q_first_sight_keys_go_first_and_seen_keys_stay():
@@ -158,7 +184,7 @@ def test_doorkeeper_add_reports_what_contains_said(keys):
         assert k in dk
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", policy_names())
 def test_every_policy_is_accepted_by_the_config_and_the_hierarchy(name):
     from kvtier.connector.config import parse_extra_config
     from kvtier.tiers import TierHierarchy
