@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from xxhash import xxh3_64_intdigest
+
 _M64 = (1 << 64) - 1
 _MIX1 = 0x9E3779B97F4A7C15  # odd 64-bit constants (Fibonacci hashing)
 _MIX2 = 0xC2B2AE3D27D4EB4F
@@ -26,6 +28,9 @@ class Doorkeeper:
     ``hash(key)`` is mixed by two multiplications, so keys whose hashes
     are sequential (the integer block ids of a trace) collide as often as
     real block hashes do: ``kvtier size`` then predicts what the plugin gets.
+    A ``bytes`` key (vLLM's ``OffloadKey``) is hashed with xxh3, not
+    ``hash()``, which Python salts per process: the same keys give the same
+    false positives, hence the same evictions, in every run.
     """
 
     def __init__(self, window: int):
@@ -38,7 +43,7 @@ class Doorkeeper:
         self._added = 0
 
     def _index(self, key: Hashable) -> tuple[int, int, int, int]:
-        h = hash(key)
+        h = xxh3_64_intdigest(key) if type(key) is bytes else hash(key)
         a = ((h * _MIX1) & _M64) >> self._shift
         b = ((h * _MIX2) & _M64) >> self._shift
         return a >> 3, 1 << (a & 7), b >> 3, 1 << (b & 7)

@@ -211,3 +211,31 @@ def test_arcdk_sends_keys_seen_long_ago_to_t2_without_moving_p():
     p.insert("z")  # first sight: T1 as in ARC
     assert "z" in p._t1
     assert isinstance(make_policy("arcdk", 2), ARCDoorkeeperPolicy)
+
+
+def test_doorkeeper_remembers_bytes_keys_alike_in_every_process():
+    # vLLM's keys are bytes, whose hash() Python salts per process: the
+    # filter's bits (its false positives, so 2q's and arcdk's evictions)
+    # must not depend on that salt.
+    import subprocess
+    import sys
+
+    code = (
+        "import hashlib\n"
+        "from kvtier.tiers.doorkeeper import Doorkeeper\n"
+        "dk = Doorkeeper(256)\n"
+        "for i in range(200): dk.add(hashlib.sha256(b'%d' % i).digest() + bytes(4))\n"
+        "print(hashlib.sha256(bytes(dk._cur)).hexdigest())\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(digests) == 1, digests
