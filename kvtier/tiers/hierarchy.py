@@ -49,6 +49,13 @@ from kvtier.tiers.plans import (
 )
 from kvtier.tiers.tier import BlockState, Tier, TierBlock
 
+READY, WRITING = BlockState.READY, BlockState.WRITING
+
+
+def _absent(key: Key) -> None:
+    """``get`` of a tier that does not exist."""
+    return None
+
 
 class TierHierarchy(LoadPlanning):
     """A CPU tier over an optional disk tier, with cascade and promotion.
@@ -126,10 +133,13 @@ class TierHierarchy(LoadPlanning):
         """Hit if READY in some tier (CPU first); PENDING if only being
         written (a store in flight); else MISS."""
         block = self.cpu.get(key)
-        if block is not None and block.state is BlockState.READY:
+        if block is not None and block.state is READY:
             return Residency.HIT_CPU
-        if self.disk is not None and self.disk.is_ready(key):
-            return Residency.HIT_DISK
+        disk = self.disk
+        if disk is not None:
+            on_disk = disk.get(key)
+            if on_disk is not None and on_disk.state is READY:
+                return Residency.HIT_DISK
         return Residency.PENDING if block is not None else Residency.MISS
 
     def prefix_hits(self, keys: Iterable[Key]) -> int:
@@ -150,13 +160,16 @@ class TierHierarchy(LoadPlanning):
 
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark keys used; the first key ends up most recent (prefix order)."""
-        for key in reversed(list(keys)):
-            if key in self.cpu:
-                self.cpu.touch(key)
-                if key in self._dirty:
-                    self._dirty.move_to_end(key)
-            if self.disk is not None:
-                self.disk.touch(key)
+        order = list(keys)
+        order.reverse()
+        self.cpu.touch_many(order)
+        dirty = self._dirty
+        if dirty:
+            for key in order:
+                if key in dirty:
+                    dirty.move_to_end(key)
+        if self.disk is not None:
+            self.disk.touch_many(order)
 
     # ------------------------------------------------------------------- store
 
@@ -170,8 +183,10 @@ class TierHierarchy(LoadPlanning):
         """
         present = set()
         new_keys: list[Key] = []
+        cpu_get = self.cpu.get
+        disk_get = self.disk.get if self.disk is not None else _absent
         for key in keys:
-            if key in self.cpu or (self.disk is not None and key in self.disk):
+            if cpu_get(key) is not None or disk_get(key) is not None:
                 present.add(key)
                 self.touch((key,))
             elif key not in present:
@@ -199,35 +214,40 @@ class TierHierarchy(LoadPlanning):
                 # tail is still a hit) rather than decline it forever.
                 self.stats.store_blocks_skipped += len(new_keys) - room
                 new_keys = new_keys[:room]
-            for key in victims:
-                self._drop_from_cpu(key, reason="evict")
+            self._drop_from_cpu(victims)
             evicted = victims
 
-        slots: list[int] = []
-        for key in reversed(new_keys):  # head of the prefix ranks newest
-            slots.append(self.cpu.allocate(key, origin="store").slot)
-            self._promoted.discard(key)
-            self._unspillable.discard(key)
+        # Allocated tail first: the head of the prefix ranks newest.
+        slots = self.cpu.allocate_many(new_keys[::-1], "store")
         slots.reverse()
+        promoted, unspillable = self._promoted, self._unspillable
+        if promoted:
+            promoted.difference_update(new_keys)
+        if unspillable:
+            unspillable.difference_update(new_keys)
         return StorePlan(new_keys, slots, evicted)
 
     def complete_store(self, keys: Iterable[Key], success: bool = True) -> None:
         """Make stored keys readable, or forget them if the store failed."""
+        cpu = self.cpu
+        cpu_get = cpu.get
         stored: list[Key] = []
         for key in reversed(list(keys)):
-            block = self.cpu.get(key)
-            if block is None or block.state is not BlockState.WRITING:
-                continue
-            if block.origin != "store":
-                continue
-            if success:
-                self.cpu.mark_ready(key)
+            block = cpu_get(key)
+            if block is not None and block.state is WRITING and block.origin == "store":
                 stored.append(key)
-                self._mark_dirty_if_needed(key)
-            else:
-                self.cpu.remove(key)
-                self.stats.stores_failed += 1
+        if len(set(stored)) != len(stored):
+            stored = list(dict.fromkeys(stored))  # a key offered twice
+        if not success:
+            cpu.remove_many(stored, False)
+            self.stats.stores_failed += len(stored)
+            stored = []
         if stored:
+            cpu.mark_ready_many(stored)
+            if self.disk is not None:
+                mark_dirty = self._mark_dirty_if_needed
+                for key in stored:
+                    mark_dirty(key)
             stored.reverse()
             self.stats.stores_completed += len(stored)
             self._emit(stored, MEDIUM_CPU, removed=False, reason="store")
@@ -245,24 +265,25 @@ class TierHierarchy(LoadPlanning):
         """A spill job finished; keys in ``failed_keys`` did not reach disk."""
         items = self._spill_jobs.pop(job_id)
         failed = set(failed_keys)
-        done: list[Key] = []
-        for item in items:
-            key = item.key
-            self._spilling.pop(key, None)
-            assert self.disk is not None
-            if key in self.cpu:
-                self.cpu.unpin(key)
-            if key in failed:
-                self.disk.remove(key)
-                self.stats.spill_failures += 1
-                if self.cpu.is_ready(key):
-                    # Let the tier drop it later instead of retrying forever.
-                    self._unspillable.add(key)
-                self._refresh_cpu(key)
-                continue
-            self.disk.mark_ready(key)
-            self._refresh_cpu(key)  # clean now: droppable
-            done.append(key)
+        cpu, disk, spilling = self.cpu, self.disk, self._spilling
+        assert disk is not None
+        keys = [item.key for item in items]
+        for key in keys:
+            spilling.pop(key, None)
+        done = [k for k in keys if k not in failed] if failed else keys
+        if failed:
+            for key in keys:
+                if key in failed:
+                    disk.remove(key)
+                    self.stats.spill_failures += 1
+                    if cpu.is_ready(key):
+                        # Let the tier drop it later instead of retrying.
+                        self._unspillable.add(key)
+        disk.mark_ready_many(done)
+        # Unpinned after the disk side changed, so the one refresh of the
+        # CPU index sees each block clean (droppable) or unspillable.
+        cpu_get = cpu.get
+        cpu.unpin_many([k for k in keys if cpu_get(k) is not None])
         if done:
             self.stats.spills_completed += len(done)
             self._emit(done, MEDIUM_DISK, removed=False, reason="spill")
@@ -281,18 +302,20 @@ class TierHierarchy(LoadPlanning):
         disk = self.disk
         if disk is None or n <= 0:
             return
-        candidates = list(itertools.islice(self._dirty, n))
+        dirty = self._dirty
+        candidates = list(itertools.islice(dirty, n))
         # One victim scan for the whole batch: scans skip pinned blocks, so
         # per-key scans would pay for the same pinned prefix again and again.
         room = self._make_room(disk, len(candidates))
+        spilled = candidates[:room]
+        disk_slots = disk.allocate_many(spilled, "spill")
         items: list[TransferItem] = []
-        for key in candidates[:room]:
-            cpu_block = self.cpu.get(key)
-            assert cpu_block is not None and cpu_block.state is BlockState.READY
-            disk_block = disk.allocate(key, origin="spill")
-            del self._dirty[key]
-            self.cpu.pin(key)  # the spill reads this slot
-            items.append(TransferItem(key, cpu_block.slot, disk_block.slot))
+        cpu_pin = self.cpu.pin
+        for key, disk_slot in zip(spilled, disk_slots):
+            cpu_block = cpu_pin(key)  # the spill reads this slot
+            assert cpu_block.state is READY
+            del dirty[key]
+            items.append(TransferItem(key, cpu_block.slot, disk_slot))
         if not items:
             return
         for i in range(0, len(items), self.spill_batch):
@@ -318,9 +341,10 @@ class TierHierarchy(LoadPlanning):
         need = n - tier.num_free
         if need > 0:
             victims = tier.victims(need, exclude=exclude, limit=limit)
-            drop = self._drop_from_cpu if tier is self.cpu else self._drop_from_disk
-            for key in victims:
-                drop(key, reason="evict")
+            if tier is self.cpu:
+                self._drop_from_cpu(victims)
+            else:
+                self._drop_from_disk(victims, reason="evict")
         return min(n, tier.num_free)
 
     def demote(self, key: Key) -> bool:
@@ -331,7 +355,7 @@ class TierHierarchy(LoadPlanning):
         block = self.cpu.get(key)
         if block is None or not block.evictable:
             return False
-        self._drop_from_cpu(key, reason="evict")
+        self._drop_from_cpu([key])
         return True
 
     # ----------------------------------------------------------------- restore
@@ -406,40 +430,65 @@ class TierHierarchy(LoadPlanning):
         changes."""
         if self.disk is None or key in self._unspillable:
             return True
-        return self.disk.is_ready(key)
+        on_disk = self.disk.get(key)
+        return on_disk is not None and on_disk.state is READY
 
     def _refresh_cpu(self, key: Key) -> None:
         self.cpu.refresh(key)
 
     def _mark_dirty_if_needed(self, key: Key) -> None:
-        if self.disk is None or key in self._spilling or self.disk.is_ready(key):
+        disk = self.disk
+        if disk is None or key in self._spilling:
             return
-        self._dirty[key] = None
+        on_disk = disk.get(key)
+        if on_disk is None or on_disk.state is not READY:
+            self._dirty[key] = None
 
-    def _drop_from_cpu(self, key: Key, reason: str) -> None:
-        self.cpu.remove(key, evicted=True)
-        self._dirty.pop(key, None)
-        self._unspillable.discard(key)
-        self._promoted.discard(key)
-        self.stats.cpu_evictions += 1
-        self._emit([key], MEDIUM_CPU, removed=True, reason=reason)
+    def _drop_from_cpu(self, keys: Sequence[Key]) -> None:
+        """Evict ``keys`` (evictable CPU blocks) from the CPU tier; one
+        event for the batch. O(len(keys))."""
+        if not keys:
+            return
+        self.cpu.remove_many(keys, True)
+        dirty, unspillable, promoted = self._dirty, self._unspillable, self._promoted
+        for key in keys:
+            dirty.pop(key, None)
+        if unspillable:
+            unspillable.difference_update(keys)
+        if promoted:
+            promoted.difference_update(keys)
+        self.stats.cpu_evictions += len(keys)
+        self._emit(keys, MEDIUM_CPU, removed=True, reason="evict")
 
-    def _drop_from_disk(self, key: Key, reason: str) -> None:
-        assert self.disk is not None
-        self.disk.remove(key, evicted=reason == "evict")
-        if reason == "evict":
-            self.stats.disk_evictions += 1
-        self._emit([key], MEDIUM_DISK, removed=True, reason=reason)
-        if self.cpu.is_ready(key):
-            if reason == "evict":
-                # The disk judged this block its least valuable: respilling it
-                # would evict a better one. Its CPU copy may now be dropped
-                # like a clean block (and stays dirty-free, so it does not
-                # sit in the spill queue with a stale position).
-                self._unspillable.add(key)
-            else:
-                self._mark_dirty_if_needed(key)
-        self._refresh_cpu(key)
+    def _drop_from_disk(self, keys: Sequence[Key], reason: str) -> None:
+        """Drop ``keys``' disk copies (``evict``: the disk chose them as
+        victims; ``corrupt``: they failed verification); one event for the
+        batch. O(len(keys))."""
+        disk = self.disk
+        assert disk is not None
+        if not keys:
+            return
+        evict = reason == "evict"
+        disk.remove_many(keys, evict)
+        cpu = self.cpu
+        for key in keys:
+            block = cpu.get(key)
+            if block is None:
+                continue
+            if block.state is READY:
+                if evict:
+                    # The disk judged this block its least valuable:
+                    # respilling it would evict a better one. Its CPU copy
+                    # may now be dropped like a clean block (and stays
+                    # dirty-free, so it does not sit in the spill queue with
+                    # a stale position).
+                    self._unspillable.add(key)
+                else:
+                    self._mark_dirty_if_needed(key)
+            cpu.refresh(key)
+        if evict:
+            self.stats.disk_evictions += len(keys)
+        self._emit(keys, MEDIUM_DISK, removed=True, reason=reason)
 
     def _emit(
         self, keys: Sequence[Key], medium: str, removed: bool, reason: str

@@ -42,7 +42,7 @@ class LoadPlanning:
         _droppable: Callable[[Key, TierBlock], bool]
         _tier: Callable[[str], Tier]
         _new_job_id: Callable[[], int]
-        _drop_from_disk: Callable[[Key, str], None]
+        _drop_from_disk: Callable[[Sequence[Key], str], None]
         _emit: Callable[..., None]
 
     def prepare_load(
@@ -57,22 +57,25 @@ class LoadPlanning:
         if promote is None:
             promote = self.promote_on_hit
         cpu, disk = self.cpu, self.disk
+        ready = BlockState.READY
         blocks: list[TierBlock] = []
         media: list[str] = []
         for key in keys:
             block = cpu.get(key)
-            if block is not None and block.state is BlockState.READY:
+            if block is not None and block.state is ready:
                 media.append(MEDIUM_CPU)
             else:
                 block = disk.get(key) if disk is not None else None
-                if block is None or block.state is not BlockState.READY:
+                if block is None or block.state is not ready:
                     raise KeyError(f"prepare_load of {key!r}, which is not ready")
                 media.append(MEDIUM_DISK)
             blocks.append(block)
         # Pin before making room for promotions: the victims must never
         # include a block this very load reads.
-        for key, medium in zip(keys, media):
-            self._tier(medium).pin(key)
+        on_cpu = [k for k, m in zip(keys, media) if m == MEDIUM_CPU]
+        cpu.pin_many(on_cpu)
+        if disk is not None and len(on_cpu) < len(keys):
+            disk.pin_many([k for k, m in zip(keys, media) if m == MEDIUM_DISK])
         # Rows for promotions: only keys that have no CPU block at all (one
         # being written already has its row), found by a short scan.
         promote_keys: set[Key] = set()
@@ -95,10 +98,12 @@ class LoadPlanning:
                 promote_keys.discard(key)
                 promote_slot = cpu.allocate(key, origin="promote").slot
             locations.append(BlockLocation(medium, block.slot, promote_slot))
-        for key, loc in zip(reversed(keys), reversed(locations)):
-            self._tier(loc.medium).touch(key)  # head ranks newest
-            if key in self._dirty:
-                self._dirty.move_to_end(key)
+        dirty = self._dirty
+        for key, medium in zip(reversed(keys), reversed(media)):
+            # head ranks newest
+            (cpu if medium == MEDIUM_CPU else disk).touch(key)  # type: ignore[union-attr]
+            if key in dirty:
+                dirty.move_to_end(key)
         plan = LoadPlan(self._new_job_id(), list(keys), locations)
         self._loads[plan.load_id] = plan
         return plan
@@ -118,14 +123,17 @@ class LoadPlanning:
         skipped = set(unloaded) - bad
         promoted: list[Key] = []
         stats = self.stats
+        cpu, disk = self.cpu, self.disk
         for key, loc in zip(plan.keys, plan.locations):
-            tier = self._tier(loc.medium)
-            block = tier.get(key)
-            if block is not None:
-                tier.unpin(key)
             if loc.medium == MEDIUM_CPU:
+                if cpu.get(key) is not None:
+                    cpu.unpin(key)
                 stats.loads_cpu += 1
                 continue
+            assert disk is not None
+            block = disk.get(key)
+            if block is not None:
+                disk.unpin(key)
             if key in skipped:
                 stats.load_failures += 1
                 if loc.promote_slot is not None:
@@ -137,7 +145,7 @@ class LoadPlanning:
                     self.cpu.remove(key)
                 if block is not None and block.pins == 0:
                     stats.corrupt_blocks += 1
-                    self._drop_from_disk(key, reason="corrupt")
+                    self._drop_from_disk([key], reason="corrupt")
                 continue
             stats.loads_disk += 1
             if loc.promote_slot is not None:

@@ -48,6 +48,9 @@ class TierBlock:
         return self.state is BlockState.READY and self.pins == 0
 
 
+_READY = BlockState.READY
+
+
 # How a policy orders its candidates, for the eligible index: the policy's
 # candidate order is a sequence of *segments* (LRU: one list; ARC: T1 and
 # T2, in an order that depends on ``p``), each ordered by when a key last
@@ -101,6 +104,9 @@ class Tier:
             make_policy(policy, capacity) if isinstance(policy, str) else policy
         )
         self._blocks: dict[Hashable, TierBlock] = {}
+        # ``get(key)``: the block of ``key`` or None. The dict's own method
+        # (the dict is never replaced), so the hottest query costs no frame.
+        self.get: Callable[[Hashable], TierBlock | None] = self._blocks.get
         # Slots never handed out yet are implicit (a counter), so building a
         # tier of millions of slots costs nothing.
         self._next_fresh = 0
@@ -131,9 +137,6 @@ class Tier:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._blocks
-
-    def get(self, key: Hashable) -> TierBlock | None:
-        return self._blocks.get(key)
 
     def is_ready(self, key: Hashable) -> bool:
         block = self._blocks.get(key)
@@ -174,7 +177,7 @@ class Tier:
         block = TierBlock(slot=slot, state=BlockState.WRITING, origin=origin)
         self._blocks[key] = block
         self.policy.insert(key)
-        self._reposition(key)  # WRITING: not eligible yet
+        self._reposition(key, eligible=False)  # WRITING: not eligible yet
         return block
 
     def restore(self, entries: list[tuple[Hashable, int]]) -> None:
@@ -237,6 +240,84 @@ class Tier:
             self.refresh(key)
         return block
 
+    # --- batches: the same as one call per key, in order, minus the calls ---
+
+    def allocate_many(self, keys: Sequence[Hashable], origin: str) -> list[int]:
+        """``allocate(key, origin)`` for each key in order; returns the
+        slots. Caller checked room for all. O(len(keys))."""
+        blocks, free, insert = self._blocks, self._free, self.policy.insert
+        adapter, pos, seq, policy = self._adapter, self._pos, self._seq, self.policy
+        writing = BlockState.WRITING
+        slots: list[int] = []
+        for key in keys:
+            if key in blocks:
+                raise KeyError(f"{key!r} already resident in {self.medium} tier")
+            if free:
+                slot = free.pop()
+            elif self._next_fresh < self.capacity:
+                slot = self._next_fresh
+                self._next_fresh += 1
+            else:
+                raise RuntimeError(f"{self.medium} tier is full")
+            blocks[key] = TierBlock(slot, writing, 0, origin)
+            insert(key)
+            # _reposition(key, eligible=False), inlined: WRITING blocks are
+            # never eligible.
+            if adapter is not None:
+                pos[key] = (adapter.segment(policy, key), next(seq))
+            slots.append(slot)
+        return slots
+
+    def mark_ready_many(self, keys: Sequence[Hashable]) -> None:
+        """``mark_ready(key)`` for each key in order. O(len(keys) log n)."""
+        blocks, refresh = self._blocks, self.refresh
+        ready = BlockState.READY
+        for key in keys:
+            blocks[key].state = ready
+            refresh(key)
+
+    def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
+        """``pin(key)`` for each key in order; returns the blocks. O(len)."""
+        blocks, discard = self._blocks, self._eligible.discard
+        out: list[TierBlock] = []
+        for key in keys:
+            block = blocks[key]
+            block.pins += 1
+            discard(key)
+            out.append(block)
+        return out
+
+    def unpin_many(self, keys: Sequence[Hashable]) -> None:
+        """``unpin(key)`` for each key in order. O(len(keys) log n)."""
+        blocks, refresh = self._blocks, self.refresh
+        for key in keys:
+            block = blocks[key]
+            if block.pins <= 0:
+                raise RuntimeError(f"unpin of unpinned {key!r} in {self.medium} tier")
+            block.pins -= 1
+            if not block.pins:
+                refresh(key)
+
+    def touch_many(self, keys: Sequence[Hashable]) -> None:
+        """``touch(key)`` for each key in order (the last ends up most
+        recent). O(len(keys) log n)."""
+        blocks, touch, reposition = self._blocks, self.policy.touch, self._reposition
+        for key in keys:
+            if key in blocks:
+                touch(key)
+                reposition(key)
+
+    def remove_many(self, keys: Sequence[Hashable], evicted: bool) -> None:
+        """``remove(key, evicted)`` for each key in order. O(len(keys))."""
+        blocks, free, policy_remove = self._blocks, self._free, self.policy.remove
+        pos, heaped, eligible = self._pos, self._heaped, self._eligible
+        for key in keys:
+            free.append(blocks.pop(key).slot)
+            policy_remove(key, evicted)
+            pos.pop(key, None)
+            heaped.pop(key, None)
+            eligible.discard(key)  # its heap entry goes stale
+
     # --- eligible index ---
 
     def set_filter(self, accept: Callable[[Hashable, TierBlock], bool] | None) -> None:
@@ -252,28 +333,30 @@ class Tier:
         block = self._blocks.get(key)
         if block is None:
             return
-        ok = (
-            block.state is BlockState.READY
-            and block.pins == 0
+        if (
+            block.state is _READY
+            and not block.pins
             and (self.filter is None or self.filter(key, block))
-        )
-        if not ok:
+        ):
+            if key not in self._eligible:
+                self._eligible.add(key)
+                self._push(key)
+        else:
             self._eligible.discard(key)
-        elif key not in self._eligible:
-            self._eligible.add(key)
-            self._push(key)
 
-    def _reposition(self, key: Hashable) -> None:
+    def _reposition(self, key: Hashable, eligible: bool = True) -> None:
         """``key`` was inserted into or touched in the policy: record where
-        the policy put it."""
+        the policy put it. ``eligible=False``: the caller knows the key may
+        not be a victim (a block just allocated), so nothing is re-checked."""
         adapter = self._adapter
         if adapter is None:
-            self.refresh(key)
+            if eligible:
+                self.refresh(key)
             return
         self._pos[key] = (adapter.segment(self.policy, key), next(self._seq))
         if key in self._eligible:
             self._push(key)  # the old entry is stale now
-        else:
+        elif eligible:
             self.refresh(key)
 
     def _push(self, key: Hashable) -> None:
