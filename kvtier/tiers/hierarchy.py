@@ -36,8 +36,9 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, EventLog, TierEvent
-from kvtier.tiers.loading import PROMOTION_SCAN, LoadPlanning  # noqa: F401
+from kvtier.tiers.loading import LoadPlanner
 from kvtier.tiers.plans import (
     HierarchyStats,
     Key,
@@ -57,7 +58,7 @@ def _absent(key: Key) -> None:
     return None
 
 
-class TierHierarchy(LoadPlanning):
+class TierHierarchy:
     """A CPU tier over an optional disk tier, with cascade and promotion.
 
     Contract (what the property tests check):
@@ -93,8 +94,15 @@ class TierHierarchy(LoadPlanning):
                 f"spill_watermark must be within [0, 1], got {spill_watermark}"
             )
         self.cpu = Tier(MEDIUM_CPU, cpu_blocks, cpu_policy)
+        # The disk tier's placement (slots, victims, pins, events) is the
+        # same engine as the tiering-mode disk tier's; ``disk`` is its Tier.
+        self.disk_core: DiskTierCore | None = (
+            DiskTierCore(disk_blocks, disk_policy, emit=self._emit_disk)
+            if disk_blocks > 0
+            else None
+        )
         self.disk: Tier | None = (
-            Tier(MEDIUM_DISK, disk_blocks, disk_policy) if disk_blocks > 0 else None
+            self.disk_core.tier if self.disk_core is not None else None
         )
         if self.disk is not None:
             # Victims of the CPU tier are only blocks it may drop now; the
@@ -104,7 +112,6 @@ class TierHierarchy(LoadPlanning):
             self.cpu.set_filter(self._droppable)
         self.spill_watermark = spill_watermark
         self.spill_batch = max(1, spill_batch)
-        self.promote_on_hit = promote_on_hit
         self.stats = HierarchyStats()
 
         # Dirty CPU blocks (READY on CPU, not READY/WRITING on disk, not
@@ -120,12 +127,24 @@ class TierHierarchy(LoadPlanning):
         # Keys whose CPU copy came from disk, so hits keep reporting "disk"
         # as their source until the block is stored again.
         self._promoted: set[Key] = set()
-        # Loads planned and not completed yet: what each pinned where.
-        self._loads: dict[int, LoadPlan] = {}
         # Without a consumer (KV events off) nothing drains the events, so
         # none are recorded: an undrained log would grow without bound.
         self._events = EventLog(record_events)
         self._next_job_id = 1
+        self._planner = LoadPlanner(
+            self.cpu,
+            self.disk_core,
+            self.stats,
+            self._dirty,
+            self._promoted,
+            make_cpu_room=self._make_cpu_room,
+            disk_dropped=self._disk_dropped,
+            emit=self._emit,
+            new_job_id=self._new_job_id,
+            promote_on_hit=promote_on_hit,
+        )
+        # Loads planned and not completed yet: what each pinned where.
+        self._loads: dict[int, LoadPlan] = self._planner.loads
 
     # ------------------------------------------------------------------ lookup
 
@@ -170,6 +189,29 @@ class TierHierarchy(LoadPlanning):
                     dirty.move_to_end(key)
         if self.disk is not None:
             self.disk.touch_many(order)
+
+    # -------------------------------------------------------------------- load
+
+    @property
+    def promote_on_hit(self) -> bool:
+        """Whether a disk hit is also copied into a free CPU row."""
+        return self._planner.promote_on_hit
+
+    @promote_on_hit.setter
+    def promote_on_hit(self, value: bool) -> None:
+        self._planner.promote_on_hit = value
+
+    def prepare_load(
+        self, keys: Sequence[Key], promote: bool | None = None
+    ) -> LoadPlan:
+        """See :meth:`kvtier.tiers.loading.LoadPlanner.prepare_load`."""
+        return self._planner.prepare_load(keys, promote)
+
+    def complete_load(
+        self, load_id: int, failed: Iterable[Key] = (), unloaded: Iterable[Key] = ()
+    ) -> None:
+        """See :meth:`kvtier.tiers.loading.LoadPlanner.complete_load`."""
+        self._planner.complete_load(load_id, failed, unloaded)
 
     # ------------------------------------------------------------------- store
 
@@ -265,28 +307,26 @@ class TierHierarchy(LoadPlanning):
         """A spill job finished; keys in ``failed_keys`` did not reach disk."""
         items = self._spill_jobs.pop(job_id)
         failed = set(failed_keys)
-        cpu, disk, spilling = self.cpu, self.disk, self._spilling
-        assert disk is not None
+        cpu, core, spilling = self.cpu, self.disk_core, self._spilling
+        assert core is not None
         keys = [item.key for item in items]
         for key in keys:
             spilling.pop(key, None)
         done = [k for k in keys if k not in failed] if failed else keys
         if failed:
-            for key in keys:
-                if key in failed:
-                    disk.remove(key)
-                    self.stats.spill_failures += 1
-                    if cpu.is_ready(key):
-                        # Let the tier drop it later instead of retrying.
-                        self._unspillable.add(key)
-        disk.mark_ready_many(done)
+            lost = [k for k in keys if k in failed]
+            core.fail(lost)
+            self.stats.spill_failures += len(lost)
+            for key in lost:
+                if cpu.is_ready(key):
+                    # Let the tier drop it later instead of retrying.
+                    self._unspillable.add(key)
+        core.complete(done)  # reported as stored on disk (spill)
         # Unpinned after the disk side changed, so the one refresh of the
         # CPU index sees each block clean (droppable) or unspillable.
         cpu_get = cpu.get
         cpu.unpin_many([k for k in keys if cpu_get(k) is not None])
-        if done:
-            self.stats.spills_completed += len(done)
-            self._emit(done, MEDIUM_DISK, removed=False, reason="spill")
+        self.stats.spills_completed += len(done)
 
     def _maybe_spill(self) -> None:
         if self.disk is None:
@@ -299,16 +339,16 @@ class TierHierarchy(LoadPlanning):
             self._queue_spills(excess)
 
     def _queue_spills(self, n: int) -> None:
-        disk = self.disk
-        if disk is None or n <= 0:
+        core = self.disk_core
+        if core is None or n <= 0:
             return
         dirty = self._dirty
         candidates = list(itertools.islice(dirty, n))
         # One victim scan for the whole batch: scans skip pinned blocks, so
         # per-key scans would pay for the same pinned prefix again and again.
-        room = self._make_room(disk, len(candidates))
-        spilled = candidates[:room]
-        disk_slots = disk.allocate_many(spilled, "spill")
+        self._disk_dropped(core.make_room(len(candidates)), evicted=True)
+        spilled = candidates[: core.tier.num_free]
+        disk_slots = core.allocate(spilled)
         items: list[TransferItem] = []
         cpu_pin = self.cpu.pin
         for key, disk_slot in zip(spilled, disk_slots):
@@ -327,25 +367,15 @@ class TierHierarchy(LoadPlanning):
             self._new_spills.append(SpillOrder(job_id, chunk))
         self.stats.spills_started += len(items)
 
-    def _make_room(
-        self,
-        tier: Tier,
-        n: int,
-        exclude: set[Key] | frozenset[Key] = frozenset(),
-        limit: int | None = None,
-    ) -> int:
-        """Free slots for up to ``n`` new blocks by dropping victims the tier
-        allows (for the CPU tier: droppable ones), inspecting at most
-        ``limit`` candidates when given; returns how many slots are now
-        free (<= n)."""
-        need = n - tier.num_free
+    def _make_cpu_room(self, n: int, limit: int | None = None) -> int:
+        """Free CPU rows for up to ``n`` new blocks by dropping droppable
+        victims, inspecting at most ``limit`` candidates when given; returns
+        how many rows are now free (<= n)."""
+        cpu = self.cpu
+        need = n - cpu.num_free
         if need > 0:
-            victims = tier.victims(need, exclude=exclude, limit=limit)
-            if tier is self.cpu:
-                self._drop_from_cpu(victims)
-            else:
-                self._drop_from_disk(victims, reason="evict")
-        return min(n, tier.num_free)
+            self._drop_from_cpu(cpu.victims(need, limit=limit))
+        return min(n, cpu.num_free)
 
     def demote(self, key: Key) -> bool:
         """Drop ``key``'s CPU copy if it is idle and also ready on disk (the
@@ -362,15 +392,11 @@ class TierHierarchy(LoadPlanning):
 
     def restore_disk(self, entries: list[tuple[Key, int]]) -> None:
         """Warm restart: adopt blocks found on disk (oldest first)."""
-        if self.disk is None:
+        if self.disk_core is None:
             raise RuntimeError("no disk tier to restore into")
-        self.disk.restore(entries)
+        self.disk_core.restore(entries)
         for key, _ in entries:
             self._refresh_cpu(key)
-        if entries:
-            self._emit(
-                [k for k, _ in entries], MEDIUM_DISK, removed=False, reason="restore"
-            )
 
     def reset(self) -> None:
         """Forget every block (vLLM's reset_cache); emits the removals.
@@ -379,10 +405,8 @@ class TierHierarchy(LoadPlanning):
         cpu_ready = self.cpu.clear()
         if cpu_ready:
             self._emit(cpu_ready, MEDIUM_CPU, removed=True, reason="reset")
-        if self.disk is not None:
-            disk_ready = self.disk.clear()
-            if disk_ready:
-                self._emit(disk_ready, MEDIUM_DISK, removed=True, reason="reset")
+        if self.disk_core is not None:
+            self.disk_core.clear()  # reported as removed (reset)
         self._dirty.clear()
         self._unspillable.clear()
         self._spilling.clear()
@@ -410,12 +434,6 @@ class TierHierarchy(LoadPlanning):
         return len(self._loads)
 
     # ----------------------------------------------------------------- helpers
-
-    def _tier(self, medium: str) -> Tier:
-        if medium == MEDIUM_CPU:
-            return self.cpu
-        assert self.disk is not None
-        return self.disk
 
     def _new_job_id(self) -> int:
         job_id = self._next_job_id
@@ -460,16 +478,13 @@ class TierHierarchy(LoadPlanning):
         self.stats.cpu_evictions += len(keys)
         self._emit(keys, MEDIUM_CPU, removed=True, reason="evict")
 
-    def _drop_from_disk(self, keys: Sequence[Key], reason: str) -> None:
-        """Drop ``keys``' disk copies (``evict``: the disk chose them as
-        victims; ``corrupt``: they failed verification); one event for the
-        batch. O(len(keys))."""
-        disk = self.disk
-        assert disk is not None
+    def _disk_dropped(self, keys: Sequence[Key], evicted: bool) -> None:
+        """The disk core dropped ``keys``' disk copies (``evicted``: the disk
+        chose them as victims; else they failed verification): update the
+        CPU side. O(len(keys))."""
         if not keys:
             return
-        evict = reason == "evict"
-        disk.remove_many(keys, evict)
+        evict = evicted
         cpu = self.cpu
         for key in keys:
             block = cpu.get(key)
@@ -488,9 +503,11 @@ class TierHierarchy(LoadPlanning):
             cpu.refresh(key)
         if evict:
             self.stats.disk_evictions += len(keys)
-        self._emit(keys, MEDIUM_DISK, removed=True, reason=reason)
 
     def _emit(
         self, keys: Sequence[Key], medium: str, removed: bool, reason: str
     ) -> None:
         self._events.record(keys, medium, removed, reason)
+
+    def _emit_disk(self, keys: Sequence[Key], removed: bool, reason: str) -> None:
+        self._events.record(keys, MEDIUM_DISK, removed, reason)
