@@ -469,6 +469,24 @@ def _spec_error_templates() -> list[str]:
     tree = ast.parse(SPEC_PATH.read_text())
     templates = []
     for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "blocks_in_budget"
+        ):
+            # blocks_in_budget(budget, block_bytes, ranks, key, unit): its
+            # message, with spec.py's names for the budget and the ranks.
+            budget, _, ranks, key, unit = (ast.unparse(a) for a in node.args)
+            key, unit = key.strip("'\""), unit.strip("'\"")
+            per = "per_block" if key == "cpu_bytes_to_use" else "per_slot"
+            ranks = ranks.replace("self.", "")
+            text = (
+                f"{{{budget.replace('self.kvtier.', '')}}} bytes hold no block: "
+                f"one {unit} takes {{{per}}} bytes over {{{ranks}}} rank(s); "
+                f"raise {key}"
+            )
+            templates.append(str(ConfigError(key, text)))
+            continue
         if not (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)

@@ -353,6 +353,26 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
     return cfg
 
 
+def blocks_in_budget(
+    budget: int, block_bytes: int, ranks: int, key: str, unit: str
+) -> int:
+    """How many blocks a byte budget holds: ``budget // (block_bytes *
+    ranks)``, where one block takes ``block_bytes`` per rank (a CPU row, or
+    a disk slot with its header). The one conversion of ``cpu_bytes_to_use``
+    and ``disk_bytes_to_use`` into capacities, for every spec. Raises
+    :class:`ConfigError` naming ``key`` when the budget holds no block
+    (``unit`` names what one block is, for the message). O(1)."""
+    per_block = block_bytes * ranks
+    blocks = budget // per_block if per_block > 0 else 0
+    if blocks < 1:
+        raise ConfigError(
+            key,
+            f"{budget} bytes hold no block: one {unit} takes {per_block} bytes "
+            f"over {ranks} rank(s); raise {key}",
+        )
+    return blocks
+
+
 def check_disk_paths(
     cfg: KvtierConfig,
     *,

@@ -36,6 +36,7 @@ from kvtier.connector.config import (
     ConfigError,
     KvtierConfig,
     TransferConfigError,
+    blocks_in_budget,
     check_disk_paths,
     parse_extra_config,
 )
@@ -187,25 +188,21 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.num_cpu_blocks = 0
         self.num_disk_blocks = 0
         if self.block_bytes > 0:
-            per_block = self.block_bytes * self.world_size
-            self.num_cpu_blocks = self.kvtier.cpu_bytes_to_use // per_block
-            if self.num_cpu_blocks < 1:
-                raise ConfigError(
-                    "cpu_bytes_to_use",
-                    f"{self.kvtier.cpu_bytes_to_use} bytes hold no block: one "
-                    f"offloaded block takes {per_block} bytes over "
-                    f"{self.world_size} rank(s); raise cpu_bytes_to_use",
-                )
+            self.num_cpu_blocks = blocks_in_budget(
+                self.kvtier.cpu_bytes_to_use,
+                self.block_bytes,
+                self.world_size,
+                "cpu_bytes_to_use",
+                "offloaded block",
+            )
             if self.kvtier.disk_enabled:
-                per_slot = slot_size(self.block_bytes) * self.world_size
-                self.num_disk_blocks = self.kvtier.disk_bytes_to_use // per_slot
-                if self.num_disk_blocks < 1:
-                    raise ConfigError(
-                        "disk_bytes_to_use",
-                        f"{self.kvtier.disk_bytes_to_use} bytes hold no block: one "
-                        f"disk slot takes {per_slot} bytes over {self.world_size} "
-                        "rank(s); raise disk_bytes_to_use",
-                    )
+                self.num_disk_blocks = blocks_in_budget(
+                    self.kvtier.disk_bytes_to_use,
+                    slot_size(self.block_bytes),
+                    self.world_size,
+                    "disk_bytes_to_use",
+                    "disk slot",
+                )
         # Only kvtier's connector turns a failed job into a miss.
         self.under_kvtier_connector = UNDER_KVTIER_CONNECTOR.get()
         # What produced the blocks (always known when a disk tier runs: a

@@ -8,8 +8,9 @@ Two classes, both loadable by name from this module:
     checksummed slot per block (kvtier's on-disk format, so ``kvtier
     inspect`` / ``verify`` read it), warm restart and optional zstd. It is
     the same code as the full spec's disk tier, not a second copy: the
-    bookkeeping is a :class:`kvtier.tiers.Tier` (slots, policy, pins,
-    WRITING/READY) and the data path is :class:`kvtier.connector.disk_runtime.
+    placement (slots, victims, pins, WRITING/READY, corrupt drops, warm
+    restart, events) is a :class:`kvtier.tiers.disk_core.DiskTierCore`, the
+    one the full spec's hierarchy uses, and the data path is :class:`kvtier.connector.disk_runtime.
     DiskRuntime` (one :class:`~kvtier.io.DiskStore` plus one
     :class:`~kvtier.io.TransferEngine` per TP rank) pointed at the rows of the
     primary tier's memoryview instead of kvtier's own CPU buffer.
@@ -42,7 +43,7 @@ measured hit rate: docs/tiering-mode.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -66,7 +67,7 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from kvtier.connector.config import ConfigError, check_disk_paths
+from kvtier.connector.config import ConfigError, blocks_in_budget, check_disk_paths
 from kvtier.connector.disk_runtime import SPILL
 from kvtier.connector.spec import _ELEM_SIZE, layout_fingerprint
 from kvtier.connector.tiering_config import (
@@ -81,8 +82,8 @@ from kvtier.connector.tiering_pull import PullBack
 from kvtier.connector.tiering_rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
 from kvtier.io.format import slot_size
 from kvtier.io.store_dir import store_dirname
+from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
-from kvtier.tiers.tier import BlockState, Tier
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -156,20 +157,24 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
                 f"{TIER_TYPE}: primary rows of {rows.shape} cannot hold "
                 f"{self.num_ranks} rank page(s) of {self.block_bytes} B"
             )
-        per_block = slot_size(self.block_bytes) * self.num_ranks
-        self.capacity = cfg.disk_bytes_to_use // per_block
-        if self.capacity < 1:
-            raise TierConfigError(
+        try:
+            self.capacity = blocks_in_budget(
+                cfg.disk_bytes_to_use,
+                slot_size(self.block_bytes),
+                self.num_ranks,
                 "disk_bytes_to_use",
-                f"{cfg.disk_bytes_to_use} bytes hold no block: one block takes "
-                f"{per_block} bytes on disk over {self.num_ranks} rank(s); "
-                "raise disk_bytes_to_use",
+                "disk slot",
             )
-        self.tier = Tier("disk", self.capacity, cfg.disk_eviction_policy)
-        self.stats = DiskTierStats()
+        except ConfigError as exc:
+            raise as_tier_error(exc) from None
         self._events: list[OffloadingEvent] | None = (
             [] if offloading_spec.kv_events_config.enable_kv_cache_events else None
         )
+        self.core = DiskTierCore(
+            self.capacity, cfg.disk_eviction_policy, emit=self._emit
+        )
+        self.tier = self.core.tier  # queries (get, is_ready, in, len)
+        self.stats = DiskTierStats()
         self._jobs: dict[JobId, _Job] = {}
         self._done: list[JobResult] = []
         self._pull = PullBack()
@@ -222,16 +227,17 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
             restored = restored[-self.capacity :]
         if not restored:
             return
-        self.tier.restore(restored)
+        self.core.restore(restored)  # reported as stored
         self.stats.restored = len(restored)
-        self._emit([key for key, _ in restored], removed=False)
         logger.info(
             "kvtier %s: warm restart adopted %d disk blocks",
             self.tier_type,
             len(restored),
         )
 
-    def _emit(self, keys: list[Any], removed: bool) -> None:
+    def _emit(self, keys: Sequence[Any], removed: bool, reason: str = "") -> None:
+        """The core's event hook: one vLLM event per batch (``reason`` is
+        kvtier's, not part of vLLM's event)."""
         if self._events is not None and keys:
             self._events.append(
                 OffloadingEvent(
@@ -246,12 +252,6 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
                     removal_expected=True,
                 )
             )
-
-    def _drop(self, key: OffloadKey, evicted: bool) -> None:
-        self.tier.remove(key, evicted=evicted)
-        if evicted:
-            self.stats.evictions += 1
-        self._emit([key], removed=True)
 
     # ----------------------------------------------------------- contract
 
@@ -297,19 +297,19 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
                 tier.touch(key)
             else:
                 fresh.setdefault(key, chunk)
-        need = len(fresh) - tier.num_free
-        if need > 0:
-            for victim in tier.victims(need, exclude=set(keys)):
-                self._drop(victim, evicted=True)
+        if len(fresh) > tier.num_free:
+            evicted = self.core.make_room(len(fresh), exclude=set(keys))
+            self.stats.evictions += len(evicted)
             if len(fresh) > tier.num_free:
                 # Everything else is pinned or in flight: keep the earliest
                 # chunks (a prefix lookup stops at the first miss).
                 self.stats.stores_skipped_full += len(fresh) - tier.num_free
                 fresh = dict(list(fresh.items())[: tier.num_free])
-        items = []
-        for key, chunk in fresh.items():
-            block = tier.allocate(key, origin="spill")
-            items.append(TransferItem(key, chunk, block.slot))
+        slots = self.core.allocate(list(fresh))
+        items = [
+            TransferItem(key, chunk, slot)
+            for (key, chunk), slot in zip(fresh.items(), slots)
+        ]
         job_id = job_metadata.job_id
         if not items:
             self._done.append(
@@ -326,15 +326,19 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
         keys = list(job_metadata.keys)
         job = _Job(False, keys)
         items = []
+        chunks: list[int] = []
         for key, chunk in zip(keys, job_metadata.chunk_ids):
-            block = self.tier.get(key)
-            if block is None or block.state is not BlockState.READY:
+            if not self.core.is_ready(key):
                 job.missing.append(key)
                 continue
-            self.tier.pin(key)
-            self.tier.touch(key)
             job.moved.append(key)
-            items.append(TransferItem(key, block.slot, int(chunk)))
+            chunks.append(int(chunk))
+        # Touched in key order: the last key ends up most recent.
+        blocks = self.core.pin_reads(job.moved[::-1])[::-1]
+        items = [
+            TransferItem(key, block.slot, chunk)
+            for key, block, chunk in zip(job.moved, blocks, chunks)
+        ]
         job_id = job_metadata.job_id
         if not items:
             self.stats.promotion_failures += len(job.missing)
@@ -355,16 +359,12 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
             assert job.is_store == (done.kind == SPILL)
             failed = done.failed_keys
             if done.kind == SPILL:
-                stored = []
-                for key in job.moved:
-                    if key in failed:
-                        self.tier.remove(key)  # never READY: no event
-                        self.stats.store_failures += 1
-                    else:
-                        self.tier.mark_ready(key)
-                        stored.append(key)
+                lost = [k for k in job.moved if k in failed]
+                stored = [k for k in job.moved if k not in failed]
+                self.core.fail(lost)  # never READY: no event
+                self.core.complete(stored)  # reported as stored
+                self.stats.store_failures += len(lost)
                 self.stats.stores_completed += len(stored)
-                self._emit(stored, removed=False)
                 results.append(
                     JobResult(
                         done.job_id,
@@ -374,15 +374,11 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
                     )
                 )
                 continue
-            for key in job.moved:
-                self.tier.unpin(key)
-            for key in failed:
-                # Corrupt, torn, foreign or unreadable: the runtime did not
-                # write the primary row and invalidated the slot. Drop the
-                # block so the next lookup is a clean miss.
-                block = self.tier.get(key)
-                if block is not None and block.pins == 0:
-                    self._drop(key, evicted=False)
+            # Corrupt, torn, foreign or unreadable: the runtime did not write
+            # the primary row and invalidated the slot. The core drops the
+            # block (once no other read pins it) so the next lookup is a
+            # clean miss.
+            self.core.release_reads(job.moved, corrupt=failed)
             ok = [k for k in job.moved if k not in failed]
             self.stats.promotions_completed += len(ok)
             self.stats.promotion_failures += len(job.keys) - len(ok)

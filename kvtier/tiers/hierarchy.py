@@ -36,8 +36,9 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, EventLog, TierEvent
-from kvtier.tiers.loading import PROMOTION_SCAN, LoadPlanning  # noqa: F401
+from kvtier.tiers.loading import LoadPlanner
 from kvtier.tiers.plans import (
     HierarchyStats,
     Key,
@@ -49,8 +50,15 @@ from kvtier.tiers.plans import (
 )
 from kvtier.tiers.tier import BlockState, Tier, TierBlock
 
+READY, WRITING = BlockState.READY, BlockState.WRITING
 
-class TierHierarchy(LoadPlanning):
+
+def _absent(key: Key) -> None:
+    """``get`` of a tier that does not exist."""
+    return None
+
+
+class TierHierarchy:
     """A CPU tier over an optional disk tier, with cascade and promotion.
 
     Contract (what the property tests check):
@@ -86,8 +94,15 @@ class TierHierarchy(LoadPlanning):
                 f"spill_watermark must be within [0, 1], got {spill_watermark}"
             )
         self.cpu = Tier(MEDIUM_CPU, cpu_blocks, cpu_policy)
+        # The disk tier's placement (slots, victims, pins, events) is the
+        # same engine as the tiering-mode disk tier's; ``disk`` is its Tier.
+        self.disk_core: DiskTierCore | None = (
+            DiskTierCore(disk_blocks, disk_policy, emit=self._emit_disk)
+            if disk_blocks > 0
+            else None
+        )
         self.disk: Tier | None = (
-            Tier(MEDIUM_DISK, disk_blocks, disk_policy) if disk_blocks > 0 else None
+            self.disk_core.tier if self.disk_core is not None else None
         )
         if self.disk is not None:
             # Victims of the CPU tier are only blocks it may drop now; the
@@ -97,7 +112,6 @@ class TierHierarchy(LoadPlanning):
             self.cpu.set_filter(self._droppable)
         self.spill_watermark = spill_watermark
         self.spill_batch = max(1, spill_batch)
-        self.promote_on_hit = promote_on_hit
         self.stats = HierarchyStats()
 
         # Dirty CPU blocks (READY on CPU, not READY/WRITING on disk, not
@@ -113,12 +127,24 @@ class TierHierarchy(LoadPlanning):
         # Keys whose CPU copy came from disk, so hits keep reporting "disk"
         # as their source until the block is stored again.
         self._promoted: set[Key] = set()
-        # Loads planned and not completed yet: what each pinned where.
-        self._loads: dict[int, LoadPlan] = {}
         # Without a consumer (KV events off) nothing drains the events, so
         # none are recorded: an undrained log would grow without bound.
         self._events = EventLog(record_events)
         self._next_job_id = 1
+        self._planner = LoadPlanner(
+            self.cpu,
+            self.disk_core,
+            self.stats,
+            self._dirty,
+            self._promoted,
+            make_cpu_room=self._make_cpu_room,
+            disk_dropped=self._disk_dropped,
+            emit=self._emit,
+            new_job_id=self._new_job_id,
+            promote_on_hit=promote_on_hit,
+        )
+        # Loads planned and not completed yet: what each pinned where.
+        self._loads: dict[int, LoadPlan] = self._planner.loads
 
     # ------------------------------------------------------------------ lookup
 
@@ -126,10 +152,13 @@ class TierHierarchy(LoadPlanning):
         """Hit if READY in some tier (CPU first); PENDING if only being
         written (a store in flight); else MISS."""
         block = self.cpu.get(key)
-        if block is not None and block.state is BlockState.READY:
+        if block is not None and block.state is READY:
             return Residency.HIT_CPU
-        if self.disk is not None and self.disk.is_ready(key):
-            return Residency.HIT_DISK
+        disk = self.disk
+        if disk is not None:
+            on_disk = disk.get(key)
+            if on_disk is not None and on_disk.state is READY:
+                return Residency.HIT_DISK
         return Residency.PENDING if block is not None else Residency.MISS
 
     def prefix_hits(self, keys: Iterable[Key]) -> int:
@@ -150,13 +179,39 @@ class TierHierarchy(LoadPlanning):
 
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark keys used; the first key ends up most recent (prefix order)."""
-        for key in reversed(list(keys)):
-            if key in self.cpu:
-                self.cpu.touch(key)
-                if key in self._dirty:
-                    self._dirty.move_to_end(key)
-            if self.disk is not None:
-                self.disk.touch(key)
+        order = list(keys)
+        order.reverse()
+        self.cpu.touch_many(order)
+        dirty = self._dirty
+        if dirty:
+            for key in order:
+                if key in dirty:
+                    dirty.move_to_end(key)
+        if self.disk is not None:
+            self.disk.touch_many(order)
+
+    # -------------------------------------------------------------------- load
+
+    @property
+    def promote_on_hit(self) -> bool:
+        """Whether a disk hit is also copied into a free CPU row."""
+        return self._planner.promote_on_hit
+
+    @promote_on_hit.setter
+    def promote_on_hit(self, value: bool) -> None:
+        self._planner.promote_on_hit = value
+
+    def prepare_load(
+        self, keys: Sequence[Key], promote: bool | None = None
+    ) -> LoadPlan:
+        """See :meth:`kvtier.tiers.loading.LoadPlanner.prepare_load`."""
+        return self._planner.prepare_load(keys, promote)
+
+    def complete_load(
+        self, load_id: int, failed: Iterable[Key] = (), unloaded: Iterable[Key] = ()
+    ) -> None:
+        """See :meth:`kvtier.tiers.loading.LoadPlanner.complete_load`."""
+        self._planner.complete_load(load_id, failed, unloaded)
 
     # ------------------------------------------------------------------- store
 
@@ -170,8 +225,10 @@ class TierHierarchy(LoadPlanning):
         """
         present = set()
         new_keys: list[Key] = []
+        cpu_get = self.cpu.get
+        disk_get = self.disk.get if self.disk is not None else _absent
         for key in keys:
-            if key in self.cpu or (self.disk is not None and key in self.disk):
+            if cpu_get(key) is not None or disk_get(key) is not None:
                 present.add(key)
                 self.touch((key,))
             elif key not in present:
@@ -199,35 +256,40 @@ class TierHierarchy(LoadPlanning):
                 # tail is still a hit) rather than decline it forever.
                 self.stats.store_blocks_skipped += len(new_keys) - room
                 new_keys = new_keys[:room]
-            for key in victims:
-                self._drop_from_cpu(key, reason="evict")
+            self._drop_from_cpu(victims)
             evicted = victims
 
-        slots: list[int] = []
-        for key in reversed(new_keys):  # head of the prefix ranks newest
-            slots.append(self.cpu.allocate(key, origin="store").slot)
-            self._promoted.discard(key)
-            self._unspillable.discard(key)
+        # Allocated tail first: the head of the prefix ranks newest.
+        slots = self.cpu.allocate_many(new_keys[::-1], "store")
         slots.reverse()
+        promoted, unspillable = self._promoted, self._unspillable
+        if promoted:
+            promoted.difference_update(new_keys)
+        if unspillable:
+            unspillable.difference_update(new_keys)
         return StorePlan(new_keys, slots, evicted)
 
     def complete_store(self, keys: Iterable[Key], success: bool = True) -> None:
         """Make stored keys readable, or forget them if the store failed."""
+        cpu = self.cpu
+        cpu_get = cpu.get
         stored: list[Key] = []
         for key in reversed(list(keys)):
-            block = self.cpu.get(key)
-            if block is None or block.state is not BlockState.WRITING:
-                continue
-            if block.origin != "store":
-                continue
-            if success:
-                self.cpu.mark_ready(key)
+            block = cpu_get(key)
+            if block is not None and block.state is WRITING and block.origin == "store":
                 stored.append(key)
-                self._mark_dirty_if_needed(key)
-            else:
-                self.cpu.remove(key)
-                self.stats.stores_failed += 1
+        if len(set(stored)) != len(stored):
+            stored = list(dict.fromkeys(stored))  # a key offered twice
+        if not success:
+            cpu.remove_many(stored, False)
+            self.stats.stores_failed += len(stored)
+            stored = []
         if stored:
+            cpu.mark_ready_many(stored)
+            if self.disk is not None:
+                mark_dirty = self._mark_dirty_if_needed
+                for key in stored:
+                    mark_dirty(key)
             stored.reverse()
             self.stats.stores_completed += len(stored)
             self._emit(stored, MEDIUM_CPU, removed=False, reason="store")
@@ -245,27 +307,26 @@ class TierHierarchy(LoadPlanning):
         """A spill job finished; keys in ``failed_keys`` did not reach disk."""
         items = self._spill_jobs.pop(job_id)
         failed = set(failed_keys)
-        done: list[Key] = []
-        for item in items:
-            key = item.key
-            self._spilling.pop(key, None)
-            assert self.disk is not None
-            if key in self.cpu:
-                self.cpu.unpin(key)
-            if key in failed:
-                self.disk.remove(key)
-                self.stats.spill_failures += 1
-                if self.cpu.is_ready(key):
-                    # Let the tier drop it later instead of retrying forever.
+        cpu, core, spilling = self.cpu, self.disk_core, self._spilling
+        assert core is not None
+        keys = [item.key for item in items]
+        for key in keys:
+            spilling.pop(key, None)
+        done = [k for k in keys if k not in failed] if failed else keys
+        if failed:
+            lost = [k for k in keys if k in failed]
+            core.fail(lost)
+            self.stats.spill_failures += len(lost)
+            for key in lost:
+                if cpu.is_ready(key):
+                    # Let the tier drop it later instead of retrying.
                     self._unspillable.add(key)
-                self._refresh_cpu(key)
-                continue
-            self.disk.mark_ready(key)
-            self._refresh_cpu(key)  # clean now: droppable
-            done.append(key)
-        if done:
-            self.stats.spills_completed += len(done)
-            self._emit(done, MEDIUM_DISK, removed=False, reason="spill")
+        core.complete(done)  # reported as stored on disk (spill)
+        # Unpinned after the disk side changed, so the one refresh of the
+        # CPU index sees each block clean (droppable) or unspillable.
+        cpu_get = cpu.get
+        cpu.unpin_many([k for k in keys if cpu_get(k) is not None])
+        self.stats.spills_completed += len(done)
 
     def _maybe_spill(self) -> None:
         if self.disk is None:
@@ -278,21 +339,23 @@ class TierHierarchy(LoadPlanning):
             self._queue_spills(excess)
 
     def _queue_spills(self, n: int) -> None:
-        disk = self.disk
-        if disk is None or n <= 0:
+        core = self.disk_core
+        if core is None or n <= 0:
             return
-        candidates = list(itertools.islice(self._dirty, n))
+        dirty = self._dirty
+        candidates = list(itertools.islice(dirty, n))
         # One victim scan for the whole batch: scans skip pinned blocks, so
         # per-key scans would pay for the same pinned prefix again and again.
-        room = self._make_room(disk, len(candidates))
+        self._disk_dropped(core.make_room(len(candidates)), evicted=True)
+        spilled = candidates[: core.tier.num_free]
+        disk_slots = core.allocate(spilled)
         items: list[TransferItem] = []
-        for key in candidates[:room]:
-            cpu_block = self.cpu.get(key)
-            assert cpu_block is not None and cpu_block.state is BlockState.READY
-            disk_block = disk.allocate(key, origin="spill")
-            del self._dirty[key]
-            self.cpu.pin(key)  # the spill reads this slot
-            items.append(TransferItem(key, cpu_block.slot, disk_block.slot))
+        cpu_pin = self.cpu.pin
+        for key, disk_slot in zip(spilled, disk_slots):
+            cpu_block = cpu_pin(key)  # the spill reads this slot
+            assert cpu_block.state is READY
+            del dirty[key]
+            items.append(TransferItem(key, cpu_block.slot, disk_slot))
         if not items:
             return
         for i in range(0, len(items), self.spill_batch):
@@ -304,24 +367,15 @@ class TierHierarchy(LoadPlanning):
             self._new_spills.append(SpillOrder(job_id, chunk))
         self.stats.spills_started += len(items)
 
-    def _make_room(
-        self,
-        tier: Tier,
-        n: int,
-        exclude: set[Key] | frozenset[Key] = frozenset(),
-        limit: int | None = None,
-    ) -> int:
-        """Free slots for up to ``n`` new blocks by dropping victims the tier
-        allows (for the CPU tier: droppable ones), inspecting at most
-        ``limit`` candidates when given; returns how many slots are now
-        free (<= n)."""
-        need = n - tier.num_free
+    def _make_cpu_room(self, n: int, limit: int | None = None) -> int:
+        """Free CPU rows for up to ``n`` new blocks by dropping droppable
+        victims, inspecting at most ``limit`` candidates when given; returns
+        how many rows are now free (<= n)."""
+        cpu = self.cpu
+        need = n - cpu.num_free
         if need > 0:
-            victims = tier.victims(need, exclude=exclude, limit=limit)
-            drop = self._drop_from_cpu if tier is self.cpu else self._drop_from_disk
-            for key in victims:
-                drop(key, reason="evict")
-        return min(n, tier.num_free)
+            self._drop_from_cpu(cpu.victims(need, limit=limit))
+        return min(n, cpu.num_free)
 
     def demote(self, key: Key) -> bool:
         """Drop ``key``'s CPU copy if it is idle and also ready on disk (the
@@ -331,22 +385,18 @@ class TierHierarchy(LoadPlanning):
         block = self.cpu.get(key)
         if block is None or not block.evictable:
             return False
-        self._drop_from_cpu(key, reason="evict")
+        self._drop_from_cpu([key])
         return True
 
     # ----------------------------------------------------------------- restore
 
     def restore_disk(self, entries: list[tuple[Key, int]]) -> None:
         """Warm restart: adopt blocks found on disk (oldest first)."""
-        if self.disk is None:
+        if self.disk_core is None:
             raise RuntimeError("no disk tier to restore into")
-        self.disk.restore(entries)
+        self.disk_core.restore(entries)
         for key, _ in entries:
             self._refresh_cpu(key)
-        if entries:
-            self._emit(
-                [k for k, _ in entries], MEDIUM_DISK, removed=False, reason="restore"
-            )
 
     def reset(self) -> None:
         """Forget every block (vLLM's reset_cache); emits the removals.
@@ -355,10 +405,8 @@ class TierHierarchy(LoadPlanning):
         cpu_ready = self.cpu.clear()
         if cpu_ready:
             self._emit(cpu_ready, MEDIUM_CPU, removed=True, reason="reset")
-        if self.disk is not None:
-            disk_ready = self.disk.clear()
-            if disk_ready:
-                self._emit(disk_ready, MEDIUM_DISK, removed=True, reason="reset")
+        if self.disk_core is not None:
+            self.disk_core.clear()  # reported as removed (reset)
         self._dirty.clear()
         self._unspillable.clear()
         self._spilling.clear()
@@ -387,12 +435,6 @@ class TierHierarchy(LoadPlanning):
 
     # ----------------------------------------------------------------- helpers
 
-    def _tier(self, medium: str) -> Tier:
-        if medium == MEDIUM_CPU:
-            return self.cpu
-        assert self.disk is not None
-        return self.disk
-
     def _new_job_id(self) -> int:
         job_id = self._next_job_id
         self._next_job_id += 1
@@ -406,42 +448,66 @@ class TierHierarchy(LoadPlanning):
         changes."""
         if self.disk is None or key in self._unspillable:
             return True
-        return self.disk.is_ready(key)
+        on_disk = self.disk.get(key)
+        return on_disk is not None and on_disk.state is READY
 
     def _refresh_cpu(self, key: Key) -> None:
         self.cpu.refresh(key)
 
     def _mark_dirty_if_needed(self, key: Key) -> None:
-        if self.disk is None or key in self._spilling or self.disk.is_ready(key):
+        disk = self.disk
+        if disk is None or key in self._spilling:
             return
-        self._dirty[key] = None
+        on_disk = disk.get(key)
+        if on_disk is None or on_disk.state is not READY:
+            self._dirty[key] = None
 
-    def _drop_from_cpu(self, key: Key, reason: str) -> None:
-        self.cpu.remove(key, evicted=True)
-        self._dirty.pop(key, None)
-        self._unspillable.discard(key)
-        self._promoted.discard(key)
-        self.stats.cpu_evictions += 1
-        self._emit([key], MEDIUM_CPU, removed=True, reason=reason)
+    def _drop_from_cpu(self, keys: Sequence[Key]) -> None:
+        """Evict ``keys`` (evictable CPU blocks) from the CPU tier; one
+        event for the batch. O(len(keys))."""
+        if not keys:
+            return
+        self.cpu.remove_many(keys, True)
+        dirty, unspillable, promoted = self._dirty, self._unspillable, self._promoted
+        for key in keys:
+            dirty.pop(key, None)
+        if unspillable:
+            unspillable.difference_update(keys)
+        if promoted:
+            promoted.difference_update(keys)
+        self.stats.cpu_evictions += len(keys)
+        self._emit(keys, MEDIUM_CPU, removed=True, reason="evict")
 
-    def _drop_from_disk(self, key: Key, reason: str) -> None:
-        assert self.disk is not None
-        self.disk.remove(key, evicted=reason == "evict")
-        if reason == "evict":
-            self.stats.disk_evictions += 1
-        self._emit([key], MEDIUM_DISK, removed=True, reason=reason)
-        if self.cpu.is_ready(key):
-            if reason == "evict":
-                # The disk judged this block its least valuable: respilling it
-                # would evict a better one. Its CPU copy may now be dropped
-                # like a clean block (and stays dirty-free, so it does not
-                # sit in the spill queue with a stale position).
-                self._unspillable.add(key)
-            else:
-                self._mark_dirty_if_needed(key)
-        self._refresh_cpu(key)
+    def _disk_dropped(self, keys: Sequence[Key], evicted: bool) -> None:
+        """The disk core dropped ``keys``' disk copies (``evicted``: the disk
+        chose them as victims; else they failed verification): update the
+        CPU side. O(len(keys))."""
+        if not keys:
+            return
+        evict = evicted
+        cpu = self.cpu
+        for key in keys:
+            block = cpu.get(key)
+            if block is None:
+                continue
+            if block.state is READY:
+                if evict:
+                    # The disk judged this block its least valuable:
+                    # respilling it would evict a better one. Its CPU copy
+                    # may now be dropped like a clean block (and stays
+                    # dirty-free, so it does not sit in the spill queue with
+                    # a stale position).
+                    self._unspillable.add(key)
+                else:
+                    self._mark_dirty_if_needed(key)
+            cpu.refresh(key)
+        if evict:
+            self.stats.disk_evictions += len(keys)
 
     def _emit(
         self, keys: Sequence[Key], medium: str, removed: bool, reason: str
     ) -> None:
         self._events.record(keys, medium, removed, reason)
+
+    def _emit_disk(self, keys: Sequence[Key], removed: bool, reason: str) -> None:
+        self._events.record(keys, MEDIUM_DISK, removed, reason)

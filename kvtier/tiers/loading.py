@@ -1,18 +1,21 @@
 """Loads: where each block of a request is read from, and what a finished
 load changes (the copy up of verified disk blocks, the drop of corrupt ones).
 
-:class:`LoadPlanning` is the load half of
+:class:`LoadPlanner` is the load half of
 :class:`~kvtier.tiers.hierarchy.TierHierarchy`, kept apart because it is one
-responsibility: it reads and changes the hierarchy's state through the names
-listed on the class, and nothing else uses it.
+responsibility. It is given, at construction, exactly what it reads and
+changes: the CPU tier, the disk tier's core, the hierarchy's dirty queue,
+promoted set and counters, and three hooks into the hierarchy (make CPU
+room, follow up a dropped disk copy, record an event). Single-threaded, like
+the hierarchy; O(keys of the load) per call, plus a bounded victim scan.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
+from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.plans import BlockLocation, HierarchyStats, Key, LoadPlan
 from kvtier.tiers.tier import BlockState, Tier, TierBlock
@@ -22,28 +25,41 @@ from kvtier.tiers.tier import BlockState, Tier, TierBlock
 PROMOTION_SCAN = 64
 
 
-class LoadPlanning:
-    """``prepare_load`` / ``complete_load`` of the hierarchy.
+class LoadPlanner:
+    """``prepare_load`` / ``complete_load`` of one hierarchy.
 
-    Uses the hierarchy's ``cpu`` and ``disk`` tiers, ``stats``,
-    ``promote_on_hit``, ``_dirty``, ``_promoted``, ``_loads`` and its helpers
-    ``_make_room``, ``_droppable``, ``_tier``, ``_new_job_id``,
-    ``_drop_from_disk`` and ``_emit``."""
+    ``loads`` holds the loads planned and not completed (load id -> plan).
+    ``make_cpu_room(n, limit)`` frees up to ``n`` CPU rows and returns how
+    many are free; ``disk_dropped(keys, evicted)`` is called after the disk
+    core dropped copies; ``emit(keys, medium, removed, reason)`` records a
+    residency event; ``new_job_id()`` numbers the loads."""
 
-    if TYPE_CHECKING:
-        cpu: Tier
-        disk: Tier | None
-        stats: HierarchyStats
-        promote_on_hit: bool
-        _dirty: OrderedDict[Key, None]
-        _promoted: set[Key]
-        _loads: dict[int, LoadPlan]
-        _make_room: Callable[..., int]
-        _droppable: Callable[[Key, TierBlock], bool]
-        _tier: Callable[[str], Tier]
-        _new_job_id: Callable[[], int]
-        _drop_from_disk: Callable[[Key, str], None]
-        _emit: Callable[..., None]
+    def __init__(
+        self,
+        cpu: Tier,
+        disk_core: DiskTierCore | None,
+        stats: HierarchyStats,
+        dirty: OrderedDict[Key, None],
+        promoted: set[Key],
+        *,
+        make_cpu_room: Callable[[int, int | None], int],
+        disk_dropped: Callable[[Sequence[Key], bool], None],
+        emit: Callable[[Sequence[Key], str, bool, str], None],
+        new_job_id: Callable[[], int],
+        promote_on_hit: bool = True,
+    ) -> None:
+        self.cpu = cpu
+        self.disk_core = disk_core
+        self.disk = disk_core.tier if disk_core is not None else None
+        self.stats = stats
+        self.promote_on_hit = promote_on_hit
+        self.loads: dict[int, LoadPlan] = {}
+        self._dirty = dirty
+        self._promoted = promoted
+        self._make_cpu_room = make_cpu_room
+        self._disk_dropped = disk_dropped
+        self._emit = emit
+        self._new_job_id = new_job_id
 
     def prepare_load(
         self, keys: Sequence[Key], promote: bool | None = None
@@ -57,22 +73,25 @@ class LoadPlanning:
         if promote is None:
             promote = self.promote_on_hit
         cpu, disk = self.cpu, self.disk
+        ready = BlockState.READY
         blocks: list[TierBlock] = []
         media: list[str] = []
         for key in keys:
             block = cpu.get(key)
-            if block is not None and block.state is BlockState.READY:
+            if block is not None and block.state is ready:
                 media.append(MEDIUM_CPU)
             else:
                 block = disk.get(key) if disk is not None else None
-                if block is None or block.state is not BlockState.READY:
+                if block is None or block.state is not ready:
                     raise KeyError(f"prepare_load of {key!r}, which is not ready")
                 media.append(MEDIUM_DISK)
             blocks.append(block)
         # Pin before making room for promotions: the victims must never
         # include a block this very load reads.
-        for key, medium in zip(keys, media):
-            self._tier(medium).pin(key)
+        on_cpu = [k for k, m in zip(keys, media) if m == MEDIUM_CPU]
+        cpu.pin_many(on_cpu)
+        if disk is not None and len(on_cpu) < len(keys):
+            disk.pin_many([k for k, m in zip(keys, media) if m == MEDIUM_DISK])
         # Rows for promotions: only keys that have no CPU block at all (one
         # being written already has its row), found by a short scan.
         promote_keys: set[Key] = set()
@@ -81,7 +100,7 @@ class LoadPlanning:
                 k for k, m in zip(keys, media) if m == MEDIUM_DISK and k not in cpu
             ]
             if wanted:
-                room = self._make_room(cpu, len(set(wanted)), limit=PROMOTION_SCAN)
+                room = self._make_cpu_room(len(set(wanted)), PROMOTION_SCAN)
                 for key in wanted:
                     if room == 0:
                         break
@@ -95,12 +114,14 @@ class LoadPlanning:
                 promote_keys.discard(key)
                 promote_slot = cpu.allocate(key, origin="promote").slot
             locations.append(BlockLocation(medium, block.slot, promote_slot))
-        for key, loc in zip(reversed(keys), reversed(locations)):
-            self._tier(loc.medium).touch(key)  # head ranks newest
-            if key in self._dirty:
-                self._dirty.move_to_end(key)
+        dirty = self._dirty
+        for key, medium in zip(reversed(keys), reversed(media)):
+            # head ranks newest
+            (cpu if medium == MEDIUM_CPU else disk).touch(key)  # type: ignore[union-attr]
+            if key in dirty:
+                dirty.move_to_end(key)
         plan = LoadPlan(self._new_job_id(), list(keys), locations)
-        self._loads[plan.load_id] = plan
+        self.loads[plan.load_id] = plan
         return plan
 
     def complete_load(
@@ -113,19 +134,22 @@ class LoadPlanning:
         delivered for a reason that says nothing about their copy (the load
         raised): the promotion row is given back, the disk copy stays.
         Other promoted keys become ready on CPU."""
-        plan = self._loads.pop(load_id)
+        plan = self.loads.pop(load_id)
         bad = set(failed)
         skipped = set(unloaded) - bad
         promoted: list[Key] = []
         stats = self.stats
+        cpu, disk = self.cpu, self.disk
         for key, loc in zip(plan.keys, plan.locations):
-            tier = self._tier(loc.medium)
-            block = tier.get(key)
-            if block is not None:
-                tier.unpin(key)
             if loc.medium == MEDIUM_CPU:
+                if cpu.get(key) is not None:
+                    cpu.unpin(key)
                 stats.loads_cpu += 1
                 continue
+            assert disk is not None
+            block = disk.get(key)
+            if block is not None:
+                disk.unpin(key)
             if key in skipped:
                 stats.load_failures += 1
                 if loc.promote_slot is not None:
@@ -136,8 +160,10 @@ class LoadPlanning:
                 if loc.promote_slot is not None:
                     self.cpu.remove(key)
                 if block is not None and block.pins == 0:
-                    stats.corrupt_blocks += 1
-                    self._drop_from_disk(key, reason="corrupt")
+                    assert self.disk_core is not None
+                    dropped = self.disk_core.drop_corrupt((key,))
+                    stats.corrupt_blocks += len(dropped)
+                    self._disk_dropped(dropped, False)
                 continue
             stats.loads_disk += 1
             if loc.promote_slot is not None:

@@ -54,8 +54,11 @@ class StorePlan:
     evicted_keys: list[Key]
 
 
-@dataclass(frozen=True, slots=True)
-class TransferItem:
+class TransferItem(NamedTuple):
+    """Copy slot ``src_slot`` of the source medium to ``dst_slot`` of the
+    destination, for ``key``. A tuple: one is built per block moved, and a
+    frozen dataclass costs several times more to build."""
+
     key: Key
     src_slot: int
     dst_slot: int

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -46,6 +46,9 @@ class TierBlock:
     @property
     def evictable(self) -> bool:
         return self.state is BlockState.READY and self.pins == 0
+
+
+_READY = BlockState.READY
 
 
 class Tier:
@@ -72,6 +75,9 @@ class Tier:
             make_policy(policy, capacity) if isinstance(policy, str) else policy
         )
         self._blocks: dict[Hashable, TierBlock] = {}
+        # ``get(key)``: the block of ``key`` or None. The dict's own method
+        # (the dict is never replaced), so the hottest query costs no frame.
+        self.get: Callable[[Hashable], TierBlock | None] = self._blocks.get
         # Slots never handed out yet are implicit (a counter), so building a
         # tier of millions of slots costs nothing.
         self._next_fresh = 0
@@ -102,9 +108,6 @@ class Tier:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._blocks
-
-    def get(self, key: Hashable) -> TierBlock | None:
-        return self._blocks.get(key)
 
     def is_ready(self, key: Hashable) -> bool:
         block = self._blocks.get(key)
@@ -145,7 +148,7 @@ class Tier:
         block = TierBlock(slot=slot, state=BlockState.WRITING, origin=origin)
         self._blocks[key] = block
         self.policy.insert(key)
-        self._reposition(key)  # WRITING: not eligible yet
+        self._reposition(key, eligible=False)  # WRITING: not eligible yet
         return block
 
     def restore(self, entries: list[tuple[Hashable, int]]) -> None:
@@ -208,6 +211,83 @@ class Tier:
             self.refresh(key)
         return block
 
+    # --- batches: the same as one call per key, in order, minus the calls ---
+
+    def allocate_many(self, keys: Sequence[Hashable], origin: str) -> list[int]:
+        """``allocate(key, origin)`` for each key in order; returns the
+        slots. Caller checked room for all. O(len(keys))."""
+        blocks, free, insert = self._blocks, self._free, self.policy.insert
+        pos, position = self._pos, self.policy.position
+        writing = BlockState.WRITING
+        slots: list[int] = []
+        for key in keys:
+            if key in blocks:
+                raise KeyError(f"{key!r} already resident in {self.medium} tier")
+            if free:
+                slot = free.pop()
+            elif self._next_fresh < self.capacity:
+                slot = self._next_fresh
+                self._next_fresh += 1
+            else:
+                raise RuntimeError(f"{self.medium} tier is full")
+            blocks[key] = TierBlock(slot, writing, 0, origin)
+            insert(key)
+            # _reposition(key, eligible=False), inlined: WRITING blocks are
+            # never eligible.
+            pos[key] = position(key)
+            slots.append(slot)
+        return slots
+
+    def mark_ready_many(self, keys: Sequence[Hashable]) -> None:
+        """``mark_ready(key)`` for each key in order. O(len(keys) log n)."""
+        blocks, refresh = self._blocks, self.refresh
+        ready = BlockState.READY
+        for key in keys:
+            blocks[key].state = ready
+            refresh(key)
+
+    def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
+        """``pin(key)`` for each key in order; returns the blocks. O(len)."""
+        blocks, discard = self._blocks, self._eligible.discard
+        out: list[TierBlock] = []
+        for key in keys:
+            block = blocks[key]
+            block.pins += 1
+            discard(key)
+            out.append(block)
+        return out
+
+    def unpin_many(self, keys: Sequence[Hashable]) -> None:
+        """``unpin(key)`` for each key in order. O(len(keys) log n)."""
+        blocks, refresh = self._blocks, self.refresh
+        for key in keys:
+            block = blocks[key]
+            if block.pins <= 0:
+                raise RuntimeError(f"unpin of unpinned {key!r} in {self.medium} tier")
+            block.pins -= 1
+            if not block.pins:
+                refresh(key)
+
+    def touch_many(self, keys: Sequence[Hashable]) -> None:
+        """``touch(key)`` for each key in order (the last ends up most
+        recent). O(len(keys) log n)."""
+        blocks, touch, reposition = self._blocks, self.policy.touch, self._reposition
+        for key in keys:
+            if key in blocks:
+                touch(key)
+                reposition(key)
+
+    def remove_many(self, keys: Sequence[Hashable], evicted: bool) -> None:
+        """``remove(key, evicted)`` for each key in order. O(len(keys))."""
+        blocks, free, policy_remove = self._blocks, self._free, self.policy.remove
+        pos, heaped, eligible = self._pos, self._heaped, self._eligible
+        for key in keys:
+            free.append(blocks.pop(key).slot)
+            policy_remove(key, evicted)
+            pos.pop(key, None)
+            heaped.pop(key, None)
+            eligible.discard(key)  # its heap entry goes stale
+
     # --- eligible index ---
 
     def set_filter(self, accept: Callable[[Hashable, TierBlock], bool] | None) -> None:
@@ -223,24 +303,26 @@ class Tier:
         block = self._blocks.get(key)
         if block is None:
             return
-        ok = (
-            block.state is BlockState.READY
-            and block.pins == 0
+        if (
+            block.state is _READY
+            and not block.pins
             and (self.filter is None or self.filter(key, block))
-        )
-        if not ok:
+        ):
+            if key not in self._eligible:
+                self._eligible.add(key)
+                self._push(key)
+        else:
             self._eligible.discard(key)
-        elif key not in self._eligible:
-            self._eligible.add(key)
-            self._push(key)
 
-    def _reposition(self, key: Hashable) -> None:
+    def _reposition(self, key: Hashable, eligible: bool = True) -> None:
         """``key`` was inserted into or touched in the policy: record where
-        the policy put it (only that key's position changed)."""
+        the policy put it (only that key's position changed).
+        ``eligible=False``: the caller knows the key may not be a victim (a
+        block just allocated), so nothing is re-checked."""
         self._pos[key] = self.policy.position(key)
         if key in self._eligible:
             self._push(key)  # the old entry is stale now
-        else:
+        elif eligible:
             self.refresh(key)
 
     def _push(self, key: Hashable) -> None:
