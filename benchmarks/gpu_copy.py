@@ -109,9 +109,9 @@ def main() -> int:
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 
-    from kvtier.connector.device_copy import DeviceCopies
     from kvtier.connector.specs import TierLoadSpec
-    from kvtier.connector.worker import TieredOffloadingWorker
+    from kvtier.connector.worker.device_copy import DeviceCopies
+    from kvtier.connector.worker.worker import TieredOffloadingWorker
     from kvtier.io.backends import make_backend
     from kvtier.io.cpu_buffer import CpuBlockBuffer
     from kvtier.io.disk_store import DiskStore

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/hit_rate.py [--trace FILE] [--cpu-blocks 2000]
         [--mults 5 10 20] [--jobs 2] [--no-vllm] [--no-sweep]
 
-Replays the trace through kvtier's TierHierarchy (``kvtier.sizing``, the
+Replays the trace through kvtier's TierHierarchy (``kvtier.tools.sizing``, the
 replay behind ``kvtier size``) with a CPU tier of ``--cpu-blocks`` 512-token
 blocks, alone (every policy) and over a disk tier of 5x, 10x and 20x that
 capacity (every cpu/disk policy pair at 5x, the same policy on both tiers
@@ -32,16 +32,16 @@ from typing import Any
 
 from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, RESULTS_DIR, write_json
 
-from kvtier.sizing import SizingResult, replay_trace
-from kvtier.sizing_compare import optimal_hit_rate
-from kvtier.sizing_plot import plot_tier_split
 from kvtier.tiers.optimum import (
     oracle_admission_lru_hits,
     rate_oracle_hits,
     static_frequency_hits,
 )
 from kvtier.tiers.policy import policy_names
-from kvtier.trace import infinite_cache_hit_rate, load_trace, unique_blocks
+from kvtier.tools.sizing import SizingResult, replay_trace
+from kvtier.tools.sizing_compare import optimal_hit_rate
+from kvtier.tools.sizing_plot import plot_tier_split
+from kvtier.tools.trace import infinite_cache_hit_rate, load_trace, unique_blocks
 
 _TRACE: list[Any] = []
 

@@ -19,7 +19,7 @@ import argparse
 from _common import DEFAULT_TRACE, write_json
 
 from kvtier.tiers.optimum import optimal_hits_by_reuse_distance
-from kvtier.trace import load_trace
+from kvtier.tools.trace import load_trace
 
 MULTS = (1, 2, 4, 8)  # bin edges, in multiples of the capacity
 

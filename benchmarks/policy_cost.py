@@ -27,7 +27,7 @@ from scheduler_cost import (
 )
 
 from kvtier.tiers.policy import policy_names
-from kvtier.trace import load_trace
+from kvtier.tools.trace import load_trace
 
 
 def run_policy(reqs: list, cpu: int, policy: str) -> tuple[float, float]:

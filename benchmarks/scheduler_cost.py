@@ -11,7 +11,7 @@ vLLM's ``CPUOffloadingManager`` (LRU, events on) at the same CPU capacity.
 Per request: prefix lookup one key at a time, load of the hits
 (prepare_load/complete_load), store of the rest (prepare_store/
 complete_store), draining of events; kvtier CPU+disk also loads disk hits
-and completes spills instantly, exactly as ``kvtier.sizing.TraceReplayer``
+and completes spills instantly, exactly as ``kvtier.tools.sizing.TraceReplayer``
 (the replay behind ``kvtier size``) does: the kvtier runs *are* that
 replayer, with a timer around each hierarchy call. vLLM's per-request
 ``on_new_request``/``on_request_finished`` are timed as "request
@@ -46,9 +46,9 @@ from typing import Any
 
 from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json
 
-from kvtier.sizing import TraceReplayer, replay_trace
 from kvtier.tiers import TierHierarchy
-from kvtier.trace import load_trace
+from kvtier.tools.sizing import TraceReplayer, replay_trace
+from kvtier.tools.trace import load_trace
 
 ns = time.perf_counter_ns
 COMMON_OPS = (

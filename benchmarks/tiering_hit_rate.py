@@ -14,11 +14,11 @@ lookup re-asked every step until settled (a disk hit starts a promotion and
 answers HIT_PENDING), ``prepare_load``/``complete_load`` of the hits, then
 ``prepare_store``/``complete_store`` of the rest (which cascades every new
 block to disk). I/O is made instant by draining the tier after each step,
-as ``kvtier.sizing`` completes every spill and promotion instantly. A hit is
+as ``kvtier.tools.sizing`` completes every spill and promotion instantly. A hit is
 credited to the tier vLLM reports through ``get_load_source`` (``host`` or
 ``disk``).
 
-The full spec's numbers come from ``kvtier.sizing.replay_trace`` (the replay
+The full spec's numbers come from ``kvtier.tools.sizing.replay_trace`` (the replay
 behind ``kvtier size`` and benchmarks/hit_rate.py) with the same capacities,
 policies and keys: once with the default ``spill_watermark`` 0.75 (write-back)
 and once with 0 (``full_spec_write_through``: every stored block goes to disk
@@ -38,8 +38,8 @@ from typing import Any
 
 from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json
 
-from kvtier.sizing import replay_trace
-from kvtier.trace import infinite_cache_hit_rate, load_trace
+from kvtier.tools.sizing import replay_trace
+from kvtier.tools.trace import infinite_cache_hit_rate, load_trace
 
 ROW_BYTES = 4096  # one trace block's row in the primary tier (page aligned)
 

@@ -3,7 +3,12 @@
 Subpackages:
   kvtier.tiers      scheduler-side bookkeeping (no I/O, no vLLM)
   kvtier.io         worker-side data movement and the on-disk format (no vLLM)
-  kvtier.connector  the vLLM plugin (the only code that imports vLLM)
+  kvtier.connector  the vLLM plugin (the only code that imports vLLM):
+                    the full spec, its ``scheduler`` and ``worker`` sides,
+                    and the ``tiering`` mode (vLLM's TieringOffloadingSpec)
+  kvtier.tools      the operator's tools: the ``kvtier`` CLI, sizing,
+                    traces, the KV events subscriber
+  (testing)         helpers for tests and benchmarks, never imported here
 """
 
 __version__ = "0.1.0"

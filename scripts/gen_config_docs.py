@@ -287,7 +287,7 @@ def configs_section() -> str:
         "Adjust sizes and paths to the machine; the paths must exist. The "
         "`vllm-tiering-*` files use vLLM's own `TieringOffloadingSpec` with "
         "kvtier's disk tier as a secondary tier instead of kvtier's spec (see "
-        "the docstring of kvtier/connector/tiering.py); the keys below are "
+        "the docstring of kvtier/connector/tiering/disk_tier.py); the keys below are "
         "those of `TieredOffloadingSpec`.",
         "",
         "| file | spec | CPU tier | disk tier | disk paths | other keys |",

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "TieredOffloadingConnector": "kvtier.connector.connector",
     "TieredOffloadingSpec": "kvtier.connector.spec",
-    "TieredOffloadingManager": "kvtier.connector.manager",
-    "TieredOffloadingWorker": "kvtier.connector.worker",
+    "TieredOffloadingManager": "kvtier.connector.scheduler.manager",
+    "TieredOffloadingWorker": "kvtier.connector.worker.worker",
 }
 
 __all__ = [
@@ -30,9 +30,9 @@ __all__ = [
 
 if TYPE_CHECKING:
     from kvtier.connector.connector import TieredOffloadingConnector
-    from kvtier.connector.manager import TieredOffloadingManager
+    from kvtier.connector.scheduler.manager import TieredOffloadingManager
     from kvtier.connector.spec import TieredOffloadingSpec
-    from kvtier.connector.worker import TieredOffloadingWorker
+    from kvtier.connector.worker.worker import TieredOffloadingWorker
 
 
 def __getattr__(name: str) -> Any:

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvtier.connector.config import ConfigError, check_shm_space
-from kvtier.connector.disk_runtime import cpu_buffer_path
+from kvtier.connector.scheduler.disk_runtime import cpu_buffer_path
 from kvtier.io.cpu_buffer import CpuBlockBuffer, reclaim_stale_cpu_files
 from kvtier.io.safe_open import InUseError
 

@@ -45,10 +45,10 @@ from kvtier.connector.connector import (
     KV_SETTINGS,
     UNDER_KVTIER_CONNECTOR,
 )
-from kvtier.connector.disk_runtime import DiskRuntime, cpu_buffer_path
 from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
 from kvtier.connector.identity import describe_settings, namespace
 from kvtier.connector.metrics import metric_definitions
+from kvtier.connector.scheduler.disk_runtime import DiskRuntime, cpu_buffer_path
 from kvtier.connector.topology import check_single_node
 from kvtier.io.format import LayoutFingerprint, slot_size
 from kvtier.io.store_dir import store_dirname
@@ -134,7 +134,7 @@ def layout_fingerprint(
 
 def device_copy_path() -> Any:
     """The worker's copy path for this platform: vLLM's transfer code
-    (:class:`kvtier.connector.device_copy.DeviceCopies`) on the platforms
+    (:class:`kvtier.connector.worker.device_copy.DeviceCopies`) on the platforms
     vLLM's CPU offloading supports, ``None`` (kvtier's host copier) on the
     CPU platform, where the KV cache lives in host memory."""
     from vllm.platforms import current_platform
@@ -147,7 +147,7 @@ def device_copy_path() -> Any:
             f"code, which supports CUDA-alike and XPU platforms, not "
             f"{current_platform.device_name}"
         )
-    from kvtier.connector.device_copy import DeviceCopies
+    from kvtier.connector.worker.device_copy import DeviceCopies
 
     return DeviceCopies
 
@@ -259,7 +259,7 @@ class TieredOffloadingSpec(OffloadingSpec):
     @override
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            from kvtier.connector.manager import TieredOffloadingManager
+            from kvtier.connector.scheduler.manager import TieredOffloadingManager
             from kvtier.tiers.hierarchy import TierHierarchy
 
             cfg = self.kvtier
@@ -358,7 +358,7 @@ class TieredOffloadingSpec(OffloadingSpec):
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            from kvtier.connector.worker import TieredOffloadingWorker
+            from kvtier.connector.worker.worker import TieredOffloadingWorker
             from kvtier.io.backends import make_backend
 
             cfg = self.kvtier

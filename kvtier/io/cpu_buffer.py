@@ -65,7 +65,7 @@ class CpuBlockBuffer:
         dropped first, or unmapping is left to the GC.
       - Page-locking for an accelerator is not done here: the worker's copy
         path registers the rows it transfers (vLLM's ``host_register``, see
-        kvtier.connector.device_copy) and unregisters them before close.
+        kvtier.connector.worker.device_copy) and unregisters them before close.
     """
 
     def __init__(

@@ -142,17 +142,18 @@ def _is_kvtier(obj: Any) -> bool:
 
 
 def _modules() -> list[Any]:
+    """Every module of the plugin, subpackages included."""
     import kvtier.connector as package
 
     return [
-        importlib.import_module(f"{package.__name__}.{info.name}")
-        for info in pkgutil.iter_modules(package.__path__)
+        importlib.import_module(info.name)
+        for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
     ]
 
 
 def kvtier_classes() -> list[type]:
     """kvtier's classes with a vLLM class among their bases."""
-    from kvtier.connector.portable import _portable_worker_cls
+    from kvtier.connector.tiering.portable import _portable_worker_cls
 
     found: dict[str, type] = {}
     candidates = [_portable_worker_cls()]

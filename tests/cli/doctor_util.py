@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.tools.cli import main
 
 MiB = 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier import sizing
-from kvtier.cli import main, parse_bytes
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.format import HEADER_SIZE, LayoutFingerprint
-from kvtier.trace import (
+from kvtier.tools import sizing
+from kvtier.tools.cli import main, parse_bytes
+from kvtier.tools.trace import (
     TraceRequest,
     infinite_cache_hit_rate,
     load_trace,
@@ -440,7 +440,7 @@ def _vllm_batches() -> tuple[list[bytes], dict[str, dict[str, int]]]:
 
 
 def test_decoders_agree_on_vllm_payloads() -> None:
-    from kvtier.events_sub import BatchDecoder, EventCounts, decode_plain
+    from kvtier.tools.events_sub import BatchDecoder, EventCounts, decode_plain
 
     payloads, expected = _vllm_batches()
     typed = BatchDecoder("vllm")

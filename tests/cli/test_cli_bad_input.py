@@ -1,7 +1,7 @@
 """Bad input to the ``kvtier`` command: one line on stderr naming the
 problem, exit status 2, no traceback and no hang.
 
-Every case runs ``python -m kvtier.cli`` in a subprocess with a timeout, so
+Every case runs ``python -m kvtier.tools.cli`` in a subprocess with a timeout, so
 a hang fails the test instead of stalling the suite; ``kvtier events`` is
 fed malformed messages over a real ZMQ socket on 127.0.0.1.
 """
@@ -31,7 +31,7 @@ TIMEOUT = 60  # seconds for any one command; all of them take about one
 def kvtier(*argv: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *argv],
+        [sys.executable, "-m", "kvtier.tools.cli", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -385,7 +385,7 @@ def test_events_survives_and_counts_malformed_messages() -> None:
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "events"]
+        [sys.executable, "-m", "kvtier.tools.cli", "events"]
         + ["--endpoint", f"tcp://127.0.0.1:{port}", "--decoder", "plain", "--json"]
         + ["--max-batches", "1", "--duration", str(TIMEOUT)]
         + ["--max-message-bytes", "64KiB"],
@@ -431,7 +431,7 @@ def test_events_text_summary_reports_malformed() -> None:
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "events"]
+        [sys.executable, "-m", "kvtier.tools.cli", "events"]
         + ["--endpoint", f"tcp://127.0.0.1:{port}", "--decoder", "plain"]
         + ["--duration", "3"],
         stdout=subprocess.PIPE,
@@ -460,7 +460,7 @@ def test_handle_counts_every_kind_of_garbage() -> None:
     and unknown media cannot grow the counters without bound."""
     import msgspec
 
-    from kvtier.events_sub import MAX_MEDIA, EventSubscriber
+    from kvtier.tools.events_sub import MAX_MEDIA, EventSubscriber
 
     sub = EventSubscriber("inproc://kvtier-test-garbage", bind=True)
     try:

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from doctor_util import MiB, doctor, flags, mounted
 
-from kvtier.cli import HASH_ALGOS
 from kvtier.connector.identity import model_identity
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.format import LayoutFingerprint
 from kvtier.testing.model import build_tiny_llama
+from kvtier.tools.cli import HASH_ALGOS
 
 
 def test_a_healthy_path_passes(capsys, disk, shm):
@@ -233,7 +233,7 @@ def test_io_path_with_a_cuda_driver_stub(tmp_path, disk, shm, broken):
     env["LD_LIBRARY_PATH"] = str(_stub_lib_dir(broken))
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "doctor", "--json", *flags(disk, shm)],
+        [sys.executable, "-m", "kvtier.tools.cli", "doctor", "--json", *flags(disk, shm)],
         env=env,
         capture_output=True,
         text=True,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from doctor_util import REPO_ROOT, flags, run_config, shipped_config, write
 
-from kvtier.cli import main
+from kvtier.tools.cli import main
 
 
 def good_config(disk: Path) -> dict:
@@ -129,7 +129,7 @@ def test_unreadable_config_is_one_line_and_no_hang(tmp_path, kind):
         path.write_bytes(b"\xff\xfe{")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "doctor", "--config", str(path)],
+        [sys.executable, "-m", "kvtier.tools.cli", "doctor", "--config", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import sizing, sizing_compare
-from kvtier.cli import main
 from kvtier.tiers.policy import policy_names
+from kvtier.tools import sizing, sizing_compare
+from kvtier.tools.cli import main
 
 
 def _trace(path: Path, prefixes: list[list[int]]) -> str:

@@ -80,7 +80,7 @@ def test_config_file_is_valid(path: Path) -> None:
         for tier in tiers:
             assert tier["module_path"] == "kvtier.connector.tiering"
         if HAVE_VLLM:
-            from kvtier.connector.tiering_config import parse_tier_config
+            from kvtier.connector.tiering.config import parse_tier_config
 
             for tier in tiers:
                 conf = {

@@ -149,7 +149,7 @@ def test_a_cpu_only_worker_tier_has_no_name(tmp_path: Path) -> None:
 def test_failed_worker_construction_leaves_no_cpu_tier_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvtier.connector import worker as worker_mod
+    from kvtier.connector.worker import worker as worker_mod
 
     def broken(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("copier set-up failed")

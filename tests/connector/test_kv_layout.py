@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 from kvtier.connector.config import ConfigError  # noqa: E402
-from kvtier.connector.kv_layout import KVLayoutError, group_views  # noqa: E402
+from kvtier.connector.worker.kv_layout import KVLayoutError, group_views  # noqa: E402
 from kvtier.testing.offloading import offloading_config, tiered_spec  # noqa: E402
 
 PAGE = 512

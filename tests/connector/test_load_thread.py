@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 
-from kvtier.connector import worker as worker_mod  # noqa: E402
+from kvtier.connector.worker import worker as worker_mod  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.io.format import HEADER_SIZE  # noqa: E402
 from kvtier.testing.fault_plan import (  # noqa: E402

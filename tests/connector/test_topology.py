@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.connector.disk_runtime import cpu_buffer_path  # noqa: E402
+from kvtier.connector.scheduler.disk_runtime import cpu_buffer_path  # noqa: E402
 from kvtier.connector.topology import (  # noqa: E402
     Topology,
     TopologyError,

@@ -64,7 +64,7 @@ def test_kvtier_events_counts_a_real_engines_events(tmp_path):
         [
             sys.executable,
             "-m",
-            "kvtier.cli",
+            "kvtier.tools.cli",
             "events",
             "--endpoint",
             endpoint,

@@ -155,7 +155,7 @@ def test_an_unchanged_restart_still_adopts_and_serves_from_disk(
     assert again.outputs == baseline[: len(RETURNING)]
     # The operator sees what produced the store.
     shown = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "inspect", str(disk)],
+        [sys.executable, "-m", "kvtier.tools.cli", "inspect", str(disk)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -172,7 +172,7 @@ def test_an_unchanged_restart_still_adopts_and_serves_from_disk(
             [
                 sys.executable,
                 "-m",
-                "kvtier.cli",
+                "kvtier.tools.cli",
                 "doctor",
                 "--disk-path",
                 str(disk),

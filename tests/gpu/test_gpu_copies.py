@@ -41,10 +41,10 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 
-from kvtier.connector.device_copy import DeviceCopies  # noqa: E402
-from kvtier.connector.kv_layout import group_views  # noqa: E402
 from kvtier.connector.specs import TierLoadSpec  # noqa: E402
-from kvtier.connector.worker import TieredOffloadingWorker  # noqa: E402
+from kvtier.connector.worker.device_copy import DeviceCopies  # noqa: E402
+from kvtier.connector.worker.kv_layout import group_views  # noqa: E402
+from kvtier.connector.worker.worker import TieredOffloadingWorker  # noqa: E402
 from kvtier.io.backends import make_backend  # noqa: E402
 from kvtier.io.block_copy import HostArea, HostCopies, plan_copy  # noqa: E402
 from kvtier.io.cpu_buffer import CpuBlockBuffer  # noqa: E402

@@ -21,7 +21,7 @@ from reliability_common import (
     pattern,
 )
 
-from kvtier.connector.disk_runtime import DiskRuntime
+from kvtier.connector.scheduler.disk_runtime import DiskRuntime
 from kvtier.io import disk_store as disk_store_mod
 from kvtier.io import slab as slab_mod
 from kvtier.io.backend import BackendUnavailableError

@@ -23,8 +23,8 @@ import pytest
 from test_host_safety_disk import NOBODY, as_user, needs_root
 
 from kvtier.connector.config import ConfigError
-from kvtier.connector.disk_runtime import cpu_buffer_path
 from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
+from kvtier.connector.scheduler.disk_runtime import cpu_buffer_path
 from kvtier.io import cpu_buffer as cpu_buffer_mod
 from kvtier.io.cpu_buffer import CpuBlockBuffer, cpu_buffer_dir, reclaim_stale_cpu_files
 from kvtier.io.safe_open import InUseError

@@ -42,7 +42,7 @@ def kvtier_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     """``kvtier ...`` in a subprocess; a hang raises TimeoutExpired."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *argv],
+        [sys.executable, "-m", "kvtier.tools.cli", *argv],
         capture_output=True,
         text=True,
         timeout=DEADLINE_S,

@@ -314,7 +314,7 @@ def test_fault_layer_cannot_be_enabled_from_config() -> None:
     production = [
         p for p in root.rglob("*.py") if "testing" not in p.relative_to(root).parts
     ]
-    assert root / "cli.py" in production and root / "io" / "disk_store.py" in production
+    assert root / "tools" / "cli.py" in production and root / "io" / "disk_store.py" in production
     users = [
         str(p.relative_to(root))
         for p in production

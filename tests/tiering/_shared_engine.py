@@ -130,7 +130,7 @@ def shared_tiering_config(
             else {
                 "type": shared_type,
                 **(
-                    {"module_path": "kvtier.connector.shared_tier"}
+                    {"module_path": "kvtier.connector.tiering"}
                     if shared_type == "SharedFsTier"
                     else {}
                 ),

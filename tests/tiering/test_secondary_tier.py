@@ -40,11 +40,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from kvtier.connector.tiering import (  # noqa: E402
-    KvtierDiskTier,
-    PortableTieringSpec,
-    TierConfigError,
-)
+from kvtier.connector.tiering import KvtierDiskTier, PortableTieringSpec  # noqa: E402
+from kvtier.connector.tiering.config import TierConfigError  # noqa: E402
 from kvtier.io.format import HEADER_SIZE, slot_size  # noqa: E402
 from kvtier.testing.offloading import offloading_config, wait_finished  # noqa: E402
 
@@ -357,7 +354,7 @@ def test_corrupt_slot_is_a_miss_not_data(tmp_path, make_driver):
 
 
 def test_warm_restart_and_kvtier_inspect(tmp_path, make_driver, capsys):
-    from kvtier.cli import main as kvtier_cli
+    from kvtier.tools.cli import main as kvtier_cli
 
     first = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
     keys = first.store("a", 4)
@@ -525,7 +522,7 @@ def test_ready_config_files_load_our_tier(name, spec_name):
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    from kvtier.connector.tiering import parse_tier_config
+    from kvtier.connector.tiering.config import parse_tier_config
 
     text = (CONFIG_DIR / name).read_text()
     cfg = json.loads(text)

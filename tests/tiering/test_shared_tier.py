@@ -59,7 +59,7 @@ def shared_config(
     }
     if guarded:
         shared_tier.update(
-            type="SharedFsTier", module_path="kvtier.connector.shared_tier", **guard
+            type="SharedFsTier", module_path="kvtier.connector.tiering", **guard
         )
     tiers = [local_tier, shared_tier]
     if order != "local":
@@ -271,7 +271,7 @@ def test_hung_shared_lookups_turn_into_misses(tmp_path, drivers):
     ],
 )
 def test_bad_shared_tier_config_names_the_key(entry, key):
-    from kvtier.connector.shared_tier import SharedTierConfigError, parse_guard
+    from kvtier.connector.tiering.shared_fs import SharedTierConfigError, parse_guard
 
     with pytest.raises(SharedTierConfigError, match=rf"\[type=SharedFsTier\]\['{key}'\]"):
         parse_guard(entry)
@@ -284,8 +284,8 @@ def test_ready_shared_config_orders_local_before_shared():
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-    from kvtier.connector.shared_tier import SharedFsTier, parse_guard
-    from kvtier.connector.tiering import parse_tier_config
+    from kvtier.connector.tiering.config import parse_tier_config
+    from kvtier.connector.tiering.shared_fs import SharedFsTier, parse_guard
 
     path = Path(__file__).resolve().parents[2] / "configs"
     text = (path / "vllm-tiering-kvtier-disk-shared.json").read_text()
@@ -319,7 +319,7 @@ def test_ready_obj_config_orders_local_before_the_object_store():
         ObjectStoreSecondaryTierManager,
     )
 
-    from kvtier.connector.tiering import parse_tier_config
+    from kvtier.connector.tiering.config import parse_tier_config
 
     path = Path(__file__).resolve().parents[2] / "configs"
     text = (path / "vllm-tiering-kvtier-disk-obj.json").read_text()
@@ -352,7 +352,7 @@ def test_ready_obj_config_orders_local_before_the_object_store():
 def test_obj_tier_gets_nixl_telemetry_unless_turned_off(monkeypatch, before, after):
     """vLLM 0.32's obj tier reads every transfer's NIXL telemetry; kvtier's
     spec turns capture on (NIXL_TELEMETRY_ENABLE) and keeps a user's value."""
-    from kvtier.connector.portable import enable_nixl_telemetry
+    from kvtier.connector.tiering.portable import enable_nixl_telemetry
 
     if before is None:
         monkeypatch.delenv("NIXL_TELEMETRY_ENABLE", raising=False)

@@ -3,7 +3,6 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.sizing import replay_trace
 from kvtier.tiers.optimum import (
     brute_force_hits,
     optimal_hit_rate,
@@ -14,6 +13,7 @@ from kvtier.tiers.optimum import (
     static_frequency_hits,
 )
 from kvtier.tiers.policy import policy_names
+from kvtier.tools.sizing import replay_trace
 
 
 def _prefix_trace(prompts: list[list[int]]) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""The ``kvtier`` subcommands; the parser and dispatch are in ``kvtier.cli``.
+"""The ``kvtier`` subcommands; the parser and dispatch are in ``kvtier.tools.cli``.
 
 common   output helpers (byte sizes, progress bar, JSON)
 size     ``kvtier size``: trace replay, recommendation, policy comparison

@@ -3,7 +3,7 @@
 A block that is ready on disk is a hit like a CPU-resident one: ``lookup``
 answers HIT, and ``prepare_load`` returns a :class:`TierLoadSpec` that names
 each block's CPU row or disk slot. The worker reads and verifies the disk
-slots itself (see ``kvtier.connector.worker``); a block that fails comes
+slots itself (see ``kvtier.connector.worker.worker``); a block that fails comes
 back through kvtier's connector (``note_worker_report``) and is dropped from
 the disk tier when its load completes, while vLLM recomputes its tokens.
 Nothing here waits for I/O: spills run on the disk runtime's threads and
@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector import metrics as m
-from kvtier.connector.disk_runtime import SPILL, DiskRuntime
+from kvtier.connector.scheduler.disk_runtime import SPILL, DiskRuntime
 from kvtier.connector.specs import CpuTierSpec, TierLoadSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, WorkerReport
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK

@@ -7,11 +7,11 @@ import contextlib
 import sys
 import time
 
-from kvtier.commands.common import emit_json
+from kvtier.tools.commands.common import emit_json
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from kvtier.events_sub import BatchDecoder, EventSubscriber, bind_endpoint
+    from kvtier.tools.events_sub import BatchDecoder, EventSubscriber, bind_endpoint
 
     endpoint = args.endpoint
     if args.bind:

@@ -21,8 +21,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.commands.common import fmt_bytes
-from kvtier.commands.doctor import OK, WARNING, Check
+from kvtier.tools.commands.common import fmt_bytes
+from kvtier.tools.commands.doctor import OK, WARNING, Check
 
 ADOPTED, SET_ASIDE, UNKNOWN = "adopted", "set aside", "unknown"
 

@@ -31,7 +31,7 @@ tier is offline).
 
 Config (one ``secondary_tiers`` entry; the keys of ``fs`` plus the guard's)::
 
-    {"type": "SharedFsTier", "module_path": "kvtier.connector.shared_tier",
+    {"type": "SharedFsTier", "module_path": "kvtier.connector.tiering",
      "root_dir": "/mnt/shared/kv", "locality": "REMOTE",
      "enable_kv_events": true, "n_read_threads": 16, "n_write_threads": 16,
      "probe_timeout_s": 5, "lookup_timeout_s": 5, "store_timeout_s": 60}

@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.base import OffloadingMetricMetadata
 from kvtier.connector import metrics as m
 
 if TYPE_CHECKING:
-    from kvtier.connector.tiering_rows import PrimaryViewRuntime
+    from kvtier.connector.tiering.rows import PrimaryViewRuntime
     from kvtier.tiers.tier import Tier
 
 # kvtier's metric series this tier feeds (tier label "disk"); vLLM's tiering

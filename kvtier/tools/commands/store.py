@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.commands.common import emit_json, fmt_bytes
+from kvtier.tools.commands.common import emit_json, fmt_bytes
 
 
 def _open_views(paths: Sequence[str], cmd: str) -> list[Any] | None:

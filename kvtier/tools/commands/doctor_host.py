@@ -15,9 +15,9 @@ import ctypes.util
 import os
 import tempfile
 
-from kvtier.commands.common import fmt_bytes
-from kvtier.commands.doctor import ERROR, OK, WARNING, Check
 from kvtier.connector.config import ConfigError, KvtierConfig, check_shm_space
+from kvtier.tools.commands.common import fmt_bytes
+from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
 
 def _gds_host_facts() -> str:

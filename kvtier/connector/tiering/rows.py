@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from typing_extensions import override
 
-from kvtier.connector.disk_runtime import DiskRuntime
+from kvtier.connector.scheduler.disk_runtime import DiskRuntime
 from kvtier.io.engine import TransferEngine
 
 HOST_LAYOUT = "vllm-tiering"

@@ -2,7 +2,7 @@
 
 The config's values are checked by kvtier's own schema
 (:func:`kvtier.connector.config.parse_extra_config`, and
-:func:`kvtier.connector.tiering_config.parse_tier_config` for a
+:func:`kvtier.connector.tiering.config.parse_tier_config` for a
 ``KvtierDiskTier`` under vLLM's tiering spec): the doctor reports exactly
 what engine start would refuse, with the same message.
 """
@@ -14,9 +14,9 @@ import importlib.metadata
 import re
 from typing import Any
 
-from kvtier.commands.common import fmt_bytes
-from kvtier.commands.doctor import ERROR, OK, Check, DoctorInput
 from kvtier.connector.config import ConfigError, KvtierConfig, parse_extra_config
+from kvtier.tools.commands.common import fmt_bytes
+from kvtier.tools.commands.doctor import ERROR, OK, Check, DoctorInput
 
 # docs/compatibility.md; pyproject.toml: vllm>=0.32,<0.34.
 SUPPORTED_VLLM = ((0, 32), (0, 33))
@@ -184,7 +184,7 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
 def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
     """The disk tier of vLLM's tiering spec as a KvtierConfig (its CPU bytes
     are vLLM's own ``cpu_bytes_to_use``)."""
-    from kvtier.connector.tiering_config import parse_tier_config
+    from kvtier.connector.tiering.config import parse_tier_config
 
     tiers = [
         t

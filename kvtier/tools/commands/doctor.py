@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvtier.commands.common import emit_json
+from kvtier.tools.commands.common import emit_json
 
 OK, WARNING, ERROR = "ok", "warning", "error"
 MAX_CONFIG_BYTES = 1 << 20
@@ -160,7 +160,12 @@ def _guarded(area: str, subject: str, fn: Callable[[], list[Check]]) -> list[Che
 
 def run_checks(inp: DoctorInput) -> list[Check]:
     """Every check, in report order. Never raises for a host problem."""
-    from kvtier.commands import doctor_config, doctor_disk, doctor_host, doctor_store
+    from kvtier.tools.commands import (
+        doctor_config,
+        doctor_disk,
+        doctor_host,
+        doctor_store,
+    )
 
     args = inp.args
     checks = _guarded("vllm", "version", doctor_config.check_vllm)

@@ -7,8 +7,8 @@ the secondary tiers (kvtier's ``KvtierDiskTier`` among them,
 ``kvtier.connector.tiering``) read and write exactly the bytes the worker
 stored and will load. On CUDA/XPU it *is* vLLM's worker.
 
-Loaded by name as ``spec_module_path: "kvtier.connector.tiering"`` (that
-module re-exports it) or ``"kvtier.connector.portable"``.
+Loaded by name as ``spec_module_path: "kvtier.connector.tiering"`` (the
+tiering mode's package, which names its loadable classes).
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ class _RegionHandle:
 
 
 def _portable_worker_cls() -> type:
-    # Deferred: kvtier.connector.worker imports torch-heavy modules that the
+    # Deferred: kvtier.connector.worker.worker imports torch-heavy modules that the
     # scheduler side (and metric definitions) never needs.
-    from kvtier.connector.worker import TieredOffloadingWorker
+    from kvtier.connector.worker.worker import TieredOffloadingWorker
 
     class PortableTieringWorker(TieredOffloadingWorker):
         """GPU (KV cache) <-> primary-tier rows, on every platform.

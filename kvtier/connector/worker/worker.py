@@ -9,17 +9,17 @@ row).
 ``submit_*`` never waits for I/O. A store's copies are issued on the
 calling (model-runner) thread. A load is planned there (index arithmetic)
 and its slow part runs on the worker's load thread
-(:mod:`kvtier.connector.load_runner`): the disk reads, pipelined chunk by
+(:mod:`kvtier.connector.worker.load_runner`): the disk reads, pipelined chunk by
 chunk through the bounce area, the verification of every slot, and on the
 CPU platform the copies into the KV cache too. It completes through
 ``get_finished``. Copies between the KV cache and the host go through a
 copy path: on accelerators vLLM's own transfer code
-(:class:`~kvtier.connector.device_copy.DeviceCopies`), issued from the
+(:class:`~kvtier.connector.worker.device_copy.DeviceCopies`), issued from the
 model runner's thread only; on the CPU platform kvtier's word-sized copier
 (:class:`~kvtier.io.block_copy.HostCopies`). A job may be several transfers
 (one per KV-cache group and host area, one per bounce chunk); it is
 reported done once its host work finished and every transfer landed (the
-bookkeeping: :mod:`kvtier.connector.job_book`).
+bookkeeping: :mod:`kvtier.connector.worker.job_book`).
 
 What fails costs a recompute, never wrong KV or a hang. A disk block that
 fails (I/O error, checksum, header, wrong key) is copied nowhere; the job
@@ -27,7 +27,7 @@ reports the keys and GPU blocks it could not fill (:meth:`take_load_error`)
 and kvtier's connector turns that into vLLM's load-error path. Under
 kvtier's connector (``contain_exceptions``) an exception raised by a job (a
 bug, an unforeseen error of the reader or the copy path) is logged, counted
-(:mod:`kvtier.connector.job_errors`) and fails the whole job: a load with
+(:mod:`kvtier.connector.worker.job_errors`) and fails the whole job: a load with
 every block, a store with every CPU row (:meth:`take_store_error`). A load
 that does not finish within ``LOAD_DEADLINE_S`` (a read that never returns)
 is given up whole.
@@ -51,16 +51,16 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvtier.connector.job_book import Job, JobBook
-from kvtier.connector.job_errors import (
+from kvtier.connector.worker.job_book import Job, JobBook
+from kvtier.connector.worker.job_errors import (
     JobExceptions,
     LoadError,
     disk_load_error,
     whole_load_error,
 )
-from kvtier.connector.job_plan import plan_load, select_rows, split_by_group
-from kvtier.connector.kv_layout import group_views
-from kvtier.connector.load_runner import ChunkReady, LoadRunner, LoadTask
+from kvtier.connector.worker.job_plan import plan_load, select_rows, split_by_group
+from kvtier.connector.worker.kv_layout import group_views
+from kvtier.connector.worker.load_runner import ChunkReady, LoadRunner, LoadTask
 from kvtier.io.block_copy import (
     CopyPath,
     CopyPlan,
@@ -88,9 +88,9 @@ class TieredOffloadingWorker(OffloadingWorker):
 
     ``device_copies`` builds the accelerator copy path from the validated
     group views and host areas (the spec passes vLLM's, see
-    :mod:`kvtier.connector.device_copy`); without it the KV cache must live
+    :mod:`kvtier.connector.worker.device_copy`); without it the KV cache must live
     in host memory (the CPU platform) and kvtier's own copier runs.
-    Construction validates the KV cache (:mod:`kvtier.connector.kv_layout`)
+    Construction validates the KV cache (:mod:`kvtier.connector.worker.kv_layout`)
     and owns nothing until it returns: the caller releases ``cpu_buffer``
     and ``reader`` if it raises.
 
@@ -218,7 +218,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         A disk block that fails is left unfilled. With
         ``contain_exceptions``, an exception raised on the way (here or on
         the load thread) is logged, counted (``exceptions``) and fails every
-        block of the job (:func:`~kvtier.connector.job_errors.
+        block of the job (:func:`~kvtier.connector.worker.job_errors.
         whole_load_error`); without, it propagates (from here, or from
         ``get_finished``). A failed job is reported once the copies it had
         already submitted landed, and :meth:`take_load_error` names the

@@ -20,9 +20,9 @@ import stat
 import time
 from concurrent.futures import Future
 
-from kvtier.commands.common import fmt_bytes
-from kvtier.commands.doctor import ERROR, OK, WARNING, Check
 from kvtier.connector.config import ConfigError, KvtierConfig, check_disk_paths
+from kvtier.tools.commands.common import fmt_bytes
+from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
 # Network and shared file systems: the store's lock is host-local.
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "ceph", "glusterfs", "lustre", "gpfs")

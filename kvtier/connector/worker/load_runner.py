@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.connector.job_plan import GroupPlan, select_rows
 from kvtier.connector.specs import TierLoadSpec
+from kvtier.connector.worker.job_plan import GroupPlan, select_rows
 from kvtier.io.block_copy import CopyPath, CopyPlan
 from kvtier.io.device_staging import DeviceStagingReader, PendingStage
 from kvtier.io.layout import ReadOutcome

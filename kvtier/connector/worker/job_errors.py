@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 
-from kvtier.connector.job_plan import GroupPlan
 from kvtier.connector.specs import TierLoadSpec
+from kvtier.connector.worker.job_plan import GroupPlan
 
 logger = logging.getLogger("kvtier.connector")
 

@@ -6,7 +6,7 @@ plus, for a load, host work on the load thread. :class:`JobBook` tracks
 which transfers each job still waits for and reports the job to vLLM (a
 ``TransferResult``) once nothing of it is in flight, with the time and bytes
 it took and whether it succeeded. What a failed job could not do is kept
-for the connector: a load's :class:`~kvtier.connector.job_errors.LoadError`
+for the connector: a load's :class:`~kvtier.connector.worker.job_errors.LoadError`
 (the keys and GPU blocks it left unfilled), a store's CPU rows.
 
 Thread-safety: the model runner's thread only (the load thread never sees
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferResult
 
-from kvtier.connector.job_errors import LoadError, whole_load_error
-from kvtier.connector.load_runner import LoadTask
+from kvtier.connector.worker.job_errors import LoadError, whole_load_error
+from kvtier.connector.worker.load_runner import LoadTask
 from kvtier.io.block_copy import CopyPath, CopyPlan
 
 

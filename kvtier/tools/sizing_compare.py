@@ -7,8 +7,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.sizing import Progress, SizingResult, replay_trace
-from kvtier.trace import TraceRequest, infinite_cache_hit_rate, request_keys
+from kvtier.tools.sizing import Progress, SizingResult, replay_trace
+from kvtier.tools.trace import TraceRequest, infinite_cache_hit_rate, request_keys
 
 
 @dataclass

@@ -7,12 +7,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.commands.common import emit_json, fmt_bytes, progress_bar
+from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
 
 def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     """(cpu_blocks, disk_blocks, bytes_per_token) from the blocks or bytes form."""
-    from kvtier.sizing import blocks_for_bytes
+    from kvtier.tools.sizing import blocks_for_bytes
 
     bpt = args.bytes_per_token
     if (args.cpu_bytes is not None or args.disk_bytes is not None) and bpt is None:
@@ -42,8 +42,8 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
 
 
 def cmd_size(args: argparse.Namespace) -> int:
-    from kvtier import sizing, sizing_compare
-    from kvtier.trace import load_trace
+    from kvtier.tools import sizing, sizing_compare
+    from kvtier.tools.trace import load_trace
 
     try:
         cpu, disk, bpt = _size_blocks(args)
@@ -54,7 +54,7 @@ def cmd_size(args: argparse.Namespace) -> int:
     disk_policy = args.disk_policy or args.policy
     if args.plot:
         # Before the replay, which can take minutes: not after it.
-        from kvtier.sizing_plot import check_plot_path
+        from kvtier.tools.sizing_plot import check_plot_path
 
         try:
             check_plot_path(args.plot)
@@ -99,7 +99,7 @@ def cmd_size(args: argparse.Namespace) -> int:
             )
         doc["comparison"] = cmp.to_dict()
     if args.plot and cmp is not None:
-        from kvtier.sizing_plot import plot_policy_comparison
+        from kvtier.tools.sizing_plot import plot_policy_comparison
 
         plot_policy_comparison(cmp, args.plot, title=args.trace)
         doc["plot"] = args.plot
@@ -125,7 +125,7 @@ def _recommend(
     args: argparse.Namespace,
     bpt: int | None,
 ) -> Any:
-    from kvtier import sizing
+    from kvtier.tools import sizing
 
     n = 0
 
@@ -160,9 +160,9 @@ def _plot_size(
     result: Any,
     rec: Any,
 ) -> None:
-    from kvtier import sizing
-    from kvtier.sizing_plot import plot_tier_split
-    from kvtier.trace import unique_blocks
+    from kvtier.tools import sizing
+    from kvtier.tools.sizing_plot import plot_tier_split
+    from kvtier.tools.trace import unique_blocks
 
     known = {result.disk_blocks: result}
     if rec is not None:
@@ -192,7 +192,7 @@ def _plot_size(
 
 
 def _print_size(trace: str, r: Any, bpt: int | None, rec: Any) -> None:
-    from kvtier.sizing import bytes_per_block
+    from kvtier.tools.sizing import bytes_per_block
 
     bpb = bytes_per_block(bpt) if bpt else None
 

@@ -1,7 +1,7 @@
 """The ``kvtier`` command line: ``size``, ``inspect``, ``verify``, ``events``,
 ``doctor``.
 
-``python -m kvtier.cli ...`` works too. Exit status: 0 on success, 1 when
+``python -m kvtier.tools.cli ...`` works too. Exit status: 0 on success, 1 when
 ``verify`` finds a bad slot (``doctor``: a check failed), 2 on bad usage or
 unreadable input.
 """
@@ -17,12 +17,12 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from kvtier.commands.doctor import cmd_doctor
-from kvtier.commands.events import cmd_events
-from kvtier.commands.size import cmd_size
-from kvtier.commands.store import cmd_inspect, cmd_verify
-from kvtier.events_sub import DEFAULT_MAX_MESSAGE_BYTES
 from kvtier.tiers.policy import policy_names
+from kvtier.tools.commands.doctor import cmd_doctor
+from kvtier.tools.commands.events import cmd_events
+from kvtier.tools.commands.size import cmd_size
+from kvtier.tools.commands.store import cmd_inspect, cmd_verify
+from kvtier.tools.events_sub import DEFAULT_MAX_MESSAGE_BYTES
 
 # vLLM's PrefixCachingHashAlgo (vllm.config.cache); a test keeps them equal.
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")

@@ -12,8 +12,8 @@ Hit rate is block-level: hit blocks / all blocks of all requests. The
 infinite-cache bound counts every block seen earlier in the trace as a hit;
 with prefix hashes that is exactly what a never-evicting prefix cache gets.
 
-Traces are read by :mod:`kvtier.trace`; the every-policy comparison against
-the offline optimum is :mod:`kvtier.sizing_compare`.
+Traces are read by :mod:`kvtier.tools.trace`; the every-policy comparison against
+the offline optimum is :mod:`kvtier.tools.sizing_compare`.
 
 No vLLM import; pure Python on top of :mod:`kvtier.tiers`.
 """
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtier.tiers import Residency, TierHierarchy
-from kvtier.trace import (
+from kvtier.tools.trace import (
     TOKENS_PER_TRACE_BLOCK,
     TraceRequest,
     infinite_cache_hit_rate,
