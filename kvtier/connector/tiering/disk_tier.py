@@ -24,11 +24,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -51,7 +55,11 @@ from kvtier.connector.tiering.config import (
     as_tier_error,
     parse_tier_config,
 )
-from kvtier.connector.tiering.metrics import DiskTierMetrics, DiskTierStats
+from kvtier.connector.tiering.metrics import (
+    DiskTierMetrics,
+    DiskTierStats,
+    metric_definitions,
+)
 from kvtier.connector.tiering.pull import PullBack
 from kvtier.connector.tiering.rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
 from kvtier.io.format import slot_size
@@ -78,7 +86,7 @@ class _Job:
     missing: list[OffloadKey] = field(default_factory=list)
 
 
-class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
+class KvtierDiskTier(SecondaryTierManager):
     """kvtier's checksummed, bounded disk tier behind vLLM's tiering manager.
 
     Scheduler-side and non-blocking: ``submit_store``/``submit_load`` do the
@@ -152,7 +160,7 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
         self._jobs: dict[JobId, _Job] = {}
         self._done: list[JobResult] = []
         self._pull = PullBack()
-        self._last_metrics = (DiskTierStats(), 0, 0)
+        self._metrics = DiskTierMetrics()
         host_layout = HOST_LAYOUT + ("-replicated" if replicated else "")
         fingerprints = [
             layout_fingerprint(config, self.block_bytes, r, world, host_layout)
@@ -367,6 +375,17 @@ class KvtierDiskTier(DiskTierMetrics, SecondaryTierManager):
                 )
             )
         return results
+
+    @classmethod
+    @override
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return self._metrics.collect(self.tier, self.stats, self.runtime)
 
     @override
     def has_pending_work(self) -> bool:

@@ -1,22 +1,23 @@
 """The metrics of :class:`kvtier.connector.tiering.KvtierDiskTier`.
 
-The tier counts into :class:`DiskTierStats`; :class:`DiskTierMetrics` (a
-mixin of the tier) declares kvtier's series to vLLM and turns the counters'
-differences since the last call into vLLM's ``OffloadingConnectorStats``.
+The tier counts into :class:`DiskTierStats`; :func:`metric_definitions`
+declares kvtier's series to vLLM and :class:`DiskTierMetrics` turns the
+counters' growth since the last call into vLLM's
+``OffloadingConnectorStats``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import OffloadingMetricMetadata
 
 from kvtier.connector import metrics as m
+from kvtier.connector.worker_report import CounterDeltas
 
 if TYPE_CHECKING:
     from kvtier.connector.tiering.rows import PrimaryViewRuntime
@@ -55,47 +56,46 @@ class DiskTierStats:
     pulled: int = 0
 
 
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """kvtier's series this tier feeds (``build_metric_definitions``)."""
+    defs = m.metric_definitions()
+    return {name: defs[name] for name in _METRICS}
+
+
 class DiskTierMetrics:
-    """``build_metric_definitions``/``get_stats`` of the tier (a mixin: the
-    tier sets the state declared below)."""
+    """Turns the tier's cumulative counters into vLLM's
+    ``OffloadingConnectorStats`` (``get_stats``): gauges of the tier's
+    occupancy and, for each counter, what it grew by since the last call.
+    One per tier; called from the scheduler's thread only."""
 
-    if TYPE_CHECKING:
-        tier: Tier
-        stats: DiskTierStats
-        runtime: PrimaryViewRuntime | None
-        _last_metrics: tuple[DiskTierStats, int, int]
+    def __init__(self) -> None:
+        self._deltas = CounterDeltas()
 
-    @classmethod
-    @override
-    def build_metric_definitions(
-        cls, extra_config: dict[str, Any]
-    ) -> dict[str, OffloadingMetricMetadata]:
-        defs = m.metric_definitions()
-        return {name: defs[name] for name in _METRICS}
-
-    @override
-    def get_stats(self) -> OffloadingConnectorStats | None:
+    def collect(
+        self,
+        tier: Tier,
+        stats: DiskTierStats,
+        runtime: PrimaryViewRuntime | None,
+    ) -> OffloadingConnectorStats:
         out = OffloadingConnectorStats()
-        tier = self.tier
         out.set_gauge(m.TIER_BLOCKS, len(tier), _DISK)
         out.set_gauge(m.TIER_CAPACITY, tier.capacity, _DISK)
         out.set_gauge(m.TIER_USAGE, len(tier) / tier.capacity, _DISK)
-        now = self.stats
-        checks = (0, 0)
-        if self.runtime is not None:
-            checks = (self.runtime.checksum_failures(), self.runtime.io_errors())
-        last, last_sum, last_io = self._last_metrics
-        self._last_metrics = (DiskTierStats(**vars(now)), *checks)
-
-        def counter(name: str, delta: int, labels: tuple[str, ...] = ()) -> None:
+        checksum_failures = io_errors = 0
+        if runtime is not None:
+            checksum_failures = runtime.checksum_failures()
+            io_errors = runtime.io_errors()
+        totals: list[tuple[str, tuple[str, ...], int]] = [
+            (m.EVICTIONS, _DISK, stats.evictions),
+            (m.SPILLS, (), stats.stores_completed),
+            (m.SPILL_FAILURES, (), stats.store_failures),
+            (m.PROMOTIONS, (), stats.promotions_completed),
+            (m.PROMOTION_FAILURES, (), stats.promotion_failures),
+            (m.CHECKSUM_FAILURES, (), checksum_failures),
+            (m.IO_ERRORS, (), io_errors),
+        ]
+        for name, labels, total in totals:
+            delta = self._deltas.delta((name, labels), total)
             if delta:
                 out.increase_counter(name, delta, labels)
-
-        counter(m.EVICTIONS, now.evictions - last.evictions, _DISK)
-        counter(m.SPILLS, now.stores_completed - last.stores_completed)
-        counter(m.SPILL_FAILURES, now.store_failures - last.store_failures)
-        counter(m.PROMOTIONS, now.promotions_completed - last.promotions_completed)
-        counter(m.PROMOTION_FAILURES, now.promotion_failures - last.promotion_failures)
-        counter(m.CHECKSUM_FAILURES, checks[0] - last_sum)
-        counter(m.IO_ERRORS, checks[1] - last_io)
         return out
