@@ -1,7 +1,13 @@
 """Scheduler-side bookkeeping of kvtier: tiers, policies, the cascading
 hierarchy and its residency events. Pure Python: no I/O, no vLLM."""
 
-from kvtier.tiers.events import MEDIA, MEDIUM_CPU, MEDIUM_DISK, TierEvent, replay
+from kvtier.tiers.events import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    TIER_MEDIA,
+    TierEvent,
+    replay,
+)
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import (
     BlockLocation,
@@ -32,7 +38,7 @@ __all__ = [
     "HierarchyStats",
     "LRUPolicy",
     "LoadPlan",
-    "MEDIA",
+    "TIER_MEDIA",
     "MEDIUM_CPU",
     "MEDIUM_DISK",
     "POLICY_REGISTRY",

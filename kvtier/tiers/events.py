@@ -12,9 +12,15 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+# Media: where a block lives, in vLLM's word. These are kvtier's names for
+# them everywhere (events, metrics' ``tier`` label, load plans, the CLI);
+# vLLM's own names (``OffloadingEvent.medium``) map onto them via VLLM_MEDIA.
+MEDIUM_GPU = "gpu"
 MEDIUM_CPU = "cpu"
 MEDIUM_DISK = "disk"
-MEDIA = (MEDIUM_CPU, MEDIUM_DISK)
+TIER_MEDIA = (MEDIUM_CPU, MEDIUM_DISK)  # kvtier's tiers
+ALL_MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
+VLLM_MEDIA = {"GPU": MEDIUM_GPU, "CPU": MEDIUM_CPU, "STORAGE": MEDIUM_DISK}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +42,7 @@ def replay(events: Iterable[TierEvent]) -> dict[str, set[Hashable]]:
     store of a key already there, a removal of a key that is not): the
     stream is then not a faithful log.
     """
-    state: dict[str, set[Hashable]] = {m: set() for m in MEDIA}
+    state: dict[str, set[Hashable]] = {m: set() for m in TIER_MEDIA}
     for ev in events:
         held = state[ev.medium]
         for key in ev.keys:

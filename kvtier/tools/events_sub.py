@@ -35,8 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-MEDIA = ("gpu", "cpu", "disk")
-_MEDIUM_MAP = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
+from kvtier.tiers.events import ALL_MEDIA, VLLM_MEDIA
+
 DECODERS = ("auto", "vllm", "plain")
 # Unknown media get their own counters, up to this many; then "other".
 MAX_MEDIA = 8
@@ -56,8 +56,8 @@ def kvtier_medium(medium: str | None) -> str:
     that are not short identifiers become ``other``)."""
     if medium is None:
         return "gpu"
-    if medium in _MEDIUM_MAP:
-        return _MEDIUM_MAP[medium]
+    if medium in VLLM_MEDIA:
+        return VLLM_MEDIA[medium]
     name = str(medium)[:64].lower()
     return name if _MEDIUM_NAME_RE.match(name) else OTHER_MEDIUM
 
@@ -233,7 +233,7 @@ class EventCounts:
     """Running totals: blocks and events stored/removed per kvtier medium."""
 
     media: dict[str, dict[str, int]] = field(
-        default_factory=lambda: {m: _zero() for m in MEDIA}
+        default_factory=lambda: {m: _zero() for m in ALL_MEDIA}
     )
     batches: int = 0
     events: int = 0

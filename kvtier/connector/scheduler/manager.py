@@ -45,6 +45,8 @@ from kvtier.tiers.tier import BlockState
 
 logger = logging.getLogger("kvtier.connector")
 
+_CPU, _DISK = (MEDIUM_CPU,), (MEDIUM_DISK,)  # the metrics' tier label
+
 # ``ownership`` of the full spec's disk events (tiering mode's tier uses its
 # tier type, ``KvtierDiskTier``): tells a router which STORAGE tier it is.
 DISK_OWNERSHIP = "kvtier"
@@ -294,26 +296,26 @@ class TieredOffloadingManager(OffloadingManager):
         w = self.worker_totals
         checksum_failures, io_errors = w.checksum_failures, w.io_errors
         totals: list[tuple[str, tuple[str, ...], float]] = [
-            (m.WRITE_BYTES, ("cpu",), now.stores_completed * bytes_per_block),
-            (m.READ_BYTES, ("cpu",), now.loads_cpu * bytes_per_block),
-            (m.EVICTIONS, ("cpu",), now.cpu_evictions),
-            (m.EVICTIONS, ("disk",), now.disk_evictions),
+            (m.WRITE_BYTES, _CPU, now.stores_completed * bytes_per_block),
+            (m.READ_BYTES, _CPU, now.loads_cpu * bytes_per_block),
+            (m.EVICTIONS, _CPU, now.cpu_evictions),
+            (m.EVICTIONS, _DISK, now.disk_evictions),
             (m.SPILLS, (), now.spills_completed),
             (m.SPILL_FAILURES, (), now.spill_failures),
             (m.PROMOTIONS, (), now.promotions_completed),
-            (m.LOADED_BLOCKS, ("cpu",), now.loads_cpu),
-            (m.LOADED_BLOCKS, ("disk",), now.loads_disk),
+            (m.LOADED_BLOCKS, _CPU, now.loads_cpu),
+            (m.LOADED_BLOCKS, _DISK, now.loads_disk),
             (m.LOAD_ERRORS, (), now.load_failures),
             (m.CORRUPT_BLOCKS, (), now.corrupt_blocks),
             (m.STORES_DECLINED, (), now.stores_declined),
             (m.WORKER_EXCEPTIONS, (), w.exceptions),
-            (m.READ_BYTES, ("disk",), w.read_bytes),
-            (m.READ_SECONDS, ("disk",), w.read_seconds),
+            (m.READ_BYTES, _DISK, w.read_bytes),
+            (m.READ_SECONDS, _DISK, w.read_seconds),
         ]
         if self.runtime is not None:
             t = self.runtime.totals
-            totals.append((m.WRITE_BYTES, ("disk",), t.write_bytes))
-            totals.append((m.WRITE_SECONDS, ("disk",), t.write_seconds))
+            totals.append((m.WRITE_BYTES, _DISK, t.write_bytes))
+            totals.append((m.WRITE_SECONDS, _DISK, t.write_seconds))
             checksum_failures += self.runtime.checksum_failures()
             io_errors += self.runtime.io_errors()
         totals.append((m.CHECKSUM_FAILURES, (), checksum_failures))

@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.base import OffloadingMetricMetadata
 
 from kvtier.connector import metrics as m
 from kvtier.connector.worker_report import CounterDeltas
+from kvtier.tiers.events import MEDIUM_DISK
 
 if TYPE_CHECKING:
     from kvtier.connector.tiering.rows import PrimaryViewRuntime
@@ -37,7 +38,7 @@ _METRICS = (
     m.CHECKSUM_FAILURES,
     m.IO_ERRORS,
 )
-_DISK = ("disk",)
+_DISK = (MEDIUM_DISK,)
 
 
 @dataclass

@@ -52,6 +52,7 @@ from kvtier.io.block_copy import CopyPath, CopyPlan
 from kvtier.io.device_staging import DeviceStagingReader, PendingStage
 from kvtier.io.layout import ReadOutcome
 from kvtier.io.slot_reader import PendingRead, SlotReader
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = logging.getLogger("kvtier.connector")
 
@@ -239,7 +240,7 @@ class LoadRunner:
             if task.cancelled:
                 return
             for group, plan in task.host_plans:
-                self.copies.submit("cpu", group, plan, False, task.expedited)
+                self.copies.submit(MEDIUM_CPU, group, plan, False, task.expedited)
                 task.nbytes += len(plan) * self.block_bytes[group]
         if task.spec is not None:
             self._run_disk(task, task.spec)
@@ -335,7 +336,7 @@ class LoadRunner:
                     if mask.any():
                         plan = select_rows(gp.plan, mask, rows[mask])
                         self.copies.submit(
-                            "disk", gp.group, plan, False, task.expedited
+                            MEDIUM_DISK, gp.group, plan, False, task.expedited
                         )
                         task.nbytes += len(plan) * self.block_bytes[gp.group]
         finally:

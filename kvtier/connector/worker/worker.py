@@ -70,6 +70,7 @@ from kvtier.io.block_copy import (
 from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.device_staging import DeviceStagingReader
 from kvtier.io.slot_reader import SlotReader
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = logging.getLogger("kvtier.connector")
 
@@ -119,13 +120,13 @@ class TieredOffloadingWorker(OffloadingWorker):
             blocks_per_chunk,
             device_kind="cpu" if device_copies is None else None,
         )
-        areas = [HostArea("cpu", cpu_buffer.tensor)]
+        areas = [HostArea(MEDIUM_CPU, cpu_buffer.tensor)]
         if reader is not None:
             # A host bounce area (numpy), or a device staging area (torch).
             rows = reader.rows
             if not isinstance(rows, torch.Tensor):
                 rows = torch.from_numpy(rows)
-            areas.append(HostArea("disk", rows, pinned=reader.pinned))
+            areas.append(HostArea(MEDIUM_DISK, rows, pinned=reader.pinned))
         make = HostCopies if device_copies is None else device_copies
         self._set_up(
             make(views, areas, blocks_per_chunk),
@@ -193,7 +194,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         try:
             for gp in split_by_group(src_spec, len(rows), self.blocks_per_chunk):
                 plan = CopyPlan(gp.plan.gpu_ids, rows[gp.plan.row_ids], gp.plan.sub_ids)
-                self.book.copy(self.copies, job, "cpu", gp.group, plan, to_host=True)
+                self.book.copy(self.copies, job, MEDIUM_CPU, gp.group, plan, to_host=True)
         except Exception as exc:
             if not self.contain_exceptions:
                 raise
@@ -328,7 +329,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             if self.copies.synchronous:
                 task.host_plans.append((group, copy))
             else:
-                self.book.copy(self.copies, job, "cpu", group, copy, False, expedited)
+                self.book.copy(self.copies, job, MEDIUM_CPU, group, copy, False, expedited)
         if plan.spec is not None:
             if self.reader is None:
                 # No disk tier on this worker: nothing can be read.
@@ -373,7 +374,7 @@ class TieredOffloadingWorker(OffloadingWorker):
                 if mask.any():
                     plan = select_rows(gp.plan, mask, rows[mask])
                     transfer = self.book.copy(
-                        self.copies, job, "disk", gp.group, plan, False, task.expedited
+                        self.copies, job, MEDIUM_DISK, gp.group, plan, False, task.expedited
                     )
                     if transfer is not None:
                         readers.add(transfer)
