@@ -20,14 +20,14 @@ import xxhash
 def _xxh3_holding_the_gil() -> Callable[[int, int], int] | None:
     """xxh3_64 as a C call that keeps the GIL, or None where it cannot be had.
 
-    Why: the worker's load thread verifies a chunk's blocks one after another
+    Why: the worker's load thread verifies a read batch's blocks one after another
     while an in-process engine's loop spins on the GIL. xxhash's binding
     releases the GIL for every call, and each time the thread must wait to
     get it back (up to the interpreter's switch interval): 128 blocks of 512
     KiB hash in 2.2 ms alone but took 145 ms next to a spinning thread. The
     same C function (``XXH3_64bits`` of python-xxhash's own extension),
     called through ``ctypes.PyDLL``, runs without letting the GIL go, so a
-    chunk costs one hand-off, not one per block. Checked against the binding
+    batch costs one hand-off, not one per block. Checked against the binding
     once; any doubt falls back to it."""
     try:
         from xxhash import _xxhash

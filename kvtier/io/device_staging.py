@@ -64,7 +64,7 @@ def staging_mode(backend: DiskBackend) -> str:
 
 @dataclass
 class PendingStage:
-    """A chunk submitted with :meth:`DeviceStagingReader.submit`."""
+    """A batch submitted with :meth:`DeviceStagingReader.submit`."""
 
     items: list[tuple[int, bytes]]
     first_row: int
@@ -116,7 +116,7 @@ class DeviceStagingReader:
         the calling thread; rows are complete on that stream when ``read``
         returns (the readback synchronised it).
       - ``submit``/``complete`` split ``read`` for a caller that pipelines
-        chunks (the worker's load thread), as :class:`SlotReader` does;
+        batches (the worker's load thread), as :class:`SlotReader` does;
         ``stats()`` counts as it does.
       - Not thread-safe: one reader per I/O thread (``stats`` from any).
         ``close`` is idempotent and closes the slab handles (and the back
@@ -195,7 +195,7 @@ class DeviceStagingReader:
     ) -> PendingStage:
         """Start reading ``items`` into rows ``first_row`` onwards and return
         at once (kvikio's futures, or the back end's threads);
-        :meth:`complete` waits, checks and returns ``read``'s result. Chunks
+        :meth:`complete` waits, checks and returns ``read``'s result. Batches
         in flight must use disjoint rows."""
         if self._closed:
             raise RuntimeError("DeviceStagingReader is closed")
@@ -228,7 +228,7 @@ class DeviceStagingReader:
         )
 
     def complete(self, pending: PendingStage) -> list[StagedSlot]:
-        """Wait for a submitted chunk and verify it (see the class contract)."""
+        """Wait for a submitted batch and verify it (see the class contract)."""
         import torch
 
         items, first_row, runs = pending.items, pending.first_row, pending.runs
@@ -312,7 +312,7 @@ class DeviceStagingReader:
         return out
 
     def abandon(self, pending: PendingStage) -> None:
-        """Wait for a submitted chunk's reads without checking it (a caller
+        """Wait for a submitted batch's reads without checking it (a caller
         that gives the job up): afterwards its rows may be reused."""
         for waiter in pending.waiters:
             if waiter is not None:

@@ -44,7 +44,7 @@ logger = logging.getLogger("kvtier.io")
 
 @dataclass
 class PendingRead:
-    """A chunk submitted with :meth:`SlotReader.submit`: its items, the runs
+    """A batch submitted with :meth:`SlotReader.submit`: its items, the runs
     read (file, local slot, first row, count), each item's row, and per run
     the future (or result) of its read."""
 
@@ -103,7 +103,7 @@ class SlotReader:
         are several; one run is read on the calling thread.
       - ``submit(items)`` starts the same reads on the back end's threads
         and returns a :class:`PendingRead`; ``complete(pending)`` waits and
-        verifies, with ``read``'s result. Chunks in flight must use
+        verifies, with ``read``'s result. Batches in flight must use
         disjoint rows.
       - Not thread-safe: one reader per worker, used by one thread at a
         time (``stats()`` may be called from any thread).
@@ -165,13 +165,13 @@ class SlotReader:
     ) -> PendingRead:
         """Start reading ``items`` into rows ``first_row`` onwards on the back
         end's threads and return at once; :meth:`complete` waits for the
-        reads and verifies. A caller pipelines by submitting the next chunk
+        reads and verifies. A caller pipelines by submitting the next batch
         (into other rows) before completing the previous one. Rows of a
-        submitted chunk must not be reused before it is completed."""
+        submitted batch must not be reused before it is completed."""
         return self._start(items, first_row, inline=False)
 
     def complete(self, pending: PendingRead) -> list[SlotRead]:
-        """Wait for a submitted chunk's reads and verify its slots: one
+        """Wait for a submitted batch's reads and verify its slots: one
         :class:`SlotRead` per item, in order (see the class contract)."""
         items, first_row, runs = pending.items, pending.first_row, pending.runs
         t0 = time.perf_counter()
@@ -209,7 +209,7 @@ class SlotReader:
         return results
 
     def abandon(self, pending: PendingRead) -> None:
-        """Wait for a submitted chunk's reads without verifying it (a caller
+        """Wait for a submitted batch's reads without verifying it (a caller
         that gives the job up): afterwards its rows may be reused."""
         wait([f for f in pending.parts if isinstance(f, Future)])
 

@@ -1,7 +1,7 @@
 """The worker's jobs in flight: their transfers, their failures, their report.
 
 A job (one ``submit_store`` or ``submit_load``) may be several transfers on
-the copy path (one per KV-cache group and host area, one per bounce chunk)
+the copy path (one per KV-cache group and host area, one per read batch)
 plus, for a load, host work on the load thread. :class:`JobBook` tracks
 which transfers each job still waits for and reports the job to vLLM (a
 ``TransferResult``) once nothing of it is in flight, with the time and bytes

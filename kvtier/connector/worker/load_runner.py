@@ -7,9 +7,9 @@ steps; whatever it does there, every running request waits for (vLLM 0.33:
 a load there (index arithmetic, microseconds per block) and hands the job to
 this thread, which does what takes time:
 
-- reads the job's disk slots chunk by chunk into the reader's bounce area,
-  pipelined over the area's two halves: chunk k+1's reads run on the back
-  end's threads (one ``preadv`` per run of consecutive slots) while chunk k
+- reads the job's disk slots batch by batch into the reader's bounce area,
+  pipelined over the area's two halves: batch k+1's reads run on the back
+  end's threads (one ``preadv`` per run of consecutive slots) while batch k
   is verified and copied;
 - verifies every slot (:meth:`~kvtier.io.slot_reader.SlotReader.complete`)
   and copies a verified block that has a promotion row into that CPU row;
@@ -17,20 +17,20 @@ this thread, which does what takes time:
   is host memory) also copies into the KV cache, from CPU rows and from the
   bounce area, then frees the half;
 - with an asynchronous copy path (CUDA: vLLM's transfer handlers, used by
-  one thread only) posts each verified chunk instead: the model runner's
+  one thread only) posts each verified batch instead: the model runner's
   thread issues its copies from ``get_finished`` and frees the half with
   :meth:`LoadRunner.release` once they landed.
 
-Why one thread and whole chunks: an in-process engine's loop spins without
+Why one thread and whole batches: an in-process engine's loop spins without
 sleeping, so a background thread gets the GIL back only at the
 interpreter's switch interval (5 ms) each time it blocks. Work handed over
-per chunk and per job, never per block, keeps that cost per chunk. Jobs run
+per batch and per job, never per block, keeps that cost per batch. Jobs run
 one after another in submission order; expedited loads (vLLM 0.33's
 synchronous loads, waited on within the step) go first.
 
-Results travel back through :meth:`LoadRunner.take`: :class:`ChunkReady`
+Results travel back through :meth:`LoadRunner.take`: :class:`BatchReady`
 items (asynchronous copy paths only) and then the finished
-:class:`LoadTask`, in that order, so a task's chunks are always taken before
+:class:`LoadTask`, in that order, so a task's batches are always taken before
 the task itself.
 """
 
@@ -90,10 +90,10 @@ class LoadTask:
 
 
 @dataclass(eq=False)
-class ChunkReady:
-    """A verified chunk in half ``half`` of the bounce area, for the model
+class BatchReady:
+    """A verified batch in half ``half`` of the bounce area, for the model
     runner's thread to copy: ``bounce_row[p]`` is the bounce row of block
-    ``p`` of the task's spec, -1 where the block is not in this chunk or
+    ``p`` of the task's spec, -1 where the block is not in this batch or
     failed."""
 
     task: LoadTask
@@ -108,10 +108,10 @@ class LoadRunner:
       - :meth:`submit` queues a task and returns at once; the thread starts
         on the first task, or earlier with :meth:`warm_up`.
       - :meth:`take` returns, without blocking, what finished since the last
-        call (:class:`ChunkReady` items, then finished :class:`LoadTask`
+        call (:class:`BatchReady` items, then finished :class:`LoadTask`
         objects). Every submitted task comes back exactly once, also when it
         raised or was cancelled, unless the runner was stopped first.
-      - :meth:`release` frees a bounce half posted in a :class:`ChunkReady`
+      - :meth:`release` frees a bounce half posted in a :class:`BatchReady`
         (asynchronous copy paths): the thread never reads into a half before
         its copies were released.
       - :meth:`cancel` returns once the thread writes nothing more for the
@@ -138,7 +138,7 @@ class LoadRunner:
         self.block_bytes = block_bytes
         self._cond = threading.Condition()
         self._queue: deque[LoadTask] = deque()
-        self._out: deque[ChunkReady | LoadTask] = deque()
+        self._out: deque[BatchReady | LoadTask] = deque()
         self._free = [True, True]  # bounce halves not read by any copy
         self._next_half = 0
         self._stopping = False
@@ -169,8 +169,8 @@ class LoadRunner:
             if self._thread is None and not self._stopping:
                 self._start_thread()
 
-    def take(self) -> list[ChunkReady | LoadTask]:
-        out: list[ChunkReady | LoadTask] = []
+    def take(self) -> list[BatchReady | LoadTask]:
+        out: list[BatchReady | LoadTask] = []
         while self._out:
             out.append(self._out.popleft())
         return out
@@ -251,8 +251,8 @@ class LoadRunner:
         positions = np.flatnonzero(spec.on_disk)
         halves = 2 if reader.capacity >= 2 else 1
         per_read = reader.capacity // halves
-        # Chunks read but not yet verified and copied, oldest first: at most
-        # two (one per half), so chunk k is finished while k+1 is read.
+        # Batches read but not yet verified and copied, oldest first: at most
+        # two (one per half), so batch k is finished while k+1 is read.
         inflight: deque[tuple[PendingRead | PendingStage, np.ndarray, int]] = deque()
         try:
             for start in range(0, len(positions), per_read):
@@ -261,23 +261,23 @@ class LoadRunner:
                 half = self._next_half % halves
                 self._next_half = half + 1
                 if inflight and inflight[0][2] == half:
-                    # One half only: finish the chunk that holds it first.
-                    self._finish_chunk(task, *inflight.popleft())
+                    # One half only: finish the batch that holds it first.
+                    self._finish_batch(task, *inflight.popleft())
                 self._acquire(half)
-                chunk = positions[start : start + per_read]
+                batch = positions[start : start + per_read]
                 try:
                     read = reader.submit(
-                        [(int(spec.block_ids[p]), spec.keys[p]) for p in chunk],
+                        [(int(spec.block_ids[p]), spec.keys[p]) for p in batch],
                         first_row=half * per_read,
                     )
                 except BaseException:
                     self.release(half)
                     raise
-                inflight.append((read, chunk, half))
+                inflight.append((read, batch, half))
                 if len(inflight) > 1:
-                    self._finish_chunk(task, *inflight.popleft())
+                    self._finish_batch(task, *inflight.popleft())
             while inflight:
-                self._finish_chunk(task, *inflight.popleft())
+                self._finish_batch(task, *inflight.popleft())
         finally:
             for read, _chunk, half in inflight:  # raised or cancelled
                 reader.abandon(read)  # its reads land before the half is free
@@ -290,11 +290,11 @@ class LoadRunner:
                 raise _Stopped
             self._free[half] = False
 
-    def _finish_chunk(
+    def _finish_batch(
         self,
         task: LoadTask,
         read: PendingRead | PendingStage,
-        chunk: np.ndarray,
+        batch: np.ndarray,
         half: int,
     ) -> None:
         reader = self.reader
@@ -306,7 +306,7 @@ class LoadRunner:
             self.release(half)
             raise
         bounce_row = np.full(len(spec.block_ids), -1, dtype=np.int64)
-        for p, result in zip(chunk, results):
+        for p, result in zip(batch, results):
             if result.outcome is ReadOutcome.OK:
                 bounce_row[p] = result.row
             else:
@@ -317,7 +317,7 @@ class LoadRunner:
                 if task.cancelled:
                     return
                 up = np.flatnonzero((bounce_row >= 0) & (spec.promote_rows >= 0))
-                if len(up):  # one gathered copy for the chunk, not one per block
+                if len(up):  # one gathered copy for the batch, not one per block
                     src = reader.rows[bounce_row[up]]
                     if isinstance(src, torch.Tensor):  # a device staging area
                         src = src.cpu().numpy()
@@ -326,7 +326,7 @@ class LoadRunner:
                     del rows
                 if not self.copies.synchronous:
                     with self._cond:
-                        self._out.append(ChunkReady(task, half, bounce_row))
+                        self._out.append(BatchReady(task, half, bounce_row))
                         self._cond.notify_all()
                     posted = True
                     return

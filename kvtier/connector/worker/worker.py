@@ -9,15 +9,15 @@ row).
 ``submit_*`` never waits for I/O. A store's copies are issued on the
 calling (model-runner) thread. A load is planned there (index arithmetic)
 and its slow part runs on the worker's load thread
-(:mod:`kvtier.connector.worker.load_runner`): the disk reads, pipelined chunk by
-chunk through the bounce area, the verification of every slot, and on the
+(:mod:`kvtier.connector.worker.load_runner`): the disk reads, pipelined batch by
+batch through the bounce area, the verification of every slot, and on the
 CPU platform the copies into the KV cache too. It completes through
 ``get_finished``. Copies between the KV cache and the host go through a
 copy path: on accelerators vLLM's own transfer code
 (:class:`~kvtier.connector.worker.device_copy.DeviceCopies`), issued from the
 model runner's thread only; on the CPU platform kvtier's word-sized copier
 (:class:`~kvtier.io.block_copy.HostCopies`). A job may be several transfers
-(one per KV-cache group and host area, one per bounce chunk); it is
+(one per KV-cache group and host area, one per bounce batch); it is
 reported done once its host work finished and every transfer landed (the
 bookkeeping: :mod:`kvtier.connector.worker.job_book`).
 
@@ -60,7 +60,7 @@ from kvtier.connector.worker.job_errors import (
 )
 from kvtier.connector.worker.job_plan import plan_load, select_rows, split_by_group
 from kvtier.connector.worker.kv_layout import group_views
-from kvtier.connector.worker.load_runner import ChunkReady, LoadRunner, LoadTask
+from kvtier.connector.worker.load_runner import BatchReady, LoadRunner, LoadTask
 from kvtier.io.block_copy import (
     CopyPath,
     CopyPlan,
@@ -343,12 +343,12 @@ class TieredOffloadingWorker(OffloadingWorker):
 
     def _pump(self) -> None:
         """Take what the load thread finished (issuing the copies of its
-        verified chunks on accelerators), collect landed transfers (freeing
+        verified batches on accelerators), collect landed transfers (freeing
         bounce halves no copy reads any more), give up loads past their
         deadline, and report finished jobs."""
         for item in self.loads.take():
-            if isinstance(item, ChunkReady):
-                self._copy_chunk(item)
+            if isinstance(item, BatchReady):
+                self._copy_batch(item)
             else:
                 self._task_done(item)
         for transfer, seconds in self.copies.poll().items():
@@ -363,7 +363,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             if job.task is not None and now > job.deadline:
                 self._give_up(job)
 
-    def _copy_chunk(self, item: ChunkReady) -> None:
+    def _copy_batch(self, item: BatchReady) -> None:
         task = item.task
         job = self.book.jobs.get(task.job_id)
         readers = self._bounce_readers[item.half]
