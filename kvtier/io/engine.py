@@ -6,8 +6,8 @@ step, so ``submit*`` only enqueue, and the connector polls ``get_finished``.
 
 A job's items are fanned out individually onto the worker threads so one big
 job keeps every thread (and the disk queue) busy. Promotes are latency
-critical (a request is waiting for them) while spills are background
-write-back, so the queue is a priority queue and promote items run first.
+critical (a request is waiting for them) while spills run
+ahead of need, so the queue is a priority queue and promote items run first.
 """
 
 from __future__ import annotations

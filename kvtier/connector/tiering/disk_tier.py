@@ -77,7 +77,9 @@ logger = logging.getLogger("kvtier.connector")
 
 
 @dataclass
-class _Job:
+class _TierJob:
+    """A vLLM ``TransferJob`` of this tier while in flight: what it holds."""
+
     is_store: bool
     keys: list[OffloadKey]
     # Store: keys given a slot (WRITING). Load: keys pinned for the read.
@@ -157,7 +159,7 @@ class KvtierDiskTier(SecondaryTierManager):
         )
         self.tier = self.core.tier  # queries (get, is_ready, in, len)
         self.stats = DiskTierStats()
-        self._jobs: dict[JobId, _Job] = {}
+        self._jobs: dict[JobId, _TierJob] = {}
         self._done: list[JobResult] = []
         self._pull = PullBack()
         self._metrics = DiskTierMetrics()
@@ -299,14 +301,14 @@ class KvtierDiskTier(SecondaryTierManager):
             )
             return
         self.stats.stores_submitted += len(items)
-        self._jobs[job_id] = _Job(True, keys, moved=[it.key for it in items])
+        self._jobs[job_id] = _TierJob(True, keys, moved=[it.key for it in items])
         self.runtime.submit_spill(SpillOrder(job_id, tuple(items)))
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         assert self.runtime is not None
         keys = list(job_metadata.keys)
-        job = _Job(False, keys)
+        job = _TierJob(False, keys)
         items = []
         chunks: list[int] = []
         for key, chunk in zip(keys, job_metadata.chunk_ids):
