@@ -279,7 +279,8 @@ class DiskStore:
         return self.files.stats()
 
     def close(self) -> None:
-        """Close slab handles and, if owned, shut the back end down. Idempotent."""
+        """Close slab handles, shut the back end down if owned, and release the
+        store-directory locks. Idempotent."""
         self.files.close()
 
     def abandon(self) -> None:
