@@ -295,7 +295,7 @@ class KvtierRig:
         )
         bf16 = (chunk.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
         self.buf.array[:count] = np.resize(bf16, block)
-        self.o_direct = all(getattr(h, "direct", False) for h in self.store._handles)
+        self.o_direct = all(getattr(h, "direct", False) for h in self.store.files.handles)
 
     def _run(self, promote: bool) -> float:
         self.job += 1

@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "decompress": "kvtier.io.compression",
     "CpuBlockBuffer": "kvtier.io.cpu_buffer",
     "DiskStore": "kvtier.io.disk_store",
-    "DiskStoreStats": "kvtier.io.disk_reads",
+    "DiskStoreStats": "kvtier.io.store_files",
     "ReadOutcome": "kvtier.io.layout",
     "JobOutcome": "kvtier.io.engine",
     "JobResult": "kvtier.io.engine",
@@ -76,7 +76,6 @@ if TYPE_CHECKING:
     from kvtier.io.backends import make_backend
     from kvtier.io.compression import compress, decompress
     from kvtier.io.cpu_buffer import CpuBlockBuffer
-    from kvtier.io.disk_reads import DiskStoreStats
     from kvtier.io.disk_store import DiskStore
     from kvtier.io.engine import JobOutcome, JobResult, TransferEngine
     from kvtier.io.format import (
@@ -90,6 +89,7 @@ if TYPE_CHECKING:
     from kvtier.io.layout import ReadOutcome
     from kvtier.io.posix_backend import PosixBackend
     from kvtier.io.slab import SlabFile
+    from kvtier.io.store_files import DiskStoreStats
 
 
 def __getattr__(name: str) -> Any:

@@ -1,28 +1,48 @@
-"""DiskStore's verified read path: its counters and the reads.
+"""A store's verified read path: whole blocks, single headers, and the scan.
 
-Every read is verified (magic, header checksum, fingerprint, key, payload
-checksum; the checks of :mod:`kvtier.io.layout`) in a private bounce buffer
-before anything reaches the caller's buffer, so a torn, stale or corrupted
-slot is reported, never returned.
-:class:`DiskReads` holds ``read_block``/``verify``/``read_header``/``scan``
-of :class:`kvtier.io.disk_store.DiskStore`, which sets up the state they use.
+:class:`VerifiedReads` reads the slots of the slab files held by a
+:class:`~kvtier.io.store_files.StoreFiles` (which
+:class:`~kvtier.io.disk_store.DiskStore` creates and shares with its write
+path) and judges them with the one slot verification of
+:mod:`kvtier.io.layout` (``parse_header``, ``check_header``,
+``check_payload``; magic, header checksum, layout fingerprint, key, lengths,
+payload xxh3). Every read lands in the calling thread's private bounce
+buffer and is verified there before anything reaches the caller's buffer,
+so a torn, stale or corrupted slot is reported, never returned.
+
+Contract:
+  - ``read_block``/``verify``/``read_header`` never raise for I/O or data
+    problems: they return a :class:`~kvtier.io.layout.ReadOutcome`. A failed
+    read (any errno) is IO_ERROR; a read that ends early (a truncated slab:
+    slabs are preallocated to full size) is TRUNCATED and reported as an
+    EIO. Both are counted in ``io_errors`` and logged once per slab and
+    errno. Rejected bytes (bad header, payload checksum) are counted in
+    ``checksum_failures`` and logged once per slab.
+  - They do raise for caller errors: IndexError for a slot out of range,
+    RuntimeError once the store is closed, ValueError for an ``out`` that is
+    not a C-contiguous array of exactly ``block_bytes`` bytes.
+  - All reads are positioned at a slot's start (a multiple of
+    ``IO_ALIGNMENT``) into aligned buffers, lengths rounded up to
+    ``IO_ALIGNMENT``; an uncompressed store reads a slot in one I/O, a
+    compressed one reads the header first and then only the stored bytes.
+  - Thread-safe for distinct slots: each thread reads into its own bounce
+    buffer, and the shared counters are updated under the files' lock.
+  - ``scan`` and ``read_header`` hand every intact header of this layout to
+    ``on_header`` (the store raises its next ``seq`` above them).
 """
 
 from __future__ import annotations
 
 import errno
-import logging
-import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from kvtier.io.backend import IO_ALIGNMENT, DiskBackend
+from kvtier.io.backend import IO_ALIGNMENT
 from kvtier.io.compression import CorruptPayloadError, decompress
 from kvtier.io.format import HEADER_SIZE, SlotHeader, aligned_empty, round_up
 from kvtier.io.layout import (
@@ -30,165 +50,35 @@ from kvtier.io.layout import (
     SlotVerdict,
     check_header,
     check_payload,
-    locate,
     parse_header,
 )
-
-if TYPE_CHECKING:
-    from kvtier.io.slab import SlabFile
-
-logger = logging.getLogger("kvtier.io")
+from kvtier.io.store_files import StoreFiles, flat_u8
 
 
-@dataclass
-class DiskStoreStats:
-    """Cumulative counters of one DiskStore (``stats()`` returns a copy)."""
+class VerifiedReads:
+    """The verified reads of one store's slab files (see the module doc).
 
-    write_bytes: int = 0
-    read_bytes: int = 0
-    write_seconds: float = 0.0
-    read_seconds: float = 0.0
-    blocks_written: int = 0
-    blocks_read: int = 0  # read attempts (read_block/verify), whatever the outcome
-    # Reads rejected as corrupt: payload checksum, or (read/verify only) a
-    # header that fails its own checksum/magic/version check.
-    checksum_failures: int = 0
-    # Failed I/O (any errno), including short reads and writes (as EIO).
-    io_errors: int = 0
+    ``block_bytes`` and ``digest`` are the layout's (the fingerprint's block
+    size and digest); ``compressed`` says whether payloads may be shorter
+    than the slot (then a read fetches the header first); ``on_header`` is
+    called with each intact header of this layout that ``scan`` or
+    ``read_header`` sees.
+    """
 
-
-def flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:
-    if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
-        raise ValueError(f"{what} must be a C-contiguous numpy array")
-    flat = arr.reshape(-1).view(np.uint8)
-    if flat.size != nbytes:
-        raise ValueError(f"{what} has {flat.size} bytes, expected block_bytes={nbytes}")
-    return flat
-
-
-class DiskReads:
-    """The read/verify/scan methods of :class:`~kvtier.io.disk_store.DiskStore`
-    (a mixin: the store's ``__init__`` sets the state declared below)."""
-
-    if TYPE_CHECKING:
-        paths: list[str]
-        num_slots: int
-        block_bytes: int
-        slot_size: int
-        backend: DiskBackend
-        slabs: list[SlabFile]
-        _digest: bytes
-        _two_step_reads: bool
-        _handles: list[Any]
-        _lock: threading.Lock
-        _stats: DiskStoreStats
-        _logged_errors: set[tuple[str, str, int | None]]
-
-        def _locate(self, slot: int) -> tuple[int, int]: ...
-        def _bounce(self) -> np.ndarray: ...
-        def _read(self, idx: int, buf: np.ndarray, offset: int) -> int: ...
-        def _bump_seq(self, seen: int) -> None: ...
-        def _note_io_error(self, op: str, idx: int, exc: OSError) -> None: ...
-
-    def _check_header(self, hdr: SlotHeader, key: bytes | None) -> SlotVerdict:
-        return check_header(
-            hdr,
-            key=key,
-            digest=self._digest,
-            block_bytes=self.block_bytes,
-            slot_bytes=self.slot_size,
-        )
-
-    def _note_short_read(self, idx: int, got: int, wanted: int) -> None:
-        # A slab is preallocated to full size, so a read that ends early means
-        # the file was truncated or the device misbehaved: report it like
-        # write_block reports a short write (EIO, counted, logged once).
-        self._note_io_error(
-            "read",
-            idx,
-            OSError(
-                errno.EIO,
-                f"short read ({got} of {wanted} bytes)",
-                self.slabs[idx].path,
-            ),
-        )
-
-    def _note_corrupt(self, idx: int, slot: int, what: str) -> None:
-        # Rejected data used to be silent (or only counted): log the first
-        # one per slab with its path, as I/O errors are, and count it.
-        path = self.slabs[idx].path
-        key = ("corrupt", path, None)
-        with self._lock:
-            self._stats.checksum_failures += 1
-            first = key not in self._logged_errors
-            self._logged_errors.add(key)
-        log = logger.warning if first else logger.debug
-        log(
-            "kvtier disk read of slot %d on %s rejected: %s (corrupt or torn "
-            "block, treated as a miss)%s",
-            slot,
-            path,
-            what,
-            "; repeats logged at debug" if first else "",
-        )
-
-    def _load(
-        self, slot: int, key: bytes | None
-    ) -> tuple[ReadOutcome, SlotHeader | None, np.ndarray | None]:
-        """Read and verify a slot into this thread's bounce buffer.
-
-        Returns the outcome, the header when it parsed, and (for OK only) the
-        verified stored payload as a view into the bounce buffer.
-        """
-        idx, offset = self._locate(slot)
-        bounce = self._bounce()
-        first = HEADER_SIZE if self._two_step_reads else self.slot_size
-        t0 = time.perf_counter()
-        nread = 0
-        try:
-            try:
-                n = nread = self._read(idx, bounce[:first], offset)
-                verdict = parse_header(bounce, n)
-                if verdict.outcome is ReadOutcome.TRUNCATED:
-                    self._note_short_read(idx, n, first)
-                    return ReadOutcome.TRUNCATED, None, None
-                if verdict.outcome is ReadOutcome.BAD_HEADER:
-                    self._note_corrupt(idx, slot, verdict.detail)
-                if not verdict.ok:
-                    return verdict.outcome, None, None
-                assert verdict.header is not None
-                hdr = verdict.header
-                verdict = self._check_header(hdr, key)
-                if not verdict.ok:
-                    return verdict.outcome, hdr, None
-                end = HEADER_SIZE + hdr.payload_len
-                if self._two_step_reads and hdr.payload_len:
-                    more = round_up(hdr.payload_len, IO_ALIGNMENT)
-                    got = self._read(
-                        idx,
-                        bounce[HEADER_SIZE : HEADER_SIZE + more],
-                        offset + HEADER_SIZE,
-                    )
-                    nread += got
-                    n = HEADER_SIZE + got
-            except OSError as exc:
-                self._note_io_error("read", idx, exc)
-                return ReadOutcome.IO_ERROR, None, None
-            payload = bounce[HEADER_SIZE:end]
-            verdict = check_payload(hdr, payload, n - HEADER_SIZE)
-            if verdict.outcome is ReadOutcome.TRUNCATED:
-                self._note_short_read(idx, n, end)
-                return ReadOutcome.TRUNCATED, hdr, None
-            if not verdict.ok:
-                self._note_corrupt(idx, slot, "payload checksum mismatch")
-                return verdict.outcome, hdr, None
-            return ReadOutcome.OK, hdr, payload
-        finally:
-            dt = time.perf_counter() - t0
-            with self._lock:
-                self._stats.read_bytes += nread
-                self._stats.read_seconds += dt
-                self._stats.blocks_read += 1
+    def __init__(
+        self,
+        files: StoreFiles,
+        *,
+        block_bytes: int,
+        digest: bytes,
+        compressed: bool,
+        on_header: Callable[[SlotHeader], None],
+    ) -> None:
+        self._files = files
+        self._block_bytes = block_bytes
+        self._digest = digest
+        self._two_step = compressed
+        self._on_header = on_header
 
     def read_block(
         self, slot: int, key: bytes, out: np.ndarray, *, guard: Any = None
@@ -202,7 +92,7 @@ class DiskReads:
         ``enter()`` refuses (the caller gave ``out`` away meanwhile), ``out``
         is left alone and IO_ERROR is returned.
         """
-        flat_out = flat_u8(out, self.block_bytes, "out")
+        flat_out = flat_u8(out, self._block_bytes, "out")
         outcome, hdr, payload = self._load(slot, key)
         if outcome is not ReadOutcome.OK:
             return outcome
@@ -228,10 +118,10 @@ class DiskReads:
 
     def read_header(self, slot: int) -> tuple[SlotHeader | None, ReadOutcome]:
         """Read one slot's header only (the same classification as ``scan``)."""
-        idx, offset = self._locate(slot)
-        buf = self._bounce()[:HEADER_SIZE]
-        fut = self.backend.submit_read(self._handles[idx], buf, offset)
-        _, hdr, outcome = self._classify_header(slot, buf, fut)
+        idx, offset = self._files.locate(slot)
+        buf = self._files.bounce()[:HEADER_SIZE]
+        fut = self._files.submit_read(idx, buf, offset)
+        _, hdr, outcome = self._classify_header(slot, idx, buf, fut)
         return hdr, outcome
 
     def scan(
@@ -246,39 +136,114 @@ class DiskReads:
         """
         window = max(1, window)
         bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
-        inflight: deque[tuple[int, np.ndarray, Future[int]]] = deque()
-        for slot in range(self.num_slots):
+        inflight: deque[tuple[int, int, np.ndarray, Future[int]]] = deque()
+        for slot in range(self._files.num_slots):
             if len(inflight) == window:
                 yield self._classify_header(*inflight.popleft())
-            idx, offset = self._locate(slot)
+            idx, offset = self._files.locate(slot)
             buf = bufs[slot % window]
-            inflight.append(
-                (slot, buf, self.backend.submit_read(self._handles[idx], buf, offset))
-            )
+            inflight.append((slot, idx, buf, self._files.submit_read(idx, buf, offset)))
         while inflight:
             yield self._classify_header(*inflight.popleft())
 
+    # -- the checks ----------------------------------------------------------
+
+    def _check_header(self, hdr: SlotHeader, key: bytes | None) -> SlotVerdict:
+        return check_header(
+            hdr,
+            key=key,
+            digest=self._digest,
+            block_bytes=self._block_bytes,
+            slot_bytes=self._files.slot_size,
+        )
+
+    def _short_read(self, idx: int, got: int, wanted: int) -> None:
+        # A slab is preallocated to full size, so a read that ends early means
+        # the file was truncated or the device misbehaved: report it like
+        # write_block reports a short write (EIO, counted, logged once).
+        self._files.io_error(
+            "read",
+            idx,
+            OSError(
+                errno.EIO,
+                f"short read ({got} of {wanted} bytes)",
+                self._files.slabs[idx].path,
+            ),
+        )
+
+    def _load(
+        self, slot: int, key: bytes | None
+    ) -> tuple[ReadOutcome, SlotHeader | None, np.ndarray | None]:
+        """Read and verify a slot into this thread's bounce buffer.
+
+        Returns the outcome, the header when it parsed, and (for OK only) the
+        verified stored payload as a view into the bounce buffer.
+        """
+        idx, offset = self._files.locate(slot)
+        bounce = self._files.bounce()
+        first = HEADER_SIZE if self._two_step else self._files.slot_size
+        t0 = time.perf_counter()
+        nread = 0
+        try:
+            try:
+                n = nread = self._files.read(idx, bounce[:first], offset)
+                verdict = parse_header(bounce, n)
+                if verdict.outcome is ReadOutcome.TRUNCATED:
+                    self._short_read(idx, n, first)
+                    return ReadOutcome.TRUNCATED, None, None
+                if verdict.outcome is ReadOutcome.BAD_HEADER:
+                    self._files.rejected(idx, slot, verdict.detail)
+                if not verdict.ok:
+                    return verdict.outcome, None, None
+                assert verdict.header is not None
+                hdr = verdict.header
+                verdict = self._check_header(hdr, key)
+                if not verdict.ok:
+                    return verdict.outcome, hdr, None
+                end = HEADER_SIZE + hdr.payload_len
+                if self._two_step and hdr.payload_len:
+                    more = round_up(hdr.payload_len, IO_ALIGNMENT)
+                    got = self._files.read(
+                        idx,
+                        bounce[HEADER_SIZE : HEADER_SIZE + more],
+                        offset + HEADER_SIZE,
+                    )
+                    nread += got
+                    n = HEADER_SIZE + got
+            except OSError as exc:
+                self._files.io_error("read", idx, exc)
+                return ReadOutcome.IO_ERROR, None, None
+            payload = bounce[HEADER_SIZE:end]
+            verdict = check_payload(hdr, payload, n - HEADER_SIZE)
+            if verdict.outcome is ReadOutcome.TRUNCATED:
+                self._short_read(idx, n, end)
+                return ReadOutcome.TRUNCATED, hdr, None
+            if not verdict.ok:
+                self._files.rejected(idx, slot, "payload checksum mismatch")
+                return verdict.outcome, hdr, None
+            return ReadOutcome.OK, hdr, payload
+        finally:
+            self._files.count_read(nread, time.perf_counter() - t0, blocks=1)
+
     def _classify_header(
-        self, slot: int, buf: np.ndarray, fut: Future[int]
+        self, slot: int, idx: int, buf: np.ndarray, fut: Future[int]
     ) -> tuple[int, SlotHeader | None, ReadOutcome]:
-        idx, _ = locate(slot, len(self.paths))
         try:
             n = fut.result()
         except OSError as exc:
-            self._note_io_error("read", idx, exc)
+            self._files.io_error("read", idx, exc)
             return slot, None, ReadOutcome.IO_ERROR
-        with self._lock:
-            self._stats.read_bytes += n
+        self._files.count_read(n)
         verdict = parse_header(buf, n)
         if verdict.outcome is ReadOutcome.TRUNCATED:
-            self._note_short_read(idx, n, HEADER_SIZE)
+            self._short_read(idx, n, HEADER_SIZE)
         if not verdict.ok:
             return slot, None, verdict.outcome
         assert verdict.header is not None
         hdr = verdict.header
         outcome = self._check_header(hdr, None).outcome
         if outcome is ReadOutcome.OK:
-            self._bump_seq(hdr.seq)
+            self._on_header(hdr)
             return slot, hdr, outcome
         if outcome is ReadOutcome.FINGERPRINT_MISMATCH:
             return slot, hdr, outcome

@@ -7,24 +7,30 @@ fingerprint, so different models/dtypes/TP ranks never share files) holding
 Slots are striped over the paths by :mod:`kvtier.io.layout` (global slot
 ``s`` in slab ``s % len(paths)``, local slot ``s // len(paths)``).
 
-Every read is verified (magic, header checksum, fingerprint, key, payload
-checksum) in a private bounce buffer before anything reaches the caller's
-buffer, so a torn, stale or corrupted slot is reported, never returned.
+:class:`DiskStore` is the store's write path and its public face. It owns
+a :class:`~kvtier.io.store_files.StoreFiles` (the directories, slab files
+and handles, the counters, the error reporting, the raw positioned I/O) and
+a :class:`~kvtier.io.disk_reads.VerifiedReads` over the same files, to
+which ``read_block``/``verify``/``read_header``/``scan`` delegate. Every
+read is verified in a private bounce buffer before anything reaches the
+caller's buffer, so a torn, stale or corrupted slot is reported, never
+returned.
 
-The read path lives in :mod:`kvtier.io.disk_reads`, the store directory
-(creation, lock, ``layout.json``) in :mod:`kvtier.io.store_dir`, the slot
-checks and striping rule in :mod:`kvtier.io.layout`.
+A write builds header and payload (zstd on byte planes when configured and
+worth it) in the calling thread's aligned bounce buffer, zero-pads it to
+``IO_ALIGNMENT`` and writes it at the slot's (aligned) offset in one
+positioned write; a short write is an OSError(EIO). Every failed write or
+invalidation is counted in ``io_errors`` and logged once per slab and errno
+before the OSError propagates.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -34,7 +40,7 @@ from kvtier.io.backend import IO_ALIGNMENT, DiskBackend
 from kvtier.io.backends import make_backend
 from kvtier.io.checksum import device_checksum, payload_checksum
 from kvtier.io.compression import compress
-from kvtier.io.disk_reads import DiskReads, DiskStoreStats, flat_u8
+from kvtier.io.disk_reads import VerifiedReads
 from kvtier.io.format import (
     HEADER_SIZE,
     MAX_KEY_LEN,
@@ -45,35 +51,37 @@ from kvtier.io.format import (
     round_up,
     slot_size,
 )
-from kvtier.io.layout import local_slot_count, locate, slab_name
+from kvtier.io.layout import ReadOutcome
 from kvtier.io.slab import SlabFile
-from kvtier.io.store_dir import (
-    check_same_slab,
-    open_store_dir,
-    store_dirname,
-    write_layout,
-)
+from kvtier.io.store_files import DiskStoreStats, StoreFiles, flat_u8
 
 logger = logging.getLogger("kvtier.io")
 
 COMPRESSION_CHOICES = ("none", "zstd")
 
 
-class DiskStore(DiskReads):
+class DiskStore:
     """Fixed-size block slots on one or more paths, verified on every read.
 
     Contract:
-      - ``write_block``/``read_block``/``invalidate``/``verify`` are
-        synchronous and thread-safe for *distinct* slots (callers never touch
-        one slot from two threads at once; the tier bookkeeping ensures that).
-      - ``write_block`` raises OSError on failure (including a short write).
-        ``read_block`` never raises for I/O or data problems: it returns a
-        ReadOutcome, and writes ``out`` only when returning OK.
+      - ``write_block``/``read_block``/``invalidate``/``verify``/
+        ``read_header`` are synchronous and thread-safe for *distinct* slots
+        (callers never touch one slot from two threads at once; the tier
+        bookkeeping ensures that); ``next_seq`` and ``stats`` from any thread.
+      - ``write_block`` and ``invalidate`` raise OSError (with errno; a short
+        write as EIO) on failure. ``read_block``/``verify``/``read_header``/
+        ``scan`` never raise for I/O or data problems: they return a
+        ReadOutcome, and ``read_block`` writes ``out`` only when returning OK
+        (see :mod:`kvtier.io.disk_reads`). All raise IndexError for a slot out
+        of range and RuntimeError once closed.
       - Slot contents survive process restarts; ``scan`` reports every slot's
         header so the caller can rebuild its index. ``seq`` values handed out
-        by ``next_seq`` stay above any seq seen on disk by ``scan``.
+        by ``next_seq`` stay above any seq seen on disk by ``scan`` or
+        ``read_header``.
       - ``backend`` given as a string is created (via make_backend) and owned,
         i.e. shut down by ``close``; a DiskBackend instance is only borrowed.
+      - ``files`` is the shared :class:`~kvtier.io.store_files.StoreFiles`
+        (slab handles, ``locate``) for tools and tests that look at the bytes.
     """
 
     def __init__(
@@ -118,132 +126,54 @@ class DiskStore(DiskReads):
         self.slot_size = slot_size(block_bytes)
         self._min_saving = min_saving
         self._digest = fingerprint.digest()
-        # Compressed payloads are shorter than the slot: read the header first
-        # and then only the stored bytes. Uncompressed stores read the whole
-        # slot in one I/O.
-        self._two_step_reads = compression != "none"
+        # Wall-clock ns as the starting point keeps seq increasing across
+        # restarts even before (or without) a scan; scan() raises it further.
+        self._seq = time.time_ns()
+        self._seq_lock = threading.Lock()
+        self._zero_header = aligned_empty(HEADER_SIZE)
+        self._zero_header[:] = 0
 
-        self._owns_backend = isinstance(backend, str)
         self.backend: DiskBackend = (
             make_backend(backend, threads=threads)
             if isinstance(backend, str)
             else backend
         )
-        # Optional blocking fast path (PosixBackend has one): the store's
-        # callers are worker threads already, so a second hop only adds latency.
-        self._read_sync: Callable[[Any, Any, int], int] | None = getattr(
-            self.backend, "read_sync", None
+        self.files = StoreFiles(
+            self.paths,
+            num_slots,
+            fingerprint,
+            self.slot_size,
+            self.backend,
+            owns_backend=isinstance(backend, str),
         )
-        self._write_sync: Callable[[Any, Any, int], int] | None = getattr(
-            self.backend, "write_sync", None
+        # Compressed payloads are shorter than the slot: read the header first
+        # and then only the stored bytes. Uncompressed stores read the whole
+        # slot in one I/O.
+        self._reads = VerifiedReads(
+            self.files,
+            block_bytes=block_bytes,
+            digest=self._digest,
+            compressed=compression != "none",
+            on_header=lambda hdr: self._bump_seq(hdr.seq),
         )
-        self._lock = threading.Lock()
-        self._stats = DiskStoreStats()
-        self._logged_errors: set[tuple[str, str, int | None]] = set()
-        self._tls = threading.local()
-        # Wall-clock ns as the starting point keeps seq increasing across
-        # restarts even before (or without) a scan; scan() raises it further.
-        self._seq = time.time_ns()
-        self._zero_header = aligned_empty(HEADER_SIZE)
-        self._zero_header[:] = 0
-        self._closed = False
-
-        self.dirs: list[str] = []
-        self.slabs: list[SlabFile] = []
-        self._handles: list[Any] = []
-        # One descriptor per store directory, held (with its flock) until
-        # close: everything inside is opened relative to it.
-        self._dir_fds: list[int] = []
-        npaths = len(self.paths)
-        try:
-            for i, base in enumerate(self.paths):
-                d = os.path.join(base, store_dirname(fingerprint))
-                dir_fd = open_store_dir(d, base)
-                self._dir_fds.append(dir_fd)
-                write_layout(d, fingerprint, self.slot_size, dir_fd=dir_fd)
-                local_slots = local_slot_count(num_slots, i, npaths)
-                slab = SlabFile(
-                    os.path.join(d, slab_name(i)),
-                    local_slots,
-                    self.slot_size,
-                    dir_fd=dir_fd,
-                )
-                self.dirs.append(d)
-                self.slabs.append(slab)
-                handle = self.backend.open(slab.path, writable=True)
-                self._handles.append(handle)
-                check_same_slab(self.backend, handle, slab)
-        except BaseException:
-            self.close()
-            raise
         logger.debug(
             "DiskStore %s: %d slots x %d B on %s via %s",
-            fingerprint.digest().hex()[:16],
+            self._digest.hex()[:16],
             num_slots,
             self.slot_size,
             self.paths,
             self.backend.describe(),
         )
 
-    # -- helpers ------------------------------------------------------------
-
-    def _locate(self, slot: int) -> tuple[int, int]:
-        if self._closed:
-            raise RuntimeError("DiskStore is closed")
-        if not 0 <= slot < self.num_slots:
-            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
-        idx, local = locate(slot, len(self.paths))
-        return idx, self.slabs[idx].offset(local)
-
-    def _bounce(self) -> np.ndarray:
-        # One aligned slot-sized buffer per calling thread: O_DIRECT needs the
-        # alignment, and verifying here keeps bad bytes away from callers.
-        buf: np.ndarray | None = getattr(self._tls, "bounce", None)
-        if buf is None:
-            buf = self._tls.bounce = aligned_empty(self.slot_size)
-        return buf
-
-    def _read(self, idx: int, buf: np.ndarray, offset: int) -> int:
-        if self._read_sync is not None:
-            return int(self._read_sync(self._handles[idx], buf, offset))
-        return self.backend.submit_read(self._handles[idx], buf, offset).result()
-
-    def _write(self, idx: int, buf: np.ndarray, offset: int) -> int:
-        if self._write_sync is not None:
-            return int(self._write_sync(self._handles[idx], buf, offset))
-        return self.backend.submit_write(self._handles[idx], buf, offset).result()
-
-    def _note_io_error(self, op: str, idx: int, exc: OSError) -> None:
-        path = self.slabs[idx].path
-        key = (op, path, exc.errno)
-        with self._lock:
-            self._stats.io_errors += 1
-            first = key not in self._logged_errors
-            self._logged_errors.add(key)
-        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-        if first:
-            logger.warning(
-                "kvtier disk %s failed on %s: errno %s (%s): %s; repeats logged at debug",
-                op,
-                path,
-                exc.errno,
-                name,
-                exc.strerror,
-            )
-        else:
-            logger.debug(
-                "kvtier disk %s failed on %s: errno %s (%s)", op, path, exc.errno, name
-            )
-
     def _bump_seq(self, seen: int) -> None:
-        with self._lock:
+        with self._seq_lock:
             self._seq = max(self._seq, seen)
 
     # -- public API -----------------------------------------------------------
 
     def next_seq(self) -> int:
         """A sequence number greater than every one handed out or scanned."""
-        with self._lock:
+        with self._seq_lock:
             self._seq += 1
             return self._seq
 
@@ -266,9 +196,9 @@ class DiskStore(DiskReads):
         if len(key) > MAX_KEY_LEN:
             raise ValueError(f"key is {len(key)} bytes, max {MAX_KEY_LEN}")
         flat = flat_u8(data, self.block_bytes, "data")
-        idx, offset = self._locate(slot)
+        idx, offset = self.files.locate(slot)
         t0 = time.perf_counter()
-        bounce = self._bounce()
+        bounce = self.files.bounce()
         if self.compression == "zstd":
             codec, packed = compress(flat, self.elem_size, min_saving=self._min_saving)
             n = len(packed)
@@ -297,22 +227,8 @@ class DiskStore(DiskReads):
         if on_staged is not None:
             on_staged()
         self._bump_seq(seq)
-        try:
-            written = self._write(idx, bounce[:end], offset)
-            if written != end:
-                raise OSError(
-                    errno.EIO,
-                    f"short write ({written} of {end} bytes)",
-                    self.slabs[idx].path,
-                )
-        except OSError as exc:
-            self._note_io_error("write", idx, exc)
-            raise
-        dt = time.perf_counter() - t0
-        with self._lock:
-            self._stats.write_bytes += written
-            self._stats.write_seconds += dt
-            self._stats.blocks_written += 1
+        written = self.files.write_all("write", idx, bounce[:end], offset)
+        self.files.count_write(written, time.perf_counter() - t0)
         return written
 
     def invalidate(self, slot: int) -> None:
@@ -320,51 +236,58 @@ class DiskStore(DiskReads):
 
         Raises OSError if the header could not be overwritten.
         """
-        idx, offset = self._locate(slot)
-        try:
-            n = self._write(idx, self._zero_header, offset)
-            if n != HEADER_SIZE:
-                raise OSError(
-                    errno.EIO,
-                    f"short write ({n} of {HEADER_SIZE} bytes)",
-                    self.slabs[idx].path,
-                )
-        except OSError as exc:
-            self._note_io_error("invalidate", idx, exc)
-            raise
+        idx, offset = self.files.locate(slot)
+        self.files.write_all("invalidate", idx, self._zero_header, offset)
+
+    def read_block(
+        self, slot: int, key: bytes, out: np.ndarray, *, guard: Any = None
+    ) -> ReadOutcome:
+        """Read the block stored under ``key`` in ``slot`` into ``out`` (written
+        only when OK; see :meth:`kvtier.io.disk_reads.VerifiedReads.read_block`
+        for ``guard``). Never raises for I/O or data errors."""
+        return self._reads.read_block(slot, key, out, guard=guard)
+
+    def verify(self, slot: int) -> ReadOutcome:
+        """Read the full slot and check header, fingerprint and payload checksum."""
+        return self._reads.verify(slot)
+
+    def read_header(self, slot: int) -> tuple[SlotHeader | None, ReadOutcome]:
+        """Read one slot's header only (the same classification as ``scan``)."""
+        return self._reads.read_header(slot)
+
+    def scan(
+        self, window: int = 64
+    ) -> Iterator[tuple[int, SlotHeader | None, ReadOutcome]]:
+        """Yield ``(slot, header, outcome)`` for every slot, in slot order,
+        reading headers only (``window`` in flight); see
+        :meth:`kvtier.io.disk_reads.VerifiedReads.scan`. Raises ``next_seq``
+        above every intact header seen."""
+        return self._reads.scan(window)
+
+    @property
+    def dirs(self) -> list[str]:
+        """The store directory on each path."""
+        return self.files.dirs
+
+    @property
+    def slabs(self) -> list[SlabFile]:
+        """The slab file on each path."""
+        return self.files.slabs
 
     def stats(self) -> DiskStoreStats:
         """A consistent snapshot of the counters."""
-        with self._lock:
-            return dataclasses.replace(self._stats)
+        return self.files.stats()
 
     def close(self) -> None:
-        """Close slab handles and, if owned, shut the back end down. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for handle in self._handles:
-            try:
-                self.backend.close(handle)
-            except OSError as exc:
-                logger.debug("closing slab handle failed: %s", exc)
-        self._handles.clear()
-        if self._owns_backend:
-            self.backend.shutdown()
-        for fd in self._dir_fds:  # releases the store-directory locks
-            try:
-                os.close(fd)
-            except OSError as exc:
-                logger.debug("closing store directory failed: %s", exc)
-        self._dir_fds.clear()
+        """Close slab handles, shut the back end down if owned, and release the
+        store-directory locks. Idempotent."""
+        self.files.close()
 
     def abandon(self) -> None:
         """Mark closed without closing anything: for a store whose I/O threads
-        may still be blocked in a read or write (a hung disk). Its descriptors
-        stay open (a closed number could be reused by another file while a
-        blocked write still targets it) and its locks stay held until the
-        process exits."""
-        self._closed = True
+        may still be blocked in a read or write (a hung disk); see
+        :meth:`kvtier.io.store_files.StoreFiles.abandon`."""
+        self.files.abandon()
 
     def __enter__(self) -> DiskStore:
         return self

@@ -272,7 +272,7 @@ def test_compressed_slots_load_verified(tmp_path):
 def _flip_payload_byte(runner, key: bytes) -> None:
     store = runner.manager.runtime.stores[0]
     slot = runner.manager.hierarchy.disk.get(key).slot
-    idx, offset = store._locate(slot)
+    idx, offset = store.files.locate(slot)
     with open(store.slabs[idx].path, "r+b") as f:
         f.seek(offset + 4096 + 100)
         byte = f.read(1)

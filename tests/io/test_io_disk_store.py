@@ -12,10 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvtier.io.backends import make_backend
+from kvtier.io.disk_reads import VerifiedReads
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
 from kvtier.io.layout import ReadOutcome
 from kvtier.io.store_dir import store_dirname
+from kvtier.io.store_files import StoreFiles
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 KEY = bytes(range(32)) + b"\x00\x00\x00\x01"  # 32-byte hash + 4-byte group
@@ -329,3 +332,59 @@ def test_argument_validation(tmp_path: Path, fingerprint: LayoutFingerprint) -> 
             s.write_block(4, KEY, block(0), 1)
     with pytest.raises(RuntimeError):
         s.read_block(0, KEY, sentinel_out())
+
+
+def test_read_header_raises_seq_too(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        s.write_block(2, KEY, block(2), 2**62)
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        assert s.next_seq() < 2**62
+        hdr, outcome = s.read_header(2)
+        assert outcome is ReadOutcome.OK and hdr is not None and hdr.seq == 2**62
+        assert s.next_seq() > 2**62
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_verified_reads_stand_alone_over_store_files(
+    tmp_path: Path, fingerprint: LayoutFingerprint, compression: str
+) -> None:
+    """The read path needs only the shared files, not a DiskStore."""
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    data = block(7)
+    with DiskStore(
+        paths, 5, BLOCK_BYTES, fingerprint, backend="posix", compression=compression
+    ) as s:
+        s.write_block(3, KEY, data, 42)
+    backend = make_backend("posix")
+    files = StoreFiles(
+        [os.path.abspath(p) for p in paths],
+        5,
+        fingerprint,
+        slot_size(BLOCK_BYTES),
+        backend,
+        owns_backend=True,
+    )
+    seen: list[int] = []
+    reads = VerifiedReads(
+        files,
+        block_bytes=BLOCK_BYTES,
+        digest=fingerprint.digest(),
+        compressed=compression != "none",
+        on_header=lambda hdr: seen.append(hdr.seq),
+    )
+    try:
+        out = sentinel_out()
+        assert reads.read_block(3, KEY, out) is ReadOutcome.OK
+        assert out.tobytes() == data.tobytes()
+        assert reads.read_block(2, KEY, out) is ReadOutcome.EMPTY
+        assert [o for _, _, o in reads.scan()].count(ReadOutcome.OK) == 1
+        assert seen == [42]
+        stats = files.stats()
+        assert stats.blocks_read == 2 and stats.blocks_written == 0
+        assert files.locate(3) == (1, files.slabs[1].offset(1))
+    finally:
+        files.close()
+    with pytest.raises(RuntimeError):
+        reads.verify(3)

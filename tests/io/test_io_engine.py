@@ -108,7 +108,7 @@ def test_spill_promote_roundtrip_is_byte_exact(
     else:
         assert codecs == {Codec.RAW}
         assert stats.write_bytes == N * (HEADER_SIZE + BLOCK_BYTES)
-    handles_direct = {h.direct for h in store._handles}
+    handles_direct = {h.direct for h in store.files.handles}
     assert handles_direct == ({False} if where == "tmp-buffered" else handles_direct)
 
 
@@ -116,7 +116,7 @@ def test_spill_promote_roundtrip_is_byte_exact(
 def test_roundtrip_when_filesystem_rejects_o_direct(engine_on: Any) -> None:
     eng: TransferEngine = engine_on("shm", 2, "none")
     buf, store = eng.cpu_buffer, eng.disk_store
-    assert {h.direct for h in store._handles} == {False}
+    assert {h.direct for h in store.files.handles} == {False}
     fill_kv(buf, range(0, 4), torch.bfloat16, seed=3)
     eng.submit_spill(1, [(key(i), i, i) for i in range(4)])
     eng.submit_promote(2, [(key(i), i, 10 + i) for i in range(4)])  # may run first...
