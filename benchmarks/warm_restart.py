@@ -52,10 +52,8 @@ def restart(paths, n, block_bytes, fp) -> tuple[float, int]:
     rt = DiskRuntime(
         disk_paths=paths,
         num_disk_blocks=n,
-        num_cpu_blocks=1,
         block_bytes=block_bytes,
-        fingerprints=[fp],
-        cpu_buffer_paths=["/dev/null"],  # never mapped: no spill runs here
+        fingerprints=[fp],  # no CPU tier mapped: no spill runs here
         disk_io="posix",
     )
     entries = rt.scan_restore()

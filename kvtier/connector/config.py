@@ -439,28 +439,3 @@ def _existing_slab_bytes(path: str, names: Iterable[str] = ()) -> int:
                         with contextlib.suppress(OSError):
                             total += os.stat(os.path.join(root, name)).st_blocks * 512
     return total
-
-
-def check_shm_space(
-    shm_dir: str,
-    needed: int,
-    existing: Iterable[str] = (),
-    *,
-    free_bytes: Callable[[str], int] | None = None,
-) -> None:
-    """Fail fast when the CPU tier's shared-memory file system is too small.
-
-    ``existing`` are this engine's CPU-tier files already created (by the
-    other role of the same engine); their space counts as available."""
-    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
-    available = free_bytes(shm_dir)
-    for path in existing:
-        with contextlib.suppress(OSError):
-            available += os.stat(path).st_blocks * 512
-    if available < needed:
-        raise ConfigError(
-            "cpu_bytes_to_use",
-            f"the CPU tier needs {needed} bytes of shared memory in {shm_dir!r} "
-            f"but only {available} are free; enlarge it (e.g. docker run "
-            "--shm-size) or lower cpu_bytes_to_use",
-        )

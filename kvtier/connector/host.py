@@ -27,12 +27,17 @@ import contextlib
 import glob
 import logging
 import os
-from collections.abc import Iterator, Sequence
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from kvtier.connector.config import ConfigError, check_shm_space
-from kvtier.connector.scheduler.disk_runtime import cpu_buffer_path
-from kvtier.io.cpu_buffer import CpuBlockBuffer, reclaim_stale_cpu_files
+from kvtier.connector.config import ConfigError
+from kvtier.io.cpu_buffer import (
+    CpuBlockBuffer,
+    cpu_buffer_path,
+    mapped_bytes,
+    reclaim_stale_cpu_files,
+)
 from kvtier.io.safe_open import InUseError
 
 logger = logging.getLogger("kvtier.connector")
@@ -59,8 +64,47 @@ def _kvtier_shm_files(directory: str, exclude: Sequence[str]) -> list[tuple[str,
     return found
 
 
-def prepare_cpu_tier(paths: Sequence[str], needed: int) -> None:
-    """Reclaim dead engines' CPU-tier files, then check shared memory.
+def shm_available(
+    shm_dir: str,
+    existing: Iterable[str] = (),
+    *,
+    free_bytes: Callable[[str], int] | None = None,
+) -> int:
+    """Bytes of shared memory the CPU tier can have in ``shm_dir``: what is
+    free, plus what ``existing`` (this engine's CPU-tier files, created by
+    its other role) already hold."""
+    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
+    available = free_bytes(shm_dir)
+    for path in existing:
+        with contextlib.suppress(OSError):
+            available += os.stat(path).st_blocks * 512
+    return available
+
+
+def check_shm_space(
+    shm_dir: str,
+    needed: int,
+    existing: Iterable[str] = (),
+    *,
+    free_bytes: Callable[[str], int] | None = None,
+    holders: str = "",
+) -> None:
+    """Fail fast when the CPU tier's shared-memory file system is too small:
+    a :class:`ConfigError` naming ``cpu_bytes_to_use`` and the fix.
+    ``holders``: a sentence naming other files that hold the space."""
+    available = shm_available(shm_dir, existing, free_bytes=free_bytes)
+    if available < needed:
+        raise ConfigError(
+            "cpu_bytes_to_use",
+            f"the CPU tier needs {needed} bytes of shared memory in {shm_dir!r} "
+            f"but only {available} are free; enlarge it (e.g. docker run "
+            f"--shm-size) or lower cpu_bytes_to_use{holders}",
+        )
+
+
+def prepare_cpu_tier(paths: Sequence[str], num_blocks: int, block_bytes: int) -> None:
+    """Reclaim dead engines' CPU-tier files, then check shared memory for
+    one CPU tier of ``num_blocks`` rows of ``block_bytes`` per path.
 
     ``paths`` are this engine's files (one per rank, all in one directory).
     A file whose owner died (SIGKILL, OOM kill) keeps its shared memory
@@ -68,21 +112,20 @@ def prepare_cpu_tier(paths: Sequence[str], needed: int) -> None:
     space is still short, the error names the kvtier files that hold it."""
     directory = os.path.dirname(paths[0])
     reclaim_stale_cpu_files(directory)
-    try:
-        check_shm_space(directory, needed, existing=paths)
-    except ConfigError as exc:
-        others = _kvtier_shm_files(directory, paths)
-        if not others:
-            raise
+    needed = len(paths) * mapped_bytes(num_blocks, block_bytes)
+    if shm_available(directory, paths) >= needed:
+        return
+    others = _kvtier_shm_files(directory, paths)
+    holders = ""
+    if others:
         listed = ", ".join(f"{p} ({n} bytes)" for p, n in others)
-        raise ConfigError(
-            "cpu_bytes_to_use",
-            f"{str(exc).split(': ', 1)[1]}. Other kvtier CPU-tier files hold "
-            f"{sum(n for _, n in others)} bytes of it: {listed}. Files in "
-            f"{directory} are held by running engines (stop them); files "
-            "outside it were left by older kvtier versions: remove those no "
-            "running engine uses",
-        ) from None
+        holders = (
+            f". Other kvtier CPU-tier files hold {sum(n for _, n in others)} "
+            f"bytes of it: {listed}. Files in {directory} are held by running "
+            "engines (stop them); files outside it were left by older kvtier "
+            "versions: remove those no running engine uses"
+        )
+    check_shm_space(directory, needed, paths, holders=holders)
 
 
 def open_worker_buffer(

@@ -48,8 +48,9 @@ from kvtier.connector.connector import (
 from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
 from kvtier.connector.identity import describe_settings, namespace
 from kvtier.connector.metrics import metric_definitions
-from kvtier.connector.scheduler.disk_runtime import DiskRuntime, cpu_buffer_path
+from kvtier.connector.scheduler.disk_runtime import DiskRuntime
 from kvtier.connector.topology import check_single_node
+from kvtier.io.cpu_buffer import cpu_buffer_path
 from kvtier.io.format import LayoutFingerprint, slot_size
 from kvtier.io.store_dir import store_dirname
 
@@ -235,7 +236,8 @@ class TieredOffloadingSpec(OffloadingSpec):
             # Ranks of this node share one shared-memory file system.
             prepare_cpu_tier(
                 [self._buffer_path(r) for r in range(self.world_size)],
-                self.num_cpu_blocks * self.block_bytes * self.world_size,
+                self.num_cpu_blocks,
+                self.block_bytes,
             )
         else:
             check_disk_paths(self.kvtier)

@@ -82,7 +82,7 @@ class CpuBlockBuffer:
         self.block_bytes = block_bytes
         self.nbytes = num_blocks * block_bytes
         self.shm_path = shm_path
-        self._map_size = round_up(self.nbytes, mmap.PAGESIZE)
+        self._map_size = mapped_bytes(num_blocks, block_bytes)
         self._closed = False
         self._array: np.ndarray | None = None
         self._tensor: torch.Tensor | None = None
@@ -167,6 +167,22 @@ class CpuBlockBuffer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def mapped_bytes(num_blocks: int, block_bytes: int) -> int:
+    """Shared memory one rank's CPU tier of ``num_blocks`` rows of
+    ``block_bytes`` takes: the rows, rounded up to a page."""
+    return round_up(num_blocks * block_bytes, mmap.PAGESIZE)
+
+
+def cpu_buffer_path(engine_id: str, rank: int, world_size: int) -> str:
+    """Where rank ``rank``'s CPU tier lives, shared by scheduler and worker.
+
+    Inside this user's private directory (``cpu_buffer_dir``: 0700, owner
+    checked, created on first use), so other users can neither read the
+    rows nor plant a file under the predictable name."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
+    return os.path.join(cpu_buffer_dir(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
 
 
 def cpu_buffer_dir(base: str | None = None) -> str:

@@ -106,8 +106,13 @@ def test_text_output_and_exit_status(capsys, tmp_path, shm):
     )
 
 
-def test_tiering_mode_config(capsys, tmp_path, disk, shm):
-    doc = shipped_config("vllm-tiering-kvtier-disk.json", disk)
+@pytest.mark.parametrize(
+    "shipped", ["vllm-tiering-kvtier-disk.json", "vllm-tiering-kvtier-disk-cpu.json"]
+)
+def test_tiering_mode_config(capsys, tmp_path, disk, shm, shipped):
+    # vLLM's TieringOffloadingSpec and kvtier's PortableTieringSpec alike.
+    doc = shipped_config(shipped, disk)
+    doc["kv_connector_extra_config"]["secondary_tiers"][0]["disk_bytes_to_use"] = 1 << 30
     rc, checks = run_config(capsys, tmp_path, shm, doc)
     assert rc == 0, [c for c in checks.values() if c["status"] == "error"]
     assert "tiering mode" in checks["kv_connector"]["detail"]

@@ -370,7 +370,7 @@ def test_only_this_layouts_slabs_count_as_reusable_space(tmp_path):
 
 
 def test_shared_memory_too_small_fails_at_start_up(tmp_path):
-    from kvtier.connector.config import check_shm_space
+    from kvtier.connector.host import check_shm_space
 
     check_shm_space(str(tmp_path), 1000, free_bytes=lambda _p: 1000)
     with pytest.raises(ConfigError, match=r"\['cpu_bytes_to_use'\].*--shm-size"):

@@ -10,12 +10,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.connector.scheduler.disk_runtime import cpu_buffer_path  # noqa: E402
 from kvtier.connector.topology import (  # noqa: E402
     Topology,
     TopologyError,
     multi_node_reason,
 )
+from kvtier.io.cpu_buffer import cpu_buffer_path  # noqa: E402
 from kvtier.testing.offloading import offloading_config, tiered_spec  # noqa: E402
 
 BLOCK = 8192

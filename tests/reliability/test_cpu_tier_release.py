@@ -14,8 +14,7 @@ import numpy as np
 from test_bounded_shutdown import BLOCK_BYTES, make_runtime
 
 from kvtier.connector.host import open_worker_buffer
-from kvtier.connector.scheduler.disk_runtime import cpu_buffer_path
-from kvtier.io.cpu_buffer import CpuBlockBuffer
+from kvtier.io.cpu_buffer import CpuBlockBuffer, cpu_buffer_path
 
 
 def unique_engine_id() -> str:

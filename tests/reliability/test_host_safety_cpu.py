@@ -24,9 +24,13 @@ from test_host_safety_disk import NOBODY, as_user, needs_root
 
 from kvtier.connector.config import ConfigError
 from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
-from kvtier.connector.scheduler.disk_runtime import cpu_buffer_path
 from kvtier.io import cpu_buffer as cpu_buffer_mod
-from kvtier.io.cpu_buffer import CpuBlockBuffer, cpu_buffer_dir, reclaim_stale_cpu_files
+from kvtier.io.cpu_buffer import (
+    CpuBlockBuffer,
+    cpu_buffer_dir,
+    cpu_buffer_path,
+    reclaim_stale_cpu_files,
+)
 from kvtier.io.safe_open import InUseError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -219,12 +223,12 @@ def test_shm_space_error_names_the_files_holding_it(private_dir: str) -> None:
     mine = [os.path.join(private_dir, "kvtier-me-r0of1.cpu")]
     with CpuBlockBuffer(4, ROW, live, owner=True):
         with pytest.raises(ConfigError) as info:
-            prepare_cpu_tier(mine, 1 << 62)
+            prepare_cpu_tier(mine, 1 << 40, 1 << 22)
         message = str(info.value)
         assert live in message and "--shm-size" in message
         assert not os.path.exists(dead)  # reclaimed before the check
         assert dead not in message
-    prepare_cpu_tier(mine, ROW)  # enough space: passes
+    prepare_cpu_tier(mine, 1, ROW)  # enough space: passes
 
 
 # -- failed starts leave nothing behind ----------------------------------------

@@ -13,7 +13,6 @@ No vLLM import: this module is plain kvtier.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.io.cpu_buffer import CpuBlockBuffer, cpu_buffer_dir
+from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.engine import TransferEngine
 from kvtier.io.format import LayoutFingerprint
@@ -32,16 +31,6 @@ logger = logging.getLogger("kvtier.connector")
 
 SPILL = "spill"
 PROMOTE = "promote"
-
-
-def cpu_buffer_path(engine_id: str, rank: int, world_size: int) -> str:
-    """Where rank ``rank``'s CPU tier lives, shared by scheduler and worker.
-
-    Inside this user's private directory (``cpu_buffer_dir``: 0700, owner
-    checked, created on first use), so other users can neither read the
-    rows nor plant a file under the predictable name."""
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
-    return os.path.join(cpu_buffer_dir(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
 
 
 # Bound on waiting for the I/O threads at close(): a hung disk must not hang
@@ -134,16 +123,16 @@ class DiskRuntime:
         *,
         disk_paths: Sequence[str],
         num_disk_blocks: int,
-        num_cpu_blocks: int,
         block_bytes: int,
         fingerprints: Sequence[LayoutFingerprint],
-        cpu_buffer_paths: Sequence[str],
+        num_cpu_blocks: int = 0,
+        cpu_buffer_paths: Sequence[str] = (),
         disk_io: str = "auto",
         compression: str = "none",
         elem_size: int = 2,
         threads: int = 4,
     ):
-        if len(fingerprints) != len(cpu_buffer_paths):
+        if cpu_buffer_paths and len(fingerprints) != len(cpu_buffer_paths):
             raise ValueError("one fingerprint and one CPU buffer per rank")
         # Everything close() touches exists before anything can fail.
         self.num_cpu_blocks = num_cpu_blocks
@@ -181,15 +170,7 @@ class DiskRuntime:
             self.close()
             raise
         for rank in range(len(fingerprints)):
-            try:
-                _LazyRows(self, rank).attach()
-            except OSError as exc:  # not created yet: mapped at the first job
-                logger.info(
-                    "kvtier: CPU tier of rank %d not mapped at start-up (%s); "
-                    "mapping it at the first spill",
-                    rank,
-                    exc,
-                )
+            self._attach_at_start(rank)
         logger.info(
             "kvtier disk tier: %d blocks of %d B per rank on %s via %s",
             num_disk_blocks,
@@ -197,6 +178,19 @@ class DiskRuntime:
             list(disk_paths),
             self.stores[0].backend.describe(),
         )
+
+    def _attach_at_start(self, rank: int) -> None:
+        """Map rank ``rank``'s CPU-tier file now if its worker created it
+        (and remove its name), else at the first spill."""
+        try:
+            _LazyRows(self, rank).attach()
+        except OSError as exc:  # not created yet: mapped at the first job
+            logger.info(
+                "kvtier: CPU tier of rank %d not mapped at start-up (%s); "
+                "mapping it at the first spill",
+                rank,
+                exc,
+            )
 
     # ------------------------------------------------------------ restart
 

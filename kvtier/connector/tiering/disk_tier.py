@@ -182,7 +182,6 @@ class KvtierDiskTier(SecondaryTierManager):
             ],
             disk_paths=cfg.disk_paths,
             num_disk_blocks=self.capacity,
-            num_cpu_blocks=rows.shape[0],
             block_bytes=self.block_bytes,
             fingerprints=fingerprints,
             disk_io=cfg.disk_io,

@@ -215,8 +215,8 @@ class PortableTieringSpec(TieringOffloadingSpec):
         if self.num_chunks < 1:
             raise ConfigError(
                 "cpu_bytes_to_use",
-                f"{self.extra_config.get('cpu_bytes_to_use')} bytes hold no "
-                f"primary-tier chunk of {self.kv_bytes_per_chunk} B",
+                f"holds no primary-tier chunk of {self.kv_bytes_per_chunk} B "
+                "(vLLM sized the primary tier to 0 chunks); raise it",
             )
         rank = 0 if self.replicated_layout else self.config.parallel.rank
         # Same arguments as vLLM's TieringOffloadingSpec.create_worker, so

@@ -43,10 +43,11 @@ class PrimaryViewRuntime(DiskRuntime):
 
     def __init__(self, rows: list[PrimaryRows], **kwargs: Any):
         self._rows = rows
-        super().__init__(
-            cpu_buffer_paths=[f"<primary rows, rank {r}>" for r in range(len(rows))],
-            **kwargs,
-        )
+        super().__init__(**kwargs)
+
+    @override
+    def _attach_at_start(self, rank: int) -> None:
+        return  # the rows are vLLM's primary tier: nothing of kvtier's to map
 
     @override
     def _engine(self, rank: int) -> TransferEngine:

@@ -24,6 +24,8 @@ _SUPPORTED_TEXT = "vLLM 0.32 or 0.33 (docs/compatibility.md)"
 
 TIERED_SPEC = "TieredOffloadingSpec"
 TIERING_SPEC = "TieringOffloadingSpec"  # vLLM's, with a KvtierDiskTier
+# The tiering mode's specs: vLLM's, and kvtier's with a CPU-platform worker.
+TIERING_SPECS = (TIERING_SPEC, "PortableTieringSpec")
 KVTIER_CONNECTOR = "TieredOffloadingConnector"
 KVTIER_MODULE = "kvtier.connector"
 DISK_TIER_TYPE = "KvtierDiskTier"
@@ -111,14 +113,14 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
     module = transfer.get("kv_connector_module_path")
     policy = transfer.get("kv_load_failure_policy", "fail")
     hint = _connector_hint()
-    if spec == TIERING_SPEC:
+    if spec in TIERING_SPECS:
         if connector != "OffloadingConnector":
             out.append(
                 Check(
                     "config",
                     "kv_connector",
                     ERROR,
-                    f"{connector!r}: vLLM's {TIERING_SPEC} runs under vLLM's "
+                    f"{connector!r}: {spec} runs under vLLM's "
                     "OffloadingConnector",
                     'set "kv_connector": "OffloadingConnector" (docs/tiering-mode.md)',
                 )
@@ -209,7 +211,7 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
     extra = inp.extra
     spec = extra.get("spec_name", TIERED_SPEC if inp.transfer is None else None)
     out: list[Check] = []
-    if spec not in (TIERED_SPEC, TIERING_SPEC):
+    if spec not in (TIERED_SPEC, *TIERING_SPECS):
         out.append(
             Check(
                 "config",
@@ -222,7 +224,7 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
         )
         return out, None
     try:
-        if spec == TIERING_SPEC:
+        if spec in TIERING_SPECS:
             cfg = _tiering_config(extra)
         else:
             if (

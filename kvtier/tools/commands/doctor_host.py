@@ -4,7 +4,7 @@
   :func:`kvtier.io.backends.make_backend`, with kvikio's own probes, which
   never hang and never need a GPU to answer);
 - shared memory for the CPU tier (the engine's own space rule,
-  :func:`kvtier.connector.config.check_shm_space`) and dead engines' files
+  :func:`kvtier.connector.host.check_shm_space`) and dead engines' files
   there (:func:`kvtier.io.cpu_buffer.reclaim_stale_cpu_files`);
 - prefix hashing: whether block keys survive a restart.
 """
@@ -15,7 +15,8 @@ import ctypes.util
 import os
 import tempfile
 
-from kvtier.connector.config import ConfigError, KvtierConfig, check_shm_space
+from kvtier.connector.config import ConfigError, KvtierConfig
+from kvtier.connector.host import check_shm_space
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
