@@ -224,17 +224,20 @@ class Tier:
 
     def mark_ready_many(self, keys: Sequence[Hashable]) -> None:
         """``mark_ready(key)`` for each key in order. O(len(keys) log n)."""
-        blocks, admit, accept = self._blocks, self.index.admit, self.filter
+        blocks, accept = self._blocks, self.filter
         discard = self.index.eligible.discard
+        admitted: list[Hashable] = []
         for key in keys:
             block = blocks[key]
             block.state = _READY
             # refresh(key), inlined: READY now, so eligible iff unpinned
-            # and the filter allows it (a WRITING key was never eligible).
+            # and the filter allows it.
             if not block.pins and (accept is None or accept(key, block)):
-                admit(key)
+                admitted.append(key)
             else:
                 discard(key)
+        if admitted:
+            self.index.admit_many(admitted)
 
     def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
         """``pin(key)`` for each key in order; returns the blocks. O(len)."""
@@ -249,29 +252,50 @@ class Tier:
 
     def unpin_many(self, keys: Sequence[Hashable]) -> None:
         """``unpin(key)`` for each key in order. O(len(keys) log n)."""
-        blocks, refresh = self._blocks, self.refresh
+        blocks, accept = self._blocks, self.filter
+        discard = self.index.eligible.discard
+        admitted: list[Hashable] = []
         for key in keys:
             block = blocks[key]
             if block.pins <= 0:
                 raise RuntimeError(f"unpin of unpinned {key!r} in {self.medium} tier")
             block.pins -= 1
-            if not block.pins:
-                refresh(key)
+            if block.pins:
+                continue
+            # refresh(key), inlined.
+            if block.state is _READY and (accept is None or accept(key, block)):
+                admitted.append(key)
+            else:
+                discard(key)
+        if admitted:
+            self.index.admit_many(admitted)
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         """``touch(key)`` for each key in order (the last ends up most
         recent). O(len(keys) log n)."""
         blocks, touch, position = self._blocks, self.policy.touch, self.policy.position
-        index = self.index
-        pos, eligible, push, refresh = index.pos, index.eligible, index.push, self.refresh
+        index, accept = self.index, self.filter
+        pos, eligible = index.pos, index.eligible
+        moved: list[Hashable] = []
         for key in keys:
-            if key in blocks:
-                touch(key)
-                pos[key] = position(key)
-                if key in eligible:
-                    push(key)  # the old entry is stale now
-                else:
-                    refresh(key)
+            block = blocks.get(key)
+            if block is None:
+                continue
+            touch(key)
+            pos[key] = position(key)
+            if key in eligible:
+                moved.append(key)  # re-pushed below; the old entry is stale
+            elif (
+                block.state is _READY
+                and not block.pins
+                and (accept is None or accept(key, block))
+            ):
+                # refresh(key), inlined: eligible from now on; pushed below
+                # at its new position.
+                eligible.add(key)
+                moved.append(key)
+        if moved:
+            index.place_many(moved)
 
     def remove_many(self, keys: Sequence[Hashable], evicted: bool) -> None:
         """``remove(key, evicted)`` for each key in order. O(len(keys))."""

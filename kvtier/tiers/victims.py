@@ -82,6 +82,42 @@ class VictimIndex:
         if len(heap) > 2 * len(self.eligible) + 64:
             self.rebuild()
 
+    def admit_many(self, keys: Iterable[Hashable]) -> None:
+        """``admit(key)`` for each key in order, in one frame (the heaps are
+        checked for rebuilding once, after the batch: rebuilding keeps the
+        order, so when it happens changes nothing but memory)."""
+        eligible, pos, heaped, heaps = self.eligible, self.pos, self.heaped, self.heaps
+        add, heappush = eligible.add, heapq.heappush
+        pushed = False
+        for key in keys:
+            if key in eligible:
+                continue
+            add(key)
+            seg, stamp = pos[key]
+            if heaped.get(key) != stamp:
+                heaped[key] = stamp
+                heappush(heaps[seg], (stamp, key))
+                pushed = True
+        if pushed:
+            self._check_size()
+
+    def place_many(self, keys: Iterable[Hashable]) -> None:
+        """Re-push each eligible key at its (new) recorded position: what
+        :meth:`place` does after ``pos`` was updated. One frame."""
+        pos, heaped, heaps = self.pos, self.heaped, self.heaps
+        heappush = heapq.heappush
+        for key in keys:
+            seg, stamp = pos[key]
+            if heaped.get(key) != stamp:
+                heaped[key] = stamp
+                heappush(heaps[seg], (stamp, key))
+        self._check_size()
+
+    def _check_size(self) -> None:
+        bound = 2 * len(self.eligible) + 64
+        if any(len(heap) > bound for heap in self.heaps):
+            self.rebuild()
+
     def forget(self, key: Hashable) -> None:
         """``key`` left the tier; its entry (if any) goes stale. O(1)."""
         self.pos.pop(key, None)
