@@ -107,13 +107,17 @@ class LoadPlanner:
                     if key not in promote_keys:
                         promote_keys.add(key)
                         room -= 1
-        locations: list[BlockLocation] = []
-        for key, block, medium in zip(keys, blocks, media):
-            promote_slot = None
-            if key in promote_keys:
-                promote_keys.discard(key)
-                promote_slot = cpu.allocate(key, origin="promote").slot
-            locations.append(BlockLocation(medium, block.slot, promote_slot))
+        # One promotion row per key (its first occurrence), allocated in key
+        # order in one batch.
+        rows: dict[Key, int] = {}
+        if promote_keys:
+            order = [k for k in dict.fromkeys(keys) if k in promote_keys]
+            rows = dict(zip(order, cpu.allocate_many(order, "promote")))
+        rows_pop = rows.pop
+        locations = [
+            BlockLocation(medium, block.slot, rows_pop(key, None))
+            for key, block, medium in zip(keys, blocks, media)
+        ]
         # Touched tail first: the head ranks newest. The two tiers' policies
         # are independent, so one batch per tier is the same as the
         # interleaved per-key touches.
