@@ -51,9 +51,11 @@ from kvtier.tiers.tier import BlockState, Tier
 READY, WRITING = BlockState.READY, BlockState.WRITING
 
 
-def _absent(key: Key) -> None:
-    """``get`` of a tier that does not exist."""
-    return None
+# ``get`` of a tier that does not exist: always None, at the cost of a C
+# call (no Python frame).
+_absent = {}.get
+_HIT_CPU, _HIT_DISK = Residency.HIT_CPU, Residency.HIT_DISK
+_PENDING, _MISS = Residency.PENDING, Residency.MISS
 
 
 class TierHierarchy:
@@ -102,6 +104,9 @@ class TierHierarchy:
         self.disk: Tier | None = (
             self.disk_core.tier if self.disk_core is not None else None
         )
+        # The tiers' block lookups, bound once for the hottest query.
+        self._cpu_get = self.cpu.get
+        self._disk_get = self.disk.get if self.disk is not None else _absent
         self.spill_watermark = spill_watermark
         self.spill_batch = max(1, spill_batch)
         self.stats = HierarchyStats()
@@ -153,15 +158,13 @@ class TierHierarchy:
     def lookup(self, key: Key) -> Residency:
         """Hit if READY in some tier (CPU first); PENDING if only being
         written (a store in flight); else MISS."""
-        block = self.cpu.get(key)
+        block = self._cpu_get(key)
         if block is not None and block.state is READY:
-            return Residency.HIT_CPU
-        disk = self.disk
-        if disk is not None:
-            on_disk = disk.get(key)
-            if on_disk is not None and on_disk.state is READY:
-                return Residency.HIT_DISK
-        return Residency.PENDING if block is not None else Residency.MISS
+            return _HIT_CPU
+        on_disk = self._disk_get(key)
+        if on_disk is not None and on_disk.state is READY:
+            return _HIT_DISK
+        return _PENDING if block is not None else _MISS
 
     def prefix_hits(self, keys: Iterable[Key]) -> int:
         """Consecutive keys from the first that are ready in *any* tier."""
@@ -229,7 +232,7 @@ class TierHierarchy:
         new_keys: list[Key] = []
         cpu = self.cpu
         cpu_get = cpu.get
-        disk_get = self.disk.get if self.disk is not None else _absent
+        disk_get = self._disk_get
         for key in keys:
             if cpu_get(key) is not None or disk_get(key) is not None:
                 present.add(key)

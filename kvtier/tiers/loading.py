@@ -113,11 +113,14 @@ class LoadPlanner:
         if promote_keys:
             order = [k for k in dict.fromkeys(keys) if k in promote_keys]
             rows = dict(zip(order, cpu.allocate_many(order, "promote")))
+        # _make: the NamedTuple built in C (its __new__ is a Python frame).
         rows_pop = rows.pop
-        locations = [
-            BlockLocation(medium, block.slot, rows_pop(key, None))
-            for key, block, medium in zip(keys, blocks, media)
-        ]
+        locations = list(
+            map(
+                BlockLocation._make,
+                zip(media, [b.slot for b in blocks], [rows_pop(k, None) for k in keys]),
+            )
+        )
         # Touched tail first: the head ranks newest. The two tiers' policies
         # are independent, so one batch per tier is the same as the
         # interleaved per-key touches.

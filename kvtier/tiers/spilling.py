@@ -120,11 +120,13 @@ class SpillQueue:
         # The spills read these CPU slots. Dirty blocks are never eligible,
         # so pinning them needs no index work.
         cpu_blocks = self.cpu.pin_many(spilled)
-        items: list[TransferItem] = []
-        for key, cpu_block, disk_slot in zip(spilled, cpu_blocks, disk_slots):
+        cpu_slots: list[int] = []
+        for key, cpu_block in zip(spilled, cpu_blocks):
             assert cpu_block.state is READY
             del dirty[key]
-            items.append(TransferItem(key, cpu_block.slot, disk_slot))
+            cpu_slots.append(cpu_block.slot)
+        # _make: the NamedTuple built in C (its __new__ is a Python frame).
+        items = list(map(TransferItem._make, zip(spilled, cpu_slots, disk_slots)))
         spilling, batch = self.spilling, self.batch
         for i in range(0, len(items), batch):
             chunk = tuple(items[i : i + batch])

@@ -209,17 +209,23 @@ class Tier:
     def allocate_many(self, keys: Sequence[Hashable], origin: str) -> list[int]:
         """``allocate(key, origin)`` for each key in order; returns the
         slots. Caller checked room for all. O(len(keys))."""
-        blocks, free, insert = self._blocks, self._free, self.policy.insert
-        pos, position = self.index.pos, self.policy.position
+        blocks, free = self._blocks, self._free
         slots: list[int] = []
-        for key in keys:
-            if key in blocks:
-                raise KeyError(f"{key!r} already resident in {self.medium} tier")
-            slot = free.pop() if free else self._take_slot()
-            blocks[key] = TierBlock(slot, _WRITING, 0, origin)
-            insert(key)
-            pos[key] = position(key)  # WRITING: never eligible
-            slots.append(slot)
+        done = 0
+        try:
+            for key in keys:
+                if key in blocks:
+                    raise KeyError(f"{key!r} already resident in {self.medium} tier")
+                slot = free.pop() if free else self._take_slot()
+                blocks[key] = TierBlock(slot, _WRITING, 0, origin)
+                slots.append(slot)
+                done += 1
+        finally:
+            # The policy learns of the blocks allocated (all of them, or
+            # those before a failure), in order; WRITING: never eligible,
+            # so only their positions are recorded.
+            allocated = keys if done == len(keys) else keys[:done]
+            self.index.pos.update(zip(allocated, self.policy.insert_many(allocated)))
         return slots
 
     def mark_ready_many(self, keys: Sequence[Hashable]) -> None:
@@ -299,11 +305,16 @@ class Tier:
 
     def remove_many(self, keys: Sequence[Hashable], evicted: bool) -> None:
         """``remove(key, evicted)`` for each key in order. O(len(keys))."""
-        blocks, free, policy_remove = self._blocks, self._free, self.policy.remove
-        for key in keys:
-            free.append(blocks.pop(key).slot)
-            policy_remove(key, evicted)
-        self.index.forget_many(keys)
+        blocks, free = self._blocks, self._free
+        done = 0
+        try:
+            for key in keys:
+                free.append(blocks.pop(key).slot)
+                done += 1
+        finally:
+            removed = keys if done == len(keys) else keys[:done]
+            self.policy.remove_many(removed, evicted)
+            self.index.forget_many(removed)
 
     # --- victims ---
 

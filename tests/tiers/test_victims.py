@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvtier.tiers import Tier
+from kvtier.tiers import LRUPolicy, Tier, make_policy
 from kvtier.tiers.policy import policy_names
 
 
@@ -94,3 +94,35 @@ def test_index_heaps_stay_bounded_under_touch_churn():
     assert sum(len(h) for h in tier.index.heaps) <= 2 * 50 + 64
     tier.check_index()
     assert tier.eligible_in_order()[:3] == tier.victims(3)
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_policy_batches_equal_the_per_key_calls(policy):
+    batch, single = make_policy(policy, 8), make_policy(policy, 8)
+    keys = [f"k{i}" for i in range(20)]
+    expect = []
+    for key in keys[:12]:
+        single.insert(key)
+        expect.append(single.position(key))
+    assert batch.insert_many(keys[:12]) == expect
+    for key in keys[2:9]:
+        single.remove(key, evicted=True)
+    batch.remove_many(keys[2:9], evicted=True)
+    for key in keys[12:]:  # ghosts and doorkeepers remembered the same
+        single.insert(key)
+    batch.insert_many(keys[12:])
+    assert list(batch.candidates()) == list(single.candidates())
+    assert [batch.position(k) for k in batch.candidates()] == [
+        single.position(k) for k in single.candidates()
+    ]
+
+
+def test_an_lru_subclass_that_changes_insert_keeps_it_in_batches():
+    class Tagged(LRUPolicy):
+        def insert(self, key):
+            super().insert(key)
+            self.seen = [*getattr(self, "seen", []), key]
+
+    p = Tagged(4)
+    p.insert_many(["a", "b"])
+    assert p.seen == ["a", "b"]
