@@ -399,10 +399,12 @@ class Tier:
     def take_victims(
         self, n: int, exclude: set[Hashable] | frozenset[Hashable] = frozenset()
     ) -> list[Hashable]:
-        """``victims(n, exclude=exclude)``, taken out of the index: the
-        caller removes them (``remove_many``) before anything else changes
-        their state, or gives them back with ``refresh_many``. For a
-        removal that must wait for other work (and its events) first."""
+        """``victims(n, exclude=exclude)``, taken out of the index (no
+        longer eligible, no entry): the caller removes them
+        (``remove_many``) or gives them back with ``refresh_many``. For a
+        removal that must wait for other work (and its events) first; a
+        ``refresh`` in between re-admits the key, whose removal then leaves
+        one stale entry, dropped when popped."""
         if n <= 0 or not self.index.eligible:
             return []
         return self.index.victims(
