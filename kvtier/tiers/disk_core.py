@@ -69,9 +69,9 @@ class DiskTierCore:
         need = n - tier.num_free
         if need <= 0:
             return []
-        victims = tier.victims(need, exclude=exclude)
+        # Chosen and removed in one pass: each victim costs one heap pop.
+        victims = tier.evict(need, exclude=exclude)
         if victims:
-            tier.remove_many(victims, True)
             self._report(victims, True, "evict")
         return victims
 

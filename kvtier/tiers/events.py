@@ -67,19 +67,27 @@ class EventLog:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._pending: list[tuple[str, bool, str, list[Hashable]]] = []
+        # The kind (medium, removed, reason) and keys of the last pending
+        # event, so coalescing compares one tuple and extends one list.
+        self._last_kind: tuple[str, bool, str] | None = None
+        self._last_keys: list[Hashable] = []
 
     def record(
         self, keys: Sequence[Hashable], medium: str, removed: bool, reason: str
     ) -> None:
         if not self.enabled:
             return
-        last = self._pending[-1] if self._pending else None
-        if last is not None and last[:3] == (medium, removed, reason):
-            last[3].extend(keys)
+        kind = (medium, removed, reason)
+        if kind == self._last_kind:
+            self._last_keys.extend(keys)
         else:
-            self._pending.append((medium, removed, reason, list(keys)))
+            self._last_kind, self._last_keys = kind, list(keys)
+            self._pending.append((medium, removed, reason, self._last_keys))
 
     def take(self) -> list[TierEvent]:
         """Drain the events since the last call, in order."""
-        pending, self._pending = self._pending, []
+        pending = self._pending
+        if not pending:
+            return []
+        self._pending, self._last_kind = [], None
         return [TierEvent(tuple(k), m, r, why) for m, r, why, k in pending]

@@ -31,8 +31,6 @@ and its slot reused only after the spill completed.
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -46,16 +44,18 @@ from kvtier.tiers.plans import (
     Residency,
     SpillOrder,
     StorePlan,
-    TransferItem,
 )
-from kvtier.tiers.tier import BlockState, Tier, TierBlock
+from kvtier.tiers.spilling import SpillQueue
+from kvtier.tiers.tier import BlockState, Tier
 
 READY, WRITING = BlockState.READY, BlockState.WRITING
 
 
-def _absent(key: Key) -> None:
-    """``get`` of a tier that does not exist."""
-    return None
+# ``get`` of a tier that does not exist: always None, at the cost of a C
+# call (no Python frame).
+_absent = {}.get
+_HIT_CPU, _HIT_DISK = Residency.HIT_CPU, Residency.HIT_DISK
+_PENDING, _MISS = Residency.PENDING, Residency.MISS
 
 
 class TierHierarchy:
@@ -104,33 +104,40 @@ class TierHierarchy:
         self.disk: Tier | None = (
             self.disk_core.tier if self.disk_core is not None else None
         )
-        if self.disk is not None:
-            # Victims of the CPU tier are only blocks it may drop now; the
-            # tier indexes them, so a tier full of dirty or in-flight
-            # blocks costs nothing to ask. Every change to what
-            # _droppable reads calls _refresh_cpu.
-            self.cpu.set_filter(self._droppable)
+        # The tiers' block lookups, bound once for the hottest query.
+        self._cpu_get = self.cpu.get
+        self._disk_get = self.disk.get if self.disk is not None else _absent
         self.spill_watermark = spill_watermark
         self.spill_batch = max(1, spill_batch)
         self.stats = HierarchyStats()
-
-        # Dirty CPU blocks (READY on CPU, not READY/WRITING on disk, not
-        # being spilled), oldest use first: the spill queue.
-        self._dirty: OrderedDict[Key, None] = OrderedDict()
-        # CPU keys the disk refused (spill failed) or gave up (evicted its
-        # copy): they may be dropped from CPU like clean blocks instead of
-        # wedging the tier or being respilled over better blocks.
-        self._unspillable: set[Key] = set()
-        self._spilling: dict[Key, int] = {}  # key -> job id
-        self._spill_jobs: dict[int, tuple[TransferItem, ...]] = {}
-        self._new_spills: list[SpillOrder] = []
+        self._next_job_id = 1
+        # The write-back of dirty CPU blocks (None without a disk tier).
+        self._spills: SpillQueue | None = None
+        if self.disk_core is not None:
+            self._spills = SpillQueue(
+                self.cpu,
+                self.disk_core,
+                self.stats,
+                watermark=spill_watermark,
+                batch=spill_batch,
+                new_job_id=self._new_job_id,
+            )
+            # Victims of the CPU tier are only blocks it may drop now; the
+            # tier indexes them, so a tier full of dirty or in-flight
+            # blocks costs nothing to ask. The spill queue refreshes a key
+            # whenever what the filter reads changes.
+            self.cpu.set_filter(self._spills.droppable)
+        spills = self._spills
+        # Dirty CPU blocks, oldest use first (empty without a disk tier), and
+        # the spills in flight (key -> job id).
+        self._dirty = spills.dirty if spills is not None else OrderedDict()
+        self._spilling = spills.spilling if spills is not None else {}
         # Keys whose CPU copy came from disk, so hits keep reporting "disk"
         # as their source until the block is stored again.
         self._promoted: set[Key] = set()
         # Without a consumer (KV events off) nothing drains the events, so
         # none are recorded: an undrained log would grow without bound.
         self._events = EventLog(record_events)
-        self._next_job_id = 1
         self._planner = LoadPlanner(
             self.cpu,
             self.disk_core,
@@ -151,15 +158,13 @@ class TierHierarchy:
     def lookup(self, key: Key) -> Residency:
         """Hit if READY in some tier (CPU first); PENDING if only being
         written (a store in flight); else MISS."""
-        block = self.cpu.get(key)
+        block = self._cpu_get(key)
         if block is not None and block.state is READY:
-            return Residency.HIT_CPU
-        disk = self.disk
-        if disk is not None:
-            on_disk = disk.get(key)
-            if on_disk is not None and on_disk.state is READY:
-                return Residency.HIT_DISK
-        return Residency.PENDING if block is not None else Residency.MISS
+            return _HIT_CPU
+        on_disk = self._disk_get(key)
+        if on_disk is not None and on_disk.state is READY:
+            return _HIT_DISK
+        return _PENDING if block is not None else _MISS
 
     def prefix_hits(self, keys: Iterable[Key]) -> int:
         """Consecutive keys from the first that are ready in *any* tier."""
@@ -225,8 +230,9 @@ class TierHierarchy:
         """
         present = set()
         new_keys: list[Key] = []
-        cpu_get = self.cpu.get
-        disk_get = self.disk.get if self.disk is not None else _absent
+        cpu = self.cpu
+        cpu_get = cpu.get
+        disk_get = self._disk_get
         for key in keys:
             if cpu_get(key) is not None or disk_get(key) is not None:
                 present.add(key)
@@ -237,15 +243,21 @@ class TierHierarchy:
         if not new_keys:
             return StorePlan([], [], [])
 
-        need = len(new_keys) - self.cpu.num_free
+        need = len(new_keys) - cpu.num_free
         evicted: list[Key] = []
         if need > 0:
-            # O(blocks touched): the tier walks only droppable blocks.
-            victims = self.cpu.victims(need, exclude=present)
-            if len(victims) < need:
-                room = self.cpu.num_free + len(victims)
-                self._queue_spills(need - len(victims))
-                if len(new_keys) <= self.cpu.capacity or room == 0:
+            # Victims are the eligible (droppable) keys not offered here:
+            # counting them says whether room can be made before any is
+            # chosen, so a declined store changes nothing.
+            available = cpu.num_eligible - cpu.count_eligible(present)
+            if available >= need:
+                # O(blocks touched): the tier walks only droppable blocks.
+                evicted = cpu.evict(need, exclude=present)
+                self._dropped_from_cpu(evicted)
+            else:
+                room = cpu.num_free + available
+                if len(new_keys) <= cpu.capacity or room == 0:
+                    self._queue_spills(need - available)
                     # All or nothing: dropping some blocks now would lose
                     # them for a store that is declined anyway; vLLM offers
                     # the same keys again on a later step.
@@ -253,20 +265,24 @@ class TierHierarchy:
                     return None
                 # An offer larger than the whole CPU tier can never be taken
                 # at once: store the head that fits now (a head without its
-                # tail is still a hit) rather than decline it forever.
+                # tail is still a hit) rather than decline it forever. The
+                # victims are chosen before spills are queued (which may
+                # make more blocks droppable) and dropped after.
+                evicted = cpu.take_victims(need, exclude=present)
+                self._queue_spills(need - available)
                 self.stats.store_blocks_skipped += len(new_keys) - room
                 new_keys = new_keys[:room]
-            self._drop_from_cpu(victims)
-            evicted = victims
+                cpu.remove_many(evicted, True)
+                self._dropped_from_cpu(evicted)
 
         # Allocated tail first: the head of the prefix ranks newest.
-        slots = self.cpu.allocate_many(new_keys[::-1], "store")
+        slots = cpu.allocate_many(new_keys[::-1], "store")
         slots.reverse()
-        promoted, unspillable = self._promoted, self._unspillable
+        promoted, spills = self._promoted, self._spills
         if promoted:
             promoted.difference_update(new_keys)
-        if unspillable:
-            unspillable.difference_update(new_keys)
+        if spills is not None and spills.unspillable:
+            spills.unspillable.difference_update(new_keys)
         return StorePlan(new_keys, slots, evicted)
 
     def complete_store(self, keys: Iterable[Key], success: bool = True) -> None:
@@ -284,88 +300,32 @@ class TierHierarchy:
             cpu.remove_many(stored, False)
             self.stats.stores_failed += len(stored)
             stored = []
+        spills = self._spills
         if stored:
-            cpu.mark_ready_many(stored)
-            if self.disk is not None:
-                mark_dirty = self._mark_dirty_if_needed
-                for key in stored:
-                    mark_dirty(key)
+            if spills is not None:
+                spills.stored(stored)
+            else:
+                cpu.mark_ready_many(stored)
             stored.reverse()
             self.stats.stores_completed += len(stored)
             self._emit(stored, MEDIUM_CPU, removed=False, reason="store")
-        self._maybe_spill()
+        if spills is not None:
+            spills.maybe_spill()
 
     # ------------------------------------------------------------------- spill
 
     def take_spills(self) -> list[SpillOrder]:
         """Spill orders decided since the last call, for the I/O side."""
-        self._maybe_spill()
-        orders, self._new_spills = self._new_spills, []
-        return orders
+        return self._spills.take() if self._spills is not None else []
 
     def complete_spill(self, job_id: int, failed_keys: Iterable[Key] = ()) -> None:
         """A spill job finished; keys in ``failed_keys`` did not reach disk."""
-        items = self._spill_jobs.pop(job_id)
-        failed = set(failed_keys)
-        cpu, core, spilling = self.cpu, self.disk_core, self._spilling
-        assert core is not None
-        keys = [item.key for item in items]
-        for key in keys:
-            spilling.pop(key, None)
-        done = [k for k in keys if k not in failed] if failed else keys
-        if failed:
-            lost = [k for k in keys if k in failed]
-            core.fail(lost)
-            self.stats.spill_failures += len(lost)
-            for key in lost:
-                if cpu.is_ready(key):
-                    # Let the tier drop it later instead of retrying.
-                    self._unspillable.add(key)
-        core.complete(done)  # reported as stored on disk (spill)
-        # Unpinned after the disk side changed, so the one refresh of the
-        # CPU index sees each block clean (droppable) or unspillable.
-        cpu_get = cpu.get
-        cpu.unpin_many([k for k in keys if cpu_get(k) is not None])
-        self.stats.spills_completed += len(done)
-
-    def _maybe_spill(self) -> None:
-        if self.disk is None:
-            return
-        # Keep at most `watermark` of the CPU tier dirty, so at least the
-        # rest is free or clean and a store finds room without waiting.
-        limit = math.floor(self.spill_watermark * self.cpu.capacity)
-        excess = len(self._dirty) - limit
-        if excess > 0:
-            self._queue_spills(excess)
+        assert self._spills is not None
+        self._spills.complete(job_id, failed_keys)
 
     def _queue_spills(self, n: int) -> None:
-        core = self.disk_core
-        if core is None or n <= 0:
-            return
-        dirty = self._dirty
-        candidates = list(itertools.islice(dirty, n))
-        # One victim scan for the whole batch: scans skip pinned blocks, so
-        # per-key scans would pay for the same pinned prefix again and again.
-        self._disk_dropped(core.make_room(len(candidates)), evicted=True)
-        spilled = candidates[: core.tier.num_free]
-        disk_slots = core.allocate(spilled)
-        items: list[TransferItem] = []
-        cpu_pin = self.cpu.pin
-        for key, disk_slot in zip(spilled, disk_slots):
-            cpu_block = cpu_pin(key)  # the spill reads this slot
-            assert cpu_block.state is READY
-            del dirty[key]
-            items.append(TransferItem(key, cpu_block.slot, disk_slot))
-        if not items:
-            return
-        for i in range(0, len(items), self.spill_batch):
-            chunk = tuple(items[i : i + self.spill_batch])
-            job_id = self._new_job_id()
-            self._spill_jobs[job_id] = chunk
-            for item in chunk:
-                self._spilling[item.key] = job_id
-            self._new_spills.append(SpillOrder(job_id, chunk))
-        self.stats.spills_started += len(items)
+        if self._spills is not None:
+            self._spills.queue(n)
 
     def _make_cpu_room(self, n: int, limit: int | None = None) -> int:
         """Free CPU rows for up to ``n`` new blocks by dropping droppable
@@ -395,8 +355,8 @@ class TierHierarchy:
         if self.disk_core is None:
             raise RuntimeError("no disk tier to restore into")
         self.disk_core.restore(entries)
-        for key, _ in entries:
-            self._refresh_cpu(key)
+        # What the CPU tier's filter reads (the disk state) changed.
+        self.cpu.refresh_many([key for key, _ in entries])
 
     def reset(self) -> None:
         """Forget every block (vLLM's reset_cache); emits the removals.
@@ -407,11 +367,8 @@ class TierHierarchy:
             self._emit(cpu_ready, MEDIUM_CPU, removed=True, reason="reset")
         if self.disk_core is not None:
             self.disk_core.clear()  # reported as removed (reset)
-        self._dirty.clear()
-        self._unspillable.clear()
-        self._spilling.clear()
-        self._spill_jobs.clear()
-        self._new_spills.clear()
+        if self._spills is not None:
+            self._spills.clear()
         self._promoted.clear()
         self._loads.clear()
 
@@ -426,7 +383,8 @@ class TierHierarchy:
 
     @property
     def has_pending_io(self) -> bool:
-        return bool(self._spill_jobs or self._new_spills)
+        spills = self._spills
+        return spills is not None and bool(spills.jobs or spills.new_orders)
 
     @property
     def num_loads(self) -> int:
@@ -440,69 +398,30 @@ class TierHierarchy:
         self._next_job_id += 1
         return job_id
 
-    def _droppable(self, key: Key, block: TierBlock) -> bool:
-        """May this evictable CPU block leave the CPU tier right now?
-
-        The CPU tier's filter: whatever this reads (the disk block's state,
-        ``_unspillable``) is followed by :meth:`_refresh_cpu` when it
-        changes."""
-        if self.disk is None or key in self._unspillable:
-            return True
-        on_disk = self.disk.get(key)
-        return on_disk is not None and on_disk.state is READY
-
-    def _refresh_cpu(self, key: Key) -> None:
-        self.cpu.refresh(key)
-
-    def _mark_dirty_if_needed(self, key: Key) -> None:
-        disk = self.disk
-        if disk is None or key in self._spilling:
-            return
-        on_disk = disk.get(key)
-        if on_disk is None or on_disk.state is not READY:
-            self._dirty[key] = None
-
     def _drop_from_cpu(self, keys: Sequence[Key]) -> None:
         """Evict ``keys`` (evictable CPU blocks) from the CPU tier; one
         event for the batch. O(len(keys))."""
+        if keys:
+            self.cpu.remove_many(keys, True)
+            self._dropped_from_cpu(keys)
+
+    def _dropped_from_cpu(self, keys: Sequence[Key]) -> None:
+        """``keys`` were just evicted from the CPU tier: forget them here,
+        count them and report them (one event). O(len(keys))."""
         if not keys:
             return
-        self.cpu.remove_many(keys, True)
-        dirty, unspillable, promoted = self._dirty, self._unspillable, self._promoted
-        for key in keys:
-            dirty.pop(key, None)
-        if unspillable:
-            unspillable.difference_update(keys)
-        if promoted:
-            promoted.difference_update(keys)
+        if self._spills is not None:
+            self._spills.forget(keys)
+        if self._promoted:
+            self._promoted.difference_update(keys)
         self.stats.cpu_evictions += len(keys)
         self._emit(keys, MEDIUM_CPU, removed=True, reason="evict")
 
     def _disk_dropped(self, keys: Sequence[Key], evicted: bool) -> None:
-        """The disk core dropped ``keys``' disk copies (``evicted``: the disk
-        chose them as victims; else they failed verification): update the
-        CPU side. O(len(keys))."""
-        if not keys:
-            return
-        evict = evicted
-        cpu = self.cpu
-        for key in keys:
-            block = cpu.get(key)
-            if block is None:
-                continue
-            if block.state is READY:
-                if evict:
-                    # The disk judged this block its least valuable:
-                    # respilling it would evict a better one. Its CPU copy
-                    # may now be dropped like a clean block (and stays
-                    # dirty-free, so it does not sit in the spill queue with
-                    # a stale position).
-                    self._unspillable.add(key)
-                else:
-                    self._mark_dirty_if_needed(key)
-            cpu.refresh(key)
-        if evict:
-            self.stats.disk_evictions += len(keys)
+        """The disk core dropped ``keys``' disk copies: see
+        :meth:`SpillQueue.disk_dropped`."""
+        if self._spills is not None:
+            self._spills.disk_dropped(keys, evicted)
 
     def _emit(
         self, keys: Sequence[Key], medium: str, removed: bool, reason: str

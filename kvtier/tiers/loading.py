@@ -107,19 +107,34 @@ class LoadPlanner:
                     if key not in promote_keys:
                         promote_keys.add(key)
                         room -= 1
-        locations: list[BlockLocation] = []
-        for key, block, medium in zip(keys, blocks, media):
-            promote_slot = None
-            if key in promote_keys:
-                promote_keys.discard(key)
-                promote_slot = cpu.allocate(key, origin="promote").slot
-            locations.append(BlockLocation(medium, block.slot, promote_slot))
+        # One promotion row per key (its first occurrence), allocated in key
+        # order in one batch.
+        rows: dict[Key, int] = {}
+        if promote_keys:
+            order = [k for k in dict.fromkeys(keys) if k in promote_keys]
+            rows = dict(zip(order, cpu.allocate_many(order, "promote")))
+        # _make: the NamedTuple built in C (its __new__ is a Python frame).
+        rows_pop = rows.pop
+        locations = list(
+            map(
+                BlockLocation._make,
+                zip(media, [b.slot for b in blocks], [rows_pop(k, None) for k in keys]),
+            )
+        )
+        # Touched tail first: the head ranks newest. The two tiers' policies
+        # are independent, so one batch per tier is the same as the
+        # interleaved per-key touches.
+        if len(on_cpu) == len(keys):
+            cpu.touch_many(on_cpu[::-1])
+        else:
+            rev = list(zip(reversed(keys), reversed(media)))
+            cpu.touch_many([k for k, m in rev if m == MEDIUM_CPU])
+            disk.touch_many([k for k, m in rev if m == MEDIUM_DISK])  # type: ignore[union-attr]
         dirty = self._dirty
-        for key, medium in zip(reversed(keys), reversed(media)):
-            # head ranks newest
-            (cpu if medium == MEDIUM_CPU else disk).touch(key)  # type: ignore[union-attr]
-            if key in dirty:
-                dirty.move_to_end(key)
+        if dirty:
+            for key in reversed(keys):
+                if key in dirty:
+                    dirty.move_to_end(key)
         plan = LoadPlan(self._new_job_id(), list(keys), locations)
         self.loads[plan.load_id] = plan
         return plan
@@ -137,8 +152,11 @@ class LoadPlanner:
         plan = self.loads.pop(load_id)
         bad = set(failed)
         skipped = set(unloaded) - bad
-        promoted: list[Key] = []
         stats = self.stats
+        if not bad and not skipped:
+            self._release(plan)
+            return
+        promoted: list[Key] = []
         cpu, disk = self.cpu, self.disk
         for key, loc in zip(plan.keys, plan.locations):
             if loc.medium == MEDIUM_CPU:
@@ -171,5 +189,38 @@ class LoadPlanner:
                 self._promoted.add(key)
                 promoted.append(key)
         if promoted:
+            stats.promotions_completed += len(promoted)
+            self._emit(promoted, MEDIUM_CPU, removed=False, reason="promote")
+
+    def _release(self, plan: LoadPlan) -> None:
+        """``complete_load`` of a load that delivered every key: the same
+        unpins, counters and promotions as the per-key loop, one batch per
+        tier. (Nothing is removed, so no key's state depends on the order
+        of the CPU and disk halves.)"""
+        cpu, disk, stats = self.cpu, self.disk, self.stats
+        cpu_get = cpu.get
+        on_cpu: list[Key] = []
+        on_disk: list[Key] = []
+        promoted: list[Key] = []
+        n_cpu = 0
+        for key, loc in zip(plan.keys, plan.locations):
+            if loc.medium == MEDIUM_CPU:
+                n_cpu += 1
+                if cpu_get(key) is not None:
+                    on_cpu.append(key)
+                continue
+            on_disk.append(key)
+            if loc.promote_slot is not None:
+                promoted.append(key)
+        cpu.unpin_many(on_cpu)
+        stats.loads_cpu += n_cpu
+        if on_disk:
+            assert disk is not None
+            disk_get = disk.get
+            disk.unpin_many([k for k in on_disk if disk_get(k) is not None])
+            stats.loads_disk += len(on_disk)
+        if promoted:
+            cpu.mark_ready_many(promoted)
+            self._promoted.update(promoted)
             stats.promotions_completed += len(promoted)
             self._emit(promoted, MEDIUM_CPU, removed=False, reason="promote")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import ClassVar, TypeVar
 
 from kvtier.tiers.doorkeeper import Doorkeeper
@@ -81,6 +81,23 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def candidates(self) -> Iterator[Hashable]:
         """Resident keys, most evictable first (a walk: O(keys consumed))."""
+
+    def insert_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """``insert(key)`` for each key in order; returns each key's
+        ``position`` right after its insert. A subclass may override it
+        for speed, with exactly that result."""
+        insert, position = self.insert, self.position
+        out = []
+        for key in keys:
+            insert(key)
+            out.append(position(key))
+        return out
+
+    def remove_many(self, keys: Iterable[Hashable], evicted: bool) -> None:
+        """``remove(key, evicted)`` for each key in order (overridable)."""
+        remove = self.remove
+        for key in keys:
+            remove(key, evicted)
 
     @abstractmethod
     def position(self, key: Hashable) -> tuple[int, int]:
@@ -170,6 +187,24 @@ class LRUPolicy(EvictionPolicy):
 
     def remove(self, key: Hashable, evicted: bool) -> None:
         self._order.pop(key, None)
+
+    # The batches inline insert/position and remove, unless a subclass
+    # changed those (then the per-key calls decide).
+    def insert_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+        if type(self).insert is not LRUPolicy.insert:
+            return super().insert_many(keys)
+        order, clock, out = self._order, self._clock, []
+        for key in keys:
+            order[key] = stamp = next(clock)
+            out.append((0, stamp))
+        return out
+
+    def remove_many(self, keys: Iterable[Hashable], evicted: bool) -> None:
+        if type(self).remove is not LRUPolicy.remove:
+            return super().remove_many(keys, evicted)
+        pop = self._order.pop
+        for key in keys:
+            pop(key, None)
 
     def candidates(self) -> Iterator[Hashable]:
         # Callers collect first, then evict, so iterate directly.

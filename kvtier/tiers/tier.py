@@ -4,29 +4,25 @@ A tier does bookkeeping only; it never moves bytes. Slots are integers in
 ``[0, capacity)`` that the worker side maps onto memory (a CPU buffer row)
 or onto disk (a slab slot).
 
-Victim choice is O(blocks touched), for every registered policy. The tier
-keeps an index of its *eligible* blocks (READY, unpinned, and allowed by the
-tier's filter, e.g. "also on disk" for a CPU tier over a disk tier), updated
-on every state change, ordered exactly as the policy ranks them: one heap
-per policy segment, keyed by the stamps the policy hands out
-(:class:`kvtier.tiers.policy.EvictionPolicy`'s victim order). ``victims``
-walks only that index, following the policy's ``victim_order`` runs, so a
-tier whose blocks are nearly all dirty, pinned or being written answers at
-once instead of scanning every block it holds. Only an explicitly bounded
-scan (``victims(limit=...)``) walks ``candidates()``.
+Victim choice is O(blocks touched), for every registered policy: the tier
+keeps a :class:`~kvtier.tiers.victims.VictimIndex` of its *eligible* blocks
+(READY, unpinned, and allowed by the tier's filter, e.g. "also on disk" for
+a CPU tier over a disk tier), updated on every state change and ordered
+exactly as the policy ranks them. Only an explicitly bounded scan
+(``victims(limit=...)``) walks the policy's ``candidates()``.
 
 Not thread-safe: the tier's owner serializes calls.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from kvtier.tiers.policy import EvictionPolicy, make_policy
+from kvtier.tiers.victims import VictimIndex, scan_victims
 
 
 class BlockState(Enum):
@@ -49,6 +45,7 @@ class TierBlock:
 
 
 _READY = BlockState.READY
+_WRITING = BlockState.WRITING
 
 
 class Tier:
@@ -59,9 +56,10 @@ class Tier:
     never offered as a victim.
 
     Block state changes go through the tier's methods (``pin``, ``unpin``,
-    ``mark_ready``...), which keep the eligible index current. When what the
+    ``mark_ready``...), which keep the victim index current. When what the
     tier's ``filter`` depends on changes outside the tier, the owner calls
-    :meth:`refresh` for that key.
+    :meth:`refresh` for that key. Each batch method (``*_many``) is exactly
+    the per-key method applied to each key in order.
     """
 
     def __init__(
@@ -82,24 +80,8 @@ class Tier:
         # tier of millions of slots costs nothing.
         self._next_fresh = 0
         self._free: list[int] = []
-        # Eligible index. ``_pos[key]`` = the policy's (segment, stamp) of
-        # every resident key, as of its last insert/touch; ``_eligible`` the
-        # keys that may be victims now; one heap of (stamp, key) per segment
-        # holding every eligible key, plus stale entries dropped lazily when
-        # popped (an entry is live iff the key is eligible and its _pos
-        # matches).
         self.filter: Callable[[Hashable, TierBlock], bool] | None = None
-        self._pos: dict[Hashable, tuple[int, int]] = {}
-        self._eligible: set[Hashable] = set()
-        # key -> stamp of the entry it has in a heap (live or, while the key
-        # is ineligible, dormant): a pin/unpin cycle pushes nothing.
-        self._heaped: dict[Hashable, int] = {}
-        self._heaps: list[list[tuple[int, Hashable]]] = [
-            [] for _ in range(self.policy.segments)
-        ]
-        # Candidates examined by ``victims`` (index entries, or policy
-        # candidates of a bounded scan), for tests and benchmarks.
-        self.inspected = 0
+        self.index = VictimIndex(self.policy.segments)
 
     # --- queries ---
 
@@ -111,7 +93,7 @@ class Tier:
 
     def is_ready(self, key: Hashable) -> bool:
         block = self._blocks.get(key)
-        return block is not None and block.state is BlockState.READY
+        return block is not None and block.state is _READY
 
     @property
     def num_free(self) -> int:
@@ -120,11 +102,22 @@ class Tier:
     @property
     def num_eligible(self) -> int:
         """Blocks that may be chosen as victims now."""
-        return len(self._eligible)
+        return len(self.index.eligible)
+
+    def count_eligible(self, keys: set[Hashable] | frozenset[Hashable]) -> int:
+        """How many of ``keys`` may be victims now. O(len(keys))."""
+        eligible = self.index.eligible
+        return sum(1 for k in keys if k in eligible)
+
+    @property
+    def inspected(self) -> int:
+        """Candidates examined by ``victims`` (index entries, or policy
+        candidates of a bounded scan), for tests and benchmarks."""
+        return self.index.inspected
 
     def ready_keys(self) -> set[Hashable]:
         """Keys whose block is READY (O(n): tests and tools)."""
-        return {k for k, b in self._blocks.items() if b.state is BlockState.READY}
+        return {k for k, b in self._blocks.items() if b.state is _READY}
 
     def keys(self) -> Iterator[Hashable]:
         return iter(self._blocks)
@@ -134,21 +127,23 @@ class Tier:
 
     # --- mutations ---
 
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._next_fresh < self.capacity:
+            self._next_fresh += 1
+            return self._next_fresh - 1
+        raise RuntimeError(f"{self.medium} tier is full")
+
     def allocate(self, key: Hashable, origin: str = "store") -> TierBlock:
         """Give ``key`` a free slot in state WRITING. Caller checked room."""
         if key in self._blocks:
             raise KeyError(f"{key!r} already resident in {self.medium} tier")
-        if self._free:
-            slot = self._free.pop()
-        elif self._next_fresh < self.capacity:
-            slot = self._next_fresh
-            self._next_fresh += 1
-        else:
-            raise RuntimeError(f"{self.medium} tier is full")
-        block = TierBlock(slot=slot, state=BlockState.WRITING, origin=origin)
+        block = TierBlock(self._take_slot(), _WRITING, 0, origin)
         self._blocks[key] = block
         self.policy.insert(key)
-        self._reposition(key, eligible=False)  # WRITING: not eligible yet
+        # WRITING: not eligible, so only the position is recorded.
+        self.index.pos[key] = self.policy.position(key)
         return block
 
     def restore(self, entries: list[tuple[Hashable, int]]) -> None:
@@ -165,11 +160,10 @@ class Tier:
             if slot in used or key in self._blocks:
                 raise KeyError(f"duplicate key {key!r} or slot {slot}")
             used.add(slot)
-            self._blocks[key] = TierBlock(
-                slot=slot, state=BlockState.READY, origin="restore"
-            )
+            self._blocks[key] = TierBlock(slot, _READY, 0, "restore")
             self.policy.insert(key)
-            self._reposition(key)
+            self.index.pos[key] = self.policy.position(key)
+            self.refresh(key)
         # Free slots go on a stack popped from the end: keep low slots last
         # so fresh allocations fill the slab front to back.
         self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
@@ -177,7 +171,7 @@ class Tier:
 
     def mark_ready(self, key: Hashable) -> TierBlock:
         block = self._blocks[key]
-        block.state = BlockState.READY
+        block.state = _READY
         self.refresh(key)
         return block
 
@@ -186,20 +180,19 @@ class Tier:
         block = self._blocks.pop(key)
         self.policy.remove(key, evicted)
         self._free.append(block.slot)
-        self._pos.pop(key, None)
-        self._heaped.pop(key, None)
-        self._eligible.discard(key)  # its heap entry goes stale
+        self.index.forget(key)
         return block
 
     def touch(self, key: Hashable) -> None:
         if key in self._blocks:
             self.policy.touch(key)
-            self._reposition(key)
+            if not self.index.place(key, self.policy.position(key)):
+                self.refresh(key)
 
     def pin(self, key: Hashable) -> TierBlock:
         block = self._blocks[key]
         block.pins += 1
-        self._eligible.discard(key)
+        self.index.eligible.discard(key)  # its entry stays, dormant
         return block
 
     def unpin(self, key: Hashable) -> TierBlock:
@@ -216,39 +209,45 @@ class Tier:
     def allocate_many(self, keys: Sequence[Hashable], origin: str) -> list[int]:
         """``allocate(key, origin)`` for each key in order; returns the
         slots. Caller checked room for all. O(len(keys))."""
-        blocks, free, insert = self._blocks, self._free, self.policy.insert
-        pos, position = self._pos, self.policy.position
-        writing = BlockState.WRITING
+        blocks, free = self._blocks, self._free
         slots: list[int] = []
-        for key in keys:
-            if key in blocks:
-                raise KeyError(f"{key!r} already resident in {self.medium} tier")
-            if free:
-                slot = free.pop()
-            elif self._next_fresh < self.capacity:
-                slot = self._next_fresh
-                self._next_fresh += 1
-            else:
-                raise RuntimeError(f"{self.medium} tier is full")
-            blocks[key] = TierBlock(slot, writing, 0, origin)
-            insert(key)
-            # _reposition(key, eligible=False), inlined: WRITING blocks are
-            # never eligible.
-            pos[key] = position(key)
-            slots.append(slot)
+        done = 0
+        try:
+            for key in keys:
+                if key in blocks:
+                    raise KeyError(f"{key!r} already resident in {self.medium} tier")
+                slot = free.pop() if free else self._take_slot()
+                blocks[key] = TierBlock(slot, _WRITING, 0, origin)
+                slots.append(slot)
+                done += 1
+        finally:
+            # The policy learns of the blocks allocated (all of them, or
+            # those before a failure), in order; WRITING: never eligible,
+            # so only their positions are recorded.
+            allocated = keys if done == len(keys) else keys[:done]
+            self.index.pos.update(zip(allocated, self.policy.insert_many(allocated)))
         return slots
 
     def mark_ready_many(self, keys: Sequence[Hashable]) -> None:
         """``mark_ready(key)`` for each key in order. O(len(keys) log n)."""
-        blocks, refresh = self._blocks, self.refresh
-        ready = BlockState.READY
+        blocks, accept = self._blocks, self.filter
+        discard = self.index.eligible.discard
+        admitted: list[Hashable] = []
         for key in keys:
-            blocks[key].state = ready
-            refresh(key)
+            block = blocks[key]
+            block.state = _READY
+            # refresh(key), inlined: READY now, so eligible iff unpinned
+            # and the filter allows it.
+            if not block.pins and (accept is None or accept(key, block)):
+                admitted.append(key)
+            else:
+                discard(key)
+        if admitted:
+            self.index.admit_many(admitted)
 
     def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
         """``pin(key)`` for each key in order; returns the blocks. O(len)."""
-        blocks, discard = self._blocks, self._eligible.discard
+        blocks, discard = self._blocks, self.index.eligible.discard
         out: list[TierBlock] = []
         for key in keys:
             block = blocks[key]
@@ -259,36 +258,65 @@ class Tier:
 
     def unpin_many(self, keys: Sequence[Hashable]) -> None:
         """``unpin(key)`` for each key in order. O(len(keys) log n)."""
-        blocks, refresh = self._blocks, self.refresh
+        blocks, accept = self._blocks, self.filter
+        discard = self.index.eligible.discard
+        admitted: list[Hashable] = []
         for key in keys:
             block = blocks[key]
             if block.pins <= 0:
                 raise RuntimeError(f"unpin of unpinned {key!r} in {self.medium} tier")
             block.pins -= 1
-            if not block.pins:
-                refresh(key)
+            if block.pins:
+                continue
+            # refresh(key), inlined.
+            if block.state is _READY and (accept is None or accept(key, block)):
+                admitted.append(key)
+            else:
+                discard(key)
+        if admitted:
+            self.index.admit_many(admitted)
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         """``touch(key)`` for each key in order (the last ends up most
         recent). O(len(keys) log n)."""
-        blocks, touch, reposition = self._blocks, self.policy.touch, self._reposition
+        blocks, touch, position = self._blocks, self.policy.touch, self.policy.position
+        index, accept = self.index, self.filter
+        pos, eligible = index.pos, index.eligible
+        moved: list[Hashable] = []
         for key in keys:
-            if key in blocks:
-                touch(key)
-                reposition(key)
+            block = blocks.get(key)
+            if block is None:
+                continue
+            touch(key)
+            pos[key] = position(key)
+            if key in eligible:
+                moved.append(key)  # re-pushed below; the old entry is stale
+            elif (
+                block.state is _READY
+                and not block.pins
+                and (accept is None or accept(key, block))
+            ):
+                # refresh(key), inlined: eligible from now on; pushed below
+                # at its new position.
+                eligible.add(key)
+                moved.append(key)
+        if moved:
+            index.place_many(moved)
 
     def remove_many(self, keys: Sequence[Hashable], evicted: bool) -> None:
         """``remove(key, evicted)`` for each key in order. O(len(keys))."""
-        blocks, free, policy_remove = self._blocks, self._free, self.policy.remove
-        pos, heaped, eligible = self._pos, self._heaped, self._eligible
-        for key in keys:
-            free.append(blocks.pop(key).slot)
-            policy_remove(key, evicted)
-            pos.pop(key, None)
-            heaped.pop(key, None)
-            eligible.discard(key)  # its heap entry goes stale
+        blocks, free = self._blocks, self._free
+        done = 0
+        try:
+            for key in keys:
+                free.append(blocks.pop(key).slot)
+                done += 1
+        finally:
+            removed = keys if done == len(keys) else keys[:done]
+            self.policy.remove_many(removed, evicted)
+            self.index.forget_many(removed)
 
-    # --- eligible index ---
+    # --- victims ---
 
     def set_filter(self, accept: Callable[[Hashable, TierBlock], bool] | None) -> None:
         """Narrow victims to evictable blocks ``accept`` allows. The owner
@@ -308,62 +336,15 @@ class Tier:
             and not block.pins
             and (self.filter is None or self.filter(key, block))
         ):
-            if key not in self._eligible:
-                self._eligible.add(key)
-                self._push(key)
+            self.index.admit(key)
         else:
-            self._eligible.discard(key)
+            self.index.eligible.discard(key)
 
-    def _reposition(self, key: Hashable, eligible: bool = True) -> None:
-        """``key`` was inserted into or touched in the policy: record where
-        the policy put it (only that key's position changed).
-        ``eligible=False``: the caller knows the key may not be a victim (a
-        block just allocated), so nothing is re-checked."""
-        self._pos[key] = self.policy.position(key)
-        if key in self._eligible:
-            self._push(key)  # the old entry is stale now
-        elif eligible:
-            self.refresh(key)
-
-    def _push(self, key: Hashable) -> None:
-        seg, stamp = self._pos[key]
-        if self._heaped.get(key) == stamp:
-            return  # its entry is still there
-        self._heaped[key] = stamp
-        heap = self._heaps[seg]
-        heapq.heappush(heap, (stamp, key))
-        if len(heap) > 2 * len(self._eligible) + 64:
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        """Drop stale entries: O(eligible), after at least as many pushes."""
-        heaps: list[list[tuple[int, Hashable]]] = [[] for _ in self._heaps]
-        self._heaped = {}
-        for key in self._eligible:
-            seg, stamp = self._pos[key]
-            heaps[seg].append((stamp, key))
-            self._heaped[key] = stamp
-        for heap in heaps:
-            heapq.heapify(heap)
-        self._heaps = heaps
-
-    def eligible_in_order(self) -> list[Hashable]:
-        """Every eligible key, most evictable first (O(n); for tests)."""
-        return self.victims(len(self._eligible))
-
-    def check_index(self) -> None:
-        """Assert the eligible index agrees with a full scan (O(n); tests)."""
-        expect = [
-            k
-            for k in self.policy.candidates()
-            if self._blocks[k].evictable
-            and (self.filter is None or self.filter(k, self._blocks[k]))
-        ]
-        assert set(expect) == self._eligible, (self.medium, expect, self._eligible)
-        saved = self.inspected
-        got = self.eligible_in_order()
-        self.inspected = saved
-        assert got == expect, (self.medium, got, expect)
+    def refresh_many(self, keys: Sequence[Hashable]) -> None:
+        """``refresh(key)`` for each key in order."""
+        refresh = self.refresh
+        for key in keys:
+            refresh(key)
 
     def victims(
         self,
@@ -381,80 +362,83 @@ class Tier:
         each dropped once: never to the blocks that may not be victims.
         With ``limit``, only the first ``limit`` keys of the policy's order
         (eligible or not) are considered, as a bounded scan."""
-        chosen: list[Hashable] = []
-        if n <= 0 or not self._eligible:
-            return chosen
+        if n <= 0 or not self.index.eligible:
+            return []
+        check = None
+        if accept is not None:
+            blocks, fn = self._blocks, accept
+
+            def check(key: Hashable) -> bool:
+                return fn(key, blocks[key])
+
         if limit is not None:
-            return self._scan(n, accept, exclude, limit)
-        held: list[tuple[int, tuple[int, Hashable]]] = []
-        seen: set[Hashable] = set()
-        eligible, pos, blocks = self._eligible, self._pos, self._blocks
-        heaped = self._heaped
-        for seg, stop in self.policy.victim_order():
-            heap = self._heaps[seg]
-            while heap and len(chosen) < n:
-                if stop is not None and heap[0][0] >= stop:
-                    break  # the rest of this segment comes in a later run
-                entry = heapq.heappop(heap)
-                self.inspected += 1
-                stamp, key = entry
-                if key in seen or key not in eligible or pos[key] != (seg, stamp):
-                    # Stale, dormant (the key is ineligible now) or a
-                    # duplicate: gone for good.
-                    if heaped.get(key) == stamp and key not in seen:
-                        del heaped[key]
-                    continue
-                seen.add(key)
-                held.append((seg, entry))
-                if key in exclude:
-                    continue
-                if accept is not None and not accept(key, blocks[key]):
-                    continue
-                chosen.append(key)
-            if len(chosen) >= n:
-                break
-        for seg, entry in held:
-            heapq.heappush(self._heaps[seg], entry)
+            candidates = itertools.islice(self.policy.candidates(), limit)
+            return scan_victims(
+                n, candidates, self.index.eligible, check, exclude, self.index
+            )
+        return self.index.victims(
+            n, self.policy.victim_order(), check, exclude, take=False
+        )
+
+    def evict(
+        self, n: int, exclude: set[Hashable] | frozenset[Hashable] = frozenset()
+    ) -> list[Hashable]:
+        """Remove up to ``n`` victims (``victims(n, exclude=exclude)``, the
+        same keys in the same order) as evicted; returns them. One heap pop
+        per victim: the chosen entries are consumed, not put back to go
+        stale. O(victims log n) plus stale entries dropped."""
+        if n <= 0 or not self.index.eligible:
+            return []
+        chosen = self.index.victims(
+            n, self.policy.victim_order(), None, exclude, take=True
+        )
+        if chosen:
+            self.remove_many(chosen, True)
         return chosen
 
-    def _scan(
-        self,
-        n: int,
-        accept: Callable[[Hashable, TierBlock], bool] | None,
-        exclude: set[Hashable] | frozenset[Hashable],
-        limit: int,
+    def take_victims(
+        self, n: int, exclude: set[Hashable] | frozenset[Hashable] = frozenset()
     ) -> list[Hashable]:
-        """Victims among the first ``limit`` of the policy's candidates (a
-        bounded scan); stops once every eligible key was seen."""
-        chosen: list[Hashable] = []
-        candidates = itertools.islice(self.policy.candidates(), limit)
-        eligible = self._eligible
-        left = len(eligible)
-        for key in candidates:
-            self.inspected += 1
-            if key not in eligible:
-                continue
-            left -= 1
-            if key not in exclude and (
-                accept is None or accept(key, self._blocks[key])
-            ):
-                chosen.append(key)
-                if len(chosen) >= n:
-                    break
-            if left == 0:
-                break
-        return chosen
+        """``victims(n, exclude=exclude)``, taken out of the index (no
+        longer eligible, no entry): the caller removes them
+        (``remove_many``) or gives them back with ``refresh_many``. For a
+        removal that must wait for other work (and its events) first; a
+        ``refresh`` in between re-admits the key, whose removal then leaves
+        one stale entry, dropped when popped."""
+        if n <= 0 or not self.index.eligible:
+            return []
+        return self.index.victims(
+            n, self.policy.victim_order(), None, exclude, take=True
+        )
+
+    # --- tests and tools ---
+
+    def eligible_in_order(self) -> list[Hashable]:
+        """Every eligible key, most evictable first (O(n); for tests)."""
+        return self.victims(len(self.index.eligible))
+
+    def check_index(self) -> None:
+        """Assert the victim index agrees with a full scan (O(n); tests)."""
+        blocks = self._blocks
+        expect = [
+            k
+            for k in self.policy.candidates()
+            if blocks[k].evictable and (self.filter is None or self.filter(k, blocks[k]))
+        ]
+        eligible = self.index.eligible
+        assert set(expect) == eligible, (self.medium, expect, eligible)
+        saved = self.index.inspected
+        got = self.eligible_in_order()
+        self.index.inspected = saved
+        assert got == expect, (self.medium, got, expect)
 
     def clear(self) -> list[Hashable]:
         """Forget every block; returns the keys that were READY."""
-        ready = [k for k, b in self._blocks.items() if b.state is BlockState.READY]
+        ready = [k for k, b in self._blocks.items() if b.state is _READY]
         for key in list(self._blocks):
             self.policy.remove(key, evicted=False)
         self._blocks.clear()
         self._free.clear()
         self._next_fresh = 0
-        self._pos.clear()
-        self._eligible.clear()
-        self._heaped.clear()
-        self._heaps = [[] for _ in self._heaps]
+        self.index.clear()
         return ready

@@ -1,0 +1,209 @@
+"""Write-back of dirty CPU blocks to disk: the spill half of the hierarchy.
+
+"Dirty" means the CPU copy is the only copy. :class:`SpillQueue` keeps the
+dirty CPU blocks in spill order (oldest use first), turns the excess over
+the watermark into :class:`~kvtier.tiers.plans.SpillOrder` s (disk victims
+evicted, disk slots allocated, CPU slots pinned for reading), and settles
+finished spill jobs. It also owns what decides whether a CPU block may be
+dropped (:meth:`droppable`, the CPU tier's victim filter): a block is
+droppable when its disk copy is READY or when the disk refused or gave up
+its copy (*unspillable*), so it never wedges the CPU tier.
+
+Single-threaded, like the hierarchy that owns it; every call is
+O(blocks queued, settled or passed) plus the disk tier's victim choice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+from kvtier.tiers.disk_core import DiskTierCore
+from kvtier.tiers.plans import HierarchyStats, Key, SpillOrder, TransferItem
+from kvtier.tiers.tier import BlockState, Tier, TierBlock
+
+READY = BlockState.READY
+
+
+class SpillQueue:
+    """Dirty CPU blocks of one hierarchy and the spills in flight.
+
+    ``dirty``: READY CPU keys with no READY/WRITING disk copy and no spill
+    in flight, oldest use first. ``unspillable``: CPU keys the disk refused
+    (spill failed) or evicted. ``spilling``: key -> job id of the spill in
+    flight. Every change to what :meth:`droppable` reads is followed by a
+    refresh of that key in the CPU tier's victim index."""
+
+    def __init__(
+        self,
+        cpu: Tier,
+        disk_core: DiskTierCore,
+        stats: HierarchyStats,
+        *,
+        watermark: float,
+        batch: int,
+        new_job_id: Callable[[], int],
+    ) -> None:
+        self.cpu = cpu
+        self.core = disk_core
+        self.disk = disk_core.tier
+        self.stats = stats
+        self.watermark = watermark
+        self.batch = max(1, batch)
+        self._new_job_id = new_job_id
+        self.dirty: OrderedDict[Key, None] = OrderedDict()
+        self.unspillable: set[Key] = set()
+        self.spilling: dict[Key, int] = {}
+        self.jobs: dict[int, tuple[TransferItem, ...]] = {}
+        self.new_orders: list[SpillOrder] = []
+
+    def droppable(self, key: Key, block: TierBlock) -> bool:
+        """May this evictable CPU block leave the CPU tier right now? (The
+        CPU tier's filter.)"""
+        if key in self.unspillable:
+            return True
+        on_disk = self.disk.get(key)
+        return on_disk is not None and on_disk.state is READY
+
+    def stored(self, keys: Sequence[Key]) -> None:
+        """``keys`` (WRITING CPU blocks of a store) just finished: mark them
+        READY on CPU, dirty unless already on disk. Equal to
+        ``cpu.mark_ready_many(keys)`` then :meth:`mark_dirty_if_needed` of
+        each, minus the index work for the keys the filter rejects (a
+        WRITING block was never eligible, so only its state changes).
+        O(len(keys))."""
+        cpu_get, disk_get = self.cpu.get, self.disk.get
+        dirty, spilling, unspillable = self.dirty, self.spilling, self.unspillable
+        clean: list[Key] = []
+        for key in keys:
+            on_disk = disk_get(key)
+            on_disk_ready = on_disk is not None and on_disk.state is READY
+            if on_disk_ready or key in unspillable:
+                clean.append(key)  # the filter accepts it: index it
+            else:
+                cpu_get(key).state = READY  # type: ignore[union-attr]
+            if not on_disk_ready and key not in spilling:
+                dirty[key] = None
+        if clean:
+            self.cpu.mark_ready_many(clean)
+
+    def mark_dirty_if_needed(self, key: Key) -> None:
+        if key in self.spilling:
+            return
+        on_disk = self.disk.get(key)
+        if on_disk is None or on_disk.state is not READY:
+            self.dirty[key] = None
+
+    def maybe_spill(self) -> None:
+        """Keep at most ``watermark`` of the CPU tier dirty, so at least the
+        rest is free or clean and a store finds room without waiting."""
+        excess = len(self.dirty) - math.floor(self.watermark * self.cpu.capacity)
+        if excess > 0:
+            self.queue(excess)
+
+    def queue(self, n: int) -> None:
+        """Order spills of up to ``n`` dirty blocks, oldest use first, as
+        far as the disk has (or can make) room."""
+        if n <= 0:
+            return
+        dirty, core = self.dirty, self.core
+        candidates = list(itertools.islice(dirty, n))
+        # One victim choice for the whole batch: per-key choices would pay
+        # for the same pinned prefix again and again.
+        self.disk_dropped(core.make_room(len(candidates)), evicted=True)
+        spilled = candidates[: self.disk.num_free]
+        if not spilled:
+            return
+        disk_slots = core.allocate(spilled)
+        # The spills read these CPU slots. Dirty blocks are never eligible,
+        # so pinning them needs no index work.
+        cpu_blocks = self.cpu.pin_many(spilled)
+        cpu_slots: list[int] = []
+        for key, cpu_block in zip(spilled, cpu_blocks):
+            assert cpu_block.state is READY
+            del dirty[key]
+            cpu_slots.append(cpu_block.slot)
+        # _make: the NamedTuple built in C (its __new__ is a Python frame).
+        items = list(map(TransferItem._make, zip(spilled, cpu_slots, disk_slots)))
+        spilling, batch = self.spilling, self.batch
+        for i in range(0, len(items), batch):
+            chunk = tuple(items[i : i + batch])
+            job_id = self._new_job_id()
+            self.jobs[job_id] = chunk
+            for item in chunk:
+                spilling[item.key] = job_id
+            self.new_orders.append(SpillOrder(job_id, chunk))
+        self.stats.spills_started += len(items)
+
+    def take(self) -> list[SpillOrder]:
+        """Spill orders decided since the last call."""
+        self.maybe_spill()
+        orders, self.new_orders = self.new_orders, []
+        return orders
+
+    def complete(self, job_id: int, failed_keys: Iterable[Key] = ()) -> None:
+        """A spill job finished; keys in ``failed_keys`` did not reach disk."""
+        items = self.jobs.pop(job_id)
+        failed = set(failed_keys)
+        cpu, core, spilling = self.cpu, self.core, self.spilling
+        keys = [item.key for item in items]
+        for key in keys:
+            spilling.pop(key, None)
+        done = [k for k in keys if k not in failed] if failed else keys
+        if failed:
+            lost = [k for k in keys if k in failed]
+            core.fail(lost)
+            self.stats.spill_failures += len(lost)
+            for key in lost:
+                if cpu.is_ready(key):
+                    # Let the tier drop it later instead of retrying.
+                    self.unspillable.add(key)
+        core.complete(done)  # reported as stored on disk (spill)
+        # Unpinned after the disk side changed, so the one refresh of the
+        # CPU index sees each block clean (droppable) or unspillable.
+        cpu_get = cpu.get
+        cpu.unpin_many([k for k in keys if cpu_get(k) is not None])
+        self.stats.spills_completed += len(done)
+
+    def disk_dropped(self, keys: Sequence[Key], evicted: bool) -> None:
+        """The disk core dropped ``keys``' disk copies (``evicted``: the disk
+        chose them as victims; else they failed verification): update the
+        CPU side. O(len(keys))."""
+        if not keys:
+            return
+        cpu = self.cpu
+        cpu_get, refresh = cpu.get, cpu.refresh
+        for key in keys:
+            block = cpu_get(key)
+            if block is None:
+                continue
+            if block.state is READY:
+                if evicted:
+                    # The disk judged this block its least valuable:
+                    # respilling it would evict a better one. Its CPU copy
+                    # may now be dropped like a clean block (and stays out
+                    # of the spill queue, where it would hold a stale
+                    # position).
+                    self.unspillable.add(key)
+                else:
+                    self.mark_dirty_if_needed(key)
+            refresh(key)
+        if evicted:
+            self.stats.disk_evictions += len(keys)
+
+    def forget(self, keys: Sequence[Key]) -> None:
+        """``keys`` left the CPU tier."""
+        dirty, unspillable = self.dirty, self.unspillable
+        for key in keys:
+            dirty.pop(key, None)
+        if unspillable:
+            unspillable.difference_update(keys)
+
+    def clear(self) -> None:
+        self.dirty.clear()
+        self.unspillable.clear()
+        self.spilling.clear()
+        self.jobs.clear()
+        self.new_orders.clear()

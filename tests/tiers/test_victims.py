@@ -1,0 +1,128 @@
+"""The victim index: taking victims out as they are chosen changes nothing
+but the work done (same keys, same order, same index afterwards)."""
+
+import random
+
+import pytest
+
+from kvtier.tiers import LRUPolicy, Tier, make_policy
+from kvtier.tiers.policy import policy_names
+
+
+def _churned_tier(policy: str, seed: int, capacity: int = 200) -> Tier:
+    """A full tier after random pins, touches, removals and refills, some
+    blocks left WRITING: every kind of stale and dormant index entry."""
+    rng = random.Random(seed)
+    tier = Tier("cpu", capacity, policy)
+    fresh = 0
+    for _ in range(capacity):
+        tier.allocate(fresh)
+        tier.mark_ready(fresh)
+        fresh += 1
+    for _ in range(600):
+        keys = list(tier.keys())
+        key = rng.choice(keys)
+        block = tier.get(key)
+        op = rng.random()
+        if op < 0.3:
+            tier.touch_many(rng.sample(keys, 3))
+        elif op < 0.45 and block.state.value == "ready":
+            tier.pin(key)
+        elif op < 0.6 and block.pins:
+            tier.unpin(key)
+        elif op < 0.8 and block.evictable:
+            tier.remove(key)
+            tier.allocate(fresh)
+            if rng.random() < 0.8:
+                tier.mark_ready(fresh)
+            fresh += 1
+        else:
+            tier.touch(key)
+    return tier
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("seed", range(4))
+def test_evict_removes_exactly_what_victims_returns(policy, seed):
+    a, b = _churned_tier(policy, seed), _churned_tier(policy, seed)
+    exclude = set(list(a.keys())[::7])
+    for n in (1, 5, 40, 1000):
+        expect = a.victims(n, exclude=exclude)
+        for key in expect:
+            a.remove(key, evicted=True)
+        got = b.evict(n, exclude=exclude)
+        assert got == expect
+        assert sorted(map(str, b.keys())) == sorted(map(str, a.keys()))
+        assert b.eligible_in_order() == a.eligible_in_order()
+        b.check_index()
+    # n=1000 took every eligible key that was not excluded.
+    assert b.eligible_in_order()
+    assert all(k in exclude for k in b.eligible_in_order())
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_taken_victims_given_back_keep_their_place(policy):
+    tier = _churned_tier(policy, seed=11)
+    before = tier.eligible_in_order()
+    taken = tier.take_victims(10)
+    assert taken == before[:10]
+    assert tier.num_eligible == len(before) - 10
+    tier.refresh_many(taken)
+    assert tier.eligible_in_order() == before
+    tier.check_index()
+
+
+def test_count_eligible_counts_only_victim_candidates():
+    tier = Tier("cpu", 4)
+    for k in "abcd":
+        tier.allocate(k)
+    tier.mark_ready_many(["a", "b", "c"])
+    tier.pin("b")
+    assert tier.count_eligible({"a", "b", "c", "d", "zz"}) == 2  # a, c
+    assert tier.num_eligible == 2
+
+
+def test_index_heaps_stay_bounded_under_touch_churn():
+    """Touches leave stale entries; the heaps are rebuilt before stale
+    entries outnumber live ones, and the order survives the rebuild."""
+    tier = Tier("cpu", 50)
+    for k in range(50):
+        tier.allocate(k)
+    tier.mark_ready_many(list(range(50)))
+    for i in range(5000):
+        tier.touch_many([i % 50, (i * 7) % 50])
+    assert sum(len(h) for h in tier.index.heaps) <= 2 * 50 + 64
+    tier.check_index()
+    assert tier.eligible_in_order()[:3] == tier.victims(3)
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_policy_batches_equal_the_per_key_calls(policy):
+    batch, single = make_policy(policy, 8), make_policy(policy, 8)
+    keys = [f"k{i}" for i in range(20)]
+    expect = []
+    for key in keys[:12]:
+        single.insert(key)
+        expect.append(single.position(key))
+    assert batch.insert_many(keys[:12]) == expect
+    for key in keys[2:9]:
+        single.remove(key, evicted=True)
+    batch.remove_many(keys[2:9], evicted=True)
+    for key in keys[12:]:  # ghosts and doorkeepers remembered the same
+        single.insert(key)
+    batch.insert_many(keys[12:])
+    assert list(batch.candidates()) == list(single.candidates())
+    assert [batch.position(k) for k in batch.candidates()] == [
+        single.position(k) for k in single.candidates()
+    ]
+
+
+def test_an_lru_subclass_that_changes_insert_keeps_it_in_batches():
+    class Tagged(LRUPolicy):
+        def insert(self, key):
+            super().insert(key)
+            self.seen = [*getattr(self, "seen", []), key]
+
+    p = Tagged(4)
+    p.insert_many(["a", "b"])
+    assert p.seen == ["a", "b"]
