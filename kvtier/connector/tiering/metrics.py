@@ -53,7 +53,7 @@ class DiskTierStats:
     promotion_failures: int = 0
     evictions: int = 0
     restored: int = 0
-    # Blocks another secondary tier supplied, stored here too (tiering_pull).
+    # Blocks another secondary tier supplied, stored here too (pull.py).
     pulled: int = 0
 
 
