@@ -337,7 +337,7 @@ class TierHierarchy:
             self._drop_from_cpu(cpu.victims(need, limit=limit))
         return min(n, cpu.num_free)
 
-    def demote(self, key: Key) -> bool:
+    def evict_clean(self, key: Key) -> bool:
         """Drop ``key``'s CPU copy if it is idle and also ready on disk (the
         disk copy stays). True if dropped."""
         if self.disk is None or not self.disk.is_ready(key):

@@ -274,7 +274,7 @@ class Env:
         keys = self.stored[res.request_ids[0]]
         assert keys, "nothing was stored"
         for key in keys:
-            self.h.demote(key)
+            self.h.evict_clean(key)
             assert self.h.lookup(key) is Residency.HIT_DISK, key.hex()
         assert self.llm.reset_prefix_cache()
         return res.request_ids[0], keys
@@ -414,7 +414,7 @@ class TestDiskCorruption:
         assert len(full) == 4
         for key in keys:
             if key in full[1::2] or key not in full:
-                assert e.h.demote(key) or e.h.lookup(key) is Residency.HIT_DISK
+                assert e.h.evict_clean(key) or e.h.lookup(key) is Residency.HIT_DISK
         assert e.llm.reset_prefix_cache()
         mixed = run_prompts(e.llm, [MIXED_PROMPT], MAX_TOKENS)
         assert mixed.outputs == [e.want(MIXED_PROMPT)]

@@ -170,7 +170,7 @@ def test_prefix_split_across_cpu_and_disk_loads_fully(model, block_bytes, tmp_pa
         assert len(keys) == BLOCKS_PER_PROMPT
         # Blocks 0 and 2 leave the CPU tier (their disk copies stay): the
         # prefix reads disk, cpu, disk, cpu.
-        assert h.demote(keys[0]) and h.demote(keys[2])
+        assert h.evict_clean(keys[0]) and h.evict_clean(keys[2])
         assert llm.reset_prefix_cache()  # forget the GPU copies
         again = run_prompts(llm, [prompt], MAX_TOKENS)
     assert again.hits_by_source[0] == {"disk": 64, "host": 64}
