@@ -10,6 +10,8 @@ fails it (EIO), or cuts it short."""
 from __future__ import annotations
 
 import errno
+import os
+import sys
 import threading
 import time
 
@@ -280,3 +282,26 @@ def test_the_store_is_opened_ahead_of_the_first_load(runner):
     ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
     assert [d.success for d in wait_finished(r.worker)] == [True]
     _complete(r, keys, ctx)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice")
+def test_the_load_thread_yields_the_cpu_to_the_engine(runner):
+    """The load thread runs LOAD_THREAD_NICE nice levels below the engine's
+    thread, which keeps its own."""
+    from kvtier.connector.worker import load_runner
+
+    r = runner
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert r.worker.get_finished() == []  # the first step starts the thread
+    thread = r.worker.loads._thread
+    assert thread is not None
+    if base >= 19:
+        pytest.skip("already at the lowest priority")
+    want = min(19, base + load_runner.LOAD_THREAD_NICE)
+    assert want > base
+    _wait_for(
+        lambda: thread.native_id is not None
+        and os.getpriority(os.PRIO_PROCESS, thread.native_id) == want,
+        "the load thread's nice level",
+    )
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
