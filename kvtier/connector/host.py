@@ -32,12 +32,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from kvtier.connector.config import ConfigError
-from kvtier.io.cpu_buffer import (
-    CpuBlockBuffer,
-    cpu_buffer_path,
-    mapped_bytes,
-    reclaim_stale_cpu_files,
-)
+from kvtier.io.cpu_buffer import CpuBlockBuffer, mapped_bytes
+from kvtier.io.cpu_files import cpu_buffer_path, reclaim_stale_cpu_files
 from kvtier.io.safe_open import InUseError
 
 logger = logging.getLogger("kvtier.connector")

@@ -50,7 +50,7 @@ from kvtier.connector.identity import describe_settings, namespace
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.scheduler.disk_runtime import DiskRuntime
 from kvtier.connector.topology import check_single_node
-from kvtier.io.cpu_buffer import cpu_buffer_path
+from kvtier.io.cpu_files import cpu_buffer_path
 from kvtier.io.format import LayoutFingerprint, slot_size
 from kvtier.io.store_dir import store_dirname
 

@@ -86,7 +86,8 @@ def test_bad_geometry() -> None:
 def test_last_owner_leaves_nothing_in_the_shared_memory_directory(tmp_path):
     import os
 
-    from kvtier.io.cpu_buffer import CpuBlockBuffer, cpu_buffer_dir
+    from kvtier.io.cpu_buffer import CpuBlockBuffer
+    from kvtier.io.cpu_files import cpu_buffer_dir
 
     # A private base: the real /dev/shm/kvtier-<euid> is shared with any
     # engine this user runs meanwhile, whose files would keep it alive.

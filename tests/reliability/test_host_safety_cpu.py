@@ -25,12 +25,8 @@ from test_host_safety_disk import NOBODY, as_user, needs_root
 from kvtier.connector.config import ConfigError
 from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
 from kvtier.io import cpu_buffer as cpu_buffer_mod
-from kvtier.io.cpu_buffer import (
-    CpuBlockBuffer,
-    cpu_buffer_dir,
-    cpu_buffer_path,
-    reclaim_stale_cpu_files,
-)
+from kvtier.io.cpu_buffer import CpuBlockBuffer
+from kvtier.io.cpu_files import cpu_buffer_dir, cpu_buffer_path, reclaim_stale_cpu_files
 from kvtier.io.safe_open import InUseError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

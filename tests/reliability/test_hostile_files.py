@@ -94,7 +94,8 @@ def test_fifo_named_like_a_cpu_tier_file_is_refused_not_waited_on(
     os.mkfifo(fifo, 0o600)
     p = run_python(
         f"""
-    from kvtier.io.cpu_buffer import CpuBlockBuffer, reclaim_stale_cpu_files
+    from kvtier.io.cpu_buffer import CpuBlockBuffer
+    from kvtier.io.cpu_files import reclaim_stale_cpu_files
     assert reclaim_stale_cpu_files({str(shm)!r}) == []
     try:
         CpuBlockBuffer(4, 4096, {str(fifo)!r}, owner=True)

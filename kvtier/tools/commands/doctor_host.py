@@ -5,7 +5,7 @@
   never hang and never need a GPU to answer);
 - shared memory for the CPU tier (the engine's own space rule,
   :func:`kvtier.connector.host.check_shm_space`) and dead engines' files
-  there (:func:`kvtier.io.cpu_buffer.reclaim_stale_cpu_files`);
+  there (:func:`kvtier.io.cpu_files.reclaim_stale_cpu_files`);
 - prefix hashing: whether block keys survive a restart.
 """
 
@@ -103,7 +103,7 @@ def shm_base(base: str | None) -> str:
 
 def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]:
     """Room for ``cpu_bytes_to_use`` and stale CPU-tier files of this user."""
-    from kvtier.io.cpu_buffer import reclaim_stale_cpu_files
+    from kvtier.io.cpu_files import reclaim_stale_cpu_files
 
     base = shm_base(base)
     directory = os.path.join(base, f"kvtier-{os.geteuid()}")
