@@ -113,10 +113,17 @@ class LoadPlanner:
             if room:
                 order = distinct[:room]
                 rows = dict(zip(order, cpu.allocate_many(order, "promote")))
-        # _make: the NamedTuple built in C (its __new__ is a Python frame).
+        # tuple.__new__ builds the NamedTuples in C (their __new__ and
+        # _make are Python frames).
         rows_pop = rows.pop
         promote_slots = [rows_pop(k, None) for k in keys] if rows else repeat(None)
-        locations = list(map(BlockLocation._make, zip(media, slots, promote_slots)))
+        locations = list(
+            map(
+                tuple.__new__,
+                repeat(BlockLocation),
+                zip(media, slots, promote_slots),
+            )
+        )
         # Touched tail first: the head ranks newest. The two tiers' policies
         # are independent, so one batch per tier is the same as the
         # interleaved per-key touches.

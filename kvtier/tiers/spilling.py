@@ -134,8 +134,15 @@ class SpillQueue:
         pop_oldest = dirty.popitem
         for _ in spilled:
             pop_oldest(last=False)
-        # _make: the NamedTuple built in C (its __new__ is a Python frame).
-        items = list(map(TransferItem._make, zip(spilled, cpu_slots, disk_slots)))
+        # tuple.__new__ builds the NamedTuples in C (their __new__ and
+        # _make are Python frames).
+        items = list(
+            map(
+                tuple.__new__,
+                itertools.repeat(TransferItem),
+                zip(spilled, cpu_slots, disk_slots),
+            )
+        )
         spilling, batch = self.spilling, self.batch
         for i in range(0, len(items), batch):
             chunk = tuple(items[i : i + batch])

@@ -211,7 +211,6 @@ class Tier:
         slots. Caller checked room for all. O(len(keys))."""
         blocks, free = self._blocks, self._free
         slots: list[int] = []
-        done = 0
         try:
             for key in keys:
                 if key in blocks:
@@ -219,11 +218,11 @@ class Tier:
                 slot = free.pop() if free else self._take_slot()
                 blocks[key] = TierBlock(slot, _WRITING, 0, origin)
                 slots.append(slot)
-                done += 1
         finally:
             # The policy learns of the blocks allocated (all of them, or
-            # those before a failure), in order; WRITING: never eligible,
-            # so only their positions are recorded.
+            # those before a failure: one slot each), in order; WRITING:
+            # never eligible, so only their positions are recorded.
+            done = len(slots)
             allocated = keys if done == len(keys) else keys[:done]
             self.index.pos.update(zip(allocated, self.policy.insert_many(allocated)))
         return slots
