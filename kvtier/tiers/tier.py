@@ -332,17 +332,7 @@ class Tier:
 
     def refresh(self, key: Hashable) -> None:
         """Re-evaluate whether ``key`` may be a victim. O(log n)."""
-        block = self._blocks.get(key)
-        if block is None:
-            return
-        if (
-            block.state is _READY
-            and not block.pins
-            and (self.filter is None or self.filter(key, block))
-        ):
-            self.index.admit(key)
-        else:
-            self.index.eligible.discard(key)
+        self.refresh_many((key,))
 
     def refresh_many(self, keys: Sequence[Hashable], accepted: bool = False) -> None:
         """``refresh(key)`` for each key in order. ``accepted``: as for
