@@ -233,13 +233,20 @@ class TierHierarchy:
         cpu = self.cpu
         cpu_get = cpu.get
         disk_get = self._disk_get
+        touched: list[Key] = []
         for key in keys:
             if cpu_get(key) is not None or disk_get(key) is not None:
                 present.add(key)
-                self.touch((key,))
+                touched.append(key)
             elif key not in present:
                 present.add(key)
                 new_keys.append(key)
+        if touched:
+            # Used again, in offer order (the last ends up most recent): one
+            # batch per tier equals a touch of each key in turn (the tiers'
+            # policies are independent and nothing above read them).
+            touched.reverse()
+            self.touch(touched)
         if not new_keys:
             return StorePlan([], [], [])
 
@@ -287,25 +294,34 @@ class TierHierarchy:
 
     def complete_store(self, keys: Iterable[Key], success: bool = True) -> None:
         """Make stored keys readable, or forget them if the store failed."""
-        cpu = self.cpu
-        cpu_get = cpu.get
-        stored: list[Key] = []
-        for key in reversed(list(keys)):
-            block = cpu_get(key)
-            if block is not None and block.state is WRITING and block.origin == "store":
-                stored.append(key)
-        if len(set(stored)) != len(stored):
-            stored = list(dict.fromkeys(stored))  # a key offered twice
-        if not success:
-            cpu.remove_many(stored, False)
-            self.stats.stores_failed += len(stored)
-            stored = []
+        # Tail first: with a disk tier, the dirty queue then spills a
+        # prompt's tail before its head.
+        order = list(keys)
+        order.reverse()
         spills = self._spills
+        if success and spills is not None:
+            # One pass checks, marks and queues each block.
+            stored = spills.stored(order)
+        else:
+            cpu_get = self.cpu.get
+            stored = []
+            for key in order:
+                block = cpu_get(key)
+                if (
+                    block is not None
+                    and block.state is WRITING
+                    and block.origin == "store"
+                ):
+                    stored.append(key)
+            if len(set(stored)) != len(stored):
+                stored = list(dict.fromkeys(stored))  # a key offered twice
+            if not success:
+                self.cpu.remove_many(stored, False)
+                self.stats.stores_failed += len(stored)
+                stored = []
+            elif stored:
+                self.cpu.mark_ready_many(stored)
         if stored:
-            if spills is not None:
-                spills.stored(stored)
-            else:
-                cpu.mark_ready_many(stored)
             stored.reverse()
             self.stats.stores_completed += len(stored)
             self._emit(stored, MEDIUM_CPU, removed=False, reason="store")

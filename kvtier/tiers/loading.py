@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.plans import BlockLocation, HierarchyStats, Key, LoadPlan
-from kvtier.tiers.tier import BlockState, Tier, TierBlock
+from kvtier.tiers.tier import BlockState, Tier
 
 # How many eviction candidates a load may inspect to find a CPU row for a
 # promotion: a promotion is an extra, so it never pays for a long scan.
@@ -74,65 +75,65 @@ class LoadPlanner:
             promote = self.promote_on_hit
         cpu, disk = self.cpu, self.disk
         ready = BlockState.READY
-        blocks: list[TierBlock] = []
+        cpu_get = cpu.get
+        disk_get = disk.get if disk is not None else {}.get
+        # One pass sorts the keys by source, in key order; ``wanted``: disk
+        # keys with no CPU block at all (one being written already has its
+        # row), which may be promoted.
+        slots: list[int] = []
         media: list[str] = []
+        on_cpu: list[Key] = []
+        on_disk: list[Key] = []
+        wanted: list[Key] = []
         for key in keys:
-            block = cpu.get(key)
+            block = cpu_get(key)
             if block is not None and block.state is ready:
                 media.append(MEDIUM_CPU)
+                on_cpu.append(key)
             else:
-                block = disk.get(key) if disk is not None else None
+                if block is None:
+                    wanted.append(key)
+                block = disk_get(key)
                 if block is None or block.state is not ready:
                     raise KeyError(f"prepare_load of {key!r}, which is not ready")
                 media.append(MEDIUM_DISK)
-            blocks.append(block)
+                on_disk.append(key)
+            slots.append(block.slot)
         # Pin before making room for promotions: the victims must never
         # include a block this very load reads.
-        on_cpu = [k for k, m in zip(keys, media) if m == MEDIUM_CPU]
         cpu.pin_many(on_cpu)
-        if disk is not None and len(on_cpu) < len(keys):
-            disk.pin_many([k for k, m in zip(keys, media) if m == MEDIUM_DISK])
-        # Rows for promotions: only keys that have no CPU block at all (one
-        # being written already has its row), found by a short scan.
-        promote_keys: set[Key] = set()
-        if promote and disk is not None:
-            wanted = [
-                k for k, m in zip(keys, media) if m == MEDIUM_DISK and k not in cpu
-            ]
-            if wanted:
-                room = self._make_cpu_room(len(set(wanted)), PROMOTION_SCAN)
-                for key in wanted:
-                    if room == 0:
-                        break
-                    if key not in promote_keys:
-                        promote_keys.add(key)
-                        room -= 1
-        # One promotion row per key (its first occurrence), allocated in key
-        # order in one batch.
+        if on_disk:
+            disk.pin_many(on_disk)  # type: ignore[union-attr]
+        # Rows for promotions, found by a short scan: one per key (its first
+        # occurrence), allocated in key order in one batch.
         rows: dict[Key, int] = {}
-        if promote_keys:
-            order = [k for k in dict.fromkeys(keys) if k in promote_keys]
-            rows = dict(zip(order, cpu.allocate_many(order, "promote")))
-        # _make: the NamedTuple built in C (its __new__ is a Python frame).
+        if promote and wanted:
+            distinct = list(dict.fromkeys(wanted))
+            room = self._make_cpu_room(len(distinct), PROMOTION_SCAN)
+            if room:
+                order = distinct[:room]
+                rows = dict(zip(order, cpu.allocate_many(order, "promote")))
+        # tuple.__new__ builds the NamedTuples in C (their __new__ and
+        # _make are Python frames).
         rows_pop = rows.pop
+        promote_slots = [rows_pop(k, None) for k in keys] if rows else repeat(None)
         locations = list(
             map(
-                BlockLocation._make,
-                zip(media, [b.slot for b in blocks], [rows_pop(k, None) for k in keys]),
+                tuple.__new__,
+                repeat(BlockLocation),
+                zip(media, slots, promote_slots),
             )
         )
         # Touched tail first: the head ranks newest. The two tiers' policies
         # are independent, so one batch per tier is the same as the
         # interleaved per-key touches.
-        if len(on_cpu) == len(keys):
-            cpu.touch_many(on_cpu[::-1])
-        else:
-            rev = list(zip(reversed(keys), reversed(media)))
-            cpu.touch_many([k for k, m in rev if m == MEDIUM_CPU])
-            disk.touch_many([k for k, m in rev if m == MEDIUM_DISK])  # type: ignore[union-attr]
+        cpu.touch_many(on_cpu[::-1])
+        if on_disk:
+            disk.touch_many(on_disk[::-1])  # type: ignore[union-attr]
+        # Only a READY CPU block can be dirty: the keys read from disk are not.
         dirty = self._dirty
-        if dirty:
-            for key in reversed(keys):
+        if dirty and on_cpu:
+            for key in reversed(on_cpu):
                 if key in dirty:
                     dirty.move_to_end(key)
         plan = LoadPlan(self._new_job_id(), list(keys), locations)
@@ -220,7 +221,9 @@ class LoadPlanner:
             disk.unpin_many([k for k in on_disk if disk_get(k) is not None])
             stats.loads_disk += len(on_disk)
         if promoted:
-            cpu.mark_ready_many(promoted)
+            # Their disk copies are READY (read by this load, so pinned
+            # until just now): the CPU tier's filter accepts them.
+            cpu.mark_ready_many(promoted, accepted=True)
             self._promoted.update(promoted)
             stats.promotions_completed += len(promoted)
             self._emit(promoted, MEDIUM_CPU, removed=False, reason="promote")

@@ -24,7 +24,7 @@ from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.plans import HierarchyStats, Key, SpillOrder, TransferItem
 from kvtier.tiers.tier import BlockState, Tier, TierBlock
 
-READY = BlockState.READY
+READY, WRITING = BlockState.READY, BlockState.WRITING
 
 
 class SpillQueue:
@@ -67,27 +67,35 @@ class SpillQueue:
         on_disk = self.disk.get(key)
         return on_disk is not None and on_disk.state is READY
 
-    def stored(self, keys: Sequence[Key]) -> None:
-        """``keys`` (WRITING CPU blocks of a store) just finished: mark them
-        READY on CPU, dirty unless already on disk. Equal to
-        ``cpu.mark_ready_many(keys)`` then :meth:`mark_dirty_if_needed` of
-        each, minus the index work for the keys the filter rejects (a
-        WRITING block was never eligible, so only its state changes).
-        O(len(keys))."""
+    def stored(self, keys: Iterable[Key]) -> list[Key]:
+        """A store of ``keys`` finished: mark those that are WRITING CPU
+        blocks of a store READY, dirty unless already on disk, in order (a
+        key given twice is marked once: the second time it is READY);
+        returns them. Equal to ``cpu.mark_ready_many`` of those keys then
+        :meth:`mark_dirty_if_needed` of each, minus the index work for the
+        keys the filter rejects (a WRITING block was never eligible, so only
+        its state changes). O(len(keys))."""
         cpu_get, disk_get = self.cpu.get, self.disk.get
         dirty, spilling, unspillable = self.dirty, self.spilling, self.unspillable
+        stored: list[Key] = []
         clean: list[Key] = []
         for key in keys:
+            block = cpu_get(key)
+            if block is None or block.state is not WRITING or block.origin != "store":
+                continue
+            stored.append(key)
+            block.state = READY
             on_disk = disk_get(key)
             on_disk_ready = on_disk is not None and on_disk.state is READY
             if on_disk_ready or key in unspillable:
-                clean.append(key)  # the filter accepts it: index it
-            else:
-                cpu_get(key).state = READY  # type: ignore[union-attr]
+                # The filter accepts it: index it (READY already, unpinned
+                # as every block being written).
+                clean.append(key)
             if not on_disk_ready and key not in spilling:
                 dirty[key] = None
         if clean:
-            self.cpu.mark_ready_many(clean)
+            self.cpu.mark_ready_many(clean, accepted=True)
+        return stored
 
     def mark_dirty_if_needed(self, key: Key) -> None:
         if key in self.spilling:
@@ -120,20 +128,27 @@ class SpillQueue:
         # The spills read these CPU slots. Dirty blocks are never eligible,
         # so pinning them needs no index work.
         cpu_blocks = self.cpu.pin_many(spilled)
-        cpu_slots: list[int] = []
-        for key, cpu_block in zip(spilled, cpu_blocks):
-            assert cpu_block.state is READY
-            del dirty[key]
-            cpu_slots.append(cpu_block.slot)
-        # _make: the NamedTuple built in C (its __new__ is a Python frame).
-        items = list(map(TransferItem._make, zip(spilled, cpu_slots, disk_slots)))
+        cpu_slots = [block.slot for block in cpu_blocks if block.state is READY]
+        assert len(cpu_slots) == len(spilled), "a dirty block is READY"
+        # The spilled keys are the oldest dirty ones.
+        pop_oldest = dirty.popitem
+        for _ in spilled:
+            pop_oldest(last=False)
+        # tuple.__new__ builds the NamedTuples in C (their __new__ and
+        # _make are Python frames).
+        items = list(
+            map(
+                tuple.__new__,
+                itertools.repeat(TransferItem),
+                zip(spilled, cpu_slots, disk_slots),
+            )
+        )
         spilling, batch = self.spilling, self.batch
         for i in range(0, len(items), batch):
             chunk = tuple(items[i : i + batch])
             job_id = self._new_job_id()
             self.jobs[job_id] = chunk
-            for item in chunk:
-                spilling[item.key] = job_id
+            spilling.update(dict.fromkeys(spilled[i : i + batch], job_id))
             self.new_orders.append(SpillOrder(job_id, chunk))
         self.stats.spills_started += len(items)
 
@@ -147,10 +162,17 @@ class SpillQueue:
         """A spill job finished; keys in ``failed_keys`` did not reach disk."""
         items = self.jobs.pop(job_id)
         failed = set(failed_keys)
-        cpu, core, spilling = self.cpu, self.core, self.spilling
-        keys = [item.key for item in items]
-        for key in keys:
-            spilling.pop(key, None)
+        cpu, core, spilling_pop = self.cpu, self.core, self.spilling.pop
+        # One pass: the keys, out of flight, and those still on CPU (all of
+        # them unless a reset came in between).
+        cpu_get = cpu.get
+        keys: list[Key] = []
+        on_cpu: list[Key] = []
+        for key, _, _ in items:
+            keys.append(key)
+            spilling_pop(key, None)
+            if cpu_get(key) is not None:
+                on_cpu.append(key)
         done = [k for k in keys if k not in failed] if failed else keys
         if failed:
             lost = [k for k in keys if k in failed]
@@ -161,10 +183,10 @@ class SpillQueue:
                     # Let the tier drop it later instead of retrying.
                     self.unspillable.add(key)
         core.complete(done)  # reported as stored on disk (spill)
-        # Unpinned after the disk side changed, so the one refresh of the
-        # CPU index sees each block clean (droppable) or unspillable.
-        cpu_get = cpu.get
-        cpu.unpin_many([k for k in keys if cpu_get(k) is not None])
+        # Unpinned after the disk side changed, so that each block is now
+        # droppable: READY on disk, or unspillable (a failed one still on
+        # CPU is READY there, as it was pinned). The filter is not asked.
+        cpu.unpin_many(on_cpu, accepted=True)
         self.stats.spills_completed += len(done)
 
     def disk_dropped(self, keys: Sequence[Key], evicted: bool) -> None:
@@ -174,24 +196,32 @@ class SpillQueue:
         if not keys:
             return
         cpu = self.cpu
-        cpu_get, refresh = cpu.get, cpu.refresh
+        cpu_get = cpu.get
+        if evicted:
+            # The disk judged these blocks its least valuable: respilling
+            # one would evict a better one. A READY CPU copy may now be
+            # dropped like a clean block (unspillable: the filter accepts
+            # it), and stays out of the spill queue, where it would hold a
+            # stale position.
+            unspillable = self.unspillable
+            on_cpu: list[Key] = []
+            for key in keys:
+                block = cpu_get(key)
+                if block is not None:
+                    on_cpu.append(key)
+                    if block.state is READY:
+                        unspillable.add(key)
+            cpu.refresh_many(on_cpu, accepted=True)
+            self.stats.disk_evictions += len(keys)
+            return
+        refresh = cpu.refresh
         for key in keys:
             block = cpu_get(key)
             if block is None:
                 continue
             if block.state is READY:
-                if evicted:
-                    # The disk judged this block its least valuable:
-                    # respilling it would evict a better one. Its CPU copy
-                    # may now be dropped like a clean block (and stays out
-                    # of the spill queue, where it would hold a stale
-                    # position).
-                    self.unspillable.add(key)
-                else:
-                    self.mark_dirty_if_needed(key)
+                self.mark_dirty_if_needed(key)
             refresh(key)
-        if evicted:
-            self.stats.disk_evictions += len(keys)
 
     def forget(self, keys: Sequence[Key]) -> None:
         """``keys`` left the CPU tier."""

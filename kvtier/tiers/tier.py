@@ -211,7 +211,6 @@ class Tier:
         slots. Caller checked room for all. O(len(keys))."""
         blocks, free = self._blocks, self._free
         slots: list[int] = []
-        done = 0
         try:
             for key in keys:
                 if key in blocks:
@@ -219,18 +218,21 @@ class Tier:
                 slot = free.pop() if free else self._take_slot()
                 blocks[key] = TierBlock(slot, _WRITING, 0, origin)
                 slots.append(slot)
-                done += 1
         finally:
             # The policy learns of the blocks allocated (all of them, or
-            # those before a failure), in order; WRITING: never eligible,
-            # so only their positions are recorded.
+            # those before a failure: one slot each), in order; WRITING:
+            # never eligible, so only their positions are recorded.
+            done = len(slots)
             allocated = keys if done == len(keys) else keys[:done]
             self.index.pos.update(zip(allocated, self.policy.insert_many(allocated)))
         return slots
 
-    def mark_ready_many(self, keys: Sequence[Hashable]) -> None:
-        """``mark_ready(key)`` for each key in order. O(len(keys) log n)."""
-        blocks, accept = self._blocks, self.filter
+    def mark_ready_many(self, keys: Sequence[Hashable], accepted: bool = False) -> None:
+        """``mark_ready(key)`` for each key in order. ``accepted``: the
+        caller vouches that the tier's filter accepts every key, so it is
+        not asked (same result, one call less per key). O(len(keys) log n)."""
+        blocks = self._blocks
+        accept = None if accepted else self.filter
         discard = self.index.eligible.discard
         admitted: list[Hashable] = []
         for key in keys:
@@ -256,9 +258,11 @@ class Tier:
             out.append(block)
         return out
 
-    def unpin_many(self, keys: Sequence[Hashable]) -> None:
-        """``unpin(key)`` for each key in order. O(len(keys) log n)."""
-        blocks, accept = self._blocks, self.filter
+    def unpin_many(self, keys: Sequence[Hashable], accepted: bool = False) -> None:
+        """``unpin(key)`` for each key in order. ``accepted``: as for
+        :meth:`mark_ready_many`. O(len(keys) log n)."""
+        blocks = self._blocks
+        accept = None if accepted else self.filter
         discard = self.index.eligible.discard
         admitted: list[Hashable] = []
         for key in keys:
@@ -328,23 +332,29 @@ class Tier:
 
     def refresh(self, key: Hashable) -> None:
         """Re-evaluate whether ``key`` may be a victim. O(log n)."""
-        block = self._blocks.get(key)
-        if block is None:
-            return
-        if (
-            block.state is _READY
-            and not block.pins
-            and (self.filter is None or self.filter(key, block))
-        ):
-            self.index.admit(key)
-        else:
-            self.index.eligible.discard(key)
+        self.refresh_many((key,))
 
-    def refresh_many(self, keys: Sequence[Hashable]) -> None:
-        """``refresh(key)`` for each key in order."""
-        refresh = self.refresh
+    def refresh_many(self, keys: Sequence[Hashable], accepted: bool = False) -> None:
+        """``refresh(key)`` for each key in order. ``accepted``: as for
+        :meth:`mark_ready_many`. O(len(keys) log n)."""
+        blocks = self._blocks
+        accept = None if accepted else self.filter
+        discard = self.index.eligible.discard
+        admitted: list[Hashable] = []
         for key in keys:
-            refresh(key)
+            block = blocks.get(key)
+            if block is None:
+                continue
+            if (
+                block.state is _READY
+                and not block.pins
+                and (accept is None or accept(key, block))
+            ):
+                admitted.append(key)
+            else:
+                discard(key)
+        if admitted:
+            self.index.admit_many(admitted)
 
     def victims(
         self,
@@ -423,7 +433,8 @@ class Tier:
         expect = [
             k
             for k in self.policy.candidates()
-            if blocks[k].evictable and (self.filter is None or self.filter(k, blocks[k]))
+            if blocks[k].evictable
+            and (self.filter is None or self.filter(k, blocks[k]))
         ]
         eligible = self.index.eligible
         assert set(expect) == eligible, (self.medium, expect, eligible)

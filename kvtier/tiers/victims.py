@@ -169,6 +169,8 @@ class VictimIndex:
         or re-admits them. Cost: O(log n) per entry inspected (the chosen,
         the excluded, those ``accept`` rejects, and stale entries, each
         dropped once)."""
+        if take and accept is None:
+            return self._take(n, runs, exclude)
         chosen: list[Hashable] = []
         held: list[tuple[int, tuple[int, Hashable]]] = []
         seen: set[Hashable] = set()
@@ -199,6 +201,48 @@ class VictimIndex:
                     eligible.discard(key)
                 else:
                     held.append((seg, entry))
+            if len(chosen) >= n:
+                break
+        self.inspected += inspected
+        heaps = self.heaps
+        for seg, entry in held:
+            heapq.heappush(heaps[seg], entry)
+        return chosen
+
+    def _take(
+        self,
+        n: int,
+        runs: Runs,
+        exclude: set[Hashable] | frozenset[Hashable],
+    ) -> list[Hashable]:
+        """``victims(n, runs, None, exclude, take=True)`` with less work per
+        entry: a chosen key leaves ``eligible`` at once, so no set of keys
+        seen is needed (a duplicate entry of a chosen key is then stale; of
+        an excluded key, held once more: the heap may keep it, the victims
+        are the same)."""
+        chosen: list[Hashable] = []
+        held: list[tuple[int, tuple[int, Hashable]]] = []
+        eligible, pos, heaped = self.eligible, self.pos, self.heaped
+        discard, heappop = eligible.discard, heapq.heappop
+        inspected = 0
+        for seg, stop in runs:
+            heap = self.heaps[seg]
+            while heap and len(chosen) < n:
+                if stop is not None and heap[0][0] >= stop:
+                    break  # the rest of this segment comes in a later run
+                entry = heappop(heap)
+                inspected += 1
+                stamp, key = entry
+                if key not in eligible or pos[key] != (seg, stamp):
+                    # Stale or dormant: gone for good.
+                    if heaped.get(key) == stamp:
+                        del heaped[key]
+                elif key in exclude:
+                    held.append((seg, entry))
+                else:
+                    chosen.append(key)
+                    del heaped[key]
+                    discard(key)
             if len(chosen) >= n:
                 break
         self.inspected += inspected
