@@ -91,14 +91,19 @@ def as_tier_error(exc: ConfigError) -> TierConfigError:
 
 
 def parse_tier_config(
-    tier_config: Mapping[str, Any], *, check_paths: bool = True
+    tier_config: Mapping[str, Any],
+    *,
+    check_paths: bool = True,
+    cpu_bytes_to_use: int = 1,
 ) -> KvtierConfig:
     """Validate one ``KvtierDiskTier`` entry; raise :class:`TierConfigError`.
 
     The values are checked by the full spec's own schema
     (:func:`kvtier.connector.config.parse_extra_config`), so both modes
     accept exactly the same disk settings; ``check_paths`` also checks the
-    directories (exist, writable, room for the budget)."""
+    directories (exist, writable, room for the budget). The primary (CPU)
+    tier is vLLM's: ``cpu_bytes_to_use`` is its budget where a caller knows
+    it (``kvtier doctor``), else a placeholder the tier never uses."""
     unknown = sorted(k for k in tier_config if k not in TIER_KEY_NAMES)
     if unknown:
         raise TierConfigError(
@@ -112,7 +117,7 @@ def parse_tier_config(
         raise TierConfigError(
             "locality", f"got {locality!r}; accepted values: LOCAL (a local disk)"
         )
-    mapped: dict[str, Any] = {"cpu_bytes_to_use": 1}  # the primary's, not ours
+    mapped: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes_to_use}
     for key in (
         "disk_bytes_to_use",
         "disk_path",

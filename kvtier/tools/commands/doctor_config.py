@@ -199,10 +199,9 @@ def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
             "secondary_tiers",
             f"no entry of type {DISK_TIER_TYPE!r}; kvtier has nothing to do here",
         )
-    cfg = parse_tier_config(tiers[0], check_paths=False)
     if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu <= 0:
         raise ConfigError("cpu_bytes_to_use", f"expected an integer > 0, got {cpu!r}")
-    return dataclasses.replace(cfg, cpu_bytes_to_use=cpu)
+    return parse_tier_config(tiers[0], check_paths=False, cpu_bytes_to_use=cpu)
 
 
 def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
