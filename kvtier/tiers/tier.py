@@ -232,20 +232,9 @@ class Tier:
         caller vouches that the tier's filter accepts every key, so it is
         not asked (same result, one call less per key). O(len(keys) log n)."""
         blocks = self._blocks
-        accept = None if accepted else self.filter
-        discard = self.index.eligible.discard
-        admitted: list[Hashable] = []
         for key in keys:
-            block = blocks[key]
-            block.state = _READY
-            # refresh(key), inlined: READY now, so eligible iff unpinned
-            # and the filter allows it.
-            if not block.pins and (accept is None or accept(key, block)):
-                admitted.append(key)
-            else:
-                discard(key)
-        if admitted:
-            self.index.admit_many(admitted)
+            blocks[key].state = _READY
+        self.refresh_many(keys, accepted)
 
     def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
         """``pin(key)`` for each key in order; returns the blocks. O(len)."""
@@ -262,23 +251,15 @@ class Tier:
         """``unpin(key)`` for each key in order. ``accepted``: as for
         :meth:`mark_ready_many`. O(len(keys) log n)."""
         blocks = self._blocks
-        accept = None if accepted else self.filter
-        discard = self.index.eligible.discard
-        admitted: list[Hashable] = []
+        idle: list[Hashable] = []
         for key in keys:
             block = blocks[key]
             if block.pins <= 0:
                 raise RuntimeError(f"unpin of unpinned {key!r} in {self.medium} tier")
             block.pins -= 1
-            if block.pins:
-                continue
-            # refresh(key), inlined.
-            if block.state is _READY and (accept is None or accept(key, block)):
-                admitted.append(key)
-            else:
-                discard(key)
-        if admitted:
-            self.index.admit_many(admitted)
+            if not block.pins:
+                idle.append(key)
+        self.refresh_many(idle, accepted)
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         """``touch(key)`` for each key in order (the last ends up most
