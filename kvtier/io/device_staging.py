@@ -311,6 +311,21 @@ class DeviceStagingReader:
         self._count(out, got, seconds)
         return out
 
+    def ready(self, pending: PendingStage) -> bool:
+        """Whether every read of a submitted batch returned (``complete``
+        would not wait for the disk)."""
+        return all(_returned(w) for w in pending.waiters if w is not None)
+
+    def wait(self, pending: PendingStage, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a submitted batch's reads;
+        whether they all returned."""
+        deadline = time.monotonic() + timeout
+        while not self.ready(pending):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
     def abandon(self, pending: PendingStage) -> None:
         """Wait for a submitted batch's reads without checking it (a caller
         that gives the job up): afterwards its rows may be reused."""
@@ -426,6 +441,15 @@ class DeviceStagingReader:
         heads = np.zeros((count, HEADER_SIZE), dtype=np.uint8)
         heads[:, :FIXED_HEADER_LEN] = part.numpy()
         return heads
+
+
+def _returned(waiter: Callable[[], int]) -> bool:
+    """Whether a read's waiter would return at once: kvikio's waiters say so
+    (``done``), the back end's are a Future's ``result``."""
+    done = getattr(waiter, "done", None)
+    if done is None:
+        done = getattr(getattr(waiter, "__self__", None), "done", None)
+    return True if done is None else bool(done())
 
 
 def _host_area(nbytes: int) -> tuple[np.ndarray, Any]:

@@ -182,8 +182,9 @@ class KvikioBackend(DiskBackend):
         asynchronous ``CuFile.pread`` (an IOFuture that kvikio splits over its
         thread pool; device buffers go NVMe -> GPU under GDS) and return a
         function that waits for it and returns the byte count (short at end
-        of file, like ``submit_read``) or raises OSError. Bad arguments raise
-        here; so does a failure to start (as OSError)."""
+        of file, like ``submit_read``) or raises OSError; its ``done()``
+        says whether it would return at once. Bad arguments raise here; so
+        does a failure to start (as OSError)."""
         target, nbytes = _as_target(buf, for_read=True)
         _check_offset(offset)
         try:
@@ -201,6 +202,8 @@ class KvikioBackend(DiskBackend):
             except Exception as exc:
                 raise _to_oserror(exc, "read", handle.path) from exc
 
+        # Whether ``wait`` would return at once (kvikio's IOFuture.done).
+        wait.done = lambda: fut is None or bool(fut.done())  # type: ignore[attr-defined]
         return wait
 
     def submit_write(self, handle: KvikioHandle, buf: Any, offset: int) -> Future[int]:

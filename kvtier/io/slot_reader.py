@@ -208,6 +208,17 @@ class SlotReader:
         self.files.count(nbytes=nbytes, seconds=dt, ok=ok, checksum_failures=corrupt)
         return results
 
+    def ready(self, pending: PendingRead) -> bool:
+        """Whether every read of a submitted batch returned (``complete``
+        would not wait)."""
+        return all(f.done() for f in pending.parts if isinstance(f, Future))
+
+    def wait(self, pending: PendingRead, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a submitted batch's reads;
+        whether they all returned."""
+        futures = [f for f in pending.parts if isinstance(f, Future)]
+        return not wait(futures, timeout).not_done
+
     def abandon(self, pending: PendingRead) -> None:
         """Wait for a submitted batch's reads without verifying it (a caller
         that gives the job up): afterwards its rows may be reused."""

@@ -207,38 +207,116 @@ def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, cap
     _complete(r, keys, ctx)
 
 
-def test_expedited_loads_go_ahead_of_queued_ones(runner, plan):
+def _record_reads(r: RequestRunner, jobs: dict[bytes, int]) -> list[int]:
+    """The job of every read batch the load thread starts, in order
+    (``jobs`` maps each job's first key to its id)."""
+    reader = r.worker.reader
+    real = reader.submit
+    order: list[int] = []
+
+    def submit(items, first_row=0):
+        order.append(jobs[items[0][1]])
+        return real(items, first_row=first_row)
+
+    reader.submit = submit
+    return order
+
+
+def test_jobs_take_turns_and_expedited_loads_go_first(runner, plan):
+    """While job 1's read is held, job 3 (expedited) and then job 2 are read
+    through the other bounce half and finish: no job waits for another's
+    disk."""
     r = runner
     first = push_to_disk(r, [1, 2], others="bcdef")
     second, third = r.keys("b", 4)[:2], r.keys("c", 4)[:2]
-    order: list[int] = []
-    real_run = r.worker.loads._run_task
-
-    def run_task(task):
-        order.append(task.job_id)
-        return real_run(task)
-
-    r.worker.loads._run_task = run_task
+    order = _record_reads(r, {first[0]: 1, second[0]: 2, third[0]: 3})
     release = threading.Event()
     rule = plan.add(FaultRule.hang(release, ops="read", first_n=1))
     try:
         ctxs = [_submit(r, first, [40, 41], job_id=1)]
         _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held read")
+        # Both queued while the thread waits on job 1's read: then the
+        # expedited one goes first.
+        reader, parked, gate = r.worker.reader, threading.Event(), threading.Event()
+        real_wait = reader.wait
+
+        def wait(pending, timeout):
+            parked.set()
+            gate.wait(DEADLINE_S)
+            return real_wait(pending, timeout)
+
+        reader.wait = wait
+        assert parked.wait(DEADLINE_S)
         ctxs.append(_submit(r, second, [44, 45], job_id=2))
         assert r.lookup("x", third) == 2
         spec = r.manager.prepare_load(third, r.ctx)
         ctxs.append(r.ctx)
-        r.worker.submit_load(
-            3, spec, GPULoadStoreSpec([48, 49], [2], [0]), expedited=True
+        r.worker.submit_load(3, spec, GPULoadStoreSpec([48, 49], [2], [0]), expedited=True)
+        gate.set()
+        done = []
+        _wait_for(
+            lambda: done.extend(r.worker.get_finished()) or len(done) == 2,
+            "jobs 2 and 3 while job 1's read is held",
         )
+        assert sorted((d.job_id, d.success) for d in done) == [(2, True), (3, True)]
+        assert order == [1, 3, 2]
+        assert _landed(r, second + third, [44, 45, 48, 49]) == [True] * 4
     finally:
         release.set()
-    r.worker.wait({1, 2, 3})
-    assert order == [1, 3, 2]
-    assert sorted(d.job_id for d in r.worker.get_finished()) == [1, 2, 3]
+    assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(1, True)]
     plan.remove(rule)
     for keys, ctx in zip([first, second, third], ctxs):
         _complete(r, keys, ctx)
+
+
+def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplog):
+    """A read that does not return costs its batch (reported failed after
+    ``stall_s``) and, until it returns, its bounce half: later loads go
+    through the other half; with both halves held, disk blocks fail at once
+    while CPU-tier rows still load; once the reads return, all is well."""
+    r = runner
+    first = push_to_disk(r, [1, 2], others="bcdef")
+    second, third, fourth = (r.keys(n, 4)[:2] for n in "bcd")
+    on_cpu = r.store("z", [30, 31])
+    r.worker.loads.stall_s = 0.3
+    release = threading.Event()
+    rule = plan.add(FaultRule.hang(release, ops="read", first_n=2))
+    try:
+        with caplog.at_level("WARNING", logger="kvtier.connector"):
+            ctx1 = _submit(r, first, [40, 41], job_id=1)
+            _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the first held read")
+            ctx2 = _submit(r, second, [44, 45], job_id=2)
+            _wait_for(lambda: plan.count(FaultKind.HANG) >= 2, "the second held read")
+            done = wait_finished(r.worker, count=2)
+            assert sorted((d.job_id, d.success) for d in done) == [(1, False), (2, False)]
+            for job, keys, ctx in ((1, first, ctx1), (2, second, ctx2)):
+                error = r.worker.take_load_error(job)
+                assert error.keys == keys  # the stalled reads' blocks
+                _complete(r, keys, ctx, error)
+            assert sum("have not returned" in m for m in caplog.messages) == 2
+            # Both halves wait for their reads: a disk block fails at once
+            # (long before any deadline), a CPU-tier row still loads.
+            mixed = on_cpu + third
+            started = time.monotonic()
+            ctx3 = _submit(r, mixed, [50, 51, 52, 53], job_id=3)
+            done = wait_finished(r.worker)
+            assert time.monotonic() - started < r.worker.deadline_s / 2
+            assert [(d.job_id, d.success) for d in done] == [(3, False)]
+            error = r.worker.take_load_error(3)
+            assert error.keys == third and error.gpu_block_ids == {52, 53}
+            assert _landed(r, on_cpu, [50, 51]) == [True, True]
+            _complete(r, mixed, ctx3, error)
+    finally:
+        release.set()
+    # The reads return: their halves are used again, and they wrote nothing
+    # where vLLM might look.
+    plan.remove(rule)
+    assert not any(_landed(r, first + second, [40, 41, 44, 45]))
+    _wait_for(lambda: not r.worker.loads._stuck, "the stalled reads to be reaped")
+    ctx4 = _submit(r, fourth, [56, 57], job_id=4)
+    assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(4, True)]
+    assert _landed(r, fourth, [56, 57]) == [True, True]
+    _complete(r, fourth, ctx4)
 
 
 def test_shutdown_mid_read_is_bounded_and_never_unmaps_under_a_read(
@@ -265,6 +343,8 @@ def test_shutdown_mid_read_is_bounded_and_never_unmaps_under_a_read(
     thread = r.worker.loads._thread
     thread.join(DEADLINE_S)
     assert not thread.is_alive()
+    # The read returned after shutdown: nothing of it reached the KV cache.
+    assert not any(_landed(r, keys, [40, 41, 42, 43]))
     r.worker.reader.close()
     buffer.close()
     r.manager.shutdown()

@@ -333,6 +333,47 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     assert [h.lookup(k).name for k in third] == ["HIT_DISK"] * 2
 
 
+def test_a_batch_copy_that_raises_fails_its_job_not_the_engine(runner, monkeypatch):
+    """On accelerators the model runner's thread issues a verified batch's
+    copies from ``get_finished``; an exception there (vLLM's handler, the
+    scatter) fails that job whole instead of leaving ``get_finished``, and
+    the bounce half goes back."""
+    r = runner
+    late, r.worker.copies = r.worker.copies, r.worker.copies.inner
+    on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
+    r.worker.copies = late
+    r.worker.reader.capacity = 2  # a batch per block
+    real_submit = late.submit
+    issued: list[str] = []
+
+    def submit(area, group, plan, to_host, expedited=False):
+        issued.append(area)
+        if area == "disk" and len(issued) == 2:
+            raise RuntimeError("a bug in the copy path")
+        return real_submit(area, group, plan, to_host, expedited)
+
+    monkeypatch.setattr(late, "submit", submit)
+    ctx = _submit_disk_load(r, "a", on_disk[:3], [50, 51, 52], job_id=9)
+    done, _ = _poll_until(r, {9})  # never raises from get_finished
+    assert done[0].success is False
+    assert r.worker.exceptions.count == 1
+    error = r.worker.take_load_error(9)
+    assert error.keys == [] and error.unloaded == on_disk[:3]
+    assert error.gpu_block_ids == {50, 51, 52}
+    assert r.worker._bounce_readers == [set(), set()]
+    assert r.worker.book.empty() and not late.queued
+    r.manager.note_worker_report(
+        WorkerReport({ctx.req_id: error.keys}, {ctx.req_id: error.unloaded})
+    )
+    r.manager.complete_load(on_disk[:3], ctx)
+    r.manager.on_request_finished(ctx)
+    # Both halves serve the next job.
+    monkeypatch.setattr(late, "submit", real_submit)
+    ctx = _submit_disk_load(r, "a2", on_disk, [56, 57, 58, 59], job_id=10)
+    assert [d.success for d in _poll_until(r, {10})[0]] == [True]
+    _finish(r, on_disk, [56, 57, 58, 59], ctx)
+
+
 def test_a_store_that_raises_fails_and_its_rows_are_given_back(runner, monkeypatch):
     r = runner
     assert r.worker.contain_exceptions  # built under kvtier's connector

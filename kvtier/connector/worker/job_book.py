@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferResult
 
 from kvtier.connector.worker.job_errors import LoadError, whole_load_error
-from kvtier.connector.worker.load_runner import LoadTask
+from kvtier.connector.worker.load_task import LoadTask
 from kvtier.io.block_copy import CopyPath, CopyPlan
 
 

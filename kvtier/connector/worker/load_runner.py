@@ -3,35 +3,34 @@ model runner's thread.
 
 vLLM calls ``submit_load`` on the model runner's thread, between engine
 steps; whatever it does there, every running request waits for (vLLM 0.33:
-"Submission itself must still not block"). The worker therefore only plans
-a load there (index arithmetic, microseconds per block) and hands the job to
-this thread, which does what takes time:
-
-- reads the job's disk slots batch by batch into the reader's bounce area,
-  pipelined over the area's two halves: batch k+1's reads run on the back
-  end's threads (one ``preadv`` per run of consecutive slots) while batch k
-  is verified and copied;
-- verifies every slot (:meth:`~kvtier.io.slot_reader.SlotReader.complete`)
-  and copies a verified block that has a promotion row into that CPU row;
-- with a synchronous copy path (the CPU platform, where the "GPU" KV cache
-  is host memory) also copies into the KV cache, from CPU rows and from the
-  bounce area, then frees the half;
-- with an asynchronous copy path (CUDA: vLLM's transfer handlers, used by
-  one thread only) posts each verified batch instead: the model runner's
-  thread issues its copies from ``get_finished`` and frees the half with
-  :meth:`LoadRunner.release` once they landed.
+"Submission itself must still not block"). The worker only plans a load
+there and hands its :class:`~kvtier.connector.worker.load_task.LoadTask` to
+this thread, which reads the disk slots batch by batch into the reader's
+bounce area, pipelined over the area's two halves (batch k+1's reads run on
+the back end's threads while batch k is verified and copied), verifies
+every slot, copies a verified block that has a promotion row into that CPU
+row, and then either copies into the KV cache itself (a synchronous copy
+path: the CPU platform, whose "GPU" KV cache is host memory, CPU-tier rows
+included) or posts the verified batch (:class:`BatchReady`) for the model
+runner's thread to issue on vLLM's transfer handlers, which frees the half
+(:meth:`LoadRunner.release`) once the copies landed.
 
 Why one thread and whole batches: an in-process engine's loop spins without
 sleeping, so a background thread gets the GIL back only at the
 interpreter's switch interval (5 ms) each time it blocks. Work handed over
-per batch and per job, never per block, keeps that cost per batch. Jobs run
-one after another in submission order; expedited loads (vLLM 0.33's
-synchronous loads, waited on within the step) go first.
+per batch and per job, never per block, keeps that cost per batch.
 
-Results travel back through :meth:`LoadRunner.take`: :class:`BatchReady`
-items (asynchronous copy paths only) and then the finished
-:class:`LoadTask`, in that order, so a task's batches are always taken before
-the task itself.
+Several jobs are in flight at once: the thread works in units (one read
+batch, or one batch of CPU-row copies) and takes turns between the jobs it
+holds, so a CPU-tier hit or a short prefix never waits for a long prefix to
+come off disk; expedited loads (vLLM 0.33's synchronous loads, waited on
+within the step) take the next unit. A read that does not return within
+``LoadRunner.stall_s`` costs its blocks (reported failed) and, until it
+returns, its bounce half; with every half held so, disk blocks fail at once
+(a recompute) while CPU-row copies go on.
+
+Results travel back through :meth:`LoadRunner.take`: a task's
+:class:`BatchReady` items first, then the task itself.
 """
 
 from __future__ import annotations
@@ -42,18 +41,15 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from kvtier.connector.specs import TierLoadSpec
-from kvtier.connector.worker.job_plan import GroupPlan, select_rows
-from kvtier.io.block_copy import CopyPath, CopyPlan
-from kvtier.io.device_staging import DeviceStagingReader, PendingStage
-from kvtier.io.layout import ReadOutcome
-from kvtier.io.slot_reader import PendingRead, SlotReader
+from kvtier.connector.worker.job_plan import select_rows
+from kvtier.connector.worker.load_task import BatchReady, LoadTask, ReadBatch
+from kvtier.io.block_copy import CopyPath
+from kvtier.io.device_staging import DeviceStagingReader
+from kvtier.io.slot_reader import SlotReader
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = logging.getLogger("kvtier.connector")
@@ -66,50 +62,17 @@ logger = logging.getLogger("kvtier.connector")
 # prefix loaded from disk went from 60 ms to 22 ms (decode step 9 ms),
 # while the load took 20 % longer (docs/benchmarks.md, "Step stalls").
 LOAD_THREAD_NICE = 10
-
-
-class _Stopped(Exception):
-    """The runner is stopping: the task is given up where it stands."""
-
-
-@dataclass(eq=False)
-class LoadTask:
-    """One load job's work on the load thread.
-
-    ``host_plans``: CPU-row copies the thread performs (synchronous copy
-    paths only; on accelerators the worker issues them at submission).
-    ``spec``: the job's load spec when it has disk blocks. After the thread
-    took it: ``failed`` (per block of the spec, the disk blocks that failed
-    a read or a check), ``error`` (an exception it raised: the whole job
-    failed), ``seconds`` (wall time of its host work), ``nbytes`` (bytes it
-    copied into the KV cache itself).
-
-    ``cancelled`` (set through :meth:`LoadRunner.cancel`): the worker gave
-    the job up; from then on the thread writes nothing more for it."""
-
-    job_id: int
-    groups: list[GroupPlan]
-    spec: TierLoadSpec | None = None
-    host_plans: list[tuple[int, CopyPlan]] = field(default_factory=list)
-    expedited: bool = False
-    failed: np.ndarray | None = None
-    error: BaseException | None = None
-    seconds: float = 0.0
-    nbytes: int = 0
-    cancelled: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-@dataclass(eq=False)
-class BatchReady:
-    """A verified batch in half ``half`` of the bounce area, for the model
-    runner's thread to copy: ``bounce_row[p]`` is the bounce row of block
-    ``p`` of the task's spec, -1 where the block is not in this batch or
-    failed."""
-
-    task: LoadTask
-    half: int
-    bounce_row: np.ndarray
+# A read batch whose reads have not all returned after this many seconds
+# is given up: its blocks are reported failed (a recompute) and its bounce
+# half is set aside until the reads return, so one read that hangs (a dying
+# drive's retries, a hard-mounted network file system) costs its own blocks,
+# not every load after it. A healthy drive reads a whole batch (tens of
+# MiB) in well under a second; the job deadline (the worker's) stays the
+# backstop.
+READ_STALL_S = 15.0
+# How long the thread blocks at a time on a read or on an idle queue before
+# it looks again at stalls, cancellations and new work.
+POLL_S = 0.05
 
 
 class LoadRunner:
@@ -121,7 +84,8 @@ class LoadRunner:
       - :meth:`take` returns, without blocking, what finished since the last
         call (:class:`BatchReady` items, then finished :class:`LoadTask`
         objects). Every submitted task comes back exactly once, also when it
-        raised or was cancelled, unless the runner was stopped first.
+        raised, was cancelled or its reads stalled, unless the runner was
+        stopped first.
       - :meth:`release` frees a bounce half posted in a :class:`BatchReady`
         (asynchronous copy paths): the thread never reads into a half before
         its copies were released.
@@ -147,13 +111,29 @@ class LoadRunner:
         # the buffer from unmapping at shutdown.
         self.cpu_buffer = cpu_buffer
         self.block_bytes = block_bytes
+        self.stall_s = READ_STALL_S
         self._cond = threading.Condition()
         self._queue: deque[LoadTask] = deque()
         self._out: deque[BatchReady | LoadTask] = deque()
-        self._free = [True, True]  # bounce halves not read by any copy
-        self._next_half = 0
+        self._free = [True, True]  # bounce halves no read or copy uses
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # The load thread's own state.
+        self._urgent: deque[LoadTask] = deque()  # expedited, first come first
+        self._tasks: deque[LoadTask] = deque()  # the others, taking turns
+        self._inflight: deque[ReadBatch] = deque()
+        self._stuck: list[ReadBatch] = []  # given up, reads not yet returned
+
+    @property
+    def _halves(self) -> int:
+        """Bounce halves the reads take turns in (one if a half would be
+        empty)."""
+        return 2 if self.reader is not None and self.reader.capacity >= 2 else 1
+
+    @property
+    def _per_read(self) -> int:
+        """Blocks per read batch (per unit of CPU-row copies without disk)."""
+        return self.reader.capacity // self._halves if self.reader is not None else 64
 
     # ------------------------------------------------- worker's thread side
 
@@ -161,10 +141,7 @@ class LoadRunner:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("kvtier load thread is stopped")
-            if task.expedited:
-                self._queue.appendleft(task)
-            else:
-                self._queue.append(task)
+            self._queue.append(task)
             if self._thread is None:
                 self._start_thread()
             self._cond.notify_all()
@@ -199,6 +176,8 @@ class LoadRunner:
     def cancel(self, task: LoadTask) -> None:
         with task.lock:
             task.cancelled = True
+        with self._cond:
+            self._cond.notify_all()
 
     def stop(self, timeout: float) -> bool:
         with self._cond:
@@ -220,122 +199,156 @@ class LoadRunner:
 
     def _run(self) -> None:
         _lower_priority(LOAD_THREAD_NICE)
-        device = getattr(self.reader, "device", None)
-        if device is not None and device.type == "cuda":
-            # A device staging reader copies and checks on this thread's
-            # current stream: its own, never the legacy default stream that
-            # would serialise with the model's work.
-            torch.cuda.set_stream(torch.cuda.Stream(device))
-        if self.reader is not None:
-            self.reader.files.open_all()
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._stopping)
-                if self._stopping:
-                    return
-                task = self._queue.popleft()
-            started = time.perf_counter()
-            try:
-                self._run_task(task)
-            except _Stopped:
-                return
-            except BaseException as exc:  # reported on the worker's thread
-                task.error = exc
-            finally:
-                task.seconds += time.perf_counter() - started
-            with self._cond:
-                self._out.append(task)
-                self._cond.notify_all()
-
-    def _run_task(self, task: LoadTask) -> None:
-        with task.lock:
-            if task.cancelled:
-                return
-            for group, plan in task.host_plans:
-                self.copies.submit(MEDIUM_CPU, group, plan, False, task.expedited)
-                task.nbytes += len(plan) * self.block_bytes[group]
-        if task.spec is not None:
-            self._run_disk(task, task.spec)
-
-    def _run_disk(self, task: LoadTask, spec: TierLoadSpec) -> None:
-        reader = self.reader
-        assert reader is not None and task.failed is not None
-        positions = np.flatnonzero(spec.on_disk)
-        halves = 2 if reader.capacity >= 2 else 1
-        per_read = reader.capacity // halves
-        # Batches read but not yet verified and copied, oldest first: at most
-        # two (one per half), so batch k is finished while k+1 is read.
-        inflight: deque[tuple[PendingRead | PendingStage, np.ndarray, int]] = deque()
         try:
-            for start in range(0, len(positions), per_read):
-                if task.cancelled:
-                    break
-                half = self._next_half % halves
-                self._next_half = half + 1
-                if inflight and inflight[0][2] == half:
-                    # One half only: finish the batch that holds it first.
-                    self._finish_batch(task, *inflight.popleft())
-                self._acquire(half)
-                batch = positions[start : start + per_read]
-                try:
-                    read = reader.submit(
-                        [(int(spec.block_ids[p]), spec.keys[p]) for p in batch],
-                        first_row=half * per_read,
-                    )
-                except BaseException:
-                    self.release(half)
-                    raise
-                inflight.append((read, batch, half))
-                if len(inflight) > 1:
-                    self._finish_batch(task, *inflight.popleft())
-            while inflight:
-                self._finish_batch(task, *inflight.popleft())
+            device = getattr(self.reader, "device", None)
+            if device is not None and device.type == "cuda":
+                # A device staging reader copies and checks on this thread's
+                # current stream: its own, never the legacy default stream
+                # that would serialise with the model's work.
+                torch.cuda.set_stream(torch.cuda.Stream(device))
+            if self.reader is not None:
+                self.reader.files.open_all()
+            while self._turn():
+                pass
+        except BaseException as exc:
+            # A bug outside any one task: every task held or still to come
+            # fails whole (a recompute) rather than waiting for a thread that
+            # is gone.
+            logger.exception("kvtier: the load thread failed; loads are recomputed")
+            self._fail_all(exc)
         finally:
-            for read, _chunk, half in inflight:  # raised or cancelled
-                reader.abandon(read)  # its reads land before the half is free
-                self.release(half)
+            for batch in [*self._inflight, *self._stuck]:
+                self._abandon(batch)
 
-    def _acquire(self, half: int) -> None:
+    def _turn(self) -> bool:
+        """One unit of work (or a bounded wait for one); False once stopping."""
         with self._cond:
-            self._cond.wait_for(lambda: self._free[half] or self._stopping)
+            while self._queue:
+                self._hold(self._queue.popleft())
             if self._stopping:
-                raise _Stopped
-            self._free[half] = False
+                return False
+        self._reap_stuck()
+        task = self._pick()
+        if task is not None:
+            self._unit(task)
+        elif self._inflight:
+            self._finish_next()
+        else:
+            with self._cond:
+                if not self._queue and not self._stopping:
+                    busy = self._urgent or self._tasks or self._stuck
+                    self._cond.wait(POLL_S if busy else None)
+        return True
 
-    def _finish_batch(
-        self,
-        task: LoadTask,
-        read: PendingRead | PendingStage,
-        batch: np.ndarray,
-        half: int,
-    ) -> None:
-        reader = self.reader
-        spec = task.spec
-        assert reader is not None and spec is not None and task.failed is not None
+    def _hold(self, task: LoadTask) -> None:
+        """Take a submitted task in, its work cut into units."""
+        task.cut(self._per_read)
+        (self._urgent if task.expedited else self._tasks).append(task)
+
+    def _pick(self) -> LoadTask | None:
+        """The task whose unit runs next: the oldest expedited task that can
+        run one, else the next of the others in turn. Tasks that are done
+        (or cancelled) leave here, returned to the worker."""
+        for queue in (self._urgent, self._tasks):
+            for _ in range(len(queue)):
+                task = queue.popleft()
+                if task.cancelled or (not task.has_work() and not task.batches):
+                    self._done(task)
+                    continue
+                if self._runnable(task):
+                    if queue is self._urgent:
+                        queue.appendleft(task)
+                    else:
+                        queue.append(task)  # its turn is used
+                    return task
+                queue.append(task)
+        return None
+
+    def _runnable(self, task: LoadTask) -> bool:
+        if task.host_left:
+            return True
+        if task.disk_left is None or not len(task.disk_left):
+            return False
+        if len(self._stuck) >= self._halves:
+            return True  # every half held by a hung read: fails at once
+        return any(self._free[: self._halves])
+
+    def _unit(self, task: LoadTask) -> None:
+        """Run one unit of ``task``; an exception fails the task whole."""
+        if task.started is None:
+            task.started = time.perf_counter()
         try:
-            results = reader.complete(read)
+            if task.host_left:
+                group, plan = task.host_left.popleft()
+                with task.lock:
+                    if task.cancelled:
+                        return
+                    self.copies.submit(MEDIUM_CPU, group, plan, False, task.expedited)
+                    task.nbytes += len(plan) * self.block_bytes[group]
+            else:
+                self._start_batch(task)
+        except BaseException as exc:
+            self._fail(task, exc)
+
+    def _start_batch(self, task: LoadTask) -> None:
+        assert task.spec is not None and task.failed is not None
+        assert task.disk_left is not None
+        batch, task.disk_left = (
+            task.disk_left[: self._per_read],
+            task.disk_left[self._per_read :],
+        )
+        if len(self._stuck) >= self._halves:
+            task.failed[batch] = True  # no half left to read into
+            return
+        reader = self.reader
+        assert reader is not None
+        with self._cond:
+            half = self._free.index(True, 0, self._halves)
+            self._free[half] = False
+        try:
+            spec = task.spec
+            read = reader.submit(
+                [(int(spec.block_ids[p]), spec.keys[p]) for p in batch],
+                first_row=half * self._per_read,
+            )
         except BaseException:
             self.release(half)
             raise
-        bounce_row = np.full(len(spec.block_ids), -1, dtype=np.int64)
-        for p, result in zip(batch, results):
-            if result.outcome is ReadOutcome.OK:
-                bounce_row[p] = result.row
-            else:
-                task.failed[p] = True
+        task.batches += 1
+        self._inflight.append(ReadBatch(task, read, batch, half, time.monotonic()))
+
+    def _finish_next(self) -> None:
+        """Finish a batch whose reads returned (the oldest first); else wait
+        a little for the oldest, giving it up once it stalled or its task
+        was cancelled."""
+        reader = self.reader
+        assert reader is not None
+        for batch in self._inflight:
+            if reader.ready(batch.read):
+                self._inflight.remove(batch)
+                self._finish(batch)
+                return
+        oldest = self._inflight[0]
+        if oldest.task.cancelled or time.monotonic() - oldest.since > self.stall_s:
+            self._inflight.popleft()
+            self._stall(oldest)
+            return
+        reader.wait(oldest.read, POLL_S)
+
+    def _finish(self, batch: ReadBatch) -> None:
+        """Verify a batch whose reads returned, copy its promotions, and copy
+        it into the KV cache (synchronous copy paths) or post it; an
+        exception fails its task whole."""
+        reader, task, half = self.reader, batch.task, batch.half
+        assert reader is not None and task.spec is not None
+        task.batches -= 1
         posted = False
         try:
+            bounce_row = task.delivered(batch.positions, reader.complete(batch.read))
             with task.lock:
                 if task.cancelled:
                     return
-                up = np.flatnonzero((bounce_row >= 0) & (spec.promote_rows >= 0))
-                if len(up):  # one gathered copy for the batch, not one per block
-                    src = reader.rows[bounce_row[up]]
-                    if isinstance(src, torch.Tensor):  # a device staging area
-                        src = src.cpu().numpy()
-                    rows = self.cpu_buffer.array
-                    rows[spec.promote_rows[up]] = src
-                    del rows
+                task.promote(bounce_row, reader.rows, self.cpu_buffer)
                 if not self.copies.synchronous:
                     with self._cond:
                         self._out.append(BatchReady(task, half, bounce_row))
@@ -351,10 +364,82 @@ class LoadRunner:
                             MEDIUM_DISK, gp.group, plan, False, task.expedited
                         )
                         task.nbytes += len(plan) * self.block_bytes[gp.group]
+        except BaseException as exc:
+            self._fail(task, exc)
         finally:
             if not posted:
                 self.release(half)
 
+    def _stall(self, batch: ReadBatch) -> None:
+        """Give up a batch whose reads have not returned: its blocks fail,
+        its half stays set aside until they return (:meth:`_reap_stuck`)."""
+        task = batch.task
+        task.batches -= 1
+        if task.failed is not None:
+            task.failed[batch.positions] = True
+        self._stuck.append(batch)
+        logger.error(
+            "kvtier: disk reads of load job %d have not returned after %.0f s: its "
+            "%d blocks are recomputed; %d of %d bounce halves wait for the reads",
+            task.job_id,
+            time.monotonic() - batch.since,
+            len(batch.positions),
+            len(self._stuck),
+            self._halves,
+        )
+
+    def _reap_stuck(self) -> None:
+        """Free the halves of given-up batches whose reads finally returned."""
+        reader = self.reader
+        for batch in list(self._stuck):
+            assert reader is not None
+            if reader.ready(batch.read):
+                self._stuck.remove(batch)
+                self._abandon(batch)
+                logger.warning(
+                    "kvtier: a stalled disk read returned after %.0f s; its bounce "
+                    "half is in use again",
+                    time.monotonic() - batch.since,
+                )
+
+    def _abandon(self, batch: ReadBatch) -> None:
+        """Wait for a batch's reads without using them, then free its half."""
+        assert self.reader is not None
+        try:
+            self.reader.abandon(batch.read)
+        finally:
+            self.release(batch.half)
+
+    def _fail(self, task: LoadTask, exc: BaseException) -> None:
+        """``task`` raised: it fails whole; its other batches are dropped."""
+        task.error = exc
+        for batch in [b for b in self._inflight if b.task is task]:
+            self._inflight.remove(batch)
+            task.batches -= 1
+            self._abandon(batch)
+        task.host_left.clear()
+        task.disk_left = None
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """The thread is going away: every task it holds or is handed fails
+        whole, now and from now on."""
+        with self._cond:
+            self._stopping = True
+            held = [*self._urgent, *self._tasks, *self._queue]
+            self._urgent.clear()
+            self._tasks.clear()
+            self._queue.clear()
+        for task in held:
+            task.error = exc
+            self._done(task)
+
+    def _done(self, task: LoadTask) -> None:
+        """Return ``task`` to the worker (once)."""
+        if task.started is not None:
+            task.seconds += time.perf_counter() - task.started
+        with self._cond:
+            self._out.append(task)
+            self._cond.notify_all()
 
 
 def _lower_priority(by: int) -> None:

@@ -60,7 +60,8 @@ from kvtier.connector.worker.job_errors import (
 )
 from kvtier.connector.worker.job_plan import plan_load, select_rows, split_by_group
 from kvtier.connector.worker.kv_layout import group_views
-from kvtier.connector.worker.load_runner import BatchReady, LoadRunner, LoadTask
+from kvtier.connector.worker.load_runner import LoadRunner
+from kvtier.connector.worker.load_task import BatchReady, LoadTask
 from kvtier.io.block_copy import (
     CopyPath,
     CopyPlan,
@@ -229,6 +230,9 @@ class TieredOffloadingWorker(OffloadingWorker):
         self.book.jobs[job_id] = job
         try:
             task = self._plan_load(job, src_spec, dst_spec, expedited)
+            if task is not None:
+                self.loads.submit(task)
+                job.task = task
         except Exception as exc:
             if not self.contain_exceptions:
                 self.book.jobs.pop(job_id, None)
@@ -237,10 +241,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             self.book.fail(job, whole_load_error(src_spec, dst_spec))
             self.book.settle(job)
             return True
-        if task is not None:
-            job.task = task
-            self.loads.submit(task)
-        else:
+        if job.task is None:
             self.book.settle(job)
         return True
 
@@ -347,10 +348,19 @@ class TieredOffloadingWorker(OffloadingWorker):
         bounce halves no copy reads any more), give up loads past their
         deadline, and report finished jobs."""
         for item in self.loads.take():
-            if isinstance(item, BatchReady):
-                self._copy_batch(item)
-            else:
-                self._task_done(item)
+            try:
+                if isinstance(item, BatchReady):
+                    self._copy_batch(item)
+                else:
+                    self._task_done(item)
+            except Exception as exc:
+                # Issuing a batch's copies (vLLM's handlers, kvtier's
+                # scatter) raised: the job fails whole, as on the load thread.
+                if not self.contain_exceptions:
+                    raise
+                task = item.task if isinstance(item, BatchReady) else item
+                self.exceptions.note(exc, "load", task.job_id)
+                self._drop(task)
         for transfer, seconds in self.copies.poll().items():
             for half, readers in enumerate(self._bounce_readers):
                 if transfer in readers:
@@ -367,19 +377,29 @@ class TieredOffloadingWorker(OffloadingWorker):
         task = item.task
         job = self.book.jobs.get(task.job_id)
         readers = self._bounce_readers[item.half]
-        if job is not None and job.task is task:
-            for gp in task.groups:
-                rows = item.bounce_row[gp.plan.row_ids]
-                mask = rows >= 0
-                if mask.any():
-                    plan = select_rows(gp.plan, mask, rows[mask])
-                    transfer = self.book.copy(
-                        self.copies, job, MEDIUM_DISK, gp.group, plan, False, task.expedited
-                    )
-                    if transfer is not None:
-                        readers.add(transfer)
-        if not readers:
-            self.loads.release(item.half)
+        try:
+            if job is not None and job.task is task:
+                for gp in task.groups:
+                    rows = item.bounce_row[gp.plan.row_ids]
+                    mask = rows >= 0
+                    if mask.any():
+                        plan = select_rows(gp.plan, mask, rows[mask])
+                        transfer = self.book.copy(
+                            self.copies,
+                            job,
+                            MEDIUM_DISK,
+                            gp.group,
+                            plan,
+                            False,
+                            task.expedited,
+                        )
+                        if transfer is not None:
+                            readers.add(transfer)
+        finally:
+            # The half goes back once no copy reads it (now, if none was
+            # issued: also when issuing raised).
+            if not readers:
+                self.loads.release(item.half)
 
     def _task_done(self, task: LoadTask) -> None:
         job = self.book.jobs.get(task.job_id)
@@ -401,15 +421,23 @@ class TieredOffloadingWorker(OffloadingWorker):
         self.book.settle(job)
 
     def _give_up(self, job: Job) -> None:
-        task = job.task
-        assert task is not None
-        self.loads.cancel(task)
-        job.task = None
+        assert job.task is not None
         logger.error(
             "kvtier: load job %d did not finish within %.0f s (a disk read that "
             "does not return?); its blocks are recomputed",
             job.job_id,
             self.deadline_s,
         )
+        self._drop(job.task)
+
+    def _drop(self, task: LoadTask) -> None:
+        """Fail ``task``'s job whole: the load thread writes nothing more for
+        it, and it is reported once the copies it already issued landed."""
+        job = self.book.jobs.get(task.job_id)
+        if job is None:
+            return  # already reported
+        if job.task is task:
+            self.loads.cancel(task)
+            job.task = None
         self.book.fail(job, job.whole_error())
         self.book.settle(job)
