@@ -15,6 +15,50 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
+class _FileGate:
+    """A release for ``FaultRule.hang`` that works across processes: once
+    ``armed`` exists, a read that consults it marks ``entered`` and waits
+    (up to two minutes) until ``released`` exists; before, it passes."""
+
+    def __init__(self, hold_dir: Path) -> None:
+        self.armed = hold_dir / "armed"
+        self.entered = hold_dir / "entered"
+        self.released = hold_dir / "released"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        import time
+
+        if not self.armed.exists():
+            return True
+        self.entered.touch()
+        deadline = time.monotonic() + 120
+        while not self.released.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return True
+
+
+def _hold_reads(hold_dir: Path) -> _FileGate:
+    """Wrap every disk back end kvtier builds in this process (and in the
+    engine core: forked, it inherits the wrapper; spawned, it imports this
+    module again) in the fault layer, holding reads at a file gate."""
+    from _pytest.monkeypatch import MonkeyPatch
+
+    from kvtier.testing.fault_plan import FaultPlan, FaultRule
+    from kvtier.testing.faults import inject_faults
+
+    gate = _FileGate(hold_dir)
+    plan = inject_faults(MonkeyPatch(), FaultPlan(seed=5))
+    plan.add(FaultRule.hang(gate, ops="read"))  # type: ignore[arg-type]
+    return gate
+
+
+GATE = (
+    _hold_reads(Path(os.environ["KVTIER_TEST_HOLD_DIR"]))
+    if os.environ.get("KVTIER_TEST_HOLD_DIR")
+    else None
+)
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -61,14 +105,18 @@ def main() -> None:
         )
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    cached = None
+    cached = held = None
     if mode == "decode-while-loading":
         from e2e.workload import decode_while_loading
 
         for p in FIRST:
             run([p])
         assert llm.reset_prefix_cache()
-        outputs, cached, _ = decode_while_loading(llm, FIRST[0])
+        hold = None
+        if GATE is not None:  # the returning prefix's read is held
+            GATE.armed.touch()
+            hold = (GATE.entered.exists, GATE.released.touch)
+        outputs, cached, held = decode_while_loading(llm, FIRST[0], hold=hold)
     else:
         outputs = [o for p in FIRST for o in run([p])] + run(RETURNING)
     metrics = {
@@ -89,6 +137,7 @@ def main() -> None:
             {
                 "outputs": outputs,
                 "cached": cached,
+                "held": held,
                 "metrics": metrics,
                 "series": series,
                 # Which engine-core client ran: SyncMPClient is the

@@ -6,8 +6,9 @@ kvtier's fault layer until the decoders produced several more tokens, which
 they can only do if ``submit_load`` returned without waiting for the read
 and the engine kept stepping. Then the read goes, the prefix is served from
 disk in full, and every output equals the no-offload engine's. The same
-workload under the multiprocess engine core (no hold: the fault layer lives
-in this process) checks the full disk hit and the outputs there. Both load
+workload runs under the multiprocess engine core too, with and without the
+read held there (the fault layer is installed in the engine core, the gate
+is a file). Both load
 paths (``disk_load_path`` host and device) run the in-process case."""
 
 from __future__ import annotations
@@ -104,10 +105,25 @@ def test_decoders_keep_stepping_while_a_disk_read_is_held(
         assert stats.load_failures == failures_before
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["free", "read-held"])
 def test_disk_hit_while_decoding_under_the_multiprocess_engine(
-    model, block_bytes, expected, tmp_path
+    model, block_bytes, expected, tmp_path, held
 ):
-    result = run_multiprocess(model, block_bytes, tmp_path, "decode-while-loading")
+    """The engine core (``vllm serve``'s mode) keeps stepping the decoders
+    while the returning prefix's read is held inside it (``read-held``: the
+    fault layer wraps the engine core's back ends, the gate is a file)."""
+    disk, hold_dir = tmp_path / "disk", tmp_path / "hold"
+    disk.mkdir()
+    hold_dir.mkdir()
+    result = run_multiprocess(
+        model,
+        block_bytes,
+        disk,
+        "decode-while-loading",
+        hold_dir=hold_dir if held else None,
+    )
+    if held:
+        assert result["held"] is not None and result["held"] >= TOKENS_WHILE_HELD
     assert result["outputs"] == expected
     assert result["cached"] == 4 * 32
     loaded = sum(

@@ -188,10 +188,14 @@ def decode_while_loading(llm, prompt: list[int], hold=None, timeout: float = 120
     return [tokens[rid] for rid in ids], cached.get(ids[-1], 0), held
 
 
-def run_multiprocess(model: str, block_bytes: int, disk, *mode: str) -> dict:
+def run_multiprocess(
+    model: str, block_bytes: int, disk, *mode: str, hold_dir=None
+) -> dict:
     """Run ``_mp_engine.py`` (the workload, or ``mode``) on vLLM's
     multiprocess engine core in a child process; its result as a dict
-    (outputs, kvtier's series, which engine-core client ran)."""
+    (outputs, kvtier's series, which engine-core client ran). With
+    ``hold_dir`` (decode-while-loading), the returning prefix's disk read is
+    held in the engine core until the decoders produced more tokens."""
     import json
     import os
     import subprocess
@@ -200,6 +204,8 @@ def run_multiprocess(model: str, block_bytes: int, disk, *mode: str) -> dict:
 
     script = Path(__file__).with_name("_mp_engine.py")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    if hold_dir is not None:
+        env["KVTIER_TEST_HOLD_DIR"] = str(hold_dir)
     proc = subprocess.run(
         [sys.executable, str(script), model, str(block_bytes), str(disk), *mode],
         capture_output=True,
