@@ -65,6 +65,25 @@ def kvtier_counters() -> dict[str, float]:
     return out
 
 
+def offload_load_totals() -> tuple[float, float]:
+    """vLLM's own offloading load counters in this process's Prometheus
+    registry, summed over labels: (bytes loaded, seconds the loads took end
+    to end, as the workers reported each job)."""
+    from prometheus_client import REGISTRY
+
+    want = {
+        "vllm:kv_offload_load_bytes_total": 0,
+        "vllm:kv_offload_load_time_total": 1,
+    }
+    out = [0.0, 0.0]
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            i = want.get(sample.name)
+            if i is not None:
+                out[i] += sample.value
+    return out[0], out[1]
+
+
 def drop_caches() -> bool:
     """Drop the page cache (root only); False where the host does not allow it."""
     try:

@@ -15,9 +15,13 @@ running decoders feel while the fourth request's prefix arrives:
 per case p50 / p99 / max step time and the fourth request's TTFT, in both
 of vLLM's engine modes (in-process, whose loop spins, and the multiprocess
 engine core of ``vllm serve``), each in a fresh child process. The disk
-rows also give the workers' read rate (kvtier's ``read_bytes`` /
-``read_seconds`` counters) next to ``dd`` (or fio, when installed) reading
-the same slab span with O_DIRECT. Greedy outputs of the fourth request are
+rows also give the worker's load rate end to end (vLLM's
+``kv_offload_load_bytes`` / ``kv_offload_load_time``: each job's bytes over
+its wall time on the load thread, reads, verification and copies included)
+next to ``dd`` (or fio, when installed) reading the same slab span with
+O_DIRECT; kvtier's ``read_bytes`` / ``read_seconds`` (the time the thread
+waited for reads, which overlap verification) is kept in the JSON as
+``worker_read_wait_gbps``. Greedy outputs of the fourth request are
 checked equal to the no-offload engine's.
 
 Model: the tiny random Llama grown to 8 layers x 4 KV heads x 64 (fp32),
@@ -82,7 +86,7 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
     sys.path.insert(0, str(ROOT))
     from vllm import LLM, SamplingParams
 
-    from benchmarks._common import kvtier_counters
+    from benchmarks._common import kvtier_counters, offload_load_totals
     from kvtier.io.format import slot_size
     from kvtier.testing.engine import (
         build_tiny_llama,
@@ -141,7 +145,7 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
         rid = f"{tag}-x"
         during: list[float] = []
         tokens: list[int] = []
-        before = kvtier_counters()
+        before = kvtier_counters(), offload_load_totals()
         t_add = time.perf_counter()
         engine.add_request(rid, {"prompt_token_ids": prompt}, first_sp)
         ttft = None
@@ -157,7 +161,7 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
                     tokens = list(out.outputs[0].token_ids)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tag}: no first token")
-        after = kvtier_counters()
+        after = kvtier_counters(), offload_load_totals()
         engine.abort_request(ids + [rid])
         while engine.has_unfinished_requests():
             engine.step()
@@ -222,10 +226,15 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
                     run_case(llm, prompt, f"{case}{n}-w{k}")
                 for k in range(repeats):
                     run = run_case(llm, prompt, f"{case}{n}-{k}")
-                    before, after = run.pop("counters")
+                    (before, load0), (after, load1) = run.pop("counters")
 
                     def delta(name: str, a=after, b=before) -> float:
                         return a.get(name, 0.0) - b.get(name, 0.0)
+
+                    # A load's rate end to end (the job's bytes over its time
+                    # on the load thread, as the worker reported it to vLLM).
+                    lb, ls = load1[0] - load0[0], load1[1] - load0[1]
+                    run["load_gbps"] = lb / ls / 1e9 if ls else None
 
                     run["loaded_blocks"] = {
                         t: delta(f"vllm:kv_offload_kvtier_loaded_blocks{{{t}}}")
@@ -279,7 +288,9 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
             if case != "recompute":
                 row[case]["loaded_blocks"] = runs[-1]["loaded_blocks"]
         g = [run["read_gbps"] for run in results[n]["disk"] if run["read_gbps"]]
-        row["worker_read_gbps"] = statistics.median(g) if g else None
+        row["worker_read_wait_gbps"] = statistics.median(g) if g else None
+        g = [run["load_gbps"] for run in results[n]["disk"] if run["load_gbps"]]
+        row["worker_load_gbps"] = statistics.median(g) if g else None
         row["direct_read"] = results[n].get("direct_read")
         summary[n] = row
     return {"mode": mode, "results": summary, "outputs_equal": mismatches == 0}
@@ -391,7 +402,7 @@ def main() -> int:
             d = row.get("direct_read") or {}
             print(
                 f"{'':>6} | {'':>4} | disk/cpu TTFT {row['disk']['ttft_s'] / row['cpu']['ttft_s']:.2f}x"
-                f" | worker read {row['worker_read_gbps'] or 0:.2f} GB/s"
+                f" | worker load {row['worker_load_gbps'] or 0:.2f} GB/s"
                 f" | {d.get('tool', 'direct')} {d.get('gbps', float('nan')):.2f} GB/s"
             )
     print(f"outputs equal: {ok}")

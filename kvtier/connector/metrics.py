@@ -49,8 +49,10 @@ _DEFS: dict[str, OffloadingMetricMetadata] = {
         TIER,
     ),
     READ_SECONDS: OffloadingCounterMetadata(
-        "Seconds the workers spent reading disk-tier slots for loads; cpu-tier "
-        "copy time is vLLM's vllm:kv_offload_load_time.",
+        "Seconds the workers' load threads waited for disk-tier reads (reads "
+        "that overlap the previous batch's verification are not counted, so "
+        "bytes per second here over-states the drive's rate); a whole load's "
+        "time is vLLM's vllm:kv_offload_load_time.",
         TIER,
     ),
     WRITE_BYTES: OffloadingCounterMetadata(
