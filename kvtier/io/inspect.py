@@ -24,13 +24,8 @@ from kvtier.io.format import (
     SlotHeader,
 )
 from kvtier.io.layout import ReadOutcome, check_payload, verify_header
-from kvtier.io.store_view import (
-    STORE_DIR_RE,
-    Slab,
-    StoreView,
-    open_regular,
-    pread_file,
-)
+from kvtier.io.store_dir import store_digest_prefix
+from kvtier.io.store_view import Slab, StoreView, open_regular, pread_file
 
 _VERSION = struct.Struct("<I")
 
@@ -72,8 +67,7 @@ def _expected_digest(view: StoreView) -> bytes | str | None:
     """The full digest from layout.json, else the directory name's prefix."""
     if view.digest is not None:
         return view.digest
-    m = STORE_DIR_RE.match(view.name)
-    return m.group(1) if m else None
+    return store_digest_prefix(view.name)
 
 
 def _classify(view: StoreView, slab: Slab, local: int, buf: bytes) -> SlotRecord:

@@ -29,6 +29,7 @@ from kvtier.io.layout import (
 )
 from kvtier.io.posix_backend import PosixBackend
 from kvtier.io.slot_reader import SlotReader
+from kvtier.io.store_dir import STORE_DIR_RE, store_digest_prefix, store_dirname
 from kvtier.io.store_view import find_stores
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +60,16 @@ def test_striping_rule_round_trips() -> None:
             seen.add((f, local))
         assert len(seen) == 23
     assert slab_name(3) == "slab-3.kvt"
+
+
+def test_store_directory_name_round_trips() -> None:
+    layout = fp(16384)
+    name = store_dirname(layout)
+    assert STORE_DIR_RE.match(name)
+    assert store_digest_prefix(name) == layout.digest().hex()[:16]
+    assert layout.digest().hex().startswith(store_digest_prefix(name) or "-")
+    for other in ("kvtier-0123", "kvtier-0123456789ABCDEF", "x" + name, name + "0"):
+        assert store_digest_prefix(other) is None
 
 
 def test_no_import_cycles_in_kvtier_io() -> None:
