@@ -44,11 +44,10 @@ from kvtier.io.format import (
     HEADER_SIZE,
     Codec,
     LayoutFingerprint,
-    aligned_empty,
     slot_size,
 )
 from kvtier.io.layout import ReadOutcome, locate, verify_header
-from kvtier.io.slab_files import SlabFiles, SlotReaderStats
+from kvtier.io.slab_files import SlabFiles, SlotReaderStats, bounce_area
 
 logger = logging.getLogger("kvtier.io")
 
@@ -161,15 +160,14 @@ class DeviceStagingReader:
         self._bounce_owner: Any = None
         if self.device.type == "cpu":
             # 4 KiB-aligned (O_DIRECT), shared with numpy for the back ends.
-            self.staging = torch.from_numpy(aligned_empty(nbytes)).view(
-                capacity, self.slot_size
-            )
+            area, _ = bounce_area(nbytes, pin=False)
+            self.staging = torch.from_numpy(area).view(capacity, self.slot_size)
         else:
             self.staging = torch.empty(
                 capacity, self.slot_size, dtype=torch.uint8, device=self.device
             )
             if self.mode == "posix":
-                area, self._bounce_owner = _host_area(nbytes)
+                area, self._bounce_owner = bounce_area(nbytes, pin=True)
                 self._bounce = area.reshape(capacity, self.slot_size)
         self.rows = self.staging[:, HEADER_SIZE : HEADER_SIZE + block_bytes]
         self._direct = self.device.type == "cpu" or self.mode != "posix"
@@ -324,7 +322,6 @@ class DeviceStagingReader:
         count as neither corrupt nor I/O errors)."""
         return self.files.stats()
 
-
     def close(self) -> None:
         """Close the slab handles and, if owned, the back end. Idempotent."""
         if not self._closed:
@@ -427,16 +424,3 @@ class DeviceStagingReader:
         heads[:, :FIXED_HEADER_LEN] = part.numpy()
         return heads
 
-
-def _host_area(nbytes: int) -> tuple[np.ndarray, Any]:
-    """A 4 KiB-aligned host area and the object keeping it alive: page-locked
-    through torch when CUDA is present (so copies to the device are
-    asynchronous)."""
-    import torch
-
-    if torch.cuda.is_available():
-        owner = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
-        raw = owner.numpy()
-        start = (-raw.ctypes.data) % 4096
-        return raw[start : start + nbytes], owner
-    return aligned_empty(nbytes), None

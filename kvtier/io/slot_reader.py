@@ -29,15 +29,9 @@ import numpy as np
 
 from kvtier.io.backend import DiskBackend
 from kvtier.io.compression import CorruptPayloadError, decompress
-from kvtier.io.format import (
-    HEADER_SIZE,
-    Codec,
-    LayoutFingerprint,
-    aligned_empty,
-    slot_size,
-)
+from kvtier.io.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
 from kvtier.io.layout import ReadOutcome, locate, verify_slot
-from kvtier.io.slab_files import SlabFiles, SlotReaderStats
+from kvtier.io.slab_files import SlabFiles, SlotReaderStats, bounce_area
 
 logger = logging.getLogger("kvtier.io")
 
@@ -63,26 +57,6 @@ class SlotRead:
 
     outcome: ReadOutcome
     row: int
-
-
-def _alloc_area(nbytes: int, pin: bool) -> tuple[np.ndarray, Any]:
-    """A 4 KiB-aligned host area (O_DIRECT needs it); page-locked through
-    torch's pinned allocator when asked and CUDA is present, so that
-    host-to-device copies from it are asynchronous."""
-    if pin:
-        import torch
-
-        if torch.cuda.is_available():
-            owner = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
-            raw = owner.numpy()
-            start = (-raw.ctypes.data) % 4096
-            return raw[start : start + nbytes], owner
-    area = aligned_empty(nbytes)
-    # Touched once here, at start-up: otherwise the first load's reads
-    # fault its pages in while the engine steps.
-    area.fill(0)
-    return area, None
-
 
 class SlotReader:
     """Verified batch reads of one rank's slots into a bounce area.
@@ -138,7 +112,7 @@ class SlotReader:
         self.slot_size = slot_size(block_bytes)
         self._digest = fingerprint.digest()
         self.capacity = max(1, bounce_bytes // self.slot_size)
-        area, self._area_owner = _alloc_area(self.capacity * self.slot_size, pin)
+        area, self._area_owner = bounce_area(self.capacity * self.slot_size, pin=pin)
         # Page-locked (torch's pinned allocator), so device copies from it
         # are asynchronous and vLLM's copy path may read it from the GPU.
         self.pinned = self._area_owner is not None

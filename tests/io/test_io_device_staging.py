@@ -193,3 +193,29 @@ def test_cuda_staging_posix_bounce(two_paths: tuple[list[str], DiskStore]) -> No
         _assert_rows(reader, res, items)
     finally:
         reader.close()
+
+
+def test_both_readers_read_into_one_kind_of_host_area(tmp_path: Path) -> None:
+    """``bounce_area``: 4 KiB-aligned, C-contiguous, touched (zeros) unless
+    pinned; the host reader's area and a CPU staging tensor come from it."""
+    from kvtier.io.slab_files import bounce_area
+    from kvtier.io.slot_reader import SlotReader
+
+    for pin in (False, True):
+        area, owner = bounce_area(3 * 4096 + 512, pin=pin)
+        assert area.dtype == np.uint8 and area.flags.c_contiguous
+        assert area.size == 3 * 4096 + 512 and area.ctypes.data % 4096 == 0
+        assert (owner is not None) == (pin and torch.cuda.is_available())
+        if owner is None:
+            assert not area.any()
+    backend = PosixBackend(threads=1)
+    host = SlotReader([str(tmp_path)], SLOTS, BLOCK, fp(), backend, bounce_bytes=1 << 20)
+    staging = _reader([str(tmp_path)], backend, capacity=4)
+    try:
+        assert host.rows.ctypes.data % 4096 == HEADER_SIZE % 4096
+        assert staging.staging.data_ptr() % 4096 == 0
+        assert not staging.staging.any()
+    finally:
+        staging.close()
+        host.close()
+        backend.shutdown()
