@@ -14,7 +14,9 @@ Judging a slot: :func:`verify_slot` (header and payload, xxh3) is the one
 verification of the host paths; :func:`verify_header` and
 :func:`check_payload` are its two halves for readers that fetch the header
 and the payload separately. Each returns a :class:`SlotVerdict` whose
-``detail`` says, for a rejected slot, why in words.
+``detail`` says, for a rejected slot, why in words. :func:`decode_payload`
+decodes a verified payload (zstd or raw) and rejects one that does not
+decode as the header says.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from enum import Enum
 from typing import Any
 
 from kvtier.io.checksum import payload_checksum
+from kvtier.io.compression import CorruptPayloadError, decompress
 from kvtier.io.format import (
     HEADER_SIZE,
     CorruptHeaderError,
@@ -216,3 +219,19 @@ def verify_slot(
     return check_payload(
         verdict.header, view[HEADER_SIZE:], min(nread, len(view)) - HEADER_SIZE
     )
+
+
+def decode_payload(hdr: SlotHeader, stored: Any, out: Any) -> SlotVerdict:
+    """Decode a slot's stored payload (``stored``: its ``hdr.payload_len``
+    bytes, already checked by :func:`check_payload`) into ``out`` (a
+    C-contiguous array of ``hdr.raw_len`` bytes); a raw payload is copied.
+    BAD_HEADER when it does not decode to exactly ``hdr.raw_len`` bytes (the
+    header's codec or lengths lie although both checksums matched); ``out``
+    is then left untouched. ``stored`` and ``out`` must not overlap."""
+    try:
+        decompress(hdr.codec, stored, hdr.raw_len, hdr.elem_size, out)
+    except (CorruptPayloadError, ValueError) as exc:
+        return SlotVerdict(
+            ReadOutcome.BAD_HEADER, hdr, f"payload does not decode ({exc})"
+        )
+    return SlotVerdict(ReadOutcome.OK, hdr)

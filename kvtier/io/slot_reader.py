@@ -28,9 +28,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.io.backend import DiskBackend
-from kvtier.io.compression import CorruptPayloadError, decompress
 from kvtier.io.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
-from kvtier.io.layout import ReadOutcome, locate, verify_slot
+from kvtier.io.layout import ReadOutcome, decode_payload, locate, verify_slot
 from kvtier.io.slab_files import SlabFiles, SlotReaderStats, bounce_area
 
 logger = logging.getLogger("kvtier.io")
@@ -300,22 +299,15 @@ class SlotReader:
             return verdict.outcome
         hdr = verdict.header
         assert hdr is not None
-        end = HEADER_SIZE + hdr.payload_len
         if hdr.codec is not Codec.RAW:
             # Decode through a scratch block: the output would overlap its
             # own input inside the row.
             if self._scratch is None:
                 self._scratch = np.empty(self.block_bytes, dtype=np.uint8)
-            try:
-                decompress(
-                    hdr.codec,
-                    buf[HEADER_SIZE:end],
-                    hdr.raw_len,
-                    hdr.elem_size,
-                    self._scratch,
-                )
-            except (CorruptPayloadError, ValueError):
-                self.files.rejected(slot, "payload does not decode")
-                return ReadOutcome.BAD_HEADER
+            stored = buf[HEADER_SIZE : HEADER_SIZE + hdr.payload_len]
+            decoded = decode_payload(hdr, stored, self._scratch)
+            if not decoded.ok:
+                self.files.rejected(slot, decoded.detail)
+                return decoded.outcome
             self.rows[row] = self._scratch
         return ReadOutcome.OK

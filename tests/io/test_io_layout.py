@@ -242,6 +242,51 @@ def test_every_reader_judges_a_damaged_slot_alike(
     assert (got_store, got_reader, got_inspect, got_staging) == MATRIX[kind]
 
 
+def test_a_payload_that_does_not_decode_is_a_bad_header_for_both_host_readers(
+    tmp_path: Path,
+) -> None:
+    """Both checksums match but the zstd payload is garbage (the header
+    lies): ``decode_payload`` makes it BAD_HEADER for the store's reads and
+    the load reader alike, and neither hands out a byte of it."""
+    import dataclasses
+
+    from kvtier.io.checksum import payload_checksum
+    from kvtier.io.format import Codec
+
+    block_bytes = 16384
+    layout = fp(block_bytes)
+    paths = [str(tmp_path)]
+    with DiskStore(
+        paths, NUM_SLOTS, block_bytes, layout, backend="posix", compression="zstd"
+    ) as store:
+        store.write_block(1, key_of(1), np.zeros(block_bytes, np.uint8), seq=1)
+        path, off = _offset(store, 1)
+        with open(path, "r+b") as f:
+            f.seek(off)
+            hdr = SlotHeader.unpack(f.read(HEADER_SIZE))
+            assert hdr.codec is Codec.ZSTD_BYTEPLANE
+            garbage = bytes(range(256)) * (hdr.payload_len // 256 + 1)
+            garbage = garbage[: hdr.payload_len]
+            forged = dataclasses.replace(
+                hdr,
+                checksum=payload_checksum(garbage),
+                device_checksum=device_checksum(garbage),
+            )
+            f.seek(off)
+            f.write(forged.pack() + garbage)
+        out = np.full(block_bytes, 7, np.uint8)
+        assert store.read_block(1, key_of(1), out) is RO.BAD_HEADER
+        assert (out == 7).all()
+    backend = PosixBackend(threads=1)
+    reader = SlotReader(paths, NUM_SLOTS, block_bytes, layout, backend, bounce_bytes=1 << 20)
+    try:
+        (got,) = reader.read([(1, key_of(1))])
+        assert got.outcome is RO.BAD_HEADER
+    finally:
+        reader.close()
+        backend.shutdown()
+
+
 # ------------------------------------------------------- device checksum
 
 
