@@ -46,7 +46,7 @@ from kvtier.io.format import (
     LayoutFingerprint,
     slot_size,
 )
-from kvtier.io.layout import ReadOutcome, locate, verify_header
+from kvtier.io.layout import ReadOutcome, locate, slot_offset, verify_header
 from kvtier.io.slab_files import SlabFiles, SlotReaderStats, bounce_area
 
 logger = logging.getLogger("kvtier.io")
@@ -348,7 +348,7 @@ class DeviceStagingReader:
                 try:
                     handle = self.files.handle(f)
                     target = self._target(row, count)
-                    offset = local * self.slot_size
+                    offset = slot_offset(local, self.slot_size)
                     if start is not None:
                         waiters.append(start(handle, target, offset))
                     else:

@@ -8,7 +8,10 @@ docs/on-disk-format.md. Pure: no I/O, no torch.
 
 Striping: a store on ``P`` paths (``stripes``) has one slab per path, named
 ``slab-<path index>.kvt``; global slot ``s`` lives in slab ``s % P`` at
-local slot ``s // P``, so consecutive slots go to different devices.
+local slot ``s // P`` (:func:`locate`), so consecutive slots go to different
+devices; local slot ``l`` starts at byte ``l * slot_bytes`` of its slab
+(:func:`slot_offset`). (The store directory's name is
+:func:`kvtier.io.store_dir.store_dirname`, next to the code that creates it.)
 
 Judging a slot: :func:`verify_slot` (header and payload, xxh3) is the one
 verification of the host paths; :func:`verify_header` and
@@ -60,6 +63,15 @@ def global_slot(index: int, local: int, stripes: int) -> int:
 def local_slot_count(num_slots: int, index: int, stripes: int) -> int:
     """How many of ``num_slots`` global slots live in slab ``index``."""
     return (num_slots - index + stripes - 1) // stripes
+
+
+def slot_offset(local: int, slot_bytes: int) -> int:
+    """Byte offset of local slot ``local`` in its slab (slots of
+    ``slot_bytes`` bytes each, from byte 0; a multiple of the I/O alignment
+    when ``slot_bytes`` is, as :func:`kvtier.io.format.slot_size` makes it)."""
+    if local < 0 or slot_bytes < 1:
+        raise ValueError(f"bad local slot {local} or slot size {slot_bytes}")
+    return local * slot_bytes
 
 
 class ReadOutcome(Enum):

@@ -29,7 +29,13 @@ import numpy as np
 
 from kvtier.io.backend import DiskBackend
 from kvtier.io.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
-from kvtier.io.layout import ReadOutcome, decode_payload, locate, verify_slot
+from kvtier.io.layout import (
+    ReadOutcome,
+    decode_payload,
+    locate,
+    slot_offset,
+    verify_slot,
+)
 from kvtier.io.slab_files import SlabFiles, SlotReaderStats, bounce_area
 
 logger = logging.getLogger("kvtier.io")
@@ -236,7 +242,8 @@ class SlotReader:
         f, local, row, count = run
         ss = self.slot_size
         flat = self._area.reshape(-1)
-        return self.files.handle(f), flat[row * ss : (row + count) * ss], local * ss
+        target = flat[row * ss : (row + count) * ss]
+        return self.files.handle(f), target, slot_offset(local, ss)
 
     def _issue(self, runs: list[tuple[int, int, int, int]], inline: bool) -> list[Any]:
         """Per run: a future of the bytes read, the bytes read (``inline``:

@@ -26,6 +26,7 @@ from kvtier.io.layout import (
     local_slot_count,
     locate,
     slab_name,
+    slot_offset,
 )
 from kvtier.io.posix_backend import PosixBackend
 from kvtier.io.slot_reader import SlotReader
@@ -60,6 +61,9 @@ def test_striping_rule_round_trips() -> None:
             seen.add((f, local))
         assert len(seen) == 23
     assert slab_name(3) == "slab-3.kvt"
+    assert slot_offset(3, 8192) == 3 * 8192
+    with pytest.raises(ValueError):
+        slot_offset(-1, 8192)
 
 
 def test_store_directory_name_round_trips() -> None:
@@ -119,7 +123,7 @@ def test_no_import_cycles_in_kvtier_io() -> None:
 
 def _offset(store: DiskStore, slot: int) -> tuple[str, int]:
     f, local = locate(slot, len(store.paths))
-    return store.slabs[f].path, store.slabs[f].offset(local)
+    return store.slabs[f].path, slot_offset(local, store.slot_size)
 
 
 def _flip(path: str, at: int) -> None:
