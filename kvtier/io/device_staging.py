@@ -44,11 +44,10 @@ from kvtier.io.format import (
     HEADER_SIZE,
     Codec,
     LayoutFingerprint,
-    aligned_empty,
     slot_size,
 )
-from kvtier.io.layout import ReadOutcome, locate, verify_header
-from kvtier.io.slab_files import SlabFiles, SlotReaderStats
+from kvtier.io.layout import ReadOutcome, Run, plan_runs, slot_offset, verify_header
+from kvtier.io.slab_files import SlabFiles, SlotReaderStats, bounce_area
 
 logger = logging.getLogger("kvtier.io")
 
@@ -64,11 +63,14 @@ def staging_mode(backend: DiskBackend) -> str:
 
 @dataclass
 class PendingStage:
-    """A batch submitted with :meth:`DeviceStagingReader.submit`."""
+    """A batch submitted with :meth:`DeviceStagingReader.submit`: its items,
+    the runs read and each item's row (:func:`~kvtier.io.layout.plan_runs`),
+    and per run a function waiting for its read."""
 
     items: list[tuple[int, bytes]]
     first_row: int
-    runs: list[tuple[int, int, int, int]]
+    runs: list[Run]
+    row_of: list[int]
     waiters: list[Callable[[], int] | None]
     seconds: float = 0.0
 
@@ -88,14 +90,18 @@ class DeviceStagingReader:
 
     Contract:
       - ``read(items, first_row)`` reads ``items`` ((global slot, key) pairs,
-        at most ``capacity - first_row`` of them) into rows ``first_row`` on
-        of :attr:`staging` and returns one :class:`StagedSlot` per item, in
-        order. OK means: the read was complete, the header is intact (magic,
-        version, header checksum), of this layout and this key, the payload
-        is raw and its device checksum matches. Then ``rows[row]`` (a view
-        of ``block_bytes`` bytes) holds the block until the next ``read``
-        that uses that row. Any other outcome means the row is garbage and
-        must not be used (the load is a miss, i.e. recompute).
+        at most ``capacity - first_row`` of them) into rows ``first_row`` ..
+        ``first_row + len(items) - 1`` of :attr:`staging` and returns one
+        :class:`StagedSlot` per item, in order. Rows follow file order, not
+        item order (:func:`~kvtier.io.layout.plan_runs`, as
+        :class:`~kvtier.io.slot_reader.SlotReader` does): an item's row is
+        its ``StagedSlot.row``, and slots consecutive in one slab file are
+        read with one I/O. OK means: the read was complete, the header is
+        intact (magic, version, header checksum), of this layout and this
+        key, the payload is raw and its device checksum matches. Then
+        ``rows[row]`` (a view of ``block_bytes`` bytes) holds the block until
+        the next ``read`` that uses that row. Any other outcome means the row
+        is garbage and must not be used (the load is a miss, i.e. recompute).
       - Errors: a failed read (any errno, from open or the I/O) is IO_ERROR
         for every slot of its run, logged once per slab and errno; a short
         read (file truncated) is TRUNCATED for the slots it did not cover;
@@ -161,15 +167,14 @@ class DeviceStagingReader:
         self._bounce_owner: Any = None
         if self.device.type == "cpu":
             # 4 KiB-aligned (O_DIRECT), shared with numpy for the back ends.
-            self.staging = torch.from_numpy(aligned_empty(nbytes)).view(
-                capacity, self.slot_size
-            )
+            area, _ = bounce_area(nbytes, pin=False)
+            self.staging = torch.from_numpy(area).view(capacity, self.slot_size)
         else:
             self.staging = torch.empty(
                 capacity, self.slot_size, dtype=torch.uint8, device=self.device
             )
             if self.mode == "posix":
-                area, self._bounce_owner = _host_area(nbytes)
+                area, self._bounce_owner = bounce_area(nbytes, pin=True)
                 self._bounce = area.reshape(capacity, self.slot_size)
         self.rows = self.staging[:, HEADER_SIZE : HEADER_SIZE + block_bytes]
         self._direct = self.device.type == "cpu" or self.mode != "posix"
@@ -204,27 +209,16 @@ class DeviceStagingReader:
                 f"{len(items)} slots from row {first_row} exceed capacity "
                 f"{self.capacity}"
             )
-        npaths = len(self.slab_paths)
-        runs: list[tuple[int, int, int, int]] = []  # file, local, row, count
-        for k, (slot, _key) in enumerate(items):
-            if not 0 <= slot < self.num_slots:
-                raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
-            f, local = locate(slot, npaths)
-            row = first_row + k
-            last = runs[-1] if runs else None
-            if (
-                last
-                and last[0] == f
-                and last[1] + last[3] == local
-                and last[2] + last[3] == row
-            ):
-                runs[-1] = (*last[:3], last[3] + 1)
-            else:
-                runs.append((f, local, row, 1))
+        runs, row_of = plan_runs(
+            [slot for slot, _key in items],
+            len(self.slab_paths),
+            num_slots=self.num_slots,
+            first_row=first_row,
+        )
         started = time.perf_counter()
         waiters = self._start_runs(runs)
         return PendingStage(
-            list(items), first_row, runs, waiters, time.perf_counter() - started
+            list(items), first_row, runs, row_of, waiters, time.perf_counter() - started
         )
 
     def complete(self, pending: PendingStage) -> list[StagedSlot]:
@@ -235,29 +229,31 @@ class DeviceStagingReader:
         started = time.perf_counter()
         got = self._collect(runs, pending.waiters)
         seconds = time.perf_counter() - started + pending.seconds
-        # Per item: 0 failed, 1 complete, 2 short.
+        # Per row (from first_row): 0 failed, 1 complete, 2 short.
         state = [0] * len(items)
-        for (_f, _local, row, count), n in zip(runs, got):
+        for run, n in zip(runs, got):
             if n is None:
                 continue
-            full = min(count, n // self.slot_size)
-            for r in range(row, row + count):
-                state[r - first_row] = 1 if r < row + full else 2
+            full = min(run.count, n // self.slot_size)
+            for k in range(run.count):
+                state[run.row - first_row + k] = 1 if k < full else 2
+        # Per row, as state: the fixed header bytes.
         headers = self._headers(first_row, len(items))
         results: list[StagedSlot | None] = [None] * len(items)
         to_check: list[int] = []
         expected: list[int] = []
         for i, (slot, key) in enumerate(items):
-            row = first_row + i
-            if state[i] == 0:
+            row = pending.row_of[i]
+            at = row - first_row
+            if state[at] == 0:
                 results[i] = StagedSlot(ReadOutcome.IO_ERROR, row, "read failed")
                 continue
-            if state[i] == 2:
+            if state[at] == 2:
                 self.files.rejected(slot, "short read")
                 results[i] = StagedSlot(ReadOutcome.TRUNCATED, row, "short read")
                 continue
             verdict = verify_header(
-                headers[i],
+                headers[at],
                 HEADER_SIZE,
                 key=key,
                 digest=self._digest,
@@ -295,8 +291,8 @@ class DeviceStagingReader:
                 payload[:, self.block_bytes :] = 0
             sums = device_checksums(payload, padded).tolist()  # synchronises
             for i, want in zip(to_check, expected):
-                have = sums[i]
-                row = first_row + i
+                row = pending.row_of[i]
+                have = sums[row - first_row]
                 if want == have:
                     results[i] = StagedSlot(ReadOutcome.OK, row)
                 else:
@@ -339,7 +335,6 @@ class DeviceStagingReader:
         count as neither corrupt nor I/O errors)."""
         return self.files.stats()
 
-
     def close(self) -> None:
         """Close the slab handles and, if owned, the back end. Idempotent."""
         if not self._closed:
@@ -353,9 +348,7 @@ class DeviceStagingReader:
             return self._bounce[row : row + count].reshape(-1)
         return self.staging[row : row + count].reshape(-1)
 
-    def _start_runs(
-        self, runs: list[tuple[int, int, int, int]]
-    ) -> list[Callable[[], int] | None]:
+    def _start_runs(self, runs: list[Run]) -> list[Callable[[], int] | None]:
         """Start every run's read: per run a function that waits for it and
         returns the bytes read, or None where the open or start failed."""
         # kvikio: its own IOFutures (start_read); others: the back end's futures.
@@ -366,7 +359,7 @@ class DeviceStagingReader:
                 try:
                     handle = self.files.handle(f)
                     target = self._target(row, count)
-                    offset = local * self.slot_size
+                    offset = slot_offset(local, self.slot_size)
                     if start is not None:
                         waiters.append(start(handle, target, offset))
                     else:
@@ -386,9 +379,7 @@ class DeviceStagingReader:
         return waiters
 
     def _collect(
-        self,
-        runs: list[tuple[int, int, int, int]],
-        waiters: list[Callable[[], int] | None],
+        self, runs: list[Run], waiters: list[Callable[[], int] | None]
     ) -> list[int | None]:
         """Bytes read per run, or None where the open or the read failed;
         with a host bounce area, the landed runs are copied on to the device."""
@@ -402,7 +393,7 @@ class DeviceStagingReader:
                 try:
                     out[i] = int(waiter())
                 except OSError as exc:
-                    self.files.io_error(runs[i][0], exc)
+                    self.files.io_error(runs[i].slab, exc)
         except BaseException:
             for waiter in waiters[waited:]:
                 if waiter is not None:
@@ -412,10 +403,11 @@ class DeviceStagingReader:
         if self._bounce is not None:
             import torch
 
-            for (_f, _l, row, count), n in zip(runs, out):
+            for run, n in zip(runs, out):
                 if n:
-                    src = torch.from_numpy(self._bounce[row : row + count])
-                    self.staging[row : row + count].copy_(src, non_blocking=True)
+                    rows = slice(run.row, run.row + run.count)
+                    src = torch.from_numpy(self._bounce[rows])
+                    self.staging[rows].copy_(src, non_blocking=True)
         return out
 
     def _count(
@@ -450,17 +442,3 @@ def _returned(waiter: Callable[[], int]) -> bool:
     if done is None:
         done = getattr(getattr(waiter, "__self__", None), "done", None)
     return True if done is None else bool(done())
-
-
-def _host_area(nbytes: int) -> tuple[np.ndarray, Any]:
-    """A 4 KiB-aligned host area and the object keeping it alive: page-locked
-    through torch when CUDA is present (so copies to the device are
-    asynchronous)."""
-    import torch
-
-    if torch.cuda.is_available():
-        owner = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
-        raw = owner.numpy()
-        start = (-raw.ctypes.data) % 4096
-        return raw[start : start + nbytes], owner
-    return aligned_empty(nbytes), None

@@ -43,13 +43,13 @@ from typing import Any
 import numpy as np
 
 from kvtier.io.backend import IO_ALIGNMENT
-from kvtier.io.compression import CorruptPayloadError, decompress
 from kvtier.io.format import HEADER_SIZE, SlotHeader, aligned_empty, round_up
 from kvtier.io.layout import (
     ReadOutcome,
     SlotVerdict,
     check_header,
     check_payload,
+    decode_payload,
     parse_header,
 )
 from kvtier.io.store_files import StoreFiles, flat_u8
@@ -100,16 +100,12 @@ class VerifiedReads:
         if guard is not None and not guard.enter():
             return ReadOutcome.IO_ERROR
         try:
-            # decompress validates the decoded size before writing ``out``.
-            decompress(hdr.codec, payload, hdr.raw_len, hdr.elem_size, flat_out)
-        except (CorruptPayloadError, ValueError):
-            # Checksum matched but the header's codec/lengths lie: treat the
-            # header as untrustworthy.
-            return ReadOutcome.BAD_HEADER
+            # Checks the decoded size before writing ``out``; BAD_HEADER when
+            # the checksums matched but the header's codec/lengths lie.
+            return decode_payload(hdr, payload, flat_out).outcome
         finally:
             if guard is not None:
                 guard.leave()
-        return ReadOutcome.OK
 
     def verify(self, slot: int) -> ReadOutcome:
         """Read the full slot and check header, fingerprint and payload checksum."""

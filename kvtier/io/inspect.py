@@ -23,14 +23,9 @@ from kvtier.io.format import (
     MAGIC,
     SlotHeader,
 )
-from kvtier.io.layout import ReadOutcome, check_payload, verify_header
-from kvtier.io.store_view import (
-    STORE_DIR_RE,
-    Slab,
-    StoreView,
-    open_regular,
-    pread_file,
-)
+from kvtier.io.layout import ReadOutcome, check_payload, slot_offset, verify_header
+from kvtier.io.store_dir import store_digest_prefix
+from kvtier.io.store_view import Slab, StoreView, open_regular, pread_file
 
 _VERSION = struct.Struct("<I")
 
@@ -72,8 +67,7 @@ def _expected_digest(view: StoreView) -> bytes | str | None:
     """The full digest from layout.json, else the directory name's prefix."""
     if view.digest is not None:
         return view.digest
-    m = STORE_DIR_RE.match(view.name)
-    return m.group(1) if m else None
+    return store_digest_prefix(view.name)
 
 
 def _classify(view: StoreView, slab: Slab, local: int, buf: bytes) -> SlotRecord:
@@ -111,7 +105,7 @@ def scan(view: StoreView, verify_payload: bool = False) -> Iterator[SlotRecord]:
         fd, _ = open_regular(slab.path)  # StoreError if it was swapped since
         try:
             for local in range(slab.num_slots):
-                offset = local * ssz
+                offset = slot_offset(local, ssz)
                 try:
                     buf = os.pread(fd, HEADER_SIZE, offset)
                 except OSError as exc:
@@ -151,7 +145,8 @@ def _verify_payload(fd: int, offset: int, rec: SlotRecord) -> SlotRecord:
 def _header_version(view: StoreView, slab: Slab, local: int) -> int | None:
     """Format version of a slot whose magic is ours (even if unsupported)."""
     assert view.slot_size is not None
-    buf = pread_file(slab.path, len(MAGIC) + _VERSION.size, local * view.slot_size)
+    at = slot_offset(local, view.slot_size)
+    buf = pread_file(slab.path, len(MAGIC) + _VERSION.size, at)
     if len(buf) < len(MAGIC) + _VERSION.size or buf[: len(MAGIC)] != MAGIC:
         return None
     return _VERSION.unpack_from(buf, len(MAGIC))[0]

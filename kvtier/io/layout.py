@@ -8,23 +8,34 @@ docs/on-disk-format.md. Pure: no I/O, no torch.
 
 Striping: a store on ``P`` paths (``stripes``) has one slab per path, named
 ``slab-<path index>.kvt``; global slot ``s`` lives in slab ``s % P`` at
-local slot ``s // P``, so consecutive slots go to different devices.
+local slot ``s // P`` (:func:`locate`), so consecutive slots go to different
+devices; local slot ``l`` starts at byte ``l * slot_bytes`` of its slab
+(:func:`slot_offset`). (The store directory's name is
+:func:`kvtier.io.store_dir.store_dirname`, next to the code that creates it.)
+
+Reading a batch: :func:`plan_runs` is the one rule both load readers use to
+turn a batch of slots into reads: rows in file order, one read per run of
+slots consecutive in one slab file.
 
 Judging a slot: :func:`verify_slot` (header and payload, xxh3) is the one
 verification of the host paths; :func:`verify_header` and
 :func:`check_payload` are its two halves for readers that fetch the header
 and the payload separately. Each returns a :class:`SlotVerdict` whose
-``detail`` says, for a rejected slot, why in words.
+``detail`` says, for a rejected slot, why in words. :func:`decode_payload`
+decodes a verified payload (zstd or raw) and rejects one that does not
+decode as the header says.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.io.checksum import payload_checksum
+from kvtier.io.compression import CorruptPayloadError, decompress
 from kvtier.io.format import (
     HEADER_SIZE,
     CorruptHeaderError,
@@ -57,6 +68,57 @@ def global_slot(index: int, local: int, stripes: int) -> int:
 def local_slot_count(num_slots: int, index: int, stripes: int) -> int:
     """How many of ``num_slots`` global slots live in slab ``index``."""
     return (num_slots - index + stripes - 1) // stripes
+
+
+def slot_offset(local: int, slot_bytes: int) -> int:
+    """Byte offset of local slot ``local`` in its slab (slots of
+    ``slot_bytes`` bytes each, from byte 0; a multiple of the I/O alignment
+    when ``slot_bytes`` is, as :func:`kvtier.io.format.slot_size` makes it)."""
+    if local < 0 or slot_bytes < 1:
+        raise ValueError(f"bad local slot {local} or slot size {slot_bytes}")
+    return local * slot_bytes
+
+
+class Run(NamedTuple):
+    """One read of a batch: ``count`` slots from local slot ``local`` of slab
+    ``slab`` into rows ``row`` .. ``row + count - 1`` (bytes
+    ``slot_offset(local, slot_bytes)`` onwards, ``count * slot_bytes`` long)."""
+
+    slab: int
+    local: int
+    row: int
+    count: int
+
+
+def plan_runs(
+    slots: Sequence[int], stripes: int, *, num_slots: int, first_row: int = 0
+) -> tuple[list[Run], list[int]]:
+    """How to read the global ``slots`` of a batch into rows ``first_row``
+    .. ``first_row + len(slots) - 1``: ``(runs, row_of)``.
+
+    Rows follow file order (slab, then local slot), whatever the order of
+    ``slots``, so slots consecutive in one slab file land in adjacent rows
+    and make one :class:`Run` (one read); runs are in file order too.
+    ``row_of[i]`` is the row of ``slots[i]``; the rows are a permutation of
+    the range. A slot listed twice gets two rows (and two runs). IndexError
+    for a slot outside ``[0, num_slots)``."""
+    for slot in slots:
+        if not 0 <= slot < num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {num_slots})")
+    where = [locate(slot, stripes) for slot in slots]
+    order = sorted(range(len(slots)), key=where.__getitem__)
+    row_of = [0] * len(slots)
+    runs: list[Run] = []
+    for k, i in enumerate(order):
+        row = first_row + k
+        row_of[i] = row
+        f, local = where[i]
+        last = runs[-1] if runs else None
+        if last is not None and last.slab == f and last.local + last.count == local:
+            runs[-1] = last._replace(count=last.count + 1)
+        else:
+            runs.append(Run(f, local, row, 1))
+    return runs, row_of
 
 
 class ReadOutcome(Enum):
@@ -216,3 +278,19 @@ def verify_slot(
     return check_payload(
         verdict.header, view[HEADER_SIZE:], min(nread, len(view)) - HEADER_SIZE
     )
+
+
+def decode_payload(hdr: SlotHeader, stored: Any, out: Any) -> SlotVerdict:
+    """Decode a slot's stored payload (``stored``: its ``hdr.payload_len``
+    bytes, already checked by :func:`check_payload`) into ``out`` (a
+    C-contiguous array of ``hdr.raw_len`` bytes); a raw payload is copied.
+    BAD_HEADER when it does not decode to exactly ``hdr.raw_len`` bytes (the
+    header's codec or lengths lie although both checksums matched); ``out``
+    is then left untouched. ``stored`` and ``out`` must not overlap."""
+    try:
+        decompress(hdr.codec, stored, hdr.raw_len, hdr.elem_size, out)
+    except (CorruptPayloadError, ValueError) as exc:
+        return SlotVerdict(
+            ReadOutcome.BAD_HEADER, hdr, f"payload does not decode ({exc})"
+        )
+    return SlotVerdict(ReadOutcome.OK, hdr)

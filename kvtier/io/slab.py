@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 
+from kvtier.io.layout import slot_offset
 from kvtier.io.safe_open import open_private
 
 logger = logging.getLogger("kvtier.io")
@@ -23,8 +24,8 @@ class SlabFile:
     """Creates (or reopens) and sizes a slab file; performs no slot I/O itself.
 
     Contract: after construction ``path`` exists with mode 0o600 and is at
-    least ``num_slots * slot_size`` bytes; ``offset(slot)`` is
-    ``slot * slot_size``. An existing larger file is never shrunk (its tail
+    least ``num_slots * slot_size`` bytes; ``offset(slot)`` is the layout's
+    :func:`~kvtier.io.layout.slot_offset` of local ``slot``. An existing larger file is never shrunk (its tail
     is simply unused). Reading and writing go through a DiskBackend handle.
 
     The file is opened with :func:`~kvtier.io.safe_open.open_private`: a
@@ -65,7 +66,7 @@ class SlabFile:
         """Byte offset of ``slot`` within the file."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
-        return slot * self.slot_size
+        return slot_offset(slot, self.slot_size)
 
 
 def _preallocate(fd: int, size: int, path: str, old_size: int) -> None:

@@ -7,7 +7,8 @@ read-only through the back end on first use (a worker may start before the
 scheduler side created them), closed once. What goes wrong is logged once
 per file and kind (repeats at debug) and counted, so an operator sees one
 line per failing drive, not one per block. :class:`SlabFiles` is that shared
-part; each reader owns one.
+part; each reader owns one. :func:`bounce_area` allocates the host area both
+read into.
 
 Contract: ``handle(f)`` opens slab ``f`` (OSError from the back end passes
 through; a later call tries again); ``io_error``, ``rejected`` and
@@ -26,8 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvtier.io.backend import DiskBackend
-from kvtier.io.format import LayoutFingerprint
+from kvtier.io.format import LayoutFingerprint, aligned_empty
 from kvtier.io.layout import locate, slab_name
 from kvtier.io.store_dir import store_dirname
 
@@ -45,6 +48,30 @@ class SlotReaderStats:
     # and slots holding another key or layout: never loaded.
     checksum_failures: int = 0
     io_errors: int = 0
+
+
+def bounce_area(nbytes: int, *, pin: bool) -> tuple[np.ndarray, Any]:
+    """A host area of ``nbytes`` for slots to be read into, and the object
+    keeping its memory alive (None for plain numpy memory).
+
+    Contract: the area is uint8, C-contiguous and 4 KiB-aligned (O_DIRECT
+    needs it). With ``pin`` and CUDA present it is page-locked through
+    torch's pinned allocator, so host-to-device copies from it are
+    asynchronous (the owner is that tensor); otherwise it is plain memory,
+    touched once here so that the first load's reads do not fault its pages
+    in while the engine steps. Its contents are unspecified (zeros unless
+    pinned)."""
+    if pin:
+        import torch
+
+        if torch.cuda.is_available():
+            owner = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
+            raw = owner.numpy()
+            start = (-raw.ctypes.data) % 4096
+            return raw[start : start + nbytes], owner
+    area = aligned_empty(nbytes)
+    area.fill(0)
+    return area, None
 
 
 class SlabFiles:

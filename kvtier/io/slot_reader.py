@@ -28,16 +28,16 @@ from typing import Any
 import numpy as np
 
 from kvtier.io.backend import DiskBackend
-from kvtier.io.compression import CorruptPayloadError, decompress
-from kvtier.io.format import (
-    HEADER_SIZE,
-    Codec,
-    LayoutFingerprint,
-    aligned_empty,
-    slot_size,
+from kvtier.io.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
+from kvtier.io.layout import (
+    ReadOutcome,
+    Run,
+    decode_payload,
+    plan_runs,
+    slot_offset,
+    verify_slot,
 )
-from kvtier.io.layout import ReadOutcome, locate, verify_slot
-from kvtier.io.slab_files import SlabFiles, SlotReaderStats
+from kvtier.io.slab_files import SlabFiles, SlotReaderStats, bounce_area
 
 logger = logging.getLogger("kvtier.io")
 
@@ -45,12 +45,12 @@ logger = logging.getLogger("kvtier.io")
 @dataclass
 class PendingRead:
     """A batch submitted with :meth:`SlotReader.submit`: its items, the runs
-    read (file, local slot, first row, count), each item's row, and per run
-    the future (or result) of its read."""
+    read and each item's row (:func:`~kvtier.io.layout.plan_runs`), and per
+    run the future (or result) of its read."""
 
     items: list[tuple[int, bytes]]
     first_row: int
-    runs: list[tuple[int, int, int, int]]
+    runs: list[Run]
     row_of: list[int]
     parts: list[Any]
     seconds: float = 0.0
@@ -63,26 +63,6 @@ class SlotRead:
 
     outcome: ReadOutcome
     row: int
-
-
-def _alloc_area(nbytes: int, pin: bool) -> tuple[np.ndarray, Any]:
-    """A 4 KiB-aligned host area (O_DIRECT needs it); page-locked through
-    torch's pinned allocator when asked and CUDA is present, so that
-    host-to-device copies from it are asynchronous."""
-    if pin:
-        import torch
-
-        if torch.cuda.is_available():
-            owner = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
-            raw = owner.numpy()
-            start = (-raw.ctypes.data) % 4096
-            return raw[start : start + nbytes], owner
-    area = aligned_empty(nbytes)
-    # Touched once here, at start-up: otherwise the first load's reads
-    # fault its pages in while the engine steps.
-    area.fill(0)
-    return area, None
-
 
 class SlotReader:
     """Verified batch reads of one rank's slots into a bounce area.
@@ -98,8 +78,10 @@ class SlotReader:
         check gets the matching outcome. Anything else raised (a bug)
         leaves only once none of its reads is still writing the area. Rows of OK items hold exactly the
         block's ``block_bytes`` decoded bytes until the next ``read``.
-      - Reads are coalesced: slots that are consecutive in one slab file are
-        read with one I/O. Runs go to the back end's threads only when there
+      - Reads are coalesced: rows follow file order, not item order, and
+        slots that are consecutive in one slab file are read with one I/O
+        (:func:`~kvtier.io.layout.plan_runs`); an item's row is its
+        ``SlotRead.row``. Runs go to the back end's threads only when there
         are several; one run is read on the calling thread.
       - ``submit(items)`` starts the same reads on the back end's threads
         and returns a :class:`PendingRead`; ``complete(pending)`` waits and
@@ -138,7 +120,7 @@ class SlotReader:
         self.slot_size = slot_size(block_bytes)
         self._digest = fingerprint.digest()
         self.capacity = max(1, bounce_bytes // self.slot_size)
-        area, self._area_owner = _alloc_area(self.capacity * self.slot_size, pin)
+        area, self._area_owner = bounce_area(self.capacity * self.slot_size, pin=pin)
         # Page-locked (torch's pinned allocator), so device copies from it
         # are asynchronous and vLLM's copy path may read it from the GPU.
         self.pinned = self._area_owner is not None
@@ -180,14 +162,14 @@ class SlotReader:
         # Rows a run filled completely; others failed (errno) or were cut short.
         filled = np.zeros(len(items), dtype=np.int8)  # 0 io error, 1 ok, 2 short
         nbytes = 0
-        for (_f, _local, row, count), n in zip(runs, got):
+        for run, n in zip(runs, got):
             if n is None:
                 continue
             nbytes += n
-            full = min(count, n // self.slot_size)
-            at = row - first_row
+            full = min(run.count, n // self.slot_size)
+            at = run.row - first_row
             filled[at : at + full] = 1
-            filled[at + full : at + count] = 2
+            filled[at + full : at + run.count] = 2
         results: list[SlotRead] = []
         ok = corrupt = 0
         for i, (slot, key) in enumerate(items):
@@ -245,38 +227,25 @@ class SlotReader:
             )
         if self._closed:
             raise RuntimeError("SlotReader is closed")
-        npaths = len(self.slab_paths)
-        # Bounce rows follow file order, so each run lands in adjacent rows.
-        order = sorted(
-            range(len(items)),
-            key=lambda i: locate(items[i][0], npaths),
+        runs, row_of = plan_runs(
+            [slot for slot, _key in items],
+            len(self.slab_paths),
+            num_slots=self.num_slots,
+            first_row=first_row,
         )
-        row_of = [0] * len(items)
-        runs: list[tuple[int, int, int, int]] = []  # file, local slot, row, count
-        for k, i in enumerate(order):
-            row = first_row + k
-            slot = items[i][0]
-            if not 0 <= slot < self.num_slots:
-                raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
-            row_of[i] = row
-            f, local = locate(slot, npaths)
-            if runs and runs[-1][0] == f and runs[-1][1] + runs[-1][3] == local:
-                runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
-            else:
-                runs.append((f, local, row, 1))
         t0 = time.perf_counter()
         parts = self._issue(runs, inline)
         return PendingRead(
             list(items), first_row, runs, row_of, parts, time.perf_counter() - t0
         )
 
-    def _target(self, run: tuple[int, int, int, int]) -> tuple[Any, np.ndarray, int]:
-        f, local, row, count = run
+    def _target(self, run: Run) -> tuple[Any, np.ndarray, int]:
         ss = self.slot_size
         flat = self._area.reshape(-1)
-        return self.files.handle(f), flat[row * ss : (row + count) * ss], local * ss
+        target = flat[run.row * ss : (run.row + run.count) * ss]
+        return self.files.handle(run.slab), target, slot_offset(run.local, ss)
 
-    def _issue(self, runs: list[tuple[int, int, int, int]], inline: bool) -> list[Any]:
+    def _issue(self, runs: list[Run], inline: bool) -> list[Any]:
         """Per run: a future of the bytes read, the bytes read (``inline``:
         one run read on this thread), or None where the open or submit
         failed (logged)."""
@@ -284,7 +253,7 @@ class SlotReader:
             try:
                 return [int(self._read_sync(*self._target(runs[0])))]
             except OSError as exc:
-                self.files.io_error(runs[0][0], exc)
+                self.files.io_error(runs[0].slab, exc)
                 return [None]
         parts: list[Any] = []
         try:
@@ -292,7 +261,7 @@ class SlotReader:
                 try:
                     parts.append(self.backend.submit_read(*self._target(run)))
                 except OSError as exc:
-                    self.files.io_error(run[0], exc)
+                    self.files.io_error(run.slab, exc)
                     parts.append(None)
         except BaseException:
             # Anything else (a bug): reads already in flight write into the
@@ -301,9 +270,7 @@ class SlotReader:
             raise
         return parts
 
-    def _collect(
-        self, runs: list[tuple[int, int, int, int]], parts: list[Any]
-    ) -> list[int | None]:
+    def _collect(self, runs: list[Run], parts: list[Any]) -> list[int | None]:
         """Bytes read per run, or None where the read (or open) failed."""
         out: list[int | None] = [None] * len(runs)
         try:
@@ -314,7 +281,7 @@ class SlotReader:
                 try:
                     out[i] = int(part.result())
                 except OSError as exc:
-                    self.files.io_error(runs[i][0], exc)
+                    self.files.io_error(runs[i].slab, exc)
         except BaseException:
             wait([f for f in parts if isinstance(f, Future)])
             raise
@@ -337,22 +304,15 @@ class SlotReader:
             return verdict.outcome
         hdr = verdict.header
         assert hdr is not None
-        end = HEADER_SIZE + hdr.payload_len
         if hdr.codec is not Codec.RAW:
             # Decode through a scratch block: the output would overlap its
             # own input inside the row.
             if self._scratch is None:
                 self._scratch = np.empty(self.block_bytes, dtype=np.uint8)
-            try:
-                decompress(
-                    hdr.codec,
-                    buf[HEADER_SIZE:end],
-                    hdr.raw_len,
-                    hdr.elem_size,
-                    self._scratch,
-                )
-            except (CorruptPayloadError, ValueError):
-                self.files.rejected(slot, "payload does not decode")
-                return ReadOutcome.BAD_HEADER
+            stored = buf[HEADER_SIZE : HEADER_SIZE + hdr.payload_len]
+            decoded = decode_payload(hdr, stored, self._scratch)
+            if not decoded.ok:
+                self.files.rejected(slot, decoded.detail)
+                return decoded.outcome
             self.rows[row] = self._scratch
         return ReadOutcome.OK

@@ -1,7 +1,8 @@
 """The directory of one DiskStore path: its name, creation and lock.
 
 Each configured path holds ``kvtier-<digest hex[:16]>/`` (named by the layout
-fingerprint, see :func:`store_dirname`): created private to this user,
+fingerprint: :func:`store_dirname` makes the name, :data:`STORE_DIR_RE` and
+:func:`store_digest_prefix` recognise one; nothing else spells it): created private to this user,
 checked (no link, our owner, not group/other writable) and locked with
 ``flock`` for as long as its store is open, so two live engines never share
 one. ``layout.json`` in it is a human/``kvtier inspect`` aid, never trusted
@@ -16,6 +17,7 @@ import errno
 import json
 import logging
 import os
+import re
 import threading
 from typing import Any
 
@@ -33,10 +35,23 @@ logger = logging.getLogger("kvtier.io")
 
 LAYOUT_FILE = "layout.json"
 
+_PREFIX = "kvtier-"
+_DIGEST_HEX = 16  # hex digits of the layout digest in the name
+STORE_DIR_RE = re.compile(rf"^{_PREFIX}([0-9a-f]{{{_DIGEST_HEX}}})$")
+"""Matches a store directory's name; group 1 is its digest hex prefix."""
+
 
 def store_dirname(fingerprint: LayoutFingerprint) -> str:
-    """Name of the per-layout directory created under each path."""
-    return f"kvtier-{fingerprint.digest().hex()[:16]}"
+    """Name of the per-layout directory created under each path (matches
+    :data:`STORE_DIR_RE`)."""
+    return f"{_PREFIX}{fingerprint.digest().hex()[:_DIGEST_HEX]}"
+
+
+def store_digest_prefix(name: str) -> str | None:
+    """The digest hex prefix that store directory ``name`` carries, or None
+    when ``name`` is not a store directory's name."""
+    m = STORE_DIR_RE.match(name)
+    return m.group(1) if m else None
 
 
 def open_store_dir(path: str, base: str) -> int:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,9 +36,7 @@ from typing import Any
 from kvtier.io.backend import IO_ALIGNMENT
 from kvtier.io.format import HEADER_SIZE, slot_size
 from kvtier.io.layout import SLAB_RE, global_slot, parse_header
-from kvtier.io.store_dir import LAYOUT_FILE
-
-STORE_DIR_RE = re.compile(r"^kvtier-([0-9a-f]{16})$")
+from kvtier.io.store_dir import LAYOUT_FILE, STORE_DIR_RE, store_digest_prefix
 
 # Sanity bounds on geometry read from layout.json or a slot header. A 16-token
 # block of a 405B model in bf16 is about 8 MiB per rank; 4 GiB is absurd.
@@ -329,8 +326,8 @@ def _apply_layout(view: StoreView, layout: dict[str, Any]) -> None:
             view.digest = bytes.fromhex(digest)
         except ValueError:
             view.warnings.append(f"layout.json digest {digest!r:.80} is not hex")
-    m = STORE_DIR_RE.match(view.name)
-    if view.digest is not None and m and view.digest.hex()[:16] != m.group(1):
+    named = store_digest_prefix(view.name)
+    if view.digest is not None and named and not view.digest.hex().startswith(named):
         view.warnings.append(
             f"layout.json digest {view.digest.hex()} does not match the directory "
             f"name {view.name}"

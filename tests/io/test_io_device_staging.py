@@ -80,7 +80,8 @@ def test_posix_reads_and_verifies_all_slots(
         items = [(s, key_of(s)) for s in (5, 0, 3, 6, 1)]
         res = reader.read(items, first_row=2)
         assert [r.outcome for r in res] == [ReadOutcome.OK] * 5
-        assert [r.row for r in res] == [2, 3, 4, 5, 6]
+        # Rows follow file order (slab 0: slots 0, 6; slab 1: 1, 3, 5).
+        assert [r.row for r in res] == [6, 2, 5, 3, 4]
         _assert_rows(reader, res, items)
         # The wrong key for a slot is refused.
         (bad,) = reader.read([(4, key_of(5))])
@@ -96,37 +97,38 @@ def test_posix_reads_and_verifies_all_slots(
 
 
 @pytest.mark.parametrize("fault", ["eio", "short", "bit_flip", "open_eio"])
-def test_posix_faults_fail_only_their_slot(
+def test_posix_faults_fail_only_what_they_hit(
     two_paths: tuple[list[str], DiskStore], fault: str
 ) -> None:
+    """Slots 0..5 over two paths are two reads (slab 0: 0, 2, 4; slab 1: 1,
+    3, 5). A failed read or open fails its slab's run; a read cut inside
+    slot 3 fails 3 and 5 (1 landed whole); a flipped byte its slot only."""
     paths, store = two_paths
     victim = 3
     plan = FaultPlan(seed=1)
     where = on_slot(store, victim)
     if fault == "eio":
         plan.add(FaultRule.error(errno.EIO, ops="read", **where))
-        want = ReadOutcome.IO_ERROR
+        want, hit = ReadOutcome.IO_ERROR, {1, 3, 5}
     elif fault == "short":
-        plan.add(FaultRule.short(HEADER_SIZE + 4096, ops="read", **where))
-        want = ReadOutcome.TRUNCATED
+        cut = store.slot_size + HEADER_SIZE + 4096
+        plan.add(FaultRule.short(cut, ops="read", **where))
+        want, hit = ReadOutcome.TRUNCATED, {3, 5}
     elif fault == "bit_flip":
         start = where["ranges"][0][0]
         plan.add(FaultRule.bit_flip([start + HEADER_SIZE + 777], ops="read", **where))
-        want = ReadOutcome.CHECKSUM_MISMATCH
+        want, hit = ReadOutcome.CHECKSUM_MISMATCH, {3}
     else:
         plan.add(FaultRule.error(errno.EIO, ops="open", path=where["path"]))
-        want = ReadOutcome.IO_ERROR
+        want, hit = ReadOutcome.IO_ERROR, {1, 3, 5}
     backend = FaultInjectingBackend(PosixBackend(threads=2), plan)
     reader = _reader(paths, backend, capacity=SLOTS, owns_backend=True)
     try:
-        items = [(s, key_of(s)) for s in range(6)]
+        items = [(s, key_of(s)) for s in (4, 3, 0, 5, 1, 2)]
         res = reader.read(items)
         assert plan.injected, "the fault never fired"
         for (slot, _), r in zip(items, res):
-            if slot == victim or (fault == "open_eio" and slot % 2 == victim % 2):
-                assert r.outcome is want, (slot, r)
-            else:
-                assert r.outcome is ReadOutcome.OK, (slot, r)
+            assert r.outcome is (want if slot in hit else ReadOutcome.OK), (slot, r)
         _assert_rows(reader, res, items)
     finally:
         reader.close()
@@ -193,3 +195,29 @@ def test_cuda_staging_posix_bounce(two_paths: tuple[list[str], DiskStore]) -> No
         _assert_rows(reader, res, items)
     finally:
         reader.close()
+
+
+def test_both_readers_read_into_one_kind_of_host_area(tmp_path: Path) -> None:
+    """``bounce_area``: 4 KiB-aligned, C-contiguous, touched (zeros) unless
+    pinned; the host reader's area and a CPU staging tensor come from it."""
+    from kvtier.io.slab_files import bounce_area
+    from kvtier.io.slot_reader import SlotReader
+
+    for pin in (False, True):
+        area, owner = bounce_area(3 * 4096 + 512, pin=pin)
+        assert area.dtype == np.uint8 and area.flags.c_contiguous
+        assert area.size == 3 * 4096 + 512 and area.ctypes.data % 4096 == 0
+        assert (owner is not None) == (pin and torch.cuda.is_available())
+        if owner is None:
+            assert not area.any()
+    backend = PosixBackend(threads=1)
+    host = SlotReader([str(tmp_path)], SLOTS, BLOCK, fp(), backend, bounce_bytes=1 << 20)
+    staging = _reader([str(tmp_path)], backend, capacity=4)
+    try:
+        assert host.rows.ctypes.data % 4096 == HEADER_SIZE % 4096
+        assert staging.staging.data_ptr() % 4096 == 0
+        assert not staging.staging.any()
+    finally:
+        staging.close()
+        host.close()
+        backend.shutdown()

@@ -16,7 +16,7 @@ from kvtier.io.backends import make_backend
 from kvtier.io.disk_reads import VerifiedReads
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
-from kvtier.io.layout import ReadOutcome
+from kvtier.io.layout import ReadOutcome, locate, slot_offset
 from kvtier.io.store_dir import store_dirname
 from kvtier.io.store_files import StoreFiles
 
@@ -34,9 +34,8 @@ def sentinel_out(n: int = BLOCK_BYTES) -> np.ndarray:
 
 
 def location(store: DiskStore, slot: int) -> tuple[str, int]:
-    idx = slot % len(store.paths)
-    slab = store.slabs[idx]
-    return slab.path, slab.offset(slot // len(store.paths))
+    idx, local = locate(slot, len(store.paths))
+    return store.slabs[idx].path, slot_offset(local, store.slot_size)
 
 
 def flip(path: str, offset: int) -> None:

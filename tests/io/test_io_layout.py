@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,10 +26,13 @@ from kvtier.io.layout import (
     global_slot,
     local_slot_count,
     locate,
+    plan_runs,
     slab_name,
+    slot_offset,
 )
 from kvtier.io.posix_backend import PosixBackend
 from kvtier.io.slot_reader import SlotReader
+from kvtier.io.store_dir import STORE_DIR_RE, store_digest_prefix, store_dirname
 from kvtier.io.store_view import find_stores
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +63,44 @@ def test_striping_rule_round_trips() -> None:
             seen.add((f, local))
         assert len(seen) == 23
     assert slab_name(3) == "slab-3.kvt"
+    assert slot_offset(3, 8192) == 3 * 8192
+    with pytest.raises(ValueError):
+        slot_offset(-1, 8192)
+
+
+def test_plan_runs_reads_file_order_in_as_few_runs_as_the_files_allow() -> None:
+    rng = np.random.default_rng(5)
+    for stripes in (1, 2, 3):
+        slots = [int(s) for s in rng.permutation(12)]
+        runs, row_of = plan_runs(slots, stripes, num_slots=12, first_row=4)
+        # All of 0..11 are asked for: each slab's are consecutive, one run.
+        assert len(runs) == stripes
+        assert sorted(row_of) == list(range(4, 16))
+        for run in runs:
+            assert run.local == 0 and run.count == 12 // stripes
+            for k in range(run.count):
+                slot = global_slot(run.slab, run.local + k, stripes)
+                assert row_of[slots.index(slot)] == run.row + k
+        # Rows are contiguous across runs, in file order.
+        assert [r.row for r in runs] == [4 + i * (12 // stripes) for i in range(stripes)]
+    # Gaps and repeats split runs; the caller's order does not matter.
+    runs, row_of = plan_runs([7, 3, 1, 3, 11, 0], 2, num_slots=16)
+    assert runs == [(0, 0, 0, 1), (1, 0, 1, 2), (1, 1, 3, 1), (1, 3, 4, 1), (1, 5, 5, 1)]
+    assert row_of == [4, 2, 1, 3, 5, 0]
+    assert plan_runs([], 2, num_slots=8) == ([], [])
+    for bad in (8, -1):
+        with pytest.raises(IndexError):
+            plan_runs([0, bad], 2, num_slots=8)
+
+
+def test_store_directory_name_round_trips() -> None:
+    layout = fp(16384)
+    name = store_dirname(layout)
+    assert STORE_DIR_RE.match(name)
+    assert store_digest_prefix(name) == layout.digest().hex()[:16]
+    assert layout.digest().hex().startswith(store_digest_prefix(name) or "-")
+    for other in ("kvtier-0123", "kvtier-0123456789ABCDEF", "x" + name, name + "0"):
+        assert store_digest_prefix(other) is None
 
 
 def test_no_import_cycles_in_kvtier_io() -> None:
@@ -108,7 +150,7 @@ def test_no_import_cycles_in_kvtier_io() -> None:
 
 def _offset(store: DiskStore, slot: int) -> tuple[str, int]:
     f, local = locate(slot, len(store.paths))
-    return store.slabs[f].path, store.slabs[f].offset(local)
+    return store.slabs[f].path, slot_offset(local, store.slot_size)
 
 
 def _flip(path: str, at: int) -> None:
@@ -229,6 +271,166 @@ def test_every_reader_judges_a_damaged_slot_alike(
     assert all(recs[s].outcome is RO.OK for s in range(NUM_SLOTS - 1))
 
     assert (got_store, got_reader, got_inspect, got_staging) == MATRIX[kind]
+
+
+# ------------------------------------------- one run rule, both readers
+
+
+class CountingBackend(PosixBackend):
+    """A real POSIX back end that counts the reads it is asked for (one
+    per run: a read of several slots counts once)."""
+
+    def __init__(self) -> None:
+        super().__init__(threads=2)
+        self.reads = 0
+
+    def submit_read(self, handle: Any, buf: Any, offset: int) -> Any:
+        self.reads += 1
+        return super().submit_read(handle, buf, offset)
+
+    def read_sync(self, handle: Any, buf: Any, offset: int) -> int:
+        self.reads += 1
+        return super().read_sync(handle, buf, offset)
+
+
+def _striped_store(tmp_path: Path, block_bytes: int) -> list[str]:
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for p in paths:
+        os.mkdir(p)
+    layout = fp(block_bytes)
+    with DiskStore(paths, NUM_SLOTS, block_bytes, layout, backend="posix") as store:
+        for s in range(NUM_SLOTS):
+            store.write_block(s, key_of(s), block_of(s, block_bytes), seq=s + 1)
+    return paths
+
+
+@pytest.mark.parametrize("order", ["ascending", "shuffled"])
+def test_both_readers_coalesce_a_striped_batch_alike(
+    tmp_path: Path, order: str
+) -> None:
+    """Over 2 slab paths, a batch of all slots is one read per slab for the
+    host reader and the device staging reader alike, and both return the
+    same verified bytes for every slot."""
+    block_bytes = 16384
+    paths = _striped_store(tmp_path, block_bytes)
+    layout = fp(block_bytes)
+    slots = list(range(NUM_SLOTS))
+    if order == "shuffled":
+        slots = [int(s) for s in np.random.default_rng(11).permutation(NUM_SLOTS)]
+    items = [(s, key_of(s)) for s in slots]
+    first_row = 2
+    host_backend, dev_backend = CountingBackend(), CountingBackend()
+    reader = SlotReader(
+        paths, NUM_SLOTS, block_bytes, layout, host_backend,
+        bounce_bytes=(NUM_SLOTS + first_row) * 20480,
+    )
+    staging = DeviceStagingReader(
+        paths, NUM_SLOTS, block_bytes, layout, dev_backend,
+        capacity=NUM_SLOTS + first_row,
+    )
+    try:
+        pending_host = reader.submit(items, first_row)
+        pending_dev = staging.submit(items, first_row)
+        assert pending_dev.runs == pending_host.runs
+        assert pending_dev.row_of == pending_host.row_of
+        assert len(pending_host.runs) == 2  # one per slab file
+        sr = reader.complete(pending_host)
+        st = staging.complete(pending_dev)
+        assert host_backend.reads == dev_backend.reads == 2
+        host_rows, dev_rows = reader.rows, staging.rows.numpy()
+        assert [r.row for r in sr] == [r.row for r in st]
+        assert sorted(r.row for r in st) == list(range(first_row, first_row + NUM_SLOTS))
+        for (slot, _), a, b in zip(items, sr, st):
+            assert a.outcome is RO.OK and b.outcome is RO.OK, (slot, a, b)
+            want = block_of(slot, block_bytes)
+            assert np.array_equal(host_rows[a.row], want)
+            assert np.array_equal(dev_rows[b.row], want)
+    finally:
+        staging.close()
+        reader.close()
+        host_backend.shutdown()
+        dev_backend.shutdown()
+
+
+@pytest.mark.parametrize("block_bytes", [16384, 6146])
+def test_device_reader_judges_each_item_by_its_own_row(
+    tmp_path: Path, block_bytes: int
+) -> None:
+    """Rows follow file order, not item order: a flipped payload byte, a
+    wrong key and a slab cut inside its last slot, in a shuffled striped
+    batch, fail exactly their items (device checksums, headers and read
+    states are looked up by row)."""
+    paths = _striped_store(tmp_path, block_bytes)
+    layout = fp(block_bytes)
+    with DiskStore(paths, NUM_SLOTS, block_bytes, layout, backend="posix") as store:
+        _damage(store, "payload_bit", 2)
+        _damage(store, "truncated", 7)  # slab 1's last slot
+    slots = [5, 2, 7, 0, 3, 6, 1, 4]
+    items = [(s, key_of(s)) for s in slots]
+    items[slots.index(4)] = (4, key_of(1))  # wrong key for slot 4
+    want = {s: RO.OK for s in slots}
+    want[2], want[4], want[7] = RO.CHECKSUM_MISMATCH, RO.KEY_MISMATCH, RO.TRUNCATED
+    backend = PosixBackend(threads=2)
+    reader = SlotReader(paths, NUM_SLOTS, block_bytes, layout, backend, bounce_bytes=1 << 20)
+    staging = DeviceStagingReader(paths, NUM_SLOTS, block_bytes, layout, backend, capacity=NUM_SLOTS)
+    try:
+        for res, rows in (
+            (reader.read(items), reader.rows),
+            (staging.read(items), staging.rows.numpy()),
+        ):
+            assert {s: r.outcome for s, r in zip(slots, res)} == want
+            for s, r in zip(slots, res):
+                if r.outcome is RO.OK:
+                    assert np.array_equal(rows[r.row], block_of(s, block_bytes))
+    finally:
+        staging.close()
+        reader.close()
+        backend.shutdown()
+
+
+def test_a_payload_that_does_not_decode_is_a_bad_header_for_both_host_readers(
+    tmp_path: Path,
+) -> None:
+    """Both checksums match but the zstd payload is garbage (the header
+    lies): ``decode_payload`` makes it BAD_HEADER for the store's reads and
+    the load reader alike, and neither hands out a byte of it."""
+    import dataclasses
+
+    from kvtier.io.checksum import payload_checksum
+    from kvtier.io.format import Codec
+
+    block_bytes = 16384
+    layout = fp(block_bytes)
+    paths = [str(tmp_path)]
+    with DiskStore(
+        paths, NUM_SLOTS, block_bytes, layout, backend="posix", compression="zstd"
+    ) as store:
+        store.write_block(1, key_of(1), np.zeros(block_bytes, np.uint8), seq=1)
+        path, off = _offset(store, 1)
+        with open(path, "r+b") as f:
+            f.seek(off)
+            hdr = SlotHeader.unpack(f.read(HEADER_SIZE))
+            assert hdr.codec is Codec.ZSTD_BYTEPLANE
+            garbage = bytes(range(256)) * (hdr.payload_len // 256 + 1)
+            garbage = garbage[: hdr.payload_len]
+            forged = dataclasses.replace(
+                hdr,
+                checksum=payload_checksum(garbage),
+                device_checksum=device_checksum(garbage),
+            )
+            f.seek(off)
+            f.write(forged.pack() + garbage)
+        out = np.full(block_bytes, 7, np.uint8)
+        assert store.read_block(1, key_of(1), out) is RO.BAD_HEADER
+        assert (out == 7).all()
+    backend = PosixBackend(threads=1)
+    reader = SlotReader(paths, NUM_SLOTS, block_bytes, layout, backend, bounce_bytes=1 << 20)
+    try:
+        (got,) = reader.read([(1, key_of(1))])
+        assert got.outcome is RO.BAD_HEADER
+    finally:
+        reader.close()
+        backend.shutdown()
 
 
 # ------------------------------------------------------- device checksum

@@ -391,11 +391,11 @@ STAGING_CHILD = """
     store.close()
     items = [(s, b"k%d" % s) for s in range(8)]
 
-    def check(reader, faulty, want):
+    def check(reader, hit, want):
         res = reader.read(items)
         rows = reader.rows.numpy()
         for (slot, _), r in zip(items, res):
-            expect = want if slot == faulty else ReadOutcome.OK
+            expect = want if slot in hit else ReadOutcome.OK
             assert r.outcome is expect, (slot, r, want)
             if r.outcome is ReadOutcome.OK:
                 assert np.array_equal(rows[r.row], blocks[slot]), slot
@@ -403,26 +403,29 @@ STAGING_CHILD = """
 
     reader = DeviceStagingReader(paths, 8, block, fp, backend, capacity=8)
     modes = [reader.mode]
-    clean = check(reader, None, None)
+    clean = check(reader, (), None)
     reader.close()
     out = {"mode": modes[0], "clean": clean}
-    for fault, want in (
-        ("eio", ReadOutcome.IO_ERROR),
-        ("short", ReadOutcome.TRUNCATED),
-        ("flip", ReadOutcome.CHECKSUM_MISMATCH),
+    # Slab 1 holds slots 1, 3, 5, 7 (local 0..3): one read. A failed read
+    # fails its whole run; a short one the slots it did not cover.
+    for fault, want, hit in (
+        ("eio", ReadOutcome.IO_ERROR, (1, 3, 5, 7)),
+        ("short", ReadOutcome.TRUNCATED, (5, 7)),
+        ("flip", ReadOutcome.CHECKSUM_MISMATCH, (5,)),
     ):
         plan = FaultPlan(seed=1)
         where = on_slot(store, 5)
         if fault == "eio":
             plan.add(FaultRule.error(errno.EIO, ops="read", **where))
         elif fault == "short":
-            plan.add(FaultRule.short(HEADER_SIZE, ops="read", **where))
+            cut = 2 * store.slot_size + HEADER_SIZE  # inside slot 5
+            plan.add(FaultRule.short(cut, ops="read", **where))
         else:
             at = where["ranges"][0][0] + HEADER_SIZE + 99
             plan.add(FaultRule.bit_flip([at], ops="read", **where))
         faulty = FaultInjectingBackend(backend, plan)
         reader = DeviceStagingReader(paths, 8, block, fp, faulty, capacity=8)
-        out[fault] = check(reader, 5, want)
+        out[fault] = check(reader, hit, want)
         assert plan.injected, fault
         reader.close()
     backend.shutdown()
@@ -433,11 +436,13 @@ STAGING_CHILD = """
 def test_device_staging_through_kvikio(tmp_path: Path, stub_dir: Path) -> None:
     """The staging reader on CPU tensors through real kvikio (compat mode on
     the stub driver): every slot verified, and EIO, a short read and a bit
-    flip injected around kvikio fail only the slot they hit."""
+    flip injected around kvikio fail only what they hit: the read of one
+    slab's run, the slots after the cut, the flipped slot."""
     result = run_child(STAGING_CHILD, stub_dir, tmp_path)
     assert result["mode"] == "compat"
     assert "device staging: mode compat" in result["_stderr"]
     assert result["clean"] == ["ok"] * 8
-    assert result["eio"][5] == "io_error" and result["eio"].count("ok") == 7
-    assert result["short"][5] == "truncated" and result["short"].count("ok") == 7
+    assert result["eio"][1::2] == ["io_error"] * 4 and result["eio"][::2] == ["ok"] * 4
+    assert result["short"][5] == result["short"][7] == "truncated"
+    assert result["short"].count("ok") == 6
     assert result["flip"][5] == "checksum_mismatch" and result["flip"].count("ok") == 7

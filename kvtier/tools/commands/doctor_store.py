@@ -11,7 +11,7 @@ checkpoint changes.
 
 :func:`store_verdicts` is the one place that decides; it lists stores only
 through :func:`kvtier.io.store_view.find_stores` (layout.json) and
-:data:`~kvtier.io.store_view.STORE_DIR_RE`.
+:data:`~kvtier.io.store_dir.STORE_DIR_RE`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def store_verdicts(paths: Sequence[str], model: str | None) -> list[StoreVerdict
     would adopt them (identity match) or set them aside. Raises
     OSError/ValueError for a store that cannot be read safely."""
     from kvtier.connector.identity import model_identity
-    from kvtier.io.store_view import STORE_DIR_RE, find_stores
+    from kvtier.io.store_dir import STORE_DIR_RE
+    from kvtier.io.store_view import find_stores
 
     with_stores = [
         p
