@@ -499,6 +499,14 @@ def print_disk_table(res: dict[str, Any]) -> None:
             f"{t['submit_ms']:>9.3f} | {t['get_finished_calls']:>5.0f} | "
             f"{t['longest_call_ms']:>10.3f}"
         )
+    timed = {k: r["thread"] for k, r in res["rows"].items() if "thread" in r}
+    if timed:
+        worst = max(timed, key=lambda k: timed[k]["ms_per_gib"])
+        print(
+            f"  model-runner thread ms per submitted GiB (goal < 1): worst row "
+            f"{worst}: {timed[worst]['ms_per_gib']:.3f} "
+            f"(net {timed[worst]['net_ms_per_gib']:.3f})"
+        )
     print(
         f"  model-runner thread ms per submitted GiB = submit_load + every "
         f"get_finished until done, one call per {res['step_ms']} ms step; net: less "
