@@ -385,7 +385,7 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
         for t in caches.tensors:
             t.tensor[:n].zero_()
         _sync(device)
-        if load(key, 0.0) is None:
+        if load(key, args.poll_ms / 1e3) is None:
             continue
         _sync(device)
         bad = [
