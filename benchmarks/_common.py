@@ -122,3 +122,38 @@ def fio_sequential_read(
         return {"error": res.stderr[-300:]}
     job = json.loads(res.stdout)["jobs"][0]["read"]
     return {"gbps": job["bw_bytes"] / 1e9, "bytes": size}
+
+
+def dd_direct_read(path: str, size: int, timeout: float = 300) -> dict[str, Any]:
+    """dd's O_DIRECT, 1 MiB sequential read of the first ``size`` bytes of
+    ``path``: the raw-drive baseline where no fio binary is at hand."""
+    import re
+
+    count = max(1, size >> 20)
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        ["dd", f"if={path}", "of=/dev/null", "bs=1M", f"count={count}", "iflag=direct"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    seconds = time.perf_counter() - t0
+    m = re.search(r"(\d+) bytes", res.stderr)
+    if res.returncode or not m:
+        return {"error": res.stderr[-300:]}
+    return {"gbps": int(m.group(1)) / seconds / 1e9, "bytes": int(m.group(1))}
+
+
+def direct_read_baseline(
+    fio: str | None, path: str, size: int, drop: bool = True
+) -> dict[str, Any]:
+    """O_DIRECT sequential read of ``size`` bytes of ``path`` from offset 0
+    (page cache dropped first where allowed and ``drop``): fio when given,
+    else dd."""
+    dropped = drop and drop_caches()
+    if fio:
+        out = {"tool": "fio", **fio_sequential_read(fio, path, size, loops=3)}
+    else:
+        out = {"tool": "dd", **dd_direct_read(path, size)}
+    out["page_cache_dropped"] = dropped
+    return out
