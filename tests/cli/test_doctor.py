@@ -210,19 +210,14 @@ def _stub_lib_dir(broken: bool) -> Path:
     """tests/stubs' libcuda.so.1 (the test-only CUDA driver stub)."""
     import importlib.util
 
+    from tests.stubs.build_stub import stub_lib_dir
+
     if importlib.util.find_spec("kvikio") is None:
         pytest.skip("kvikio not installed (run scripts/install-kvikio.sh)")
-    path = Path(__file__).resolve().parents[1] / "stubs" / "build_stub.py"
-    spec = importlib.util.spec_from_file_location("kvtier_doctor_build_stub", path)
-    assert spec is not None and spec.loader is not None
-    build_stub = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build_stub)
-    if build_stub.compiler() is None:
+    lib_dir = stub_lib_dir(broken)
+    if lib_dir is None:
         pytest.skip("no C compiler (gcc) to build the CUDA driver stub")
-    if not broken:
-        return build_stub.build_stub().parent
-    out = build_stub.DEFAULT_OUT_DIR / "broken"
-    return build_stub.build_stub(out, defines=["KVTIER_STUB_BROKEN_DRIVER"]).parent
+    return lib_dir
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["stub-driver", "broken-driver"])

@@ -14,16 +14,16 @@ down its compat path into host memory; with one, the real driver is used
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.stubs.build_stub import real_driver_present, stub_lib_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BODY = Path(__file__).resolve().with_name("_device_path_check.py")
@@ -33,23 +33,6 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("kvikio") is None,
     reason="kvikio not installed (run scripts/install-kvikio.sh)",
 )
-
-
-def _load_build_stub() -> ModuleType:
-    path = REPO_ROOT / "tests" / "stubs" / "build_stub.py"
-    spec = importlib.util.spec_from_file_location("kvtier_test_build_stub", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _real_driver_present() -> bool:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    return True
 
 
 def _cuda_ready() -> str | None:
@@ -67,12 +50,12 @@ def _cuda_ready() -> str | None:
 
 def _driver_dir(device: str) -> Path | None:
     """LD_LIBRARY_PATH for the child: the stub driver on a host without one."""
-    if device == "cuda" or _real_driver_present():
+    if device == "cuda" or real_driver_present():
         return None
-    build_stub = _load_build_stub()
-    if build_stub.compiler() is None:
+    lib_dir = stub_lib_dir()
+    if lib_dir is None:
         pytest.skip("no C compiler (gcc) to build the CUDA driver stub")
-    return build_stub.build_stub().parent
+    return lib_dir
 
 
 def _run_body(device: str, work: Path, lib_dir: Path | None) -> dict:
@@ -111,7 +94,7 @@ def test_kvikio_device_staging_matches_posix_and_refuses_corrupt_slots(
         pytest.skip(why)
     result = _run_body(device, tmp_path, _driver_dir(device))
     assert result["device"] == device
-    if device == "cpu" and not _real_driver_present():
+    if device == "cpu" and not real_driver_present():
         assert result["mode"] == "compat"  # the stub driver has no GDS
     assert result["mode"] in ("gds", "compat")
     # The reader logs which mode it runs (issue 20: compat must say so).

@@ -13,7 +13,6 @@ by printing one ``RESULT <json>`` line for the parent's further checks.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import os
@@ -22,28 +21,16 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.stubs.build_stub import real_driver_present, stub_lib_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A hang (kvikio deadlocking on a bad driver) must fail the test, not CI.
 CHILD_TIMEOUT_S = 180
 
-
-def _load_build_stub() -> ModuleType:
-    # Loaded by path: tests/ is not a package, and naming tests/io a package
-    # would shadow the standard library's io.
-    path = REPO_ROOT / "tests" / "stubs" / "build_stub.py"
-    spec = importlib.util.spec_from_file_location("kvtier_test_build_stub", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-build_stub = _load_build_stub()
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("kvikio") is None,
@@ -51,29 +38,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _real_driver_present() -> bool:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def stub_dir() -> Path:
     """Directory holding the stub libcuda.so.1 (built once, cached)."""
-    if build_stub.compiler() is None:
-        pytest.skip("no C compiler (gcc) to build the CUDA driver stub")
-    return build_stub.build_stub().parent
+    return _stub(broken=False)
 
 
 @pytest.fixture(scope="module")
 def broken_stub_dir() -> Path:
     """A libcuda.so.1 whose cuDriverGetVersion fails, like the toolkit's stub."""
-    if build_stub.compiler() is None:
+    return _stub(broken=True)
+
+
+def _stub(broken: bool) -> Path:
+    lib_dir = stub_lib_dir(broken)
+    if lib_dir is None:
         pytest.skip("no C compiler (gcc) to build the CUDA driver stub")
-    out = build_stub.DEFAULT_OUT_DIR / "broken"
-    return build_stub.build_stub(out, defines=["KVTIER_STUB_BROKEN_DRIVER"]).parent
+    return lib_dir
 
 
 def run_child(code: str, lib_dir: Path | None, work_dir: Path) -> dict[str, Any]:
@@ -144,7 +125,7 @@ UNUSABLE_CHILD = """
 
 
 def test_unusable_without_driver(tmp_path: Path) -> None:
-    if _real_driver_present():
+    if real_driver_present():
         pytest.skip("a real CUDA driver is installed; cannot test its absence")
     result = run_child(UNUSABLE_CHILD, None, tmp_path)
     assert "libcuda.so.1" in result["reason"]

@@ -37,6 +37,30 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "gcc"))
 
 
+def real_driver_present() -> bool:
+    """Whether this process can load a real ``libcuda.so.1``."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(SONAME)
+    except OSError:
+        return False
+    return True
+
+
+def stub_lib_dir(broken: bool = False) -> Path | None:
+    """The directory to put on a child's ``LD_LIBRARY_PATH`` for the stub
+    driver (built once, cached), or None when no compiler can build it.
+    ``broken``: the variant whose ``cuDriverGetVersion`` fails, like the CUDA
+    toolkit's own stub."""
+    if compiler() is None:
+        return None
+    if not broken:
+        return build_stub().parent
+    out = DEFAULT_OUT_DIR / "broken"
+    return build_stub(out, defines=["KVTIER_STUB_BROKEN_DRIVER"]).parent
+
+
 def build_stub(
     out_dir: str | os.PathLike[str] | None = None, defines: Sequence[str] = ()
 ) -> Path:
