@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -282,6 +281,12 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
             # are the ones a load in flight can stall.
             waiting = [s for run in runs for s in run["during"][:-1]]
             row[case]["wait_max_ms"] = 1e3 * max(waiting) if waiting else None
+            # How often, not only how bad: the waiting steps' p95 and how
+            # many of them took over 3x the decode p50.
+            row[case]["wait_p95_ms"] = 1e3 * _pct(waiting, 0.95) if waiting else None
+            limit = 3 * statistics.median(decode)
+            row[case]["waiting_steps"] = len(waiting)
+            row[case]["waiting_over_3x"] = sum(s > limit for s in waiting)
             row[case]["own_step_ms"] = 1e3 * statistics.median(
                 run["during"][-1] for run in runs
             )
@@ -296,29 +301,13 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
     return {"mode": mode, "results": summary, "outputs_equal": mismatches == 0}
 
 
-def _direct_read(path: str, size: int) -> dict | None:
+def _direct_read(path: str, size: int) -> dict:
     """O_DIRECT sequential 1 MiB reads of the first ``size`` bytes of
     ``path`` (where P was spilled first): fio when installed, else dd."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks._common import drop_caches, fio_sequential_read
+    from benchmarks._common import direct_read_baseline
 
-    fio = shutil.which("fio")
-    if fio:
-        return {"tool": "fio", **fio_sequential_read(fio, path, size, timeout=300)}
-    drop_caches()
-    count = max(1, size >> 20)
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        ["dd", f"if={path}", "of=/dev/null", "bs=1M", f"count={count}", "iflag=direct"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    secs = time.perf_counter() - t0
-    m = re.search(r"(\d+) bytes", proc.stderr)
-    if proc.returncode or not m:
-        return None
-    return {"tool": "dd", "gbps": int(m.group(1)) / secs / 1e9}
+    return direct_read_baseline(shutil.which("fio"), path, size)
 
 
 def main() -> int:
@@ -403,6 +392,8 @@ def main() -> int:
             print(
                 f"{'':>6} | {'':>4} | disk/cpu TTFT {row['disk']['ttft_s'] / row['cpu']['ttft_s']:.2f}x"
                 f" | worker load {row['worker_load_gbps'] or 0:.2f} GB/s"
+                f" | disk steps over 3x decode {row['disk']['waiting_over_3x']}"
+                f"/{row['disk']['waiting_steps']}"
                 f" | {d.get('tool', 'direct')} {d.get('gbps', float('nan')):.2f} GB/s"
             )
     print(f"outputs equal: {ok}")

@@ -193,7 +193,11 @@ class CopyPath(Protocol):
         areas may be unmapped afterwards.
       - ``synchronous`` is True when every ``submit`` completes its copy
         before returning (then nothing is ever in flight).
-      - One thread (the model runner's) calls all of it.
+      - An asynchronous path (accelerators: vLLM's handlers) is called by one
+        thread only, the model runner's. A synchronous one
+        (:class:`HostCopies`) keeps no state between calls, so the model
+        runner's thread (stores) and the worker's load thread (loads) may
+        call ``submit`` at once, on disjoint blocks and rows.
     """
 
     synchronous: bool
