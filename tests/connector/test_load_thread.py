@@ -319,6 +319,48 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
     _complete(r, fourth, ctx4)
 
 
+def test_a_job_that_raises_never_waits_for_its_held_read(runner, plan, monkeypatch):
+    """Job 1's first batch raises while its second batch's read is held:
+    the job fails at once (the held read is set aside, not waited for) and
+    job 2 loads through the other half."""
+    r = runner
+    keys = push_to_disk(r, [1, 2], others="bcdef")
+    second = r.keys("b", 4)[:2]
+    reader = r.worker.reader
+    reader.capacity = 2  # a batch per block
+    store = r.manager.runtime.stores[0]
+    target = on_slot(store, r.manager.hierarchy.disk.get(keys[1]).slot)
+    release = threading.Event()
+    rule = plan.add(FaultRule.hang(release, ops="read", **target))
+    real_complete = reader.complete
+    calls = []
+
+    def complete(pending):
+        calls.append(pending.items[0][1])
+        if pending.items[0][1] == keys[0]:
+            raise RuntimeError("a bug in the reader")
+        return real_complete(pending)
+
+    monkeypatch.setattr(reader, "complete", complete)
+    try:
+        ctx = _submit(r, keys, [40, 41], job_id=1)
+        _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held read")
+        done = wait_finished(r.worker)
+        assert [(d.job_id, d.success) for d in done] == [(1, False)]
+        error = r.worker.take_load_error(1)
+        assert error.keys == [] and error.unloaded == keys
+        _complete(r, keys, ctx, error)
+        ctx2 = _submit(r, second, [44, 45], job_id=2)
+        assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(2, True)]
+        assert _landed(r, second, [44, 45]) == [True, True]
+        _complete(r, second, ctx2)
+    finally:
+        release.set()
+        plan.remove(rule)
+    _wait_for(lambda: not r.worker.loads._stuck, "the held read to be reaped")
+    assert not any(_landed(r, keys, [40, 41]))
+
+
 def test_shutdown_mid_read_is_bounded_and_never_unmaps_under_a_read(
     tmp_path, plan, monkeypatch, caplog
 ):

@@ -62,13 +62,10 @@ logger = logging.getLogger("kvtier.connector")
 # prefix loaded from disk went from 60 ms to 22 ms (decode step 9 ms),
 # while the load took 20 % longer (docs/benchmarks.md, "Step stalls").
 LOAD_THREAD_NICE = 10
-# A read batch whose reads have not all returned after this many seconds
-# is given up: its blocks are reported failed (a recompute) and its bounce
-# half is set aside until the reads return, so one read that hangs (a dying
-# drive's retries, a hard-mounted network file system) costs its own blocks,
-# not every load after it. A healthy drive reads a whole batch (tens of
-# MiB) in well under a second; the job deadline (the worker's) stays the
-# backstop.
+# A read batch not back after this many seconds is given up (see the module
+# doc): a hung read (a dying drive's retries, a hard-mounted network file
+# system) costs its own blocks, not every load after it. A healthy drive
+# reads a batch (tens of MiB) in well under a second.
 READ_STALL_S = 15.0
 # How long the thread blocks at a time on a read or on an idle queue before
 # it looks again at stalls, cancellations and new work.
@@ -148,11 +145,9 @@ class LoadRunner:
 
     def warm_up(self) -> None:
         """Start the thread ahead of the first load; it opens the reader's
-        slab files first. The first open in a process probes O_DIRECT (a
-        file created, written, read back and removed) and costs tens of
-        milliseconds; measured in the first disk hit after start-up, a
-        decoding step stretched to 45 ms while it ran. A file not created
-        yet is opened at its first read."""
+        slab files first (the first open probes O_DIRECT, tens of ms: run
+        during the first disk hit, it stretched a decoding step to 45 ms).
+        A file not created yet is opened at its first read."""
         with self._cond:
             if self._thread is None and not self._stopping:
                 self._start_thread()
@@ -378,6 +373,8 @@ class LoadRunner:
         if task.failed is not None:
             task.failed[batch.positions] = True
         self._stuck.append(batch)
+        if task.cancelled:
+            return  # the worker gave the job up and said so
         logger.error(
             "kvtier: disk reads of load job %d have not returned after %.0f s: its "
             "%d blocks are recomputed; %d of %d bounce halves wait for the reads",
@@ -416,7 +413,10 @@ class LoadRunner:
         for batch in [b for b in self._inflight if b.task is task]:
             self._inflight.remove(batch)
             task.batches -= 1
-            self._abandon(batch)
+            if self.reader is not None and self.reader.ready(batch.read):
+                self._abandon(batch)
+            else:  # never wait here for a read that may not return
+                self._stuck.append(batch)
         task.host_left.clear()
         task.disk_left = None
 
