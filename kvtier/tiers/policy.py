@@ -93,6 +93,17 @@ class EvictionPolicy(ABC):
             out.append(position(key))
         return out
 
+    def touch_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """``touch(key)`` for each key in order, all of them resident;
+        returns each key's ``position`` right after its touch (overridable,
+        with exactly that result)."""
+        touch, position = self.touch, self.position
+        out = []
+        for key in keys:
+            touch(key)
+            out.append(position(key))
+        return out
+
     def remove_many(self, keys: Iterable[Hashable], evicted: bool) -> None:
         """``remove(key, evicted)`` for each key in order (overridable)."""
         remove = self.remove
@@ -188,7 +199,7 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, key: Hashable, evicted: bool) -> None:
         self._order.pop(key, None)
 
-    # The batches inline insert/position and remove, unless a subclass
+    # The batches inline insert/touch/position and remove, unless a subclass
     # changed those (then the per-key calls decide).
     def insert_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
         if type(self).insert is not LRUPolicy.insert:
@@ -196,6 +207,17 @@ class LRUPolicy(EvictionPolicy):
         order, clock, out = self._order, self._clock, []
         for key in keys:
             order[key] = stamp = next(clock)
+            out.append((0, stamp))
+        return out
+
+    def touch_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+        if type(self).touch is not LRUPolicy.touch:
+            return super().touch_many(keys)
+        order, clock, out = self._order, self._clock, []
+        move_to_end = order.move_to_end
+        for key in keys:
+            order[key] = stamp = next(clock)  # resident: the caller checked
+            move_to_end(key)
             out.append((0, stamp))
         return out
 

@@ -266,16 +266,15 @@ class Tier:
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         """``touch(key)`` for each key in order (the last ends up most
         recent). O(len(keys) log n)."""
-        blocks, touch, position = self._blocks, self.policy.touch, self.policy.position
-        index, accept = self.index, self.filter
-        pos, eligible = index.pos, index.eligible
+        blocks, index, accept = self._blocks, self.index, self.filter
+        eligible = index.eligible
+        resident: list[Hashable] = []
         moved: list[Hashable] = []
         for key in keys:
             block = blocks.get(key)
             if block is None:
                 continue
-            touch(key)
-            pos[key] = position(key)
+            resident.append(key)
             if key in eligible or (
                 block.state is _READY
                 and not block.pins
@@ -284,6 +283,9 @@ class Tier:
                 # Eligible (already, or from now on: refresh(key),
                 # inlined): placed below at its new position.
                 moved.append(key)
+        # A touch moves only the key touched, so the policy can take them
+        # all first (the last touch of a key listed twice decides).
+        index.pos.update(zip(resident, self.policy.touch_many(resident)))
         if moved:
             index.place_many(moved)
 

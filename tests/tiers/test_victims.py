@@ -138,6 +138,12 @@ def test_policy_batches_equal_the_per_key_calls(policy):
     for key in keys[12:]:  # ghosts and doorkeepers remembered the same
         single.insert(key)
     batch.insert_many(keys[12:])
+    touched = [k for k in keys[::3] + keys[1::4] if k in list(single.candidates())]
+    expect = []
+    for key in touched:
+        single.touch(key)
+        expect.append(single.position(key))
+    assert batch.touch_many(touched) == expect
     assert list(batch.candidates()) == list(single.candidates())
     assert [batch.position(k) for k in batch.candidates()] == [
         single.position(k) for k in single.candidates()
@@ -153,3 +159,21 @@ def test_an_lru_subclass_that_changes_insert_keeps_it_in_batches():
     p = Tagged(4)
     p.insert_many(["a", "b"])
     assert p.seen == ["a", "b"]
+
+
+def test_an_lru_subclass_that_changes_touch_keeps_it_in_batches():
+    class Counted(LRUPolicy):
+        touches = 0
+
+        def touch(self, key):
+            super().touch(key)
+            self.touches += 1
+
+    p = Counted(4)
+    p.insert_many(["a", "b"])
+    assert p.touch_many(["a", "b", "a"]) == [
+        (0, 2),
+        (0, 3),
+        (0, 4),
+    ]
+    assert p.touches == 3
