@@ -169,6 +169,20 @@ class VictimIndex:
         heapq.heapify(heap)
         self.heaps[seg] = heap
 
+    def _live_top(self, seg: int, fronts: list[list[Any]]) -> int:
+        """Drop the stale entries off the top of ``seg``'s heap and add its
+        live top to ``fronts``, if any; returns the entries dropped."""
+        heap, live = self.heaps[seg], self.heaped[seg]
+        dropped = 0
+        while heap:
+            stamp, key = heap[0]
+            if live.get(key) == stamp:
+                fronts.append([stamp, key, live])
+                break
+            heapq.heappop(heap)  # stale: gone for good
+            dropped += 1
+        return dropped
+
     def clear(self) -> None:
         self.pos.clear()
         self.eligible.clear()
@@ -206,34 +220,35 @@ class VictimIndex:
         heappop = heapq.heappop
         inspected = 0
         for seg, stop in order:
-            runs, heap, live = self.runs[seg], self.heaps[seg], self.heaped[seg]
-            while len(chosen) < n:
-                # The segment's oldest key: the smallest of the run fronts
-                # and the heap's top (stale tops dropped on the way).
-                source: Any = None
-                stamp = key = None
-                for run in runs:
-                    if run:
-                        front = next(iter(run))
-                        at = run[front]
-                        if source is None or at < stamp:
-                            source, key, stamp = run, front, at
-                while heap:
-                    at, top = heap[0]
-                    if live.get(top) != at:
-                        heappop(heap)  # stale: gone for good
-                        inspected += 1
-                        continue
-                    if source is None or at < stamp:
-                        source, key, stamp = live, top, at
-                    break
-                if source is None or (stop is not None and stamp >= stop):
+            heap, live = self.heaps[seg], self.heaped[seg]
+            # [stamp, key, container] of each non-empty run's front and of
+            # the heap's live top: the segment's oldest key is the smallest
+            # (stamps are unique), and only the front taken moves on.
+            fronts = []
+            for run in self.runs[seg]:
+                if run:
+                    key = next(iter(run))
+                    fronts.append([run[key], key, run])
+            inspected += self._live_top(seg, fronts)
+            while fronts and len(chosen) < n:
+                front = min(fronts) if len(fronts) > 1 else fronts[0]
+                stamp, key, source = front
+                if stop is not None and stamp >= stop:
                     break  # the rest of this segment comes in a later run
                 inspected += 1
-                from_heap = heap if source is live else None
-                if from_heap is not None:
-                    heappop(heap)
                 del source[key]  # in hand: in no container until put back
+                if source is live:
+                    heappop(heap)
+                    from_heap: list[tuple[int, Hashable]] | None = heap
+                    fronts.remove(front)
+                    inspected += self._live_top(seg, fronts)
+                else:
+                    from_heap = None
+                    if source:
+                        front[1] = after = next(iter(source))
+                        front[0] = source[after]
+                    else:
+                        fronts.remove(front)
                 if key in exclude or (accept is not None and not accept(key)):
                     held.append((source, key, stamp, from_heap))
                     continue
