@@ -378,9 +378,9 @@ class Tier:
         self, n: int, exclude: set[Hashable] | frozenset[Hashable] = frozenset()
     ) -> list[Hashable]:
         """Remove up to ``n`` victims (``victims(n, exclude=exclude)``, the
-        same keys in the same order) as evicted; returns them. One heap pop
-        per victim: the chosen entries are consumed, not put back to go
-        stale. O(victims log n) plus stale entries dropped."""
+        same keys in the same order) as evicted; returns them. The chosen
+        entries are taken out of the index as they are chosen, not put
+        back. O(victims log n) plus stale entries dropped."""
         if n <= 0 or not self.index.eligible:
             return []
         chosen = self.index.victims(
