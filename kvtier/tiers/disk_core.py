@@ -69,7 +69,8 @@ class DiskTierCore:
         need = n - tier.num_free
         if need <= 0:
             return []
-        # Chosen and removed in one pass: each victim costs one heap pop.
+        # Chosen and removed in one pass: each victim is taken out of the
+        # index as it is chosen.
         victims = tier.evict(need, exclude=exclude)
         if victims:
             self._report(victims, True, "evict")

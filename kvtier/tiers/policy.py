@@ -20,7 +20,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from kvtier.tiers.doorkeeper import Doorkeeper
 
@@ -82,22 +82,23 @@ class EvictionPolicy(ABC):
     def candidates(self) -> Iterator[Hashable]:
         """Resident keys, most evictable first (a walk: O(keys consumed))."""
 
+    # Batches: the per-key calls, in order; insert_many and touch_many
+    # return each key's ``position`` right after its call (touch_many's keys
+    # are all resident). A subclass may override them for speed, with
+    # exactly that result.
     def insert_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """``insert(key)`` for each key in order; returns each key's
-        ``position`` right after its insert. A subclass may override it
-        for speed, with exactly that result."""
-        insert, position = self.insert, self.position
-        out = []
-        for key in keys:
-            insert(key)
-            out.append(position(key))
-        return out
+        return [self._position_after(self.insert, key) for key in keys]
+
+    def touch_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+        return [self._position_after(self.touch, key) for key in keys]
 
     def remove_many(self, keys: Iterable[Hashable], evicted: bool) -> None:
-        """``remove(key, evicted)`` for each key in order (overridable)."""
-        remove = self.remove
         for key in keys:
-            remove(key, evicted)
+            self.remove(key, evicted)
+
+    def _position_after(self, call: Any, key: Hashable) -> tuple[int, int]:
+        call(key)
+        return self.position(key)
 
     @abstractmethod
     def position(self, key: Hashable) -> tuple[int, int]:
@@ -188,13 +189,24 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, key: Hashable, evicted: bool) -> None:
         self._order.pop(key, None)
 
-    # The batches inline insert/position and remove, unless a subclass
+    # The batches inline insert/touch/position and remove, unless a subclass
     # changed those (then the per-key calls decide).
     def insert_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
         if type(self).insert is not LRUPolicy.insert:
             return super().insert_many(keys)
+        return self._to_back(keys)
+
+    def touch_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+        if type(self).touch is not LRUPolicy.touch:
+            return super().touch_many(keys)
+        return self._to_back(keys)
+
+    def _to_back(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Each key (new, or resident: moved) gets the next stamp, last."""
         order, clock, out = self._order, self._clock, []
+        pop = order.pop
         for key in keys:
+            pop(key, None)
             order[key] = stamp = next(clock)
             out.append((0, stamp))
         return out

@@ -192,7 +192,7 @@ class Tier:
     def pin(self, key: Hashable) -> TierBlock:
         block = self._blocks[key]
         block.pins += 1
-        self.index.eligible.discard(key)  # its entry stays, dormant
+        self.index.drop_many((key,))
         return block
 
     def unpin(self, key: Hashable) -> TierBlock:
@@ -238,12 +238,14 @@ class Tier:
 
     def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
         """``pin(key)`` for each key in order; returns the blocks. O(len)."""
-        blocks, discard = self._blocks, self.index.eligible.discard
+        blocks, pop = self._blocks, self.index.eligible.pop
         out: list[TierBlock] = []
         for key in keys:
             block = blocks[key]
             block.pins += 1
-            discard(key)
+            held = pop(key, None)  # index.drop_many, inlined
+            if held is not None:
+                del held[key]
             out.append(block)
         return out
 
@@ -264,27 +266,26 @@ class Tier:
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         """``touch(key)`` for each key in order (the last ends up most
         recent). O(len(keys) log n)."""
-        blocks, touch, position = self._blocks, self.policy.touch, self.policy.position
-        index, accept = self.index, self.filter
-        pos, eligible = index.pos, index.eligible
+        blocks, index, accept = self._blocks, self.index, self.filter
+        eligible = index.eligible
+        resident: list[Hashable] = []
         moved: list[Hashable] = []
         for key in keys:
             block = blocks.get(key)
             if block is None:
                 continue
-            touch(key)
-            pos[key] = position(key)
-            if key in eligible:
-                moved.append(key)  # re-pushed below; the old entry is stale
-            elif (
+            resident.append(key)
+            if key in eligible or (
                 block.state is _READY
                 and not block.pins
                 and (accept is None or accept(key, block))
             ):
-                # refresh(key), inlined: eligible from now on; pushed below
-                # at its new position.
-                eligible.add(key)
+                # Eligible (already, or from now on: refresh(key),
+                # inlined): placed below at its new position.
                 moved.append(key)
+        # A touch moves only the key touched, so the policy can take them
+        # all first (the last touch of a key listed twice decides).
+        index.pos.update(zip(resident, self.policy.touch_many(resident)))
         if moved:
             index.place_many(moved)
 
@@ -320,8 +321,8 @@ class Tier:
         :meth:`mark_ready_many`. O(len(keys) log n)."""
         blocks = self._blocks
         accept = None if accepted else self.filter
-        discard = self.index.eligible.discard
         admitted: list[Hashable] = []
+        dropped: list[Hashable] = []
         for key in keys:
             block = blocks.get(key)
             if block is None:
@@ -333,7 +334,9 @@ class Tier:
             ):
                 admitted.append(key)
             else:
-                discard(key)
+                dropped.append(key)
+        if dropped:
+            self.index.drop_many(dropped)
         if admitted:
             self.index.admit_many(admitted)
 
@@ -375,9 +378,9 @@ class Tier:
         self, n: int, exclude: set[Hashable] | frozenset[Hashable] = frozenset()
     ) -> list[Hashable]:
         """Remove up to ``n`` victims (``victims(n, exclude=exclude)``, the
-        same keys in the same order) as evicted; returns them. One heap pop
-        per victim: the chosen entries are consumed, not put back to go
-        stale. O(victims log n) plus stale entries dropped."""
+        same keys in the same order) as evicted; returns them. The chosen
+        entries are taken out of the index as they are chosen, not put
+        back. O(victims log n) plus stale entries dropped."""
         if n <= 0 or not self.index.eligible:
             return []
         chosen = self.index.victims(
@@ -417,7 +420,7 @@ class Tier:
             if blocks[k].evictable
             and (self.filter is None or self.filter(k, blocks[k]))
         ]
-        eligible = self.index.eligible
+        eligible = set(self.index.eligible)
         assert set(expect) == eligible, (self.medium, expect, eligible)
         saved = self.index.inspected
         got = self.eligible_in_order()

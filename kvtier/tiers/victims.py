@@ -4,19 +4,26 @@ A :class:`~kvtier.tiers.tier.Tier` owns one :class:`VictimIndex` and tells
 it about every change of a resident key's policy position and of whether
 the key may be a victim (*eligible*: READY, unpinned, allowed by the tier's
 filter). The index keeps the eligible keys ordered exactly as the policy
-ranks them: one heap per policy segment, keyed by the stamps the policy
-hands out (:class:`kvtier.tiers.policy.EvictionPolicy`'s victim order).
-Choosing victims walks only that index, following the policy's
-``victim_order`` runs, so a tier whose blocks are nearly all dirty, pinned
-or being written answers at once instead of scanning every block it holds.
+ranks them, by the (segment, stamp) positions the policy hands out
+(:class:`kvtier.tiers.policy.EvictionPolicy`'s victim order). Choosing
+victims walks only that index, following the policy's ``victim_order``
+runs, so a tier whose blocks are nearly all dirty, pinned or being written
+answers at once instead of scanning every block it holds.
 
-Stale entries (a key touched since it was pushed, made ineligible, or
-removed) stay in the heaps and are dropped when popped, each once; an entry
-is live iff its key is eligible and its stamp is the key's current one. A
-key made ineligible keeps its entry (dormant) so that a pin/unpin cycle
-pushes nothing. Heaps are rebuilt when stale entries outnumber live ones,
-so their size stays O(eligible) and every operation is amortized
-O(log eligible) per key changed or inspected.
+How the keys of one segment are held: a policy stamps a key when it is
+inserted or used, so keys mostly become eligible in stamp order (a stored
+block, a block read and released, a spill's blocks in the order they were
+queued). Each segment has a few *runs*, insertion-ordered dicts (key ->
+stamp) whose stamps increase from front to back: a key is appended to the
+run whose last stamp is the largest one below its own, in O(1). Only a key
+older than the last stamp of every run goes to the segment's heap. A key
+that stops being eligible, is touched or leaves is deleted from its run at
+once; a heap entry of such a key goes stale and is dropped when it reaches
+the top (heaps are rebuilt when stale entries outnumber live ones). The
+segment's oldest eligible key is the smallest of the run fronts and the
+heap top. So admitting, dropping and re-placing a key cost O(1) (O(log n)
+when it goes to the heap), and each victim O(runs) plus the stale heap
+entries dropped, each once.
 
 Not thread-safe: the tier's owner serializes calls.
 """
@@ -24,238 +31,249 @@ Not thread-safe: the tier's owner serializes calls.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 # One run of a victim order (see kvtier.tiers.policy.Run).
 Runs = Sequence[tuple[int, int | None]]
 
+# Ordered runs per segment. With three, no admission of the trace replay
+# (CPU tier over a disk tier of 0, 5 or 20x) goes to a heap; a simulation
+# of the same admissions sent 72 % of the CPU tier's to a heap with one run
+# and 24 % with two. More would only add a comparison per victim.
+RUNS_PER_SEGMENT = 3
+
 
 class VictimIndex:
     """Eligible keys of one tier, by (segment, stamp).
 
     ``pos[key]`` is the policy position of every resident key as of its
-    last insert/touch; ``eligible`` the keys that may be victims now;
-    ``heaped[key]`` the stamp of the entry a key has in a heap (live or
-    dormant). The tier reads and writes these three directly in its hot
-    batch loops (one attribute load per batch instead of one call per key);
-    it keeps them consistent by the rules of :meth:`admit`, :meth:`place`
-    and :meth:`forget`, which its per-key paths call."""
+    last insert/touch. ``eligible[key]`` is, for each key that may be a
+    victim now, the container holding it: one of its segment's runs, or
+    the dict of its segment's live heap entries (``heaped[seg]``: key ->
+    stamp). Deleting ``key`` from that container makes it ineligible; the
+    tier does that (and ``in``/``len`` on ``eligible``) directly in its hot
+    batch loops, and otherwise changes the index only through the methods
+    below."""
 
     def __init__(self, segments: int) -> None:
         self.pos: dict[Hashable, tuple[int, int]] = {}
-        self.eligible: set[Hashable] = set()
-        self.heaped: dict[Hashable, int] = {}
+        self.eligible: dict[Hashable, dict[Hashable, int]] = {}
+        self.runs: list[list[OrderedDict[Hashable, int]]] = [
+            [OrderedDict() for _ in range(RUNS_PER_SEGMENT)] for _ in range(segments)
+        ]
+        # The last stamp appended to each run (valid while it is not empty).
+        self.tails: list[list[int]] = [[-1] * RUNS_PER_SEGMENT for _ in range(segments)]
         self.heaps: list[list[tuple[int, Hashable]]] = [[] for _ in range(segments)]
+        self.heaped: list[dict[Hashable, int]] = [{} for _ in range(segments)]
         # Entries examined by ``victims``, for tests and benchmarks.
         self.inspected = 0
 
     def __len__(self) -> int:
         return len(self.eligible)
 
-    def place(self, key: Hashable, position: tuple[int, int]) -> bool:
-        """Record ``key``'s new policy position; an eligible key's entry is
-        re-pushed (its old one goes stale). Returns whether the key is
-        eligible. O(log n)."""
-        self.pos[key] = position
-        if key in self.eligible:
-            self.push(key)
-            return True
-        return False
+    # --- admitting and dropping keys ---
 
     def admit(self, key: Hashable) -> None:
-        """``key`` (positioned) may be a victim now. O(log n), O(1) if it
-        already was or its dormant entry is still current."""
-        if key not in self.eligible:
-            self.eligible.add(key)
-            self.push(key)
-
-    def push(self, key: Hashable) -> None:
-        """Give eligible ``key`` a heap entry at its current position,
-        unless it has one already."""
-        seg, stamp = self.pos[key]
-        if self.heaped.get(key) == stamp:
-            return  # its entry is still there
-        self.heaped[key] = stamp
-        heap = self.heaps[seg]
-        heapq.heappush(heap, (stamp, key))
-        if len(heap) > 2 * len(self.eligible) + 64:
-            self.rebuild()
+        """``key`` (positioned) may be a victim now. O(1), O(log n) if it
+        goes to the heap; nothing if it already was eligible."""
+        self.admit_many((key,))
 
     def admit_many(self, keys: Iterable[Hashable]) -> None:
-        """``admit(key)`` for each key in order, in one frame (the heaps are
-        checked for rebuilding once, after the batch: rebuilding keeps the
-        order, so when it happens changes nothing but memory)."""
-        eligible, pos, heaped, heaps = self.eligible, self.pos, self.heaped, self.heaps
-        add, heappush = eligible.add, heapq.heappush
-        pushed = False
-        for key in keys:
+        """``admit(key)`` for each key (a key listed twice is admitted
+        once). The keys are sorted by position first, so a batch that
+        arrives newest first still appends to one run."""
+        eligible, pos = self.eligible, self.pos
+        fresh = [key for key in keys if key not in eligible]
+        if not fresh:
+            return
+        if len(fresh) > 1:
+            fresh.sort(key=pos.__getitem__)
+        seg_now = -1
+        run: OrderedDict[Hashable, int] | None = None
+        tails: list[int] = []
+        i = 0
+        heaped_into: set[int] = set()
+        for key in fresh:
             if key in eligible:
-                continue
-            add(key)
+                continue  # listed twice
             seg, stamp = pos[key]
-            if heaped.get(key) != stamp:
-                heaped[key] = stamp
-                heappush(heaps[seg], (stamp, key))
-                pushed = True
-        if pushed:
-            self._check_size()
+            if seg != seg_now or run is None:
+                # The run whose last stamp is the largest below this one
+                # (an empty run fits anything); keys after this one in the
+                # batch are newer, so they append to it too.
+                seg_now, run, tails = seg, None, self.tails[seg]
+                best = -2
+                for j, candidate in enumerate(self.runs[seg]):
+                    tail = tails[j] if candidate else -1
+                    if best < tail < stamp:
+                        best, run, i = tail, candidate, j
+            if run is not None:
+                run[key] = stamp
+                tails[i] = stamp
+                eligible[key] = run
+            else:
+                live = self.heaped[seg]
+                live[key] = stamp
+                heapq.heappush(self.heaps[seg], (stamp, key))
+                eligible[key] = live
+                heaped_into.add(seg)
+        for seg in heaped_into:
+            if len(self.heaps[seg]) > 2 * len(self.heaped[seg]) + 64:
+                self._rebuild(seg)
 
-    def place_many(self, keys: Iterable[Hashable]) -> None:
-        """Re-push each eligible key at its (new) recorded position: what
-        :meth:`place` does after ``pos`` was updated. One frame."""
-        pos, heaped, heaps = self.pos, self.heaped, self.heaps
-        heappush = heapq.heappush
+    def drop_many(self, keys: Iterable[Hashable]) -> None:
+        """The keys may not be victims any more (pinned, filtered out);
+        their positions stay. O(1) per key."""
+        pop = self.eligible.pop
         for key in keys:
-            seg, stamp = pos[key]
-            if heaped.get(key) != stamp:
-                heaped[key] = stamp
-                heappush(heaps[seg], (stamp, key))
-        self._check_size()
+            held = pop(key, None)
+            if held is not None:
+                del held[key]
 
-    def _check_size(self) -> None:
-        bound = 2 * len(self.eligible) + 64
-        if any(len(heap) > bound for heap in self.heaps):
-            self.rebuild()
+    def place(self, key: Hashable, position: tuple[int, int]) -> bool:
+        """Record ``key``'s new policy position; an eligible key moves to
+        it. Returns whether the key is eligible. O(1) (O(log n) to the
+        heap)."""
+        self.pos[key] = position
+        held = self.eligible.pop(key, None)
+        if held is None:
+            return False
+        del held[key]
+        self.admit_many((key,))
+        return True
+
+    def place_many(self, keys: Sequence[Hashable]) -> None:
+        """Each key (eligible or not) is, from now on, eligible at its
+        recorded position: an eligible key's old place is dropped first."""
+        self.drop_many(keys)
+        self.admit_many(keys)
 
     def forget(self, key: Hashable) -> None:
-        """``key`` left the tier; its entry (if any) goes stale. O(1)."""
-        self.pos.pop(key, None)
-        self.heaped.pop(key, None)
-        self.eligible.discard(key)
+        """``key`` left the tier. O(1)."""
+        self.forget_many((key,))
 
     def forget_many(self, keys: Iterable[Hashable]) -> None:
-        pos_pop, heaped_pop = self.pos.pop, self.heaped.pop
-        discard = self.eligible.discard
+        pos_pop, pop = self.pos.pop, self.eligible.pop
         for key in keys:
             pos_pop(key, None)
-            heaped_pop(key, None)
-            discard(key)
+            held = pop(key, None)
+            if held is not None:
+                del held[key]
 
-    def rebuild(self) -> None:
-        """Drop stale entries: O(eligible), after at least as many pushes."""
-        heaps: list[list[tuple[int, Hashable]]] = [[] for _ in self.heaps]
-        heaped: dict[Hashable, int] = {}
-        pos = self.pos
-        for key in self.eligible:
-            seg, stamp = pos[key]
-            heaps[seg].append((stamp, key))
-            heaped[key] = stamp
-        for heap in heaps:
-            heapq.heapify(heap)
-        self.heaps = heaps
-        self.heaped = heaped
+    def _rebuild(self, seg: int) -> None:
+        """Drop the stale entries of ``seg``'s heap: O(live entries), after
+        at least as many pushes."""
+        heap = [(stamp, key) for key, stamp in self.heaped[seg].items()]
+        heapq.heapify(heap)
+        self.heaps[seg] = heap
+
+    def _live_top(self, seg: int, fronts: list[list[Any]]) -> int:
+        """Drop the stale entries off the top of ``seg``'s heap and add its
+        live top to ``fronts``, if any; returns the entries dropped."""
+        heap, live = self.heaps[seg], self.heaped[seg]
+        dropped = 0
+        while heap:
+            stamp, key = heap[0]
+            if live.get(key) == stamp:
+                fronts.append([stamp, key, live])
+                break
+            heapq.heappop(heap)  # stale: gone for good
+            dropped += 1
+        return dropped
 
     def clear(self) -> None:
         self.pos.clear()
         self.eligible.clear()
-        self.heaped.clear()
+        for runs in self.runs:
+            for run in runs:
+                run.clear()
+        for live in self.heaped:
+            live.clear()
         self.heaps = [[] for _ in self.heaps]
+
+    # --- choosing victims ---
 
     def victims(
         self,
         n: int,
-        runs: Runs,
+        order: Runs,
         accept: Callable[[Hashable], bool] | None,
         exclude: set[Hashable] | frozenset[Hashable],
         take: bool,
     ) -> list[Hashable]:
         """Up to ``n`` eligible keys, not in ``exclude`` and passing
-        ``accept``, in the order of ``runs`` (the policy's victim order).
+        ``accept``, in the order of ``order`` (the policy's victim order).
 
-        ``take=False``: nothing changes but the dropping of stale entries.
-        ``take=True``: the chosen keys leave the index (no longer eligible,
-        no entry), one heap pop each; the caller removes them from the tier
-        or re-admits them. Cost: O(log n) per entry inspected (the chosen,
-        the excluded, those ``accept`` rejects, and stale entries, each
-        dropped once)."""
-        if take and accept is None:
-            return self._take(n, runs, exclude)
+        ``take=False``: nothing changes but the dropping of stale heap
+        entries. ``take=True``: the chosen keys leave the index (no longer
+        eligible); the caller removes them from the tier or re-admits them.
+        Cost: O(runs) per entry inspected (the chosen, the excluded, those
+        ``accept`` rejects), O(log n) more for one from a heap, and the
+        stale heap entries, each dropped once."""
         chosen: list[Hashable] = []
-        held: list[tuple[int, tuple[int, Hashable]]] = []
-        seen: set[Hashable] = set()
-        eligible, pos, heaped = self.eligible, self.pos, self.heaped
+        # Entries taken out to be looked at and put back afterwards:
+        # (container, key, stamp, heap or None for a run).
+        held: list[tuple[Any, Hashable, int, Any]] = []
+        eligible = self.eligible
         heappop = heapq.heappop
         inspected = 0
-        for seg, stop in runs:
-            heap = self.heaps[seg]
-            while heap and len(chosen) < n:
-                if stop is not None and heap[0][0] >= stop:
+        for seg, stop in order:
+            heap, live = self.heaps[seg], self.heaped[seg]
+            # [stamp, key, container] of each non-empty run's front and of
+            # the heap's live top: the segment's oldest key is the smallest
+            # (stamps are unique), and only the front taken moves on.
+            fronts = []
+            for run in self.runs[seg]:
+                if run:
+                    key = next(iter(run))
+                    fronts.append([run[key], key, run])
+            inspected += self._live_top(seg, fronts)
+            while fronts and len(chosen) < n:
+                front = min(fronts) if len(fronts) > 1 else fronts[0]
+                stamp, key, source = front
+                if stop is not None and stamp >= stop:
                     break  # the rest of this segment comes in a later run
-                entry = heappop(heap)
                 inspected += 1
-                stamp, key = entry
-                if key in seen or key not in eligible or pos[key] != (seg, stamp):
-                    # Stale, dormant (the key is ineligible now) or a
-                    # duplicate: gone for good.
-                    if key not in seen and heaped.get(key) == stamp:
-                        del heaped[key]
-                    continue
-                seen.add(key)
+                del source[key]  # in hand: in no container until put back
+                if source is live:
+                    heappop(heap)
+                    from_heap: list[tuple[int, Hashable]] | None = heap
+                    fronts.remove(front)
+                    inspected += self._live_top(seg, fronts)
+                else:
+                    from_heap = None
+                    if source:
+                        front[1] = after = next(iter(source))
+                        front[0] = source[after]
+                    else:
+                        fronts.remove(front)
                 if key in exclude or (accept is not None and not accept(key)):
-                    held.append((seg, entry))
+                    held.append((source, key, stamp, from_heap))
                     continue
                 chosen.append(key)
                 if take:
-                    del heaped[key]
-                    eligible.discard(key)
+                    del eligible[key]
                 else:
-                    held.append((seg, entry))
+                    held.append((source, key, stamp, from_heap))
             if len(chosen) >= n:
                 break
         self.inspected += inspected
-        heaps = self.heaps
-        for seg, entry in held:
-            heapq.heappush(heaps[seg], entry)
-        return chosen
-
-    def _take(
-        self,
-        n: int,
-        runs: Runs,
-        exclude: set[Hashable] | frozenset[Hashable],
-    ) -> list[Hashable]:
-        """``victims(n, runs, None, exclude, take=True)`` with less work per
-        entry: a chosen key leaves ``eligible`` at once, so no set of keys
-        seen is needed (a duplicate entry of a chosen key is then stale; of
-        an excluded key, held once more: the heap may keep it, the victims
-        are the same)."""
-        chosen: list[Hashable] = []
-        held: list[tuple[int, tuple[int, Hashable]]] = []
-        eligible, pos, heaped = self.eligible, self.pos, self.heaped
-        discard, heappop = eligible.discard, heapq.heappop
-        inspected = 0
-        for seg, stop in runs:
-            heap = self.heaps[seg]
-            while heap and len(chosen) < n:
-                if stop is not None and heap[0][0] >= stop:
-                    break  # the rest of this segment comes in a later run
-                entry = heappop(heap)
-                inspected += 1
-                stamp, key = entry
-                if key not in eligible or pos[key] != (seg, stamp):
-                    # Stale or dormant: gone for good.
-                    if heaped.get(key) == stamp:
-                        del heaped[key]
-                elif key in exclude:
-                    held.append((seg, entry))
-                else:
-                    chosen.append(key)
-                    del heaped[key]
-                    discard(key)
-            if len(chosen) >= n:
-                break
-        self.inspected += inspected
-        heaps = self.heaps
-        for seg, entry in held:
-            heapq.heappush(heaps[seg], entry)
+        # Newest first, so that each run gets its oldest key back in front.
+        for source, key, stamp, from_heap in reversed(held):
+            source[key] = stamp
+            if from_heap is None:
+                source.move_to_end(key, last=False)
+            else:
+                heapq.heappush(from_heap, (stamp, key))
         return chosen
 
 
 def scan_victims(
     n: int,
     candidates: Iterable[Hashable],
-    eligible: set[Hashable],
+    eligible: dict[Hashable, Any],
     accept: Callable[[Hashable], bool] | None,
     exclude: set[Hashable] | frozenset[Hashable],
     counter: Any,

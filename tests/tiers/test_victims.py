@@ -83,17 +83,44 @@ def test_count_eligible_counts_only_victim_candidates():
 
 
 def test_index_heaps_stay_bounded_under_touch_churn():
-    """Touches leave stale entries; the heaps are rebuilt before stale
-    entries outnumber live ones, and the order survives the rebuild."""
+    """Touches move keys to the back of a run (the newest stamp fits any
+    run): no heap entry, nothing stale."""
     tier = Tier("cpu", 50)
     for k in range(50):
         tier.allocate(k)
     tier.mark_ready_many(list(range(50)))
     for i in range(5000):
         tier.touch_many([i % 50, (i * 7) % 50])
-    assert sum(len(h) for h in tier.index.heaps) <= 2 * 50 + 64
+    assert sum(len(h) for h in tier.index.heaps) == 0
     tier.check_index()
     assert tier.eligible_in_order()[:3] == tier.victims(3)
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_out_of_order_admissions_use_the_heap_and_keep_the_order(policy):
+    """Keys released in scrambled stamp order overflow the ordered runs
+    into the heap; its stale entries (pinned again) are dropped and rebuilt
+    away, and the order stays the policy's."""
+    rng = random.Random(5)
+    tier = Tier("cpu", 300, policy)
+    keys = list(range(300))
+    for k in keys:
+        tier.allocate(k)
+    tier.mark_ready_many(keys)
+    tier.pin_many(keys)
+    for _ in range(40):
+        batch = rng.sample(keys, 30)
+        tier.unpin_many([k for k in batch if tier.get(k).pins])
+        tier.pin_many(rng.sample(batch, 20))
+        tier.check_index()
+    assert any(tier.index.heaped)
+    assert all(
+        len(h) <= 2 * len(live) + 64
+        for h, live in zip(tier.index.heaps, tier.index.heaped)
+    )
+    order = tier.eligible_in_order()
+    assert tier.evict(len(order) // 2) == order[: len(order) // 2]
+    tier.check_index()
 
 
 @pytest.mark.parametrize("policy", policy_names())
@@ -111,6 +138,12 @@ def test_policy_batches_equal_the_per_key_calls(policy):
     for key in keys[12:]:  # ghosts and doorkeepers remembered the same
         single.insert(key)
     batch.insert_many(keys[12:])
+    touched = [k for k in keys[::3] + keys[1::4] if k in list(single.candidates())]
+    expect = []
+    for key in touched:
+        single.touch(key)
+        expect.append(single.position(key))
+    assert batch.touch_many(touched) == expect
     assert list(batch.candidates()) == list(single.candidates())
     assert [batch.position(k) for k in batch.candidates()] == [
         single.position(k) for k in single.candidates()
@@ -126,3 +159,21 @@ def test_an_lru_subclass_that_changes_insert_keeps_it_in_batches():
     p = Tagged(4)
     p.insert_many(["a", "b"])
     assert p.seen == ["a", "b"]
+
+
+def test_an_lru_subclass_that_changes_touch_keeps_it_in_batches():
+    class Counted(LRUPolicy):
+        touches = 0
+
+        def touch(self, key):
+            super().touch(key)
+            self.touches += 1
+
+    p = Counted(4)
+    p.insert_many(["a", "b"])
+    assert p.touch_many(["a", "b", "a"]) == [
+        (0, 2),
+        (0, 3),
+        (0, 4),
+    ]
+    assert p.touches == 3
