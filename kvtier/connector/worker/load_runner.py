@@ -36,8 +36,6 @@ Results travel back through :meth:`LoadRunner.take`: a task's
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 from collections import deque
@@ -47,6 +45,7 @@ import torch
 
 from kvtier.connector.worker.job_plan import select_rows
 from kvtier.connector.worker.load_task import BatchReady, LoadTask, ReadBatch
+from kvtier.connector.worker.thread_priority import lower_thread_priority
 from kvtier.io.block_copy import CopyPath
 from kvtier.io.device_staging import DeviceStagingReader
 from kvtier.io.slot_reader import SlotReader
@@ -193,7 +192,7 @@ class LoadRunner:
         self._thread.start()
 
     def _run(self) -> None:
-        _lower_priority(LOAD_THREAD_NICE)
+        lower_thread_priority(LOAD_THREAD_NICE)
         try:
             device = getattr(self.reader, "device", None)
             if device is not None and device.type == "cuda":
@@ -440,16 +439,3 @@ class LoadRunner:
         with self._cond:
             self._out.append(task)
             self._cond.notify_all()
-
-
-def _lower_priority(by: int) -> None:
-    """Raise the calling thread's nice level by ``by`` (Linux: per thread;
-    elsewhere ``setpriority`` would reach the whole process, so nothing)."""
-    if not sys.platform.startswith("linux") or by <= 0:
-        return
-    tid = threading.get_native_id()
-    try:
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + by))
-    except OSError as exc:  # a sandbox without setpriority: run as is
-        logger.debug("kvtier: load thread priority unchanged: %s", exc)
