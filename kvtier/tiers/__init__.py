@@ -21,13 +21,13 @@ from kvtier.tiers.plans import (
 )
 from kvtier.tiers.policy import (
     POLICY_REGISTRY,
-    ARCPolicy,
     EvictionPolicy,
     LRUPolicy,
     make_policy,
     policy_names,
     register_policy,
 )
+from kvtier.tiers.scan_resistant import ARCPolicy
 from kvtier.tiers.tier import BlockState, Tier, TierBlock
 
 __all__ = [

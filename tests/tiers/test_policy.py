@@ -6,11 +6,8 @@ from hypothesis import strategies as st
 
 from kvtier.tiers import ARCPolicy, LRUPolicy, Tier, TierEvent, make_policy, replay
 from kvtier.tiers.doorkeeper import Doorkeeper
-from kvtier.tiers.policy import (
-    ARCDoorkeeperPolicy,
-    TwoQueuePolicy,
-    policy_names,
-)
+from kvtier.tiers.policy import policy_names
+from kvtier.tiers.scan_resistant import ARCDoorkeeperPolicy, TwoQueuePolicy
 
 
 def test_lru_orders_by_last_use():

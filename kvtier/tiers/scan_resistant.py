@@ -1,0 +1,245 @@
+"""The scan-resistant eviction policies: ARC, 2Q and ARC with a doorkeeper.
+
+Each keeps a recency side and a frequency side (ghost lists or a Bloom
+filter remember keys past their eviction), so one long scan of new blocks
+cannot flush the blocks that keep coming back. They implement
+:class:`~kvtier.tiers.policy.EvictionPolicy`'s contract (segments,
+``position``, ``victim_order``) and register by name like LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+
+from kvtier.tiers.doorkeeper import Doorkeeper
+from kvtier.tiers.policy import EvictionPolicy, Run, register_policy
+
+_T1, _T2 = 0, 1
+
+
+@register_policy
+class ARCPolicy(EvictionPolicy):
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST'03).
+
+    T1 holds keys seen once, T2 keys seen at least twice; B1/B2 remember
+    recently evicted keys of each list (ghosts, keys only). A re-insert that
+    hits a ghost list shifts the target size ``p`` of T1 toward the list
+    that would have kept it, so the cache adapts between recency and
+    frequency. Scan-resistant: one pass over new keys only churns T1.
+    Segments: T1 and T2, each by last use; T1 goes first while it exceeds
+    its target ``p`` (ARC's REPLACE).
+    """
+
+    name = "arc"
+    summary = (
+        "adaptive replacement (ARC): balances recency and frequency with "
+        "ghost lists one tier long; scan-resistant, no tuning."
+    )
+    segments = 2
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.p = 0.0
+        # Resident lists: key -> stamp. Ghost lists: key -> None.
+        self._t1: OrderedDict[Hashable, int] = OrderedDict()
+        self._t2: OrderedDict[Hashable, int] = OrderedDict()
+        self._b1: OrderedDict[Hashable, None] = OrderedDict()
+        self._b2: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        c = max(self.capacity, 1)
+        if key in self._b1:
+            self.p = min(c, self.p + max(len(self._b2) / max(len(self._b1), 1), 1))
+            del self._b1[key]
+            self._t2[key] = next(self._clock)
+        elif key in self._b2:
+            self.p = max(0.0, self.p - max(len(self._b1) / max(len(self._b2), 1), 1))
+            del self._b2[key]
+            self._t2[key] = next(self._clock)
+        else:
+            self._t1[key] = next(self._clock)
+
+    def touch(self, key: Hashable) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = next(self._clock)
+        elif key in self._t2:
+            self._t2[key] = next(self._clock)
+            self._t2.move_to_end(key)
+
+    def remove(self, key: Hashable, evicted: bool) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            ghost = self._b1
+        elif key in self._t2:
+            del self._t2[key]
+            ghost = self._b2
+        else:
+            return
+        if evicted:
+            ghost[key] = None
+            # Ghost lists are bounded by the capacity together with their
+            # resident lists, as in the paper: |T1|+|B1| <= c, total <= 2c.
+            while len(self._b1) + len(self._b2) > self.capacity:
+                (self._b1 if len(self._b1) >= len(self._b2) else self._b2).popitem(
+                    last=False
+                )
+
+    def _t1_first(self) -> bool:
+        # ARC's REPLACE: take from T1 while it exceeds its target p.
+        return bool(self._t1) and len(self._t1) > self.p
+
+    def candidates(self) -> Iterator[Hashable]:
+        if self._t1_first():
+            yield from self._t1
+            yield from self._t2
+        else:
+            yield from self._t2
+            yield from self._t1
+
+    def position(self, key: Hashable) -> tuple[int, int]:
+        stamp = self._t1.get(key)
+        return (_T1, stamp) if stamp is not None else (_T2, self._t2[key])
+
+    def victim_order(self) -> tuple[Run, ...]:
+        if self._t1_first():
+            return ((_T1, None), (_T2, None))
+        return ((_T2, None), (_T1, None))
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+
+_PROBATION, _MAIN = 0, 1
+
+
+@register_policy
+class TwoQueuePolicy(EvictionPolicy):
+    """2Q (Johnson & Shasha, VLDB'94) with a TinyLFU-style doorkeeper.
+
+    A key inserted for the first time (not in the doorkeeper) goes to a
+    small FIFO, *probation*; a key seen before, or touched while on
+    probation, goes to the main LRU. Probation is evicted first while it
+    holds more than ``small`` of the capacity (10 %, S3-FIFO's choice), so
+    one-time blocks (whole prompts never sent again, most new tails) pass
+    through a corner of the tier instead of pushing out blocks that are
+    reused. A block sent again within the probation's lifetime still hits;
+    one sent again later misses once and is then kept in the main LRU.
+
+    The doorkeeper remembers every inserted key for ``history`` (5) times
+    the capacity insertions: 2Q's A1out ghost list remembers only evicted
+    keys, for about half the capacity, while a prefix cache's reuse
+    distances are many capacities long. Much longer is not better: keys
+    reused too rarely to survive in the main LRU then crowd it (10x lost to
+    5x at small tiers on the tuning half of the trace). O(1) per call;
+    ~4 bytes per key of history.
+
+    Segments: probation and main. Probation is kept as its older part
+    (beyond the target) and its newest ``small_target`` keys, so the order
+    "older probation, main, newest probation" is one stamp threshold.
+    """
+
+    name = "2q"
+    summary = (
+        "a block seen for the first time goes to a FIFO probation of 10 % of "
+        "the tier; one seen again within 5 tier capacities (a Bloom filter) "
+        "or hit on probation goes to the main LRU."
+    )
+    segments = 2
+
+    def __init__(self, capacity: int, small: float = 0.1, history: float = 5.0):
+        super().__init__(capacity)
+        self.small_target = max(1, int(small * capacity))
+        self.doorkeeper = Doorkeeper(int(history * max(capacity, 1)))
+        # Probation = _old + _young in FIFO order (key -> stamp); _young
+        # holds its newest min(len, small_target) keys.
+        self._old: OrderedDict[Hashable, int] = OrderedDict()
+        self._young: OrderedDict[Hashable, int] = OrderedDict()
+        self._main: OrderedDict[Hashable, int] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        if self.doorkeeper.add(key):
+            self._main[key] = next(self._clock)
+            return
+        self._young[key] = next(self._clock)
+        if len(self._young) > self.small_target:
+            oldest, stamp = self._young.popitem(last=False)
+            self._old[oldest] = stamp
+
+    def _leave_probation(self, key: Hashable) -> bool:
+        """Drop ``key`` from probation, keeping _young full; False if it was
+        not there. O(1)."""
+        if self._old.pop(key, None) is not None:
+            return True
+        if self._young.pop(key, None) is None:
+            return False
+        if self._old:  # the newest older key is among the newest again
+            newest, stamp = self._old.popitem(last=True)
+            self._young[newest] = stamp
+            self._young.move_to_end(newest, last=False)
+        return True
+
+    def touch(self, key: Hashable) -> None:
+        if self._leave_probation(key) or key in self._main:
+            self._main[key] = next(self._clock)
+            self._main.move_to_end(key)
+
+    def remove(self, key: Hashable, evicted: bool) -> None:
+        if not self._leave_probation(key):
+            self._main.pop(key, None)
+
+    def candidates(self) -> Iterator[Hashable]:
+        yield from self._old  # probation beyond its target
+        yield from self._main
+        yield from self._young
+
+    def position(self, key: Hashable) -> tuple[int, int]:
+        stamp = self._main.get(key)
+        if stamp is not None:
+            return _MAIN, stamp
+        stamp = self._young.get(key)
+        return _PROBATION, self._old[key] if stamp is None else stamp
+
+    def victim_order(self) -> tuple[Run, ...]:
+        if not self._old:
+            return ((_MAIN, None), (_PROBATION, None))
+        threshold = next(iter(self._young.values()))
+        return ((_PROBATION, threshold), (_MAIN, None), (_PROBATION, None))
+
+    def __len__(self) -> int:
+        return len(self._old) + len(self._young) + len(self._main)
+
+
+@register_policy
+class ARCDoorkeeperPolicy(ARCPolicy):
+    """ARC whose memory of "seen before" reaches past its ghost lists.
+
+    ARC sends a key to T2 (the frequency side) only when it finds it in a
+    ghost list, which remembers evicted keys for about one capacity; a
+    prefix cache's blocks come back after many capacities. Here a key that
+    is in no ghost list but in the doorkeeper (the same Bloom filter as
+    ``2q``'s: every inserted key of the last ``history`` = 5 capacities)
+    also goes to T2, without moving ARC's target ``p`` (that is reserved for
+    ghost hits, which say which list was too short). Everything else is ARC
+    (its segments and victim order included), so a tier that is small next
+    to the short-term reuse still adapts toward recency, where ``2q``'s
+    fixed 10 % probation cannot. O(1) per call.
+    """
+
+    name = "arcdk"
+    summary = (
+        'ARC whose "seen before" reaches 5 tier capacities back through '
+        "2q's Bloom filter: such a block enters ARC's frequency side."
+    )
+
+    def __init__(self, capacity: int, history: float = 5.0):
+        super().__init__(capacity)
+        self.doorkeeper = Doorkeeper(int(history * max(capacity, 1)))
+
+    def insert(self, key: Hashable) -> None:
+        seen = self.doorkeeper.add(key)
+        if seen and key not in self._b1 and key not in self._b2:
+            self._t2[key] = next(self._clock)
+        else:
+            super().insert(key)
