@@ -32,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,7 +311,7 @@ class DeviceStagingReader:
     def ready(self, pending: PendingStage) -> bool:
         """Whether every read of a submitted batch returned (``complete``
         would not wait for the disk)."""
-        return all(_returned(w) for w in pending.waiters if w is not None)
+        return all(w.done() for w in pending.waiters if w is not None)  # type: ignore[attr-defined]
 
     def wait(self, pending: PendingStage, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a submitted batch's reads;
@@ -364,7 +365,7 @@ class DeviceStagingReader:
                         waiters.append(start(handle, target, offset))
                     else:
                         fut = self.backend.submit_read(handle, target, offset)
-                        waiters.append(fut.result)
+                        waiters.append(_waiter(fut))
                 except OSError as exc:
                     self.files.io_error(f, exc)
                     waiters.append(None)
@@ -435,10 +436,13 @@ class DeviceStagingReader:
         return heads
 
 
-def _returned(waiter: Callable[[], int]) -> bool:
-    """Whether a read's waiter would return at once: kvikio's waiters say so
-    (``done``), the back end's are a Future's ``result``."""
-    done = getattr(waiter, "done", None)
-    if done is None:
-        done = getattr(getattr(waiter, "__self__", None), "done", None)
-    return True if done is None else bool(done())
+def _waiter(fut: Future[int]) -> Callable[[], int]:
+    """A back end's read as the same kind of waiter kvikio's ``start_read``
+    returns: call it to wait for the byte count; ``done()`` says whether
+    that would return at once."""
+
+    def wait() -> int:
+        return int(fut.result())
+
+    wait.done = fut.done  # type: ignore[attr-defined]
+    return wait
