@@ -72,7 +72,10 @@ def test_a_long_prefix_is_read_in_chunks_through_both_halves(runner):
     r.worker.reader.submit = submit
     assert r.lookup("a", first) == 4
     assert r.load(first, [40, 41, 42, 43]) == {"disk": 4}
-    assert calls == [0, 1, 0, 1]
+    # Both halves are filled at once; after that a chunk goes into whichever
+    # half's read returned first, so only the count per half is fixed.
+    assert calls[:2] == [0, 1]
+    assert sorted(calls) == [0, 0, 1, 1]
 
 
 def test_an_io_error_fails_only_its_block(tmp_path, monkeypatch):

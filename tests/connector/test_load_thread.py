@@ -135,9 +135,11 @@ def test_chunk_reads_overlap_the_previous_chunks_verification(runner):
     ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
     assert [d.success for d in wait_finished(r.worker)] == [True]
     # Chunk k+1 is read (into the other half) before chunk k is verified.
-    reads = [c for c in calls if c.startswith("read")]
-    assert [c.split("@")[1] for c in reads] == ["0", "1", "0", "1"]
-    assert calls[1].startswith("read") and calls[2] == "verify@0", calls
+    # After the first two, a chunk goes into whichever half's read returned
+    # first: only the count per half is fixed.
+    halves = [c.split("@")[1] for c in calls if c.startswith("read")]
+    assert halves[:2] == ["0", "1"] and sorted(halves) == ["0", "0", "1", "1"]
+    assert calls[1].startswith("read") and calls[2].startswith("verify"), calls
     assert _landed(r, keys, [40, 41, 42, 43]) == [True] * 4
     _complete(r, keys, ctx)
 
