@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -317,7 +318,13 @@ class DeviceStagingReader:
         """Wait up to ``timeout`` seconds for a submitted batch's reads;
         whether they all returned."""
         deadline = time.monotonic() + timeout
-        while not self.ready(pending):
+        waiters = [w for w in pending.waiters if w is not None]
+        # A back end's Futures get one timed wait; kvikio's IOFuture has none
+        # and is polled (a GIL hand-off per millisecond while outstanding).
+        futures = [w.future for w in waiters if hasattr(w, "future")]
+        if futures and wait_futures(futures, timeout).not_done:
+            return False
+        while not all(w.done() for w in waiters):  # type: ignore[attr-defined]
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.001)
@@ -445,4 +452,5 @@ def _waiter(fut: Future[int]) -> Callable[[], int]:
         return int(fut.result())
 
     wait.done = fut.done  # type: ignore[attr-defined]
+    wait.future = fut  # type: ignore[attr-defined]  # for a timed wait
     return wait

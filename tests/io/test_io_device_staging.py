@@ -221,3 +221,42 @@ def test_both_readers_read_into_one_kind_of_host_area(tmp_path: Path) -> None:
         staging.close()
         host.close()
         backend.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["host", "device"])
+def test_a_held_read_is_not_ready_and_a_timed_wait_gives_up(
+    two_paths: tuple[list[str], DiskStore], kind: str
+) -> None:
+    """``ready`` / ``wait(timeout)``, what the load thread polls a batch
+    with: False while one read of it is held, True once it returned; then
+    the batch completes with every slot whole."""
+    import threading
+
+    from kvtier.io.slot_reader import SlotReader
+
+    paths, store = two_paths
+    release = threading.Event()
+    plan = FaultPlan(seed=1)
+    plan.add(FaultRule.hang(release, ops="read", **on_slot(store, 3)))
+    backend = FaultInjectingBackend(PosixBackend(threads=2), plan)
+    if kind == "host":
+        reader = SlotReader(paths, SLOTS, BLOCK, fp(), backend, bounce_bytes=1 << 20)
+    else:
+        reader = _reader(paths, backend, capacity=SLOTS)
+    try:
+        items = [(s, key_of(s)) for s in (0, 2, 3, 5)]
+        pending = reader.submit(items)
+        assert not reader.wait(pending, 0.05)
+        assert not reader.ready(pending)
+        release.set()
+        assert reader.wait(pending, 10.0)
+        assert reader.ready(pending)
+        res = reader.complete(pending)
+        assert [r.outcome for r in res] == [ReadOutcome.OK] * 4
+        rows = reader.rows if kind == "host" else reader.rows.numpy()
+        for (slot, _), r in zip(items, res):
+            assert np.array_equal(rows[r.row], block_of(slot))
+    finally:
+        release.set()
+        reader.close()
+        backend.shutdown()
