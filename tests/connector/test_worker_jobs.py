@@ -149,7 +149,8 @@ def test_a_job_is_reported_only_when_every_transfer_landed(runner):
     r.worker.copies = late
     # Two bounce halves of one slot: four chunks, four transfers. The third
     # and fourth reads reuse a half: each waits for the copy of the chunk
-    # before it, which lands only on a later poll.
+    # that was in it, which lands only on a later poll (checked at every
+    # read, see _guard_reads).
     r.worker.reader.capacity = 2
     reads = _guard_reads(r, late)
     ctx = _submit_disk_load(r, "a", keys, [40, 41, 42, 43], job_id=7)
@@ -165,7 +166,11 @@ def test_a_job_is_reported_only_when_every_transfer_landed(runner):
         time.sleep(0.001)
     assert [(d.job_id, d.success) for d in seen] == [(7, True)]
     assert late.landed == [1, 2, 3, 4] and not late.queued
-    assert reads == [(0, 1), (1, 1), (0, 1), (1, 1)]
+    # Which half the third and fourth reads reuse depends on which chunk's
+    # read returned (and copy landed) first: a slow first read may hold half
+    # 0 while half 1 serves both.
+    assert reads[:2] == [(0, 1), (1, 1)] and len(reads) == 4
+    assert set(reads) == {(0, 1), (1, 1)}
     assert seen[0].transfer_size == 4 * r.worker.block_bytes[0]
     assert r.worker._bounce_readers == [set(), set()]
     _finish(r, keys, [40, 41, 42, 43], ctx)
@@ -181,14 +186,16 @@ def test_the_next_disk_read_waits_for_copies_still_reading_the_bounce_area(runne
     r.worker.reader.capacity = 4  # two halves of two slots
     r.worker.copies = late
     reads = _guard_reads(r, late)
-    # Three jobs in flight at once: job 3 reads into job 1's half, so only
-    # after job 1's copy landed (checked at the read, see _guard_reads).
+    # Three jobs in flight at once: job 3 reads into the half of job 1 or of
+    # job 2 (whichever's read returned and copy landed first), so only after
+    # that job's copy landed (checked at the read, see _guard_reads).
     ctx_a = _submit_disk_load(r, "a", first, [40, 41], job_id=1)
     ctx_b = _submit_disk_load(r, "b", second, [44, 45], job_id=2)
     ctx_c = _submit_disk_load(r, "c", third, [48, 49], job_id=3)
     done, _ = _poll_until(r, {1, 2, 3})
     assert all(d.success for d in done)
-    assert reads == [(0, 2), (2, 2), (0, 2)]
+    assert reads[:2] == [(0, 2), (2, 2)] and reads[2] in reads[:2]
+    assert len(reads) == 3
     _finish(r, first, [40, 41], ctx_a)
     _finish(r, second, [44, 45], ctx_b)
     _finish(r, third, [48, 49], ctx_c)
