@@ -422,8 +422,12 @@ def test_events_survives_and_counts_malformed_messages() -> None:
 
 
 def test_events_text_summary_reports_malformed() -> None:
+    import msgspec
     import zmq
 
+    good = msgspec.msgpack.Encoder().encode(
+        [1.0, [{"type": "BlockStored", "block_hashes": [1], "medium": "CPU"}], 0]
+    )
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
@@ -433,7 +437,10 @@ def test_events_text_summary_reports_malformed() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.tools.cli", "events"]
         + ["--endpoint", f"tcp://127.0.0.1:{port}", "--decoder", "plain"]
-        + ["--duration", "3"],
+        # Stopped by the good batch sent after the garbage, not by a short
+        # --duration: that ran from the CLI's start, so a test process not
+        # scheduled within it lost the garbage (0 decode errors).
+        + ["--max-batches", "1", "--duration", str(TIMEOUT)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -443,6 +450,7 @@ def test_events_text_summary_reports_malformed() -> None:
     try:
         assert pub.recv() == b"\x01"
         pub.send_multipart([b"", (1).to_bytes(8, "big"), b"garbage"])
+        pub.send_multipart([b"", (2).to_bytes(8, "big"), good])
         out, err = proc.communicate(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
@@ -451,7 +459,7 @@ def test_events_text_summary_reports_malformed() -> None:
         pub.close(linger=0)
         ctx.term()
     assert proc.returncode == 0, err
-    assert "decode errors 1" in out
+    assert "decode errors 1" in out and "batches 1" in out
     assert "skipped 1 malformed message(s); last: " in out
 
 
