@@ -293,8 +293,15 @@ def test_bounded_soak_outputs_and_resources_return(model, block_bytes, tmp_path)
     def ours() -> list[str]:
         return [t.name for t in threading.enumerate() if t.name.startswith("kvtier")]
 
+    def settled() -> bool:
+        return (
+            _open_fds() <= fds
+            and not ours()
+            and threading.active_count() <= threads + 1
+        )
+
     deadline = time.monotonic() + 10.0
-    while (_open_fds() > fds or ours()) and time.monotonic() < deadline:
+    while not settled() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _open_fds() <= fds
     leaked = ours()
