@@ -17,19 +17,16 @@ running decoders feel while the fourth request's prefix arrives:
              The machine's floor: what the decoders feel from the I/O
              alone, no kvtier. Its runs take turns with the disk hit's.
 
-per case p50 / max step time, the waiting steps' max, p95 and how many
-took over 3x the decode p50, and the fourth request's TTFT, in both
-of vLLM's engine modes (in-process, whose loop spins, and the multiprocess
-engine core of ``vllm serve``), each in a fresh child process. The disk
-rows also give the worker's load rate end to end (vLLM's
-``kv_offload_load_bytes`` / ``kv_offload_load_time``: each job's bytes over
-its wall time on the load thread, reads, verification and copies included)
-next to ``dd`` (or fio, when installed) reading the same slab span with
-O_DIRECT, alone after the timed runs (in-process child only) and beside
-the decoders (``dd-beside``, its bytes over its wall time); kvtier's ``read_bytes`` / ``read_seconds`` (the time the thread
-waited for reads, which overlap verification) is kept in the JSON as
-``worker_read_wait_gbps``. Greedy outputs of the fourth request are
-checked equal to the no-offload engine's.
+per case p50 / max step time, the waiting steps' max, p95 and count over
+3x the decode p50, and the TTFT, in both engine modes (in-process, whose
+loop spins, and the multiprocess engine core of ``vllm serve``), each in a
+fresh child process. The disk rows also give the worker's load rate end to
+end (vLLM's ``kv_offload_load_bytes`` / ``kv_offload_load_time``: reads,
+verification and copies included) next to dd's O_DIRECT rate over the same
+span, beside the decoders and alone after the runs (in-process only);
+kvtier's ``read_bytes`` / ``read_seconds`` (time spent waiting for reads)
+is kept in the JSON as ``worker_read_wait_gbps``. Greedy outputs of the
+fourth request are checked equal to the no-offload engine's.
 
 Model: the tiny random Llama grown to 8 layers x 4 KV heads x 64 (fp32),
 16 KiB of KV per token, 32-token blocks: a 4,096-token prefix is 64 MiB,
