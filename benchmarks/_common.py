@@ -95,25 +95,44 @@ def drop_caches() -> bool:
         return False
 
 
+def direct_read_argv(
+    fio: str | None, path: str, size: int, loops: int = 1
+) -> list[str]:
+    """The command line of an O_DIRECT, 1 MiB sequential read of the first
+    ``size`` bytes of ``path``: fio's (JSON report) when ``fio`` is given,
+    else dd's (its byte count on stderr)."""
+    if fio is None:
+        count = max(1, size >> 20)
+        dd = ["dd", f"if={path}", "of=/dev/null", "bs=1M", f"count={count}"]
+        return dd + ["iflag=direct"]
+    return [
+        fio,
+        "--name=span",
+        f"--filename={path}",
+        "--rw=read",
+        "--bs=1M",
+        "--direct=1",
+        "--ioengine=psync",
+        f"--size={size}",
+        "--offset=0",
+        "--output-format=json",
+        f"--loops={loops}",
+    ]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs``, nearest rank."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
 def fio_sequential_read(
     fio: str, path: str, size: int, loops: int = 5, timeout: float = 300
 ) -> dict[str, Any]:
     """fio's O_DIRECT, 1 MiB sequential read of ``size`` bytes of ``path``
     from offset 0: the raw-drive baseline for kvtier's disk reads."""
     res = subprocess.run(
-        [
-            fio,
-            "--name=span",
-            f"--filename={path}",
-            "--rw=read",
-            "--bs=1M",
-            "--direct=1",
-            "--ioengine=psync",
-            f"--size={size}",
-            "--offset=0",
-            "--output-format=json",
-            f"--loops={loops}",
-        ],
+        direct_read_argv(fio, path, size, loops),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -129,10 +148,9 @@ def dd_direct_read(path: str, size: int, timeout: float = 300) -> dict[str, Any]
     ``path``: the raw-drive baseline where no fio binary is at hand."""
     import re
 
-    count = max(1, size >> 20)
     t0 = time.perf_counter()
     res = subprocess.run(
-        ["dd", f"if={path}", "of=/dev/null", "bs=1M", f"count={count}", "iflag=direct"],
+        direct_read_argv(None, path, size),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -11,18 +11,22 @@ running decoders feel while the fourth request's prefix arrives:
              "wait max" is the longest of them before the last one (while
              the prefix arrives), "own step" the last one (the request's own
              compute over its whole prefix, whatever the source)
+  dd-beside  no fourth request: where it would arrive, an external process
+             (dd, or fio when installed, O_DIRECT 1 MiB) reads the disk
+             hit's slab span; every step until it exits is a waiting step.
+             The machine's floor: what the decoders feel from the I/O
+             alone, no kvtier. Its runs take turns with the disk hit's.
 
-per case p50 / p99 / max step time and the fourth request's TTFT, in both
-of vLLM's engine modes (in-process, whose loop spins, and the multiprocess
-engine core of ``vllm serve``), each in a fresh child process. The disk
-rows also give the worker's load rate end to end (vLLM's
-``kv_offload_load_bytes`` / ``kv_offload_load_time``: each job's bytes over
-its wall time on the load thread, reads, verification and copies included)
-next to ``dd`` (or fio, when installed) reading the same slab span with
-O_DIRECT; kvtier's ``read_bytes`` / ``read_seconds`` (the time the thread
-waited for reads, which overlap verification) is kept in the JSON as
-``worker_read_wait_gbps``. Greedy outputs of the fourth request are
-checked equal to the no-offload engine's.
+per case p50 / max step time, the waiting steps' max, p95 and count over
+3x the decode p50, and the TTFT, in both engine modes (in-process, whose
+loop spins, and the multiprocess engine core of ``vllm serve``), each in a
+fresh child process. The disk rows also give the worker's load rate end to
+end (vLLM's ``kv_offload_load_bytes`` / ``kv_offload_load_time``: reads,
+verification and copies included) next to dd's O_DIRECT rate over the same
+span, beside the decoders and alone after the runs (in-process only);
+kvtier's ``read_bytes`` / ``read_seconds`` (time spent waiting for reads)
+is kept in the JSON as ``worker_read_wait_gbps``. Greedy outputs of the
+fourth request are checked equal to the no-offload engine's.
 
 Model: the tiny random Llama grown to 8 layers x 4 KV heads x 64 (fp32),
 16 KiB of KV per token, 32-token blocks: a 4,096-token prefix is 64 MiB,
@@ -40,6 +44,7 @@ Prints a table and writes benchmarks/results/step_stall.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -49,8 +54,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from subprocess import DEVNULL
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks._common import (  # noqa: E402
+    direct_read_argv,
+    direct_read_baseline,
+    kvtier_counters,
+    offload_load_totals,
+    percentile,
+    write_json,
+)
+
 BLOCK = 32
 MODEL = dict(
     num_hidden_layers=8,
@@ -61,20 +77,16 @@ MODEL = dict(
     intermediate_size=512,
 )
 DECODERS = 3
+CASES = ("recompute", "cpu", "disk", "dd-beside")
 DECODE_PROMPT = 64
 BASELINE_STEPS = 40
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def _summary(steps: list[float]) -> dict:
     return {
         "steps": len(steps),
         "p50_ms": 1e3 * statistics.median(steps),
-        "p99_ms": 1e3 * _pct(steps, 0.99),
+        "p99_ms": 1e3 * percentile(steps, 0.99),
         "max_ms": 1e3 * max(steps),
     }
 
@@ -82,10 +94,8 @@ def _summary(steps: list[float]) -> dict:
 def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
-    sys.path.insert(0, str(ROOT))
     from vllm import LLM, SamplingParams
 
-    from benchmarks._common import kvtier_counters, offload_load_totals
     from kvtier.io.format import slot_size
     from kvtier.testing.engine import (
         build_tiny_llama,
@@ -119,10 +129,12 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
             compilation_config={"mode": 0},
         )
 
-    def run_case(llm, prompt: list[int], tag: str) -> dict:
+    def run_case(llm, prompt: list[int] | None, tag: str, beside=None) -> dict:
         """Decoders running, then ``prompt`` arrives: step times of both
         phases, its TTFT, its tokens, and kvtier's counters just before it
-        arrived and once its first token is out."""
+        arrived and once its first token is out. With ``beside`` (a command
+        line) no request arrives: the command starts there instead and the
+        steps are timed until it exits ("ttft" is then its wall time)."""
         engine = llm.llm_engine
         llm.reset_prefix_cache()
         ids = [f"{tag}-d{i}" for i in range(DECODERS)]
@@ -146,7 +158,10 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
         tokens: list[int] = []
         before = kvtier_counters(), offload_load_totals()
         t_add = time.perf_counter()
-        engine.add_request(rid, {"prompt_token_ids": prompt}, first_sp)
+        if beside:
+            proc = subprocess.Popen(beside, stdout=DEVNULL, stderr=DEVNULL)
+        else:
+            engine.add_request(rid, {"prompt_token_ids": prompt}, first_sp)
         ttft = None
         deadline = time.monotonic() + 600
         while ttft is None:
@@ -154,6 +169,8 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
             outs = engine.step()
             t1 = time.perf_counter()
             during.append(t1 - t0)
+            if beside and proc.poll() is not None:
+                ttft = t1 - t_add
             for out in outs:
                 if out.request_id == rid and out.outputs[0].token_ids:
                     ttft = t1 - t_add
@@ -164,9 +181,14 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
         engine.abort_request(ids + [rid])
         while engine.has_unfinished_requests():
             engine.step()
+        if beside and proc.returncode:
+            raise RuntimeError(f"{beside} exited {proc.returncode}")
         return {
             "decode": base,
             "during": during,
+            # The steps a load in flight can stall: all but the request's
+            # own last one; every step while the command beside runs.
+            "waiting": during if beside else during[:-1],
             "ttft": ttft,
             "first": tokens[:1],
             "counters": (before, after),
@@ -219,12 +241,23 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
                         raise TimeoutError("spills did not finish")
                     time.sleep(0.02)
             p, _q, r = prompts[n]
-            for case, prompt in (("cpu", r), ("disk", p)):
-                runs = []
-                for k in range(warmup):  # untimed: first-use costs
-                    run_case(llm, prompt, f"{case}{n}-w{k}")
-                for k in range(repeats):
-                    run = run_case(llm, prompt, f"{case}{n}-{k}")
+            # P was spilled first: the start of slab 0 is the disk hit's span.
+            slab = str(min(Path(root).glob("kvtier-*/slab-0.kvt")))
+            span = blocks * slot_size(bpb)
+            beside = direct_read_argv(shutil.which("fio"), slab, span)
+            # The disk hit and the external read beside the decoders (no
+            # kvtier load: the machine's floor) take turns, run for run.
+            groups = [
+                [("cpu", r, None)],
+                [("disk", p, None), ("dd-beside", None, beside)],
+            ]
+            for group in groups:
+                for case, prompt, cmd in group:
+                    results[n][case] = []
+                    for k in range(warmup):  # untimed: first-use costs
+                        run_case(llm, prompt, f"{case}{n}-w{k}", cmd)
+                for k, (case, prompt, cmd) in itertools.product(range(repeats), group):
+                    run = run_case(llm, prompt, f"{case}{n}-{k}", cmd)
                     (before, load0), (after, load1) = run.pop("counters")
 
                     def delta(name: str, a=after, b=before) -> float:
@@ -242,18 +275,17 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
                     rs = delta("vllm:kv_offload_kvtier_read_seconds{disk}")
                     rb = delta("vllm:kv_offload_kvtier_read_bytes{disk}")
                     run["read_gbps"] = rb / rs / 1e9 if rs else None
+                    if cmd:  # the external read's own rate over its wall time
+                        run["read_gbps"] = span / run["ttft"] / 1e9
                     mismatches += run["first"] != (
                         expected[n] if case == "disk" else run["first"]
                     )
-                    runs.append(run)
-                results[n][case] = runs
+                    results[n][case].append(run)
             results[n]["kv_bytes"] = blocks * bpb
             if mode == "inproc":
-                slabs = sorted(Path(root).glob("kvtier-*/slab-0.kvt"))
-                if slabs:
-                    results[n]["direct_read"] = _direct_read(
-                        str(slabs[0]), blocks * slot_size(bpb)
-                    )
+                results[n]["direct_read"] = direct_read_baseline(
+                    shutil.which("fio"), slab, span
+                )
             del llm
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
@@ -266,32 +298,33 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
     for n in lengths:
         row: dict = {"kv_bytes": results[n]["kv_bytes"]}
         decode = [
-            s
-            for case in ("recompute", "cpu", "disk")
-            for run in results[n][case]
-            for s in run["decode"]
+            s for case in CASES for run in results[n][case] for s in run["decode"]
         ]
         row["decode"] = _summary(decode)
-        for case in ("recompute", "cpu", "disk"):
+        for case in CASES:
             runs = results[n][case]
             row[case] = _summary([s for run in runs for s in run["during"]])
             row[case]["ttft_s"] = statistics.median(run["ttft"] for run in runs)
             # The last step computes the fourth request's own tokens (over
             # its whole prefix, whatever the source); the steps before it
-            # are the ones a load in flight can stall.
-            waiting = [s for run in runs for s in run["during"][:-1]]
+            # are the ones a load in flight can stall (dd-beside: all).
+            waiting = [s for run in runs for s in run["waiting"]]
             row[case]["wait_max_ms"] = 1e3 * max(waiting) if waiting else None
             # How often, not only how bad: the waiting steps' p95 and how
             # many of them took over 3x the decode p50.
-            row[case]["wait_p95_ms"] = 1e3 * _pct(waiting, 0.95) if waiting else None
+            row[case]["wait_p95_ms"] = (
+                1e3 * percentile(waiting, 0.95) if waiting else None
+            )
             limit = 3 * statistics.median(decode)
             row[case]["waiting_steps"] = len(waiting)
             row[case]["waiting_over_3x"] = sum(s > limit for s in waiting)
             row[case]["own_step_ms"] = 1e3 * statistics.median(
                 run["during"][-1] for run in runs
             )
-            if case != "recompute":
+            if case in ("cpu", "disk"):
                 row[case]["loaded_blocks"] = runs[-1]["loaded_blocks"]
+        g = [run["read_gbps"] for run in results[n]["dd-beside"]]
+        row["dd-beside"]["read_gbps"] = statistics.median(g)
         g = [run["read_gbps"] for run in results[n]["disk"] if run["read_gbps"]]
         row["worker_read_wait_gbps"] = statistics.median(g) if g else None
         g = [run["load_gbps"] for run in results[n]["disk"] if run["load_gbps"]]
@@ -301,13 +334,45 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
     return {"mode": mode, "results": summary, "outputs_equal": mismatches == 0}
 
 
-def _direct_read(path: str, size: int) -> dict:
-    """O_DIRECT sequential 1 MiB reads of the first ``size`` bytes of
-    ``path`` (where P was spilled first): fio when installed, else dd."""
-    sys.path.insert(0, str(ROOT))
-    from benchmarks._common import direct_read_baseline
-
-    return direct_read_baseline(shutil.which("fio"), path, size)
+def _table(runs: list[dict]) -> None:
+    """Print the children's summaries, one row per case."""
+    head = (
+        f"{'mode':>6} | {'MiB':>4} | {'case':>9} | {'p50 ms':>6} | {'max ms':>6} | "
+        f"{'wait max':>8} | {'/dec p50':>8} | {'wait p95':>8} | {'over 3x':>7} | "
+        f"{'own step':>8} | {'TTFT s':>6} | loaded cpu/disk"
+    )
+    print(head)
+    print("-" * len(head))
+    for run in runs:
+        for row in run["results"].values():
+            dec = row["decode"]["p50_ms"]
+            for case in ("decode",) + CASES:
+                s = row[case]
+                lb, wait = s.get("loaded_blocks"), s.get("wait_max_ms")
+                cols = ["", "", "", "", "", ""]  # the decode row has no wait
+                if wait is not None:
+                    cols = [
+                        f"{wait:.1f}",
+                        f"{wait / dec:.1f}x",
+                        f"{s['wait_p95_ms']:.1f}",
+                        f"{s['waiting_over_3x']}/{s['waiting_steps']}",
+                        f"{s['own_step_ms']:.1f}",
+                        f"{s['ttft_s']:.3f}",
+                    ]
+                print(
+                    f"{run['mode']:>6} | {row['kv_bytes'] >> 20:>4} | {case:>9} | "
+                    f"{s['p50_ms']:>6.1f} | {s['max_ms']:>6.1f} | {cols[0]:>8} | "
+                    f"{cols[1]:>8} | {cols[2]:>8} | {cols[3]:>7} | {cols[4]:>8} | "
+                    f"{cols[5]:>6} | "
+                    + (f"{int(lb['cpu'])}/{int(lb['disk'])}" if lb else "")
+                )
+            d = row.get("direct_read")
+            print(
+                f"{'':>6} | {'':>4} | disk/cpu TTFT {row['disk']['ttft_s'] / row['cpu']['ttft_s']:.2f}x"
+                f" | worker load {row['worker_load_gbps'] or 0:.2f} GB/s"
+                f" | dd-beside {row['dd-beside']['read_gbps']:.2f} GB/s"
+                + (f" | {d['tool']} alone {d['gbps']:.2f} GB/s" if d else "")
+            )
 
 
 def main() -> int:
@@ -364,42 +429,7 @@ def main() -> int:
             print(proc.stderr[-4000:], file=sys.stderr)
             return 1
         runs.append(json.loads(found[-1].split(" ", 1)[1]))
-    head = (
-        f"{'mode':>6} | {'MiB':>4} | {'case':>9} | {'p50 ms':>7} | {'p99 ms':>7} | "
-        f"{'max ms':>7} | {'max/decode p50':>14} | {'wait max':>8} | "
-        f"{'own step':>8} | {'TTFT s':>7} | loaded cpu/disk"
-    )
-    print(head)
-    print("-" * len(head))
-    ok = True
-    for run in runs:
-        ok &= run["outputs_equal"]
-        for row in run["results"].values():
-            dec = row["decode"]["p50_ms"]
-            for case in ("decode", "recompute", "cpu", "disk"):
-                s = row[case]
-                lb = s.get("loaded_blocks")
-                print(
-                    f"{run['mode']:>6} | {row['kv_bytes'] >> 20:>4} | {case:>9} | "
-                    f"{s['p50_ms']:>7.1f} | {s['p99_ms']:>7.1f} | {s['max_ms']:>7.1f} | "
-                    f"{s['max_ms'] / dec:>13.1f}x | "
-                    f"{s.get('wait_max_ms') or float('nan'):>8.1f} | "
-                    f"{s.get('own_step_ms', float('nan')):>8.1f} | "
-                    f"{s.get('ttft_s', float('nan')):>7.3f} | "
-                    + (f"{int(lb['cpu'])}/{int(lb['disk'])}" if lb else "")
-                )
-            d = row.get("direct_read") or {}
-            print(
-                f"{'':>6} | {'':>4} | disk/cpu TTFT {row['disk']['ttft_s'] / row['cpu']['ttft_s']:.2f}x"
-                f" | worker load {row['worker_load_gbps'] or 0:.2f} GB/s"
-                f" | disk steps over 3x decode {row['disk']['waiting_over_3x']}"
-                f"/{row['disk']['waiting_steps']}"
-                f" | {d.get('tool', 'direct')} {d.get('gbps', float('nan')):.2f} GB/s"
-            )
-    print(f"outputs equal: {ok}")
-    sys.path.insert(0, str(ROOT))
-    from benchmarks._common import write_json
-
+    ok = all(run["outputs_equal"] for run in runs)
     path = write_json(
         "step_stall",
         {
@@ -415,6 +445,8 @@ def main() -> int:
         args.out,
     )
     print(f"wrote {path}")
+    _table(runs)
+    print(f"outputs equal: {ok}")
     return 0 if ok else 1
 
 

@@ -8,55 +8,28 @@ matters because every spilled and promoted block is hashed on the I/O path.
 
 from __future__ import annotations
 
-import ctypes
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import xxhash
 
 
-def _xxh3_holding_the_gil() -> Callable[[int, int], int] | None:
-    """xxh3_64 as a C call that keeps the GIL, or None where it cannot be had.
-
-    Why: the worker's load thread verifies a read batch's blocks one after another
-    while an in-process engine's loop spins on the GIL. xxhash's binding
-    releases the GIL for every call, and each time the thread must wait to
-    get it back (up to the interpreter's switch interval): 128 blocks of 512
-    KiB hash in 2.2 ms alone but took 145 ms next to a spinning thread. The
-    same C function (``XXH3_64bits`` of python-xxhash's own extension),
-    called through ``ctypes.PyDLL``, runs without letting the GIL go, so a
-    batch costs one hand-off, not one per block. Checked against the binding
-    once; any doubt falls back to it."""
-    try:
-        from xxhash import _xxhash
-
-        fn = ctypes.PyDLL(_xxhash.__file__).XXH3_64bits
-    except (ImportError, OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_uint64
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    probe = np.frombuffer(bytes(range(256)) * 67, dtype=np.uint8)
-    if fn(probe.ctypes.data, probe.nbytes) != xxhash.xxh3_64_intdigest(probe):
-        return None
-    return fn
-
-
-_XXH3 = _xxh3_holding_the_gil()
-
-
 def payload_checksum(data: Any) -> int:
     """xxh3_64 of the stored (possibly compressed) payload bytes.
 
     ``data`` is anything exposing the buffer protocol (bytes, memoryview,
-    contiguous numpy array). A contiguous buffer is hashed without releasing
-    the GIL where possible (see :func:`_xxh3_holding_the_gil`).
+    contiguous numpy array). xxhash's binding lets the GIL go while it
+    hashes, so the engine's thread runs beside a thread that verifies or
+    spills blocks. Holding the GIL instead (the same C function through
+    ``ctypes.PyDLL``, until #20) made a 512 KiB block one 30 us stretch the
+    engine's thread waits behind at every GIL hand-off: interleaved
+    ``step_stall.py`` runs (in-process, 256 MiB disk hit, 3 each) had the
+    longest decode step during the load at 10.9 ms (3.7x a decode step)
+    holding it and 8.4 ms (2.8x) letting it go, the load 4 % slower. The
+    price is one GIL re-acquisition per block on the hashing thread, which
+    is long only next to a thread that spins in pure Python.
     """
-    if _XXH3 is not None:
-        arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
-        if arr.flags.c_contiguous:
-            return int(_XXH3(arr.ctypes.data, arr.nbytes))
     return xxhash.xxh3_64_intdigest(data)
 
 
