@@ -232,9 +232,23 @@ class Tier:
         caller vouches that the tier's filter accepts every key, so it is
         not asked (same result, one call less per key). O(len(keys) log n)."""
         blocks = self._blocks
+        if not accepted and self.filter is not None:
+            for key in keys:
+                blocks[key].state = _READY
+            self.refresh_many(keys)
+            return
+        # Every key the filter accepts: refresh_many's verdict is known
+        # here (READY now; eligible unless pinned), so it is not asked.
+        admitted: list[Hashable] = []
+        pinned: list[Hashable] = []
         for key in keys:
-            blocks[key].state = _READY
-        self.refresh_many(keys, accepted)
+            block = blocks[key]
+            block.state = _READY
+            (pinned if block.pins else admitted).append(key)
+        if pinned:
+            self.index.drop_many(pinned)
+        if admitted:
+            self.index.admit_many(admitted)
 
     def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
         """``pin(key)`` for each key in order; returns the blocks. O(len)."""
@@ -253,15 +267,29 @@ class Tier:
         """``unpin(key)`` for each key in order. ``accepted``: as for
         :meth:`mark_ready_many`. O(len(keys) log n)."""
         blocks = self._blocks
+        # With every key accepted by the filter, refresh_many's verdict is
+        # known here (idle and READY: eligible), so it is not asked.
+        known = accepted or self.filter is None
         idle: list[Hashable] = []
+        other: list[Hashable] = []
         for key in keys:
             block = blocks[key]
-            if block.pins <= 0:
+            pins = block.pins
+            if pins <= 0:
                 raise RuntimeError(f"unpin of unpinned {key!r} in {self.medium} tier")
-            block.pins -= 1
-            if not block.pins:
-                idle.append(key)
-        self.refresh_many(idle, accepted)
+            block.pins = pins - 1
+            if pins == 1:
+                if not known or block.state is _READY:
+                    idle.append(key)
+                else:
+                    other.append(key)
+        if not known:
+            self.refresh_many(idle)
+            return
+        if other:
+            self.index.drop_many(other)
+        if idle:
+            self.index.admit_many(idle)
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         """``touch(key)`` for each key in order (the last ends up most
