@@ -411,11 +411,16 @@ class Tier:
         back. O(victims log n) plus stale entries dropped."""
         if n <= 0 or not self.index.eligible:
             return []
-        chosen = self.index.victims(
-            n, self.policy.victim_order(), None, exclude, take=True
-        )
+        index = self.index
+        chosen = index.victims(n, self.policy.victim_order(), None, exclude, take=True)
         if chosen:
-            self.remove_many(chosen, True)
+            # remove_many(chosen, True), minus the index's eligibility
+            # (the victims were taken out of it as they were chosen).
+            pop, free, pos_pop = self._blocks.pop, self._free, index.pos.pop
+            for key in chosen:
+                free.append(pop(key).slot)
+                pos_pop(key)
+            self.policy.remove_many(chosen, True)
         return chosen
 
     def take_victims(
