@@ -232,23 +232,14 @@ class Tier:
         caller vouches that the tier's filter accepts every key, so it is
         not asked (same result, one call less per key). O(len(keys) log n)."""
         blocks = self._blocks
-        if not accepted and self.filter is not None:
-            for key in keys:
-                blocks[key].state = _READY
-            self.refresh_many(keys)
-            return
-        # Every key the filter accepts: refresh_many's verdict is known
-        # here (READY now; eligible unless pinned), so it is not asked.
-        admitted: list[Hashable] = []
+        known = accepted or self.filter is None
+        ready: list[Hashable] = []
         pinned: list[Hashable] = []
         for key in keys:
             block = blocks[key]
             block.state = _READY
-            (pinned if block.pins else admitted).append(key)
-        if pinned:
-            self.index.drop_many(pinned)
-        if admitted:
-            self.index.admit_many(admitted)
+            (pinned if known and block.pins else ready).append(key)
+        self._settle(ready, pinned, known)
 
     def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
         """``pin(key)`` for each key in order; returns the blocks. O(len)."""
@@ -267,11 +258,9 @@ class Tier:
         """``unpin(key)`` for each key in order. ``accepted``: as for
         :meth:`mark_ready_many`. O(len(keys) log n)."""
         blocks = self._blocks
-        # With every key accepted by the filter, refresh_many's verdict is
-        # known here (idle and READY: eligible), so it is not asked.
         known = accepted or self.filter is None
         idle: list[Hashable] = []
-        other: list[Hashable] = []
+        writing: list[Hashable] = []
         for key in keys:
             block = blocks[key]
             pins = block.pins
@@ -279,17 +268,22 @@ class Tier:
                 raise RuntimeError(f"unpin of unpinned {key!r} in {self.medium} tier")
             block.pins = pins - 1
             if pins == 1:
-                if not known or block.state is _READY:
-                    idle.append(key)
-                else:
-                    other.append(key)
+                (writing if known and block.state is not _READY else idle).append(key)
+        self._settle(idle, writing, known)
+
+    def _settle(
+        self, ready: list[Hashable], other: list[Hashable], known: bool
+    ) -> None:
+        """``known`` (the filter accepts every key): admit ``ready`` (READY,
+        idle), drop ``other``; refresh_many's verdict, without its pass.
+        Else ``ready`` holds every key changed: refresh them."""
         if not known:
-            self.refresh_many(idle)
+            self.refresh_many(ready)
             return
         if other:
             self.index.drop_many(other)
-        if idle:
-            self.index.admit_many(idle)
+        if ready:
+            self.index.admit_many(ready)
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         """``touch(key)`` for each key in order (the last ends up most
@@ -363,10 +357,7 @@ class Tier:
                 admitted.append(key)
             else:
                 dropped.append(key)
-        if dropped:
-            self.index.drop_many(dropped)
-        if admitted:
-            self.index.admit_many(admitted)
+        self._settle(admitted, dropped, True)
 
     def victims(
         self,
