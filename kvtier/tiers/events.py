@@ -10,7 +10,8 @@ ready on which medium (:func:`replay`); the vLLM adapter maps these events
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from itertools import repeat
+from typing import NamedTuple
 
 # Media: where a block lives, in vLLM's word. These are kvtier's names for
 # them everywhere (events, metrics' ``tier`` label, load plans, the CLI);
@@ -23,11 +24,14 @@ ALL_MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
 VLLM_MEDIA = {"GPU": MEDIUM_GPU, "CPU": MEDIUM_CPU, "STORAGE": MEDIUM_DISK}
 
 
-@dataclass(frozen=True, slots=True)
-class TierEvent:
+class TierEvent(NamedTuple):
     """``keys`` became ready on (``removed=False``) or left (``removed=True``)
     ``medium``. ``reason`` says why, for logs and metrics: ``store``,
-    ``spill``, ``promote``, ``restore``, ``evict``, ``corrupt``, ``reset``."""
+    ``spill``, ``promote``, ``restore``, ``evict``, ``corrupt``, ``reset``.
+
+    An immutable tuple rather than a frozen dataclass: every request drains
+    a few of them on the engine step, and a frozen dataclass costs several
+    times more to build (:meth:`EventLog.take` builds them in C)."""
 
     keys: tuple[Hashable, ...]
     medium: str
@@ -90,4 +94,10 @@ class EventLog:
         if not pending:
             return []
         self._pending, self._last_kind = [], None
-        return [TierEvent(tuple(k), m, r, why) for m, r, why, k in pending]
+        return list(
+            map(
+                tuple.__new__,
+                repeat(TierEvent),
+                [(tuple(k), m, r, why) for m, r, why, k in pending],
+            )
+        )

@@ -196,7 +196,16 @@ class LRUPolicy(EvictionPolicy):
     def insert_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
         if type(self).insert is not LRUPolicy.insert:
             return super().insert_many(keys)
-        return self._to_back(keys)
+        # New keys (none resident, none twice: the tier's contract), so
+        # one bulk update appends them with consecutive stamps.
+        keys = list(keys)
+        if not keys:
+            return []
+        start = next(self._clock)
+        stamps = range(start, start + len(keys))
+        self._clock = itertools.count(start + len(keys))
+        self._order.update(zip(keys, stamps))
+        return list(zip(itertools.repeat(0), stamps))
 
     def touch_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
         if type(self).touch is not LRUPolicy.touch:

@@ -232,9 +232,14 @@ class Tier:
         caller vouches that the tier's filter accepts every key, so it is
         not asked (same result, one call less per key). O(len(keys) log n)."""
         blocks = self._blocks
+        known = accepted or self.filter is None
+        ready: list[Hashable] = []
+        pinned: list[Hashable] = []
         for key in keys:
-            blocks[key].state = _READY
-        self.refresh_many(keys, accepted)
+            block = blocks[key]
+            block.state = _READY
+            (pinned if known and block.pins else ready).append(key)
+        self._settle(ready, pinned, known)
 
     def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
         """``pin(key)`` for each key in order; returns the blocks. O(len)."""
@@ -253,15 +258,32 @@ class Tier:
         """``unpin(key)`` for each key in order. ``accepted``: as for
         :meth:`mark_ready_many`. O(len(keys) log n)."""
         blocks = self._blocks
+        known = accepted or self.filter is None
         idle: list[Hashable] = []
+        writing: list[Hashable] = []
         for key in keys:
             block = blocks[key]
-            if block.pins <= 0:
+            pins = block.pins
+            if pins <= 0:
                 raise RuntimeError(f"unpin of unpinned {key!r} in {self.medium} tier")
-            block.pins -= 1
-            if not block.pins:
-                idle.append(key)
-        self.refresh_many(idle, accepted)
+            block.pins = pins - 1
+            if pins == 1:
+                (writing if known and block.state is not _READY else idle).append(key)
+        self._settle(idle, writing, known)
+
+    def _settle(
+        self, ready: list[Hashable], other: list[Hashable], known: bool
+    ) -> None:
+        """``known`` (the filter accepts every key): admit ``ready`` (READY,
+        idle), drop ``other``; refresh_many's verdict, without its pass.
+        Else ``ready`` holds every key changed: refresh them."""
+        if not known:
+            self.refresh_many(ready)
+            return
+        if other:
+            self.index.drop_many(other)
+        if ready:
+            self.index.admit_many(ready)
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         """``touch(key)`` for each key in order (the last ends up most
@@ -335,10 +357,7 @@ class Tier:
                 admitted.append(key)
             else:
                 dropped.append(key)
-        if dropped:
-            self.index.drop_many(dropped)
-        if admitted:
-            self.index.admit_many(admitted)
+        self._settle(admitted, dropped, True)
 
     def victims(
         self,
@@ -383,11 +402,16 @@ class Tier:
         back. O(victims log n) plus stale entries dropped."""
         if n <= 0 or not self.index.eligible:
             return []
-        chosen = self.index.victims(
-            n, self.policy.victim_order(), None, exclude, take=True
-        )
+        index = self.index
+        chosen = index.victims(n, self.policy.victim_order(), None, exclude, take=True)
         if chosen:
-            self.remove_many(chosen, True)
+            # remove_many(chosen, True), minus the index's eligibility
+            # (the victims were taken out of it as they were chosen).
+            pop, free, pos_pop = self._blocks.pop, self._free, index.pos.pop
+            for key in chosen:
+                free.append(pop(key).slot)
+                pos_pop(key)
+            self.policy.remove_many(chosen, True)
         return chosen
 
     def take_victims(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import repeat
 from typing import Any
 
 # One run of a victim order (see kvtier.tiers.policy.Run).
@@ -83,42 +84,56 @@ class VictimIndex:
     def admit_many(self, keys: Iterable[Hashable]) -> None:
         """``admit(key)`` for each key (a key listed twice is admitted
         once). The keys are sorted by position first, so a batch that
-        arrives newest first still appends to one run."""
+        arrives newest first still appends to one run: each segment's keys
+        go, in one bulk update, to the run chosen for its oldest key."""
         eligible, pos = self.eligible, self.pos
         fresh = [key for key in keys if key not in eligible]
         if not fresh:
             return
         if len(fresh) > 1:
             fresh.sort(key=pos.__getitem__)
-        seg_now = -1
-        run: OrderedDict[Hashable, int] | None = None
-        tails: list[int] = []
+        positions = list(map(pos.__getitem__, fresh))
+        end = len(fresh)
         i = 0
         heaped_into: set[int] = set()
-        for key in fresh:
-            if key in eligible:
-                continue  # listed twice
-            seg, stamp = pos[key]
-            if seg != seg_now or run is None:
-                # The run whose last stamp is the largest below this one
-                # (an empty run fits anything); keys after this one in the
-                # batch are newer, so they append to it too.
-                seg_now, run, tails = seg, None, self.tails[seg]
-                best = -2
-                for j, candidate in enumerate(self.runs[seg]):
-                    tail = tails[j] if candidate else -1
-                    if best < tail < stamp:
-                        best, run, i = tail, candidate, j
-            if run is not None:
-                run[key] = stamp
-                tails[i] = stamp
-                eligible[key] = run
-            else:
+        while i < end:
+            seg, stamp = positions[i]
+            # The run whose last stamp is the largest one below this one
+            # (an empty run fits anything); the keys after this one in the
+            # segment are newer, so they append to it too.
+            runs, tails = self.runs[seg], self.tails[seg]
+            run: OrderedDict[Hashable, int] | None = None
+            best = -2
+            for j, candidate in enumerate(runs):
+                tail = tails[j] if candidate else -1
+                if best < tail < stamp:
+                    best, run, r = tail, candidate, j
+            if run is None:
+                # Older than every run's tail: this key goes to the heap,
+                # the next one looks for a run again.
+                key = fresh[i]
+                i += 1
+                while i < end and fresh[i] == key:
+                    i += 1  # listed twice (adjacent once sorted)
                 live = self.heaped[seg]
                 live[key] = stamp
                 heapq.heappush(self.heaps[seg], (stamp, key))
                 eligible[key] = live
                 heaped_into.add(seg)
+                continue
+            j = i + 1
+            if positions[-1][0] != seg:
+                while j < end and positions[j][0] == seg:
+                    j += 1
+            else:
+                j = end
+            group = fresh[i:j] if i or j != end else fresh
+            stamps = [p[1] for p in positions[i:j]]
+            # A key listed twice gets the same stamp twice: one entry.
+            run.update(zip(group, stamps))
+            tails[r] = stamps[-1]
+            eligible.update(zip(group, repeat(run)))
+            i = j
         for seg in heaped_into:
             if len(self.heaps[seg]) > 2 * len(self.heaped[seg]) + 64:
                 self._rebuild(seg)
@@ -195,6 +210,54 @@ class VictimIndex:
 
     # --- choosing victims ---
 
+    def _drain_run(
+        self,
+        front: list[Any],
+        fronts: list[list[Any]],
+        stop: int | None,
+        n: int,
+        chosen: list[Hashable],
+        held: list[tuple[Any, Hashable, int, Any]],
+        accept: Callable[[Hashable], bool] | None,
+        exclude: set[Hashable] | frozenset[Hashable],
+        take: bool,
+    ) -> int:
+        """The inner loop of :meth:`victims` for a run whose front is the
+        oldest: take its keys in turn (each chosen, or held to be put back)
+        while they are older than ``stop`` and every other front, until
+        ``chosen`` has ``n``; then update or remove ``front``. Returns the
+        entries inspected."""
+        run = front[2]
+        bound = stop
+        for other in fronts:
+            if other is not front and (bound is None or other[0] < bound):
+                bound = other[0]
+        popitem, eligible = run.popitem, self.eligible
+        inspected = 0
+        while run:
+            key, stamp = popitem(False)
+            if bound is not None and stamp >= bound:
+                run[key] = stamp  # not this one's turn: back in front
+                run.move_to_end(key, last=False)
+                break
+            inspected += 1
+            if key in exclude or (accept is not None and not accept(key)):
+                held.append((run, key, stamp, None))
+                continue
+            chosen.append(key)
+            if take:
+                del eligible[key]
+            else:
+                held.append((run, key, stamp, None))
+            if len(chosen) >= n:
+                break
+        if run:
+            front[1] = after = next(iter(run))
+            front[0] = run[after]
+        else:
+            fronts.remove(front)
+        return inspected
+
     def victims(
         self,
         n: int,
@@ -235,28 +298,27 @@ class VictimIndex:
                 stamp, key, source = front
                 if stop is not None and stamp >= stop:
                     break  # the rest of this segment comes in a later run
+                if source is not live:
+                    # A run: its keys are taken in turn while they stay
+                    # older than every other front (and ``stop``), without
+                    # comparing the fronts again for each one.
+                    inspected += self._drain_run(
+                        front, fronts, stop, n, chosen, held, accept, exclude, take
+                    )
+                    continue
                 inspected += 1
                 del source[key]  # in hand: in no container until put back
-                if source is live:
-                    heappop(heap)
-                    from_heap: list[tuple[int, Hashable]] | None = heap
-                    fronts.remove(front)
-                    inspected += self._live_top(seg, fronts)
-                else:
-                    from_heap = None
-                    if source:
-                        front[1] = after = next(iter(source))
-                        front[0] = source[after]
-                    else:
-                        fronts.remove(front)
+                heappop(heap)
+                fronts.remove(front)
+                inspected += self._live_top(seg, fronts)
                 if key in exclude or (accept is not None and not accept(key)):
-                    held.append((source, key, stamp, from_heap))
+                    held.append((source, key, stamp, heap))
                     continue
                 chosen.append(key)
                 if take:
                     del eligible[key]
                 else:
-                    held.append((source, key, stamp, from_heap))
+                    held.append((source, key, stamp, heap))
             if len(chosen) >= n:
                 break
         self.inspected += inspected
