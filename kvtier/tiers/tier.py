@@ -435,22 +435,6 @@ class Tier:
         """Every eligible key, most evictable first (O(n); for tests)."""
         return self.victims(len(self.index.eligible))
 
-    def check_index(self) -> None:
-        """Assert the victim index agrees with a full scan (O(n); tests)."""
-        blocks = self._blocks
-        expect = [
-            k
-            for k in self.policy.candidates()
-            if blocks[k].evictable
-            and (self.filter is None or self.filter(k, blocks[k]))
-        ]
-        eligible = set(self.index.eligible)
-        assert set(expect) == eligible, (self.medium, expect, eligible)
-        saved = self.index.inspected
-        got = self.eligible_in_order()
-        self.index.inspected = saved
-        assert got == expect, (self.medium, got, expect)
-
     def clear(self) -> list[Hashable]:
         """Forget every block; returns the keys that were READY."""
         ready = [k for k, b in self._blocks.items() if b.state is _READY]

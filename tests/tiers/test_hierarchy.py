@@ -10,6 +10,7 @@ from kvtier.tiers import (
     policy_names,
     replay,
 )
+from tests.tiers.index_check import check_index
 
 
 def _store(h, keys):
@@ -195,6 +196,6 @@ def test_declined_stores_inspect_blocks_touched_not_the_tier(policy, disk_blocks
     # in policy order (the index agrees with a full scan).
     for order in in_flight:
         h.complete_spill(order.job_id)
-    h.cpu.check_index()
-    h.disk.check_index()
+    check_index(h.cpu)
+    check_index(h.disk)
     assert h.prepare_store([("new", 0, k) for k in range(per_call)]) is not None

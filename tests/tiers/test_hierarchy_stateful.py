@@ -36,6 +36,7 @@ from kvtier.tiers import (
     policy_names,
     replay,
 )
+from tests.tiers.index_check import check_index
 
 KEYS = st.integers(min_value=0, max_value=11)
 
@@ -267,9 +268,9 @@ class HierarchyMachine(RuleBasedStateMachine):
         # Each tier's index of eligible blocks (what victims walks) holds
         # exactly the evictable blocks its filter allows, in policy order:
         # the same victims, in the same order, as scanning the whole tier.
-        self.h.cpu.check_index()
+        check_index(self.h.cpu)
         if self.h.disk is not None:
-            self.h.disk.check_index()
+            check_index(self.h.disk)
 
     @invariant()
     def no_dirty_drop_with_disk(self):

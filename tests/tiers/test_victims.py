@@ -7,6 +7,7 @@ import pytest
 
 from kvtier.tiers import LRUPolicy, Tier, make_policy
 from kvtier.tiers.policy import policy_names
+from tests.tiers.index_check import check_index
 
 
 def _churned_tier(policy: str, seed: int, capacity: int = 200) -> Tier:
@@ -54,7 +55,7 @@ def test_evict_removes_exactly_what_victims_returns(policy, seed):
         assert got == expect
         assert sorted(map(str, b.keys())) == sorted(map(str, a.keys()))
         assert b.eligible_in_order() == a.eligible_in_order()
-        b.check_index()
+        check_index(b)
     # n=1000 took every eligible key that was not excluded.
     assert b.eligible_in_order()
     assert all(k in exclude for k in b.eligible_in_order())
@@ -69,7 +70,7 @@ def test_taken_victims_given_back_keep_their_place(policy):
     assert tier.num_eligible == len(before) - 10
     tier.refresh_many(taken)
     assert tier.eligible_in_order() == before
-    tier.check_index()
+    check_index(tier)
 
 
 def test_count_eligible_counts_only_victim_candidates():
@@ -92,7 +93,7 @@ def test_index_heaps_stay_bounded_under_touch_churn():
     for i in range(5000):
         tier.touch_many([i % 50, (i * 7) % 50])
     assert sum(len(h) for h in tier.index.heaps) == 0
-    tier.check_index()
+    check_index(tier)
     assert tier.eligible_in_order()[:3] == tier.victims(3)
 
 
@@ -112,7 +113,7 @@ def test_out_of_order_admissions_use_the_heap_and_keep_the_order(policy):
         batch = rng.sample(keys, 30)
         tier.unpin_many([k for k in batch if tier.get(k).pins])
         tier.pin_many(rng.sample(batch, 20))
-        tier.check_index()
+        check_index(tier)
     assert any(tier.index.heaped)
     assert all(
         len(h) <= 2 * len(live) + 64
@@ -120,7 +121,7 @@ def test_out_of_order_admissions_use_the_heap_and_keep_the_order(policy):
     )
     order = tier.eligible_in_order()
     assert tier.evict(len(order) // 2) == order[: len(order) // 2]
-    tier.check_index()
+    check_index(tier)
 
 
 @pytest.mark.parametrize("policy", policy_names())
