@@ -178,3 +178,50 @@ def test_an_lru_subclass_that_changes_touch_keeps_it_in_batches():
         (0, 4),
     ]
     assert p.touches == 3
+
+
+def _state(tier: Tier) -> tuple:
+    blocks = {k: (b.slot, b.state, b.pins, b.origin) for k, b in tier.items()}
+    return blocks, tier.num_free, list(tier.policy.candidates())
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize(
+    "case", ["free-and-fresh", "duplicate-key", "already-here", "no-room"]
+)
+def test_allocate_many_is_allocate_per_key(policy: str, case: str) -> None:
+    """The batch takes the same slots (free ones in pop order, then fresh),
+    leaves the same blocks and policy order, and fails where the per-key
+    loop would fail, with the keys before it allocated."""
+    tiers = []
+    for _ in range(2):
+        tier = Tier("disk", 12, policy)
+        for key in range(8):
+            tier.allocate(key)
+            tier.mark_ready(key)
+        for key in (5, 2, 6):
+            tier.remove(key)  # three free slots, four never handed out
+        tiers.append(tier)
+    batch, single = tiers
+    keys = {
+        "free-and-fresh": [100, 101, 102, 103, 104],
+        "duplicate-key": [100, 101, 100, 102],
+        "already-here": [100, 3, 101],
+        "no-room": [100 + i for i in range(9)],
+    }[case]
+    errors = []
+    for alloc in (
+        lambda: batch.allocate_many(keys, "spill"),
+        lambda: [single.allocate(k, "spill").slot for k in keys],
+    ):
+        try:
+            errors.append(("ok", alloc()))
+        except (KeyError, RuntimeError) as exc:
+            errors.append((type(exc).__name__, None))
+    assert errors[0] == errors[1]
+    if case == "free-and-fresh":
+        assert errors[0][1] == [6, 2, 5, 8, 9]
+    else:
+        assert errors[0][0] != "ok"
+    assert _state(batch) == _state(single)
+    check_index(batch)
