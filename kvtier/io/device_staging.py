@@ -31,9 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +47,7 @@ from kvtier.io.format import (
     slot_size,
 )
 from kvtier.io.layout import ReadOutcome, Run, plan_runs, slot_offset, verify_header
+from kvtier.io.read_waiter import ReadWaiter, wait_all
 from kvtier.io.slab_files import SlabFiles, SlotReaderStats, bounce_area
 
 logger = logging.getLogger("kvtier.io")
@@ -73,7 +72,7 @@ class PendingStage:
     first_row: int
     runs: list[Run]
     row_of: list[int]
-    waiters: list[Callable[[], int] | None]
+    waiters: list[ReadWaiter | None]
     seconds: float = 0.0
 
 
@@ -312,23 +311,12 @@ class DeviceStagingReader:
     def ready(self, pending: PendingStage) -> bool:
         """Whether every read of a submitted batch returned (``complete``
         would not wait for the disk)."""
-        return all(w.done() for w in pending.waiters if w is not None)  # type: ignore[attr-defined]
+        return all(w.done() for w in pending.waiters if w is not None)
 
     def wait(self, pending: PendingStage, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a submitted batch's reads;
         whether they all returned."""
-        deadline = time.monotonic() + timeout
-        waiters = [w for w in pending.waiters if w is not None]
-        # A back end's Futures get one timed wait; kvikio's IOFuture has none
-        # and is polled (a GIL hand-off per millisecond while outstanding).
-        futures = [w.future for w in waiters if hasattr(w, "future")]
-        if futures and wait_futures(futures, timeout).not_done:
-            return False
-        while not all(w.done() for w in waiters):  # type: ignore[attr-defined]
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
-        return True
+        return wait_all([w for w in pending.waiters if w is not None], timeout)
 
     def abandon(self, pending: PendingStage) -> None:
         """Wait for a submitted batch's reads without checking it (a caller
@@ -356,12 +344,12 @@ class DeviceStagingReader:
             return self._bounce[row : row + count].reshape(-1)
         return self.staging[row : row + count].reshape(-1)
 
-    def _start_runs(self, runs: list[Run]) -> list[Callable[[], int] | None]:
-        """Start every run's read: per run a function that waits for it and
-        returns the bytes read, or None where the open or start failed."""
+    def _start_runs(self, runs: list[Run]) -> list[ReadWaiter | None]:
+        """Start every run's read: per run its waiter, or None where the
+        open or start failed."""
         # kvikio: its own IOFutures (start_read); others: the back end's futures.
         start = getattr(self.backend, "start_read", None)
-        waiters: list[Callable[[], int] | None] = []
+        waiters: list[ReadWaiter | None] = []
         try:
             for f, local, row, count in runs:
                 try:
@@ -372,7 +360,7 @@ class DeviceStagingReader:
                         waiters.append(start(handle, target, offset))
                     else:
                         fut = self.backend.submit_read(handle, target, offset)
-                        waiters.append(_waiter(fut))
+                        waiters.append(ReadWaiter.of_future(fut))
                 except OSError as exc:
                     self.files.io_error(f, exc)
                     waiters.append(None)
@@ -387,7 +375,7 @@ class DeviceStagingReader:
         return waiters
 
     def _collect(
-        self, runs: list[Run], waiters: list[Callable[[], int] | None]
+        self, runs: list[Run], waiters: list[ReadWaiter | None]
     ) -> list[int | None]:
         """Bytes read per run, or None where the open or the read failed;
         with a host bounce area, the landed runs are copied on to the device."""
@@ -442,15 +430,3 @@ class DeviceStagingReader:
         heads[:, :FIXED_HEADER_LEN] = part.numpy()
         return heads
 
-
-def _waiter(fut: Future[int]) -> Callable[[], int]:
-    """A back end's read as the same kind of waiter kvikio's ``start_read``
-    returns: call it to wait for the byte count; ``done()`` says whether
-    that would return at once."""
-
-    def wait() -> int:
-        return int(fut.result())
-
-    wait.done = fut.done  # type: ignore[attr-defined]
-    wait.future = fut  # type: ignore[attr-defined]  # for a timed wait
-    return wait

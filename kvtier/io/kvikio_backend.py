@@ -17,13 +17,13 @@ import errno
 import logging
 import math
 import os
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.io.backend import BackendUnavailableError, DiskBackend
 from kvtier.io.kvikio_probe import gds_status, usable_status
+from kvtier.io.read_waiter import ReadWaiter
 from kvtier.io.safe_open import open_private, same_file
 
 logger = logging.getLogger("kvtier.io")
@@ -177,14 +177,13 @@ class KvikioBackend(DiskBackend):
 
     def start_read(
         self, handle: KvikioHandle, buf: Any, offset: int
-    ) -> Callable[[], int]:
+    ) -> ReadWaiter:
         """Start ``len(buf)`` bytes at ``offset`` with kvikio's own
         asynchronous ``CuFile.pread`` (an IOFuture that kvikio splits over its
-        thread pool; device buffers go NVMe -> GPU under GDS) and return a
-        function that waits for it and returns the byte count (short at end
-        of file, like ``submit_read``) or raises OSError; its ``done()``
-        says whether it would return at once. Bad arguments raise here; so
-        does a failure to start (as OSError)."""
+        thread pool; device buffers go NVMe -> GPU under GDS) and return its
+        :class:`~kvtier.io.read_waiter.ReadWaiter` (the byte count, short at
+        end of file like ``submit_read``, or OSError). Bad arguments raise
+        here; so does a failure to start (as OSError)."""
         target, nbytes = _as_target(buf, for_read=True)
         _check_offset(offset)
         try:
@@ -202,9 +201,7 @@ class KvikioBackend(DiskBackend):
             except Exception as exc:
                 raise _to_oserror(exc, "read", handle.path) from exc
 
-        # Whether ``wait`` would return at once (kvikio's IOFuture.done).
-        wait.done = lambda: fut is None or bool(fut.done())  # type: ignore[attr-defined]
-        return wait
+        return ReadWaiter(wait, lambda: fut is None or bool(fut.done()))
 
     def submit_write(self, handle: KvikioHandle, buf: Any, offset: int) -> Future[int]:
         target, nbytes = _as_target(buf, for_read=False)
