@@ -10,7 +10,10 @@ running decoders feel while the fourth request's prefix arrives:
   <case>     steps from the fourth request's arrival to its first token;
              "wait max" is the longest of them before the last one (while
              the prefix arrives), "own step" the last one (the request's own
-             compute over its whole prefix, whatever the source)
+             compute over its whole prefix, whatever the source), and
+             "quiet max" the longest of the same runs' 40 decode-only steps
+             before the request arrived (the machine's own jitter over about
+             as many steps; both as multiples of the decode p50)
   dd-beside  no fourth request: where it would arrive, an external process
              (dd, or fio when installed, O_DIRECT 1 MiB) reads the disk
              hit's slab span; every step until it exits is a waiting step.
@@ -318,6 +321,10 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
             limit = 3 * statistics.median(decode)
             row[case]["waiting_steps"] = len(waiting)
             row[case]["waiting_over_3x"] = sum(s > limit for s in waiting)
+            # The machine's own jitter in the same runs: the longest of the
+            # decode-only steps just before the request arrived, about as many
+            # steps as the waiting ones.
+            row[case]["quiet_max_ms"] = 1e3 * max(s for run in runs for s in run["decode"])
             row[case]["own_step_ms"] = 1e3 * statistics.median(
                 run["during"][-1] for run in runs
             )
@@ -338,7 +345,7 @@ def _table(runs: list[dict]) -> None:
     """Print the children's summaries, one row per case."""
     head = (
         f"{'mode':>6} | {'MiB':>4} | {'case':>9} | {'p50 ms':>6} | {'max ms':>6} | "
-        f"{'wait max':>8} | {'/dec p50':>8} | {'wait p95':>8} | {'over 3x':>7} | "
+        f"{'wait max':>8} | {'/dec p50':>8} | {'quiet max':>9} | {'wait p95':>8} | {'over 3x':>7} | "
         f"{'own step':>8} | {'TTFT s':>6} | loaded cpu/disk"
     )
     print(head)
@@ -349,11 +356,12 @@ def _table(runs: list[dict]) -> None:
             for case in ("decode",) + CASES:
                 s = row[case]
                 lb, wait = s.get("loaded_blocks"), s.get("wait_max_ms")
-                cols = ["", "", "", "", "", ""]  # the decode row has no wait
+                cols = [""] * 7  # the decode row has no wait
                 if wait is not None:
                     cols = [
                         f"{wait:.1f}",
                         f"{wait / dec:.1f}x",
+                        f"{s['quiet_max_ms'] / dec:.1f}x",
                         f"{s['wait_p95_ms']:.1f}",
                         f"{s['waiting_over_3x']}/{s['waiting_steps']}",
                         f"{s['own_step_ms']:.1f}",
@@ -362,8 +370,8 @@ def _table(runs: list[dict]) -> None:
                 print(
                     f"{run['mode']:>6} | {row['kv_bytes'] >> 20:>4} | {case:>9} | "
                     f"{s['p50_ms']:>6.1f} | {s['max_ms']:>6.1f} | {cols[0]:>8} | "
-                    f"{cols[1]:>8} | {cols[2]:>8} | {cols[3]:>7} | {cols[4]:>8} | "
-                    f"{cols[5]:>6} | "
+                    f"{cols[1]:>8} | {cols[2]:>9} | {cols[3]:>8} | {cols[4]:>7} | "
+                    f"{cols[5]:>8} | {cols[6]:>6} | "
                     + (f"{int(lb['cpu'])}/{int(lb['disk'])}" if lb else "")
                 )
             d = row.get("direct_read")
