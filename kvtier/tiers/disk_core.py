@@ -32,7 +32,8 @@ from typing import Any
 
 from kvtier.tiers.events import MEDIUM_DISK
 from kvtier.tiers.plans import Key
-from kvtier.tiers.tier import BlockState, Tier, TierBlock
+from kvtier.tiers.slots import BlockState, TierBlock
+from kvtier.tiers.tier import Tier
 
 # emit(keys, removed, reason): keys became READY here (removed=False) or
 # stopped being READY here (removed=True).

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.plans import HierarchyStats, Key, SpillOrder, TransferItem
-from kvtier.tiers.tier import BlockState, Tier, TierBlock
+from kvtier.tiers.slots import BlockState, TierBlock
+from kvtier.tiers.tier import Tier
 
 READY, WRITING = BlockState.READY, BlockState.WRITING
 
