@@ -129,8 +129,11 @@ class VictimIndex:
                 j = end
             group = fresh[i:j] if i or j != end else fresh
             stamps = [p[1] for p in positions[i:j]]
-            # A key listed twice gets the same stamp twice: one entry.
-            run.update(zip(group, stamps))
+            # A key listed twice gets the same stamp twice: one entry. (A
+            # loop of stores: OrderedDict.update takes a generic path that
+            # costs twice as much per key.)
+            for key, stamp in zip(group, stamps):
+                run[key] = stamp
             tails[r] = stamps[-1]
             eligible.update(zip(group, repeat(run)))
             i = j
