@@ -127,14 +127,16 @@ class VictimIndex:
                     j += 1
             else:
                 j = end
-            group = fresh[i:j] if i or j != end else fresh
-            stamps = [p[1] for p in positions[i:j]]
+            if i or j != end:
+                group, placed = fresh[i:j], positions[i:j]
+            else:
+                group, placed = fresh, positions
             # A key listed twice gets the same stamp twice: one entry. (A
             # loop of stores: OrderedDict.update takes a generic path that
             # costs twice as much per key.)
-            for key, stamp in zip(group, stamps):
+            for key, (_, stamp) in zip(group, placed):
                 run[key] = stamp
-            tails[r] = stamps[-1]
+            tails[r] = stamp  # the group's last, its newest
             eligible.update(zip(group, repeat(run)))
             i = j
         for seg in heaped_into:
