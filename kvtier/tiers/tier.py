@@ -211,18 +211,18 @@ class Tier:
             (pinned if known and block.pins else ready).append(key)
         self._settle(ready, pinned, known)
 
-    def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
-        """``pin(key)`` for each key in order; returns the blocks. O(len)."""
+    def pin_many(self, keys: Sequence[Hashable]) -> list[int]:
+        """``pin(key)`` for each key in order; returns their slots. O(len)."""
         blocks, pop = self._blocks, self.index.eligible.pop
-        out: list[TierBlock] = []
+        slots: list[int] = []
         for key in keys:
             block = blocks[key]
             block.pins += 1
             held = pop(key, None)  # index.drop_many, inlined
             if held is not None:
                 del held[key]
-            out.append(block)
-        return out
+            slots.append(block.slot)
+        return slots
 
     def unpin_many(self, keys: Sequence[Hashable], accepted: bool = False) -> None:
         """``unpin(key)`` for each key in order. ``accepted``: as for
