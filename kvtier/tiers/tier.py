@@ -84,8 +84,7 @@ class Tier:
 
     def count_eligible(self, keys: set[Hashable] | frozenset[Hashable]) -> int:
         """How many of ``keys`` may be victims now. O(len(keys))."""
-        eligible = self.index.eligible
-        return sum(1 for k in keys if k in eligible)
+        return sum(map(self.index.eligible.__contains__, keys))
 
     @property
     def inspected(self) -> int:

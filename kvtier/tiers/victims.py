@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from itertools import repeat
+from itertools import filterfalse, repeat
 from typing import Any
 
 # One run of a victim order (see kvtier.tiers.policy.Run).
@@ -87,7 +87,8 @@ class VictimIndex:
         arrives newest first still appends to one run: each segment's keys
         go, in one bulk update, to the run chosen for its oldest key."""
         eligible, pos = self.eligible, self.pos
-        fresh = [key for key in keys if key not in eligible]
+        # (filterfalse: a comprehension is a function call of its own.)
+        fresh = list(filterfalse(eligible.__contains__, keys))
         if not fresh:
             return
         if len(fresh) > 1:
