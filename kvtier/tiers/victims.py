@@ -85,7 +85,7 @@ class VictimIndex:
         """``admit(key)`` for each key (a key listed twice is admitted
         once). The keys are sorted by position first, so a batch that
         arrives newest first still appends to one run: each segment's keys
-        go, in one bulk update, to the run chosen for its oldest key."""
+        go, in one batch, to the run chosen for its oldest key."""
         eligible, pos = self.eligible, self.pos
         # (filterfalse: a comprehension is a function call of its own.)
         fresh = list(filterfalse(eligible.__contains__, keys))
@@ -133,8 +133,8 @@ class VictimIndex:
             else:
                 group, placed = fresh, positions
             # A key listed twice gets the same stamp twice: one entry. (A
-            # loop of stores: OrderedDict.update takes a generic path that
-            # costs twice as much per key.)
+            # loop of stores: OrderedDict.update takes the generic
+            # MutableMapping path, ~1.3x the cost per key.)
             for key, (_, stamp) in zip(group, placed):
                 run[key] = stamp
             tails[r] = stamp  # the group's last, its newest
