@@ -28,7 +28,8 @@ from kvtier.tiers.policy import (
     register_policy,
 )
 from kvtier.tiers.scan_resistant import ARCPolicy
-from kvtier.tiers.tier import BlockState, Tier, TierBlock
+from kvtier.tiers.slots import BlockState, TierBlock
+from kvtier.tiers.tier import Tier
 
 __all__ = [
     "ARCPolicy",

@@ -32,7 +32,8 @@ from typing import Any
 
 from kvtier.tiers.events import MEDIUM_DISK
 from kvtier.tiers.plans import Key
-from kvtier.tiers.tier import BlockState, Tier, TierBlock
+from kvtier.tiers.slots import BlockState
+from kvtier.tiers.tier import Tier
 
 # emit(keys, removed, reason): keys became READY here (removed=False) or
 # stopped being READY here (removed=True).
@@ -94,13 +95,13 @@ class DiskTierCore:
 
     # ------------------------------------------------------------- reads
 
-    def pin_reads(self, keys: Sequence[Key]) -> list[TierBlock]:
+    def pin_reads(self, keys: Sequence[Key]) -> list[int]:
         """Pin READY blocks for a read and mark them used (the first key
-        ends up most recent); returns their blocks. Raises ``KeyError`` if a
+        ends up most recent); returns their slots. Raises ``KeyError`` if a
         key is not resident."""
-        blocks = self.tier.pin_many(keys)
+        slots = self.tier.pin_many(keys)
         self.tier.touch_many(keys[::-1])
-        return blocks
+        return slots
 
     def release_reads(
         self, keys: Iterable[Key], corrupt: Iterable[Key] = ()

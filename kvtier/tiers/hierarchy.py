@@ -45,8 +45,9 @@ from kvtier.tiers.plans import (
     SpillOrder,
     StorePlan,
 )
+from kvtier.tiers.slots import BlockState
 from kvtier.tiers.spilling import SpillQueue
-from kvtier.tiers.tier import BlockState, Tier
+from kvtier.tiers.tier import Tier
 
 READY, WRITING = BlockState.READY, BlockState.WRITING
 

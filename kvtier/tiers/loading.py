@@ -19,7 +19,8 @@ from itertools import repeat
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.plans import BlockLocation, HierarchyStats, Key, LoadPlan
-from kvtier.tiers.tier import BlockState, Tier
+from kvtier.tiers.slots import BlockState
+from kvtier.tiers.tier import Tier
 
 # How many eviction candidates a load may inspect to find a CPU row for a
 # promotion: a promotion is an extra, so it never pays for a long scan.

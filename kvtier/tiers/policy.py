@@ -196,15 +196,19 @@ class LRUPolicy(EvictionPolicy):
     def insert_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
         if type(self).insert is not LRUPolicy.insert:
             return super().insert_many(keys)
-        # New keys (none resident, none twice: the tier's contract), so
-        # one bulk update appends them with consecutive stamps.
+        # New keys (none resident, none twice: the tier's contract): each
+        # appended with the next stamp. (A loop of stores: an OrderedDict's
+        # update() takes the generic MutableMapping path, ~1.3x the cost
+        # per key.)
         keys = list(keys)
         if not keys:
             return []
         start = next(self._clock)
         stamps = range(start, start + len(keys))
         self._clock = itertools.count(start + len(keys))
-        self._order.update(zip(keys, stamps))
+        order = self._order
+        for key, stamp in zip(keys, stamps):
+            order[key] = stamp
         return list(zip(itertools.repeat(0), stamps))
 
     def touch_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.plans import HierarchyStats, Key, SpillOrder, TransferItem
-from kvtier.tiers.tier import BlockState, Tier, TierBlock
+from kvtier.tiers.slots import BlockState, TierBlock
+from kvtier.tiers.tier import Tier
 
 READY, WRITING = BlockState.READY, BlockState.WRITING
 
@@ -56,7 +57,7 @@ class SpillQueue:
         self.dirty: OrderedDict[Key, None] = OrderedDict()
         self.unspillable: set[Key] = set()
         self.spilling: dict[Key, int] = {}
-        self.jobs: dict[int, tuple[TransferItem, ...]] = {}
+        self.jobs: dict[int, list[Key]] = {}  # job id -> its keys, in order
         self.new_orders: list[SpillOrder] = []
 
     def droppable(self, key: Key, block: TierBlock) -> bool:
@@ -125,15 +126,11 @@ class SpillQueue:
         if not spilled:
             return
         disk_slots = core.allocate(spilled)
-        # The spills read these CPU slots. Dirty blocks are never eligible,
-        # so pinning them needs no index work.
-        cpu_blocks = self.cpu.pin_many(spilled)
-        cpu_slots = [block.slot for block in cpu_blocks if block.state is READY]
-        assert len(cpu_slots) == len(spilled), "a dirty block is READY"
+        # The spills read these CPU slots (READY: dirty blocks are).
+        cpu_slots = self.cpu.pin_many(spilled)
         # The spilled keys are the oldest dirty ones.
-        pop_oldest = dirty.popitem
-        for _ in spilled:
-            pop_oldest(last=False)
+        for key in spilled:
+            del dirty[key]
         # tuple.__new__ builds the NamedTuples in C (their __new__ and
         # _make are Python frames).
         items = list(
@@ -143,13 +140,12 @@ class SpillQueue:
                 zip(spilled, cpu_slots, disk_slots),
             )
         )
-        spilling, batch = self.spilling, self.batch
+        spilling, batch, jobs = self.spilling, self.batch, self.jobs
         for i in range(0, len(items), batch):
-            chunk = tuple(items[i : i + batch])
             job_id = self._new_job_id()
-            self.jobs[job_id] = chunk
-            spilling.update(dict.fromkeys(spilled[i : i + batch], job_id))
-            self.new_orders.append(SpillOrder(job_id, chunk))
+            jobs[job_id] = keys = spilled[i : i + batch]
+            spilling.update(dict.fromkeys(keys, job_id))
+            self.new_orders.append(SpillOrder(job_id, tuple(items[i : i + batch])))
         self.stats.spills_started += len(items)
 
     def take(self) -> list[SpillOrder]:
@@ -160,16 +156,14 @@ class SpillQueue:
 
     def complete(self, job_id: int, failed_keys: Iterable[Key] = ()) -> None:
         """A spill job finished; keys in ``failed_keys`` did not reach disk."""
-        items = self.jobs.pop(job_id)
+        keys = self.jobs.pop(job_id)
         failed = set(failed_keys)
         cpu, core, spilling_pop = self.cpu, self.core, self.spilling.pop
-        # One pass: the keys, out of flight, and those still on CPU (all of
-        # them unless a reset came in between).
+        # One pass: out of flight, and those still on CPU (all of them
+        # unless a reset came in between).
         cpu_get = cpu.get
-        keys: list[Key] = []
         on_cpu: list[Key] = []
-        for key, _, _ in items:
-            keys.append(key)
+        for key in keys:
             spilling_pop(key, None)
             if cpu_get(key) is not None:
                 on_cpu.append(key)

@@ -1,8 +1,8 @@
 """One tier of the hierarchy: fixed slots, a key -> block map, and a policy.
 
-A tier does bookkeeping only; it never moves bytes. Slots are integers in
-``[0, capacity)`` that the worker side maps onto memory (a CPU buffer row)
-or onto disk (a slab slot).
+A tier does bookkeeping only; it never moves bytes. Its blocks and the
+free slots they are made on are :mod:`kvtier.tiers.slots`' (a block object
+is valid while its key is resident, then reused).
 
 Victim choice is O(blocks touched), for every registered policy: the tier
 keeps a :class:`~kvtier.tiers.victims.VictimIndex` of its *eligible* blocks
@@ -18,31 +18,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
-from enum import Enum
 
 from kvtier.tiers.policy import EvictionPolicy, make_policy
+from kvtier.tiers.slots import BlockState, SlotPool, TierBlock
 from kvtier.tiers.victims import VictimIndex, scan_victims
-
-
-class BlockState(Enum):
-    WRITING = "writing"  # slot allocated, bytes not yet there: not readable
-    READY = "ready"  # readable
-
-
-@dataclass(slots=True)
-class TierBlock:
-    slot: int
-    state: BlockState
-    # Readers (loads, spills or promotions reading this slot) in flight.
-    pins: int = 0
-    # Why the block is being written: "store", "spill", "promote", "restore".
-    origin: str = "store"
-
-    @property
-    def evictable(self) -> bool:
-        return self.state is BlockState.READY and self.pins == 0
-
 
 _READY = BlockState.READY
 _WRITING = BlockState.WRITING
@@ -76,10 +55,9 @@ class Tier:
         # ``get(key)``: the block of ``key`` or None. The dict's own method
         # (the dict is never replaced), so the hottest query costs no frame.
         self.get: Callable[[Hashable], TierBlock | None] = self._blocks.get
-        # Slots never handed out yet are implicit (a counter), so building a
-        # tier of millions of slots costs nothing.
-        self._next_fresh = 0
-        self._free: list[int] = []
+        self._slots = SlotPool(medium, capacity)
+        # The blocks of keys that left, for reuse: a removal appends here.
+        self._free = self._slots.free
         self.filter: Callable[[Hashable, TierBlock], bool] | None = None
         self.index = VictimIndex(self.policy.segments)
 
@@ -97,7 +75,7 @@ class Tier:
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + self.capacity - self._next_fresh
+        return len(self._slots)
 
     @property
     def num_eligible(self) -> int:
@@ -106,8 +84,7 @@ class Tier:
 
     def count_eligible(self, keys: set[Hashable] | frozenset[Hashable]) -> int:
         """How many of ``keys`` may be victims now. O(len(keys))."""
-        eligible = self.index.eligible
-        return sum(1 for k in keys if k in eligible)
+        return sum(map(self.index.eligible.__contains__, keys))
 
     @property
     def inspected(self) -> int:
@@ -127,20 +104,11 @@ class Tier:
 
     # --- mutations ---
 
-    def _take_slot(self) -> int:
-        if self._free:
-            return self._free.pop()
-        if self._next_fresh < self.capacity:
-            self._next_fresh += 1
-            return self._next_fresh - 1
-        raise RuntimeError(f"{self.medium} tier is full")
-
     def allocate(self, key: Hashable, origin: str = "store") -> TierBlock:
         """Give ``key`` a free slot in state WRITING. Caller checked room."""
         if key in self._blocks:
             raise KeyError(f"{key!r} already resident in {self.medium} tier")
-        block = TierBlock(self._take_slot(), _WRITING, 0, origin)
-        self._blocks[key] = block
+        block = self._blocks[key] = self._slots.take(origin)
         self.policy.insert(key)
         # WRITING: not eligible, so only the position is recorded.
         self.index.pos[key] = self.policy.position(key)
@@ -151,7 +119,7 @@ class Tier:
 
         Only on an empty tier; ``entries`` are oldest first, which becomes
         the policy's recency order. O(capacity) once."""
-        if self._blocks or self._next_fresh:
+        if self._blocks or not self._slots.pristine:
             raise RuntimeError(f"restore into a non-empty {self.medium} tier")
         used: set[int] = set()
         for key, slot in entries:
@@ -164,10 +132,7 @@ class Tier:
             self.policy.insert(key)
             self.index.pos[key] = self.policy.position(key)
             self.refresh(key)
-        # Free slots go on a stack popped from the end: keep low slots last
-        # so fresh allocations fill the slab front to back.
-        self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
-        self._next_fresh = self.capacity
+        self._slots.restore(used)
 
     def mark_ready(self, key: Hashable) -> TierBlock:
         block = self._blocks[key]
@@ -179,7 +144,7 @@ class Tier:
         """Drop ``key`` and free its slot."""
         block = self._blocks.pop(key)
         self.policy.remove(key, evicted)
-        self._free.append(block.slot)
+        self._free.append(block)
         self.index.forget(key)
         return block
 
@@ -215,9 +180,13 @@ class Tier:
             for key in keys:
                 if key in blocks:
                     raise KeyError(f"{key!r} already resident in {self.medium} tier")
-                slot = free.pop() if free else self._take_slot()
-                blocks[key] = TierBlock(slot, _WRITING, 0, origin)
-                slots.append(slot)
+                if free:  # self._slots.take, inlined for its common case
+                    block = free.pop()
+                    block.state, block.pins, block.origin = _WRITING, 0, origin
+                else:
+                    block = self._slots.take(origin)
+                blocks[key] = block
+                slots.append(block.slot)
         finally:
             # The policy learns of the blocks allocated (all of them, or
             # those before a failure: one slot each), in order; WRITING:
@@ -241,18 +210,18 @@ class Tier:
             (pinned if known and block.pins else ready).append(key)
         self._settle(ready, pinned, known)
 
-    def pin_many(self, keys: Sequence[Hashable]) -> list[TierBlock]:
-        """``pin(key)`` for each key in order; returns the blocks. O(len)."""
+    def pin_many(self, keys: Sequence[Hashable]) -> list[int]:
+        """``pin(key)`` for each key in order; returns their slots. O(len)."""
         blocks, pop = self._blocks, self.index.eligible.pop
-        out: list[TierBlock] = []
+        slots: list[int] = []
         for key in keys:
             block = blocks[key]
             block.pins += 1
             held = pop(key, None)  # index.drop_many, inlined
             if held is not None:
                 del held[key]
-            out.append(block)
-        return out
+            slots.append(block.slot)
+        return slots
 
     def unpin_many(self, keys: Sequence[Hashable], accepted: bool = False) -> None:
         """``unpin(key)`` for each key in order. ``accepted``: as for
@@ -317,7 +286,7 @@ class Tier:
         done = 0
         try:
             for key in keys:
-                free.append(blocks.pop(key).slot)
+                free.append(blocks.pop(key))
                 done += 1
         finally:
             removed = keys if done == len(keys) else keys[:done]
@@ -409,7 +378,7 @@ class Tier:
             # (the victims were taken out of it as they were chosen).
             pop, free, pos_pop = self._blocks.pop, self._free, index.pos.pop
             for key in chosen:
-                free.append(pop(key).slot)
+                free.append(pop(key))
                 pos_pop(key)
             self.policy.remove_many(chosen, True)
         return chosen
@@ -441,7 +410,6 @@ class Tier:
         for key in list(self._blocks):
             self.policy.remove(key, evicted=False)
         self._blocks.clear()
-        self._free.clear()
-        self._next_fresh = 0
+        self._slots.clear()
         self.index.clear()
         return ready

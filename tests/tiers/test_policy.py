@@ -75,6 +75,29 @@ def test_tier_restore_keeps_slots_and_order():
     assert new == {1, 2, 4}
 
 
+def test_tier_reuses_the_block_of_a_key_that_left():
+    """Free slots are taken last freed first, then a restore's unused ones
+    low first, then fresh ones; the block of a key that left comes back
+    WRITING, unread, with the new origin, on its old slot."""
+    t = Tier("disk", 6, "lru")
+    t.restore([("x", 1), ("y", 4)])
+    assert [t.allocate(k).slot for k in "ab"] == [0, 2]
+    t.mark_ready("x")
+    t.pin("x")
+    old = t.remove("x")
+    t.remove("a")
+    assert t.num_free == 4
+    c = t.allocate("c", "spill")
+    assert (c.slot, c.state.value, c.pins, c.origin) == (0, "writing", 0, "spill")
+    d = t.allocate_many(["d", "e", "f"], "promote")
+    assert d == [1, 3, 5] and t.get("d") is old and t.get("d").pins == 0
+    assert t.num_free == 0
+    with pytest.raises(RuntimeError, match="full"):
+        t.allocate("g")
+    t.clear()
+    assert [t.allocate(k).slot for k in "gh"] == [0, 1]
+
+
 def test_replay_rejects_inconsistent_streams():
     ok = [TierEvent((1, 2), "cpu", False), TierEvent((1,), "cpu", True)]
     assert replay(ok) == {"cpu": {2}, "disk": set()}

@@ -41,7 +41,7 @@ from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, Worker
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
-from kvtier.tiers.tier import BlockState
+from kvtier.tiers.slots import BlockState
 
 logger = logging.getLogger("kvtier.connector")
 

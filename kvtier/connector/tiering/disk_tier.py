@@ -317,10 +317,10 @@ class KvtierDiskTier(SecondaryTierManager):
             job.moved.append(key)
             chunks.append(int(chunk))
         # Touched in key order: the last key ends up most recent.
-        blocks = self.core.pin_reads(job.moved[::-1])[::-1]
+        slots = self.core.pin_reads(job.moved[::-1])[::-1]
         items = [
-            TransferItem(key, block.slot, chunk)
-            for key, block, chunk in zip(job.moved, blocks, chunks)
+            TransferItem(key, slot, chunk)
+            for key, slot, chunk in zip(job.moved, slots, chunks)
         ]
         job_id = job_metadata.job_id
         if not items:
