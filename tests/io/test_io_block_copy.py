@@ -20,7 +20,9 @@ from kvtier.io.block_copy import BlockCopier, plan_copy, word_size
 @pytest.mark.parametrize("row_stride_extra", [0, 4096])
 def test_copies_are_byte_exact_at_every_word_size(pages, word, row_stride_extra):
     gen = torch.Generator().manual_seed(0)
-    kv = [torch.randint(0, 256, (16, p), dtype=torch.uint8, generator=gen) for p in pages]
+    kv = [
+        torch.randint(0, 256, (16, p), dtype=torch.uint8, generator=gen) for p in pages
+    ]
     bpc = 2
     row_bytes = bpc * sum(pages)
     # Rows as a strided view of a larger area, like payloads in the bounce area.
@@ -63,14 +65,19 @@ def _reference(kv, rows, bpc, plan, to_cpu):
         offset += bpc * page
 
 
+@pytest.mark.parametrize("host_numpy", [True, False], ids=["numpy", "device-path"])
 @pytest.mark.parametrize("bpc", [1, 3])
 @pytest.mark.parametrize(
     "shape", ["ascending", "descending", "permuted", "two_runs", "scattered"]
 )
-def test_host_copies_from_runs_and_gathers_equal_a_blockwise_copy(bpc, shape):
+def test_host_copies_from_runs_and_gathers_equal_a_blockwise_copy(
+    bpc, shape, host_numpy
+):
     """Plans whose source blocks form one run (in any order), a few runs or
     more runs than MAX_RUNS (a gathered copy): every byte lands where a
-    block-by-block copy puts it, in both directions, and nothing else moves."""
+    block-by-block copy puts it, in both directions, and nothing else moves;
+    through numpy (host memory) and through torch's indexing (the path a
+    device staging area takes on CUDA, here on CPU tensors)."""
     from kvtier.io.block_copy import MAX_RUNS, CopyPlan, source_runs
 
     rng = np.random.default_rng(bpc * 10 + len(shape))
@@ -96,13 +103,18 @@ def test_host_copies_from_runs_and_gathers_equal_a_blockwise_copy(bpc, shape):
             assert runs > MAX_RUNS
     gen = torch.Generator().manual_seed(1)
     for to_cpu in (True, False):
-        kv = [torch.randint(0, 256, (blocks, p), dtype=torch.uint8, generator=gen) for p in pages]
-        area = torch.randint(0, 256, (nrows, row_bytes + 512), dtype=torch.uint8, generator=gen)
+        kv = [
+            torch.randint(0, 256, (blocks, p), dtype=torch.uint8, generator=gen)
+            for p in pages
+        ]
+        area = torch.randint(
+            0, 256, (nrows, row_bytes + 512), dtype=torch.uint8, generator=gen
+        )
         rows = area[:, :row_bytes]  # strided rows, like the bounce area's payloads
         want_kv = [t.clone() for t in kv]
         want_area = area.clone()
         _reference(want_kv, want_area[:, :row_bytes], bpc, plan, to_cpu)
-        copier = BlockCopier(kv, rows, bpc)
+        copier = BlockCopier(kv, rows, bpc, host_numpy=host_numpy)
         (copier.to_cpu if to_cpu else copier.to_gpu)(plan)
         assert torch.equal(area, want_area)
         for got, want in zip(kv, want_kv):
