@@ -25,6 +25,13 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("vllm.entrypoints.llm", reason="needs a vLLM engine build")
+try:
+    # The engine's CUDA kernels: a host with vLLM's Python modules and only
+    # its copy kernels (the device tool's carry) imports the entry point
+    # but cannot build an engine.
+    import vllm._C  # noqa: F401
+except ImportError as exc:
+    pytest.skip(f"needs a vLLM engine build: {exc}", allow_module_level=True)
 
 from .test_disk_load_e2e import (  # noqa: E402,F401  (tests and their fixtures)
     TestDiskCorruption,
