@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -262,13 +262,22 @@ class CopyPath(Protocol):
       - ``shutdown()`` waits for every transfer in flight, then releases
         what the path holds (views into the host areas, page-locking); the
         areas may be unmapped afterwards.
+      - ``mark()``, on the thread whose stream order matters (the model
+        runner's), returns a point in that thread's device work (a CUDA
+        event recorded on its current stream), or None where copies need no
+        such order (synchronous paths). ``follow(mark)``, on another
+        thread, orders every later ``submit`` of that thread after the
+        work before ``mark``: a load issued on the load thread still lands
+        after what the model's stream did to its blocks before
+        ``submit_load``.
       - ``synchronous`` is True when every ``submit`` completes its copy
         before returning (then nothing is ever in flight).
       - An asynchronous path (accelerators: vLLM's handlers) is called by one
-        thread only, the model runner's. A synchronous one
-        (:class:`HostCopies`) keeps no state between calls, so the model
-        runner's thread (stores) and the worker's load thread (loads) may
-        call ``submit`` at once, on disjoint blocks and rows.
+        thread only: a worker has one for the model runner's thread (stores,
+        CPU-tier rows) and one for its load thread (the disk area). A
+        synchronous one (:class:`HostCopies`) keeps no state between calls,
+        so both threads share one and may call ``submit`` at once, on
+        disjoint blocks and rows.
     """
 
     synchronous: bool
@@ -285,6 +294,10 @@ class CopyPath(Protocol):
     def poll(self) -> dict[int, float]: ...
 
     def wait(self, transfers: set[int]) -> None: ...
+
+    def mark(self) -> Any: ...
+
+    def follow(self, mark: Any) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -342,6 +355,12 @@ class HostCopies:
         return {}
 
     def wait(self, transfers: set[int]) -> None:
+        return None
+
+    def mark(self) -> None:
+        return None  # every copy is complete when submit returns
+
+    def follow(self, mark: Any) -> None:
         return None
 
     def shutdown(self) -> None:

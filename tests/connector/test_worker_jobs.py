@@ -2,17 +2,21 @@
 
 On accelerators a worker job is several asynchronous transfers (one per
 KV-cache group and host area, and one per bounce-area chunk of a disk
-load). This drives the real spec's manager and worker (real disk tier, real
-files) with the copy path swapped for one that lands transfers late, as a
-GPU's streams would: one per poll, or when waited on. The worker must not
-report a job before all of its transfers landed, must wait for transfers
-still reading the bounce area before the next disk read overwrites it (also
-across jobs), and its ``wait`` must land a job's transfers."""
+load), issued by two threads: the model runner's (stores, CPU-tier rows)
+and the worker's load thread (disk batches), each through a copy path of
+its own. This drives the real spec's manager and worker (real disk tier,
+real files) with both copy paths swapped for ones that land transfers late,
+as a GPU's streams would: one per poll, or when waited on. The worker must
+not report a job before all of its transfers landed, the load thread must
+wait for transfers still reading the bounce area before the next disk read
+overwrites it (also across jobs), and ``wait`` must return once a job's
+transfers landed."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -73,6 +77,9 @@ class LateCopies:
         for transfer in [t for t in self.queued if t <= last]:
             self._land(transfer)
 
+    def mark(self) -> None:
+        return None  # no stream to follow: copies land in submission order
+
     def shutdown(self) -> None:
         for transfer in list(self.queued):
             self._land(transfer)
@@ -82,9 +89,30 @@ class LateCopies:
 @pytest.fixture
 def runner(tmp_path):
     r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
-    r.worker.copies = LateCopies(r.worker.copies)
+    inner = r.worker.copies
+    assert r.worker.loads.copies is inner  # the CPU platform shares one
+    # One late path per thread, as on accelerators.
+    r.worker.copies = LateCopies(inner)
+    r.worker.loads.copies = LateCopies(inner)
     yield r
     r.close()
+
+
+@contextmanager
+def landing_at_once(r: RequestRunner):
+    """Inside the block both threads copy synchronously (to set data up)."""
+    model, load = r.worker.copies, r.worker.loads.copies
+    r.worker.copies, r.worker.loads.copies = model.inner, load.inner
+    try:
+        yield
+    finally:
+        r.worker.copies, r.worker.loads.copies = model, load
+
+
+def _no_copy_in_flight(r: RequestRunner) -> None:
+    bounce = r.worker.loads._bounce
+    assert bounce.idle()
+    assert not bounce.read_by_copies(0) and not bounce.read_by_copies(1)
 
 
 def _submit_disk_load(r: RequestRunner, name: str, keys, gpu_blocks, job_id: int):
@@ -144,15 +172,24 @@ def _poll_until(r: RequestRunner, job_ids: set[int], timeout: float = 10.0):
 
 def test_a_job_is_reported_only_when_every_transfer_landed(runner):
     r = runner
-    late, r.worker.copies = r.worker.copies, r.worker.copies.inner
-    keys = push_to_disk(r, [1, 2, 3, 4])
-    r.worker.copies = late
+    with landing_at_once(r):
+        keys = push_to_disk(r, [1, 2, 3, 4])
+    late = r.worker.loads.copies
     # Two bounce halves of one slot: four chunks, four transfers. The third
     # and fourth reads reuse a half: each waits for the copy of the chunk
     # that was in it, which lands only on a later poll (checked at every
     # read, see _guard_reads).
     r.worker.reader.capacity = 2
     reads = _guard_reads(r, late)
+    # What was still in flight when the load thread gave the task back.
+    in_flight_at_return: list[list[int]] = []
+    give_back = r.worker.loads._done
+
+    def done(task):
+        in_flight_at_return.append(list(late.queued))
+        give_back(task)
+
+    r.worker.loads._done = done
     ctx = _submit_disk_load(r, "a", keys, [40, 41, 42, 43], job_id=7)
     seen = []
     deadline = time.monotonic() + 10
@@ -165,6 +202,7 @@ def test_a_job_is_reported_only_when_every_transfer_landed(runner):
             assert landed < 4 or not late.queued
         time.sleep(0.001)
     assert [(d.job_id, d.success) for d in seen] == [(7, True)]
+    assert in_flight_at_return == [[]]
     assert late.landed == [1, 2, 3, 4] and not late.queued
     # Which half the third and fourth reads reuse depends on which chunk's
     # read returned (and copy landed) first: a slow first read may hold half
@@ -172,19 +210,19 @@ def test_a_job_is_reported_only_when_every_transfer_landed(runner):
     assert reads[:2] == [(0, 1), (1, 1)] and len(reads) == 4
     assert set(reads) == {(0, 1), (1, 1)}
     assert seen[0].transfer_size == 4 * r.worker.block_bytes[0]
-    assert r.worker._bounce_readers == [set(), set()]
+    _no_copy_in_flight(r)
     _finish(r, keys, [40, 41, 42, 43], ctx)
 
 
 def test_the_next_disk_read_waits_for_copies_still_reading_the_bounce_area(runner):
     r = runner
-    late, r.worker.copies = r.worker.copies, r.worker.copies.inner
-    first = push_to_disk(r, [1, 2], others="bcdef")
+    with landing_at_once(r):
+        first = push_to_disk(r, [1, 2], others="bcdef")
+    late = r.worker.loads.copies
     second, third = r.keys("b", 4)[:2], r.keys("c", 4)[:2]
     on_disk = [r.manager.hierarchy.lookup(k).name for k in second + third]
     assert on_disk == ["HIT_DISK"] * 4
     r.worker.reader.capacity = 4  # two halves of two slots
-    r.worker.copies = late
     reads = _guard_reads(r, late)
     # Three jobs in flight at once: job 3 reads into the half of job 1 or of
     # job 2 (whichever's read returned and copy landed first), so only after
@@ -202,16 +240,16 @@ def test_the_next_disk_read_waits_for_copies_still_reading_the_bounce_area(runne
 
 
 def test_wait_returns_once_loads_landed(runner):
-    """vLLM 0.33 waits on a synchronous load right after submitting it; the
-    load thread's chunks need the waiting thread to issue their copies."""
+    """vLLM 0.33 waits on a synchronous load right after submitting it:
+    ``wait`` returns once the load thread's copies landed, whoever polls."""
     r = runner
-    late, r.worker.copies = r.worker.copies, r.worker.copies.inner
-    keys = push_to_disk(r, [1, 2, 3, 4])
-    r.worker.copies = late
+    with landing_at_once(r):
+        keys = push_to_disk(r, [1, 2, 3, 4])
+    late = r.worker.loads.copies
     r.worker.reader.capacity = 2
     ctx = _submit_disk_load(r, "a", keys, [40, 41, 42, 43], job_id=7)
     r.worker.wait({7})
-    assert late.landed == [1, 2, 3, 4]
+    assert late.landed == [1, 2, 3, 4] and not late.queued
     assert [(d.job_id, d.success) for d in r.worker.get_finished()] == [(7, True)]
     _finish(r, keys, [40, 41, 42, 43], ctx)
 
@@ -252,10 +290,10 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     runner, monkeypatch, caplog
 ):
     r = runner
-    late, r.worker.copies = r.worker.copies, r.worker.copies.inner
-    on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
-    on_cpu = r.store("z", [30, 31])
-    r.worker.copies = late
+    with landing_at_once(r):
+        on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
+        on_cpu = r.store("z", [30, 31])
+    late_cpu, late = r.worker.copies, r.worker.loads.copies
     r.worker.reader.capacity = 2  # two halves of one slot: a read per block
     keys = on_cpu + on_disk[:3]
     gpu_blocks = [50, 51, 52, 53, 54]
@@ -282,8 +320,9 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
         # copy when its chunk came back; the second chunk raised.
         done, _ = _poll_until(r, {9})
     assert done[0].success is False
-    assert reads == [1, 1] and late.landed == [1, 2] and not late.queued
-    assert r.worker._bounce_readers == [set(), set()]
+    assert reads == [1, 1] and late_cpu.landed == [1] and late.landed == [1]
+    assert not late_cpu.queued and not late.queued
+    _no_copy_in_flight(r)
     assert r.worker.book.empty()
     # Every block of the job counts as failed, the CPU ones included; the
     # disk copies are reported unloaded, not bad (nothing showed them bad).
@@ -341,14 +380,14 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
 
 
 def test_a_batch_copy_that_raises_fails_its_job_not_the_engine(runner, monkeypatch):
-    """On accelerators the model runner's thread issues a verified batch's
-    copies from ``get_finished``; an exception there (vLLM's handler, the
-    scatter) fails that job whole instead of leaving ``get_finished``, and
-    the bounce half goes back."""
+    """On accelerators the load thread issues a verified batch's copies; an
+    exception there (vLLM's handler, the scatter) fails that job whole, is
+    reported once the copies it issued landed, never leaves
+    ``get_finished``, and the bounce halves go back."""
     r = runner
-    late, r.worker.copies = r.worker.copies, r.worker.copies.inner
-    on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
-    r.worker.copies = late
+    with landing_at_once(r):
+        on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
+    late = r.worker.loads.copies
     r.worker.reader.capacity = 2  # a batch per block
     real_submit = late.submit
     issued: list[str] = []
@@ -367,7 +406,8 @@ def test_a_batch_copy_that_raises_fails_its_job_not_the_engine(runner, monkeypat
     error = r.worker.take_load_error(9)
     assert error.keys == [] and error.unloaded == on_disk[:3]
     assert error.gpu_block_ids == {50, 51, 52}
-    assert r.worker._bounce_readers == [set(), set()]
+    _no_copy_in_flight(r)
+    assert late.landed == [1]  # the first batch's, before the job was reported
     assert r.worker.book.empty() and not late.queued
     r.manager.note_worker_report(
         WorkerReport({ctx.req_id: error.keys}, {ctx.req_id: error.unloaded})

@@ -104,7 +104,7 @@ def vllm_block_spec(
 
 
 class DeviceCopies:
-    """A worker's :class:`~kvtier.io.block_copy.CopyPath` on accelerators:
+    r"""A worker's :class:`~kvtier.io.block_copy.CopyPath` on accelerators:
     transfers between its KV cache and its host areas through vLLM's
     handlers.
 
@@ -118,7 +118,16 @@ class DeviceCopies:
     :class:`~kvtier.io.block_copy.BlockCopier` on a stream of its own,
     ordered after the current stream and timed by CUDA events, since vLLM's
     handlers copy between host and device only.
-    Called from one thread (the model runner's)."""
+
+    Every transfer waits for the work queued on the calling thread's current
+    stream (vLLM's handlers do, and so does the scatter): a worker keeps one
+    instance per thread, the model runner's (stores, CPU-tier rows) and its
+    load thread's (the disk area). The load thread runs on a stream of its
+    own that waits (:meth:`follow`) for a :meth:`mark` taken on the model
+    runner's thread at ``submit_load``, so its copies still land after the model's
+    earlier work on their blocks (vLLM: loads wait for pending writes,
+    zeroing included, to their destination blocks). Each instance is called
+    from one thread only."""
 
     synchronous = False  # transfers finish later, reported by poll()
 
@@ -160,6 +169,9 @@ class DeviceCopies:
             tuple[str, bool, int, bool], SingleDirectionOffloadingHandler
         ] = {}
         self._ids = itertools.count(1)
+        # Transfers on vLLM's handlers not yet reported by poll(): with none,
+        # poll() returns at once (it runs every engine step).
+        self._on_handlers = 0
 
     def submit(
         self,
@@ -181,19 +193,40 @@ class DeviceCopies:
         src, dst = (gpu, host) if to_host else (host, gpu)
         if not handler.transfer_async(transfer, src, dst):
             raise RuntimeError(f"kvtier: vLLM refused transfer {transfer}")
+        self._on_handlers += 1
         return transfer
 
     def poll(self) -> dict[int, float]:
         """Completed transfers since the last call: id -> device seconds."""
         done: dict[int, float] = {}
-        for handler in self._handlers.values():
-            for result in handler.get_finished():
-                done[result.job_id] = result.transfer_time or 0.0
+        if self._on_handlers:
+            for handler in self._handlers.values():
+                for result in handler.get_finished():
+                    done[result.job_id] = result.transfer_time or 0.0
+            self._on_handlers -= len(done)
         for transfer, (start, end) in list(self._events.items()):
             if end.query():
                 del self._events[transfer]
                 done[transfer] = start.elapsed_time(end) / 1000
         return done
+
+    @property
+    def device(self) -> torch.device:
+        """The KV cache's device (a thread issuing copies runs on a stream
+        of it)."""
+        return self.group_views[0][0].device
+
+    def mark(self) -> torch.cuda.Event:
+        """A point in the calling thread's stream (see :meth:`follow`):
+        recording an event costs microseconds and never waits."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def follow(self, mark: torch.cuda.Event) -> None:
+        """Order this thread's later transfers after ``mark``: its current
+        stream waits for the event (on the device, not on the host)."""
+        torch.cuda.current_stream(self.device).wait_event(mark)
 
     def wait(self, transfers: set[int]) -> None:
         for handler in self._handlers.values():
@@ -210,6 +243,7 @@ class DeviceCopies:
             except Exception as exc:  # drain the others before reporting
                 errors.append(exc)
         self._handlers.clear()
+        self._on_handlers = 0
         if self._stream is not None:
             self._stream.synchronize()
         self._events.clear()

@@ -9,11 +9,16 @@ this thread, which reads the disk slots batch by batch into the reader's
 bounce area, pipelined over the area's two halves (batch k+1's reads run on
 the back end's threads while batch k is verified and copied), verifies
 every slot, copies a verified block that has a promotion row into that CPU
-row, and then either copies into the KV cache itself (a synchronous copy
-path: the CPU platform, whose "GPU" KV cache is host memory, CPU-tier rows
-included) or posts the verified batch (:class:`BatchReady`) for the model
-runner's thread to issue on vLLM's transfer handlers, which frees the half
-(:meth:`LoadRunner.release`) once the copies landed.
+row, and copies the batch into the KV cache: itself on the CPU platform
+(a synchronous copy path, whose "GPU" KV cache is host memory; CPU-tier
+rows included), and on accelerators by issuing the batch's transfers on
+vLLM's handlers from this thread, on a stream of its own that follows the
+model's stream as it was at ``submit_load`` (the task's ``after`` mark).
+A half is read into again only once the transfers reading it landed, and a
+task comes back only once all of its transfers landed, so the model
+runner's thread only collects finished tasks (on CUDA, issuing a batch's
+transfers there had cost ~1.7 ms of Python per 32 MiB, 56 ms per loaded
+GiB: docs/benchmarks.md, "GPU").
 
 Why one thread and whole batches: an in-process engine's loop spins without
 sleeping, so a background thread gets the GIL back only at the
@@ -29,8 +34,7 @@ within the step) take the next unit. A read that does not return within
 returns, its bounce half; with every half held so, disk blocks fail at once
 (a recompute) while CPU-row copies go on.
 
-Results travel back through :meth:`LoadRunner.take`: a task's
-:class:`BatchReady` items first, then the task itself.
+Finished tasks travel back through :meth:`LoadRunner.take`.
 """
 
 from __future__ import annotations
@@ -43,10 +47,11 @@ from typing import Any
 
 import torch
 
+from kvtier.connector.worker.bounce_halves import BounceHalves
 from kvtier.connector.worker.job_plan import select_rows
-from kvtier.connector.worker.load_task import BatchReady, LoadTask, ReadBatch
+from kvtier.connector.worker.load_task import LoadTask, ReadBatch
 from kvtier.connector.worker.thread_priority import lower_thread_priority
-from kvtier.io.block_copy import CopyPath
+from kvtier.io.block_copy import CopyPath, CopyPlan
 from kvtier.io.device_staging import DeviceStagingReader
 from kvtier.io.slot_reader import SlotReader
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
@@ -77,21 +82,21 @@ class LoadRunner:
     Contract:
       - :meth:`submit` queues a task and returns at once; the thread starts
         on the first task, or earlier with :meth:`warm_up`.
-      - :meth:`take` returns, without blocking, what finished since the last
-        call (:class:`BatchReady` items, then finished :class:`LoadTask`
-        objects). Every submitted task comes back exactly once, also when it
-        raised, was cancelled or its reads stalled, unless the runner was
-        stopped first.
-      - :meth:`release` frees a bounce half posted in a :class:`BatchReady`
-        (asynchronous copy paths): the thread never reads into a half before
-        its copies were released.
-      - :meth:`cancel` returns once the thread writes nothing more for the
-        task (a copy under way finishes first).
+      - :meth:`take` returns, without blocking, the tasks finished since
+        the last call. Every submitted task comes back exactly once, also
+        when it raised, was cancelled or its reads stalled, unless the
+        runner was stopped first; never while a copy it issued is in flight.
+      - The thread never reads into a bounce half while a copy reads it.
+      - :meth:`cancel` returns once the thread issues nothing more for the
+        task (a copy under way finishes first; one in flight on the device
+        lands before the task comes back).
       - :meth:`stop` ends the thread within a deadline; reads in flight are
         waited for. It returns False if the thread did not stop in time (a
         read that never returns): then the host areas must stay mapped.
-      - ``submit``, ``take``, ``release``, ``cancel`` and ``stop`` are called
-        from the worker's thread; everything else runs on the load thread.
+      - ``submit``, ``take``, ``cancel`` and ``stop`` are called from the
+        worker's thread; everything else runs on the load thread, which
+        alone calls ``copies`` (an asynchronous path is the load thread's
+        own, see :class:`~kvtier.io.block_copy.CopyPath`).
     """
 
     def __init__(
@@ -110,8 +115,7 @@ class LoadRunner:
         self.stall_s = READ_STALL_S
         self._cond = threading.Condition()
         self._queue: deque[LoadTask] = deque()
-        self._out: deque[BatchReady | LoadTask] = deque()
-        self._free = [True, True]  # bounce halves no read or copy uses
+        self._out: deque[LoadTask] = deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
         # The load thread's own state.
@@ -119,9 +123,10 @@ class LoadRunner:
         self._tasks: deque[LoadTask] = deque()  # the others, taking turns
         self._inflight: deque[ReadBatch] = deque()
         self._stuck: list[ReadBatch] = []  # given up, reads not yet returned
+        self._bounce = BounceHalves()  # and the transfers in flight
 
     @property
-    def _halves(self) -> int:
+    def _in_use(self) -> int:
         """Bounce halves the reads take turns in (one if a half would be
         empty)."""
         return 2 if self.reader is not None and self.reader.capacity >= 2 else 1
@@ -129,7 +134,7 @@ class LoadRunner:
     @property
     def _per_read(self) -> int:
         """Blocks per read batch (per unit of CPU-row copies without disk)."""
-        return self.reader.capacity // self._halves if self.reader is not None else 64
+        return self.reader.capacity // self._in_use if self.reader is not None else 64
 
     # ------------------------------------------------- worker's thread side
 
@@ -151,8 +156,10 @@ class LoadRunner:
             if self._thread is None and not self._stopping:
                 self._start_thread()
 
-    def take(self) -> list[BatchReady | LoadTask]:
-        out: list[BatchReady | LoadTask] = []
+    def take(self) -> list[LoadTask]:
+        if not self._out:
+            return []  # the common case, every engine step
+        out: list[LoadTask] = []
         while self._out:
             out.append(self._out.popleft())
         return out
@@ -161,11 +168,6 @@ class LoadRunner:
         """Block until something can be taken, or ``timeout`` seconds."""
         with self._cond:
             self._cond.wait_for(lambda: bool(self._out), timeout)
-
-    def release(self, half: int) -> None:
-        with self._cond:
-            self._free[half] = True
-            self._cond.notify_all()
 
     def cancel(self, task: LoadTask) -> None:
         with task.lock:
@@ -194,11 +196,12 @@ class LoadRunner:
     def _run(self) -> None:
         lower_thread_priority(LOAD_THREAD_NICE)
         try:
-            device = getattr(self.reader, "device", None)
+            device = getattr(self.copies, "device", None)
             if device is not None and device.type == "cuda":
-                # A device staging reader copies and checks on this thread's
-                # current stream: its own, never the legacy default stream
-                # that would serialise with the model's work.
+                # Copies (and a device staging reader's checks) are queued
+                # after this thread's current stream: its own, never the
+                # legacy default stream that would serialise with the
+                # model's work. Each task's copies follow its ``after`` mark.
                 torch.cuda.set_stream(torch.cuda.Stream(device))
             if self.reader is not None:
                 self.reader.files.open_all()
@@ -222,9 +225,17 @@ class LoadRunner:
             if self._stopping:
                 return False
         self._reap_stuck()
+        self._land()
         task = self._pick()
         if task is not None:
             self._unit(task)
+        elif self._inflight and self._finish_ready():
+            pass
+        elif not self._bounce.idle():
+            # A batch's copies take about a millisecond: wait for the oldest
+            # transfer (on its event) rather than poll.
+            self.copies.wait({self._bounce.in_flight()[0]})
+            self._land()
         elif self._inflight:
             self._finish_next()
         else:
@@ -246,7 +257,9 @@ class LoadRunner:
         for queue in (self._urgent, self._tasks):
             for _ in range(len(queue)):
                 task = queue.popleft()
-                if task.cancelled or (not task.has_work() and not task.batches):
+                if not task.copies and (
+                    task.cancelled or (not task.has_work() and not task.batches)
+                ):
                     self._done(task)
                     continue
                 if self._runnable(task):
@@ -259,13 +272,15 @@ class LoadRunner:
         return None
 
     def _runnable(self, task: LoadTask) -> bool:
+        if task.cancelled:
+            return False  # waits for its copies in flight, then leaves
         if task.host_left:
             return True
         if task.disk_left is None or not len(task.disk_left):
             return False
-        if len(self._stuck) >= self._halves:
+        if len(self._stuck) >= self._in_use:
             return True  # every half held by a hung read: fails at once
-        return any(self._free[: self._halves])
+        return self._bounce.any_free(self._in_use)
 
     def _unit(self, task: LoadTask) -> None:
         """Run one unit of ``task``; an exception fails the task whole."""
@@ -277,8 +292,7 @@ class LoadRunner:
                 with task.lock:
                     if task.cancelled:
                         return
-                    self.copies.submit(MEDIUM_CPU, group, plan, False, task.expedited)
-                    task.nbytes += len(plan) * self.block_bytes[group]
+                    self._copy(task, MEDIUM_CPU, group, plan, None)
             else:
                 self._start_batch(task)
         except BaseException as exc:
@@ -291,14 +305,12 @@ class LoadRunner:
             task.disk_left[: self._per_read],
             task.disk_left[self._per_read :],
         )
-        if len(self._stuck) >= self._halves:
+        if len(self._stuck) >= self._in_use:
             task.failed[batch] = True  # no half left to read into
             return
         reader = self.reader
         assert reader is not None
-        with self._cond:
-            half = self._free.index(True, 0, self._halves)
-            self._free[half] = False
+        half = self._bounce.take(self._in_use)
         try:
             spec = task.spec
             read = reader.submit(
@@ -306,10 +318,21 @@ class LoadRunner:
                 first_row=half * self._per_read,
             )
         except BaseException:
-            self.release(half)
+            self._bounce.release(half)
             raise
         task.batches += 1
         self._inflight.append(ReadBatch(task, read, batch, half, time.monotonic()))
+
+    def _finish_ready(self) -> bool:
+        """Finish a batch whose reads returned (the oldest first), if any."""
+        reader = self.reader
+        assert reader is not None
+        for batch in self._inflight:
+            if reader.ready(batch.read):
+                self._inflight.remove(batch)
+                self._finish(batch)
+                return True
+        return False
 
     def _finish_next(self) -> None:
         """Finish a batch whose reads returned (the oldest first); else wait
@@ -317,11 +340,8 @@ class LoadRunner:
         was cancelled."""
         reader = self.reader
         assert reader is not None
-        for batch in self._inflight:
-            if reader.ready(batch.read):
-                self._inflight.remove(batch)
-                self._finish(batch)
-                return
+        if self._finish_ready():
+            return
         oldest = self._inflight[0]
         if oldest.task.cancelled or time.monotonic() - oldest.since > self.stall_s:
             self._inflight.popleft()
@@ -331,38 +351,48 @@ class LoadRunner:
 
     def _finish(self, batch: ReadBatch) -> None:
         """Verify a batch whose reads returned, copy its promotions, and copy
-        it into the KV cache (synchronous copy paths) or post it; an
-        exception fails its task whole."""
+        it into the KV cache (or issue those copies); an exception fails its
+        task whole. The half goes back once no copy reads it."""
         reader, task, half = self.reader, batch.task, batch.half
         assert reader is not None and task.spec is not None
         task.batches -= 1
-        posted = False
         try:
             bounce_row = task.delivered(batch.positions, reader.complete(batch.read))
             with task.lock:
                 if task.cancelled:
                     return
                 task.promote(bounce_row, reader.rows, self.cpu_buffer)
-                if not self.copies.synchronous:
-                    with self._cond:
-                        self._out.append(BatchReady(task, half, bounce_row))
-                        self._cond.notify_all()
-                    posted = True
-                    return
                 for gp in task.groups:
                     rows = bounce_row[gp.plan.row_ids]
                     mask = rows >= 0
                     if mask.any():
                         plan = select_rows(gp.plan, mask, rows[mask])
-                        self.copies.submit(
-                            MEDIUM_DISK, gp.group, plan, False, task.expedited
-                        )
-                        task.nbytes += len(plan) * self.block_bytes[gp.group]
+                        self._copy(task, MEDIUM_DISK, gp.group, plan, half)
         except BaseException as exc:
             self._fail(task, exc)
         finally:
-            if not posted:
-                self.release(half)
+            if not self._bounce.read_by_copies(half):
+                self._bounce.release(half)
+
+    def _copy(
+        self, task: LoadTask, area: str, group: int, plan: CopyPlan, half: int | None
+    ) -> None:
+        """Copy ``plan`` into the KV cache for ``task`` (or issue the copy:
+        the transfer is tracked until it lands, with the bounce ``half`` it
+        reads)."""
+        if task.after is not None:
+            self.copies.follow(task.after)
+            task.after = None
+        transfer = self.copies.submit(area, group, plan, False, task.expedited)
+        task.nbytes += len(plan) * self.block_bytes[group]
+        if transfer is not None:
+            self._bounce.issued(transfer, task, half)
+
+    def _land(self) -> None:
+        """Note the transfers that landed: their tasks may finish, their
+        halves be read into again."""
+        if not self._bounce.idle():
+            self._bounce.landed(self.copies.poll())
 
     def _stall(self, batch: ReadBatch) -> None:
         """Give up a batch whose reads have not returned: its blocks fail,
@@ -381,7 +411,7 @@ class LoadRunner:
             time.monotonic() - batch.since,
             len(batch.positions),
             len(self._stuck),
-            self._halves,
+            self._in_use,
         )
 
     def _reap_stuck(self) -> None:
@@ -404,7 +434,7 @@ class LoadRunner:
         try:
             self.reader.abandon(batch.read)
         finally:
-            self.release(batch.half)
+            self._bounce.release(batch.half)
 
     def _fail(self, task: LoadTask, exc: BaseException) -> None:
         """``task`` raised: it fails whole; its other batches are dropped."""
@@ -428,6 +458,11 @@ class LoadRunner:
             self._urgent.clear()
             self._tasks.clear()
             self._queue.clear()
+        try:
+            # No task goes back while its copies may still write its blocks.
+            self.copies.wait(set(self._bounce.in_flight()))
+        except Exception:
+            logger.exception("kvtier: waiting for the load thread's copies failed")
         for task in held:
             task.error = exc
             self._done(task)

@@ -3,10 +3,9 @@ back (see :mod:`kvtier.connector.worker.load_runner`).
 
 A :class:`LoadTask` is one ``submit_load``'s slow part, cut into units the
 thread takes turns on: batches of CPU-row copies (the CPU platform) and
-read batches of disk blocks (:class:`ReadBatch` while in flight). A
-verified batch whose copies the model runner's thread issues (accelerators)
-comes back as a :class:`BatchReady`; the task itself comes back once
-everything of it is done, failed or given up.
+read batches of disk blocks (:class:`ReadBatch` while in flight). The task
+comes back once everything of it is done, failed or given up, and every
+copy it issued landed.
 """
 
 from __future__ import annotations
@@ -40,17 +39,23 @@ class LoadTask:
     last), ``nbytes`` (bytes it copied into the KV cache itself).
 
     ``cancelled`` (set through :meth:`LoadRunner.cancel`): the worker gave
-    the job up; from then on the thread writes nothing more for it.
+    the job up; from then on the thread issues nothing more for it.
+
+    ``after``: on accelerators, the model runner's stream at submission
+    (:meth:`~kvtier.io.block_copy.CopyPath.mark`); the thread's copies for
+    the task follow it.
 
     The fields after ``lock`` are the thread's progress through the task:
     units of CPU-row copies left, disk blocks not yet submitted (positions
-    in the spec) and read batches in flight."""
+    in the spec), read batches in flight and the transfers it issued that
+    have not landed (asynchronous copy paths)."""
 
     job_id: int
     groups: list[GroupPlan]
     spec: TierLoadSpec | None = None
     host_plans: list[tuple[int, CopyPlan]] = field(default_factory=list)
     expedited: bool = False
+    after: Any = None
     failed: np.ndarray | None = None
     error: BaseException | None = None
     seconds: float = 0.0
@@ -60,6 +65,7 @@ class LoadTask:
     host_left: deque[tuple[int, CopyPlan]] = field(default_factory=deque, init=False)
     disk_left: np.ndarray | None = field(default=None, init=False)
     batches: int = field(default=0, init=False)
+    copies: set[int] = field(default_factory=set, init=False)
     started: float | None = field(default=None, init=False)
 
     def cut(self, per_unit: int) -> None:
@@ -110,18 +116,6 @@ class LoadTask:
         return bool(self.host_left) or (
             self.disk_left is not None and len(self.disk_left) > 0
         )
-
-
-@dataclass(eq=False)
-class BatchReady:
-    """A verified batch in half ``half`` of the bounce area, for the model
-    runner's thread to copy: ``bounce_row[p]`` is the bounce row of block
-    ``p`` of the task's spec, -1 where the block is not in this batch or
-    failed."""
-
-    task: LoadTask
-    half: int
-    bounce_row: np.ndarray
 
 
 @dataclass(eq=False)

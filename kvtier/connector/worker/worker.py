@@ -14,12 +14,14 @@ batch through the bounce area, the verification of every slot, and on the
 CPU platform the copies into the KV cache too. It completes through
 ``get_finished``. Copies between the KV cache and the host go through a
 copy path: on accelerators vLLM's own transfer code
-(:class:`~kvtier.connector.worker.device_copy.DeviceCopies`), issued from the
-model runner's thread only; on the CPU platform kvtier's word-sized copier
-(:class:`~kvtier.io.block_copy.HostCopies`). A job may be several transfers
-(one per KV-cache group and host area, one per bounce batch); it is
-reported done once its host work finished and every transfer landed (the
-bookkeeping: :mod:`kvtier.connector.worker.job_book`).
+(:class:`~kvtier.connector.worker.device_copy.DeviceCopies`), one instance
+per thread: the model runner's issues stores and CPU-tier rows, the load
+thread's the disk batches; on the CPU platform kvtier's word-sized copier
+(:class:`~kvtier.io.block_copy.HostCopies`), shared. A job may be several
+transfers (one per KV-cache group and host area, one per bounce batch); it
+is reported done once its load task came back (which waits for the
+transfers it issued) and every transfer of the model runner's thread
+landed (the bookkeeping: :mod:`kvtier.connector.worker.job_book`).
 
 What fails costs a recompute, never wrong KV or a hang. A disk block that
 fails (I/O error, checksum, header, wrong key) is copied nowhere; the job
@@ -58,10 +60,10 @@ from kvtier.connector.worker.job_errors import (
     disk_load_error,
     whole_load_error,
 )
-from kvtier.connector.worker.job_plan import plan_load, select_rows, split_by_group
+from kvtier.connector.worker.job_plan import plan_load, split_by_group
 from kvtier.connector.worker.kv_layout import group_views
 from kvtier.connector.worker.load_runner import LoadRunner
-from kvtier.connector.worker.load_task import BatchReady, LoadTask
+from kvtier.connector.worker.load_task import LoadTask
 from kvtier.io.block_copy import (
     CopyPath,
     CopyPlan,
@@ -128,13 +130,24 @@ class TieredOffloadingWorker(OffloadingWorker):
             if not isinstance(rows, torch.Tensor):
                 rows = torch.from_numpy(rows)
             areas.append(HostArea(MEDIUM_DISK, rows, pinned=reader.pinned))
-        make = HostCopies if device_copies is None else device_copies
+        if device_copies is None:
+            copies = load_copies = HostCopies(views, areas, blocks_per_chunk)
+        else:
+            # One per thread (an asynchronous path keeps per-thread state):
+            # the model runner's (the CPU tier) and the load thread's (disk).
+            copies = device_copies(views, areas[:1], blocks_per_chunk)
+            try:
+                load_copies = device_copies(views, areas[1:], blocks_per_chunk)
+            except BaseException:
+                copies.shutdown()
+                raise
         self._set_up(
-            make(views, areas, blocks_per_chunk),
+            copies,
             cpu_buffer,
             blocks_per_chunk,
             reader,
             [sum(v.shape[1] for v in g) for g in views],
+            load_copies,
         )
         self.contain_exceptions = contain_exceptions
 
@@ -145,36 +158,28 @@ class TieredOffloadingWorker(OffloadingWorker):
         blocks_per_chunk: int,
         reader: SlotReader | DeviceStagingReader | None,
         block_bytes: list[int],
+        load_copies: CopyPath | None = None,
     ) -> None:
         """The state every worker shares, whatever its host rows: the copy
-        path, what ``shutdown`` closes (``cpu_buffer``), the disk reader,
-        the bytes of one offloaded block per KV-cache group, the load
-        thread and the job bookkeeping. Subclasses with other host rows
-        call it instead of ``__init__``."""
+        paths (the model runner's thread's, and the load thread's:
+        ``load_copies``, the same one by default), what ``shutdown`` closes
+        (``cpu_buffer``), the disk reader, the bytes of one offloaded block
+        per KV-cache group, the load thread and the job bookkeeping.
+        Subclasses with other host rows call it instead of ``__init__``."""
         self.cpu_buffer = cpu_buffer
         self.blocks_per_chunk = blocks_per_chunk
         self.reader = reader
         self.block_bytes = block_bytes
-        self.loads = LoadRunner(reader, copies, cpu_buffer, block_bytes)
         self.copies = copies
+        self.loads = LoadRunner(
+            reader, copies if load_copies is None else load_copies, cpu_buffer, block_bytes
+        )
         self.book = JobBook(block_bytes)
         self.contain_exceptions = False
         self.exceptions = JobExceptions()
-        # Transfers still reading each half of the bounce area (asynchronous
-        # copy paths): the half goes back to the load thread once they all
-        # landed.
-        self._bounce_readers: list[set[int]] = [set(), set()]
         self.deadline_s = LOAD_DEADLINE_S
+        self._next_deadline = float("inf")  # the earliest of a load in flight
         self._warm = reader is None  # nothing to open ahead without a disk tier
-
-    @property
-    def copies(self) -> CopyPath:
-        """The copy path (the load thread's too: one per worker)."""
-        return self.loads.copies
-
-    @copies.setter
-    def copies(self, copies: CopyPath) -> None:
-        self.loads.copies = copies
 
     # ------------------------------------------------------------- contract
 
@@ -226,6 +231,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         already submitted landed, and :meth:`take_load_error` names the
         keys and GPU blocks it could not deliver."""
         deadline = time.monotonic() + self.deadline_s
+        self._next_deadline = min(self._next_deadline, deadline)
         job = Job(job_id, deadline=deadline, src=src_spec, dst=dst_spec)
         self.book.jobs[job_id] = job
         try:
@@ -265,14 +271,8 @@ class TieredOffloadingWorker(OffloadingWorker):
             jobs = [self.book.jobs[j] for j in job_ids if j in self.book.jobs]
             if not jobs:
                 return
-            transfers = set().union(*(job.transfers for job in jobs))
             if all(job.task is None for job in jobs):
-                self.copies.wait(transfers)
-                continue
-            busy = self._bounce_readers[0] | self._bounce_readers[1]
-            if busy:
-                # The load thread may wait for a half these copies read.
-                self.copies.wait(busy)
+                self.copies.wait(set().union(*(job.transfers for job in jobs)))
             else:
                 self.loads.wait_output(0.05)
 
@@ -281,8 +281,11 @@ class TieredOffloadingWorker(OffloadingWorker):
         stopped = self.loads.stop(STOP_DEADLINE_S)
         try:
             # Drains every transfer still in flight before the host areas
-            # they read or write go away.
+            # they read or write go away (the load thread's only once it
+            # stopped: it may still be issuing).
             self.copies.shutdown()
+            if stopped and self.loads.copies is not self.copies:
+                self.loads.copies.shutdown()
         finally:
             self.book.clear()
             if stopped:
@@ -326,6 +329,8 @@ class TieredOffloadingWorker(OffloadingWorker):
         ahead of queued loads on the load thread."""
         plan = plan_load(src_spec, dst_spec, self.blocks_per_chunk)
         task = LoadTask(job.job_id, plan.groups, expedited=expedited)
+        if plan.spec is not None and not self.loads.copies.synchronous:
+            task.after = self.copies.mark()
         for group, copy in plan.cpu:
             if self.copies.synchronous:
                 task.host_plans.append((group, copy))
@@ -343,69 +348,34 @@ class TieredOffloadingWorker(OffloadingWorker):
         return task
 
     def _pump(self) -> None:
-        """Take what the load thread finished (issuing the copies of its
-        verified batches on accelerators), collect landed transfers (freeing
-        bounce halves no copy reads any more), give up loads past their
-        deadline, and report finished jobs."""
-        for item in self.loads.take():
-            try:
-                if isinstance(item, BatchReady):
-                    self._copy_batch(item)
-                else:
-                    self._task_done(item)
-            except Exception as exc:
-                # Issuing a batch's copies (vLLM's handlers, kvtier's
-                # scatter) raised: the job fails whole, as on the load thread.
-                if not self.contain_exceptions:
-                    raise
-                task = item.task if isinstance(item, BatchReady) else item
-                self.exceptions.note(exc, "load", task.job_id)
-                self._drop(task)
+        """Take the tasks the load thread finished, collect landed
+        transfers, give up loads past their deadline, and report finished
+        jobs."""
+        for task in self.loads.take():
+            self._task_done(task)
         for transfer, seconds in self.copies.poll().items():
-            for half, readers in enumerate(self._bounce_readers):
-                if transfer in readers:
-                    readers.discard(transfer)
-                    if not readers:
-                        self.loads.release(half)
             self.book.landed(transfer, seconds)
         now = time.monotonic()
-        for job in list(self.book.jobs.values()):
-            if job.task is not None and now > job.deadline:
-                self._give_up(job)
-
-    def _copy_batch(self, item: BatchReady) -> None:
-        task = item.task
-        job = self.book.jobs.get(task.job_id)
-        readers = self._bounce_readers[item.half]
-        try:
-            if job is not None and job.task is task:
-                for gp in task.groups:
-                    rows = item.bounce_row[gp.plan.row_ids]
-                    mask = rows >= 0
-                    if mask.any():
-                        plan = select_rows(gp.plan, mask, rows[mask])
-                        transfer = self.book.copy(
-                            self.copies,
-                            job,
-                            MEDIUM_DISK,
-                            gp.group,
-                            plan,
-                            False,
-                            task.expedited,
-                        )
-                        if transfer is not None:
-                            readers.add(transfer)
-        finally:
-            # The half goes back once no copy reads it (now, if none was
-            # issued: also when issuing raised).
-            if not readers:
-                self.loads.release(item.half)
+        if now > self._next_deadline:  # rarely: a load's is a minute out
+            self._next_deadline = float("inf")
+            for job in list(self.book.jobs.values()):
+                if job.task is None or job.task.cancelled:
+                    continue
+                if now > job.deadline:
+                    self._give_up(job)
+                else:
+                    self._next_deadline = min(self._next_deadline, job.deadline)
 
     def _task_done(self, task: LoadTask) -> None:
         job = self.book.jobs.get(task.job_id)
         if job is None or job.task is not task:
-            return  # given up earlier: already reported
+            return  # already reported
         job.task = None
+        if task.cancelled:
+            # Given up (failed whole in _drop); reported now that no copy of
+            # its task can still write its blocks.
+            self.book.settle(job)
+            return
         job.seconds += task.seconds
         job.nbytes += task.nbytes
         if task.error is not None:
@@ -431,13 +401,13 @@ class TieredOffloadingWorker(OffloadingWorker):
         self._drop(job.task)
 
     def _drop(self, task: LoadTask) -> None:
-        """Fail ``task``'s job whole: the load thread writes nothing more for
-        it, and it is reported once the copies it already issued landed."""
+        """Fail ``task``'s job whole: the load thread issues nothing more
+        for it, and it is reported once the task came back (the copies it
+        already issued landed)."""
         job = self.book.jobs.get(task.job_id)
         if job is None:
             return  # already reported
-        if job.task is task:
-            self.loads.cancel(task)
-            job.task = None
+        self.loads.cancel(task)
         self.book.fail(job, job.whole_error())
-        self.book.settle(job)
+        if job.task is not task:
+            self.book.settle(job)

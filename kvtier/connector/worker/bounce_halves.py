@@ -1,0 +1,78 @@
+"""The load thread's bookkeeping of its bounce halves and of the transfers it
+issued (see :mod:`kvtier.connector.worker.load_runner`).
+
+A read batch takes a free half of the reader's area; the half is free again
+once the batch was verified and no transfer issued from it is in flight
+(asynchronous copy paths), or once a given-up read finally returned. A task
+may go back to the worker only once none of its transfers is in flight:
+until then they may still write its KV blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvtier.connector.worker.load_task import LoadTask
+
+
+class BounceHalves:
+    """Which bounce halves are free, and the transfers in flight.
+
+    Contract:
+      - :meth:`take` marks the first free half of the first ``halves`` in
+        use and returns it (one must be free: :meth:`any_free`);
+        :meth:`release` frees it again.
+      - :meth:`issued` notes a transfer of ``task`` (reading ``half``, or
+        None for a copy from elsewhere); :meth:`landed` notes the ids that
+        landed (unknown ids are ignored): their task's ``copies`` shrink,
+        and a half whose last reader landed is released.
+      - Used by the load thread only: no locking.
+    """
+
+    def __init__(self) -> None:
+        self.free = [True, True]
+        # id -> (task, half or -1), oldest first; the ids reading each half.
+        self._in_flight: dict[int, tuple[LoadTask, int]] = {}
+        self._readers: list[set[int]] = [set(), set()]
+
+    def any_free(self, halves: int) -> bool:
+        return any(self.free[:halves])
+
+    def take(self, halves: int) -> int:
+        half = self.free.index(True, 0, halves)
+        self.free[half] = False
+        return half
+
+    def release(self, half: int) -> None:
+        self.free[half] = True
+
+    def read_by_copies(self, half: int) -> bool:
+        """Whether a transfer in flight still reads ``half``."""
+        return bool(self._readers[half])
+
+    def issued(self, transfer: int, task: LoadTask, half: int | None) -> None:
+        task.copies.add(transfer)
+        self._in_flight[transfer] = (task, -1 if half is None else half)
+        if half is not None:
+            self._readers[half].add(transfer)
+
+    def landed(self, transfers: Iterable[int]) -> None:
+        for transfer in transfers:
+            entry = self._in_flight.pop(transfer, None)
+            if entry is None:
+                continue
+            task, half = entry
+            task.copies.discard(transfer)
+            if half >= 0:
+                readers = self._readers[half]
+                readers.discard(transfer)
+                if not readers:
+                    self.release(half)
+
+    def in_flight(self) -> list[int]:
+        """The transfers in flight, oldest first."""
+        return list(self._in_flight)
+
+    def idle(self) -> bool:
+        """No transfer in flight."""
+        return not self._in_flight
