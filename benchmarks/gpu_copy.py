@@ -123,20 +123,23 @@ def timed_load(
     alone, the number of ``get_finished`` calls, the longest call, and the
     job's success."""
     _sync(device)
-    t0 = time.perf_counter()
+    # thread_time() is a system call (tens of microseconds on some VMs):
+    # taken outside the wall-clock windows, so each call's wall time is the
+    # worker's alone.
     c0 = time.thread_time()
+    t0 = time.perf_counter()
     assert worker.submit_load(job_id, src, dst)
     t1 = time.perf_counter()
-    inside = t1 - t0
     cpu = time.thread_time() - c0
+    inside = t1 - t0
     submit = longest = inside
     calls = 0
     deadline = t0 + timeout
     while True:
         if step_s:
             time.sleep(step_s)  # the engine's forward pass
-        a = time.perf_counter()
         ca = time.thread_time()
+        a = time.perf_counter()
         done = worker.get_finished()
         b = time.perf_counter()
         cpu += time.thread_time() - ca
@@ -158,10 +161,15 @@ def timed_load(
             raise TimeoutError(f"job {job_id} did not finish")
 
 
-def idle_get_finished_s(worker, calls: int = 200) -> float:
-    """Median seconds of a ``get_finished`` with nothing in flight."""
+def idle_get_finished_s(worker, step_s: float, calls: int = 100) -> float:
+    """Median seconds of a ``get_finished`` with nothing in flight, called
+    as in :func:`timed_load` (once per simulated step of ``step_s``: after
+    a pause, with the caches as a forward pass leaves them), which a step
+    pays whether or not a load is in flight."""
     times = []
     for _ in range(calls):
+        if step_s:
+            time.sleep(step_s)
         a = time.perf_counter()
         worker.get_finished()
         times.append(time.perf_counter() - a)
@@ -400,7 +408,9 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
             rows[key]["error"] = f"wrong bytes in KV blocks {bad}"
             workers.pop(key).shutdown()
         else:
-            rows[key]["idle_get_finished_us"] = 1e6 * idle_get_finished_s(workers[key])
+            rows[key]["idle_get_finished_us"] = 1e6 * idle_get_finished_s(
+                workers[key], args.step_ms / 1e3
+            )
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         k: {"poll": [], "step": []} for k in workers
