@@ -51,10 +51,18 @@ class LateCopies:
         self.fresh = False
         self.landed: list[int] = []
         self.unreported: list[int] = []
+        # Stream order, as on CUDA: marks handed out (model runner's path),
+        # and the last mark followed when each transfer was submitted (load
+        # thread's path).
+        self.marks = 0
+        self.followed: list[int] = []
+        self.after: dict[int, tuple[int | None, list[int]]] = {}
 
     def submit(self, area, group, plan, to_host, expedited=False):
         self.next_id += 1
         self.queued[self.next_id] = (area, group, plan, to_host)
+        last = self.followed[-1] if self.followed else None
+        self.after[self.next_id] = (last, [int(b) for b in plan.gpu_ids])
         self.fresh = True
         return self.next_id
 
@@ -77,8 +85,12 @@ class LateCopies:
         for transfer in [t for t in self.queued if t <= last]:
             self._land(transfer)
 
-    def mark(self) -> None:
-        return None  # no stream to follow: copies land in submission order
+    def mark(self) -> int:
+        self.marks += 1
+        return self.marks
+
+    def follow(self, mark: int) -> None:
+        self.followed.append(mark)
 
     def shutdown(self) -> None:
         for transfer in list(self.queued):
@@ -212,6 +224,35 @@ def test_a_job_is_reported_only_when_every_transfer_landed(runner):
     assert seen[0].transfer_size == 4 * r.worker.block_bytes[0]
     _no_copy_in_flight(r)
     _finish(r, keys, [40, 41, 42, 43], ctx)
+
+
+def test_disk_copies_follow_the_model_stream_as_it_was_at_submission(runner):
+    """On CUDA the load thread issues a job's copies on its own stream, which
+    must first wait for what the model runner's stream did before
+    ``submit_load`` (vLLM orders loads after pending writes to their
+    blocks): every disk transfer of a job is submitted after its thread
+    followed the mark taken at that job's submission (or a later one: the
+    model's stream runs in order)."""
+    r = runner
+    with landing_at_once(r):
+        first = push_to_disk(r, [1, 2], others="bcdef")
+    model, late = r.worker.copies, r.worker.loads.copies
+    second = r.keys("b", 4)[:2]
+    r.worker.reader.capacity = 2  # a batch per block
+    ctx_a = _submit_disk_load(r, "a", first, [40, 41], job_id=1)
+    ctx_b = _submit_disk_load(r, "b", second, [44, 45], job_id=2)
+    assert model.marks == 2  # one per job, on the model runner's path
+    done, _ = _poll_until(r, {1, 2})
+    assert all(d.success for d in done)
+    # Four transfers, each after its own job's mark (1 or 2) was followed.
+    job_mark = {40: 1, 41: 1, 44: 2, 45: 2}
+    assert sorted(late.after) == [1, 2, 3, 4]
+    for followed, gpu_ids in late.after.values():
+        assert followed is not None and followed >= job_mark[gpu_ids[0]]
+    assert sorted(late.followed) == [1, 2]
+    assert not model.followed and late.marks == 0  # each path its own role
+    _finish(r, first, [40, 41], ctx_a)
+    _finish(r, second, [44, 45], ctx_b)
 
 
 def test_the_next_disk_read_waits_for_copies_still_reading_the_bounce_area(runner):
