@@ -262,3 +262,43 @@ def test_cpu_rows_round_trip_through_the_worker(disk_worker):
     assert load.success
     got = b"".join(bytes(t[9].view(torch.uint8).cpu().numpy()) for t in tensors)
     assert got == want
+
+
+def test_a_disk_load_lands_after_the_model_streams_earlier_writes(disk_worker):
+    """The load thread issues a disk job's copies on a stream of its own;
+    they must land after what the model's stream queued before
+    ``submit_load`` (vLLM zeroes newly allocated blocks there). The model's
+    stream is held busy (``torch.cuda._sleep``, ~0.5 s) and then fills the
+    destination blocks with 0x5A: copies that did not wait for it would land
+    first and be overwritten by the fill."""
+    worker, tensors, blocks, _ = disk_worker
+    # A first load opens the slab files and compiles vLLM's copy kernel, so
+    # that the checked load's copies are ready within milliseconds.
+    warm = _run(
+        worker,
+        worker.submit_load,
+        _disk_spec(range(4, 8)),
+        GPULoadStoreSpec(list(range(56, 60)), [4], [0]),
+        job_id=6,
+    )
+    assert warm.success
+    gpu = list(range(50, 54))
+    # A stream of its own, as the model may run on one: no implicit
+    # ordering with the legacy default stream.
+    model = torch.cuda.Stream()
+    with torch.cuda.stream(model):
+        torch.cuda._sleep(1_000_000_000)  # GPU cycles: ~0.5 s
+        for t in tensors:
+            t[50:54].view(torch.uint8).fill_(0x5A)
+        result = _run(
+            worker,
+            worker.submit_load,
+            _disk_spec(range(4)),
+            GPULoadStoreSpec(gpu, [4], [0]),
+            job_id=5,
+        )
+    assert result.success
+    torch.cuda.synchronize()
+    for i, b in enumerate(gpu):
+        got = b"".join(bytes(t[b].view(torch.uint8).cpu().numpy()) for t in tensors)
+        assert got == bytes(blocks[i]), i
