@@ -326,7 +326,7 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
     # where vLLM might look.
     plan.remove(rule)
     assert not any(_landed(r, first + second, [40, 41, 44, 45]))
-    _wait_for(lambda: not r.worker.loads._stuck, "the stalled reads to be reaped")
+    _wait_for(lambda: not r.worker.loads._bounce.stuck, "the stalled reads to be reaped")
     ctx4 = _submit(r, fourth, [56, 57], job_id=4)
     assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(4, True)]
     assert _landed(r, fourth, [56, 57]) == [True, True]
@@ -371,7 +371,7 @@ def test_a_job_that_raises_never_waits_for_its_held_read(runner, plan, monkeypat
     finally:
         release.set()
         plan.remove(rule)
-    _wait_for(lambda: not r.worker.loads._stuck, "the held read to be reaped")
+    _wait_for(lambda: not r.worker.loads._bounce.stuck, "the held read to be reaped")
     assert not any(_landed(r, keys, [40, 41]))
 
 

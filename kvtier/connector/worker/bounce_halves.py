@@ -10,13 +10,14 @@ until then they may still write its KV blocks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from kvtier.connector.worker.load_task import LoadTask
+from kvtier.connector.worker.load_task import LoadTask, ReadBatch
 
 
 class BounceHalves:
-    """Which bounce halves are free, and the transfers in flight.
+    """Which bounce halves are free, the transfers in flight, and the
+    halves set aside for given-up reads.
 
     Contract:
       - :meth:`take` marks the first free half of the first ``halves`` in
@@ -26,6 +27,9 @@ class BounceHalves:
         None for a copy from elsewhere); :meth:`landed` notes the ids that
         landed (unknown ids are ignored): their task's ``copies`` shrink,
         and a half whose last reader landed is released.
+      - :meth:`set_aside` keeps a given-up batch (its half stays taken);
+        :meth:`returned` hands back those whose reads are ``ready`` (the
+        caller abandons their reads and releases their halves).
       - Used by the load thread only: no locking.
     """
 
@@ -34,6 +38,7 @@ class BounceHalves:
         # id -> (task, half or -1), oldest first; the ids reading each half.
         self._in_flight: dict[int, tuple[LoadTask, int]] = {}
         self._readers: list[set[int]] = [set(), set()]
+        self.stuck: list[ReadBatch] = []  # given up, reads not yet returned
 
     def any_free(self, halves: int) -> bool:
         return any(self.free[:halves])
@@ -76,3 +81,12 @@ class BounceHalves:
     def idle(self) -> bool:
         """No transfer in flight."""
         return not self._in_flight
+
+    def set_aside(self, batch: ReadBatch) -> None:
+        self.stuck.append(batch)
+
+    def returned(self, ready: Callable[[ReadBatch], bool]) -> list[ReadBatch]:
+        back = [batch for batch in self.stuck if ready(batch)]
+        for batch in back:
+            self.stuck.remove(batch)
+        return back

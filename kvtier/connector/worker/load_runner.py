@@ -2,23 +2,20 @@
 model runner's thread.
 
 vLLM calls ``submit_load`` on the model runner's thread, between engine
-steps; whatever it does there, every running request waits for (vLLM 0.33:
+steps; every running request waits for what it does there (vLLM 0.33:
 "Submission itself must still not block"). The worker only plans a load
 there and hands its :class:`~kvtier.connector.worker.load_task.LoadTask` to
 this thread, which reads the disk slots batch by batch into the reader's
-bounce area, pipelined over the area's two halves (batch k+1's reads run on
-the back end's threads while batch k is verified and copied), verifies
-every slot, copies a verified block that has a promotion row into that CPU
-row, and copies the batch into the KV cache: itself on the CPU platform
-(a synchronous copy path, whose "GPU" KV cache is host memory; CPU-tier
-rows included), and on accelerators by issuing the batch's transfers on
-vLLM's handlers from this thread, on a stream of its own that follows the
-model's stream as it was at ``submit_load`` (the task's ``after`` mark).
-A half is read into again only once the transfers reading it landed, and a
-task comes back only once all of its transfers landed, so the model
-runner's thread only collects finished tasks (on CUDA, issuing a batch's
-transfers there had cost ~1.7 ms of Python per 32 MiB, 56 ms per loaded
-GiB: docs/benchmarks.md, "GPU").
+bounce area, pipelined over the area's two halves (batch k+1 is read while
+batch k is verified and copied), verifies every slot, copies a verified
+block with a promotion row into that CPU row, and copies the batch into the
+KV cache: itself on the CPU platform (CPU-tier rows too), on accelerators
+by issuing its transfers on vLLM's handlers from a stream of its own that
+follows the model's stream as it was at ``submit_load`` (the task's
+``after``). A half is read into again, and a task goes back, only once the
+transfers reading it landed: the model runner's thread only collects
+finished tasks (issuing the transfers there had cost 45-57 ms per loaded
+GiB on an H200: docs/benchmarks.md, "GPU").
 
 Why one thread and whole batches: an in-process engine's loop spins without
 sleeping, so a background thread gets the GIL back only at the
@@ -122,7 +119,6 @@ class LoadRunner:
         self._urgent: deque[LoadTask] = deque()  # expedited, first come first
         self._tasks: deque[LoadTask] = deque()  # the others, taking turns
         self._inflight: deque[ReadBatch] = deque()
-        self._stuck: list[ReadBatch] = []  # given up, reads not yet returned
         self._bounce = BounceHalves()  # and the transfers in flight
 
     @property
@@ -214,7 +210,7 @@ class LoadRunner:
             logger.exception("kvtier: the load thread failed; loads are recomputed")
             self._fail_all(exc)
         finally:
-            for batch in [*self._inflight, *self._stuck]:
+            for batch in [*self._inflight, *self._bounce.stuck]:
                 self._abandon(batch)
 
     def _turn(self) -> bool:
@@ -241,7 +237,7 @@ class LoadRunner:
         else:
             with self._cond:
                 if not self._queue and not self._stopping:
-                    busy = self._urgent or self._tasks or self._stuck
+                    busy = self._urgent or self._tasks or self._bounce.stuck
                     self._cond.wait(POLL_S if busy else None)
         return True
 
@@ -278,7 +274,7 @@ class LoadRunner:
             return True
         if task.disk_left is None or not len(task.disk_left):
             return False
-        if len(self._stuck) >= self._in_use:
+        if len(self._bounce.stuck) >= self._in_use:
             return True  # every half held by a hung read: fails at once
         return self._bounce.any_free(self._in_use)
 
@@ -305,7 +301,7 @@ class LoadRunner:
             task.disk_left[: self._per_read],
             task.disk_left[self._per_read :],
         )
-        if len(self._stuck) >= self._in_use:
+        if len(self._bounce.stuck) >= self._in_use:
             task.failed[batch] = True  # no half left to read into
             return
         reader = self.reader
@@ -401,7 +397,7 @@ class LoadRunner:
         task.batches -= 1
         if task.failed is not None:
             task.failed[batch.positions] = True
-        self._stuck.append(batch)
+        self._bounce.set_aside(batch)
         if task.cancelled:
             return  # the worker gave the job up and said so
         logger.error(
@@ -410,23 +406,22 @@ class LoadRunner:
             task.job_id,
             time.monotonic() - batch.since,
             len(batch.positions),
-            len(self._stuck),
+            len(self._bounce.stuck),
             self._in_use,
         )
 
     def _reap_stuck(self) -> None:
         """Free the halves of given-up batches whose reads finally returned."""
         reader = self.reader
-        for batch in list(self._stuck):
-            assert reader is not None
-            if reader.ready(batch.read):
-                self._stuck.remove(batch)
-                self._abandon(batch)
-                logger.warning(
-                    "kvtier: a stalled disk read returned after %.0f s; its bounce "
-                    "half is in use again",
-                    time.monotonic() - batch.since,
-                )
+        if reader is None:
+            return
+        for batch in self._bounce.returned(lambda b: reader.ready(b.read)):
+            self._abandon(batch)
+            logger.warning(
+                "kvtier: a stalled disk read returned after %.0f s; its bounce "
+                "half is in use again",
+                time.monotonic() - batch.since,
+            )
 
     def _abandon(self, batch: ReadBatch) -> None:
         """Wait for a batch's reads without using them, then free its half."""
@@ -445,7 +440,7 @@ class LoadRunner:
             if self.reader is not None and self.reader.ready(batch.read):
                 self._abandon(batch)
             else:  # never wait here for a read that may not return
-                self._stuck.append(batch)
+                self._bounce.set_aside(batch)
         task.host_left.clear()
         task.disk_left = None
 
