@@ -1,5 +1,6 @@
-"""The load thread's bookkeeping of its bounce halves and of the transfers it
-issued (see :mod:`kvtier.connector.worker.load_runner`).
+"""The load thread's bookkeeping of its bounce halves, of the transfers it
+issued and of the reads it gave up (see
+:mod:`kvtier.connector.worker.load_runner`).
 
 A read batch takes a free half of the reader's area; the half is free again
 once the batch was verified and no transfer issued from it is in flight
@@ -10,9 +11,14 @@ until then they may still write its KV blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
 
 from kvtier.connector.worker.load_task import LoadTask, ReadBatch
+
+logger = logging.getLogger("kvtier.connector")
 
 
 class BounceHalves:
@@ -27,9 +33,10 @@ class BounceHalves:
         None for a copy from elsewhere); :meth:`landed` notes the ids that
         landed (unknown ids are ignored): their task's ``copies`` shrink,
         and a half whose last reader landed is released.
-      - :meth:`set_aside` keeps a given-up batch (its half stays taken);
-        :meth:`returned` hands back those whose reads are ``ready`` (the
-        caller abandons their reads and releases their halves).
+      - :meth:`give_up` fails a batch whose reads have not returned and
+        keeps its half taken (:meth:`set_aside`: without failing it) until
+        :meth:`reap` sees its reads returned; :meth:`abandon` waits for a
+        batch's reads without using them, then frees its half.
       - Used by the load thread only: no locking.
     """
 
@@ -85,8 +92,40 @@ class BounceHalves:
     def set_aside(self, batch: ReadBatch) -> None:
         self.stuck.append(batch)
 
-    def returned(self, ready: Callable[[ReadBatch], bool]) -> list[ReadBatch]:
-        back = [batch for batch in self.stuck if ready(batch)]
-        for batch in back:
+    def give_up(self, batch: ReadBatch, halves: int) -> None:
+        """A batch whose reads have not returned: its blocks fail, its half
+        stays set aside until they return."""
+        task = batch.task
+        task.batches -= 1
+        if task.failed is not None:
+            task.failed[batch.positions] = True
+        self.set_aside(batch)
+        if task.cancelled:
+            return  # the worker gave the job up and said so
+        logger.error(
+            "kvtier: disk reads of load job %d have not returned after %.0f s: its "
+            "%d blocks are recomputed; %d of %d bounce halves wait for the reads",
+            task.job_id,
+            time.monotonic() - batch.since,
+            len(batch.positions),
+            len(self.stuck),
+            halves,
+        )
+
+    def reap(self, reader: Any) -> None:
+        """Free the halves of given-up batches whose reads finally returned."""
+        for batch in [b for b in self.stuck if reader.ready(b.read)]:
             self.stuck.remove(batch)
-        return back
+            self.abandon(reader, batch)
+            logger.warning(
+                "kvtier: a stalled disk read returned after %.0f s; its bounce "
+                "half is in use again",
+                time.monotonic() - batch.since,
+            )
+
+    def abandon(self, reader: Any, batch: ReadBatch) -> None:
+        """Wait for a batch's reads without using them, then free its half."""
+        try:
+            reader.abandon(batch.read)
+        finally:
+            self.release(batch.half)

@@ -211,7 +211,7 @@ class LoadRunner:
             self._fail_all(exc)
         finally:
             for batch in [*self._inflight, *self._bounce.stuck]:
-                self._abandon(batch)
+                self._bounce.abandon(self.reader, batch)
 
     def _turn(self) -> bool:
         """One unit of work (or a bounded wait for one); False once stopping."""
@@ -220,7 +220,8 @@ class LoadRunner:
                 self._hold(self._queue.popleft())
             if self._stopping:
                 return False
-        self._reap_stuck()
+        if self.reader is not None:
+            self._bounce.reap(self.reader)
         self._land()
         task = self._pick()
         if task is not None:
@@ -341,7 +342,7 @@ class LoadRunner:
         oldest = self._inflight[0]
         if oldest.task.cancelled or time.monotonic() - oldest.since > self.stall_s:
             self._inflight.popleft()
-            self._stall(oldest)
+            self._bounce.give_up(oldest, self._in_use)
             return
         reader.wait(oldest.read, POLL_S)
 
@@ -390,47 +391,6 @@ class LoadRunner:
         if not self._bounce.idle():
             self._bounce.landed(self.copies.poll())
 
-    def _stall(self, batch: ReadBatch) -> None:
-        """Give up a batch whose reads have not returned: its blocks fail,
-        its half stays set aside until they return (:meth:`_reap_stuck`)."""
-        task = batch.task
-        task.batches -= 1
-        if task.failed is not None:
-            task.failed[batch.positions] = True
-        self._bounce.set_aside(batch)
-        if task.cancelled:
-            return  # the worker gave the job up and said so
-        logger.error(
-            "kvtier: disk reads of load job %d have not returned after %.0f s: its "
-            "%d blocks are recomputed; %d of %d bounce halves wait for the reads",
-            task.job_id,
-            time.monotonic() - batch.since,
-            len(batch.positions),
-            len(self._bounce.stuck),
-            self._in_use,
-        )
-
-    def _reap_stuck(self) -> None:
-        """Free the halves of given-up batches whose reads finally returned."""
-        reader = self.reader
-        if reader is None:
-            return
-        for batch in self._bounce.returned(lambda b: reader.ready(b.read)):
-            self._abandon(batch)
-            logger.warning(
-                "kvtier: a stalled disk read returned after %.0f s; its bounce "
-                "half is in use again",
-                time.monotonic() - batch.since,
-            )
-
-    def _abandon(self, batch: ReadBatch) -> None:
-        """Wait for a batch's reads without using them, then free its half."""
-        assert self.reader is not None
-        try:
-            self.reader.abandon(batch.read)
-        finally:
-            self._bounce.release(batch.half)
-
     def _fail(self, task: LoadTask, exc: BaseException) -> None:
         """``task`` raised: it fails whole; its other batches are dropped."""
         task.error = exc
@@ -438,7 +398,7 @@ class LoadRunner:
             self._inflight.remove(batch)
             task.batches -= 1
             if self.reader is not None and self.reader.ready(batch.read):
-                self._abandon(batch)
+                self._bounce.abandon(self.reader, batch)
             else:  # never wait here for a read that may not return
                 self._bounce.set_aside(batch)
         task.host_left.clear()
