@@ -81,6 +81,10 @@ class BounceHalves:
                 if not readers:
                     self.release(half)
 
+    def oldest(self) -> int:
+        """The transfer in flight the longest (one must be: :meth:`idle`)."""
+        return next(iter(self._in_flight))
+
     def in_flight(self) -> list[int]:
         """The transfers in flight, oldest first."""
         return list(self._in_flight)

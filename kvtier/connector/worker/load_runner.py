@@ -231,10 +231,10 @@ class LoadRunner:
         elif not self._bounce.idle():
             # A batch's copies take about a millisecond: wait for the oldest
             # transfer (on its event) rather than poll.
-            self.copies.wait({self._bounce.in_flight()[0]})
+            self.copies.wait({self._bounce.oldest()})
             self._land()
         elif self._inflight:
-            self._finish_next()
+            self._wait_oldest()
         else:
             with self._cond:
                 if not self._queue and not self._stopping:
@@ -331,14 +331,12 @@ class LoadRunner:
                 return True
         return False
 
-    def _finish_next(self) -> None:
-        """Finish a batch whose reads returned (the oldest first); else wait
-        a little for the oldest, giving it up once it stalled or its task
-        was cancelled."""
+    def _wait_oldest(self) -> None:
+        """No read returned (:meth:`_finish_ready` found none): wait a
+        little for the oldest, giving it up once it stalled or its task was
+        cancelled."""
         reader = self.reader
         assert reader is not None
-        if self._finish_ready():
-            return
         oldest = self._inflight[0]
         if oldest.task.cancelled or time.monotonic() - oldest.since > self.stall_s:
             self._inflight.popleft()
