@@ -313,7 +313,26 @@ class HostArea:
     pinned: bool = False
 
 
-class HostCopies:
+class SynchronousCopies:
+    """What every synchronous :class:`CopyPath` shares: nothing stays in
+    flight, so there is nothing to poll, wait for or order."""
+
+    synchronous = True  # copies are complete when submit returns
+
+    def poll(self) -> dict[int, float]:
+        return {}
+
+    def wait(self, transfers: set[int]) -> None:
+        return None
+
+    def mark(self) -> None:
+        return None
+
+    def follow(self, mark: Any) -> None:
+        return None
+
+
+class HostCopies(SynchronousCopies):
     """A worker's :class:`CopyPath` on the CPU platform: one
     :class:`BlockCopier` per (host area, KV-cache group), every copy
     complete on return.
@@ -321,8 +340,6 @@ class HostCopies:
     Same interface as :class:`kvtier.connector.worker.device_copy.DeviceCopies`
     (which queues on the accelerator instead): :meth:`submit` returns no
     transfer id because nothing stays in flight."""
-
-    synchronous = True  # copies are complete when submit returns
 
     def __init__(
         self,
@@ -349,18 +366,6 @@ class HostCopies:
             copier.to_cpu(plan)
         else:
             copier.to_gpu(plan)
-        return None
-
-    def poll(self) -> dict[int, float]:
-        return {}
-
-    def wait(self, transfers: set[int]) -> None:
-        return None
-
-    def mark(self) -> None:
-        return None  # every copy is complete when submit returns
-
-    def follow(self, mark: Any) -> None:
         return None
 
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.connector.config import ConfigError
 from kvtier.connector.topology import check_single_node
+from kvtier.io.block_copy import SynchronousCopies
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.config import OffloadingConfig
@@ -37,13 +38,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier.connector")
 
 
-class _RegionCopies:
+class _RegionCopies(SynchronousCopies):
     """The worker's copy path over vLLM's region rows (CPU platform): one
     :class:`BlockCopier` per KV tensor, each over that tensor's area of this
     rank's page, complete on return (the interface of
     :class:`kvtier.io.block_copy.HostCopies`)."""
-
-    synchronous = True
 
     def __init__(
         self,
@@ -84,18 +83,6 @@ class _RegionCopies:
                 copier.to_cpu(plan)
             else:
                 copier.to_gpu(plan)
-
-    def poll(self) -> dict[int, float]:
-        return {}
-
-    def wait(self, transfers: set[int]) -> None:
-        return None
-
-    def mark(self) -> None:
-        return None  # every copy is complete when submit returns
-
-    def follow(self, mark: object) -> None:
-        return None
 
     def shutdown(self) -> None:
         self.groups = []  # drop the views before the region is unmapped
