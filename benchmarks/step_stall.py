@@ -13,7 +13,8 @@ running decoders feel while the fourth request's prefix arrives:
              compute over its whole prefix, whatever the source), and
              "quiet max" the longest of the same runs' 40 decode-only steps
              before the request arrived (the machine's own jitter over about
-             as many steps; both as multiples of the decode p50)
+             as many steps; both as multiples of the decode p50); the
+             JSON also counts the quiet steps over 3x (``quiet_over_3x``)
   dd-beside  no fourth request: where it would arrive, an external process
              (dd, or fio when installed, O_DIRECT 1 MiB) reads the disk
              hit's slab span; every step until it exits is a waiting step.
@@ -324,12 +325,22 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
             # The machine's own jitter in the same runs: the longest of the
             # decode-only steps just before the request arrived, about as many
             # steps as the waiting ones.
-            row[case]["quiet_max_ms"] = 1e3 * max(s for run in runs for s in run["decode"])
+            quiet = [s for run in runs for s in run["decode"]]
+            row[case]["quiet_max_ms"] = 1e3 * max(quiet)
+            # How often the same decoders step over 3x with nothing loading:
+            # the rate "over 3x" is to be read against.
+            row[case]["quiet_over_3x"] = sum(s > limit for s in quiet)
+            row[case]["quiet_steps"] = len(quiet)
             row[case]["own_step_ms"] = 1e3 * statistics.median(
                 run["during"][-1] for run in runs
             )
             if case in ("cpu", "disk"):
                 row[case]["loaded_blocks"] = runs[-1]["loaded_blocks"]
+            # Each run's steps from the arrival on, in order (ms): which
+            # step stalls (the submit, the load's middle, its completion).
+            row[case]["runs_ms"] = [
+                [round(1e3 * s, 2) for s in run["during"]] for run in runs
+            ]
         g = [run["read_gbps"] for run in results[n]["dd-beside"]]
         row["dd-beside"]["read_gbps"] = statistics.median(g)
         g = [run["read_gbps"] for run in results[n]["disk"] if run["read_gbps"]]

@@ -140,7 +140,7 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec(
         "disk_load_buffer_bytes",
-        "Host bounce area per worker for loading disk hits (page-locked on CUDA); longer prefixes are read in chunks of this size.",
+        "Host bounce area per worker for loading disk hits (page-locked on CUDA), read into in parts of about 8 MiB, several in flight; it bounds how much of a long prefix is read ahead of its verification.",
         64 << 20,
         "integer >= 1048576",
     ),

@@ -119,7 +119,7 @@ def test_chunk_reads_overlap_the_previous_chunks_verification(runner):
     r = runner
     keys = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
     reader = r.worker.reader
-    reader.capacity = 2  # two halves of one slot: a chunk per block
+    reader.capacity = 2  # two parts of one slot: a chunk per block
     calls: list[str] = []
     real_submit, real_complete = reader.submit, reader.complete
 
@@ -134,26 +134,77 @@ def test_chunk_reads_overlap_the_previous_chunks_verification(runner):
     reader.submit, reader.complete = submit, complete
     ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
     assert [d.success for d in wait_finished(r.worker)] == [True]
-    # Chunk k+1 is read (into the other half) before chunk k is verified.
-    # After the first two, a chunk goes into whichever half was verified
-    # first (a slow read may hold its half while the other serves every later
-    # chunk): neither an order nor a count per half is fixed, but a half is
+    # Chunk k+1 is read (into the other part) before chunk k is verified.
+    # After the first two, a chunk goes into whichever part was verified
+    # first (a slow read may hold its part while the other serves every later
+    # chunk): neither an order nor a count per part is fixed, but a part is
     # never read into again before its chunk was verified.
-    halves = [c.split("@")[1] for c in calls if c.startswith("read")]
-    assert halves[:2] == ["0", "1"] and len(halves) == 4, calls
+    parts = [c.split("@")[1] for c in calls if c.startswith("read")]
+    assert parts[:2] == ["0", "1"] and len(parts) == 4, calls
     assert calls[1].startswith("read") and calls[2].startswith("verify"), calls
     unverified: set[str] = set()
     for c in calls:
-        half = c.split("@")[1]
+        part = c.split("@")[1]
         if c.startswith("read"):
-            assert half not in unverified, calls
-            unverified.add(half)
+            assert part not in unverified, calls
+            unverified.add(part)
         else:
-            assert half in unverified, calls
-            unverified.discard(half)
+            assert part in unverified, calls
+            unverified.discard(part)
     assert not unverified, calls
     assert _landed(r, keys, [40, 41, 42, 43]) == [True] * 4
     _complete(r, keys, ctx)
+
+
+def test_every_bounce_part_is_read_into_before_the_first_verification(
+    runner, monkeypatch
+):
+    """With the bounce area cut into four parts, a four-batch load has all
+    four reads in flight before the first batch is verified: the load
+    pipelines over every part, not two halves."""
+    from kvtier.connector.worker import bounce_parts
+
+    r = runner
+    keys = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
+    reader = r.worker.reader
+    reader.capacity = 4
+    monkeypatch.setattr(bounce_parts, "PART_BYTES", reader.slot_size)
+    assert bounce_parts.bounce_parts(reader.capacity, reader.slot_size) == (4, 1)
+    calls: list[str] = []
+    real_submit, real_complete = reader.submit, reader.complete
+
+    def submit(items, first_row=0):
+        calls.append(f"read@{first_row}")
+        return real_submit(items, first_row=first_row)
+
+    def complete(pending):
+        calls.append(f"verify@{pending.first_row}")
+        return real_complete(pending)
+
+    reader.submit, reader.complete = submit, complete
+    ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
+    assert [d.success for d in wait_finished(r.worker)] == [True]
+    assert calls[:4] == ["read@0", "read@1", "read@2", "read@3"], calls
+    assert sorted(calls[4:]) == [f"verify@{i}" for i in range(4)], calls
+    assert _landed(r, keys, [40, 41, 42, 43]) == [True] * 4
+    _complete(r, keys, ctx)
+
+
+@pytest.mark.parametrize(
+    "capacity, slot, expected",
+    [
+        (127, 516 << 10, (8, 15)),  # 64 MiB of 512 KiB blocks: ~8 MiB parts
+        (2, 516 << 10, (2, 1)),  # two slots: still read one, verify the other
+        (1, 516 << 10, (1, 1)),
+        (3, 64 << 20, (3, 1)),  # slots over a part's size: one each
+        (2047, 516 << 10, (16, 127)),  # a large area: larger parts, not more
+        (64, 4 << 10, (2, 32)),  # small slots: at least two parts
+    ],
+)
+def test_bounce_part_sizes(capacity, slot, expected):
+    from kvtier.connector.worker.bounce_parts import bounce_parts
+
+    assert bounce_parts(capacity, slot) == expected
 
 
 @pytest.mark.parametrize("fault", ["eio", "short", "bit-flip"])
@@ -238,7 +289,7 @@ def _record_reads(r: RequestRunner, jobs: dict[bytes, int]) -> list[int]:
 
 def test_jobs_take_turns_and_expedited_loads_go_first(runner, plan):
     """While job 1's read is held, job 3 (expedited) and then job 2 are read
-    through the other bounce half and finish: no job waits for another's
+    through the other bounce part and finish: no job waits for another's
     disk."""
     r = runner
     first = push_to_disk(r, [1, 2], others="bcdef")
@@ -285,10 +336,11 @@ def test_jobs_take_turns_and_expedited_loads_go_first(runner, plan):
 
 def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplog):
     """A read that does not return costs its batch (reported failed after
-    ``stall_s``) and, until it returns, its bounce half: later loads go
-    through the other half; with both halves held, disk blocks fail at once
+    ``stall_s``) and, until it returns, its bounce part: later loads go
+    through the other part; with both parts held, disk blocks fail at once
     while CPU-tier rows still load; once the reads return, all is well."""
     r = runner
+    r.worker.reader.capacity = 4  # two parts of two slots
     first = push_to_disk(r, [1, 2], others="bcdef")
     second, third, fourth = (r.keys(n, 4)[:2] for n in "bcd")
     on_cpu = r.store("z", [30, 31])
@@ -308,7 +360,7 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
                 assert error.keys == keys  # the stalled reads' blocks
                 _complete(r, keys, ctx, error)
             assert sum("have not returned" in m for m in caplog.messages) == 2
-            # Both halves wait for their reads: a disk block fails at once
+            # Both parts wait for their reads: a disk block fails at once
             # (long before any deadline), a CPU-tier row still loads.
             mixed = on_cpu + third
             started = time.monotonic()
@@ -322,7 +374,7 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
             _complete(r, mixed, ctx3, error)
     finally:
         release.set()
-    # The reads return: their halves are used again, and they wrote nothing
+    # The reads return: their parts are used again, and they wrote nothing
     # where vLLM might look.
     plan.remove(rule)
     assert not any(_landed(r, first + second, [40, 41, 44, 45]))
@@ -336,7 +388,7 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
 def test_a_job_that_raises_never_waits_for_its_held_read(runner, plan, monkeypatch):
     """Job 1's first batch raises while its second batch's read is held:
     the job fails at once (the held read is set aside, not waited for) and
-    job 2 loads through the other half."""
+    job 2 loads through the other part."""
     r = runner
     keys = push_to_disk(r, [1, 2], others="bcdef")
     second = r.keys("b", 4)[:2]

@@ -187,8 +187,8 @@ def test_a_job_is_reported_only_when_every_transfer_landed(runner):
     with landing_at_once(r):
         keys = push_to_disk(r, [1, 2, 3, 4])
     late = r.worker.loads.copies
-    # Two bounce halves of one slot: four chunks, four transfers. The third
-    # and fourth reads reuse a half: each waits for the copy of the chunk
+    # Two bounce parts of one slot: four chunks, four transfers. The third
+    # and fourth reads reuse a part: each waits for the copy of the chunk
     # that was in it, which lands only on a later poll (checked at every
     # read, see _guard_reads).
     r.worker.reader.capacity = 2
@@ -216,9 +216,9 @@ def test_a_job_is_reported_only_when_every_transfer_landed(runner):
     assert [(d.job_id, d.success) for d in seen] == [(7, True)]
     assert in_flight_at_return == [[]]
     assert late.landed == [1, 2, 3, 4] and not late.queued
-    # Which half the third and fourth reads reuse depends on which chunk's
-    # read returned (and copy landed) first: a slow first read may hold half
-    # 0 while half 1 serves both.
+    # Which part the third and fourth reads reuse depends on which chunk's
+    # read returned (and copy landed) first: a slow first read may hold part
+    # 0 while part 1 serves both.
     assert reads[:2] == [(0, 1), (1, 1)] and len(reads) == 4
     assert set(reads) == {(0, 1), (1, 1)}
     assert seen[0].transfer_size == 4 * r.worker.block_bytes[0]
@@ -263,9 +263,9 @@ def test_the_next_disk_read_waits_for_copies_still_reading_the_bounce_area(runne
     second, third = r.keys("b", 4)[:2], r.keys("c", 4)[:2]
     on_disk = [r.manager.hierarchy.lookup(k).name for k in second + third]
     assert on_disk == ["HIT_DISK"] * 4
-    r.worker.reader.capacity = 4  # two halves of two slots
+    r.worker.reader.capacity = 4  # two parts of two slots
     reads = _guard_reads(r, late)
-    # Three jobs in flight at once: job 3 reads into the half of job 1 or of
+    # Three jobs in flight at once: job 3 reads into the part of job 1 or of
     # job 2 (whichever's read returned and copy landed first), so only after
     # that job's copy landed (checked at the read, see _guard_reads).
     ctx_a = _submit_disk_load(r, "a", first, [40, 41], job_id=1)
@@ -335,7 +335,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
         on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
         on_cpu = r.store("z", [30, 31])
     late_cpu, late = r.worker.copies, r.worker.loads.copies
-    r.worker.reader.capacity = 2  # two halves of one slot: a read per block
+    r.worker.reader.capacity = 2  # two parts of one slot: a read per block
     keys = on_cpu + on_disk[:3]
     gpu_blocks = [50, 51, 52, 53, 54]
     assert r.lookup("mixed", keys) == len(keys)
@@ -389,7 +389,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     assert [h.lookup(k).name for k in on_cpu] == ["HIT_CPU"] * 2
     assert h.num_loads == 0
 
-    # The next jobs work, through both halves of the bounce area; the same
+    # The next jobs work, through both parts of the bounce area; the same
     # cause raising again is counted and logged at debug only.
     monkeypatch.setattr(r.worker.reader, "complete", real_complete)
     second = r.keys("b", 4)[:2]
@@ -424,7 +424,7 @@ def test_a_batch_copy_that_raises_fails_its_job_not_the_engine(runner, monkeypat
     """On accelerators the load thread issues a verified batch's copies; an
     exception there (vLLM's handler, the scatter) fails that job whole, is
     reported once the copies it issued landed, never leaves
-    ``get_finished``, and the bounce halves go back."""
+    ``get_finished``, and the bounce parts go back."""
     r = runner
     with landing_at_once(r):
         on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
@@ -455,7 +455,7 @@ def test_a_batch_copy_that_raises_fails_its_job_not_the_engine(runner, monkeypat
     )
     r.manager.complete_load(on_disk[:3], ctx)
     r.manager.on_request_finished(ctx)
-    # Both halves serve the next job.
+    # Both parts serve the next job.
     monkeypatch.setattr(late, "submit", real_submit)
     ctx = _submit_disk_load(r, "a2", on_disk, [56, 57, 58, 59], job_id=10)
     assert [d.success for d in _poll_until(r, {10})[0]] == [True]

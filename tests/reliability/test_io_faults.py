@@ -403,8 +403,8 @@ def test_failed_jobs_drive_the_hierarchy(
 def test_reads_into_part_of_the_bounce_area_leave_the_rest_alone(
     make_rig: Callable[..., Rig],
 ) -> None:
-    # The worker double-buffers the bounce area on accelerators: a read into
-    # one half must not touch the other, whose rows copies may still read.
+    # The load thread reads into parts of the bounce area: a read into
+    # one part must not touch the others, whose rows copies may still read.
     rig = make_rig()
     keys = [key_of(i) for i in range(4)]
     for slot, key in enumerate(keys):
@@ -427,7 +427,7 @@ def test_reads_into_part_of_the_bounce_area_leave_the_rest_alone(
         assert sorted(r.row for r in high) == [2, 3]
         for slot, r in zip((3, 2), high):
             assert np.array_equal(reader.rows[r.row], pattern(keys[slot]))
-        for slot in (0, 1):  # the first half still holds its blocks
+        for slot in (0, 1):  # the first part still holds its blocks
             assert np.array_equal(reader.rows[slot], pattern(keys[slot]))
         with pytest.raises(ValueError, match="exceed capacity"):
             reader.read([(0, keys[0]), (1, keys[1])], first_row=3)

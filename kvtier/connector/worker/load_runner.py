@@ -6,13 +6,13 @@ steps; every running request waits for what it does there (vLLM 0.33:
 "Submission itself must still not block"). The worker only plans a load
 there and hands its :class:`~kvtier.connector.worker.load_task.LoadTask` to
 this thread, which reads the disk slots batch by batch into the reader's
-bounce area, pipelined over the area's two halves (batch k+1 is read while
+bounce area, pipelined over the area's parts (later batches are read while
 batch k is verified and copied), verifies every slot, copies a verified
 block with a promotion row into that CPU row, and copies the batch into the
 KV cache: itself on the CPU platform (CPU-tier rows too), on accelerators
 by issuing its transfers on vLLM's handlers from a stream of its own that
 follows the model's stream as it was at ``submit_load`` (the task's
-``after``). A half is read into again, and a task goes back, only once the
+``after``). A part is read into again, and a task goes back, only once the
 transfers reading it landed: the model runner's thread only collects
 finished tasks (issuing the transfers there had cost 45-57 ms per loaded
 GiB on an H200: docs/benchmarks.md, "GPU").
@@ -28,7 +28,7 @@ holds, so a CPU-tier hit or a short prefix never waits for a long prefix to
 come off disk; expedited loads (vLLM 0.33's synchronous loads, waited on
 within the step) take the next unit. A read that does not return within
 ``LoadRunner.stall_s`` costs its blocks (reported failed) and, until it
-returns, its bounce half; with every half held so, disk blocks fail at once
+returns, its bounce part; with every part held so, disk blocks fail at once
 (a recompute) while CPU-row copies go on.
 
 Finished tasks travel back through :meth:`LoadRunner.take`.
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from kvtier.connector.worker.bounce_halves import BounceHalves
+from kvtier.connector.worker.bounce_parts import BounceParts, bounce_parts
 from kvtier.connector.worker.job_plan import select_rows
 from kvtier.connector.worker.load_task import LoadTask, ReadBatch
 from kvtier.connector.worker.thread_priority import lower_thread_priority
@@ -71,6 +71,10 @@ READ_STALL_S = 15.0
 # How long the thread blocks at a time on a read or on an idle queue before
 # it looks again at stalls, cancellations and new work.
 POLL_S = 0.05
+# About how many bytes of CPU-row copies make one unit of work: the thread
+# takes turns between jobs per unit, so a long CPU-tier hit never holds up
+# a short one for long, while a copy still moves tens of MiB per call.
+HOST_UNIT_BYTES = 32 << 20
 
 
 class LoadRunner:
@@ -83,7 +87,7 @@ class LoadRunner:
         the last call. Every submitted task comes back exactly once, also
         when it raised, was cancelled or its reads stalled, unless the
         runner was stopped first; never while a copy it issued is in flight.
-      - The thread never reads into a bounce half while a copy reads it.
+      - The thread never reads into a bounce part while a copy reads it.
       - :meth:`cancel` returns once the thread issues nothing more for the
         task (a copy under way finishes first; one in flight on the device
         lands before the task comes back).
@@ -119,18 +123,29 @@ class LoadRunner:
         self._urgent: deque[LoadTask] = deque()  # expedited, first come first
         self._tasks: deque[LoadTask] = deque()  # the others, taking turns
         self._inflight: deque[ReadBatch] = deque()
-        self._bounce = BounceHalves()  # and the transfers in flight
+        self._bounce = BounceParts()  # and the transfers in flight
 
     @property
     def _in_use(self) -> int:
-        """Bounce halves the reads take turns in (one if a half would be
-        empty)."""
-        return 2 if self.reader is not None and self.reader.capacity >= 2 else 1
+        """Bounce parts the reads take turns in."""
+        return self._layout[0]
 
     @property
     def _per_read(self) -> int:
-        """Blocks per read batch (per unit of CPU-row copies without disk)."""
-        return self.reader.capacity // self._in_use if self.reader is not None else 64
+        """Blocks per read batch (one bounce part)."""
+        return self._layout[1]
+
+    @property
+    def _layout(self) -> tuple[int, int]:
+        reader = self.reader
+        if reader is None:
+            return 1, 1
+        return bounce_parts(reader.capacity, reader.slot_size)
+
+    @property
+    def _per_host_unit(self) -> int:
+        """Blocks per unit of CPU-row copies."""
+        return max(1, HOST_UNIT_BYTES // max([1, *self.block_bytes]))
 
     # ------------------------------------------------- worker's thread side
 
@@ -244,7 +259,7 @@ class LoadRunner:
 
     def _hold(self, task: LoadTask) -> None:
         """Take a submitted task in, its work cut into units."""
-        task.cut(self._per_read)
+        task.cut(self._per_host_unit)
         (self._urgent if task.expedited else self._tasks).append(task)
 
     def _pick(self) -> LoadTask | None:
@@ -276,7 +291,7 @@ class LoadRunner:
         if task.disk_left is None or not len(task.disk_left):
             return False
         if len(self._bounce.stuck) >= self._in_use:
-            return True  # every half held by a hung read: fails at once
+            return True  # every part held by a hung read: fails at once
         return self._bounce.any_free(self._in_use)
 
     def _unit(self, task: LoadTask) -> None:
@@ -303,22 +318,22 @@ class LoadRunner:
             task.disk_left[self._per_read :],
         )
         if len(self._bounce.stuck) >= self._in_use:
-            task.failed[batch] = True  # no half left to read into
+            task.failed[batch] = True  # no part left to read into
             return
         reader = self.reader
         assert reader is not None
-        half = self._bounce.take(self._in_use)
+        part = self._bounce.take(self._in_use)
         try:
             spec = task.spec
             read = reader.submit(
                 [(int(spec.block_ids[p]), spec.keys[p]) for p in batch],
-                first_row=half * self._per_read,
+                first_row=part * self._per_read,
             )
         except BaseException:
-            self._bounce.release(half)
+            self._bounce.release(part)
             raise
         task.batches += 1
-        self._inflight.append(ReadBatch(task, read, batch, half, time.monotonic()))
+        self._inflight.append(ReadBatch(task, read, batch, part, time.monotonic()))
 
     def _finish_ready(self) -> bool:
         """Finish a batch whose reads returned (the oldest first), if any."""
@@ -347,8 +362,8 @@ class LoadRunner:
     def _finish(self, batch: ReadBatch) -> None:
         """Verify a batch whose reads returned, copy its promotions, and copy
         it into the KV cache (or issue those copies); an exception fails its
-        task whole. The half goes back once no copy reads it."""
-        reader, task, half = self.reader, batch.task, batch.half
+        task whole. The part goes back once no copy reads it."""
+        reader, task, part = self.reader, batch.task, batch.part
         assert reader is not None and task.spec is not None
         task.batches -= 1
         try:
@@ -362,18 +377,18 @@ class LoadRunner:
                     mask = rows >= 0
                     if mask.any():
                         plan = select_rows(gp.plan, mask, rows[mask])
-                        self._copy(task, MEDIUM_DISK, gp.group, plan, half)
+                        self._copy(task, MEDIUM_DISK, gp.group, plan, part)
         except BaseException as exc:
             self._fail(task, exc)
         finally:
-            if not self._bounce.read_by_copies(half):
-                self._bounce.release(half)
+            if not self._bounce.read_by_copies(part):
+                self._bounce.release(part)
 
     def _copy(
-        self, task: LoadTask, area: str, group: int, plan: CopyPlan, half: int | None
+        self, task: LoadTask, area: str, group: int, plan: CopyPlan, part: int | None
     ) -> None:
         """Copy ``plan`` into the KV cache for ``task`` (or issue the copy:
-        the transfer is tracked until it lands, with the bounce ``half`` it
+        the transfer is tracked until it lands, with the bounce ``part`` it
         reads)."""
         if task.after is not None:
             self.copies.follow(task.after)
@@ -381,11 +396,11 @@ class LoadRunner:
         transfer = self.copies.submit(area, group, plan, False, task.expedited)
         task.nbytes += len(plan) * self.block_bytes[group]
         if transfer is not None:
-            self._bounce.issued(transfer, task, half)
+            self._bounce.issued(transfer, task, part)
 
     def _land(self) -> None:
         """Note the transfers that landed: their tasks may finish, their
-        halves be read into again."""
+        parts be read into again."""
         if not self._bounce.idle():
             self._bounce.landed(self.copies.poll())
 

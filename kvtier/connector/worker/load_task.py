@@ -121,10 +121,10 @@ class LoadTask:
 @dataclass(eq=False)
 class ReadBatch:
     """A read batch in flight: its task, the reader's handle, the spec
-    positions it reads, the bounce half it reads into, when it started."""
+    positions it reads, the bounce part it reads into, when it started."""
 
     task: LoadTask
     read: PendingRead | PendingStage
     positions: np.ndarray
-    half: int
+    part: int
     since: float
