@@ -22,6 +22,7 @@ DISK_IO_CHOICES = ("auto", "posix", "kvikio")
 MAX_DISK_IO_THREADS = 256
 COMPRESSION_CHOICES = ("none", "zstd")
 LOAD_PATH_CHOICES = ("host", "device")
+READ_PROCESS_CHOICES = ("auto", "off")
 # The eviction policies registered when this module is imported (the
 # built-ins of kvtier.tiers.policy), as the key docs below list them.
 # parse_extra_config asks the registry itself, so it also accepts a policy
@@ -151,6 +152,12 @@ KEYS: tuple[KeySpec, ...] = (
         "host | device",
     ),
     KeySpec(
+        "disk_read_process",
+        "Whether a worker reads and verifies disk hits in a child process of its own (kvtier.io.read_process: a shared bounce area, one message per batch), so the reads and checks do not compete with the engine's loop for the interpreter lock: auto (on the CPU platform with disk_load_path host; elsewhere in the worker's process) or off (always in the worker's process).",
+        "auto",
+        "auto | off",
+    ),
+    KeySpec(
         "sync_load_budget_bytes",
         "KV bytes per step (per worker) that vLLM may load within the step that schedules a hit, instead of holding the request for a step; vLLM >= 0.33, 0 = off. Refused on vLLM 0.32, and with a disk tier on a model with several KV-cache groups (docs/compatibility.md).",
         0,
@@ -212,6 +219,7 @@ class KvtierConfig:
     disk_io_threads: int = 4
     disk_load_buffer_bytes: int = 64 << 20
     disk_load_path: str = "host"
+    disk_read_process: str = "auto"
     sync_load_budget_bytes: int = 0  # read by vLLM >= 0.33
 
     @property
@@ -335,6 +343,9 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
         ),
         disk_load_buffer_bytes=_int(extra, "disk_load_buffer_bytes", 64 << 20, 1 << 20),
         disk_load_path=_choice(extra, "disk_load_path", "host", LOAD_PATH_CHOICES),
+        disk_read_process=_choice(
+            extra, "disk_read_process", "auto", READ_PROCESS_CHOICES
+        ),
         sync_load_budget_bytes=_int(extra, "sync_load_budget_bytes", 0, 0),
     )
     if cfg.disk_load_path == "device" and cfg.disk_compression != "none":

@@ -345,12 +345,25 @@ class TieredOffloadingSpec(OffloadingSpec):
             self.fingerprint(self.rank),
             backend,
         )
+        device = kv_caches.tensors[0].tensor.device
         try:
             if cfg.disk_load_path == "device":
-                device = kv_caches.tensors[0].tensor.device
                 capacity = max(1, cfg.disk_load_buffer_bytes // slot_size(self.block_bytes))
                 return DeviceStagingReader(
                     *args, device=device, capacity=capacity, owns_backend=True
+                )
+            if cfg.disk_read_process == "auto" and device.type == "cpu":
+                # Reads and checks beside the engine, not under its
+                # interpreter lock (docs/benchmarks.md, "Engine step
+                # stalls"). On accelerators the area must be page-locked:
+                # read in this process there.
+                from kvtier.io.read_process import ReadProcess
+
+                return ReadProcess(
+                    *args,
+                    disk_io=cfg.disk_io,
+                    threads=cfg.disk_io_threads,
+                    bounce_bytes=cfg.disk_load_buffer_bytes,
                 )
             return SlotReader(*args, bounce_bytes=cfg.disk_load_buffer_bytes, pin=True)
         except BaseException:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.io.backend import DiskBackend
+from kvtier.io.backend import IO_ALIGNMENT, DiskBackend
 from kvtier.io.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
 from kvtier.io.layout import (
     ReadOutcome,
@@ -102,7 +102,12 @@ class SlotReader:
         bounce_bytes: int = 64 << 20,
         pin: bool = False,
         owns_backend: bool = True,
+        area: np.ndarray | None = None,
     ) -> None:
+        """``area``: read into this memory (uint8, 4 KiB-aligned, whole slots:
+        e.g. a mapping shared with another process) instead of a bounce area
+        of ``bounce_bytes`` of its own; the caller keeps it mapped until
+        :meth:`close`."""
         if isinstance(paths, str):
             paths = [paths]
         if not paths or num_slots < 1 or block_bytes < 1:
@@ -119,8 +124,19 @@ class SlotReader:
         self.block_bytes = block_bytes
         self.slot_size = slot_size(block_bytes)
         self._digest = fingerprint.digest()
-        self.capacity = max(1, bounce_bytes // self.slot_size)
-        area, self._area_owner = bounce_area(self.capacity * self.slot_size, pin=pin)
+        if area is not None:
+            if area.dtype != np.uint8 or area.ctypes.data % IO_ALIGNMENT:
+                raise ValueError("area must be uint8 memory aligned to IO_ALIGNMENT")
+            if area.nbytes < self.slot_size:
+                raise ValueError(f"area of {area.nbytes} B holds no slot of {self.slot_size} B")
+            self.capacity = area.nbytes // self.slot_size
+            area = area.reshape(-1)[: self.capacity * self.slot_size]
+            self._area_owner = None
+        else:
+            self.capacity = max(1, bounce_bytes // self.slot_size)
+            area, self._area_owner = bounce_area(
+                self.capacity * self.slot_size, pin=pin
+            )
         # Page-locked (torch's pinned allocator), so device copies from it
         # are asynchronous and vLLM's copy path may read it from the GPU.
         self.pinned = self._area_owner is not None

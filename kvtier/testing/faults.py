@@ -233,10 +233,12 @@ class FaultInjectingBackend(DiskBackend):
 def inject_faults(monkeypatch: Any, plan: FaultPlan) -> FaultPlan:
     """Wrap every disk back end kvtier builds from now on (the scheduler's
     spills and the workers' loads) in a :class:`FaultInjectingBackend`
-    driven by ``plan``; ``monkeypatch`` (pytest's) undoes it. Returns
+    driven by ``plan`` (a worker's reads stay in its own process: see
+    ``ReadProcess.spawn``); ``monkeypatch`` (pytest's) undoes it. Returns
     ``plan``, empty until a test adds a rule."""
     from kvtier.io import backends as backends_module
     from kvtier.io import disk_store as disk_store_module
+    from kvtier.io import read_process as read_process_module
 
     real = backends_module.make_backend
 
@@ -245,4 +247,7 @@ def inject_faults(monkeypatch: Any, plan: FaultPlan) -> FaultPlan:
 
     monkeypatch.setattr(disk_store_module, "make_backend", faulty)
     monkeypatch.setattr(backends_module, "make_backend", faulty)
+    # A worker's read process would read with a back end of its own, out of
+    # the plan's reach: under a plan, its reads stay in the worker's process.
+    monkeypatch.setattr(read_process_module.ReadProcess, "spawn", False)
     return plan

@@ -14,6 +14,7 @@ transfers landed."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -263,14 +264,22 @@ def test_the_next_disk_read_waits_for_copies_still_reading_the_bounce_area(runne
     second, third = r.keys("b", 4)[:2], r.keys("c", 4)[:2]
     on_disk = [r.manager.hierarchy.lookup(k).name for k in second + third]
     assert on_disk == ["HIT_DISK"] * 4
-    r.worker.reader.capacity = 4  # two parts of two slots
+    reader = r.worker.reader
+    reader.capacity = 4  # two parts of two slots
     reads = _guard_reads(r, late)
+    # No read returns before all three jobs are in: jobs 1 and 2 take a
+    # part each, whatever the threads' timing.
+    gate = threading.Event()
+    real_ready, real_wait = reader.ready, reader.wait
+    reader.ready = lambda p: gate.is_set() and real_ready(p)
+    reader.wait = lambda p, timeout: gate.wait(timeout) and real_wait(p, timeout)
     # Three jobs in flight at once: job 3 reads into the part of job 1 or of
     # job 2 (whichever's read returned and copy landed first), so only after
     # that job's copy landed (checked at the read, see _guard_reads).
     ctx_a = _submit_disk_load(r, "a", first, [40, 41], job_id=1)
     ctx_b = _submit_disk_load(r, "b", second, [44, 45], job_id=2)
     ctx_c = _submit_disk_load(r, "c", third, [48, 49], job_id=3)
+    gate.set()
     done, _ = _poll_until(r, {1, 2, 3})
     assert all(d.success for d in done)
     assert reads[:2] == [(0, 2), (2, 2)] and reads[2] in reads[:2]

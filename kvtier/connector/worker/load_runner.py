@@ -215,6 +215,9 @@ class LoadRunner:
                 # model's work. Each task's copies follow its ``after`` mark.
                 torch.cuda.set_stream(torch.cuda.Stream(device))
             if self.reader is not None:
+                start = getattr(self.reader, "start", None)
+                if start is not None:
+                    start()  # a read process (kvtier.io.read_process)
                 self.reader.files.open_all()
             while self._turn():
                 pass

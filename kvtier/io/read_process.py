@@ -1,0 +1,421 @@
+"""Disk reads of loads, and their verification, in a process of their own.
+
+A :class:`ReadProcess` is a :class:`~kvtier.io.slot_reader.SlotReader` for
+the worker's load thread whose reads and checks run in a child process
+(``python -m kvtier.io.read_process``): the bounce area is a memory file
+(``memfd``) both processes map, the child reads slots into it with its own
+back end and verifies them with the same ``SlotReader`` code, and sends back
+one message per batch (each slot's outcome and row). The engine's process
+keeps only what must touch its memory: copying verified rows into the KV
+cache.
+
+Why: the engine's loop and the load thread share one interpreter lock, and
+every read returning, every slot's checksum and header check takes it back
+from the loop (on a 2-core VM a decoding step stretched 3-4x while a
+256 MiB prefix loaded; docs/benchmarks.md, "Engine step stalls"). In a
+process of its own the reads and checks cost the engine's process one
+message per batch. O_DIRECT reads issued in the engine's process also
+stalled it more than the same reads issued from another process.
+
+Contract (beyond ``SlotReader``'s, whose methods it has):
+  - The child starts in :meth:`start` (the load thread's first turn), not at
+    construction; until it says it is ready, batches are read in this
+    process by a ``SlotReader`` over the same area (the same outcomes).
+  - If the child dies or its pipe breaks, the batches it held fail as
+    IO_ERROR (their blocks are recomputed, never served), it is reaped, and
+    later batches are read in this process: a missing child costs speed,
+    never a load.
+  - A batch's rows are written by one process only, and only until its
+    outcome arrived (or the child is known dead): the rule the load thread
+    already follows for rows in flight.
+  - The child holds nothing beyond its own fds: it exits when the worker's
+    end of the request pipe closes (:meth:`close`, or the worker's process
+    dying) and, on Linux, is killed with its parent (``PR_SET_PDEATHSIG``).
+  - Used by one thread (the load thread); ``stats()`` from any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, field
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from kvtier.io.backend import DiskBackend
+from kvtier.io.format import LayoutFingerprint, slot_size
+from kvtier.io.layout import ReadOutcome
+from kvtier.io.slab_files import SlotReaderStats
+from kvtier.io.slot_reader import PendingRead, SlotRead, SlotReader
+
+logger = logging.getLogger("kvtier.io")
+
+# How long close() waits for the child to exit before it kills it.
+CLOSE_WAIT_S = 5.0
+# How long a blocking wait sleeps in one poll of the pipe.
+POLL_S = 0.05
+
+
+@dataclass(eq=False)
+class ProcessRead:
+    """A batch handed to the child: its id and items; ``result`` once the
+    child answered (``[]`` standing for "every item failed")."""
+
+    rid: int
+    items: list[tuple[int, bytes]]
+    first_row: int
+    result: list[SlotRead] | None = field(default=None)
+
+
+class ReadProcess:
+    """Reads and verifies disk slots in a child process (see the module doc).
+
+    ``spawn`` False (a class attribute, for tests whose back end must see
+    every read) keeps every read in this process.
+    """
+
+    spawn = True
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        num_slots: int,
+        block_bytes: int,
+        fingerprint: LayoutFingerprint,
+        backend: DiskBackend,
+        *,
+        disk_io: str,
+        threads: int,
+        bounce_bytes: int = 64 << 20,
+    ) -> None:
+        self.slot_size = slot_size(block_bytes)
+        capacity = max(1, bounce_bytes // self.slot_size)
+        nbytes = capacity * self.slot_size
+        self._fd = os.memfd_create("kvtier-bounce", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, nbytes)
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED)
+        except OSError as exc:
+            os.close(self._fd)
+            raise MemoryError(
+                f"kvtier: the disk load bounce area of {nbytes} B cannot be "
+                f"allocated ({exc}); lower disk_load_buffer_bytes"
+            ) from exc
+        except BaseException:
+            os.close(self._fd)
+            raise
+        area = np.frombuffer(self._map, dtype=np.uint8)
+        area.fill(0)  # its pages in now, not during the first load
+        # Reads here while the child starts, and after it is gone.
+        self._local = SlotReader(
+            paths, num_slots, block_bytes, fingerprint, backend, area=area
+        )
+        del area
+        self.capacity = self._local.capacity
+        self.rows = self._local.rows
+        self.pinned = False
+        self.files = self._local.files
+        self._child_config = {
+            "paths": list(paths),
+            "num_slots": num_slots,
+            "block_bytes": block_bytes,
+            "fingerprint": fingerprint,
+            "disk_io": disk_io,
+            "threads": threads,
+            "nbytes": nbytes,
+        }
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._send: Connection | None = None
+        self._recv: Connection | None = None
+        self._ready = False
+        self._next = 0
+        self._held: dict[int, ProcessRead] = {}
+        self._child_stats = SlotReaderStats()
+        self._stats_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the child (once); batches go to it once it is ready."""
+        if self._proc is not None or self._closed or not self.spawn:
+            return
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvtier.io.read_process",
+                    str(os.getpid()),
+                    str(self._fd),
+                    str(req_r),
+                    str(resp_w),
+                ],
+                pass_fds=(self._fd, req_r, resp_w),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            for fd in (req_r, req_w, resp_r, resp_w):
+                os.close(fd)
+            logger.warning(
+                "kvtier: no read process (%s); loads read in the engine", exc
+            )
+            return
+        finally:
+            if self._proc is not None:
+                os.close(req_r)
+                os.close(resp_w)
+        self._send = Connection(req_w, readable=False)
+        self._recv = Connection(resp_r, writable=False)
+        try:
+            self._send.send(self._child_config)
+        except OSError:
+            self._lost("its pipe broke at start")
+
+    def close(self) -> None:
+        """Stop the child (waits up to ``CLOSE_WAIT_S``), then unmap."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._send is not None:
+            self._send.close()
+        if self._proc is not None:
+            try:
+                self._proc.wait(CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._recv is not None:
+            self._recv.close()
+        self._local.close()
+        # Unmapped once the last view is gone (the worker's copy paths may
+        # still hold views of the rows); the memory file goes with the fd.
+        self.rows = None
+        self._map = None
+        os.close(self._fd)
+
+    @property
+    def running(self) -> bool:
+        """Whether batches go to the child (it said it is ready)."""
+        return self._ready
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, while there is one."""
+        proc = self._proc
+        return None if proc is None or proc.returncode is not None else proc.pid
+
+    def stats(self) -> SlotReaderStats:
+        local = self._local.stats()
+        with self._stats_lock:
+            child = self._child_stats
+        return SlotReaderStats(*(a + b for a, b in zip(astuple(local), astuple(child))))
+
+    # ------------------------------------------------------------ the reads
+
+    def read(
+        self, items: Sequence[tuple[int, bytes]], first_row: int = 0
+    ) -> list[SlotRead]:
+        return self.complete(self.submit(items, first_row))
+
+    def submit(
+        self, items: Sequence[tuple[int, bytes]], first_row: int = 0
+    ) -> ProcessRead | PendingRead:
+        self.poll(0.0)
+        if not self._ready or self._send is None:
+            return self._local.submit(items, first_row)
+        if not 0 <= first_row <= self.capacity - len(items):
+            raise ValueError(
+                f"{len(items)} slots from row {first_row} exceed capacity "
+                f"{self.capacity}"
+            )
+        self._next += 1
+        read = ProcessRead(self._next, list(items), first_row)
+        self._held[read.rid] = read
+        try:
+            self._send.send((read.rid, read.items, first_row))
+        except OSError:
+            self._lost("its pipe broke")
+        return read
+
+    def ready(self, pending: ProcessRead | PendingRead) -> bool:
+        if isinstance(pending, PendingRead):
+            return self._local.ready(pending)
+        self.poll(0.0)
+        return pending.result is not None
+
+    def wait(self, pending: ProcessRead | PendingRead, timeout: float) -> bool:
+        if isinstance(pending, PendingRead):
+            return self._local.wait(pending, timeout)
+        deadline = time.monotonic() + timeout
+        while pending.result is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.poll(left)
+        return True
+
+    def complete(self, pending: ProcessRead | PendingRead) -> list[SlotRead]:
+        if isinstance(pending, PendingRead):
+            return self._local.complete(pending)
+        while pending.result is None:
+            self.poll(POLL_S)
+        if not pending.result and pending.items:
+            return [SlotRead(ReadOutcome.IO_ERROR, -1) for _ in pending.items]
+        return pending.result
+
+    def abandon(self, pending: ProcessRead | PendingRead) -> None:
+        if isinstance(pending, PendingRead):
+            self._local.abandon(pending)
+            return
+        while pending.result is None:
+            self.poll(POLL_S)
+
+    # ------------------------------------------------------------ internals
+
+    def poll(self, timeout: float) -> None:
+        """Take the child's messages (waiting up to ``timeout`` for one)."""
+        recv = self._recv
+        if recv is None:
+            return
+        try:
+            if not recv.poll(timeout):
+                return
+            while True:
+                msg = recv.recv()
+                if msg[0] == "ready":
+                    self._ready = True
+                else:
+                    _, rid, codes, rows, stats = msg
+                    read = self._held.pop(rid, None)
+                    if read is not None:  # else no longer waited for
+                        read.result = [
+                            SlotRead(ReadOutcome(c), r) for c, r in zip(codes, rows)
+                        ]
+                    with self._stats_lock:
+                        self._child_stats = SlotReaderStats(*stats)
+                if not recv.poll(0):
+                    return
+        except (EOFError, OSError):
+            self._lost("it exited")
+
+    def _lost(self, why: str) -> None:
+        """The child is gone: reap it, fail what it held, read here from now."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if proc is not None:
+            proc.wait()
+        if not self._closed and not self._ready and not self._held:
+            logger.warning(
+                "kvtier: the read process did not start (%s, exit status %s); "
+                "loads read in the engine's process",
+                why,
+                None if proc is None else proc.returncode,
+            )
+        elif not self._closed:
+            logger.error(
+                "kvtier: the read process stopped (%s, exit status %s); %d batches "
+                "in flight are recomputed, later loads read in the engine's process",
+                why,
+                None if proc is None else proc.returncode,
+                len(self._held),
+            )
+        for read in self._held.values():
+            read.result = []
+        self._held.clear()
+        self._ready = False
+        for conn in (self._send, self._recv):
+            if conn is not None:
+                conn.close()
+        self._send = self._recv = None
+
+
+# -- the child ---------------------------------------------------------------
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the thread that started it exits
+    (the worker's load thread, alive as long as the worker's loads)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it was gone before the line above
+        os._exit(0)
+
+
+def _serve(fd: int, req: Connection, resp: Connection) -> None:
+    from kvtier.io.backends import make_backend
+
+    cfg = req.recv()
+    shared = mmap.mmap(fd, cfg["nbytes"], mmap.MAP_SHARED)
+    area = np.frombuffer(shared, dtype=np.uint8)
+    backend = make_backend(cfg["disk_io"], threads=cfg["threads"])
+    reader = SlotReader(
+        cfg["paths"],
+        cfg["num_slots"],
+        cfg["block_bytes"],
+        cfg["fingerprint"],
+        backend,
+        area=area,
+    )
+    reader.files.open_all()
+    resp.send(("ready",))
+    # One thread (the reader is single-threaded): start every batch that
+    # arrived, then verify and answer the oldest; the back end's threads
+    # read the others meanwhile.
+    started: deque[tuple[int, int, PendingRead | None]] = deque()
+    try:
+        while True:
+            while not started or req.poll(0):
+                rid, items, first_row = req.recv()  # EOFError: the worker left
+                try:
+                    pending = reader.submit(items, first_row)
+                except Exception:
+                    logger.exception("kvtier read process: a batch could not start")
+                    pending = None
+                started.append((rid, len(items), pending))
+            rid, count, pending = started.popleft()
+            out: list[SlotRead] = []
+            if pending is not None:
+                try:
+                    out = reader.complete(pending)
+                except Exception:
+                    logger.exception("kvtier read process: a batch raised")
+            codes = [r.outcome.value for r in out] or [
+                ReadOutcome.IO_ERROR.value
+            ] * count
+            rows = [r.row for r in out] or [-1] * count
+            resp.send(("done", rid, codes, rows, astuple(reader.stats())))
+    finally:
+        for _rid, _count, pending in started:
+            if pending is not None:
+                reader.abandon(pending)
+        reader.close()
+
+
+def main(argv: list[str]) -> int:
+    parent, fd, req_fd, resp_fd = (int(a) for a in argv[1:5])
+    _die_with_parent(parent)
+    req = Connection(req_fd, writable=False)
+    resp = Connection(resp_fd, readable=False)
+    with contextlib.suppress(BrokenPipeError, EOFError):
+        _serve(fd, req, resp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

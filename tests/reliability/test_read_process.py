@@ -1,0 +1,181 @@
+"""The worker's read process (kvtier.io.read_process): slots read and
+verified in a child process into a shared bounce area give the outcomes and
+bytes the in-process reader gives; a child that dies costs the batches it
+held (IO_ERROR: recomputed, never served) and later batches are read in the
+engine's process; closing ends the child within a deadline.
+
+Real files written by a real DiskStore, a real child process, real signals.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from reliability_common import Rig, key_of, pattern
+
+from kvtier.io import read_process
+from kvtier.io.format import HEADER_SIZE
+from kvtier.io.layout import ReadOutcome, slot_offset
+from kvtier.io.posix_backend import PosixBackend
+from kvtier.io.read_process import ProcessRead, ReadProcess
+from kvtier.io.slot_reader import PendingRead, SlotReader
+
+DEADLINE_S = 30.0
+
+
+def _written(rig: Rig, count: int) -> list[bytes]:
+    keys = [key_of(i) for i in range(count)]
+    for slot, key in enumerate(keys):
+        rig.store.write_block(slot, key, pattern(key), rig.store.next_seq())
+    return keys
+
+
+def _args(rig: Rig) -> tuple:
+    s = rig.store
+    return (s.paths, s.num_slots, s.block_bytes, s.fingerprint)
+
+
+def _reader(rig: Rig, **kw) -> ReadProcess:
+    return ReadProcess(
+        *_args(rig),
+        PosixBackend(threads=2),
+        disk_io="posix",
+        threads=2,
+        bounce_bytes=8 * rig.store.slot_size,
+        **kw,
+    )
+
+
+def _running(rp: ReadProcess) -> ReadProcess:
+    """Start the child and wait (with a deadline) until it takes batches."""
+    rp.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while not rp.running:
+        assert time.monotonic() < deadline, "the read process did not start"
+        rp.poll(0.05)
+    return rp
+
+
+def _flip_payload_byte(rig: Rig, reader: ReadProcess, slot: int) -> None:
+    path = reader.files.paths[0]
+    offset = slot_offset(slot, rig.store.slot_size) + HEADER_SIZE + 100
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0x40]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_the_child_reads_and_verifies_as_the_engines_process_would(
+    make_rig: Callable[..., Rig],
+) -> None:
+    rig = make_rig()
+    keys = _written(rig, 5)
+    rp = _running(_reader(rig))
+    try:
+        _flip_payload_byte(rig, rp, 2)  # corrupt on disk
+        items = [
+            (0, keys[0]),
+            (1, keys[1]),
+            (2, keys[2]),
+            (3, keys[0]),  # slot 3 holds another key
+            (4, keys[4]),
+            (5, key_of(5)),  # never written
+        ]
+        pending = rp.submit(items, first_row=1)
+        assert isinstance(pending, ProcessRead)  # the child read it
+        got = rp.complete(pending)
+        local = SlotReader(*_args(rig), PosixBackend(threads=1), bounce_bytes=8 << 20)
+        try:
+            want = local.read(items)
+        finally:
+            local.close()
+        outcomes = [r.outcome for r in got]
+        assert outcomes == [r.outcome for r in want]
+        assert outcomes == [
+            ReadOutcome.OK,
+            ReadOutcome.OK,
+            ReadOutcome.CHECKSUM_MISMATCH,
+            ReadOutcome.KEY_MISMATCH,
+            ReadOutcome.OK,
+            ReadOutcome.EMPTY,
+        ]
+        for (_slot, key), r in zip(items, got):
+            if r.outcome is ReadOutcome.OK:
+                assert 1 <= r.row < 7
+                assert np.array_equal(rp.rows[r.row], pattern(key))  # shared memory
+        stats = rp.stats()
+        assert stats.blocks_ok == 3 and stats.checksum_failures >= 1
+    finally:
+        rp.close()
+
+
+def test_a_dead_child_costs_its_batches_then_reads_stay_here(
+    make_rig: Callable[..., Rig], caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = make_rig()
+    keys = _written(rig, 4)
+    rp = _running(_reader(rig))
+    try:
+        pid = rp.pid
+        os.kill(pid, signal.SIGSTOP)  # holds the batch: no answer can come
+        held = rp.submit([(0, keys[0]), (1, keys[1])], first_row=0)
+        assert isinstance(held, ProcessRead)
+        assert not rp.ready(held)
+        with caplog.at_level("ERROR", logger="kvtier.io"):
+            os.kill(pid, signal.SIGKILL)
+            assert rp.wait(held, DEADLINE_S)
+        assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR] * 2
+        assert any("read process stopped" in m for m in caplog.messages)
+        assert not rp.running
+        later = rp.submit([(2, keys[2]), (3, keys[3])], first_row=2)
+        assert isinstance(later, PendingRead)  # read in this process
+        got = rp.complete(later)
+        assert [r.outcome for r in got] == [ReadOutcome.OK] * 2
+        for key, r in zip(keys[2:], got):
+            assert np.array_equal(rp.rows[r.row], pattern(key))
+    finally:
+        rp.close()
+
+
+def test_close_ends_even_a_stuck_child_within_its_deadline(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig = make_rig()
+    _written(rig, 1)
+    rp = _running(_reader(rig))
+    pid = rp.pid
+    os.kill(pid, signal.SIGSTOP)  # never sees its pipe close
+    monkeypatch.setattr(read_process, "CLOSE_WAIT_S", 0.2)
+    started = time.monotonic()
+    rp.close()
+    assert time.monotonic() - started < DEADLINE_S
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reaped: gone
+    rp.close()  # idempotent
+
+
+def test_without_a_child_every_read_is_made_here(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig = make_rig()
+    keys = _written(rig, 2)
+    monkeypatch.setattr(ReadProcess, "spawn", False)
+    rp = _reader(rig)
+    try:
+        rp.start()
+        assert rp.pid is None and not rp.running
+        pending = rp.submit([(0, keys[0]), (1, keys[1])])
+        assert isinstance(pending, PendingRead)
+        got = rp.complete(pending)
+        assert [r.outcome for r in got] == [ReadOutcome.OK] * 2
+        assert rp.stats().blocks_ok == 2
+    finally:
+        rp.close()
