@@ -208,7 +208,7 @@ def run_kvtier(h, model_dir: str, phases, args, disk_dir: str) -> dict[str, Any]
                 reader = get_kv_transfer_group().connector_worker.worker.reader
                 wd = manager.worker_totals
                 disk_io = {
-                    "backend": reader.backend.describe(),
+                    "backend": reader.describe(),
                     "write_bytes": runtime.totals.write_bytes,
                     "read_bytes": wd.read_bytes,
                     "read_seconds": wd.read_seconds,

@@ -122,6 +122,7 @@ class ReadProcess:
             paths, num_slots, block_bytes, fingerprint, backend, area=area
         )
         del area
+        self.backend = backend  # this process's (the child makes its own)
         self.capacity = self._local.capacity
         self.rows = self._local.rows
         self.pinned = False
@@ -217,6 +218,11 @@ class ReadProcess:
         """The child's process id, while there is one."""
         proc = self._proc
         return None if proc is None or proc.returncode is not None else proc.pid
+
+    def describe(self) -> str:
+        """Where the reads run, for logs and reports."""
+        where = f"read process {self.pid}" if self.running else "engine's process"
+        return f"{where}; {self.backend.describe()}"
 
     def stats(self) -> SlotReaderStats:
         local = self._local.stats()

@@ -225,6 +225,10 @@ class SlotReader:
     def stats(self) -> SlotReaderStats:
         return self.files.stats()
 
+    def describe(self) -> str:
+        """Where the reads run, for logs and reports."""
+        return self.backend.describe()
+
     def close(self) -> None:
         """Close the slab handles and, if owned, the back end. Idempotent."""
         if not self._closed:

@@ -89,6 +89,7 @@ def test_the_child_reads_and_verifies_as_the_engines_process_would(
             (4, keys[4]),
             (5, key_of(5)),  # never written
         ]
+        assert rp.describe().startswith(f"read process {rp.pid}; posix")
         pending = rp.submit(items, first_row=1)
         assert isinstance(pending, ProcessRead)  # the child read it
         got = rp.complete(pending)
@@ -172,6 +173,7 @@ def test_without_a_child_every_read_is_made_here(
     try:
         rp.start()
         assert rp.pid is None and not rp.running
+        assert rp.describe().startswith("engine's process; posix")
         pending = rp.submit([(0, keys[0]), (1, keys[1])])
         assert isinstance(pending, PendingRead)
         got = rp.complete(pending)
