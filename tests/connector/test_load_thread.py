@@ -115,16 +115,14 @@ def test_submit_returns_before_the_read_and_the_job_completes_after(runner, plan
     _complete(r, keys, ctx)
 
 
-def test_chunk_reads_overlap_the_previous_chunks_verification(runner):
-    r = runner
-    keys = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
-    reader = r.worker.reader
-    reader.capacity = 2  # two parts of one slot: a chunk per block
+def _log_reads_and_checks(reader) -> list[str]:
+    """Record, in order, each batch the load thread starts reading
+    (``read@<first row>``) and verifies (``verify@<first row>``)."""
     calls: list[str] = []
     real_submit, real_complete = reader.submit, reader.complete
 
     def submit(items, first_row=0):
-        calls.append(f"read{len(calls)}@{first_row}")
+        calls.append(f"read@{first_row}")
         return real_submit(items, first_row=first_row)
 
     def complete(pending):
@@ -132,6 +130,15 @@ def test_chunk_reads_overlap_the_previous_chunks_verification(runner):
         return real_complete(pending)
 
     reader.submit, reader.complete = submit, complete
+    return calls
+
+
+def test_chunk_reads_overlap_the_previous_chunks_verification(runner):
+    r = runner
+    keys = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
+    reader = r.worker.reader
+    reader.capacity = 2  # two parts of one slot: a chunk per block
+    calls = _log_reads_and_checks(reader)
     ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
     assert [d.success for d in wait_finished(r.worker)] == [True]
     # Chunk k+1 is read (into the other part) before chunk k is verified.
@@ -170,18 +177,7 @@ def test_every_bounce_part_is_read_into_before_the_first_verification(
     reader.capacity = 4
     monkeypatch.setattr(bounce_parts, "PART_BYTES", reader.slot_size)
     assert bounce_parts.bounce_parts(reader.capacity, reader.slot_size) == (4, 1)
-    calls: list[str] = []
-    real_submit, real_complete = reader.submit, reader.complete
-
-    def submit(items, first_row=0):
-        calls.append(f"read@{first_row}")
-        return real_submit(items, first_row=first_row)
-
-    def complete(pending):
-        calls.append(f"verify@{pending.first_row}")
-        return real_complete(pending)
-
-    reader.submit, reader.complete = submit, complete
+    calls = _log_reads_and_checks(reader)
     ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
     assert [d.success for d in wait_finished(r.worker)] == [True]
     assert calls[:4] == ["read@0", "read@1", "read@2", "read@3"], calls
