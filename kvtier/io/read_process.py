@@ -117,10 +117,16 @@ class ReadProcess:
             raise
         area = np.frombuffer(self._map, dtype=np.uint8)
         area.fill(0)  # its pages in now, not during the first load
-        # Reads here while the child starts, and after it is gone.
-        self._local = SlotReader(
-            paths, num_slots, block_bytes, fingerprint, backend, area=area
-        )
+        try:
+            # Reads here while the child starts, and after it is gone.
+            self._local = SlotReader(
+                paths, num_slots, block_bytes, fingerprint, backend, area=area
+            )
+        except BaseException:
+            del area
+            self._map = None
+            os.close(self._fd)
+            raise
         del area
         self.backend = backend  # this process's (the child makes its own)
         self.capacity = self._local.capacity
@@ -167,6 +173,7 @@ class ReadProcess:
                 ],
                 pass_fds=(self._fd, req_r, resp_w),
                 stdin=subprocess.DEVNULL,
+                env=_child_env(),
             )
         except OSError as exc:
             for fd in (req_r, req_w, resp_r, resp_w):
@@ -348,6 +355,15 @@ class ReadProcess:
             if conn is not None:
                 conn.close()
         self._send = self._recv = None
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with the directory this kvtier was imported from
+    first on the child's path: it runs the same code as the worker."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
 
 
 # -- the child ---------------------------------------------------------------
