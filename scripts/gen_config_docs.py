@@ -378,6 +378,7 @@ def sizing_section() -> str:
 def _error_examples() -> list[tuple[str, str]]:
     """(what was wrong, message) from real calls on bad input."""
     from kvtier.connector import config as c
+    from kvtier.connector import disk_paths as d
 
     base = {
         "spec_name": "TieredOffloadingSpec",
@@ -416,12 +417,12 @@ def _error_examples() -> list[tuple[str, str]]:
     def check(isdir: bool, writable: bool, free: int) -> Callable[[], Any]:
         def run() -> Any:
             with (
-                mock.patch.object(c.os.path, "isdir", return_value=isdir),
-                mock.patch.object(c.os, "access", return_value=writable),
-                mock.patch.object(c.os, "getuid", return_value=1000),
-                mock.patch.object(c, "_existing_slab_bytes", return_value=0),
+                mock.patch.object(d.os.path, "isdir", return_value=isdir),
+                mock.patch.object(d.os, "access", return_value=writable),
+                mock.patch.object(d.os, "getuid", return_value=1000),
+                mock.patch.object(d, "_existing_slab_bytes", return_value=0),
             ):
-                return c.check_disk_paths(cfg, free_bytes=lambda _p: free)
+                return d.check_disk_paths(cfg, free_bytes=lambda _p: free)
 
         return run
 

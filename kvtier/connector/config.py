@@ -7,10 +7,8 @@ what is accepted, because it surfaces at engine start in an operator's log.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,7 +314,8 @@ def _paths(extra: Mapping[str, Any]) -> tuple[str, ...]:
 def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
     """Validate ``kv_connector_extra_config``; raise :class:`ConfigError`.
 
-    Checks values only; :func:`check_disk_paths` checks the file system."""
+    Checks values only; :func:`kvtier.connector.disk_paths.check_disk_paths`
+    checks the file system."""
     unknown = sorted(k for k in extra if k not in KEY_NAMES)
     if unknown:
         raise ConfigError(
@@ -382,71 +381,3 @@ def blocks_in_budget(
             f"over {ranks} rank(s); raise {key}",
         )
     return blocks
-
-
-def check_disk_paths(
-    cfg: KvtierConfig,
-    *,
-    free_bytes: Callable[[str], int] | None = None,
-    reusable: Iterable[str] = (),
-) -> None:
-    """Fail fast on disk paths that are missing, not writable, or too small.
-
-    Each path must hold its share of ``disk_bytes_to_use``. Space used by
-    the store directories named in ``reusable`` (this engine's own layout,
-    which a warm restart reuses) counts as available; directories of other
-    layouts (another model or block size) do not."""
-    if not cfg.disk_enabled:
-        return
-    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
-    share = -(-cfg.disk_bytes_to_use // len(cfg.disk_paths))
-    seen: dict[tuple[int, int], str] = {}
-    for path in cfg.disk_paths:
-        if not os.path.isdir(path):
-            raise ConfigError(
-                "disk_path",
-                f"{path!r} does not exist or is not a directory; create it first",
-            )
-        try:
-            st = os.stat(path)
-        except OSError:
-            st = None  # raced away: the writability check below says so
-        other = path if st is None else seen.setdefault((st.st_dev, st.st_ino), path)
-        if other != path:
-            # Else the store's second directory is its first one, whose
-            # lock it already holds: "in use by another engine".
-            raise ConfigError(
-                "disk_path",
-                f"{other!r} and {path!r} are the same directory (a link or "
-                "bind mount); list each directory once",
-            )
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(
-                "disk_path",
-                f"{path!r} is not writable by this process (uid {os.getuid()})",
-            )
-        available = free_bytes(path) + _existing_slab_bytes(path, reusable)
-        if available < share:
-            raise ConfigError(
-                "disk_bytes_to_use",
-                f"{path!r} has {available} bytes free but needs {share} "
-                f"(disk_bytes_to_use={cfg.disk_bytes_to_use} over {len(cfg.disk_paths)} path(s)); "
-                "lower disk_bytes_to_use or free space",
-            )
-
-
-def _existing_slab_bytes(path: str, names: Iterable[str] = ()) -> int:
-    wanted = set(names)
-    total = 0
-    try:
-        entries = os.scandir(path)
-    except OSError:
-        return 0
-    with entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False) and entry.name in wanted:
-                for root, _dirs, files in os.walk(entry.path, followlinks=False):
-                    for name in files:
-                        with contextlib.suppress(OSError):
-                            total += os.stat(os.path.join(root, name)).st_blocks * 512
-    return total

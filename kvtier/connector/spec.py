@@ -37,7 +37,6 @@ from kvtier.connector.config import (
     KvtierConfig,
     TransferConfigError,
     blocks_in_budget,
-    check_disk_paths,
     parse_extra_config,
 )
 from kvtier.connector.connector import (
@@ -45,6 +44,7 @@ from kvtier.connector.connector import (
     KV_SETTINGS,
     UNDER_KVTIER_CONNECTOR,
 )
+from kvtier.connector.disk_paths import check_disk_paths
 from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
 from kvtier.connector.identity import describe_settings, namespace
 from kvtier.connector.metrics import metric_definitions

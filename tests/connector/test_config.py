@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from kvtier.connector import config as c
+from kvtier.connector import disk_paths
 from kvtier.connector.config import (
     KEY_NAMES,
     KEYS,
     ConfigError,
     KvtierConfig,
-    check_disk_paths,
     parse_extra_config,
 )
+from kvtier.connector.disk_paths import check_disk_paths
 from kvtier.tiers.policy import policy_names
 
 BASE: dict[str, Any] = {
@@ -246,7 +246,7 @@ def test_unwritable_path(tmp_path, monkeypatch) -> None:
             return False
         return real_access(path, mode, *a, **kw)
 
-    monkeypatch.setattr(c.os, "access", access)
+    monkeypatch.setattr(disk_paths.os, "access", access)
     _expect_check(_cfg([target]), "disk_path", repr(target), "not writable")
 
 
@@ -354,7 +354,6 @@ def test_existing_kvtier_files_count_as_free(tmp_path) -> None:
 
 
 def test_only_this_layouts_slabs_count_as_reusable_space(tmp_path):
-    from kvtier.connector.config import check_disk_paths
 
     (tmp_path / "kvtier-aaaa").mkdir()
     (tmp_path / "kvtier-aaaa" / "slab-0.kvt").write_bytes(b"\1" * (1 << 20))

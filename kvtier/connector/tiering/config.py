@@ -15,9 +15,9 @@ from kvtier.connector.config import (
     ConfigError,
     KeySpec,
     KvtierConfig,
-    check_disk_paths,
     parse_extra_config,
 )
+from kvtier.connector.disk_paths import check_disk_paths
 
 TIER_TYPE = "KvtierDiskTier"
 

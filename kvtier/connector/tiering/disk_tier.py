@@ -46,7 +46,8 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from kvtier.connector.config import ConfigError, blocks_in_budget, check_disk_paths
+from kvtier.connector.config import ConfigError, blocks_in_budget
+from kvtier.connector.disk_paths import check_disk_paths
 from kvtier.connector.scheduler.disk_runtime import SPILL
 from kvtier.connector.spec import _ELEM_SIZE, layout_fingerprint
 from kvtier.connector.tiering.config import (
