@@ -251,3 +251,15 @@ def inject_faults(monkeypatch: Any, plan: FaultPlan) -> FaultPlan:
     # the plan's reach: under a plan, its reads stay in the worker's process.
     monkeypatch.setattr(read_process_module.ReadProcess, "spawn", False)
     return plan
+
+
+def flip_byte(path: str, offset: int, mask: int = 0xFF) -> None:
+    """Corrupt a real file on disk: XOR the byte at ``offset`` of ``path``
+    with ``mask`` (non-zero), then fsync, so a reader finds it so."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ mask]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.io.format import slot_size  # noqa: E402
+from kvtier.testing.faults import flip_byte  # noqa: E402
 from kvtier.testing.offloading import (  # noqa: E402
     offloading_config,
     tiered_spec,
@@ -273,11 +274,7 @@ def _flip_payload_byte(runner, key: bytes) -> None:
     store = runner.manager.runtime.stores[0]
     slot = runner.manager.hierarchy.disk.get(key).slot
     idx, offset = store.files.locate(slot)
-    with open(store.slabs[idx].path, "r+b") as f:
-        f.seek(offset + 4096 + 100)
-        byte = f.read(1)
-        f.seek(offset + 4096 + 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(store.slabs[idx].path, offset + 4096 + 100)
 
 
 def test_corrupt_disk_block_is_a_miss_never_data(runner):

@@ -157,20 +157,11 @@ def _worker(paths: list[str], device: str, caches):
     return worker, targets
 
 
-def _flip(path: str, offset: int) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        byte = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([byte[0] ^ 0x5A]), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def check(device: str, work: str) -> dict:
     from kvtier.io.disk_store import DiskStore
     from kvtier.io.format import FIXED_HEADER_LEN, HEADER_SIZE
     from kvtier.io.layout import ReadOutcome, locate
+    from kvtier.testing.faults import flip_byte
 
     paths = [os.path.join(work, "a"), os.path.join(work, "b")]
     rng = np.random.default_rng(11)
@@ -225,7 +216,7 @@ def check(device: str, work: str) -> dict:
         (HEADER_FLIP_SLOT, FIXED_HEADER_LEN // 2),
     ):
         f, local = locate(slot, len(paths))
-        _flip(slab_paths[f], local * slot_size(BLOCK) + at)
+        flip_byte(slab_paths[f], local * slot_size(BLOCK) + at, 0x5A)
     want = {
         PAYLOAD_FLIP_SLOT: ReadOutcome.CHECKSUM_MISMATCH,
         HEADER_FLIP_SLOT: ReadOutcome.BAD_HEADER,

@@ -24,6 +24,7 @@ from kvtier.io.layout import ReadOutcome, slot_offset
 from kvtier.io.posix_backend import PosixBackend
 from kvtier.io.read_process import ProcessRead, ReadProcess
 from kvtier.io.slot_reader import PendingRead, SlotReader
+from kvtier.testing.faults import flip_byte
 
 DEADLINE_S = 30.0
 
@@ -62,15 +63,8 @@ def _running(rp: ReadProcess) -> ReadProcess:
 
 
 def _flip_payload_byte(rig: Rig, reader: ReadProcess, slot: int) -> None:
-    path = reader.files.paths[0]
     offset = slot_offset(slot, rig.store.slot_size) + HEADER_SIZE + 100
-    fd = os.open(path, os.O_RDWR)
-    try:
-        byte = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([byte[0] ^ 0x40]), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    flip_byte(reader.files.paths[0], offset, 0x40)
 
 
 def test_the_child_reads_and_verifies_as_the_engines_process_would(

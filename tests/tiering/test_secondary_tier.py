@@ -43,6 +43,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from kvtier.connector.tiering import KvtierDiskTier, PortableTieringSpec  # noqa: E402
 from kvtier.connector.tiering.config import TierConfigError  # noqa: E402
 from kvtier.io.format import HEADER_SIZE, slot_size  # noqa: E402
+from kvtier.testing.faults import flip_byte  # noqa: E402
 from kvtier.testing.offloading import offloading_config, wait_finished  # noqa: E402
 
 PAGE = 4096  # bytes of one block of one layer
@@ -209,12 +210,7 @@ def make_driver():
 def corrupt_payload(tier: KvtierDiskTier, key: bytes, rank: int = 0) -> None:
     store = tier.runtime.stores[rank]
     slot = tier.tier.get(key).slot
-    offset = store.slabs[0].offset(slot) + HEADER_SIZE + 100
-    with open(store.slabs[0].path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0xFF]))
+    flip_byte(store.slabs[0].path, store.slabs[0].offset(slot) + HEADER_SIZE + 100)
 
 
 # --------------------------------------------------------------------- tests
