@@ -17,7 +17,8 @@ process of its own the reads and checks cost the engine's process one
 message per batch. O_DIRECT reads issued in the engine's process also
 stalled it more than the same reads issued from another process.
 
-Contract (beyond ``SlotReader``'s, whose methods it has):
+Contract (beyond ``SlotReader``'s for the methods the load thread uses:
+``submit``, ``ready``, ``wait``, ``complete``, ``abandon``, ``rows``, ``stats``):
   - The child starts in :meth:`start` (the load thread's first turn), not at
     construction; until it says it is ready, batches are read in this
     process by a ``SlotReader`` over the same area (the same outcomes).
@@ -238,11 +239,6 @@ class ReadProcess:
         return SlotReaderStats(*(a + b for a, b in zip(astuple(local), astuple(child))))
 
     # ------------------------------------------------------------ the reads
-
-    def read(
-        self, items: Sequence[tuple[int, bytes]], first_row: int = 0
-    ) -> list[SlotRead]:
-        return self.complete(self.submit(items, first_row))
 
     def submit(
         self, items: Sequence[tuple[int, bytes]], first_row: int = 0
