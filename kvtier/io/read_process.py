@@ -55,6 +55,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from kvtier.io.backend import DiskBackend
+from kvtier.io.cpu_placement import without_openmp_binding
 from kvtier.io.format import LayoutFingerprint, slot_size
 from kvtier.io.layout import ReadOutcome
 from kvtier.io.slab_files import SlotReaderStats
@@ -355,9 +356,11 @@ class ReadProcess:
 
 def _child_env() -> dict[str, str]:
     """This environment, with the directory this kvtier was imported from
-    first on the child's path: it runs the same code as the worker."""
+    first on the child's path (it runs the same code as the worker), and
+    without an OpenMP binding: the child keeps the CPUs of the load thread
+    that starts it (:mod:`kvtier.io.cpu_placement`)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ)
+    env = without_openmp_binding(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 

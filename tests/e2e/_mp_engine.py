@@ -59,6 +59,40 @@ GATE = (
 )
 
 
+def _read_processes() -> list[dict]:
+    """kvtier's read processes below this process: the CPUs each may run on,
+    and those of its parent's first thread (the worker's model runner)."""
+    me = os.getpid()
+
+    def parent(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(ln for ln in f if ln.startswith("PPid:")).split()[1])
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit():
+                continue
+            if b"kvtier.io.read_process" not in (entry / "cmdline").read_bytes():
+                continue
+            pid = int(entry.name)
+            up, chain = pid, []
+            while up > 1 and up != me:
+                up = parent(up)
+                chain.append(up)
+            if up != me:
+                continue
+            found.append(
+                {
+                    "cpus": sorted(os.sched_getaffinity(pid)),
+                    "parent_cpus": sorted(os.sched_getaffinity(chain[0])),
+                }
+            )
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -119,6 +153,7 @@ def main() -> None:
         outputs, cached, held = decode_while_loading(llm, FIRST[0], hold=hold)
     else:
         outputs = [o for p in FIRST for o in run([p])] + run(RETURNING)
+    read_processes = _read_processes() if hasattr(os, "sched_getaffinity") else []
     metrics = {
         m.name: m.value
         for m in llm.get_metrics()
@@ -140,6 +175,7 @@ def main() -> None:
                 "held": held,
                 "metrics": metrics,
                 "series": series,
+                "read_processes": read_processes,
                 # Which engine-core client ran: SyncMPClient is the
                 # multiprocess engine core, InprocClient the in-process one.
                 "engine_core": type(llm.llm_engine.engine_core).__name__,

@@ -49,3 +49,26 @@ def test_disk_tier_under_the_multiprocess_engine(
     assert series("read_bytes", tier="disk") > 0
     # A clean shutdown leaves no CPU-tier file behind in /dev/shm.
     assert _cpu_tier_files() <= before
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs",
+)
+def test_loads_run_beside_the_cpus_vllm_gave_the_model(
+    model, block_bytes, baseline, tmp_path
+):
+    """vLLM binds a CPU worker's OpenMP threads, the model runner's among
+    them, to VLLM_CPU_OMP_THREADS_BIND and leaves the other CPUs to the rest
+    of the engine. The disk reads run in the read process, which the load
+    thread starts: both on those other CPUs, never on the model's."""
+    allowed = os.sched_getaffinity(0)
+    model_cpu = min(allowed)
+    result = run_multiprocess(
+        model, block_bytes, tmp_path, env={"VLLM_CPU_OMP_THREADS_BIND": str(model_cpu)}
+    )
+    assert result["outputs"] == baseline
+    procs = result["read_processes"]
+    assert len(procs) == 1, procs  # one worker, one read process
+    assert procs[0]["parent_cpus"] == [model_cpu]  # vLLM's binding held
+    assert procs[0]["cpus"] == sorted(allowed - {model_cpu})

@@ -189,13 +189,14 @@ def decode_while_loading(llm, prompt: list[int], hold=None, timeout: float = 120
 
 
 def run_multiprocess(
-    model: str, block_bytes: int, disk, *mode: str, hold_dir=None
+    model: str, block_bytes: int, disk, *mode: str, hold_dir=None, env=None
 ) -> dict:
     """Run ``_mp_engine.py`` (the workload, or ``mode``) on vLLM's
     multiprocess engine core in a child process; its result as a dict
     (outputs, kvtier's series, which engine-core client ran). With
     ``hold_dir`` (decode-while-loading), the returning prefix's disk read is
-    held in the engine core until the decoders produced more tokens."""
+    held in the engine core until the decoders produced more tokens.
+    ``env``: more environment for the engine (e.g. vLLM's CPU binding)."""
     import json
     import os
     import subprocess
@@ -203,7 +204,9 @@ def run_multiprocess(
     from pathlib import Path
 
     script = Path(__file__).with_name("_mp_engine.py")
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(extra)
     if hold_dir is not None:
         env["KVTIER_TEST_HOLD_DIR"] = str(hold_dir)
     proc = subprocess.run(

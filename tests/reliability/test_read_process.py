@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -173,5 +174,49 @@ def test_without_a_child_every_read_is_made_here(
         got = rp.complete(pending)
         assert [r.outcome for r in got] == [ReadOutcome.OK] * 2
         assert rp.stats().blocks_ok == 2
+    finally:
+        rp.close()
+
+
+def _libgomp() -> str | None:
+    """The OpenMP runtime vLLM preloads into its CPU workers (torch's)."""
+    import torch
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_the_child_keeps_the_cpus_of_the_thread_that_starts_it(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU worker's environment binds OpenMP to the model's CPUs and
+    preloads the runtime, which would pin the child's first thread to the
+    first of them as it loads: the child must not inherit that binding."""
+    allowed = os.sched_getaffinity(0)
+    gomp = _libgomp()
+    if len(allowed) < 2 or gomp is None:
+        pytest.skip("needs two CPUs and torch's libgomp")
+    model_cpu = min(allowed)
+    monkeypatch.setenv("LD_PRELOAD", gomp)
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(model_cpu))
+    rig = make_rig()
+    rp = _reader(rig)
+    seen: dict[str, object] = {}
+
+    def load_thread() -> None:  # as place_background_thread moves it
+        os.sched_setaffinity(0, allowed - {model_cpu})
+        try:
+            _running(rp)
+            seen["child"] = os.sched_getaffinity(rp.pid)
+        except BaseException as exc:  # reported below, with the deadline's
+            seen["error"] = exc
+
+    t = threading.Thread(target=load_thread)
+    t.start()
+    t.join(DEADLINE_S + 5)
+    try:
+        assert "error" not in seen, seen
+        assert seen["child"] == allowed - {model_cpu}
     finally:
         rp.close()

@@ -47,8 +47,8 @@ import torch
 from kvtier.connector.worker.bounce_parts import BounceParts, bounce_parts
 from kvtier.connector.worker.job_plan import select_rows
 from kvtier.connector.worker.load_task import LoadTask, ReadBatch
-from kvtier.connector.worker.thread_priority import lower_thread_priority
 from kvtier.io.block_copy import CopyPath, CopyPlan
+from kvtier.io.cpu_placement import place_background_thread
 from kvtier.io.device_staging import DeviceStagingReader
 from kvtier.io.slot_reader import SlotReader
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
@@ -205,7 +205,7 @@ class LoadRunner:
         self._thread.start()
 
     def _run(self) -> None:
-        lower_thread_priority(LOAD_THREAD_NICE)
+        place_background_thread(LOAD_THREAD_NICE)
         try:
             device = getattr(self.copies, "device", None)
             if device is not None and device.type == "cuda":
