@@ -56,8 +56,9 @@ class BounceParts:
         :meth:`any_free`); :meth:`release` frees it again.
       - :meth:`issued` notes a transfer of ``task`` (reading ``part``, or
         None for a copy from elsewhere); :meth:`landed` notes the ids that
-        landed (unknown ids are ignored): their task's ``copies`` shrink,
-        and a part whose last reader landed is released.
+        landed (unknown ids are ignored), and a part whose last reader
+        landed is released. :meth:`copying` says whether a task still has
+        a transfer in flight (it may go back to the worker only once not).
       - :meth:`give_up` fails a batch whose reads have not returned and
         keeps its part taken (:meth:`set_aside`: without failing it) until
         :meth:`reap` sees its reads returned; :meth:`abandon` waits for a
@@ -70,6 +71,7 @@ class BounceParts:
         # id -> (task, part or -1), oldest first; the ids reading each part.
         self._in_flight: dict[int, tuple[LoadTask, int]] = {}
         self._readers: list[set[int]] = [set() for _ in range(MAX_PARTS)]
+        self._per_task: dict[LoadTask, int] = {}  # transfers in flight
         self.stuck: list[ReadBatch] = []  # given up, reads not yet returned
 
     def any_free(self, parts: int) -> bool:
@@ -88,7 +90,7 @@ class BounceParts:
         return bool(self._readers[part])
 
     def issued(self, transfer: int, task: LoadTask, part: int | None) -> None:
-        task.copies.add(transfer)
+        self._per_task[task] = self._per_task.get(task, 0) + 1
         self._in_flight[transfer] = (task, -1 if part is None else part)
         if part is not None:
             self._readers[part].add(transfer)
@@ -99,12 +101,18 @@ class BounceParts:
             if entry is None:
                 continue
             task, part = entry
-            task.copies.discard(transfer)
+            left = self._per_task.pop(task) - 1
+            if left:
+                self._per_task[task] = left
             if part >= 0:
                 readers = self._readers[part]
                 readers.discard(transfer)
                 if not readers:
                     self.release(part)
+
+    def copying(self, task: LoadTask) -> bool:
+        """Whether a transfer ``task`` issued has not landed yet."""
+        return task in self._per_task
 
     def oldest(self) -> int:
         """The transfer in flight the longest (one must be: :meth:`idle`)."""

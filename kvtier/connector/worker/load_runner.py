@@ -272,7 +272,7 @@ class LoadRunner:
         for queue in (self._urgent, self._tasks):
             for _ in range(len(queue)):
                 task = queue.popleft()
-                if not task.copies and (
+                if not self._bounce.copying(task) and (
                     task.cancelled or (not task.has_work() and not task.batches)
                 ):
                     self._done(task)

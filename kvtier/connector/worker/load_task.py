@@ -47,8 +47,8 @@ class LoadTask:
 
     The fields after ``lock`` are the thread's progress through the task:
     units of CPU-row copies left, disk blocks not yet submitted (positions
-    in the spec), read batches in flight and the transfers it issued that
-    have not landed (asynchronous copy paths)."""
+    in the spec), read batches in flight (the transfers it issued that have
+    not landed are the load thread's :class:`BounceParts`' to know)."""
 
     job_id: int
     groups: list[GroupPlan]
@@ -65,7 +65,6 @@ class LoadTask:
     host_left: deque[tuple[int, CopyPlan]] = field(default_factory=deque, init=False)
     disk_left: np.ndarray | None = field(default=None, init=False)
     batches: int = field(default=0, init=False)
-    copies: set[int] = field(default_factory=set, init=False)
     started: float | None = field(default=None, init=False)
 
     def cut(self, per_unit: int) -> None:
