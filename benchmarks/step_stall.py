@@ -42,6 +42,11 @@ are computed and spilled, so P is on disk only and R in the CPU tier;
     .venv/bin/python benchmarks/step_stall.py [--lengths 4096,16384] [--repeats 3]
         [--warmup 1]
 
+The model gets cores - 1 CPUs in both modes (``OMP_NUM_THREADS``, and
+``VLLM_CPU_OMP_THREADS_BIND`` for the multiprocess executor, which binds
+the OpenMP threads itself); set ``VLLM_CPU_OMP_THREADS_BIND=auto`` to time
+vLLM's own choice instead (every CPU of a 2-core host).
+
 Prints a table and writes benchmarks/results/step_stall.json.
 """
 
@@ -417,12 +422,21 @@ def main() -> int:
     # one busy neighbour took the decode step's max from 7 to 182 ms on a
     # 2-core VM. Leave one core free, as vLLM's CPU deployment guide does.
     omp = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 2) - 1))
-    print(f"OMP_NUM_THREADS={omp}")
+    # The multiprocess executor binds a CPU worker's OpenMP threads itself,
+    # to every CPU unless told (a 2-core host has none to reserve): bind
+    # them to the same first CPUs, so that both modes leave the same one.
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or ",".join(
+        map(str, cpus[: int(omp)])
+    )
+    print(f"OMP_NUM_THREADS={omp} VLLM_CPU_OMP_THREADS_BIND={bind or 'auto'}")
     for mode in args.modes.split(","):
         env = {
             k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
         }
         env["OMP_NUM_THREADS"] = omp
+        if bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         proc = subprocess.run(
             [
                 sys.executable,
@@ -458,6 +472,7 @@ def main() -> int:
             "repeats": args.repeats,
             "warmup": args.warmup,
             "omp_threads": int(omp),
+            "omp_bind": bind or "auto",
             "runs": runs,
             "outputs_equal": ok,
         },
