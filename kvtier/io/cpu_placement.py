@@ -132,7 +132,9 @@ def other_workers_cpus(env: Mapping[str, str] = os.environ) -> set[int]:
         return set()
 
 
-def numa_neighbours(cpus: set[int], root: str = "/sys/devices/system/node") -> set[int] | None:
+def numa_neighbours(
+    cpus: set[int], root: str = "/sys/devices/system/node"
+) -> set[int] | None:
     """Every CPU of the NUMA nodes that hold ``cpus`` (where a worker's
     memory is bound too); None where the topology cannot be read."""
     near: set[int] = set()
@@ -220,4 +222,3 @@ def _ranges(cpus: set[int]) -> str:
         else:
             out.append(str(cpu))
     return ",".join(out)
-

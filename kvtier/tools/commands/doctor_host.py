@@ -6,7 +6,9 @@
 - shared memory for the CPU tier (the engine's own space rule,
   :func:`kvtier.connector.host.check_shm_space`) and dead engines' files
   there (:func:`kvtier.io.cpu_files.reclaim_stale_cpu_files`);
-- prefix hashing: whether block keys survive a restart.
+- prefix hashing: whether block keys survive a restart;
+- on the CPU platform, whether vLLM leaves a CPU outside the model's
+  OpenMP threads for kvtier's loads (:mod:`kvtier.io.cpu_placement`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 
 from kvtier.connector.config import ConfigError, KvtierConfig
 from kvtier.connector.host import check_shm_space
+from kvtier.io.cpu_placement import other_workers_cpus
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
@@ -197,5 +200,86 @@ def check_prefix_hash(algo: str) -> list[Check]:
             OK,
             "reproducible across restarts (PYTHONHASHSEED unset; setting it "
             "later changes every key once)",
+        )
+    ]
+
+
+CPU_FIX = (
+    "leave a CPU outside the model's: VLLM_CPU_OMP_THREADS_BIND without the last "
+    "CPU (e.g. 0-14 on 16), or VLLM_CPU_NUM_OF_RESERVED_CPU"
+)
+
+
+def check_cpu_placement(
+    env: dict[str, str] | None = None, allowed: set[int] | None = None
+) -> list[Check]:
+    """CPU platform: where kvtier's loads will run. vLLM binds a CPU worker's
+    OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``) and kvtier's load thread
+    and read process take the CPUs left over; with none left they share the
+    model's and stretch its steps while a prefix loads. ``allowed``: the
+    CPUs ``vllm serve`` would get (this process's)."""
+    env = dict(os.environ) if env is None else env
+    if allowed is None:
+        allowed = (
+            set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+        )
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "").strip() or "auto"
+    subject = f"VLLM_CPU_OMP_THREADS_BIND={bind}"
+    if bind == "nobind":
+        return [
+            Check(
+                "cpu",
+                subject,
+                WARNING,
+                "the model's OpenMP threads are not bound: kvtier's loads cannot "
+                "keep off their CPUs",
+                CPU_FIX,
+            )
+        ]
+    if bind == "auto":
+        if len(allowed) <= 2 and not env.get("VLLM_CPU_NUM_OF_RESERVED_CPU"):
+            return [
+                Check(
+                    "cpu",
+                    subject,
+                    WARNING,
+                    f"{len(allowed)} CPU(s): vLLM's automatic binding keeps none in "
+                    "reserve here, so kvtier's loads share the model's CPUs",
+                    CPU_FIX,
+                )
+            ]
+        return [
+            Check(
+                "cpu",
+                subject,
+                OK,
+                f"{len(allowed)} CPUs: vLLM reserves some outside the model's "
+                "(one per worker, one more for a KV connector); kvtier's loads run "
+                "there (the engine logs 'loads run on CPUs ...')",
+            )
+        ]
+    bound = other_workers_cpus({"VLLM_CPU_OMP_THREADS_BIND": bind})
+    if not bound:
+        return [
+            Check("cpu", subject, ERROR, "not a list of CPUs vLLM can read", CPU_FIX)
+        ]
+    spare = sorted(allowed - bound)
+    if not spare:
+        return [
+            Check(
+                "cpu",
+                subject,
+                WARNING,
+                "the model's OpenMP threads get every CPU: kvtier's loads share them",
+                CPU_FIX,
+            )
+        ]
+    return [
+        Check(
+            "cpu",
+            subject,
+            OK,
+            f"kvtier's loads run on the CPUs outside the model's ({len(spare)} of "
+            f"{len(allowed)})",
         )
     ]
