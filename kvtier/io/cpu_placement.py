@@ -18,7 +18,8 @@ without a move the load thread, and the read process it spawns, would share
 the first OpenMP thread's single CPU: every batch it verified or copied
 would hold back that thread and with it every parallel region of the step.
 :func:`spare_cpus` finds the CPUs left over on the worker's NUMA nodes (not
-another worker's) and the load thread moves there. When the OpenMP threads
+another worker's, and not a hyper-thread sibling of a model's core while
+others are left) and the load thread moves there. When the OpenMP threads
 took every CPU it stays (with a WARNING: reserve one). Nothing moves when
 nothing was bound (GPU workers, an in-process engine without an OpenMP
 binding).
@@ -40,6 +41,9 @@ import threading
 from collections.abc import Mapping
 
 logger = logging.getLogger("kvtier.io")
+
+# No CPU id above this is read from a list (a typo must not build a huge set).
+MAX_CPU_ID = 1 << 16
 
 # The variables that bind OpenMP threads to CPUs: Intel OpenMP's, GNU's, and
 # the standard pair (vLLM's OpenMP manager writes one of the three).
@@ -71,13 +75,17 @@ def _cpu_list(text: str) -> set[int]:
             raise ValueError(f"not a CPU list item: {item!r}")
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) else lo
-        cpus.update(range(lo, hi + 1, int(m.group(3) or 1)))
+        if hi > MAX_CPU_ID:
+            raise ValueError(f"CPU id over {MAX_CPU_ID}: {item!r}")
+        cpus.update(range(lo, hi + 1, max(1, int(m.group(3) or 1))))
     return cpus
 
 
 def _places(text: str) -> set[int]:
     """CPU ids of explicit ``OMP_PLACES`` like ``"{0,1},{2:2}"`` (vLLM writes
-    ``"{0,1,2}"``); abstract names (``cores``, ``threads``) name no CPU."""
+    ``"{0,1,2}"``); abstract names (``cores``, ``threads``) name no CPU.
+    Place intervals (``{0}:4:2``) and exclusions (``!``) are not read:
+    vLLM never writes them."""
     cpus: set[int] = set()
     for place in re.findall(r"\{([^}]*)\}", text):
         for item in place.split(","):
@@ -87,6 +95,8 @@ def _places(text: str) -> set[int]:
             elif len(parts) in (2, 3):
                 start, length = parts[0], parts[1]
                 stride = parts[2] if len(parts) == 3 else 1
+                if start + length * abs(stride) > MAX_CPU_ID:
+                    raise ValueError(f"CPU id over {MAX_CPU_ID}: {item!r}")
                 cpus.update(start + i * stride for i in range(length))
     return cpus
 
@@ -117,18 +127,34 @@ def without_openmp_binding(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in OPENMP_BINDING}
 
 
-def other_workers_cpus(env: Mapping[str, str] = os.environ) -> set[int]:
-    """The CPUs of every worker's OpenMP threads on this host when the user
-    listed them (``VLLM_CPU_OMP_THREADS_BIND="0-31|32-63"``, one list per
-    local rank, inherited by every worker); empty for ``auto`` (vLLM gives
-    each rank a NUMA node of its own) and ``nobind``."""
+def bind_lists(value: str) -> list[set[int]]:
+    """Each local rank's CPUs of a ``VLLM_CPU_OMP_THREADS_BIND`` list
+    (``"0-31|32-63"``, vLLM's format: ids and ranges joined by commas, one
+    list per rank joined by ``|``). Raises ValueError, naming the part,
+    for anything vLLM would not read."""
+    lists = []
+    for part in value.strip().split("|"):
+        if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", part.strip()):
+            raise ValueError(
+                f"VLLM_CPU_OMP_THREADS_BIND: {part!r} is not a CPU list like "
+                "'0-14' or '0,2,4-7' (one per rank, joined by '|'), 'auto' or 'nobind'"
+            )
+        lists.append(_cpu_list(part))
+    return lists
+
+
+def listed_workers_cpus(env: Mapping[str, str] = os.environ) -> set[int]:
+    """The CPUs of all workers' OpenMP threads on this host (this one's
+    included) when the user listed them (:func:`bind_lists`, inherited by
+    every worker); empty for ``auto`` (vLLM gives each rank a NUMA node of
+    its own), ``nobind`` or a value vLLM would refuse."""
     value = env.get("VLLM_CPU_OMP_THREADS_BIND", "").strip()
     if value in ("", "auto", "nobind"):
         return set()
     try:
-        return set().union(*(_cpu_list(part) for part in value.split("|")))
+        return set().union(*bind_lists(value))
     except ValueError as exc:
-        logger.debug("kvtier: VLLM_CPU_OMP_THREADS_BIND not understood: %s", exc)
+        logger.debug("kvtier: %s", exc)
         return set()
 
 
@@ -151,42 +177,88 @@ def numa_neighbours(
     return near or None
 
 
+def hyperthread_siblings(
+    cpus: set[int], root: str = "/sys/devices/system/cpu"
+) -> set[int]:
+    """The other logical CPUs of the physical cores of ``cpus`` (vLLM's
+    automatic binding takes one per core on x86); empty where unknown."""
+    out: set[int] = set()
+    for cpu in cpus:
+        path = os.path.join(root, f"cpu{cpu}", "topology", "thread_siblings_list")
+        try:
+            with open(path) as f:
+                out |= _cpu_list(f.read())
+        except (OSError, ValueError):
+            continue
+    return out - cpus
+
+
 def spare_cpus(
     bound: set[int],
     allowed: set[int],
     *,
     taken: set[int] | None = None,
     near: set[int] | None = None,
+    siblings: set[int] | None = None,
 ) -> set[int] | None:
     """The CPUs where a background thread should run, given this worker's
     OpenMP threads' ``bound`` CPUs, the CPUs the engine may use
-    (``allowed``), the other workers' OpenMP CPUs (``taken``) and the CPUs
-    of ``bound``'s NUMA nodes (``near``, None: unknown): those near
-    ``bound`` that no OpenMP thread was given; empty when there are none.
-    None when nothing is bound."""
+    (``allowed``), all workers' OpenMP CPUs (``taken``), the CPUs of
+    ``bound``'s NUMA nodes (``near``, None: unknown) and the hyper-thread
+    siblings of ``bound`` (``siblings``): those near ``bound`` that no
+    OpenMP thread was given, not sharing a core with one where others are
+    left; empty when there are none. None when nothing is bound."""
     if not bound or not allowed:
         return None
     pool = allowed & near if near and allowed & near else set(allowed)
-    return pool - bound - (taken or set())
+    free = pool - bound - (taken or set())
+    return (free - (siblings or set())) or free
+
+
+def _engine_cpus() -> set[int] | None:
+    """The CPUs vLLM cut this worker's binding from: those of the process
+    that started it, when that is vLLM's multiprocess executor (this
+    process is its ``multiprocessing`` child). None otherwise: an
+    in-process engine's parent is a shell or launcher whose CPUs may be
+    wider than a ``taskset`` the user gave this process."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid != os.getppid():
+        return None
+    return set(os.sched_getaffinity(parent.pid))
 
 
 def place_background_thread(nice: int) -> None:
     """Lower the calling thread's priority by ``nice`` and move it off the
-    CPUs of this process's OpenMP threads (see the module doc). The CPUs
-    the engine may use are its parent's (vLLM's engine core under the
-    multiprocess executor, whose affinity vLLM's binding was cut from).
-    Never raises: a refused ``sched_setaffinity`` leaves the thread where it
-    is (logged)."""
+    CPUs of this process's OpenMP threads (see the module doc), within the
+    CPUs of the process that started the worker (vLLM's engine core, whose
+    affinity vLLM's binding was cut from). Never raises: anything that
+    fails leaves the thread where it is (logged)."""
     lower_thread_priority(nice)
     if not hasattr(os, "sched_setaffinity"):
         return
-    bound = openmp_cpus()
     try:
-        allowed = os.sched_getaffinity(os.getppid())
-    except OSError:
+        _move_off_openmp_cpus()
+    except Exception as exc:  # never worth failing the load thread for
+        logger.warning("kvtier: the load thread stays on its CPUs: %r", exc)
+
+
+def _move_off_openmp_cpus() -> None:
+    bound = openmp_cpus()
+    if not bound:
+        return  # GPU workers, in-process engines: nothing to move away from
+    allowed = _engine_cpus()
+    if allowed is None or not bound <= allowed:
+        logger.debug("kvtier: OpenMP binding %s not vLLM's: CPUs kept", bound)
         return
+    listed = listed_workers_cpus()
     where = spare_cpus(
-        bound, allowed, taken=other_workers_cpus(), near=numa_neighbours(bound)
+        bound,
+        allowed,
+        taken=listed,
+        near=numa_neighbours(bound),
+        siblings=hyperthread_siblings(bound | listed),
     )
     if where is None:
         return
@@ -194,18 +266,21 @@ def place_background_thread(nice: int) -> None:
         # Nowhere else to go. Spreading over every OpenMP CPU measured no
         # better than staying on the first (docs/benchmarks.md, "Where
         # loads run"), so the thread stays.
+        fix = (
+            "drop a CPU from VLLM_CPU_OMP_THREADS_BIND's list"
+            if listed
+            else "raise VLLM_CPU_NUM_OF_RESERVED_CPU, or list the model's CPUs "
+            "in VLLM_CPU_OMP_THREADS_BIND without one of them"
+        )
         logger.warning(
-            "kvtier: the model's OpenMP threads are bound to every CPU (%s): disk "
-            "and CPU-tier loads share them and slow its steps. Leave one free "
-            "(VLLM_CPU_NUM_OF_RESERVED_CPU, or VLLM_CPU_OMP_THREADS_BIND).",
+            "kvtier: no CPU of this worker's NUMA node is left outside the "
+            "workers' OpenMP CPUs (this worker's: %s): disk and CPU-tier loads "
+            "share them and slow the model's steps. Leave one free: %s.",
             _ranges(bound),
+            fix,
         )
         return
-    try:
-        os.sched_setaffinity(0, where)
-    except OSError as exc:
-        logger.warning("kvtier: the load thread stays on its CPUs: %s", exc)
-        return
+    os.sched_setaffinity(0, where)
     logger.info(
         "kvtier: loads run on CPUs %s, beside the model's OpenMP CPUs %s",
         _ranges(where),

@@ -245,25 +245,70 @@ def test_io_path_with_a_cuda_driver_stub(tmp_path, disk, shm, broken):
         assert path.startswith("kvikio, compat mode")
 
 
+def _topology(root: Path, nodes: dict[str, str], smt: int = 1) -> str:
+    """A host's /sys/devices/system: NUMA nodes' CPU lists, and physical
+    cores of ``smt`` consecutive-by-half logical CPUs (x86 numbering)."""
+    cpus = set()
+    for node, cpulist in nodes.items():
+        (root / "node" / node).mkdir(parents=True)
+        (root / "node" / node / "cpulist").write_text(cpulist)
+        lo, hi = (int(x) for x in cpulist.split("-"))
+        cpus |= set(range(lo, hi + 1))
+    n = len(cpus)
+    for cpu in cpus:
+        topo = root / "cpu" / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text("0")
+        (topo / "core_id").write_text(str(cpu % (n // smt)))
+    return str(root)
+
+
 @pytest.mark.parametrize(
-    ("env", "allowed", "status"),
+    ("env", "nodes", "smt", "status"),
     [
-        ({"VLLM_CPU_OMP_THREADS_BIND": "0-14"}, set(range(16)), "ok"),
-        ({"VLLM_CPU_OMP_THREADS_BIND": "0-7|8-15"}, set(range(16)), "warning"),
-        ({"VLLM_CPU_OMP_THREADS_BIND": "0-6|8-14"}, set(range(16)), "ok"),
-        ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, set(range(16)), "warning"),
-        ({"VLLM_CPU_OMP_THREADS_BIND": "zero"}, set(range(16)), "error"),
-        ({}, set(range(16)), "ok"),
-        ({}, {0, 1}, "warning"),
-        ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, {0, 1}, "ok"),
+        # A list that leaves a CPU of the node outside the model's.
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-14"}, {"node0": "0-15"}, 1, "ok"),
+        # Two ranks on one node that take every CPU of it.
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-7|8-15"}, {"node0": "0-15"}, 1, "warning"),
+        # Two ranks, a node each, one CPU left on each.
+        (
+            {"VLLM_CPU_OMP_THREADS_BIND": "0-6|8-14"},
+            {"node0": "0-7", "node1": "8-15"},
+            1,
+            "ok",
+        ),
+        # Rank 0 leaves CPUs only on the other rank's node.
+        (
+            {"VLLM_CPU_OMP_THREADS_BIND": "0-7|8-14"},
+            {"node0": "0-7", "node1": "8-15"},
+            1,
+            "warning",
+        ),
+        ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, {"node0": "0-15"}, 1, "warning"),
+        ({"VLLM_CPU_OMP_THREADS_BIND": "zero"}, {"node0": "0-15"}, 1, "error"),
+        # vLLM reads no stride and no spaces.
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-14:2"}, {"node0": "0-15"}, 1, "error"),
+        ({}, {"node0": "0-15"}, 1, "ok"),
+        ({}, {"node0": "0-1"}, 1, "warning"),
+        # 4 logical CPUs on 2 cores: vLLM reserves none.
+        ({}, {"node0": "0-3"}, 2, "warning"),
+        ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, {"node0": "0-1"}, 1, "ok"),
+        ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, {"node0": "0-15"}, 1, "warning"),
     ],
 )
-def test_cpu_placement(env, allowed, status):
-    from kvtier.tools.commands.doctor_host import CPU_FIX, check_cpu_placement
+def test_cpu_placement(tmp_path, env, nodes, smt, status):
+    from kvtier.tools.commands.doctor_host import check_cpu_placement
 
-    (c,) = check_cpu_placement(env, allowed)
+    root = _topology(tmp_path, nodes, smt)
+    allowed = set()
+    for cpulist in nodes.values():
+        lo, hi = (int(x) for x in cpulist.split("-"))
+        allowed |= set(range(lo, hi + 1))
+    (c,) = check_cpu_placement(env, allowed, root)
     assert c.area == "cpu" and c.status == status, c
-    assert (c.fix == CPU_FIX) == (status != "ok")
+    assert bool(c.fix) == (status != "ok"), c
+    if status == "error":
+        assert "VLLM_CPU_OMP_THREADS_BIND" in c.fix
 
 
 def test_cpu_placement_is_reported_on_the_cpu_platform(capsys, disk, shm, monkeypatch):

@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from kvtier.io.cpu_placement import hyperthread_siblings, numa_neighbours, spare_cpus
+
 from .workload import run_multiprocess
 
 pytestmark = pytest.mark.e2e
@@ -71,4 +73,10 @@ def test_loads_run_beside_the_cpus_vllm_gave_the_model(
     procs = result["read_processes"]
     assert len(procs) == 1, procs  # one worker, one read process
     assert procs[0]["parent_cpus"] == [model_cpu]  # vLLM's binding held
-    assert procs[0]["cpus"] == sorted(allowed - {model_cpu})
+    spare = spare_cpus(
+        {model_cpu},
+        allowed,
+        near=numa_neighbours({model_cpu}),
+        siblings=hyperthread_siblings({model_cpu}),
+    )
+    assert spare and procs[0]["cpus"] == sorted(spare)

@@ -13,9 +13,10 @@ import textwrap
 import pytest
 
 from kvtier.io.cpu_placement import (
+    hyperthread_siblings,
+    listed_workers_cpus,
     numa_neighbours,
     openmp_cpus,
-    other_workers_cpus,
     spare_cpus,
     without_openmp_binding,
 )
@@ -45,6 +46,8 @@ linux_only = pytest.mark.skipif(
         ({"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "false"}, set()),
         ({"OMP_PLACES": "cores", "OMP_PROC_BIND": "true"}, set()),
         ({"GOMP_CPU_AFFINITY": "zero"}, set()),
+        ({"GOMP_CPU_AFFINITY": "0-4294967295"}, set()),  # refused, not built
+        ({"OMP_PLACES": "{0:4294967295}", "OMP_PROC_BIND": "true"}, set()),
         ({"KMP_AFFINITY": "compact"}, set()),
     ],
 )
@@ -74,6 +77,10 @@ def test_spare_cpus_stay_on_the_workers_node_and_off_other_workers():
     assert spare_cpus(node0 - {7}, allowed, taken={7}, near=node0) == set()
     # The topology unknown: the whole of allowed.
     assert spare_cpus({0}, {0, 1}, near=None) == {1}
+    # x86 auto binding, one logical CPU per core (0-3; siblings 4-7), 7 kept
+    # out: not the busy cores' siblings while another CPU is left.
+    assert spare_cpus({0, 1, 2}, set(range(8)), siblings={4, 5, 6}) == {3, 7}
+    assert spare_cpus({0, 1, 2, 3}, set(range(4)) | {4}, siblings={4}) == {4}
 
 
 @pytest.mark.parametrize(
@@ -87,8 +94,17 @@ def test_spare_cpus_stay_on_the_workers_node_and_off_other_workers():
         ("0-x", set()),
     ],
 )
-def test_other_workers_cpus(value, cpus):
-    assert other_workers_cpus({"VLLM_CPU_OMP_THREADS_BIND": value}) == cpus
+def test_listed_workers_cpus(value, cpus):
+    assert listed_workers_cpus({"VLLM_CPU_OMP_THREADS_BIND": value}) == cpus
+
+
+def test_hyperthread_siblings(tmp_path):
+    for cpu, sib in ((0, "0,4"), (4, "0,4"), (1, "1,5"), (5, "1,5"), (2, "2")):
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(sib)
+    assert hyperthread_siblings({0, 1, 2}, str(tmp_path)) == {4, 5}
+    assert hyperthread_siblings({0, 4}, str(tmp_path)) == set()
+    assert hyperthread_siblings({9}, str(tmp_path)) == set()
 
 
 def test_numa_neighbours(tmp_path):
@@ -104,32 +120,48 @@ def test_numa_neighbours(tmp_path):
 
 _CHILD = textwrap.dedent(
     """
-    import json, os, threading
+    import json, multiprocessing, os, sys, threading
     from kvtier.io.cpu_placement import place_background_thread
 
-    # As OpenMP binds the model runner's thread before the worker starts
-    # its load thread (which inherits the binding).
-    bound = sorted(int(c) for c in os.environ["GOMP_CPU_AFFINITY"].split())
-    os.sched_setaffinity(0, {bound[0]})
-    seen = {}
+    def worker(q):
+        # As OpenMP binds the model runner's thread before the worker starts
+        # its load thread (which inherits the binding).
+        bound = sorted(int(c) for c in os.environ["GOMP_CPU_AFFINITY"].split())
+        os.sched_setaffinity(0, {bound[0]})
+        seen = {}
 
-    def load_thread():
-        place_background_thread(0)
-        seen["load"] = sorted(os.sched_getaffinity(0))
+        def load_thread():
+            place_background_thread(0)
+            seen["load"] = sorted(os.sched_getaffinity(0))
 
-    t = threading.Thread(target=load_thread)
-    t.start()
-    t.join()
-    seen["main"] = sorted(os.sched_getaffinity(0))
-    print(json.dumps(seen))
+        t = threading.Thread(target=load_thread)
+        t.start()
+        t.join()
+        seen["main"] = sorted(os.sched_getaffinity(0))
+        q.put(seen)
+
+    if sys.argv[1] == "executor":  # a multiprocessing child, as vLLM's workers
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=worker, args=(q,))
+        p.start()
+        print(json.dumps(q.get(timeout=30)))
+        p.join(30)
+    else:  # started by a shell or launcher (an in-process engine)
+        import queue
+        q = queue.Queue()
+        worker(q)
+        print(json.dumps(q.get()))
     """
 )
 
 
-def _placed(bound: set[int]) -> dict:
-    env = dict(os.environ, GOMP_CPU_AFFINITY=" ".join(map(str, sorted(bound))))
+def _placed(bound: set[int], how: str = "executor") -> dict:
+    env = without_openmp_binding(os.environ)
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    env["GOMP_CPU_AFFINITY"] = " ".join(map(str, sorted(bound)))
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD],
+        [sys.executable, "-c", _CHILD, how],
         capture_output=True,
         text=True,
         env=env,
@@ -141,12 +173,20 @@ def _placed(bound: set[int]) -> dict:
 
 @linux_only
 def test_the_load_thread_leaves_the_openmp_cpus():
-    allowed = os.sched_getaffinity(0)  # the child's parent: this process
+    allowed = os.sched_getaffinity(0)  # the worker's parent: the child here
     if len(allowed) < 2:
         pytest.skip("needs two CPUs")
     first = min(allowed)
     seen = _placed({first})
-    assert seen["load"] == sorted(allowed - {first})
+    # The CPUs of its NUMA node left by OpenMP (not a hyper-thread sibling
+    # of the model's CPU while there are others).
+    expected = spare_cpus(
+        {first},
+        allowed,
+        near=numa_neighbours({first}),
+        siblings=hyperthread_siblings({first}),
+    )
+    assert expected and seen["load"] == sorted(expected)
     assert seen["main"] == [first]  # the model's thread is not moved
 
 
@@ -157,6 +197,18 @@ def test_the_load_thread_stays_when_openmp_took_every_cpu():
     # Nowhere spare: it keeps the CPU it inherited (the first OpenMP one).
     assert seen["load"] == [min(allowed)]
     assert seen["main"] == [min(allowed)]
+
+
+@linux_only
+def test_a_worker_not_started_by_an_executor_keeps_its_cpus():
+    """An in-process engine's parent (a shell) may have more CPUs than a
+    taskset gave the engine: nothing is moved there."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs")
+    first = min(allowed)
+    seen = _placed({first}, how="direct")
+    assert seen["load"] == [first]
 
 
 def test_a_helper_process_gets_no_openmp_binding():

@@ -217,6 +217,7 @@ def test_the_child_keeps_the_cpus_of_the_thread_that_starts_it(
     t.join(DEADLINE_S + 5)
     try:
         assert "error" not in seen, seen
+        assert "child" in seen, "the load thread did not finish in time"
         assert seen["child"] == allowed - {model_cpu}
     finally:
         rp.close()

