@@ -124,9 +124,12 @@ _CHILD = textwrap.dedent(
     from kvtier.io.cpu_placement import place_background_thread
 
     def worker(q):
-        # As OpenMP binds the model runner's thread before the worker starts
-        # its load thread (which inherits the binding).
-        bound = sorted(int(c) for c in os.environ["GOMP_CPU_AFFINITY"].split())
+        # vLLM sets the binding for the worker process only (its executor
+        # stays unbound: with libgomp preloaded, a bound executor would be
+        # pinned as it starts), and OpenMP binds the model runner's thread
+        # before the worker starts its load thread, which inherits it.
+        os.environ["GOMP_CPU_AFFINITY"] = os.environ["BOUND"]
+        bound = sorted(int(c) for c in os.environ["BOUND"].split())
         os.sched_setaffinity(0, {bound[0]})
         seen = {}
 
@@ -159,7 +162,7 @@ _CHILD = textwrap.dedent(
 def _placed(bound: set[int], how: str = "executor") -> dict:
     env = without_openmp_binding(os.environ)
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    env["GOMP_CPU_AFFINITY"] = " ".join(map(str, sorted(bound)))
+    env["BOUND"] = " ".join(map(str, sorted(bound)))
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, how],
         capture_output=True,
