@@ -193,6 +193,22 @@ def hyperthread_siblings(
     return out - cpus
 
 
+def physical_cores(cpus: set[int], root: str = "/sys/devices/system/cpu") -> int:
+    """How many physical cores ``cpus`` span (each CPU its own where the
+    topology cannot be read)."""
+    cores = set()
+    for cpu in cpus:
+        topo = os.path.join(root, f"cpu{cpu}", "topology")
+        try:
+            with open(os.path.join(topo, "physical_package_id")) as f:
+                package = f.read().strip()
+            with open(os.path.join(topo, "core_id")) as f:
+                cores.add((package, f.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return len(cores)
+
+
 def spare_cpus(
     bound: set[int],
     allowed: set[int],

@@ -19,7 +19,12 @@ import tempfile
 
 from kvtier.connector.config import ConfigError, KvtierConfig
 from kvtier.connector.host import check_shm_space
-from kvtier.io.cpu_placement import bind_lists, numa_neighbours, spare_cpus
+from kvtier.io.cpu_placement import (
+    bind_lists,
+    numa_neighbours,
+    physical_cores,
+    spare_cpus,
+)
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
@@ -214,22 +219,6 @@ def _cpu_fix(auto: bool) -> str:
     return "leave a CPU outside the model's: drop one from VLLM_CPU_OMP_THREADS_BIND"
 
 
-def _physical_cores(cpus: set[int], root: str = "/sys/devices/system/cpu") -> int:
-    """How many physical cores ``cpus`` span (each CPU its own where the
-    topology cannot be read)."""
-    cores = set()
-    for cpu in cpus:
-        topo = os.path.join(root, f"cpu{cpu}", "topology")
-        try:
-            with open(os.path.join(topo, "physical_package_id")) as f:
-                package = f.read().strip()
-            with open(os.path.join(topo, "core_id")) as f:
-                cores.add((package, f.read().strip()))
-        except OSError:
-            cores.add(("cpu", str(cpu)))
-    return len(cores)
-
-
 def check_cpu_placement(
     env: dict[str, str] | None = None,
     allowed: set[int] | None = None,
@@ -270,7 +259,7 @@ def check_cpu_placement(
             reserve = int(reserved_env) if reserved_env else 2
         except ValueError:
             reserve = 2
-        cores = _physical_cores(allowed, os.path.join(topology, "cpu"))
+        cores = physical_cores(allowed, os.path.join(topology, "cpu"))
         if reserve <= 0 or cores <= reserve:
             return [
                 Check(
