@@ -1,4 +1,5 @@
-"""Where a worker's background I/O work runs: its nice level and its CPUs.
+"""Where a worker's background I/O work runs: its nice level, its CPUs, and
+the name the OS shows for it.
 
 The load thread (and the read process and I/O threads it starts, which
 inherit both) does work that can wait a little; the model's step cannot.
@@ -29,6 +30,11 @@ does not inherit the binding too: vLLM preloads OpenMP (``LD_PRELOAD``) and
 the runtime binds a new process's first thread to the first CPU of the list
 as it loads. :func:`without_openmp_binding` is the environment to start
 helper processes with.
+
+Name: Python (before 3.14) leaves a thread's OS name (``top -H``, ``ps -L``,
+``/proc/<pid>/task/<tid>/comm``) as its creator's, so kvtier's threads would
+show as ``VLLM::Worker`` or ``python``; :func:`name_this_thread` gives each
+long-lived one a ``kvtier-`` name, so an operator can see what they cost.
 """
 
 from __future__ import annotations
@@ -61,6 +67,19 @@ def lower_thread_priority(by: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, now + by))
     except OSError as exc:
         logger.debug("kvtier: thread priority unchanged: %s", exc)
+
+
+def name_this_thread(name: str) -> None:
+    """Linux: set the calling thread's OS name (15 bytes kept). Never raises:
+    a sandbox without ``/proc`` leaves the name as it is. Also a
+    ``ThreadPoolExecutor`` ``initializer``."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "wb") as f:
+            f.write(name.encode()[:15])
+    except OSError as exc:
+        logger.debug("kvtier: thread name unchanged: %s", exc)
 
 
 def _cpu_list(text: str) -> set[int]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvtier.io.cpu_buffer import CpuBlockBuffer
+from kvtier.io.cpu_placement import name_this_thread
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.layout import ReadOutcome
 
@@ -181,6 +182,7 @@ class TransferEngine:
     # -- plumbing -------------------------------------------------------------
 
     def _worker(self) -> None:
+        name_this_thread(threading.current_thread().name)
         while True:
             _, _, task = self._queue.get()
             if task is None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.io.backend import BackendUnavailableError, DiskBackend
+from kvtier.io.cpu_placement import name_this_thread
 from kvtier.io.kvikio_probe import gds_status, usable_status
 from kvtier.io.read_waiter import ReadWaiter
 from kvtier.io.safe_open import open_private, same_file
@@ -136,7 +137,12 @@ class KvikioBackend(DiskBackend):
             except Exception as exc:  # a tuning knob must not block I/O
                 logger.warning("could not raise kvikio's thread count: %r", exc)
         self._gds, self._gds_why = gds_status()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-kvikio")
+        self._pool = ThreadPoolExecutor(
+            threads,
+            thread_name_prefix="kvtier-kvikio",
+            initializer=name_this_thread,
+            initargs=("kvtier-kvikio",),
+        )
 
     def open(self, path: str, writable: bool = True) -> KvikioHandle:
         # kvikio opens by name: check the name first (no symlink, our own
@@ -175,9 +181,7 @@ class KvikioBackend(DiskBackend):
         _check_offset(offset)
         return self._pool.submit(_read, handle, target, nbytes, offset)
 
-    def start_read(
-        self, handle: KvikioHandle, buf: Any, offset: int
-    ) -> ReadWaiter:
+    def start_read(self, handle: KvikioHandle, buf: Any, offset: int) -> ReadWaiter:
         """Start ``len(buf)`` bytes at ``offset`` with kvikio's own
         asynchronous ``CuFile.pread`` (an IOFuture that kvikio splits over its
         thread pool; device buffers go NVMe -> GPU under GDS) and return its

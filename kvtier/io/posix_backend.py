@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.io.backend import IO_ALIGNMENT, DiskBackend
+from kvtier.io.cpu_placement import name_this_thread
 from kvtier.io.safe_open import open_private
 
 logger = logging.getLogger("kvtier.io")
@@ -68,7 +69,12 @@ class PosixBackend(DiskBackend):
             raise ValueError(f"threads must be >= 1, got {threads}")
         self._threads = threads
         self._want_direct = direct and _O_DIRECT != 0
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-posix")
+        self._pool = ThreadPoolExecutor(
+            threads,
+            thread_name_prefix="kvtier-posix",
+            initializer=name_this_thread,
+            initargs=("kvtier-posix",),
+        )
         self._lock = threading.Lock()
         # realpath(directory) -> whether O_DIRECT works there; probed once.
         self._direct_dirs: dict[str, bool] = {}

@@ -55,7 +55,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from kvtier.io.backend import DiskBackend
-from kvtier.io.cpu_placement import without_openmp_binding
+from kvtier.io.cpu_placement import name_this_thread, without_openmp_binding
 from kvtier.io.format import LayoutFingerprint, slot_size
 from kvtier.io.layout import ReadOutcome
 from kvtier.io.slab_files import SlotReaderStats
@@ -368,6 +368,10 @@ def _child_env() -> dict[str, str]:
 # -- the child ---------------------------------------------------------------
 
 
+# The child's name in ps and top (its read threads are kvtier-posix).
+CHILD_NAME = "kvtier-read"
+
+
 def _die_with_parent(parent: int) -> None:
     """Linux: SIGKILL this process when the thread that started it exits
     (the worker's load thread, alive as long as the worker's loads)."""
@@ -431,6 +435,7 @@ def _serve(fd: int, req: Connection, resp: Connection) -> None:
 def main(argv: list[str]) -> int:
     parent, fd, req_fd, resp_fd = (int(a) for a in argv[1:5])
     _die_with_parent(parent)
+    name_this_thread(CHILD_NAME)
     req = Connection(req_fd, writable=False)
     resp = Connection(resp_fd, readable=False)
     with contextlib.suppress(BrokenPipeError, EOFError):

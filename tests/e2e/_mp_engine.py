@@ -61,7 +61,8 @@ GATE = (
 
 def _read_processes() -> list[dict]:
     """kvtier's read processes below this process: the CPUs each may run on,
-    and those of its parent's first thread (the worker's model runner)."""
+    and those of its parent's first thread (the worker's model runner); its
+    name and its parent's threads' names (as ps and top show them)."""
     me = os.getpid()
 
     def parent(pid: int) -> int:
@@ -86,6 +87,13 @@ def _read_processes() -> list[dict]:
                 {
                     "cpus": sorted(os.sched_getaffinity(pid)),
                     "parent_cpus": sorted(os.sched_getaffinity(chain[0])),
+                    "name": (entry / "comm").read_text().strip(),
+                    "parent_threads": sorted(
+                        {
+                            (t / "comm").read_text().strip()
+                            for t in Path(f"/proc/{chain[0]}/task").iterdir()
+                        }
+                    ),
                 }
             )
         except OSError:  # gone meanwhile, or not ours to read

@@ -73,6 +73,9 @@ def test_loads_run_beside_the_cpus_vllm_gave_the_model(
     procs = result["read_processes"]
     assert len(procs) == 1, procs  # one worker, one read process
     assert procs[0]["parent_cpus"] == [model_cpu]  # vLLM's binding held
+    # Named for ps and top: the read process, and the worker's load thread.
+    assert procs[0]["name"] == "kvtier-read"
+    assert "kvtier-load" in procs[0]["parent_threads"], procs[0]["parent_threads"]
     spare = spare_cpus(
         {model_cpu},
         allowed,

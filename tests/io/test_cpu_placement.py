@@ -9,12 +9,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
 from kvtier.io.cpu_placement import (
     hyperthread_siblings,
     listed_workers_cpus,
+    name_this_thread,
     numa_neighbours,
     openmp_cpus,
     spare_cpus,
@@ -230,3 +232,23 @@ def test_a_helper_process_gets_no_openmp_binding():
         "PATH": "/usr/bin",
     }
     assert openmp_cpus(without_openmp_binding(env)) == set()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_a_thread_takes_the_name_ps_and_top_show():
+    got: dict[str, str] = {}
+
+    def run() -> None:
+        name_this_thread("kvtier-a-long-thread-name")
+        got["own"] = _comm(threading.get_native_id())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    assert got["own"] == "kvtier-a-long-t"  # the kernel keeps 15 bytes
+    assert _comm(threading.get_native_id()) != got["own"]  # only the caller's
+
+
+def _comm(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read().strip()

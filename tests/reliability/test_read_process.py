@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from kvtier.io import read_process
 from kvtier.io.format import HEADER_SIZE
 from kvtier.io.layout import ReadOutcome, slot_offset
 from kvtier.io.posix_backend import PosixBackend
-from kvtier.io.read_process import ProcessRead, ReadProcess
+from kvtier.io.read_process import CHILD_NAME, ProcessRead, ReadProcess
 from kvtier.io.slot_reader import PendingRead, SlotReader
 from kvtier.testing.faults import flip_byte
 
@@ -88,6 +90,11 @@ def test_the_child_reads_and_verifies_as_the_engines_process_would(
         pending = rp.submit(items, first_row=1)
         assert isinstance(pending, ProcessRead)  # the child read it
         got = rp.complete(pending)
+        if sys.platform == "linux":  # named for ps and top, its readers too
+            task = Path(f"/proc/{rp.pid}/task")
+            names = {(t / "comm").read_text().strip() for t in task.iterdir()}
+            assert (task / str(rp.pid) / "comm").read_text().strip() == CHILD_NAME
+            assert "kvtier-posix" in names
         local = SlotReader(*_args(rig), PosixBackend(threads=1), bounce_bytes=8 << 20)
         try:
             want = local.read(items)

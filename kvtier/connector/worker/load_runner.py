@@ -48,7 +48,7 @@ from kvtier.connector.worker.bounce_parts import BounceParts, bounce_parts
 from kvtier.connector.worker.job_plan import select_rows
 from kvtier.connector.worker.load_task import LoadTask, ReadBatch
 from kvtier.io.block_copy import CopyPath, CopyPlan
-from kvtier.io.cpu_placement import place_background_thread
+from kvtier.io.cpu_placement import name_this_thread, place_background_thread
 from kvtier.io.device_staging import DeviceStagingReader
 from kvtier.io.slot_reader import SlotReader
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
@@ -205,6 +205,7 @@ class LoadRunner:
         self._thread.start()
 
     def _run(self) -> None:
+        name_this_thread("kvtier-load")
         place_background_thread(LOAD_THREAD_NICE)
         try:
             device = getattr(self.copies, "device", None)
