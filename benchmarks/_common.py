@@ -175,3 +175,67 @@ def direct_read_baseline(
         out = {"tool": "dd", **dd_direct_read(path, size)}
     out["page_cache_dropped"] = dropped
     return out
+
+
+def kvtier_threads_cpu_s() -> float | None:
+    """CPU seconds run so far by kvtier's named threads (``kvtier-*``: the
+    load thread, the read process and its read threads, spill threads) in
+    this process and every process below it (a multiprocess engine's core
+    and workers), from ``/proc/<pid>/task/<tid>/schedstat``; None where
+    there is no such file (not Linux). Threads that exited are not counted:
+    take it around a window in which kvtier's threads live on."""
+    try:
+        parent_of: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parent_of[int(entry)] = int(
+                            f.read().rsplit(")", 1)[1].split()[1]
+                        )
+                except OSError:
+                    continue  # it exited meanwhile
+    except OSError:
+        return None
+    mine = {os.getpid()}
+    grown = True
+    while grown:
+        below = {pid for pid, up in parent_of.items() if up in mine} - mine
+        grown = bool(below)
+        mine |= below
+    total_ns = 0
+    seen = False
+    for pid in mine:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    if not f.read().startswith("kvtier-"):
+                        continue
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total_ns += int(f.read().split()[0])
+                    seen = True
+            except OSError:
+                continue
+    return total_ns / 1e9 if seen else 0.0
+
+
+def filesystem_of(path: str) -> str | None:
+    """The file-system type ``path`` lives on (``/proc/mounts``, the longest
+    mount point above it), e.g. ``ext4`` or ``tmpfs``; None if unknown."""
+    real = os.path.realpath(path)
+    best, fs = "", None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                point = fields[1]
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, fs = point, fields[2]
+    except OSError:
+        return None
+    return fs

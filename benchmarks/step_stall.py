@@ -40,7 +40,12 @@ are computed and spilled, so P is on disk only and R in the CPU tier;
 ``promote_on_hit: false`` keeps P on disk across repeats.
 
     .venv/bin/python benchmarks/step_stall.py [--lengths 4096,16384] [--repeats 3]
-        [--warmup 1]
+        [--warmup 1] [--disk-dir DIR]
+
+``--disk-dir`` puts the disk tier's slabs elsewhere than the temporary
+directory; on a tmpfs (``/dev/shm``) the drive is out of the picture and
+what is left is kvtier's own path. Each hit's row also gives the CPU time
+of kvtier's threads (``kvtier-*``) from the arrival to the first token.
 
 The model gets cores - 1 CPUs in both modes (``OMP_NUM_THREADS``, and
 ``VLLM_CPU_OMP_THREADS_BIND`` for the multiprocess executor, which binds
@@ -70,7 +75,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._common import (  # noqa: E402
     direct_read_argv,
     direct_read_baseline,
+    filesystem_of,
     kvtier_counters,
+    kvtier_threads_cpu_s,
     offload_load_totals,
     percentile,
     write_json,
@@ -100,7 +107,13 @@ def _summary(steps: list[float]) -> dict:
     }
 
 
-def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict:
+def _child(
+    mode: str,
+    lengths: list[int],
+    repeats: int,
+    warmup: int = 1,
+    disk_dir: str | None = None,
+) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
     from vllm import LLM, SamplingParams
@@ -166,6 +179,7 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
         during: list[float] = []
         tokens: list[int] = []
         before = kvtier_counters(), offload_load_totals()
+        cpu0 = kvtier_threads_cpu_s()
         t_add = time.perf_counter()
         if beside:
             proc = subprocess.Popen(beside, stdout=DEVNULL, stderr=DEVNULL)
@@ -187,6 +201,7 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tag}: no first token")
         after = kvtier_counters(), offload_load_totals()
+        cpu1 = kvtier_threads_cpu_s()
         engine.abort_request(ids + [rid])
         while engine.has_unfinished_requests():
             engine.step()
@@ -201,6 +216,12 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
             "ttft": ttft,
             "first": tokens[:1],
             "counters": (before, after),
+            # CPU time of kvtier's threads from the arrival to the first
+            # token (the load thread, the read process: what a hit costs
+            # the cores beside the model's).
+            "kvtier_cpu_ms": (
+                1e3 * (cpu1 - cpu0) if cpu0 is not None and cpu1 is not None else None
+            ),
         }
 
     prompts = {n: [make_prompt(10 * n + i, n + 1) for i in range(3)] for n in lengths}
@@ -216,7 +237,7 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
     del base_llm
 
     mismatches = 0
-    disk_dir = tempfile.mkdtemp(prefix="kvtier-stall-")
+    disk_dir = tempfile.mkdtemp(prefix="kvtier-stall-", dir=disk_dir)
     try:
         for n in lengths:
             blocks = n // BLOCK
@@ -341,6 +362,10 @@ def _child(mode: str, lengths: list[int], repeats: int, warmup: int = 1) -> dict
             )
             if case in ("cpu", "disk"):
                 row[case]["loaded_blocks"] = runs[-1]["loaded_blocks"]
+                cpu = [
+                    r["kvtier_cpu_ms"] for r in runs if r["kvtier_cpu_ms"] is not None
+                ]
+                row[case]["kvtier_cpu_ms"] = statistics.median(cpu) if cpu else None
             # Each run's steps from the arrival on, in order (ms): which
             # step stalls (the submit, the load's middle, its completion).
             row[case]["runs_ms"] = [
@@ -397,6 +422,12 @@ def _table(runs: list[dict]) -> None:
                 f" | dd-beside {row['dd-beside']['read_gbps']:.2f} GB/s"
                 + (f" | {d['tool']} alone {d['gbps']:.2f} GB/s" if d else "")
             )
+            cpu = [row[c].get("kvtier_cpu_ms") for c in ("disk", "cpu")]
+            if None not in cpu:
+                print(
+                    f"{'':>6} | {'':>4} | kvtier threads' CPU per hit: disk "
+                    f"{cpu[0]:.1f} ms, CPU tier {cpu[1]:.1f} ms"
+                )
 
 
 def main() -> int:
@@ -410,10 +441,14 @@ def main() -> int:
     ap.add_argument("--modes", default="inproc,mp")
     ap.add_argument("--child", choices=("inproc", "mp"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/step_stall.json"))
+    # Where the disk tier's slabs go (default: the system's temporary
+    # directory). A tmpfs (/dev/shm) takes the drive out: what is left is
+    # kvtier's own path (reads as memory copies, checks, copies).
+    ap.add_argument("--disk-dir", default=None)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.child:
-        result = _child(args.child, lengths, args.repeats, args.warmup)
+        result = _child(args.child, lengths, args.repeats, args.warmup, args.disk_dir)
         print("KVTIER-STALL " + json.dumps(result))
         return 0
     runs = []
@@ -449,6 +484,7 @@ def main() -> int:
                 str(args.repeats),
                 "--warmup",
                 str(args.warmup),
+                *(["--disk-dir", args.disk_dir] if args.disk_dir else []),
             ],
             capture_output=True,
             text=True,
@@ -473,6 +509,7 @@ def main() -> int:
             "warmup": args.warmup,
             "omp_threads": int(omp),
             "omp_bind": bind or "auto",
+            "disk_dir_fs": filesystem_of(args.disk_dir or tempfile.gettempdir()),
             "runs": runs,
             "outputs_equal": ok,
         },
