@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -179,11 +180,12 @@ def direct_read_baseline(
 
 def kvtier_threads_cpu_s() -> float | None:
     """CPU seconds run so far by kvtier's named threads (``kvtier-*``: the
-    load thread, the read process and its read threads, spill threads) in
-    this process and every process below it (a multiprocess engine's core
-    and workers), from ``/proc/<pid>/task/<tid>/schedstat``; None where
-    there is no such file (not Linux). Threads that exited are not counted:
-    take it around a window in which kvtier's threads live on."""
+    load thread, the read process and its read threads, the spill threads)
+    in this process and every process below it (a multiprocess engine's
+    core and workers), from ``/proc/<pid>/task/<tid>/schedstat``; None where
+    that cannot be read (not Linux, a kernel without schedstat). Threads that
+    exited are not counted: take it around a window in which kvtier's
+    threads live on. Spills running in the window count too."""
     try:
         parent_of: dict[int, int] = {}
         for entry in os.listdir("/proc"):
@@ -204,7 +206,7 @@ def kvtier_threads_cpu_s() -> float | None:
         grown = bool(below)
         mine |= below
     total_ns = 0
-    seen = False
+    named = read = 0
     for pid in mine:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
@@ -215,12 +217,13 @@ def kvtier_threads_cpu_s() -> float | None:
                 with open(f"/proc/{pid}/task/{tid}/comm") as f:
                     if not f.read().startswith("kvtier-"):
                         continue
+                named += 1
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                     total_ns += int(f.read().split()[0])
-                    seen = True
+                    read += 1
             except OSError:
-                continue
-    return total_ns / 1e9 if seen else 0.0
+                continue  # it exited meanwhile, or no schedstat
+    return None if named and not read else total_ns / 1e9
 
 
 def filesystem_of(path: str) -> str | None:
@@ -232,7 +235,8 @@ def filesystem_of(path: str) -> str | None:
         with open("/proc/mounts") as f:
             for line in f:
                 fields = line.split()
-                point = fields[1]
+                # Spaces and the like are octal escapes there (\040).
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])
                 inside = real == point or real.startswith(point.rstrip("/") + "/")
                 if inside and len(point) >= len(best):
                     best, fs = point, fields[2]

@@ -39,6 +39,7 @@ long-lived one a ``kvtier-`` name, so an operator can see what they cost.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -70,16 +71,19 @@ def lower_thread_priority(by: int) -> None:
 
 
 def name_this_thread(name: str) -> None:
-    """Linux: set the calling thread's OS name (15 bytes kept). Never raises:
-    a sandbox without ``/proc`` leaves the name as it is. Also a
-    ``ThreadPoolExecutor`` ``initializer``."""
+    """Linux: set the calling thread's OS name (``prctl(PR_SET_NAME)``, 15
+    bytes kept). Never raises, as a ``ThreadPoolExecutor`` ``initializer``
+    must not: a name that does not encode, or a sandbox without ``prctl``,
+    leaves the name as it is (logged at debug)."""
     if not sys.platform.startswith("linux"):
         return
     try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "wb") as f:
-            f.write(name.encode()[:15])
-    except OSError as exc:
-        logger.debug("kvtier: thread name unchanged: %s", exc)
+        raw = str(name).encode("utf-8", "replace")[:15]
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(15, ctypes.c_char_p(raw), 0, 0, 0) != 0:  # PR_SET_NAME
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NAME) failed")
+    except Exception as exc:
+        logger.debug("kvtier: thread name unchanged: %r", exc)
 
 
 def _cpu_list(text: str) -> set[int]:

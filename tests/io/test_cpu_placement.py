@@ -236,17 +236,21 @@ def test_a_helper_process_gets_no_openmp_binding():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_a_thread_takes_the_name_ps_and_top_show():
+    main_before = _comm(threading.get_native_id())
     got: dict[str, str] = {}
 
     def run() -> None:
         name_this_thread("kvtier-a-long-thread-name")
         got["own"] = _comm(threading.get_native_id())
+        name_this_thread("\udc80")  # does not encode: replaced, never raised
+        got["kept"] = _comm(threading.get_native_id())
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join(10)
     assert got["own"] == "kvtier-a-long-t"  # the kernel keeps 15 bytes
-    assert _comm(threading.get_native_id()) != got["own"]  # only the caller's
+    assert got["kept"] == "?"
+    assert _comm(threading.get_native_id()) == main_before  # the caller's only
 
 
 def _comm(tid: int) -> str:
