@@ -186,38 +186,18 @@ def kvtier_threads_cpu_s() -> float | None:
     that cannot be read (not Linux, a kernel without schedstat). Threads that
     exited are not counted: take it around a window in which kvtier's
     threads live on. Spills running in the window count too."""
-    try:
-        parent_of: dict[int, int] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        parent_of[int(entry)] = int(
-                            f.read().rsplit(")", 1)[1].split()[1]
-                        )
-                except OSError:
-                    continue  # it exited meanwhile
-    except OSError:
+    from kvtier.testing.procs import descendants, thread_names
+
+    if not os.path.isdir("/proc/self/task"):
         return None
-    mine = {os.getpid()}
-    grown = True
-    while grown:
-        below = {pid for pid, up in parent_of.items() if up in mine} - mine
-        grown = bool(below)
-        mine |= below
     total_ns = 0
     named = read = 0
-    for pid in mine:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
+    for pid in {os.getpid(), *descendants(os.getpid())}:
+        for tid, name in thread_names(pid).items():
+            if not name.startswith("kvtier-"):
+                continue
+            named += 1
             try:
-                with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                    if not f.read().startswith("kvtier-"):
-                        continue
-                named += 1
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                     total_ns += int(f.read().split()[0])
                     read += 1

@@ -57,7 +57,7 @@ MAX_CPU_ID = 1 << 16
 OPENMP_BINDING = ("KMP_AFFINITY", "GOMP_CPU_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
 
 
-def lower_thread_priority(by: int) -> None:
+def _lower_thread_priority(by: int) -> None:
     """Raise the calling thread's nice level by ``by`` (at most to 19).
     A sandbox without ``setpriority`` leaves it as it is (logged at debug)."""
     if not sys.platform.startswith("linux") or by <= 0:
@@ -70,14 +70,18 @@ def lower_thread_priority(by: int) -> None:
         logger.debug("kvtier: thread priority unchanged: %s", exc)
 
 
-def name_this_thread(name: str) -> None:
+def name_this_thread(name: str | None = None) -> None:
     """Linux: set the calling thread's OS name (``prctl(PR_SET_NAME)``, 15
-    bytes kept). Never raises, as a ``ThreadPoolExecutor`` ``initializer``
-    must not: a name that does not encode, or a sandbox without ``prctl``,
-    leaves the name as it is (logged at debug)."""
+    bytes kept) to ``name``, by default its Python name (``kvtier-load``,
+    ``kvtier-posix_0``: one name for both). Never raises, as a
+    ``ThreadPoolExecutor`` ``initializer`` must not: a name that does not
+    encode, or a sandbox without ``prctl``, leaves the name as it is (logged
+    at debug)."""
     if not sys.platform.startswith("linux"):
         return
     try:
+        if name is None:
+            name = threading.current_thread().name
         raw = str(name).encode("utf-8", "replace")[:15]
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(15, ctypes.c_char_p(raw), 0, 0, 0) != 0:  # PR_SET_NAME
@@ -274,7 +278,7 @@ def place_background_thread(nice: int) -> None:
     CPUs of the process that started the worker (vLLM's engine core, whose
     affinity vLLM's binding was cut from). Never raises: anything that
     fails leaves the thread where it is (logged)."""
-    lower_thread_priority(nice)
+    _lower_thread_priority(nice)
     if not hasattr(os, "sched_setaffinity"):
         return
     try:

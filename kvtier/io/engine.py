@@ -182,7 +182,7 @@ class TransferEngine:
     # -- plumbing -------------------------------------------------------------
 
     def _worker(self) -> None:
-        name_this_thread(threading.current_thread().name)
+        name_this_thread()
         while True:
             _, _, task = self._queue.get()
             if task is None:

@@ -141,7 +141,6 @@ class KvikioBackend(DiskBackend):
             threads,
             thread_name_prefix="kvtier-kvikio",
             initializer=name_this_thread,
-            initargs=("kvtier-kvikio",),
         )
 
     def open(self, path: str, writable: bool = True) -> KvikioHandle:

@@ -73,7 +73,6 @@ class PosixBackend(DiskBackend):
             threads,
             thread_name_prefix="kvtier-posix",
             initializer=name_this_thread,
-            initargs=("kvtier-posix",),
         )
         self._lock = threading.Lock()
         # realpath(directory) -> whether O_DIRECT works there; probed once.

@@ -368,7 +368,7 @@ def _child_env() -> dict[str, str]:
 # -- the child ---------------------------------------------------------------
 
 
-# The child's name in ps and top (its read threads are kvtier-posix).
+# The child's name in ps and top (its read threads are kvtier-posix_N).
 CHILD_NAME = "kvtier-read"
 
 

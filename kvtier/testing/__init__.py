@@ -5,6 +5,8 @@
   subscriber, prompt builders.
 - :mod:`kvtier.testing.offloading`: vLLM's ``OffloadingConfig`` and kvtier's
   spec built outside an engine.
+- :mod:`kvtier.testing.procs`: an engine's processes and their threads'
+  names, from ``/proc`` (imports nothing beyond the standard library).
 
 Importing this package imports nothing else; each module imports vLLM.
 """

@@ -63,37 +63,25 @@ def _read_processes() -> list[dict]:
     """kvtier's read processes below this process: the CPUs each may run on,
     and those of its parent's first thread (the worker's model runner); its
     name and its parent's threads' names (as ps and top show them)."""
-    me = os.getpid()
-
-    def parent(pid: int) -> int:
-        with open(f"/proc/{pid}/status") as f:
-            return int(next(ln for ln in f if ln.startswith("PPid:")).split()[1])
+    from kvtier.testing.procs import descendants, parent_pid, thread_names
 
     found = []
-    for entry in Path("/proc").iterdir():
+    for pid in descendants(os.getpid()):
         try:
-            if not entry.name.isdigit():
+            if (
+                b"kvtier.io.read_process"
+                not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            ):
                 continue
-            if b"kvtier.io.read_process" not in (entry / "cmdline").read_bytes():
-                continue
-            pid = int(entry.name)
-            up, chain = pid, []
-            while up > 1 and up != me:
-                up = parent(up)
-                chain.append(up)
-            if up != me:
+            worker = parent_pid(pid)
+            if worker is None:
                 continue
             found.append(
                 {
                     "cpus": sorted(os.sched_getaffinity(pid)),
-                    "parent_cpus": sorted(os.sched_getaffinity(chain[0])),
-                    "name": (entry / "comm").read_text().strip(),
-                    "parent_threads": sorted(
-                        {
-                            (t / "comm").read_text().strip()
-                            for t in Path(f"/proc/{chain[0]}/task").iterdir()
-                        }
-                    ),
+                    "parent_cpus": sorted(os.sched_getaffinity(worker)),
+                    "name": thread_names(pid).get(pid),
+                    "parent_threads": sorted(set(thread_names(worker).values())),
                 }
             )
         except OSError:  # gone meanwhile, or not ours to read

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -22,6 +23,7 @@ from kvtier.io.cpu_placement import (
     spare_cpus,
     without_openmp_binding,
 )
+from kvtier.testing.procs import descendants, parent_pid, thread_names
 
 linux_only = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity"
@@ -251,6 +253,22 @@ def test_a_thread_takes_the_name_ps_and_top_show():
     assert got["own"] == "kvtier-a-long-t"  # the kernel keeps 15 bytes
     assert got["kept"] == "?"
     assert _comm(threading.get_native_id()) == main_before  # the caller's only
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_pool_threads_take_their_python_names():
+    """As the back ends' pools do: the initializer names each thread after
+    its Python name, and the process helpers of kvtier.testing see it."""
+    with ThreadPoolExecutor(2, "kvtier-t", initializer=name_this_thread) as pool:
+        tid = pool.submit(threading.get_native_id).result(timeout=10)
+        assert thread_names(os.getpid())[tid] == "kvtier-t_0"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in descendants(os.getpid())
+        assert parent_pid(child.pid) == os.getpid()
+    finally:
+        child.kill()
+        child.wait(10)
 
 
 def _comm(tid: int) -> str:

@@ -205,7 +205,7 @@ class LoadRunner:
         self._thread.start()
 
     def _run(self) -> None:
-        name_this_thread("kvtier-load")
+        name_this_thread()  # its Python name, kvtier-load
         place_background_thread(LOAD_THREAD_NICE)
         try:
             device = getattr(self.copies, "device", None)
