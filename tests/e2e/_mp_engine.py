@@ -59,10 +59,29 @@ GATE = (
 )
 
 
-def _read_processes() -> list[dict]:
+def _read_processes(timeout: float = 60.0) -> list[dict]:
     """kvtier's read processes below this process: the CPUs each may run on,
     and those of its parent's first thread (the worker's model runner); its
-    name and its parent's threads' names (as ps and top show them)."""
+    name and its parent's threads' names (as ps and top show them).
+
+    A read process names itself once its interpreter has imported its
+    modules; on a loaded machine that can come after the workload's last
+    load (its loads meanwhile run in the worker). So this looks again, up to
+    ``timeout`` seconds, until each one found carries its name; past the
+    deadline it returns what it saw, and the caller's check fails on it."""
+    import time
+
+    from kvtier.io.read_process import CHILD_NAME
+
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _scan_read_processes()
+        if all(p["name"] == CHILD_NAME for p in found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _scan_read_processes() -> list[dict]:
     from kvtier.testing.procs import descendants, parent_pid, thread_names
 
     found = []
