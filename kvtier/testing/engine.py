@@ -218,7 +218,7 @@ def get_connector(llm):
     return get_scheduler(llm).connector
 
 
-def last_event_seq(llm, timeout: float = 10.0) -> int | None:
+def last_event_seq(llm, timeout: float = 60.0) -> int | None:
     """The sequence number of the last KV-event batch the engine's ZMQ
     publisher sent, once its queue drained (None: nothing sent). Raises
     TimeoutError if the queue does not drain within ``timeout``. In-process
@@ -232,7 +232,7 @@ def last_event_seq(llm, timeout: float = 10.0) -> int | None:
     return pub._buffer[-1][0] if pub._buffer else None
 
 
-def wait_events_delivered(llm, sub, timeout: float = 10.0) -> bool:
+def wait_events_delivered(llm, sub, timeout: float = 60.0) -> bool:
     """Wait until every KV-event batch the engine published so far reached
     ``sub`` (a :class:`KVEventSubscriber`); False if not within ``timeout``.
 

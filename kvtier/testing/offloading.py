@@ -83,7 +83,7 @@ def offloading_config(
     )
 
 
-def wait_finished(worker: Any, count: int = 1, timeout: float = 10.0) -> list:
+def wait_finished(worker: Any, count: int = 1, timeout: float = 60.0) -> list:
     """A worker's ``get_finished``, called as vLLM calls it (once a step),
     until ``count`` jobs were reported; a load completes on the worker's
     load thread, not inside ``submit_load``."""

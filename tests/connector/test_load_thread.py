@@ -39,7 +39,7 @@ from tests.connector.test_request_runner import (  # noqa: E402
     push_to_disk,
 )
 
-DEADLINE_S = 10.0
+DEADLINE_S = 60.0
 
 
 @pytest.fixture

@@ -119,7 +119,7 @@ class RequestRunner:
         self.manager.on_request_finished(ctx)
         return keys
 
-    def settle(self, timeout: float = 10.0) -> None:
+    def settle(self, timeout: float = 60.0) -> None:
         """Step the scheduler until background disk work is done."""
         deadline = time.monotonic() + timeout
         while self.manager.has_pending_work():
@@ -127,7 +127,7 @@ class RequestRunner:
             self.manager.on_schedule_end(None)
             time.sleep(0.005)
 
-    def lookup(self, name: str, keys: list[bytes], timeout: float = 10.0) -> int:
+    def lookup(self, name: str, keys: list[bytes], timeout: float = 60.0) -> int:
         """vLLM's deferred prefix lookup: re-ask each step until settled."""
         ctx = ReqContext(req_id=name + "/load")
         self.ctx = ctx

@@ -76,7 +76,8 @@ def _read_processes(timeout: float = 60.0) -> list[dict]:
     deadline = time.monotonic() + timeout
     while True:
         found = _scan_read_processes()
-        if all(p["name"] == CHILD_NAME for p in found) or time.monotonic() > deadline:
+        named = found and all(p["name"] == CHILD_NAME for p in found)
+        if named or time.monotonic() > deadline:
             return found
         time.sleep(0.05)
 
@@ -126,10 +127,13 @@ def main() -> None:
     gpu_blocks = 48 if mode == "decode-while-loading" else GPU_BLOCKS
     with open(Path(model) / "config.json") as f:
         max_pos = json.load(f)["max_position_embeddings"]
-    extra: dict = {}
+    # Spill each block as it is stored: a prompt leaves the CPU tier for disk
+    # only once its spills are done, and here nothing drains them between
+    # prompts (as the in-process workload's run_each does).
+    extra: dict = {"spill_watermark": 0.0}
     kw: dict = {}
     if mode == "decode-while-loading":  # as kvtier.testing.engine.make_llm
-        extra, kw = {"spill_watermark": 0.0}, {"max_num_batched_tokens": 2048}
+        kw = {"max_num_batched_tokens": 2048}
     llm = LLM(
         model=model,
         dtype="float32",

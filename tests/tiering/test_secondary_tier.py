@@ -132,7 +132,7 @@ class Driver:
         self.manager.on_schedule_end(STEP)
         self.events.extend(self.manager.take_events())
 
-    def settle(self, timeout: float = 10.0) -> None:
+    def settle(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         self.step()
         while self.manager.has_pending_work():
@@ -140,7 +140,7 @@ class Driver:
             time.sleep(0.002)
             self.step()
 
-    def lookup(self, name: str, keys: list[bytes], timeout: float = 10.0):
+    def lookup(self, name: str, keys: list[bytes], timeout: float = 60.0):
         """vLLM's deferred prefix lookup: re-asked every step until settled."""
         ctx = ReqContext(req_id=name)
         self.manager.on_new_request(ctx)

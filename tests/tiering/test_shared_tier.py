@@ -215,7 +215,7 @@ def test_unusable_shared_root_starts_offline_and_costs_misses(
     assert not any(d.in_primary(k) for k in first)
     assert all(d.local.tier.is_ready(k) for k in first + second)
     d.rows[:, :] = 0xAB
-    hits, ctx = d.lookup("a-again", first, timeout=5)
+    hits, ctx = d.lookup("a-again", first, timeout=60)
     assert hits == 4
     assert d.load_and_check(first, ctx) == {CacheHitSource.DISK.value: 4}
     assert d.local.stats.promotions_completed == 4
