@@ -32,6 +32,13 @@ Contract (beyond ``SlotReader``'s for the methods the load thread uses:
   - The child holds nothing beyond its own fds: it exits when the worker's
     end of the request pipe closes (:meth:`close`, or the worker's process
     dying) and, on Linux, is killed with its parent (``PR_SET_PDEATHSIG``).
+  - No call waits on the child beyond its own timeout (``submit``,
+    ``ready``: not at all): a request the pipe cannot take yet goes out on
+    later calls, and an answer the child wrote part of is taken whole on a
+    later call (:mod:`kvtier.io.pipe_channel`). A child that stops reading
+    (stopped, or its one thread on a hung read) holds its batches only,
+    until :meth:`abandon` (the load thread giving a batch up at its end)
+    stops it after ``ABANDON_WAIT_S``, as if it had died.
   - Used by one thread (the load thread); ``stats()`` from any thread.
 """
 
@@ -58,6 +65,7 @@ from kvtier.io.backend import DiskBackend
 from kvtier.io.cpu_placement import name_this_thread, without_openmp_binding
 from kvtier.io.format import LayoutFingerprint, slot_size
 from kvtier.io.layout import ReadOutcome
+from kvtier.io.pipe_channel import PipeChannel
 from kvtier.io.slab_files import SlotReaderStats
 from kvtier.io.slot_reader import PendingRead, SlotRead, SlotReader
 
@@ -65,6 +73,8 @@ logger = logging.getLogger("kvtier.io")
 
 # How long close() waits for the child to exit before it kills it.
 CLOSE_WAIT_S = 5.0
+# How long abandon() waits for the child's answer before it stops the child.
+ABANDON_WAIT_S = 5.0
 # How long a blocking wait sleeps in one poll of the pipe.
 POLL_S = 0.05
 
@@ -145,8 +155,7 @@ class ReadProcess:
             "nbytes": nbytes,
         }
         self._proc: subprocess.Popen[bytes] | None = None
-        self._send: Connection | None = None
-        self._recv: Connection | None = None
+        self._pipes: PipeChannel | None = None
         self._ready = False
         self._next = 0
         self._held: dict[int, ProcessRead] = {}
@@ -188,10 +197,9 @@ class ReadProcess:
             if self._proc is not None:
                 os.close(req_r)
                 os.close(resp_w)
-        self._send = Connection(req_w, readable=False)
-        self._recv = Connection(resp_r, writable=False)
+        self._pipes = PipeChannel(req_w, resp_r)
         try:
-            self._send.send(self._child_config)
+            self._pipes.send(self._child_config)
         except OSError:
             self._lost("its pipe broke at start")
 
@@ -200,16 +208,14 @@ class ReadProcess:
         if self._closed:
             return
         self._closed = True
-        if self._send is not None:
-            self._send.close()
+        if self._pipes is not None:
+            self._pipes.close()  # the child reads EOF and exits
         if self._proc is not None:
             try:
                 self._proc.wait(CLOSE_WAIT_S)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        if self._recv is not None:
-            self._recv.close()
         self._local.close()
         # Unmapped once the last view is gone (the worker's copy paths may
         # still hold views of the rows); the memory file goes with the fd.
@@ -245,7 +251,7 @@ class ReadProcess:
         self, items: Sequence[tuple[int, bytes]], first_row: int = 0
     ) -> ProcessRead | PendingRead:
         self.poll(0.0)
-        if not self._ready or self._send is None:
+        if not self._ready or self._pipes is None:
             return self._local.submit(items, first_row)
         if not 0 <= first_row <= self.capacity - len(items):
             raise ValueError(
@@ -255,8 +261,8 @@ class ReadProcess:
         self._next += 1
         read = ProcessRead(self._next, list(items), first_row)
         self._held[read.rid] = read
-        try:
-            self._send.send((read.rid, read.items, first_row))
+        try:  # never waits: what the pipe cannot take yet goes out later
+            self._pipes.send((read.rid, read.items, first_row))
         except OSError:
             self._lost("its pipe broke")
         return read
@@ -291,36 +297,40 @@ class ReadProcess:
         if isinstance(pending, PendingRead):
             self._local.abandon(pending)
             return
+        deadline = time.monotonic() + ABANDON_WAIT_S
         while pending.result is None:
+            if time.monotonic() >= deadline:
+                # The child does not answer (stopped, or its thread on a read
+                # that does not return): stop it. Nothing writes its rows once
+                # it is reaped; a read it cannot leave keeps that wait.
+                self._lost("it did not answer a batch given up")
+                break
             self.poll(POLL_S)
 
     # ------------------------------------------------------------ internals
 
     def poll(self, timeout: float) -> None:
-        """Take the child's messages (waiting up to ``timeout`` for one)."""
-        recv = self._recv
-        if recv is None:
+        """Take the child's messages, waiting up to ``timeout`` for one (and
+        sending on what the request pipe could not take before). Never
+        longer: a message the child wrote part of waits for the next call."""
+        pipes = self._pipes
+        if pipes is None:
             return
         try:
-            if not recv.poll(timeout):
-                return
-            while True:
-                msg = recv.recv()
-                if msg[0] == "ready":
-                    self._ready = True
-                else:
-                    _, rid, codes, rows, stats = msg
-                    read = self._held.pop(rid, None)
-                    if read is not None:  # else no longer waited for
-                        read.result = [
-                            SlotRead(ReadOutcome(c), r) for c, r in zip(codes, rows)
-                        ]
-                    with self._stats_lock:
-                        self._child_stats = SlotReaderStats(*stats)
-                if not recv.poll(0):
-                    return
+            msgs = pipes.receive(timeout)
         except (EOFError, OSError):
             self._lost("it exited")
+            return
+        for msg in msgs:
+            if msg[0] == "ready":
+                self._ready = True
+                continue
+            _, rid, codes, rows, stats = msg
+            read = self._held.pop(rid, None)
+            if read is not None:  # else no longer waited for
+                read.result = [SlotRead(ReadOutcome(c), r) for c, r in zip(codes, rows)]
+            with self._stats_lock:
+                self._child_stats = SlotReaderStats(*stats)
 
     def _lost(self, why: str) -> None:
         """The child is gone: reap it, fail what it held, read here from now."""
@@ -348,10 +358,9 @@ class ReadProcess:
             read.result = []
         self._held.clear()
         self._ready = False
-        for conn in (self._send, self._recv):
-            if conn is not None:
-                conn.close()
-        self._send = self._recv = None
+        if self._pipes is not None:
+            self._pipes.close()
+        self._pipes = None
 
 
 def _child_env() -> dict[str, str]:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from reliability_common import Rig, key_of, pattern
 
-from kvtier.io import read_process
+from kvtier.io import pipe_channel, read_process
 from kvtier.io.format import HEADER_SIZE
 from kvtier.io.layout import ReadOutcome, slot_offset
 from kvtier.io.posix_backend import PosixBackend
@@ -144,6 +144,78 @@ def test_a_dead_child_costs_its_batches_then_reads_stay_here(
         assert [r.outcome for r in got] == [ReadOutcome.OK] * 2
         for key, r in zip(keys[2:], got):
             assert np.array_equal(rp.rows[r.row], pattern(key))
+    finally:
+        rp.close()
+
+
+def _returns_in_time(fn: Callable[[], object]) -> bool:
+    """Whether ``fn`` returned within DEADLINE_S (run on a thread)."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(DEADLINE_S)
+    return not t.is_alive()
+
+
+def test_a_child_that_stops_reading_never_stops_the_caller(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped child (or one whose thread waits on a hung read) drains
+    neither pipe. Requests beyond the pipe's room used to block ``submit``
+    in ``write``, the load thread with it, CPU-tier loads included."""
+    monkeypatch.setattr(pipe_channel, "PIPE_BYTES", 4096)  # a one-page pipe
+    rig = make_rig(num_slots=8)
+    keys = _written(rig, 8)
+    items = list(enumerate(keys))
+    rp = _running(_reader(rig))
+    batches: list = []
+    try:
+        os.kill(rp.pid, signal.SIGSTOP)
+        # 200 batches of the same 8 slots into the same 8 rows (the same bytes
+        # land there whichever read writes last): ~80 KB of requests, more
+        # than a default 64 KiB pipe holds.
+        assert _returns_in_time(
+            lambda: batches.extend(rp.submit(items) for _ in range(200))
+        )
+        assert all(isinstance(b, ProcessRead) for b in batches)
+        assert _returns_in_time(lambda: rp.wait(batches[-1], 0.2))
+        assert not rp.ready(batches[-1])
+        os.kill(rp.pid, signal.SIGCONT)
+        for b in batches:  # each sent on, read, verified and answered
+            assert rp.wait(b, DEADLINE_S)
+            assert [r.outcome for r in rp.complete(b)] == [ReadOutcome.OK] * 8
+        for key, r in zip(keys, rp.complete(batches[-1])):
+            assert np.array_equal(rp.rows[r.row], pattern(key))
+    finally:
+        if rp.pid is not None:
+            os.kill(rp.pid, signal.SIGCONT)
+        rp.close()
+
+
+def test_abandoning_a_batch_a_stopped_child_holds_ends_the_child(
+    make_rig: Callable[..., Rig],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The load thread's last act (its end, at shutdown) gives up the
+    batches in flight; a child that never answers is stopped and reaped
+    then, so the worker's shutdown completes and its rows are safe."""
+    monkeypatch.setattr(read_process, "ABANDON_WAIT_S", 0.3)
+    rig = make_rig()
+    keys = _written(rig, 2)
+    rp = _running(_reader(rig))
+    try:
+        pid = rp.pid
+        os.kill(pid, signal.SIGSTOP)
+        held = rp.submit([(0, keys[0]), (1, keys[1])], first_row=0)
+        with caplog.at_level("ERROR", logger="kvtier.io"):
+            assert _returns_in_time(lambda: rp.abandon(held))
+        assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR] * 2
+        assert any("did not answer a batch given up" in m for m in caplog.messages)
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reaped: gone
+        later = rp.submit([(1, keys[1])], first_row=1)
+        assert isinstance(later, PendingRead)  # read in this process now
+        assert [r.outcome for r in rp.complete(later)] == [ReadOutcome.OK]
     finally:
         rp.close()
 
