@@ -176,7 +176,7 @@ def test_unmappable_cpu_tier_costs_misses_not_the_engine(tmp_path: Path) -> None
         rt.close()
 
 
-def test_drain_timeout_breaks_the_runtime_and_late_results_never_surface(
+def test_drain_timeout_breaks_the_runtime_and_fails_what_it_held_once(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     shm_file: Callable[[int], CpuBlockBuffer],
@@ -210,11 +210,14 @@ def test_drain_timeout_breaks_the_runtime_and_late_results_never_surface(
         # The caller may now reuse every row: nothing writes them any more.
         cpu.array[4:7] = 0x22
         rt.submit_spill(spill(3, keys[:1]))  # refused at once: a miss
-        (refused,) = rt.poll()
-        assert refused.job_id == 3 and refused.failed_keys == {keys[0]}
+        # The given-up promotion is reported once, failed whole (vLLM's
+        # tiering manager asserts that every job came back after a drain),
+        # and the refused spill with it.
+        got = {r.job_id: r.failed_keys for r in rt.poll()}
+        assert got == {2: set(keys), 3: {keys[0]}}
         release.set()
         time.sleep(0.5)
-        assert rt.poll() == []  # job 2's late result never surfaces
+        assert rt.poll() == []  # job 2's late result never surfaces again
         assert (cpu.array[4:7] == 0x22).all()
     finally:
         release.set()

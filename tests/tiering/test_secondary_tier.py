@@ -404,6 +404,47 @@ def test_reset_cache_drains_and_keeps_the_disk(tmp_path, make_driver):
     assert d.load_and_check(keys, ctx) == {"disk": 4}
 
 
+def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
+    tmp_path, make_driver, monkeypatch
+):
+    """reset_cache with the tier's writes hung: its drain gives up after
+    its deadline and every job it held comes back failed. vLLM's tiering
+    manager asserts that every job came back after drain_jobs; a given-up
+    job that was forgotten instead raised there (and left its slots
+    WRITING, the tier pending for good)."""
+    import threading
+
+    from kvtier.connector.scheduler import disk_runtime
+    from kvtier.io import disk_store
+    from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
+
+    release = threading.Event()
+    plan = FaultPlan([FaultRule.hang(release, ops="write")])  # a hung disk
+    real = disk_store.make_backend
+    monkeypatch.setattr(
+        disk_store,
+        "make_backend",
+        lambda name, **kw: FaultInjectingBackend(real(name, **kw), plan),
+    )
+    drain = disk_runtime.DiskRuntime.drain
+    monkeypatch.setattr(
+        disk_runtime.DiskRuntime, "drain", lambda rt, timeout=0.5: drain(rt, timeout)
+    )
+    d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    try:
+        keys = d.store("a", 2)  # cascades to our tier: its writes hang
+        d.step()
+        assert d.tier.has_pending_work()
+        d.manager.reset_cache()  # raised AssertionError in vLLM before
+        assert not d.tier.has_pending_work()
+        assert not any(k in d.tier.tier and d.tier.tier.is_ready(k) for k in keys)
+        assert d.tier.runtime.broken
+        hits, _ = d.lookup("a-again", keys)
+        assert hits == 0  # misses, recomputed
+    finally:
+        release.set()
+
+
 def test_portable_worker_shares_the_primary_memory(tmp_path, make_driver):
     """GPU -> primary -> disk -> primary -> GPU through the CPU-platform
     worker: the worker writes the very rows the scheduler-side tier reads."""

@@ -89,6 +89,7 @@ class FinishedJob:
 class _RankedJob:
     kind: str
     remaining: int
+    keys: list[bytes] = field(default_factory=list)
     failed: set[bytes] = field(default_factory=set)
     bytes: int = 0
     seconds: float = 0.0
@@ -113,8 +114,9 @@ class DiskRuntime:
     every rank finished it. ``drain`` waits for everything submitted
     (shutdown and reset only), at most ``timeout``; when it times out the
     runtime is *broken*: its threads never touch a CPU row again (so the
-    caller may reuse every row), unfinished jobs are forgotten (no late
-    result ever reaches ``poll``) and later jobs fail at once. All I/O
+    caller may reuse every row), the next ``poll`` reports every unfinished
+    job failed, all its keys (no late result of its I/O ever reaches
+    ``poll``), and later jobs fail at once. All I/O
     threads start in the constructor, so what can fail fails at start-up,
     with the real error (nothing is left behind)."""
 
@@ -146,6 +148,8 @@ class DiskRuntime:
         self._jobs: dict[int, _RankedJob] = {}
         # (job_id, failed keys) of rank parts that could not be submitted.
         self._refused: list[tuple[int, list[bytes]]] = []
+        # Jobs a timed-out drain gave up, reported failed by the next poll.
+        self._given_up: list[tuple[int, _RankedJob]] = []
         self._lock = threading.Lock()
         self._broken: str | None = None
         self._warned: set[str] = set()
@@ -261,7 +265,9 @@ class DiskRuntime:
         self, kind: str, job_id: int, items: list[tuple[bytes, int, int]]
     ) -> None:
         with self._lock:
-            self._jobs[job_id] = _RankedJob(kind, remaining=len(self.stores))
+            self._jobs[job_id] = _RankedJob(
+                kind, remaining=len(self.stores), keys=[key for key, _, _ in items]
+            )
         for rank in range(len(self.stores)):
             try:
                 if self._broken is not None:
@@ -281,18 +287,23 @@ class DiskRuntime:
         with self._lock:
             parts = [(job_id, keys, 0, 0.0) for job_id, keys in self._refused]
             self._refused.clear()
+            # Given up by a timed-out drain: failed whole, once.
+            done = [
+                FinishedJob(job.kind, job_id, set(job.keys), job.bytes, job.seconds)
+                for job_id, job in self._given_up
+            ]
+            self._given_up.clear()
         for engine in self._engines:
             if engine is not None:
                 parts.extend(
                     (r.job_id, r.failed_keys, r.bytes, r.seconds)
                     for r in engine.get_finished()
                 )
-        done: list[FinishedJob] = []
         for job_id, failed, nbytes, seconds in parts:
             with self._lock:
                 job = self._jobs.get(job_id)
                 if job is None:
-                    continue  # forgotten by a timed-out drain: never reported
+                    continue  # given up by a timed-out drain: reported already
                 job.failed.update(failed)
                 job.bytes += nbytes
                 job.seconds = max(job.seconds, seconds)
@@ -336,7 +347,7 @@ class DiskRuntime:
 
     def _break(self, why: str) -> None:
         """Stop for good: no thread touches a CPU row again, unfinished jobs
-        are forgotten, later jobs fail at once (misses)."""
+        fail whole at the next ``poll``, later jobs fail at once (misses)."""
         if self._broken is None:
             self._broken = why
             logger.error(
@@ -349,6 +360,7 @@ class DiskRuntime:
             if engine is not None:
                 engine.abandon()
         with self._lock:
+            self._given_up.extend(self._jobs.items())
             self._jobs.clear()
             self._refused.clear()
 
