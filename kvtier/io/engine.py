@@ -90,6 +90,10 @@ class _FanOut:
             return self.remaining == 0
 
 
+class _StagedTooLate(Exception):
+    """A spill's row copy outlasted ``abandon()``: its block is not written."""
+
+
 class RowGuard:
     """Fences every touch of CPU rows by transfer threads.
 
@@ -104,6 +108,7 @@ class RowGuard:
         self._cond = threading.Condition()
         self._active = 0
         self._closed = False
+        self._overrun = False
 
     def enter(self) -> bool:
         with self._cond:
@@ -121,11 +126,21 @@ class RowGuard:
     def close(self, timeout: float | None = 5.0) -> bool:
         with self._cond:
             self._closed = True
-            return self._cond.wait_for(lambda: self._active == 0, timeout)
+            done = self._cond.wait_for(lambda: self._active == 0, timeout)
+            if not done:
+                self._overrun = True
+            return done
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def overrun(self) -> bool:
+        """Whether ``close()`` stopped waiting while a touch was in progress:
+        that touch may have overlapped the rows' next owner, so what it read
+        must not be used (a thread checks after its ``leave()``)."""
+        return self._overrun
 
 
 class TransferEngine:
@@ -248,10 +263,18 @@ class TransferEngine:
                 return None  # abandoned: the row may belong to someone else
             held = [True]
 
-            def staged() -> None:  # the row is in the bounce buffer now
+            def leave() -> None:
                 if held[0]:
                     held[0] = False
                     guard.leave()
+
+            def staged() -> None:  # the row is in the bounce buffer now
+                leave()
+                if guard.overrun:
+                    # abandon() stopped waiting for this copy: the row may
+                    # have been reused under it, so the staged bytes may mix
+                    # two blocks. Never write them under this key.
+                    raise _StagedTooLate
 
             try:
                 store.write_block(
@@ -259,8 +282,10 @@ class TransferEngine:
                 )
             except OSError:
                 return None  # the store already logged errno and path
+            except _StagedTooLate:
+                return None
             finally:
-                staged()
+                leave()
             return store.block_bytes
 
         self._fan_out(job_id, list(items), spill_one, SPILL_PRIORITY)

@@ -14,6 +14,7 @@ from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.engine import JobOutcome, TransferEngine
 from kvtier.io.format import HEADER_SIZE, Codec, LayoutFingerprint
+from kvtier.io.layout import ReadOutcome
 from kvtier.io.posix_backend import PosixBackend
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
@@ -180,6 +181,40 @@ def test_failed_spill_reports_keys(
             BLOCK_BYTES,
         )
         eng.shutdown()
+
+
+def test_a_spill_copy_that_outlasts_abandon_is_never_written(
+    engine_on: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """abandon() waits a bounded time for row copies in progress; after it
+    gave up, the caller reuses the rows, so a spill still copying its row
+    may have staged two blocks' bytes. Written under the key with a valid
+    checksum, a warm restart would serve them: it must never be written."""
+    eng: TransferEngine = engine_on("tmp", 1, "none", threads=1)
+    buf, store = eng.cpu_buffer, eng.disk_store
+    fill_kv(buf, range(0, 1), torch.bfloat16)
+    copying, done_copying = threading.Event(), threading.Event()
+    real = store.write_block
+
+    def slow_copy(slot, k, data, seq, *, on_staged=None):
+        def staged_late() -> None:  # the row copy takes this long
+            copying.set()
+            done_copying.wait(30)
+            on_staged()
+
+        return real(slot, k, data, seq, on_staged=staged_late)
+
+    monkeypatch.setattr(store, "write_block", slow_copy)
+    eng.submit_spill(1, [(key(0), 0, 0)])
+    assert copying.wait(30)
+    assert eng.abandon(timeout=0.1) is False  # gave up on the copy
+    buf.array[0] = 0x5A  # the row's next owner writes it
+    done_copying.set()
+    assert eng.wait([1], timeout=30)
+    [res] = eng.get_finished()
+    assert res.failed_keys == [key(0)]
+    out = np.zeros(BLOCK_BYTES, dtype=np.uint8)
+    assert store.read_block(0, key(0), out) is ReadOutcome.EMPTY  # not written
 
 
 def test_generic_jobs_wait_pending_and_errors(engine_on: Any) -> None:
