@@ -549,3 +549,25 @@ def test_outside_kvtiers_connector_an_exception_propagates(tmp_path, monkeypatch
         assert r.worker.exceptions.count == 0 and r.worker.get_finished() == []
     finally:
         r.close()
+
+
+def test_a_report_from_before_reset_cache_never_reaches_a_later_load():
+    """vLLM completes no load job from before reset_cache, but the worker's
+    report of one may still arrive; applied to the same request's next load
+    it dropped a healthy disk block as corrupt."""
+    from kvtier.connector.scheduler.manager import TieredOffloadingManager
+    from kvtier.tiers.hierarchy import TierHierarchy
+
+    key = b"k" * 36
+    h = TierHierarchy(4, 8)
+    h.restore_disk([(key, 0)])
+    m = TieredOffloadingManager(h, None, block_bytes=4096)
+    m.prepare_load([key], ReqContext(req_id="R"))  # in flight at the reset
+    m.reset_cache()
+    m.note_worker_report(WorkerReport({"R": [key]}, {"R": [key]}))  # it failed
+    h.restore_disk([(key, 0)])  # the block is on disk again
+    again = ReqContext(req_id="R")
+    m.prepare_load([key], again)  # the same request loads it again: fine
+    m.complete_load([key], again)
+    assert h.disk.is_ready(key)
+    assert h.stats.load_failures == 0

@@ -81,6 +81,10 @@ class TieredOffloadingManager(OffloadingManager):
         # request's load completes.
         self._failed_loads: dict[str, set[bytes]] = {}
         self._unloaded_loads: dict[str, set[bytes]] = {}
+        # Requests with a load prepared and not completed: a report for any
+        # other (a job from before reset_cache, which vLLM never completes)
+        # must not reach a later load of the same request.
+        self._loading: set[str] = set()
         # CPU rows of stores a worker reported failed, until their store
         # completes (vLLM completes it as a success: complete_store).
         self._failed_store_rows: set[int] = set()
@@ -135,6 +139,7 @@ class TieredOffloadingManager(OffloadingManager):
         keys = list(keys)
         plan = self.hierarchy.prepare_load(keys)
         req_context.set_state(_LoadInFlight(plan.load_id))
+        self._loading.add(req_context.req_id)
         return TierLoadSpec(keys, plan.locations)
 
     def note_worker_report(self, report: WorkerReport) -> None:
@@ -144,9 +149,11 @@ class TieredOffloadingManager(OffloadingManager):
         the CPU rows of stores that failed (their keys are completed as
         failed, see ``complete_store``); and their counters."""
         for req_id, keys in report.failed_keys.items():
-            self._failed_loads.setdefault(req_id, set()).update(keys)
+            if req_id in self._loading:
+                self._failed_loads.setdefault(req_id, set()).update(keys)
         for req_id, keys in report.unloaded_keys.items():
-            self._unloaded_loads.setdefault(req_id, set()).update(keys)
+            if req_id in self._loading:
+                self._unloaded_loads.setdefault(req_id, set()).update(keys)
         self._failed_store_rows.update(report.failed_store_rows)
         self.worker_totals = self.worker_totals + report.counters
 
@@ -166,6 +173,7 @@ class TieredOffloadingManager(OffloadingManager):
         if load is None or load.load_id < 0:
             raise RuntimeError("kvtier: complete_load without prepare_load")
         req_context.set_state(_LoadInFlight(-1))
+        self._loading.discard(req_context.req_id)
         failed = self._failed_loads.pop(req_context.req_id, ())
         if failed:
             logger.warning(
@@ -268,6 +276,8 @@ class TieredOffloadingManager(OffloadingManager):
             self.runtime.poll()
         self.hierarchy.reset()
         self._failed_loads.clear()
+        self._unloaded_loads.clear()
+        self._loading.clear()  # vLLM completes no load from before the reset
         # A report arriving after this (a job vLLM no longer completes) can
         # only fail a later store into the same row: a miss, never data.
         self._failed_store_rows.clear()
