@@ -321,16 +321,27 @@ class ReadProcess:
         except (EOFError, OSError):
             self._lost("it exited")
             return
+        except Exception as exc:  # a message that does not unpickle: a bug
+            self._lost(f"its answer could not be read: {exc!r}")
+            return
         for msg in msgs:
-            if msg[0] == "ready":
-                self._ready = True
-                continue
-            _, rid, codes, rows, stats = msg
-            read = self._held.pop(rid, None)
-            if read is not None:  # else no longer waited for
-                read.result = [SlotRead(ReadOutcome(c), r) for c, r in zip(codes, rows)]
-            with self._stats_lock:
-                self._child_stats = SlotReaderStats(*stats)
+            try:
+                self._take(msg)
+            except Exception as exc:  # not a message of ours: a bug
+                self._lost(f"it answered {str(msg)[:80]} ({exc!r})")
+                return
+
+    def _take(self, msg: tuple) -> None:
+        if msg[0] == "ready":
+            self._ready = True
+            return
+        _, rid, codes, rows, stats = msg
+        result = [SlotRead(ReadOutcome(c), r) for c, r in zip(codes, rows)]
+        read = self._held.pop(rid, None)
+        if read is not None:  # else no longer waited for
+            read.result = result
+        with self._stats_lock:
+            self._child_stats = SlotReaderStats(*stats)
 
     def _lost(self, why: str) -> None:
         """The child is gone: reap it, fail what it held, read here from now."""

@@ -24,6 +24,7 @@ from reliability_common import Rig, key_of, pattern
 from kvtier.io import pipe_channel, read_process
 from kvtier.io.format import HEADER_SIZE
 from kvtier.io.layout import ReadOutcome, slot_offset
+from kvtier.io.pipe_channel import frame
 from kvtier.io.posix_backend import PosixBackend
 from kvtier.io.read_process import CHILD_NAME, ProcessRead, ReadProcess
 from kvtier.io.slot_reader import PendingRead, SlotReader
@@ -215,6 +216,36 @@ def test_abandoning_a_batch_a_stopped_child_holds_ends_the_child(
             os.waitpid(pid, os.WNOHANG)  # reaped: gone
         later = rp.submit([(1, keys[1])], first_row=1)
         assert isinstance(later, PendingRead)  # read in this process now
+        assert [r.outcome for r in rp.complete(later)] == [ReadOutcome.OK]
+    finally:
+        rp.close()
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [frame(("done", "not an id")), frame(("done", 1, [99], [0], ())), b"\0\0\0\2xx"],
+    ids=["short", "unknown-outcome", "not-a-pickle"],
+)
+def test_an_answer_that_does_not_read_costs_the_child_not_the_load_thread(
+    make_rig: Callable[..., Rig], garbage: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A message of the wrong shape (a bug on either side) is the child
+    lost: what it held fails (recomputed), later reads run here; nothing
+    escapes into the load thread, which would stop serving loads."""
+    rig = make_rig()
+    keys = _written(rig, 2)
+    rp = _running(_reader(rig))
+    try:
+        os.kill(rp.pid, signal.SIGSTOP)  # its own answer cannot come first
+        held = rp.submit([(0, keys[0])], first_row=0)
+        assert rp._pipes is not None
+        rp._pipes._inbox += garbage  # as if the child had sent it
+        with caplog.at_level("ERROR", logger="kvtier.io"):
+            rp.poll(0.0)
+        assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR]
+        assert any("read process stopped" in m for m in caplog.messages)
+        later = rp.submit([(1, keys[1])], first_row=1)
+        assert isinstance(later, PendingRead)
         assert [r.outcome for r in rp.complete(later)] == [ReadOutcome.OK]
     finally:
         rp.close()
