@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,9 +116,7 @@ def test_size_rejects_devices_directories_and_missing(tmp_path: Path) -> None:
 def test_size_refuses_a_fifo_promptly(tmp_path: Path) -> None:
     fifo = tmp_path / "trace.jsonl"
     os.mkfifo(fifo)
-    t0 = time.monotonic()
     p = _size(str(fifo))  # TimeoutExpired (a failure) if opening it blocked
-    assert time.monotonic() - t0 < 30
     assert_usage_error(p, "is a FIFO, not a regular trace file")
 
 
@@ -269,9 +266,7 @@ def test_unreadable_store_is_an_error(
     mutate, needles = STORE_CASES[case]
     d = _copy(good_store, tmp_path)
     mutate(d)
-    t0 = time.monotonic()
     p = kvtier(command, str(tmp_path))  # a hang fails with TimeoutExpired
-    assert time.monotonic() - t0 < 30
     assert_usage_error(p, f"kvtier {command}: ", *needles)
 
 
