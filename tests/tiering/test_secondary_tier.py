@@ -419,7 +419,7 @@ def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
     from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
 
     release = threading.Event()
-    plan = FaultPlan([FaultRule.hang(release, ops="write")])  # a hung disk
+    plan = FaultPlan()
     real = disk_store.make_backend
     monkeypatch.setattr(
         disk_store,
@@ -432,15 +432,24 @@ def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
     )
     d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
     try:
-        keys = d.store("a", 2)  # cascades to our tier: its writes hang
+        before = d.store("a", 4)
+        d.settle()
+        d.store("b", 4)  # evicts "a" from the primary tier: on disk only
+        d.settle()
+        assert all(d.tier.tier.is_ready(k) for k in before)
+        plan.add(FaultRule.hang(release, ops="write"))  # the disk hangs now
+        keys = d.store("c", 2)  # cascades to our tier: its writes hang
         d.step()
         assert d.tier.has_pending_work()
         d.manager.reset_cache()  # raised AssertionError in vLLM before
         assert not d.tier.has_pending_work()
         assert not any(k in d.tier.tier and d.tier.tier.is_ready(k) for k in keys)
         assert d.tier.runtime.broken
-        hits, _ = d.lookup("a-again", keys)
-        assert hits == 0  # misses, recomputed
+        # A stopped tier answers MISS at once: no promotion round that can
+        # only fail, for each block it still lists.
+        hits, _ = d.lookup("a-again", before)
+        assert hits == 0
+        assert not d.tier.has_pending_work()
     finally:
         release.set()
 

@@ -247,6 +247,10 @@ class KvtierDiskTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # A block still being written is a MISS here: its bytes are in the
         # primary tier anyway (the cascade reads them from there, pinned).
+        # A stopped disk (a drain timed out) can only fail a promotion.
+        runtime = self.runtime
+        if runtime is None or runtime.broken:
+            return LookupResult.MISS
         if self.tier.is_ready(key):
             return LookupResult.HIT
         if key not in self.tier:
