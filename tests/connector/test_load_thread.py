@@ -268,6 +268,38 @@ def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, cap
     _complete(r, keys, ctx)
 
 
+def test_an_open_that_never_returns_costs_its_job_not_a_hang(tmp_path, plan):
+    """A slab not opened ahead (its open at start-up failed) is opened at
+    its first read, on the load thread. If that open never returns (a hung
+    mount), the thread is stuck outside any read's deadline: the job is
+    still reported, failed, at its own deadline (it has no copy in flight),
+    and its blocks are never written afterwards."""
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
+    release = threading.Event()
+    try:
+        failed_open = plan.add(FaultRule.error(errno.EIO, ops="open", first_n=1))
+        r.worker.get_finished()  # the load thread starts, its opens fail
+        _wait_for(lambda: plan.count(FaultKind.ERROR) >= 1, "the failed open")
+        plan.remove(failed_open)
+        keys = push_to_disk(r, [1, 2, 3, 4])
+        plan.add(FaultRule.hang(release, ops="open"))
+        r.worker.deadline_s = 0.3
+        ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
+        _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held open")
+        done = wait_finished(r.worker)
+        assert [(d.job_id, d.success) for d in done] == [(1, False)]
+        error = r.worker.take_load_error(1)
+        assert error.unloaded == keys and error.gpu_block_ids == {40, 41, 42, 43}
+        _complete(r, keys, ctx, error)
+        release.set()  # the open returns: the cancelled job issues nothing
+        _wait_for(lambda: not r.worker.loads._tasks, "the load thread to drop it")
+        assert r.worker.get_finished() == []
+        assert not any(_landed(r, keys, [40, 41, 42, 43]))
+    finally:
+        release.set()
+        r.close()
+
+
 def _record_reads(r: RequestRunner, jobs: dict[bytes, int]) -> list[int]:
     """The job of every read batch the load thread starts, in order
     (``jobs`` maps each job's first key to its id)."""

@@ -71,7 +71,6 @@ class BounceParts:
         # id -> (task, part or -1), oldest first; the ids reading each part.
         self._in_flight: dict[int, tuple[LoadTask, int]] = {}
         self._readers: list[set[int]] = [set() for _ in range(MAX_PARTS)]
-        self._per_task: dict[LoadTask, int] = {}  # transfers in flight
         self.stuck: list[ReadBatch] = []  # given up, reads not yet returned
 
     def any_free(self, parts: int) -> bool:
@@ -90,7 +89,8 @@ class BounceParts:
         return bool(self._readers[part])
 
     def issued(self, transfer: int, task: LoadTask, part: int | None) -> None:
-        self._per_task[task] = self._per_task.get(task, 0) + 1
+        """A transfer issued for ``task`` (its lock held: ``task.copies``)."""
+        task.copies += 1
         self._in_flight[transfer] = (task, -1 if part is None else part)
         if part is not None:
             self._readers[part].add(transfer)
@@ -101,9 +101,8 @@ class BounceParts:
             if entry is None:
                 continue
             task, part = entry
-            left = self._per_task.pop(task) - 1
-            if left:
-                self._per_task[task] = left
+            with task.lock:  # the worker reads it to settle a given-up job
+                task.copies -= 1
             if part >= 0:
                 readers = self._readers[part]
                 readers.discard(transfer)
@@ -112,7 +111,7 @@ class BounceParts:
 
     def copying(self, task: LoadTask) -> bool:
         """Whether a transfer ``task`` issued has not landed yet."""
-        return task in self._per_task
+        return task.copies > 0
 
     def oldest(self) -> int:
         """The transfer in flight the longest (one must be: :meth:`idle`)."""

@@ -47,8 +47,10 @@ class LoadTask:
 
     The fields after ``lock`` are the thread's progress through the task:
     units of CPU-row copies left, disk blocks not yet submitted (positions
-    in the spec), read batches in flight (the transfers it issued that have
-    not landed are the load thread's :class:`BounceParts`' to know)."""
+    in the spec), read batches in flight, and ``copies``, the transfers it
+    issued that have not landed (changed under ``lock``: with ``cancelled``
+    set and none in flight, nothing of the thread's can still write the
+    job's blocks, so the worker may report it without the thread)."""
 
     job_id: int
     groups: list[GroupPlan]
@@ -66,6 +68,7 @@ class LoadTask:
     disk_left: np.ndarray | None = field(default=None, init=False)
     batches: int = field(default=0, init=False)
     started: float | None = field(default=None, init=False)
+    copies: int = field(default=0, init=False)
 
     def cut(self, per_unit: int) -> None:
         """Cut the task's work into units of at most ``per_unit`` blocks:

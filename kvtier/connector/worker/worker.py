@@ -398,7 +398,16 @@ class TieredOffloadingWorker(OffloadingWorker):
             job.job_id,
             self.deadline_s,
         )
-        self._drop(job.task)
+        task = job.task
+        self._drop(task)
+        with task.lock:  # the thread issues nothing for it from here on
+            idle = task.copies == 0
+        if idle and job.task is task:
+            # No copy of it in flight: report it now rather than when the
+            # thread hands it back, which a read or an open that does not
+            # return (a hung disk) may delay without end.
+            job.task = None
+            self.book.settle(job)
 
     def _drop(self, task: LoadTask) -> None:
         """Fail ``task``'s job whole: the load thread issues nothing more
