@@ -2,7 +2,7 @@
 
 A :class:`ReadProcess` is a :class:`~kvtier.io.slot_reader.SlotReader` for
 the worker's load thread whose reads and checks run in a child process
-(``python -m kvtier.io.read_process``): the bounce area is a memory file
+(``python -m kvtier.io.read_child``, :mod:`kvtier.io.read_child`): the bounce area is a memory file
 (``memfd``) both processes map, the child reads slots into it with its own
 back end and verifies them with the same ``SlotReader`` code, and sends back
 one message per batch (each slot's outcome and row). The engine's process
@@ -44,25 +44,20 @@ Contract (beyond ``SlotReader``'s for the methods the load thread uses:
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import mmap
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field
-from multiprocessing.connection import Connection
 
 import numpy as np
 
 from kvtier.io.backend import DiskBackend
-from kvtier.io.cpu_placement import name_this_thread, without_openmp_binding
+from kvtier.io.cpu_placement import without_openmp_binding
 from kvtier.io.format import LayoutFingerprint, slot_size
 from kvtier.io.layout import ReadOutcome
 from kvtier.io.pipe_channel import PipeChannel
@@ -176,7 +171,7 @@ class ReadProcess:
                 [
                     sys.executable,
                     "-m",
-                    "kvtier.io.read_process",
+                    "kvtier.io.read_child",
                     str(os.getpid()),
                     str(self._fd),
                     str(req_r),
@@ -383,85 +378,3 @@ def _child_env() -> dict[str, str]:
     env = without_openmp_binding(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
-
-
-# -- the child ---------------------------------------------------------------
-
-
-# The child's name in ps and top (its read threads are kvtier-posix_N).
-CHILD_NAME = "kvtier-read"
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL this process when the thread that started it exits
-    (the worker's load thread, alive as long as the worker's loads)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it was gone before the line above
-        os._exit(0)
-
-
-def _serve(fd: int, req: Connection, resp: Connection) -> None:
-    from kvtier.io.backends import make_backend
-
-    cfg = req.recv()
-    shared = mmap.mmap(fd, cfg["nbytes"], mmap.MAP_SHARED)
-    area = np.frombuffer(shared, dtype=np.uint8)
-    backend = make_backend(cfg["disk_io"], threads=cfg["threads"])
-    reader = SlotReader(
-        cfg["paths"],
-        cfg["num_slots"],
-        cfg["block_bytes"],
-        cfg["fingerprint"],
-        backend,
-        area=area,
-    )
-    reader.files.open_all()
-    resp.send(("ready",))
-    # One thread (the reader is single-threaded): start every batch that
-    # arrived, then verify and answer the oldest; the back end's threads
-    # read the others meanwhile.
-    started: deque[tuple[int, int, PendingRead | None]] = deque()
-    try:
-        while True:
-            while not started or req.poll(0):
-                rid, items, first_row = req.recv()  # EOFError: the worker left
-                try:
-                    pending = reader.submit(items, first_row)
-                except Exception:
-                    logger.exception("kvtier read process: a batch could not start")
-                    pending = None
-                started.append((rid, len(items), pending))
-            rid, count, pending = started.popleft()
-            out: list[SlotRead] = []
-            if pending is not None:
-                try:
-                    out = reader.complete(pending)
-                except Exception:
-                    logger.exception("kvtier read process: a batch raised")
-            codes = [r.outcome.value for r in out] or [
-                ReadOutcome.IO_ERROR.value
-            ] * count
-            rows = [r.row for r in out] or [-1] * count
-            resp.send(("done", rid, codes, rows, astuple(reader.stats())))
-    finally:
-        for _rid, _count, pending in started:
-            if pending is not None:
-                reader.abandon(pending)
-        reader.close()
-
-
-def main(argv: list[str]) -> int:
-    parent, fd, req_fd, resp_fd = (int(a) for a in argv[1:5])
-    _die_with_parent(parent)
-    name_this_thread(CHILD_NAME)
-    req = Connection(req_fd, writable=False)
-    resp = Connection(resp_fd, readable=False)
-    with contextlib.suppress(BrokenPipeError, EOFError):
-        _serve(fd, req, resp)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

@@ -26,7 +26,8 @@ from kvtier.io.format import HEADER_SIZE
 from kvtier.io.layout import ReadOutcome, slot_offset
 from kvtier.io.pipe_channel import frame
 from kvtier.io.posix_backend import PosixBackend
-from kvtier.io.read_process import CHILD_NAME, ProcessRead, ReadProcess
+from kvtier.io.read_child import CHILD_NAME
+from kvtier.io.read_process import ProcessRead, ReadProcess
 from kvtier.io.slot_reader import PendingRead, SlotReader
 from kvtier.testing.faults import flip_byte
 
