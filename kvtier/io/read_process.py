@@ -2,10 +2,11 @@
 
 A :class:`ReadProcess` is a :class:`~kvtier.io.slot_reader.SlotReader` for
 the worker's load thread whose reads and checks run in a child process
-(``python -m kvtier.io.read_child``, :mod:`kvtier.io.read_child`): the bounce area is a memory file
-(``memfd``) both processes map, the child reads slots into it with its own
-back end and verifies them with the same ``SlotReader`` code, and sends back
-one message per batch (each slot's outcome and row). The engine's process
+(:mod:`kvtier.io.read_child`, ``python -m kvtier.io.read_child``): the
+bounce area is a memory file (``memfd``) both processes map, the child
+reads slots into it with its own back end and verifies them with the same
+``SlotReader`` code, and sends back one message per batch (each slot's
+outcome and row). The engine's process
 keeps only what must touch its memory: copying verified rows into the KV
 cache.
 
