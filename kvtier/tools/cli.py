@@ -12,11 +12,11 @@ import argparse
 import contextlib
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from kvtier.connector.sizes import SIZE_RULE, parse_size
 from kvtier.tiers.policy import policy_names
 from kvtier.tools.commands.doctor import cmd_doctor
 from kvtier.tools.commands.events import cmd_events
@@ -27,29 +27,24 @@ from kvtier.tools.events_sub import DEFAULT_MAX_MESSAGE_BYTES
 # vLLM's PrefixCachingHashAlgo (vllm.config.cache); a test keeps them equal.
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
-_EXPONENT = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+def _size(text: str) -> int:
+    """An argparse type: a byte size by vLLM's rule (kvtier.connector.sizes)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_bytes(text: str) -> int:
-    """``"64GiB"`` -> 68719476736; ``"1.5TB"`` -> 1.5e12; plain numbers are bytes."""
-    m = _SIZE_RE.match(text)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}")
-    value, unit, binary = m.groups()
-    base = 1024 if binary or unit == "" else 1000
-    v = float(value) * base ** _EXPONENT[unit.lower()]
-    if not math.isfinite(v) or v > _MAX_BYTES:
-        raise argparse.ArgumentTypeError(f"byte size too large: {_short(text)}")
-    return int(v)
-
-
-# 2**70 B (1 ZiB): more than any budget, small enough for exact arithmetic.
-_MAX_BYTES = float(1 << 70)
+def _nonneg_bytes(text: str) -> int:
+    v = _size(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 bytes, got {text!r}")
+    return v
 
 
 def _pos_bytes(text: str) -> int:
-    v = parse_bytes(text)
+    v = _size(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
     return v
@@ -124,7 +119,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="kvtier",
-        description="kvtier tools: tier sizing, disk store inspection, KV events, host checks.",
+        description=(
+            "kvtier tools: tier sizing, disk store inspection, KV events, host "
+            f"checks. Byte sizes: {SIZE_RULE}."
+        ),
     )
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -135,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Replay a Mooncake-format trace (512-token prefix-hash blocks) through "
             "kvtier's TierHierarchy and report block hit rates per tier. Sizes are "
             "given in blocks, or in bytes with --bytes-per-token (KV bytes of one "
-            "token across all layers), which also prints a disk-size recommendation."
+            "token across all layers), which also prints a disk-size recommendation. "
+            f"Byte sizes: {SIZE_RULE}."
         ),
     )
     s.add_argument("--trace", required=True, help="JSONL trace file")
@@ -146,8 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--disk-blocks", type=_nonneg_int, help="disk tier capacity (default 0)"
     )
     s.add_argument("--bytes-per-token", type=_pos_bytes, help="KV bytes per token")
-    s.add_argument("--cpu-bytes", type=parse_bytes, help="CPU budget, e.g. 64GiB")
-    s.add_argument("--disk-bytes", type=parse_bytes, help="disk budget, e.g. 2TiB")
+    s.add_argument(
+        "--cpu-bytes", type=_nonneg_bytes, help="CPU budget, e.g. 64G (= 64 GiB)"
+    )
+    s.add_argument(
+        "--disk-bytes", type=_nonneg_bytes, help="disk budget, e.g. 2T (= 2 TiB)"
+    )
     s.add_argument("--policy", choices=policy_names(), default="lru", help="both tiers")
     s.add_argument("--cpu-policy", choices=policy_names(), help="overrides --policy")
     s.add_argument("--disk-policy", choices=policy_names(), help="overrides --policy")
@@ -234,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_pos_bytes,
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest ZMQ frame accepted; a sender of a bigger one is dropped "
-        "(default 64MiB)",
+        "(default 64M = 64 MiB)",
     )
     e.add_argument("--decoder", choices=("auto", "vllm", "plain"), default="auto")
     e.add_argument("--max-batches", type=_pos_int, help="stop after N batches")
@@ -256,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
             "space, file system, O_DIRECT, a short throughput probe), the disk I/O "
             "path (kvikio/GDS or POSIX), /dev/shm for the CPU tier, prefix-hash "
             "reproducibility and existing stores. Exit status 1 if any check is "
-            "an error, 2 on unreadable input."
+            f"an error, 2 on unreadable input. Byte sizes: {SIZE_RULE}."
         ),
     )
     d.add_argument(
@@ -268,9 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="instead of --config: a disk path (repeat for several)",
     )
-    d.add_argument("--cpu-bytes", type=_pos_bytes, help="instead of --config: CPU tier")
     d.add_argument(
-        "--disk-bytes", type=_pos_bytes, help="instead of --config: disk tier"
+        "--cpu-bytes",
+        type=_pos_bytes,
+        help="instead of --config: CPU tier, e.g. 64G (= 64 GiB)",
+    )
+    d.add_argument(
+        "--disk-bytes",
+        type=_pos_bytes,
+        help="instead of --config: disk tier, e.g. 2T (= 2 TiB)",
     )
     d.add_argument(
         "--model",

@@ -23,7 +23,7 @@ import pytest
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.format import HEADER_SIZE, LayoutFingerprint
 from kvtier.tools import sizing
-from kvtier.tools.cli import main, parse_bytes
+from kvtier.tools.cli import main
 from kvtier.tools.trace import (
     TraceRequest,
     infinite_cache_hit_rate,
@@ -66,11 +66,34 @@ def write_trace(path: Path, prefixes: Sequence[Sequence[int]]) -> str:
 # ---------------------------------------------------------------------- size
 
 
-def test_parse_bytes_units() -> None:
-    assert parse_bytes("4096") == 4096
-    assert parse_bytes("64GiB") == 64 * 2**30
-    assert parse_bytes("1.5TB") == 1_500_000_000_000
-    assert parse_bytes("128KiB") == 131072
+@pytest.mark.parametrize(
+    "cpu,disk,blocks",
+    [
+        # 1 KiB/token: one 512-token block is 512 KiB.
+        ("2M", "1M", (4, 2)),  # vLLM's rule: upper case is binary (2 MiB)
+        ("2m", "1m", (3, 1)),  # lower case decimal (2,000,000 B)
+        ("2MiB", "1MB", (4, 1)),  # spelled out
+        ("2097152", "0", (4, 0)),
+    ],
+)
+def test_size_flags_read_sizes_as_vllm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cpu: str, disk: str, blocks
+) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", [A, B])
+    doc = run_json(
+        capsys,
+        "size",
+        "--trace",
+        trace,
+        "--bytes-per-token",
+        "1K",
+        "--cpu-bytes",
+        cpu,
+        "--disk-bytes",
+        disk,
+    )
+    assert (doc["cpu_blocks"], doc["disk_blocks"]) == blocks
+    assert doc["bytes_per_token"] == 1024
 
 
 def test_size_repeated_prefix_hits_everything_after_first(
