@@ -1,31 +1,40 @@
-"""kvtier's keys in ``kv_connector_extra_config``: schema, defaults, checks.
+"""kvtier's keys in ``kv_connector_extra_config``: the one schema.
 
-This module does not import vLLM, so the CLI, the docs test and unit tests
-can use the schema directly. Every error names the key, what was given and
-what is accepted, because it surfaces at engine start in an operator's log.
+:class:`KvtierConfig` is a pydantic model (``extra="forbid"``): each key's
+type, default, range and description are written once, in its field, and
+everything else comes from there: validation (:func:`parse_extra_config`,
+at engine start and in ``kvtier doctor``), the key table of
+docs/configuration.md (scripts/gen_config_docs.py, through :data:`KEYS`),
+and the tiering mode's ``KvtierDiskTier`` entry, which takes a subset of the
+same fields (:mod:`kvtier.connector.tiering.config`).
+
+This module does not import vLLM, so the CLI, the docs generator and unit
+tests can use the schema directly. Every error is a :class:`ConfigError`
+naming the key, what was given and what is accepted, because it surfaces at
+engine start in an operator's log.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
+from annotated_types import Ge, Le
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+
+from kvtier.connector.sizes import NotASize, parse_size
 from kvtier.tiers.policy import policy_names
-
-DISK_IO_CHOICES = ("auto", "posix", "kvikio")
-# Threads are started at engine start-up (per TP rank, plus as many in the
-# back end); beyond a few dozen they only add contention.
-MAX_DISK_IO_THREADS = 256
-COMPRESSION_CHOICES = ("none", "zstd")
-LOAD_PATH_CHOICES = ("host", "device")
-READ_PROCESS_CHOICES = ("auto", "off")
-# The eviction policies registered when this module is imported (the
-# built-ins of kvtier.tiers.policy), as the key docs below list them.
-# parse_extra_config asks the registry itself, so it also accepts a policy
-# registered later.
-POLICY_CHOICES = " | ".join(policy_names())
 
 
 class ConfigError(ValueError):
@@ -45,270 +54,383 @@ class TransferConfigError(ConfigError):
         ValueError.__init__(self, f"kvtier: kv_transfer_config[{key!r}]: {message}")
 
 
+# ------------------------------------------------------------ value kinds
+
+
 @dataclass(frozen=True)
-class KeySpec:
-    """One accepted key: its meaning, default and accepted values (docs)."""
+class Accepts:
+    """Field metadata: what a key accepts, as its docs row and its errors say
+    it. ``text`` may hold ``{range}``, filled from the field's own bounds
+    (``>= 1``, ``in [1, 256]``); a callable is asked each time (the
+    eviction policies registered by then). ``owner`` "vllm": vLLM reads the
+    key itself; kvtier lets it through its unknown-key check."""
 
-    name: str
-    doc: str
-    default: Any
-    accepted: str
-    owner: str = "kvtier"  # "kvtier" or "vllm" (read by vLLM itself)
+    text: str | Callable[[], str]
+    owner: str = "kvtier"
 
 
-KEYS: tuple[KeySpec, ...] = (
-    KeySpec(
-        "spec_name",
-        "Offloading spec class: `TieredOffloadingSpec`.",
-        None,
-        "string",
-        "vllm",
+def _refuse(message: str, key: str | None = None) -> PydanticCustomError:
+    """A complete message for :func:`validate_keys` to show as is (``key``: the
+    key it names, for a rule over several keys)."""
+    return PydanticCustomError("kvtier", "{message}", {"message": message, "key": key})
+
+
+def _size(value: Any) -> Any:
+    # bool is an int subclass; "true" is never a byte count. A float is
+    # refused rather than rounded.
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError()
+    try:
+        return parse_size(value) if isinstance(value, str) else value
+    except NotASize:
+        raise ValueError() from None  # the accepted values say the rule
+
+
+def _integer(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError()
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError() from None
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError()
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError() from None
+
+
+def _boolean(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError()
+
+
+def choice(choices: tuple[str, ...] | Callable[[], tuple[str, ...]]):
+    """Case-insensitive: the accepted spelling of the given choice."""
+
+    def check(value: Any) -> Any:
+        names = choices() if callable(choices) else choices
+        by_lower = {c.lower(): c for c in names}
+        if not isinstance(value, str) or value.lower() not in by_lower:
+            raise ValueError()
+        return by_lower[value.lower()]
+
+    return check
+
+
+def _paths(value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not items:
+        raise _refuse(f"got {value!r}; expected a path or a non-empty list of paths")
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise _refuse(f"got {item!r}; each entry must be a non-empty path string")
+        if not os.path.isabs(item):
+            raise _refuse(f"{item!r} is relative; use an absolute path")
+        norm = os.path.normpath(item)
+        if norm in out:
+            raise _refuse(f"{item!r} is listed twice")
+        out.append(norm)
+    return tuple(out)
+
+
+# kvtier.connector.sizes has the whole rule; docs/configuration.md#sizes.
+_SIZE = Accepts('integer {range}, or a size string ("64G" = 64 GiB, "64g" = 64 GB)')
+Size = Annotated[int, BeforeValidator(_size), _SIZE]
+Count = Annotated[int, BeforeValidator(_integer), Accepts("integer {range}")]
+Fraction = Annotated[float, BeforeValidator(_number), Accepts("number {range}")]
+Flag = Annotated[bool, BeforeValidator(_boolean), Accepts("true | false")]
+
+
+def _one_of(*choices: str) -> Any:
+    return Annotated[
+        str, BeforeValidator(choice(choices)), Accepts(" | ".join(choices))
+    ]
+
+
+DiskIo = _one_of("auto", "posix", "kvikio")
+Compression = _one_of("none", "zstd")
+LoadPath = _one_of("host", "device")
+ReadProcess = _one_of("auto", "off")
+
+
+def _policies() -> str:
+    return " | ".join(policy_names())
+
+
+# The eviction policies registered when asked (a policy registered after
+# this module is imported is accepted too).
+Policy = Annotated[str, BeforeValidator(choice(policy_names)), Accepts(_policies)]
+TierPolicy = Annotated[
+    str | None,
+    BeforeValidator(choice(policy_names)),
+    Accepts(lambda: f"{_policies()} (default: eviction_policy)"),
+]
+Paths = Annotated[
+    tuple[str, ...],
+    BeforeValidator(_paths),
+    Accepts("absolute path or non-empty list of absolute paths"),
+]
+
+
+def _vllm(accepted: str) -> Any:
+    """A key vLLM reads itself; kvtier lets any value through."""
+    return Annotated[Any, Accepts(accepted, owner="vllm")]
+
+
+VllmString = _vllm("string")
+VllmInteger = _vllm("integer")
+VllmFlag = _vllm("true | false")
+# vLLM reads this one with int() (a size string would stop it) and kvtier
+# checks it: an integer only; vLLM expands a bare 64M in the flag's JSON.
+VllmBytes = Annotated[
+    int,
+    BeforeValidator(_integer),
+    Accepts(
+        "integer {range} (vLLM reads it with int(): no size string; a bare 64M "
+        "in the --kv-transfer-config text is expanded by vLLM)",
+        owner="vllm",
     ),
-    KeySpec(
-        "spec_module_path",
-        "Module of the spec: `kvtier.connector`.",
-        None,
-        "string",
-        "vllm",
-    ),
-    KeySpec(
-        "cpu_bytes_to_use",
-        "Bytes of host DRAM for the CPU tier, all TP ranks together (as vLLM's CPU offloading).",
-        None,
-        "integer > 0 (required)",
-    ),
-    KeySpec(
-        "disk_bytes_to_use",
-        "Bytes of disk for the disk tier, all ranks and paths together; 0 disables the disk tier.",
+]
+
+
+# ----------------------------------------------------------------- schema
+
+
+class KvtierConfig(BaseModel):
+    """kvtier's spec config, ``kv_connector_extra_config`` (validated; byte
+    budgets are totals over TP ranks). Build it with :func:`parse_extra_config`
+    for errors that name the key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec_name: VllmString = Field(
+        None, description="Offloading spec class: `TieredOffloadingSpec`."
+    )
+    spec_module_path: VllmString = Field(
+        None, description="Module of the spec: `kvtier.connector`."
+    )
+    cpu_bytes_to_use: Size = Field(
+        ge=1,
+        description="Bytes of host DRAM for the CPU tier, all TP ranks together "
+        "(as vLLM's CPU offloading).",
+    )
+    disk_bytes_to_use: Size = Field(
         0,
-        "integer >= 0",
-    ),
-    KeySpec(
-        "disk_path",
-        "Directory (or list of directories, one per NVMe device) holding the slab files; blocks are striped across them.",
-        None,
-        "absolute path or non-empty list of absolute paths; required when disk_bytes_to_use > 0",
-    ),
-    KeySpec(
-        "eviction_policy",
-        "Eviction policy of both tiers (overridden per tier below); see Choosing an eviction policy.",
+        ge=0,
+        description="Bytes of disk for the disk tier, all TP ranks and paths "
+        "together (in the full spec 0, the default, means no disk tier).",
+    )
+    disk_path: Paths = Field(
+        (),
+        description="Directory (or list of directories, one per NVMe device) "
+        "holding the slab files; blocks are striped across them. Required with "
+        "a disk tier.",
+    )
+    eviction_policy: Policy = Field(
         "lru",
-        POLICY_CHOICES,
-    ),
-    KeySpec(
-        "cpu_eviction_policy",
-        "Eviction policy of the CPU tier.",
-        None,
-        f"{POLICY_CHOICES} (default: eviction_policy)",
-    ),
-    KeySpec(
-        "disk_eviction_policy",
-        "Eviction policy of the disk tier.",
-        None,
-        f"{POLICY_CHOICES} (default: eviction_policy)",
-    ),
-    KeySpec(
-        "disk_io",
-        "Disk I/O back end: kvikio (cuFile/GDS) where it loads, else POSIX threads with O_DIRECT where accepted.",
+        description="Eviction policy of both tiers (overridden per tier below; in "
+        "tiering mode, of the disk tier); see Choosing an eviction policy.",
+    )
+    cpu_eviction_policy: TierPolicy = Field(
+        None, description="Eviction policy of the CPU tier."
+    )
+    disk_eviction_policy: TierPolicy = Field(
+        None, description="Eviction policy of the disk tier."
+    )
+    disk_io: DiskIo = Field(
         "auto",
-        "auto | posix | kvikio",
-    ),
-    KeySpec(
-        "disk_compression",
-        "Compress disk blocks with zstd over byte planes (stored raw when it saves too little).",
+        description="Disk I/O back end: kvikio (cuFile/GDS) where it loads, else "
+        "POSIX threads with O_DIRECT where accepted.",
+    )
+    disk_compression: Compression = Field(
         "none",
-        "none | zstd",
-    ),
-    KeySpec(
-        "promote_on_hit",
-        "When a disk hit is loaded and a CPU row is free (or a clean block can give one up), also copy the verified block into the CPU tier; the load never waits for room (false: disk hits stay on disk only).",
+        description="Compress disk blocks with zstd over byte planes (stored raw "
+        "when it saves too little).",
+    )
+    promote_on_hit: Flag = Field(
         True,
-        "true | false",
-    ),
-    KeySpec(
-        "spill_watermark",
-        "Fraction of the CPU tier allowed to hold blocks not yet on disk; above it blocks are spilled ahead of need.",
+        description="When a disk hit is loaded and a CPU row is free (or a clean "
+        "block can give one up), also copy the verified block into the CPU tier; "
+        "the load never waits for room (false: disk hits stay on disk only).",
+    )
+    spill_watermark: Fraction = Field(
         0.75,
-        "number in [0, 1]",
-    ),
-    KeySpec(
-        "disk_io_threads",
-        "Threads of the disk I/O pool (per TP rank); they start with the engine.",
+        ge=0.0,
+        le=1.0,
+        description="Fraction of the CPU tier allowed to hold blocks not yet on "
+        "disk; above it blocks are spilled ahead of need.",
+    )
+    # Threads start with the engine (per TP rank, plus as many in the back
+    # end); beyond a few dozen they only add contention.
+    disk_io_threads: Count = Field(
         4,
-        "integer in [1, 256]",
-    ),
-    KeySpec(
-        "disk_load_buffer_bytes",
-        "Host bounce area per worker for loading disk hits (page-locked on CUDA), read into in parts of about 8 MiB, several in flight; it bounds how much of a long prefix is read ahead of its verification.",
+        ge=1,
+        le=256,
+        description="Threads of the disk I/O pool (per TP rank); they start with "
+        "the engine.",
+    )
+    disk_load_buffer_bytes: Size = Field(
         64 << 20,
-        "integer >= 1048576",
-    ),
-    KeySpec(
-        "disk_load_path",
-        "Where a worker receives and verifies disk hits: host (the bounce area above, xxh3; copied into the KV cache by vLLM's transfer code) or device (a staging area of the same size on the KV cache's device, filled by kvikio, straight from NVMe under GDS, verified there with the device checksum and copied device-to-device; needs disk_compression none). docs/gds.md.",
+        ge=1 << 20,
+        description="Host bounce area per worker for loading disk hits "
+        "(page-locked on CUDA), read into in parts of about 8 MiB, several in "
+        "flight; it bounds how much of a long prefix is read ahead of its "
+        "verification.",
+    )
+    disk_load_path: LoadPath = Field(
         "host",
-        "host | device",
-    ),
-    KeySpec(
-        "disk_read_process",
-        "Whether a worker reads and verifies disk hits in a child process of its own (kvtier.io.read_process: a shared bounce area, one message per batch), so the reads and checks do not compete with the engine's loop for the interpreter lock: auto (on the CPU platform with disk_load_path host; elsewhere in the worker's process) or off (always in the worker's process).",
+        description="Where a worker receives and verifies disk hits: host (the "
+        "bounce area above, xxh3; copied into the KV cache by vLLM's transfer "
+        "code) or device (a staging area of the same size on the KV cache's "
+        "device, filled by kvikio, straight from NVMe under GDS, verified there "
+        "with the device checksum and copied device-to-device; needs "
+        "disk_compression none). docs/gds.md.",
+    )
+    disk_read_process: ReadProcess = Field(
         "auto",
-        "auto | off",
-    ),
-    KeySpec(
-        "sync_load_budget_bytes",
-        "KV bytes per step (per worker) that vLLM may load within the step that schedules a hit, instead of holding the request for a step; vLLM >= 0.33, 0 = off. Refused on vLLM 0.32, and with a disk tier on a model with several KV-cache groups (docs/compatibility.md).",
+        description="Whether a worker reads and verifies disk hits in a child "
+        "process of its own (kvtier.io.read_process: a shared bounce area, one "
+        "message per batch), so the reads and checks do not compete with the "
+        "engine's loop for the interpreter lock: auto (on the CPU platform with "
+        "disk_load_path host; elsewhere in the worker's process) or off (always "
+        "in the worker's process).",
+    )
+    sync_load_budget_bytes: VllmBytes = Field(
         0,
-        "integer >= 0",
-        "vllm",
-    ),
-    KeySpec(
-        "block_size",
-        "Tokens per offloaded block (a multiple of vLLM's block size); read by vLLM.",
+        ge=0,
+        description="KV bytes per step (per worker) that vLLM may load within the "
+        "step that schedules a hit, instead of holding the request for a step; "
+        "vLLM >= 0.33, 0 = off. Refused on vLLM 0.32, and with a disk tier on a "
+        "model with several KV-cache groups (docs/compatibility.md).",
+    )
+    block_size: VllmInteger = Field(
         None,
-        "integer",
-        "vllm",
-    ),
-    KeySpec(
-        "blocks_per_chunk",
-        "GPU blocks per offloaded block; read by vLLM.",
-        None,
-        "integer",
-        "vllm",
-    ),
-    KeySpec(
-        "offload_prompt_only",
-        "Offload only prompt blocks; read by vLLM.",
-        True,
-        "true | false",
-        "vllm",
-    ),
-    KeySpec(
-        "self_describing_kv_events",
-        "Include token ids in offloading KV events; read by vLLM.",
+        description="Tokens per offloaded block (a multiple of vLLM's block "
+        "size); read by vLLM.",
+    )
+    blocks_per_chunk: VllmInteger = Field(
+        None, description="GPU blocks per offloaded block; read by vLLM."
+    )
+    offload_prompt_only: VllmFlag = Field(
+        True, description="Offload only prompt blocks; read by vLLM."
+    )
+    self_describing_kv_events: VllmFlag = Field(
+        False, description="Include token ids in offloading KV events; read by vLLM."
+    )
+    canonical_layout: VllmFlag = Field(
         False,
-        "true | false",
-        "vllm",
-    ),
-    KeySpec(
-        "canonical_layout",
-        "vLLM's canonical host layout; read by vLLM. TieredOffloadingSpec refuses it (its rows and disk slots are the direct layout), as does PortableTieringSpec's CPU-platform worker.",
-        False,
-        "true | false",
-        "vllm",
-    ),
-)
-KEY_NAMES = tuple(k.name for k in KEYS)
+        description="vLLM's canonical host layout; read by vLLM. "
+        "TieredOffloadingSpec refuses it (its rows and disk slots are the direct "
+        "layout), as does PortableTieringSpec's CPU-platform worker.",
+    )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _per_tier_policies(cls, data: Any) -> Any:
+        """cpu_/disk_eviction_policy default to eviction_policy."""
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        default = data.get(
+            "eviction_policy", cls.model_fields["eviction_policy"].default
+        )
+        for key in ("cpu_eviction_policy", "disk_eviction_policy"):
+            if data.get(key) is None:
+                data[key] = default
+        return data
 
-@dataclass(frozen=True)
-class KvtierConfig:
-    """Validated kvtier settings (byte budgets are totals over TP ranks)."""
+    @model_validator(mode="after")
+    def _disk_rules(self) -> KvtierConfig:
+        if self.disk_bytes_to_use > 0 and not self.disk_path:
+            raise _refuse(
+                "is required when disk_bytes_to_use > 0: a directory or a list of "
+                "directories",
+                "disk_path",
+            )
+        if self.disk_bytes_to_use == 0 and "disk_path" in self.model_fields_set:
+            # A path without a budget is almost certainly a forgotten budget.
+            raise _refuse(
+                "disk_path is set but disk_bytes_to_use is 0 (or missing); set "
+                "disk_bytes_to_use > 0 to enable the disk tier",
+                "disk_bytes_to_use",
+            )
+        if self.disk_load_path == "device" and self.disk_compression != "none":
+            raise _refuse(
+                "device cannot verify zstd slots (they decode on the host); set "
+                "disk_compression to none, or disk_load_path to host",
+                "disk_load_path",
+            )
+        return self
 
-    cpu_bytes_to_use: int
-    disk_bytes_to_use: int = 0
-    disk_paths: tuple[str, ...] = ()
-    cpu_eviction_policy: str = "lru"
-    disk_eviction_policy: str = "lru"
-    disk_io: str = "auto"
-    disk_compression: str = "none"
-    promote_on_hit: bool = True
-    spill_watermark: float = 0.75
-    disk_io_threads: int = 4
-    disk_load_buffer_bytes: int = 64 << 20
-    disk_load_path: str = "host"
-    disk_read_process: str = "auto"
-    sync_load_budget_bytes: int = 0  # read by vLLM >= 0.33
+    @property
+    def disk_paths(self) -> tuple[str, ...]:
+        """``disk_path`` as normalized absolute paths (one per device)."""
+        return self.disk_path
 
     @property
     def disk_enabled(self) -> bool:
         return self.disk_bytes_to_use > 0
 
 
-def _int(
-    extra: Mapping[str, Any],
-    key: str,
-    default: int | None,
-    minimum: int,
-    maximum: int | None = None,
-) -> int:
-    want = (
-        f"an integer >= {minimum}"
-        if maximum is None
-        else f"an integer in [{minimum}, {maximum}]"
+# ------------------------------------------------------ validation, docs
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def accepted(field: FieldInfo) -> str:
+    """What ``field`` accepts, in words (its :class:`Accepts` with its bounds)."""
+    accepts = next((m for m in field.metadata if isinstance(m, Accepts)), None)
+    if accepts is None:
+        return "any value"
+    text = accepts.text() if callable(accepts.text) else accepts.text
+    low = next((m.ge for m in field.metadata if isinstance(m, Ge)), None)
+    high = next((m.le for m in field.metadata if isinstance(m, Le)), None)
+    if high is None:
+        bounds = f">= {low}" if low is not None else ""
+    else:
+        bounds = f"in [{low:g}, {high:g}]"
+    return " ".join(text.replace("{range}", bounds).split())
+
+
+def validate_keys(
+    model: type[M],
+    doc: Mapping[str, Any],
+    error: Callable[[str, str], ConfigError] = ConfigError,
+) -> M:
+    """``doc`` validated by ``model``, or ``error(key, message)`` for the
+    first problem: an unknown key first (sorted), else in field order. The
+    message says what was given and what is accepted."""
+    try:
+        return model.model_validate(dict(doc))
+    except ValidationError as exc:
+        problems = exc.errors(include_url=False)
+    fields = model.model_fields
+    unknown = sorted(
+        str(p["loc"][0]) for p in problems if p["type"] == "extra_forbidden"
     )
-    value = extra.get(key, default)
-    if value is None:
-        raise ConfigError(key, f"is required: {want}")
-    # bool is an int subclass; "true" is never a byte count.
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigError(key, f"expected {want}, got {value!r}")
-    try:
-        number = int(value)
-    except ValueError:
-        raise ConfigError(key, f"expected {want}, got {value!r}") from None
-    if number < minimum or (maximum is not None and number > maximum):
-        raise ConfigError(key, f"expected {want}, got {number}")
-    return number
-
-
-def _choice(
-    extra: Mapping[str, Any], key: str, default: str, choices: tuple[str, ...]
-) -> str:
-    value = extra.get(key, default)
-    if not isinstance(value, str) or value.lower() not in choices:
-        raise ConfigError(key, f"got {value!r}; accepted values: {' | '.join(choices)}")
-    return value.lower()
-
-
-def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = extra.get(key, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise ConfigError(key, f"got {value!r}; accepted values: true | false")
-
-
-def _fraction(extra: Mapping[str, Any], key: str, default: float) -> float:
-    value = extra.get(key, default)
-    if isinstance(value, bool):
-        raise ConfigError(key, f"got {value!r}; expected a number in [0, 1]")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(key, f"got {value!r}; expected a number in [0, 1]") from None
-    if not 0.0 <= number <= 1.0:
-        raise ConfigError(key, f"got {number}; expected a number in [0, 1]")
-    return number
-
-
-def _paths(extra: Mapping[str, Any]) -> tuple[str, ...]:
-    key = "disk_path"
-    value = extra.get(key)
-    if value is None:
-        raise ConfigError(
-            key,
-            "is required when disk_bytes_to_use > 0: a directory or a list of directories",
-        )
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list | tuple) or not items:
-        raise ConfigError(
-            key, f"got {value!r}; expected a path or a non-empty list of paths"
-        )
-    out: list[str] = []
-    for item in items:
-        if not isinstance(item, str) or not item:
-            raise ConfigError(
-                key, f"got {item!r}; each entry must be a non-empty path string"
-            )
-        if not os.path.isabs(item):
-            raise ConfigError(key, f"{item!r} is relative; use an absolute path")
-        norm = os.path.normpath(item)
-        if norm in out:
-            raise ConfigError(key, f"{item!r} is listed twice")
-        out.append(norm)
-    return tuple(out)
+    if unknown:
+        raise error(unknown[0], f"unknown key; valid keys are: {', '.join(fields)}")
+    p = problems[0]
+    ctx = p.get("ctx") or {}
+    key = str(ctx.get("key") or (p["loc"][0] if p["loc"] else ""))
+    if p["type"] == "kvtier":
+        raise error(key, str(ctx["message"]))
+    want = accepted(fields[key])
+    if p["type"] == "missing" or (p["input"] is None and fields[key].is_required()):
+        raise error(key, f"is required: {want}")
+    detail = str(ctx.get("error") or "")
+    raise error(
+        key, f"got {p['input']!r}; expected {want}" + (f" ({detail})" if detail else "")
+    )
 
 
 def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
@@ -316,51 +438,45 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
 
     Checks values only; :func:`kvtier.connector.disk_paths.check_disk_paths`
     checks the file system."""
-    unknown = sorted(k for k in extra if k not in KEY_NAMES)
-    if unknown:
-        raise ConfigError(
-            unknown[0],
-            f"unknown key; valid keys are: {', '.join(KEY_NAMES)}",
+    return validate_keys(KvtierConfig, extra)
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One accepted key as the docs show it, read off its model field."""
+
+    name: str
+    doc: str
+    default: Any
+    accepted: str
+    owner: str = "kvtier"  # "kvtier" or "vllm" (read by vLLM itself)
+    required: bool = False
+
+
+def key_specs(model: type[BaseModel]) -> tuple[KeySpec, ...]:
+    """The keys of ``model``, in field order."""
+    out = []
+    for name, field in model.model_fields.items():
+        accepts = next((m for m in field.metadata if isinstance(m, Accepts)), None)
+        out.append(
+            KeySpec(
+                name,
+                field.description or "",
+                None if field.is_required() else field.default,
+                accepted(field),
+                accepts.owner if accepts else "kvtier",
+                field.is_required(),
+            )
         )
-    policies = policy_names()
-    policy = _choice(extra, "eviction_policy", "lru", policies)
-    disk_bytes = _int(extra, "disk_bytes_to_use", 0, 0)
-    cfg = KvtierConfig(
-        cpu_bytes_to_use=_int(extra, "cpu_bytes_to_use", None, 1),
-        disk_bytes_to_use=disk_bytes,
-        disk_paths=_paths(extra) if disk_bytes > 0 else (),
-        cpu_eviction_policy=_choice(extra, "cpu_eviction_policy", policy, policies),
-        disk_eviction_policy=_choice(extra, "disk_eviction_policy", policy, policies),
-        disk_io=_choice(extra, "disk_io", "auto", DISK_IO_CHOICES),
-        disk_compression=_choice(
-            extra, "disk_compression", "none", COMPRESSION_CHOICES
-        ),
-        promote_on_hit=_bool(extra, "promote_on_hit", True),
-        spill_watermark=_fraction(extra, "spill_watermark", 0.75),
-        disk_io_threads=_int(
-            extra, "disk_io_threads", 4, 1, maximum=MAX_DISK_IO_THREADS
-        ),
-        disk_load_buffer_bytes=_int(extra, "disk_load_buffer_bytes", 64 << 20, 1 << 20),
-        disk_load_path=_choice(extra, "disk_load_path", "host", LOAD_PATH_CHOICES),
-        disk_read_process=_choice(
-            extra, "disk_read_process", "auto", READ_PROCESS_CHOICES
-        ),
-        sync_load_budget_bytes=_int(extra, "sync_load_budget_bytes", 0, 0),
-    )
-    if cfg.disk_load_path == "device" and cfg.disk_compression != "none":
-        raise ConfigError(
-            "disk_load_path",
-            "device cannot verify zstd slots (they decode on the host); set "
-            "disk_compression to none, or disk_load_path to host",
-        )
-    if disk_bytes == 0 and "disk_path" in extra:
-        # A path without a budget is almost certainly a forgotten budget.
-        raise ConfigError(
-            "disk_bytes_to_use",
-            "disk_path is set but disk_bytes_to_use is 0 (or missing); "
-            "set disk_bytes_to_use > 0 to enable the disk tier",
-        )
-    return cfg
+    return tuple(out)
+
+
+KEYS = key_specs(KvtierConfig)
+KEY_NAMES = tuple(KvtierConfig.model_fields)
+# The keys that take a size string ("64G"): kvtier reads them itself.
+SIZE_KEYS = tuple(
+    name for name, field in KvtierConfig.model_fields.items() if _SIZE in field.metadata
+)
 
 
 def blocks_in_budget(

@@ -181,14 +181,16 @@ def test_valid_config_and_defaults() -> None:
         }
     )
     assert cfg == KvtierConfig(
-        cpu_bytes_to_use=1 << 30,
+        **BASE,
         disk_bytes_to_use=1000,
-        disk_paths=("/mnt/a", "/mnt/b"),
+        disk_path=("/mnt/a", "/mnt/b"),
+        eviction_policy="arc",
         cpu_eviction_policy="lru",
-        disk_eviction_policy="arc",
         promote_on_hit=False,
         spill_watermark=0.5,
     )
+    assert cfg.disk_paths == ("/mnt/a", "/mnt/b")
+    assert (cfg.cpu_eviction_policy, cfg.disk_eviction_policy) == ("lru", "arc")
     plain = parse_extra_config(BASE)
     assert not plain.disk_enabled and plain.disk_paths == ()
     defaults = {k.name: k.default for k in KEYS}
@@ -404,3 +406,86 @@ def test_cpu_buffer_reserves_shared_memory_or_fails_clearly(tmp_path):
             assert int(buf.array.sum()) == 7 * 8 * 65536
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+# ------------------------------------------------------------ size strings
+
+SIZE_KEYS = ("cpu_bytes_to_use", "disk_bytes_to_use", "disk_load_buffer_bytes")
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("64G", 64 << 30),  # vLLM's rule: upper case binary
+        ("64g", 64 * 10**9),  # lower case decimal
+        ("2TiB", 2 << 40),
+        ("1.5TB", 1_500_000_000_000),
+        ("4096M", 4096 << 20),
+    ],
+)
+def test_size_strings_read_as_vllm_reads_them(text: str, expected: int) -> None:
+    cfg = parse_extra_config({**DISK, **dict.fromkeys(SIZE_KEYS, text)})
+    assert [getattr(cfg, k) for k in SIZE_KEYS] == [expected] * 3
+
+
+@pytest.mark.parametrize("key", SIZE_KEYS)
+def test_a_binary_size_with_a_fraction_names_the_key_and_the_fix(key: str) -> None:
+    _expect({**DISK, key: "1.5G"}, key, "'1.5G'", "1.5g")
+
+
+def test_keys_vllm_reads_take_no_size_string() -> None:
+    # vLLM reads sync_load_budget_bytes with int(): "64M" would stop it.
+    _expect(
+        {**BASE, "sync_load_budget_bytes": "64M"},
+        "sync_load_budget_bytes",
+        "integer >= 0",
+        "no size string",
+    )
+
+
+# ------------------------------------------------- one schema, both modes
+
+
+def test_every_key_is_described_with_what_it_accepts() -> None:
+    from kvtier.connector.tiering.config import TIER_KEYS
+
+    for k in (*KEYS, *TIER_KEYS):
+        assert k.doc and k.accepted and k.accepted != "any value", k
+
+
+def test_the_tier_entry_takes_the_full_specs_disk_keys() -> None:
+    from kvtier.connector.tiering.config import (
+        TIER_KEYS,
+        TierConfigError,
+        parse_tier_config,
+    )
+
+    full = {k.name: k for k in KEYS}
+    shared = [k for k in TIER_KEYS if k.name in full]
+    assert {k.name for k in shared} >= {"disk_bytes_to_use", "disk_path", "disk_io"}
+    for k in shared:
+        if k.required:  # the budget and the path: required, the budget > 0
+            assert k.name in ("disk_bytes_to_use", "disk_path")
+            continue
+        assert (k.default, k.accepted, k.doc) == (
+            full[k.name].default,
+            full[k.name].accepted,
+            full[k.name].doc,
+        )
+    entry = {"disk_bytes_to_use": "1G", "disk_path": "/mnt/d", "disk_io": "POSIX"}
+    cfg = parse_tier_config(entry, check_paths=False)
+    assert (cfg.disk_bytes_to_use, cfg.disk_io, cfg.disk_io_threads) == (
+        1 << 30,
+        "posix",
+        4,
+    )
+    for bad, key, fragment in [
+        ({**entry, "disk_io_threads": 257}, "disk_io_threads", "integer in [1, 256]"),
+        ({**entry, "disk_bytes_to_use": 0}, "disk_bytes_to_use", "integer >= 1"),
+        ({**entry, "disk_bytes": 1}, "disk_bytes", "unknown key"),
+        ({"disk_path": "/mnt/d"}, "disk_bytes_to_use", "is required"),
+    ]:
+        with pytest.raises(TierConfigError) as info:
+            parse_tier_config(bad, check_paths=False)
+        assert info.value.key == key and fragment in str(info.value), str(info.value)
+        assert "['secondary_tiers'][type=KvtierDiskTier]" in str(info.value)

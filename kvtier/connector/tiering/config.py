@@ -1,74 +1,94 @@
 """The ``KvtierDiskTier`` entry of vLLM's ``secondary_tiers``: keys and checks.
 
-:func:`parse_tier_config` validates one entry with the full spec's own
-schema, so both modes accept exactly the same disk settings. The tier itself
-is :class:`kvtier.connector.tiering.KvtierDiskTier`.
+The entry's disk keys are the full spec's own fields
+(:class:`kvtier.connector.config.KvtierConfig`), taken as they are, so both
+modes accept exactly the same disk settings, with the same defaults and
+messages; :data:`KvtierDiskTierConfig` adds the keys of vLLM's tier factory
+and makes the budget and the path required. The tier itself is
+:class:`kvtier.connector.tiering.KvtierDiskTier`.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Ge
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 from kvtier.connector.config import (
-    POLICY_CHOICES,
+    Accepts,
     ConfigError,
-    KeySpec,
     KvtierConfig,
+    VllmString,
+    choice,
+    key_specs,
     parse_extra_config,
+    validate_keys,
 )
 from kvtier.connector.disk_paths import check_disk_paths
 
 TIER_TYPE = "KvtierDiskTier"
 
-# Keys of one ``secondary_tiers`` entry. vLLM's factory consumes ``type``,
-# ``module_path`` and ``backpressure`` and passes the rest to the tier.
-TIER_KEYS: tuple[KeySpec, ...] = (
-    KeySpec("type", f"`{TIER_TYPE}`.", None, "string", "vllm"),
-    KeySpec("module_path", "`kvtier.connector.tiering`.", None, "string", "vllm"),
-    KeySpec(
-        "backpressure",
-        "vLLM's per-tier back-pressure detector settings.",
-        None,
-        "object",
-        "vllm",
-    ),
-    KeySpec(
-        "disk_bytes_to_use",
-        "Bytes of disk for this tier, all TP ranks and paths together.",
-        None,
-        "integer > 0 (required)",
-    ),
-    KeySpec(
-        "disk_path",
-        "Directory (or list of directories, one per NVMe device) for the slab "
-        "files; blocks are striped across them.",
-        None,
-        "absolute path or non-empty list of absolute paths (required)",
-    ),
-    KeySpec("eviction_policy", "Eviction policy of this tier.", "lru", POLICY_CHOICES),
-    KeySpec(
-        "disk_compression",
-        "zstd over byte planes (stored raw when it saves too little).",
-        "none",
-        "none | zstd",
-    ),
-    KeySpec(
-        "disk_io",
-        "Disk I/O back end (kvikio where it loads, else POSIX with O_DIRECT).",
-        "auto",
-        "auto | posix | kvikio",
-    ),
-    KeySpec("disk_io_threads", "I/O threads per TP rank.", 4, "integer >= 1"),
-    KeySpec(
-        "locality",
-        "Where the storage is, for vLLM's tier filters; a local disk.",
+
+class _FactoryKeys(BaseModel):
+    """The keys vLLM's tier factory reads from the entry (``type``,
+    ``module_path``, ``backpressure``; the rest is passed to the tier) and
+    ``locality``, which the tier reports to vLLM's tier filters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: VllmString = Field(None, description=f"`{TIER_TYPE}`.")
+    module_path: VllmString = Field(None, description="`kvtier.connector.tiering`.")
+    backpressure: Annotated[Any, Accepts("object", owner="vllm")] = Field(
+        None, description="vLLM's per-tier back-pressure detector settings."
+    )
+    locality: Annotated[
+        str, BeforeValidator(choice(("LOCAL",))), Accepts("LOCAL (a local disk)")
+    ] = Field(
         "LOCAL",
-        "LOCAL",
-        "vllm",
-    ),
+        description="Where the storage is, for vLLM's per-request tier filters.",
+    )
+
+
+def _shared(
+    name: str, *, required: bool = False, minimum: int | None = None
+) -> tuple[Any, FieldInfo]:
+    """The full spec's field ``name`` as it is, or made ``required`` (no
+    default) and with ``minimum`` as its lower bound."""
+    field = KvtierConfig.model_fields[name]
+    if required or minimum is not None:
+        field = copy.copy(field)
+    if required:
+        field.default = PydanticUndefined
+    if minimum is not None:
+        field.metadata = [
+            Ge(minimum) if isinstance(m, Ge) else m for m in field.metadata
+        ]
+    return field.annotation, field
+
+
+# The full spec's keys a tier entry takes.
+DISK_KEYS = (
+    "disk_bytes_to_use",
+    "disk_path",
+    "eviction_policy",
+    "disk_compression",
+    "disk_io",
+    "disk_io_threads",
 )
-TIER_KEY_NAMES = tuple(k.name for k in TIER_KEYS)
+KvtierDiskTierConfig = create_model(
+    "KvtierDiskTierConfig",
+    __base__=_FactoryKeys,
+    __doc__="One ``KvtierDiskTier`` entry of ``secondary_tiers``.",
+    disk_bytes_to_use=_shared("disk_bytes_to_use", required=True, minimum=1),
+    disk_path=_shared("disk_path", required=True),
+    **{name: _shared(name) for name in DISK_KEYS[2:]},
+)
+TIER_KEYS = key_specs(KvtierDiskTierConfig)
 
 
 class TierConfigError(ConfigError):
@@ -98,48 +118,17 @@ def parse_tier_config(
 ) -> KvtierConfig:
     """Validate one ``KvtierDiskTier`` entry; raise :class:`TierConfigError`.
 
-    The values are checked by the full spec's own schema
-    (:func:`kvtier.connector.config.parse_extra_config`), so both modes
-    accept exactly the same disk settings; ``check_paths`` also checks the
-    directories (exist, writable, room for the budget). The primary (CPU)
-    tier is vLLM's: ``cpu_bytes_to_use`` is its budget where a caller knows
-    it (``kvtier doctor``), else a placeholder the tier never uses."""
-    unknown = sorted(k for k in tier_config if k not in TIER_KEY_NAMES)
-    if unknown:
-        raise TierConfigError(
-            unknown[0], f"unknown key; valid keys are: {', '.join(TIER_KEY_NAMES)}"
-        )
-    for key in ("disk_bytes_to_use", "disk_path"):
-        if tier_config.get(key) is None:
-            raise TierConfigError(key, f"is required ({_accepted(key)})")
-    locality = tier_config.get("locality", "LOCAL")
-    if locality != "LOCAL":
-        raise TierConfigError(
-            "locality", f"got {locality!r}; accepted values: LOCAL (a local disk)"
-        )
-    mapped: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes_to_use}
-    for key in (
-        "disk_bytes_to_use",
-        "disk_path",
-        "eviction_policy",
-        "disk_compression",
-        "disk_io",
-        "disk_io_threads",
-    ):
-        if key in tier_config:
-            mapped[key] = tier_config[key]
+    Returns the full spec's config holding the entry's disk settings;
+    ``check_paths`` also checks the directories (exist, writable, room for
+    the budget). The primary (CPU) tier is vLLM's: ``cpu_bytes_to_use`` is
+    its budget where a caller knows it (``kvtier doctor``), else a
+    placeholder the tier never uses."""
+    entry = validate_keys(KvtierDiskTierConfig, tier_config, TierConfigError)
+    disk = {name: getattr(entry, name) for name in DISK_KEYS}
     try:
-        cfg = parse_extra_config(mapped)
-        if not cfg.disk_enabled:
-            raise ConfigError("disk_bytes_to_use", "must be > 0 for a disk tier")
+        cfg = parse_extra_config({"cpu_bytes_to_use": cpu_bytes_to_use, **disk})
         if check_paths:
             check_disk_paths(cfg)
-    except TierConfigError:
-        raise
     except ConfigError as exc:
         raise as_tier_error(exc) from None
     return cfg
-
-
-def _accepted(key: str) -> str:
-    return next(k.accepted for k in TIER_KEYS if k.name == key)

@@ -11,7 +11,6 @@ threads), on a private probe file that is removed again.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import mmap
 import os
 import secrets
@@ -104,7 +103,7 @@ def _mode_check(path: str) -> Check:
 
 def _space_check(cfg: KvtierConfig, path: str, reusable: list[str]) -> Check:
     share = -(-cfg.disk_bytes_to_use // len(cfg.disk_paths))
-    one = dataclasses.replace(cfg, disk_paths=(path,), disk_bytes_to_use=share)
+    one = cfg.model_copy(update={"disk_path": (path,), "disk_bytes_to_use": share})
     subject = f"{path}: free space"
     try:
         check_disk_paths(one, reusable=reusable)
