@@ -582,8 +582,9 @@ def errors_section() -> str:
         "",
         "Every bad value raises `kvtier.connector.config.ConfigError` (a "
         "`ValueError`) at engine start. The message names the key, what was "
-        "given and what is accepted. `kvtier doctor --config FILE.json` prints "
-        "the same messages before start, with the host checks "
+        "given and what is accepted. `kvtier doctor --config` (the same JSON "
+        "text, or a file holding it) prints the same messages before start, "
+        "with the host checks "
         "([operations](operations.md#kvtier-doctor)). Generated from real calls:",
         "",
         "| input | message |",

@@ -263,7 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     d.add_argument(
-        "--config", metavar="FILE.json", help="the --kv-transfer-config JSON"
+        "--config",
+        metavar="JSON|FILE.json",
+        help="the --kv-transfer-config value: its JSON text (as given to vllm "
+        "serve, bare sizes like 64G included) or a file holding it",
     )
     d.add_argument(
         "--disk-path",

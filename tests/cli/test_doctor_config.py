@@ -3,13 +3,22 @@ name the key or the file, exit status 1 (a check failed) or 2 (unreadable)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from doctor_util import REPO_ROOT, flags, run_config, shipped_config, write
+from doctor_util import (
+    REPO_ROOT,
+    MiB,
+    doctor,
+    flags,
+    run_config,
+    shipped_config,
+    write,
+)
 
 from kvtier.tools.cli import main
 
@@ -112,7 +121,9 @@ def test_text_output_and_exit_status(capsys, tmp_path, shm):
 def test_tiering_mode_config(capsys, tmp_path, disk, shm, shipped):
     # vLLM's TieringOffloadingSpec and kvtier's PortableTieringSpec alike.
     doc = shipped_config(shipped, disk)
-    doc["kv_connector_extra_config"]["secondary_tiers"][0]["disk_bytes_to_use"] = 1 << 30
+    doc["kv_connector_extra_config"]["secondary_tiers"][0]["disk_bytes_to_use"] = (
+        1 << 30
+    )
     rc, checks = run_config(capsys, tmp_path, shm, doc)
     assert rc == 0, [c for c in checks.values() if c["status"] == "error"]
     assert "tiering mode" in checks["kv_connector"]["detail"]
@@ -145,3 +156,31 @@ def test_unreadable_config_is_one_line_and_no_hang(tmp_path, kind):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvtier doctor: "), proc.stderr
     assert str(path) in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_config_as_json_text_like_vllm_serve(capsys, disk, shm):
+    """--config takes the --kv-transfer-config text itself, as vllm serve
+    does, with its bare size tokens (2M = 2 MiB) and quoted size strings."""
+    doc = good_config(disk)
+    doc["kv_connector_extra_config"]["disk_bytes_to_use"] = "3MiB"
+    text = json.dumps(doc).replace(
+        f'"cpu_bytes_to_use": {MiB}', '"cpu_bytes_to_use": 2M'
+    )
+    assert '"cpu_bytes_to_use": 2M' in text
+    rc, checks = doctor(capsys, "--config", text, "--shm-dir", str(shm), "--no-probe")
+    assert rc == 0, [c for c in checks.values() if c["status"] == "error"]
+    assert "CPU 2.0 MiB, disk 3.0 MiB over 1 path(s)" in checks["kvtier keys"]["detail"]
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ('{"kv_role": "kv_both", oops}', "--config (JSON text) is not valid JSON"),
+        ('{"kv_connector_extra_config": {"cpu_bytes_to_use": 1.5G}}', "decimals"),
+        ('  {"kv_role": "kv_both"}', "'kv_connector_extra_config' is missing"),
+    ],
+)
+def test_bad_json_text(capsys, text, fragment):
+    assert main(["doctor", "--config", text]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier doctor: ") and fragment in err, err

@@ -1,7 +1,7 @@
 """``kvtier doctor``: check this host and a kvtier config before ``vllm serve``.
 
-Reads the same JSON as ``--kv-transfer-config`` (``--config FILE``), or a
-disk path and sizes given as flags, and reports one line per check: ``ok``,
+Reads the same JSON as ``--kv-transfer-config`` (``--config``: the JSON
+text itself, or a file holding it), or a disk path and sizes given as flags, and reports one line per check: ``ok``,
 ``warning`` or ``error``, each problem with its fix. The checks live by idea
 in ``doctor_config`` (vLLM, connector, keys), ``doctor_disk`` (each disk
 path), ``doctor_host`` (GDS / I/O path, ``/dev/shm``, prefix hashing, CPU
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvtier.connector.sizes import expand_bare_sizes
 from kvtier.tools.commands.common import emit_json
 
 OK, WARNING, ERROR = "ok", "warning", "error"
@@ -87,6 +88,40 @@ def _read_config(path: str) -> str:
         raise InputError(f"--config {path!r} is not UTF-8 text: {exc}") from None
 
 
+def _is_json_text(value: str) -> bool:
+    """``--config`` is the JSON text itself (as vLLM's flag takes it) when
+    it starts with ``{``; else it names a file."""
+    return value.lstrip().startswith("{")
+
+
+def _config_name(value: str) -> str:
+    return "--config (JSON text)" if _is_json_text(value) else f"--config {value!r}"
+
+
+def _parse_config(value: str) -> dict[str, Any]:
+    """The transfer config of ``--config``, parsed as vLLM parses its
+    ``--kv-transfer-config`` text: bare size tokens (``64G``) expanded,
+    then JSON. Raises InputError."""
+    text = value if _is_json_text(value) else _read_config(value)
+    where = _config_name(value)
+    try:
+        doc = json.loads(expand_bare_sizes(text))
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"{where} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+            f"{exc.msg}); it takes the JSON given to vllm serve "
+            "--kv-transfer-config, or a file holding it"
+        ) from None
+    except ValueError as exc:  # a bare size vLLM refuses too
+        raise InputError(f"{where}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InputError(
+            f"{where} holds a JSON {type(doc).__name__}, expected an object (the "
+            "--kv-transfer-config JSON)"
+        )
+    return doc
+
+
 def load_input(args: argparse.Namespace) -> DoctorInput:
     """The config from ``--config`` or from the flags; raises InputError."""
     flags = [
@@ -102,26 +137,14 @@ def load_input(args: argparse.Namespace) -> DoctorInput:
         if flags:
             raise InputError(
                 f"give --config or {', '.join(flags)}, not both (the config "
-                "file holds the sizes and paths)"
+                "holds the sizes and paths)"
             )
-        text = _read_config(args.config)
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(
-                f"--config {args.config!r} is not valid JSON (line {exc.lineno}, "
-                f"column {exc.colno}: {exc.msg}); it takes the JSON given to "
-                "vllm serve --kv-transfer-config"
-            ) from None
-        if not isinstance(doc, dict):
-            raise InputError(
-                f"--config {args.config!r} holds a JSON {type(doc).__name__}, "
-                "expected an object (the --kv-transfer-config JSON)"
-            )
+        doc = _parse_config(args.config)
+        where = _config_name(args.config)
         extra = doc.get("kv_connector_extra_config")
         if not isinstance(extra, dict):
             raise InputError(
-                f"--config {args.config!r}: 'kv_connector_extra_config' is "
+                f"{where}: 'kv_connector_extra_config' is "
                 f"{'missing' if extra is None else 'not an object'}; kvtier's "
                 "keys (cpu_bytes_to_use, disk_path, ...) go there (see "
                 "configs/cpu-disk.json)"
@@ -129,8 +152,8 @@ def load_input(args: argparse.Namespace) -> DoctorInput:
         return DoctorInput(doc, extra, args)
     if not flags:
         raise InputError(
-            "give --config FILE.json (the --kv-transfer-config JSON), or "
-            "--cpu-bytes with --disk-path and --disk-bytes"
+            "give --config FILE.json (the --kv-transfer-config JSON, or the "
+            "JSON text itself), or --cpu-bytes with --disk-path and --disk-bytes"
         )
     extra = {"cpu_bytes_to_use": args.cpu_bytes}
     if args.disk_bytes:
