@@ -8,6 +8,7 @@ Subpackages:
                     and the ``tiering`` mode (vLLM's TieringOffloadingSpec)
   kvtier.tools      the operator's tools: the ``kvtier`` CLI, sizing,
                     traces, the KV events subscriber
+  kvtier.log        kvtier's loggers, named under vLLM's ``vllm`` logger
   (testing)         helpers for tests and benchmarks, never imported here
 """
 

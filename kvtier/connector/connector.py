@@ -39,7 +39,6 @@ never read unwritten. Enable with::
 from __future__ import annotations
 
 import contextvars
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,8 +68,9 @@ from kvtier.connector.identity import (
     settings_identity,
 )
 from kvtier.connector.worker_report import CounterDeltas, WorkerReport
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 # Set while TieredOffloadingConnector builds its spec: a spec with a disk
 # tier refuses to start under the stock OffloadingConnector, which would

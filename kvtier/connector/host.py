@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -35,8 +34,9 @@ from kvtier.connector.config import ConfigError
 from kvtier.io.cpu_buffer import CpuBlockBuffer, mapped_bytes
 from kvtier.io.cpu_files import cpu_buffer_path, reclaim_stale_cpu_files
 from kvtier.io.safe_open import InUseError
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 
 def _kvtier_shm_files(directory: str, exclude: Sequence[str]) -> list[tuple[str, int]]:

@@ -30,13 +30,14 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import logging
 import os
 import stat
 import struct
 from typing import Any
 
-logger = logging.getLogger("kvtier.connector")
+from kvtier.log import get_logger
+
+logger = get_logger("connector")
 
 CONFIG_FILES = ("config.json",)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5")

@@ -18,7 +18,6 @@ same ``OffloadingConfig`` and meet on the shared CPU-tier files.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from typing_extensions import override
@@ -53,31 +52,9 @@ from kvtier.connector.topology import check_single_node
 from kvtier.io.cpu_files import cpu_buffer_path
 from kvtier.io.format import LayoutFingerprint, slot_size
 from kvtier.io.store_dir import store_dirname
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.connector")
-
-
-class _ForwardToVllm(logging.Handler):
-    """Hands kvtier's records to whatever handlers vLLM's logger has now."""
-
-    @override
-    def emit(self, record: logging.LogRecord) -> None:
-        logging.getLogger("vllm").handle(record)
-
-
-def _route_logs_through_vllm() -> None:
-    """Make kvtier's start-up lines and fault warnings visible under vLLM.
-
-    vLLM configures only its own ``vllm`` logger (``propagate=False``), so
-    under ``vllm serve`` kvtier's records would reach no handler. When the
-    application configured no root handler either, forward them to vLLM's
-    (once); an application that configures logging itself keeps control."""
-    ours = logging.getLogger("kvtier")
-    if ours.handlers or logging.getLogger().handlers:
-        return
-    ours.addHandler(_ForwardToVllm())
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)
+logger = get_logger("connector")
 
 
 _ELEM_SIZE = {
@@ -165,7 +142,6 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
-        _route_logs_through_vllm()
         check_single_node(config)  # workers on another node: refuse
         self.kvtier: KvtierConfig = parse_extra_config(self.extra_config)
         check_sync_load_budget(self.kvtier, kv_cache_groups=KV_CACHE_GROUPS.get())

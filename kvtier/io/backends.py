@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import threading
 
 from kvtier.io.backend import BackendUnavailableError, DiskBackend
 from kvtier.io.posix_backend import PosixBackend
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 DISK_IO_CHOICES = ("auto", "posix", "kvikio")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import mmap
 import os
 import secrets
@@ -29,8 +28,9 @@ from kvtier.io.safe_open import (
     open_private,
     open_private_dir,
 )
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 
 class CpuBlockBuffer:

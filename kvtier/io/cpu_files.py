@@ -13,14 +13,14 @@ symbolic link or touches another user's file.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import tempfile
 import time
 
 from kvtier.io.safe_open import flock_exclusive, open_private, open_private_dir
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 
 def cpu_buffer_path(engine_id: str, rank: int, world_size: int) -> str:

@@ -40,14 +40,15 @@ long-lived one a ``kvtier-`` name, so an operator can see what they cost.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import re
 import sys
 import threading
 from collections.abc import Mapping
 
-logger = logging.getLogger("kvtier.io")
+from kvtier.log import get_logger
+
+logger = get_logger("io")
 
 # No CPU id above this is read from a list (a typo must not build a huge set).
 MAX_CPU_ID = 1 << 16

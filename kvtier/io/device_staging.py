@@ -29,7 +29,6 @@ never used unverified.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,8 +48,9 @@ from kvtier.io.format import (
 from kvtier.io.layout import ReadOutcome, Run, plan_runs, slot_offset, verify_header
 from kvtier.io.read_waiter import ReadWaiter, wait_all
 from kvtier.io.slab_files import SlabFiles, SlotReaderStats, bounce_area
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 MODES = ("gds", "compat", "posix")
 

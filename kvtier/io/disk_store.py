@@ -26,7 +26,6 @@ before the OSError propagates.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -54,8 +53,9 @@ from kvtier.io.format import (
 from kvtier.io.layout import ReadOutcome
 from kvtier.io.slab import SlabFile
 from kvtier.io.store_files import DiskStoreStats, StoreFiles, flat_u8
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 COMPRESSION_CHOICES = ("none", "zstd")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import queue
 import threading
 import time
@@ -25,8 +24,9 @@ from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.cpu_placement import name_this_thread
 from kvtier.io.disk_store import DiskStore
 from kvtier.io.layout import ReadOutcome
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 # Read outcomes that mean the slot's own bytes are damaged.
 _CORRUPT = frozenset(

@@ -14,7 +14,6 @@ kvikio is imported lazily, in the constructor.
 from __future__ import annotations
 
 import errno
-import logging
 import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,8 +25,9 @@ from kvtier.io.cpu_placement import name_this_thread
 from kvtier.io.kvikio_probe import gds_status, usable_status
 from kvtier.io.read_waiter import ReadWaiter
 from kvtier.io.safe_open import open_private, same_file
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 # -- buffers and errors -------------------------------------------------------
 

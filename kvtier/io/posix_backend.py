@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import mmap
 import os
 import threading
@@ -24,8 +23,9 @@ from typing import Any
 from kvtier.io.backend import IO_ALIGNMENT, DiskBackend
 from kvtier.io.cpu_placement import name_this_thread
 from kvtier.io.safe_open import open_private
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import mmap
 import os
 import signal
@@ -29,8 +28,9 @@ import numpy as np
 from kvtier.io.cpu_placement import name_this_thread
 from kvtier.io.layout import ReadOutcome
 from kvtier.io.slot_reader import PendingRead, SlotRead, SlotReader
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 # The child's name in ps and top (its read threads are kvtier-posix_N).
 CHILD_NAME = "kvtier-read"

@@ -45,7 +45,6 @@ Contract (beyond ``SlotReader``'s for the methods the load thread uses:
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import subprocess
@@ -64,8 +63,9 @@ from kvtier.io.layout import ReadOutcome
 from kvtier.io.pipe_channel import PipeChannel
 from kvtier.io.slab_files import SlotReaderStats
 from kvtier.io.slot_reader import PendingRead, SlotRead, SlotReader
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 # How long close() waits for the child to exit before it kills it.
 CLOSE_WAIT_S = 5.0

@@ -9,13 +9,13 @@ prompts and must not be readable by other local users.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 
 from kvtier.io.layout import slot_offset
 from kvtier.io.safe_open import open_private
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 SLAB_MODE = 0o600
 

@@ -20,7 +20,6 @@ idempotent and shuts the back end down when owned.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -33,8 +32,9 @@ from kvtier.io.backend import DiskBackend
 from kvtier.io.format import LayoutFingerprint, aligned_empty
 from kvtier.io.layout import locate, slab_name
 from kvtier.io.store_dir import store_dirname
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 
 @dataclass

@@ -18,7 +18,6 @@ and scattering straight from it keeps the work per job, not per block.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
@@ -38,8 +37,9 @@ from kvtier.io.layout import (
     verify_slot,
 )
 from kvtier.io.slab_files import SlabFiles, SlotReaderStats, bounce_area
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import logging
 import os
 import re
 import threading
@@ -30,8 +29,9 @@ from kvtier.io.safe_open import (
     open_private_dir,
 )
 from kvtier.io.slab import SlabFile
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 LAYOUT_FILE = "layout.json"
 

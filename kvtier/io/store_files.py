@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -56,8 +55,9 @@ from kvtier.io.store_dir import (
     store_dirname,
     write_layout,
 )
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.io")
+logger = get_logger("io")
 
 
 @dataclass

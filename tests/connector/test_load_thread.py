@@ -241,7 +241,7 @@ def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, cap
     release = threading.Event()
     rule = plan.add(FaultRule.hang(release, ops="read"))
     try:
-        with caplog.at_level("ERROR", logger="kvtier.connector"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.connector"):
             ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
             done = wait_finished(r.worker)
         assert [(d.job_id, d.success) for d in done] == [(1, False)]
@@ -376,7 +376,7 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
     release = threading.Event()
     rule = plan.add(FaultRule.hang(release, ops="read", first_n=2))
     try:
-        with caplog.at_level("WARNING", logger="kvtier.connector"):
+        with caplog.at_level("WARNING", logger="vllm.kvtier.connector"):
             ctx1 = _submit(r, first, [40, 41], job_id=1)
             _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the first held read")
             ctx2 = _submit(r, second, [44, 45], job_id=2)
@@ -467,7 +467,7 @@ def test_shutdown_mid_read_is_bounded_and_never_unmaps_under_a_read(
     try:
         _submit(r, keys, [40, 41, 42, 43], job_id=1)
         _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held read")
-        with caplog.at_level("ERROR", logger="kvtier.connector"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.connector"):
             started = time.monotonic()
             r.worker.shutdown()
             assert time.monotonic() - started < DEADLINE_S

@@ -364,7 +364,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
 
     monkeypatch.setattr(r.worker.reader, "complete", complete)
     dst = GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0])
-    with caplog.at_level("DEBUG", logger="kvtier.connector"):
+    with caplog.at_level("DEBUG", logger="vllm.kvtier.connector"):
         assert r.worker.submit_load(9, spec, dst)  # never raises here
         # The CPU rows' copy left at submission, the first disk block's
         # copy when its chunk came back; the second chunk raised.
@@ -408,7 +408,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     _finish(r, second, [56, 57], ctx)
     reads.clear()
     monkeypatch.setattr(r.worker.reader, "complete", complete)
-    with caplog.at_level("DEBUG", logger="kvtier.connector"):
+    with caplog.at_level("DEBUG", logger="vllm.kvtier.connector"):
         ctx = _submit_disk_load(r, "last", [on_disk[3]], [58], job_id=11)
         assert [d.success for d in _poll_until(r, {11})[0]] == [True]
         third = r.keys("c", 4)[:2]

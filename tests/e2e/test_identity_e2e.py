@@ -133,7 +133,7 @@ def test_an_unchanged_restart_still_adopts_and_serves_from_disk(
     disk = tmp_path / "disk"
     disk.mkdir()
     cfg = kvtier_config(block_bytes, disk)
-    with caplog.at_level(logging.INFO, logger="kvtier"):
+    with caplog.at_level(logging.INFO, logger="vllm.kvtier"):
         _fill(private_model, cfg)
     # One start-up line tells the identity and that nothing was adopted.
     (first,) = _identity_lines(caplog)
@@ -142,7 +142,7 @@ def test_an_unchanged_restart_still_adopts_and_serves_from_disk(
     # Stat changes alone (a copy without -p) are not content changes, but the
     # identity keeps mtime as a cheap extra signal: leave them alone here.
     with (
-        caplog.at_level(logging.INFO, logger="kvtier"),
+        caplog.at_level(logging.INFO, logger="vllm.kvtier"),
         engine(str(private_model), cfg, num_gpu_blocks=GPU_BLOCKS) as llm,
     ):
         adopted = len(manager_of(llm).hierarchy.disk)
@@ -203,7 +203,7 @@ def test_a_prefix_hash_that_changes_per_process_is_warned_at_start(
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     cfg = kvtier_config(block_bytes, tmp_path)
     with (
-        caplog.at_level(logging.WARNING, logger="kvtier"),
+        caplog.at_level(logging.WARNING, logger="vllm.kvtier"),
         engine(
             model,
             cfg,

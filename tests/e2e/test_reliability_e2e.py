@@ -75,7 +75,7 @@ def test_disk_faults_cost_misses_never_tokens(
 ):
     inject.add(rule)
     with (
-        caplog.at_level(logging.WARNING, logger="kvtier"),
+        caplog.at_level(logging.WARNING, logger="vllm.kvtier"),
         engine(
             model, kvtier_config(block_bytes, tmp_path), num_gpu_blocks=GPU_BLOCKS
         ) as llm,
@@ -105,7 +105,7 @@ def test_disk_faults_cost_misses_never_tokens(
         assert stats.loads_disk + stats.load_failures == 2 * 4
     assert errors > 0
     # Logged, once per file and kind, naming the errno or the failed check.
-    faults = [r for r in caplog.records if r.name.startswith("kvtier")]
+    faults = [r for r in caplog.records if r.name.startswith("vllm.kvtier")]
     assert faults, "the fault was not logged"
     assert len(faults) <= 4, [r.getMessage() for r in faults]
 
@@ -139,7 +139,7 @@ def test_a_disk_load_that_raises_is_recomputed_not_hung(
     model, block_bytes, baseline, tmp_path, monkeypatch, caplog
 ):
     with (
-        caplog.at_level(logging.ERROR, logger="kvtier"),
+        caplog.at_level(logging.ERROR, logger="vllm.kvtier"),
         engine(
             model, kvtier_config(block_bytes, tmp_path), num_gpu_blocks=GPU_BLOCKS
         ) as llm,

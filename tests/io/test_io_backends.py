@@ -45,7 +45,7 @@ def fresh_log_state(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_posix(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="kvtier.io")
+    caplog.set_level(logging.INFO, logger="vllm.kvtier.io")
     for _ in range(2):
         b = make_backend("posix", threads=2)
         assert type(b) is PosixBackend
@@ -57,7 +57,7 @@ def test_posix(caplog: pytest.LogCaptureFixture) -> None:
 def test_auto_without_kvikio_module_is_posix(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kvtier.io")
+    caplog.set_level(logging.INFO, logger="vllm.kvtier.io")
     monkeypatch.setitem(sys.modules, PROBE, None)  # import raises ImportError
     b = make_backend("auto")
     assert type(b) is PosixBackend

@@ -69,7 +69,7 @@ def test_open_missing_without_ownership_fails(shm_dir: str) -> None:
 
 
 def test_close_with_live_view_does_not_raise(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     buf = CpuBlockBuffer(2, 4096)
     view = buf.array[1]
     buf.close()

@@ -72,7 +72,7 @@ def test_posix_reads_and_verifies_all_slots(
 ) -> None:
     paths, _ = two_paths
     backend = PosixBackend(threads=2)
-    caplog.set_level(logging.INFO, logger="kvtier.io")
+    caplog.set_level(logging.INFO, logger="vllm.kvtier.io")
     reader = _reader(paths, backend, capacity=SLOTS, owns_backend=True)
     try:
         assert reader.mode == "posix" == staging_mode(backend)

@@ -258,7 +258,7 @@ def test_read_io_error_is_outcome_logged_once(
     caplog: pytest.LogCaptureFixture,
     fault_backend: Any,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     backend = fault_backend(read_errno=errno.EIO)
     with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend=backend) as s:
         out = sentinel_out()

@@ -29,7 +29,7 @@ def o_direct_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecor
     return [
         r
         for r in caplog.records
-        if r.name == "kvtier.io"
+        if r.name == "vllm.kvtier.io"
         and r.levelno == logging.WARNING
         and "O_DIRECT" in r.getMessage()
     ]
@@ -66,7 +66,7 @@ def test_roundtrip_on_disk_uses_o_direct_where_probe_says_so(tmp_path: Path) -> 
 def test_roundtrip_on_tmpfs_logs_at_most_once(
     shm_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     backend = PosixBackend(threads=2)
     try:
         for name in ("a", "b"):
@@ -84,7 +84,7 @@ def test_roundtrip_on_tmpfs_logs_at_most_once(
 def test_fallback_to_buffered_warns_once(
     where: str, tmp_path: Path, shm_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     base = tmp_path if where == "tmp" else Path(shm_dir)
     backend = PosixBackend(threads=2)
     try:
@@ -108,7 +108,7 @@ def test_fallback_to_buffered_warns_once(
 def test_direct_false_never_probes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     backend = PosixBackend(threads=1, direct=False)
     try:
         path = make_file(tmp_path / "f", 4 * IO_ALIGNMENT)

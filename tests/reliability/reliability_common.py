@@ -54,7 +54,7 @@ def kvtier_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "kvtier.io" and r.levelno >= logging.WARNING
+        if r.name == "vllm.kvtier.io" and r.levelno >= logging.WARNING
     ]
 
 

@@ -90,7 +90,7 @@ def test_permission_denied_io_is_a_failed_key(
 ) -> None:
     """Root ignores file modes, so EACCES on I/O (e.g. an LSM denying it) is
     injected at the back-end boundary."""
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     rig = make_rig(num_slots=8)
     keys = [key_of(i) for i in range(3)]
     for row, key in enumerate(keys):
@@ -246,7 +246,7 @@ def test_vanished_disk_that_comes_back_read_only(mounts: Mounts) -> None:
 def test_truncated_slab_is_a_counted_logged_miss(
     make_rig: Callable[..., Rig], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     rig = make_rig(num_slots=8)
     keys = write_keys(rig.store, 6)
     slab = rig.store.slabs[0]

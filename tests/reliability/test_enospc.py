@@ -94,7 +94,7 @@ def test_sparse_slab_on_full_fs_fails_keys_then_recovers(
     caplog: pytest.LogCaptureFixture,
     kind: str,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     point = mounts.mount(kind, FS_MIB)
 
     def no_fallocate(fd: int, offset: int, length: int) -> None:

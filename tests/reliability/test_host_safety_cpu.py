@@ -183,7 +183,7 @@ def _child_holding(paths: list[str]) -> int:
 def test_sigkilled_owner_leaves_a_file_that_a_restart_reclaims(
     private_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kvtier.io")
+    caplog.set_level(logging.INFO, logger="vllm.kvtier.io")
     same = os.path.join(private_dir, "kvtier-e1-r0of1.cpu")  # engine id reused
     other = os.path.join(private_dir, "kvtier-e0-r0of1.cpu")  # a new engine id
     pid = _child_holding([same, other])

@@ -70,7 +70,7 @@ def test_write_error_fails_only_that_key(
     sync: bool,
     code: int,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     rig = make_rig(sync=sync)
     keys = fill_rows(rig, range(4))
     before = rig.cpu.array[:4].copy()
@@ -105,7 +105,7 @@ def test_write_error_fails_only_that_key(
 def test_short_write_fails_the_key_and_never_reads_back(
     make_rig: Callable[..., Rig], caplog: pytest.LogCaptureFixture, sync: bool
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     rig = make_rig(sync=sync)
     keys = fill_rows(rig, range(2))
     rig.plan.add(FaultRule.short(ops="write", **on_slot(rig.store, 1)))
@@ -177,7 +177,7 @@ def test_read_fault_fails_promote_and_leaves_row_untouched(
     compression: str,
     fault: str,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
     rig = make_rig(sync=sync, compression=compression)
     keys = fill_rows(rig, range(4))
     assert rig.spill(1, [(k, i, i) for i, k in enumerate(keys)]).success

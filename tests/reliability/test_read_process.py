@@ -134,7 +134,7 @@ def test_a_dead_child_costs_its_batches_then_reads_stay_here(
         held = rp.submit([(0, keys[0]), (1, keys[1])], first_row=0)
         assert isinstance(held, ProcessRead)
         assert not rp.ready(held)
-        with caplog.at_level("ERROR", logger="kvtier.io"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.io"):
             os.kill(pid, signal.SIGKILL)
             assert rp.wait(held, DEADLINE_S)
         assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR] * 2
@@ -209,7 +209,7 @@ def test_abandoning_a_batch_a_stopped_child_holds_ends_the_child(
         pid = rp.pid
         os.kill(pid, signal.SIGSTOP)
         held = rp.submit([(0, keys[0]), (1, keys[1])], first_row=0)
-        with caplog.at_level("ERROR", logger="kvtier.io"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.io"):
             assert _returns_in_time(lambda: rp.abandon(held))
         assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR] * 2
         assert any("did not answer a batch given up" in m for m in caplog.messages)
@@ -241,7 +241,7 @@ def test_an_answer_that_does_not_read_costs_the_child_not_the_load_thread(
         held = rp.submit([(0, keys[0])], first_row=0)
         assert rp._pipes is not None
         rp._pipes._inbox += garbage  # as if the child had sent it
-        with caplog.at_level("ERROR", logger="kvtier.io"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.io"):
             rp.poll(0.0)
         assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR]
         assert any("read process stopped" in m for m in caplog.messages)

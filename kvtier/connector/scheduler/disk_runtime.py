@@ -12,7 +12,6 @@ No vLLM import: this module is plain kvtier.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -25,9 +24,10 @@ from kvtier.io.disk_store import DiskStore
 from kvtier.io.engine import TransferEngine
 from kvtier.io.format import LayoutFingerprint
 from kvtier.io.layout import ReadOutcome
+from kvtier.log import get_logger
 from kvtier.tiers.plans import PromoteOrder, SpillOrder
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 SPILL = "spill"
 PROMOTE = "promote"

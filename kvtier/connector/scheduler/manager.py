@@ -12,7 +12,6 @@ are pumped from the scheduler's calls.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Iterable
 
 from typing_extensions import override
@@ -38,12 +37,13 @@ from kvtier.connector import metrics as m
 from kvtier.connector.scheduler.disk_runtime import SPILL, DiskRuntime
 from kvtier.connector.specs import CpuTierSpec, TierLoadSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, WorkerReport
+from kvtier.log import get_logger
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 from kvtier.tiers.slots import BlockState
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 _CPU, _DISK = (MEDIUM_CPU,), (MEDIUM_DISK,)  # the metrics' tier label
 

@@ -17,7 +17,6 @@ per TP rank) pointed at the rows of the primary tier's memoryview
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -65,6 +64,7 @@ from kvtier.connector.tiering.pull import PullBack
 from kvtier.connector.tiering.rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
 from kvtier.io.format import slot_size
 from kvtier.io.store_dir import store_dirname
+from kvtier.log import get_logger
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 # ------------------------------------------------------------------- tier
 

@@ -13,7 +13,6 @@ tiering mode's package, which names its loadable classes).
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -28,6 +27,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from kvtier.connector.config import ConfigError
 from kvtier.connector.topology import check_single_node
 from kvtier.io.block_copy import SynchronousCopies
+from kvtier.log import get_logger
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.config import OffloadingConfig
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from kvtier.io.block_copy import CopyPlan
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 
 class _RegionCopies(SynchronousCopies):

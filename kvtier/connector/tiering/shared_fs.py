@@ -39,7 +39,6 @@ Config (one ``secondary_tiers`` entry; the keys of ``fs`` plus the guard's)::
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 import threading
@@ -68,12 +67,13 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvtier.connector.config import ConfigError
+from kvtier.log import get_logger
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 TIER_TYPE = "SharedFsTier"
 # Keys handed to vLLM's FileSystemTierManager unchanged.

@@ -12,14 +12,14 @@ KV blocks.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from kvtier.connector.worker.load_task import LoadTask, ReadBatch
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 # About how many bytes one read batch (one part of the bounce area) reads.
 # A batch is verified and copied only once all of it is read, so the last

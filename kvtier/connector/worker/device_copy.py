@@ -32,7 +32,6 @@ correct on pageable memory, and vLLM then avoids its Triton kernel).
 from __future__ import annotations
 
 import itertools
-import logging
 
 import numpy as np
 import torch
@@ -42,8 +41,9 @@ from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
 
 from kvtier.io.block_copy import BlockCopier, CopyPlan, HostArea
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 # Same bound as vLLM's pin_mmap_region: the driver limits one registration.
 MAX_REGISTER_BYTES = 64 * 1024**3

@@ -21,8 +21,9 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 
 from kvtier.connector.specs import TierLoadSpec
 from kvtier.connector.worker.job_plan import GroupPlan
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 # Distinct causes remembered for the log; past that, every one is a repeat.
 MAX_CAUSES = 64

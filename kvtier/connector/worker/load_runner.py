@@ -36,7 +36,6 @@ Finished tasks travel back through :meth:`LoadRunner.take`.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
@@ -51,9 +50,10 @@ from kvtier.io.block_copy import CopyPath, CopyPlan
 from kvtier.io.cpu_placement import name_this_thread, place_background_thread
 from kvtier.io.device_staging import DeviceStagingReader
 from kvtier.io.slot_reader import SlotReader
+from kvtier.log import get_logger
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 # How much lower the load thread's CPU priority is than the thread that
 # started it (Linux nice levels; raising one's own is always permitted).

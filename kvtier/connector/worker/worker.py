@@ -37,7 +37,6 @@ is given up whole.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,9 +72,10 @@ from kvtier.io.block_copy import (
 from kvtier.io.cpu_buffer import CpuBlockBuffer
 from kvtier.io.device_staging import DeviceStagingReader
 from kvtier.io.slot_reader import SlotReader
+from kvtier.log import get_logger
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
-logger = logging.getLogger("kvtier.connector")
+logger = get_logger("connector")
 
 
 # A load whose host work has not finished by then is given up (see the
