@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import struct
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,11 +205,24 @@ def inspect_store(view: StoreView) -> dict[str, Any]:
     }
 
 
-def verify_store(view: StoreView) -> dict[str, Any]:
-    """Check every used slot's header and payload; list the bad ones."""
-    checked = ok = 0
+# Slots scanned between two calls of verify_store's ``progress``.
+PROGRESS_STEP = 256
+
+
+def verify_store(
+    view: StoreView, progress: Callable[[int], None] | None = None
+) -> dict[str, Any]:
+    """Check every used slot's header and payload; list the bad ones.
+    ``progress`` is called with the number of slots scanned since its last
+    call (every slot of the view's slabs is scanned, used or not)."""
+    checked = ok = pending = 0
     bad: list[dict[str, Any]] = []
     for rec in scan(view, verify_payload=True):
+        if progress is not None:
+            pending += 1
+            if pending == PROGRESS_STEP:
+                progress(pending)
+                pending = 0
         if not rec.used:
             continue
         checked += 1
@@ -217,6 +230,8 @@ def verify_store(view: StoreView) -> dict[str, Any]:
             ok += 1
         else:
             bad.append(rec.to_dict())
+    if progress is not None and pending:
+        progress(pending)
     if view.slabs and not view.slot_size:
         bad.append(
             {"slot": None, "reason": "unknown_geometry", "detail": view.warnings[-1]}

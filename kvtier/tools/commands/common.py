@@ -21,9 +21,13 @@ def fmt_bytes(n: int | None) -> str:
 
 @contextlib.contextmanager
 def progress_bar(
-    enabled: bool, total: int | None, desc: str
+    enabled: bool, total: int | None, desc: str, unit: str
 ) -> Iterator[Callable[[int], None] | None]:
-    """A tqdm bar on stderr, or None when disabled / not a terminal."""
+    """The progress display of every long ``kvtier`` command (replays,
+    sizing sweeps, ``verify``): a tqdm bar on stderr, counting ``unit``s
+    up to ``total`` (None: unknown). Yields its ``update(n)``, or None, and
+    shows nothing, when not ``enabled`` (callers pass ``not args.json``),
+    when stderr is not a terminal, or without tqdm (the ``tools`` extra)."""
     if not enabled or not sys.stderr.isatty():
         yield None
         return
@@ -32,7 +36,7 @@ def progress_bar(
     except ImportError:
         yield None
         return
-    bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
+    bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
     try:
         yield bar.update
     finally:

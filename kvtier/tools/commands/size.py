@@ -69,7 +69,7 @@ def cmd_size(args: argparse.Namespace) -> int:
     show = not args.json
 
     def replay(disk_blocks: int, desc: str) -> sizing.SizingResult:
-        with progress_bar(show, len(requests), desc) as tick:
+        with progress_bar(show, len(requests), desc, "req") as tick:
             return sizing.replay_trace(
                 requests,
                 cpu,
@@ -93,7 +93,7 @@ def cmd_size(args: argparse.Namespace) -> int:
         doc["disk_bytes"] = disk * bpb
     cmp = None
     if args.compare:
-        with progress_bar(show, None, "compare") as tick:
+        with progress_bar(show, None, "compare", "req") as tick:
             cmp = sizing_compare.compare_policies(
                 requests, cpu, disk, spill_watermark=args.spill_watermark, progress=tick
             )
@@ -127,27 +127,18 @@ def _recommend(
 ) -> Any:
     from kvtier.tools import sizing
 
-    n = 0
-
-    def on_replay(_r: Any) -> None:
-        nonlocal n
-        n += 1
-        if not args.json and sys.stderr.isatty():
-            print(f"\rsizing sweep: {n} replays", end="", file=sys.stderr, flush=True)
-
-    rec = sizing.recommend_disk_blocks(
-        requests,
-        cpu,
-        args.target,
-        cpu_policy=cpu_policy,
-        disk_policy=disk_policy,
-        spill_watermark=args.spill_watermark,
-        bytes_per_token=bpt,
-        on_replay=on_replay,
-    )
-    if n and not args.json and sys.stderr.isatty():
-        print(file=sys.stderr)
-    return rec
+    # The sweep's length is not known ahead (doubling, then bisection).
+    with progress_bar(not args.json, None, "sizing sweep", "replay") as tick:
+        return sizing.recommend_disk_blocks(
+            requests,
+            cpu,
+            args.target,
+            cpu_policy=cpu_policy,
+            disk_policy=disk_policy,
+            spill_watermark=args.spill_watermark,
+            bytes_per_token=bpt,
+            on_replay=None if tick is None else lambda _r: tick(1),
+        )
 
 
 def _plot_size(
@@ -171,7 +162,8 @@ def _plot_size(
     if rec is not None and rec.disk_blocks is not None:
         sizes = sorted(set(sizes) | {rec.disk_blocks})
     todo = [d for d in sizes if d not in known]
-    with progress_bar(not args.json, len(todo) * len(requests), "plot sweep") as tick:
+    total = len(todo) * len(requests)
+    with progress_bar(not args.json, total, "plot sweep", "req") as tick:
         for d in todo:
             known[d] = sizing.replay_trace(
                 requests,

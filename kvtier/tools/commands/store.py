@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.tools.commands.common import emit_json, fmt_bytes
+from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
 
 def _open_views(paths: Sequence[str], cmd: str) -> list[Any] | None:
@@ -92,8 +92,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     views = _open_views(args.paths, "verify")
     if views is None:
         return 2
+    total = sum(v.total_slots for v in views if v.slot_size)
     try:
-        reports = [verify_store(v) for v in views]
+        with progress_bar(not args.json, total, "verify", "slot") as tick:
+            reports = [verify_store(v, progress=tick) for v in views]
     except (OSError, ValueError) as exc:
         print(f"kvtier verify: {exc}", file=sys.stderr)
         return 2
