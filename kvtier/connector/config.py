@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-from annotated_types import Ge, Le
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -31,7 +30,6 @@ from pydantic import (
     model_validator,
 )
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticCustomError
 
 from kvtier.connector.sizes import NotASize, parse_size
 from kvtier.tiers.policy import policy_names
@@ -69,10 +67,13 @@ class Accepts:
     owner: str = "kvtier"
 
 
-def _refuse(message: str, key: str | None = None) -> PydanticCustomError:
-    """A complete message for :func:`validate_keys` to show as is (``key``: the
-    key it names, for a rule over several keys)."""
-    return PydanticCustomError("kvtier", "{message}", {"message": message, "key": key})
+class _Refusal(ValueError):
+    """Raised by a validator: a complete message for :func:`validate_keys`
+    to show as is; ``key`` names the key of a rule over several keys."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 def _size(value: Any) -> Any:
@@ -128,16 +129,16 @@ def choice(choices: tuple[str, ...] | Callable[[], tuple[str, ...]]):
 def _paths(value: Any) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not items:
-        raise _refuse(f"got {value!r}; expected a path or a non-empty list of paths")
+        raise _Refusal(f"got {value!r}; expected a path or a non-empty list of paths")
     out: list[str] = []
     for item in items:
         if not isinstance(item, str) or not item:
-            raise _refuse(f"got {item!r}; each entry must be a non-empty path string")
+            raise _Refusal(f"got {item!r}; each entry must be a non-empty path string")
         if not os.path.isabs(item):
-            raise _refuse(f"{item!r} is relative; use an absolute path")
+            raise _Refusal(f"{item!r} is relative; use an absolute path")
         norm = os.path.normpath(item)
         if norm in out:
-            raise _refuse(f"{item!r} is listed twice")
+            raise _Refusal(f"{item!r} is listed twice")
         out.append(norm)
     return tuple(out)
 
@@ -351,20 +352,20 @@ class KvtierConfig(BaseModel):
     @model_validator(mode="after")
     def _disk_rules(self) -> KvtierConfig:
         if self.disk_bytes_to_use > 0 and not self.disk_path:
-            raise _refuse(
+            raise _Refusal(
                 "is required when disk_bytes_to_use > 0: a directory or a list of "
                 "directories",
                 "disk_path",
             )
         if self.disk_bytes_to_use == 0 and "disk_path" in self.model_fields_set:
             # A path without a budget is almost certainly a forgotten budget.
-            raise _refuse(
+            raise _Refusal(
                 "disk_path is set but disk_bytes_to_use is 0 (or missing); set "
                 "disk_bytes_to_use > 0 to enable the disk tier",
                 "disk_bytes_to_use",
             )
         if self.disk_load_path == "device" and self.disk_compression != "none":
-            raise _refuse(
+            raise _Refusal(
                 "device cannot verify zstd slots (they decode on the host); set "
                 "disk_compression to none, or disk_load_path to host",
                 "disk_load_path",
@@ -392,8 +393,9 @@ def accepted(field: FieldInfo) -> str:
     if accepts is None:
         return "any value"
     text = accepts.text() if callable(accepts.text) else accepts.text
-    low = next((m.ge for m in field.metadata if isinstance(m, Ge)), None)
-    high = next((m.le for m in field.metadata if isinstance(m, Le)), None)
+    # The bounds of Field(ge=..., le=...), kept as metadata.
+    low = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
+    high = next((m.le for m in field.metadata if hasattr(m, "le")), None)
     if high is None:
         bounds = f">= {low}" if low is not None else ""
     else:
@@ -420,14 +422,14 @@ def validate_keys(
     if unknown:
         raise error(unknown[0], f"unknown key; valid keys are: {', '.join(fields)}")
     p = problems[0]
-    ctx = p.get("ctx") or {}
-    key = str(ctx.get("key") or (p["loc"][0] if p["loc"] else ""))
-    if p["type"] == "kvtier":
-        raise error(key, str(ctx["message"]))
+    cause = (p.get("ctx") or {}).get("error")
+    key = str(p["loc"][0]) if p["loc"] else ""
+    if isinstance(cause, _Refusal):
+        raise error(cause.key or key, str(cause))
     want = accepted(fields[key])
     if p["type"] == "missing" or (p["input"] is None and fields[key].is_required()):
         raise error(key, f"is required: {want}")
-    detail = str(ctx.get("error") or "")
+    detail = str(cause or "")
     raise error(
         key, f"got {p['input']!r}; expected {want}" + (f" ({detail})" if detail else "")
     )

@@ -14,10 +14,8 @@ import copy
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from annotated_types import Ge
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
+from pydantic.fields import FieldInfo, PydanticUndefined
 
 from kvtier.connector.config import (
     Accepts,
@@ -65,9 +63,8 @@ def _shared(
     if required:
         field.default = PydanticUndefined
     if minimum is not None:
-        field.metadata = [
-            Ge(minimum) if isinstance(m, Ge) else m for m in field.metadata
-        ]
+        bound = Field(ge=minimum).metadata  # replaces the lower bound
+        field.metadata = [m for m in field.metadata if not hasattr(m, "ge")] + bound
     return field.annotation, field
 
 

