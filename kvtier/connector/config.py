@@ -431,7 +431,9 @@ def validate_keys(
         raise error(key, f"is required: {want}")
     detail = str(cause or "")
     raise error(
-        key, f"got {p['input']!r}; expected {want}" + (f" ({detail})" if detail else "")
+        key,
+        f"got {p['input']!r}; accepted values: {want}"
+        + (f" ({detail})" if detail else ""),
     )
 
 
