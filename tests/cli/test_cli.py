@@ -17,11 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from store_util import BLOCK_BYTES, fingerprint, key_of, write_store
 
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.format import HEADER_SIZE, LayoutFingerprint
+from kvtier.io.format import HEADER_SIZE
 from kvtier.tools import sizing
 from kvtier.tools.cli import main
 from kvtier.tools.trace import (
@@ -80,18 +79,8 @@ def test_size_flags_read_sizes_as_vllm(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], cpu: str, disk: str, blocks
 ) -> None:
     trace = write_trace(tmp_path / "t.jsonl", [A, B])
-    doc = run_json(
-        capsys,
-        "size",
-        "--trace",
-        trace,
-        "--bytes-per-token",
-        "1K",
-        "--cpu-bytes",
-        cpu,
-        "--disk-bytes",
-        disk,
-    )
+    argv = ["size", "--trace", trace, "--bytes-per-token", "1K"]
+    doc = run_json(capsys, *argv, "--cpu-bytes", cpu, "--disk-bytes", disk)
     assert (doc["cpu_blocks"], doc["disk_blocks"]) == blocks
     assert doc["bytes_per_token"] == 1024
 
@@ -275,43 +264,6 @@ def test_size_real_trace_disk_tier_adds_hits(
 
 # ----------------------------------------------------------- inspect/verify
 
-BLOCK_BYTES = 64 * 1024
-
-
-def _fingerprint() -> LayoutFingerprint:
-    return LayoutFingerprint(
-        model="test/model",
-        dtype="bfloat16",
-        block_bytes=BLOCK_BYTES,
-        geometry="layers=2,kv=2,heads=8,head=128,tokens=16",
-        tp_rank=0,
-        tp_size=1,
-    )
-
-
-def _key(i: int) -> bytes:
-    return hashlib.sha256(str(i).encode()).digest() + b"\x00\x00\x00\x00"
-
-
-def _write_store(
-    paths: list[str], n: int, slots: int = 8, compression: str = "none"
-) -> DiskStore:
-    store = DiskStore(
-        paths,
-        slots,
-        BLOCK_BYTES,
-        _fingerprint(),
-        backend="posix",
-        compression=compression,
-    )
-    rng = np.random.default_rng(0)
-    for i in range(n):
-        # Low-entropy data so zstd really compresses (shorter payloads).
-        data = (rng.integers(0, 4, BLOCK_BYTES) * (i + 1)).astype(np.uint8)
-        store.write_block(i, _key(i), data, store.next_seq())
-    store.close()
-    return store
-
 
 def _tree(root: Path) -> dict[str, tuple[int, int, str]]:
     out = {}
@@ -334,7 +286,7 @@ def _flip(path: str, offset: int) -> None:
 def test_inspect_and_verify_real_store(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], compression: str
 ) -> None:
-    store = _write_store([str(tmp_path)], n=5, compression=compression)
+    store = write_store([str(tmp_path)], n=5, compression=compression)
     before = _tree(tmp_path)
 
     doc = run_json(capsys, "inspect", str(tmp_path))
@@ -344,7 +296,7 @@ def test_inspect_and_verify_real_store(
     assert rep["raw_bytes"] == 5 * BLOCK_BYTES
     if compression == "zstd":
         assert rep["payload_bytes"] < rep["raw_bytes"]
-    assert rep["fingerprints"] == {_fingerprint().digest().hex(): 5}
+    assert rep["fingerprints"] == {fingerprint().digest().hex(): 5}
     assert rep["format_version"] == 1 and rep["header_format_versions"] == {"2": 5}
     assert rep["reader_header_versions"] == [1, 2]
     assert rep["layout"]["model"] == "test/model"
@@ -360,7 +312,7 @@ def test_inspect_and_verify_real_store(
     assert rc == 1
     bad = json.loads(out)["stores"][0]["bad"]
     assert [(b["slot"], b["reason"]) for b in bad] == [(3, "checksum_mismatch")]
-    assert bad[0]["key"] == _key(3).hex()
+    assert bad[0]["key"] == key_of(3).hex()
     rc, out = run_cli(capsys, "verify", str(tmp_path))
     assert rc == 1 and "slot 3: checksum_mismatch" in out
 
@@ -368,7 +320,7 @@ def test_inspect_and_verify_real_store(
 def test_verify_reports_bad_header_and_inspect_counts_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    store = _write_store([str(tmp_path)], n=4)
+    store = write_store([str(tmp_path)], n=4)
     slab = store.slabs[0]
     _flip(slab.path, slab.offset(1) + 40)  # inside the key: header checksum fails
     store_dir = store.dirs[0]  # a kvtier-<digest> directory works as PATH too
@@ -386,7 +338,7 @@ def test_verify_multi_path_store_uses_global_slots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     paths = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
-    store = _write_store(paths, n=6, slots=8)
+    store = write_store(paths, n=6, slots=8)
     doc = run_json(capsys, "inspect", *paths)
     (rep,) = doc["stores"]  # one store, striped over two slabs
     assert rep["blocks"] == 6 and rep["total_slots"] == 8 and len(rep["slabs"]) == 2

@@ -8,7 +8,6 @@ Each command runs in a subprocess whose stderr is a real pseudo-terminal.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import pty
@@ -20,11 +19,8 @@ import termios
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.format import LayoutFingerprint
+from store_util import write_store
 
 pytest.importorskip("tqdm")
 
@@ -75,20 +71,7 @@ def _cli(*argv: str, tty: bool) -> tuple[int, str, str]:
 
 @pytest.fixture
 def store(tmp_path: Path) -> str:
-    fp = LayoutFingerprint(
-        model="test/model",
-        dtype="bfloat16",
-        block_bytes=BLOCK_BYTES,
-        geometry="layers=1,kv=2,heads=1,head=1024,tokens=1",
-        tp_rank=0,
-        tp_size=1,
-    )
-    disk = DiskStore([str(tmp_path)], SLOTS, BLOCK_BYTES, fp, backend="posix")
-    data = np.arange(BLOCK_BYTES, dtype=np.uint8)
-    for i in range(5):
-        key = hashlib.sha256(str(i).encode()).digest() + b"\0" * 4
-        disk.write_block(i, key, data, disk.next_seq())
-    disk.close()
+    write_store([str(tmp_path)], n=5, slots=SLOTS, block_bytes=BLOCK_BYTES)
     return str(tmp_path)
 
 

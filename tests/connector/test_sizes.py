@@ -8,6 +8,8 @@ cannot drift apart.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -73,32 +75,26 @@ _tokens = st.builds(
 )
 
 
+def _or_none(fn: Callable[[str], Any], text: str) -> Any:
+    """``fn(text)``, or None where it refuses the text."""
+    try:
+        return fn(text)
+    except (ValueError, argparse.ArgumentTypeError):  # vLLM raises either
+        return None
+
+
 @given(_tokens)
 def test_same_number_as_vllm(text: str) -> None:
-    try:
-        theirs: int | None = vllm_args.human_readable_int(text)
-    except (ValueError, argparse.ArgumentTypeError):
-        theirs = None
-    try:
-        ours: int | None = parse_size(text)
-    except ValueError:
-        ours = None
-    assert ours == theirs, text
+    ours = _or_none(parse_size, text)
+    assert ours == _or_none(vllm_args.human_readable_int, text), text
     assert ours is None or abs(ours) <= MAX_SIZE
 
 
 @given(st.lists(st.one_of(_tokens, st.sampled_from(['"64G"', ", ", ": ", "{", "}"]))))
 def test_json_expansion_is_vllms(parts: list[str]) -> None:
     text = "".join(parts)
-    try:
-        theirs: str | None = arg_utils._expand_json_human_readable_numbers(text)
-    except (ValueError, argparse.ArgumentTypeError):
-        theirs = None
-    try:
-        ours: str | None = expand_bare_sizes(text)
-    except ValueError:
-        ours = None
-    assert ours == theirs, text
+    theirs = _or_none(arg_utils._expand_json_human_readable_numbers, text)
+    assert _or_none(expand_bare_sizes, text) == theirs, text
 
 
 def test_json_expansion_leaves_strings() -> None:
