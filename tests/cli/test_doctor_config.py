@@ -184,3 +184,21 @@ def test_bad_json_text(capsys, text, fragment):
     assert main(["doctor", "--config", text]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtier doctor: ") and fragment in err, err
+
+
+def test_tiering_mode_sizes(capsys, disk, shm):
+    """Under vLLM's tiering spec the disk tier's budget is kvtier's (a size
+    string works), the CPU budget vLLM's (read with int(): a bare token in
+    the flag's text works, a string does not)."""
+    doc = shipped_config("vllm-tiering-kvtier-disk.json", disk)
+    extra = doc["kv_connector_extra_config"]
+    extra["secondary_tiers"][0]["disk_bytes_to_use"] = "1G"
+    text = json.dumps(doc).replace(
+        f'"cpu_bytes_to_use": {MiB}', '"cpu_bytes_to_use": 2M'
+    )
+    rc, checks = doctor(capsys, "--config", text, "--shm-dir", str(shm), "--no-probe")
+    assert rc == 0, [c for c in checks.values() if c["status"] == "error"]
+    assert "CPU 2.0 MiB, disk 1.0 GiB" in checks["kvtier keys"]["detail"]
+    extra["cpu_bytes_to_use"] = "2M"
+    rc, checks = run_config(capsys, disk.parent, shm, doc)
+    assert rc == 1 and "int()" in checks["cpu_bytes_to_use"]["detail"]

@@ -204,7 +204,13 @@ def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
             f"no entry of type {DISK_TIER_TYPE!r}; kvtier has nothing to do here",
         )
     if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu <= 0:
-        raise ConfigError("cpu_bytes_to_use", f"expected an integer > 0, got {cpu!r}")
+        # vLLM's key here, read with int(): no size string.
+        raise ConfigError(
+            "cpu_bytes_to_use",
+            f"got {cpu!r}; accepted values: integer > 0 (vLLM's tiering spec "
+            "reads it with int(); a bare 64G in the --kv-transfer-config text "
+            "is expanded by vLLM)",
+        )
     return parse_tier_config(tiers[0], check_paths=False, cpu_bytes_to_use=cpu)
 
 
