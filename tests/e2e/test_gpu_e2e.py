@@ -60,32 +60,38 @@ _missing = _engine_kernels_missing()
 if _missing is not None:
     pytest.skip(f"needs a vLLM CUDA engine build ({_missing})", allow_module_level=True)
 
-from .test_async_load_e2e import (  # noqa: E402,F401  (tests and their fixtures)
-    expected,
-    test_decoders_keep_stepping_while_a_disk_read_is_held,
-    test_disk_hit_while_decoding_under_the_multiprocess_engine,
+# Collected in this order (a lent GPU's time is short, a run that stops
+# early has done the newest checks first): the negative controls, the
+# disk-load tests, the main run and its neighbours, then the asynchronous
+# loads (the multiprocess case last).
+# isort: off
+from .test_load_negative_control_e2e import (  # noqa: E402,F401  (tests and their fixtures)
+    test_wrong_bytes_in_the_kv_cache_change_the_output,
 )
 from .test_disk_load_e2e import (  # noqa: E402,F401
-    TestDiskCorruption,
     TestPrefixLongerThanCpuTier,
+    test_rows_held_by_stores_in_flight_bound_what_is_kept,
+    test_single_step_prefill_longer_than_cpu_tier_stores_its_head,
+    TestDiskCorruption,
     env,
     gemma_expected,
     gemma_model,
     llama_expected,
     long_llm,
-    test_rows_held_by_stores_in_flight_bound_what_is_kept,
-    test_single_step_prefill_longer_than_cpu_tier_stores_its_head,
 )
 from .test_kvtier_e2e import (  # noqa: E402,F401
     main_run,
-    test_connector_requires_the_recompute_policy,
-    test_kv_events_match_what_the_tiers_did,
-    test_misconfiguration_fails_engine_start_with_a_clear_message,
-    test_prefix_split_across_cpu_and_disk_loads_fully,
-    test_prometheus_series_per_tier,
     test_returning_prompts_are_served_from_disk,
+    test_kv_events_match_what_the_tiers_did,
+    test_prometheus_series_per_tier,
+    test_prefix_split_across_cpu_and_disk_loads_fully,
     test_warm_restart_serves_disk_blocks_from_a_previous_engine,
+    test_misconfiguration_fails_engine_start_with_a_clear_message,
+    test_connector_requires_the_recompute_policy,
 )
-from .test_load_negative_control_e2e import (  # noqa: E402,F401
-    test_wrong_bytes_in_the_kv_cache_change_the_output,
+from .test_async_load_e2e import (  # noqa: E402,F401
+    expected,
+    test_decoders_keep_stepping_while_a_disk_read_is_held,
+    test_disk_hit_while_decoding_under_the_multiprocess_engine,
 )
+# isort: on
