@@ -378,8 +378,24 @@ class Bench:
             flush=True,
         )
 
-    def _fits(self, per_repeat_s: float, reserve_s: float) -> bool:
-        return self.clock.left() > per_repeat_s + reserve_s
+    def _repeats(self, label: str, reserve_s: float):
+        """The repeats to run: each, while the previous one's time and
+        ``reserve_s`` (the later engines') still fit the budget."""
+        per_repeat = None
+        for r in range(self.s.repeats):
+            if per_repeat is not None and self.clock.left() < per_repeat + reserve_s:
+                self.notes.append(f"{label}: stopped after {r} repeats (budget)")
+                return
+            t_r = time.monotonic()
+            yield r
+            per_repeat = time.monotonic() - t_r
+
+    def _warm(self, llm) -> float:
+        """Serve every prefix once (its first visit); the seconds it took."""
+        t0 = time.monotonic()
+        for n in self.s.prefixes:
+            self._alone(llm, self.prefix_prompts[n] + self.first_tail, 1)
+        return time.monotonic() - t0
 
     # ------------------------------------------------------------- kvtier
 
@@ -435,12 +451,7 @@ class Bench:
                     h.evict_clean(k)
                 dropped.append(drop_caches())
 
-            per_repeat = None
-            for r in range(s.repeats):
-                if per_repeat is not None and not self._fits(per_repeat, reserve_s):
-                    self.notes.append(f"kvtier: stopped after {r} repeats (budget)")
-                    break
-                t_r = time.monotonic()
+            for r in self._repeats("kvtier", reserve_s):
                 order = s.prefixes if r % 2 == 0 else s.prefixes[::-1]
                 for n in order:
                     prompt = self.prefix_prompts[n] + self.tail
@@ -453,7 +464,6 @@ class Bench:
                         assert llm.reset_prefix_cache()
                         self._record(llm, source, n, prompt, h, timer)
                         self._record(llm, "gpu_cache", n, prompt, h, timer)
-                per_repeat = time.monotonic() - t_r
             # The outputs, each source served alone once.
             for n in s.prefixes:
                 prompt = self.prefix_prompts[n] + self.tail
@@ -501,24 +511,13 @@ class Bench:
         )
         llm, start_s = self._engine(cfg)
         try:
-            t0 = time.monotonic()
-            for n in s.prefixes:
-                self._alone(llm, self.prefix_prompts[n] + self.first_tail, 1)
-            warm_s = time.monotonic() - t0
-            per_repeat = None
-            for r in range(s.repeats):
-                if per_repeat is not None and not self._fits(per_repeat, reserve_s):
-                    self.notes.append(
-                        f"vllm_cpu_offload: stopped after {r} repeats (budget)"
-                    )
-                    break
-                t_r = time.monotonic()
+            warm_s = self._warm(llm)
+            for r in self._repeats("vllm_cpu_offload", reserve_s):
                 for n in s.prefixes if r % 2 == 0 else s.prefixes[::-1]:
                     prompt = self.prefix_prompts[n] + self.tail
                     assert llm.reset_prefix_cache()
                     self._record(llm, "vllm_cpu_offload", n, prompt)
                     self._record(llm, "gpu_cache", n, prompt)
-                per_repeat = time.monotonic() - t_r
             for n in s.prefixes:
                 assert llm.reset_prefix_cache()
                 ttft, out, _ = self._alone(
@@ -540,16 +539,8 @@ class Bench:
         s = self.s
         llm, start_s = self._engine(None)
         try:
-            t0 = time.monotonic()
-            for n in s.prefixes:
-                self._alone(llm, self.prefix_prompts[n] + self.first_tail, 1)
-            warm_s = time.monotonic() - t0
-            per_repeat = None
-            for r in range(s.repeats):
-                if per_repeat is not None and not self._fits(per_repeat, reserve_s):
-                    self.notes.append(f"baseline: stopped after {r} repeats (budget)")
-                    break
-                t_r = time.monotonic()
+            warm_s = self._warm(llm)
+            for r in self._repeats("baseline", reserve_s):
                 for n in s.prefixes if r % 2 == 0 else s.prefixes[::-1]:
                     fresh = _prompt(2000 + 10 * r + s.prefixes.index(n), n, s.vocab)
                     runs = [
@@ -558,7 +549,6 @@ class Bench:
                     ]
                     for source, prompt in runs if r % 2 == 0 else runs[::-1]:
                         self._record(llm, source, n, prompt)
-                per_repeat = time.monotonic() - t_r
             for n in s.prefixes:
                 prompt = self.prefix_prompts[n] + self.tail
                 ttft, out, _ = self._alone(llm, prompt, s.out_tokens)

@@ -158,13 +158,22 @@ class StoreSteps:
         mgr.complete_store = recording_complete_store
 
 
-@pytest.fixture(scope="class")
-def long_llm(model, block_bytes, llama_expected, tmp_path_factory):
-    cfg = kvtier_config(
+def long_config(block_bytes: int, disk, **extra) -> dict:
+    """kvtier with a CPU tier of LONG_CPU_BLOCKS, every block spilled at once."""
+    return kvtier_config(
         block_bytes,
-        tmp_path_factory.mktemp("disk-long"),
+        disk,
         cpu_bytes_to_use=LONG_CPU_BLOCKS * block_bytes,
         spill_watermark=0.0,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="class")
+def long_llm(model, block_bytes, llama_expected, tmp_path_factory):
+    cfg = long_config(
+        block_bytes,
+        tmp_path_factory.mktemp("disk-long"),
         disk_load_buffer_bytes=1 << 20,  # the minimum
     )
     # Chunked prefill, one block a step: the rows of the stores in flight
@@ -284,12 +293,7 @@ def test_rows_held_by_stores_in_flight_bound_what_is_kept(
     asynchronous = scheduling == "async"
     if asynchronous:
         _keep_async_scheduling_on_cpu(monkeypatch)
-    cfg = kvtier_config(
-        block_bytes,
-        tmp_path,
-        cpu_bytes_to_use=LONG_CPU_BLOCKS * block_bytes,
-        spill_watermark=0.0,
-    )
+    cfg = long_config(block_bytes, tmp_path)
     prompt, pusher = LONG_CASES["rows-in-flight"]
     with engine(
         model,
@@ -321,12 +325,7 @@ def test_rows_held_by_stores_in_flight_bound_what_is_kept(
 def test_single_step_prefill_longer_than_cpu_tier_stores_its_head(
     model, block_bytes, llama_expected, tmp_path
 ):
-    cfg = kvtier_config(
-        block_bytes,
-        tmp_path,
-        cpu_bytes_to_use=LONG_CPU_BLOCKS * block_bytes,
-        spill_watermark=0.0,
-    )
+    cfg = long_config(block_bytes, tmp_path)
     prompt, pusher = LONG_CASES["single-step-prefill"]
     with engine(model, cfg, num_gpu_blocks=LONG_GPU_BLOCKS) as llm:
         res = run_each(llm, [prompt, pusher, prompt])
