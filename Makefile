@@ -32,8 +32,10 @@ lint: $(VENV)/.kvtier-ready
 soak: $(VENV)/.kvtier-ready
 	KVTIER_SOAK_ROUNDS=$${KVTIER_SOAK_ROUNDS:-30} $(PY) -m pytest -q tests/e2e/test_reliability_e2e.py -k soak
 
-# The CUDA tests (marked gpu: tests/gpu, tests/e2e/test_gpu_e2e.py) on a GPU
-# host whose Python has torch with CUDA and vLLM's CUDA build; elsewhere they
-# skip.
+# The CUDA tests (marked gpu: tests/gpu, and the real-engine e2e tests that
+# tests/e2e/test_gpu_e2e.py collects) on a GPU host whose Python has torch
+# with CUDA and vLLM's CUDA build (0.32: vllm._C; 0.33:
+# vllm._C_stable_libtorch); elsewhere they skip. A lent GPU without vLLM:
+# scripts/gpu-device/ (docs/compatibility.md).
 test-gpu:
 	$${PYTHON:-python3} -m pytest -q -m gpu tests/gpu tests/e2e/test_gpu_e2e.py

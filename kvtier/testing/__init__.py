@@ -5,6 +5,8 @@
   subscriber, prompt builders.
 - :mod:`kvtier.testing.offloading`: vLLM's ``OffloadingConfig`` and kvtier's
   spec built outside an engine.
+- :mod:`kvtier.testing.kv_corruption`: wrong bytes in the KV cache after
+  each load, the negative control of every load path.
 - :mod:`kvtier.testing.procs`: an engine's processes and their threads'
   names, from ``/proc`` (imports nothing beyond the standard library).
 

@@ -1,15 +1,66 @@
 #!/bin/bash
-# On the GPU machine (see bundle.sh): the gpu tests, then benchmarks/gpu_copy.py;
-# logs and JSON in $OUT.
+# On the GPU machine (see bundle.sh): `make test-gpu`'s tests (tests/gpu and
+# the real-engine e2e tests on vLLM 0.33's CUDA engine, in-process), then
+# benchmarks/gpu_real_size.py, then benchmarks/gpu_copy.py while time is
+# left; logs and JSON in $OUT.
+#
+#   bash .gpu/b/run.sh [STEP...]   STEP: tests, real_size, copy (default: all)
+#
+# The whole run stays within BUDGET_S seconds (default 460: one device call
+# under 8 minutes); each step gets at most its own cap and what is left. The
+# e2e tests run first, in the order test_gpu_e2e.py collects them (newest
+# checks first), then tests/gpu; gpu_tests.log lists each test as it ran.
+# A later call on the same warm machine skips the install (/tmp/vl,
+# /tmp/site stay) and can run the steps that did not fit.
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
-nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/env.txt 2>&1
-env -u PYTHONPATH python3 .gpu/b/install.py > $OUT/install.log 2>&1 || { tail -5 $OUT/install.log; exit 1; }
+BUDGET_S=${BUDGET_S:-460}
+start=$SECONDS
+steps=${*:-tests real_size copy}
+left() { echo $((BUDGET_S - (SECONDS - start))); }
+# cap N: N seconds, or what is left of the budget if less (at least 1).
+cap() { local l; l=$(left); l=$((l < $1 ? l : $1)); echo $((l < 1 ? 1 : l)); }
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  df -h /dev/shm /var/tmp; free -g; nproc; } > "$OUT/env.txt" 2>&1
+if ! cmp -s .gpu/b/so.sha256 /tmp/site/.kvtier-installed 2>/dev/null; then
+    env -u PYTHONPATH python3 .gpu/b/install.py > "$OUT/install.log" 2>&1 ||
+        { tail -5 "$OUT/install.log"; exit 1; }
+    cp .gpu/b/so.sha256 /tmp/site/.kvtier-installed
+fi
+echo "=== installed after $((SECONDS - start)) s"
 export PYTHONPATH=/tmp/site:/tmp/vl:$PWD
-timeout 200 python3 -m pytest -q -m gpu tests/gpu tests/e2e/test_gpu_e2e.py -p no:cacheprovider -rs 2>&1 | tee $OUT/gpu_tests.log | tail -4
-echo "=== gpu_copy"
-timeout 300 python3 benchmarks/gpu_copy.py --blocks 64 512 --repeats 5 --disk-dir /var/tmp/kvtier-bench --out $OUT/gpu_copy.json > $OUT/gpu_copy.log 2>&1; tail -9 $OUT/gpu_copy.log
-python3 - <<'PY'
+# flashinfer does not travel (its sampler would be picked otherwise); the
+# e2e tests and the benchmark use in-process engines.
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+
+for step in $steps; do
+    case $step in
+    tests)
+        echo "=== tests (cap $(cap 270) s)"
+        timeout "$(cap 270)" python3 -m pytest -v -m gpu tests/e2e/test_gpu_e2e.py tests/gpu \
+            -p no:cacheprovider -rfEs --durations=15 > "$OUT/gpu_tests.log" 2>&1
+        echo "rc=$? (124: timed out; gpu_tests.log lists each test as it ran)"
+        grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" "$OUT/gpu_tests.log" | tail -15
+        ;;
+    real_size)
+        if (($(left) < 90)); then echo "=== real_size: skipped, $(left) s left"; continue; fi
+        echo "=== gpu_real_size (cap $(cap 180) s)"
+        timeout "$(cap 180)" python3 benchmarks/gpu_real_size.py --prefix-tokens 8192 32768 \
+            --repeats 2 --disk-dir /var/tmp/kvtier-real --budget-s "$(($(cap 180) - 10))" \
+            --out-dir "$OUT" > "$OUT/gpu_real_size.log" 2>&1
+        echo "rc=$?"
+        tail -25 "$OUT/gpu_real_size.log"
+        rm -rf /var/tmp/kvtier-real
+        ;;
+    copy)
+        if (($(left) < 60)); then echo "=== gpu_copy: skipped, $(left) s left"; continue; fi
+        echo "=== gpu_copy (cap $(cap 300) s)"
+        timeout "$(cap 300)" python3 benchmarks/gpu_copy.py --blocks 64 512 --repeats 5 \
+            --disk-dir /var/tmp/kvtier-bench --out "$OUT/gpu_copy.json" > "$OUT/gpu_copy.log" 2>&1
+        echo "rc=$?"
+        tail -9 "$OUT/gpu_copy.log"
+        python3 - <<'PY'
 import json, os
 d = json.load(open(os.environ["OUT"] + "/gpu_copy.json"))
 for n, g in d["gpu_cpu"].items():
@@ -19,4 +70,8 @@ for k, v in d["disk_gpu"]["rows"].items():
     t = v["thread"]
     print(k, "cpu ms/GiB", round(t["cpu_ms_per_gib"], 3), "idle us", round(v["idle_get_finished_us"], 2))
 PY
-echo "=== done"
+        ;;
+    *) echo "run.sh: unknown step $step (tests, real_size, copy)"; exit 2 ;;
+    esac
+done
+echo "=== done after $((SECONDS - start)) s"

