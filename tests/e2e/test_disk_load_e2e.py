@@ -112,6 +112,11 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
+def _deltas(after: dict[str, dict], before: dict[str, dict]) -> list[dict]:
+    """Per snapshot of ``Env.counters``: what grew, in its order."""
+    return [_delta(after[k], before[k]) for k in after]
+
+
 # --------------------------------------------------------------------------
 # 1. A returning prefix longer than the whole CPU tier, served from disk
 # --------------------------------------------------------------------------
@@ -270,6 +275,23 @@ class Env:
         idx, offset = store.files.locate(self.h.disk.get(key).slot)
         return store.slabs[idx].path, offset
 
+    def counters(self) -> dict[str, dict]:
+        """Snapshots of the hierarchy's, the disk core's and the workers'
+        counters (compare two with :func:`_deltas`)."""
+        return {
+            "stats": dict(vars(self.h.stats)),
+            "failures": dict(vars(self.h.disk_core.failures)),
+            "workers": dict(vars(self.mgr.worker_totals)),
+        }
+
+    def victim_on_disk(self, prompt: list[int]) -> tuple[list[bytes], bytes]:
+        """Put ``prompt``'s prefix on disk only (:meth:`only_on_disk`); its
+        keys and the block a test fails: one in the middle of the prefix."""
+        rid, keys = self.only_on_disk(prompt)
+        full = self.full_keys(rid)
+        assert len(full) == 4, (len(full), len(keys))
+        return keys, full[1]
+
     def only_on_disk(self, prompt: list[int]) -> tuple[str, list[bytes]]:
         """Run ``prompt``, spill all its blocks, then forget the CPU and GPU
         copies: its prefix can only come back from disk. Returns its request
@@ -366,13 +388,8 @@ class TestDiskCorruption:
     def test_corrupt_disk_block_is_recomputed_and_dropped(self, env, kind):
         e = env
         prompt = CORRUPT_PROMPTS[kind]
-        rid, keys = e.only_on_disk(prompt)
-        full = e.full_keys(rid)
-        assert len(full) == 4, (len(full), len(keys))
-        victim = full[1]  # a block in the middle of the returning prefix
-        stats, failures = e.h.stats, e.h.disk_core.failures
-        before, failures_before = dict(vars(stats)), dict(vars(failures))
-        disk_before = dict(vars(e.mgr.worker_totals))
+        keys, victim = e.victim_on_disk(prompt)
+        before = e.counters()
         e.after_failed_load.clear()
 
         _corrupt(e, kind, keys, victim)
@@ -382,9 +399,7 @@ class TestDiskCorruption:
         # request) was recomputed instead of read.
         assert again.outputs == [e.want(prompt)]
         assert again.hits_by_source[0].get("disk", 0) > 0, again.hits_by_source
-        d = _delta(dict(vars(stats)), before)
-        fd = _delta(dict(vars(failures)), failures_before)
-        wd = _delta(dict(vars(e.mgr.worker_totals)), disk_before)
+        d, fd, wd = _deltas(e.counters(), before)
         assert d["load_failures"] >= 1 and fd["corrupt"] >= 1, (d, fd)
         assert fd["io_errors_kept"] == 0, fd
         assert wd["checksum_failures"] >= 1, wd
@@ -444,13 +459,8 @@ class TestDiskCorruption:
         outputs."""
         e = env
         prompt = CORRUPT_PROMPTS["eio-on-read"]
-        rid, keys = e.only_on_disk(prompt)
-        full = e.full_keys(rid)
-        assert len(full) == 4, (len(full), len(keys))
-        victim = full[1]  # a block in the middle of the returning prefix
-        stats, failures = e.h.stats, e.h.disk_core.failures
-        before, failures_before = dict(vars(stats)), dict(vars(failures))
-        disk_before = dict(vars(e.mgr.worker_totals))
+        keys, victim = e.victim_on_disk(prompt)
+        before = e.counters()
         e.after_failed_load.clear()
 
         rule = _corrupt(e, "eio-on-read", keys, victim)
@@ -460,9 +470,7 @@ class TestDiskCorruption:
             e.plan.remove(rule)
         assert e.plan.count() == 1
         assert again.outputs == [e.want(prompt)]
-        d = _delta(dict(vars(stats)), before)
-        fd = _delta(dict(vars(failures)), failures_before)
-        wd = _delta(dict(vars(e.mgr.worker_totals)), disk_before)
+        d, fd, wd = _deltas(e.counters(), before)
         assert d["load_failures"] >= 1 and fd["io_errors_kept"] >= 1, (d, fd)
         assert fd["corrupt"] == fd["unreadable"] == 0, fd
         assert wd["io_errors"] >= 1 and wd["checksum_failures"] == 0, wd
@@ -477,11 +485,11 @@ class TestDiskCorruption:
         for key in keys:
             e.h.evict_clean(key)
         assert e.llm.reset_prefix_cache()
-        before = dict(vars(stats))
+        before = e.counters()
         third = run_prompts(e.llm, [prompt], MAX_TOKENS)
         assert third.outputs == [e.want(prompt)]
         assert third.hits_by_source[0] == {"disk": 4 * BLOCK}, third.hits_by_source
-        d = _delta(dict(vars(stats)), before)
+        d, _fd, _wd = _deltas(e.counters(), before)
         assert d["load_failures"] == 0 and d["loads_disk"] >= 4, d
         assert e.h.disk_core.io_error_count(victim) == 0
         assert_at_rest(e.mgr)

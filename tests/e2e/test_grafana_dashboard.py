@@ -34,6 +34,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.io.format import HEADER_SIZE
+from kvtier.testing.engine import offloading_kv_transfer_config
 from kvtier.testing.model import build_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -169,39 +170,30 @@ def _corrupt_slabs(disk_path: str) -> int:
 def kv_transfer_config(mode: str, disk: str) -> dict:
     """The server's --kv-transfer-config: a CPU tier of 4 blocks (so prompts
     reach disk) over an 8 MiB disk tier."""
+    cpu, disk_bytes = 4 * 32768, 8 << 20
     if mode == "full":
-        return {
-            "kv_connector": "TieredOffloadingConnector",
-            "kv_connector_module_path": "kvtier.connector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "spec_name": "TieredOffloadingSpec",
-                "spec_module_path": "kvtier.connector",
-                "cpu_bytes_to_use": 4 * 32768,
-                "disk_bytes_to_use": 8 << 20,
+        return offloading_kv_transfer_config(
+            "TieredOffloadingSpec",
+            "kvtier.connector",
+            cpu_bytes_to_use=cpu,
+            disk_bytes_to_use=disk_bytes,
+            disk_path=disk,
+            block_size=BLOCK_TOKENS,
+        )
+    return offloading_kv_transfer_config(
+        "PortableTieringSpec",
+        "kvtier.connector.tiering",
+        cpu_bytes_to_use=cpu,
+        block_size=BLOCK_TOKENS,
+        secondary_tiers=[
+            {
+                "type": "KvtierDiskTier",
+                "module_path": "kvtier.connector.tiering",
                 "disk_path": disk,
-                "block_size": BLOCK_TOKENS,
-            },
-        }
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "PortableTieringSpec",
-            "spec_module_path": "kvtier.connector.tiering",
-            "cpu_bytes_to_use": 4 * 32768,
-            "block_size": BLOCK_TOKENS,
-            "secondary_tiers": [
-                {
-                    "type": "KvtierDiskTier",
-                    "module_path": "kvtier.connector.tiering",
-                    "disk_path": disk,
-                    "disk_bytes_to_use": 8 << 20,
-                }
-            ],
-        },
-    }
+                "disk_bytes_to_use": disk_bytes,
+            }
+        ],
+    )
 
 
 # ------------------------------------------------------------------ the server

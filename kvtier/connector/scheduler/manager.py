@@ -84,6 +84,7 @@ class TieredOffloadingManager(OffloadingManager):
         # request's load completes.
         self._failed_loads: dict[str, set[bytes]] = {}
         self._io_failed_loads: dict[str, set[bytes]] = {}
+        self._io_failed_logged = False
         self._unloaded_loads: dict[str, set[bytes]] = {}
         # Requests with a load prepared and not completed: a report for any
         # other (a job from before reset_cache, which vLLM never completes)
@@ -195,13 +196,19 @@ class TieredOffloadingManager(OffloadingManager):
                 req_id,
             )
         if io_failed:
-            logger.warning(
+            # A failing drive fails request after request: the I/O errors
+            # are logged (errno, slab) by the workers; this says once what
+            # it does to the blocks.
+            first, self._io_failed_logged = not self._io_failed_logged, True
+            logger.log(
+                logging.WARNING if first else logging.DEBUG,
                 "kvtier: %d disk block(s) of request %s could not be read (I/O "
                 "error); their tokens are recomputed, the blocks stay on disk "
-                "unless their reads failed %d times in a row",
+                "unless their reads failed %d times in a row%s",
                 len(io_failed),
                 req_id,
                 MAX_READ_IO_ERRORS,
+                "; repeats logged at debug" if first else "",
             )
         unloaded = self._unloaded_loads.pop(req_id, ())
         self.hierarchy.complete_load(
