@@ -36,7 +36,7 @@ the victim index), never O(capacity), except ``restore`` and ``clear``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,9 +143,9 @@ class DiskTierCore:
         self,
         keys: Sequence[Key],
         *,
-        corrupt: Iterable[Key] = (),
-        io_failed: Iterable[Key] = (),
-        unread: Iterable[Key] = (),
+        corrupt: Collection[Key] = (),
+        io_failed: Collection[Key] = (),
+        unread: Collection[Key] = (),
     ) -> list[Key]:
         """Unpin the blocks one load pinned (``keys``, as passed to
         ``pin_reads``) and apply the read-failure rule (module doc) to what
@@ -157,10 +157,13 @@ class DiskTierCore:
         Returns the dropped keys, reported as removed (``corrupt``, then
         ``unreadable``). O(len(keys))."""
         tier = self.tier
-        tier.unpin_many([k for k in keys if k in tier])
+        get = tier.get  # the dict's own: no Python frame per key
+        tier.unpin_many([k for k in keys if get(k) is not None])
+        errors = self._io_errors
+        if not (corrupt or io_failed or errors):
+            return []  # every load's case while no block is failing
         bad = dict.fromkeys(corrupt)  # ordered: the events follow the load
         failing = [k for k in dict.fromkeys(io_failed) if k not in bad]
-        errors = self._io_errors
         if errors:
             done = {*failing, *unread}
             for key in keys:
@@ -168,7 +171,6 @@ class DiskTierCore:
                     errors.pop(key, None)  # read and verified: counts again
         if not bad and not failing:
             return []
-        get = tier.get
         dropped = self._drop([k for k in bad if self._idle(get(k))], "corrupt")
         self.failures.corrupt += len(dropped)
         unreadable = []
