@@ -217,6 +217,10 @@ def run_kvtier(h, model_dir: str, phases, args, disk_dir: str) -> dict[str, Any]
                     "io_errors": runtime.io_errors() + wd.io_errors,
                 }
             resident = {"cpu": len(hier.cpu), "disk": len(hier.disk or ())}
+            # Disk copies a load dropped (corrupt, or unreadable after I/O
+            # errors in a row): each one a BlockRemoved STORAGE event.
+            failures = hier.disk_core.failures if hier.disk_core else None
+            dropped = failures.corrupt + failures.unreadable if failures else 0
             # One KV event per block and residency change: wait until the
             # subscriber has received as many as the hierarchy made.
             expected = {
@@ -224,8 +228,7 @@ def run_kvtier(h, model_dir: str, phases, args, disk_dir: str) -> dict[str, Any]
                 + stats["promotions_completed"],
                 ("BlockRemoved", "CPU"): stats["cpu_evictions"],
                 ("BlockStored", "STORAGE"): stats["spills_completed"],
-                ("BlockRemoved", "STORAGE"): stats["disk_evictions"]
-                + stats["corrupt_blocks"],
+                ("BlockRemoved", "STORAGE"): stats["disk_evictions"] + dropped,
             }
             sub.wait_for(
                 lambda s: all(s.block_counts()[k] >= n for k, n in expected.items()),

@@ -258,8 +258,10 @@ METRICS_INTRO = """\
 
 vLLM exports these through its Prometheus endpoint (`/metrics`), from
 `TieredOffloadingSpec.build_metric_definitions` and the manager's
-`get_stats`. Counters get Prometheus' `_total` suffix. Per-tier series carry
-a `tier` label (`cpu` or `disk`).
+`get_stats` (in tiering mode, from `KvtierDiskTier`'s, which feeds the same
+series where the concept exists). Counters get Prometheus' `_total` suffix,
+histograms `_bucket`, `_sum` and `_count`. Per-tier series carry a `tier`
+label (`cpu` or `disk`).
 """
 
 METRICS_VLLM = """\
@@ -270,7 +272,8 @@ promoted); and vLLM's `vllm:kv_offload_*` series (e.g. load and store times
 of the workers' transfers). vLLM counts `cached_by_source` when the load is
 *planned*: a disk block that then fails verification is still counted there,
 but not in kvtier's `loaded_blocks_total{tier="disk"}`, and it appears in
-`load_errors_total` (and `corrupt_blocks_total` once dropped).
+`load_errors_total` (and in `corrupt_blocks_total` once dropped, or in
+`load_io_errors_total` when its read failed and the block stayed).
 """
 
 # --------------------------------------------------------------------------
@@ -612,7 +615,10 @@ def errors_section() -> str:
 
 
 def metrics_section() -> str:
-    from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+    from vllm.v1.kv_offload.base import (
+        OffloadingCounterMetadata,
+        OffloadingHistogramMetadata,
+    )
 
     from kvtier.connector.metrics import metric_definitions
 
@@ -625,9 +631,15 @@ def metrics_section() -> str:
         counter = isinstance(meta, OffloadingCounterMetadata)
         shown = f"`{name}_total`" if counter else f"`{name}`"
         labels = ", ".join(f"`{label}`" for label in meta.labelnames) or "—"
+        kind = (
+            "counter"
+            if counter
+            else "histogram"
+            if isinstance(meta, OffloadingHistogramMetadata)
+            else "gauge"
+        )
         lines.append(
-            f"| {shown} | {'counter' if counter else 'gauge'} | {labels} "
-            f"| {_md(meta.documentation)} |"
+            f"| {shown} | {kind} | {labels} | {_md(meta.documentation)} |"
         )
     return "\n".join(lines) + "\n\n" + METRICS_VLLM
 

@@ -19,8 +19,10 @@ standard load-error path instead:
 Either way vLLM needs ``kv_load_failure_policy: "recompute"`` (its default
 ``fail`` would fail the request instead); the connector refuses to start
 without it when a disk tier is configured. The failed keys travel back to
-the scheduler in the worker metadata, where the manager drops the corrupt
-disk copies when the load completes.
+the scheduler in the worker metadata, where the manager applies the disk
+tier's read-failure rule when the load completes: a corrupt copy is dropped,
+one whose read failed with an I/O error stays (until its reads fail too
+often in a row).
 
 A store can fail too, though only by an exception the worker contained (a
 bug): vLLM (0.32, 0.33) neither carries a store's failure to the scheduler
@@ -174,6 +176,10 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
                 report.failed_keys.setdefault(owner, []).extend(error.keys)
                 if error.unloaded:
                     report.unloaded_keys.setdefault(owner, []).extend(error.unloaded)
+                if error.io_failed:
+                    report.io_failed_keys.setdefault(owner, []).extend(
+                        error.io_failed
+                    )
                 if req_id is None:  # sync: the request runs this step
                     self._sync_invalid_block_ids |= error.gpu_block_ids
                 else:
@@ -212,6 +218,9 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         exceptions = getattr(self.worker, "exceptions", None)
         if exceptions is not None:
             report.counters.exceptions = int(d("exceptions", exceptions.count))
+        take_latencies = getattr(self.worker, "take_read_latencies", None)
+        if take_latencies is not None:
+            report.read_latencies = take_latencies()
         out = KvtierWorkerMetadata(
             completed_jobs=meta.completed_jobs,
             transfer_stats=meta.transfer_stats,

@@ -2,8 +2,9 @@
 
 vLLM carries a connector's worker metadata from every worker to the
 scheduler once per step and sums it (``aggregate``). kvtier's part of it is
-one :class:`WorkerReport`: which disk blocks loads could not use, which
-stores failed, and the workers' counters since their last report. The
+one :class:`WorkerReport`: which disk blocks loads could not use and why,
+which stores failed, the workers' counters since their last report and the
+latencies of their disk read batches. The
 connector worker builds it (:mod:`kvtier.connector.connector`), the manager
 applies it (``TieredOffloadingManager.note_worker_report``).
 
@@ -40,9 +41,12 @@ class WorkerReport:
     """One step's report of one worker, or of all (:meth:`merge`).
 
     ``failed_keys``: per request, the disk blocks its load could not use
-    (failed a read or verification: the scheduler drops those copies).
-    ``unloaded_keys``: per request, disk blocks not delivered for another
-    reason (the job raised or was given up: the copies are kept).
+    because their bytes failed verification (the scheduler drops those
+    copies). ``io_failed_keys``: per request, disk blocks whose read failed
+    with an I/O error (the copies stay, counted: the disk core's read-fault
+    rule). ``unloaded_keys``: per request, disk blocks not delivered for
+    another reason (not read, the job raised or was given up: the copies
+    are kept).
     ``failed_store_rows``: CPU rows of stores that failed; never readable.
     """
 
@@ -50,6 +54,9 @@ class WorkerReport:
     unloaded_keys: dict[str, list[bytes]] = field(default_factory=dict)
     failed_store_rows: list[int] = field(default_factory=list)
     counters: WorkerCounters = field(default_factory=WorkerCounters)
+    io_failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
+    # Seconds each disk read batch took, issued to verified.
+    read_latencies: list[float] = field(default_factory=list)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """A new report with both reports' contents (neither is changed)."""
@@ -58,11 +65,16 @@ class WorkerReport:
             {k: list(v) for k, v in self.unloaded_keys.items()},
             list(self.failed_store_rows),
             self.counters + other.counters,
+            {k: list(v) for k, v in self.io_failed_keys.items()},
+            self.read_latencies + other.read_latencies,
         )
-        for req_id, keys in other.failed_keys.items():
-            out.failed_keys.setdefault(req_id, []).extend(keys)
-        for req_id, keys in other.unloaded_keys.items():
-            out.unloaded_keys.setdefault(req_id, []).extend(keys)
+        for mine, theirs in (
+            (out.failed_keys, other.failed_keys),
+            (out.unloaded_keys, other.unloaded_keys),
+            (out.io_failed_keys, other.io_failed_keys),
+        ):
+            for req_id, keys in theirs.items():
+                mine.setdefault(req_id, []).extend(keys)
         out.failed_store_rows.extend(other.failed_store_rows)
         return out
 
@@ -77,6 +89,10 @@ class CounterDeltas:
 
     def __init__(self) -> None:
         self._last: dict[Hashable, float] = {}
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` was given a total before."""
+        return key in self._last
 
     def delta(self, key: Hashable, total: float) -> float:
         last = self._last.get(key, 0)

@@ -8,6 +8,7 @@ preadv/pwritev, or kvikio's CuFile (GPUDirect Storage where available).
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any, ClassVar
@@ -63,6 +64,19 @@ class DiskBackend(ABC):
         """The OS descriptor behind ``handle`` if there is one (used to check
         that the file opened by name is the one checked before), else None."""
         return None
+
+    def size(self, handle: Any) -> int | None:
+        """The current size of the file open as ``handle`` (``fstat`` of its
+        descriptor), or None when there is no descriptor or ``fstat``
+        fails. Readers ask it after a short read: whether the file ended
+        (truncated) or the device cut the read short."""
+        fd = self.fileno(handle)
+        if fd is None:
+            return None
+        try:
+            return os.fstat(fd).st_size
+        except OSError:
+            return None
 
     def describe(self) -> str:
         """One line for logs: which back end, and in which mode."""

@@ -105,7 +105,9 @@ class DeviceStagingReader:
         is garbage and must not be used (the load is a miss, i.e. recompute).
       - Errors: a failed read (any errno, from open or the I/O) is IO_ERROR
         for every slot of its run, logged once per slab and errno; a short
-        read (file truncated) is TRUNCATED for the slots it did not cover;
+        read is, for the slots it did not cover, TRUNCATED where the slab
+        now ends inside the slot and IO_ERROR elsewhere
+        (:func:`~kvtier.io.layout.short_read_outcome`);
         bad bytes are BAD_HEADER / CHECKSUM_MISMATCH (logged once per slab);
         another key or layout is KEY_MISMATCH / FINGERPRINT_MISMATCH; a
         valid version 1 or compressed slot is HOST_ONLY. ``read`` never
@@ -250,8 +252,8 @@ class DeviceStagingReader:
                 results[i] = StagedSlot(ReadOutcome.IO_ERROR, row, "read failed")
                 continue
             if state[at] == 2:
-                self.files.rejected(slot, "short read")
-                results[i] = StagedSlot(ReadOutcome.TRUNCATED, row, "short read")
+                outcome = self.files.short_read(slot, self.slot_size)
+                results[i] = StagedSlot(outcome, row, "short read")
                 continue
             verdict = verify_header(
                 headers[at],

@@ -13,10 +13,11 @@ so a torn, stale or corrupted slot is reported, never returned.
 Contract:
   - ``read_block``/``verify``/``read_header`` never raise for I/O or data
     problems: they return a :class:`~kvtier.io.layout.ReadOutcome`. A failed
-    read (any errno) is IO_ERROR; a read that ends early (a truncated slab:
-    slabs are preallocated to full size) is TRUNCATED and reported as an
-    EIO. Both are counted in ``io_errors`` and logged once per slab and
-    errno. Rejected bytes (bad header, payload checksum) are counted in
+    read (any errno) is IO_ERROR; a read that ends early is TRUNCATED when
+    the slab now ends inside the slot (slabs are preallocated to full size:
+    it was truncated) and IO_ERROR otherwise (the device cut it short;
+    :func:`~kvtier.io.layout.short_read_outcome`), reported as an EIO.
+    Both are counted in ``io_errors`` and logged once per slab and errno. Rejected bytes (bad header, payload checksum) are counted in
     ``checksum_failures`` and logged once per slab.
   - They do raise for caller errors: IndexError for a slot out of range,
     RuntimeError once the store is closed, ValueError for an ``out`` that is
@@ -51,6 +52,7 @@ from kvtier.io.layout import (
     check_payload,
     decode_payload,
     parse_header,
+    short_read_outcome,
 )
 from kvtier.io.store_files import StoreFiles, flat_u8
 
@@ -153,19 +155,26 @@ class VerifiedReads:
             slot_bytes=self._files.slot_size,
         )
 
-    def _short_read(self, idx: int, got: int, wanted: int) -> None:
-        # A slab is preallocated to full size, so a read that ends early means
-        # the file was truncated or the device misbehaved: report it like
-        # write_block reports a short write (EIO, counted, logged once).
-        self._files.io_error(
+    def _short_read(self, slot: int, got: int, wanted: int) -> ReadOutcome:
+        # Reported like write_block reports a short write (EIO, counted,
+        # logged once); TRUNCATED if the slab now ends inside the slot, else
+        # IO_ERROR (the device cut it short: short_read_outcome).
+        idx, offset = self._files.locate(slot)
+        files = self._files
+        outcome = short_read_outcome(
+            files.backend.size(files.handles[idx]), offset + files.slot_size
+        )
+        cause = "truncated slab" if outcome is ReadOutcome.TRUNCATED else "not EOF"
+        files.io_error(
             "read",
             idx,
             OSError(
                 errno.EIO,
-                f"short read ({got} of {wanted} bytes)",
-                self._files.slabs[idx].path,
+                f"short read ({got} of {wanted} bytes, {cause})",
+                files.slabs[idx].path,
             ),
         )
+        return outcome
 
     def _load(
         self, slot: int, key: bytes | None
@@ -185,8 +194,7 @@ class VerifiedReads:
                 n = nread = self._files.read(idx, bounce[:first], offset)
                 verdict = parse_header(bounce, n)
                 if verdict.outcome is ReadOutcome.TRUNCATED:
-                    self._short_read(idx, n, first)
-                    return ReadOutcome.TRUNCATED, None, None
+                    return self._short_read(slot, n, first), None, None
                 if verdict.outcome is ReadOutcome.BAD_HEADER:
                     self._files.rejected(idx, slot, verdict.detail)
                 if not verdict.ok:
@@ -212,8 +220,7 @@ class VerifiedReads:
             payload = bounce[HEADER_SIZE:end]
             verdict = check_payload(hdr, payload, n - HEADER_SIZE)
             if verdict.outcome is ReadOutcome.TRUNCATED:
-                self._short_read(idx, n, end)
-                return ReadOutcome.TRUNCATED, hdr, None
+                return self._short_read(slot, n, end), hdr, None
             if not verdict.ok:
                 self._files.rejected(idx, slot, "payload checksum mismatch")
                 return verdict.outcome, hdr, None
@@ -232,7 +239,7 @@ class VerifiedReads:
         self._files.count_read(n)
         verdict = parse_header(buf, n)
         if verdict.outcome is ReadOutcome.TRUNCATED:
-            self._short_read(idx, n, HEADER_SIZE)
+            return slot, None, self._short_read(slot, n, HEADER_SIZE)
         if not verdict.ok:
             return slot, None, verdict.outcome
         assert verdict.header is not None

@@ -40,6 +40,11 @@ _STOP_PRIORITY = 1 << 30  # sorts after every real task: shutdown drains first
 # (key, cpu_slot, disk_slot) for spills, (key, disk_slot, cpu_slot) for promotes.
 TransferItem = tuple[bytes, int, int]
 
+# What moving one item returns when it failed with an I/O error (or was
+# never done: an abandoned engine, an exception) rather than on bytes shown
+# bad: the block's copy is not suspect (``JobResult.io_failed_keys``).
+IO_FAILED = -1
+
 
 @dataclass(frozen=True)
 class JobOutcome:
@@ -48,6 +53,7 @@ class JobOutcome:
     success: bool
     bytes: int = 0
     failed_keys: list[bytes] = field(default_factory=list)
+    io_failed_keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,9 @@ class JobResult:
     on-disk bytes, which DiskStore.stats reports), ``seconds`` runs from
     submission to completion (so it includes queueing), and ``failed_keys``
     lists the keys whose transfer did not happen; ``success`` is False iff
-    anything failed.
+    anything failed. ``io_failed_keys`` (of ``failed_keys``) failed with an
+    I/O error or were never moved, not on bytes shown bad: a promotion's
+    slot may be read again.
     """
 
     job_id: int
@@ -66,6 +74,7 @@ class JobResult:
     bytes: int
     seconds: float
     failed_keys: list[bytes]
+    io_failed_keys: list[bytes] = field(default_factory=list)
 
 
 class _FanOut:
@@ -77,13 +86,17 @@ class _FanOut:
         self.started = started
         self.bytes = 0
         self.failed: list[bytes] = []
+        self.io_failed: list[bytes] = []
         self.lock = threading.Lock()
 
     def item_done(self, key: bytes, nbytes: int | None) -> bool:
-        """Record one item; True when it was the last."""
+        """Record one item (bytes moved; None: failed on bad bytes;
+        ``IO_FAILED``); True when it was the last."""
         with self.lock:
-            if nbytes is None:
+            if nbytes is None or nbytes == IO_FAILED:
                 self.failed.append(key)
+                if nbytes == IO_FAILED:
+                    self.io_failed.append(key)
             else:
                 self.bytes += nbytes
             self.remaining -= 1
@@ -154,7 +167,11 @@ class TransferEngine:
         failed result, it never kills a worker.
       - For promote, a key whose read is not OK is in ``failed_keys`` and its
         CPU row was not written (DiskStore.read_block guarantees it), so the
-        caller must not mark that row valid.
+        caller must not mark that row valid. It is in ``io_failed_keys`` too
+        when the read failed with an I/O error (IO_ERROR: any errno, or a
+        short read of a full-size slab) or was never done; its slot is then
+        left as it is. A slot whose bytes failed verification (a bad
+        header or checksum, a truncated slab) is invalidated.
       - CPU rows and disk slots named by a job belong to it until its
         JobResult is returned: the caller must not reuse them before that.
       - ``shutdown`` runs all queued work to completion, then stops the
@@ -226,6 +243,7 @@ class TransferEngine:
             bytes=outcome.bytes,
             seconds=time.perf_counter() - started,
             failed_keys=list(outcome.failed_keys),
+            io_failed_keys=list(outcome.io_failed_keys),
         )
         with self._cond:
             self._pending.discard(job_id)
@@ -296,10 +314,13 @@ class TransferEngine:
 
         def promote_one(key: bytes, disk_slot: int, cpu_slot: int) -> int | None:
             if guard.closed:
-                return None
+                return IO_FAILED
             outcome = store.read_block(disk_slot, key, rows[cpu_slot], guard=guard)
             if guard.closed:
-                return None  # abandoned meanwhile: no bookkeeping either
+                return IO_FAILED  # abandoned meanwhile: no bookkeeping either
+            if outcome is ReadOutcome.IO_ERROR:
+                logger.debug("promote of slot %d failed: I/O error", disk_slot)
+                return IO_FAILED
             if outcome is not ReadOutcome.OK:
                 logger.debug("promote of slot %d failed: %s", disk_slot, outcome.name)
                 if outcome in _CORRUPT:
@@ -329,7 +350,9 @@ class TransferEngine:
 
         def finish() -> None:
             self._finish(
-                job_id, started, JobOutcome(not job.failed, job.bytes, job.failed)
+                job_id,
+                started,
+                JobOutcome(not job.failed, job.bytes, job.failed, job.io_failed),
             )
 
         for key, src, dst in items:
@@ -341,7 +364,7 @@ class TransferEngine:
                     logger.exception(
                         "kvtier transfer of one block in job %d failed", job_id
                     )
-                    nbytes = None
+                    nbytes = IO_FAILED  # nothing showed its bytes bad
                 if job.item_done(key, nbytes):
                     finish()
 

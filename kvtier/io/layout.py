@@ -17,7 +17,8 @@ Reading a batch: :func:`plan_runs` is the one rule both load readers use to
 turn a batch of slots into reads: rows in file order, one read per run of
 slots consecutive in one slab file.
 
-Judging a slot: :func:`verify_slot` (header and payload, xxh3) is the one
+Judging a slot: :func:`short_read_outcome` is the one rule for a read that
+came back short; :func:`verify_slot` (header and payload, xxh3) is the one
 verification of the host paths; :func:`verify_header` and
 :func:`check_payload` are its two halves for readers that fetch the header
 and the payload separately. Each returns a :class:`SlotVerdict` whose
@@ -136,6 +137,20 @@ class ReadOutcome(Enum):
     # device checksum; a compressed payload decodes on the host only): read
     # it through the host path. Only the device staging reader reports it.
     HOST_ONLY = "host_only"
+
+
+def short_read_outcome(file_size: int | None, slot_end: int) -> ReadOutcome:
+    """What a read of a slot that returned fewer bytes than asked means.
+
+    Slabs are preallocated to their full size, so a slab that now ends
+    before ``slot_end`` (the slot's end offset) was truncated: TRUNCATED,
+    the slot's block is gone for good (structural, like a bad checksum). A
+    slab long enough (or of unknown size) had the read cut short by the
+    device: IO_ERROR, transient like an errno (the block may read whole
+    next time)."""
+    if file_size is not None and file_size < slot_end:
+        return ReadOutcome.TRUNCATED
+    return ReadOutcome.IO_ERROR
 
 
 @dataclass(frozen=True)

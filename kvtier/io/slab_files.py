@@ -30,7 +30,13 @@ import numpy as np
 
 from kvtier.io.backend import DiskBackend
 from kvtier.io.format import LayoutFingerprint, aligned_empty
-from kvtier.io.layout import locate, slab_name
+from kvtier.io.layout import (
+    ReadOutcome,
+    locate,
+    short_read_outcome,
+    slab_name,
+    slot_offset,
+)
 from kvtier.io.store_dir import store_dirname
 from kvtier.log import get_logger
 
@@ -142,6 +148,24 @@ class SlabFiles:
             name,
             exc.strerror,
         )
+
+    def short_read(self, slot: int, slot_size: int) -> ReadOutcome:
+        """A read of ``slot`` came back short: TRUNCATED (counted with the
+        rejected slots) when its slab now ends inside the slot, else
+        IO_ERROR (counted and logged as an EIO): see
+        :func:`~kvtier.io.layout.short_read_outcome`."""
+        f, local = locate(slot, len(self.paths))
+        handle = self._handles[f]
+        size = None if handle is None else self.backend.size(handle)
+        end = slot_offset(local, slot_size) + slot_size
+        outcome = short_read_outcome(size, end)
+        if outcome is ReadOutcome.TRUNCATED:
+            self.rejected(slot, f"short read: the slab ends at byte {size} (truncated)")
+        else:
+            self.io_error(
+                f, OSError(errno.EIO, f"short read of slot {slot} (not the file's end)")
+            )
+        return outcome
 
     def rejected(self, slot: int, what: str) -> None:
         """A slot's bytes failed a check (corrupt or torn): logged."""

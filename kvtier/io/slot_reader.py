@@ -73,9 +73,11 @@ class SlotReader:
         open), so a worker may start before the store exists.
       - ``read(items)`` takes at most ``capacity`` ``(slot, key)`` pairs and
         returns one :class:`SlotRead` per item, in order. It never raises for
-        I/O or data problems: an ``OSError`` (any errno) or a short read
-        makes the affected slots IO_ERROR/TRUNCATED, and a slot that fails a
-        check gets the matching outcome. Anything else raised (a bug)
+        I/O or data problems: an ``OSError`` (any errno) makes the affected
+        slots IO_ERROR, a short read TRUNCATED where the slab now ends inside
+        the slot and IO_ERROR elsewhere
+        (:func:`~kvtier.io.layout.short_read_outcome`), and a slot that
+        fails a check gets the matching outcome. Anything else raised (a bug)
         leaves only once none of its reads is still writing the area. Rows of OK items hold exactly the
         block's ``block_bytes`` decoded bytes until the next ``read``.
       - Reads are coalesced: rows follow file order, not item order, and
@@ -194,8 +196,7 @@ class SlotReader:
             if state == 0:
                 outcome = ReadOutcome.IO_ERROR
             elif state == 2:
-                outcome = ReadOutcome.TRUNCATED
-                self.files.rejected(slot, "short read")
+                outcome = self.files.short_read(slot, self.slot_size)
             else:
                 outcome = self._verify(row, key, slot)
             if outcome is ReadOutcome.OK:

@@ -10,12 +10,21 @@ disk). Both go through the same life of a disk block:
     make_room / allocate  -> WRITING (a chunk is being written)
     complete              -> READY   (event: stored, ``spill``)
     fail                  -> gone    (never readable: no event)
-    pin_reads / release_reads: a read in flight pins the block; a read that
-        failed verification drops the copy once nobody reads it
-        (event: removed, ``corrupt``)
+    pin_reads / release_reads: a read in flight pins the block; what the
+        read found decides what happens to it once nobody reads it (the
+        read-failure rule below)
     make_room evicts READY, unpinned victims in policy order
         (event: removed, ``evict``); ``restore`` adopts blocks found on
         disk after a restart (event: stored, ``restore``).
+
+The read-failure rule, the one both disk tiers follow: a read whose bytes
+fail verification (header, key, layout, checksum, decoding) drops the block
+at once (event: removed, ``corrupt``); a read that fails with an I/O error
+(any errno, a stalled read, a device's short read) fails its load and keeps
+the block, counted, unless that block's reads have now failed so
+``MAX_READ_IO_ERRORS`` times in a row: then it is dropped (event: removed,
+``unreadable``). A read that succeeds starts the count again.
+:class:`ReadFailures` counts what the rule did.
 
 Guarantees: at most ``capacity`` blocks; a WRITING or pinned block is never
 a victim; every change of which keys are READY here is reported once, in
@@ -27,7 +36,8 @@ the victim index), never O(capacity), except ``restore`` and ``clear``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.tiers.events import MEDIUM_DISK
@@ -38,6 +48,26 @@ from kvtier.tiers.tier import Tier
 # emit(keys, removed, reason): keys became READY here (removed=False) or
 # stopped being READY here (removed=True).
 Emit = Callable[[Sequence[Key], bool, str], None]
+
+# Reads of one disk block that may fail with an I/O error in a row before
+# the block is dropped. A transient error (a link reset, a sector the drive
+# reads on a retry) costs one failed load and the block stays; a block that
+# can no longer be read (a dead sector) would otherwise cost a failed load,
+# and a recompute, to every request that finds it.
+MAX_READ_IO_ERRORS = 3
+
+
+@dataclass
+class ReadFailures:
+    """What the read-failure rule did on one disk tier, cumulative (the
+    metrics diff them). One failed read of a block counts once per load."""
+
+    # Reads that failed with an I/O error; the block stayed.
+    io_errors_kept: int = 0
+    # Blocks dropped because their bytes failed verification.
+    corrupt: int = 0
+    # Blocks dropped after MAX_READ_IO_ERRORS I/O errors in a row.
+    unreadable: int = 0
 
 
 class DiskTierCore:
@@ -52,6 +82,11 @@ class DiskTierCore:
         self.tier = Tier(MEDIUM_DISK, capacity, policy)
         self.capacity = capacity
         self._emit = emit
+        self.failures = ReadFailures()
+        # Resident keys whose last reads failed with an I/O error, and how
+        # many in a row; an entry leaves with its block or its next good
+        # read, so it holds at most the blocks currently failing.
+        self._io_errors: dict[Key, int] = {}
 
     def _report(self, keys: Sequence[Key], removed: bool, reason: str) -> None:
         if keys and self._emit is not None:
@@ -74,6 +109,7 @@ class DiskTierCore:
         # index as it is chosen.
         victims = tier.evict(need, exclude=exclude)
         if victims:
+            self._forget_errors(victims)
             self._report(victims, True, "evict")
         return victims
 
@@ -104,29 +140,76 @@ class DiskTierCore:
         return slots
 
     def release_reads(
-        self, keys: Iterable[Key], corrupt: Iterable[Key] = ()
+        self,
+        keys: Sequence[Key],
+        *,
+        corrupt: Collection[Key] = (),
+        io_failed: Collection[Key] = (),
+        unread: Collection[Key] = (),
     ) -> list[Key]:
-        """Unpin blocks read by one load. Keys in ``corrupt`` (read, and
-        their bytes failed verification) are dropped once no other read
-        pins them, reported as removed (``corrupt``); returns those
-        dropped."""
+        """Unpin the blocks one load pinned (``keys``, as passed to
+        ``pin_reads``) and apply the read-failure rule (module doc) to what
+        the load found: keys in ``corrupt`` were read and their bytes failed
+        verification; keys in ``io_failed`` could not be read (an I/O
+        error); keys in ``unread`` were not read at all (the load was given
+        up before): they stay as they are. Every other key was read and
+        verified. A block is dropped only once no other read pins it.
+        Returns the dropped keys, reported as removed (``corrupt``, then
+        ``unreadable``). O(len(keys))."""
         tier = self.tier
-        tier.unpin_many([k for k in keys if k in tier])
-        return self.drop_corrupt(corrupt)
-
-    def drop_corrupt(self, keys: Iterable[Key]) -> list[Key]:
-        """Drop the copies of ``keys`` that failed verification and that no
-        read pins (reported as removed, ``corrupt``); returns them."""
-        get = self.tier.get
-        dropped = []
-        for key in dict.fromkeys(keys):
+        get = tier.get  # the dict's own: no Python frame per key
+        tier.unpin_many([k for k in keys if get(k) is not None])
+        errors = self._io_errors
+        if not (corrupt or io_failed or errors):
+            return []  # every load's case while no block is failing
+        bad = dict.fromkeys(corrupt)  # ordered: the events follow the load
+        failing = [k for k in dict.fromkeys(io_failed) if k not in bad]
+        if errors:
+            done = {*failing, *unread}
+            for key in keys:
+                if key not in done:
+                    errors.pop(key, None)  # read and verified: counts again
+        if not bad and not failing:
+            return []
+        dropped = self._drop([k for k in bad if self._idle(get(k))], "corrupt")
+        self.failures.corrupt += len(dropped)
+        unreadable = []
+        for key in failing:
             block = get(key)
-            if block is not None and block.pins == 0:
-                dropped.append(key)
-        if dropped:
-            self.tier.remove_many(dropped, False)
-            self._report(dropped, True, "corrupt")
-        return dropped
+            if block is None:
+                continue
+            count = errors.get(key, 0) + 1
+            if count >= MAX_READ_IO_ERRORS and block.pins == 0:
+                unreadable.append(key)
+            else:
+                errors[key] = count
+                self.failures.io_errors_kept += 1
+        unreadable = self._drop(unreadable, "unreadable")
+        self.failures.unreadable += len(unreadable)
+        return dropped + unreadable
+
+    def io_error_count(self, key: Key) -> int:
+        """How many reads of ``key``'s block failed with an I/O error in a
+        row (0 after a good read)."""
+        return self._io_errors.get(key, 0)
+
+    @staticmethod
+    def _idle(block: Any) -> bool:
+        return block is not None and block.pins == 0
+
+    def _drop(self, keys: list[Key], reason: str) -> list[Key]:
+        """Remove resident, unpinned ``keys`` (reported as removed)."""
+        if keys:
+            self.tier.remove_many(keys, False)
+            self._forget_errors(keys)
+            self._report(keys, True, reason)
+        return keys
+
+    def _forget_errors(self, keys: Iterable[Key]) -> None:
+        errors = self._io_errors
+        if errors:
+            for key in keys:
+                errors.pop(key, None)
 
     # ---------------------------------------------------------- lifetime
 
@@ -141,6 +224,7 @@ class DiskTierCore:
         """Forget every block; the READY ones are reported as removed
         (``reset``) and returned. O(blocks)."""
         ready = self.tier.clear()
+        self._io_errors.clear()
         self._report(ready, True, "reset")
         return ready
 

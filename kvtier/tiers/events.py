@@ -27,7 +27,9 @@ VLLM_MEDIA = {"GPU": MEDIUM_GPU, "CPU": MEDIUM_CPU, "STORAGE": MEDIUM_DISK}
 class TierEvent(NamedTuple):
     """``keys`` became ready on (``removed=False``) or left (``removed=True``)
     ``medium``. ``reason`` says why, for logs and metrics: ``store``,
-    ``spill``, ``promote``, ``restore``, ``evict``, ``corrupt``, ``reset``.
+    ``spill``, ``promote``, ``restore``, ``evict``, ``corrupt``,
+    ``unreadable`` (reads failed with I/O errors too often in a row),
+    ``reset``.
 
     An immutable tuple rather than a frozen dataclass: every request drains
     a few of them on the engine step, and a frozen dataclass costs several

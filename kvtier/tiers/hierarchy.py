@@ -11,9 +11,11 @@ is drawn in docs/architecture.md ("A block's life").
 
 A disk block is loaded straight from its slot: a load never waits for CPU
 room. When a CPU row can be had without waiting (a free row or a clean
-victim), the load also copies the verified block into it ("promotion"); a
-disk block that failed verification is dropped at ``complete_load`` and its
-promotion row is given back, so it is a miss next time.
+victim), the load also copies the verified block into it ("promotion"). A
+disk block that failed is not promoted (its row is given back), and the
+disk core's read-failure rule decides at ``complete_load`` whether its copy
+stays (an I/O error) or goes (failed verification, or I/O errors too many
+times in a row: a miss next time).
 
 Keys passed together (a request's blocks, in prefix order) are ranked in
 *reverse*: a prompt's first block becomes the most recently used, so its
@@ -214,10 +216,14 @@ class TierHierarchy:
         return self._planner.prepare_load(keys, promote)
 
     def complete_load(
-        self, load_id: int, failed: Iterable[Key] = (), unloaded: Iterable[Key] = ()
+        self,
+        load_id: int,
+        failed: Iterable[Key] = (),
+        unloaded: Iterable[Key] = (),
+        io_failed: Iterable[Key] = (),
     ) -> None:
         """See :meth:`kvtier.tiers.loading.LoadPlanner.complete_load`."""
-        self._planner.complete_load(load_id, failed, unloaded)
+        self._planner.complete_load(load_id, failed, unloaded, io_failed)
 
     # ------------------------------------------------------------------- store
 

@@ -1,5 +1,6 @@
 """Loads: where each block of a request is read from, and what a finished
-load changes (the copy up of verified disk blocks, the drop of corrupt ones).
+load changes (the copy up of verified disk blocks; what a failed read does
+to a disk copy is the disk core's read-failure rule).
 
 :class:`LoadPlanner` is the load half of
 :class:`~kvtier.tiers.hierarchy.TierHierarchy`, kept apart because it is one
@@ -142,55 +143,60 @@ class LoadPlanner:
         return plan
 
     def complete_load(
-        self, load_id: int, failed: Iterable[Key] = (), unloaded: Iterable[Key] = ()
+        self,
+        load_id: int,
+        failed: Iterable[Key] = (),
+        unloaded: Iterable[Key] = (),
+        io_failed: Iterable[Key] = (),
     ) -> None:
-        """Release a load's pins. Keys in ``failed`` were read from disk and
-        could not be used (I/O error or failed verification): their disk
-        copy is dropped as corrupt once no other load reads it, and their
-        promotion row is given back unwritten. Keys in ``unloaded`` were not
-        delivered for a reason that says nothing about their copy (the load
-        raised): the promotion row is given back, the disk copy stays.
-        Other promoted keys become ready on CPU."""
+        """Release a load's pins and apply what it found to the disk copies
+        (the disk core's read-failure rule). Keys in ``failed`` were read from
+        disk and their bytes failed verification: the copy is dropped once
+        no other load reads it. Keys in ``io_failed`` could not be read (an
+        I/O error): the copy stays, counted, unless its reads failed so
+        too often in a row. Keys in ``unloaded`` were not delivered for a
+        reason that says nothing about their copy (the load raised or was
+        given up): it stays as it is. None of them is loaded: their
+        promotion row is given back unwritten. Other promoted keys become
+        ready on CPU."""
         plan = self.loads.pop(load_id)
         bad = set(failed)
-        skipped = set(unloaded) - bad
-        stats = self.stats
-        if not bad and not skipped:
+        failing = set(io_failed) - bad
+        skipped = set(unloaded) - bad - failing
+        if not bad and not failing and not skipped:
             self._release(plan)
             return
+        stats = self.stats
         promoted: list[Key] = []
-        cpu, disk = self.cpu, self.disk
+        on_disk: list[Key] = []
+        cpu = self.cpu
         for key, loc in zip(plan.keys, plan.locations):
             if loc.medium == MEDIUM_CPU:
                 if cpu.get(key) is not None:
                     cpu.unpin(key)
                 stats.loads_cpu += 1
                 continue
-            assert disk is not None
-            block = disk.get(key)
-            if block is not None:
-                disk.unpin(key)
-            if key in skipped:
+            on_disk.append(key)
+            if key in bad or key in failing or key in skipped:
                 stats.load_failures += 1
                 if loc.promote_slot is not None:
-                    self.cpu.remove(key)
-                continue
-            if key in bad:
-                stats.load_failures += 1
-                if loc.promote_slot is not None:
-                    self.cpu.remove(key)
-                if block is not None and block.pins == 0:
-                    assert self.disk_core is not None
-                    dropped = self.disk_core.drop_corrupt((key,))
-                    stats.corrupt_blocks += len(dropped)
-                    self._disk_dropped(dropped, False)
+                    cpu.remove(key)
                 continue
             stats.loads_disk += 1
             if loc.promote_slot is not None:
-                self.cpu.mark_ready(key)
-                self._promoted.add(key)
                 promoted.append(key)
+        assert self.disk_core is not None
+        dropped = self.disk_core.release_reads(
+            on_disk,
+            corrupt=[k for k in plan.keys if k in bad],
+            io_failed=[k for k in plan.keys if k in failing],
+            unread=skipped,
+        )
+        self._disk_dropped(dropped, False)
         if promoted:
+            for key in promoted:
+                cpu.mark_ready(key)
+            self._promoted.update(promoted)
             stats.promotions_completed += len(promoted)
             self._emit(promoted, MEDIUM_CPU, removed=False, reason="promote")
 
@@ -199,7 +205,7 @@ class LoadPlanner:
         unpins, counters and promotions as the per-key loop, one batch per
         tier. (Nothing is removed, so no key's state depends on the order
         of the CPU and disk halves.)"""
-        cpu, disk, stats = self.cpu, self.disk, self.stats
+        cpu, stats = self.cpu, self.stats
         cpu_get = cpu.get
         on_cpu: list[Key] = []
         on_disk: list[Key] = []
@@ -217,9 +223,8 @@ class LoadPlanner:
         cpu.unpin_many(on_cpu)
         stats.loads_cpu += n_cpu
         if on_disk:
-            assert disk is not None
-            disk_get = disk.get
-            disk.unpin_many([k for k in on_disk if disk_get(k) is not None])
+            assert self.disk_core is not None
+            self.disk_core.release_reads(on_disk)  # all read and verified
             stats.loads_disk += len(on_disk)
         if promoted:
             # Their disk copies are READY (read by this load, so pinned

@@ -101,7 +101,7 @@ class HierarchyStats:
     # Loads completed per source medium (a failed disk read is not a load).
     loads_cpu: int = 0
     loads_disk: int = 0
-    # Disk blocks a load could not use (I/O error or failed verification).
+    # Disk blocks a load could not use (I/O error, failed verification, or
+    # the load given up). What that did to the disk copies is counted by
+    # the disk core (DiskTierCore.failures).
     load_failures: int = 0
-    # Disk copies dropped because their bytes failed verification.
-    corrupt_blocks: int = 0

@@ -185,8 +185,8 @@ class SpillQueue:
 
     def disk_dropped(self, keys: Sequence[Key], evicted: bool) -> None:
         """The disk core dropped ``keys``' disk copies (``evicted``: the disk
-        chose them as victims; else they failed verification): update the
-        CPU side. O(len(keys))."""
+        chose them as victims; else a load found them corrupt or
+        unreadable): update the CPU side. O(len(keys))."""
         if not keys:
             return
         cpu = self.cpu

@@ -92,6 +92,14 @@ def test_an_io_error_fails_only_its_block(tmp_path, monkeypatch):
         assert r.lookup("a", first) == 4
         r.load(first, [50, 51, 52, 53], expect_failed=[first[1]])
         assert r.worker.reader.stats().io_errors == 1
+        # An I/O error, not a bad block: the disk copy stays and, the disk
+        # healthy again, loads.
+        h = r.manager.hierarchy
+        assert h.lookup(first[1]).name == "HIT_DISK"
+        assert h.disk_core.failures.io_errors_kept == 1
+        plan.clear()
+        assert r.lookup("b", first) == 4
+        assert r.load(first, [50, 51, 52, 53]) == {"disk": 4}
     finally:
         r.close()
 

@@ -89,7 +89,11 @@ def _landed(r: RequestRunner, keys, gpu_blocks) -> list[bool]:
 def _complete(r: RequestRunner, keys, ctx, error=None) -> None:
     if error is not None:
         r.manager.note_worker_report(
-            WorkerReport({ctx.req_id: error.keys}, {ctx.req_id: error.unloaded})
+            WorkerReport(
+                {ctx.req_id: error.keys},
+                {ctx.req_id: error.unloaded},
+                io_failed_keys={ctx.req_id: error.io_failed},
+            )
         )
     r.manager.complete_load(keys, ctx)
     r.manager.on_request_finished(ctx)
@@ -223,15 +227,73 @@ def test_a_failed_read_in_flight_fails_only_its_block(runner, plan, fault):
     done = wait_finished(r.worker)
     assert [(d.job_id, d.success) for d in done] == [(1, False)]
     error = r.worker.take_load_error(1)
-    assert error.keys == [keys[2]] and error.gpu_block_ids == {42}
+    assert error.gpu_block_ids == {42}
+    if fault == "bit-flip":
+        assert (error.keys, error.io_failed) == ([keys[2]], [])  # shown bad
+    else:
+        # An errno, or a short read of a full-size slab: an I/O error.
+        assert (error.keys, error.io_failed) == ([], [keys[2]])
     # Never a byte of the failed block; the others are whole.
     assert not any(t[42].any() for t in r.kv)
     good = [keys[0], keys[1], keys[3]]
     assert _landed(r, good, [40, 41, 43]) == [True, True, True]
     _complete(r, keys, ctx, error)
     h = r.manager.hierarchy
-    assert h.lookup(keys[2]).name == "MISS"  # dropped as bad
+    # Dropped as bad, or kept after an I/O error (read again next time).
+    assert h.lookup(keys[2]).name == ("MISS" if fault == "bit-flip" else "HIT_DISK")
     assert all(h.lookup(k).name != "MISS" for k in keys[:2] + keys[3:])
+
+
+def test_io_errors_in_a_row_drop_the_block_and_a_good_read_resets_them(runner, plan):
+    """Through the worker and the manager: a slot read that fails with EIO
+    keeps its block for the next request, a good read starts the count
+    again, and MAX_READ_IO_ERRORS failures in a row drop it."""
+    from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
+
+    r = runner
+    keys = push_to_disk(r, [1, 2, 3, 4])
+    h = r.manager.hierarchy
+    victim = keys[2]
+    target = on_slot(r.manager.runtime.stores[0], h.disk.get(victim).slot)
+    r.worker.reader.capacity = 2  # the bad block is a chunk of its own
+    job = 0
+
+    def load(fail: bool) -> None:
+        nonlocal job
+        job += 1
+        # CPU copies (promotions) of earlier loads go: all from disk again.
+        for k in keys:
+            h.evict_clean(k)
+        rule = plan.add(FaultRule.error(errno.EIO, ops="read", **target)) if fail else None
+        ctx = _submit(r, keys, [40, 41, 42, 43], job_id=job)
+        (done,) = wait_finished(r.worker)
+        if rule is not None:
+            plan.remove(rule)
+        assert done.success is not fail
+        error = r.worker.take_load_error(job) if fail else None
+        if fail:
+            assert (error.keys, error.io_failed) == ([], [victim])
+        _complete(r, keys, ctx, error)
+
+    for _ in range(MAX_READ_IO_ERRORS - 1):
+        load(fail=True)
+    assert h.lookup(victim).name == "HIT_DISK"
+    assert h.disk_core.io_error_count(victim) == MAX_READ_IO_ERRORS - 1
+    load(fail=False)  # read and verified: the count starts again
+    assert _landed(r, keys, [40, 41, 42, 43]) == [True] * 4
+    assert h.disk_core.io_error_count(victim) == 0
+    for _ in range(MAX_READ_IO_ERRORS - 1):
+        load(fail=True)
+    assert h.lookup(victim).name == "HIT_DISK"
+    load(fail=True)  # the third in a row
+    assert h.lookup(victim).name == "MISS"
+    failures = h.disk_core.failures
+    assert (failures.io_errors_kept, failures.unreadable, failures.corrupt) == (
+        2 * (MAX_READ_IO_ERRORS - 1),
+        1,
+        0,
+    )
+    assert all(h.lookup(k).name != "MISS" for k in keys if k != victim)
 
 
 def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, caplog):
@@ -385,8 +447,11 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
             assert sorted((d.job_id, d.success) for d in done) == [(1, False), (2, False)]
             for job, keys, ctx in ((1, first, ctx1), (2, second, ctx2)):
                 error = r.worker.take_load_error(job)
-                assert error.keys == keys  # the stalled reads' blocks
+                # The stalled reads' blocks: I/O errors, their copies stay.
+                assert error.io_failed == keys and error.keys == []
                 _complete(r, keys, ctx, error)
+            h = r.manager.hierarchy
+            assert all(h.lookup(k).name == "HIT_DISK" for k in first + second)
             assert sum("have not returned" in m for m in caplog.messages) == 2
             # Both parts wait for their reads: a disk block fails at once
             # (long before any deadline), a CPU-tier row still loads.
@@ -397,7 +462,8 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
             assert time.monotonic() - started < r.worker.deadline_s / 2
             assert [(d.job_id, d.success) for d in done] == [(3, False)]
             error = r.worker.take_load_error(3)
-            assert error.keys == third and error.gpu_block_ids == {52, 53}
+            assert error.unloaded == third and error.gpu_block_ids == {52, 53}
+            assert error.keys == error.io_failed == []  # never read
             assert _landed(r, on_cpu, [50, 51]) == [True, True]
             _complete(r, mixed, ctx3, error)
     finally:

@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     make_offload_key,
 )
 
+from kvtier.connector.specs import TierLoadSpec  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.io.format import slot_size  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
@@ -169,10 +170,16 @@ class RequestRunner:
         assert result.success == (not bad)
         if bad:
             error = self.worker.take_load_error(result.job_id)
-            assert set(error.keys) == bad
+            # Shown bad (dropped) or unreadable (kept): failed either way.
+            assert set(error.keys) | set(error.io_failed) == bad
             want = {b for k, b in zip(keys, gpu_blocks) if k in bad}
             assert error.gpu_block_ids == want
-            self.manager.note_worker_report(WorkerReport({ctx.req_id: error.keys}))
+            self.manager.note_worker_report(
+                WorkerReport(
+                    {ctx.req_id: error.keys},
+                    io_failed_keys={ctx.req_id: error.io_failed},
+                )
+            )
         self.manager.complete_load(keys, ctx)
         self.manager.on_request_finished(ctx)
         for key, b in zip(keys, gpu_blocks):
@@ -277,6 +284,22 @@ def _flip_payload_byte(runner, key: bytes) -> None:
     flip_byte(store.slabs[idx].path, offset + 4096 + 100)
 
 
+def test_an_empty_load_job_succeeds(runner):
+    """vLLM's connector never submits a load with no blocks, but such a job
+    is a success (every block of it loaded), as in vLLM's own workers."""
+    r = runner
+    done = r._run_job(
+        r.worker.submit_load, TierLoadSpec([], []), GPULoadStoreSpec([], [0], [0])
+    )
+    assert done.success
+    ctx = ReqContext(req_id="empty")
+    r.manager.on_new_request(ctx)
+    spec = r.manager.prepare_load([], ctx)
+    assert len(spec.block_ids) == 0
+    r.manager.complete_load([], ctx)
+    assert r.manager.hierarchy.num_loads == 0
+
+
 def test_corrupt_disk_block_is_a_miss_never_data(runner):
     first = push_to_disk(runner, [1, 2, 3, 4])
     h = runner.manager.hierarchy
@@ -287,7 +310,7 @@ def test_corrupt_disk_block_is_a_miss_never_data(runner):
     assert runner.lookup("a", first) == 4
     runner.load(first, [50, 51, 52, 53], expect_failed=[victim])
     assert h.lookup(victim).name == "MISS"
-    assert h.stats.corrupt_blocks == 1 and h.stats.load_failures == 1
+    assert h.disk_core.failures.corrupt == 1 and h.stats.load_failures == 1
     assert h.stats.loads_disk == 3 and h.stats.promotions_completed == 3
     assert runner.worker.reader.stats().checksum_failures == 1
     assert victim not in h.cpu  # its promotion row was given back unwritten

@@ -394,7 +394,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     r.manager.on_request_finished(ctx)
     h = r.manager.hierarchy
     assert all(h.disk.is_ready(k) for k in on_disk[:3])
-    assert h.stats.corrupt_blocks == 0
+    assert h.disk_core.failures.corrupt == 0
     assert [h.lookup(k).name for k in on_cpu] == ["HIT_CPU"] * 2
     assert h.num_loads == 0
 

@@ -3,10 +3,12 @@
 The worker reads a disk hit's slots itself, verifies each (header, key,
 fingerprint, checksum) and scatters it into the KV cache; a block that
 fails goes through vLLM's load-error path (block level for one KV-cache
-group, request level for several) and its tokens are recomputed. Each test
-proves it by data: greedy outputs equal a run without offloading, vLLM's
-hit source says the tokens came from disk, and the tiers' counters say how
-many blocks were loaded, failed or dropped.
+group, request level for several) and its tokens are recomputed. A block
+that failed verification is dropped; one whose read failed with an I/O
+error stays and is read again by the next request. Each test proves it by
+data: greedy outputs equal a run without offloading, vLLM's hit source says
+the tokens came from disk, and the tiers' counters say how many blocks were
+loaded, failed, kept or dropped.
 
 Engines live in class-scoped fixtures (one engine alive at a time); the
 no-offload baselines are computed first, once per model, prompt by prompt.
@@ -54,10 +56,12 @@ LONG_CASES = {
     "single-step-prefill": (make_prompt(804, LONG_LEN), make_prompt(805, LONG_LEN)),
     "rows-in-flight": (make_prompt(806, LONG_LEN), make_prompt(807, LONG_LEN)),
 }
-CORRUPTIONS = ["bit-flip", "other-key", "truncated-slab", "eio-on-read"]
-# Test 2: one returning prompt per corruption kind (the same for both models).
+CORRUPTIONS = ["bit-flip", "other-key", "truncated-slab"]
+# Test 2: one returning prompt per corruption kind and one for an I/O error
+# (the same for both models).
 CORRUPT_PROMPTS = {
-    k: make_prompt(900 + i, SHORT_LEN) for i, k in enumerate(CORRUPTIONS)
+    k: make_prompt(900 + i, SHORT_LEN)
+    for i, k in enumerate([*CORRUPTIONS, "eio-on-read"])
 }
 # Test 3: a prompt whose prefix comes back from CPU and disk, one from disk.
 MIXED_PROMPT = make_prompt(950, SHORT_LEN)
@@ -109,6 +113,11 @@ def worker_reader(llm):
 
 def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
+
+
+def _deltas(after: dict[str, dict], before: dict[str, dict]) -> list[dict]:
+    """Per snapshot of ``Env.counters``: what grew, in its order."""
+    return [_delta(after[k], before[k]) for k in after]
 
 
 # --------------------------------------------------------------------------
@@ -237,7 +246,8 @@ class TestPrefixLongerThanCpuTier:
         ]
         d = _delta(dict(vars(stats)), before)
         assert d["loads_disk"] == LONG_BLOCKS, d
-        assert d["load_failures"] == 0 and d["corrupt_blocks"] == 0, d
+        assert d["load_failures"] == 0, d
+        assert mgr.hierarchy.disk_core.failures.corrupt == 0
         assert d["spills_completed"] >= 2 * LONG_BLOCKS, d
         # Every block was read exactly once, in bounce-area-sized chunks.
         assert sum(batches) == LONG_BLOCKS, batches
@@ -367,7 +377,8 @@ class Env:
         # Keys each request stored, in prefix order (per external id).
         self.stored: dict[str, list[bytes]] = defaultdict(list)
         # (key, residency, disk block) right after each load that had
-        # failed keys completed: before anything could store them again.
+        # failed keys (bad or unreadable) completed: before anything could
+        # store them again.
         self.after_failed_load: list[tuple[bytes, Residency, object]] = []
         mgr, h = self.mgr, self.h
         prepare_store, complete_load = mgr.prepare_store, h.complete_load
@@ -382,7 +393,7 @@ class Env:
         def recording_complete_load(load_id, failed=(), **kwargs):
             failed = list(failed)
             complete_load(load_id, failed, **kwargs)
-            for key in failed:
+            for key in failed + list(kwargs.get("io_failed", ())):
                 self.after_failed_load.append(
                     (key, h.lookup(key), h.disk.get(key) if h.disk else None)
                 )
@@ -402,6 +413,23 @@ class Env:
         store = self.mgr.runtime.stores[0]
         idx, offset = store.files.locate(self.h.disk.get(key).slot)
         return store.slabs[idx].path, offset
+
+    def counters(self) -> dict[str, dict]:
+        """Snapshots of the hierarchy's, the disk core's and the workers'
+        counters (compare two with :func:`_deltas`)."""
+        return {
+            "stats": dict(vars(self.h.stats)),
+            "failures": dict(vars(self.h.disk_core.failures)),
+            "workers": dict(vars(self.mgr.worker_totals)),
+        }
+
+    def victim_on_disk(self, prompt: list[int]) -> tuple[list[bytes], bytes]:
+        """Put ``prompt``'s prefix on disk only (:meth:`only_on_disk`); its
+        keys and the block a test fails: one in the middle of the prefix."""
+        rid, keys = self.only_on_disk(prompt)
+        full = self.full_keys(rid)
+        assert len(full) == 4, (len(full), len(keys))
+        return keys, full[1]
 
     def only_on_disk(self, prompt: list[int]) -> tuple[str, list[bytes]]:
         """Run ``prompt``, spill all its blocks, then forget the CPU and GPU
@@ -479,9 +507,13 @@ def _corrupt(e: Env, kind: str, keys: list[bytes], victim: bytes):
         assert os.path.getsize(path) > offset + HEADER_SIZE + 100
         os.truncate(path, offset + HEADER_SIZE + 100)
     elif kind == "eio-on-read":
+        # One EIO: the next read of the slot is whole again.
         store = e.mgr.runtime.stores[0]
         rule = FaultRule.error(
-            errno.EIO, ops="read", **on_slot(store, e.h.disk.get(victim).slot)
+            errno.EIO,
+            ops="read",
+            first_n=1,
+            **on_slot(store, e.h.disk.get(victim).slot),
         )
         e.plan.add(rule)
         return rule
@@ -495,34 +527,21 @@ class TestDiskCorruption:
     def test_corrupt_disk_block_is_recomputed_and_dropped(self, env, kind):
         e = env
         prompt = CORRUPT_PROMPTS[kind]
-        rid, keys = e.only_on_disk(prompt)
-        full = e.full_keys(rid)
-        assert len(full) == 4, (len(full), len(keys))
-        victim = full[1]  # a block in the middle of the returning prefix
-        stats = e.h.stats
-        before = dict(vars(stats))
-        disk_before = dict(vars(e.mgr.worker_totals))
+        keys, victim = e.victim_on_disk(prompt)
+        before = e.counters()
         e.after_failed_load.clear()
 
-        rule = _corrupt(e, kind, keys, victim)
-        try:
-            again = run_prompts(e.llm, [prompt], MAX_TOKENS)
-        finally:
-            if rule is not None:
-                e.plan.remove(rule)
+        _corrupt(e, kind, keys, victim)
+        again = run_prompts(e.llm, [prompt], MAX_TOKENS)
 
         # Correct tokens: the failed block (and, with two groups, the whole
         # request) was recomputed instead of read.
         assert again.outputs == [e.want(prompt)]
         assert again.hits_by_source[0].get("disk", 0) > 0, again.hits_by_source
-        d = _delta(dict(vars(stats)), before)
-        wd = _delta(dict(vars(e.mgr.worker_totals)), disk_before)
-        assert d["load_failures"] >= 1 and d["corrupt_blocks"] >= 1, d
-        if kind == "eio-on-read":
-            assert e.plan.count() >= 1
-            assert wd["io_errors"] >= 1, wd
-        else:
-            assert wd["checksum_failures"] >= 1, wd
+        d, fd, wd = _deltas(e.counters(), before)
+        assert d["load_failures"] >= 1 and fd["corrupt"] >= 1, (d, fd)
+        assert fd["io_errors_kept"] == 0, fd
+        assert wd["checksum_failures"] >= 1, wd
         # The corrupt copy left the disk index as the load completed, before
         # the recomputed block could be stored again.
         dropped = {k: (res, blk) for k, res, blk in e.after_failed_load}
@@ -569,5 +588,47 @@ class TestDiskCorruption:
 
         d = _delta(dict(vars(stats)), before)
         assert d["loads_disk"] > 0 and d["loads_cpu"] > 0, d
-        assert d["load_failures"] == 0 and d["corrupt_blocks"] == 0, d
+        assert d["load_failures"] == 0, d
+        assert_at_rest(e.mgr)
+
+    def test_an_io_error_fails_the_load_and_keeps_the_block(self, env):
+        """One EIO on a slot read: the load fails and its tokens are
+        recomputed (outputs equal the baseline), the block stays on disk,
+        and the next load of the prefix reads it, verified, with the same
+        outputs."""
+        e = env
+        prompt = CORRUPT_PROMPTS["eio-on-read"]
+        keys, victim = e.victim_on_disk(prompt)
+        before = e.counters()
+        e.after_failed_load.clear()
+
+        rule = _corrupt(e, "eio-on-read", keys, victim)
+        try:
+            again = run_prompts(e.llm, [prompt], MAX_TOKENS)
+        finally:
+            e.plan.remove(rule)
+        assert e.plan.count() == 1
+        assert again.outputs == [e.want(prompt)]
+        d, fd, wd = _deltas(e.counters(), before)
+        assert d["load_failures"] >= 1 and fd["io_errors_kept"] >= 1, (d, fd)
+        assert fd["corrupt"] == fd["unreadable"] == 0, fd
+        assert wd["io_errors"] >= 1 and wd["checksum_failures"] == 0, wd
+        # Kept: still a disk hit right after the failed load completed.
+        after = {k: (res, blk) for k, res, blk in e.after_failed_load}
+        assert victim in after, [k.hex() for k in after]
+        residency, disk_block = after[victim]
+        assert residency is Residency.HIT_DISK and disk_block is not None
+        assert_at_rest(e.mgr)
+
+        # The next load of the prefix, from disk only, reads it back.
+        for key in keys:
+            e.h.evict_clean(key)
+        assert e.llm.reset_prefix_cache()
+        before = e.counters()
+        third = run_prompts(e.llm, [prompt], MAX_TOKENS)
+        assert third.outputs == [e.want(prompt)]
+        assert third.hits_by_source[0] == {"disk": 4 * BLOCK}, third.hits_by_source
+        d, _fd, _wd = _deltas(e.counters(), before)
+        assert d["load_failures"] == 0 and d["loads_disk"] >= 4, d
+        assert e.h.disk_core.io_error_count(victim) == 0
         assert_at_rest(e.mgr)

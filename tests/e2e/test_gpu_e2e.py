@@ -16,8 +16,9 @@ the multiprocess case of test_async_load_e2e.py.
   errors;
 - a prefix longer than the CPU tier served in full from disk, and the
   bound of CPU-tier rows held by stores in flight (async scheduling);
-- a corrupt disk block (bit flip, another key's slot, truncated slab, EIO)
-  recomputed, outputs equal to the baseline, the copy dropped; two
+- a corrupt disk block (bit flip, another key's slot, truncated slab)
+  recomputed, outputs equal to the baseline, the copy dropped; one EIO on
+  a slot read recomputed, the copy kept and read by the next load; two
   KV-cache groups through CPU and disk hits;
 - decoders stepping while a disk read is held;
 - a negative control per CUDA load path: wrong bytes in the KV cache

@@ -1,13 +1,17 @@
-"""docs/grafana-kvtier.json names only series a live server exports.
+"""docs/grafana-kvtier.json names only series a live server exports, in
+both of kvtier's modes.
 
 One OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``,
 the multiprocess engine ``vllm serve`` runs) on the tiny model with a disk
-tier, on loopback and a free port, is shared by the module. It serves
-prompts until some spill to disk and come back from it, then every used
-disk slot's payload is overwritten and one more prompt comes back from disk:
-its blocks fail verification, so the error series exist too. The test
-scrapes /metrics and checks every series (and every label value matched
-with ``=``) that a dashboard expression names.
+tier, on loopback and a free port, per mode: kvtier's full spec
+(``TieredOffloadingSpec``), then tiering mode (vLLM's tiering spec with
+``KvtierDiskTier`` as its secondary tier). Each serves prompts until some
+reach disk and come back from it, then every used disk slot's payload is
+overwritten and one more prompt comes back from disk: its blocks fail
+verification, so the error series have counted something. The test scrapes
+/metrics and checks every series (and every label value matched with ``=``)
+that a dashboard expression names; vLLM's tiering series
+(``vllm:kv_offload_tiering_*``) only in tiering mode, where they exist.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.io.format import HEADER_SIZE
+from kvtier.testing.engine import offloading_kv_transfer_config
 from kvtier.testing.model import build_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -37,6 +42,9 @@ pytestmark = pytest.mark.e2e
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-kvtier.json"
 SERIES_RE = re.compile(r"(vllm:[A-Za-z0-9_:]+)(\{[^}]*\})?")
 MATCHER_RE = re.compile(r'(\w+)\s*=\s*"([^"$]*)"')
+# Series of vLLM's tiering manager: exported in tiering mode only.
+TIERING_ONLY = "vllm:kv_offload_tiering_"
+MODES = ("full", "tiering")
 BLOCK_TOKENS = 32
 PROMPT_TOKENS = 150
 START_TIMEOUT_S = 300.0
@@ -73,19 +81,36 @@ def dashboard_selectors(doc: Any) -> set[tuple[str, tuple[tuple[str, str], ...]]
     return found
 
 
-def exported_samples(text: str) -> list[tuple[str, dict[str, str]]]:
+def exported(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of a /metrics text: name, labels, value."""
     return [
-        (s.name, dict(s.labels))
+        (s.name, dict(s.labels), s.value)
         for family in text_string_to_metric_families(text)
         for s in family.samples
     ]
 
 
-def missing_series(doc: Any, metrics_text: str) -> list[str]:
-    """Selectors of the dashboard that match no exported sample."""
+def exported_samples(text: str) -> list[tuple[str, dict[str, str]]]:
+    return [(name, labels) for name, labels, _ in exported(text)]
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    """The sum of sample ``name``'s values whose labels include ``labels``."""
+    return sum(
+        v
+        for n, lab, v in exported(text)
+        if n == name and all(lab.get(k) == x for k, x in labels.items())
+    )
+
+
+def missing_series(doc: Any, metrics_text: str, mode: str = "full") -> list[str]:
+    """Selectors of the dashboard that match no exported sample (in
+    ``mode``: vLLM's tiering series are looked for in tiering mode only)."""
     samples = exported_samples(metrics_text)
     missing = []
     for name, eq in sorted(dashboard_selectors(doc)):
+        if name.startswith(TIERING_ONLY) and mode != "tiering":
+            continue
         if not any(
             n == name and all(labels.get(k) == v for k, v in eq)
             for n, labels in samples
@@ -142,30 +167,48 @@ def _corrupt_slabs(disk_path: str) -> int:
     return n
 
 
+def kv_transfer_config(mode: str, disk: str) -> dict:
+    """The server's --kv-transfer-config: a CPU tier of 4 blocks (so prompts
+    reach disk) over an 8 MiB disk tier."""
+    cpu, disk_bytes = 4 * 32768, 8 << 20
+    if mode == "full":
+        return offloading_kv_transfer_config(
+            "TieredOffloadingSpec",
+            "kvtier.connector",
+            cpu_bytes_to_use=cpu,
+            disk_bytes_to_use=disk_bytes,
+            disk_path=disk,
+            block_size=BLOCK_TOKENS,
+        )
+    return offloading_kv_transfer_config(
+        "PortableTieringSpec",
+        "kvtier.connector.tiering",
+        cpu_bytes_to_use=cpu,
+        block_size=BLOCK_TOKENS,
+        secondary_tiers=[
+            {
+                "type": "KvtierDiskTier",
+                "module_path": "kvtier.connector.tiering",
+                "disk_path": disk,
+                "disk_bytes_to_use": disk_bytes,
+            }
+        ],
+    )
+
+
 # ------------------------------------------------------------------ the server
 
 
-@pytest.fixture(scope="module")
-def live_metrics(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=MODES)
+def live(request, tmp_path_factory) -> tuple[str, str]:
+    """(mode, the /metrics text once the corrupted disk hit was counted)."""
+    mode = request.param
     model = build_tiny_llama()
-    disk = tmp_path_factory.mktemp("dash-disk")
+    disk = tmp_path_factory.mktemp(f"dash-disk-{mode}")
     os.chmod(disk, 0o700)
-    log_path = tmp_path_factory.mktemp("dash-log") / "server.log"
+    log_path = tmp_path_factory.mktemp(f"dash-log-{mode}") / "server.log"
     port = _free_port()
-    kv = {
-        "kv_connector": "TieredOffloadingConnector",
-        "kv_connector_module_path": "kvtier.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "TieredOffloadingSpec",
-            "spec_module_path": "kvtier.connector",
-            "cpu_bytes_to_use": 4 * 32768,  # 4 blocks: prompts spill to disk
-            "disk_bytes_to_use": 8 << 20,
-            "disk_path": str(disk),
-            "block_size": BLOCK_TOKENS,
-        },
-    }
+    kv = kv_transfer_config(mode, str(disk))
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--dtype", "float32", "--enforce-eager",
@@ -207,11 +250,10 @@ def live_metrics(tmp_path_factory) -> str:
         deadline = time.monotonic() + 60.0
         while True:
             text = _get(f"{base}/metrics")
-            names = {n for n, _ in exported_samples(text)}
-            if "vllm:kv_offload_kvtier_load_errors_total" in names:
-                return text
+            if total(text, "vllm:kv_offload_kvtier_load_errors_total") > 0:
+                return mode, text
             if time.monotonic() > deadline:
-                return text  # the test names what is missing
+                return mode, text  # the tests name what is missing
             time.sleep(0.5)
     finally:
         os.killpg(proc.pid, 15)
@@ -225,22 +267,52 @@ def live_metrics(tmp_path_factory) -> str:
 # ------------------------------------------------------------------ tests
 
 
-def test_every_dashboard_series_is_exported(live_metrics):
+def test_every_dashboard_series_is_exported(live):
+    mode, text = live
     doc = json.loads(DASHBOARD.read_text())
-    assert len(dashboard_selectors(doc)) >= 20
-    assert missing_series(doc, live_metrics) == []
+    assert len(dashboard_selectors(doc)) >= 25
+    assert sum(n.startswith(TIERING_ONLY) for n, _ in dashboard_selectors(doc)) >= 5
+    assert missing_series(doc, text, mode) == []
 
 
-def test_the_corrupted_disk_hit_was_counted(live_metrics):
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(live_metrics):
-        for s in family.samples:
-            values[s.name] = values.get(s.name, 0.0) + s.value
-    assert values["vllm:kv_offload_kvtier_load_errors_total"] > 0
-    assert values["vllm:kv_offload_kvtier_corrupt_blocks_total"] > 0
+def test_the_corrupted_disk_hit_was_counted(live):
+    _mode, text = live
+    k = "vllm:kv_offload_kvtier_"
+    assert total(text, k + "load_errors_total") > 0
+    assert total(text, k + "corrupt_blocks_total") > 0
+    # No I/O error happened: nothing was kept or dropped for one (the
+    # series exist, at 0, from the first step).
+    names = {n for n, _ in exported_samples(text)}
+    for name in ("load_io_errors_total", "unreadable_blocks_total"):
+        assert k + name in names
+        assert total(text, k + name) == 0
 
 
-def test_a_panel_naming_an_unexported_series_fails(live_metrics):
+def test_both_modes_feed_kvtier_disk_series(live):
+    """The disk tier's traffic reaches kvtier's series in either mode: bytes
+    and seconds both ways, blocks loaded from disk, the read latency
+    histogram; in tiering mode vLLM's own tiering series count it too."""
+    mode, text = live
+    k = "vllm:kv_offload_kvtier_"
+    for name in (
+        "read_bytes_total",
+        "read_seconds_total",
+        "write_bytes_total",
+        "write_seconds_total",
+        "loaded_blocks_total",
+    ):
+        assert total(text, k + name, tier="disk") > 0, (mode, name)
+    assert total(text, k + "spills_total") > 0
+    assert total(text, k + "read_latency_seconds_count") > 0
+    if mode == "tiering":
+        t = "vllm:kv_offload_tiering_"
+        assert total(text, t + "read_bytes_total") > 0
+        assert total(text, t + "write_bytes_total") > 0
+        assert total(text, t + "promotion_job_failures_total") > 0  # the corrupt hit
+
+
+def test_a_panel_naming_an_unexported_series_fails(live):
+    mode, text = live
     doc = json.loads(DASHBOARD.read_text())
     doc["panels"].append(
         {
@@ -252,7 +324,7 @@ def test_a_panel_naming_an_unexported_series_fails(live_metrics):
             ],
         }
     )
-    assert missing_series(doc, live_metrics) == [
+    assert missing_series(doc, text, mode) == [
         "vllm:kv_offload_kvtier_bogus_total",
         'vllm:prompt_tokens_cached_by_source_total{source="ssd"}',
     ]

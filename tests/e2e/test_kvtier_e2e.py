@@ -60,12 +60,14 @@ def main_run(model, block_bytes, tmp_path_factory):
         first = run_each(llm, FIRST)
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         stats = manager_of(llm).hierarchy.stats
+        failures = manager_of(llm).hierarchy.disk_core.failures
         # Events travel over ZMQ: wait until every published batch arrived.
         assert wait_events_delivered(llm, sub, timeout=60)
         record = dict(
             first=first,
             again=again,
             stats=stats,
+            failures=failures,
             events=sub.block_counts(),
             prometheus=generate_latest(REGISTRY).decode(),
             disk=disk,
@@ -83,7 +85,9 @@ def test_returning_prompts_are_served_from_disk(main_run, baseline):
     stats = main_run["stats"]
     # Loaded from disk straight into the KV cache, every block verified.
     assert stats.loads_disk == 2 * BLOCKS_PER_PROMPT
-    assert stats.load_failures == 0 and stats.corrupt_blocks == 0
+    assert stats.load_failures == 0
+    failures = main_run["failures"]
+    assert failures.corrupt == failures.unreadable == failures.io_errors_kept == 0
 
 
 def test_kv_events_match_what_the_tiers_did(main_run):
@@ -123,6 +127,10 @@ def test_prometheus_series_per_tier(main_run, block_bytes):
         stats.loads_disk * slot_size(block_bytes)
     )
     assert _metric(text, p + "tier_blocks", tier="disk") == stats.spills_completed
+    # One latency per read batch; the fault counters exist, at 0.
+    assert _metric(text, p + "read_latency_seconds_count") >= 1
+    for name in ("load_io_errors_total", "corrupt_blocks_total", "unreadable_blocks_total"):
+        assert _metric(text, p + name) == 0
 
 
 def test_prefix_split_across_cpu_and_disk_loads_fully(model, block_bytes, tmp_path):

@@ -101,8 +101,9 @@ def test_posix_faults_fail_only_what_they_hit(
     two_paths: tuple[list[str], DiskStore], fault: str
 ) -> None:
     """Slots 0..5 over two paths are two reads (slab 0: 0, 2, 4; slab 1: 1,
-    3, 5). A failed read or open fails its slab's run; a read cut inside
-    slot 3 fails 3 and 5 (1 landed whole); a flipped byte its slot only."""
+    3, 5). A failed read or open fails its slab's run; a read the device
+    cut inside slot 3 (the slab is whole: an I/O error) fails 3 and 5 (1
+    landed whole); a flipped byte its slot only."""
     paths, store = two_paths
     victim = 3
     plan = FaultPlan(seed=1)
@@ -113,7 +114,7 @@ def test_posix_faults_fail_only_what_they_hit(
     elif fault == "short":
         cut = store.slot_size + HEADER_SIZE + 4096
         plan.add(FaultRule.short(cut, ops="read", **where))
-        want, hit = ReadOutcome.TRUNCATED, {3, 5}
+        want, hit = ReadOutcome.IO_ERROR, {3, 5}
     elif fault == "bit_flip":
         start = where["ranges"][0][0]
         plan.add(FaultRule.bit_flip([start + HEADER_SIZE + 777], ops="read", **where))
@@ -134,13 +135,25 @@ def test_posix_faults_fail_only_what_they_hit(
         reader.close()
 
 
-def test_short_read_inside_a_run_keeps_the_whole_slots(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cause", ["device", "truncated-slab"])
+def test_short_read_inside_a_run_keeps_the_whole_slots(
+    tmp_path: Path, cause: str
+) -> None:
+    """A read that stops inside a run fails the slots it did not cover:
+    as an I/O error when the slab is whole (the device cut it short), as
+    TRUNCATED when the slab now ends inside them."""
     store = write_store([str(tmp_path)])
     store.close()
     ss = store.slot_size
     plan = FaultPlan(seed=1)
     # One path: slots 2, 3, 4 are one run; the read stops 1.5 slots in.
-    plan.add(FaultRule.short(ss + ss // 2, ops="read", **on_slot(store, 2)))
+    where = on_slot(store, 2)
+    if cause == "device":
+        plan.add(FaultRule.short(ss + ss // 2, ops="read", **where))
+        want = ReadOutcome.IO_ERROR
+    else:
+        os.truncate(where["path"], where["ranges"][0][0] + ss + ss // 2)
+        want = ReadOutcome.TRUNCATED
     backend = FaultInjectingBackend(PosixBackend(threads=1), plan)
     reader = DeviceStagingReader(
         [str(tmp_path)], SLOTS, BLOCK, fp(), backend, capacity=4, owns_backend=True
@@ -148,11 +161,7 @@ def test_short_read_inside_a_run_keeps_the_whole_slots(tmp_path: Path) -> None:
     try:
         items = [(s, key_of(s)) for s in (2, 3, 4)]
         res = reader.read(items)
-        assert [r.outcome for r in res] == [
-            ReadOutcome.OK,
-            ReadOutcome.TRUNCATED,
-            ReadOutcome.TRUNCATED,
-        ]
+        assert [r.outcome for r in res] == [ReadOutcome.OK, want, want]
         _assert_rows(reader, res, items)
     finally:
         reader.close()

@@ -387,12 +387,24 @@ def test_failed_jobs_drive_the_hierarchy(
         assert (read.outcome is ReadOutcome.OK) == ok
         if ok:
             assert np.array_equal(reader.rows[read.row], pattern(key))
-        h.complete_load(plan.load_id, [] if ok else [key])
+        io_error = read.outcome is ReadOutcome.IO_ERROR
+        h.complete_load(
+            plan.load_id,
+            [] if ok or io_error else [key],
+            io_failed=[key] if io_error else [],
+        )
     reader.close()
 
-    assert h.lookup(first[2]) is Residency.MISS
+    # Bad bytes drop the copy; an I/O error (EIO, or a short read of a
+    # full-size slab) keeps it, counted.
+    transient = read_fault in ("eio", "short")
+    assert h.lookup(first[2]) is (Residency.HIT_DISK if transient else Residency.MISS)
     assert h.lookup(first[3]) is Residency.HIT_CPU
-    assert h.stats.load_failures == 1 and h.stats.corrupt_blocks == 1
+    failures = h.disk_core.failures
+    assert h.stats.load_failures == 1
+    assert (failures.corrupt, failures.io_errors_kept) == (
+        (0, 1) if transient else (1, 0)
+    )
     log.check()
     read_errors = reader.stats().io_errors + reader.stats().checksum_failures
     assert read_errors == 1

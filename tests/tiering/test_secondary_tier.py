@@ -344,9 +344,132 @@ def test_corrupt_slot_is_a_miss_not_data(tmp_path, make_driver):
     assert store.read_header(slot)[1].name == "EMPTY"  # invalidated
     _stored, removed = d.storage_events()
     assert victim in removed
+    # Dropped at once, as corrupt: not an I/O error to read again.
+    failures = d.tier.core.failures
+    assert (failures.corrupt, failures.io_errors_kept, failures.unreadable) == (
+        1,
+        0,
+        0,
+    )
     # Asked again: a clean miss, no second read of the bad slot.
     assert d.lookup("a-third", [victim])[0] == 0
     assert d.tier.runtime.checksum_failures() == 1
+    series = d.manager.get_stats().data["data"]
+    assert series["vllm:kv_offload_kvtier_corrupt_blocks"][()] == 1
+    assert series["vllm:kv_offload_kvtier_load_io_errors"][()] == 0
+
+
+def test_an_empty_load_job_succeeds(tmp_path, make_driver):
+    """vLLM's contract: a job succeeds when every key did, vacuously so for
+    a job with no keys (vLLM's own tiers and kvtier's submit_store agree)."""
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=8))
+    empty = np.zeros(0, dtype=np.int64)
+    ctx = ReqContext(req_id="empty")
+    d.tier.submit_load(TransferJob(7, [], empty, True, ctx))
+    d.tier.submit_store(TransferJob(8, [], empty, False, ctx))
+    results = {r.job_id: r for r in d.tier.get_finished_jobs()}
+    assert (results[7].success, results[8].success) == (True, True)
+    assert results[7].transfer_bytes == 0
+    assert not d.tier.has_pending_work()
+    # A job whose only key is gone still fails.
+    d.tier.submit_load(TransferJob(9, keys_of("gone", 1), np.zeros(1, np.int64), True, ctx))
+    assert [(r.job_id, r.success) for r in d.tier.get_finished_jobs()] == [(9, False)]
+
+
+@pytest.fixture
+def faulty_disk(monkeypatch):
+    """Every disk back end the tier builds from here on goes through a
+    fault layer; its plan is empty until a test adds a rule."""
+    from kvtier.testing.faults import FaultPlan, inject_faults
+
+    return inject_faults(monkeypatch, FaultPlan(seed=5))
+
+
+def _on_disk_only(d: Driver) -> list[bytes]:
+    first = d.store("a", 4)
+    d.settle()
+    d.store("b", 4)  # evicts "a" from the primary tier
+    d.settle()
+    assert not any(d.in_primary(k) for k in first)
+    d.rows[:, :] = 0
+    return first
+
+
+def test_an_io_error_fails_the_load_and_keeps_the_block(
+    tmp_path, make_driver, faulty_disk
+):
+    """One EIO on a slot read: that promotion job fails, the block stays on
+    disk, and the next promotion of it (vLLM's manager asks the tier again
+    while the request's lookup is pending) succeeds, byte for byte."""
+    import errno
+
+    from kvtier.testing.faults import FaultRule, on_slot
+
+    d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    first = _on_disk_only(d)
+    victim = first[1]
+    store = d.tier.runtime.stores[0]
+    where = on_slot(store, d.tier.tier.get(victim).slot)
+    faulty_disk.add(FaultRule.error(errno.EIO, ops="read", first_n=1, **where))
+
+    hits, ctx = d.lookup("a-again", first)
+    assert faulty_disk.count() == 1
+    # Kept: no removal announced, the slot intact, read again and served.
+    assert victim not in d.storage_events()[1]
+    assert hits == 4
+    assert d.load_and_check(first, ctx) == {"disk": 4}
+    assert store.read_header(d.tier.tier.get(victim).slot)[1].name == "OK"
+    assert d.tier.stats.load_errors == 1  # a promotion job failed on it
+    failures = d.tier.core.failures
+    assert (failures.io_errors_kept, failures.corrupt, failures.unreadable) == (
+        1,
+        0,
+        0,
+    )
+    assert d.tier.core.io_error_count(victim) == 0  # a good read resets it
+    series = d.manager.get_stats().data["data"]
+    assert series["vllm:kv_offload_kvtier_load_io_errors"][()] == 1
+    assert series["vllm:kv_offload_kvtier_load_errors"][()] == 1
+    assert series["vllm:kv_offload_kvtier_corrupt_blocks"][()] == 0
+    assert series["vllm:kv_offload_kvtier_unreadable_blocks"][()] == 0
+    assert series["vllm:kv_offload_kvtier_read_latency_seconds"][()]
+
+
+def test_io_errors_in_a_row_drop_the_block(tmp_path, make_driver, faulty_disk):
+    """A slot whose reads keep failing (a dead sector) is dropped after
+    MAX_READ_IO_ERRORS of them, so it stops costing failed promotions: the
+    lookup ends at it."""
+    import errno
+
+    from kvtier.testing.faults import FaultRule, on_slot
+
+    d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    first = _on_disk_only(d)
+    victim = first[1]
+    where = on_slot(d.tier.runtime.stores[0], d.tier.tier.get(victim).slot)
+    faulty_disk.add(FaultRule.error(errno.EIO, ops="read", **where))
+    hits, _ctx = d.lookup("a-again", first)
+    assert hits == 1
+    assert faulty_disk.count() == 3  # read three times, then dropped
+    assert victim not in d.tier.tier
+    from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
+
+    assert MAX_READ_IO_ERRORS == 3
+    assert victim in d.storage_events()[1]  # its removal announced
+    failures = d.tier.core.failures
+    assert (failures.io_errors_kept, failures.unreadable, failures.corrupt) == (
+        MAX_READ_IO_ERRORS - 1,
+        1,
+        0,
+    )
+    assert d.tier.stats.load_errors == MAX_READ_IO_ERRORS
+    # Gone: a clean miss, no further read of the bad slot.
+    assert d.lookup("a-after", [victim])[0] == 0
+    assert faulty_disk.count() == MAX_READ_IO_ERRORS
+    series = d.manager.get_stats().data["data"]
+    assert series["vllm:kv_offload_kvtier_unreadable_blocks"][()] == 1
 
 
 def test_warm_restart_and_kvtier_inspect(tmp_path, make_driver, capsys):

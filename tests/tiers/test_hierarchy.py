@@ -10,6 +10,7 @@ from kvtier.tiers import (
     policy_names,
     replay,
 )
+from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
 from tests.tiers.index_check import check_index
 
 
@@ -99,9 +100,97 @@ def test_disk_hits_load_in_place_with_promotion_and_corrupt_block():
     assert h.source_of("a") == MEDIUM_DISK  # credited to the disk tier
     assert h.lookup("b") is Residency.MISS  # corrupt copy dropped
     assert "b" not in h.cpu  # its promotion row given back unwritten
-    assert h.stats.corrupt_blocks == 1 and h.stats.load_failures == 1
+    assert h.disk_core.failures.corrupt == 1 and h.stats.load_failures == 1
     assert h.stats.loads_disk == 1 and h.stats.promotions_completed == 1
     assert replay(h.take_events()) == h.residency()
+
+
+def _on_disk_only(keys):
+    """A hierarchy whose CPU tier dropped ``keys`` (spilled): disk hits."""
+    h = TierHierarchy(2, 8, spill_watermark=0.0, promote_on_hit=False)
+    _store(h, keys)
+    _finish_spills(h)
+    _store(h, ["x", "y"])
+    _finish_spills(h)
+    assert all(h.lookup(k) is Residency.HIT_DISK for k in keys)
+    return h
+
+
+def test_an_io_error_keeps_the_disk_copy_and_a_good_read_resets_its_count():
+    h = _on_disk_only(["a", "b"])
+    failures = h.disk_core.failures
+    for _ in range(MAX_READ_IO_ERRORS - 1):
+        plan = h.prepare_load(["a", "b"])
+        h.complete_load(plan.load_id, io_failed=["b"])
+    # Failed loads, but the block stays: the next request may read it.
+    assert h.lookup("b") is Residency.HIT_DISK
+    assert h.disk_core.io_error_count("b") == MAX_READ_IO_ERRORS - 1
+    assert failures.io_errors_kept == MAX_READ_IO_ERRORS - 1
+    assert failures.corrupt == failures.unreadable == 0
+    assert h.stats.load_failures == MAX_READ_IO_ERRORS - 1
+    assert h.stats.loads_disk == MAX_READ_IO_ERRORS - 1  # "a" each time
+    plan = h.prepare_load(["b"])
+    h.complete_load(plan.load_id)  # read and verified: the count starts again
+    assert h.disk_core.io_error_count("b") == 0
+    plan = h.prepare_load(["b"])
+    h.complete_load(plan.load_id, io_failed=["b"])
+    assert h.lookup("b") is Residency.HIT_DISK
+    assert replay(h.take_events()) == h.residency()
+
+
+def test_io_errors_in_a_row_drop_the_disk_copy():
+    h = _on_disk_only(["a", "b"])
+    h.take_events()
+    for _ in range(MAX_READ_IO_ERRORS):
+        assert h.lookup("b") is Residency.HIT_DISK
+        plan = h.prepare_load(["b"])
+        h.complete_load(plan.load_id, io_failed=["b"])
+    assert h.lookup("b") is Residency.MISS
+    assert h.lookup("a") is Residency.HIT_DISK
+    failures = h.disk_core.failures
+    assert (failures.io_errors_kept, failures.unreadable, failures.corrupt) == (
+        MAX_READ_IO_ERRORS - 1,
+        1,
+        0,
+    )
+    events = h.take_events()
+    assert [(e.keys, e.removed, e.reason) for e in events] == [
+        (("b",), True, "unreadable")
+    ]
+
+
+def test_a_block_given_up_unread_keeps_its_count():
+    h = _on_disk_only(["a"])
+    plan = h.prepare_load(["a"])
+    h.complete_load(plan.load_id, io_failed=["a"])
+    plan = h.prepare_load(["a"])
+    h.complete_load(plan.load_id, unloaded=["a"])  # nothing was read
+    assert h.disk_core.io_error_count("a") == 1
+    assert h.lookup("a") is Residency.HIT_DISK
+
+
+def test_a_corrupt_read_drops_at_once_even_after_io_errors():
+    h = _on_disk_only(["a"])
+    plan = h.prepare_load(["a"])
+    h.complete_load(plan.load_id, io_failed=["a"])
+    plan = h.prepare_load(["a"])
+    h.complete_load(plan.load_id, failed=["a"])
+    assert h.lookup("a") is Residency.MISS
+    failures = h.disk_core.failures
+    assert (failures.io_errors_kept, failures.corrupt, failures.unreadable) == (1, 1, 0)
+
+
+def test_an_unreadable_block_still_read_by_another_load_stays_until_it_ends():
+    h = _on_disk_only(["a"])
+    for _ in range(MAX_READ_IO_ERRORS - 1):
+        plan = h.prepare_load(["a"])
+        h.complete_load(plan.load_id, io_failed=["a"])
+    first, second = h.prepare_load(["a"]), h.prepare_load(["a"])
+    h.complete_load(first.load_id, io_failed=["a"])  # still pinned by second
+    assert h.lookup("a") is Residency.HIT_DISK
+    h.complete_load(second.load_id, io_failed=["a"])
+    assert h.lookup("a") is Residency.MISS
+    assert h.disk_core.failures.unreadable == 1
 
 
 def test_disk_load_never_waits_for_cpu_room():

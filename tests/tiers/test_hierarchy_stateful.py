@@ -140,17 +140,22 @@ class HierarchyMachine(RuleBasedStateMachine):
         idx = data.draw(st.integers(0, len(self.loads) - 1))
         load_id, keys, locs = self.loads.pop(idx)
         # Bytes must still be intact at the end of the read.
-        failed = set()
+        failed, io_failed = set(), set()
         for key, loc in zip(keys, locs):
             store = self.cpu_bytes if loc.medium == MEDIUM_CPU else self.disk_bytes
             assert store.get(loc.slot) == key
-            if loc.medium == MEDIUM_DISK and data.draw(st.integers(0, 9)) == 0:
-                failed.add(key)  # the worker's verification refused it
+            if loc.medium == MEDIUM_DISK:
+                outcome = data.draw(st.integers(0, 9))
+                if outcome == 0:
+                    failed.add(key)  # the worker's verification refused it
+                elif outcome == 1:
+                    io_failed.add(key)  # its read failed (an I/O error)
         for key, loc in zip(keys, locs):
             if loc.promote_slot is not None:
                 # The worker copies only verified blocks up.
-                self.cpu_bytes[loc.promote_slot] = None if key in failed else key
-        self.h.complete_load(load_id, failed)
+                lost = key in failed or key in io_failed
+                self.cpu_bytes[loc.promote_slot] = None if lost else key
+        self.h.complete_load(load_id, failed, io_failed=io_failed)
         self._drain_orders()
         self._collect_events()
 

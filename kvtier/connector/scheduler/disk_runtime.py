@@ -78,11 +78,18 @@ class _LazyRows:
 
 @dataclass
 class FinishedJob:
+    """A job every rank finished. ``failed_keys``: keys that failed on some
+    rank; ``io_failed_keys`` (of them): keys whose failure says nothing
+    against their disk copy on any rank (an I/O error, or never moved: a
+    job refused or given up), so a promotion's slot may be read again.
+    ``seconds``: the slowest rank's, from submission to completion."""
+
     kind: str  # SPILL or PROMOTE
     job_id: int
     failed_keys: set[bytes]
     bytes: int
     seconds: float
+    io_failed_keys: set[bytes] = field(default_factory=set)
 
 
 @dataclass
@@ -91,6 +98,10 @@ class _RankedJob:
     remaining: int
     keys: list[bytes] = field(default_factory=list)
     failed: set[bytes] = field(default_factory=set)
+    # Failed on an I/O error (or not moved) on every rank it failed on.
+    io_failed: set[bytes] = field(default_factory=set)
+    # Failed on bytes shown bad on some rank.
+    bad: set[bytes] = field(default_factory=set)
     bytes: int = 0
     seconds: float = 0.0
 
@@ -285,26 +296,32 @@ class DiskRuntime:
 
     def poll(self) -> list[FinishedJob]:
         with self._lock:
-            parts = [(job_id, keys, 0, 0.0) for job_id, keys in self._refused]
+            # Refused rank parts moved nothing: their keys failed, unread.
+            parts = [(job_id, keys, keys, 0, 0.0) for job_id, keys in self._refused]
             self._refused.clear()
-            # Given up by a timed-out drain: failed whole, once.
+            # Given up by a timed-out drain: failed whole, once, unread.
             done = [
-                FinishedJob(job.kind, job_id, set(job.keys), job.bytes, job.seconds)
+                FinishedJob(
+                    job.kind, job_id, set(job.keys), job.bytes, job.seconds, set(job.keys)
+                )
                 for job_id, job in self._given_up
             ]
             self._given_up.clear()
         for engine in self._engines:
             if engine is not None:
                 parts.extend(
-                    (r.job_id, r.failed_keys, r.bytes, r.seconds)
+                    (r.job_id, r.failed_keys, r.io_failed_keys, r.bytes, r.seconds)
                     for r in engine.get_finished()
                 )
-        for job_id, failed, nbytes, seconds in parts:
+        for job_id, failed, io_failed, nbytes, seconds in parts:
             with self._lock:
                 job = self._jobs.get(job_id)
                 if job is None:
                     continue  # given up by a timed-out drain: reported already
+                io = set(io_failed)
                 job.failed.update(failed)
+                job.io_failed |= io
+                job.bad.update(k for k in failed if k not in io)
                 job.bytes += nbytes
                 job.seconds = max(job.seconds, seconds)
                 job.remaining -= 1
@@ -318,7 +335,14 @@ class DiskRuntime:
                 self.totals.read_bytes += job.bytes
                 self.totals.read_seconds += job.seconds
             done.append(
-                FinishedJob(job.kind, job_id, job.failed, job.bytes, job.seconds)
+                FinishedJob(
+                    job.kind,
+                    job_id,
+                    job.failed,
+                    job.bytes,
+                    job.seconds,
+                    job.io_failed - job.bad,
+                )
             )
         return done
 

@@ -4,14 +4,17 @@ A block that is ready on disk is a hit like a CPU-resident one: ``lookup``
 answers HIT, and ``prepare_load`` returns a :class:`TierLoadSpec` that names
 each block's CPU row or disk slot. The worker reads and verifies the disk
 slots itself (see ``kvtier.connector.worker.worker``); a block that fails comes
-back through kvtier's connector (``note_worker_report``) and is dropped from
-the disk tier when its load completes, while vLLM recomputes its tokens.
+back through kvtier's connector (``note_worker_report``) and, when its load
+completes, the disk tier's read-failure rule decides whether its copy goes
+(failed verification) or stays (an I/O error), while vLLM recomputes its
+tokens.
 Nothing here waits for I/O: spills run on the disk runtime's threads and
 are pumped from the scheduler's calls.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable
 
 from typing_extensions import override
@@ -38,6 +41,7 @@ from kvtier.connector.scheduler.disk_runtime import SPILL, DiskRuntime
 from kvtier.connector.specs import CpuTierSpec, TierLoadSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, WorkerReport
 from kvtier.log import get_logger
+from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
@@ -80,6 +84,8 @@ class TieredOffloadingManager(OffloadingManager):
         # Disk blocks the workers could not load, per request, until that
         # request's load completes.
         self._failed_loads: dict[str, set[bytes]] = {}
+        self._io_failed_loads: dict[str, set[bytes]] = {}
+        self._io_failed_logged = False
         self._unloaded_loads: dict[str, set[bytes]] = {}
         # Requests with a load prepared and not completed: a report for any
         # other (a job from before reset_cache, which vLLM never completes)
@@ -89,8 +95,10 @@ class TieredOffloadingManager(OffloadingManager):
         # completes (vLLM completes it as a success: complete_store).
         self._failed_store_rows: set[int] = set()
         # What the workers reported of their disk reads and contained
-        # exceptions, cumulative.
+        # exceptions, cumulative, and their read batches' latencies not
+        # collected yet.
         self.worker_totals = WorkerCounters()
+        self.read_latencies = m.Samples()
 
     # ------------------------------------------------------------- plumbing
 
@@ -145,17 +153,21 @@ class TieredOffloadingManager(OffloadingManager):
     def note_worker_report(self, report: WorkerReport) -> None:
         """Apply what the workers said since the last call: per request, the
         disk blocks its load could not use (shown bad: dropped when the load
-        completes) and those it did not deliver for another reason (kept);
+        completes), those whose read failed with an I/O error (kept,
+        counted) and those it did not deliver for another reason (kept);
         the CPU rows of stores that failed (their keys are completed as
         failed, see ``complete_store``); and their counters."""
-        for req_id, keys in report.failed_keys.items():
-            if req_id in self._loading:
-                self._failed_loads.setdefault(req_id, set()).update(keys)
-        for req_id, keys in report.unloaded_keys.items():
-            if req_id in self._loading:
-                self._unloaded_loads.setdefault(req_id, set()).update(keys)
+        for reported, pending in (
+            (report.failed_keys, self._failed_loads),
+            (report.io_failed_keys, self._io_failed_loads),
+            (report.unloaded_keys, self._unloaded_loads),
+        ):
+            for req_id, keys in reported.items():
+                if req_id in self._loading:
+                    pending.setdefault(req_id, set()).update(keys)
         self._failed_store_rows.update(report.failed_store_rows)
         self.worker_totals = self.worker_totals + report.counters
+        self.read_latencies.extend(report.read_latencies)
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -174,17 +186,35 @@ class TieredOffloadingManager(OffloadingManager):
             raise RuntimeError("kvtier: complete_load without prepare_load")
         req_context.set_state(_LoadInFlight(-1))
         self._loading.discard(req_context.req_id)
-        failed = self._failed_loads.pop(req_context.req_id, ())
+        req_id = req_context.req_id
+        failed = self._failed_loads.pop(req_id, ())
+        io_failed = self._io_failed_loads.pop(req_id, ())
         if failed:
             logger.warning(
-                "kvtier: %d disk block(s) of request %s could not be loaded "
-                "(I/O error or failed verification); dropped from the disk "
-                "tier, their tokens are recomputed",
+                "kvtier: %d disk block(s) of request %s failed verification; "
+                "dropped from the disk tier, their tokens are recomputed",
                 len(failed),
-                req_context.req_id,
+                req_id,
             )
-        unloaded = self._unloaded_loads.pop(req_context.req_id, ())
-        self.hierarchy.complete_load(load.load_id, failed, unloaded=unloaded)
+        if io_failed:
+            # A failing drive fails request after request: the I/O errors
+            # are logged (errno, slab) by the workers; this says once what
+            # it does to the blocks.
+            first, self._io_failed_logged = not self._io_failed_logged, True
+            logger.log(
+                logging.WARNING if first else logging.DEBUG,
+                "kvtier: %d disk block(s) of request %s could not be read (I/O "
+                "error); their tokens are recomputed, the blocks stay on disk "
+                "unless their reads failed %d times in a row%s",
+                len(io_failed),
+                req_id,
+                MAX_READ_IO_ERRORS,
+                "; repeats logged at debug" if first else "",
+            )
+        unloaded = self._unloaded_loads.pop(req_id, ())
+        self.hierarchy.complete_load(
+            load.load_id, failed, unloaded=unloaded, io_failed=io_failed
+        )
 
     @override
     def prepare_store(
@@ -276,6 +306,7 @@ class TieredOffloadingManager(OffloadingManager):
             self.runtime.poll()
         self.hierarchy.reset()
         self._failed_loads.clear()
+        self._io_failed_loads.clear()
         self._unloaded_loads.clear()
         self._loading.clear()  # vLLM completes no load from before the reset
         # A report arriving after this (a job vLLM no longer completes) can
@@ -309,29 +340,31 @@ class TieredOffloadingManager(OffloadingManager):
             (m.WRITE_BYTES, _CPU, now.stores_completed * bytes_per_block),
             (m.READ_BYTES, _CPU, now.loads_cpu * bytes_per_block),
             (m.EVICTIONS, _CPU, now.cpu_evictions),
-            (m.EVICTIONS, _DISK, now.disk_evictions),
-            (m.SPILLS, (), now.spills_completed),
-            (m.SPILL_FAILURES, (), now.spill_failures),
-            (m.PROMOTIONS, (), now.promotions_completed),
             (m.LOADED_BLOCKS, _CPU, now.loads_cpu),
-            (m.LOADED_BLOCKS, _DISK, now.loads_disk),
-            (m.LOAD_ERRORS, (), now.load_failures),
-            (m.CORRUPT_BLOCKS, (), now.corrupt_blocks),
             (m.STORES_DECLINED, (), now.stores_declined),
             (m.WORKER_EXCEPTIONS, (), w.exceptions),
-            (m.READ_BYTES, _DISK, w.read_bytes),
-            (m.READ_SECONDS, _DISK, w.read_seconds),
         ]
+        if h.disk_core is not None:
+            totals += [
+                (m.EVICTIONS, _DISK, now.disk_evictions),
+                (m.SPILLS, (), now.spills_completed),
+                (m.SPILL_FAILURES, (), now.spill_failures),
+                (m.PROMOTIONS, (), now.promotions_completed),
+                (m.LOADED_BLOCKS, _DISK, now.loads_disk),
+                (m.LOAD_ERRORS, (), now.load_failures),
+                *m.read_failure_totals(h.disk_core.failures),
+                (m.READ_BYTES, _DISK, w.read_bytes),
+                (m.READ_SECONDS, _DISK, w.read_seconds),
+            ]
         if self.runtime is not None:
             t = self.runtime.totals
             totals.append((m.WRITE_BYTES, _DISK, t.write_bytes))
             totals.append((m.WRITE_SECONDS, _DISK, t.write_seconds))
             checksum_failures += self.runtime.checksum_failures()
             io_errors += self.runtime.io_errors()
-        totals.append((m.CHECKSUM_FAILURES, (), checksum_failures))
-        totals.append((m.IO_ERRORS, (), io_errors))
-        for name, labels, total in totals:
-            delta = self._deltas.delta((name, labels), total)
-            if delta:
-                stats.increase_counter(name, delta, labels)
+        if h.disk_core is not None:
+            totals.append((m.CHECKSUM_FAILURES, (), checksum_failures))
+            totals.append((m.IO_ERRORS, (), io_errors))
+        m.report_counters(stats, self._deltas, totals)
+        self.read_latencies.observe(stats, m.READ_LATENCY)
         return stats

@@ -11,8 +11,8 @@ from this package (``module_path``/``spec_module_path``
     checksummed slot per block (kvtier's on-disk format, so ``kvtier
     inspect`` / ``verify`` read it), warm restart and optional zstd. It is
     the same code as the full spec's disk tier, not a second copy: the
-    placement (slots, victims, pins, WRITING/READY, corrupt drops, warm
-    restart, events) is a :class:`kvtier.tiers.disk_core.DiskTierCore`, the
+    placement (slots, victims, pins, WRITING/READY, the read-failure rule,
+    warm restart, events) is a :class:`kvtier.tiers.disk_core.DiskTierCore`, the
     one the full spec's hierarchy uses, and the data path is :class:`kvtier.connector.scheduler.disk_runtime.
     DiskRuntime` (one :class:`~kvtier.io.DiskStore` plus one
     :class:`~kvtier.io.TransferEngine` per TP rank) pointed at the rows of the

@@ -6,8 +6,8 @@ A :class:`~vllm.v1.kv_offload.tiering.base.SecondaryTierManager` for
 checksummed slot per block (kvtier's on-disk format, so ``kvtier inspect`` /
 ``verify`` read it), warm restart and optional zstd. It is the same code as
 the full spec's disk tier, not a second copy: the placement (slots,
-victims, pins, WRITING/READY, corrupt drops, warm restart, events) is a
-:class:`kvtier.tiers.disk_core.DiskTierCore`, the one the full spec's
+victims, pins, WRITING/READY, the read-failure rule, warm restart, events)
+is a :class:`kvtier.tiers.disk_core.DiskTierCore`, the one the full spec's
 hierarchy uses, and the data path is
 :class:`kvtier.connector.scheduler.disk_runtime.DiskRuntime` (one
 :class:`~kvtier.io.DiskStore` plus one :class:`~kvtier.io.TransferEngine`
@@ -99,8 +99,11 @@ class KvtierDiskTier(SecondaryTierManager):
     Invariants: at most ``capacity`` blocks are resident, so the slab files
     never exceed ``disk_bytes_to_use``; a block is HIT only once every rank's
     slot was written; a block being read (pinned) or written is never
-    evicted; a read that fails verification is a miss (the primary row is not
-    written, vLLM marks the key failed) and the block is dropped.
+    evicted; a read that fails is a miss (the primary row is not written,
+    vLLM marks the key failed) and the block's fate is the disk core's
+    read-failure rule: dropped when its bytes failed verification, kept after
+    an I/O error unless its reads failed so too often in a row. A load job
+    with no keys succeeds, as a store job with none does.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -329,9 +332,13 @@ class KvtierDiskTier(SecondaryTierManager):
         ]
         job_id = job_metadata.job_id
         if not items:
+            # Nothing to read: it failed if a key is gone, and a job with no
+            # keys at all succeeded (every key of it did), as submit_store's.
             self.stats.promotion_failures += len(job.missing)
             self._done.append(
-                JobResult(job_id, False, transfer_time=0.0, transfer_bytes=0)
+                JobResult(
+                    job_id, not job.missing, transfer_time=0.0, transfer_bytes=0
+                )
             )
             return
         self._jobs[job_id] = job
@@ -362,14 +369,23 @@ class KvtierDiskTier(SecondaryTierManager):
                     )
                 )
                 continue
-            # Corrupt, torn, foreign or unreadable: the runtime did not write
-            # the primary row and invalidated the slot. The core drops the
-            # block (once no other read pins it) so the next lookup is a
-            # clean miss.
-            self.core.release_reads(job.moved, corrupt=failed)
+            # A failed key's primary row was not written. The core applies
+            # the read-failure rule: a block whose bytes failed verification
+            # (its slot invalidated by the runtime) is dropped, so the next
+            # lookup is a clean miss; one whose read failed with an I/O
+            # error stays for the next lookup to promote again, unless its
+            # reads failed too often in a row.
+            io_failed = done.io_failed_keys
+            self.core.release_reads(
+                job.moved,
+                corrupt=[k for k in job.moved if k in failed and k not in io_failed],
+                io_failed=[k for k in job.moved if k in io_failed],
+            )
             ok = [k for k in job.moved if k not in failed]
             self.stats.promotions_completed += len(ok)
+            self.stats.load_errors += len(job.moved) - len(ok)
             self.stats.promotion_failures += len(job.keys) - len(ok)
+            self._metrics.read_latencies.add(done.seconds)
             success = len(ok) == len(job.keys)
             results.append(
                 JobResult(
@@ -391,7 +407,7 @@ class KvtierDiskTier(SecondaryTierManager):
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
-        return self._metrics.collect(self.tier, self.stats, self.runtime)
+        return self._metrics.collect(self.core, self.stats, self.runtime)
 
     @override
     def has_pending_work(self) -> bool:

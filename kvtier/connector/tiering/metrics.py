@@ -22,21 +22,33 @@ from kvtier.tiers.events import MEDIUM_DISK
 
 if TYPE_CHECKING:
     from kvtier.connector.tiering.rows import PrimaryViewRuntime
-    from kvtier.tiers.tier import Tier
+    from kvtier.tiers.disk_core import DiskTierCore
 
-# kvtier's metric series this tier feeds (tier label "disk"); vLLM's tiering
-# manager already exports read/write bytes and time per tier type.
+# kvtier's metric series this tier feeds, the full spec's where the concept
+# exists (tier label "disk"). vLLM's tiering manager also exports read and
+# write bytes and time per tier type (vllm:kv_offload_tiering_*).
 _METRICS = (
     m.TIER_USAGE,
     m.TIER_BLOCKS,
     m.TIER_CAPACITY,
+    m.READ_BYTES,
+    m.READ_SECONDS,
+    m.WRITE_BYTES,
+    m.WRITE_SECONDS,
     m.EVICTIONS,
     m.SPILLS,
     m.SPILL_FAILURES,
     m.PROMOTIONS,
     m.PROMOTION_FAILURES,
+    m.LOADED_BLOCKS,
+    m.LOAD_ERRORS,
+    m.LOAD_IO_ERRORS,
+    m.CORRUPT_BLOCKS,
+    m.UNREADABLE_BLOCKS,
     m.CHECKSUM_FAILURES,
     m.IO_ERRORS,
+    m.STORES_DECLINED,
+    m.READ_LATENCY,
 )
 _DISK = (MEDIUM_DISK,)
 
@@ -50,7 +62,11 @@ class DiskTierStats:
     store_failures: int = 0
     stores_skipped_full: int = 0
     promotions_completed: int = 0
+    # Keys of load jobs not promoted: unreadable, failed verification, or
+    # gone from the tier when the job came.
     promotion_failures: int = 0
+    # Of those, the keys whose read failed (an I/O error or verification).
+    load_errors: int = 0
     evictions: int = 0
     restored: int = 0
     # Blocks another secondary tier supplied, stored here too (pull.py).
@@ -66,37 +82,50 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
 class DiskTierMetrics:
     """Turns the tier's cumulative counters into vLLM's
     ``OffloadingConnectorStats`` (``get_stats``): gauges of the tier's
-    occupancy and, for each counter, what it grew by since the last call.
-    One per tier; called from the scheduler's thread only."""
+    occupancy, for each counter what it grew by since the last call, and
+    the read latencies observed since (``read_latencies``, one per
+    promotion job). One per tier; ``collect`` is called from the
+    scheduler's thread only."""
 
     def __init__(self) -> None:
         self._deltas = CounterDeltas()
+        self.read_latencies = m.Samples()
+        # The data path's totals as last seen: a shut-down tier (no
+        # runtime) keeps reporting them, so no counter goes backwards.
+        self._io: list[tuple[str, tuple[str, ...], float]] = []
 
     def collect(
         self,
-        tier: Tier,
+        core: DiskTierCore,
         stats: DiskTierStats,
         runtime: PrimaryViewRuntime | None,
     ) -> OffloadingConnectorStats:
+        tier = core.tier
         out = OffloadingConnectorStats()
         out.set_gauge(m.TIER_BLOCKS, len(tier), _DISK)
         out.set_gauge(m.TIER_CAPACITY, tier.capacity, _DISK)
         out.set_gauge(m.TIER_USAGE, len(tier) / tier.capacity, _DISK)
-        checksum_failures = io_errors = 0
-        if runtime is not None:
-            checksum_failures = runtime.checksum_failures()
-            io_errors = runtime.io_errors()
-        totals: list[tuple[str, tuple[str, ...], int]] = [
+        totals: list[tuple[str, tuple[str, ...], float]] = [
             (m.EVICTIONS, _DISK, stats.evictions),
             (m.SPILLS, (), stats.stores_completed),
             (m.SPILL_FAILURES, (), stats.store_failures),
             (m.PROMOTIONS, (), stats.promotions_completed),
             (m.PROMOTION_FAILURES, (), stats.promotion_failures),
-            (m.CHECKSUM_FAILURES, (), checksum_failures),
-            (m.IO_ERRORS, (), io_errors),
+            (m.LOADED_BLOCKS, _DISK, stats.promotions_completed),
+            (m.LOAD_ERRORS, (), stats.load_errors),
+            (m.STORES_DECLINED, (), stats.stores_skipped_full),
+            *m.read_failure_totals(core.failures),
         ]
-        for name, labels, total in totals:
-            delta = self._deltas.delta((name, labels), total)
-            if delta:
-                out.increase_counter(name, delta, labels)
+        if runtime is not None:
+            t = runtime.totals
+            self._io = [
+                (m.READ_BYTES, _DISK, t.read_bytes),
+                (m.READ_SECONDS, _DISK, t.read_seconds),
+                (m.WRITE_BYTES, _DISK, t.write_bytes),
+                (m.WRITE_SECONDS, _DISK, t.write_seconds),
+                (m.CHECKSUM_FAILURES, (), runtime.checksum_failures()),
+                (m.IO_ERRORS, (), runtime.io_errors()),
+            ]
+        m.report_counters(out, self._deltas, totals + self._io)
+        self.read_latencies.observe(out, m.READ_LATENCY)
         return out

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from kvtier.connector.worker.job_errors import IO_ERROR
 from kvtier.connector.worker.load_task import LoadTask, ReadBatch
 from kvtier.log import get_logger
 
@@ -134,7 +135,7 @@ class BounceParts:
         task = batch.task
         task.batches -= 1
         if task.failed is not None:
-            task.failed[batch.positions] = True
+            task.failed[batch.positions] = IO_ERROR  # a stall: the copies stay
         self.set_aside(batch)
         if task.cancelled:
             return  # the worker gave the job up and said so

@@ -27,9 +27,10 @@ batch, or one batch of CPU-row copies) and takes turns between the jobs it
 holds, so a CPU-tier hit or a short prefix never waits for a long prefix to
 come off disk; expedited loads (vLLM 0.33's synchronous loads, waited on
 within the step) take the next unit. A read that does not return within
-``LoadRunner.stall_s`` costs its blocks (reported failed) and, until it
-returns, its bounce part; with every part held so, disk blocks fail at once
-(a recompute) while CPU-row copies go on.
+``LoadRunner.stall_s`` costs its blocks (reported failed, as I/O errors:
+their disk copies stay) and, until it returns, its bounce part; with every
+part held so, disk blocks fail at once, unread (a recompute), while CPU-row
+copies go on.
 
 Finished tasks travel back through :meth:`LoadRunner.take`.
 """
@@ -43,7 +44,9 @@ from typing import Any
 
 import torch
 
+from kvtier.connector.metrics import Samples
 from kvtier.connector.worker.bounce_parts import BounceParts, bounce_parts
+from kvtier.connector.worker.job_errors import UNREAD
 from kvtier.connector.worker.job_plan import select_rows
 from kvtier.connector.worker.load_task import LoadTask, ReadBatch
 from kvtier.io.block_copy import CopyPath, CopyPlan
@@ -124,6 +127,9 @@ class LoadRunner:
         self._tasks: deque[LoadTask] = deque()  # the others, taking turns
         self._inflight: deque[ReadBatch] = deque()
         self._bounce = BounceParts()  # and the transfers in flight
+        # Seconds from issuing each read batch to having it verified, for
+        # the worker's report (added here, taken on the worker's thread).
+        self.read_latencies = Samples()
 
     @property
     def _in_use(self) -> int:
@@ -322,7 +328,7 @@ class LoadRunner:
             task.disk_left[self._per_read :],
         )
         if len(self._bounce.stuck) >= self._in_use:
-            task.failed[batch] = True  # no part left to read into
+            task.failed[batch] = UNREAD  # no part left to read into
             return
         reader = self.reader
         assert reader is not None
@@ -372,6 +378,7 @@ class LoadRunner:
         task.batches -= 1
         try:
             bounce_row = task.delivered(batch.positions, reader.complete(batch.read))
+            self.read_latencies.add(time.monotonic() - batch.since)
             with task.lock:
                 if task.cancelled:
                     return

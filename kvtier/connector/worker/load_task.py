@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvtier.connector.specs import TierLoadSpec
+from kvtier.connector.worker.job_errors import failure_of
 from kvtier.connector.worker.job_plan import GroupPlan
 from kvtier.io.block_copy import CopyPlan
 from kvtier.io.device_staging import PendingStage
@@ -33,8 +34,9 @@ class LoadTask:
     ``host_plans``: CPU-row copies the thread performs (synchronous copy
     paths only; on accelerators the worker issues them at submission).
     ``spec``: the job's load spec when it has disk blocks. After the thread
-    returned it: ``failed`` (per block of the spec, the disk blocks that
-    failed a read or a check), ``error`` (an exception it raised: the whole
+    returned it: ``failed`` (per block of the spec, 0 or why the block
+    failed: :data:`~kvtier.connector.worker.job_errors.BAD`,
+    ``IO_ERROR``, ``UNREAD``), ``error`` (an exception it raised: the whole
     job failed), ``seconds`` (wall time from its first unit of work to its
     last), ``nbytes`` (bytes it copied into the KV cache itself).
 
@@ -89,14 +91,14 @@ class LoadTask:
     def delivered(self, positions: np.ndarray, results: list[Any]) -> np.ndarray:
         """Note a read batch's outcomes (one per block at ``positions`` of the
         spec): the bounce row of every block it delivered verified, -1
-        elsewhere; the others are marked in ``failed``."""
+        elsewhere; the others are marked in ``failed`` with their cause."""
         assert self.spec is not None and self.failed is not None
         bounce_row = np.full(len(self.spec.block_ids), -1, dtype=np.int64)
         for p, result in zip(positions, results):
             if result.outcome is ReadOutcome.OK:
                 bounce_row[p] = result.row
             else:
-                self.failed[p] = True
+                self.failed[p] = failure_of(result.outcome)
         return bounce_row
 
     def promote(self, bounce_row: np.ndarray, rows: Any, cpu_buffer: Any) -> None:

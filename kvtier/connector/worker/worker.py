@@ -54,6 +54,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.connector.worker.job_book import Job, JobBook
 from kvtier.connector.worker.job_errors import (
+    BAD,
     JobExceptions,
     LoadError,
     disk_load_error,
@@ -308,6 +309,11 @@ class TieredOffloadingWorker(OffloadingWorker):
         """What a job reported failed by ``get_finished`` could not load."""
         return self.book.take_load_error(job_id)
 
+    def take_read_latencies(self) -> list[float]:
+        """Seconds each disk read batch took (issued to verified) since the
+        last call."""
+        return self.loads.read_latencies.take()
+
     def take_store_error(self, job_id: int) -> list[int] | None:
         """The CPU rows of a store reported failed by ``get_finished``: the
         manager must give them back unwritten (``note_worker_report``)."""
@@ -339,10 +345,11 @@ class TieredOffloadingWorker(OffloadingWorker):
         if plan.spec is not None:
             if self.reader is None:
                 # No disk tier on this worker: nothing can be read.
-                self.book.fail(job, disk_load_error(plan.spec, plan.groups, plan.on_disk))
+                bad = np.where(plan.on_disk, BAD, 0)
+                self.book.fail(job, disk_load_error(plan.spec, plan.groups, bad))
             else:
                 task.spec = plan.spec
-                task.failed = np.zeros(len(plan.on_disk), dtype=np.bool_)
+                task.failed = np.zeros(len(plan.on_disk), dtype=np.int8)
         if task.spec is None and not task.host_plans:
             return None
         return task
