@@ -19,8 +19,11 @@ $(VLLM_NEXT)/.ready: scripts/fetch-vllm-next.sh | $(VENV)/.kvtier-ready
 venv: $(VENV)/.kvtier-ready
 vllm-next: $(VLLM_NEXT)/.ready
 
+# Two workers (pytest-xdist, a file per worker at a time), then the tests
+# marked serial alone (they read host-wide state such as Shmem).
 test: $(VENV)/.kvtier-ready $(VLLM_NEXT)/.ready
-	$(PY) -m pytest -q -m "not soak"
+	$(PY) -m pytest -q -m "not soak and not serial" -n 2 --dist loadfile
+	$(PY) -m pytest -q -m "serial and not soak"
 
 demo: $(VENV)/.kvtier-ready
 	$(PY) scripts/demo.py

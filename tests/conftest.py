@@ -1,12 +1,22 @@
-"""Fixtures of the whole suite."""
+"""Fixtures and hooks of the whole suite.
+
+- caplog sees kvtier's records (children of vLLM's ``vllm`` logger);
+- the suite leaves nothing in /dev/shm: an entry created during the run
+  that no live process maps at its end (kvtier's or vLLM's) fails the run,
+  named.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import time
 from collections.abc import Iterator
 
 import pytest
+
+from kvtier.testing.procs import shm_entries, shm_left_behind
 
 
 @pytest.fixture(autouse=True)
@@ -31,3 +41,46 @@ def _vllm_records_reach_caplog(request: pytest.FixtureRequest) -> Iterator[None]
         yield
     finally:
         config["propagate"], logger.propagate = saved
+
+
+# ------------------------------------------------------------- /dev/shm
+
+
+_SHM_BEFORE = pytest.StashKey[set]()
+_SHM_LEFT = pytest.StashKey[list]()
+# Set by the outermost run for its workers and subprocesses: a pytest that a
+# test starts (tests/compat) leaves the check to the run around it.
+_SHM_CHECK_ENV = "KVTIER_TESTS_SHM_CHECKED_BY"
+# A process that ended leaves its semaphores to multiprocessing's resource
+# tracker, which unlinks them as it exits, a moment later.
+_SHM_SETTLE_S = 15.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or os.environ.get(_SHM_CHECK_ENV):
+        return
+    os.environ[_SHM_CHECK_ENV] = str(os.getpid())
+    config.stash[_SHM_BEFORE] = shm_entries()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """After every worker is gone: what this run left in /dev/shm."""
+    before = session.config.stash.get(_SHM_BEFORE, None)
+    if before is None:
+        return
+    deadline = time.monotonic() + _SHM_SETTLE_S
+    while (left := shm_left_behind(before)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        session.config.stash[_SHM_LEFT] = left
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    left = config.stash.get(_SHM_LEFT, None)
+    if left:
+        terminalreporter.write_line(
+            f"FAILED /dev/shm: the run left {left} (no live process maps them)",
+            red=True,
+        )

@@ -1,6 +1,7 @@
-"""The processes an engine started, read from ``/proc`` (Linux): for tests
-and benchmarks that check or measure a multiprocess engine's core, workers
-and read processes from the process that started it."""
+"""The processes an engine started, and the shared memory they leave, read
+from ``/proc`` (Linux): for tests and benchmarks that check or measure a
+multiprocess engine's core, workers and read processes from the process
+that started it, and for tests that end one by force."""
 
 from __future__ import annotations
 
@@ -48,3 +49,56 @@ def thread_names(pid: int) -> dict[int, str]:
         except OSError:
             continue  # it exited meanwhile
     return out
+
+
+SHM = "/dev/shm"
+
+
+def shm_entries() -> set[str]:
+    """The names in ``/dev/shm`` now (empty where there is none)."""
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def shm_in_use() -> set[str]:
+    """The names in ``/dev/shm`` that a live process maps or holds open
+    (those of processes this user may not read are missed)."""
+    held: set[str] = set()
+    prefix = SHM + "/"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        held.add(line[at + len(prefix) :].split("/")[0].split()[0])
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix):
+                    held.add(target[len(prefix) :].split("/")[0])
+        except OSError:
+            continue  # it exited meanwhile, or is not ours to read
+    return held
+
+
+def shm_left_behind(before: set[str]) -> list[str]:
+    """The names that appeared in ``/dev/shm`` since ``before`` and that no
+    live process uses: what processes that ended left there."""
+    return sorted((shm_entries() - before) - shm_in_use())
+
+
+def remove_shm_left_behind(before: set[str], prefixes: tuple[str, ...]) -> list[str]:
+    """Remove what :func:`shm_left_behind` finds among names starting with
+    ``prefixes`` (a test that killed an engine cleans up after it, as its
+    operator would); returns the names removed."""
+    removed = []
+    for name in shm_left_behind(before):
+        if name.startswith(prefixes):
+            try:
+                os.unlink(os.path.join(SHM, name))
+            except OSError:
+                continue  # a directory, or gone meanwhile
+            removed.append(name)
+    return removed
