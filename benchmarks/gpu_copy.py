@@ -194,7 +194,7 @@ def gpu_cpu_rows(args: argparse.Namespace, caches, most: int) -> dict[str, Any]:
 
     from kvtier.connector.worker.device_copy import DeviceCopies
     from kvtier.connector.worker.worker import TieredOffloadingWorker
-    from kvtier.io.cpu_buffer import CpuBlockBuffer
+    from kvtier.host.cpu_buffer import CpuBlockBuffer
 
     block_bytes = args.layers * args.page
     buffer = CpuBlockBuffer(most, block_bytes)
@@ -253,7 +253,7 @@ def _kv_block(caches, block_id: int) -> np.ndarray:
 
 def _backend_mode(backend) -> str:
     """``posix``, or kvikio's own mode: ``gds`` or ``compat``."""
-    from kvtier.io.device_staging import staging_mode
+    from kvtier.store.device_staging import staging_mode
 
     return staging_mode(backend)
 
@@ -265,12 +265,12 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
 
     from kvtier.connector.specs import TierLoadSpec
     from kvtier.connector.worker.worker import TieredOffloadingWorker
-    from kvtier.io.backends import make_backend
-    from kvtier.io.cpu_buffer import CpuBlockBuffer
-    from kvtier.io.device_staging import DeviceStagingReader
-    from kvtier.io.disk_store import DiskStore
-    from kvtier.io.format import LayoutFingerprint, slot_size
-    from kvtier.io.slot_reader import SlotReader
+    from kvtier.host.cpu_buffer import CpuBlockBuffer
+    from kvtier.store.backends.factory import make_backend
+    from kvtier.store.device_staging import DeviceStagingReader
+    from kvtier.store.disk_store import DiskStore
+    from kvtier.store.format import LayoutFingerprint, slot_size
+    from kvtier.store.slot_reader import SlotReader
     from kvtier.tiers.events import MEDIUM_DISK
     from kvtier.tiers.plans import BlockLocation
 

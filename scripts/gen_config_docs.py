@@ -5,7 +5,7 @@ Sources: the key schema, the pydantic models ``KvtierConfig``
 (kvtier/connector/config.py) and ``KvtierDiskTierConfig``
 (kvtier/connector/tiering/config.py), the metric
 definitions (kvtier/connector/metrics.py), the files in configs/, the slot
-geometry (kvtier/io/format.py), the ``ConfigError`` messages of
+geometry (kvtier/store/format.py), the ``ConfigError`` messages of
 kvtier/connector/spec.py (read from its source) and real calls of
 ``parse_extra_config`` / ``check_disk_paths`` on bad input.
 
@@ -392,8 +392,8 @@ def _kv_bytes_per_block(
 
 
 def sizing_section() -> str:
-    from kvtier.io.backend import IO_ALIGNMENT
-    from kvtier.io.format import HEADER_SIZE, slot_size
+    from kvtier.store.backends.base import IO_ALIGNMENT
+    from kvtier.store.format import HEADER_SIZE, slot_size
 
     cases = [
         # name, per-rank block bytes, tokens per block, TP, cpu bytes, disk bytes

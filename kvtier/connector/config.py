@@ -299,7 +299,7 @@ class KvtierConfig(BaseModel):
     disk_read_process: ReadProcess = Field(
         "auto",
         description="Whether a worker reads and verifies disk hits in a child "
-        "process of its own (kvtier.io.read_process: a shared bounce area, one "
+        "process of its own (kvtier.store.read_process: a shared bounce area, one "
         "message per batch), so the reads and checks do not compete with the "
         "engine's loop for the interpreter lock: auto (on the CPU platform with "
         "disk_load_path host; elsewhere in the worker's process) or off (always "

@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from kvtier.connector.config import ConfigError
-from kvtier.io.cpu_buffer import CpuBlockBuffer, mapped_bytes
-from kvtier.io.cpu_files import cpu_buffer_path, reclaim_stale_cpu_files
-from kvtier.io.safe_open import InUseError
+from kvtier.host.cpu_buffer import CpuBlockBuffer, mapped_bytes
+from kvtier.host.cpu_files import cpu_buffer_path, reclaim_stale_cpu_files
 from kvtier.log import get_logger
+from kvtier.safe_open import InUseError
 
 logger = get_logger("connector")
 

@@ -49,10 +49,10 @@ from kvtier.connector.identity import describe_settings, namespace
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.scheduler.disk_runtime import DiskRuntime
 from kvtier.connector.topology import check_single_node
-from kvtier.io.cpu_files import cpu_buffer_path
-from kvtier.io.format import LayoutFingerprint, slot_size
-from kvtier.io.store_dir import store_dirname
+from kvtier.host.cpu_files import cpu_buffer_path
 from kvtier.log import get_logger
+from kvtier.store.format import LayoutFingerprint, slot_size
+from kvtier.store.store_dir import store_dirname
 
 logger = get_logger("connector")
 
@@ -311,8 +311,8 @@ class TieredOffloadingSpec(OffloadingSpec):
         """The worker's reader of disk hits (``disk_load_path``): a host
         bounce area, or a staging area on the KV cache's device. Owns
         ``backend`` once built."""
-        from kvtier.io.device_staging import DeviceStagingReader
-        from kvtier.io.slot_reader import SlotReader
+        from kvtier.store.device_staging import DeviceStagingReader
+        from kvtier.store.slot_reader import SlotReader
 
         args = (
             cfg.disk_paths,
@@ -333,7 +333,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                 # interpreter lock (docs/benchmarks.md, "Engine step
                 # stalls"). On accelerators the area must be page-locked:
                 # read in this process there.
-                from kvtier.io.read_process import ReadProcess
+                from kvtier.store.read_process import ReadProcess
 
                 return ReadProcess(
                     *args,
@@ -350,7 +350,7 @@ class TieredOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             from kvtier.connector.worker.worker import TieredOffloadingWorker
-            from kvtier.io.backends import make_backend
+            from kvtier.store.backends.factory import make_backend
 
             cfg = self.kvtier
             buffer = open_worker_buffer(

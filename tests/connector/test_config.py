@@ -386,7 +386,7 @@ def test_shared_memory_too_small_fails_at_start_up(tmp_path):
 def test_cpu_buffer_reserves_shared_memory_or_fails_clearly(tmp_path):
     import subprocess
 
-    from kvtier.io.cpu_buffer import CpuBlockBuffer
+    from kvtier.host.cpu_buffer import CpuBlockBuffer
 
     mnt = tmp_path / "shm"
     mnt.mkdir()

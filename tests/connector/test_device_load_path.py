@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvtier.connector.config import ConfigError  # noqa: E402
-from kvtier.io.device_staging import DeviceStagingReader  # noqa: E402
+from kvtier.store.device_staging import DeviceStagingReader  # noqa: E402
 from kvtier.testing.fault_plan import FaultPlan, FaultRule, on_slot  # noqa: E402
 from kvtier.testing.faults import inject_faults  # noqa: E402
 from kvtier.testing.offloading import tiered_spec  # noqa: E402

@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext  # noqa: E402
 
 from kvtier.connector import metrics  # noqa: E402
 from kvtier.connector.worker_report import WorkerCounters, WorkerReport  # noqa: E402
-from kvtier.io.block_copy import HostCopies  # noqa: E402
+from kvtier.host.block_copy import HostCopies  # noqa: E402
 from kvtier.testing.offloading import tiered_spec  # noqa: E402
 from tests.connector.test_request_runner import (  # noqa: E402
     RequestRunner,

@@ -105,7 +105,7 @@ def test_wrong_bytes_in_the_kv_cache_change_the_output(
 ):
     settings, medium, reader, backend = LOAD_PATHS[path]
     if backend == "kvikio":
-        from kvtier.io.kvikio_probe import kvikio_unusable_reason
+        from kvtier.store.backends.kvikio_probe import kvikio_unusable_reason
 
         why = kvikio_unusable_reason()
         if why is not None:

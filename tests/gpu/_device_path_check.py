@@ -53,7 +53,7 @@ def _key(i: int) -> bytes:
 
 
 def _fingerprint():
-    from kvtier.io.format import LayoutFingerprint
+    from kvtier.store.format import LayoutFingerprint
 
     return LayoutFingerprint(
         model="test/device-path",
@@ -66,8 +66,8 @@ def _fingerprint():
 
 
 def _reader(paths: list[str], backend_name: str, device: str):
-    from kvtier.io.backends import make_backend
-    from kvtier.io.device_staging import DeviceStagingReader
+    from kvtier.store.backends.factory import make_backend
+    from kvtier.store.device_staging import DeviceStagingReader
 
     backend = make_backend(backend_name, threads=2)
     targets: list[str] = []
@@ -143,7 +143,7 @@ def _load(worker, job_id: int, slots: list[int], gpu_blocks: list[int]):
 
 def _worker(paths: list[str], device: str, caches):
     from kvtier.connector.worker.worker import TieredOffloadingWorker
-    from kvtier.io.cpu_buffer import CpuBlockBuffer
+    from kvtier.host.cpu_buffer import CpuBlockBuffer
 
     device_copies = None
     if device == "cuda":
@@ -158,9 +158,9 @@ def _worker(paths: list[str], device: str, caches):
 
 
 def check(device: str, work: str) -> dict:
-    from kvtier.io.disk_store import DiskStore
-    from kvtier.io.format import FIXED_HEADER_LEN, HEADER_SIZE
-    from kvtier.io.layout import ReadOutcome, locate
+    from kvtier.store.disk_store import DiskStore
+    from kvtier.store.format import FIXED_HEADER_LEN, HEADER_SIZE
+    from kvtier.store.layout import ReadOutcome, locate
     from kvtier.testing.faults import flip_byte
 
     paths = [os.path.join(work, "a"), os.path.join(work, "b")]
@@ -209,7 +209,7 @@ def check(device: str, work: str) -> dict:
 
     # 3. Corrupt one payload byte and one header byte: refused, never loaded.
     slab_paths = [str(sorted(Path(p).rglob("slab-*.kvt"))[0]) for p in paths]
-    from kvtier.io.format import slot_size
+    from kvtier.store.format import slot_size
 
     for slot, at in (
         (PAYLOAD_FLIP_SLOT, HEADER_SIZE + 1234),

@@ -45,13 +45,13 @@ from kvtier.connector.specs import TierLoadSpec  # noqa: E402
 from kvtier.connector.worker.device_copy import DeviceCopies  # noqa: E402
 from kvtier.connector.worker.kv_layout import group_views  # noqa: E402
 from kvtier.connector.worker.worker import TieredOffloadingWorker  # noqa: E402
-from kvtier.io.backends import make_backend  # noqa: E402
-from kvtier.io.block_copy import HostArea, HostCopies, plan_copy  # noqa: E402
-from kvtier.io.cpu_buffer import CpuBlockBuffer  # noqa: E402
-from kvtier.io.device_staging import DeviceStagingReader  # noqa: E402
-from kvtier.io.disk_store import DiskStore  # noqa: E402
-from kvtier.io.format import HEADER_SIZE, LayoutFingerprint  # noqa: E402
-from kvtier.io.slot_reader import SlotReader  # noqa: E402
+from kvtier.host.block_copy import HostArea, HostCopies, plan_copy  # noqa: E402
+from kvtier.host.cpu_buffer import CpuBlockBuffer  # noqa: E402
+from kvtier.store.backends.factory import make_backend  # noqa: E402
+from kvtier.store.device_staging import DeviceStagingReader  # noqa: E402
+from kvtier.store.disk_store import DiskStore  # noqa: E402
+from kvtier.store.format import HEADER_SIZE, LayoutFingerprint  # noqa: E402
+from kvtier.store.slot_reader import SlotReader  # noqa: E402
 from kvtier.tiers.events import MEDIUM_DISK  # noqa: E402
 from kvtier.tiers.plans import BlockLocation  # noqa: E402
 

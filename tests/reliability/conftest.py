@@ -13,10 +13,10 @@ from reliability_common import (
     make_fingerprint,
 )
 
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.engine import TransferEngine
-from kvtier.io.posix_backend import PosixBackend
+from kvtier.host.cpu_buffer import CpuBlockBuffer
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.disk_store import DiskStore
+from kvtier.store.engine import TransferEngine
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.engine import JobResult, TransferEngine
-from kvtier.io.format import LayoutFingerprint
+from kvtier.host.cpu_buffer import CpuBlockBuffer
+from kvtier.store.disk_store import DiskStore
+from kvtier.store.engine import JobResult, TransferEngine
+from kvtier.store.format import LayoutFingerprint
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
 from kvtier.tiers import TierEvent, TierHierarchy, replay
 
@@ -54,7 +54,7 @@ def kvtier_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "vllm.kvtier.io" and r.levelno >= logging.WARNING
+        if r.name == "vllm.kvtier.store" and r.levelno >= logging.WARNING
     ]
 
 

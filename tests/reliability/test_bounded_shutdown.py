@@ -22,12 +22,12 @@ from reliability_common import (
 )
 
 from kvtier.connector.scheduler.disk_runtime import DiskRuntime
-from kvtier.io import disk_store as disk_store_mod
-from kvtier.io import slab as slab_mod
-from kvtier.io.backend import BackendUnavailableError
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.posix_backend import PosixBackend
-from kvtier.io.store_dir import store_dirname
+from kvtier.host.cpu_buffer import CpuBlockBuffer
+from kvtier.store import disk_store as disk_store_mod
+from kvtier.store import slab as slab_mod
+from kvtier.store.backends.base import BackendUnavailableError
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.store_dir import store_dirname
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 
@@ -124,7 +124,7 @@ def poll_until(rt: DiskRuntime, timeout: float = 10.0) -> list:
 
 
 def test_failed_start_kvikio_absent_shows_the_real_error(tmp_path: Path) -> None:
-    from kvtier.io.backends import _kvikio_status
+    from kvtier.store.backends.factory import _kvikio_status
 
     if _kvikio_status()[0]:
         pytest.skip("kvikio is usable here")
@@ -259,7 +259,7 @@ def test_close_with_a_hung_disk_is_bounded(
 
 
 def test_second_runtime_on_one_disk_path_is_refused(tmp_path: Path) -> None:
-    from kvtier.io.safe_open import InUseError
+    from kvtier.safe_open import InUseError
 
     first = make_runtime(tmp_path, "/nonexistent")
     try:

@@ -14,8 +14,8 @@ import numpy as np
 from test_bounded_shutdown import BLOCK_BYTES, make_runtime
 
 from kvtier.connector.host import open_worker_buffer
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.cpu_files import cpu_buffer_path
+from kvtier.host.cpu_buffer import CpuBlockBuffer
+from kvtier.host.cpu_files import cpu_buffer_path
 
 
 def unique_engine_id() -> str:

@@ -20,12 +20,12 @@ from _spill_writer import block_for, crash_fingerprint, key_for
 from reliability_common import SENTINEL
 
 import kvtier
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.engine import TransferEngine
-from kvtier.io.format import HEADER_SIZE, SlotHeader
-from kvtier.io.layout import ReadOutcome
-from kvtier.io.posix_backend import PosixBackend
+from kvtier.host.cpu_buffer import CpuBlockBuffer
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.disk_store import DiskStore
+from kvtier.store.engine import TransferEngine
+from kvtier.store.format import HEADER_SIZE, SlotHeader
+from kvtier.store.layout import ReadOutcome
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 from kvtier.tiers import Residency, TierEvent, TierHierarchy, replay
 

@@ -1,4 +1,4 @@
-"""The worker's read process (kvtier.io.read_process): slots read and
+"""The worker's read process (kvtier.store.read_process): slots read and
 verified in a child process into a shared bounce area give the outcomes and
 bytes the in-process reader gives; a child that dies costs the batches it
 held (IO_ERROR: recomputed, never served) and later batches are read in the
@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 from reliability_common import Rig, key_of, pattern
 
-from kvtier.io import pipe_channel, read_process
-from kvtier.io.format import HEADER_SIZE
-from kvtier.io.layout import ReadOutcome, slot_offset
-from kvtier.io.pipe_channel import frame
-from kvtier.io.posix_backend import PosixBackend
-from kvtier.io.read_child import CHILD_NAME
-from kvtier.io.read_process import ProcessRead, ReadProcess
-from kvtier.io.slot_reader import PendingRead, SlotReader
+from kvtier.store import pipe_channel, read_process
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.format import HEADER_SIZE
+from kvtier.store.layout import ReadOutcome, slot_offset
+from kvtier.store.pipe_channel import frame
+from kvtier.store.read_child import CHILD_NAME
+from kvtier.store.read_process import ProcessRead, ReadProcess
+from kvtier.store.slot_reader import PendingRead, SlotReader
 from kvtier.testing.faults import flip_byte
 
 DEADLINE_S = 30.0
@@ -134,7 +134,7 @@ def test_a_dead_child_costs_its_batches_then_reads_stay_here(
         held = rp.submit([(0, keys[0]), (1, keys[1])], first_row=0)
         assert isinstance(held, ProcessRead)
         assert not rp.ready(held)
-        with caplog.at_level("ERROR", logger="vllm.kvtier.io"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.store"):
             os.kill(pid, signal.SIGKILL)
             assert rp.wait(held, DEADLINE_S)
         assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR] * 2
@@ -209,7 +209,7 @@ def test_abandoning_a_batch_a_stopped_child_holds_ends_the_child(
         pid = rp.pid
         os.kill(pid, signal.SIGSTOP)
         held = rp.submit([(0, keys[0]), (1, keys[1])], first_row=0)
-        with caplog.at_level("ERROR", logger="vllm.kvtier.io"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.store"):
             assert _returns_in_time(lambda: rp.abandon(held))
         assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR] * 2
         assert any("did not answer a batch given up" in m for m in caplog.messages)
@@ -241,7 +241,7 @@ def test_an_answer_that_does_not_read_costs_the_child_not_the_load_thread(
         held = rp.submit([(0, keys[0])], first_row=0)
         assert rp._pipes is not None
         rp._pipes._inbox += garbage  # as if the child had sent it
-        with caplog.at_level("ERROR", logger="vllm.kvtier.io"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.store"):
             rp.poll(0.0)
         assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR]
         assert any("read process stopped" in m for m in caplog.messages)

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.engine import TransferEngine
-from kvtier.io.format import LayoutFingerprint
-from kvtier.io.layout import ReadOutcome
+from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.log import get_logger
+from kvtier.store.disk_store import DiskStore
+from kvtier.store.engine import TransferEngine
+from kvtier.store.format import LayoutFingerprint
+from kvtier.store.layout import ReadOutcome
 from kvtier.tiers.plans import PromoteOrder, SpillOrder
 
 logger = get_logger("connector")

@@ -10,7 +10,7 @@ victims, pins, WRITING/READY, the read-failure rule, warm restart, events)
 is a :class:`kvtier.tiers.disk_core.DiskTierCore`, the one the full spec's
 hierarchy uses, and the data path is
 :class:`kvtier.connector.scheduler.disk_runtime.DiskRuntime` (one
-:class:`~kvtier.io.DiskStore` plus one :class:`~kvtier.io.TransferEngine`
+:class:`~kvtier.store.disk_store.DiskStore` plus one :class:`~kvtier.store.engine.TransferEngine`
 per TP rank) pointed at the rows of the primary tier's memoryview
 (:mod:`kvtier.connector.tiering.rows`) instead of kvtier's own CPU buffer.
 """
@@ -62,9 +62,9 @@ from kvtier.connector.tiering.metrics import (
 )
 from kvtier.connector.tiering.pull import PullBack
 from kvtier.connector.tiering.rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
-from kvtier.io.format import slot_size
-from kvtier.io.store_dir import store_dirname
 from kvtier.log import get_logger
+from kvtier.store.format import slot_size
+from kvtier.store.store_dir import store_dirname
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 

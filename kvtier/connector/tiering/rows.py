@@ -21,14 +21,14 @@ import numpy as np
 from typing_extensions import override
 
 from kvtier.connector.scheduler.disk_runtime import DiskRuntime
-from kvtier.io.engine import TransferEngine
+from kvtier.store.engine import TransferEngine
 
 HOST_LAYOUT = "vllm-tiering"
 
 
 class PrimaryRows:
     """One rank's page of every primary-tier row, as the ``CpuBlockBuffer``
-    face that :class:`~kvtier.io.TransferEngine` reads and writes
+    face that :class:`~kvtier.store.engine.TransferEngine` reads and writes
     (``array[row]`` is a contiguous ``block_bytes`` view into the mmap)."""
 
     def __init__(self, array: np.ndarray, block_bytes: int):

@@ -21,10 +21,10 @@ import torch
 from kvtier.connector.specs import TierLoadSpec
 from kvtier.connector.worker.job_errors import failure_of
 from kvtier.connector.worker.job_plan import GroupPlan
-from kvtier.io.block_copy import CopyPlan
-from kvtier.io.device_staging import PendingStage
-from kvtier.io.layout import ReadOutcome
-from kvtier.io.slot_reader import PendingRead
+from kvtier.host.block_copy import CopyPlan
+from kvtier.store.device_staging import PendingStage
+from kvtier.store.layout import ReadOutcome
+from kvtier.store.slot_reader import PendingRead
 
 
 @dataclass(eq=False)
@@ -44,7 +44,7 @@ class LoadTask:
     the job up; from then on the thread issues nothing more for it.
 
     ``after``: on accelerators, the model runner's stream at submission
-    (:meth:`~kvtier.io.block_copy.CopyPath.mark`); the thread's copies for
+    (:meth:`~kvtier.host.block_copy.CopyPath.mark`); the thread's copies for
     the task follow it.
 
     The fields after ``lock`` are the thread's progress through the task:

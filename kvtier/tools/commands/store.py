@@ -11,7 +11,7 @@ from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
 
 def _open_views(paths: Sequence[str], cmd: str) -> list[Any] | None:
-    from kvtier.io.store_view import find_stores
+    from kvtier.store.store_view import find_stores
 
     try:
         return find_stores(paths)
@@ -21,7 +21,7 @@ def _open_views(paths: Sequence[str], cmd: str) -> list[Any] | None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from kvtier.io.inspect import inspect_store
+    from kvtier.store.inspect import inspect_store
 
     views = _open_views(args.paths, "inspect")
     if views is None:
@@ -87,7 +87,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from kvtier.io.inspect import verify_store
+    from kvtier.store.inspect import verify_store
 
     views = _open_views(args.paths, "verify")
     if views is None:

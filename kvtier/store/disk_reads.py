@@ -1,0 +1,253 @@
+"""A store's verified read path: whole blocks, single headers, and the scan.
+
+:class:`VerifiedReads` reads the slots of the slab files held by a
+:class:`~kvtier.store.store_files.StoreFiles` (which
+:class:`~kvtier.store.disk_store.DiskStore` creates and shares with its write
+path) and judges them with the one slot verification of
+:mod:`kvtier.store.layout` (``parse_header``, ``check_header``,
+``check_payload``; magic, header checksum, layout fingerprint, key, lengths,
+payload xxh3). Every read lands in the calling thread's private bounce
+buffer and is verified there before anything reaches the caller's buffer,
+so a torn, stale or corrupted slot is reported, never returned.
+
+Contract:
+  - ``read_block``/``verify``/``read_header`` never raise for I/O or data
+    problems: they return a :class:`~kvtier.store.layout.ReadOutcome`. A failed
+    read (any errno) is IO_ERROR; a read that ends early is TRUNCATED when
+    the slab now ends inside the slot (slabs are preallocated to full size:
+    it was truncated) and IO_ERROR otherwise (the device cut it short;
+    :func:`~kvtier.store.layout.short_read_outcome`), reported as an EIO.
+    Both are counted in ``io_errors`` and logged once per slab and errno. Rejected bytes (bad header, payload checksum) are counted in
+    ``checksum_failures`` and logged once per slab.
+  - They do raise for caller errors: IndexError for a slot out of range,
+    RuntimeError once the store is closed, ValueError for an ``out`` that is
+    not a C-contiguous array of exactly ``block_bytes`` bytes.
+  - All reads are positioned at a slot's start (a multiple of
+    ``IO_ALIGNMENT``) into aligned buffers, lengths rounded up to
+    ``IO_ALIGNMENT``; an uncompressed store reads a slot in one I/O, a
+    compressed one reads the header first and then only the stored bytes.
+  - Thread-safe for distinct slots: each thread reads into its own bounce
+    buffer, and the shared counters are updated under the files' lock.
+  - ``scan`` and ``read_header`` hand every intact header of this layout to
+    ``on_header`` (the store raises its next ``seq`` above them).
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from kvtier.store.backends.base import IO_ALIGNMENT
+from kvtier.store.format import HEADER_SIZE, SlotHeader, aligned_empty, round_up
+from kvtier.store.layout import (
+    ReadOutcome,
+    SlotVerdict,
+    check_header,
+    check_payload,
+    decode_payload,
+    parse_header,
+    short_read_outcome,
+)
+from kvtier.store.store_files import StoreFiles, flat_u8
+
+
+class VerifiedReads:
+    """The verified reads of one store's slab files (see the module doc).
+
+    ``block_bytes`` and ``digest`` are the layout's (the fingerprint's block
+    size and digest); ``compressed`` says whether payloads may be shorter
+    than the slot (then a read fetches the header first); ``on_header`` is
+    called with each intact header of this layout that ``scan`` or
+    ``read_header`` sees.
+    """
+
+    def __init__(
+        self,
+        files: StoreFiles,
+        *,
+        block_bytes: int,
+        digest: bytes,
+        compressed: bool,
+        on_header: Callable[[SlotHeader], None],
+    ) -> None:
+        self._files = files
+        self._block_bytes = block_bytes
+        self._digest = digest
+        self._two_step = compressed
+        self._on_header = on_header
+
+    def read_block(
+        self, slot: int, key: bytes, out: np.ndarray, *, guard: Any = None
+    ) -> ReadOutcome:
+        """Read the block stored under ``key`` in ``slot`` into ``out``.
+
+        ``out`` is a C-contiguous array of exactly ``block_bytes`` bytes and is
+        written only when the result is OK. Never raises for I/O or data errors.
+        ``guard`` (e.g. :class:`kvtier.store.engine.RowGuard`): ``out`` is written
+        only between a successful ``guard.enter()`` and ``guard.leave()``; when
+        ``enter()`` refuses (the caller gave ``out`` away meanwhile), ``out``
+        is left alone and IO_ERROR is returned.
+        """
+        flat_out = flat_u8(out, self._block_bytes, "out")
+        outcome, hdr, payload = self._load(slot, key)
+        if outcome is not ReadOutcome.OK:
+            return outcome
+        assert hdr is not None and payload is not None
+        if guard is not None and not guard.enter():
+            return ReadOutcome.IO_ERROR
+        try:
+            # Checks the decoded size before writing ``out``; BAD_HEADER when
+            # the checksums matched but the header's codec/lengths lie.
+            return decode_payload(hdr, payload, flat_out).outcome
+        finally:
+            if guard is not None:
+                guard.leave()
+
+    def verify(self, slot: int) -> ReadOutcome:
+        """Read the full slot and check header, fingerprint and payload checksum."""
+        outcome, _, _ = self._load(slot, None)
+        return outcome
+
+    def read_header(self, slot: int) -> tuple[SlotHeader | None, ReadOutcome]:
+        """Read one slot's header only (the same classification as ``scan``)."""
+        idx, offset = self._files.locate(slot)
+        buf = self._files.bounce()[:HEADER_SIZE]
+        fut = self._files.submit_read(idx, buf, offset)
+        _, hdr, outcome = self._classify_header(slot, idx, buf, fut)
+        return hdr, outcome
+
+    def scan(
+        self, window: int = 64
+    ) -> Iterator[tuple[int, SlotHeader | None, ReadOutcome]]:
+        """Yield ``(slot, header, outcome)`` for every slot, in slot order.
+
+        Reads headers only (``window`` reads in flight). OK means the header is
+        intact and ours; the payload is not verified (use ``verify``). The header
+        is returned for OK and for FINGERPRINT_MISMATCH (so ``kvtier inspect``
+        can show foreign slots), otherwise ``None``.
+        """
+        window = max(1, window)
+        bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
+        inflight: deque[tuple[int, int, np.ndarray, Future[int]]] = deque()
+        for slot in range(self._files.num_slots):
+            if len(inflight) == window:
+                yield self._classify_header(*inflight.popleft())
+            idx, offset = self._files.locate(slot)
+            buf = bufs[slot % window]
+            inflight.append((slot, idx, buf, self._files.submit_read(idx, buf, offset)))
+        while inflight:
+            yield self._classify_header(*inflight.popleft())
+
+    # -- the checks ----------------------------------------------------------
+
+    def _check_header(self, hdr: SlotHeader, key: bytes | None) -> SlotVerdict:
+        return check_header(
+            hdr,
+            key=key,
+            digest=self._digest,
+            block_bytes=self._block_bytes,
+            slot_bytes=self._files.slot_size,
+        )
+
+    def _short_read(self, slot: int, got: int, wanted: int) -> ReadOutcome:
+        # Reported like write_block reports a short write (EIO, counted,
+        # logged once); TRUNCATED if the slab now ends inside the slot, else
+        # IO_ERROR (the device cut it short: short_read_outcome).
+        idx, offset = self._files.locate(slot)
+        files = self._files
+        outcome = short_read_outcome(
+            files.backend.size(files.handles[idx]), offset + files.slot_size
+        )
+        cause = "truncated slab" if outcome is ReadOutcome.TRUNCATED else "not EOF"
+        files.io_error(
+            "read",
+            idx,
+            OSError(
+                errno.EIO,
+                f"short read ({got} of {wanted} bytes, {cause})",
+                files.slabs[idx].path,
+            ),
+        )
+        return outcome
+
+    def _load(
+        self, slot: int, key: bytes | None
+    ) -> tuple[ReadOutcome, SlotHeader | None, np.ndarray | None]:
+        """Read and verify a slot into this thread's bounce buffer.
+
+        Returns the outcome, the header when it parsed, and (for OK only) the
+        verified stored payload as a view into the bounce buffer.
+        """
+        idx, offset = self._files.locate(slot)
+        bounce = self._files.bounce()
+        first = HEADER_SIZE if self._two_step else self._files.slot_size
+        t0 = time.perf_counter()
+        nread = 0
+        try:
+            try:
+                n = nread = self._files.read(idx, bounce[:first], offset)
+                verdict = parse_header(bounce, n)
+                if verdict.outcome is ReadOutcome.TRUNCATED:
+                    return self._short_read(slot, n, first), None, None
+                if verdict.outcome is ReadOutcome.BAD_HEADER:
+                    self._files.rejected(idx, slot, verdict.detail)
+                if not verdict.ok:
+                    return verdict.outcome, None, None
+                assert verdict.header is not None
+                hdr = verdict.header
+                verdict = self._check_header(hdr, key)
+                if not verdict.ok:
+                    return verdict.outcome, hdr, None
+                end = HEADER_SIZE + hdr.payload_len
+                if self._two_step and hdr.payload_len:
+                    more = round_up(hdr.payload_len, IO_ALIGNMENT)
+                    got = self._files.read(
+                        idx,
+                        bounce[HEADER_SIZE : HEADER_SIZE + more],
+                        offset + HEADER_SIZE,
+                    )
+                    nread += got
+                    n = HEADER_SIZE + got
+            except OSError as exc:
+                self._files.io_error("read", idx, exc)
+                return ReadOutcome.IO_ERROR, None, None
+            payload = bounce[HEADER_SIZE:end]
+            verdict = check_payload(hdr, payload, n - HEADER_SIZE)
+            if verdict.outcome is ReadOutcome.TRUNCATED:
+                return self._short_read(slot, n, end), hdr, None
+            if not verdict.ok:
+                self._files.rejected(idx, slot, "payload checksum mismatch")
+                return verdict.outcome, hdr, None
+            return ReadOutcome.OK, hdr, payload
+        finally:
+            self._files.count_read(nread, time.perf_counter() - t0, blocks=1)
+
+    def _classify_header(
+        self, slot: int, idx: int, buf: np.ndarray, fut: Future[int]
+    ) -> tuple[int, SlotHeader | None, ReadOutcome]:
+        try:
+            n = fut.result()
+        except OSError as exc:
+            self._files.io_error("read", idx, exc)
+            return slot, None, ReadOutcome.IO_ERROR
+        self._files.count_read(n)
+        verdict = parse_header(buf, n)
+        if verdict.outcome is ReadOutcome.TRUNCATED:
+            return slot, None, self._short_read(slot, n, HEADER_SIZE)
+        if not verdict.ok:
+            return slot, None, verdict.outcome
+        assert verdict.header is not None
+        hdr = verdict.header
+        outcome = self._check_header(hdr, None).outcome
+        if outcome is ReadOutcome.OK:
+            self._on_header(hdr)
+            return slot, hdr, outcome
+        if outcome is ReadOutcome.FINGERPRINT_MISMATCH:
+            return slot, hdr, outcome
+        return slot, None, outcome

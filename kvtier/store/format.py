@@ -1,0 +1,323 @@
+"""The on-disk slot format: layout fingerprint, slot header, alignment rules.
+
+A slab file is an array of fixed-size slots. Each slot is a 4 KiB header
+followed by the block payload, padded to 4 KiB so that every slot (and every
+payload) starts on an O_DIRECT-aligned offset. See docs/on-disk-format.md.
+
+Everything here is pure (no I/O) so it can be used by the disk store, the
+warm-restart scan and ``kvtier inspect`` alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from kvtier.store.backends.base import IO_ALIGNMENT
+from kvtier.store.checksum import header_checksum
+
+# The store layout version: part of the fingerprint digest (so it names the
+# directory). Bump it on a change old readers must never see (slot geometry,
+# codecs): a bump moves slabs to a fresh directory instead of misreading them.
+FORMAT_VERSION = 1
+# The slot header's own version (the ``version`` field). Headers evolve
+# compatibly inside one FORMAT_VERSION: a reader accepts every version in
+# HEADER_VERSIONS and refuses any other (a newer kvtier's slot) by name.
+#   1: xxh3_64 payload checksum only.
+#   2: adds ``device_checksum`` (kvtier.store.checksum.device_checksum), which
+#      torch computes on the GPU for reads staged in device memory.
+HEADER_VERSION = 2
+HEADER_VERSIONS = (1, 2)
+MAGIC = b"KVTIERS1"
+# A whole alignment unit: the payload then starts 4 KiB-aligned for O_DIRECT.
+HEADER_SIZE = 4096
+MAX_KEY_LEN = 64
+FINGERPRINT_LEN = 16
+
+# Little-endian fixed fields. The first two (magic, version) must keep their
+# position forever so any future reader can tell versions apart.
+#   magic 8s | version I | codec B | elem_size B | key_len B | reserved B |
+#   fingerprint 16s | key 64s | payload_len Q | raw_len Q | payload_checksum Q |
+#   seq Q | written_at d                                     (version 1)
+#   ... | written_at d | device_checksum Q                   (version 2)
+# followed by the header checksum Q over the fields before it.
+_FIELDS_V1 = struct.Struct("<8sIBBBB16s64sQQQQd")
+_FIELDS_V2 = struct.Struct("<8sIBBBB16s64sQQQQdQ")
+_FIELDS = {1: _FIELDS_V1, 2: _FIELDS_V2}
+_VERSION_AT = struct.Struct("<I")
+_HEADER_CHECKSUM = struct.Struct("<Q")
+# Bytes of the header that carry meaning (the longest version's); the rest of
+# HEADER_SIZE is zeros. Reading this many bytes of a slot parses any version.
+FIXED_HEADER_LEN = _FIELDS_V2.size + _HEADER_CHECKSUM.size
+
+
+class Codec(IntEnum):
+    """How a payload is stored."""
+
+    RAW = 0
+    ZSTD_BYTEPLANE = 1
+
+
+class HeaderError(ValueError):
+    """A header could not be accepted."""
+
+
+class EmptySlotError(HeaderError):
+    """The slot was never written or was invalidated (magic is all zeros)."""
+
+
+class CorruptHeaderError(HeaderError):
+    """Wrong magic, unsupported version, bad header checksum or bad fields."""
+
+
+def round_up(n: int, alignment: int = IO_ALIGNMENT) -> int:
+    """Smallest multiple of ``alignment`` that is >= ``n``."""
+    return -(-n // alignment) * alignment
+
+
+def slot_size(block_bytes: int) -> int:
+    """Bytes one slot occupies on disk: header + payload, 4 KiB-aligned."""
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    return round_up(HEADER_SIZE + block_bytes, IO_ALIGNMENT)
+
+
+def aligned_empty(nbytes: int, alignment: int = IO_ALIGNMENT) -> np.ndarray:
+    """An uninitialised uint8 array whose address is a multiple of ``alignment``.
+
+    numpy gives no alignment guarantee beyond 64 bytes, and O_DIRECT needs the
+    buffer address aligned too, so over-allocate and slice (the slice keeps the
+    allocation alive through ``.base``).
+    """
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start : start + nbytes]
+
+
+@dataclass(frozen=True)
+class LayoutFingerprint:
+    """Everything that must match for a stored block to be meaningful.
+
+    Contract: two stores may share slot contents iff their ``digest()`` is
+    equal. The digest covers every field plus FORMAT_VERSION, is stable across
+    processes, machines and Python versions (canonical JSON + blake2b), and is
+    what names the on-disk directory.
+
+    ``geometry`` is a free-form canonical string of the KV layout (layers,
+    heads, head size, block tokens, ...) chosen by the connector; ``tp_rank``
+    and ``tp_size`` are included because each rank stores its own shard.
+    ``model_id`` identifies the model's *contents* beyond its name (a hash of
+    its config and weight files' names, sizes and mtimes; see
+    ``kvtier.connector.identity``), so a checkpoint replaced at the same path
+    gets a new namespace; ``dp_rank`` keeps data-parallel replicas (same
+    config otherwise) apart. Both enter the digest only when set, so
+    fingerprints without them keep their digests.
+    """
+
+    model: str
+    dtype: str
+    block_bytes: int
+    geometry: str
+    tp_rank: int
+    tp_size: int
+    model_id: str = ""
+    dp_rank: int = 0
+    # What ``model_id`` was derived from, in words (kvtier.connector.identity
+    # .describe_settings): written to layout.json for ``kvtier inspect``;
+    # not part of the digest (``model_id`` already is).
+    identity: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if self.block_bytes <= 0:
+            raise ValueError(f"block_bytes must be positive, got {self.block_bytes}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"bad tp_rank/tp_size: {self.tp_rank}/{self.tp_size}")
+        if self.dp_rank < 0:
+            raise ValueError(f"bad dp_rank: {self.dp_rank}")
+
+    def _optional(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.model_id:
+            extra["model_id"] = self.model_id
+        if self.dp_rank:
+            extra["dp_rank"] = self.dp_rank
+        return extra
+
+    def _canonical(self) -> bytes:
+        fields = {
+            "format_version": FORMAT_VERSION,
+            "model": self.model,
+            "dtype": self.dtype,
+            "block_bytes": self.block_bytes,
+            "geometry": self.geometry,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            **self._optional(),
+        }
+        return json.dumps(
+            fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True
+        ).encode("ascii")
+
+    def digest(self) -> bytes:
+        """16-byte identity of this layout (stored in every slot header)."""
+        return hashlib.blake2b(
+            self._canonical(), digest_size=FINGERPRINT_LEN, person=b"kvtier-layout"
+        ).digest()
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-friendly description (written next to the slabs, shown by inspect)."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "model": self.model,
+            "dtype": self.dtype,
+            "block_bytes": self.block_bytes,
+            "geometry": self.geometry,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            **self._optional(),
+            **({"identity": dict(self.identity)} if self.identity else {}),
+            "digest": self.digest().hex(),
+        }
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    """The header at the start of every written slot.
+
+    Contract:
+      - ``pack()`` returns exactly HEADER_SIZE bytes; ``unpack(pack(h)) == h``.
+      - ``unpack`` raises EmptySlotError for a zeroed (never written or
+        invalidated) header and CorruptHeaderError for anything else it cannot
+        trust: wrong magic, other format version, header checksum mismatch,
+        out-of-range fields (a raw payload shorter or longer than the
+        block included). It never returns a header whose own checksum
+        failed, so a torn header write is always detected.
+      - ``checksum`` is xxh3_64 of the ``payload_len`` stored bytes (i.e. after
+        compression); ``raw_len`` is the decoded size. ``device_checksum``
+        (version 2 headers; ``None`` in version 1) is
+        :func:`kvtier.store.checksum.device_checksum` of the same bytes.
+      - ``version`` 1 and 2 are read; ``pack`` writes ``version`` (2 unless
+        told otherwise, 1 only to make old-format slots in tests). Any other
+        version is refused by ``unpack`` with a message naming it.
+      - ``seq`` grows monotonically per store (also across restarts) and
+        ``written_at`` is wall-clock seconds; both order warm-restart eviction.
+    """
+
+    key: bytes
+    fingerprint: bytes
+    payload_len: int
+    raw_len: int
+    codec: Codec
+    checksum: int
+    seq: int
+    written_at: float
+    elem_size: int = 1
+    magic: bytes = MAGIC
+    version: int = HEADER_VERSION
+    device_checksum: int | None = None
+
+    def pack(self) -> bytes:
+        if len(self.key) > MAX_KEY_LEN:
+            raise ValueError(f"key is {len(self.key)} bytes, max {MAX_KEY_LEN}")
+        if len(self.fingerprint) != FINGERPRINT_LEN:
+            raise ValueError(f"fingerprint must be {FINGERPRINT_LEN} bytes")
+        if self.version not in HEADER_VERSIONS:
+            raise ValueError(f"cannot write header version {self.version}")
+        extra: tuple[int, ...] = ()
+        if self.version >= 2:
+            if self.device_checksum is None:
+                raise ValueError("a version 2 header needs device_checksum")
+            extra = (self.device_checksum,)
+        fixed = _FIELDS[self.version].pack(
+            self.magic,
+            self.version,
+            int(self.codec),
+            self.elem_size,
+            len(self.key),
+            0,
+            self.fingerprint,
+            self.key,
+            self.payload_len,
+            self.raw_len,
+            self.checksum,
+            self.seq,
+            self.written_at,
+            *extra,
+        )
+        fixed += _HEADER_CHECKSUM.pack(header_checksum(fixed))
+        return fixed + bytes(HEADER_SIZE - len(fixed))
+
+    @classmethod
+    def unpack(cls, buf: Any) -> SlotHeader:
+        """Parse the first FIXED_HEADER_LEN bytes of ``buf`` (buffer protocol)."""
+        view = memoryview(buf).cast("B")
+        if len(view) < FIXED_HEADER_LEN:
+            raise CorruptHeaderError(f"header too short: {len(view)} bytes")
+        fixed = bytes(view[:FIXED_HEADER_LEN])
+        if fixed[: len(MAGIC)] == bytes(len(MAGIC)):
+            raise EmptySlotError("empty slot")
+        if fixed[: len(MAGIC)] != MAGIC:
+            raise CorruptHeaderError(f"bad magic {fixed[: len(MAGIC)]!r}")
+        (version,) = _VERSION_AT.unpack_from(fixed, len(MAGIC))
+        fields = _FIELDS.get(version)
+        if fields is None:
+            raise CorruptHeaderError(
+                f"unsupported slot header version {version} (this kvtier reads "
+                f"versions {', '.join(map(str, HEADER_VERSIONS))}): the slot was "
+                "written by another kvtier release; it is never read. Upgrade "
+                "kvtier or give this one an empty disk path"
+            )
+        values = fields.unpack_from(fixed)
+        device_checksum = values[13] if version >= 2 else None
+        (
+            magic,
+            version,
+            codec,
+            elem_size,
+            key_len,
+            _reserved,
+            fingerprint,
+            key,
+            payload_len,
+            raw_len,
+            checksum,
+            seq,
+            written_at,
+        ) = values[:13]
+        (stored,) = _HEADER_CHECKSUM.unpack_from(fixed, fields.size)
+        if stored != header_checksum(fixed[: fields.size]):
+            raise CorruptHeaderError("header checksum mismatch")
+        if key_len > MAX_KEY_LEN:
+            raise CorruptHeaderError(f"key length {key_len} > {MAX_KEY_LEN}")
+        try:
+            codec_enum = Codec(codec)
+        except ValueError:
+            raise CorruptHeaderError(f"unknown codec {codec}") from None
+        if elem_size == 0 or payload_len > raw_len:
+            raise CorruptHeaderError("inconsistent lengths or element size")
+        if codec_enum is Codec.RAW and payload_len != raw_len:
+            # The checksum covers payload_len bytes only: a reader using
+            # raw_len bytes of a raw slot would take the rest unverified.
+            raise CorruptHeaderError(
+                f"raw payload_len {payload_len} != raw_len {raw_len}"
+            )
+        return cls(
+            key=key[:key_len],
+            fingerprint=fingerprint,
+            payload_len=payload_len,
+            raw_len=raw_len,
+            codec=codec_enum,
+            checksum=checksum,
+            seq=seq,
+            written_at=written_at,
+            elem_size=elem_size,
+            magic=magic,
+            version=version,
+            device_checksum=device_checksum,
+        )

@@ -1,0 +1,381 @@
+"""Disk reads of loads, and their verification, in a process of their own.
+
+A :class:`ReadProcess` is a :class:`~kvtier.store.slot_reader.SlotReader` for
+the worker's load thread whose reads and checks run in a child process
+(:mod:`kvtier.store.read_child`, ``python -m kvtier.store.read_child``): the
+bounce area is a memory file (``memfd``) both processes map, the child
+reads slots into it with its own back end and verifies them with the same
+``SlotReader`` code, and sends back one message per batch (each slot's
+outcome and row). The engine's process
+keeps only what must touch its memory: copying verified rows into the KV
+cache.
+
+Why: the engine's loop and the load thread share one interpreter lock, and
+every read returning, every slot's checksum and header check takes it back
+from the loop (on a 2-core VM a decoding step stretched 3-4x while a
+256 MiB prefix loaded; docs/benchmarks.md, "Engine step stalls"). In a
+process of its own the reads and checks cost the engine's process one
+message per batch. O_DIRECT reads issued in the engine's process also
+stalled it more than the same reads issued from another process.
+
+Contract (beyond ``SlotReader``'s for the methods the load thread uses:
+``submit``, ``ready``, ``wait``, ``complete``, ``abandon``, ``rows``, ``stats``):
+  - The child starts in :meth:`start` (the load thread's first turn), not at
+    construction; until it says it is ready, batches are read in this
+    process by a ``SlotReader`` over the same area (the same outcomes).
+  - If the child dies or its pipe breaks, the batches it held fail as
+    IO_ERROR (their blocks are recomputed, never served), it is reaped, and
+    later batches are read in this process: a missing child costs speed,
+    never a load.
+  - A batch's rows are written by one process only, and only until its
+    outcome arrived (or the child is known dead): the rule the load thread
+    already follows for rows in flight.
+  - The child holds nothing beyond its own fds: it exits when the worker's
+    end of the request pipe closes (:meth:`close`, or the worker's process
+    dying) and, on Linux, is killed with its parent (``PR_SET_PDEATHSIG``).
+  - No call waits on the child beyond its own timeout (``submit``,
+    ``ready``: not at all): a request the pipe cannot take yet goes out on
+    later calls, and an answer the child wrote part of is taken whole on a
+    later call (:mod:`kvtier.store.pipe_channel`). A child that stops reading
+    (stopped, or its one thread on a hung read) holds its batches only,
+    until :meth:`abandon` (the load thread giving a batch up at its end)
+    stops it after ``ABANDON_WAIT_S``, as if it had died.
+  - Used by one thread (the load thread); ``stats()`` from any thread.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, field
+
+import numpy as np
+
+from kvtier.host.placement import without_openmp_binding
+from kvtier.log import get_logger
+from kvtier.store.backends.base import DiskBackend
+from kvtier.store.format import LayoutFingerprint, slot_size
+from kvtier.store.layout import ReadOutcome
+from kvtier.store.pipe_channel import PipeChannel
+from kvtier.store.slab_files import SlotReaderStats
+from kvtier.store.slot_reader import PendingRead, SlotRead, SlotReader
+
+logger = get_logger("store")
+
+# How long close() waits for the child to exit before it kills it.
+CLOSE_WAIT_S = 5.0
+# How long abandon() waits for the child's answer before it stops the child.
+ABANDON_WAIT_S = 5.0
+# How long a blocking wait sleeps in one poll of the pipe.
+POLL_S = 0.05
+
+
+@dataclass(eq=False)
+class ProcessRead:
+    """A batch handed to the child: its id and items; ``result`` once the
+    child answered (``[]`` standing for "every item failed")."""
+
+    rid: int
+    items: list[tuple[int, bytes]]
+    first_row: int
+    result: list[SlotRead] | None = field(default=None)
+
+
+class ReadProcess:
+    """Reads and verifies disk slots in a child process (see the module doc).
+
+    ``spawn`` False (a class attribute, for tests whose back end must see
+    every read) keeps every read in this process.
+    """
+
+    spawn = True
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        num_slots: int,
+        block_bytes: int,
+        fingerprint: LayoutFingerprint,
+        backend: DiskBackend,
+        *,
+        disk_io: str,
+        threads: int,
+        bounce_bytes: int = 64 << 20,
+    ) -> None:
+        self.slot_size = slot_size(block_bytes)
+        capacity = max(1, bounce_bytes // self.slot_size)
+        nbytes = capacity * self.slot_size
+        self._fd = os.memfd_create("kvtier-bounce", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, nbytes)
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED)
+        except OSError as exc:
+            os.close(self._fd)
+            raise MemoryError(
+                f"kvtier: the disk load bounce area of {nbytes} B cannot be "
+                f"allocated ({exc}); lower disk_load_buffer_bytes"
+            ) from exc
+        except BaseException:
+            os.close(self._fd)
+            raise
+        area = np.frombuffer(self._map, dtype=np.uint8)
+        area.fill(0)  # its pages in now, not during the first load
+        try:
+            # Reads here while the child starts, and after it is gone.
+            self._local = SlotReader(
+                paths, num_slots, block_bytes, fingerprint, backend, area=area
+            )
+        except BaseException:
+            del area
+            self._map = None
+            os.close(self._fd)
+            raise
+        del area
+        self.backend = backend  # this process's (the child makes its own)
+        self.capacity = self._local.capacity
+        self.rows = self._local.rows
+        self.pinned = False
+        self.files = self._local.files
+        self._child_config = {
+            "paths": list(paths),
+            "num_slots": num_slots,
+            "block_bytes": block_bytes,
+            "fingerprint": fingerprint,
+            "disk_io": disk_io,
+            "threads": threads,
+            "nbytes": nbytes,
+        }
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pipes: PipeChannel | None = None
+        self._ready = False
+        self._next = 0
+        self._held: dict[int, ProcessRead] = {}
+        self._child_stats = SlotReaderStats()
+        self._stats_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the child (once); batches go to it once it is ready."""
+        if self._proc is not None or self._closed or not self.spawn:
+            return
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvtier.store.read_child",
+                    str(os.getpid()),
+                    str(self._fd),
+                    str(req_r),
+                    str(resp_w),
+                ],
+                pass_fds=(self._fd, req_r, resp_w),
+                stdin=subprocess.DEVNULL,
+                env=_child_env(),
+            )
+        except OSError as exc:
+            for fd in (req_r, req_w, resp_r, resp_w):
+                os.close(fd)
+            logger.warning(
+                "kvtier: no read process (%s); loads read in the engine", exc
+            )
+            return
+        finally:
+            if self._proc is not None:
+                os.close(req_r)
+                os.close(resp_w)
+        self._pipes = PipeChannel(req_w, resp_r)
+        try:
+            self._pipes.send(self._child_config)
+        except OSError:
+            self._lost("its pipe broke at start")
+
+    def close(self) -> None:
+        """Stop the child (waits up to ``CLOSE_WAIT_S``), then unmap."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pipes is not None:
+            self._pipes.close()  # the child reads EOF and exits
+        if self._proc is not None:
+            try:
+                self._proc.wait(CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._local.close()
+        # Unmapped once the last view is gone (the worker's copy paths may
+        # still hold views of the rows); the memory file goes with the fd.
+        self.rows = None
+        self._map = None
+        os.close(self._fd)
+
+    @property
+    def running(self) -> bool:
+        """Whether batches go to the child (it said it is ready)."""
+        return self._ready
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, while there is one."""
+        proc = self._proc
+        return None if proc is None or proc.returncode is not None else proc.pid
+
+    def describe(self) -> str:
+        """Where the reads run, for logs and reports."""
+        where = f"read process {self.pid}" if self.running else "engine's process"
+        return f"{where}; {self.backend.describe()}"
+
+    def stats(self) -> SlotReaderStats:
+        local = self._local.stats()
+        with self._stats_lock:
+            child = self._child_stats
+        return SlotReaderStats(*(a + b for a, b in zip(astuple(local), astuple(child))))
+
+    # ------------------------------------------------------------ the reads
+
+    def submit(
+        self, items: Sequence[tuple[int, bytes]], first_row: int = 0
+    ) -> ProcessRead | PendingRead:
+        self.poll(0.0)
+        if not self._ready or self._pipes is None:
+            return self._local.submit(items, first_row)
+        if not 0 <= first_row <= self.capacity - len(items):
+            raise ValueError(
+                f"{len(items)} slots from row {first_row} exceed capacity "
+                f"{self.capacity}"
+            )
+        self._next += 1
+        read = ProcessRead(self._next, list(items), first_row)
+        self._held[read.rid] = read
+        try:  # never waits: what the pipe cannot take yet goes out later
+            self._pipes.send((read.rid, read.items, first_row))
+        except OSError:
+            self._lost("its pipe broke")
+        return read
+
+    def ready(self, pending: ProcessRead | PendingRead) -> bool:
+        if isinstance(pending, PendingRead):
+            return self._local.ready(pending)
+        self.poll(0.0)
+        return pending.result is not None
+
+    def wait(self, pending: ProcessRead | PendingRead, timeout: float) -> bool:
+        if isinstance(pending, PendingRead):
+            return self._local.wait(pending, timeout)
+        deadline = time.monotonic() + timeout
+        while pending.result is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.poll(left)
+        return True
+
+    def complete(self, pending: ProcessRead | PendingRead) -> list[SlotRead]:
+        if isinstance(pending, PendingRead):
+            return self._local.complete(pending)
+        while pending.result is None:
+            self.poll(POLL_S)
+        if not pending.result and pending.items:
+            return [SlotRead(ReadOutcome.IO_ERROR, -1) for _ in pending.items]
+        return pending.result
+
+    def abandon(self, pending: ProcessRead | PendingRead) -> None:
+        if isinstance(pending, PendingRead):
+            self._local.abandon(pending)
+            return
+        deadline = time.monotonic() + ABANDON_WAIT_S
+        while pending.result is None:
+            if time.monotonic() >= deadline:
+                # The child does not answer (stopped, or its thread on a read
+                # that does not return): stop it. Nothing writes its rows once
+                # it is reaped; a read it cannot leave keeps that wait.
+                self._lost("it did not answer a batch given up")
+                break
+            self.poll(POLL_S)
+
+    # ------------------------------------------------------------ internals
+
+    def poll(self, timeout: float) -> None:
+        """Take the child's messages, waiting up to ``timeout`` for one (and
+        sending on what the request pipe could not take before). Never
+        longer: a message the child wrote part of waits for the next call."""
+        pipes = self._pipes
+        if pipes is None:
+            return
+        try:
+            msgs = pipes.receive(timeout)
+        except (EOFError, OSError):
+            self._lost("it exited")
+            return
+        except Exception as exc:  # a message that does not unpickle: a bug
+            self._lost(f"its answer could not be read: {exc!r}")
+            return
+        for msg in msgs:
+            try:
+                self._take(msg)
+            except Exception as exc:  # not a message of ours: a bug
+                self._lost(f"it answered {str(msg)[:80]} ({exc!r})")
+                return
+
+    def _take(self, msg: tuple) -> None:
+        if msg[0] == "ready":
+            self._ready = True
+            return
+        _, rid, codes, rows, stats = msg
+        result = [SlotRead(ReadOutcome(c), r) for c, r in zip(codes, rows)]
+        read = self._held.pop(rid, None)
+        if read is not None:  # else no longer waited for
+            read.result = result
+        with self._stats_lock:
+            self._child_stats = SlotReaderStats(*stats)
+
+    def _lost(self, why: str) -> None:
+        """The child is gone: reap it, fail what it held, read here from now."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if proc is not None:
+            proc.wait()
+        if not self._closed and not self._ready and not self._held:
+            logger.warning(
+                "kvtier: the read process did not start (%s, exit status %s); "
+                "loads read in the engine's process",
+                why,
+                None if proc is None else proc.returncode,
+            )
+        elif not self._closed:
+            logger.error(
+                "kvtier: the read process stopped (%s, exit status %s); %d batches "
+                "in flight are recomputed, later loads read in the engine's process",
+                why,
+                None if proc is None else proc.returncode,
+                len(self._held),
+            )
+        for read in self._held.values():
+            read.result = []
+        self._held.clear()
+        self._ready = False
+        if self._pipes is not None:
+            self._pipes.close()
+        self._pipes = None
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with the directory this kvtier was imported from
+    first on the child's path (it runs the same code as the worker), and
+    without an OpenMP binding: the child keeps the CPUs of the load thread
+    that starts it (:mod:`kvtier.host.placement`)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = without_openmp_binding(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from kvtier.store import slab as slab_mod
+from kvtier.store.slab import SlabFile
+
+
+def mode(path: str) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o277, 0o000])
+def test_created_owner_only_and_sized(tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        s = SlabFile(str(tmp_path / "s.kvt"), 5, 8192)
+    finally:
+        os.umask(old)
+    assert mode(s.path) == 0o600
+    assert os.path.getsize(s.path) == 5 * 8192
+    assert [s.offset(i) for i in range(5)] == [0, 8192, 16384, 24576, 32768]
+    with pytest.raises(IndexError):
+        s.offset(5)
+    with pytest.raises(IndexError):
+        s.offset(-1)
+
+
+def test_preallocated_blocks_on_disk(tmp_path: Path) -> None:
+    s = SlabFile(str(tmp_path / "s.kvt"), 16, 65536)
+    # posix_fallocate reserves the space up front (not a sparse file).
+    assert os.stat(s.path).st_blocks * 512 >= 16 * 65536
+
+
+def test_fallocate_unsupported_falls_back_to_ftruncate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def nope(fd: int, off: int, size: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(slab_mod.os, "posix_fallocate", nope)
+    s = SlabFile(str(tmp_path / "s.kvt"), 3, 4096)
+    assert os.path.getsize(s.path) == 3 * 4096
+
+
+def test_reopen_keeps_contents_never_shrinks_and_tightens_mode(tmp_path: Path) -> None:
+    path = tmp_path / "s.kvt"
+    path.write_bytes(b"x" * 40000)
+    os.chmod(path, 0o644)
+    s = SlabFile(str(path), 2, 8192)
+    assert os.path.getsize(path) == 40000
+    assert path.read_bytes()[:5] == b"xxxxx"
+    assert mode(s.path) == 0o600
+    SlabFile(str(path), 10, 8192)
+    assert os.path.getsize(path) == 10 * 8192
+    assert path.read_bytes()[:5] == b"xxxxx"
