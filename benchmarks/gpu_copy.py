@@ -270,6 +270,7 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
     from kvtier.store.device_staging import DeviceStagingReader
     from kvtier.store.disk_store import DiskStore
     from kvtier.store.format import LayoutFingerprint, slot_size
+    from kvtier.store.slabs import SlabFiles
     from kvtier.store.slot_reader import SlotReader
     from kvtier.tiers.events import MEDIUM_DISK
     from kvtier.tiers.plans import BlockLocation
@@ -333,28 +334,15 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
             reader = None
             try:
                 # As TieredOffloadingSpec._disk_reader builds them.
+                files = SlabFiles.open([str(disk)], fp, n, backend, owns_backend=True)
+                capacity = max(1, args.staging_bytes // slot_size(block_bytes))
                 if path == "device":
                     reader = DeviceStagingReader(
-                        [str(disk)],
-                        n,
-                        block_bytes,
-                        fp,
-                        backend,
-                        device=caches.tensors[0].tensor.device,
-                        capacity=max(1, args.staging_bytes // slot_size(block_bytes)),
-                        owns_backend=True,
+                        files, device=caches.tensors[0].tensor.device, capacity=capacity
                     )
                     row["mode"] = reader.mode
                 else:
-                    reader = SlotReader(
-                        [str(disk)],
-                        n,
-                        block_bytes,
-                        fp,
-                        backend,
-                        bounce_bytes=args.staging_bytes,
-                        pin=True,
-                    )
+                    reader = SlotReader(files, capacity=capacity, pin=True)
                 workers[key] = TieredOffloadingWorker(
                     caches,
                     CpuBlockBuffer(4, block_bytes),

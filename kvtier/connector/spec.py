@@ -52,7 +52,7 @@ from kvtier.connector.topology import check_single_node
 from kvtier.host.cpu_files import cpu_buffer_path
 from kvtier.log import get_logger
 from kvtier.store.format import LayoutFingerprint, slot_size
-from kvtier.store.store_dir import store_dirname
+from kvtier.store.slabs import store_dirname
 
 logger = get_logger("connector")
 
@@ -312,22 +312,21 @@ class TieredOffloadingSpec(OffloadingSpec):
         bounce area, or a staging area on the KV cache's device. Owns
         ``backend`` once built."""
         from kvtier.store.device_staging import DeviceStagingReader
+        from kvtier.store.slabs import SlabFiles
         from kvtier.store.slot_reader import SlotReader
 
-        args = (
+        files = SlabFiles.open(
             cfg.disk_paths,
-            self.num_disk_blocks,
-            self.block_bytes,
             self.fingerprint(self.rank),
+            self.num_disk_blocks,
             backend,
+            owns_backend=True,
         )
+        capacity = max(1, cfg.disk_load_buffer_bytes // slot_size(self.block_bytes))
         device = kv_caches.tensors[0].tensor.device
         try:
             if cfg.disk_load_path == "device":
-                capacity = max(1, cfg.disk_load_buffer_bytes // slot_size(self.block_bytes))
-                return DeviceStagingReader(
-                    *args, device=device, capacity=capacity, owns_backend=True
-                )
+                return DeviceStagingReader(files, device=device, capacity=capacity)
             if cfg.disk_read_process == "auto" and device.type == "cpu":
                 # Reads and checks beside the engine, not under its
                 # interpreter lock (docs/benchmarks.md, "Engine step
@@ -336,12 +335,12 @@ class TieredOffloadingSpec(OffloadingSpec):
                 from kvtier.store.read_process import ReadProcess
 
                 return ReadProcess(
-                    *args,
+                    files,
+                    capacity=capacity,
                     disk_io=cfg.disk_io,
                     threads=cfg.disk_io_threads,
-                    bounce_bytes=cfg.disk_load_buffer_bytes,
                 )
-            return SlotReader(*args, bounce_bytes=cfg.disk_load_buffer_bytes, pin=True)
+            return SlotReader(files, capacity=capacity, pin=True)
         except BaseException:
             backend.shutdown()
             raise

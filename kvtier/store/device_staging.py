@@ -39,16 +39,11 @@ import numpy as np
 from kvtier.log import get_logger
 from kvtier.store.backends.base import DiskBackend
 from kvtier.store.checksum import device_checksums
-from kvtier.store.format import (
-    FIXED_HEADER_LEN,
-    HEADER_SIZE,
-    Codec,
-    LayoutFingerprint,
-    slot_size,
-)
-from kvtier.store.layout import ReadOutcome, Run, plan_runs, slot_offset, verify_header
+from kvtier.store.format import FIXED_HEADER_LEN, HEADER_SIZE, Codec
+from kvtier.store.layout import ReadOutcome, verify_header
 from kvtier.store.read_waiter import ReadWaiter, wait_all
-from kvtier.store.slab_files import SlabFiles, SlotReaderStats, bounce_area
+from kvtier.store.slabs import SlabFiles, SlabStats
+from kvtier.store.slot_reader import Run, bounce_area, plan_runs, short_read
 
 logger = get_logger("store")
 
@@ -133,37 +128,20 @@ class DeviceStagingReader:
     """
 
     def __init__(
-        self,
-        paths: Sequence[str],
-        num_slots: int,
-        block_bytes: int,
-        fingerprint: LayoutFingerprint,
-        backend: DiskBackend,
-        *,
-        device: Any = "cpu",
-        capacity: int = 64,
-        owns_backend: bool = False,
+        self, files: SlabFiles, *, device: Any = "cpu", capacity: int = 64
     ) -> None:
         import torch
 
-        if isinstance(paths, str):
-            paths = [paths]
-        if not paths or num_slots < 1 or capacity < 1:
-            raise ValueError("DeviceStagingReader needs paths, slots and capacity")
-        if block_bytes != fingerprint.block_bytes:
-            raise ValueError(
-                f"block_bytes={block_bytes} disagrees with fingerprint "
-                f"block_bytes={fingerprint.block_bytes}"
-            )
-        self.backend = backend
-        self.files = SlabFiles(paths, fingerprint, backend, owns_backend)
-        self.slab_paths = self.files.paths
-        self.num_slots = num_slots
-        self.block_bytes = block_bytes
-        self.slot_size = slot_size(block_bytes)
+        if capacity < 1:
+            raise ValueError("DeviceStagingReader needs capacity")
+        self.files = files
+        self.backend = backend = files.backend
+        self.num_slots = files.num_slots
+        self.block_bytes = block_bytes = files.block_bytes
+        self.slot_size = files.slot_size
         self.capacity = capacity
         self.device = torch.device(device)
-        self._digest = fingerprint.digest()
+        self._digest = files.digest
         self.mode = staging_mode(backend)
         nbytes = capacity * self.slot_size
         self._bounce: np.ndarray | None = None
@@ -214,7 +192,7 @@ class DeviceStagingReader:
             )
         runs, row_of = plan_runs(
             [slot for slot, _key in items],
-            len(self.slab_paths),
+            self.files.stripes,
             num_slots=self.num_slots,
             first_row=first_row,
         )
@@ -252,7 +230,7 @@ class DeviceStagingReader:
                 results[i] = StagedSlot(ReadOutcome.IO_ERROR, row, "read failed")
                 continue
             if state[at] == 2:
-                outcome = self.files.short_read(slot, self.slot_size)
+                outcome = short_read(self.files, slot)
                 results[i] = StagedSlot(outcome, row, "short read")
                 continue
             verdict = verify_header(
@@ -328,7 +306,7 @@ class DeviceStagingReader:
                 with contextlib.suppress(Exception):
                     waiter()
 
-    def stats(self) -> SlotReaderStats:
+    def stats(self) -> SlabStats:
         """Cumulative counters, as :meth:`SlotReader.stats` (HOST_ONLY slots
         count as neither corrupt nor I/O errors)."""
         return self.files.stats()
@@ -357,14 +335,14 @@ class DeviceStagingReader:
                 try:
                     handle = self.files.handle(f)
                     target = self._target(row, count)
-                    offset = slot_offset(local, self.slot_size)
+                    offset = local * self.slot_size
                     if start is not None:
                         waiters.append(start(handle, target, offset))
                     else:
                         fut = self.backend.submit_read(handle, target, offset)
                         waiters.append(ReadWaiter.of_future(fut))
                 except OSError as exc:
-                    self.files.io_error(f, exc)
+                    self.files.io_error("read", f, exc)
                     waiters.append(None)
         except BaseException:
             # A bug: reads already in flight write into the staging area;
@@ -391,7 +369,7 @@ class DeviceStagingReader:
                 try:
                     out[i] = int(waiter())
                 except OSError as exc:
-                    self.files.io_error(runs[i].slab, exc)
+                    self.files.io_error("read", runs[i].slab, exc)
         except BaseException:
             for waiter in waiters[waited:]:
                 if waiter is not None:
@@ -416,8 +394,8 @@ class DeviceStagingReader:
             r.outcome not in (ReadOutcome.OK, ReadOutcome.IO_ERROR, ReadOutcome.HOST_ONLY)
             for r in results
         )
-        self.files.count(
-            nbytes=sum(n or 0 for n in got), seconds=seconds, ok=ok, checksum_failures=bad
+        self.files.count_read(
+            sum(n or 0 for n in got), seconds, blocks=len(results), ok=ok, bad=bad
         )
 
     def _headers(self, first_row: int, count: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """A store's verified read path: whole blocks, single headers, and the scan.
 
 :class:`VerifiedReads` reads the slots of the slab files held by a
-:class:`~kvtier.store.store_files.StoreFiles` (which
+:class:`~kvtier.store.slabs.SlabFiles` (which
 :class:`~kvtier.store.disk_store.DiskStore` creates and shares with its write
 path) and judges them with the one slot verification of
 :mod:`kvtier.store.layout` (``parse_header``, ``check_header``,
@@ -35,6 +35,7 @@ Contract:
 from __future__ import annotations
 
 import errno
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -54,7 +55,18 @@ from kvtier.store.layout import (
     parse_header,
     short_read_outcome,
 )
-from kvtier.store.store_files import StoreFiles, flat_u8
+from kvtier.store.slabs import SlabFiles
+
+
+def flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:
+    """``arr`` as a flat uint8 view; ValueError unless it is a C-contiguous
+    numpy array of exactly ``nbytes`` bytes."""
+    if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
+        raise ValueError(f"{what} must be a C-contiguous numpy array")
+    flat = arr.reshape(-1).view(np.uint8)
+    if flat.size != nbytes:
+        raise ValueError(f"{what} has {flat.size} bytes, expected block_bytes={nbytes}")
+    return flat
 
 
 class VerifiedReads:
@@ -69,7 +81,7 @@ class VerifiedReads:
 
     def __init__(
         self,
-        files: StoreFiles,
+        files: SlabFiles,
         *,
         block_bytes: int,
         digest: bytes,
@@ -81,6 +93,13 @@ class VerifiedReads:
         self._digest = digest
         self._two_step = compressed
         self._on_header = on_header
+        self._tls = threading.local()
+
+    def _bounce(self) -> np.ndarray:
+        buf: np.ndarray | None = getattr(self._tls, "bounce", None)
+        if buf is None:
+            buf = self._tls.bounce = aligned_empty(self._files.slot_size)
+        return buf
 
     def read_block(
         self, slot: int, key: bytes, out: np.ndarray, *, guard: Any = None
@@ -117,7 +136,7 @@ class VerifiedReads:
     def read_header(self, slot: int) -> tuple[SlotHeader | None, ReadOutcome]:
         """Read one slot's header only (the same classification as ``scan``)."""
         idx, offset = self._files.locate(slot)
-        buf = self._files.bounce()[:HEADER_SIZE]
+        buf = self._bounce()[:HEADER_SIZE]
         fut = self._files.submit_read(idx, buf, offset)
         _, hdr, outcome = self._classify_header(slot, idx, buf, fut)
         return hdr, outcome
@@ -162,7 +181,7 @@ class VerifiedReads:
         idx, offset = self._files.locate(slot)
         files = self._files
         outcome = short_read_outcome(
-            files.backend.size(files.handles[idx]), offset + files.slot_size
+            files.size(idx), offset + files.slot_size
         )
         cause = "truncated slab" if outcome is ReadOutcome.TRUNCATED else "not EOF"
         files.io_error(
@@ -185,7 +204,7 @@ class VerifiedReads:
         verified stored payload as a view into the bounce buffer.
         """
         idx, offset = self._files.locate(slot)
-        bounce = self._files.bounce()
+        bounce = self._bounce()
         first = HEADER_SIZE if self._two_step else self._files.slot_size
         t0 = time.perf_counter()
         nread = 0
@@ -196,7 +215,8 @@ class VerifiedReads:
                 if verdict.outcome is ReadOutcome.TRUNCATED:
                     return self._short_read(slot, n, first), None, None
                 if verdict.outcome is ReadOutcome.BAD_HEADER:
-                    self._files.rejected(idx, slot, verdict.detail)
+                    self._files.rejected(slot, verdict.detail)
+                    self._files.count_read(0, bad=1)
                 if not verdict.ok:
                     return verdict.outcome, None, None
                 assert verdict.header is not None
@@ -222,7 +242,8 @@ class VerifiedReads:
             if verdict.outcome is ReadOutcome.TRUNCATED:
                 return self._short_read(slot, n, end), hdr, None
             if not verdict.ok:
-                self._files.rejected(idx, slot, "payload checksum mismatch")
+                self._files.rejected(slot, "payload checksum mismatch")
+                self._files.count_read(0, bad=1)
                 return verdict.outcome, hdr, None
             return ReadOutcome.OK, hdr, payload
         finally:

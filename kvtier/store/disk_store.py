@@ -8,7 +8,7 @@ Slots are striped over the paths by :mod:`kvtier.store.layout` (global slot
 ``s`` in slab ``s % len(paths)``, local slot ``s // len(paths)``).
 
 :class:`DiskStore` is the store's write path and its public face. It owns
-a :class:`~kvtier.store.store_files.StoreFiles` (the directories, slab files
+a :class:`~kvtier.store.slabs.SlabFiles` (the directories, slab files
 and handles, the counters, the error reporting, the raw positioned I/O) and
 a :class:`~kvtier.store.disk_reads.VerifiedReads` over the same files, to
 which ``read_block``/``verify``/``read_header``/``scan`` delegate. Every
@@ -40,7 +40,7 @@ from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
 from kvtier.store.backends.factory import make_backend
 from kvtier.store.checksum import device_checksum, payload_checksum
 from kvtier.store.compression import compress
-from kvtier.store.disk_reads import VerifiedReads
+from kvtier.store.disk_reads import VerifiedReads, flat_u8
 from kvtier.store.format import (
     HEADER_SIZE,
     MAX_KEY_LEN,
@@ -52,8 +52,7 @@ from kvtier.store.format import (
     slot_size,
 )
 from kvtier.store.layout import ReadOutcome
-from kvtier.store.slab import SlabFile
-from kvtier.store.store_files import DiskStoreStats, StoreFiles, flat_u8
+from kvtier.store.slabs import SlabFile, SlabFiles, SlabStats
 
 logger = get_logger("store")
 
@@ -80,7 +79,7 @@ class DiskStore:
         ``read_header``.
       - ``backend`` given as a string is created (via make_backend) and owned,
         i.e. shut down by ``close``; a DiskBackend instance is only borrowed.
-      - ``files`` is the shared :class:`~kvtier.store.store_files.StoreFiles`
+      - ``files`` is the shared :class:`~kvtier.store.slabs.SlabFiles`
         (slab handles, ``locate``) for tools and tests that look at the bytes.
     """
 
@@ -138,14 +137,14 @@ class DiskStore:
             if isinstance(backend, str)
             else backend
         )
-        self.files = StoreFiles(
+        self.files = SlabFiles.create(
             self.paths,
-            num_slots,
             fingerprint,
-            self.slot_size,
+            num_slots,
             self.backend,
             owns_backend=isinstance(backend, str),
         )
+        self._tls = threading.local()
         # Compressed payloads are shorter than the slot: read the header first
         # and then only the stored bytes. Uncompressed stores read the whole
         # slot in one I/O.
@@ -198,7 +197,9 @@ class DiskStore:
         flat = flat_u8(data, self.block_bytes, "data")
         idx, offset = self.files.locate(slot)
         t0 = time.perf_counter()
-        bounce = self.files.bounce()
+        bounce: np.ndarray | None = getattr(self._tls, "bounce", None)
+        if bounce is None:  # this thread's: O_DIRECT needs an aligned buffer
+            bounce = self._tls.bounce = aligned_empty(self.slot_size)
         if self.compression == "zstd":
             codec, packed = compress(flat, self.elem_size, min_saving=self._min_saving)
             n = len(packed)
@@ -274,7 +275,7 @@ class DiskStore:
         """The slab file on each path."""
         return self.files.slabs
 
-    def stats(self) -> DiskStoreStats:
+    def stats(self) -> SlabStats:
         """A consistent snapshot of the counters."""
         return self.files.stats()
 
@@ -286,7 +287,7 @@ class DiskStore:
     def abandon(self) -> None:
         """Mark closed without closing anything: for a store whose I/O threads
         may still be blocked in a read or write (a hung disk); see
-        :meth:`kvtier.store.store_files.StoreFiles.abandon`."""
+        :meth:`kvtier.store.slabs.SlabFiles.abandon`."""
         self.files.abandon()
 
     def __enter__(self) -> DiskStore:

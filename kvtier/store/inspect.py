@@ -1,7 +1,7 @@
 """Per-slot scan and reports of a disk-tier store (``kvtier inspect`` /
 ``verify``).
 
-Stores are found and opened read-only by :mod:`kvtier.store.store_view`, which
+Stores are found and opened read-only by :func:`kvtier.store.slabs.find_stores`, which
 validates ``layout.json`` and the slab files; this module reads every slot's
 header (and, for ``verify``, its payload) with ``os.pread`` on descriptors
 opened ``O_RDONLY``, and never creates, truncates or writes anything.
@@ -23,9 +23,8 @@ from kvtier.store.format import (
     MAGIC,
     SlotHeader,
 )
-from kvtier.store.layout import ReadOutcome, check_payload, slot_offset, verify_header
-from kvtier.store.store_dir import store_digest_prefix
-from kvtier.store.store_view import Slab, StoreView, open_regular, pread_file
+from kvtier.store.layout import ReadOutcome, check_payload, verify_header
+from kvtier.store.slabs import SlabFile, SlabFiles, global_slot, open_regular
 
 _VERSION = struct.Struct("<I")
 
@@ -63,20 +62,16 @@ class SlotRecord:
 # ------------------------------------------------------------------ scanning
 
 
-def _expected_digest(view: StoreView) -> bytes | str | None:
-    """The full digest from layout.json, else the directory name's prefix."""
-    if view.digest is not None:
-        return view.digest
-    return store_digest_prefix(view.name)
+def _gslot(view: SlabFiles, slab: SlabFile, local: int) -> int:
+    return global_slot(slab.index, local, max(view.stripes, 1))
 
 
-def _classify(view: StoreView, slab: Slab, local: int, buf: bytes) -> SlotRecord:
-    assert view.slot_size is not None
+def _classify(view: SlabFiles, slab: SlabFile, local: int, buf: bytes) -> SlotRecord:
     verdict = verify_header(
         buf,
         len(buf),
         key=None,
-        digest=_expected_digest(view),
+        digest=view.digest,
         block_bytes=view.block_bytes,
         slot_bytes=view.slot_size,
     )
@@ -84,7 +79,7 @@ def _classify(view: StoreView, slab: Slab, local: int, buf: bytes) -> SlotRecord
     if verdict.outcome is ReadOutcome.BAD_HEADER and detail.startswith("bad header ("):
         detail = detail[len("bad header (") : -1]
     return SlotRecord(
-        view.global_slot(slab, local),
+        _gslot(view, slab, local),
         slab.path,
         local,
         verdict.outcome,
@@ -93,7 +88,7 @@ def _classify(view: StoreView, slab: Slab, local: int, buf: bytes) -> SlotRecord
     )
 
 
-def scan(view: StoreView, verify_payload: bool = False) -> Iterator[SlotRecord]:
+def scan(view: SlabFiles, verify_payload: bool = False) -> Iterator[SlotRecord]:
     """Every slot of every slab, slab by slab. With ``verify_payload``, OK
     slots also get their payload read and checksummed (like
     ``DiskStore.verify``), which may turn them into CHECKSUM_MISMATCH or
@@ -105,12 +100,12 @@ def scan(view: StoreView, verify_payload: bool = False) -> Iterator[SlotRecord]:
         fd, _ = open_regular(slab.path)  # StoreError if it was swapped since
         try:
             for local in range(slab.num_slots):
-                offset = slot_offset(local, ssz)
+                offset = local * ssz
                 try:
                     buf = os.pread(fd, HEADER_SIZE, offset)
                 except OSError as exc:
                     yield SlotRecord(
-                        view.global_slot(slab, local),
+                        _gslot(view, slab, local),
                         slab.path,
                         local,
                         ReadOutcome.IO_ERROR,
@@ -142,11 +137,13 @@ def _verify_payload(fd: int, offset: int, rec: SlotRecord) -> SlotRecord:
     return rec
 
 
-def _header_version(view: StoreView, slab: Slab, local: int) -> int | None:
+def _header_version(view: SlabFiles, slab: SlabFile, local: int) -> int | None:
     """Format version of a slot whose magic is ours (even if unsupported)."""
-    assert view.slot_size is not None
-    at = slot_offset(local, view.slot_size)
-    buf = pread_file(slab.path, len(MAGIC) + _VERSION.size, at)
+    fd, _ = open_regular(slab.path)
+    try:
+        buf = os.pread(fd, len(MAGIC) + _VERSION.size, local * view.slot_size)
+    finally:
+        os.close(fd)
     if len(buf) < len(MAGIC) + _VERSION.size or buf[: len(MAGIC)] != MAGIC:
         return None
     return _VERSION.unpack_from(buf, len(MAGIC))[0]
@@ -155,7 +152,7 @@ def _header_version(view: StoreView, slab: Slab, local: int) -> int | None:
 # ------------------------------------------------------------------- reports
 
 
-def inspect_store(view: StoreView) -> dict[str, Any]:
+def inspect_store(view: SlabFiles) -> dict[str, Any]:
     """Summary of one store: slots used, bytes, fill, fingerprints, versions."""
     outcomes: Counter[str] = Counter()
     fingerprints: Counter[str] = Counter()
@@ -175,12 +172,12 @@ def inspect_store(view: StoreView) -> dict[str, Any]:
             assert rec.header is not None
             payload_bytes += rec.header.payload_len
             raw_bytes += rec.header.raw_len
-    total = view.total_slots
+    total = view.num_slots
     used = total - outcomes.get(ReadOutcome.EMPTY.value, 0) if view.slot_size else 0
     layout_version = (view.layout or {}).get("format_version")
     return {
         "store": view.name,
-        "directories": view.directories,
+        "directories": view.dirs,
         "layout": view.layout,
         "format_version": layout_version,
         "reader_format_version": FORMAT_VERSION,
@@ -210,7 +207,7 @@ PROGRESS_STEP = 256
 
 
 def verify_store(
-    view: StoreView, progress: Callable[[int], None] | None = None
+    view: SlabFiles, progress: Callable[[int], None] | None = None
 ) -> dict[str, Any]:
     """Check every used slot's header and payload; list the bad ones.
     ``progress`` is called with the number of slots scanned since its last
@@ -238,7 +235,7 @@ def verify_store(
         )
     return {
         "store": view.name,
-        "directories": view.directories,
+        "directories": view.dirs,
         "checked": checked,
         "ok": ok,
         "bad": bad,

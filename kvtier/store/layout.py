@@ -1,21 +1,5 @@
-"""The slab layout: file names, where a slot lives, and how a slot is judged.
-
-One place for the rules the writer (:mod:`kvtier.store.disk_store`), the
-readers (:mod:`kvtier.store.disk_reads`, :mod:`kvtier.store.slot_reader`,
-:mod:`kvtier.store.device_staging`) and ``kvtier inspect``/``verify``
-(:mod:`kvtier.store.inspect`, :mod:`kvtier.store.store_view`) share; see
-docs/on-disk-format.md. Pure: no I/O, no torch.
-
-Striping: a store on ``P`` paths (``stripes``) has one slab per path, named
-``slab-<path index>.kvt``; global slot ``s`` lives in slab ``s % P`` at
-local slot ``s // P`` (:func:`locate`), so consecutive slots go to different
-devices; local slot ``l`` starts at byte ``l * slot_bytes`` of its slab
-(:func:`slot_offset`). (The store directory's name is
-:func:`kvtier.store.store_dir.store_dirname`, next to the code that creates it.)
-
-Reading a batch: :func:`plan_runs` is the one rule both load readers use to
-turn a batch of slots into reads: rows in file order, one read per run of
-slots consecutive in one slab file.
+"""How a slot is judged: the rules every reader of a slot shares (pure: no
+I/O, no torch; see docs/on-disk-format.md).
 
 Judging a slot: :func:`short_read_outcome` is the one rule for a read that
 came back short; :func:`verify_slot` (header and payload, xxh3) is the one
@@ -29,11 +13,9 @@ decode as the header says.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvtier.store.checksum import payload_checksum
 from kvtier.store.compression import CorruptPayloadError, decompress
@@ -43,83 +25,6 @@ from kvtier.store.format import (
     EmptySlotError,
     SlotHeader,
 )
-
-SLAB_RE = re.compile(r"^slab-(\d+)\.kvt$")
-
-
-def slab_name(index: int) -> str:
-    """File name of the slab of path ``index`` (inside the store directory)."""
-    if index < 0:
-        raise ValueError(f"slab index must be >= 0, got {index}")
-    return f"slab-{index}.kvt"
-
-
-def locate(slot: int, stripes: int) -> tuple[int, int]:
-    """``(slab index, local slot)`` of global ``slot`` striped over ``stripes``."""
-    if stripes < 1 or slot < 0:
-        raise ValueError(f"bad slot {slot} or stripe count {stripes}")
-    return slot % stripes, slot // stripes
-
-
-def global_slot(index: int, local: int, stripes: int) -> int:
-    """Inverse of :func:`locate`."""
-    return local * stripes + index
-
-
-def local_slot_count(num_slots: int, index: int, stripes: int) -> int:
-    """How many of ``num_slots`` global slots live in slab ``index``."""
-    return (num_slots - index + stripes - 1) // stripes
-
-
-def slot_offset(local: int, slot_bytes: int) -> int:
-    """Byte offset of local slot ``local`` in its slab (slots of
-    ``slot_bytes`` bytes each, from byte 0; a multiple of the I/O alignment
-    when ``slot_bytes`` is, as :func:`kvtier.store.format.slot_size` makes it)."""
-    if local < 0 or slot_bytes < 1:
-        raise ValueError(f"bad local slot {local} or slot size {slot_bytes}")
-    return local * slot_bytes
-
-
-class Run(NamedTuple):
-    """One read of a batch: ``count`` slots from local slot ``local`` of slab
-    ``slab`` into rows ``row`` .. ``row + count - 1`` (bytes
-    ``slot_offset(local, slot_bytes)`` onwards, ``count * slot_bytes`` long)."""
-
-    slab: int
-    local: int
-    row: int
-    count: int
-
-
-def plan_runs(
-    slots: Sequence[int], stripes: int, *, num_slots: int, first_row: int = 0
-) -> tuple[list[Run], list[int]]:
-    """How to read the global ``slots`` of a batch into rows ``first_row``
-    .. ``first_row + len(slots) - 1``: ``(runs, row_of)``.
-
-    Rows follow file order (slab, then local slot), whatever the order of
-    ``slots``, so slots consecutive in one slab file land in adjacent rows
-    and make one :class:`Run` (one read); runs are in file order too.
-    ``row_of[i]`` is the row of ``slots[i]``; the rows are a permutation of
-    the range. A slot listed twice gets two rows (and two runs). IndexError
-    for a slot outside ``[0, num_slots)``."""
-    for slot in slots:
-        if not 0 <= slot < num_slots:
-            raise IndexError(f"slot {slot} out of range [0, {num_slots})")
-    where = [locate(slot, stripes) for slot in slots]
-    order = sorted(range(len(slots)), key=where.__getitem__)
-    row_of = [0] * len(slots)
-    runs: list[Run] = []
-    for k, i in enumerate(order):
-        row = first_row + k
-        row_of[i] = row
-        f, local = where[i]
-        last = runs[-1] if runs else None
-        if last is not None and last.slab == f and last.local + last.count == local:
-            runs[-1] = last._replace(count=last.count + 1)
-        else:
-            runs.append(Run(f, local, row, 1))
-    return runs, row_of
 
 
 class ReadOutcome(Enum):

@@ -28,6 +28,7 @@ import numpy as np
 from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
 from kvtier.store.layout import ReadOutcome
+from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot_reader import PendingRead, SlotRead, SlotReader
 
 logger = get_logger("store")
@@ -53,14 +54,10 @@ def _serve(fd: int, req: Connection, resp: Connection) -> None:
     shared = mmap.mmap(fd, cfg["nbytes"], mmap.MAP_SHARED)
     area = np.frombuffer(shared, dtype=np.uint8)
     backend = make_backend(cfg["disk_io"], threads=cfg["threads"])
-    reader = SlotReader(
-        cfg["paths"],
-        cfg["num_slots"],
-        cfg["block_bytes"],
-        cfg["fingerprint"],
-        backend,
-        area=area,
+    files = SlabFiles.open(
+        cfg["paths"], cfg["fingerprint"], cfg["num_slots"], backend, owns_backend=True
     )
+    reader = SlotReader(files, area=area)
     reader.files.open_all()
     resp.send(("ready",))
     # One thread (the reader is single-threaded): start every batch that

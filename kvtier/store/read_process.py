@@ -58,11 +58,9 @@ import numpy as np
 
 from kvtier.host.placement import without_openmp_binding
 from kvtier.log import get_logger
-from kvtier.store.backends.base import DiskBackend
-from kvtier.store.format import LayoutFingerprint, slot_size
 from kvtier.store.layout import ReadOutcome
 from kvtier.store.pipe_channel import PipeChannel
-from kvtier.store.slab_files import SlotReaderStats
+from kvtier.store.slabs import SlabFiles, SlabStats
 from kvtier.store.slot_reader import PendingRead, SlotRead, SlotReader
 
 logger = get_logger("store")
@@ -96,19 +94,10 @@ class ReadProcess:
     spawn = True
 
     def __init__(
-        self,
-        paths: Sequence[str],
-        num_slots: int,
-        block_bytes: int,
-        fingerprint: LayoutFingerprint,
-        backend: DiskBackend,
-        *,
-        disk_io: str,
-        threads: int,
-        bounce_bytes: int = 64 << 20,
+        self, files: SlabFiles, *, capacity: int, disk_io: str, threads: int
     ) -> None:
-        self.slot_size = slot_size(block_bytes)
-        capacity = max(1, bounce_bytes // self.slot_size)
+        assert files.fingerprint is not None
+        self.slot_size = files.slot_size
         nbytes = capacity * self.slot_size
         self._fd = os.memfd_create("kvtier-bounce", os.MFD_CLOEXEC)
         try:
@@ -127,25 +116,22 @@ class ReadProcess:
         area.fill(0)  # its pages in now, not during the first load
         try:
             # Reads here while the child starts, and after it is gone.
-            self._local = SlotReader(
-                paths, num_slots, block_bytes, fingerprint, backend, area=area
-            )
+            self._local = SlotReader(files, area=area)
         except BaseException:
             del area
             self._map = None
             os.close(self._fd)
             raise
         del area
-        self.backend = backend  # this process's (the child makes its own)
+        self.backend = files.backend  # this process's (the child makes its own)
         self.capacity = self._local.capacity
         self.rows = self._local.rows
         self.pinned = False
         self.files = self._local.files
         self._child_config = {
-            "paths": list(paths),
-            "num_slots": num_slots,
-            "block_bytes": block_bytes,
-            "fingerprint": fingerprint,
+            "paths": [os.path.dirname(d) for d in files.dirs],
+            "num_slots": files.num_slots,
+            "fingerprint": files.fingerprint,
             "disk_io": disk_io,
             "threads": threads,
             "nbytes": nbytes,
@@ -155,7 +141,7 @@ class ReadProcess:
         self._ready = False
         self._next = 0
         self._held: dict[int, ProcessRead] = {}
-        self._child_stats = SlotReaderStats()
+        self._child_stats = SlabStats()
         self._stats_lock = threading.Lock()
         self._closed = False
 
@@ -235,11 +221,11 @@ class ReadProcess:
         where = f"read process {self.pid}" if self.running else "engine's process"
         return f"{where}; {self.backend.describe()}"
 
-    def stats(self) -> SlotReaderStats:
+    def stats(self) -> SlabStats:
         local = self._local.stats()
         with self._stats_lock:
             child = self._child_stats
-        return SlotReaderStats(*(a + b for a, b in zip(astuple(local), astuple(child))))
+        return SlabStats(*(a + b for a, b in zip(astuple(local), astuple(child))))
 
     # ------------------------------------------------------------ the reads
 
@@ -337,7 +323,7 @@ class ReadProcess:
         if read is not None:  # else no longer waited for
             read.result = result
         with self._stats_lock:
-            self._child_stats = SlotReaderStats(*stats)
+            self._child_stats = SlabStats(*stats)
 
     def _lost(self, why: str) -> None:
         """The child is gone: reap it, fail what it held, read here from now."""

@@ -18,28 +18,111 @@ and scattering straight from it keeps the work per job, not per block.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvtier.log import get_logger
-from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
-from kvtier.store.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
+from kvtier.store.backends.base import IO_ALIGNMENT
+from kvtier.store.format import HEADER_SIZE, Codec, aligned_empty
 from kvtier.store.layout import (
     ReadOutcome,
-    Run,
     decode_payload,
-    plan_runs,
-    slot_offset,
+    short_read_outcome,
     verify_slot,
 )
-from kvtier.store.slab_files import SlabFiles, SlotReaderStats, bounce_area
+from kvtier.store.slabs import SlabFiles, SlabStats, locate
 
 logger = get_logger("store")
+
+
+class Run(NamedTuple):
+    """One read of a batch: ``count`` slots from local slot ``local`` of slab
+    ``slab`` into rows ``row`` .. ``row + count - 1`` (``count * slot_size``
+    bytes from the local slot's offset)."""
+
+    slab: int
+    local: int
+    row: int
+    count: int
+
+
+def plan_runs(
+    slots: Sequence[int], stripes: int, *, num_slots: int, first_row: int = 0
+) -> tuple[list[Run], list[int]]:
+    """How to read the global ``slots`` of a batch into rows ``first_row``
+    .. ``first_row + len(slots) - 1``: ``(runs, row_of)``.
+
+    Rows follow file order (slab, then local slot), whatever the order of
+    ``slots``, so slots consecutive in one slab file land in adjacent rows
+    and make one :class:`Run` (one read); runs are in file order too.
+    ``row_of[i]`` is the row of ``slots[i]``; the rows are a permutation of
+    the range. A slot listed twice gets two rows (and two runs). IndexError
+    for a slot outside ``[0, num_slots)``."""
+    for slot in slots:
+        if not 0 <= slot < num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {num_slots})")
+    where = [locate(slot, stripes) for slot in slots]
+    order = sorted(range(len(slots)), key=where.__getitem__)
+    row_of = [0] * len(slots)
+    runs: list[Run] = []
+    for k, i in enumerate(order):
+        row = first_row + k
+        row_of[i] = row
+        f, local = where[i]
+        last = runs[-1] if runs else None
+        if last is not None and last.slab == f and last.local + last.count == local:
+            runs[-1] = last._replace(count=last.count + 1)
+        else:
+            runs.append(Run(f, local, row, 1))
+    return runs, row_of
+
+
+def bounce_area(nbytes: int, *, pin: bool) -> tuple[np.ndarray, Any]:
+    """A host area of ``nbytes`` for slots to be read into, and the object
+    keeping its memory alive (None for plain numpy memory).
+
+    Contract: the area is uint8, C-contiguous and 4 KiB-aligned (O_DIRECT
+    needs it). With ``pin`` and CUDA present it is page-locked through
+    torch's pinned allocator, so host-to-device copies from it are
+    asynchronous (the owner is that tensor); otherwise it is plain memory,
+    touched once here so that the first load's reads do not fault its pages
+    in while the engine steps. Its contents are unspecified (zeros unless
+    pinned)."""
+    if pin:
+        import torch
+
+        if torch.cuda.is_available():
+            owner = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
+            raw = owner.numpy()
+            start = (-raw.ctypes.data) % 4096
+            return raw[start : start + nbytes], owner
+    area = aligned_empty(nbytes)
+    area.fill(0)
+    return area, None
+
+
+def short_read(files: SlabFiles, slot: int) -> ReadOutcome:
+    """A read of ``slot`` came back short: TRUNCATED (logged with the
+    rejected slots) when its slab now ends inside the slot, else IO_ERROR
+    (counted and logged as an EIO): see :func:`short_read_outcome`."""
+    f, offset = files.locate(slot)
+    size = files.size(f)
+    outcome = short_read_outcome(size, offset + files.slot_size)
+    if outcome is ReadOutcome.TRUNCATED:
+        files.rejected(slot, f"short read: the slab ends at byte {size} (truncated)")
+    else:
+        files.io_error(
+            "read",
+            f,
+            OSError(errno.EIO, f"short read of slot {slot} (not the file's end)"),
+        )
+    return outcome
 
 
 @dataclass
@@ -95,37 +178,24 @@ class SlotReader:
 
     def __init__(
         self,
-        paths: Sequence[str],
-        num_slots: int,
-        block_bytes: int,
-        fingerprint: LayoutFingerprint,
-        backend: DiskBackend,
+        files: SlabFiles,
         *,
-        bounce_bytes: int = 64 << 20,
+        capacity: int = 64,
         pin: bool = False,
-        owns_backend: bool = True,
         area: np.ndarray | None = None,
     ) -> None:
         """``area``: read into this memory (uint8, 4 KiB-aligned, whole slots:
         e.g. a mapping shared with another process) instead of a bounce area
-        of ``bounce_bytes`` of its own; the caller keeps it mapped until
+        of ``capacity`` slots of its own; the caller keeps it mapped until
         :meth:`close`."""
-        if isinstance(paths, str):
-            paths = [paths]
-        if not paths or num_slots < 1 or block_bytes < 1:
-            raise ValueError("SlotReader needs paths, slots and a block size")
-        if block_bytes != fingerprint.block_bytes:
-            raise ValueError(
-                f"block_bytes={block_bytes} disagrees with fingerprint "
-                f"block_bytes={fingerprint.block_bytes}"
-            )
-        self.backend = backend
-        self.files = SlabFiles(paths, fingerprint, backend, owns_backend)
-        self.slab_paths = self.files.paths
-        self.num_slots = num_slots
-        self.block_bytes = block_bytes
-        self.slot_size = slot_size(block_bytes)
-        self._digest = fingerprint.digest()
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.files = files
+        self.backend = files.backend
+        self.num_slots = files.num_slots
+        self.block_bytes = block_bytes = files.block_bytes
+        self.slot_size = files.slot_size
+        self._digest = files.digest
         if area is not None:
             if area.dtype != np.uint8 or area.ctypes.data % IO_ALIGNMENT:
                 raise ValueError("area must be uint8 memory aligned to IO_ALIGNMENT")
@@ -135,7 +205,7 @@ class SlotReader:
             area = area.reshape(-1)[: self.capacity * self.slot_size]
             self._area_owner = None
         else:
-            self.capacity = max(1, bounce_bytes // self.slot_size)
+            self.capacity = capacity
             area, self._area_owner = bounce_area(
                 self.capacity * self.slot_size, pin=pin
             )
@@ -146,7 +216,7 @@ class SlotReader:
         # The decoded blocks, one per bounce row: what loads copy from.
         self.rows = self._area[:, HEADER_SIZE : HEADER_SIZE + block_bytes]
         self._scratch: np.ndarray | None = None  # for zstd slots only
-        self._read_sync = getattr(backend, "read_sync", None)
+        self._read_sync = getattr(self.backend, "read_sync", None)
         self._closed = False
 
     # ----------------------------------------------------------------- API
@@ -196,7 +266,7 @@ class SlotReader:
             if state == 0:
                 outcome = ReadOutcome.IO_ERROR
             elif state == 2:
-                outcome = self.files.short_read(slot, self.slot_size)
+                outcome = short_read(self.files, slot)
             else:
                 outcome = self._verify(row, key, slot)
             if outcome is ReadOutcome.OK:
@@ -204,7 +274,7 @@ class SlotReader:
             elif outcome is not ReadOutcome.IO_ERROR:
                 corrupt += 1
             results.append(SlotRead(outcome, row))
-        self.files.count(nbytes=nbytes, seconds=dt, ok=ok, checksum_failures=corrupt)
+        self.files.count_read(nbytes, dt, blocks=len(items), ok=ok, bad=corrupt)
         return results
 
     def ready(self, pending: PendingRead) -> bool:
@@ -223,7 +293,7 @@ class SlotReader:
         that gives the job up): afterwards its rows may be reused."""
         wait([f for f in pending.parts if isinstance(f, Future)])
 
-    def stats(self) -> SlotReaderStats:
+    def stats(self) -> SlabStats:
         return self.files.stats()
 
     def describe(self) -> str:
@@ -250,7 +320,7 @@ class SlotReader:
             raise RuntimeError("SlotReader is closed")
         runs, row_of = plan_runs(
             [slot for slot, _key in items],
-            len(self.slab_paths),
+            self.files.stripes,
             num_slots=self.num_slots,
             first_row=first_row,
         )
@@ -264,7 +334,7 @@ class SlotReader:
         ss = self.slot_size
         flat = self._area.reshape(-1)
         target = flat[run.row * ss : (run.row + run.count) * ss]
-        return self.files.handle(run.slab), target, slot_offset(run.local, ss)
+        return self.files.handle(run.slab), target, run.local * ss
 
     def _issue(self, runs: list[Run], inline: bool) -> list[Any]:
         """Per run: a future of the bytes read, the bytes read (``inline``:
@@ -274,7 +344,7 @@ class SlotReader:
             try:
                 return [int(self._read_sync(*self._target(runs[0])))]
             except OSError as exc:
-                self.files.io_error(runs[0].slab, exc)
+                self.files.io_error("read", runs[0].slab, exc)
                 return [None]
         parts: list[Any] = []
         try:
@@ -282,7 +352,7 @@ class SlotReader:
                 try:
                     parts.append(self.backend.submit_read(*self._target(run)))
                 except OSError as exc:
-                    self.files.io_error(run.slab, exc)
+                    self.files.io_error("read", run.slab, exc)
                     parts.append(None)
         except BaseException:
             # Anything else (a bug): reads already in flight write into the
@@ -302,7 +372,7 @@ class SlotReader:
                 try:
                     out[i] = int(part.result())
                 except OSError as exc:
-                    self.files.io_error(runs[i].slab, exc)
+                    self.files.io_error("read", runs[i].slab, exc)
         except BaseException:
             wait([f for f in parts if isinstance(f, Future)])
             raise

@@ -19,7 +19,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvtier.store.backends.base import IO_ALIGNMENT
-from kvtier.store.layout import locate
+from kvtier.store.slabs import locate
 
 if TYPE_CHECKING:
     from kvtier.store.disk_store import DiskStore

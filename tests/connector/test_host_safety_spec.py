@@ -25,7 +25,7 @@ from kvtier.connector.identity import model_identity  # noqa: E402
 from kvtier.connector.spec import layout_fingerprint  # noqa: E402
 from kvtier.safe_open import InUseError  # noqa: E402
 from kvtier.store.format import slot_size  # noqa: E402
-from kvtier.store.store_dir import store_dirname  # noqa: E402
+from kvtier.store.slabs import store_dirname  # noqa: E402
 from kvtier.testing.offloading import offloading_config, tiered_spec  # noqa: E402
 
 BLOCK = 8192
@@ -196,7 +196,7 @@ def test_failed_manager_start_shows_the_real_error(
     elif failure == "enospc":
         import errno
 
-        from kvtier.store import slab as slab_mod
+        from kvtier.store import slabs as slab_mod
 
         def full(fd: int, offset: int, length: int) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

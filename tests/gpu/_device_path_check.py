@@ -68,6 +68,7 @@ def _fingerprint():
 def _reader(paths: list[str], backend_name: str, device: str):
     from kvtier.store.backends.factory import make_backend
     from kvtier.store.device_staging import DeviceStagingReader
+    from kvtier.store.slabs import SlabFiles
 
     backend = make_backend(backend_name, threads=2)
     targets: list[str] = []
@@ -81,16 +82,8 @@ def _reader(paths: list[str], backend_name: str, device: str):
             return start(handle, buf, offset)
 
         backend.start_read = start_read
-    reader = DeviceStagingReader(
-        paths,
-        SLOTS,
-        BLOCK,
-        _fingerprint(),
-        backend,
-        device=device,
-        capacity=SLOTS,
-        owns_backend=True,
-    )
+    files = SlabFiles.open(paths, _fingerprint(), SLOTS, backend, owns_backend=True)
+    reader = DeviceStagingReader(files, device=device, capacity=SLOTS)
     return reader, targets
 
 

@@ -31,7 +31,7 @@ from reliability_common import (
     store_keys,
 )
 
-from kvtier.store import slab as slab_mod
+from kvtier.store import slabs as slab_mod
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import ReadOutcome

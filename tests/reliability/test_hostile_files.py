@@ -122,9 +122,10 @@ def test_worker_reader_refuses_a_fifo_swapped_in_for_the_slab(tmp_path: Path) ->
     from reliability_common import BLOCK_BYTES, key_of, make_fingerprint
     from kvtier.store.layout import ReadOutcome
     from kvtier.store.backends.posix import PosixBackend
+    from kvtier.store.slabs import SlabFiles
     from kvtier.store.slot_reader import SlotReader
-    r = SlotReader([{str(tmp_path)!r}], 4, BLOCK_BYTES, make_fingerprint(),
-                   PosixBackend(threads=1))
+    r = SlotReader(SlabFiles.open([{str(tmp_path)!r}], make_fingerprint(), 4,
+                                  PosixBackend(threads=1), owns_backend=True))
     (res,) = r.read([(0, key_of(0))])
     assert res.outcome is ReadOutcome.IO_ERROR, res.outcome
     r.close()
@@ -147,6 +148,7 @@ def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
     from kvtier.store.checksum import device_checksum, payload_checksum
     from kvtier.store.format import HEADER_SIZE, Codec, SlotHeader
     from kvtier.store.layout import ReadOutcome
+    from kvtier.store.slabs import SlabFiles
     from kvtier.store.slot_reader import SlotReader
 
     d = make_store(tmp_path, blocks=1)
@@ -172,7 +174,9 @@ def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
         f.write(b"\xee" * half)  # what an unverified read would serve
 
     reader = SlotReader(
-        [str(tmp_path)], 4, BLOCK_BYTES, make_fingerprint(), PosixBackend(threads=1)
+        SlabFiles.open(
+            [str(tmp_path)], make_fingerprint(), 4, PosixBackend(threads=1), owns_backend=True
+        )
     )
     try:
         (res,) = reader.read([(0, key)])

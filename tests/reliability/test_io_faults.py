@@ -31,6 +31,7 @@ import kvtier
 from kvtier.store.backends.factory import make_backend
 from kvtier.store.format import HEADER_SIZE
 from kvtier.store.layout import ReadOutcome
+from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot_reader import SlotReader
 from kvtier.testing.faults import (
     MAX_DELAY_S,
@@ -49,6 +50,11 @@ def fill_rows(rig: Rig, rows: range, first_key: int = 0) -> list[bytes]:
     for key, row in zip(keys, rows):
         rig.cpu.array[row] = pattern(key)
     return keys
+
+
+def _files(rig: Rig, backend: Any) -> SlabFiles:
+    s = rig.store
+    return SlabFiles.open(s.paths, s.fingerprint, s.num_slots, backend)
 
 
 def slot_data(rig: Rig, slot: int, key: bytes) -> tuple[ReadOutcome, np.ndarray]:
@@ -367,14 +373,7 @@ def test_failed_jobs_drive_the_hierarchy(
 
     # Load first[2] (read fault) and first[3] (clean) as a worker does:
     # straight from their slots, verified, with promotion rows.
-    reader = SlotReader(
-        rig.store.paths,
-        rig.store.num_slots,
-        rig.store.block_bytes,
-        rig.store.fingerprint,
-        rig.backend,
-        owns_backend=False,
-    )
+    reader = SlotReader(_files(rig, rig.backend))
     for key, ok in ((first[2], False), (first[3], True)):
         plan = h.prepare_load([key])
         (loc,) = plan.locations
@@ -419,15 +418,7 @@ def test_reads_into_part_of_the_bounce_area_leave_the_rest_alone(
     keys = [key_of(i) for i in range(4)]
     for slot, key in enumerate(keys):
         rig.store.write_block(slot, key, pattern(key), rig.store.next_seq())
-    reader = SlotReader(
-        rig.store.paths,
-        rig.store.num_slots,
-        rig.store.block_bytes,
-        rig.store.fingerprint,
-        rig.backend,
-        bounce_bytes=4 * rig.store.slot_size,
-        owns_backend=False,
-    )
+    reader = SlotReader(_files(rig, rig.backend), capacity=4)
     try:
         assert reader.capacity == 4
         low = reader.read([(0, keys[0]), (1, keys[1])])
@@ -477,15 +468,7 @@ def test_a_read_that_raises_leaves_no_io_writing_the_bounce_area(
             futures.append(fut)
             return fut
 
-    reader = SlotReader(
-        rig.store.paths,
-        rig.store.num_slots,
-        rig.store.block_bytes,
-        rig.store.fingerprint,
-        Flaky(),  # type: ignore[arg-type]
-        bounce_bytes=4 * rig.store.slot_size,
-        owns_backend=False,
-    )
+    reader = SlotReader(_files(rig, Flaky()), capacity=4)  # type: ignore[arg-type]
     try:
         with pytest.raises(RuntimeError, match="a bug"):
             reader.read([(0, keys[0]), (2, keys[2])])  # two runs

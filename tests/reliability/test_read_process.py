@@ -24,10 +24,11 @@ from reliability_common import Rig, key_of, pattern
 from kvtier.store import pipe_channel, read_process
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.format import HEADER_SIZE
-from kvtier.store.layout import ReadOutcome, slot_offset
+from kvtier.store.layout import ReadOutcome
 from kvtier.store.pipe_channel import frame
 from kvtier.store.read_child import CHILD_NAME
 from kvtier.store.read_process import ProcessRead, ReadProcess
+from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot_reader import PendingRead, SlotReader
 from kvtier.testing.faults import flip_byte
 
@@ -41,18 +42,17 @@ def _written(rig: Rig, count: int) -> list[bytes]:
     return keys
 
 
-def _args(rig: Rig) -> tuple:
+def _files(rig: Rig, backend: PosixBackend) -> SlabFiles:
     s = rig.store
-    return (s.paths, s.num_slots, s.block_bytes, s.fingerprint)
+    return SlabFiles.open(s.paths, s.fingerprint, s.num_slots, backend, owns_backend=True)
 
 
 def _reader(rig: Rig, **kw) -> ReadProcess:
     return ReadProcess(
-        *_args(rig),
-        PosixBackend(threads=2),
+        _files(rig, PosixBackend(threads=2)),
         disk_io="posix",
         threads=2,
-        bounce_bytes=8 * rig.store.slot_size,
+        capacity=8,
         **kw,
     )
 
@@ -68,8 +68,8 @@ def _running(rp: ReadProcess) -> ReadProcess:
 
 
 def _flip_payload_byte(rig: Rig, reader: ReadProcess, slot: int) -> None:
-    offset = slot_offset(slot, rig.store.slot_size) + HEADER_SIZE + 100
-    flip_byte(reader.files.paths[0], offset, 0x40)
+    offset = slot * rig.store.slot_size + HEADER_SIZE + 100
+    flip_byte(reader.files.slabs[0].path, offset, 0x40)
 
 
 def test_the_child_reads_and_verifies_as_the_engines_process_would(
@@ -97,7 +97,7 @@ def test_the_child_reads_and_verifies_as_the_engines_process_would(
             names = {(t / "comm").read_text().strip() for t in task.iterdir()}
             assert (task / str(rp.pid) / "comm").read_text().strip() == CHILD_NAME
             assert any(n.startswith("kvtier-posix_") for n in names), names
-        local = SlotReader(*_args(rig), PosixBackend(threads=1), bounce_bytes=8 << 20)
+        local = SlotReader(_files(rig, PosixBackend(threads=1)), capacity=8)
         try:
             want = local.read(items)
         finally:

@@ -17,6 +17,7 @@ from kvtier.store.device_staging import DeviceStagingReader, staging_mode
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.format import HEADER_SIZE, LayoutFingerprint
 from kvtier.store.layout import ReadOutcome
+from kvtier.store.slabs import SlabFiles
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 
 torch = pytest.importorskip("torch")
@@ -56,8 +57,14 @@ def two_paths(tmp_path: Path) -> Iterator[tuple[list[str], DiskStore]]:
     yield paths, store
 
 
-def _reader(paths: list[str], backend: object, **kw: object) -> DeviceStagingReader:
-    return DeviceStagingReader(paths, SLOTS, BLOCK, fp(), backend, **kw)  # type: ignore[arg-type]
+def _files(paths: list[str], backend: object, owns: bool = False) -> SlabFiles:
+    return SlabFiles.open(paths, fp(), SLOTS, backend, owns_backend=owns)  # type: ignore[arg-type]
+
+
+def _reader(
+    paths: list[str], backend: object, owns_backend: bool = False, **kw: object
+) -> DeviceStagingReader:
+    return DeviceStagingReader(_files(paths, backend, owns_backend), **kw)  # type: ignore[arg-type]
 
 
 def _assert_rows(reader: DeviceStagingReader, res: list, items: list) -> None:
@@ -155,9 +162,7 @@ def test_short_read_inside_a_run_keeps_the_whole_slots(
         os.truncate(where["path"], where["ranges"][0][0] + ss + ss // 2)
         want = ReadOutcome.TRUNCATED
     backend = FaultInjectingBackend(PosixBackend(threads=1), plan)
-    reader = DeviceStagingReader(
-        [str(tmp_path)], SLOTS, BLOCK, fp(), backend, capacity=4, owns_backend=True
-    )
+    reader = DeviceStagingReader(_files([str(tmp_path)], backend, True), capacity=4)
     try:
         items = [(s, key_of(s)) for s in (2, 3, 4)]
         res = reader.read(items)
@@ -173,9 +178,7 @@ def test_compressed_and_old_slots_are_host_only(tmp_path: Path) -> None:
     store.write_block(0, key_of(0), np.zeros(BLOCK, np.uint8), seq=99)
     store.close()
     backend = PosixBackend(threads=1)
-    reader = DeviceStagingReader(
-        [str(tmp_path)], SLOTS, BLOCK, fp(), backend, capacity=2, owns_backend=True
-    )
+    reader = DeviceStagingReader(_files([str(tmp_path)], backend, True), capacity=2)
     try:
         (r,) = reader.read([(0, key_of(0))])
         assert r.outcome is ReadOutcome.HOST_ONLY and "codec" in r.detail
@@ -209,8 +212,7 @@ def test_cuda_staging_posix_bounce(two_paths: tuple[list[str], DiskStore]) -> No
 def test_both_readers_read_into_one_kind_of_host_area(tmp_path: Path) -> None:
     """``bounce_area``: 4 KiB-aligned, C-contiguous, touched (zeros) unless
     pinned; the host reader's area and a CPU staging tensor come from it."""
-    from kvtier.store.slab_files import bounce_area
-    from kvtier.store.slot_reader import SlotReader
+    from kvtier.store.slot_reader import SlotReader, bounce_area
 
     for pin in (False, True):
         area, owner = bounce_area(3 * 4096 + 512, pin=pin)
@@ -220,7 +222,7 @@ def test_both_readers_read_into_one_kind_of_host_area(tmp_path: Path) -> None:
         if owner is None:
             assert not area.any()
     backend = PosixBackend(threads=1)
-    host = SlotReader([str(tmp_path)], SLOTS, BLOCK, fp(), backend, bounce_bytes=1 << 20)
+    host = SlotReader(_files([str(tmp_path)], backend, True), capacity=SLOTS)
     staging = _reader([str(tmp_path)], backend, capacity=4)
     try:
         assert host.rows.ctypes.data % 4096 == HEADER_SIZE % 4096
@@ -249,7 +251,7 @@ def test_a_held_read_is_not_ready_and_a_timed_wait_gives_up(
     plan.add(FaultRule.hang(release, ops="read", **on_slot(store, 3)))
     backend = FaultInjectingBackend(PosixBackend(threads=2), plan)
     if kind == "host":
-        reader = SlotReader(paths, SLOTS, BLOCK, fp(), backend, bounce_bytes=1 << 20)
+        reader = SlotReader(_files(paths, backend, True), capacity=SLOTS)
     else:
         reader = _reader(paths, backend, capacity=SLOTS)
     try:

@@ -16,9 +16,8 @@ from kvtier.store.backends.factory import make_backend
 from kvtier.store.disk_reads import VerifiedReads
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
-from kvtier.store.layout import ReadOutcome, locate, slot_offset
-from kvtier.store.store_dir import store_dirname
-from kvtier.store.store_files import StoreFiles
+from kvtier.store.layout import ReadOutcome
+from kvtier.store.slabs import SlabFiles, locate, store_dirname
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 KEY = bytes(range(32)) + b"\x00\x00\x00\x01"  # 32-byte hash + 4-byte group
@@ -35,7 +34,7 @@ def sentinel_out(n: int = BLOCK_BYTES) -> np.ndarray:
 
 def location(store: DiskStore, slot: int) -> tuple[str, int]:
     idx, local = locate(slot, len(store.paths))
-    return store.slabs[idx].path, slot_offset(local, store.slot_size)
+    return store.slabs[idx].path, local * store.slot_size
 
 
 def flip(path: str, offset: int) -> None:
@@ -346,7 +345,7 @@ def test_read_header_raises_seq_too(
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
-def test_verified_reads_stand_alone_over_store_files(
+def test_verified_reads_stand_alone_over_slab_files(
     tmp_path: Path, fingerprint: LayoutFingerprint, compression: str
 ) -> None:
     """The read path needs only the shared files, not a DiskStore."""
@@ -357,14 +356,7 @@ def test_verified_reads_stand_alone_over_store_files(
     ) as s:
         s.write_block(3, KEY, data, 42)
     backend = make_backend("posix")
-    files = StoreFiles(
-        [os.path.abspath(p) for p in paths],
-        5,
-        fingerprint,
-        slot_size(BLOCK_BYTES),
-        backend,
-        owns_backend=True,
-    )
+    files = SlabFiles.open(paths, fingerprint, 5, backend, owns_backend=True)
     seen: list[int] = []
     reads = VerifiedReads(
         files,

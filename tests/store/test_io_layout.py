@@ -21,18 +21,20 @@ from kvtier.store.device_staging import DeviceStagingReader
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.format import HEADER_SIZE, LayoutFingerprint, SlotHeader
 from kvtier.store.inspect import scan
-from kvtier.store.layout import (
-    ReadOutcome,
+from kvtier.store.layout import ReadOutcome
+from kvtier.store.slabs import (
+    STORE_DIR_RE,
+    SlabFile,
+    SlabFiles,
+    find_stores,
     global_slot,
     local_slot_count,
     locate,
-    plan_runs,
     slab_name,
-    slot_offset,
+    store_digest_prefix,
+    store_dirname,
 )
-from kvtier.store.slot_reader import SlotReader
-from kvtier.store.store_dir import STORE_DIR_RE, store_digest_prefix, store_dirname
-from kvtier.store.store_view import find_stores
+from kvtier.store.slot_reader import SlotReader, plan_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_SLOTS = 8
@@ -62,9 +64,10 @@ def test_striping_rule_round_trips() -> None:
             seen.add((f, local))
         assert len(seen) == 23
     assert slab_name(3) == "slab-3.kvt"
-    assert slot_offset(3, 8192) == 3 * 8192
-    with pytest.raises(ValueError):
-        slot_offset(-1, 8192)
+    slab = SlabFile("s", 0, 5, 8192, 5 * 8192)
+    assert slab.offset(3) == 3 * 8192
+    with pytest.raises(IndexError):
+        slab.offset(-1)
 
 
 def test_plan_runs_reads_file_order_in_as_few_runs_as_the_files_allow() -> None:
@@ -107,7 +110,7 @@ def test_store_directory_name_round_trips() -> None:
 
 def _offset(store: DiskStore, slot: int) -> tuple[str, int]:
     f, local = locate(slot, len(store.paths))
-    return store.slabs[f].path, slot_offset(local, store.slot_size)
+    return store.slabs[f].path, store.slabs[f].offset(local)
 
 
 def _flip(path: str, at: int) -> None:
@@ -192,8 +195,10 @@ def test_every_reader_judges_a_damaged_slot_alike(
         )
 
     backend = PosixBackend(threads=1)
-    reader = SlotReader(paths, NUM_SLOTS, block_bytes, layout, backend, bounce_bytes=1 << 20)
-    staging = DeviceStagingReader(paths, NUM_SLOTS, block_bytes, layout, backend, capacity=4)
+    reader = SlotReader(SlabFiles.open(paths, layout, NUM_SLOTS, backend), capacity=8)
+    staging = DeviceStagingReader(
+        SlabFiles.open(paths, layout, NUM_SLOTS, backend), capacity=4
+    )
     try:
         items = [(s, key_of(s)) for s in (0, 1, victim)]
         sr = reader.read(items)
@@ -278,11 +283,11 @@ def test_both_readers_coalesce_a_striped_batch_alike(
     first_row = 2
     host_backend, dev_backend = CountingBackend(), CountingBackend()
     reader = SlotReader(
-        paths, NUM_SLOTS, block_bytes, layout, host_backend,
-        bounce_bytes=(NUM_SLOTS + first_row) * 20480,
+        SlabFiles.open(paths, layout, NUM_SLOTS, host_backend),
+        capacity=NUM_SLOTS + first_row,
     )
     staging = DeviceStagingReader(
-        paths, NUM_SLOTS, block_bytes, layout, dev_backend,
+        SlabFiles.open(paths, layout, NUM_SLOTS, dev_backend),
         capacity=NUM_SLOTS + first_row,
     )
     try:
@@ -328,8 +333,10 @@ def test_device_reader_judges_each_item_by_its_own_row(
     want = {s: RO.OK for s in slots}
     want[2], want[4], want[7] = RO.CHECKSUM_MISMATCH, RO.KEY_MISMATCH, RO.TRUNCATED
     backend = PosixBackend(threads=2)
-    reader = SlotReader(paths, NUM_SLOTS, block_bytes, layout, backend, bounce_bytes=1 << 20)
-    staging = DeviceStagingReader(paths, NUM_SLOTS, block_bytes, layout, backend, capacity=NUM_SLOTS)
+    reader = SlotReader(SlabFiles.open(paths, layout, NUM_SLOTS, backend), capacity=NUM_SLOTS)
+    staging = DeviceStagingReader(
+        SlabFiles.open(paths, layout, NUM_SLOTS, backend), capacity=NUM_SLOTS
+    )
     try:
         for res, rows in (
             (reader.read(items), reader.rows),
@@ -381,7 +388,7 @@ def test_a_payload_that_does_not_decode_is_a_bad_header_for_both_host_readers(
         assert store.read_block(1, key_of(1), out) is RO.BAD_HEADER
         assert (out == 7).all()
     backend = PosixBackend(threads=1)
-    reader = SlotReader(paths, NUM_SLOTS, block_bytes, layout, backend, bounce_bytes=1 << 20)
+    reader = SlotReader(SlabFiles.open(paths, layout, NUM_SLOTS, backend), capacity=8)
     try:
         (got,) = reader.read([(1, key_of(1))])
         assert got.outcome is RO.BAD_HEADER

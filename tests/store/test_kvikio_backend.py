@@ -355,6 +355,7 @@ STAGING_CHILD = """
     from kvtier.store.format import HEADER_SIZE, LayoutFingerprint
     from kvtier.store.backends.kvikio import KvikioBackend
     from kvtier.store.layout import ReadOutcome
+    from kvtier.store.slabs import SlabFiles
     from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -382,7 +383,7 @@ STAGING_CHILD = """
                 assert np.array_equal(rows[r.row], blocks[slot]), slot
         return [r.outcome.value for r in res]
 
-    reader = DeviceStagingReader(paths, 8, block, fp, backend, capacity=8)
+    reader = DeviceStagingReader(SlabFiles.open(paths, fp, 8, backend), capacity=8)
     modes = [reader.mode]
     clean = check(reader, (), None)
     reader.close()
@@ -406,7 +407,7 @@ STAGING_CHILD = """
             at = where["ranges"][0][0] + HEADER_SIZE + 99
             plan.add(FaultRule.bit_flip([at], ops="read", **where))
         faulty = FaultInjectingBackend(backend, plan)
-        reader = DeviceStagingReader(paths, 8, block, fp, faulty, capacity=8)
+        reader = DeviceStagingReader(SlabFiles.open(paths, fp, 8, faulty), capacity=8)
         out[fault] = check(reader, hit, want)
         assert plan.injected, fault
         reader.close()

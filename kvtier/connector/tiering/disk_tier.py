@@ -64,7 +64,7 @@ from kvtier.connector.tiering.pull import PullBack
 from kvtier.connector.tiering.rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
 from kvtier.log import get_logger
 from kvtier.store.format import slot_size
-from kvtier.store.store_dir import store_dirname
+from kvtier.store.slabs import store_dirname
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 

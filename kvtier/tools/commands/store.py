@@ -11,7 +11,7 @@ from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
 
 def _open_views(paths: Sequence[str], cmd: str) -> list[Any] | None:
-    from kvtier.store.store_view import find_stores
+    from kvtier.store.slabs import find_stores
 
     try:
         return find_stores(paths)
@@ -92,7 +92,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     views = _open_views(args.paths, "verify")
     if views is None:
         return 2
-    total = sum(v.total_slots for v in views if v.slot_size)
+    total = sum(v.num_slots for v in views)
     try:
         with progress_bar(not args.json, total, "verify", "slot") as tick:
             reports = [verify_store(v, progress=tick) for v in views]

@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store import slab as slab_mod
-from kvtier.store.slab import SlabFile
+from kvtier.store import slabs as slab_mod
+from kvtier.store.slabs import SlabFile
+
+
+def create(path: str, num_slots: int, slot_size: int) -> SlabFile:
+    return SlabFile.create(path, num_slots, slot_size)[0]
 
 
 def mode(path: str) -> int:
@@ -19,7 +23,7 @@ def mode(path: str) -> int:
 def test_created_owner_only_and_sized(tmp_path: Path, umask: int) -> None:
     old = os.umask(umask)
     try:
-        s = SlabFile(str(tmp_path / "s.kvt"), 5, 8192)
+        s = create(str(tmp_path / "s.kvt"), 5, 8192)
     finally:
         os.umask(old)
     assert mode(s.path) == 0o600
@@ -32,7 +36,7 @@ def test_created_owner_only_and_sized(tmp_path: Path, umask: int) -> None:
 
 
 def test_preallocated_blocks_on_disk(tmp_path: Path) -> None:
-    s = SlabFile(str(tmp_path / "s.kvt"), 16, 65536)
+    s = create(str(tmp_path / "s.kvt"), 16, 65536)
     # posix_fallocate reserves the space up front (not a sparse file).
     assert os.stat(s.path).st_blocks * 512 >= 16 * 65536
 
@@ -44,7 +48,7 @@ def test_fallocate_unsupported_falls_back_to_ftruncate(
         raise OSError(errno.EOPNOTSUPP, "not supported")
 
     monkeypatch.setattr(slab_mod.os, "posix_fallocate", nope)
-    s = SlabFile(str(tmp_path / "s.kvt"), 3, 4096)
+    s = create(str(tmp_path / "s.kvt"), 3, 4096)
     assert os.path.getsize(s.path) == 3 * 4096
 
 
@@ -52,10 +56,10 @@ def test_reopen_keeps_contents_never_shrinks_and_tightens_mode(tmp_path: Path) -
     path = tmp_path / "s.kvt"
     path.write_bytes(b"x" * 40000)
     os.chmod(path, 0o644)
-    s = SlabFile(str(path), 2, 8192)
+    s = create(str(path), 2, 8192)
     assert os.path.getsize(path) == 40000
     assert path.read_bytes()[:5] == b"xxxxx"
     assert mode(s.path) == 0o600
-    SlabFile(str(path), 10, 8192)
+    create(str(path), 10, 8192)
     assert os.path.getsize(path) == 10 * 8192
     assert path.read_bytes()[:5] == b"xxxxx"
