@@ -269,8 +269,8 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
     from kvtier.store.backends.factory import make_backend
     from kvtier.store.device_staging import DeviceStagingReader
     from kvtier.store.disk_store import DiskStore
-    from kvtier.store.format import LayoutFingerprint, slot_size
     from kvtier.store.slabs import SlabFiles
+    from kvtier.store.slot import LayoutFingerprint, slot_size
     from kvtier.store.slot_reader import SlotReader
     from kvtier.tiers.events import MEDIUM_DISK
     from kvtier.tiers.plans import BlockLocation

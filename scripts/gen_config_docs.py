@@ -393,7 +393,7 @@ def _kv_bytes_per_block(
 
 def sizing_section() -> str:
     from kvtier.store.backends.base import IO_ALIGNMENT
-    from kvtier.store.format import HEADER_SIZE, slot_size
+    from kvtier.store.slot import HEADER_SIZE, slot_size
 
     cases = [
         # name, per-rank block bytes, tokens per block, TP, cpu bytes, disk bytes

@@ -51,8 +51,8 @@ from kvtier.connector.scheduler.disk_runtime import DiskRuntime
 from kvtier.connector.topology import check_single_node
 from kvtier.host.cpu_files import cpu_buffer_path
 from kvtier.log import get_logger
-from kvtier.store.format import LayoutFingerprint, slot_size
 from kvtier.store.slabs import store_dirname
+from kvtier.store.slot import LayoutFingerprint, slot_size
 
 logger = get_logger("connector")
 

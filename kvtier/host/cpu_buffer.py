@@ -28,7 +28,7 @@ from kvtier.safe_open import (
     open_private,
     open_private_dir,
 )
-from kvtier.store.format import round_up
+from kvtier.store.slot import round_up
 
 logger = get_logger("host")
 

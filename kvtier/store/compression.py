@@ -11,14 +11,20 @@ costs CPU on the promote path and a few percent of bandwidth is not worth it.
 from __future__ import annotations
 
 import threading
+from enum import IntEnum
 
 import numpy as np
 import zstandard
 
-from kvtier.store.format import Codec
-
 DEFAULT_LEVEL = 1
 DEFAULT_MIN_SAVING = 0.05
+
+
+class Codec(IntEnum):
+    """How a payload is stored."""
+
+    RAW = 0
+    ZSTD_BYTEPLANE = 1
 
 
 class CorruptPayloadError(ValueError):

@@ -39,10 +39,15 @@ import numpy as np
 from kvtier.log import get_logger
 from kvtier.store.backends.base import DiskBackend
 from kvtier.store.checksum import device_checksums
-from kvtier.store.format import FIXED_HEADER_LEN, HEADER_SIZE, Codec
-from kvtier.store.layout import ReadOutcome, verify_header
+from kvtier.store.compression import Codec
 from kvtier.store.read_waiter import ReadWaiter, wait_all
 from kvtier.store.slabs import SlabFiles, SlabStats
+from kvtier.store.slot import (
+    FIXED_HEADER_LEN,
+    HEADER_SIZE,
+    ReadOutcome,
+    verify_header,
+)
 from kvtier.store.slot_reader import Run, bounce_area, plan_runs, short_read
 
 logger = get_logger("store")
@@ -60,7 +65,7 @@ def staging_mode(backend: DiskBackend) -> str:
 @dataclass
 class PendingStage:
     """A batch submitted with :meth:`DeviceStagingReader.submit`: its items,
-    the runs read and each item's row (:func:`~kvtier.store.layout.plan_runs`),
+    the runs read and each item's row (:func:`~kvtier.store.slot.plan_runs`),
     and per run a function waiting for its read."""
 
     items: list[tuple[int, bytes]]
@@ -89,7 +94,7 @@ class DeviceStagingReader:
         at most ``capacity - first_row`` of them) into rows ``first_row`` ..
         ``first_row + len(items) - 1`` of :attr:`staging` and returns one
         :class:`StagedSlot` per item, in order. Rows follow file order, not
-        item order (:func:`~kvtier.store.layout.plan_runs`, as
+        item order (:func:`~kvtier.store.slot.plan_runs`, as
         :class:`~kvtier.store.slot_reader.SlotReader` does): an item's row is
         its ``StagedSlot.row``, and slots consecutive in one slab file are
         read with one I/O. OK means: the read was complete, the header is
@@ -102,7 +107,7 @@ class DeviceStagingReader:
         for every slot of its run, logged once per slab and errno; a short
         read is, for the slots it did not cover, TRUNCATED where the slab
         now ends inside the slot and IO_ERROR elsewhere
-        (:func:`~kvtier.store.layout.short_read_outcome`);
+        (:func:`~kvtier.store.slot.short_read_outcome`);
         bad bytes are BAD_HEADER / CHECKSUM_MISMATCH (logged once per slab);
         another key or layout is KEY_MISMATCH / FINGERPRINT_MISMATCH; a
         valid version 1 or compressed slot is HOST_ONLY. ``read`` never

@@ -4,7 +4,7 @@
 :class:`~kvtier.store.slabs.SlabFiles` (which
 :class:`~kvtier.store.disk_store.DiskStore` creates and shares with its write
 path) and judges them with the one slot verification of
-:mod:`kvtier.store.layout` (``parse_header``, ``check_header``,
+:mod:`kvtier.store.slot` (``parse_header``, ``check_header``,
 ``check_payload``; magic, header checksum, layout fingerprint, key, lengths,
 payload xxh3). Every read lands in the calling thread's private bounce
 buffer and is verified there before anything reaches the caller's buffer,
@@ -12,11 +12,11 @@ so a torn, stale or corrupted slot is reported, never returned.
 
 Contract:
   - ``read_block``/``verify``/``read_header`` never raise for I/O or data
-    problems: they return a :class:`~kvtier.store.layout.ReadOutcome`. A failed
+    problems: they return a :class:`~kvtier.store.slot.ReadOutcome`. A failed
     read (any errno) is IO_ERROR; a read that ends early is TRUNCATED when
     the slab now ends inside the slot (slabs are preallocated to full size:
     it was truncated) and IO_ERROR otherwise (the device cut it short;
-    :func:`~kvtier.store.layout.short_read_outcome`), reported as an EIO.
+    :func:`~kvtier.store.slot.short_read_outcome`), reported as an EIO.
     Both are counted in ``io_errors`` and logged once per slab and errno. Rejected bytes (bad header, payload checksum) are counted in
     ``checksum_failures`` and logged once per slab.
   - They do raise for caller errors: IndexError for a slot out of range,
@@ -45,17 +45,20 @@ from typing import Any
 import numpy as np
 
 from kvtier.store.backends.base import IO_ALIGNMENT
-from kvtier.store.format import HEADER_SIZE, SlotHeader, aligned_empty, round_up
-from kvtier.store.layout import (
+from kvtier.store.slabs import SlabFiles
+from kvtier.store.slot import (
+    HEADER_SIZE,
     ReadOutcome,
+    SlotHeader,
     SlotVerdict,
+    aligned_empty,
     check_header,
     check_payload,
     decode_payload,
     parse_header,
+    round_up,
     short_read_outcome,
 )
-from kvtier.store.slabs import SlabFiles
 
 
 def flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:

@@ -4,7 +4,7 @@ Layout (see docs/on-disk-format.md): for each configured path there is a
 directory ``<path>/kvtier-<digest hex[:16]>/`` (named by the layout
 fingerprint, so different models/dtypes/TP ranks never share files) holding
 ``layout.json`` and exactly one preallocated slab ``slab-<path index>.kvt``.
-Slots are striped over the paths by :mod:`kvtier.store.layout` (global slot
+Slots are striped over the paths by :mod:`kvtier.store.slot` (global slot
 ``s`` in slab ``s % len(paths)``, local slot ``s // len(paths)``).
 
 :class:`DiskStore` is the store's write path and its public face. It owns
@@ -39,20 +39,19 @@ from kvtier.log import get_logger
 from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
 from kvtier.store.backends.factory import make_backend
 from kvtier.store.checksum import device_checksum, payload_checksum
-from kvtier.store.compression import compress
+from kvtier.store.compression import Codec, compress
 from kvtier.store.disk_reads import VerifiedReads, flat_u8
-from kvtier.store.format import (
+from kvtier.store.slabs import SlabFile, SlabFiles, SlabStats
+from kvtier.store.slot import (
     HEADER_SIZE,
     MAX_KEY_LEN,
-    Codec,
     LayoutFingerprint,
+    ReadOutcome,
     SlotHeader,
     aligned_empty,
     round_up,
     slot_size,
 )
-from kvtier.store.layout import ReadOutcome
-from kvtier.store.slabs import SlabFile, SlabFiles, SlabStats
 
 logger = get_logger("store")
 

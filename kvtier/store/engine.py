@@ -24,7 +24,7 @@ from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
 from kvtier.store.disk_store import DiskStore
-from kvtier.store.layout import ReadOutcome
+from kvtier.store.slot import ReadOutcome
 
 logger = get_logger("store")
 

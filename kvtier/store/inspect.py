@@ -16,15 +16,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.store.format import (
+from kvtier.store.slabs import SlabFile, SlabFiles, global_slot, open_regular
+from kvtier.store.slot import (
     FORMAT_VERSION,
     HEADER_SIZE,
     HEADER_VERSIONS,
     MAGIC,
+    ReadOutcome,
     SlotHeader,
+    check_payload,
+    verify_header,
 )
-from kvtier.store.layout import ReadOutcome, check_payload, verify_header
-from kvtier.store.slabs import SlabFile, SlabFiles, global_slot, open_regular
 
 _VERSION = struct.Struct("<I")
 

@@ -27,8 +27,8 @@ import numpy as np
 
 from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
-from kvtier.store.layout import ReadOutcome
 from kvtier.store.slabs import SlabFiles
+from kvtier.store.slot import ReadOutcome
 from kvtier.store.slot_reader import PendingRead, SlotRead, SlotReader
 
 logger = get_logger("store")

@@ -58,9 +58,9 @@ import numpy as np
 
 from kvtier.host.placement import without_openmp_binding
 from kvtier.log import get_logger
-from kvtier.store.layout import ReadOutcome
 from kvtier.store.pipe_channel import PipeChannel
 from kvtier.store.slabs import SlabFiles, SlabStats
+from kvtier.store.slot import ReadOutcome
 from kvtier.store.slot_reader import PendingRead, SlotRead, SlotReader
 
 logger = get_logger("store")

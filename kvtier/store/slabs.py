@@ -71,8 +71,7 @@ from kvtier.safe_open import (
     open_private_dir,
 )
 from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
-from kvtier.store.format import HEADER_SIZE, LayoutFingerprint, slot_size
-from kvtier.store.layout import parse_header
+from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, parse_header, slot_size
 
 logger = get_logger("store")
 

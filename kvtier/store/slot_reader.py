@@ -29,14 +29,16 @@ import numpy as np
 
 from kvtier.log import get_logger
 from kvtier.store.backends.base import IO_ALIGNMENT
-from kvtier.store.format import HEADER_SIZE, Codec, aligned_empty
-from kvtier.store.layout import (
+from kvtier.store.compression import Codec
+from kvtier.store.slabs import SlabFiles, SlabStats, locate
+from kvtier.store.slot import (
+    HEADER_SIZE,
     ReadOutcome,
+    aligned_empty,
     decode_payload,
     short_read_outcome,
     verify_slot,
 )
-from kvtier.store.slabs import SlabFiles, SlabStats, locate
 
 logger = get_logger("store")
 
@@ -128,7 +130,7 @@ def short_read(files: SlabFiles, slot: int) -> ReadOutcome:
 @dataclass
 class PendingRead:
     """A batch submitted with :meth:`SlotReader.submit`: its items, the runs
-    read and each item's row (:func:`~kvtier.store.layout.plan_runs`), and per
+    read and each item's row (:func:`~kvtier.store.slot.plan_runs`), and per
     run the future (or result) of its read."""
 
     items: list[tuple[int, bytes]]
@@ -159,13 +161,13 @@ class SlotReader:
         I/O or data problems: an ``OSError`` (any errno) makes the affected
         slots IO_ERROR, a short read TRUNCATED where the slab now ends inside
         the slot and IO_ERROR elsewhere
-        (:func:`~kvtier.store.layout.short_read_outcome`), and a slot that
+        (:func:`~kvtier.store.slot.short_read_outcome`), and a slot that
         fails a check gets the matching outcome. Anything else raised (a bug)
         leaves only once none of its reads is still writing the area. Rows of OK items hold exactly the
         block's ``block_bytes`` decoded bytes until the next ``read``.
       - Reads are coalesced: rows follow file order, not item order, and
         slots that are consecutive in one slab file are read with one I/O
-        (:func:`~kvtier.store.layout.plan_runs`); an item's row is its
+        (:func:`~kvtier.store.slot.plan_runs`); an item's row is its
         ``SlotRead.row``. Runs go to the back end's threads only when there
         are several; one run is read on the calling thread.
       - ``submit(items)`` starts the same reads on the back end's threads

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.store.backends.base import DiskBackend
-from kvtier.store.format import aligned_empty
+from kvtier.store.slot import aligned_empty
 
 if TYPE_CHECKING:
     pass

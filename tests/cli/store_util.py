@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 
 from kvtier.store.disk_store import DiskStore
-from kvtier.store.format import LayoutFingerprint
+from kvtier.store.slot import LayoutFingerprint
 
 BLOCK_BYTES = 64 * 1024
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from kvtier.store.disk_store import DiskStore
-from kvtier.store.format import LayoutFingerprint
+from kvtier.store.slot import LayoutFingerprint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60  # seconds for any one command; all of them take about one

@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 
 from kvtier.connector.worker import worker as worker_mod  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
-from kvtier.store.format import HEADER_SIZE  # noqa: E402
+from kvtier.store.slot import HEADER_SIZE  # noqa: E402
 from kvtier.testing.fault_plan import (  # noqa: E402
     FaultKind,
     FaultPlan,

@@ -53,7 +53,7 @@ def _key(i: int) -> bytes:
 
 
 def _fingerprint():
-    from kvtier.store.format import LayoutFingerprint
+    from kvtier.store.slot import LayoutFingerprint
 
     return LayoutFingerprint(
         model="test/device-path",
@@ -152,8 +152,8 @@ def _worker(paths: list[str], device: str, caches):
 
 def check(device: str, work: str) -> dict:
     from kvtier.store.disk_store import DiskStore
-    from kvtier.store.format import FIXED_HEADER_LEN, HEADER_SIZE
-    from kvtier.store.layout import ReadOutcome, locate
+    from kvtier.store.slabs import locate
+    from kvtier.store.slot import FIXED_HEADER_LEN, HEADER_SIZE, ReadOutcome
     from kvtier.testing.faults import flip_byte
 
     paths = [os.path.join(work, "a"), os.path.join(work, "b")]
@@ -202,7 +202,7 @@ def check(device: str, work: str) -> dict:
 
     # 3. Corrupt one payload byte and one header byte: refused, never loaded.
     slab_paths = [str(sorted(Path(p).rglob("slab-*.kvt"))[0]) for p in paths]
-    from kvtier.store.format import slot_size
+    from kvtier.store.slot import slot_size
 
     for slot, at in (
         (PAYLOAD_FLIP_SLOT, HEADER_SIZE + 1234),

@@ -50,8 +50,8 @@ from kvtier.host.cpu_buffer import CpuBlockBuffer  # noqa: E402
 from kvtier.store.backends.factory import make_backend  # noqa: E402
 from kvtier.store.device_staging import DeviceStagingReader  # noqa: E402
 from kvtier.store.disk_store import DiskStore  # noqa: E402
-from kvtier.store.format import HEADER_SIZE, LayoutFingerprint  # noqa: E402
 from kvtier.store.slabs import SlabFiles  # noqa: E402
+from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint  # noqa: E402
 from kvtier.store.slot_reader import SlotReader  # noqa: E402
 from kvtier.tiers.events import MEDIUM_DISK  # noqa: E402
 from kvtier.tiers.plans import BlockLocation  # noqa: E402

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.disk_store import DiskStore
-from kvtier.store.format import LayoutFingerprint
+from kvtier.store.slot import LayoutFingerprint
 
 MAX_SECONDS = 60.0  # a safety net only: the test kills the writer long before
 

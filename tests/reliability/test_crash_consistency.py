@@ -24,8 +24,7 @@ from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.engine import TransferEngine
-from kvtier.store.format import HEADER_SIZE, SlotHeader
-from kvtier.store.layout import ReadOutcome
+from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 from kvtier.tiers import Residency, TierEvent, TierHierarchy, replay
 

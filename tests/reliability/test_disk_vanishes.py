@@ -27,7 +27,7 @@ from reliability_common import (
 )
 
 from kvtier.store.disk_store import DiskStore
-from kvtier.store.layout import ReadOutcome
+from kvtier.store.slot import ReadOutcome
 from kvtier.testing.faults import FaultPlan, FaultRule, on_slot
 
 NOBODY = 65534

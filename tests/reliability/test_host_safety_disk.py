@@ -23,8 +23,8 @@ from reliability_common import BLOCK_BYTES, SENTINEL, key_of, make_fingerprint, 
 
 from kvtier.safe_open import InUseError, open_private, open_private_dir
 from kvtier.store.disk_store import DiskStore
-from kvtier.store.layout import ReadOutcome
 from kvtier.store.slabs import store_dirname
+from kvtier.store.slot import ReadOutcome
 
 NOBODY = 65534
 

@@ -120,7 +120,7 @@ def test_worker_reader_refuses_a_fifo_swapped_in_for_the_slab(tmp_path: Path) ->
     p = run_python(
         f"""
     from reliability_common import BLOCK_BYTES, key_of, make_fingerprint
-    from kvtier.store.layout import ReadOutcome
+    from kvtier.store.slot import ReadOutcome
     from kvtier.store.backends.posix import PosixBackend
     from kvtier.store.slabs import SlabFiles
     from kvtier.store.slot_reader import SlotReader
@@ -146,9 +146,9 @@ def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
     second half unverified; ``kvtier verify`` called the slot ok."""
     from kvtier.store.backends.posix import PosixBackend
     from kvtier.store.checksum import device_checksum, payload_checksum
-    from kvtier.store.format import HEADER_SIZE, Codec, SlotHeader
-    from kvtier.store.layout import ReadOutcome
+    from kvtier.store.compression import Codec
     from kvtier.store.slabs import SlabFiles
+    from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
     from kvtier.store.slot_reader import SlotReader
 
     d = make_store(tmp_path, blocks=1)

@@ -29,9 +29,8 @@ from reliability_common import (
 
 import kvtier
 from kvtier.store.backends.factory import make_backend
-from kvtier.store.format import HEADER_SIZE
-from kvtier.store.layout import ReadOutcome
 from kvtier.store.slabs import SlabFiles
+from kvtier.store.slot import HEADER_SIZE, ReadOutcome
 from kvtier.store.slot_reader import SlotReader
 from kvtier.testing.faults import (
     MAX_DELAY_S,

@@ -23,12 +23,11 @@ from reliability_common import Rig, key_of, pattern
 
 from kvtier.store import pipe_channel, read_process
 from kvtier.store.backends.posix import PosixBackend
-from kvtier.store.format import HEADER_SIZE
-from kvtier.store.layout import ReadOutcome
 from kvtier.store.pipe_channel import frame
 from kvtier.store.read_child import CHILD_NAME
 from kvtier.store.read_process import ProcessRead, ReadProcess
 from kvtier.store.slabs import SlabFiles
+from kvtier.store.slot import HEADER_SIZE, ReadOutcome
 from kvtier.store.slot_reader import PendingRead, SlotReader
 from kvtier.testing.faults import flip_byte
 

@@ -13,7 +13,7 @@ import pytest
 from kvtier.store.backends import posix as posix_backend
 from kvtier.store.backends.base import DiskBackend
 from kvtier.store.backends.posix import PosixBackend
-from kvtier.store.format import LayoutFingerprint
+from kvtier.store.slot import LayoutFingerprint
 
 BLOCK_BYTES = 64 * 1024
 

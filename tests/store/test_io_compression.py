@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.store.compression import (
+    Codec,
     CorruptPayloadError,
     compress,
     decompress,
     from_byte_planes,
     to_byte_planes,
 )
-from kvtier.store.format import Codec
 
 
 def kv_bytes(dtype: torch.dtype, n: int = 32 * 1024, seed: int = 0) -> np.ndarray:

@@ -15,9 +15,8 @@ import pytest
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.device_staging import DeviceStagingReader, staging_mode
 from kvtier.store.disk_store import DiskStore
-from kvtier.store.format import HEADER_SIZE, LayoutFingerprint
-from kvtier.store.layout import ReadOutcome
 from kvtier.store.slabs import SlabFiles
+from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 
 torch = pytest.importorskip("torch")

@@ -13,11 +13,16 @@ import numpy as np
 import pytest
 
 from kvtier.store.backends.factory import make_backend
+from kvtier.store.compression import Codec
 from kvtier.store.disk_reads import VerifiedReads
 from kvtier.store.disk_store import DiskStore
-from kvtier.store.format import HEADER_SIZE, Codec, LayoutFingerprint, slot_size
-from kvtier.store.layout import ReadOutcome
 from kvtier.store.slabs import SlabFiles, locate, store_dirname
+from kvtier.store.slot import (
+    HEADER_SIZE,
+    LayoutFingerprint,
+    ReadOutcome,
+    slot_size,
+)
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 KEY = bytes(range(32)) + b"\x00\x00\x00\x01"  # 32-byte hash + 4-byte group

@@ -12,10 +12,10 @@ import torch
 
 from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.compression import Codec
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.engine import JobOutcome, TransferEngine
-from kvtier.store.format import HEADER_SIZE, Codec, LayoutFingerprint
-from kvtier.store.layout import ReadOutcome
+from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 N = 12  # blocks per round trip

@@ -19,21 +19,14 @@ from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.checksum import device_checksum
 from kvtier.store.device_staging import DeviceStagingReader
 from kvtier.store.disk_store import DiskStore
-from kvtier.store.format import HEADER_SIZE, LayoutFingerprint, SlotHeader
 from kvtier.store.inspect import scan
-from kvtier.store.layout import ReadOutcome
 from kvtier.store.slabs import (
-    STORE_DIR_RE,
-    SlabFile,
     SlabFiles,
     find_stores,
     global_slot,
-    local_slot_count,
     locate,
-    slab_name,
-    store_digest_prefix,
-    store_dirname,
 )
+from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome, SlotHeader
 from kvtier.store.slot_reader import SlotReader, plan_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -50,24 +43,6 @@ def key_of(slot: int) -> bytes:
 
 def block_of(slot: int, block_bytes: int) -> np.ndarray:
     return np.random.default_rng(slot).integers(0, 256, block_bytes, dtype=np.uint8)
-
-
-def test_striping_rule_round_trips() -> None:
-    for stripes in (1, 2, 3, 5):
-        counts = [local_slot_count(23, i, stripes) for i in range(stripes)]
-        assert sum(counts) == 23
-        seen = set()
-        for s in range(23):
-            f, local = locate(s, stripes)
-            assert local < counts[f]
-            assert global_slot(f, local, stripes) == s
-            seen.add((f, local))
-        assert len(seen) == 23
-    assert slab_name(3) == "slab-3.kvt"
-    slab = SlabFile("s", 0, 5, 8192, 5 * 8192)
-    assert slab.offset(3) == 3 * 8192
-    with pytest.raises(IndexError):
-        slab.offset(-1)
 
 
 def test_plan_runs_reads_file_order_in_as_few_runs_as_the_files_allow() -> None:
@@ -93,16 +68,6 @@ def test_plan_runs_reads_file_order_in_as_few_runs_as_the_files_allow() -> None:
     for bad in (8, -1):
         with pytest.raises(IndexError):
             plan_runs([0, bad], 2, num_slots=8)
-
-
-def test_store_directory_name_round_trips() -> None:
-    layout = fp(16384)
-    name = store_dirname(layout)
-    assert STORE_DIR_RE.match(name)
-    assert store_digest_prefix(name) == layout.digest().hex()[:16]
-    assert layout.digest().hex().startswith(store_digest_prefix(name) or "-")
-    for other in ("kvtier-0123", "kvtier-0123456789ABCDEF", "x" + name, name + "0"):
-        assert store_digest_prefix(other) is None
 
 
 # ------------------------------------------------------------ the matrix
@@ -361,7 +326,7 @@ def test_a_payload_that_does_not_decode_is_a_bad_header_for_both_host_readers(
     import dataclasses
 
     from kvtier.store.checksum import payload_checksum
-    from kvtier.store.format import Codec
+    from kvtier.store.compression import Codec
 
     block_bytes = 16384
     layout = fp(block_bytes)

@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.store.backends.base import IO_ALIGNMENT
 from kvtier.store.backends.posix import PosixBackend, probe_direct
-from kvtier.store.format import aligned_empty
+from kvtier.store.slot import aligned_empty
 
 
 def make_file(path: Path, size: int) -> str:

@@ -286,8 +286,7 @@ DISK_STORE_CHILD = """
 
     from kvtier.store.disk_store import DiskStore
 
-    from kvtier.store.layout import ReadOutcome
-    from kvtier.store.format import LayoutFingerprint
+    from kvtier.store.slot import LayoutFingerprint, ReadOutcome
     from kvtier.store.backends.kvikio import KvikioBackend
 
     work = os.environ["KVTIER_TEST_DIR"]
@@ -352,9 +351,8 @@ STAGING_CHILD = """
 
     from kvtier.store.device_staging import DeviceStagingReader
     from kvtier.store.disk_store import DiskStore
-    from kvtier.store.format import HEADER_SIZE, LayoutFingerprint
     from kvtier.store.backends.kvikio import KvikioBackend
-    from kvtier.store.layout import ReadOutcome
+    from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome
     from kvtier.store.slabs import SlabFiles
     from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 

@@ -8,7 +8,17 @@ from pathlib import Path
 import pytest
 
 from kvtier.store import slabs as slab_mod
-from kvtier.store.slabs import SlabFile
+from kvtier.store.slabs import (
+    STORE_DIR_RE,
+    SlabFile,
+    global_slot,
+    local_slot_count,
+    locate,
+    slab_name,
+    store_digest_prefix,
+    store_dirname,
+)
+from kvtier.store.slot import LayoutFingerprint
 
 
 def create(path: str, num_slots: int, slot_size: int) -> SlabFile:
@@ -63,3 +73,31 @@ def test_reopen_keeps_contents_never_shrinks_and_tightens_mode(tmp_path: Path) -
     create(str(path), 10, 8192)
     assert os.path.getsize(path) == 10 * 8192
     assert path.read_bytes()[:5] == b"xxxxx"
+
+
+def test_striping_rule_round_trips() -> None:
+    for stripes in (1, 2, 3, 5):
+        counts = [local_slot_count(23, i, stripes) for i in range(stripes)]
+        assert sum(counts) == 23
+        seen = set()
+        for s in range(23):
+            f, local = locate(s, stripes)
+            assert local < counts[f]
+            assert global_slot(f, local, stripes) == s
+            seen.add((f, local))
+        assert len(seen) == 23
+    assert slab_name(3) == "slab-3.kvt"
+    slab = SlabFile("s", 0, 5, 8192, 5 * 8192)
+    assert slab.offset(3) == 3 * 8192
+    with pytest.raises(IndexError):
+        slab.offset(-1)
+
+
+def test_store_directory_name_round_trips() -> None:
+    layout = LayoutFingerprint("t/m", "bfloat16", 16384, "g", 0, 1)
+    name = store_dirname(layout)
+    assert STORE_DIR_RE.match(name)
+    assert store_digest_prefix(name) == layout.digest().hex()[:16]
+    assert layout.digest().hex().startswith(store_digest_prefix(name) or "-")
+    for other in ("kvtier-0123", "kvtier-0123456789ABCDEF", "x" + name, name + "0"):
+        assert store_digest_prefix(other) is None

@@ -42,7 +42,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvtier.connector.tiering import KvtierDiskTier, PortableTieringSpec  # noqa: E402
 from kvtier.connector.tiering.config import TierConfigError  # noqa: E402
-from kvtier.store.format import HEADER_SIZE, slot_size  # noqa: E402
+from kvtier.store.slot import HEADER_SIZE, slot_size  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
 from kvtier.testing.offloading import offloading_config, wait_finished  # noqa: E402
 

@@ -23,8 +23,7 @@ from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.log import get_logger
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.engine import TransferEngine
-from kvtier.store.format import LayoutFingerprint
-from kvtier.store.layout import ReadOutcome
+from kvtier.store.slot import LayoutFingerprint, ReadOutcome
 from kvtier.tiers.plans import PromoteOrder, SpillOrder
 
 logger = get_logger("connector")

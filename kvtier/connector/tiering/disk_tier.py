@@ -63,8 +63,8 @@ from kvtier.connector.tiering.metrics import (
 from kvtier.connector.tiering.pull import PullBack
 from kvtier.connector.tiering.rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
 from kvtier.log import get_logger
-from kvtier.store.format import slot_size
 from kvtier.store.slabs import store_dirname
+from kvtier.store.slot import slot_size
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 

@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 from kvtier.connector.specs import TierLoadSpec
 from kvtier.connector.worker.job_plan import GroupPlan
 from kvtier.log import get_logger
-from kvtier.store.layout import ReadOutcome
+from kvtier.store.slot import ReadOutcome
 
 logger = get_logger("connector")
 

@@ -23,7 +23,7 @@ from kvtier.connector.worker.job_errors import failure_of
 from kvtier.connector.worker.job_plan import GroupPlan
 from kvtier.host.block_copy import CopyPlan
 from kvtier.store.device_staging import PendingStage
-from kvtier.store.layout import ReadOutcome
+from kvtier.store.slot import ReadOutcome
 from kvtier.store.slot_reader import PendingRead
 
 

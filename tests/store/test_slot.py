@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.store.backends.base import IO_ALIGNMENT
-from kvtier.store.format import (
+from kvtier.store.compression import Codec
+from kvtier.store.slot import (
     FIXED_HEADER_LEN,
     FORMAT_VERSION,
     HEADER_SIZE,
     HEADER_VERSION,
     MAGIC,
-    Codec,
     CorruptHeaderError,
     EmptySlotError,
     LayoutFingerprint,
@@ -130,7 +130,7 @@ def test_fingerprint_digest_is_pinned_and_field_sensitive() -> None:
 
 def test_fingerprint_digest_stable_across_processes() -> None:
     code = (
-        "from kvtier.store.format import LayoutFingerprint as F;"
+        "from kvtier.store.slot import LayoutFingerprint as F;"
         "print(F('meta-llama/Llama-3.1-8B','bfloat16',2*1024*1024,'g1',1,2).digest().hex())"
     )
     out = subprocess.run(
