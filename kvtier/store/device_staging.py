@@ -48,7 +48,7 @@ from kvtier.store.slot import (
     ReadOutcome,
     verify_header,
 )
-from kvtier.store.slot_reader import Run, bounce_area, plan_runs, short_read
+from kvtier.store.slot_reader import Run, bounce_area, plan_runs
 
 logger = get_logger("store")
 
@@ -235,7 +235,7 @@ class DeviceStagingReader:
                 results[i] = StagedSlot(ReadOutcome.IO_ERROR, row, "read failed")
                 continue
             if state[at] == 2:
-                outcome = short_read(self.files, slot)
+                outcome = self.files.short_read(slot)
                 results[i] = StagedSlot(outcome, row, "short read")
                 continue
             verdict = verify_header(

@@ -37,9 +37,6 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -89,13 +86,11 @@ class VerifiedReads:
         block_bytes: int,
         digest: bytes,
         compressed: bool,
-        on_header: Callable[[SlotHeader], None],
     ) -> None:
         self._files = files
         self._block_bytes = block_bytes
         self._digest = digest
         self._two_step = compressed
-        self._on_header = on_header
         self._tls = threading.local()
 
     def _bounce(self) -> np.ndarray:
@@ -135,36 +130,6 @@ class VerifiedReads:
         """Read the full slot and check header, fingerprint and payload checksum."""
         outcome, _, _ = self._load(slot, None)
         return outcome
-
-    def read_header(self, slot: int) -> tuple[SlotHeader | None, ReadOutcome]:
-        """Read one slot's header only (the same classification as ``scan``)."""
-        idx, offset = self._files.locate(slot)
-        buf = self._bounce()[:HEADER_SIZE]
-        fut = self._files.submit_read(idx, buf, offset)
-        _, hdr, outcome = self._classify_header(slot, idx, buf, fut)
-        return hdr, outcome
-
-    def scan(
-        self, window: int = 64
-    ) -> Iterator[tuple[int, SlotHeader | None, ReadOutcome]]:
-        """Yield ``(slot, header, outcome)`` for every slot, in slot order.
-
-        Reads headers only (``window`` reads in flight). OK means the header is
-        intact and ours; the payload is not verified (use ``verify``). The header
-        is returned for OK and for FINGERPRINT_MISMATCH (so ``kvtier inspect``
-        can show foreign slots), otherwise ``None``.
-        """
-        window = max(1, window)
-        bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
-        inflight: deque[tuple[int, int, np.ndarray, Future[int]]] = deque()
-        for slot in range(self._files.num_slots):
-            if len(inflight) == window:
-                yield self._classify_header(*inflight.popleft())
-            idx, offset = self._files.locate(slot)
-            buf = bufs[slot % window]
-            inflight.append((slot, idx, buf, self._files.submit_read(idx, buf, offset)))
-        while inflight:
-            yield self._classify_header(*inflight.popleft())
 
     # -- the checks ----------------------------------------------------------
 
@@ -251,27 +216,3 @@ class VerifiedReads:
             return ReadOutcome.OK, hdr, payload
         finally:
             self._files.count_read(nread, time.perf_counter() - t0, blocks=1)
-
-    def _classify_header(
-        self, slot: int, idx: int, buf: np.ndarray, fut: Future[int]
-    ) -> tuple[int, SlotHeader | None, ReadOutcome]:
-        try:
-            n = fut.result()
-        except OSError as exc:
-            self._files.io_error("read", idx, exc)
-            return slot, None, ReadOutcome.IO_ERROR
-        self._files.count_read(n)
-        verdict = parse_header(buf, n)
-        if verdict.outcome is ReadOutcome.TRUNCATED:
-            return slot, None, self._short_read(slot, n, HEADER_SIZE)
-        if not verdict.ok:
-            return slot, None, verdict.outcome
-        assert verdict.header is not None
-        hdr = verdict.header
-        outcome = self._check_header(hdr, None).outcome
-        if outcome is ReadOutcome.OK:
-            self._on_header(hdr)
-            return slot, hdr, outcome
-        if outcome is ReadOutcome.FINGERPRINT_MISMATCH:
-            return slot, hdr, outcome
-        return slot, None, outcome

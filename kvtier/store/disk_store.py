@@ -41,6 +41,7 @@ from kvtier.store.backends.factory import make_backend
 from kvtier.store.checksum import device_checksum, payload_checksum
 from kvtier.store.compression import Codec, compress
 from kvtier.store.disk_reads import VerifiedReads, flat_u8
+from kvtier.store.scan import scan
 from kvtier.store.slabs import SlabFile, SlabFiles, SlabStats
 from kvtier.store.slot import (
     HEADER_SIZE,
@@ -152,7 +153,6 @@ class DiskStore:
             block_bytes=block_bytes,
             digest=self._digest,
             compressed=compression != "none",
-            on_header=lambda hdr: self._bump_seq(hdr.seq),
         )
         logger.debug(
             "DiskStore %s: %d slots x %d B on %s via %s",
@@ -166,6 +166,9 @@ class DiskStore:
     def _bump_seq(self, seen: int) -> None:
         with self._seq_lock:
             self._seq = max(self._seq, seen)
+
+    def _on_header(self, hdr: SlotHeader) -> None:
+        self._bump_seq(hdr.seq)
 
     # -- public API -----------------------------------------------------------
 
@@ -253,16 +256,19 @@ class DiskStore:
 
     def read_header(self, slot: int) -> tuple[SlotHeader | None, ReadOutcome]:
         """Read one slot's header only (the same classification as ``scan``)."""
-        return self._reads.read_header(slot)
+        (rec,) = scan(self.files, slots=[slot], window=1, on_header=self._on_header)
+        return rec.header, rec.outcome
 
     def scan(
         self, window: int = 64
     ) -> Iterator[tuple[int, SlotHeader | None, ReadOutcome]]:
         """Yield ``(slot, header, outcome)`` for every slot, in slot order,
-        reading headers only (``window`` in flight); see
-        :meth:`kvtier.store.disk_reads.VerifiedReads.scan`. Raises ``next_seq``
+        reading headers only (``window`` in flight; see
+        :func:`kvtier.store.scan.scan`). The header is there for OK and for
+        FINGERPRINT_MISMATCH (another layout's slot). Raises ``next_seq``
         above every intact header seen."""
-        return self._reads.scan(window)
+        for rec in scan(self.files, window=window, on_header=self._on_header):
+            yield rec.slot, rec.header, rec.outcome
 
     @property
     def dirs(self) -> list[str]:

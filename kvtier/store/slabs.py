@@ -71,7 +71,14 @@ from kvtier.safe_open import (
     open_private_dir,
 )
 from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
-from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, parse_header, slot_size
+from kvtier.store.slot import (
+    HEADER_SIZE,
+    LayoutFingerprint,
+    ReadOutcome,
+    parse_header,
+    short_read_outcome,
+    slot_size,
+)
 
 logger = get_logger("store")
 
@@ -477,6 +484,24 @@ class SlabFiles:
             self.slabs[idx].path,
             what,
         )
+
+    def short_read(self, slot: int) -> ReadOutcome:
+        """A read of ``slot`` came back short: TRUNCATED (logged with the
+        rejected slots) when its slab now ends inside the slot, else
+        IO_ERROR (counted and logged as an EIO); see
+        :func:`~kvtier.store.slot.short_read_outcome`."""
+        idx, offset = self.locate(slot)
+        size = self.size(idx)
+        outcome = short_read_outcome(size, offset + self.slot_size)
+        if outcome is ReadOutcome.TRUNCATED:
+            self.rejected(slot, f"short read: the slab ends at byte {size} (truncated)")
+        else:
+            self.io_error(
+                "read",
+                idx,
+                OSError(errno.EIO, f"short read of slot {slot} (not the file's end)"),
+            )
+        return outcome
 
     def host_only(self, slot: int, why: str) -> None:
         """An intact slot that the device path cannot verify: logged."""

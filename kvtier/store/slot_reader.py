@@ -18,7 +18,6 @@ and scattering straight from it keeps the work per job, not per block.
 
 from __future__ import annotations
 
-import errno
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
@@ -36,7 +35,6 @@ from kvtier.store.slot import (
     ReadOutcome,
     aligned_empty,
     decode_payload,
-    short_read_outcome,
     verify_slot,
 )
 
@@ -107,24 +105,6 @@ def bounce_area(nbytes: int, *, pin: bool) -> tuple[np.ndarray, Any]:
     area = aligned_empty(nbytes)
     area.fill(0)
     return area, None
-
-
-def short_read(files: SlabFiles, slot: int) -> ReadOutcome:
-    """A read of ``slot`` came back short: TRUNCATED (logged with the
-    rejected slots) when its slab now ends inside the slot, else IO_ERROR
-    (counted and logged as an EIO): see :func:`short_read_outcome`."""
-    f, offset = files.locate(slot)
-    size = files.size(f)
-    outcome = short_read_outcome(size, offset + files.slot_size)
-    if outcome is ReadOutcome.TRUNCATED:
-        files.rejected(slot, f"short read: the slab ends at byte {size} (truncated)")
-    else:
-        files.io_error(
-            "read",
-            f,
-            OSError(errno.EIO, f"short read of slot {slot} (not the file's end)"),
-        )
-    return outcome
 
 
 @dataclass
@@ -268,7 +248,7 @@ class SlotReader:
             if state == 0:
                 outcome = ReadOutcome.IO_ERROR
             elif state == 2:
-                outcome = short_read(self.files, slot)
+                outcome = self.files.short_read(slot)
             else:
                 outcome = self._verify(row, key, slot)
             if outcome is ReadOutcome.OK:

@@ -16,6 +16,7 @@ from kvtier.store.backends.factory import make_backend
 from kvtier.store.compression import Codec
 from kvtier.store.disk_reads import VerifiedReads
 from kvtier.store.disk_store import DiskStore
+from kvtier.store.scan import scan
 from kvtier.store.slabs import SlabFiles, locate, store_dirname
 from kvtier.store.slot import (
     HEADER_SIZE,
@@ -368,14 +369,14 @@ def test_verified_reads_stand_alone_over_slab_files(
         block_bytes=BLOCK_BYTES,
         digest=fingerprint.digest(),
         compressed=compression != "none",
-        on_header=lambda hdr: seen.append(hdr.seq),
     )
     try:
         out = sentinel_out()
         assert reads.read_block(3, KEY, out) is ReadOutcome.OK
         assert out.tobytes() == data.tobytes()
         assert reads.read_block(2, KEY, out) is ReadOutcome.EMPTY
-        assert [o for _, _, o in reads.scan()].count(ReadOutcome.OK) == 1
+        recs = scan(files, on_header=lambda hdr: seen.append(hdr.seq))
+        assert [r.outcome for r in recs].count(ReadOutcome.OK) == 1
         assert seen == [42]
         stats = files.stats()
         assert stats.blocks_read == 2 and stats.blocks_written == 0

@@ -19,7 +19,7 @@ from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.checksum import device_checksum
 from kvtier.store.device_staging import DeviceStagingReader
 from kvtier.store.disk_store import DiskStore
-from kvtier.store.inspect import scan
+from kvtier.store.scan import scan
 from kvtier.store.slabs import (
     SlabFiles,
     find_stores,
@@ -186,7 +186,7 @@ def test_every_reader_judges_a_damaged_slot_alike(
         backend.shutdown()
 
     (view,) = find_stores(paths)
-    recs = {r.slot: r for r in scan(view, verify_payload=True)}
+    recs = {r.slot: r for r in scan(view, file_order=True, payload=True)}
     if victim in recs:
         got_inspect = recs[victim].outcome
     else:
