@@ -65,9 +65,9 @@ from _common import write_json  # noqa: E402
 from kvtier.host.cpu_buffer import CpuBlockBuffer  # noqa: E402
 from kvtier.store.backends.base import DiskBackend  # noqa: E402
 from kvtier.store.backends.posix import PosixBackend  # noqa: E402
-from kvtier.store.disk_store import DiskStore  # noqa: E402
 from kvtier.store.engine import TransferEngine  # noqa: E402
 from kvtier.store.slot import LayoutFingerprint  # noqa: E402
+from kvtier.store.store import DiskStore  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB

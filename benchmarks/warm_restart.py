@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import drop_caches  # noqa: E402
 from kvtier.connector.scheduler.disk_runtime import DiskRuntime  # noqa: E402
-from kvtier.store.disk_store import DiskStore  # noqa: E402
 from kvtier.store.slot import LayoutFingerprint, slot_size  # noqa: E402
+from kvtier.store.store import DiskStore  # noqa: E402
 from kvtier.tiers.hierarchy import TierHierarchy  # noqa: E402
 
 

@@ -311,9 +311,8 @@ class TieredOffloadingSpec(OffloadingSpec):
         """The worker's reader of disk hits (``disk_load_path``): a host
         bounce area, or a staging area on the KV cache's device. Owns
         ``backend`` once built."""
-        from kvtier.store.device_staging import DeviceStagingReader
+        from kvtier.store.reader import SlotReader
         from kvtier.store.slabs import SlabFiles
-        from kvtier.store.slot_reader import SlotReader
 
         files = SlabFiles.open(
             cfg.disk_paths,
@@ -326,7 +325,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         device = kv_caches.tensors[0].tensor.device
         try:
             if cfg.disk_load_path == "device":
-                return DeviceStagingReader(files, device=device, capacity=capacity)
+                return SlotReader(files, device=device, capacity=capacity)
             if cfg.disk_read_process == "auto" and device.type == "cpu":
                 # Reads and checks beside the engine, not under its
                 # interpreter lock (docs/benchmarks.md, "Engine step

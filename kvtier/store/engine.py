@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
-from kvtier.store.disk_store import DiskStore
 from kvtier.store.slot import ReadOutcome
+from kvtier.store.store import DiskStore
 
 logger = get_logger("store")
 

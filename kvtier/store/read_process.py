@@ -1,67 +1,75 @@
-"""Disk reads of loads, and their verification, in a process of their own.
+"""Disk reads of loads, and their verification, in a process of their own:
+both ends, and the pipes between them.
 
-A :class:`ReadProcess` is a :class:`~kvtier.store.slot_reader.SlotReader` for
-the worker's load thread whose reads and checks run in a child process
-(:mod:`kvtier.store.read_child`, ``python -m kvtier.store.read_child``): the
-bounce area is a memory file (``memfd``) both processes map, the child
-reads slots into it with its own back end and verifies them with the same
-``SlotReader`` code, and sends back one message per batch (each slot's
-outcome and row). The engine's process
-keeps only what must touch its memory: copying verified rows into the KV
-cache.
+:class:`ReadProcess` is a :class:`~kvtier.store.reader.SlotReads` for the
+worker's load thread whose reads and checks run in a child process
+(:func:`child_main`, ``python -m kvtier.store.read_process``): the bounce
+area is a memory file (``memfd``) both processes map, the child reads slots
+into it with its own back end and verifies them with the one
+:class:`~kvtier.store.reader.SlotReader`, and sends back one message per
+batch (each slot's outcome and row). The engine's process keeps only what
+must touch its memory: copying verified rows into the KV cache.
 
 Why: the engine's loop and the load thread share one interpreter lock, and
 every read returning, every slot's checksum and header check takes it back
-from the loop (on a 2-core VM a decoding step stretched 3-4x while a
-256 MiB prefix loaded; docs/benchmarks.md, "Engine step stalls"). In a
-process of its own the reads and checks cost the engine's process one
-message per batch. O_DIRECT reads issued in the engine's process also
-stalled it more than the same reads issued from another process.
+from the loop (docs/benchmarks.md, "Engine step stalls"). In a process of
+its own the reads and checks cost the engine's process one message per
+batch. O_DIRECT reads issued in the engine's process also stalled it more
+than the same reads issued from another process.
 
-Contract (beyond ``SlotReader``'s for the methods the load thread uses:
-``submit``, ``ready``, ``wait``, ``complete``, ``abandon``, ``rows``, ``stats``):
-  - The child starts in :meth:`start` (the load thread's first turn), not at
-    construction; until it says it is ready, batches are read in this
-    process by a ``SlotReader`` over the same area (the same outcomes).
+Contract (beyond :class:`~kvtier.store.reader.SlotReads`):
+  - The child starts in :meth:`ReadProcess.start` (the load thread's first
+    turn), not at construction; until it says it is ready, batches are read
+    in this process by a ``SlotReader`` over the same area (the same
+    outcomes).
   - If the child dies or its pipe breaks, the batches it held fail as
     IO_ERROR (their blocks are recomputed, never served), it is reaped, and
     later batches are read in this process: a missing child costs speed,
     never a load.
   - A batch's rows are written by one process only, and only until its
-    outcome arrived (or the child is known dead): the rule the load thread
-    already follows for rows in flight.
+    outcome arrived (or the child is known dead).
   - The child holds nothing beyond its own fds: it exits when the worker's
-    end of the request pipe closes (:meth:`close`, or the worker's process
-    dying) and, on Linux, is killed with its parent (``PR_SET_PDEATHSIG``).
+    end of the request pipe closes (``close``, or the worker's process
+    dying) and, on Linux, is killed with the thread that started it
+    (``PR_SET_PDEATHSIG``).
   - No call waits on the child beyond its own timeout (``submit``,
-    ``ready``: not at all): a request the pipe cannot take yet goes out on
-    later calls, and an answer the child wrote part of is taken whole on a
-    later call (:mod:`kvtier.store.pipe_channel`). A child that stops reading
-    (stopped, or its one thread on a hung read) holds its batches only,
-    until :meth:`abandon` (the load thread giving a batch up at its end)
-    stops it after ``ABANDON_WAIT_S``, as if it had died.
+    ``ready``: not at all): :class:`PipeChannel` sends a request the pipe
+    cannot take yet on later calls, and takes an answer the child wrote part
+    of whole on a later call. A child that stops reading (stopped, or its one
+    thread on a hung read) holds its batches only, until ``abandon`` (the
+    load thread giving a batch up at its end) stops it after
+    ``ABANDON_WAIT_S``, as if it had died.
   - Used by one thread (the load thread); ``stats()`` from any thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
 import mmap
 import os
+import pickle
+import select
+import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 
-from kvtier.host.placement import without_openmp_binding
+from kvtier.host.placement import name_this_thread, without_openmp_binding
 from kvtier.log import get_logger
-from kvtier.store.pipe_channel import PipeChannel
+from kvtier.store.reader import PendingRead, SlotRead, SlotReader
 from kvtier.store.slabs import SlabFiles, SlabStats
 from kvtier.store.slot import ReadOutcome
-from kvtier.store.slot_reader import PendingRead, SlotRead, SlotReader
 
 logger = get_logger("store")
 
@@ -71,6 +79,14 @@ CLOSE_WAIT_S = 5.0
 ABANDON_WAIT_S = 5.0
 # How long a blocking wait sleeps in one poll of the pipe.
 POLL_S = 0.05
+# The child's name in ps and top (its read threads are kvtier-posix_N).
+CHILD_NAME = "kvtier-read"
+# Linux: F_SETPIPE_SZ. A larger pipe takes a batch's request (about 45
+# bytes per slot) in one write; unprivileged processes may go up to
+# /proc/sys/fs/pipe-max-size (1 MiB by default).
+_F_SETPIPE_SZ = 1031
+PIPE_BYTES = 1 << 20
+_READ_CHUNK = 1 << 20
 
 
 @dataclass(eq=False)
@@ -79,7 +95,7 @@ class ProcessRead:
     child answered (``[]`` standing for "every item failed")."""
 
     rid: int
-    items: list[tuple[int, bytes]]
+    items: list[tuple[int, bytes | None]]
     first_row: int
     result: list[SlotRead] | None = field(default=None)
 
@@ -148,7 +164,9 @@ class ReadProcess:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the child (once); batches go to it once it is ready."""
+        """Open the slabs there are, and start the child (once); batches go
+        to it once it is ready."""
+        self._local.start()
         if self._proc is not None or self._closed or not self.spawn:
             return
         req_r, req_w = os.pipe()
@@ -158,7 +176,7 @@ class ReadProcess:
                 [
                     sys.executable,
                     "-m",
-                    "kvtier.store.read_child",
+                    "kvtier.store.read_process",
                     str(os.getpid()),
                     str(self._fd),
                     str(req_r),
@@ -230,7 +248,7 @@ class ReadProcess:
     # ------------------------------------------------------------ the reads
 
     def submit(
-        self, items: Sequence[tuple[int, bytes]], first_row: int = 0
+        self, items: Sequence[tuple[int, bytes | None]], first_row: int = 0
     ) -> ProcessRead | PendingRead:
         self.poll(0.0)
         if not self._ready or self._pipes is None:
@@ -265,6 +283,11 @@ class ReadProcess:
                 return False
             self.poll(left)
         return True
+
+    def read(
+        self, items: Sequence[tuple[int, bytes | None]], first_row: int = 0
+    ) -> list[SlotRead]:
+        return self.complete(self.submit(items, first_row))
 
     def complete(self, pending: ProcessRead | PendingRead) -> list[SlotRead]:
         if isinstance(pending, PendingRead):
@@ -365,3 +388,210 @@ def _child_env() -> dict[str, str]:
     env = without_openmp_binding(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
+
+
+def frame(obj: Any) -> bytes:
+    """``obj`` pickled, framed as ``Connection.send`` frames it."""
+    payload = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    n = len(payload)
+    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return head + payload
+
+
+class PipeChannel:
+    """The worker's end of the request pipe (``send_fd``, written) and the
+    reply pipe (``recv_fd``, read), which never blocks the load thread.
+
+    A blocking ``Connection`` could stop the load thread for as long as the
+    child does not read (a request larger than the pipe's room while the
+    child's one thread waits on a hung read, or a reply the child wrote half
+    of). What is sent goes into an outbox written as far as the pipe takes
+    it (the rest on the next call); what arrives is read into an inbox from
+    which only whole messages come out. The frames are
+    ``Connection.send_bytes``'s (a 4-byte big-endian length, or -1 and an
+    8-byte length), so the child keeps a plain blocking ``Connection``.
+
+    Contract: ``send`` and ``receive(0)`` never wait; ``receive(timeout)``
+    waits at most ``timeout`` seconds (for a message, while the outbox
+    drains). Messages arrive whole and in order. A closed other end raises
+    EOFError from ``receive`` once every whole message before it was
+    returned, BrokenPipeError from ``send``/``receive`` when it stopped
+    reading. Used by one thread; it owns both fds (``close`` closes them)."""
+
+    def __init__(self, send_fd: int, recv_fd: int) -> None:
+        self._send_fd = send_fd
+        self._recv_fd = recv_fd
+        for fd in (send_fd, recv_fd):
+            os.set_blocking(fd, False)
+            with contextlib.suppress(OSError, AttributeError):
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+        self._outbox = bytearray()
+        self._inbox = bytearray()
+        self._eof = False
+        self._poller = select.poll()  # not select(): fds may exceed 1024
+        self._poller.register(recv_fd, select.POLLIN)
+        self._watching_send = False
+
+    @property
+    def unsent(self) -> int:
+        """Bytes sent but not yet taken by the pipe."""
+        return len(self._outbox)
+
+    def send(self, obj: Any) -> None:
+        """Queue ``obj`` and write as much of the outbox as the pipe takes."""
+        self._outbox += frame(obj)
+        self._flush()
+
+    def receive(self, timeout: float = 0.0) -> list[Any]:
+        """Every whole message that arrived, waiting up to ``timeout``
+        seconds for the first; ``EOFError`` once the other end closed and
+        nothing whole is left."""
+        self._flush()
+        got = self._take()
+        if got or timeout <= 0 or self._eof:
+            return self._or_eof(got)
+        ms = max(1, int(timeout * 1000))
+        for fd, _events in self._poller.poll(ms):
+            if fd == self._send_fd:
+                self._flush()
+        return self._or_eof(self._take())
+
+    def close(self) -> None:
+        """Close both fds (the other end reads EOF). Idempotent."""
+        for name in ("_send_fd", "_recv_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._outbox.clear()
+
+    # ------------------------------------------------------------ internals
+
+    def _flush(self) -> None:
+        while self._outbox:
+            try:
+                n = os.write(self._send_fd, self._outbox)
+            except BlockingIOError:
+                break
+            del self._outbox[:n]
+        want = bool(self._outbox)
+        if want != self._watching_send:  # wake receive() when it drains
+            if want:
+                self._poller.register(self._send_fd, select.POLLOUT)
+            else:
+                self._poller.unregister(self._send_fd)
+            self._watching_send = want
+
+    def _take(self) -> list[Any]:
+        """Read what arrived, then cut whole frames from the inbox."""
+        while not self._eof:
+            try:
+                chunk = os.read(self._recv_fd, _READ_CHUNK)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self._eof = True
+                break
+            self._inbox += chunk
+        out: list[Any] = []
+        buf, at = self._inbox, 0
+        while len(buf) - at >= 4:
+            (n,) = struct.unpack_from("!i", buf, at)
+            head = 4
+            if n == -1:
+                if len(buf) - at < 12:
+                    break
+                (n,) = struct.unpack_from("!Q", buf, at + 4)
+                head = 12
+            if len(buf) - at - head < n:
+                break
+            out.append(pickle.loads(buf[at + head : at + head + n]))
+            at += head + n
+        del buf[:at]
+        return out
+
+    def _or_eof(self, got: list[Any]) -> list[Any]:
+        if not got and self._eof:
+            raise EOFError("the other end closed its pipe")
+        return got
+
+
+# ------------------------------------------------------------ the child
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the thread that started it exits
+    (the worker's load thread, alive as long as the worker's loads)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it was gone before the line above
+        os._exit(0)
+
+
+def _serve(fd: int, req: Connection, resp: Connection) -> None:
+    from kvtier.store.backends.factory import make_backend  # not in the worker
+
+    cfg = req.recv()
+    shared = mmap.mmap(fd, cfg["nbytes"], mmap.MAP_SHARED)
+    area = np.frombuffer(shared, dtype=np.uint8)
+    backend = make_backend(cfg["disk_io"], threads=cfg["threads"])
+    files = SlabFiles.open(
+        cfg["paths"], cfg["fingerprint"], cfg["num_slots"], backend, owns_backend=True
+    )
+    reader = SlotReader(files, area=area)
+    reader.files.open_all()
+    resp.send(("ready",))
+    # One thread (the reader is single-threaded): start every batch that
+    # arrived, then verify and answer the oldest; the back end's threads
+    # read the others meanwhile.
+    started: deque[tuple[int, int, PendingRead | None]] = deque()
+    try:
+        while True:
+            while not started or req.poll(0):
+                rid, items, first_row = req.recv()  # EOFError: the worker left
+                try:
+                    pending = reader.submit(items, first_row)
+                except Exception:
+                    logger.exception("kvtier read process: a batch could not start")
+                    pending = None
+                started.append((rid, len(items), pending))
+            rid, count, pending = started.popleft()
+            out: list[SlotRead] = []
+            if pending is not None:
+                try:
+                    out = reader.complete(pending)
+                except Exception:
+                    logger.exception("kvtier read process: a batch raised")
+            codes = [r.outcome.value for r in out] or [
+                ReadOutcome.IO_ERROR.value
+            ] * count
+            rows = [r.row for r in out] or [-1] * count
+            resp.send(("done", rid, codes, rows, astuple(reader.stats())))
+    finally:
+        for _rid, _count, pending in started:
+            if pending is not None:
+                reader.abandon(pending)
+        reader.close()
+
+
+def child_main(argv: list[str]) -> int:
+    """The child's side: map the worker's bounce area (a memory file passed
+    by fd), read and verify each batch it is sent with a
+    :class:`~kvtier.store.reader.SlotReader` over it, and answer one message
+    per batch in the order they came: ``("ready",)`` once, then ``("done",
+    rid, outcome codes, rows, reader stats)``. It exits when the request
+    pipe closes."""
+    parent, fd, req_fd, resp_fd = (int(a) for a in argv[1:5])
+    _die_with_parent(parent)
+    name_this_thread(CHILD_NAME)
+    req = Connection(req_fd, writable=False)
+    resp = Connection(resp_fd, readable=False)
+    with contextlib.suppress(BrokenPipeError, EOFError):
+        _serve(fd, req, resp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv))

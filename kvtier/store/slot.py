@@ -466,7 +466,7 @@ def check_payload(hdr: SlotHeader, payload: Any, available: int) -> SlotVerdict:
         return SlotVerdict(
             ReadOutcome.CHECKSUM_MISMATCH,
             hdr,
-            "payload checksum does not match the header",
+            "payload checksum mismatch",
         )
     return SlotVerdict(ReadOutcome.OK, hdr)
 

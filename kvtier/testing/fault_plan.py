@@ -22,7 +22,7 @@ from kvtier.store.backends.base import IO_ALIGNMENT
 from kvtier.store.slabs import locate
 
 if TYPE_CHECKING:
-    from kvtier.store.disk_store import DiskStore
+    from kvtier.store.store import DiskStore
 
 # Bound on the total injected delay of one I/O, so no plan can hang a test.
 MAX_DELAY_S = 2.0

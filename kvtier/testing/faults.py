@@ -236,8 +236,8 @@ def inject_faults(monkeypatch: Any, plan: FaultPlan) -> FaultPlan:
     driven by ``plan`` (a worker's reads stay in its own process: see
     ``ReadProcess.spawn``); ``monkeypatch`` (pytest's) undoes it. Returns
     ``plan``, empty until a test adds a rule."""
-    from kvtier.store import disk_store as disk_store_module
     from kvtier.store import read_process as read_process_module
+    from kvtier.store import store as disk_store_module
     from kvtier.store.backends import factory as backends_module
 
     real = backends_module.make_backend

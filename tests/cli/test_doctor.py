@@ -17,8 +17,8 @@ import pytest
 from doctor_util import MiB, doctor, flags, mounted
 
 from kvtier.connector.identity import model_identity
-from kvtier.store.disk_store import DiskStore
 from kvtier.store.slot import LayoutFingerprint
+from kvtier.store.store import DiskStore
 from kvtier.testing.model import build_tiny_llama
 from kvtier.tools.cli import HASH_ALGOS
 

@@ -11,7 +11,7 @@ as it goes and prints one ``RESULT <json>`` line.
 What it checks, with slots striped over two slab files:
 
 1. kvikio's asynchronous reads (``KvikioBackend.start_read``) land straight
-   in ``DeviceStagingReader``'s staging tensor on ``device`` (no host bounce
+   in the ``SlotReader``'s staging tensor on ``device`` (no host bounce
    area), every slot verifies with the device checksum, and the rows equal
    byte for byte what the POSIX back end reads into the same kind of tensor
    (and what was written);
@@ -67,7 +67,7 @@ def _fingerprint():
 
 def _reader(paths: list[str], backend_name: str, device: str):
     from kvtier.store.backends.factory import make_backend
-    from kvtier.store.device_staging import DeviceStagingReader
+    from kvtier.store.reader import SlotReader
     from kvtier.store.slabs import SlabFiles
 
     backend = make_backend(backend_name, threads=2)
@@ -83,7 +83,7 @@ def _reader(paths: list[str], backend_name: str, device: str):
 
         backend.start_read = start_read
     files = SlabFiles.open(paths, _fingerprint(), SLOTS, backend, owns_backend=True)
-    reader = DeviceStagingReader(files, device=device, capacity=SLOTS)
+    reader = SlotReader(files, device=device, capacity=SLOTS)
     return reader, targets
 
 
@@ -151,9 +151,9 @@ def _worker(paths: list[str], device: str, caches):
 
 
 def check(device: str, work: str) -> dict:
-    from kvtier.store.disk_store import DiskStore
     from kvtier.store.slabs import locate
     from kvtier.store.slot import FIXED_HEADER_LEN, HEADER_SIZE, ReadOutcome
+    from kvtier.store.store import DiskStore
     from kvtier.testing.faults import flip_byte
 
     paths = [os.path.join(work, "a"), os.path.join(work, "b")]
@@ -179,7 +179,7 @@ def check(device: str, work: str) -> dict:
                 out["mode"] = reader.mode
                 assert reader.mode in ("gds", "compat"), reader.mode
                 # kvikio read into the staging tensor itself, no bounce area.
-                assert reader._bounce is None
+                assert reader._area is None
                 assert targets and set(targets) == {device}, targets
                 out["kvikio_reads"] = len(targets)
         finally:

@@ -48,11 +48,10 @@ from kvtier.connector.worker.worker import TieredOffloadingWorker  # noqa: E402
 from kvtier.host.block_copy import HostArea, HostCopies, plan_copy  # noqa: E402
 from kvtier.host.cpu_buffer import CpuBlockBuffer  # noqa: E402
 from kvtier.store.backends.factory import make_backend  # noqa: E402
-from kvtier.store.device_staging import DeviceStagingReader  # noqa: E402
-from kvtier.store.disk_store import DiskStore  # noqa: E402
+from kvtier.store.reader import SlotReader  # noqa: E402
 from kvtier.store.slabs import SlabFiles  # noqa: E402
 from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint  # noqa: E402
-from kvtier.store.slot_reader import SlotReader  # noqa: E402
+from kvtier.store.store import DiskStore  # noqa: E402
 from kvtier.tiers.events import MEDIUM_DISK  # noqa: E402
 from kvtier.tiers.plans import BlockLocation  # noqa: E402
 
@@ -170,7 +169,7 @@ def disk_worker(tmp_path, request):
         [str(tmp_path)], FINGERPRINT, 32, make_backend("posix"), owns_backend=True
     )
     if request.param == "device":
-        reader = DeviceStagingReader(files, device="cuda", capacity=4)
+        reader = SlotReader(files, device="cuda", capacity=4)
     else:
         reader = SlotReader(files, capacity=4, pin=True)
     worker = TieredOffloadingWorker(

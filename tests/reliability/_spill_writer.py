@@ -20,8 +20,8 @@ import time
 import numpy as np
 
 from kvtier.store.backends.posix import PosixBackend
-from kvtier.store.disk_store import DiskStore
 from kvtier.store.slot import LayoutFingerprint
+from kvtier.store.store import DiskStore
 
 MAX_SECONDS = 60.0  # a safety net only: the test kills the writer long before
 

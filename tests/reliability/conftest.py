@@ -15,8 +15,8 @@ from reliability_common import (
 
 from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.store.backends.posix import PosixBackend
-from kvtier.store.disk_store import DiskStore
 from kvtier.store.engine import TransferEngine
+from kvtier.store.store import DiskStore
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
 
 

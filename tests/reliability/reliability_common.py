@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from kvtier.host.cpu_buffer import CpuBlockBuffer
-from kvtier.store.disk_store import DiskStore
 from kvtier.store.engine import JobResult, TransferEngine
 from kvtier.store.slot import LayoutFingerprint
+from kvtier.store.store import DiskStore
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
 from kvtier.tiers import TierEvent, TierHierarchy, replay
 

@@ -23,8 +23,8 @@ from reliability_common import (
 
 from kvtier.connector.scheduler.disk_runtime import DiskRuntime
 from kvtier.host.cpu_buffer import CpuBlockBuffer
-from kvtier.store import disk_store as disk_store_mod
 from kvtier.store import slabs as slab_mod
+from kvtier.store import store as disk_store_mod
 from kvtier.store.backends.base import BackendUnavailableError
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.slabs import store_dirname

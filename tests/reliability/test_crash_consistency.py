@@ -22,9 +22,9 @@ from reliability_common import SENTINEL
 import kvtier
 from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.store.backends.posix import PosixBackend
-from kvtier.store.disk_store import DiskStore
 from kvtier.store.engine import TransferEngine
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
+from kvtier.store.store import DiskStore
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 from kvtier.tiers import Residency, TierEvent, TierHierarchy, replay
 

@@ -33,8 +33,8 @@ from reliability_common import (
 
 from kvtier.store import slabs as slab_mod
 from kvtier.store.backends.posix import PosixBackend
-from kvtier.store.disk_store import DiskStore
 from kvtier.store.slot import ReadOutcome
+from kvtier.store.store import DiskStore
 from kvtier.tiers import Residency, TierHierarchy
 
 FS_MIB = 16

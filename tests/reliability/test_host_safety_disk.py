@@ -22,9 +22,9 @@ import pytest
 from reliability_common import BLOCK_BYTES, SENTINEL, key_of, make_fingerprint, pattern
 
 from kvtier.safe_open import InUseError, open_private, open_private_dir
-from kvtier.store.disk_store import DiskStore
 from kvtier.store.slabs import store_dirname
 from kvtier.store.slot import ReadOutcome
+from kvtier.store.store import DiskStore
 
 NOBODY = 65534
 

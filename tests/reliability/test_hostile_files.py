@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from reliability_common import BLOCK_BYTES, key_of, make_fingerprint, pattern
 
-from kvtier.store.disk_store import DiskStore
+from kvtier.store.store import DiskStore
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60  # each case takes about a second
@@ -74,7 +74,7 @@ def test_fifo_in_place_of_layout_json_does_not_hang_the_store_start(
     p = run_python(
         f"""
     from reliability_common import BLOCK_BYTES, make_fingerprint
-    from kvtier.store.disk_store import DiskStore
+    from kvtier.store.store import DiskStore
     with DiskStore([{str(tmp_path)!r}], 4, BLOCK_BYTES, make_fingerprint(),
                    backend="posix"):
         pass
@@ -123,7 +123,7 @@ def test_worker_reader_refuses_a_fifo_swapped_in_for_the_slab(tmp_path: Path) ->
     from kvtier.store.slot import ReadOutcome
     from kvtier.store.backends.posix import PosixBackend
     from kvtier.store.slabs import SlabFiles
-    from kvtier.store.slot_reader import SlotReader
+    from kvtier.store.reader import SlotReader
     r = SlotReader(SlabFiles.open([{str(tmp_path)!r}], make_fingerprint(), 4,
                                   PosixBackend(threads=1), owns_backend=True))
     (res,) = r.read([(0, key_of(0))])
@@ -147,9 +147,9 @@ def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
     from kvtier.store.backends.posix import PosixBackend
     from kvtier.store.checksum import device_checksum, payload_checksum
     from kvtier.store.compression import Codec
+    from kvtier.store.reader import SlotReader
     from kvtier.store.slabs import SlabFiles
     from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
-    from kvtier.store.slot_reader import SlotReader
 
     d = make_store(tmp_path, blocks=1)
     key, half = key_of(0), BLOCK_BYTES // 2

@@ -21,14 +21,12 @@ import numpy as np
 import pytest
 from reliability_common import Rig, key_of, pattern
 
-from kvtier.store import pipe_channel, read_process
+from kvtier.store import read_process
 from kvtier.store.backends.posix import PosixBackend
-from kvtier.store.pipe_channel import frame
-from kvtier.store.read_child import CHILD_NAME
-from kvtier.store.read_process import ProcessRead, ReadProcess
+from kvtier.store.read_process import CHILD_NAME, ProcessRead, ReadProcess, frame
+from kvtier.store.reader import PendingRead, SlotReader
 from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome
-from kvtier.store.slot_reader import PendingRead, SlotReader
 from kvtier.testing.faults import flip_byte
 
 DEADLINE_S = 30.0
@@ -163,7 +161,7 @@ def test_a_child_that_stops_reading_never_stops_the_caller(
     """A stopped child (or one whose thread waits on a hung read) drains
     neither pipe. Requests beyond the pipe's room used to block ``submit``
     in ``write``, the load thread with it, CPU-tier loads included."""
-    monkeypatch.setattr(pipe_channel, "PIPE_BYTES", 4096)  # a one-page pipe
+    monkeypatch.setattr(read_process, "PIPE_BYTES", 4096)  # a one-page pipe
     rig = make_rig(num_slots=8)
     keys = _written(rig, 8)
     items = list(enumerate(keys))

@@ -14,8 +14,7 @@ import pytest
 
 from kvtier.store.backends.factory import make_backend
 from kvtier.store.compression import Codec
-from kvtier.store.disk_reads import VerifiedReads
-from kvtier.store.disk_store import DiskStore
+from kvtier.store.reader import SlotReader
 from kvtier.store.scan import scan
 from kvtier.store.slabs import SlabFiles, locate, store_dirname
 from kvtier.store.slot import (
@@ -24,6 +23,7 @@ from kvtier.store.slot import (
     ReadOutcome,
     slot_size,
 )
+from kvtier.store.store import DiskStore
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 KEY = bytes(range(32)) + b"\x00\x00\x00\x01"  # 32-byte hash + 4-byte group
@@ -351,7 +351,7 @@ def test_read_header_raises_seq_too(
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
-def test_verified_reads_stand_alone_over_slab_files(
+def test_the_reader_stands_alone_over_slab_files(
     tmp_path: Path, fingerprint: LayoutFingerprint, compression: str
 ) -> None:
     """The read path needs only the shared files, not a DiskStore."""
@@ -364,17 +364,12 @@ def test_verified_reads_stand_alone_over_slab_files(
     backend = make_backend("posix")
     files = SlabFiles.open(paths, fingerprint, 5, backend, owns_backend=True)
     seen: list[int] = []
-    reads = VerifiedReads(
-        files,
-        block_bytes=BLOCK_BYTES,
-        digest=fingerprint.digest(),
-        compressed=compression != "none",
-    )
+    reader = SlotReader(files, capacity=1)
     try:
-        out = sentinel_out()
-        assert reads.read_block(3, KEY, out) is ReadOutcome.OK
-        assert out.tobytes() == data.tobytes()
-        assert reads.read_block(2, KEY, out) is ReadOutcome.EMPTY
+        (got,) = reader.read([(3, KEY)])
+        assert got.outcome is ReadOutcome.OK
+        assert reader.rows[got.row].tobytes() == data.tobytes()
+        assert reader.read([(2, KEY)])[0].outcome is ReadOutcome.EMPTY
         recs = scan(files, on_header=lambda hdr: seen.append(hdr.seq))
         assert [r.outcome for r in recs].count(ReadOutcome.OK) == 1
         assert seen == [42]
@@ -382,6 +377,6 @@ def test_verified_reads_stand_alone_over_slab_files(
         assert stats.blocks_read == 2 and stats.blocks_written == 0
         assert files.locate(3) == (1, files.slabs[1].offset(1))
     finally:
-        files.close()
+        reader.close()
     with pytest.raises(RuntimeError):
-        reads.verify(3)
+        reader.read([(3, None)])

@@ -13,9 +13,9 @@ import torch
 from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.compression import Codec
-from kvtier.store.disk_store import DiskStore
 from kvtier.store.engine import JobOutcome, TransferEngine
 from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome
+from kvtier.store.store import DiskStore
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 N = 12  # blocks per round trip

@@ -284,7 +284,7 @@ DISK_STORE_CHILD = """
 
     import numpy as np
 
-    from kvtier.store.disk_store import DiskStore
+    from kvtier.store.store import DiskStore
 
     from kvtier.store.slot import LayoutFingerprint, ReadOutcome
     from kvtier.store.backends.kvikio import KvikioBackend
@@ -349,8 +349,8 @@ STAGING_CHILD = """
 
     import numpy as np
 
-    from kvtier.store.device_staging import DeviceStagingReader
-    from kvtier.store.disk_store import DiskStore
+    from kvtier.store.reader import SlotReader
+    from kvtier.store.store import DiskStore
     from kvtier.store.backends.kvikio import KvikioBackend
     from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome
     from kvtier.store.slabs import SlabFiles
@@ -381,7 +381,7 @@ STAGING_CHILD = """
                 assert np.array_equal(rows[r.row], blocks[slot]), slot
         return [r.outcome.value for r in res]
 
-    reader = DeviceStagingReader(SlabFiles.open(paths, fp, 8, backend), capacity=8)
+    reader = SlotReader(SlabFiles.open(paths, fp, 8, backend), device="cpu", capacity=8)
     modes = [reader.mode]
     clean = check(reader, (), None)
     reader.close()
@@ -405,7 +405,7 @@ STAGING_CHILD = """
             at = where["ranges"][0][0] + HEADER_SIZE + 99
             plan.add(FaultRule.bit_flip([at], ops="read", **where))
         faulty = FaultInjectingBackend(backend, plan)
-        reader = DeviceStagingReader(SlabFiles.open(paths, fp, 8, faulty), capacity=8)
+        reader = SlotReader(SlabFiles.open(paths, fp, 8, faulty), device="cpu", capacity=8)
         out[fault] = check(reader, hit, want)
         assert plan.injected, fault
         reader.close()

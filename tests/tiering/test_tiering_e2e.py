@@ -141,8 +141,8 @@ def test_negative_control_corrupted_disk_reads_change_the_output(
     model, block_bytes, baseline, tmp_path, monkeypatch
 ):
     """If the bytes promoted from disk were wrong, the comparison above fails."""
-    from kvtier.store.disk_store import DiskStore
     from kvtier.store.slot import ReadOutcome
+    from kvtier.store.store import DiskStore
 
     original = DiskStore.read_block
 

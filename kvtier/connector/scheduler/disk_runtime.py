@@ -21,9 +21,9 @@ import numpy as np
 
 from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.log import get_logger
-from kvtier.store.disk_store import DiskStore
 from kvtier.store.engine import TransferEngine
 from kvtier.store.slot import LayoutFingerprint, ReadOutcome
+from kvtier.store.store import DiskStore
 from kvtier.tiers.plans import PromoteOrder, SpillOrder
 
 logger = get_logger("connector")

@@ -10,7 +10,7 @@ victims, pins, WRITING/READY, the read-failure rule, warm restart, events)
 is a :class:`kvtier.tiers.disk_core.DiskTierCore`, the one the full spec's
 hierarchy uses, and the data path is
 :class:`kvtier.connector.scheduler.disk_runtime.DiskRuntime` (one
-:class:`~kvtier.store.disk_store.DiskStore` plus one :class:`~kvtier.store.engine.TransferEngine`
+:class:`~kvtier.store.store.DiskStore` plus one :class:`~kvtier.store.engine.TransferEngine`
 per TP rank) pointed at the rows of the primary tier's memoryview
 (:mod:`kvtier.connector.tiering.rows`) instead of kvtier's own CPU buffer.
 """

@@ -52,8 +52,7 @@ from kvtier.connector.worker.load_task import LoadTask, ReadBatch
 from kvtier.host.block_copy import CopyPath, CopyPlan
 from kvtier.host.placement import name_this_thread, place_background_thread
 from kvtier.log import get_logger
-from kvtier.store.device_staging import DeviceStagingReader
-from kvtier.store.slot_reader import SlotReader
+from kvtier.store.reader import SlotReads
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = get_logger("connector")
@@ -105,7 +104,7 @@ class LoadRunner:
 
     def __init__(
         self,
-        reader: SlotReader | DeviceStagingReader | None,
+        reader: SlotReads | None,
         copies: CopyPath,
         cpu_buffer: Any,
         block_bytes: list[int],

@@ -22,9 +22,7 @@ from kvtier.connector.specs import TierLoadSpec
 from kvtier.connector.worker.job_errors import failure_of
 from kvtier.connector.worker.job_plan import GroupPlan
 from kvtier.host.block_copy import CopyPlan
-from kvtier.store.device_staging import PendingStage
 from kvtier.store.slot import ReadOutcome
-from kvtier.store.slot_reader import PendingRead
 
 
 @dataclass(eq=False)
@@ -128,7 +126,7 @@ class ReadBatch:
     positions it reads, the bounce part it reads into, when it started."""
 
     task: LoadTask
-    read: PendingRead | PendingStage
+    read: Any  # the reader's pending batch
     positions: np.ndarray
     part: int
     since: float

@@ -72,8 +72,7 @@ from kvtier.host.block_copy import (
 )
 from kvtier.host.cpu_buffer import CpuBlockBuffer
 from kvtier.log import get_logger
-from kvtier.store.device_staging import DeviceStagingReader
-from kvtier.store.slot_reader import SlotReader
+from kvtier.store.reader import SlotReads
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = get_logger("connector")
@@ -114,7 +113,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         kv_caches: CanonicalKVCaches,
         cpu_buffer: CpuBlockBuffer,
         blocks_per_chunk: int,
-        reader: SlotReader | DeviceStagingReader | None = None,
+        reader: SlotReads | None = None,
         device_copies: Callable[..., CopyPath] | None = None,
         contain_exceptions: bool = False,
     ):
@@ -157,7 +156,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         copies: CopyPath,
         cpu_buffer: Any,
         blocks_per_chunk: int,
-        reader: SlotReader | DeviceStagingReader | None,
+        reader: SlotReads | None,
         block_bytes: list[int],
         load_copies: CopyPath | None = None,
     ) -> None:

@@ -25,7 +25,6 @@ from kvtier.log import get_logger
 from kvtier.safe_open import open_private, same_file
 from kvtier.store.backends.base import BackendUnavailableError, DiskBackend
 from kvtier.store.backends.kvikio_probe import gds_status, usable_status
-from kvtier.store.read_waiter import ReadWaiter
 
 logger = get_logger("store")
 
@@ -88,6 +87,27 @@ def _to_oserror(exc: Exception, op: str, path: str) -> OSError:
 
 
 # -- the back end -------------------------------------------------------------
+
+
+class KvikioRead:
+    """A read started with :meth:`KvikioBackend.start_read`: ``done()`` never
+    blocks; ``result()`` waits and gives the byte count (short at end of
+    file, like ``submit_read``) or raises OSError. kvikio's IOFuture has no
+    timed wait: callers poll ``done()``."""
+
+    def __init__(self, fut: Any, path: str) -> None:
+        self._fut, self._path = fut, path
+
+    def done(self) -> bool:
+        return self._fut is None or bool(self._fut.done())
+
+    def result(self) -> int:
+        if self._fut is None:
+            return 0
+        try:
+            return int(self._fut.get())
+        except Exception as exc:
+            raise _to_oserror(exc, "read", self._path) from exc
 
 
 @dataclass(frozen=True)
@@ -180,13 +200,11 @@ class KvikioBackend(DiskBackend):
         _check_offset(offset)
         return self._pool.submit(_read, handle, target, nbytes, offset)
 
-    def start_read(self, handle: KvikioHandle, buf: Any, offset: int) -> ReadWaiter:
+    def start_read(self, handle: KvikioHandle, buf: Any, offset: int) -> KvikioRead:
         """Start ``len(buf)`` bytes at ``offset`` with kvikio's own
         asynchronous ``CuFile.pread`` (an IOFuture that kvikio splits over its
-        thread pool; device buffers go NVMe -> GPU under GDS) and return its
-        :class:`~kvtier.store.read_waiter.ReadWaiter` (the byte count, short at
-        end of file like ``submit_read``, or OSError). Bad arguments raise
-        here; so does a failure to start (as OSError)."""
+        thread pool; device buffers go NVMe -> GPU under GDS). Bad arguments
+        raise here; so does a failure to start (as OSError)."""
         target, nbytes = _as_target(buf, for_read=True)
         _check_offset(offset)
         try:
@@ -196,15 +214,7 @@ class KvikioBackend(DiskBackend):
         except Exception as exc:
             raise _to_oserror(exc, "read", handle.path) from exc
 
-        def wait() -> int:
-            if fut is None:
-                return 0
-            try:
-                return int(fut.get())
-            except Exception as exc:
-                raise _to_oserror(exc, "read", handle.path) from exc
-
-        return ReadWaiter(wait, lambda: fut is None or bool(fut.done()))
+        return KvikioRead(fut, handle.path)
 
     def submit_write(self, handle: KvikioHandle, buf: Any, offset: int) -> Future[int]:
         target, nbytes = _as_target(buf, for_read=False)

@@ -1,27 +1,17 @@
-"""The disk tier's block store: fixed-size slots in slab files, one per path.
+"""The disk tier's block store of one rank: writing blocks into slots, and
+reading them back verified.
 
-Layout (see docs/on-disk-format.md): for each configured path there is a
-directory ``<path>/kvtier-<digest hex[:16]>/`` (named by the layout
-fingerprint, so different models/dtypes/TP ranks never share files) holding
-``layout.json`` and exactly one preallocated slab ``slab-<path index>.kvt``.
-Slots are striped over the paths by :mod:`kvtier.store.slot` (global slot
-``s`` in slab ``s % len(paths)``, local slot ``s // len(paths)``).
-
-:class:`DiskStore` is the store's write path and its public face. It owns
-a :class:`~kvtier.store.slabs.SlabFiles` (the directories, slab files
-and handles, the counters, the error reporting, the raw positioned I/O) and
-a :class:`~kvtier.store.disk_reads.VerifiedReads` over the same files, to
-which ``read_block``/``verify``/``read_header``/``scan`` delegate. Every
-read is verified in a private bounce buffer before anything reaches the
-caller's buffer, so a torn, stale or corrupted slot is reported, never
-returned.
-
-A write builds header and payload (zstd on byte planes when configured and
-worth it) in the calling thread's aligned bounce buffer, zero-pads it to
-``IO_ALIGNMENT`` and writes it at the slot's (aligned) offset in one
-positioned write; a short write is an OSError(EIO). Every failed write or
-invalidation is counted in ``io_errors`` and logged once per slab and errno
-before the OSError propagates.
+:class:`DiskStore` creates the store's slab files
+(:meth:`kvtier.store.slabs.SlabFiles.create`: one directory and one
+preallocated slab per path, slots striped over them) and is the store's
+write path. A write builds header and payload (zstd on byte planes when
+configured and worth it) in the calling thread's aligned bounce buffer,
+zero-pads it to ``IO_ALIGNMENT`` and writes it at the slot's (aligned)
+offset in one positioned write. Its reads go through the one reader
+(:class:`kvtier.store.reader.SlotReader`, one row per thread over that same
+bounce buffer) and its scans through the one scan
+(:func:`kvtier.store.scan.scan`): a torn, stale or corrupted slot is
+reported, never returned.
 """
 
 from __future__ import annotations
@@ -40,7 +30,7 @@ from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
 from kvtier.store.backends.factory import make_backend
 from kvtier.store.checksum import device_checksum, payload_checksum
 from kvtier.store.compression import Codec, compress
-from kvtier.store.disk_reads import VerifiedReads, flat_u8
+from kvtier.store.reader import SlotReader
 from kvtier.store.scan import scan
 from kvtier.store.slabs import SlabFile, SlabFiles, SlabStats
 from kvtier.store.slot import (
@@ -59,6 +49,17 @@ logger = get_logger("store")
 COMPRESSION_CHOICES = ("none", "zstd")
 
 
+def flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:
+    """``arr`` as a flat uint8 view; ValueError unless it is a C-contiguous
+    numpy array of exactly ``nbytes`` bytes."""
+    if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
+        raise ValueError(f"{what} must be a C-contiguous numpy array")
+    flat = arr.reshape(-1).view(np.uint8)
+    if flat.size != nbytes:
+        raise ValueError(f"{what} has {flat.size} bytes, expected block_bytes={nbytes}")
+    return flat
+
+
 class DiskStore:
     """Fixed-size block slots on one or more paths, verified on every read.
 
@@ -70,9 +71,11 @@ class DiskStore:
       - ``write_block`` and ``invalidate`` raise OSError (with errno; a short
         write as EIO) on failure. ``read_block``/``verify``/``read_header``/
         ``scan`` never raise for I/O or data problems: they return a
-        ReadOutcome, and ``read_block`` writes ``out`` only when returning OK
-        (see :mod:`kvtier.store.disk_reads`). All raise IndexError for a slot out
-        of range and RuntimeError once closed.
+        ReadOutcome (:class:`~kvtier.store.reader.SlotReads` says which), and
+        ``read_block`` writes ``out`` only when returning OK. All raise
+        IndexError for a slot out of range and RuntimeError once closed.
+      - Failed writes and invalidations are counted in ``io_errors`` and
+        logged once per slab and errno before the OSError propagates.
       - Slot contents survive process restarts; ``scan`` reports every slot's
         header so the caller can rebuild its index. ``seq`` values handed out
         by ``next_seq`` stay above any seq seen on disk by ``scan`` or
@@ -144,16 +147,7 @@ class DiskStore:
             self.backend,
             owns_backend=isinstance(backend, str),
         )
-        self._tls = threading.local()
-        # Compressed payloads are shorter than the slot: read the header first
-        # and then only the stored bytes. Uncompressed stores read the whole
-        # slot in one I/O.
-        self._reads = VerifiedReads(
-            self.files,
-            block_bytes=block_bytes,
-            digest=self._digest,
-            compressed=compression != "none",
-        )
+        self._tls = threading.local()  # per thread: bounce buffer, reader
         logger.debug(
             "DiskStore %s: %d slots x %d B on %s via %s",
             self._digest.hex()[:16],
@@ -162,6 +156,21 @@ class DiskStore:
             self.paths,
             self.backend.describe(),
         )
+
+    def _bounce(self) -> np.ndarray:
+        """This thread's aligned slot-sized buffer (O_DIRECT needs the
+        alignment; verifying in it keeps bad bytes away from callers)."""
+        buf: np.ndarray | None = getattr(self._tls, "bounce", None)
+        if buf is None:
+            buf = self._tls.bounce = aligned_empty(self.slot_size)
+        return buf
+
+    def _reader(self) -> SlotReader:
+        """This thread's one-row reader, over its bounce buffer."""
+        reader: SlotReader | None = getattr(self._tls, "reader", None)
+        if reader is None:
+            reader = self._tls.reader = SlotReader(self.files, area=self._bounce())
+        return reader
 
     def _bump_seq(self, seen: int) -> None:
         with self._seq_lock:
@@ -199,9 +208,7 @@ class DiskStore:
         flat = flat_u8(data, self.block_bytes, "data")
         idx, offset = self.files.locate(slot)
         t0 = time.perf_counter()
-        bounce: np.ndarray | None = getattr(self._tls, "bounce", None)
-        if bounce is None:  # this thread's: O_DIRECT needs an aligned buffer
-            bounce = self._tls.bounce = aligned_empty(self.slot_size)
+        bounce = self._bounce()
         if self.compression == "zstd":
             codec, packed = compress(flat, self.elem_size, min_saving=self._min_saving)
             n = len(packed)
@@ -245,14 +252,31 @@ class DiskStore:
     def read_block(
         self, slot: int, key: bytes, out: np.ndarray, *, guard: Any = None
     ) -> ReadOutcome:
-        """Read the block stored under ``key`` in ``slot`` into ``out`` (written
-        only when OK; see :meth:`kvtier.store.disk_reads.VerifiedReads.read_block`
-        for ``guard``). Never raises for I/O or data errors."""
-        return self._reads.read_block(slot, key, out, guard=guard)
+        """Read the block stored under ``key`` in ``slot`` into ``out`` (a
+        C-contiguous array of exactly ``block_bytes`` bytes, else ValueError),
+        written only when the result is OK. With ``guard`` (e.g.
+        :class:`kvtier.store.transfers.RowGuard`) ``out`` is written only
+        between a successful ``guard.enter()`` and ``guard.leave()``; when
+        ``enter()`` refuses (the caller gave ``out`` away meanwhile) ``out``
+        is left alone and IO_ERROR is returned."""
+        flat = flat_u8(out, self.block_bytes, "out")
+        reader = self._reader()
+        (got,) = reader.read([(slot, key)])
+        if got.outcome is not ReadOutcome.OK:
+            return got.outcome
+        if guard is not None and not guard.enter():
+            return ReadOutcome.IO_ERROR
+        try:
+            flat[:] = reader.rows[got.row]
+        finally:
+            if guard is not None:
+                guard.leave()
+        return ReadOutcome.OK
 
     def verify(self, slot: int) -> ReadOutcome:
-        """Read the full slot and check header, fingerprint and payload checksum."""
-        return self._reads.verify(slot)
+        """Read the whole slot and check header, layout and payload checksum."""
+        (got,) = self._reader().read([(slot, None)])
+        return got.outcome
 
     def read_header(self, slot: int) -> tuple[SlotHeader | None, ReadOutcome]:
         """Read one slot's header only (the same classification as ``scan``)."""

@@ -1,4 +1,4 @@
-"""DeviceStagingReader on CPU tensors (and, marked ``gpu``, on CUDA): real
+"""SlotReader(device=...) on CPU tensors (and, marked ``gpu``, on CUDA): real
 slabs written by DiskStore, faults injected at the back-end boundary."""
 
 from __future__ import annotations
@@ -6,17 +6,19 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvtier.store.backends.posix import PosixBackend
-from kvtier.store.device_staging import DeviceStagingReader, staging_mode
-from kvtier.store.disk_store import DiskStore
+from kvtier.store.reader import SlotReader, staging_mode, wait_reads
 from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome
+from kvtier.store.store import DiskStore
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 
 torch = pytest.importorskip("torch")
@@ -62,11 +64,11 @@ def _files(paths: list[str], backend: object, owns: bool = False) -> SlabFiles:
 
 def _reader(
     paths: list[str], backend: object, owns_backend: bool = False, **kw: object
-) -> DeviceStagingReader:
-    return DeviceStagingReader(_files(paths, backend, owns_backend), **kw)  # type: ignore[arg-type]
+) -> SlotReader:
+    return SlotReader(_files(paths, backend, owns_backend), device="cpu", **kw)  # type: ignore[arg-type]
 
 
-def _assert_rows(reader: DeviceStagingReader, res: list, items: list) -> None:
+def _assert_rows(reader: SlotReader, res: list, items: list) -> None:
     rows = reader.rows.cpu().numpy()
     for (slot, _), r in zip(items, res):
         if r.outcome is ReadOutcome.OK:
@@ -161,7 +163,7 @@ def test_short_read_inside_a_run_keeps_the_whole_slots(
         os.truncate(where["path"], where["ranges"][0][0] + ss + ss // 2)
         want = ReadOutcome.TRUNCATED
     backend = FaultInjectingBackend(PosixBackend(threads=1), plan)
-    reader = DeviceStagingReader(_files([str(tmp_path)], backend, True), capacity=4)
+    reader = SlotReader(_files([str(tmp_path)], backend, True), device="cpu", capacity=4)
     try:
         items = [(s, key_of(s)) for s in (2, 3, 4)]
         res = reader.read(items)
@@ -177,7 +179,7 @@ def test_compressed_and_old_slots_are_host_only(tmp_path: Path) -> None:
     store.write_block(0, key_of(0), np.zeros(BLOCK, np.uint8), seq=99)
     store.close()
     backend = PosixBackend(threads=1)
-    reader = DeviceStagingReader(_files([str(tmp_path)], backend, True), capacity=2)
+    reader = SlotReader(_files([str(tmp_path)], backend, True), device="cpu", capacity=2)
     try:
         (r,) = reader.read([(0, key_of(0))])
         assert r.outcome is ReadOutcome.HOST_ONLY and "codec" in r.detail
@@ -211,7 +213,7 @@ def test_cuda_staging_posix_bounce(two_paths: tuple[list[str], DiskStore]) -> No
 def test_both_readers_read_into_one_kind_of_host_area(tmp_path: Path) -> None:
     """``bounce_area``: 4 KiB-aligned, C-contiguous, touched (zeros) unless
     pinned; the host reader's area and a CPU staging tensor come from it."""
-    from kvtier.store.slot_reader import SlotReader, bounce_area
+    from kvtier.store.reader import SlotReader, bounce_area
 
     for pin in (False, True):
         area, owner = bounce_area(3 * 4096 + 512, pin=pin)
@@ -242,7 +244,7 @@ def test_a_held_read_is_not_ready_and_a_timed_wait_gives_up(
     the batch completes with every slot whole."""
     import threading
 
-    from kvtier.store.slot_reader import SlotReader
+    from kvtier.store.reader import SlotReader
 
     paths, store = two_paths
     release = threading.Event()
@@ -270,3 +272,43 @@ def test_a_held_read_is_not_ready_and_a_timed_wait_gives_up(
         release.set()
         reader.close()
         backend.shutdown()
+
+
+# ------------------------------------------- waiting for reads of either kind
+
+
+class _Polled:
+    """A read that only says done() (no Future), like kvikio's."""
+
+    def __init__(self, landed: threading.Event, nbytes: int) -> None:
+        self.landed, self.nbytes = landed, nbytes
+
+    def done(self) -> bool:
+        return self.landed.is_set()
+
+    def result(self) -> int:
+        assert self.landed.wait(10)
+        return self.nbytes
+
+
+def test_a_held_read_of_either_kind_keeps_wait_reads_false_until_it_lands() -> None:
+    """A Future-backed read and a polled one (kvikio's IOFuture has no timed
+    wait) are waited for one way, with a deadline."""
+    fut: Future[int] = Future()
+    landed = threading.Event()
+    reads = [fut, _Polled(landed, 4096)]
+    assert not wait_reads(reads, 0.02)
+    fut.set_result(8192)
+    assert not wait_reads(reads, 0.02)  # the polled one is still out
+    assert [r.done() for r in reads] == [True, False]
+    landed.set()
+    assert wait_reads(reads, 10.0)
+    assert [r.result() for r in reads] == [8192, 4096]
+
+
+def test_a_failed_read_raises_from_its_result_not_from_wait_reads() -> None:
+    fut: Future[int] = Future()
+    fut.set_exception(OSError(5, "EIO"))
+    assert wait_reads([fut], 1.0) and fut.done()
+    with pytest.raises(OSError):
+        fut.result()

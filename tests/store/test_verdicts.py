@@ -17,8 +17,7 @@ import pytest
 
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.checksum import device_checksum
-from kvtier.store.device_staging import DeviceStagingReader
-from kvtier.store.disk_store import DiskStore
+from kvtier.store.reader import SlotReader, plan_runs
 from kvtier.store.scan import scan
 from kvtier.store.slabs import (
     SlabFiles,
@@ -27,7 +26,7 @@ from kvtier.store.slabs import (
     locate,
 )
 from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome, SlotHeader
-from kvtier.store.slot_reader import SlotReader, plan_runs
+from kvtier.store.store import DiskStore
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_SLOTS = 8
@@ -161,8 +160,8 @@ def test_every_reader_judges_a_damaged_slot_alike(
 
     backend = PosixBackend(threads=1)
     reader = SlotReader(SlabFiles.open(paths, layout, NUM_SLOTS, backend), capacity=8)
-    staging = DeviceStagingReader(
-        SlabFiles.open(paths, layout, NUM_SLOTS, backend), capacity=4
+    staging = SlotReader(
+        SlabFiles.open(paths, layout, NUM_SLOTS, backend), device="cpu", capacity=4
     )
     try:
         items = [(s, key_of(s)) for s in (0, 1, victim)]
@@ -251,8 +250,9 @@ def test_both_readers_coalesce_a_striped_batch_alike(
         SlabFiles.open(paths, layout, NUM_SLOTS, host_backend),
         capacity=NUM_SLOTS + first_row,
     )
-    staging = DeviceStagingReader(
+    staging = SlotReader(
         SlabFiles.open(paths, layout, NUM_SLOTS, dev_backend),
+        device="cpu",
         capacity=NUM_SLOTS + first_row,
     )
     try:
@@ -299,8 +299,8 @@ def test_device_reader_judges_each_item_by_its_own_row(
     want[2], want[4], want[7] = RO.CHECKSUM_MISMATCH, RO.KEY_MISMATCH, RO.TRUNCATED
     backend = PosixBackend(threads=2)
     reader = SlotReader(SlabFiles.open(paths, layout, NUM_SLOTS, backend), capacity=NUM_SLOTS)
-    staging = DeviceStagingReader(
-        SlabFiles.open(paths, layout, NUM_SLOTS, backend), capacity=NUM_SLOTS
+    staging = SlotReader(
+        SlabFiles.open(paths, layout, NUM_SLOTS, backend), device="cpu", capacity=NUM_SLOTS
     )
     try:
         for res, rows in (

@@ -1,5 +1,5 @@
 """PipeChannel: the worker's end of its read process's pipes never waits on
-the other end (kvtier.store.pipe_channel)."""
+the other end (kvtier.store.read_process)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from kvtier.store.pipe_channel import PipeChannel, frame
+from kvtier.store.read_process import PipeChannel, frame
 
 DEADLINE_S = 30.0
 
