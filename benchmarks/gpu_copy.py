@@ -194,7 +194,7 @@ def gpu_cpu_rows(args: argparse.Namespace, caches, most: int) -> dict[str, Any]:
 
     from kvtier.connector.worker.device_copy import DeviceCopies
     from kvtier.connector.worker.worker import TieredOffloadingWorker
-    from kvtier.host.cpu_buffer import CpuBlockBuffer
+    from kvtier.host.cpu_tier import CpuBlockBuffer
 
     block_bytes = args.layers * args.page
     buffer = CpuBlockBuffer(most, block_bytes)
@@ -265,7 +265,7 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
 
     from kvtier.connector.specs import TierLoadSpec
     from kvtier.connector.worker.worker import TieredOffloadingWorker
-    from kvtier.host.cpu_buffer import CpuBlockBuffer
+    from kvtier.host.cpu_tier import CpuBlockBuffer
     from kvtier.store.backends.factory import make_backend
     from kvtier.store.reader import SlotReader
     from kvtier.store.slabs import SlabFiles

@@ -62,12 +62,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import write_json  # noqa: E402
 
-from kvtier.host.cpu_buffer import CpuBlockBuffer  # noqa: E402
+from kvtier.host.cpu_tier import CpuBlockBuffer  # noqa: E402
 from kvtier.store.backends.base import DiskBackend  # noqa: E402
 from kvtier.store.backends.posix import PosixBackend  # noqa: E402
-from kvtier.store.engine import TransferEngine  # noqa: E402
 from kvtier.store.slot import LayoutFingerprint  # noqa: E402
 from kvtier.store.store import DiskStore  # noqa: E402
+from kvtier.store.transfers import TransferEngine  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -287,7 +287,7 @@ class KvtierRig:
         )
         # Rows [0, count) are spilled; loads land in [count, 2*count).
         self.buf = CpuBlockBuffer(2 * count, block)
-        self.engine = TransferEngine(self.buf, self.store, threads=threads)
+        self.engine = TransferEngine([self.buf], [self.store], threads=threads)
         self.job = 0
         # KV-like contents (bf16 normals) so compressed runs are meaningful.
         chunk = np.random.default_rng(0).standard_normal(

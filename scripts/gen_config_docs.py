@@ -442,7 +442,7 @@ def sizing_section() -> str:
 def _error_examples() -> list[tuple[str, str]]:
     """(what was wrong, message) from real calls on bad input."""
     from kvtier.connector import config as c
-    from kvtier.connector import disk_paths as d
+    from kvtier.connector import preflight as d
 
     base = {
         "spec_name": "TieredOffloadingSpec",

@@ -440,7 +440,7 @@ def validate_keys(
 def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
     """Validate ``kv_connector_extra_config``; raise :class:`ConfigError`.
 
-    Checks values only; :func:`kvtier.connector.disk_paths.check_disk_paths`
+    Checks values only; :func:`kvtier.connector.preflight.check_disk_paths`
     checks the file system."""
     return validate_keys(KvtierConfig, extra)
 

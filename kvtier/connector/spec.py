@@ -43,13 +43,11 @@ from kvtier.connector.connector import (
     KV_SETTINGS,
     UNDER_KVTIER_CONNECTOR,
 )
-from kvtier.connector.disk_paths import check_disk_paths
-from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
 from kvtier.connector.identity import describe_settings, namespace
 from kvtier.connector.metrics import metric_definitions
-from kvtier.connector.scheduler.disk_runtime import DiskRuntime
+from kvtier.connector.preflight import check_disk_paths, prepare_cpu_tier
 from kvtier.connector.topology import check_single_node
-from kvtier.host.cpu_files import cpu_buffer_path
+from kvtier.host.cpu_tier import cpu_buffer_path, open_worker_buffer
 from kvtier.log import get_logger
 from kvtier.store.slabs import store_dirname
 from kvtier.store.slot import LayoutFingerprint, slot_size
@@ -237,7 +235,8 @@ class TieredOffloadingSpec(OffloadingSpec):
     @override
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            from kvtier.connector.scheduler.manager import TieredOffloadingManager
+            from kvtier.connector.manager import TieredOffloadingManager
+            from kvtier.store.transfers import DiskRuntime
             from kvtier.tiers.hierarchy import TierHierarchy
 
             cfg = self.kvtier

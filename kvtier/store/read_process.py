@@ -164,9 +164,7 @@ class ReadProcess:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Open the slabs there are, and start the child (once); batches go
-        to it once it is ready."""
-        self._local.start()
+        """Start the child (once); batches go to it once it is ready."""
         if self._proc is not None or self._closed or not self.spawn:
             return
         req_r, req_w = os.pipe()

@@ -87,9 +87,10 @@ class SlotReads(Protocol):
     decoded blocks: numpy for a host area, torch for a device staging area),
     ``pinned`` (page-locked: device copies from it are asynchronous).
 
-    - ``start()``: open every slab that exists now and start helpers (a
-      read process's child); a slab not created yet opens at its first read,
-      and again after a failure. Never raises for I/O.
+    - ``start()``: start helpers (a read process's child), once, before the
+      first batch; ``files.open_all()`` opens the slabs there are (one not
+      created yet opens at its first read, and again after a failure).
+      Neither raises for I/O.
     - ``submit(items, first_row)``: start reading ``items`` ((global slot,
       key or None) pairs, at most ``capacity - first_row``) into rows
       ``first_row`` onwards and return at once. Rows follow file order, and
@@ -310,7 +311,7 @@ class SlotReader:
     # ----------------------------------------------------------------- API
 
     def start(self) -> None:
-        self.files.open_all()
+        """Nothing to start: reads run on the back end's threads."""
 
     def read(
         self, items: Sequence[tuple[int, bytes | None]], first_row: int = 0

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.host.cpu_files import reclaim_stale_cpu_files
+from kvtier.host.cpu_tier import reclaim_stale_cpu_files
 from kvtier.testing.model import build_tiny_llama
 
 pytestmark = pytest.mark.e2e

@@ -136,7 +136,7 @@ def _load(worker, job_id: int, slots: list[int], gpu_blocks: list[int]):
 
 def _worker(paths: list[str], device: str, caches):
     from kvtier.connector.worker.worker import TieredOffloadingWorker
-    from kvtier.host.cpu_buffer import CpuBlockBuffer
+    from kvtier.host.cpu_tier import CpuBlockBuffer
 
     device_copies = None
     if device == "cuda":

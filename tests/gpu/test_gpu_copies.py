@@ -46,7 +46,7 @@ from kvtier.connector.worker.device_copy import DeviceCopies  # noqa: E402
 from kvtier.connector.worker.kv_layout import group_views  # noqa: E402
 from kvtier.connector.worker.worker import TieredOffloadingWorker  # noqa: E402
 from kvtier.host.block_copy import HostArea, HostCopies, plan_copy  # noqa: E402
-from kvtier.host.cpu_buffer import CpuBlockBuffer  # noqa: E402
+from kvtier.host.cpu_tier import CpuBlockBuffer  # noqa: E402
 from kvtier.store.backends.factory import make_backend  # noqa: E402
 from kvtier.store.reader import SlotReader  # noqa: E402
 from kvtier.store.slabs import SlabFiles  # noqa: E402

@@ -23,12 +23,13 @@ import pytest
 from test_host_safety_disk import NOBODY, as_user, needs_root
 
 from kvtier.connector.config import ConfigError
-from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
-from kvtier.host import cpu_buffer as cpu_buffer_mod
-from kvtier.host.cpu_buffer import CpuBlockBuffer
-from kvtier.host.cpu_files import (
+from kvtier.connector.preflight import prepare_cpu_tier
+from kvtier.host import cpu_tier as cpu_buffer_mod
+from kvtier.host.cpu_tier import (
+    CpuBlockBuffer,
     cpu_buffer_dir,
     cpu_buffer_path,
+    open_worker_buffer,
     reclaim_stale_cpu_files,
 )
 from kvtier.safe_open import InUseError
@@ -253,7 +254,7 @@ def test_owner_that_exits_without_close_leaves_no_file(private_dir: str) -> None
     leave the file: the owner's finalizer runs at interpreter exit."""
     path = os.path.join(private_dir, "tier.cpu")
     code = (
-        "from kvtier.host.cpu_buffer import CpuBlockBuffer as B;"
+        "from kvtier.host.cpu_tier import CpuBlockBuffer as B;"
         f"b = B(2, 4096, {path!r}, owner=True);"
         "import os; assert os.path.exists(b.shm_path);"
         "raise SystemExit('engine start failed')"

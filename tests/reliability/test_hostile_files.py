@@ -94,8 +94,8 @@ def test_fifo_named_like_a_cpu_tier_file_is_refused_not_waited_on(
     os.mkfifo(fifo, 0o600)
     p = run_python(
         f"""
-    from kvtier.host.cpu_buffer import CpuBlockBuffer
-    from kvtier.host.cpu_files import reclaim_stale_cpu_files
+    from kvtier.host.cpu_tier import CpuBlockBuffer
+    from kvtier.host.cpu_tier import reclaim_stale_cpu_files
     assert reclaim_stale_cpu_files({str(shm)!r}) == []
     try:
         CpuBlockBuffer(4, 4096, {str(fifo)!r}, owner=True)

@@ -70,7 +70,7 @@ from kvtier.host.block_copy import (
     HostArea,
     HostCopies,
 )
-from kvtier.host.cpu_buffer import CpuBlockBuffer
+from kvtier.host.cpu_tier import CpuBlockBuffer
 from kvtier.log import get_logger
 from kvtier.store.reader import SlotReads
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK

@@ -2,7 +2,7 @@
 
 Each check reuses the code the engine runs: the owner/mode rules of
 :mod:`kvtier.safe_open`, the space rule of
-:func:`kvtier.connector.disk_paths.check_disk_paths`, the O_DIRECT probe of
+:func:`kvtier.connector.preflight.check_disk_paths`, the O_DIRECT probe of
 :mod:`kvtier.store.backends.posix`, and for the throughput probe the POSIX back
 end itself (its thread pool, O_DIRECT where accepted, ``disk_io_threads``
 threads), on a private probe file that is removed again.
@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future
 
 from kvtier.connector.config import ConfigError, KvtierConfig
-from kvtier.connector.disk_paths import check_disk_paths
+from kvtier.connector.preflight import check_disk_paths
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 

@@ -4,8 +4,8 @@
   :func:`kvtier.store.backends.factory.make_backend`, with kvikio's own probes, which
   never hang and never need a GPU to answer);
 - shared memory for the CPU tier (the engine's own space rule,
-  :func:`kvtier.connector.host.check_shm_space`) and dead engines' files
-  there (:func:`kvtier.host.cpu_files.reclaim_stale_cpu_files`);
+  :func:`kvtier.connector.preflight.check_shm_space`) and dead engines' files
+  there (:func:`kvtier.host.cpu_tier.reclaim_stale_cpu_files`);
 - prefix hashing: whether block keys survive a restart;
 - on the CPU platform, whether vLLM leaves a CPU outside the model's
   OpenMP threads for kvtier's loads (:mod:`kvtier.host.placement`).
@@ -18,7 +18,7 @@ import os
 import tempfile
 
 from kvtier.connector.config import ConfigError, KvtierConfig
-from kvtier.connector.host import check_shm_space
+from kvtier.connector.preflight import check_shm_space
 from kvtier.host.placement import (
     bind_lists,
     numa_neighbours,
@@ -102,7 +102,7 @@ def check_io_path(cfg: KvtierConfig) -> list[Check]:
 
 
 def shm_base(base: str | None) -> str:
-    """The CPU tier's shared-memory file system, as kvtier.host.cpu_buffer
+    """The CPU tier's shared-memory file system, as kvtier.host.cpu_tier
     chooses it (/dev/shm, else the temp directory), or ``base``."""
     if base is not None:
         return base
@@ -111,7 +111,7 @@ def shm_base(base: str | None) -> str:
 
 def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]:
     """Room for ``cpu_bytes_to_use`` and stale CPU-tier files of this user."""
-    from kvtier.host.cpu_files import reclaim_stale_cpu_files
+    from kvtier.host.cpu_tier import reclaim_stale_cpu_files
 
     base = shm_base(base)
     directory = os.path.join(base, f"kvtier-{os.geteuid()}")

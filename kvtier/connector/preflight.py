@@ -1,24 +1,14 @@
-"""Host-level safety of the CPU tier: one owner per file, no leftovers.
+"""What kvtier's keys name, checked on this host at engine start: the disk
+paths and the shared memory of the CPU tier.
 
-The CPU tier of rank ``r`` lives in ``cpu_buffer_path(engine_id, r, world)``
-inside this user's private shared-memory directory. The worker owns (creates,
-locks) the file; the name lives only until every process that needs it has
-it mapped: the worker removes it at once when no disk tier is configured
-(nobody else maps it), else the scheduler-side DiskRuntime removes it right
-after mapping it at start-up (vLLM builds the workers' KV caches before the
-scheduler). From then on the kernel frees the memory when the last mapping
-goes, however the processes end. A crash inside that window leaves a file
-whose lock died with its owner: the next start reclaims it. This module holds what the
-spec does around that, so ``spec.py`` only calls in:
-
-- :func:`prepare_cpu_tier` (both roles, at start-up): reclaim files of dead
-  engines (their lock is gone), then check that shared memory suffices,
-  naming the kvtier files that still hold it when it does not;
-- :func:`open_worker_buffer` (worker): create the rank's file, with a clear
-  error naming ``engine_id`` when a live engine already uses that id;
-- :func:`close_on_error`: a half-built worker never leaves its file behind.
-
-No vLLM import.
+:mod:`kvtier.connector.config` checks the values of the keys; this checks
+what they name: each ``disk_path`` exists, is writable, is listed once and
+holds its share of ``disk_bytes_to_use`` (counting the space of this
+engine's own store directories, which a warm restart reuses); the CPU
+tier's shared-memory file system holds ``cpu_bytes_to_use`` once dead
+engines' files are reclaimed, and when it does not, the error names the
+kvtier files that hold it. Every error is a
+:class:`~kvtier.connector.config.ConfigError` naming the key and the fix.
 """
 
 from __future__ import annotations
@@ -27,16 +17,78 @@ import contextlib
 import glob
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
-from kvtier.connector.config import ConfigError
-from kvtier.host.cpu_buffer import CpuBlockBuffer, mapped_bytes
-from kvtier.host.cpu_files import cpu_buffer_path, reclaim_stale_cpu_files
-from kvtier.log import get_logger
-from kvtier.safe_open import InUseError
+from kvtier.connector.config import ConfigError, KvtierConfig
+from kvtier.host.cpu_tier import mapped_bytes, reclaim_stale_cpu_files
 
-logger = get_logger("connector")
+
+def check_disk_paths(
+    cfg: KvtierConfig,
+    *,
+    free_bytes: Callable[[str], int] | None = None,
+    reusable: Iterable[str] = (),
+) -> None:
+    """Fail fast on disk paths that are missing, not writable, or too small.
+
+    Each path must hold its share of ``disk_bytes_to_use``. Space used by
+    the store directories named in ``reusable`` (this engine's own layout,
+    which a warm restart reuses) counts as available; directories of other
+    layouts (another model or block size) do not."""
+    if not cfg.disk_enabled:
+        return
+    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
+    share = -(-cfg.disk_bytes_to_use // len(cfg.disk_paths))
+    seen: dict[tuple[int, int], str] = {}
+    for path in cfg.disk_paths:
+        if not os.path.isdir(path):
+            raise ConfigError(
+                "disk_path",
+                f"{path!r} does not exist or is not a directory; create it first",
+            )
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None  # raced away: the writability check below says so
+        other = path if st is None else seen.setdefault((st.st_dev, st.st_ino), path)
+        if other != path:
+            # Else the store's second directory is its first one, whose
+            # lock it already holds: "in use by another engine".
+            raise ConfigError(
+                "disk_path",
+                f"{other!r} and {path!r} are the same directory (a link or "
+                "bind mount); list each directory once",
+            )
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(
+                "disk_path",
+                f"{path!r} is not writable by this process (uid {os.getuid()})",
+            )
+        available = free_bytes(path) + _existing_slab_bytes(path, reusable)
+        if available < share:
+            raise ConfigError(
+                "disk_bytes_to_use",
+                f"{path!r} has {available} bytes free but needs {share} "
+                f"(disk_bytes_to_use={cfg.disk_bytes_to_use} over {len(cfg.disk_paths)} path(s)); "
+                "lower disk_bytes_to_use or free space",
+            )
+
+
+def _existing_slab_bytes(path: str, names: Iterable[str] = ()) -> int:
+    wanted = set(names)
+    total = 0
+    try:
+        entries = os.scandir(path)
+    except OSError:
+        return 0
+    with entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False) and entry.name in wanted:
+                for root, _dirs, files in os.walk(entry.path, followlinks=False):
+                    for name in files:
+                        with contextlib.suppress(OSError):
+                            total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total
 
 
 def _kvtier_shm_files(directory: str, exclude: Sequence[str]) -> list[tuple[str, int]]:
@@ -122,51 +174,3 @@ def prepare_cpu_tier(paths: Sequence[str], num_blocks: int, block_bytes: int) ->
             "versions: remove those no running engine uses"
         )
     check_shm_space(directory, needed, paths, holders=holders)
-
-
-def open_worker_buffer(
-    engine_id: str,
-    rank: int,
-    world_size: int,
-    num_blocks: int,
-    block_bytes: int,
-    *,
-    shared: bool = True,
-) -> CpuBlockBuffer:
-    """Create and own rank ``rank``'s CPU-tier file for the worker.
-
-    ``shared=False`` (no other process maps it: no disk tier) removes the
-    name at once, so the memory has no name from start-up on (and no other
-    engine can reach its rows). A live engine holding a file of the same
-    name (before its scheduler side mapped it) means two engines run with
-    one ``engine_id`` on this host; they would share rows (wrong outputs), so
-    that is refused with the fix."""
-    path = cpu_buffer_path(engine_id, rank, world_size)
-    try:
-        buffer = CpuBlockBuffer(num_blocks, block_bytes, path, owner=True)
-    except InUseError as exc:
-        raise InUseError(
-            f"kvtier: another running engine on this host uses engine_id "
-            f"{engine_id!r} (its CPU tier {path!r} is locked by a live process). "
-            "Two engines with one engine_id would share CPU-tier rows; give each "
-            "engine a unique engine_id (kv_transfer_config 'engine_id', or leave "
-            "it unset so vLLM generates one), or stop the other engine",
-            path,
-        ) from exc
-    if not shared:
-        buffer.unlink_name()
-    return buffer
-
-
-@contextlib.contextmanager
-def close_on_error(resource: Any) -> Iterator[Any]:
-    """Close ``resource`` (and so unlink an owned CPU-tier file) if the block
-    raises, e.g. when building the worker around it fails."""
-    try:
-        yield resource
-    except BaseException:
-        try:
-            resource.close()
-        except Exception as exc:  # the original error matters more
-            logger.warning("kvtier: cleanup after a failed start failed: %r", exc)
-        raise

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.host.cpu_buffer import CpuBlockBuffer
+from kvtier.host.cpu_tier import CpuBlockBuffer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_shared_file_across_processes(shm_dir: str) -> None:
     with CpuBlockBuffer(2, 4096, shm_path=path) as buf:
         buf.array[0, :4] = [9, 8, 7, 6]
         code = (
-            "import sys; from kvtier.host.cpu_buffer import CpuBlockBuffer as B;"
+            "import sys; from kvtier.host.cpu_tier import CpuBlockBuffer as B;"
             f"b = B(2, 4096, shm_path={path!r}, owner=False);"
             "assert b.array[0, :4].tolist() == [9, 8, 7, 6], b.array[0, :4];"
             "b.array[1, -3:] = [1, 2, 3]; b.close()"
@@ -86,8 +86,7 @@ def test_bad_geometry() -> None:
 def test_last_owner_leaves_nothing_in_the_shared_memory_directory(tmp_path):
     import os
 
-    from kvtier.host.cpu_buffer import CpuBlockBuffer
-    from kvtier.host.cpu_files import cpu_buffer_dir
+    from kvtier.host.cpu_tier import CpuBlockBuffer, cpu_buffer_dir
 
     # A private base: the real /dev/shm/kvtier-<euid> is shared with any
     # engine this user runs meanwhile, whose files would keep it alive.

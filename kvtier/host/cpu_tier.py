@@ -1,9 +1,25 @@
-"""The CPU tier's storage: one contiguous, page-aligned host buffer of blocks.
+"""The CPU tier's shared memory: one file per TP rank, from its creation to
+its reclaim.
 
-One big mapping instead of many small tensors because (a) the disk path needs
-page-aligned rows for O_DIRECT, (b) a single registration page-locks it all for
-fast GPU<->CPU copies, and (c) backed by a file in /dev/shm it can be mapped by
-the scheduler process and every worker, which then see the same bytes.
+Each rank's CPU tier is one contiguous, page-aligned mapping of
+``num_blocks`` rows (:class:`CpuBlockBuffer`): one mapping rather than many
+tensors because the disk path needs page-aligned rows for O_DIRECT, one
+registration page-locks it all for device copies, and, backed by a file in
+this user's private shared-memory directory (:func:`cpu_buffer_dir`, named by
+:func:`cpu_buffer_path` from the engine id, rank and world size), the
+scheduler process and the worker see the same bytes.
+
+Its life: the worker owns the file (:func:`open_worker_buffer`: created
+exclusively, fully reserved, locked with ``flock`` for its lifetime); the
+name lives only until every process that needs it has it mapped. The worker
+removes it at once when no disk tier is configured (nobody else maps it),
+else the scheduler side removes it right after mapping it
+(:class:`AttachedRows`; vLLM builds the workers' KV caches before the
+scheduler). From then on the kernel frees the memory when the last mapping
+goes, however the processes end (SIGKILL and OOM kill included). A crash
+inside that window leaves a file whose lock died with its owner:
+:func:`reclaim_stale_cpu_files` removes it at the next start. Nothing here
+follows a symbolic link or touches another user's file.
 """
 
 from __future__ import annotations
@@ -13,13 +29,14 @@ import errno
 import mmap
 import os
 import secrets
+import tempfile
+import time
 import weakref
 from types import TracebackType
 
 import numpy as np
 import torch
 
-from kvtier.host.cpu_files import rmdir_if_empty, same_name
 from kvtier.log import get_logger
 from kvtier.safe_open import (
     InUseError,
@@ -28,10 +45,8 @@ from kvtier.safe_open import (
     open_private,
     open_private_dir,
 )
-from kvtier.store.slot import round_up
 
 logger = get_logger("host")
-
 
 class CpuBlockBuffer:
     """``num_blocks`` rows of ``block_bytes`` bytes in one page-aligned mapping.
@@ -171,7 +186,7 @@ class CpuBlockBuffer:
 def mapped_bytes(num_blocks: int, block_bytes: int) -> int:
     """Shared memory one rank's CPU tier of ``num_blocks`` rows of
     ``block_bytes`` takes: the rows, rounded up to a page."""
-    return round_up(num_blocks * block_bytes, mmap.PAGESIZE)
+    return -(-num_blocks * block_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _unlink_if_same(path: str, fd: int) -> None:
@@ -343,3 +358,184 @@ def _release_owned(path: str, fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
     rmdir_if_empty(os.path.dirname(path))
+
+
+def cpu_buffer_path(engine_id: str, rank: int, world_size: int) -> str:
+    """Where rank ``rank``'s CPU tier lives, shared by scheduler and worker.
+
+    Inside this user's private directory (``cpu_buffer_dir``: 0700, owner
+    checked, created on first use), so other users can neither read the
+    rows nor plant a file under the predictable name."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
+    return os.path.join(cpu_buffer_dir(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
+
+
+def cpu_buffer_dir(base: str | None = None) -> str:
+    """This user's private directory for CPU-tier files, created if needed.
+
+    ``<base>/kvtier-<euid>`` (``base``: /dev/shm, or the temp directory where
+    there is no /dev/shm), mode 0700, owned by the effective user and not a
+    symbolic link, else PermissionError/OSError naming it: other users can
+    neither read, plant nor replace files in it, and the names inside can
+    stay predictable (the scheduler and the workers derive them from the
+    same config)."""
+    if base is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(base, f"kvtier-{os.geteuid()}")
+    os.close(open_private_dir(path))
+    return path
+
+
+def same_name(path: str, fd: int) -> bool:
+    """Whether ``path`` (not followed) still names the inode behind ``fd``."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
+
+
+def rmdir_if_empty(directory: str) -> None:
+    """Remove this user's private CPU-tier directory if no file is left."""
+    if os.path.basename(directory) == f"kvtier-{os.geteuid()}":
+        # The last engine leaves no trace in /dev/shm: rmdir fails while
+        # other files remain, and a creator racing it re-creates the
+        # directory (_create_owned).
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+# A temporary file is created and locked in two steps; a sweep leaves young
+# ones alone so it never races an owner in between.
+_TMP_GRACE_S = 60.0
+
+
+def _younger_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path, follow_symlinks=False).st_mtime < seconds
+    except OSError:
+        return True
+
+
+def reclaim_stale_cpu_files(
+    directory: str, *, dry_run: bool = False
+) -> list[tuple[str, int]]:
+    """Remove CPU-tier files in ``directory`` that no live engine holds.
+
+    A live owner keeps an exclusive flock on its file; the kernel drops it
+    when the process dies (SIGKILL and OOM kill included), so an unlocked
+    ``*.cpu`` file (or half-built temporary) is a dead engine's leftover that
+    still pins shared memory. Files of other users and symbolic links are
+    skipped. Returns ``(path, bytes)`` of what was removed; with ``dry_run``
+    (``kvtier doctor``) of what would be, and nothing is removed (the lock is
+    taken and dropped again)."""
+    removed: list[tuple[str, int]] = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for entry in sorted(names):
+        if not (entry.endswith(".cpu") or entry.endswith(".tmp")):
+            continue
+        path = os.path.join(directory, entry)
+        if entry.endswith(".tmp") and _younger_than(path, _TMP_GRACE_S):
+            continue  # an owner between creating and locking it: not stale
+        try:
+            fd = open_private(path, os.O_RDONLY, private=True)
+        except OSError as exc:
+            logger.warning("kvtier: leaving %s alone: %s", path, exc)
+            continue
+        try:
+            if not flock_exclusive(fd) or not same_name(path, fd):
+                continue
+            size = os.fstat(fd).st_blocks * 512
+            if dry_run:
+                removed.append((path, size))
+                continue
+            os.unlink(path)
+        except OSError as exc:
+            logger.warning("kvtier: could not reclaim %s: %s", path, exc)
+            continue
+        finally:
+            os.close(fd)
+        logger.info(
+            "kvtier: reclaimed stale CPU-tier file %s (%d bytes of shared memory) "
+            "left by an engine that is no longer running",
+            path,
+            size,
+        )
+        removed.append((path, size))
+    return removed
+
+
+def open_worker_buffer(
+    engine_id: str,
+    rank: int,
+    world_size: int,
+    num_blocks: int,
+    block_bytes: int,
+    *,
+    shared: bool = True,
+) -> CpuBlockBuffer:
+    """Create and own rank ``rank``'s CPU-tier file for the worker.
+
+    ``shared=False`` (no other process maps it: no disk tier) removes the
+    name at once, so the memory has no name from start-up on (and no other
+    engine can reach its rows). A live engine holding a file of the same
+    name (before its scheduler side mapped it) means two engines run with
+    one ``engine_id`` on this host; they would share rows (wrong outputs), so
+    that is refused with the fix."""
+    path = cpu_buffer_path(engine_id, rank, world_size)
+    try:
+        buffer = CpuBlockBuffer(num_blocks, block_bytes, path, owner=True)
+    except InUseError as exc:
+        raise InUseError(
+            f"kvtier: another running engine on this host uses engine_id "
+            f"{engine_id!r} (its CPU tier {path!r} is locked by a live process). "
+            "Two engines with one engine_id would share CPU-tier rows; give each "
+            "engine a unique engine_id (kv_transfer_config 'engine_id', or leave "
+            "it unset so vLLM generates one), or stop the other engine",
+            path,
+        ) from exc
+    if not shared:
+        buffer.unlink_name()
+    return buffer
+
+
+class AttachedRows:
+    """A rank's CPU-tier rows as the scheduler side maps them, once: at
+    start-up when the worker created the file (:meth:`attach_at_start`),
+    else at first use (``array``), which can only follow a completed store.
+    Mapping removes the name (every process that needs it has it open now).
+    ``array`` raises OSError (FileNotFoundError: no live worker's file yet)
+    where it cannot map; the transfers turn that into misses."""
+
+    def __init__(self, path: str, num_blocks: int, block_bytes: int) -> None:
+        self.path, self.num_blocks, self.block_bytes = path, num_blocks, block_bytes
+        self.buffer: CpuBlockBuffer | None = None
+
+    @property
+    def array(self) -> np.ndarray:
+        if self.buffer is None:
+            buffer = CpuBlockBuffer(self.num_blocks, self.block_bytes, self.path, owner=False)
+            buffer.unlink_name()
+            self.buffer = buffer
+        return self.buffer.array
+
+    def attach_at_start(self, rank: int) -> None:
+        """Map now if the worker already created the file, else say so."""
+        try:
+            self.array  # noqa: B018
+        except OSError as exc:
+            logger.info(
+                "kvtier: CPU tier of rank %d not mapped at start-up (%s); "
+                "mapping it at the first spill",
+                rank,
+                exc,
+            )
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.host.cpu_buffer import CpuBlockBuffer
+from kvtier.host.cpu_tier import CpuBlockBuffer
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.compression import Codec
-from kvtier.store.engine import JobOutcome, TransferEngine
 from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome
 from kvtier.store.store import DiskStore
+from kvtier.store.transfers import JobOutcome, TransferEngine
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 N = 12  # blocks per round trip
@@ -53,7 +53,7 @@ def engine_on(
             compression=compression,
         )
         buf = CpuBlockBuffer(3 * N, BLOCK_BYTES)
-        eng = TransferEngine(buf, store, threads=kw.get("threads", 4))
+        eng = TransferEngine([buf], [store], threads=kw.get("threads", 4))
         made.append((eng, store, buf, backend))
         return eng
 
@@ -73,7 +73,7 @@ def test_spill_promote_roundtrip_is_byte_exact(
     engine_on: Any, where: str, npaths: int, compression: str, dtype: torch.dtype
 ) -> None:
     eng: TransferEngine = engine_on(where, npaths, compression)
-    buf, store = eng.cpu_buffer, eng.disk_store
+    buf, store = eng.rows[0], eng.stores[0]
     fill_kv(buf, range(0, N), dtype)
     original = buf.array[:N].copy()
 
@@ -116,7 +116,7 @@ def test_spill_promote_roundtrip_is_byte_exact(
 @pytest.mark.usefixtures("reject_o_direct")
 def test_roundtrip_when_filesystem_rejects_o_direct(engine_on: Any) -> None:
     eng: TransferEngine = engine_on("shm", 2, "none")
-    buf, store = eng.cpu_buffer, eng.disk_store
+    buf, store = eng.rows[0], eng.stores[0]
     assert {h.direct for h in store.files.handles} == {False}
     fill_kv(buf, range(0, 4), torch.bfloat16, seed=3)
     eng.submit_spill(1, [(key(i), i, i) for i in range(4)])
@@ -132,7 +132,7 @@ def test_roundtrip_when_filesystem_rejects_o_direct(engine_on: Any) -> None:
 
 def test_failed_promote_keys_leave_rows_untouched(engine_on: Any) -> None:
     eng: TransferEngine = engine_on("tmp", 1, "zstd")
-    buf, store = eng.cpu_buffer, eng.disk_store
+    buf, store = eng.rows[0], eng.stores[0]
     fill_kv(buf, range(0, 3), torch.bfloat16)
     eng.submit_spill(1, [(key(i), i, i) for i in range(3)])
     eng.wait([1])
@@ -171,7 +171,7 @@ def test_failed_spill_reports_keys(
         ) as store,
         CpuBlockBuffer(2, BLOCK_BYTES) as buf,
     ):
-        eng = TransferEngine(buf, store, threads=2)
+        eng = TransferEngine([buf], [store], threads=2)
         eng.submit_spill(7, [(key(0), 0, 0), (key(1), 1, 1)])
         eng.wait([7])
         [res] = eng.get_finished()
@@ -191,7 +191,7 @@ def test_a_spill_copy_that_outlasts_abandon_is_never_written(
     may have staged two blocks' bytes. Written under the key with a valid
     checksum, a warm restart would serve them: it must never be written."""
     eng: TransferEngine = engine_on("tmp", 1, "none", threads=1)
-    buf, store = eng.cpu_buffer, eng.disk_store
+    buf, store = eng.rows[0], eng.stores[0]
     fill_kv(buf, range(0, 1), torch.bfloat16)
     copying, done_copying = threading.Event(), threading.Event()
     real = store.write_block
@@ -250,7 +250,7 @@ def test_generic_jobs_wait_pending_and_errors(engine_on: Any) -> None:
 
 def test_promotes_overtake_queued_spills(engine_on: Any) -> None:
     eng: TransferEngine = engine_on("tmp", 1, "none", threads=1)
-    fill_kv(eng.cpu_buffer, range(0, 4), torch.bfloat16)
+    fill_kv(eng.rows[0], range(0, 4), torch.bfloat16)
     eng.submit_spill(1, [(key(0), 0, 0)])
     eng.wait([1])
     eng.get_finished()
@@ -273,7 +273,7 @@ def test_promotes_overtake_queued_spills(engine_on: Any) -> None:
 
 def test_shutdown_drains_then_rejects(engine_on: Any) -> None:
     eng: TransferEngine = engine_on("tmp", 1, "none", threads=1)
-    fill_kv(eng.cpu_buffer, range(0, 8), torch.float16)
+    fill_kv(eng.rows[0], range(0, 8), torch.float16)
     eng.submit_spill(1, [(key(i), i, i) for i in range(8)])
     eng.shutdown()
     [res] = eng.get_finished()
@@ -291,9 +291,9 @@ def test_geometry_mismatch(tmp_path: Path, fingerprint: LayoutFingerprint) -> No
         CpuBlockBuffer(2, BLOCK_BYTES // 2) as buf,
         pytest.raises(ValueError),
     ):
-        TransferEngine(buf, store)
+        TransferEngine([buf], [store])
 
 
 def test_rows_are_numpy_views(engine_on: Any) -> None:
     eng: TransferEngine = engine_on("tmp", 1, "none")
-    assert isinstance(eng.cpu_buffer.array, np.ndarray)
+    assert isinstance(eng.rows[0].array, np.ndarray)

@@ -37,10 +37,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector import metrics as m
-from kvtier.connector.scheduler.disk_runtime import SPILL, DiskRuntime
 from kvtier.connector.specs import CpuTierSpec, TierLoadSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, WorkerReport
 from kvtier.log import get_logger
+from kvtier.store.transfers import DiskRuntime
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
@@ -111,7 +111,7 @@ class TieredOffloadingManager(OffloadingManager):
             return
         h = self.hierarchy
         for job in runtime.poll():
-            assert job.kind == SPILL
+            assert job.spill
             h.complete_spill(job.job_id, job.failed_keys)
         for order in h.take_spills():
             runtime.submit_spill(order)
