@@ -174,37 +174,6 @@ class SlabFile:
             raise IndexError(f"slot {local} out of range [0, {self.num_slots})")
         return local * self.slot_size
 
-    @classmethod
-    def create(
-        cls,
-        path: str,
-        num_slots: int,
-        slot_bytes: int,
-        *,
-        index: int = 0,
-        dir_fd: int | None = None,
-    ) -> tuple[SlabFile, tuple[int, int]]:
-        """Create (or reopen) the slab at ``path``, at least ``num_slots *
-        slot_bytes`` bytes and mode 0o600, and return it with its
-        ``(st_dev, st_ino)``. A larger file is never shrunk (its tail is
-        unused). A link, another owner's file or a group/other-writable one
-        is refused (looser read bits are removed); with ``dir_fd`` the name
-        is resolved inside that (already checked) directory."""
-        if num_slots < 0 or slot_bytes <= 0:
-            raise ValueError(f"bad slab geometry: {num_slots} x {slot_bytes}")
-        size = num_slots * slot_bytes
-        name = os.path.basename(path) if dir_fd is not None else path
-        fd = open_private(
-            name, os.O_RDWR | os.O_CREAT, 0o600, dir_fd=dir_fd, fix_mode=True
-        )
-        try:
-            st = os.fstat(fd)
-            if st.st_size < size:
-                _preallocate(fd, size, path, st.st_size)
-        finally:
-            os.close(fd)
-        return cls(path, index, num_slots, slot_bytes, size), (st.st_dev, st.st_ino)
-
 
 class SlabFiles:
     """One store's slab files (see the module doc). Build it with
@@ -263,67 +232,6 @@ class SlabFiles:
         )
 
     @classmethod
-    def create(
-        cls,
-        paths: Sequence[str],
-        fingerprint: LayoutFingerprint,
-        num_slots: int,
-        backend: DiskBackend,
-        *,
-        owns_backend: bool = False,
-    ) -> SlabFiles:
-        """Create or reopen the store on ``paths``, read-write (see the
-        module doc). On any failure whatever was opened is closed (the back
-        end too, when owned) and the exception propagates: OSError from the
-        file system (ENOSPC naming the slab and size), InUseError when
-        another live engine holds a directory, PermissionError for a link,
-        a foreign owner or a swapped file."""
-        name = store_dirname(fingerprint)
-        ssz = slot_size(fingerprint.block_bytes)
-        files = cls(
-            name,
-            [],
-            [],
-            fingerprint.block_bytes,
-            fingerprint.digest(),
-            backend,
-            owns_backend=owns_backend,
-            writable=True,
-            fingerprint=fingerprint,
-        )
-        files.num_slots, files.stripes = num_slots, len(paths)
-        try:
-            for i, base in enumerate(paths):
-                d = os.path.join(base, name)
-                dir_fd = _open_store_dir(d, base)
-                files._dir_fds.append(dir_fd)
-                _write_layout(d, fingerprint, ssz, dir_fd=dir_fd)
-                slab, dev_ino = SlabFile.create(
-                    os.path.join(d, slab_name(i)),
-                    local_slot_count(num_slots, i, len(paths)),
-                    ssz,
-                    index=i,
-                    dir_fd=dir_fd,
-                )
-                files.dirs.append(d)
-                files.slabs.append(slab)
-                handle = backend.open(slab.path, writable=True)
-                files.handles.append(handle)
-                fd = backend.fileno(handle)
-                if fd is not None and _dev_ino(fd) != dev_ino:
-                    raise PermissionError(
-                        errno.EPERM,
-                        "kvtier refuses the slab: the file opened by name is not "
-                        "the one checked a moment earlier (the directory was "
-                        "swapped?)",
-                        slab.path,
-                    )
-        except BaseException:
-            files.close()
-            raise
-        return files
-
-    @classmethod
     def open(
         cls,
         paths: Sequence[str],
@@ -339,16 +247,15 @@ class SlabFiles:
             paths = [paths]
         if not paths or num_slots < 1:
             raise ValueError("a store needs paths and slots")
-        name = store_dirname(fingerprint)
-        dirs = [os.path.join(os.path.abspath(p), name) for p in paths]
-        ssz = slot_size(fingerprint.block_bytes)
+        name, ssz = store_dirname(fingerprint), slot_size(fingerprint.block_bytes)
         slabs = []
-        for i, d in enumerate(dirs):
-            count = local_slot_count(num_slots, i, len(dirs))
-            slabs.append(SlabFile(os.path.join(d, slab_name(i)), i, count, ssz, count * ssz))
+        for i, base in enumerate(paths):
+            count = local_slot_count(num_slots, i, len(paths))
+            path = os.path.join(os.path.abspath(base), name, slab_name(i))
+            slabs.append(SlabFile(path, i, count, ssz, count * ssz))
         return cls(
             name,
-            dirs,
+            [os.path.dirname(slab.path) for slab in slabs],
             slabs,
             fingerprint.block_bytes,
             fingerprint.digest(),
@@ -357,6 +264,46 @@ class SlabFiles:
             writable=False,
             fingerprint=fingerprint,
         )
+
+    @classmethod
+    def create(
+        cls,
+        paths: Sequence[str],
+        fingerprint: LayoutFingerprint,
+        num_slots: int,
+        backend: DiskBackend,
+        *,
+        owns_backend: bool = False,
+    ) -> SlabFiles:
+        """Create or reopen the store on ``paths``, read-write (see the
+        module doc). On any failure whatever was opened is closed (the back
+        end too, when owned) and the exception propagates: OSError from the
+        file system (ENOSPC naming the slab and size), InUseError when
+        another live engine holds a directory, PermissionError for a link,
+        a foreign owner or a swapped file."""
+        files = cls.open(paths, fingerprint, num_slots, backend, owns_backend=owns_backend)
+        files.writable = True
+        try:
+            for i, slab in enumerate(files.slabs):
+                d = files.dirs[i]
+                dir_fd = _open_store_dir(d, os.path.dirname(d))
+                files._dir_fds.append(dir_fd)
+                _write_layout(d, fingerprint, slab.slot_size, dir_fd=dir_fd)
+                dev_ino = create_slab(slab.path, slab.num_slots, slab.slot_size, dir_fd=dir_fd)
+                files.handles[i] = backend.open(slab.path, writable=True)
+                fd = backend.fileno(files.handles[i])
+                if fd is not None and _dev_ino(fd) != dev_ino:
+                    raise PermissionError(
+                        errno.EPERM,
+                        "kvtier refuses the slab: the file opened by name is not "
+                        "the one checked a moment earlier (the directory was "
+                        "swapped?)",
+                        slab.path,
+                    )
+        except BaseException:
+            files.close()
+            raise
+        return files
 
     # -- where and how bytes move -----------------------------------------
 
@@ -563,6 +510,29 @@ class SlabFiles:
 
 
 # ------------------------------------------------------------------ create
+
+
+def create_slab(
+    path: str, num_slots: int, slot_bytes: int, *, dir_fd: int | None = None
+) -> tuple[int, int]:
+    """Create (or reopen) the slab at ``path``, at least ``num_slots *
+    slot_bytes`` bytes and mode 0o600, preallocated; its ``(st_dev,
+    st_ino)``. A larger file is never shrunk (its tail is unused). A link,
+    another owner's file or a group/other-writable one is refused (looser
+    read bits are removed); with ``dir_fd`` the name is resolved inside
+    that (already checked) directory."""
+    if num_slots < 0 or slot_bytes <= 0:
+        raise ValueError(f"bad slab geometry: {num_slots} x {slot_bytes}")
+    size = num_slots * slot_bytes
+    name = os.path.basename(path) if dir_fd is not None else path
+    fd = open_private(name, os.O_RDWR | os.O_CREAT, 0o600, dir_fd=dir_fd, fix_mode=True)
+    try:
+        st = os.fstat(fd)
+        if st.st_size < size:
+            _preallocate(fd, size, path, st.st_size)
+    finally:
+        os.close(fd)
+    return st.st_dev, st.st_ino
 
 
 def _dev_ino(fd: int) -> tuple[int, int]:

@@ -11,6 +11,7 @@ from kvtier.store import slabs as slab_mod
 from kvtier.store.slabs import (
     STORE_DIR_RE,
     SlabFile,
+    create_slab,
     global_slot,
     local_slot_count,
     locate,
@@ -22,7 +23,8 @@ from kvtier.store.slot import LayoutFingerprint
 
 
 def create(path: str, num_slots: int, slot_size: int) -> SlabFile:
-    return SlabFile.create(path, num_slots, slot_size)[0]
+    create_slab(path, num_slots, slot_size)
+    return SlabFile(path, 0, num_slots, slot_size, num_slots * slot_size)
 
 
 def mode(path: str) -> int:
