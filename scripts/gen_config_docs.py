@@ -5,7 +5,7 @@ Sources: the key schema, the pydantic models ``KvtierConfig``
 (kvtier/connector/config.py) and ``KvtierDiskTierConfig``
 (kvtier/connector/tiering/config.py), the metric
 definitions (kvtier/connector/metrics.py), the files in configs/, the slot
-geometry (kvtier/store/format.py), the ``ConfigError`` messages of
+geometry (kvtier/store/slot.py), the ``ConfigError`` messages of
 kvtier/connector/spec.py (read from its source) and real calls of
 ``parse_extra_config`` / ``check_disk_paths`` on bad input.
 

@@ -1,4 +1,6 @@
-"""The disk tier's store: the slot format, the slab files, the write path,
-the verified read paths, spill and promotion transfers, and the I/O back
-ends (``kvtier.store.backends``). Never imports vLLM; runs in the scheduler
-process (writes, spills, promotions) and in the workers (loads)."""
+"""The disk tier's store: one slot (``slot``), the slab files (``slabs``),
+the write path (``store``), the one reader (``reader``; in a process of its
+own: ``read_process``), the one header scan (``scan``), spills and
+promotions (``transfers``) and the I/O back ends (``backends``). Never
+imports vLLM; runs in the scheduler process (writes, spills, promotions) and
+in the workers (loads)."""

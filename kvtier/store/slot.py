@@ -9,9 +9,9 @@ of the layout whose digest it carries, :func:`slot_size` the slot's bytes.
 Judging a slot is the same rule for every reader (the writer's promotions,
 the workers' loads, warm restart, ``kvtier inspect``/``verify``): each check
 returns a :class:`SlotVerdict` whose ``detail`` says, for a rejected slot,
-why in words. :func:`verify_slot` (header, then payload xxh3) is the whole
-host verification; :func:`verify_header` and :func:`check_payload` are its
-halves; :func:`decode_payload` decodes a verified payload and rejects one
+why in words. :func:`verify_header` (magic, version, header checksum, layout,
+key, lengths) then :func:`check_payload` (the payload's xxh3) is the whole
+host verification; :func:`decode_payload` decodes a verified payload and rejects one
 that does not decode as the header says; :func:`short_read_outcome` says
 what a read that came back short means.
 
@@ -469,35 +469,6 @@ def check_payload(hdr: SlotHeader, payload: Any, available: int) -> SlotVerdict:
             "payload checksum mismatch",
         )
     return SlotVerdict(ReadOutcome.OK, hdr)
-
-
-def verify_slot(
-    buf: Any,
-    nread: int,
-    *,
-    key: bytes | None,
-    digest: bytes | str | None,
-    block_bytes: int | None,
-    slot_bytes: int,
-) -> SlotVerdict:
-    """The host verification of one slot read into ``buf`` (``nread`` bytes
-    from the slot's start): header (magic, version, header checksum), layout,
-    key, lengths, then the payload's xxh3. OK only when all hold."""
-    verdict = verify_header(
-        buf,
-        nread,
-        key=key,
-        digest=digest,
-        block_bytes=block_bytes,
-        slot_bytes=slot_bytes,
-    )
-    if not verdict.ok:
-        return verdict
-    assert verdict.header is not None
-    view = memoryview(buf).cast("B")
-    return check_payload(
-        verdict.header, view[HEADER_SIZE:], min(nread, len(view)) - HEADER_SIZE
-    )
 
 
 def decode_payload(hdr: SlotHeader, stored: Any, out: Any) -> SlotVerdict:
