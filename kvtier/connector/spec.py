@@ -49,24 +49,11 @@ from kvtier.connector.preflight import check_disk_paths, prepare_cpu_tier
 from kvtier.connector.topology import check_single_node
 from kvtier.host.cpu_tier import cpu_buffer_path, open_worker_buffer
 from kvtier.log import get_logger
+from kvtier.store.compression import element_bytes
 from kvtier.store.slabs import store_dirname
 from kvtier.store.slot import LayoutFingerprint, slot_size
 
 logger = get_logger("connector")
-
-
-_ELEM_SIZE = {
-    "float32": 4,
-    "float": 4,
-    "float16": 2,
-    "half": 2,
-    "bfloat16": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
 
 
 def layout_fingerprint(
@@ -215,7 +202,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             )
         else:
             check_disk_paths(self.kvtier)
-        self.elem_size = _ELEM_SIZE.get(str(config.model.dtype).lower(), 2)
+        self.elem_size = element_bytes(config.model.dtype)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 

@@ -16,6 +16,28 @@ from enum import IntEnum
 import numpy as np
 import zstandard
 
+# Bytes per element of the KV cache's dtype names: the width of the byte
+# planes compression splits a block into (2 where a name is not known).
+_ELEMENT_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+def element_bytes(dtype: object) -> int:
+    """Bytes per element of the dtype named ``str(dtype)`` (vLLM's names,
+    e.g. ``"bfloat16"``), 2 where the name is not known."""
+    return _ELEMENT_BYTES.get(str(dtype).lower(), 2)
+
+
 DEFAULT_LEVEL = 1
 DEFAULT_MIN_SAVING = 0.05
 

@@ -107,7 +107,6 @@ class _Job:
         self.started = time.perf_counter()
         self.bytes = 0
         self.failed: dict[bytes, None] = {}  # ordered, each key once
-        self.io: set[bytes] = set()  # failed on an I/O error on some rank
         self.bad: set[bytes] = set()  # failed on bytes shown bad on some rank
         self.lock = threading.Lock()
         self.final: FinishedJob | None = None
@@ -118,7 +117,8 @@ class _Job:
         with self.lock:
             if nbytes is None or nbytes == IO_FAILED:
                 self.failed[key] = None
-                (self.bad if nbytes is None else self.io).add(key)
+                if nbytes is None:
+                    self.bad.add(key)
             else:
                 self.bytes += nbytes
             self.remaining -= 1
@@ -134,7 +134,7 @@ class _Job:
                 not self.failed,
                 self.bytes,
                 list(self.failed),
-                [k for k in self.failed if k in self.io and k not in self.bad],
+                [k for k in self.failed if k not in self.bad],
             )
         return FinishedJob(
             self.job_id,

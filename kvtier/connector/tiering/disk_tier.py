@@ -58,7 +58,7 @@ from vllm.v1.kv_offload.tiering.base import (
 
 from kvtier.connector.config import ConfigError, blocks_in_budget
 from kvtier.connector.preflight import check_disk_paths
-from kvtier.connector.spec import _ELEM_SIZE, layout_fingerprint
+from kvtier.connector.spec import layout_fingerprint
 from kvtier.connector.tiering.config import (
     TIER_TYPE,
     TierConfigError,
@@ -72,6 +72,7 @@ from kvtier.connector.tiering.metrics import (
 )
 from kvtier.connector.tiering.pull import PullBack
 from kvtier.log import get_logger
+from kvtier.store.compression import element_bytes
 from kvtier.store.slabs import store_dirname
 from kvtier.store.slot import slot_size
 from kvtier.store.transfers import DiskRuntime
@@ -211,7 +212,7 @@ class KvtierDiskTier(SecondaryTierManager):
             fingerprints=fingerprints,
             disk_io=cfg.disk_io,
             compression=cfg.disk_compression,
-            elem_size=_ELEM_SIZE.get(str(config.model.dtype).lower(), 2),
+            elem_size=element_bytes(config.model.dtype),
             threads=cfg.disk_io_threads,
         )
         self._warm_restart()
