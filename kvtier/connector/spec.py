@@ -256,8 +256,6 @@ class TieredOffloadingSpec(OffloadingSpec):
                 )
                 restored = runtime.scan_restore()
                 if restored:
-                    if len(restored) > self.num_disk_blocks:
-                        restored = restored[-self.num_disk_blocks :]
                     hierarchy.restore_disk(restored)
                 fp = self.fingerprint(0)
                 logger.info(

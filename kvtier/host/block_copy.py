@@ -119,16 +119,15 @@ class BlockCopier:
 
     Copies index whole machine words, not bytes: on the CPU platform an
     indexed copy costs per element, and an int64 view moves the same bytes
-    with an eighth of the elements (8 MiB: ~31 ms as bytes, ~4 ms as words).
+    with an eighth of the elements.
 
     In host memory a copy goes through numpy, not torch's indexing kernels,
     and copies from slices where it can: ordered by source block, a plan is
     a few runs of consecutive source blocks (a CPU-tier row range, a half of
     the bounce area filled in slot order, a request's GPU blocks), each one
     scattered to its destination blocks with one call per KV tensor and no
-    gathered temporary. 256 MiB over 8 tensors on a 2-core VM: ~150 ms with
-    torch's indexed assignment, ~45 ms with numpy gathering, ~14 ms from
-    slices (a memcpy of the same bytes: ~14 ms). Both release the GIL.
+    gathered temporary, at about a memcpy's speed (figures:
+    docs/benchmarks.md). Both release the GIL.
     """
 
     def __init__(

@@ -21,14 +21,10 @@ def payload_checksum(data: Any) -> int:
     ``data`` is anything exposing the buffer protocol (bytes, memoryview,
     contiguous numpy array). xxhash's binding lets the GIL go while it
     hashes, so the engine's thread runs beside a thread that verifies or
-    spills blocks. Holding the GIL instead (the same C function through
-    ``ctypes.PyDLL``, until #20) made a 512 KiB block one 30 us stretch the
-    engine's thread waits behind at every GIL hand-off: interleaved
-    ``step_stall.py`` runs (in-process, 256 MiB disk hit, 3 each) had the
-    longest decode step during the load at 10.9 ms (3.7x a decode step)
-    holding it and 8.4 ms (2.8x) letting it go, the load 4 % slower. The
-    price is one GIL re-acquisition per block on the hashing thread, which
-    is long only next to a thread that spins in pure Python.
+    spills blocks instead of waiting behind each block (docs/benchmarks.md,
+    "Engine step stalls"). The price is one GIL re-acquisition per block on
+    the hashing thread, which is long only next to a thread that spins in
+    pure Python.
     """
     return xxhash.xxh3_64_intdigest(data)
 

@@ -610,7 +610,8 @@ class DiskRuntime:
 
     def scan_restore(self) -> list[tuple[bytes, int]]:
         """Blocks a previous run left on disk that every rank holds intact
-        headers for (same key, same fingerprint), oldest first.
+        headers for (same key, same fingerprint), oldest first: one per key,
+        at most one per slot, so never more than the store holds.
 
         Payload checksums are verified lazily, on promotion: a bad payload
         then costs one miss, and start-up reads only headers."""

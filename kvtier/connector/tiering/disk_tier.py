@@ -232,8 +232,6 @@ class KvtierDiskTier(SecondaryTierManager):
     def _warm_restart(self) -> None:
         assert self.runtime is not None
         restored = self.runtime.scan_restore()  # oldest first
-        if len(restored) > self.capacity:
-            restored = restored[-self.capacity :]
         if not restored:
             return
         self.core.restore(restored)  # reported as stored

@@ -123,7 +123,7 @@ class PosixBackend(DiskBackend):
 
     # Blocking variants for callers that already run on their own worker
     # threads (DiskStore under TransferEngine): skipping the pool saves a
-    # thread hop per block, which at queue depth 1 cost ~30% of throughput.
+    # thread hop per block, a large share of the time at queue depth 1.
     def read_sync(self, handle: PosixHandle, buf: Any, offset: int) -> int:
         """Like ``submit_read(...).result()`` but on the calling thread."""
         return _transfer(os.preadv, handle, _as_view(buf), offset)
