@@ -4,10 +4,10 @@ checksum (version 2 headers), per block size, in one run.
 Rows, each the median of ``--repeats`` timings of hashing ``--blocks``
 distinct blocks (so caches see fresh data like a spill does):
 
-- ``xxh3``: :func:`kvtier.io.checksum.payload_checksum`, the baseline;
-- ``device_np``: :func:`kvtier.io.checksum.device_checksum` (numpy), what
+- ``xxh3``: :func:`kvtier.store.checksum.payload_checksum`, the baseline;
+- ``device_np``: :func:`kvtier.store.checksum.device_checksum` (numpy), what
   ``DiskStore.write_block`` adds to every spill;
-- ``device_torch_cpu``: :func:`kvtier.io.checksum.device_checksums` on a CPU
+- ``device_torch_cpu``: :func:`kvtier.store.checksum.device_checksums` on a CPU
   tensor of all blocks at once (what the staging reader does on CPU);
 - ``device_torch_cuda``: the same on the GPU (only where CUDA exists; the
   JSON says why not otherwise), synchronised before the clock stops.
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import write_json  # noqa: E402
-from kvtier.io.checksum import (  # noqa: E402
+from kvtier.store.checksum import (  # noqa: E402
     device_checksum,
     device_checksums,
     payload_checksum,

@@ -63,7 +63,7 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
     from vllm.inputs import TokensPrompt
 
     from benchmarks._common import kvtier_counters, offload_load_totals
-    from kvtier.io.format import slot_size
+    from kvtier.store.slot import slot_size
 
     longest = max(lengths)
     model = build_tiny_llama(max_position_embeddings=2 * longest)

@@ -14,7 +14,7 @@ Side by side in one run, interleaved (the order alternates every round):
   into the KV cache) through each disk load path (``disk_load_path``):
   ``host`` (``SlotReader``: a pinned host bounce area, xxh3 on the host,
   vLLM's transfer handler copies host -> GPU) and ``device``
-  (``DeviceStagingReader``: slots read into a GPU staging tensor, verified
+  (``SlotReader(device=...)``: slots read into a GPU staging tensor, verified
   there with the device checksum, copied device -> device), each over the
   POSIX back end and over kvikio where it loads (its mode, GDS or compat, as
   kvikio reports it). Next to an O_DIRECT 1 MiB sequential read of the same
@@ -66,7 +66,7 @@ if str(ROOT) not in sys.path:
 from benchmarks._common import direct_read_baseline, drop_caches  # noqa: E402
 
 LOAD_PATHS = ("host", "device")  # disk_load_path
-READER_CLASS = {"host": "SlotReader", "device": "DeviceStagingReader"}
+READER_CLASS = {"host": "SlotReader", "device": "SlotReader(device)"}
 
 
 def _caches(layers: int, page: int, num_blocks: int, device: str = "cuda"):
@@ -194,7 +194,7 @@ def gpu_cpu_rows(args: argparse.Namespace, caches, most: int) -> dict[str, Any]:
 
     from kvtier.connector.worker.device_copy import DeviceCopies
     from kvtier.connector.worker.worker import TieredOffloadingWorker
-    from kvtier.io.cpu_buffer import CpuBlockBuffer
+    from kvtier.host.cpu_tier import CpuBlockBuffer
 
     block_bytes = args.layers * args.page
     buffer = CpuBlockBuffer(most, block_bytes)
@@ -253,7 +253,7 @@ def _kv_block(caches, block_id: int) -> np.ndarray:
 
 def _backend_mode(backend) -> str:
     """``posix``, or kvikio's own mode: ``gds`` or ``compat``."""
-    from kvtier.io.device_staging import staging_mode
+    from kvtier.store.reader import staging_mode
 
     return staging_mode(backend)
 
@@ -265,12 +265,12 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
 
     from kvtier.connector.specs import TierLoadSpec
     from kvtier.connector.worker.worker import TieredOffloadingWorker
-    from kvtier.io.backends import make_backend
-    from kvtier.io.cpu_buffer import CpuBlockBuffer
-    from kvtier.io.device_staging import DeviceStagingReader
-    from kvtier.io.disk_store import DiskStore
-    from kvtier.io.format import LayoutFingerprint, slot_size
-    from kvtier.io.slot_reader import SlotReader
+    from kvtier.host.cpu_tier import CpuBlockBuffer
+    from kvtier.store.backends.factory import make_backend
+    from kvtier.store.reader import SlotReader
+    from kvtier.store.slabs import SlabFiles
+    from kvtier.store.slot import LayoutFingerprint, slot_size
+    from kvtier.store.store import DiskStore
     from kvtier.tiers.events import MEDIUM_DISK
     from kvtier.tiers.plans import BlockLocation
 
@@ -333,28 +333,15 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
             reader = None
             try:
                 # As TieredOffloadingSpec._disk_reader builds them.
+                files = SlabFiles.open([str(disk)], fp, n, backend, owns_backend=True)
+                capacity = max(1, args.staging_bytes // slot_size(block_bytes))
                 if path == "device":
-                    reader = DeviceStagingReader(
-                        [str(disk)],
-                        n,
-                        block_bytes,
-                        fp,
-                        backend,
-                        device=caches.tensors[0].tensor.device,
-                        capacity=max(1, args.staging_bytes // slot_size(block_bytes)),
-                        owns_backend=True,
+                    reader = SlotReader(
+                        files, device=caches.tensors[0].tensor.device, capacity=capacity
                     )
                     row["mode"] = reader.mode
                 else:
-                    reader = SlotReader(
-                        [str(disk)],
-                        n,
-                        block_bytes,
-                        fp,
-                        backend,
-                        bounce_bytes=args.staging_bytes,
-                        pin=True,
-                    )
+                    reader = SlotReader(files, capacity=capacity, pin=True)
                 workers[key] = TieredOffloadingWorker(
                     caches,
                     CpuBlockBuffer(4, block_bytes),

@@ -401,7 +401,7 @@ class Bench:
 
     def kvtier(self, cpu_bytes: int, reserve_s: float) -> None:
         from benchmarks._common import direct_read_baseline, drop_caches
-        from kvtier.io.format import slot_size
+        from kvtier.store.slot import slot_size
         from kvtier.testing.engine import get_connector, offloading_kv_transfer_config
         from kvtier.tiers.plans import Residency
 

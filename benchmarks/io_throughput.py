@@ -7,7 +7,7 @@ file system:
   slots -> CPU rows) through the real path: CpuBlockBuffer -> TransferEngine
   (``threads`` workers) -> DiskStore (slot headers, xxh3 checksums, verify on
   read) -> back end. Back ends: ``posix`` always, ``kvikio`` only where
-  ``kvtier.io.kvikio_probe.kvikio_usable()`` is True (otherwise its reason is
+  ``kvtier.store.backends.kvikio_probe.kvikio_usable()`` is True (otherwise its reason is
   recorded). Where a CUDA GPU exists, **disk -> GPU** is measured as well
   (load into the pinned CPU rows, then one host -> device copy, timed
   together); without one the JSON says why not.
@@ -62,12 +62,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import write_json  # noqa: E402
 
-from kvtier.io.backend import DiskBackend  # noqa: E402
-from kvtier.io.cpu_buffer import CpuBlockBuffer  # noqa: E402
-from kvtier.io.disk_store import DiskStore  # noqa: E402
-from kvtier.io.engine import TransferEngine  # noqa: E402
-from kvtier.io.format import LayoutFingerprint  # noqa: E402
-from kvtier.io.posix_backend import PosixBackend  # noqa: E402
+from kvtier.host.cpu_tier import CpuBlockBuffer  # noqa: E402
+from kvtier.store.backends.base import DiskBackend  # noqa: E402
+from kvtier.store.backends.posix import PosixBackend  # noqa: E402
+from kvtier.store.slot import LayoutFingerprint  # noqa: E402
+from kvtier.store.store import DiskStore  # noqa: E402
+from kvtier.store.transfers import TransferEngine  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -287,7 +287,7 @@ class KvtierRig:
         )
         # Rows [0, count) are spilled; loads land in [count, 2*count).
         self.buf = CpuBlockBuffer(2 * count, block)
-        self.engine = TransferEngine(self.buf, self.store, threads=threads)
+        self.engine = TransferEngine([self.buf], [self.store], threads=threads)
         self.job = 0
         # KV-like contents (bf16 normals) so compressed runs are meaningful.
         chunk = np.random.default_rng(0).standard_normal(
@@ -350,9 +350,12 @@ class KvtierRig:
 
 def kvikio_status() -> tuple[bool, str]:
     try:
-        from kvtier.io.kvikio_probe import kvikio_unusable_reason, kvikio_usable
+        from kvtier.store.backends.kvikio_probe import (
+            kvikio_unusable_reason,
+            kvikio_usable,
+        )
     except ImportError as exc:
-        return False, f"kvtier.io.kvikio_probe cannot be imported: {exc}"
+        return False, f"kvtier.store.backends.kvikio_probe cannot be imported: {exc}"
     if kvikio_usable():
         return True, "kvikio_usable() is True"
     return False, kvikio_unusable_reason() or "kvikio_usable() is False"
@@ -361,7 +364,7 @@ def kvikio_status() -> tuple[bool, str]:
 def make_backend(name: str, threads: int) -> DiskBackend:
     if name == "posix":
         return PosixBackend(threads=threads)
-    from kvtier.io.kvikio_backend import KvikioBackend
+    from kvtier.store.backends.kvikio import KvikioBackend
 
     return KvikioBackend(threads=threads)
 

@@ -118,7 +118,7 @@ def _child(
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
     from vllm import LLM, SamplingParams
 
-    from kvtier.io.format import slot_size
+    from kvtier.store.slot import slot_size
     from kvtier.testing.engine import (
         build_tiny_llama,
         kv_bytes_per_block,

@@ -49,7 +49,7 @@ def main() -> int:
     )
 
     from benchmarks._common import write_json
-    from kvtier.io.format import slot_size
+    from kvtier.store.slot import slot_size
     from kvtier.testing.offloading import offloading_config, tiered_spec, wait_finished
 
     n = args.blocks

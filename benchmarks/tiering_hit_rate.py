@@ -45,7 +45,7 @@ ROW_BYTES = 4096  # one trace block's row in the primary tier (page aligned)
 
 
 def make_config(cpu: int, disk: int, cpu_policy: str, disk_policy: str, path: str):
-    from kvtier.io.format import slot_size
+    from kvtier.store.slot import slot_size
     from kvtier.testing.offloading import offloading_config
 
     tiers = []

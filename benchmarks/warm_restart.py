@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import drop_caches  # noqa: E402
-from kvtier.connector.scheduler.disk_runtime import DiskRuntime  # noqa: E402
-from kvtier.io.disk_store import DiskStore  # noqa: E402
-from kvtier.io.format import LayoutFingerprint, slot_size  # noqa: E402
+from kvtier.store.slot import LayoutFingerprint, slot_size  # noqa: E402
+from kvtier.store.store import DiskStore  # noqa: E402
+from kvtier.store.transfers import DiskRuntime  # noqa: E402
 from kvtier.tiers.hierarchy import TierHierarchy  # noqa: E402
 
 

@@ -2,7 +2,11 @@
 
 Subpackages:
   kvtier.tiers      scheduler-side bookkeeping (no I/O, no vLLM)
-  kvtier.io         worker-side data movement and the on-disk format (no vLLM)
+  kvtier.store      the disk store: slot format, slab files, writes, verified
+                    reads, spill/promote transfers, I/O back ends (no vLLM)
+  kvtier.host       the host side: the CPU tier's shared memory, block copies
+                    in host memory, where background work runs (no vLLM)
+  kvtier.safe_open  opening kvtier's own files without trusting their names
   kvtier.connector  the vLLM plugin (the only code that imports vLLM):
                     the full spec, its ``scheduler`` and ``worker`` sides,
                     and the ``tiering`` mode (vLLM's TieringOffloadingSpec)

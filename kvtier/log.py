@@ -4,7 +4,8 @@ logging configuration governs them.
 vLLM configures one logger, ``vllm``: its level (``VLLM_LOGGING_LEVEL``),
 its handler and format (or the ``dictConfig`` of
 ``VLLM_LOGGING_CONFIG_PATH``), and no propagation beyond it. kvtier's
-loggers are its children (``vllm.kvtier.io``, ``vllm.kvtier.connector``),
+loggers are its children (``vllm.kvtier.store``, ``vllm.kvtier.host``,
+``vllm.kvtier.connector``),
 so under ``vllm serve`` or ``LLM(...)`` their records take vLLM's level,
 handler and format, like vLLM's own modules' (``vllm.logger.init_logger``);
 ``VLLM_LOGGING_LEVEL=DEBUG`` shows kvtier's debug lines. Nothing in kvtier
@@ -12,7 +13,7 @@ sets a level or adds a handler. Where vLLM configured nothing (the ``kvtier``
 command, a bare script), the records propagate to the root logger, as any
 library's do.
 
-No vLLM import: kvtier.io logs through here too.
+No vLLM import: kvtier.store and kvtier.host log through here too.
 """
 
 from __future__ import annotations
@@ -23,5 +24,6 @@ ROOT = "vllm.kvtier"
 
 
 def get_logger(area: str) -> logging.Logger:
-    """The logger of one kvtier package, ``area`` ``"io"`` or ``"connector"``."""
+    """The logger of one kvtier package, ``area`` ``"store"``, ``"host"``
+    or ``"connector"``."""
     return logging.getLogger(f"{ROOT}.{area}")

@@ -142,7 +142,7 @@ def run_baseline(h, model_dir: str, phases, args) -> dict[str, Any]:
 
 def kvtier_transfer_config(h, model_dir: str, args, disk_dir: str) -> dict[str, Any]:
     """kv_transfer_config with tiers sized in blocks of this model."""
-    from kvtier.io.format import slot_size
+    from kvtier.store.slot import slot_size
 
     block_bytes = h.kv_bytes_per_block(model_dir, BLOCK)
     return h.offloading_kv_transfer_config(

@@ -5,7 +5,7 @@ Sources: the key schema, the pydantic models ``KvtierConfig``
 (kvtier/connector/config.py) and ``KvtierDiskTierConfig``
 (kvtier/connector/tiering/config.py), the metric
 definitions (kvtier/connector/metrics.py), the files in configs/, the slot
-geometry (kvtier/io/format.py), the ``ConfigError`` messages of
+geometry (kvtier/store/slot.py), the ``ConfigError`` messages of
 kvtier/connector/spec.py (read from its source) and real calls of
 ``parse_extra_config`` / ``check_disk_paths`` on bad input.
 
@@ -392,8 +392,8 @@ def _kv_bytes_per_block(
 
 
 def sizing_section() -> str:
-    from kvtier.io.backend import IO_ALIGNMENT
-    from kvtier.io.format import HEADER_SIZE, slot_size
+    from kvtier.store.backends.base import IO_ALIGNMENT
+    from kvtier.store.slot import HEADER_SIZE, slot_size
 
     cases = [
         # name, per-rank block bytes, tokens per block, TP, cpu bytes, disk bytes
@@ -442,7 +442,7 @@ def sizing_section() -> str:
 def _error_examples() -> list[tuple[str, str]]:
     """(what was wrong, message) from real calls on bad input."""
     from kvtier.connector import config as c
-    from kvtier.connector import disk_paths as d
+    from kvtier.connector import preflight as d
 
     base = {
         "spec_name": "TieredOffloadingSpec",

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -41,6 +43,16 @@ def _vllm_records_reach_caplog(request: pytest.FixtureRequest) -> Iterator[None]
         yield
     finally:
         config["propagate"], logger.propagate = saved
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A fresh directory on tmpfs (/dev/shm)."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    d = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 # ------------------------------------------------------------- /dev/shm

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "TieredOffloadingConnector": "kvtier.connector.connector",
     "TieredOffloadingSpec": "kvtier.connector.spec",
-    "TieredOffloadingManager": "kvtier.connector.scheduler.manager",
+    "TieredOffloadingManager": "kvtier.connector.manager",
     "TieredOffloadingWorker": "kvtier.connector.worker.worker",
 }
 
@@ -30,7 +30,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from kvtier.connector.connector import TieredOffloadingConnector
-    from kvtier.connector.scheduler.manager import TieredOffloadingManager
+    from kvtier.connector.manager import TieredOffloadingManager
     from kvtier.connector.spec import TieredOffloadingSpec
     from kvtier.connector.worker.worker import TieredOffloadingWorker
 

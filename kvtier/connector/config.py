@@ -299,7 +299,7 @@ class KvtierConfig(BaseModel):
     disk_read_process: ReadProcess = Field(
         "auto",
         description="Whether a worker reads and verifies disk hits in a child "
-        "process of its own (kvtier.io.read_process: a shared bounce area, one "
+        "process of its own (kvtier.store.read_process: a shared bounce area, one "
         "message per batch), so the reads and checks do not compete with the "
         "engine's loop for the interpreter lock: auto (on the CPU platform with "
         "disk_load_path host; elsewhere in the worker's process) or off (always "
@@ -440,7 +440,7 @@ def validate_keys(
 def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
     """Validate ``kv_connector_extra_config``; raise :class:`ConfigError`.
 
-    Checks values only; :func:`kvtier.connector.disk_paths.check_disk_paths`
+    Checks values only; :func:`kvtier.connector.preflight.check_disk_paths`
     checks the file system."""
     return validate_keys(KvtierConfig, extra)
 

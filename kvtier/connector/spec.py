@@ -43,32 +43,17 @@ from kvtier.connector.connector import (
     KV_SETTINGS,
     UNDER_KVTIER_CONNECTOR,
 )
-from kvtier.connector.disk_paths import check_disk_paths
-from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
 from kvtier.connector.identity import describe_settings, namespace
 from kvtier.connector.metrics import metric_definitions
-from kvtier.connector.scheduler.disk_runtime import DiskRuntime
+from kvtier.connector.preflight import check_disk_paths, prepare_cpu_tier
 from kvtier.connector.topology import check_single_node
-from kvtier.io.cpu_files import cpu_buffer_path
-from kvtier.io.format import LayoutFingerprint, slot_size
-from kvtier.io.store_dir import store_dirname
+from kvtier.host.cpu_tier import cpu_buffer_path, open_worker_buffer
 from kvtier.log import get_logger
+from kvtier.store.compression import element_bytes
+from kvtier.store.slabs import store_dirname
+from kvtier.store.slot import LayoutFingerprint, slot_size
 
 logger = get_logger("connector")
-
-
-_ELEM_SIZE = {
-    "float32": 4,
-    "float": 4,
-    "float16": 2,
-    "half": 2,
-    "bfloat16": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
 
 
 def layout_fingerprint(
@@ -217,7 +202,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             )
         else:
             check_disk_paths(self.kvtier)
-        self.elem_size = _ELEM_SIZE.get(str(config.model.dtype).lower(), 2)
+        self.elem_size = element_bytes(config.model.dtype)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -237,7 +222,8 @@ class TieredOffloadingSpec(OffloadingSpec):
     @override
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            from kvtier.connector.scheduler.manager import TieredOffloadingManager
+            from kvtier.connector.manager import TieredOffloadingManager
+            from kvtier.store.transfers import DiskRuntime
             from kvtier.tiers.hierarchy import TierHierarchy
 
             cfg = self.kvtier
@@ -270,8 +256,6 @@ class TieredOffloadingSpec(OffloadingSpec):
                 )
                 restored = runtime.scan_restore()
                 if restored:
-                    if len(restored) > self.num_disk_blocks:
-                        restored = restored[-self.num_disk_blocks :]
                     hierarchy.restore_disk(restored)
                 fp = self.fingerprint(0)
                 logger.info(
@@ -311,37 +295,35 @@ class TieredOffloadingSpec(OffloadingSpec):
         """The worker's reader of disk hits (``disk_load_path``): a host
         bounce area, or a staging area on the KV cache's device. Owns
         ``backend`` once built."""
-        from kvtier.io.device_staging import DeviceStagingReader
-        from kvtier.io.slot_reader import SlotReader
+        from kvtier.store.reader import SlotReader
+        from kvtier.store.slabs import SlabFiles
 
-        args = (
+        files = SlabFiles.open(
             cfg.disk_paths,
-            self.num_disk_blocks,
-            self.block_bytes,
             self.fingerprint(self.rank),
+            self.num_disk_blocks,
             backend,
+            owns_backend=True,
         )
+        capacity = max(1, cfg.disk_load_buffer_bytes // slot_size(self.block_bytes))
         device = kv_caches.tensors[0].tensor.device
         try:
             if cfg.disk_load_path == "device":
-                capacity = max(1, cfg.disk_load_buffer_bytes // slot_size(self.block_bytes))
-                return DeviceStagingReader(
-                    *args, device=device, capacity=capacity, owns_backend=True
-                )
+                return SlotReader(files, device=device, capacity=capacity)
             if cfg.disk_read_process == "auto" and device.type == "cpu":
                 # Reads and checks beside the engine, not under its
                 # interpreter lock (docs/benchmarks.md, "Engine step
                 # stalls"). On accelerators the area must be page-locked:
                 # read in this process there.
-                from kvtier.io.read_process import ReadProcess
+                from kvtier.store.read_process import ReadProcess
 
                 return ReadProcess(
-                    *args,
+                    files,
+                    capacity=capacity,
                     disk_io=cfg.disk_io,
                     threads=cfg.disk_io_threads,
-                    bounce_bytes=cfg.disk_load_buffer_bytes,
                 )
-            return SlotReader(*args, bounce_bytes=cfg.disk_load_buffer_bytes, pin=True)
+            return SlotReader(files, capacity=capacity, pin=True)
         except BaseException:
             backend.shutdown()
             raise
@@ -350,7 +332,7 @@ class TieredOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             from kvtier.connector.worker.worker import TieredOffloadingWorker
-            from kvtier.io.backends import make_backend
+            from kvtier.store.backends.factory import make_backend
 
             cfg = self.kvtier
             buffer = open_worker_buffer(

@@ -8,8 +8,8 @@ latencies of their disk read batches. The
 connector worker builds it (:mod:`kvtier.connector.connector`), the manager
 applies it (``TieredOffloadingManager.note_worker_report``).
 
-Counter names are the reader's (:class:`~kvtier.io.slab_files.
-SlotReaderStats`): ``read_bytes``, ``read_seconds``, ``checksum_failures``,
+Counter names are the reader's (:class:`~kvtier.store.slabs.SlabStats`):
+``read_bytes``, ``read_seconds``, ``checksum_failures``,
 ``io_errors``; and ``exceptions``, the jobs that raised in a worker.
 """
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from kvtier.io.backend import IO_ALIGNMENT
-from kvtier.io.layout import locate
+from kvtier.store.backends.base import IO_ALIGNMENT
+from kvtier.store.slabs import locate
 
 if TYPE_CHECKING:
-    from kvtier.io.disk_store import DiskStore
+    from kvtier.store.store import DiskStore
 
 # Bound on the total injected delay of one I/O, so no plan can hang a test.
 MAX_DELAY_S = 2.0

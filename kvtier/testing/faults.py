@@ -38,7 +38,7 @@ How it can be enabled: only by constructing it in code, as the tests do::
 No production code imports this module (it lives in ``kvtier.testing``,
 which nothing outside that package imports): ``make_backend`` knows no such
 ``disk_io`` value, there is no ``kv_connector_extra_config`` key and no
-environment variable for it, and ``kvtier.io`` does not export it. So it
+environment variable for it, and no production module imports it. So it
 cannot be switched on from a production configuration.
 
 Like the inner back end, the wrapper offers ``read_sync``/``write_sync``
@@ -60,8 +60,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.io.backend import DiskBackend
-from kvtier.io.format import aligned_empty
+from kvtier.store.backends.base import DiskBackend
+from kvtier.store.slot import aligned_empty
 
 if TYPE_CHECKING:
     pass
@@ -236,9 +236,9 @@ def inject_faults(monkeypatch: Any, plan: FaultPlan) -> FaultPlan:
     driven by ``plan`` (a worker's reads stay in its own process: see
     ``ReadProcess.spawn``); ``monkeypatch`` (pytest's) undoes it. Returns
     ``plan``, empty until a test adds a rule."""
-    from kvtier.io import backends as backends_module
-    from kvtier.io import disk_store as disk_store_module
-    from kvtier.io import read_process as read_process_module
+    from kvtier.store import read_process as read_process_module
+    from kvtier.store import store as disk_store_module
+    from kvtier.store.backends import factory as backends_module
 
     real = backends_module.make_backend
 

@@ -6,8 +6,8 @@ import hashlib
 
 import numpy as np
 
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.format import LayoutFingerprint
+from kvtier.store.slot import LayoutFingerprint
+from kvtier.store.store import DiskStore
 
 BLOCK_BYTES = 64 * 1024
 

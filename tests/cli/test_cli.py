@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from store_util import BLOCK_BYTES, fingerprint, key_of, write_store
 
-from kvtier.io.format import HEADER_SIZE
+from kvtier.store.slot import HEADER_SIZE
 from kvtier.tools import sizing
 from kvtier.tools.cli import main
 from kvtier.tools.trace import (

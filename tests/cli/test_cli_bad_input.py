@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.format import LayoutFingerprint
+from kvtier.store.slot import LayoutFingerprint
+from kvtier.store.store import DiskStore
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60  # seconds for any one command; all of them take about one

@@ -17,8 +17,8 @@ import pytest
 from doctor_util import MiB, doctor, flags, mounted
 
 from kvtier.connector.identity import model_identity
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.format import LayoutFingerprint
+from kvtier.store.slot import LayoutFingerprint
+from kvtier.store.store import DiskStore
 from kvtier.testing.model import build_tiny_llama
 from kvtier.tools.cli import HASH_ALGOS
 
@@ -61,7 +61,7 @@ def test_unwritable_path_is_an_error(capsys, disk, shm):
 
 
 def test_tmpfs_is_named_and_odirect_reported(capsys, tmp_path, shm):
-    from kvtier.io.posix_backend import probe_direct
+    from kvtier.store.backends.posix import probe_direct
 
     with mounted(tmp_path / "mnt", "tmpfs", "size=16m,mode=0700") as mnt:
         rc, checks = doctor(capsys, *flags(mnt, shm))
@@ -73,7 +73,7 @@ def test_tmpfs_is_named_and_odirect_reported(capsys, tmp_path, shm):
 
 
 def test_a_file_system_without_odirect_is_a_warning(capsys, tmp_path, shm):
-    from kvtier.io.posix_backend import probe_direct
+    from kvtier.store.backends.posix import probe_direct
 
     # tmpfs takes O_DIRECT since Linux 6.6; ramfs never has.
     for fstype in ("tmpfs", "ramfs"):

@@ -52,7 +52,7 @@ def test_missing_recompute_policy_is_an_error(capsys, tmp_path, disk, shm):
 
 
 def test_kvikio_requested_without_a_driver_is_an_error(capsys, tmp_path, disk, shm):
-    from kvtier.io.kvikio_probe import kvikio_usable
+    from kvtier.store.backends.kvikio_probe import kvikio_usable
 
     if kvikio_usable():
         pytest.skip("kvikio is usable on this host")

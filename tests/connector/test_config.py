@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.connector import disk_paths
+from kvtier.connector import preflight
 from kvtier.connector.config import (
     KEY_NAMES,
     KEYS,
@@ -21,7 +21,7 @@ from kvtier.connector.config import (
     KvtierConfig,
     parse_extra_config,
 )
-from kvtier.connector.disk_paths import check_disk_paths
+from kvtier.connector.preflight import check_disk_paths
 from kvtier.tiers.policy import policy_names
 
 BASE: dict[str, Any] = {
@@ -248,7 +248,7 @@ def test_unwritable_path(tmp_path, monkeypatch) -> None:
             return False
         return real_access(path, mode, *a, **kw)
 
-    monkeypatch.setattr(disk_paths.os, "access", access)
+    monkeypatch.setattr(preflight.os, "access", access)
     _expect_check(_cfg([target]), "disk_path", repr(target), "not writable")
 
 
@@ -372,7 +372,7 @@ def test_only_this_layouts_slabs_count_as_reusable_space(tmp_path):
 
 
 def test_shared_memory_too_small_fails_at_start_up(tmp_path):
-    from kvtier.connector.host import check_shm_space
+    from kvtier.connector.preflight import check_shm_space
 
     check_shm_space(str(tmp_path), 1000, free_bytes=lambda _p: 1000)
     with pytest.raises(ConfigError, match=r"\['cpu_bytes_to_use'\].*--shm-size"):
@@ -386,7 +386,7 @@ def test_shared_memory_too_small_fails_at_start_up(tmp_path):
 def test_cpu_buffer_reserves_shared_memory_or_fails_clearly(tmp_path):
     import subprocess
 
-    from kvtier.io.cpu_buffer import CpuBlockBuffer
+    from kvtier.host.cpu_tier import CpuBlockBuffer
 
     mnt = tmp_path / "shm"
     mnt.mkdir()

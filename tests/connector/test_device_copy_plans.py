@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier.connector.worker.device_copy import vllm_block_spec  # noqa: E402
-from kvtier.io.block_copy import CopyPlan, plan_copy  # noqa: E402
+from kvtier.host.block_copy import CopyPlan, plan_copy  # noqa: E402
 
 
 def _expand(gpu, rows, skip, bpc):

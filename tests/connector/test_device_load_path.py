@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvtier.connector.config import ConfigError  # noqa: E402
-from kvtier.io.device_staging import DeviceStagingReader  # noqa: E402
+from kvtier.store.reader import SlotReader  # noqa: E402
 from kvtier.testing.fault_plan import FaultPlan, FaultRule, on_slot  # noqa: E402
 from kvtier.testing.faults import inject_faults  # noqa: E402
 from kvtier.testing.offloading import tiered_spec  # noqa: E402
@@ -43,7 +43,7 @@ def runner(tmp_path):
 def test_the_worker_reads_through_a_staging_area_on_the_kv_caches_device(runner):
     r = runner
     reader = r.worker.reader
-    assert isinstance(reader, DeviceStagingReader)
+    assert isinstance(reader, SlotReader) and reader.staging is not None
     assert reader.staging.device == r.kv[0].device
     first = push_to_disk(r, [1, 2, 3, 4])
     assert r.lookup("a", first) == 4

@@ -23,9 +23,9 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 
 from kvtier.connector.identity import model_identity  # noqa: E402
 from kvtier.connector.spec import layout_fingerprint  # noqa: E402
-from kvtier.io.format import slot_size  # noqa: E402
-from kvtier.io.safe_open import InUseError  # noqa: E402
-from kvtier.io.store_dir import store_dirname  # noqa: E402
+from kvtier.safe_open import InUseError  # noqa: E402
+from kvtier.store.slabs import store_dirname  # noqa: E402
+from kvtier.store.slot import slot_size  # noqa: E402
 from kvtier.testing.offloading import offloading_config, tiered_spec  # noqa: E402
 
 BLOCK = 8192
@@ -173,7 +173,7 @@ def test_failed_manager_start_shows_the_real_error(
         "disk_path": str(disk),
     }
     if failure == "kvikio_absent":
-        from kvtier.io.backends import _kvikio_status
+        from kvtier.store.backends.factory import _kvikio_status
 
         if _kvikio_status()[0]:
             pytest.skip("kvikio is usable here")
@@ -196,7 +196,7 @@ def test_failed_manager_start_shows_the_real_error(
     elif failure == "enospc":
         import errno
 
-        from kvtier.io import slab as slab_mod
+        from kvtier.store import slabs as slab_mod
 
         def full(fd: int, offset: int, length: int) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 
 from kvtier.connector.worker import worker as worker_mod  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
-from kvtier.io.format import HEADER_SIZE  # noqa: E402
+from kvtier.store.slot import HEADER_SIZE  # noqa: E402
 from kvtier.testing.fault_plan import (  # noqa: E402
     FaultKind,
     FaultPlan,
@@ -557,9 +557,9 @@ def test_the_store_is_opened_ahead_of_the_first_load(runner):
     at the first step, not during the first disk hit."""
     r = runner
     files = r.worker.reader.files
-    assert files._handles == [None]  # the worker started before the store
+    assert files.handles == [None]  # the worker started before the store
     assert r.worker.get_finished() == []  # the first step
-    _wait_for(lambda: files._handles[0] is not None, "the slab opened ahead")
+    _wait_for(lambda: files.handles[0] is not None, "the slab opened ahead")
     keys = push_to_disk(r, [1, 2, 3, 4])
     ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
     assert [d.success for d in wait_finished(r.worker)] == [True]

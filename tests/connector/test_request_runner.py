@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 
 from kvtier.connector.specs import TierLoadSpec  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
-from kvtier.io.format import slot_size  # noqa: E402
+from kvtier.store.slot import slot_size  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
 from kvtier.testing.offloading import (  # noqa: E402
     offloading_config,
@@ -364,7 +364,7 @@ def test_cpu_only_spec_runs_without_disk(tmp_path):
 
 def test_multi_chunk_rows_and_partial_first_chunk(tmp_path):
     """blocks_per_chunk=2: a load may enter the first chunk mid-way."""
-    from kvtier.io.block_copy import plan_copy
+    from kvtier.host.block_copy import plan_copy
 
     plan = plan_copy([7, 8, 9], [4, 5], 2, first_block_index=1)
     assert plan.row_ids.tolist() == [4, 5, 5]

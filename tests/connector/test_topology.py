@@ -15,7 +15,7 @@ from kvtier.connector.topology import (  # noqa: E402
     TopologyError,
     multi_node_reason,
 )
-from kvtier.io.cpu_files import cpu_buffer_path  # noqa: E402
+from kvtier.host.cpu_tier import cpu_buffer_path  # noqa: E402
 from kvtier.testing.offloading import offloading_config, tiered_spec  # noqa: E402
 
 BLOCK = 8192

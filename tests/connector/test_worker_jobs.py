@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext  # noqa: E402
 
 from kvtier.connector import metrics  # noqa: E402
 from kvtier.connector.worker_report import WorkerCounters, WorkerReport  # noqa: E402
-from kvtier.io.block_copy import HostCopies  # noqa: E402
+from kvtier.host.block_copy import HostCopies  # noqa: E402
 from kvtier.testing.offloading import tiered_spec  # noqa: E402
 from tests.connector.test_request_runner import (  # noqa: E402
     RequestRunner,
@@ -555,7 +555,7 @@ def test_a_report_from_before_reset_cache_never_reaches_a_later_load():
     """vLLM completes no load job from before reset_cache, but the worker's
     report of one may still arrive; applied to the same request's next load
     it dropped a healthy disk block as corrupt."""
-    from kvtier.connector.scheduler.manager import TieredOffloadingManager
+    from kvtier.connector.manager import TieredOffloadingManager
     from kvtier.tiers.hierarchy import TierHierarchy
 
     key = b"k" * 36

@@ -71,7 +71,7 @@ def _read_processes(timeout: float = 60.0) -> list[dict]:
     deadline it returns what it saw, and the caller's check fails on it."""
     import time
 
-    from kvtier.io.read_child import CHILD_NAME
+    from kvtier.store.read_process import CHILD_NAME
 
     deadline = time.monotonic() + timeout
     while True:
@@ -88,7 +88,7 @@ def _scan_read_processes() -> list[dict]:
     found = []
     for pid in descendants(os.getpid()):
         try:
-            if b"kvtier.io.read_child" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"kvtier.store.read_process" not in Path(f"/proc/{pid}/cmdline").read_bytes():
                 continue
             worker = parent_pid(pid)
             if worker is None:

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.io.cpu_files import reclaim_stale_cpu_files
+from kvtier.host.cpu_tier import reclaim_stale_cpu_files
 from kvtier.testing.model import build_tiny_llama
 from kvtier.testing.procs import remove_shm_left_behind, shm_entries
 

@@ -23,7 +23,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kvtier.io.format import HEADER_SIZE, slot_size
+from kvtier.store.slot import HEADER_SIZE, slot_size
 from kvtier.testing.engine import (
     build_tiny_gemma2,
     engine,

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.io.format import HEADER_SIZE
+from kvtier.store.slot import HEADER_SIZE
 from kvtier.testing.engine import offloading_kv_transfer_config
 from kvtier.testing.model import build_tiny_llama
 

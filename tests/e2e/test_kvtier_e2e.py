@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvtier.io.format import slot_size
+from kvtier.store.slot import slot_size
 from kvtier.testing.engine import (
     KVEventSubscriber,
     engine,

@@ -52,7 +52,7 @@ CPU_PATHS = {
     "disk-device": (
         {"disk_load_path": "device", "disk_io": "posix"},
         "disk",
-        "DeviceStagingReader",
+        "SlotReader(device)",
         "posix",
     ),
 }
@@ -62,13 +62,13 @@ CUDA_PATHS = {
     "disk-device-posix": (
         {"disk_load_path": "device", "disk_io": "posix"},
         "disk",
-        "DeviceStagingReader",
+        "SlotReader(device)",
         "posix",
     ),
     "disk-device-kvikio": (
         {"disk_load_path": "device", "disk_io": "kvikio"},
         "disk",
-        "DeviceStagingReader",
+        "SlotReader(device)",
         "kvikio",
     ),
 }
@@ -105,7 +105,7 @@ def test_wrong_bytes_in_the_kv_cache_change_the_output(
 ):
     settings, medium, reader, backend = LOAD_PATHS[path]
     if backend == "kvikio":
-        from kvtier.io.kvikio_probe import kvikio_unusable_reason
+        from kvtier.store.backends.kvikio_probe import kvikio_unusable_reason
 
         why = kvikio_unusable_reason()
         if why is not None:
@@ -116,7 +116,10 @@ def test_wrong_bytes_in_the_kv_cache_change_the_output(
     with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
         worker = _worker(llm)
         if reader is not None:
-            assert type(worker.reader).__name__ == reader
+            kind = type(worker.reader).__name__
+            if getattr(worker.reader, "staging", None) is not None:
+                kind += "(device)"  # a staging area on the KV cache's device
+            assert kind == reader
         if backend is not None:
             assert worker.reader.backend.name == backend
         want_copies = "DeviceCopies" if torch.cuda.is_available() else "HostCopies"

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvtier.io.cpu_placement import hyperthread_siblings, numa_neighbours, spare_cpus
+from kvtier.host.placement import hyperthread_siblings, numa_neighbours, spare_cpus
 
 from .workload import run_multiprocess
 

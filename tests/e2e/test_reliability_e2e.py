@@ -18,7 +18,7 @@ import time
 import pytest
 from vllm import SamplingParams
 
-from kvtier.io.format import slot_size
+from kvtier.store.slot import slot_size
 from kvtier.testing.engine import drain, engine, make_prompt, run_prompts
 from kvtier.testing.faults import FaultPlan, FaultRule, inject_faults
 from kvtier.tiers import BlockState

@@ -28,7 +28,7 @@ RETURNING = [FIRST[0], FIRST[1]]
 
 
 def kvtier_config(block_bytes: int, disk, **extra) -> dict:
-    from kvtier.io.format import slot_size
+    from kvtier.store.slot import slot_size
 
     settings = dict(
         cpu_bytes_to_use=CPU_BLOCKS * block_bytes,

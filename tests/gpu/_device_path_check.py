@@ -11,7 +11,7 @@ as it goes and prints one ``RESULT <json>`` line.
 What it checks, with slots striped over two slab files:
 
 1. kvikio's asynchronous reads (``KvikioBackend.start_read``) land straight
-   in ``DeviceStagingReader``'s staging tensor on ``device`` (no host bounce
+   in the ``SlotReader``'s staging tensor on ``device`` (no host bounce
    area), every slot verifies with the device checksum, and the rows equal
    byte for byte what the POSIX back end reads into the same kind of tensor
    (and what was written);
@@ -53,7 +53,7 @@ def _key(i: int) -> bytes:
 
 
 def _fingerprint():
-    from kvtier.io.format import LayoutFingerprint
+    from kvtier.store.slot import LayoutFingerprint
 
     return LayoutFingerprint(
         model="test/device-path",
@@ -66,8 +66,9 @@ def _fingerprint():
 
 
 def _reader(paths: list[str], backend_name: str, device: str):
-    from kvtier.io.backends import make_backend
-    from kvtier.io.device_staging import DeviceStagingReader
+    from kvtier.store.backends.factory import make_backend
+    from kvtier.store.reader import SlotReader
+    from kvtier.store.slabs import SlabFiles
 
     backend = make_backend(backend_name, threads=2)
     targets: list[str] = []
@@ -81,16 +82,8 @@ def _reader(paths: list[str], backend_name: str, device: str):
             return start(handle, buf, offset)
 
         backend.start_read = start_read
-    reader = DeviceStagingReader(
-        paths,
-        SLOTS,
-        BLOCK,
-        _fingerprint(),
-        backend,
-        device=device,
-        capacity=SLOTS,
-        owns_backend=True,
-    )
+    files = SlabFiles.open(paths, _fingerprint(), SLOTS, backend, owns_backend=True)
+    reader = SlotReader(files, device=device, capacity=SLOTS)
     return reader, targets
 
 
@@ -143,7 +136,7 @@ def _load(worker, job_id: int, slots: list[int], gpu_blocks: list[int]):
 
 def _worker(paths: list[str], device: str, caches):
     from kvtier.connector.worker.worker import TieredOffloadingWorker
-    from kvtier.io.cpu_buffer import CpuBlockBuffer
+    from kvtier.host.cpu_tier import CpuBlockBuffer
 
     device_copies = None
     if device == "cuda":
@@ -158,9 +151,9 @@ def _worker(paths: list[str], device: str, caches):
 
 
 def check(device: str, work: str) -> dict:
-    from kvtier.io.disk_store import DiskStore
-    from kvtier.io.format import FIXED_HEADER_LEN, HEADER_SIZE
-    from kvtier.io.layout import ReadOutcome, locate
+    from kvtier.store.slabs import locate
+    from kvtier.store.slot import FIXED_HEADER_LEN, HEADER_SIZE, ReadOutcome
+    from kvtier.store.store import DiskStore
     from kvtier.testing.faults import flip_byte
 
     paths = [os.path.join(work, "a"), os.path.join(work, "b")]
@@ -186,7 +179,7 @@ def check(device: str, work: str) -> dict:
                 out["mode"] = reader.mode
                 assert reader.mode in ("gds", "compat"), reader.mode
                 # kvikio read into the staging tensor itself, no bounce area.
-                assert reader._bounce is None
+                assert reader._area is None
                 assert targets and set(targets) == {device}, targets
                 out["kvikio_reads"] = len(targets)
         finally:
@@ -209,7 +202,7 @@ def check(device: str, work: str) -> dict:
 
     # 3. Corrupt one payload byte and one header byte: refused, never loaded.
     slab_paths = [str(sorted(Path(p).rglob("slab-*.kvt"))[0]) for p in paths]
-    from kvtier.io.format import slot_size
+    from kvtier.store.slot import slot_size
 
     for slot, at in (
         (PAYLOAD_FLIP_SLOT, HEADER_SIZE + 1234),

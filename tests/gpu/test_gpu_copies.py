@@ -45,13 +45,13 @@ from kvtier.connector.specs import TierLoadSpec  # noqa: E402
 from kvtier.connector.worker.device_copy import DeviceCopies  # noqa: E402
 from kvtier.connector.worker.kv_layout import group_views  # noqa: E402
 from kvtier.connector.worker.worker import TieredOffloadingWorker  # noqa: E402
-from kvtier.io.backends import make_backend  # noqa: E402
-from kvtier.io.block_copy import HostArea, HostCopies, plan_copy  # noqa: E402
-from kvtier.io.cpu_buffer import CpuBlockBuffer  # noqa: E402
-from kvtier.io.device_staging import DeviceStagingReader  # noqa: E402
-from kvtier.io.disk_store import DiskStore  # noqa: E402
-from kvtier.io.format import HEADER_SIZE, LayoutFingerprint  # noqa: E402
-from kvtier.io.slot_reader import SlotReader  # noqa: E402
+from kvtier.host.block_copy import HostArea, HostCopies, plan_copy  # noqa: E402
+from kvtier.host.cpu_tier import CpuBlockBuffer  # noqa: E402
+from kvtier.store.backends.factory import make_backend  # noqa: E402
+from kvtier.store.reader import SlotReader  # noqa: E402
+from kvtier.store.slabs import SlabFiles  # noqa: E402
+from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint  # noqa: E402
+from kvtier.store.store import DiskStore  # noqa: E402
 from kvtier.tiers.events import MEDIUM_DISK  # noqa: E402
 from kvtier.tiers.plans import BlockLocation  # noqa: E402
 
@@ -165,13 +165,13 @@ def disk_worker(tmp_path, request):
     for slot in range(16):
         store.write_block(slot, _key(slot), blocks[slot], store.next_seq())
     store.close()
-    args = ([str(tmp_path)], 32, 3 * PAGE, FINGERPRINT, make_backend("posix"))
+    files = SlabFiles.open(
+        [str(tmp_path)], FINGERPRINT, 32, make_backend("posix"), owns_backend=True
+    )
     if request.param == "device":
-        reader = DeviceStagingReader(
-            *args, device="cuda", capacity=4, owns_backend=True
-        )
+        reader = SlotReader(files, device="cuda", capacity=4)
     else:
-        reader = SlotReader(*args, bounce_bytes=4 * (HEADER_SIZE + 3 * PAGE), pin=True)
+        reader = SlotReader(files, capacity=4, pin=True)
     worker = TieredOffloadingWorker(
         caches, buffer, 1, reader, device_copies=DeviceCopies
     )

@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.format import LayoutFingerprint
-from kvtier.io.posix_backend import PosixBackend
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.slot import LayoutFingerprint
+from kvtier.store.store import DiskStore
 
 MAX_SECONDS = 60.0  # a safety net only: the test kills the writer long before
 

@@ -13,10 +13,10 @@ from reliability_common import (
     make_fingerprint,
 )
 
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.engine import TransferEngine
-from kvtier.io.posix_backend import PosixBackend
+from kvtier.host.cpu_tier import CpuBlockBuffer
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.store import DiskStore
+from kvtier.store.transfers import TransferEngine
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
 
 
@@ -52,7 +52,7 @@ def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
             backend.shutdown()
             raise
         cpu = CpuBlockBuffer(cpu_blocks, BLOCK_BYTES)
-        rig = Rig(plan, backend, store, cpu, TransferEngine(cpu, store, threads=2))
+        rig = Rig(plan, backend, store, cpu, TransferEngine([cpu], [store], threads=2))
         rigs.append(rig)
         return rig
 

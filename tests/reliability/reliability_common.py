@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.engine import JobResult, TransferEngine
-from kvtier.io.format import LayoutFingerprint
+from kvtier.host.cpu_tier import CpuBlockBuffer
+from kvtier.store.slot import LayoutFingerprint
+from kvtier.store.store import DiskStore
+from kvtier.store.transfers import FinishedJob, TransferEngine
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
 from kvtier.tiers import TierEvent, TierHierarchy, replay
 
@@ -54,7 +54,7 @@ def kvtier_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "vllm.kvtier.io" and r.levelno >= logging.WARNING
+        if r.name == "vllm.kvtier.store" and r.levelno >= logging.WARNING
     ]
 
 
@@ -68,17 +68,17 @@ class Rig:
     cpu: CpuBlockBuffer
     engine: TransferEngine
 
-    def spill(self, job_id: int, items: Iterable[tuple[bytes, int, int]]) -> JobResult:
+    def spill(self, job_id: int, items: Iterable[tuple[bytes, int, int]]) -> FinishedJob:
         self.engine.submit_spill(job_id, items)
         return self._result(job_id)
 
     def promote(
         self, job_id: int, items: Iterable[tuple[bytes, int, int]]
-    ) -> JobResult:
+    ) -> FinishedJob:
         self.engine.submit_promote(job_id, items)
         return self._result(job_id)
 
-    def _result(self, job_id: int) -> JobResult:
+    def _result(self, job_id: int) -> FinishedJob:
         assert self.engine.wait([job_id], timeout=30)
         (result,) = [r for r in self.engine.get_finished() if r.job_id == job_id]
         return result
@@ -175,7 +175,7 @@ def fill_file_system(path: str) -> str:
     return filler
 
 
-def run_hierarchy_spills(h: TierHierarchy, rig: Rig) -> list[JobResult]:
+def run_hierarchy_spills(h: TierHierarchy, rig: Rig) -> list[FinishedJob]:
     """Execute every spill order of ``h`` through ``rig`` and complete it."""
     results = []
     for order in h.take_spills():

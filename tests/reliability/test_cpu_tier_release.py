@@ -13,9 +13,7 @@ from pathlib import Path
 import numpy as np
 from test_bounded_shutdown import BLOCK_BYTES, make_runtime
 
-from kvtier.connector.host import open_worker_buffer
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.cpu_files import cpu_buffer_path
+from kvtier.host.cpu_tier import CpuBlockBuffer, cpu_buffer_path, open_worker_buffer
 
 
 def unique_engine_id() -> str:
@@ -42,7 +40,7 @@ def test_a_shared_worker_file_keeps_its_name_until_attached(tmp_path: Path):
             # The scheduler side mapped the worker's rows at start-up and
             # removed the name: nothing is left to outlive the processes.
             assert not os.path.lexists(path)
-            mapped = rt._buffers[0]
+            mapped = rt.rows[0].buffer
             assert mapped is not None
             assert np.array_equal(mapped.array[5], worker.array[5])
             worker.array[6, :] = 9  # same memory, not a copy
@@ -71,10 +69,10 @@ def test_a_runtime_started_before_the_worker_maps_at_the_first_job(tmp_path: Pat
     path = cpu_buffer_path(engine_id, 0, 1)
     rt = make_runtime(tmp_path, path)  # no file yet: not mapped
     try:
-        assert rt._buffers[0] is None
+        assert rt.rows[0].buffer is None
         with open_worker_buffer(engine_id, 0, 1, 8, BLOCK_BYTES):
-            rt._engine(0).cpu_buffer.array  # noqa: B018  (first use maps it)
-            assert rt._buffers[0] is not None
+            rt.rows[0].array  # noqa: B018  (first use maps it)
+            assert rt.rows[0].buffer is not None
             assert not os.path.lexists(path)
     finally:
         rt.close()

@@ -20,12 +20,11 @@ from _spill_writer import block_for, crash_fingerprint, key_for
 from reliability_common import SENTINEL
 
 import kvtier
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.engine import TransferEngine
-from kvtier.io.format import HEADER_SIZE, SlotHeader
-from kvtier.io.layout import ReadOutcome
-from kvtier.io.posix_backend import PosixBackend
+from kvtier.host.cpu_tier import CpuBlockBuffer
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
+from kvtier.store.store import DiskStore
+from kvtier.store.transfers import TransferEngine
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 from kvtier.tiers import Residency, TierEvent, TierHierarchy, replay
 
@@ -111,7 +110,7 @@ def restore_and_reuse(store: DiskStore, s: Survey) -> None:
         targets = {it.dst_slot for o in orders for it in o.items}
         assert targets == set(range(SLOTS)) - set(s.good)
         assert s.damaged <= targets
-        engine = TransferEngine(cpu, store, threads=2)
+        engine = TransferEngine([cpu], [store], threads=2)
         try:
             for order in orders:
                 items = [(it.key, it.src_slot, it.dst_slot) for it in order.items]

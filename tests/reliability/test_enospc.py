@@ -31,10 +31,10 @@ from reliability_common import (
     store_keys,
 )
 
-from kvtier.io import slab as slab_mod
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.layout import ReadOutcome
-from kvtier.io.posix_backend import PosixBackend
+from kvtier.store import slabs as slab_mod
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.slot import ReadOutcome
+from kvtier.store.store import DiskStore
 from kvtier.tiers import Residency, TierHierarchy
 
 FS_MIB = 16
@@ -94,7 +94,7 @@ def test_sparse_slab_on_full_fs_fails_keys_then_recovers(
     caplog: pytest.LogCaptureFixture,
     kind: str,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.store")
     point = mounts.mount(kind, FS_MIB)
 
     def no_fallocate(fd: int, offset: int, length: int) -> None:

@@ -23,11 +23,16 @@ import pytest
 from test_host_safety_disk import NOBODY, as_user, needs_root
 
 from kvtier.connector.config import ConfigError
-from kvtier.connector.host import open_worker_buffer, prepare_cpu_tier
-from kvtier.io import cpu_buffer as cpu_buffer_mod
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.cpu_files import cpu_buffer_dir, cpu_buffer_path, reclaim_stale_cpu_files
-from kvtier.io.safe_open import InUseError
+from kvtier.connector.preflight import prepare_cpu_tier
+from kvtier.host import cpu_tier as cpu_buffer_mod
+from kvtier.host.cpu_tier import (
+    CpuBlockBuffer,
+    cpu_buffer_dir,
+    cpu_buffer_path,
+    open_worker_buffer,
+    reclaim_stale_cpu_files,
+)
+from kvtier.safe_open import InUseError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW = 4096
@@ -183,7 +188,7 @@ def _child_holding(paths: list[str]) -> int:
 def test_sigkilled_owner_leaves_a_file_that_a_restart_reclaims(
     private_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="vllm.kvtier.io")
+    caplog.set_level(logging.INFO, logger="vllm.kvtier.host")
     same = os.path.join(private_dir, "kvtier-e1-r0of1.cpu")  # engine id reused
     other = os.path.join(private_dir, "kvtier-e0-r0of1.cpu")  # a new engine id
     pid = _child_holding([same, other])
@@ -249,7 +254,7 @@ def test_owner_that_exits_without_close_leaves_no_file(private_dir: str) -> None
     leave the file: the owner's finalizer runs at interpreter exit."""
     path = os.path.join(private_dir, "tier.cpu")
     code = (
-        "from kvtier.io.cpu_buffer import CpuBlockBuffer as B;"
+        "from kvtier.host.cpu_tier import CpuBlockBuffer as B;"
         f"b = B(2, 4096, {path!r}, owner=True);"
         "import os; assert os.path.exists(b.shm_path);"
         "raise SystemExit('engine start failed')"

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from reliability_common import BLOCK_BYTES, SENTINEL, key_of, make_fingerprint, pattern
 
-from kvtier.io.disk_store import DiskStore
-from kvtier.io.layout import ReadOutcome
-from kvtier.io.safe_open import InUseError, open_private, open_private_dir
-from kvtier.io.store_dir import store_dirname
+from kvtier.safe_open import InUseError, open_private, open_private_dir
+from kvtier.store.slabs import store_dirname
+from kvtier.store.slot import ReadOutcome
+from kvtier.store.store import DiskStore
 
 NOBODY = 65534
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from reliability_common import BLOCK_BYTES, key_of, make_fingerprint, pattern
 
-from kvtier.io.disk_store import DiskStore
+from kvtier.store.store import DiskStore
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60  # each case takes about a second
@@ -74,7 +74,7 @@ def test_fifo_in_place_of_layout_json_does_not_hang_the_store_start(
     p = run_python(
         f"""
     from reliability_common import BLOCK_BYTES, make_fingerprint
-    from kvtier.io.disk_store import DiskStore
+    from kvtier.store.store import DiskStore
     with DiskStore([{str(tmp_path)!r}], 4, BLOCK_BYTES, make_fingerprint(),
                    backend="posix"):
         pass
@@ -94,8 +94,8 @@ def test_fifo_named_like_a_cpu_tier_file_is_refused_not_waited_on(
     os.mkfifo(fifo, 0o600)
     p = run_python(
         f"""
-    from kvtier.io.cpu_buffer import CpuBlockBuffer
-    from kvtier.io.cpu_files import reclaim_stale_cpu_files
+    from kvtier.host.cpu_tier import CpuBlockBuffer
+    from kvtier.host.cpu_tier import reclaim_stale_cpu_files
     assert reclaim_stale_cpu_files({str(shm)!r}) == []
     try:
         CpuBlockBuffer(4, 4096, {str(fifo)!r}, owner=True)
@@ -120,11 +120,12 @@ def test_worker_reader_refuses_a_fifo_swapped_in_for_the_slab(tmp_path: Path) ->
     p = run_python(
         f"""
     from reliability_common import BLOCK_BYTES, key_of, make_fingerprint
-    from kvtier.io.layout import ReadOutcome
-    from kvtier.io.posix_backend import PosixBackend
-    from kvtier.io.slot_reader import SlotReader
-    r = SlotReader([{str(tmp_path)!r}], 4, BLOCK_BYTES, make_fingerprint(),
-                   PosixBackend(threads=1))
+    from kvtier.store.slot import ReadOutcome
+    from kvtier.store.backends.posix import PosixBackend
+    from kvtier.store.slabs import SlabFiles
+    from kvtier.store.reader import SlotReader
+    r = SlotReader(SlabFiles.open([{str(tmp_path)!r}], make_fingerprint(), 4,
+                                  PosixBackend(threads=1), owns_backend=True))
     (res,) = r.read([(0, key_of(0))])
     assert res.outcome is ReadOutcome.IO_ERROR, res.outcome
     r.close()
@@ -143,11 +144,12 @@ def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
     key) says payload_len is half the block: the payload checksum covers
     only that half. The worker's reader used to load the whole block, the
     second half unverified; ``kvtier verify`` called the slot ok."""
-    from kvtier.io.checksum import device_checksum, payload_checksum
-    from kvtier.io.format import HEADER_SIZE, Codec, SlotHeader
-    from kvtier.io.layout import ReadOutcome
-    from kvtier.io.posix_backend import PosixBackend
-    from kvtier.io.slot_reader import SlotReader
+    from kvtier.store.backends.posix import PosixBackend
+    from kvtier.store.checksum import device_checksum, payload_checksum
+    from kvtier.store.compression import Codec
+    from kvtier.store.reader import SlotReader
+    from kvtier.store.slabs import SlabFiles
+    from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
 
     d = make_store(tmp_path, blocks=1)
     key, half = key_of(0), BLOCK_BYTES // 2
@@ -172,7 +174,9 @@ def test_raw_slot_checksummed_over_part_of_the_block_is_refused_everywhere(
         f.write(b"\xee" * half)  # what an unverified read would serve
 
     reader = SlotReader(
-        [str(tmp_path)], 4, BLOCK_BYTES, make_fingerprint(), PosixBackend(threads=1)
+        SlabFiles.open(
+            [str(tmp_path)], make_fingerprint(), 4, PosixBackend(threads=1), owns_backend=True
+        )
     )
     try:
         (res,) = reader.read([(0, key)])

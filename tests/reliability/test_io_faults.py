@@ -28,11 +28,10 @@ from reliability_common import (
 )
 
 import kvtier
-import kvtier.io
-from kvtier.io.backends import make_backend
-from kvtier.io.format import HEADER_SIZE
-from kvtier.io.layout import ReadOutcome
-from kvtier.io.slot_reader import SlotReader
+from kvtier.store.backends.factory import make_backend
+from kvtier.store.reader import SlotReader
+from kvtier.store.slabs import SlabFiles
+from kvtier.store.slot import HEADER_SIZE, ReadOutcome
 from kvtier.testing.faults import (
     MAX_DELAY_S,
     FaultKind,
@@ -50,6 +49,11 @@ def fill_rows(rig: Rig, rows: range, first_key: int = 0) -> list[bytes]:
     for key, row in zip(keys, rows):
         rig.cpu.array[row] = pattern(key)
     return keys
+
+
+def _files(rig: Rig, backend: Any) -> SlabFiles:
+    s = rig.store
+    return SlabFiles.open(s.paths, s.fingerprint, s.num_slots, backend)
 
 
 def slot_data(rig: Rig, slot: int, key: bytes) -> tuple[ReadOutcome, np.ndarray]:
@@ -70,7 +74,7 @@ def test_write_error_fails_only_that_key(
     sync: bool,
     code: int,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.store")
     rig = make_rig(sync=sync)
     keys = fill_rows(rig, range(4))
     before = rig.cpu.array[:4].copy()
@@ -105,7 +109,7 @@ def test_write_error_fails_only_that_key(
 def test_short_write_fails_the_key_and_never_reads_back(
     make_rig: Callable[..., Rig], caplog: pytest.LogCaptureFixture, sync: bool
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.store")
     rig = make_rig(sync=sync)
     keys = fill_rows(rig, range(2))
     rig.plan.add(FaultRule.short(ops="write", **on_slot(rig.store, 1)))
@@ -177,7 +181,7 @@ def test_read_fault_fails_promote_and_leaves_row_untouched(
     compression: str,
     fault: str,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="vllm.kvtier.io")
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.store")
     rig = make_rig(sync=sync, compression=compression)
     keys = fill_rows(rig, range(4))
     assert rig.spill(1, [(k, i, i) for i, k in enumerate(keys)]).success
@@ -306,7 +310,6 @@ def test_fault_layer_cannot_be_enabled_from_config() -> None:
     for name in ("faults", "fault", "FaultInjectingBackend"):
         with pytest.raises(ValueError):
             make_backend(name)
-    assert not [n for n in kvtier.io.__all__ if "ault" in n]
     # Production code is everything outside kvtier.testing (test helpers,
     # the fault layer among them); it never names the fault layer, and never
     # imports kvtier.testing at all.
@@ -314,7 +317,7 @@ def test_fault_layer_cannot_be_enabled_from_config() -> None:
     production = [
         p for p in root.rglob("*.py") if "testing" not in p.relative_to(root).parts
     ]
-    assert root / "tools" / "cli.py" in production and root / "io" / "disk_store.py" in production
+    assert root / "tools" / "cli.py" in production and root / "store" / "store.py" in production
     users = [
         str(p.relative_to(root))
         for p in production
@@ -369,14 +372,7 @@ def test_failed_jobs_drive_the_hierarchy(
 
     # Load first[2] (read fault) and first[3] (clean) as a worker does:
     # straight from their slots, verified, with promotion rows.
-    reader = SlotReader(
-        rig.store.paths,
-        rig.store.num_slots,
-        rig.store.block_bytes,
-        rig.store.fingerprint,
-        rig.backend,
-        owns_backend=False,
-    )
+    reader = SlotReader(_files(rig, rig.backend))
     for key, ok in ((first[2], False), (first[3], True)):
         plan = h.prepare_load([key])
         (loc,) = plan.locations
@@ -421,15 +417,7 @@ def test_reads_into_part_of_the_bounce_area_leave_the_rest_alone(
     keys = [key_of(i) for i in range(4)]
     for slot, key in enumerate(keys):
         rig.store.write_block(slot, key, pattern(key), rig.store.next_seq())
-    reader = SlotReader(
-        rig.store.paths,
-        rig.store.num_slots,
-        rig.store.block_bytes,
-        rig.store.fingerprint,
-        rig.backend,
-        bounce_bytes=4 * rig.store.slot_size,
-        owns_backend=False,
-    )
+    reader = SlotReader(_files(rig, rig.backend), capacity=4)
     try:
         assert reader.capacity == 4
         low = reader.read([(0, keys[0]), (1, keys[1])])
@@ -479,15 +467,7 @@ def test_a_read_that_raises_leaves_no_io_writing_the_bounce_area(
             futures.append(fut)
             return fut
 
-    reader = SlotReader(
-        rig.store.paths,
-        rig.store.num_slots,
-        rig.store.block_bytes,
-        rig.store.fingerprint,
-        Flaky(),  # type: ignore[arg-type]
-        bounce_bytes=4 * rig.store.slot_size,
-        owns_backend=False,
-    )
+    reader = SlotReader(_files(rig, Flaky()), capacity=4)  # type: ignore[arg-type]
     try:
         with pytest.raises(RuntimeError, match="a bug"):
             reader.read([(0, keys[0]), (2, keys[2])])  # two runs

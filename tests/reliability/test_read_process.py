@@ -1,4 +1,4 @@
-"""The worker's read process (kvtier.io.read_process): slots read and
+"""The worker's read process (kvtier.store.read_process): slots read and
 verified in a child process into a shared bounce area give the outcomes and
 bytes the in-process reader gives; a child that dies costs the batches it
 held (IO_ERROR: recomputed, never served) and later batches are read in the
@@ -21,14 +21,12 @@ import numpy as np
 import pytest
 from reliability_common import Rig, key_of, pattern
 
-from kvtier.io import pipe_channel, read_process
-from kvtier.io.format import HEADER_SIZE
-from kvtier.io.layout import ReadOutcome, slot_offset
-from kvtier.io.pipe_channel import frame
-from kvtier.io.posix_backend import PosixBackend
-from kvtier.io.read_child import CHILD_NAME
-from kvtier.io.read_process import ProcessRead, ReadProcess
-from kvtier.io.slot_reader import PendingRead, SlotReader
+from kvtier.store import read_process
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.read_process import CHILD_NAME, ProcessRead, ReadProcess, frame
+from kvtier.store.reader import PendingRead, SlotReader
+from kvtier.store.slabs import SlabFiles
+from kvtier.store.slot import HEADER_SIZE, ReadOutcome
 from kvtier.testing.faults import flip_byte
 
 DEADLINE_S = 30.0
@@ -41,18 +39,17 @@ def _written(rig: Rig, count: int) -> list[bytes]:
     return keys
 
 
-def _args(rig: Rig) -> tuple:
+def _files(rig: Rig, backend: PosixBackend) -> SlabFiles:
     s = rig.store
-    return (s.paths, s.num_slots, s.block_bytes, s.fingerprint)
+    return SlabFiles.open(s.paths, s.fingerprint, s.num_slots, backend, owns_backend=True)
 
 
 def _reader(rig: Rig, **kw) -> ReadProcess:
     return ReadProcess(
-        *_args(rig),
-        PosixBackend(threads=2),
+        _files(rig, PosixBackend(threads=2)),
         disk_io="posix",
         threads=2,
-        bounce_bytes=8 * rig.store.slot_size,
+        capacity=8,
         **kw,
     )
 
@@ -68,8 +65,8 @@ def _running(rp: ReadProcess) -> ReadProcess:
 
 
 def _flip_payload_byte(rig: Rig, reader: ReadProcess, slot: int) -> None:
-    offset = slot_offset(slot, rig.store.slot_size) + HEADER_SIZE + 100
-    flip_byte(reader.files.paths[0], offset, 0x40)
+    offset = slot * rig.store.slot_size + HEADER_SIZE + 100
+    flip_byte(reader.files.slabs[0].path, offset, 0x40)
 
 
 def test_the_child_reads_and_verifies_as_the_engines_process_would(
@@ -97,7 +94,7 @@ def test_the_child_reads_and_verifies_as_the_engines_process_would(
             names = {(t / "comm").read_text().strip() for t in task.iterdir()}
             assert (task / str(rp.pid) / "comm").read_text().strip() == CHILD_NAME
             assert any(n.startswith("kvtier-posix_") for n in names), names
-        local = SlotReader(*_args(rig), PosixBackend(threads=1), bounce_bytes=8 << 20)
+        local = SlotReader(_files(rig, PosixBackend(threads=1)), capacity=8)
         try:
             want = local.read(items)
         finally:
@@ -134,7 +131,7 @@ def test_a_dead_child_costs_its_batches_then_reads_stay_here(
         held = rp.submit([(0, keys[0]), (1, keys[1])], first_row=0)
         assert isinstance(held, ProcessRead)
         assert not rp.ready(held)
-        with caplog.at_level("ERROR", logger="vllm.kvtier.io"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.store"):
             os.kill(pid, signal.SIGKILL)
             assert rp.wait(held, DEADLINE_S)
         assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR] * 2
@@ -164,7 +161,7 @@ def test_a_child_that_stops_reading_never_stops_the_caller(
     """A stopped child (or one whose thread waits on a hung read) drains
     neither pipe. Requests beyond the pipe's room used to block ``submit``
     in ``write``, the load thread with it, CPU-tier loads included."""
-    monkeypatch.setattr(pipe_channel, "PIPE_BYTES", 4096)  # a one-page pipe
+    monkeypatch.setattr(read_process, "PIPE_BYTES", 4096)  # a one-page pipe
     rig = make_rig(num_slots=8)
     keys = _written(rig, 8)
     items = list(enumerate(keys))
@@ -209,7 +206,7 @@ def test_abandoning_a_batch_a_stopped_child_holds_ends_the_child(
         pid = rp.pid
         os.kill(pid, signal.SIGSTOP)
         held = rp.submit([(0, keys[0]), (1, keys[1])], first_row=0)
-        with caplog.at_level("ERROR", logger="vllm.kvtier.io"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.store"):
             assert _returns_in_time(lambda: rp.abandon(held))
         assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR] * 2
         assert any("did not answer a batch given up" in m for m in caplog.messages)
@@ -241,7 +238,7 @@ def test_an_answer_that_does_not_read_costs_the_child_not_the_load_thread(
         held = rp.submit([(0, keys[0])], first_row=0)
         assert rp._pipes is not None
         rp._pipes._inbox += garbage  # as if the child had sent it
-        with caplog.at_level("ERROR", logger="vllm.kvtier.io"):
+        with caplog.at_level("ERROR", logger="vllm.kvtier.store"):
             rp.poll(0.0)
         assert [r.outcome for r in rp.complete(held)] == [ReadOutcome.IO_ERROR]
         assert any("read process stopped" in m for m in caplog.messages)

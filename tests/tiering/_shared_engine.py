@@ -107,7 +107,7 @@ def shared_tiering_config(
     events: bool = False,
     shared_type: str = "fs",
 ) -> dict[str, Any]:
-    from kvtier.io.format import slot_size
+    from kvtier.store.slot import slot_size
     from kvtier.testing.engine import offloading_kv_transfer_config
 
     extra: dict[str, Any] = {}

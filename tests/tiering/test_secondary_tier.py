@@ -42,7 +42,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvtier.connector.tiering import KvtierDiskTier, PortableTieringSpec  # noqa: E402
 from kvtier.connector.tiering.config import TierConfigError  # noqa: E402
-from kvtier.io.format import HEADER_SIZE, slot_size  # noqa: E402
+from kvtier.store.slot import HEADER_SIZE, slot_size  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
 from kvtier.testing.offloading import offloading_config, wait_finished  # noqa: E402
 
@@ -537,8 +537,8 @@ def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
     WRITING, the tier pending for good)."""
     import threading
 
-    from kvtier.connector.scheduler import disk_runtime
-    from kvtier.io import disk_store
+    from kvtier.store import store as disk_store
+    from kvtier.store import transfers as disk_runtime
     from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
 
     release = threading.Event()

@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvtier.connector.tiering import KvtierDiskTier  # noqa: E402
-from kvtier.io.format import slot_size  # noqa: E402
+from kvtier.store.slot import slot_size  # noqa: E402
 from kvtier.testing.offloading import offloading_config  # noqa: E402
 
 from .test_secondary_tier import BLOCK_BYTES, LAYERS, Driver  # noqa: E402

@@ -76,7 +76,7 @@ def baseline(model) -> list[list[int]]:
 
 
 def tiering_config(block_bytes: int, disk: Path, disk_blocks: int) -> dict:
-    from kvtier.io.format import slot_size
+    from kvtier.store.slot import slot_size
 
     return offloading_kv_transfer_config(
         "PortableTieringSpec",
@@ -141,8 +141,8 @@ def test_negative_control_corrupted_disk_reads_change_the_output(
     model, block_bytes, baseline, tmp_path, monkeypatch
 ):
     """If the bytes promoted from disk were wrong, the comparison above fails."""
-    from kvtier.io.disk_store import DiskStore
-    from kvtier.io.layout import ReadOutcome
+    from kvtier.store.slot import ReadOutcome
+    from kvtier.store.store import DiskStore
 
     original = DiskStore.read_block
 
@@ -166,7 +166,7 @@ def test_negative_control_corrupted_disk_reads_change_the_output(
 def test_disk_budget_smaller_than_the_workload_stays_under_budget(
     model, block_bytes, baseline, tmp_path
 ):
-    from kvtier.io.format import slot_size
+    from kvtier.store.slot import slot_size
 
     capacity = 6  # the workload stores 28 blocks
     budget = capacity * slot_size(block_bytes)

@@ -10,13 +10,7 @@ from this package (``module_path``/``spec_module_path``
     ``secondary_tiers``: bounded capacity with LRU/ARC eviction, a
     checksummed slot per block (kvtier's on-disk format, so ``kvtier
     inspect`` / ``verify`` read it), warm restart and optional zstd. It is
-    the same code as the full spec's disk tier, not a second copy: the
-    placement (slots, victims, pins, WRITING/READY, the read-failure rule,
-    warm restart, events) is a :class:`kvtier.tiers.disk_core.DiskTierCore`, the
-    one the full spec's hierarchy uses, and the data path is :class:`kvtier.connector.scheduler.disk_runtime.
-    DiskRuntime` (one :class:`~kvtier.io.DiskStore` plus one
-    :class:`~kvtier.io.TransferEngine` per TP rank) pointed at the rows of the
-    primary tier's memoryview instead of kvtier's own CPU buffer
+    the same code as the full spec's disk tier, not a second copy
     (:mod:`kvtier.connector.tiering.disk_tier`).
 
 ``PortableTieringSpec``

@@ -27,7 +27,7 @@ from kvtier.connector.config import (
     parse_extra_config,
     validate_keys,
 )
-from kvtier.connector.disk_paths import check_disk_paths
+from kvtier.connector.preflight import check_disk_paths
 
 TIER_TYPE = "KvtierDiskTier"
 

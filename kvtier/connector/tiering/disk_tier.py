@@ -8,11 +8,22 @@ checksummed slot per block (kvtier's on-disk format, so ``kvtier inspect`` /
 the full spec's disk tier, not a second copy: the placement (slots,
 victims, pins, WRITING/READY, the read-failure rule, warm restart, events)
 is a :class:`kvtier.tiers.disk_core.DiskTierCore`, the one the full spec's
-hierarchy uses, and the data path is
-:class:`kvtier.connector.scheduler.disk_runtime.DiskRuntime` (one
-:class:`~kvtier.io.DiskStore` plus one :class:`~kvtier.io.TransferEngine`
-per TP rank) pointed at the rows of the primary tier's memoryview
-(:mod:`kvtier.connector.tiering.rows`) instead of kvtier's own CPU buffer.
+hierarchy uses, and the data path is :class:`kvtier.store.transfers.DiskRuntime`
+(one :class:`~kvtier.store.store.DiskStore` per TP rank and one transfer
+engine) pointed at the rows of the primary tier's memoryview instead of
+kvtier's own CPU buffer.
+
+Row layout. vLLM's primary tier is one ``SharedOffloadRegion`` mmap of
+``num_chunks`` rows of ``kv_bytes_per_chunk`` bytes (page aligned)::
+
+    | rank 0 page | rank 1 page | ... | rank W-1 page | padding |
+
+Each rank page (``cpu_page_size_per_worker`` = KV bytes of one offloaded
+block of one rank) is what kvtier's full spec calls one block: it goes to
+that rank's own slab, under that rank's layout fingerprint (model, dtype,
+block geometry, TP rank/size, plus ``host_layout=vllm-tiering`` because
+vLLM orders a rank's page per KV tensor, which differs from the full spec's
+per-group rows on hybrid models). A key is on disk iff every rank's slot is.
 """
 
 from __future__ import annotations
@@ -46,9 +57,8 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvtier.connector.config import ConfigError, blocks_in_budget
-from kvtier.connector.disk_paths import check_disk_paths
-from kvtier.connector.scheduler.disk_runtime import SPILL
-from kvtier.connector.spec import _ELEM_SIZE, layout_fingerprint
+from kvtier.connector.preflight import check_disk_paths
+from kvtier.connector.spec import layout_fingerprint
 from kvtier.connector.tiering.config import (
     TIER_TYPE,
     TierConfigError,
@@ -61,10 +71,11 @@ from kvtier.connector.tiering.metrics import (
     metric_definitions,
 )
 from kvtier.connector.tiering.pull import PullBack
-from kvtier.connector.tiering.rows import HOST_LAYOUT, PrimaryRows, PrimaryViewRuntime
-from kvtier.io.format import slot_size
-from kvtier.io.store_dir import store_dirname
 from kvtier.log import get_logger
+from kvtier.store.compression import element_bytes
+from kvtier.store.slabs import store_dirname
+from kvtier.store.slot import slot_size
+from kvtier.store.transfers import DiskRuntime
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 
@@ -73,6 +84,17 @@ if TYPE_CHECKING:
 
 
 logger = get_logger("connector")
+
+HOST_LAYOUT = "vllm-tiering"
+
+
+@dataclass
+class PrimaryRows:
+    """One rank's page of every primary-tier row (``array[row]`` is a
+    contiguous ``block_bytes`` view into vLLM's mmap)."""
+
+    array: np.ndarray
+    block_bytes: int
 
 # ------------------------------------------------------------------- tier
 
@@ -176,8 +198,8 @@ class KvtierDiskTier(SecondaryTierManager):
             check_disk_paths(cfg, reusable=[store_dirname(fp) for fp in fingerprints])
         except ConfigError as exc:
             raise as_tier_error(exc) from None
-        self.runtime: PrimaryViewRuntime | None = PrimaryViewRuntime(
-            [
+        self.runtime: DiskRuntime | None = DiskRuntime(
+            rows=[
                 PrimaryRows(
                     rows[:, r * self.block_bytes : (r + 1) * self.block_bytes],
                     self.block_bytes,
@@ -190,7 +212,7 @@ class KvtierDiskTier(SecondaryTierManager):
             fingerprints=fingerprints,
             disk_io=cfg.disk_io,
             compression=cfg.disk_compression,
-            elem_size=_ELEM_SIZE.get(str(config.model.dtype).lower(), 2),
+            elem_size=element_bytes(config.model.dtype),
             threads=cfg.disk_io_threads,
         )
         self._warm_restart()
@@ -210,8 +232,6 @@ class KvtierDiskTier(SecondaryTierManager):
     def _warm_restart(self) -> None:
         assert self.runtime is not None
         restored = self.runtime.scan_restore()  # oldest first
-        if len(restored) > self.capacity:
-            restored = restored[-self.capacity :]
         if not restored:
             return
         self.core.restore(restored)  # reported as stored
@@ -351,9 +371,9 @@ class KvtierDiskTier(SecondaryTierManager):
             return results
         for done in self.runtime.poll():
             job = self._jobs.pop(done.job_id)
-            assert job.is_store == (done.kind == SPILL)
-            failed = done.failed_keys
-            if done.kind == SPILL:
+            assert job.is_store == done.spill
+            failed = set(done.failed_keys)
+            if done.spill:
                 lost = [k for k in job.moved if k in failed]
                 stored = [k for k in job.moved if k not in failed]
                 self.core.fail(lost)  # never READY: no event
@@ -375,7 +395,7 @@ class KvtierDiskTier(SecondaryTierManager):
             # lookup is a clean miss; one whose read failed with an I/O
             # error stays for the next lookup to promote again, unless its
             # reads failed too often in a row.
-            io_failed = done.io_failed_keys
+            io_failed = set(done.io_failed_keys)
             self.core.release_reads(
                 job.moved,
                 corrupt=[k for k in job.moved if k in failed and k not in io_failed],

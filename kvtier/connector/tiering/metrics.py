@@ -21,7 +21,7 @@ from kvtier.connector.worker_report import CounterDeltas
 from kvtier.tiers.events import MEDIUM_DISK
 
 if TYPE_CHECKING:
-    from kvtier.connector.tiering.rows import PrimaryViewRuntime
+    from kvtier.store.transfers import DiskRuntime
     from kvtier.tiers.disk_core import DiskTierCore
 
 # kvtier's metric series this tier feeds, the full spec's where the concept
@@ -98,7 +98,7 @@ class DiskTierMetrics:
         self,
         core: DiskTierCore,
         stats: DiskTierStats,
-        runtime: PrimaryViewRuntime | None,
+        runtime: DiskRuntime | None,
     ) -> OffloadingConnectorStats:
         tier = core.tier
         out = OffloadingConnectorStats()

@@ -26,14 +26,14 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.connector.config import ConfigError
 from kvtier.connector.topology import check_single_node
-from kvtier.io.block_copy import SynchronousCopies
+from kvtier.host.block_copy import SynchronousCopies
 from kvtier.log import get_logger
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-    from kvtier.io.block_copy import CopyPlan
+    from kvtier.host.block_copy import CopyPlan
 
 logger = get_logger("connector")
 
@@ -42,7 +42,7 @@ class _RegionCopies(SynchronousCopies):
     """The worker's copy path over vLLM's region rows (CPU platform): one
     :class:`BlockCopier` per KV tensor, each over that tensor's area of this
     rank's page, complete on return (the interface of
-    :class:`kvtier.io.block_copy.HostCopies`)."""
+    :class:`kvtier.host.block_copy.HostCopies`)."""
 
     def __init__(
         self,
@@ -52,7 +52,7 @@ class _RegionCopies(SynchronousCopies):
     ):
         import torch
 
-        from kvtier.io.block_copy import BlockCopier
+        from kvtier.host.block_copy import BlockCopier
 
         per_tensor: list[BlockCopier] = []
         for t in kv_caches.tensors:

@@ -40,7 +40,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
 
-from kvtier.io.block_copy import BlockCopier, CopyPlan, HostArea
+from kvtier.host.block_copy import BlockCopier, CopyPlan, HostArea
 from kvtier.log import get_logger
 
 logger = get_logger("connector")
@@ -104,7 +104,7 @@ def vllm_block_spec(
 
 
 class DeviceCopies:
-    r"""A worker's :class:`~kvtier.io.block_copy.CopyPath` on accelerators:
+    r"""A worker's :class:`~kvtier.host.block_copy.CopyPath` on accelerators:
     transfers between its KV cache and its host areas through vLLM's
     handlers.
 
@@ -115,7 +115,7 @@ class DeviceCopies:
     device time; :meth:`wait` blocks until the given ones completed.
     An area whose rows live on the device (the staging area of
     ``disk_load_path: device``) is copied into the KV cache by kvtier's
-    :class:`~kvtier.io.block_copy.BlockCopier` on a stream of its own,
+    :class:`~kvtier.host.block_copy.BlockCopier` on a stream of its own,
     ordered after the current stream and timed by CUDA events, since vLLM's
     handlers copy between host and device only.
 

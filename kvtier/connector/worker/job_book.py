@@ -21,7 +21,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferRes
 
 from kvtier.connector.worker.job_errors import LoadError, whole_load_error
 from kvtier.connector.worker.load_task import LoadTask
-from kvtier.io.block_copy import CopyPath, CopyPlan
+from kvtier.host.block_copy import CopyPath, CopyPlan
 
 
 @dataclass

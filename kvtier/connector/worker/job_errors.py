@@ -23,8 +23,8 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 
 from kvtier.connector.specs import TierLoadSpec
 from kvtier.connector.worker.job_plan import GroupPlan
-from kvtier.io.layout import ReadOutcome
 from kvtier.log import get_logger
+from kvtier.store.slot import ReadOutcome
 
 logger = get_logger("connector")
 

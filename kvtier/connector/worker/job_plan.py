@@ -15,7 +15,7 @@ import numpy as np
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 
 from kvtier.connector.specs import TierLoadSpec
-from kvtier.io.block_copy import CopyPlan, plan_copy
+from kvtier.host.block_copy import CopyPlan, plan_copy
 
 
 @dataclass

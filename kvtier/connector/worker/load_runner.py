@@ -49,11 +49,10 @@ from kvtier.connector.worker.bounce_parts import BounceParts, bounce_parts
 from kvtier.connector.worker.job_errors import UNREAD
 from kvtier.connector.worker.job_plan import select_rows
 from kvtier.connector.worker.load_task import LoadTask, ReadBatch
-from kvtier.io.block_copy import CopyPath, CopyPlan
-from kvtier.io.cpu_placement import name_this_thread, place_background_thread
-from kvtier.io.device_staging import DeviceStagingReader
-from kvtier.io.slot_reader import SlotReader
+from kvtier.host.block_copy import CopyPath, CopyPlan
+from kvtier.host.placement import name_this_thread, place_background_thread
 from kvtier.log import get_logger
+from kvtier.store.reader import SlotReads
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = get_logger("connector")
@@ -100,12 +99,12 @@ class LoadRunner:
       - ``submit``, ``take``, ``cancel`` and ``stop`` are called from the
         worker's thread; everything else runs on the load thread, which
         alone calls ``copies`` (an asynchronous path is the load thread's
-        own, see :class:`~kvtier.io.block_copy.CopyPath`).
+        own, see :class:`~kvtier.host.block_copy.CopyPath`).
     """
 
     def __init__(
         self,
-        reader: SlotReader | DeviceStagingReader | None,
+        reader: SlotReads | None,
         copies: CopyPath,
         cpu_buffer: Any,
         block_bytes: list[int],
@@ -224,7 +223,7 @@ class LoadRunner:
             if self.reader is not None:
                 start = getattr(self.reader, "start", None)
                 if start is not None:
-                    start()  # a read process (kvtier.io.read_process)
+                    start()  # a read process (kvtier.store.read_process)
                 self.reader.files.open_all()
             while self._turn():
                 pass

@@ -21,10 +21,8 @@ import torch
 from kvtier.connector.specs import TierLoadSpec
 from kvtier.connector.worker.job_errors import failure_of
 from kvtier.connector.worker.job_plan import GroupPlan
-from kvtier.io.block_copy import CopyPlan
-from kvtier.io.device_staging import PendingStage
-from kvtier.io.layout import ReadOutcome
-from kvtier.io.slot_reader import PendingRead
+from kvtier.host.block_copy import CopyPlan
+from kvtier.store.slot import ReadOutcome
 
 
 @dataclass(eq=False)
@@ -44,7 +42,7 @@ class LoadTask:
     the job up; from then on the thread issues nothing more for it.
 
     ``after``: on accelerators, the model runner's stream at submission
-    (:meth:`~kvtier.io.block_copy.CopyPath.mark`); the thread's copies for
+    (:meth:`~kvtier.host.block_copy.CopyPath.mark`); the thread's copies for
     the task follow it.
 
     The fields after ``lock`` are the thread's progress through the task:
@@ -128,7 +126,7 @@ class ReadBatch:
     positions it reads, the bounce part it reads into, when it started."""
 
     task: LoadTask
-    read: PendingRead | PendingStage
+    read: Any  # the reader's pending batch
     positions: np.ndarray
     part: int
     since: float

@@ -17,7 +17,7 @@ copy path: on accelerators vLLM's own transfer code
 (:class:`~kvtier.connector.worker.device_copy.DeviceCopies`), one instance
 per thread: the model runner's issues stores and CPU-tier rows, the load
 thread's the disk batches; on the CPU platform kvtier's word-sized copier
-(:class:`~kvtier.io.block_copy.HostCopies`), shared. A job may be several
+(:class:`~kvtier.host.block_copy.HostCopies`), shared. A job may be several
 transfers (one per KV-cache group and host area, one per bounce batch); it
 is reported done once its load task came back (which waits for the
 transfers it issued) and every transfer of the model runner's thread
@@ -64,16 +64,15 @@ from kvtier.connector.worker.job_plan import plan_load, split_by_group
 from kvtier.connector.worker.kv_layout import group_views
 from kvtier.connector.worker.load_runner import LoadRunner
 from kvtier.connector.worker.load_task import LoadTask
-from kvtier.io.block_copy import (
+from kvtier.host.block_copy import (
     CopyPath,
     CopyPlan,
     HostArea,
     HostCopies,
 )
-from kvtier.io.cpu_buffer import CpuBlockBuffer
-from kvtier.io.device_staging import DeviceStagingReader
-from kvtier.io.slot_reader import SlotReader
+from kvtier.host.cpu_tier import CpuBlockBuffer
 from kvtier.log import get_logger
+from kvtier.store.reader import SlotReads
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = get_logger("connector")
@@ -114,7 +113,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         kv_caches: CanonicalKVCaches,
         cpu_buffer: CpuBlockBuffer,
         blocks_per_chunk: int,
-        reader: SlotReader | DeviceStagingReader | None = None,
+        reader: SlotReads | None = None,
         device_copies: Callable[..., CopyPath] | None = None,
         contain_exceptions: bool = False,
     ):
@@ -157,7 +156,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         copies: CopyPath,
         cpu_buffer: Any,
         blocks_per_chunk: int,
-        reader: SlotReader | DeviceStagingReader | None,
+        reader: SlotReads | None,
         block_bytes: list[int],
         load_copies: CopyPath | None = None,
     ) -> None:

@@ -1,9 +1,9 @@
 """``kvtier doctor``: one disk path of the disk tier.
 
 Each check reuses the code the engine runs: the owner/mode rules of
-:mod:`kvtier.io.safe_open`, the space rule of
-:func:`kvtier.connector.disk_paths.check_disk_paths`, the O_DIRECT probe of
-:mod:`kvtier.io.posix_backend`, and for the throughput probe the POSIX back
+:mod:`kvtier.safe_open`, the space rule of
+:func:`kvtier.connector.preflight.check_disk_paths`, the O_DIRECT probe of
+:mod:`kvtier.store.backends.posix`, and for the throughput probe the POSIX back
 end itself (its thread pool, O_DIRECT where accepted, ``disk_io_threads``
 threads), on a private probe file that is removed again.
 """
@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future
 
 from kvtier.connector.config import ConfigError, KvtierConfig
-from kvtier.connector.disk_paths import check_disk_paths
+from kvtier.connector.preflight import check_disk_paths
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
@@ -56,7 +56,7 @@ def mount_of(path: str) -> tuple[str, str, str]:
 
 def _mode_check(path: str) -> Check:
     """safe_open's rules for a directory kvtier creates files in."""
-    from kvtier.io.safe_open import check_private_fd
+    from kvtier.safe_open import check_private_fd
 
     subject = f"{path}: owner and mode"
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -132,7 +132,7 @@ def _space_check(cfg: KvtierConfig, path: str, reusable: list[str]) -> Check:
 
 
 def _fs_checks(path: str) -> list[Check]:
-    from kvtier.io.posix_backend import probe_direct
+    from kvtier.store.backends.posix import probe_direct
 
     point, fstype, source = mount_of(path)
     out: list[Check] = []
@@ -198,8 +198,8 @@ def measure_throughput(
     ``threads`` in flight until half of ``seconds`` or ``max_bytes``, syncs,
     drops the page cache of the file, reads them back the same way, and
     removes the file. Raises OSError."""
-    from kvtier.io.posix_backend import PosixBackend
-    from kvtier.io.safe_open import open_private
+    from kvtier.safe_open import open_private
+    from kvtier.store.backends.posix import PosixBackend
 
     path = os.path.join(
         directory, f".kvtier-doctor-probe-{os.getpid()}-{secrets.token_hex(4)}"

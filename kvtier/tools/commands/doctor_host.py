@@ -1,14 +1,14 @@
 """``kvtier doctor``: the host beyond the disk paths.
 
 - which disk I/O path kvtier takes here and why (the decision of
-  :func:`kvtier.io.backends.make_backend`, with kvikio's own probes, which
+  :func:`kvtier.store.backends.factory.make_backend`, with kvikio's own probes, which
   never hang and never need a GPU to answer);
 - shared memory for the CPU tier (the engine's own space rule,
-  :func:`kvtier.connector.host.check_shm_space`) and dead engines' files
-  there (:func:`kvtier.io.cpu_files.reclaim_stale_cpu_files`);
+  :func:`kvtier.connector.preflight.check_shm_space`) and dead engines' files
+  there (:func:`kvtier.host.cpu_tier.reclaim_stale_cpu_files`);
 - prefix hashing: whether block keys survive a restart;
 - on the CPU platform, whether vLLM leaves a CPU outside the model's
-  OpenMP threads for kvtier's loads (:mod:`kvtier.io.cpu_placement`).
+  OpenMP threads for kvtier's loads (:mod:`kvtier.host.placement`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import os
 import tempfile
 
 from kvtier.connector.config import ConfigError, KvtierConfig
-from kvtier.connector.host import check_shm_space
-from kvtier.io.cpu_placement import (
+from kvtier.connector.preflight import check_shm_space
+from kvtier.host.placement import (
     bind_lists,
     numa_neighbours,
     physical_cores,
@@ -50,7 +50,7 @@ def check_io_path(cfg: KvtierConfig) -> list[Check]:
     """kvikio/GDS status and the back end ``disk_io`` gets on this host."""
     if not cfg.disk_enabled:
         return []
-    from kvtier.io import kvikio_probe as kb
+    from kvtier.store.backends import kvikio_probe as kb
 
     facts = _gds_host_facts()
     usable = kb.kvikio_usable()
@@ -102,7 +102,7 @@ def check_io_path(cfg: KvtierConfig) -> list[Check]:
 
 
 def shm_base(base: str | None) -> str:
-    """The CPU tier's shared-memory file system, as kvtier.io.cpu_buffer
+    """The CPU tier's shared-memory file system, as kvtier.host.cpu_tier
     chooses it (/dev/shm, else the temp directory), or ``base``."""
     if base is not None:
         return base
@@ -111,7 +111,7 @@ def shm_base(base: str | None) -> str:
 
 def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]:
     """Room for ``cpu_bytes_to_use`` and stale CPU-tier files of this user."""
-    from kvtier.io.cpu_files import reclaim_stale_cpu_files
+    from kvtier.host.cpu_tier import reclaim_stale_cpu_files
 
     base = shm_base(base)
     directory = os.path.join(base, f"kvtier-{os.geteuid()}")
@@ -227,7 +227,7 @@ def check_cpu_placement(
     """CPU platform: where kvtier's loads will run. vLLM binds a CPU worker's
     OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``) and kvtier's load thread
     and read process take the CPUs of its NUMA node left over
-    (:mod:`kvtier.io.cpu_placement`); with none left they share the model's
+    (:mod:`kvtier.host.placement`); with none left they share the model's
     and stretch its steps while a prefix loads. ``allowed``: the CPUs
     ``vllm serve`` would get (this process's); ``topology``: where the
     host's CPU and NUMA topology is read (``node/``, ``cpu/``)."""

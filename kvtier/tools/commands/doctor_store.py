@@ -10,8 +10,8 @@ accident: the model name and the identity of its contents
 checkpoint changes.
 
 :func:`store_verdicts` is the one place that decides; it lists stores only
-through :func:`kvtier.io.store_view.find_stores` (layout.json) and
-:data:`~kvtier.io.store_dir.STORE_DIR_RE`.
+through :func:`kvtier.store.slabs.find_stores` (layout.json) and
+:data:`~kvtier.store.slabs.STORE_DIR_RE`.
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def store_verdicts(paths: Sequence[str], model: str | None) -> list[StoreVerdict
     would adopt them (identity match) or set them aside. Raises
     OSError/ValueError for a store that cannot be read safely."""
     from kvtier.connector.identity import model_identity
-    from kvtier.io.store_dir import STORE_DIR_RE
-    from kvtier.io.store_view import find_stores
+    from kvtier.store.slabs import STORE_DIR_RE, find_stores
 
     with_stores = [
         p
@@ -82,7 +81,7 @@ def store_verdicts(paths: Sequence[str], model: str | None) -> list[StoreVerdict
     for view in find_stores(with_stores):
         layout = view.layout or {}
         name = layout.get("model")
-        size = _bytes_of(view.directories)
+        size = _bytes_of(view.dirs)
         if model is None:
             verdict, reason = (
                 UNKNOWN,
@@ -108,7 +107,7 @@ def store_verdicts(paths: Sequence[str], model: str | None) -> list[StoreVerdict
             )
         out.append(
             StoreVerdict(
-                view.name, tuple(view.directories), name, verdict, reason, size
+                view.name, tuple(view.dirs), name, verdict, reason, size
             )
         )
     return out

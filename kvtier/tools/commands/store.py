@@ -4,14 +4,106 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
+# Slots scanned between two calls of verify_store's ``progress``.
+PROGRESS_STEP = 256
+
+
+def inspect_store(files: Any) -> dict[str, Any]:
+    """Summary of one store found on disk (a
+    :class:`~kvtier.store.slabs.SlabFiles`): slots used, bytes, fill,
+    fingerprints, header versions."""
+    from kvtier.store.scan import scan
+    from kvtier.store.slot import FORMAT_VERSION, HEADER_VERSIONS, ReadOutcome
+
+    outcomes: Counter[str] = Counter()
+    fingerprints: Counter[str] = Counter()
+    versions: Counter[int] = Counter()
+    payload_bytes = raw_bytes = 0
+    for rec in scan(files, file_order=True):
+        outcomes[rec.outcome.value] += 1
+        if rec.header is not None:
+            fingerprints[rec.header.fingerprint.hex()] += 1
+        if rec.version is not None and (
+            rec.header is not None or rec.outcome is ReadOutcome.BAD_HEADER
+        ):
+            versions[rec.version] += 1
+        if rec.outcome is ReadOutcome.OK:
+            assert rec.header is not None
+            payload_bytes += rec.header.payload_len
+            raw_bytes += rec.header.raw_len
+    total = files.num_slots
+    used = total - outcomes.get(ReadOutcome.EMPTY.value, 0)
+    return {
+        "store": files.name,
+        "directories": files.dirs,
+        "layout": files.layout,
+        "format_version": (files.layout or {}).get("format_version"),
+        "reader_format_version": FORMAT_VERSION,
+        "reader_header_versions": list(HEADER_VERSIONS),
+        "header_format_versions": {str(k): v for k, v in sorted(versions.items())},
+        "block_bytes": files.block_bytes,
+        "slot_size": files.slot_size,
+        "slabs": [
+            {"path": s.path, "index": s.index, "bytes": s.size, "slots": s.num_slots}
+            for s in files.slabs
+        ],
+        "slab_bytes": sum(s.size for s in files.slabs),
+        "total_slots": total,
+        "used_slots": used,
+        "blocks": outcomes.get(ReadOutcome.OK.value, 0),
+        "fill": used / total if total else 0.0,
+        "payload_bytes": payload_bytes,
+        "raw_bytes": raw_bytes,
+        "outcomes": dict(sorted(outcomes.items())),
+        "fingerprints": dict(fingerprints.most_common()),
+        "warnings": files.warnings,
+    }
+
+
+def verify_store(
+    files: Any, progress: Callable[[int], None] | None = None
+) -> dict[str, Any]:
+    """Check every used slot's header and payload; list the bad ones.
+    ``progress`` is called with the number of slots scanned since its last
+    call (every slot is scanned, used or not)."""
+    from kvtier.store.scan import scan
+    from kvtier.store.slot import ReadOutcome
+
+    checked = ok = pending = 0
+    bad: list[dict[str, Any]] = []
+    for rec in scan(files, file_order=True, payload=True):
+        if progress is not None:
+            pending += 1
+            if pending == PROGRESS_STEP:
+                progress(pending)
+                pending = 0
+        if not rec.used:
+            continue
+        checked += 1
+        if rec.outcome is ReadOutcome.OK:
+            ok += 1
+        else:
+            bad.append(rec.to_dict())
+    if progress is not None and pending:
+        progress(pending)
+    return {
+        "store": files.name,
+        "directories": files.dirs,
+        "checked": checked,
+        "ok": ok,
+        "bad": bad,
+        "warnings": files.warnings,
+    }
+
 
 def _open_views(paths: Sequence[str], cmd: str) -> list[Any] | None:
-    from kvtier.io.store_view import find_stores
+    from kvtier.store.slabs import find_stores
 
     try:
         return find_stores(paths)
@@ -21,8 +113,6 @@ def _open_views(paths: Sequence[str], cmd: str) -> list[Any] | None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from kvtier.io.inspect import inspect_store
-
     views = _open_views(args.paths, "inspect")
     if views is None:
         return 2
@@ -87,12 +177,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from kvtier.io.inspect import verify_store
-
     views = _open_views(args.paths, "verify")
     if views is None:
         return 2
-    total = sum(v.total_slots for v in views if v.slot_size)
+    total = sum(v.num_slots for v in views)
     try:
         with progress_bar(not args.json, total, "verify", "slot") as tick:
             reports = [verify_store(v, progress=tick) for v in views]

@@ -1,0 +1,370 @@
+"""Scheduler-side adapter: vLLM's OffloadingManager over a TierHierarchy.
+
+A block that is ready on disk is a hit like a CPU-resident one: ``lookup``
+answers HIT, and ``prepare_load`` returns a :class:`TierLoadSpec` that names
+each block's CPU row or disk slot. The worker reads and verifies the disk
+slots itself (see ``kvtier.connector.worker.worker``); a block that fails comes
+back through kvtier's connector (``note_worker_report``) and, when its load
+completes, the disk tier's read-failure rule decides whether its copy goes
+(failed verification) or stays (an I/O error), while vLLM recomputes its
+tokens.
+Nothing here waits for I/O: spills run on the disk runtime's threads and
+are pumped from the scheduler's calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.connector import metrics as m
+from kvtier.connector.specs import CpuTierSpec, TierLoadSpec
+from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, WorkerReport
+from kvtier.log import get_logger
+from kvtier.store.transfers import DiskRuntime
+from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
+from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.plans import Residency
+from kvtier.tiers.slots import BlockState
+
+logger = get_logger("connector")
+
+_CPU, _DISK = (MEDIUM_CPU,), (MEDIUM_DISK,)  # the metrics' tier label
+
+# ``ownership`` of the full spec's disk events (tiering mode's tier uses its
+# tier type, ``KvtierDiskTier``): tells a router which STORAGE tier it is.
+DISK_OWNERSHIP = "kvtier"
+
+
+class _LoadInFlight:
+    """The hierarchy's id of a request's load (vLLM runs one at a time)."""
+
+    def __init__(self, load_id: int) -> None:
+        self.load_id = load_id
+
+
+class TieredOffloadingManager(OffloadingManager):
+    """vLLM's manager contract, answered by kvtier's cascading hierarchy."""
+
+    def __init__(
+        self,
+        hierarchy: TierHierarchy,
+        runtime: DiskRuntime | None,
+        *,
+        block_bytes: int,
+        world_size: int = 1,
+        enable_events: bool = False,
+    ):
+        self.hierarchy = hierarchy
+        self.runtime = runtime
+        self.block_bytes = block_bytes
+        self.world_size = world_size
+        self.enable_events = enable_events
+        self._deltas = CounterDeltas()  # metric totals -> counter increases
+        # Disk blocks the workers could not load, per request, until that
+        # request's load completes.
+        self._failed_loads: dict[str, set[bytes]] = {}
+        self._io_failed_loads: dict[str, set[bytes]] = {}
+        self._io_failed_logged = False
+        self._unloaded_loads: dict[str, set[bytes]] = {}
+        # Requests with a load prepared and not completed: a report for any
+        # other (a job from before reset_cache, which vLLM never completes)
+        # must not reach a later load of the same request.
+        self._loading: set[str] = set()
+        # CPU rows of stores a worker reported failed, until their store
+        # completes (vLLM completes it as a success: complete_store).
+        self._failed_store_rows: set[int] = set()
+        # What the workers reported of their disk reads and contained
+        # exceptions, cumulative, and their read batches' latencies not
+        # collected yet.
+        self.worker_totals = WorkerCounters()
+        self.read_latencies = m.Samples()
+
+    # ------------------------------------------------------------- plumbing
+
+    def _pump(self) -> None:
+        """Apply finished disk jobs, then hand new orders to the disk pool.
+
+        Non-blocking: polling reads completion queues, submitting enqueues."""
+        runtime = self.runtime
+        if runtime is None:
+            return
+        h = self.hierarchy
+        for job in runtime.poll():
+            assert job.spill
+            h.complete_spill(job.job_id, job.failed_keys)
+        for order in h.take_spills():
+            runtime.submit_spill(order)
+
+    # ------------------------------------------------------------- contract
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        residency = self.hierarchy.lookup(key)
+        if residency.is_hit:
+            # Ready on CPU or on disk: the worker reads either directly.
+            return LookupResult.HIT
+        if residency is Residency.PENDING:
+            return LookupResult.HIT_PENDING
+        return LookupResult.MISS
+
+    @override
+    def get_load_source(
+        self, key: OffloadKey, req_context: ReqContext
+    ) -> CacheHitSource:
+        if self.hierarchy.source_of(key) == MEDIUM_DISK:
+            return CacheHitSource.DISK
+        return CacheHitSource.HOST
+
+    @override
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> LoadStoreSpec:
+        keys = list(keys)
+        plan = self.hierarchy.prepare_load(keys)
+        req_context.set_state(_LoadInFlight(plan.load_id))
+        self._loading.add(req_context.req_id)
+        return TierLoadSpec(keys, plan.locations)
+
+    def note_worker_report(self, report: WorkerReport) -> None:
+        """Apply what the workers said since the last call: per request, the
+        disk blocks its load could not use (shown bad: dropped when the load
+        completes), those whose read failed with an I/O error (kept,
+        counted) and those it did not deliver for another reason (kept);
+        the CPU rows of stores that failed (their keys are completed as
+        failed, see ``complete_store``); and their counters."""
+        for reported, pending in (
+            (report.failed_keys, self._failed_loads),
+            (report.io_failed_keys, self._io_failed_loads),
+            (report.unloaded_keys, self._unloaded_loads),
+        ):
+            for req_id, keys in reported.items():
+                if req_id in self._loading:
+                    pending.setdefault(req_id, set()).update(keys)
+        self._failed_store_rows.update(report.failed_store_rows)
+        self.worker_totals = self.worker_totals + report.counters
+        self.read_latencies.extend(report.read_latencies)
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        return
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.hierarchy.touch(keys)
+
+    @override
+    def complete_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> None:
+        load = req_context.get_state(_LoadInFlight)
+        if load is None or load.load_id < 0:
+            raise RuntimeError("kvtier: complete_load without prepare_load")
+        req_context.set_state(_LoadInFlight(-1))
+        self._loading.discard(req_context.req_id)
+        req_id = req_context.req_id
+        failed = self._failed_loads.pop(req_id, ())
+        io_failed = self._io_failed_loads.pop(req_id, ())
+        if failed:
+            logger.warning(
+                "kvtier: %d disk block(s) of request %s failed verification; "
+                "dropped from the disk tier, their tokens are recomputed",
+                len(failed),
+                req_id,
+            )
+        if io_failed:
+            # A failing drive fails request after request: the I/O errors
+            # are logged (errno, slab) by the workers; this says once what
+            # it does to the blocks.
+            first, self._io_failed_logged = not self._io_failed_logged, True
+            logger.log(
+                logging.WARNING if first else logging.DEBUG,
+                "kvtier: %d disk block(s) of request %s could not be read (I/O "
+                "error); their tokens are recomputed, the blocks stay on disk "
+                "unless their reads failed %d times in a row%s",
+                len(io_failed),
+                req_id,
+                MAX_READ_IO_ERRORS,
+                "; repeats logged at debug" if first else "",
+            )
+        unloaded = self._unloaded_loads.pop(req_id, ())
+        self.hierarchy.complete_load(
+            load.load_id, failed, unloaded=unloaded, io_failed=io_failed
+        )
+
+    @override
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        plan = self.hierarchy.prepare_store(list(keys))
+        self._pump()
+        if plan is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=plan.keys_to_store,
+            store_spec=CpuTierSpec(plan.cpu_slots),
+            evicted_keys=plan.evicted_keys,
+        )
+
+    @override
+    def complete_store(
+        self,
+        keys: Collection[OffloadKey],
+        req_context: ReqContext,
+        success: bool = True,
+    ) -> None:
+        """Make the stored keys readable, except where the store failed: vLLM
+        says so with ``success`` (it never does, 0.32 - 0.33), a worker by
+        naming the key's CPU row in ``note_worker_report``."""
+        keys = list(keys)
+        failed = self._failed_stores(keys) if self._failed_store_rows else []
+        if failed:
+            self.hierarchy.complete_store(failed, success=False)
+            bad = set(failed)
+            keys = [k for k in keys if k not in bad]
+        self.hierarchy.complete_store(keys, success)
+        self._pump()
+
+    def _failed_stores(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The keys being stored into a row a worker reported failed."""
+        failed = []
+        for key in keys:
+            block = self.hierarchy.cpu.get(key)
+            if (
+                block is not None
+                and block.state is BlockState.WRITING
+                and block.origin == "store"
+                and block.slot in self._failed_store_rows
+            ):
+                self._failed_store_rows.discard(block.slot)
+                failed.append(key)
+        return failed
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._pump()
+
+    @override
+    def has_pending_work(self) -> bool:
+        return self.runtime is not None and (
+            self.hierarchy.has_pending_io or self.runtime.pending > 0
+        )
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = self.hierarchy.take_events()
+        if not self.enable_events:
+            return
+        for ev in events:
+            if ev.medium == MEDIUM_CPU:
+                yield OffloadingEvent(
+                    keys=list(ev.keys), medium=Medium.CPU, removed=ev.removed
+                )
+            else:
+                yield OffloadingEvent(
+                    keys=list(ev.keys),
+                    medium=Medium.STORAGE,
+                    removed=ev.removed,
+                    locality=Locality.LOCAL,
+                    # Every disk block leaves with a BlockRemoved: vLLM keeps
+                    # its self-describing payload (all block hashes, tokens)
+                    # until then, so a router can map the removal back.
+                    ownership=DISK_OWNERSHIP,
+                    removal_expected=True,
+                )
+
+    @override
+    def reset_cache(self) -> None:
+        if self.runtime is not None:
+            self.runtime.drain()
+            self._pump()
+            self.runtime.drain()
+            self.runtime.poll()
+        self.hierarchy.reset()
+        self._failed_loads.clear()
+        self._io_failed_loads.clear()
+        self._unloaded_loads.clear()
+        self._loading.clear()  # vLLM completes no load from before the reset
+        # A report arriving after this (a job vLLM no longer completes) can
+        # only fail a later store into the same row: a miss, never data.
+        self._failed_store_rows.clear()
+
+    @override
+    def shutdown(self) -> None:
+        if self.runtime is not None:
+            self.runtime.drain()
+            self.runtime.close()
+            self.runtime = None
+
+    # --------------------------------------------------------------- stats
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        h = self.hierarchy
+        stats = OffloadingConnectorStats()
+        tiers = [(MEDIUM_CPU, h.cpu)] + ([(MEDIUM_DISK, h.disk)] if h.disk else [])
+        for name, tier in tiers:
+            stats.set_gauge(m.TIER_BLOCKS, len(tier), (name,))
+            stats.set_gauge(m.TIER_CAPACITY, tier.capacity, (name,))
+            stats.set_gauge(m.TIER_USAGE, len(tier) / tier.capacity, (name,))
+
+        now = h.stats
+        bytes_per_block = self.block_bytes * self.world_size
+        w = self.worker_totals
+        checksum_failures, io_errors = w.checksum_failures, w.io_errors
+        totals: list[tuple[str, tuple[str, ...], float]] = [
+            (m.WRITE_BYTES, _CPU, now.stores_completed * bytes_per_block),
+            (m.READ_BYTES, _CPU, now.loads_cpu * bytes_per_block),
+            (m.EVICTIONS, _CPU, now.cpu_evictions),
+            (m.LOADED_BLOCKS, _CPU, now.loads_cpu),
+            (m.STORES_DECLINED, (), now.stores_declined),
+            (m.WORKER_EXCEPTIONS, (), w.exceptions),
+        ]
+        if h.disk_core is not None:
+            totals += [
+                (m.EVICTIONS, _DISK, now.disk_evictions),
+                (m.SPILLS, (), now.spills_completed),
+                (m.SPILL_FAILURES, (), now.spill_failures),
+                (m.PROMOTIONS, (), now.promotions_completed),
+                (m.LOADED_BLOCKS, _DISK, now.loads_disk),
+                (m.LOAD_ERRORS, (), now.load_failures),
+                *m.read_failure_totals(h.disk_core.failures),
+                (m.READ_BYTES, _DISK, w.read_bytes),
+                (m.READ_SECONDS, _DISK, w.read_seconds),
+            ]
+        if self.runtime is not None:
+            t = self.runtime.totals
+            totals.append((m.WRITE_BYTES, _DISK, t.write_bytes))
+            totals.append((m.WRITE_SECONDS, _DISK, t.write_seconds))
+            checksum_failures += self.runtime.checksum_failures()
+            io_errors += self.runtime.io_errors()
+        if h.disk_core is not None:
+            totals.append((m.CHECKSUM_FAILURES, (), checksum_failures))
+            totals.append((m.IO_ERRORS, (), io_errors))
+        m.report_counters(stats, self._deltas, totals)
+        self.read_latencies.observe(stats, m.READ_LATENCY)
+        return stats

@@ -1,0 +1,176 @@
+"""What kvtier's keys name, checked on this host at engine start: the disk
+paths and the shared memory of the CPU tier.
+
+:mod:`kvtier.connector.config` checks the values of the keys; this checks
+what they name: each ``disk_path`` exists, is writable, is listed once and
+holds its share of ``disk_bytes_to_use`` (counting the space of this
+engine's own store directories, which a warm restart reuses); the CPU
+tier's shared-memory file system holds ``cpu_bytes_to_use`` once dead
+engines' files are reclaimed, and when it does not, the error names the
+kvtier files that hold it. Every error is a
+:class:`~kvtier.connector.config.ConfigError` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+
+from kvtier.connector.config import ConfigError, KvtierConfig
+from kvtier.host.cpu_tier import mapped_bytes, reclaim_stale_cpu_files
+
+
+def check_disk_paths(
+    cfg: KvtierConfig,
+    *,
+    free_bytes: Callable[[str], int] | None = None,
+    reusable: Iterable[str] = (),
+) -> None:
+    """Fail fast on disk paths that are missing, not writable, or too small.
+
+    Each path must hold its share of ``disk_bytes_to_use``. Space used by
+    the store directories named in ``reusable`` (this engine's own layout,
+    which a warm restart reuses) counts as available; directories of other
+    layouts (another model or block size) do not."""
+    if not cfg.disk_enabled:
+        return
+    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
+    share = -(-cfg.disk_bytes_to_use // len(cfg.disk_paths))
+    seen: dict[tuple[int, int], str] = {}
+    for path in cfg.disk_paths:
+        if not os.path.isdir(path):
+            raise ConfigError(
+                "disk_path",
+                f"{path!r} does not exist or is not a directory; create it first",
+            )
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None  # raced away: the writability check below says so
+        other = path if st is None else seen.setdefault((st.st_dev, st.st_ino), path)
+        if other != path:
+            # Else the store's second directory is its first one, whose
+            # lock it already holds: "in use by another engine".
+            raise ConfigError(
+                "disk_path",
+                f"{other!r} and {path!r} are the same directory (a link or "
+                "bind mount); list each directory once",
+            )
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(
+                "disk_path",
+                f"{path!r} is not writable by this process (uid {os.getuid()})",
+            )
+        available = free_bytes(path) + _existing_slab_bytes(path, reusable)
+        if available < share:
+            raise ConfigError(
+                "disk_bytes_to_use",
+                f"{path!r} has {available} bytes free but needs {share} "
+                f"(disk_bytes_to_use={cfg.disk_bytes_to_use} over {len(cfg.disk_paths)} path(s)); "
+                "lower disk_bytes_to_use or free space",
+            )
+
+
+def _existing_slab_bytes(path: str, names: Iterable[str] = ()) -> int:
+    wanted = set(names)
+    total = 0
+    try:
+        entries = os.scandir(path)
+    except OSError:
+        return 0
+    with entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False) and entry.name in wanted:
+                for root, _dirs, files in os.walk(entry.path, followlinks=False):
+                    for name in files:
+                        with contextlib.suppress(OSError):
+                            total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+def _kvtier_shm_files(directory: str, exclude: Sequence[str]) -> list[tuple[str, int]]:
+    """Other kvtier CPU-tier files still holding shared memory: in our private
+    directory (live engines) and, from older kvtier versions, directly in its
+    parent (``/dev/shm/kvtier-*.cpu``)."""
+    skip = {os.path.abspath(p) for p in exclude}
+    patterns = [
+        os.path.join(directory, "*.cpu"),
+        os.path.join(os.path.dirname(directory), "kvtier-*.cpu"),
+    ]
+    found: list[tuple[str, int]] = []
+    for pattern in patterns:
+        for path in sorted(glob.glob(pattern)):
+            if os.path.abspath(path) in skip:
+                continue
+            with contextlib.suppress(OSError):
+                st = os.stat(path, follow_symlinks=False)
+                if st.st_uid == os.geteuid():
+                    found.append((path, st.st_blocks * 512))
+    return found
+
+
+def shm_available(
+    shm_dir: str,
+    existing: Iterable[str] = (),
+    *,
+    free_bytes: Callable[[str], int] | None = None,
+) -> int:
+    """Bytes of shared memory the CPU tier can have in ``shm_dir``: what is
+    free, plus what ``existing`` (this engine's CPU-tier files, created by
+    its other role) already hold."""
+    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
+    available = free_bytes(shm_dir)
+    for path in existing:
+        with contextlib.suppress(OSError):
+            available += os.stat(path).st_blocks * 512
+    return available
+
+
+def check_shm_space(
+    shm_dir: str,
+    needed: int,
+    existing: Iterable[str] = (),
+    *,
+    free_bytes: Callable[[str], int] | None = None,
+    holders: str = "",
+) -> None:
+    """Fail fast when the CPU tier's shared-memory file system is too small:
+    a :class:`ConfigError` naming ``cpu_bytes_to_use`` and the fix.
+    ``holders``: a sentence naming other files that hold the space."""
+    available = shm_available(shm_dir, existing, free_bytes=free_bytes)
+    if available < needed:
+        raise ConfigError(
+            "cpu_bytes_to_use",
+            f"the CPU tier needs {needed} bytes of shared memory in {shm_dir!r} "
+            f"but only {available} are free; enlarge it (e.g. docker run "
+            f"--shm-size) or lower cpu_bytes_to_use{holders}",
+        )
+
+
+def prepare_cpu_tier(paths: Sequence[str], num_blocks: int, block_bytes: int) -> None:
+    """Reclaim dead engines' CPU-tier files, then check shared memory for
+    one CPU tier of ``num_blocks`` rows of ``block_bytes`` per path.
+
+    ``paths`` are this engine's files (one per rank, all in one directory).
+    A file whose owner died (SIGKILL, OOM kill) keeps its shared memory
+    until removed; its lock died with the owner, so it is removed here. When
+    space is still short, the error names the kvtier files that hold it."""
+    directory = os.path.dirname(paths[0])
+    reclaim_stale_cpu_files(directory)
+    needed = len(paths) * mapped_bytes(num_blocks, block_bytes)
+    if shm_available(directory, paths) >= needed:
+        return
+    others = _kvtier_shm_files(directory, paths)
+    holders = ""
+    if others:
+        listed = ", ".join(f"{p} ({n} bytes)" for p, n in others)
+        holders = (
+            f". Other kvtier CPU-tier files hold {sum(n for _, n in others)} "
+            f"bytes of it: {listed}. Files in {directory} are held by running "
+            "engines (stop them); files outside it were left by older kvtier "
+            "versions: remove those no running engine uses"
+        )
+    check_shm_space(directory, needed, paths, holders=holders)

@@ -1,0 +1,541 @@
+"""The CPU tier's shared memory: one file per TP rank, from its creation to
+its reclaim.
+
+Each rank's CPU tier is one contiguous, page-aligned mapping of
+``num_blocks`` rows (:class:`CpuBlockBuffer`): one mapping rather than many
+tensors because the disk path needs page-aligned rows for O_DIRECT, one
+registration page-locks it all for device copies, and, backed by a file in
+this user's private shared-memory directory (:func:`cpu_buffer_dir`, named by
+:func:`cpu_buffer_path` from the engine id, rank and world size), the
+scheduler process and the worker see the same bytes.
+
+Its life: the worker owns the file (:func:`open_worker_buffer`: created
+exclusively, fully reserved, locked with ``flock`` for its lifetime); the
+name lives only until every process that needs it has it mapped. The worker
+removes it at once when no disk tier is configured (nobody else maps it),
+else the scheduler side removes it right after mapping it
+(:class:`AttachedRows`; vLLM builds the workers' KV caches before the
+scheduler). From then on the kernel frees the memory when the last mapping
+goes, however the processes end (SIGKILL and OOM kill included). A crash
+inside that window leaves a file whose lock died with its owner:
+:func:`reclaim_stale_cpu_files` removes it at the next start. Nothing here
+follows a symbolic link or touches another user's file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import secrets
+import tempfile
+import time
+import weakref
+from types import TracebackType
+
+import numpy as np
+import torch
+
+from kvtier.log import get_logger
+from kvtier.safe_open import (
+    InUseError,
+    flock_exclusive,
+    is_locked,
+    open_private,
+    open_private_dir,
+)
+
+logger = get_logger("host")
+
+class CpuBlockBuffer:
+    """``num_blocks`` rows of ``block_bytes`` bytes in one page-aligned mapping.
+
+    Contract:
+      - ``array`` (numpy uint8, shape [num_blocks, block_bytes]) and
+        ``tensor`` (torch.uint8) share the same memory; row ``i`` starts at a
+        page-aligned address whenever ``block_bytes`` is a multiple of 4096.
+      - Without ``shm_path`` the memory is anonymous and private to this
+        process (and zero-filled). With ``shm_path`` it is a MAP_SHARED mapping
+        of that file (mode 0o600, never followed through a symbolic link,
+        owner and mode checked on the opened descriptor). ``owner=True``
+        creates the file exclusively, fully sized, and holds an exclusive
+        flock on it for its lifetime (the kernel drops it when the process
+        dies): a file already there is removed if its lock can be taken (a
+        dead engine's leftover) and otherwise refused with InUseError (a
+        live engine uses that name); another user's file is refused, never
+        adopted. ``owner=False`` maps an existing file whose owner is alive
+        (its lock is held), else FileNotFoundError. ``owner=None``: the
+        latter if possible, else the former.
+      - ``unlink_name`` removes the file's name (only while it still names
+        the mapped inode) once every process that needs the rows has them
+        mapped: the memory then goes back to the system when the last
+        mapping goes, however its processes end (SIGKILL and OOM kill
+        included). Until then a dead owner's file is reclaimed by the next
+        start (its lock died with it).
+      - ``close`` unmaps and, for the owner, unlinks the file and
+        releases the lock (also done at garbage collection or interpreter
+        exit, so a failed start leaves no file). Views handed out must be
+        dropped first, or unmapping is left to the GC.
+      - Page-locking for an accelerator is not done here: the worker's copy
+        path registers the rows it transfers (vLLM's ``host_register``, see
+        kvtier.connector.worker.device_copy) and unregisters them before close.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_bytes: int,
+        shm_path: str | None = None,
+        *,
+        owner: bool | None = None,
+    ) -> None:
+        if num_blocks < 1 or block_bytes < 1:
+            raise ValueError(f"bad buffer geometry: {num_blocks} x {block_bytes}")
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.nbytes = num_blocks * block_bytes
+        self.shm_path = shm_path
+        self._map_size = mapped_bytes(num_blocks, block_bytes)
+        self._closed = False
+        self._array: np.ndarray | None = None
+        self._tensor: torch.Tensor | None = None
+        self._release: weakref.finalize | None = None
+        self._inode: tuple[int, int] | None = None
+        if shm_path is None:
+            self.owner = True
+            self._mmap = mmap.mmap(-1, self._map_size)
+        else:
+            self._mmap, self.owner, fd, self._inode = _map_shared_file(
+                shm_path, self._map_size, owner
+            )
+            if self.owner:
+                # Unlinks the file and drops the lock on close(), on garbage
+                # collection or at interpreter exit, whichever comes first.
+                self._release = weakref.finalize(self, _release_owned, shm_path, fd)
+        try:
+            self._array = np.frombuffer(
+                self._mmap, dtype=np.uint8, count=self.nbytes
+            ).reshape(num_blocks, block_bytes)
+            self._tensor = torch.from_numpy(self._array)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            raise RuntimeError("CpuBlockBuffer is closed")
+        return self._array
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise RuntimeError("CpuBlockBuffer is closed")
+        return self._tensor
+
+    def row(self, index: int) -> np.ndarray:
+        """Row ``index`` as a 1-D uint8 view."""
+        return self.array[index]
+
+    def unlink_name(self) -> bool:
+        """Remove ``shm_path`` if it still names the mapped inode (never a
+        successor's file); the mapping stays valid. Returns whether it was
+        removed. Idempotent; False for an anonymous buffer."""
+        if self.shm_path is None or self._inode is None:
+            return False
+        try:
+            st = os.stat(self.shm_path, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) != self._inode:
+                return False
+            os.unlink(self.shm_path)
+        except OSError:
+            return False
+        rmdir_if_empty(os.path.dirname(self.shm_path))
+        return True
+
+    def close(self) -> None:
+        """Unmap and (owner) unlink. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._array = None
+        self._tensor = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            # Someone still holds a view; the mapping goes when they drop it.
+            logger.warning(
+                "CpuBlockBuffer closed while views are alive; unmap deferred"
+            )
+        if self._release is not None:
+            self._release()
+
+    def __enter__(self) -> CpuBlockBuffer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def mapped_bytes(num_blocks: int, block_bytes: int) -> int:
+    """Shared memory one rank's CPU tier of ``num_blocks`` rows of
+    ``block_bytes`` takes: the rows, rounded up to a page."""
+    return -(-num_blocks * block_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _unlink_if_same(path: str, fd: int) -> None:
+    """Unlink ``path`` only if it still names our inode (never a successor's)."""
+    with contextlib.suppress(OSError):
+        if same_name(path, fd):
+            os.unlink(path)
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+    os.ftruncate(fd, size)
+    # Reserve the pages now: a sparse file on a full tmpfs (/dev/shm is
+    # 64 MiB in a default container) would otherwise SIGBUS the process on
+    # first touch, long after start-up.
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return  # the file system cannot reserve; keep the sparse file
+        raise OSError(
+            exc.errno,
+            f"cannot reserve {size} bytes for the kvtier CPU tier "
+            f"({os.strerror(exc.errno or 0)}); enlarge {os.path.dirname(path)} "
+            "(e.g. docker run --shm-size) or lower cpu_bytes_to_use",
+            path,
+        ) from exc
+
+
+def _try_reclaim(path: str) -> bool:
+    """The file at ``path`` exists: reclaim it if no live engine holds it.
+
+    Returns True when it was removed (a dead engine's leftover). Raises
+    InUseError when a live process holds its lock, PermissionError/OSError
+    when it is not ours (another user's file, a symlink): never adopted."""
+    try:
+        fd = open_private(path, os.O_RDONLY, private=True)
+    except FileNotFoundError:
+        return True  # gone meanwhile: try creating again
+    try:
+        if not flock_exclusive(fd):
+            raise InUseError(
+                f"kvtier CPU-tier file {path!r} is in use by another live process",
+                path,
+            )
+        if not same_name(path, fd):
+            return True
+        size = os.fstat(fd).st_size
+        os.unlink(path)
+        logger.info(
+            "kvtier: reclaimed stale CPU-tier file %s (%d bytes) left by an "
+            "engine that is no longer running",
+            path,
+            size,
+        )
+        return True
+    finally:
+        os.close(fd)
+
+
+def _create_owned(path: str, size: int) -> int:
+    """Create ``path`` exclusively, locked and fully sized; returns its fd.
+
+    The file is built under a random temporary name (O_EXCL, O_NOFOLLOW,
+    0600), locked (flock, held for the owner's lifetime and released by the
+    kernel when the process dies), sized and reserved, and only then linked
+    to ``path`` (link fails if the name exists). So the name never shows a
+    half-built or unlocked file. An existing file is a dead engine's
+    leftover if its lock can be taken (then it is removed and the creation
+    retried) and otherwise a live engine's: InUseError."""
+    directory, name = os.path.split(path)
+    for _attempt in range(5):
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = open_private(
+                tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, private=True
+            )
+        except FileNotFoundError:
+            # The last other engine removed the (empty) directory meanwhile.
+            os.close(open_private_dir(directory))
+            continue
+        try:
+            if not flock_exclusive(fd):  # a brand-new inode: cannot happen
+                raise InUseError(f"cannot lock {tmp!r}", tmp)
+            _reserve(fd, size, path)
+            try:
+                os.link(tmp, path, follow_symlinks=False)
+            except FileExistsError:
+                os.unlink(tmp)
+                os.close(fd)
+                fd = -1
+                _try_reclaim(path)
+                continue
+            os.unlink(tmp)
+            return fd
+        except BaseException:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                os.close(fd)
+            raise
+    raise InUseError(
+        f"kvtier CPU-tier file {path!r} keeps being re-created by another process",
+        path,
+    )
+
+
+def _open_attached(path: str, size: int) -> int:
+    """Open a live owner's file: ours, 0600, not a link, locked by its owner,
+    big enough. Raises FileNotFoundError/OSError/PermissionError otherwise."""
+    fd = open_private(path, os.O_RDWR, private=True)
+    try:
+        if not is_locked(fd):
+            raise FileNotFoundError(
+                errno.ENOENT,
+                "kvtier CPU-tier file has no live owner (a stale leftover of an "
+                "engine that is no longer running); refusing to map its rows",
+                path,
+            )
+        have = os.fstat(fd).st_size
+        if have < size:
+            raise OSError(
+                errno.EINVAL,
+                f"kvtier CPU-tier file holds {have} bytes but {size} are expected "
+                "(another engine's geometry?)",
+                path,
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map_shared_file(
+    path: str, size: int, owner: bool | None
+) -> tuple[mmap.mmap, bool, int, tuple[int, int]]:
+    """Map ``path``; returns (mapping, owner, fd, (st_dev, st_ino)). The
+    owner's fd is open (it holds the lock) and must be closed by the caller;
+    otherwise it is -1."""
+    if owner is None:
+        try:
+            fd, owner = _open_attached(path, size), False
+        except FileNotFoundError:
+            fd, owner = _create_owned(path, size), True
+    elif owner:
+        fd = _create_owned(path, size)
+    else:
+        fd = _open_attached(path, size)
+    try:
+        st = os.fstat(fd)
+        mapping = mmap.mmap(
+            fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    except BaseException:
+        if owner:
+            _unlink_if_same(path, fd)
+        os.close(fd)
+        raise
+    if not owner:
+        os.close(fd)
+        fd = -1
+    return mapping, owner, fd, (st.st_dev, st.st_ino)
+
+
+def _release_owned(path: str, fd: int) -> None:
+    """Unlink the owner's file (if the name is still ours) and drop its lock.
+    Runs from close(), from the GC, or at interpreter exit (weakref.finalize),
+    so a failed start never leaves the file behind."""
+    _unlink_if_same(path, fd)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    rmdir_if_empty(os.path.dirname(path))
+
+
+def cpu_buffer_path(engine_id: str, rank: int, world_size: int) -> str:
+    """Where rank ``rank``'s CPU tier lives, shared by scheduler and worker.
+
+    Inside this user's private directory (``cpu_buffer_dir``: 0700, owner
+    checked, created on first use), so other users can neither read the
+    rows nor plant a file under the predictable name."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
+    return os.path.join(cpu_buffer_dir(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
+
+
+def cpu_buffer_dir(base: str | None = None) -> str:
+    """This user's private directory for CPU-tier files, created if needed.
+
+    ``<base>/kvtier-<euid>`` (``base``: /dev/shm, or the temp directory where
+    there is no /dev/shm), mode 0700, owned by the effective user and not a
+    symbolic link, else PermissionError/OSError naming it: other users can
+    neither read, plant nor replace files in it, and the names inside can
+    stay predictable (the scheduler and the workers derive them from the
+    same config)."""
+    if base is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(base, f"kvtier-{os.geteuid()}")
+    os.close(open_private_dir(path))
+    return path
+
+
+def same_name(path: str, fd: int) -> bool:
+    """Whether ``path`` (not followed) still names the inode behind ``fd``."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
+
+
+def rmdir_if_empty(directory: str) -> None:
+    """Remove this user's private CPU-tier directory if no file is left."""
+    if os.path.basename(directory) == f"kvtier-{os.geteuid()}":
+        # The last engine leaves no trace in /dev/shm: rmdir fails while
+        # other files remain, and a creator racing it re-creates the
+        # directory (_create_owned).
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+# A temporary file is created and locked in two steps; a sweep leaves young
+# ones alone so it never races an owner in between.
+_TMP_GRACE_S = 60.0
+
+
+def _younger_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path, follow_symlinks=False).st_mtime < seconds
+    except OSError:
+        return True
+
+
+def reclaim_stale_cpu_files(
+    directory: str, *, dry_run: bool = False
+) -> list[tuple[str, int]]:
+    """Remove CPU-tier files in ``directory`` that no live engine holds.
+
+    A live owner keeps an exclusive flock on its file; the kernel drops it
+    when the process dies (SIGKILL and OOM kill included), so an unlocked
+    ``*.cpu`` file (or half-built temporary) is a dead engine's leftover that
+    still pins shared memory. Files of other users and symbolic links are
+    skipped. Returns ``(path, bytes)`` of what was removed; with ``dry_run``
+    (``kvtier doctor``) of what would be, and nothing is removed (the lock is
+    taken and dropped again)."""
+    removed: list[tuple[str, int]] = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for entry in sorted(names):
+        if not (entry.endswith(".cpu") or entry.endswith(".tmp")):
+            continue
+        path = os.path.join(directory, entry)
+        if entry.endswith(".tmp") and _younger_than(path, _TMP_GRACE_S):
+            continue  # an owner between creating and locking it: not stale
+        try:
+            fd = open_private(path, os.O_RDONLY, private=True)
+        except OSError as exc:
+            logger.warning("kvtier: leaving %s alone: %s", path, exc)
+            continue
+        try:
+            if not flock_exclusive(fd) or not same_name(path, fd):
+                continue
+            size = os.fstat(fd).st_blocks * 512
+            if dry_run:
+                removed.append((path, size))
+                continue
+            os.unlink(path)
+        except OSError as exc:
+            logger.warning("kvtier: could not reclaim %s: %s", path, exc)
+            continue
+        finally:
+            os.close(fd)
+        logger.info(
+            "kvtier: reclaimed stale CPU-tier file %s (%d bytes of shared memory) "
+            "left by an engine that is no longer running",
+            path,
+            size,
+        )
+        removed.append((path, size))
+    return removed
+
+
+def open_worker_buffer(
+    engine_id: str,
+    rank: int,
+    world_size: int,
+    num_blocks: int,
+    block_bytes: int,
+    *,
+    shared: bool = True,
+) -> CpuBlockBuffer:
+    """Create and own rank ``rank``'s CPU-tier file for the worker.
+
+    ``shared=False`` (no other process maps it: no disk tier) removes the
+    name at once, so the memory has no name from start-up on (and no other
+    engine can reach its rows). A live engine holding a file of the same
+    name (before its scheduler side mapped it) means two engines run with
+    one ``engine_id`` on this host; they would share rows (wrong outputs), so
+    that is refused with the fix."""
+    path = cpu_buffer_path(engine_id, rank, world_size)
+    try:
+        buffer = CpuBlockBuffer(num_blocks, block_bytes, path, owner=True)
+    except InUseError as exc:
+        raise InUseError(
+            f"kvtier: another running engine on this host uses engine_id "
+            f"{engine_id!r} (its CPU tier {path!r} is locked by a live process). "
+            "Two engines with one engine_id would share CPU-tier rows; give each "
+            "engine a unique engine_id (kv_transfer_config 'engine_id', or leave "
+            "it unset so vLLM generates one), or stop the other engine",
+            path,
+        ) from exc
+    if not shared:
+        buffer.unlink_name()
+    return buffer
+
+
+class AttachedRows:
+    """A rank's CPU-tier rows as the scheduler side maps them, once: at
+    start-up when the worker created the file (:meth:`attach_at_start`),
+    else at first use (``array``), which can only follow a completed store.
+    Mapping removes the name (every process that needs it has it open now).
+    ``array`` raises OSError (FileNotFoundError: no live worker's file yet)
+    where it cannot map; the transfers turn that into misses."""
+
+    def __init__(self, path: str, num_blocks: int, block_bytes: int) -> None:
+        self.path, self.num_blocks, self.block_bytes = path, num_blocks, block_bytes
+        self.buffer: CpuBlockBuffer | None = None
+
+    @property
+    def array(self) -> np.ndarray:
+        if self.buffer is None:
+            buffer = CpuBlockBuffer(self.num_blocks, self.block_bytes, self.path, owner=False)
+            buffer.unlink_name()
+            self.buffer = buffer
+        return self.buffer.array
+
+    def attach_at_start(self, rank: int) -> None:
+        """Map now if the worker already created the file, else say so."""
+        try:
+            self.array  # noqa: B018
+        except OSError as exc:
+            logger.info(
+                "kvtier: CPU tier of rank %d not mapped at start-up (%s); "
+                "mapping it at the first spill",
+                rank,
+                exc,
+            )
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None

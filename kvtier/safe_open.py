@@ -1,0 +1,261 @@
+"""Opening kvtier's own files and directories without trusting their names.
+
+kvtier keeps its disk tier under a configured ``disk_path`` (which may be a
+shared, world-writable directory such as ``/tmp``) and its CPU tier under
+``/dev/shm``. Anything another local user can create there must never be
+followed, adopted or served. Every open of a slab, ``layout.json``, a store
+directory or a CPU-tier file therefore goes through this module:
+
+- the last path component is never followed when it is a symbolic link
+  (``O_NOFOLLOW``), and descriptors are close-on-exec;
+- the *opened descriptor* is checked with ``fstat`` (not the name, which
+  could be swapped in between): the right file type, owned by the effective
+  user, not writable by group or others;
+- callers keep using the descriptor (or compare device and inode with it),
+  so a name swapped after the check is never used.
+
+Locks: an engine holds an exclusive ``flock`` on its store directory and on
+its CPU-tier file for its lifetime. ``flock`` locks belong to the open file
+description, so they vanish with the process (SIGKILL, OOM kill included):
+a crash never leaves a stale lock, and a file whose lock can be taken has
+no live owner.
+
+No vLLM import (kvtier.store and kvtier.host stay plain).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+
+__all__ = [
+    "InUseError",
+    "check_private_fd",
+    "flock_exclusive",
+    "is_locked",
+    "open_private",
+    "open_private_dir",
+    "same_file",
+]
+
+_O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY: int = getattr(os, "O_DIRECTORY", 0)
+_O_NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
+
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+class InUseError(RuntimeError):
+    """A file or directory is locked by another live kvtier engine."""
+
+    def __init__(self, message: str, path: str):
+        self.path = path
+        super().__init__(message)
+
+
+def _refuse(code: int, why: str, path: str) -> OSError:
+    cls = PermissionError if code in (errno.EPERM, errno.EACCES) else OSError
+    return cls(code, f"kvtier refuses {path!r}: {why}", path)
+
+
+def _check_owned(st: os.stat_result, path: str, directory: bool) -> None:
+    """Type, owner == euid, and no group/other write bit."""
+    if directory and not stat.S_ISDIR(st.st_mode):
+        raise _refuse(errno.ENOTDIR, "not a directory", path)
+    if not directory and not stat.S_ISREG(st.st_mode):
+        raise _refuse(errno.EINVAL, "not a regular file", path)
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        raise _refuse(
+            errno.EPERM,
+            f"owned by uid {st.st_uid}, not by this user (uid {euid}); another "
+            "user may have placed it there. Remove it (after checking) or use a "
+            "location only this user can write",
+            path,
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise _refuse(
+            errno.EPERM,
+            f"mode {mode:04o} lets group or others write to it, so its contents "
+            "cannot be trusted. Remove it (or chmod go-w after checking it)",
+            path,
+        )
+
+
+def check_private_fd(
+    fd: int, path: str, *, directory: bool = False, fix_mode: bool = False
+) -> os.stat_result:
+    """Check an open descriptor: type, owner == euid, no group/other bits.
+
+    Group/other *write* bits are always refused. With ``fix_mode`` the mode
+    is then set to exactly 0600 (files) or 0700 (directories): the object is
+    ours, only its mode was loose or too tight. Without it, group/other read
+    or search bits are refused too. Raises
+    PermissionError/OSError naming ``path``; returns the (possibly
+    refreshed) ``fstat``."""
+    st = os.fstat(fd)
+    _check_owned(st, path, directory)
+    mode = stat.S_IMODE(st.st_mode)
+    expected = DIR_MODE if directory else FILE_MODE
+    if fix_mode:
+        if mode != expected:
+            os.fchmod(fd, expected)
+            st = os.fstat(fd)
+    elif mode & 0o077:
+        raise _refuse(
+            errno.EPERM,
+            f"mode {mode:04o} is not private (expected {expected:04o})",
+            path,
+        )
+    return st
+
+
+def open_private(
+    path: str,
+    flags: int,
+    mode: int = FILE_MODE,
+    *,
+    dir_fd: int | None = None,
+    fix_mode: bool = False,
+    private: bool = False,
+) -> int:
+    """``os.open`` for kvtier's own regular files; returns the descriptor.
+
+    Adds ``O_NOFOLLOW | O_CLOEXEC`` (a symbolic link in place of the file is
+    refused with ELOOP) and opens ``O_NONBLOCK`` (cleared again unless asked
+    for), so a FIFO in place of the file is refused instead of blocking the
+    open forever; then checks the opened descriptor: a regular file,
+    owned by the effective user, not writable by group or others. With
+    ``private`` any group/other bit is refused too; ``fix_mode`` removes
+    group/other read bits instead. ``path`` is relative to ``dir_fd`` when
+    given. Raises PermissionError (foreign owner, loose mode) or OSError
+    (symlink, not a regular file, the open's own errno), always naming the
+    path; the descriptor is closed on failure.
+
+    A read-only opener of slab files (workers) calls
+    ``open_private(slab_path, os.O_RDONLY)``."""
+    shown = _display(path, dir_fd)
+    extra = _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK
+    try:
+        fd = os.open(path, flags | extra, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            # O_WRONLY | O_NONBLOCK on a FIFO without a reader.
+            raise _refuse(
+                errno.EINVAL, "not a regular file (a FIFO or socket)", shown
+            ) from exc
+        if exc.errno == errno.ELOOP:
+            raise _refuse(
+                errno.ELOOP,
+                "it is a symbolic link; kvtier never follows links to its own "
+                "files (another user may have planted it). Remove it",
+                shown,
+            ) from exc
+        if exc.filename != shown:
+            raise type(exc)(exc.errno, exc.strerror, shown) from exc
+        raise
+    try:
+        if fix_mode or private:
+            check_private_fd(fd, shown, fix_mode=fix_mode)
+        else:
+            # Readable by others is the caller's confidentiality matter (the
+            # store keeps its files 0600); type, owner and write bits are
+            # what make the contents trustworthy.
+            _check_owned(os.fstat(fd), shown, False)
+        if _O_NONBLOCK and not flags & _O_NONBLOCK:
+            fcntl.fcntl(
+                fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_NONBLOCK
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _display(path: str, dir_fd: int | None) -> str:
+    """``path`` as a full path for messages (resolving ``dir_fd`` on Linux)."""
+    if dir_fd is None or os.path.isabs(path):
+        return path
+    try:
+        return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+    except OSError:
+        return path
+
+
+def open_private_dir(path: str, *, create: bool = True) -> int:
+    """Create (mode 0700) or open a kvtier-owned directory; returns its fd.
+
+    The directory itself must not be a symbolic link, must be owned by the
+    effective user and must not be writable by group or others (then it is
+    refused: someone else may have put files in it); group/other read or
+    search bits are removed. A plain file in its place is a clear error.
+    Parent directories are the operator's choice and are followed."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, DIR_MODE)
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+            # Linux answers ENOTDIR for O_DIRECTORY|O_NOFOLLOW on a link.
+            raise _refuse(
+                errno.ELOOP,
+                "it is a symbolic link where kvtier's own directory belongs "
+                "(another user may have planted it). Remove it",
+                path,
+            ) from exc
+        if exc.errno == errno.ENOTDIR:
+            raise _refuse(
+                errno.ENOTDIR,
+                "a file that is not a directory is in the place of kvtier's "
+                "directory. Remove or rename it",
+                path,
+            ) from exc
+        raise
+    try:
+        check_private_fd(fd, path, directory=True, fix_mode=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def flock_exclusive(fd: int) -> bool:
+    """Take an exclusive ``flock`` on ``fd`` without waiting; False if held.
+
+    The lock lives as long as the open file description (it dies with the
+    process, so a crash never leaves it behind)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    return True
+
+
+def is_locked(fd: int) -> bool:
+    """Whether another open file description holds an exclusive lock on the
+    file behind ``fd`` (i.e. a live owner). Probes with a shared lock that is
+    dropped again at once."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        raise
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def same_file(fd_a: int, fd_b: int) -> bool:
+    """Whether two descriptors refer to the same inode."""
+    a, b = os.fstat(fd_a), os.fstat(fd_b)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

@@ -1,0 +1,183 @@
+"""Checksums used by the on-disk format: xxh3_64 (payload, header) and the
+device checksum (payload, computable by torch on the GPU).
+
+One function per purpose so the algorithm is named in exactly one place: the
+format version must change if it ever does. xxh3_64 runs at memory speed, which
+matters because every spilled and promoted block is hashed on the I/O path.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import xxhash
+
+
+def payload_checksum(data: Any) -> int:
+    """xxh3_64 of the stored (possibly compressed) payload bytes.
+
+    ``data`` is anything exposing the buffer protocol (bytes, memoryview,
+    contiguous numpy array). xxhash's binding lets the GIL go while it
+    hashes, so the engine's thread runs beside a thread that verifies or
+    spills blocks instead of waiting behind each block (docs/benchmarks.md,
+    "Engine step stalls"). The price is one GIL re-acquisition per block on
+    the hashing thread, which is long only next to a thread that spins in
+    pure Python.
+    """
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def header_checksum(data: Any) -> int:
+    """xxh3_64 of the header's fixed fields, detecting torn or flipped headers."""
+    return payload_checksum(data)
+
+
+# -- the device checksum ------------------------------------------------------
+#
+# A checksum that torch computes on the GPU (and on CPU tensors, bit for bit
+# the same), so a slot read straight into device memory is verified there.
+# Definition, over the payload zero-padded to a multiple of 4 bytes, read as
+# little-endian uint32 words u_0 .. u_{n-1} (n < 2**31, i.e. < 8 GiB):
+#
+#     P  = 2**31 - 1                                  (a Mersenne prime)
+#     S1 = (u_0 + u_1 + ... + u_{n-1})          mod 2**32
+#     S2 = (1*u_0 + 2*u_1 + ... + n*u_{n-1})    mod P
+#     device_checksum = S2 << 32 | S1       (< 2**63: fits int64 as is)
+#
+# Every step is exact integer arithmetic in int64 that never overflows (the
+# bounds are noted where they matter), so CPU and CUDA, numpy and torch agree
+# exactly; there are no floating-point or atomics-order effects (integer sums
+# are associative). What it detects, honestly:
+#   - any change of one word (S1 changes: the difference is in (-2**32, 2**32)
+#     and non-zero), so every single-bit flip and every burst within 4 bytes;
+#   - a swap of two different words i != j, unless u_i == u_j (mod P) (S2
+#     changes by (j - i)(u_i - u_j), and P is prime with |j - i| < P);
+#   - changes of two words, unless their differences cancel mod 2**32 in S1
+#     and mod P in S2 at once;
+#   - other corruption (zeroed tails, another block's bytes) with a chance of
+#     about 2**-62 of being missed for unstructured data. It is linear, so it
+#     is no defence against a crafted payload (xxh3 is not either; the header
+#     key and fingerprint say which block a slot holds).
+# It is weaker than xxh3_64 against structured errors, which is why every
+# header keeps xxh3 and the host path keeps checking it.
+
+DEVICE_CHECKSUM_PRIME = (1 << 31) - 1
+_P = DEVICE_CHECKSUM_PRIME
+_MASK32 = 0xFFFFFFFF
+# How it is computed (both implementations): the words are cut into q rows of
+# _COLS words (plus a tail of r < _COLS words). With T_c the row sums and K_j
+# the column sums, sum((i+1) u_i) = sum_c (c*_COLS) T_c + sum_j (j+1) K_j
+# (+ the tail's own weighted sum). So the big data is only summed twice along
+# two axes (exact: every sum < n * 2**32 < 2**63); the weights and the
+# modular products touch the small vectors T and K only.
+_COLS = 1024
+# Words per torch chunk: bounds the int64 temporaries to 8 bytes * this.
+_TORCH_CHUNK_WORDS = 1 << 22
+_weights: dict[tuple[str, int, int], Any] = {}
+_weights_lock = threading.Lock()
+
+
+def _np_weights(q: int, n: int) -> tuple[Any, Any, Any]:
+    key = ("np", q, n)
+    with _weights_lock:
+        w = _weights.get(key)
+        if w is None:
+            if len(_weights) > 32:
+                _weights.clear()
+            w = _weights[key] = (
+                (np.arange(q, dtype=np.uint64) * _COLS) % _P,
+                np.arange(1, _COLS + 1, dtype=np.uint64),
+                np.arange(q * _COLS + 1, n + 1, dtype=np.uint64) % _P,
+            )
+    return w
+
+
+def device_checksum(data: Any) -> int:
+    """The device checksum (see above) of ``data``'s bytes, on the host.
+
+    ``data`` exposes the buffer protocol. This is what the writer stores in
+    version 2 headers; :func:`device_checksums` computes the same on tensors.
+    """
+    raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    if raw.size % 4:
+        raw = np.concatenate([raw, np.zeros(4 - raw.size % 4, dtype=np.uint8)])
+    words = raw.view("<u4")
+    n = words.size
+    if n >= 1 << 31:
+        raise ValueError(
+            f"payload of {raw.size} bytes is too long for the device checksum"
+        )
+    q = n // _COLS
+    cw, jw, tw = _np_weights(q, n)
+    main = words[: q * _COLS].reshape(q, _COLS)
+    tail = words[q * _COLS :].astype(np.uint64)
+    t = main.sum(axis=1, dtype=np.uint64)  # (q,), each < 2**42
+    k = main.sum(axis=0, dtype=np.uint64)  # (_COLS,), each < q * 2**32
+    s1 = (int(t.sum()) + int(tail.sum())) & _MASK32
+    # Products of two residues < 2**31 stay < 2**62; their sums < 2**63.
+    s2 = (
+        int(((t % _P) * cw % _P).sum())
+        + int(((k % _P) * jw % _P).sum())
+        + int(((tail % _P) * tw % _P).sum())
+    ) % _P
+    return (s2 << 32) | s1
+
+
+def device_checksums(rows: Any, nbytes: int) -> Any:
+    """Device checksums of the first ``nbytes`` bytes of each row of ``rows``.
+
+    ``rows`` is a 2-D ``torch.uint8`` tensor (CPU or CUDA; rows may be a
+    strided view, e.g. the payload columns of a staging area) whose row
+    stride is a multiple of 4; ``nbytes`` must be a multiple of 4 (pad with
+    zeros first otherwise). Returns an int64 tensor of one checksum per row on
+    ``rows``' device, equal to :func:`device_checksum` of each row's bytes
+    (which is < 2**63, so int64 holds it unchanged). Integer ops only (exact,
+    so deterministic on any device); a fixed number of kernels per chunk of
+    rows; never synchronises the device itself.
+    """
+    import torch
+
+    if rows.dim() != 2 or rows.dtype != torch.uint8:
+        raise ValueError("rows must be a 2-D uint8 tensor")
+    if nbytes % 4 or not 0 <= nbytes <= rows.shape[1]:
+        raise ValueError(f"nbytes={nbytes} must be a multiple of 4 within a row")
+    n = nbytes // 4
+    count = rows.shape[0]
+    out = torch.zeros(count, dtype=torch.int64, device=rows.device)
+    if n == 0 or count == 0:
+        return out
+    if n >= 1 << 31:
+        raise ValueError("rows too long for the device checksum")
+    q = n // _COLS
+    key = (str(rows.device), q, n)
+    with _weights_lock:
+        w = _weights.get(key)
+        if w is None:
+            if len(_weights) > 32:
+                _weights.clear()
+            dev = rows.device
+            w = _weights[key] = (
+                (torch.arange(q, dtype=torch.int64, device=dev) * _COLS) % _P,
+                torch.arange(1, _COLS + 1, dtype=torch.int64, device=dev),
+                torch.arange(q * _COLS + 1, n + 1, dtype=torch.int64, device=dev) % _P,
+            )
+    cw, jw, tw = w
+    words = rows[:, :nbytes].view(torch.int32)
+    step = max(1, _TORCH_CHUNK_WORDS // n)
+    for lo in range(0, count, step):
+        u = words[lo : lo + step].to(torch.int64) & _MASK32  # uint32 values
+        m = u.shape[0]
+        main = u[:, : q * _COLS].reshape(m, q, _COLS)
+        tail = u[:, q * _COLS :]
+        t = main.sum(dim=2)  # (m, q)
+        k = main.sum(dim=1)  # (m, _COLS)
+        s1 = (t.sum(dim=1) + tail.sum(dim=1)) & _MASK32
+        s2 = (
+            (t % _P * cw % _P).sum(dim=1)
+            + (k % _P * jw % _P).sum(dim=1)
+            + (tail % _P * tw % _P).sum(dim=1)
+        ) % _P
+        out[lo : lo + step] = (s2 << 32) | s1
+    return out

@@ -1,0 +1,155 @@
+"""Optional lossless compression of KV blocks (zstd over byte planes).
+
+KV values are 16-bit floats whose high bytes (sign + exponent) are highly
+repetitive while the low (mantissa) bytes look random. Splitting each block
+into byte planes (all byte 0s, then all byte 1s, ...) puts the compressible
+bytes next to each other, which is what lets zstd level 1 win anything at all.
+When the win is below ``min_saving`` the block is stored raw: decompression
+costs CPU on the promote path and a few percent of bandwidth is not worth it.
+"""
+
+from __future__ import annotations
+
+import threading
+from enum import IntEnum
+
+import numpy as np
+import zstandard
+
+# Bytes per element of the KV cache's dtype names: the width of the byte
+# planes compression splits a block into (2 where a name is not known).
+_ELEMENT_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+def element_bytes(dtype: object) -> int:
+    """Bytes per element of the dtype named ``str(dtype)`` (vLLM's names,
+    e.g. ``"bfloat16"``), 2 where the name is not known."""
+    return _ELEMENT_BYTES.get(str(dtype).lower(), 2)
+
+
+DEFAULT_LEVEL = 1
+DEFAULT_MIN_SAVING = 0.05
+
+
+class Codec(IntEnum):
+    """How a payload is stored."""
+
+    RAW = 0
+    ZSTD_BYTEPLANE = 1
+
+
+class CorruptPayloadError(ValueError):
+    """A compressed payload did not decode to exactly the expected bytes."""
+
+
+# zstd contexts are not thread-safe but are expensive to create per block:
+# keep one pair per thread (and per level).
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("c", {})
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level)
+    return cctx
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dctx = getattr(_local, "d", None)
+    if dctx is None:
+        dctx = _local.d = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def _flat_u8(data: np.ndarray) -> np.ndarray:
+    if not data.flags.c_contiguous:
+        raise ValueError("data must be C-contiguous")
+    return data.reshape(-1).view(np.uint8)
+
+
+def to_byte_planes(data: np.ndarray, elem_size: int) -> np.ndarray:
+    """Reorder ``elem_size``-byte elements into byte planes (a copy)."""
+    flat = _flat_u8(data)
+    if elem_size == 1:
+        return flat
+    if flat.size % elem_size:
+        raise ValueError(
+            f"{flat.size} bytes is not a multiple of elem_size={elem_size}"
+        )
+    return np.ascontiguousarray(flat.reshape(-1, elem_size).T)
+
+
+def from_byte_planes(planes: np.ndarray, elem_size: int, out: np.ndarray) -> None:
+    """Inverse of ``to_byte_planes``, writing into ``out`` (uint8, same size)."""
+    flat_out = _flat_u8(out)
+    if elem_size == 1:
+        flat_out[:] = planes
+        return
+    flat_out.reshape(-1, elem_size)[:] = planes.reshape(elem_size, -1).T
+
+
+def compress(
+    data: np.ndarray,
+    elem_size: int,
+    *,
+    level: int = DEFAULT_LEVEL,
+    min_saving: float = DEFAULT_MIN_SAVING,
+) -> tuple[Codec, bytes]:
+    """Encode one block; returns the codec used and the bytes to store.
+
+    Contract: ``decompress(codec, payload, data.nbytes, elem_size, out)``
+    restores ``data`` byte for byte. Returns ``(Codec.RAW, bytes(data))``
+    when compression would save less than ``min_saving`` of the size.
+    """
+    if elem_size < 1:
+        raise ValueError(f"elem_size must be >= 1, got {elem_size}")
+    flat = _flat_u8(data)
+    packed = _compressor(level).compress(to_byte_planes(flat, elem_size))
+    if len(packed) <= flat.size * (1.0 - min_saving):
+        return Codec.ZSTD_BYTEPLANE, packed
+    return Codec.RAW, flat.tobytes()
+
+
+def decompress(
+    codec: Codec | int,
+    payload: bytes | memoryview | np.ndarray,
+    raw_len: int,
+    elem_size: int,
+    out: np.ndarray,
+) -> None:
+    """Decode ``payload`` into ``out`` (uint8-viewable, ``raw_len`` bytes).
+
+    Raises CorruptPayloadError (before touching ``out``) if the payload does
+    not decode to exactly ``raw_len`` bytes, and ValueError for an unknown codec.
+    """
+    flat_out = _flat_u8(out)
+    if flat_out.size != raw_len:
+        raise ValueError(f"out has {flat_out.size} bytes, expected {raw_len}")
+    codec = Codec(codec)
+    if codec is Codec.RAW:
+        src = np.frombuffer(payload, dtype=np.uint8)
+        if src.size != raw_len:
+            raise CorruptPayloadError(
+                f"raw payload is {src.size} bytes, expected {raw_len}"
+            )
+        flat_out[:] = src
+        return
+    try:
+        decoded = _decompressor().decompress(payload, max_output_size=raw_len)
+    except zstandard.ZstdError as exc:
+        raise CorruptPayloadError(f"zstd: {exc}") from exc
+    if len(decoded) != raw_len:
+        raise CorruptPayloadError(f"decoded {len(decoded)} bytes, expected {raw_len}")
+    from_byte_planes(np.frombuffer(decoded, dtype=np.uint8), elem_size, flat_out)

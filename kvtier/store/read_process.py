@@ -1,0 +1,595 @@
+"""Disk reads of loads, and their verification, in a process of their own:
+both ends, and the pipes between them.
+
+:class:`ReadProcess` is a :class:`~kvtier.store.reader.SlotReads` for the
+worker's load thread whose reads and checks run in a child process
+(:func:`child_main`, ``python -m kvtier.store.read_process``): the bounce
+area is a memory file (``memfd``) both processes map, the child reads slots
+into it with its own back end and verifies them with the one
+:class:`~kvtier.store.reader.SlotReader`, and sends back one message per
+batch (each slot's outcome and row). The engine's process keeps only what
+must touch its memory: copying verified rows into the KV cache.
+
+Why: the engine's loop and the load thread share one interpreter lock, and
+every read returning, every slot's checksum and header check takes it back
+from the loop (docs/benchmarks.md, "Engine step stalls"). In a process of
+its own the reads and checks cost the engine's process one message per
+batch. O_DIRECT reads issued in the engine's process also stalled it more
+than the same reads issued from another process.
+
+Contract (beyond :class:`~kvtier.store.reader.SlotReads`):
+  - The child starts in :meth:`ReadProcess.start` (the load thread's first
+    turn), not at construction; until it says it is ready, batches are read
+    in this process by a ``SlotReader`` over the same area (the same
+    outcomes).
+  - If the child dies or its pipe breaks, the batches it held fail as
+    IO_ERROR (their blocks are recomputed, never served), it is reaped, and
+    later batches are read in this process: a missing child costs speed,
+    never a load.
+  - A batch's rows are written by one process only, and only until its
+    outcome arrived (or the child is known dead).
+  - The child holds nothing beyond its own fds: it exits when the worker's
+    end of the request pipe closes (``close``, or the worker's process
+    dying) and, on Linux, is killed with the thread that started it
+    (``PR_SET_PDEATHSIG``).
+  - No call waits on the child beyond its own timeout (``submit``,
+    ``ready``: not at all): :class:`PipeChannel` sends a request the pipe
+    cannot take yet on later calls, and takes an answer the child wrote part
+    of whole on a later call. A child that stops reading (stopped, or its one
+    thread on a hung read) holds its batches only, until ``abandon`` (the
+    load thread giving a batch up at its end) stops it after
+    ``ABANDON_WAIT_S``, as if it had died.
+  - Used by one thread (the load thread); ``stats()`` from any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import mmap
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from kvtier.host.placement import name_this_thread, without_openmp_binding
+from kvtier.log import get_logger
+from kvtier.store.reader import PendingRead, SlotRead, SlotReader
+from kvtier.store.slabs import SlabFiles, SlabStats
+from kvtier.store.slot import ReadOutcome
+
+logger = get_logger("store")
+
+# How long close() waits for the child to exit before it kills it.
+CLOSE_WAIT_S = 5.0
+# How long abandon() waits for the child's answer before it stops the child.
+ABANDON_WAIT_S = 5.0
+# How long a blocking wait sleeps in one poll of the pipe.
+POLL_S = 0.05
+# The child's name in ps and top (its read threads are kvtier-posix_N).
+CHILD_NAME = "kvtier-read"
+# Linux: F_SETPIPE_SZ. A larger pipe takes a batch's request (about 45
+# bytes per slot) in one write; unprivileged processes may go up to
+# /proc/sys/fs/pipe-max-size (1 MiB by default).
+_F_SETPIPE_SZ = 1031
+PIPE_BYTES = 1 << 20
+_READ_CHUNK = 1 << 20
+
+
+@dataclass(eq=False)
+class ProcessRead:
+    """A batch handed to the child: its id and items; ``result`` once the
+    child answered (``[]`` standing for "every item failed")."""
+
+    rid: int
+    items: list[tuple[int, bytes | None]]
+    first_row: int
+    result: list[SlotRead] | None = field(default=None)
+
+
+class ReadProcess:
+    """Reads and verifies disk slots in a child process (see the module doc).
+
+    ``spawn`` False (a class attribute, for tests whose back end must see
+    every read) keeps every read in this process.
+    """
+
+    spawn = True
+
+    def __init__(
+        self, files: SlabFiles, *, capacity: int, disk_io: str, threads: int
+    ) -> None:
+        assert files.fingerprint is not None
+        self.slot_size = files.slot_size
+        nbytes = capacity * self.slot_size
+        self._fd = os.memfd_create("kvtier-bounce", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, nbytes)
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED)
+        except OSError as exc:
+            os.close(self._fd)
+            raise MemoryError(
+                f"kvtier: the disk load bounce area of {nbytes} B cannot be "
+                f"allocated ({exc}); lower disk_load_buffer_bytes"
+            ) from exc
+        except BaseException:
+            os.close(self._fd)
+            raise
+        area = np.frombuffer(self._map, dtype=np.uint8)
+        area.fill(0)  # its pages in now, not during the first load
+        try:
+            # Reads here while the child starts, and after it is gone.
+            self._local = SlotReader(files, area=area)
+        except BaseException:
+            del area
+            self._map = None
+            os.close(self._fd)
+            raise
+        del area
+        self.backend = files.backend  # this process's (the child makes its own)
+        self.capacity = self._local.capacity
+        self.rows = self._local.rows
+        self.pinned = False
+        self.files = self._local.files
+        self._child_config = {
+            "paths": [os.path.dirname(d) for d in files.dirs],
+            "num_slots": files.num_slots,
+            "fingerprint": files.fingerprint,
+            "disk_io": disk_io,
+            "threads": threads,
+            "nbytes": nbytes,
+        }
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pipes: PipeChannel | None = None
+        self._ready = False
+        self._next = 0
+        self._held: dict[int, ProcessRead] = {}
+        self._child_stats = SlabStats()
+        self._stats_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the child (once); batches go to it once it is ready."""
+        if self._proc is not None or self._closed or not self.spawn:
+            return
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvtier.store.read_process",
+                    str(os.getpid()),
+                    str(self._fd),
+                    str(req_r),
+                    str(resp_w),
+                ],
+                pass_fds=(self._fd, req_r, resp_w),
+                stdin=subprocess.DEVNULL,
+                env=_child_env(),
+            )
+        except OSError as exc:
+            for fd in (req_r, req_w, resp_r, resp_w):
+                os.close(fd)
+            logger.warning(
+                "kvtier: no read process (%s); loads read in the engine", exc
+            )
+            return
+        finally:
+            if self._proc is not None:
+                os.close(req_r)
+                os.close(resp_w)
+        self._pipes = PipeChannel(req_w, resp_r)
+        try:
+            self._pipes.send(self._child_config)
+        except OSError:
+            self._lost("its pipe broke at start")
+
+    def close(self) -> None:
+        """Stop the child (waits up to ``CLOSE_WAIT_S``), then unmap."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pipes is not None:
+            self._pipes.close()  # the child reads EOF and exits
+        if self._proc is not None:
+            try:
+                self._proc.wait(CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._local.close()
+        # Unmapped once the last view is gone (the worker's copy paths may
+        # still hold views of the rows); the memory file goes with the fd.
+        self.rows = None
+        self._map = None
+        os.close(self._fd)
+
+    @property
+    def running(self) -> bool:
+        """Whether batches go to the child (it said it is ready)."""
+        return self._ready
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, while there is one."""
+        proc = self._proc
+        return None if proc is None or proc.returncode is not None else proc.pid
+
+    def describe(self) -> str:
+        """Where the reads run, for logs and reports."""
+        where = f"read process {self.pid}" if self.running else "engine's process"
+        return f"{where}; {self.backend.describe()}"
+
+    def stats(self) -> SlabStats:
+        local = self._local.stats()
+        with self._stats_lock:
+            child = self._child_stats
+        return SlabStats(*(a + b for a, b in zip(astuple(local), astuple(child))))
+
+    # ------------------------------------------------------------ the reads
+
+    def submit(
+        self, items: Sequence[tuple[int, bytes | None]], first_row: int = 0
+    ) -> ProcessRead | PendingRead:
+        self.poll(0.0)
+        if not self._ready or self._pipes is None:
+            return self._local.submit(items, first_row)
+        if not 0 <= first_row <= self.capacity - len(items):
+            raise ValueError(
+                f"{len(items)} slots from row {first_row} exceed capacity "
+                f"{self.capacity}"
+            )
+        self._next += 1
+        read = ProcessRead(self._next, list(items), first_row)
+        self._held[read.rid] = read
+        try:  # never waits: what the pipe cannot take yet goes out later
+            self._pipes.send((read.rid, read.items, first_row))
+        except OSError:
+            self._lost("its pipe broke")
+        return read
+
+    def ready(self, pending: ProcessRead | PendingRead) -> bool:
+        if isinstance(pending, PendingRead):
+            return self._local.ready(pending)
+        self.poll(0.0)
+        return pending.result is not None
+
+    def wait(self, pending: ProcessRead | PendingRead, timeout: float) -> bool:
+        if isinstance(pending, PendingRead):
+            return self._local.wait(pending, timeout)
+        deadline = time.monotonic() + timeout
+        while pending.result is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.poll(left)
+        return True
+
+    def read(
+        self, items: Sequence[tuple[int, bytes | None]], first_row: int = 0
+    ) -> list[SlotRead]:
+        return self.complete(self.submit(items, first_row))
+
+    def complete(self, pending: ProcessRead | PendingRead) -> list[SlotRead]:
+        if isinstance(pending, PendingRead):
+            return self._local.complete(pending)
+        while pending.result is None:
+            self.poll(POLL_S)
+        if not pending.result and pending.items:
+            return [SlotRead(ReadOutcome.IO_ERROR, -1) for _ in pending.items]
+        return pending.result
+
+    def abandon(self, pending: ProcessRead | PendingRead) -> None:
+        if isinstance(pending, PendingRead):
+            self._local.abandon(pending)
+            return
+        deadline = time.monotonic() + ABANDON_WAIT_S
+        while pending.result is None:
+            if time.monotonic() >= deadline:
+                # The child does not answer (stopped, or its thread on a read
+                # that does not return): stop it. Nothing writes its rows once
+                # it is reaped; a read it cannot leave keeps that wait.
+                self._lost("it did not answer a batch given up")
+                break
+            self.poll(POLL_S)
+
+    # ------------------------------------------------------------ internals
+
+    def poll(self, timeout: float) -> None:
+        """Take the child's messages, waiting up to ``timeout`` for one (and
+        sending on what the request pipe could not take before). Never
+        longer: a message the child wrote part of waits for the next call."""
+        pipes = self._pipes
+        if pipes is None:
+            return
+        try:
+            msgs = pipes.receive(timeout)
+        except (EOFError, OSError):
+            self._lost("it exited")
+            return
+        except Exception as exc:  # a message that does not unpickle: a bug
+            self._lost(f"its answer could not be read: {exc!r}")
+            return
+        for msg in msgs:
+            try:
+                self._take(msg)
+            except Exception as exc:  # not a message of ours: a bug
+                self._lost(f"it answered {str(msg)[:80]} ({exc!r})")
+                return
+
+    def _take(self, msg: tuple) -> None:
+        if msg[0] == "ready":
+            self._ready = True
+            return
+        _, rid, codes, rows, stats = msg
+        result = [SlotRead(ReadOutcome(c), r) for c, r in zip(codes, rows)]
+        read = self._held.pop(rid, None)
+        if read is not None:  # else no longer waited for
+            read.result = result
+        with self._stats_lock:
+            self._child_stats = SlabStats(*stats)
+
+    def _lost(self, why: str) -> None:
+        """The child is gone: reap it, fail what it held, read here from now."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if proc is not None:
+            proc.wait()
+        if not self._closed and not self._ready and not self._held:
+            logger.warning(
+                "kvtier: the read process did not start (%s, exit status %s); "
+                "loads read in the engine's process",
+                why,
+                None if proc is None else proc.returncode,
+            )
+        elif not self._closed:
+            logger.error(
+                "kvtier: the read process stopped (%s, exit status %s); %d batches "
+                "in flight are recomputed, later loads read in the engine's process",
+                why,
+                None if proc is None else proc.returncode,
+                len(self._held),
+            )
+        for read in self._held.values():
+            read.result = []
+        self._held.clear()
+        self._ready = False
+        if self._pipes is not None:
+            self._pipes.close()
+        self._pipes = None
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with the directory this kvtier was imported from
+    first on the child's path (it runs the same code as the worker), and
+    without an OpenMP binding: the child keeps the CPUs of the load thread
+    that starts it (:mod:`kvtier.host.placement`)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = without_openmp_binding(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def frame(obj: Any) -> bytes:
+    """``obj`` pickled, framed as ``Connection.send`` frames it."""
+    payload = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    n = len(payload)
+    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return head + payload
+
+
+class PipeChannel:
+    """The worker's end of the request pipe (``send_fd``, written) and the
+    reply pipe (``recv_fd``, read), which never blocks the load thread.
+
+    A blocking ``Connection`` could stop the load thread for as long as the
+    child does not read (a request larger than the pipe's room while the
+    child's one thread waits on a hung read, or a reply the child wrote half
+    of). What is sent goes into an outbox written as far as the pipe takes
+    it (the rest on the next call); what arrives is read into an inbox from
+    which only whole messages come out. The frames are
+    ``Connection.send_bytes``'s (a 4-byte big-endian length, or -1 and an
+    8-byte length), so the child keeps a plain blocking ``Connection``.
+
+    Contract: ``send`` and ``receive(0)`` never wait; ``receive(timeout)``
+    waits at most ``timeout`` seconds (for a message, while the outbox
+    drains). Messages arrive whole and in order. A closed other end raises
+    EOFError from ``receive`` once every whole message before it was
+    returned, BrokenPipeError from ``send``/``receive`` when it stopped
+    reading. Used by one thread; it owns both fds (``close`` closes them)."""
+
+    def __init__(self, send_fd: int, recv_fd: int) -> None:
+        self._send_fd = send_fd
+        self._recv_fd = recv_fd
+        for fd in (send_fd, recv_fd):
+            os.set_blocking(fd, False)
+            with contextlib.suppress(OSError, AttributeError):
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+        self._outbox = bytearray()
+        self._inbox = bytearray()
+        self._eof = False
+        self._poller = select.poll()  # not select(): fds may exceed 1024
+        self._poller.register(recv_fd, select.POLLIN)
+        self._watching_send = False
+
+    @property
+    def unsent(self) -> int:
+        """Bytes sent but not yet taken by the pipe."""
+        return len(self._outbox)
+
+    def send(self, obj: Any) -> None:
+        """Queue ``obj`` and write as much of the outbox as the pipe takes."""
+        self._outbox += frame(obj)
+        self._flush()
+
+    def receive(self, timeout: float = 0.0) -> list[Any]:
+        """Every whole message that arrived, waiting up to ``timeout``
+        seconds for the first; ``EOFError`` once the other end closed and
+        nothing whole is left."""
+        self._flush()
+        got = self._take()
+        if got or timeout <= 0 or self._eof:
+            return self._or_eof(got)
+        ms = max(1, int(timeout * 1000))
+        for fd, _events in self._poller.poll(ms):
+            if fd == self._send_fd:
+                self._flush()
+        return self._or_eof(self._take())
+
+    def close(self) -> None:
+        """Close both fds (the other end reads EOF). Idempotent."""
+        for name in ("_send_fd", "_recv_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._outbox.clear()
+
+    # ------------------------------------------------------------ internals
+
+    def _flush(self) -> None:
+        while self._outbox:
+            try:
+                n = os.write(self._send_fd, self._outbox)
+            except BlockingIOError:
+                break
+            del self._outbox[:n]
+        want = bool(self._outbox)
+        if want != self._watching_send:  # wake receive() when it drains
+            if want:
+                self._poller.register(self._send_fd, select.POLLOUT)
+            else:
+                self._poller.unregister(self._send_fd)
+            self._watching_send = want
+
+    def _take(self) -> list[Any]:
+        """Read what arrived, then cut whole frames from the inbox."""
+        while not self._eof:
+            try:
+                chunk = os.read(self._recv_fd, _READ_CHUNK)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self._eof = True
+                break
+            self._inbox += chunk
+        out: list[Any] = []
+        buf, at = self._inbox, 0
+        while len(buf) - at >= 4:
+            (n,) = struct.unpack_from("!i", buf, at)
+            head = 4
+            if n == -1:
+                if len(buf) - at < 12:
+                    break
+                (n,) = struct.unpack_from("!Q", buf, at + 4)
+                head = 12
+            if len(buf) - at - head < n:
+                break
+            out.append(pickle.loads(buf[at + head : at + head + n]))
+            at += head + n
+        del buf[:at]
+        return out
+
+    def _or_eof(self, got: list[Any]) -> list[Any]:
+        if not got and self._eof:
+            raise EOFError("the other end closed its pipe")
+        return got
+
+
+# ------------------------------------------------------------ the child
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the thread that started it exits
+    (the worker's load thread, alive as long as the worker's loads)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it was gone before the line above
+        os._exit(0)
+
+
+def _serve(fd: int, req: Connection, resp: Connection) -> None:
+    from kvtier.store.backends.factory import make_backend  # not in the worker
+
+    cfg = req.recv()
+    shared = mmap.mmap(fd, cfg["nbytes"], mmap.MAP_SHARED)
+    area = np.frombuffer(shared, dtype=np.uint8)
+    backend = make_backend(cfg["disk_io"], threads=cfg["threads"])
+    files = SlabFiles.open(
+        cfg["paths"], cfg["fingerprint"], cfg["num_slots"], backend, owns_backend=True
+    )
+    reader = SlotReader(files, area=area)
+    reader.files.open_all()
+    resp.send(("ready",))
+    # One thread (the reader is single-threaded): start every batch that
+    # arrived, then verify and answer the oldest; the back end's threads
+    # read the others meanwhile.
+    started: deque[tuple[int, int, PendingRead | None]] = deque()
+    try:
+        while True:
+            while not started or req.poll(0):
+                rid, items, first_row = req.recv()  # EOFError: the worker left
+                try:
+                    pending = reader.submit(items, first_row)
+                except Exception:
+                    logger.exception("kvtier read process: a batch could not start")
+                    pending = None
+                started.append((rid, len(items), pending))
+            rid, count, pending = started.popleft()
+            out: list[SlotRead] = []
+            if pending is not None:
+                try:
+                    out = reader.complete(pending)
+                except Exception:
+                    logger.exception("kvtier read process: a batch raised")
+            codes = [r.outcome.value for r in out] or [
+                ReadOutcome.IO_ERROR.value
+            ] * count
+            rows = [r.row for r in out] or [-1] * count
+            resp.send(("done", rid, codes, rows, astuple(reader.stats())))
+    finally:
+        for _rid, _count, pending in started:
+            if pending is not None:
+                reader.abandon(pending)
+        reader.close()
+
+
+def child_main(argv: list[str]) -> int:
+    """The child's side: map the worker's bounce area (a memory file passed
+    by fd), read and verify each batch it is sent with a
+    :class:`~kvtier.store.reader.SlotReader` over it, and answer one message
+    per batch in the order they came: ``("ready",)`` once, then ``("done",
+    rid, outcome codes, rows, reader stats)``. It exits when the request
+    pipe closes."""
+    parent, fd, req_fd, resp_fd = (int(a) for a in argv[1:5])
+    _die_with_parent(parent)
+    name_this_thread(CHILD_NAME)
+    req = Connection(req_fd, writable=False)
+    resp = Connection(resp_fd, readable=False)
+    with contextlib.suppress(BrokenPipeError, EOFError):
+        _serve(fd, req, resp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv))

@@ -1,0 +1,176 @@
+"""The one header scan of a store: what every slot holds, judged by its
+header (and, when asked, its payload).
+
+Warm restart (:meth:`kvtier.store.store.DiskStore.scan`), a single header
+read (:meth:`~kvtier.store.store.DiskStore.read_header`) and ``kvtier
+inspect``/``verify`` all classify slots here, with the slot checks of
+:mod:`kvtier.store.slot`, through the :class:`~kvtier.store.slabs.SlabFiles`
+they were given (read-write, read-only, or found on disk by the tools).
+
+Contract of :func:`scan`:
+  - It yields one :class:`SlotRecord` per slot, in slot order, in file
+    order (slab by slab: ``kvtier inspect``/``verify``), or for the given
+    ``slots``; it keeps up to ``window`` header reads in flight.
+  - It never raises for I/O or data problems: a failed read (any errno) is
+    IO_ERROR, counted and logged once per slab and errno by the files; a
+    read that came back short is TRUNCATED when the slab now ends inside the
+    slot, IO_ERROR otherwise. It raises IndexError for a slot out of range,
+    RuntimeError once the files are closed, and StoreError when a found
+    store's slab was swapped for something that is not a regular file.
+  - OK means the header is intact and of this layout; the payload is checked
+    only with ``payload`` (its xxh3, like a load's). Every OK header goes to
+    ``on_header`` (the store raises its next ``seq`` above it).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.store.slabs import SlabFiles, global_slot
+from kvtier.store.slot import (
+    HEADER_SIZE,
+    MAGIC,
+    ReadOutcome,
+    SlotHeader,
+    aligned_empty,
+    check_payload,
+    round_up,
+    verify_header,
+)
+
+_VERSION = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class SlotRecord:
+    """What one slot holds. ``header`` is set for OK, FINGERPRINT_MISMATCH
+    and a payload that failed its check; ``version`` is the header version
+    of any slot whose magic is kvtier's (even one this kvtier refuses)."""
+
+    slot: int
+    slab: str
+    local_slot: int
+    outcome: ReadOutcome
+    header: SlotHeader | None = None
+    detail: str = ""
+    version: int | None = None
+
+    @property
+    def used(self) -> bool:
+        return self.outcome is not ReadOutcome.EMPTY
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "slot": self.slot,
+            "slab": self.slab,
+            "local_slot": self.local_slot,
+            "reason": self.outcome.value,
+        }
+        if self.detail:
+            d["detail"] = self.detail
+        if self.header is not None:
+            d["key"] = self.header.key.hex()
+        return d
+
+
+def scan(
+    files: SlabFiles,
+    *,
+    slots: Iterable[int] | None = None,
+    file_order: bool = False,
+    payload: bool = False,
+    window: int = 64,
+    on_header: Callable[[SlotHeader], None] | None = None,
+) -> Iterator[SlotRecord]:
+    """Every slot of ``files`` (or ``slots``), judged; see the module doc."""
+    window = max(1, window)
+    bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
+    inflight: deque[tuple[int, int, int, Any, Future[int] | OSError]] = deque()
+    for k, (slot, idx, offset) in enumerate(_where(files, slots, file_order)):
+        if len(inflight) == window:
+            yield _judge(files, *inflight.popleft(), payload, on_header)
+        buf = bufs[k % window]
+        try:
+            read: Future[int] | OSError = files.submit_read(idx, buf, offset)
+        except OSError as exc:
+            read = exc
+        inflight.append((slot, idx, offset, buf, read))
+    while inflight:
+        yield _judge(files, *inflight.popleft(), payload, on_header)
+
+
+def _where(
+    files: SlabFiles, slots: Iterable[int] | None, file_order: bool
+) -> Iterator[tuple[int, int, int]]:
+    """``(global slot, slab index, byte offset)`` of each slot to scan."""
+    if file_order:
+        stripes = max(files.stripes, 1)
+        for idx, slab in enumerate(files.slabs):
+            for local in range(slab.num_slots):
+                yield global_slot(slab.index, local, stripes), idx, local * files.slot_size
+        return
+    for slot in range(files.num_slots) if slots is None else slots:
+        yield (slot, *files.locate(slot))
+
+
+def _judge(
+    files: SlabFiles,
+    slot: int,
+    idx: int,
+    offset: int,
+    buf: Any,
+    read: Future[int] | OSError,
+    payload: bool,
+    on_header: Callable[[SlotHeader], None] | None,
+) -> SlotRecord:
+    path, local = files.slabs[idx].path, offset // files.slot_size
+
+    def record(outcome: ReadOutcome, **kw: Any) -> SlotRecord:
+        return SlotRecord(slot, path, local, outcome, **kw)
+
+    try:
+        n = read.result() if isinstance(read, Future) else 0
+        if isinstance(read, OSError):
+            raise read
+    except OSError as exc:
+        files.io_error("read", idx, exc)
+        return record(ReadOutcome.IO_ERROR, detail=str(exc))
+    files.count_read(n)
+    version = None
+    if n >= len(MAGIC) + _VERSION.size and bytes(buf[: len(MAGIC)]) == MAGIC:
+        version = _VERSION.unpack_from(buf, len(MAGIC))[0]
+    if n < HEADER_SIZE:
+        return record(files.short_read(slot), detail=f"read {n} of {HEADER_SIZE} bytes")
+    verdict = verify_header(
+        buf,
+        n,
+        key=None,
+        digest=files.digest,
+        block_bytes=files.block_bytes,
+        slot_bytes=files.slot_size,
+    )
+    hdr, detail = verdict.header, verdict.detail
+    if verdict.outcome is ReadOutcome.BAD_HEADER and detail.startswith("bad header ("):
+        detail = detail[len("bad header (") : -1]
+    if not verdict.ok:
+        return record(verdict.outcome, header=hdr, detail=detail, version=version)
+    assert hdr is not None
+    if on_header is not None:
+        on_header(hdr)
+    if payload and hdr.payload_len:
+        stored = aligned_empty(round_up(hdr.payload_len))
+        try:
+            got = files.read(idx, stored, offset + HEADER_SIZE)
+        except OSError as exc:
+            files.io_error("read", idx, exc)
+            return record(ReadOutcome.IO_ERROR, header=hdr, detail=str(exc), version=version)
+        files.count_read(got)
+        verdict = check_payload(hdr, stored, got)
+        if not verdict.ok:
+            return record(verdict.outcome, header=hdr, detail=verdict.detail, version=version)
+    return record(ReadOutcome.OK, header=hdr, version=version)

@@ -1,0 +1,918 @@
+"""A store's slab files: their names, where a slot lives, creating or
+opening them, the raw I/O on them, and reporting what goes wrong.
+
+One rank's store keeps, on each of its ``P`` paths, a directory
+``kvtier-<digest hex[:16]>`` (named by the layout fingerprint,
+:func:`store_dirname`, so different models, dtypes or ranks never share
+files) holding ``layout.json`` (a human and ``kvtier inspect`` aid, never
+trusted for reads) and one preallocated slab ``slab-<path index>.kvt``
+(:func:`slab_name`). Global slot ``s`` lives in slab ``s % P`` at local slot
+``s // P`` (:func:`locate`), so consecutive slots go to different devices;
+local slot ``l`` starts at byte ``l * slot_size``. See docs/on-disk-format.md.
+
+:class:`SlabFiles` is one store's files, opened in one of three ways:
+
+- :meth:`SlabFiles.create` (the writer, scheduler side): each directory is
+  created private to this user, checked (no link, our owner, not
+  group/other writable) and locked with ``flock`` while the store is open,
+  so two live engines never share one; each slab is preallocated (a spill
+  never fails half-way with ENOSPC), owner-only, and opened read-write
+  through the back end, which must have opened the inode checked through
+  the locked directory.
+- :meth:`SlabFiles.open` (the readers, workers): creates nothing; a slab is
+  opened read-only on first use and again after a failed open, so a worker
+  may start before the scheduler side created the store.
+- :func:`find_stores` (``kvtier inspect``/``verify``/``doctor``): stores
+  found on disk, read with ``os.preadv`` on descriptors that refuse links
+  and anything but a regular file; the slot size is derived from the slot
+  format and checked against ``layout.json`` and the slab sizes, never
+  taken on trust (:class:`StoreError` otherwise). Nothing is written.
+
+Contract:
+  - ``locate(slot)`` gives ``(slab index, byte offset)``, a multiple of
+    IO_ALIGNMENT; IndexError for a slot out of range, RuntimeError once
+    closed.
+  - ``read``/``submit_read``/``write`` move bytes as the back end does: the
+    count transferred (a short transfer is the smaller count, never padded)
+    or OSError with errno; ``write_all`` turns a short write into
+    OSError(EIO). Buffers follow the back end's alignment rules.
+  - ``io_error`` (counted in ``io_errors``), ``rejected`` (bytes that failed
+    a check) and ``host_only`` (a slot the device path cannot verify) log at
+    warning once per kind, slab (and errno), repeats at debug: one line per
+    failing drive, not one per block. ``count_read``/``count_write`` add to
+    the one :class:`SlabStats`.
+  - Thread-safe: the counters, the log-once set and lazy opens are guarded
+    by one lock. Callers keep one slot to one thread at a time.
+  - ``close`` is idempotent: it closes the handles, shuts the back end down
+    when owned and closes the directory descriptors (releasing the locks).
+    ``abandon`` only marks the files closed (see there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import re
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.log import get_logger
+from kvtier.safe_open import (
+    InUseError,
+    flock_exclusive,
+    open_private,
+    open_private_dir,
+)
+from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
+from kvtier.store.slot import (
+    HEADER_SIZE,
+    LayoutFingerprint,
+    ReadOutcome,
+    parse_header,
+    short_read_outcome,
+    slot_size,
+)
+
+logger = get_logger("store")
+
+LAYOUT_FILE = "layout.json"
+_DIGEST_HEX = 16  # hex digits of the layout digest in a store directory's name
+STORE_DIR_RE = re.compile(rf"^kvtier-([0-9a-f]{{{_DIGEST_HEX}}})$")
+"""Matches a store directory's name; group 1 is its digest hex prefix."""
+SLAB_RE = re.compile(r"^slab-(\d+)\.kvt$")
+
+# Sanity bounds on geometry read from layout.json or a slot header. A 16-token
+# block of a 405B model in bf16 is about 8 MiB per rank; 4 GiB is absurd.
+MAX_BLOCK_BYTES = 1 << 32
+MAX_SLOT_SIZE = slot_size(MAX_BLOCK_BYTES)
+MIN_SLOT_SIZE = slot_size(1)  # header + one aligned payload unit
+MAX_LAYOUT_BYTES = 1 << 20  # layout.json is a few hundred bytes
+
+
+def store_dirname(fingerprint: LayoutFingerprint) -> str:
+    """Name of the per-layout directory under each path (matches
+    :data:`STORE_DIR_RE`)."""
+    return f"kvtier-{fingerprint.digest().hex()[:_DIGEST_HEX]}"
+
+
+def store_digest_prefix(name: str) -> str | None:
+    """The digest hex prefix store directory ``name`` carries, or None when
+    ``name`` is not a store directory's name."""
+    m = STORE_DIR_RE.match(name)
+    return m.group(1) if m else None
+
+
+def slab_name(index: int) -> str:
+    """File name of the slab of path ``index`` (inside the store directory)."""
+    if index < 0:
+        raise ValueError(f"slab index must be >= 0, got {index}")
+    return f"slab-{index}.kvt"
+
+
+def locate(slot: int, stripes: int) -> tuple[int, int]:
+    """``(slab index, local slot)`` of global ``slot`` striped over ``stripes``."""
+    if stripes < 1 or slot < 0:
+        raise ValueError(f"bad slot {slot} or stripe count {stripes}")
+    return slot % stripes, slot // stripes
+
+
+def global_slot(index: int, local: int, stripes: int) -> int:
+    """Inverse of :func:`locate`."""
+    return local * stripes + index
+
+
+def local_slot_count(num_slots: int, index: int, stripes: int) -> int:
+    """How many of ``num_slots`` global slots live in slab ``index``."""
+    return (num_slots - index + stripes - 1) // stripes
+
+
+class StoreError(ValueError):
+    """A store that cannot be read safely: a slab or layout.json that is not
+    a regular file, an impossible geometry, no slabs. The message names the
+    file and the problem."""
+
+
+@dataclass
+class SlabStats:
+    """Cumulative counters of one store's files (``stats()`` returns a copy)."""
+
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    blocks_written: int = 0
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    blocks_read: int = 0  # slots a read asked for, whatever the outcome
+    blocks_ok: int = 0
+    # Slots read whole but not served: bytes that failed a check (header,
+    # checksum, decoding, a truncated slab) or another block's (key, layout).
+    checksum_failures: int = 0
+    # Failed I/O (any errno), including short reads and writes (as EIO).
+    io_errors: int = 0
+
+
+@dataclass(frozen=True)
+class SlabFile:
+    """One slab: its path, path index, local slots and bytes (on disk when
+    found; the full size otherwise)."""
+
+    path: str
+    index: int
+    num_slots: int
+    slot_size: int
+    size: int
+
+    def offset(self, local: int) -> int:
+        """Byte offset of local slot ``local``; IndexError outside the slab."""
+        if not 0 <= local < self.num_slots:
+            raise IndexError(f"slot {local} out of range [0, {self.num_slots})")
+        return local * self.slot_size
+
+
+class SlabFiles:
+    """One store's slab files (see the module doc). Build it with
+    :meth:`create`, :meth:`open` or :func:`find_stores`.
+
+    ``name`` (the directory name), ``fingerprint`` (None for a found
+    store), ``dirs``, ``slabs`` (one
+    :class:`SlabFile` per path, in path order), ``slot_size``,
+    ``block_bytes``, ``num_slots``, ``stripes``; ``digest``: what slot
+    headers must carry (the full digest, or for a found store without a
+    readable ``layout.json`` the directory name's hex prefix); ``layout``
+    and ``warnings``: what ``layout.json`` said and what was odd (found
+    stores)."""
+
+    def __init__(
+        self,
+        name: str,
+        dirs: list[str],
+        slabs: list[SlabFile],
+        block_bytes: int,
+        digest: bytes | str | None,
+        backend: DiskBackend,
+        *,
+        owns_backend: bool,
+        writable: bool,
+        fingerprint: LayoutFingerprint | None = None,
+    ) -> None:
+        self.name = name
+        self.fingerprint = fingerprint
+        self.dirs = dirs
+        self.slabs = slabs
+        self.block_bytes = block_bytes
+        self.slot_size = slot_size(block_bytes)
+        self.num_slots = sum(s.num_slots for s in slabs)
+        self.stripes = max((s.index for s in slabs), default=-1) + 1
+        self.digest = digest
+        self.backend = backend
+        self.writable = writable
+        self.layout: dict[str, Any] | None = None
+        self.warnings: list[str] = []
+        self._owns_backend = owns_backend
+        self.handles: list[Any] = [None] * len(slabs)
+        self._dir_fds: list[int] = []  # create: held, with their locks, until close
+        self._lock = threading.Lock()  # counters and the log-once set
+        self._open_lock = threading.Lock()  # lazy opens (may take a while)
+        self._stats = SlabStats()
+        self._logged: set[tuple[str, int, int | None]] = set()
+        self._closed = False
+        # Optional blocking fast paths (PosixBackend has them): callers on
+        # their own threads skip a hop to the back end's pool.
+        self._read_sync: Callable[[Any, Any, int], int] | None = getattr(
+            backend, "read_sync", None
+        )
+        self._write_sync: Callable[[Any, Any, int], int] | None = getattr(
+            backend, "write_sync", None
+        )
+
+    @classmethod
+    def open(
+        cls,
+        paths: Sequence[str],
+        fingerprint: LayoutFingerprint,
+        num_slots: int,
+        backend: DiskBackend,
+        *,
+        owns_backend: bool = False,
+    ) -> SlabFiles:
+        """The store on ``paths`` for reading: opens nothing yet (see the
+        module doc)."""
+        if isinstance(paths, str):
+            paths = [paths]
+        if not paths or num_slots < 1:
+            raise ValueError("a store needs paths and slots")
+        name, ssz = store_dirname(fingerprint), slot_size(fingerprint.block_bytes)
+        slabs = []
+        for i, base in enumerate(paths):
+            count = local_slot_count(num_slots, i, len(paths))
+            path = os.path.join(os.path.abspath(base), name, slab_name(i))
+            slabs.append(SlabFile(path, i, count, ssz, count * ssz))
+        return cls(
+            name,
+            [os.path.dirname(slab.path) for slab in slabs],
+            slabs,
+            fingerprint.block_bytes,
+            fingerprint.digest(),
+            backend,
+            owns_backend=owns_backend,
+            writable=False,
+            fingerprint=fingerprint,
+        )
+
+    @classmethod
+    def create(
+        cls,
+        paths: Sequence[str],
+        fingerprint: LayoutFingerprint,
+        num_slots: int,
+        backend: DiskBackend,
+        *,
+        owns_backend: bool = False,
+    ) -> SlabFiles:
+        """Create or reopen the store on ``paths``, read-write (see the
+        module doc). On any failure whatever was opened is closed (the back
+        end too, when owned) and the exception propagates: OSError from the
+        file system (ENOSPC naming the slab and size), InUseError when
+        another live engine holds a directory, PermissionError for a link,
+        a foreign owner or a swapped file."""
+        files = cls.open(paths, fingerprint, num_slots, backend, owns_backend=owns_backend)
+        files.writable = True
+        try:
+            for i, slab in enumerate(files.slabs):
+                d = files.dirs[i]
+                dir_fd = _open_store_dir(d, os.path.dirname(d))
+                files._dir_fds.append(dir_fd)
+                _write_layout(d, fingerprint, slab.slot_size, dir_fd=dir_fd)
+                dev_ino = create_slab(slab.path, slab.num_slots, slab.slot_size, dir_fd=dir_fd)
+                files.handles[i] = backend.open(slab.path, writable=True)
+                fd = backend.fileno(files.handles[i])
+                if fd is not None and _dev_ino(fd) != dev_ino:
+                    raise PermissionError(
+                        errno.EPERM,
+                        "kvtier refuses the slab: the file opened by name is not "
+                        "the one checked a moment earlier (the directory was "
+                        "swapped?)",
+                        slab.path,
+                    )
+        except BaseException:
+            files.close()
+            raise
+        return files
+
+    # -- where and how bytes move -----------------------------------------
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """``(slab index, byte offset)`` of global ``slot``."""
+        if self._closed:
+            raise RuntimeError("the store is closed")
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        idx, local = locate(slot, self.stripes)
+        return idx, local * self.slot_size
+
+    def handle(self, idx: int) -> Any:
+        """Slab ``idx``'s back-end handle, opened (read-only) on first use;
+        OSError from the open passes through and the next call tries again."""
+        handle = self.handles[idx]
+        if handle is None:
+            with self._open_lock:
+                handle = self.handles[idx]
+                if handle is None:
+                    if self._closed:
+                        raise RuntimeError("the store is closed")
+                    handle = self.backend.open(self.slabs[idx].path, writable=False)
+                    self.handles[idx] = handle
+        return handle
+
+    def open_all(self) -> int:
+        """Open every slab not open yet; one that cannot be opened now (not
+        created yet, or failing) is left for its first read. Returns how
+        many are open."""
+        for idx, slab in enumerate(self.slabs):
+            try:
+                self.handle(idx)
+            except OSError as exc:
+                logger.debug("slab %s not opened ahead: %s", slab.path, exc)
+        return sum(h is not None for h in self.handles)
+
+    def size(self, idx: int) -> int | None:
+        """Slab ``idx``'s current size, None when unknown (not open)."""
+        handle = self.handles[idx]
+        return None if handle is None else self.backend.size(handle)
+
+    def read(self, idx: int, buf: Any, offset: int) -> int:
+        """Blocking positioned read from slab ``idx``: the count read."""
+        handle = self.handle(idx)
+        if self._read_sync is not None:
+            return int(self._read_sync(handle, buf, offset))
+        return int(self.backend.submit_read(handle, buf, offset).result())
+
+    def submit_read(self, idx: int, buf: Any, offset: int) -> Future[int]:
+        """Asynchronous positioned read from slab ``idx`` (the back end's)."""
+        return self.backend.submit_read(self.handle(idx), buf, offset)
+
+    def write_all(self, op: str, idx: int, buf: Any, offset: int) -> int:
+        """Write all of ``buf`` or raise OSError (a short write as EIO); a
+        failure is reported with ``io_error(op, ...)`` before it is raised."""
+        try:
+            handle = self.handle(idx)
+            if self._write_sync is not None:
+                n = int(self._write_sync(handle, buf, offset))
+            else:
+                n = int(self.backend.submit_write(handle, buf, offset).result())
+            if n != len(buf):
+                raise OSError(
+                    errno.EIO,
+                    f"short write ({n} of {len(buf)} bytes)",
+                    self.slabs[idx].path,
+                )
+        except OSError as exc:
+            self.io_error(op, idx, exc)
+            raise
+        return n
+
+    # -- counters and reports ---------------------------------------------
+
+    def count_write(self, nbytes: int, seconds: float) -> None:
+        """One block written."""
+        with self._lock:
+            self._stats.write_bytes += nbytes
+            self._stats.write_seconds += seconds
+            self._stats.blocks_written += 1
+
+    def count_read(
+        self, nbytes: int, seconds: float = 0.0, *, blocks: int = 0, ok: int = 0, bad: int = 0
+    ) -> None:
+        """Bytes read; ``blocks`` slots asked for (header-only reads count
+        none), ``ok`` of them served, ``bad`` rejected."""
+        with self._lock:
+            s = self._stats
+            s.read_bytes += nbytes
+            s.read_seconds += seconds
+            s.blocks_read += blocks
+            s.blocks_ok += ok
+            s.checksum_failures += bad
+
+    def stats(self) -> SlabStats:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def io_error(self, op: str, idx: int, exc: OSError) -> None:
+        """``op`` on slab ``idx`` failed with ``exc``: counted and logged."""
+        with self._lock:
+            self._stats.io_errors += 1
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        self._log_once(
+            (op, idx, exc.errno),
+            "kvtier disk %s failed on %s: errno %s (%s): %s",
+            op,
+            self.slabs[idx].path,
+            exc.errno,
+            name,
+            exc.strerror,
+        )
+
+    def rejected(self, slot: int, what: str) -> None:
+        """The bytes read from ``slot`` failed a check: logged (the reader
+        counts them)."""
+        idx = self._index(slot)
+        self._log_once(
+            ("corrupt", idx, None),
+            "kvtier disk read of slot %d on %s rejected: %s (corrupt or torn "
+            "block, treated as a miss)",
+            slot,
+            self.slabs[idx].path,
+            what,
+        )
+
+    def short_read(self, slot: int) -> ReadOutcome:
+        """A read of ``slot`` came back short: TRUNCATED (logged with the
+        rejected slots) when its slab now ends inside the slot, else
+        IO_ERROR (counted and logged as an EIO); see
+        :func:`~kvtier.store.slot.short_read_outcome`."""
+        idx, offset = self.locate(slot)
+        size = self.size(idx)
+        outcome = short_read_outcome(size, offset + self.slot_size)
+        if outcome is ReadOutcome.TRUNCATED:
+            self.rejected(slot, f"short read: the slab ends at byte {size} (truncated)")
+        else:
+            self.io_error(
+                "read",
+                idx,
+                OSError(errno.EIO, f"short read of slot {slot} (not the file's end)"),
+            )
+        return outcome
+
+    def host_only(self, slot: int, why: str) -> None:
+        """An intact slot that the device path cannot verify: logged."""
+        idx = self._index(slot)
+        self._log_once(
+            ("host_only", idx, None),
+            "kvtier slot %d of %s cannot be verified on the device (%s): the "
+            "block is recomputed and stored again in a form the device path "
+            "reads",
+            slot,
+            self.slabs[idx].path,
+            why,
+        )
+
+    def _index(self, slot: int) -> int:
+        return locate(slot, self.stripes)[0] if self.stripes else 0
+
+    def _log_once(self, key: tuple[str, int, int | None], msg: str, *args: Any) -> None:
+        with self._lock:
+            first = key not in self._logged
+            self._logged.add(key)
+        if first:
+            logger.warning(msg + "; repeats logged at debug", *args)
+        else:
+            logger.debug(msg, *args)
+
+    # -- lifetime ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close slab handles, the back end when owned, and the directory
+        descriptors (releasing the store locks). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            handles, self.handles = self.handles, [None] * len(self.handles)
+        for handle in handles:
+            if handle is not None:
+                try:
+                    self.backend.close(handle)
+                except OSError as exc:
+                    logger.debug("closing slab handle failed: %s", exc)
+        if self._owns_backend:
+            self.backend.shutdown()
+        for fd in self._dir_fds:  # releases the store-directory locks
+            try:
+                os.close(fd)
+            except OSError as exc:
+                logger.debug("closing store directory failed: %s", exc)
+        self._dir_fds.clear()
+
+    def abandon(self) -> None:
+        """Mark closed without closing anything: for files whose I/O threads
+        may still be blocked in a read or write (a hung disk). The
+        descriptors stay open (a closed number could be reused by another
+        file while a blocked write still targets it) and the locks stay held
+        until the process exits."""
+        self._closed = True
+
+
+# ------------------------------------------------------------------ create
+
+
+def create_slab(
+    path: str, num_slots: int, slot_bytes: int, *, dir_fd: int | None = None
+) -> tuple[int, int]:
+    """Create (or reopen) the slab at ``path``, at least ``num_slots *
+    slot_bytes`` bytes and mode 0o600, preallocated; its ``(st_dev,
+    st_ino)``. A larger file is never shrunk (its tail is unused). A link,
+    another owner's file or a group/other-writable one is refused (looser
+    read bits are removed); with ``dir_fd`` the name is resolved inside
+    that (already checked) directory."""
+    if num_slots < 0 or slot_bytes <= 0:
+        raise ValueError(f"bad slab geometry: {num_slots} x {slot_bytes}")
+    size = num_slots * slot_bytes
+    name = os.path.basename(path) if dir_fd is not None else path
+    fd = open_private(name, os.O_RDWR | os.O_CREAT, 0o600, dir_fd=dir_fd, fix_mode=True)
+    try:
+        st = os.fstat(fd)
+        if st.st_size < size:
+            _preallocate(fd, size, path, st.st_size)
+    finally:
+        os.close(fd)
+    return st.st_dev, st.st_ino
+
+
+def _dev_ino(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _open_store_dir(path: str, base: str) -> int:
+    """Create or open a store directory, check it and lock it; its fd.
+
+    Refused: a symbolic link, a non-directory, a directory of another owner,
+    one writable by group or others (see kvtier.safe_open), and one locked
+    by another live store (two engines on one ``disk_path`` would adopt each
+    other's blocks and evict each other's slots)."""
+    try:
+        os.makedirs(base, exist_ok=True)
+    except FileExistsError as exc:
+        raise NotADirectoryError(
+            errno.ENOTDIR, "kvtier disk_path exists but is not a directory", base
+        ) from exc
+    fd = open_private_dir(path)
+    try:
+        if not flock_exclusive(fd):
+            raise InUseError(
+                f"kvtier disk store {path!r} (disk_path {base!r}) is in use by "
+                "another running kvtier engine with the same model and layout "
+                "(another process, or another engine in this process). Give each "
+                "engine its own disk_path, or stop the other engine first",
+                path,
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_layout(
+    directory: str, fingerprint: LayoutFingerprint, slot_bytes: int, *, dir_fd: int
+) -> None:
+    """Write ``layout.json`` unless it already says the same."""
+    doc = dict(fingerprint.describe(), header_size=HEADER_SIZE, slot_size=slot_bytes)
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    path = os.path.join(directory, LAYOUT_FILE)
+    try:
+        fd = open_private(LAYOUT_FILE, os.O_RDONLY, dir_fd=dir_fd, private=True)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        # A link, or not private to us: it is only an aid, so replace it
+        # (rename replaces the name itself, never a link's target).
+        logger.info("replacing %s: %s", path, exc)
+    else:
+        with os.fdopen(fd, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    tmp = f"{LAYOUT_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dir_fd)  # a crashed run's leftover
+    fd = open_private(
+        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd, private=True
+    )
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, LAYOUT_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _preallocate(fd: int, size: int, path: str, old_size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as exc:
+        # tmpfs/overlay/NFS may not implement fallocate; a sparse file is
+        # still correct, only allocation moves to the first write.
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            # ext4 keeps what a failed fallocate allocated (and grows the
+            # file), which would leave the file system full after a refused
+            # start; os.posix_fallocate's OSError names no file.
+            try:
+                os.ftruncate(fd, old_size)
+            except OSError as undo:
+                logger.warning("could not shrink %s back: %s", path, undo)
+            raise OSError(
+                exc.errno,
+                f"cannot preallocate {size} bytes for the kvtier slab "
+                f"({exc.strerror}); lower disk_bytes_to_use or free space",
+                path,
+            ) from exc
+        logger.info(
+            "posix_fallocate unsupported for %s (%s); using ftruncate", path, exc
+        )
+    os.ftruncate(fd, size)
+
+
+# -------------------------------------------------------------------- find
+
+
+class _ReadOnly(DiskBackend):
+    """The tools' back end: ``os.preadv`` on the calling thread, on
+    descriptors from :func:`open_regular`; it never writes."""
+
+    name = "pread"
+
+    def open(self, path: str, writable: bool = True) -> int:
+        return open_regular(path)[0]
+
+    def submit_read(self, handle: int, buf: Any, offset: int) -> Future[int]:
+        fut: Future[int] = Future()
+        try:
+            fut.set_result(os.preadv(handle, [memoryview(buf).cast("B")], offset))
+        except OSError as exc:
+            fut.set_exception(exc)
+        return fut
+
+    def submit_write(self, handle: int, buf: Any, offset: int) -> Future[int]:
+        raise PermissionError(errno.EBADF, "kvtier tools never write a store")
+
+    def close(self, handle: int) -> None:
+        os.close(handle)
+
+    def fileno(self, handle: int) -> int:
+        return handle
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """``os.open`` for reading that never blocks or follows a symlink, and
+    accepts only a regular file (a FIFO named like a slab would otherwise
+    block forever, a device would be read endlessly); StoreError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreError(f"{path}: is a symbolic link (refused)") from None
+        raise StoreError(f"{path}: cannot open: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise StoreError(f"{path}: cannot stat: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = next(
+            (
+                name
+                for test, name in (
+                    (stat.S_ISDIR, "directory"),
+                    (stat.S_ISFIFO, "FIFO"),
+                    (stat.S_ISCHR, "character device"),
+                    (stat.S_ISBLK, "block device"),
+                    (stat.S_ISSOCK, "socket"),
+                )
+                if test(st.st_mode)
+            ),
+            "special file",
+        )
+        raise StoreError(f"{path}: not a regular file ({kind})")
+    return fd, st
+
+
+def find_stores(paths: Sequence[str]) -> list[SlabFiles]:
+    """Stores under ``paths`` (disk paths or ``kvtier-*`` directories),
+    read-only; the same store name found under several paths is one store.
+
+    A ``kvtier-*`` entry found by listing a path must be a directory, never
+    a symbolic link (another user may have planted it in a shared disk
+    path). Raises FileNotFoundError / NotADirectoryError for a bad path, and
+    :class:`StoreError` when a path holds no store or a store cannot be read
+    safely: a slab or layout.json that is not a regular file, an impossible
+    or inconsistent geometry, no slab, or no slot size to be had."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        path = os.path.abspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no such file or directory")
+        if not os.path.isdir(path):
+            raise NotADirectoryError(f"{path}: not a directory")
+        names = os.listdir(path)
+        if STORE_DIR_RE.match(os.path.basename(path.rstrip(os.sep))) or any(
+            n == LAYOUT_FILE or SLAB_RE.match(n) for n in names
+        ):
+            dirs = [path]
+        else:
+            dirs = sorted(
+                os.path.join(path, n)
+                for n in names
+                if STORE_DIR_RE.match(n) and _store_dir(os.path.join(path, n))
+            )
+        if not dirs:
+            raise StoreError(f"{path}: no kvtier-<digest> store directory found")
+        for d in dirs:
+            by_name.setdefault(os.path.basename(d), []).append(d)
+    return [_found(name, dirs) for name, dirs in sorted(by_name.items())]
+
+
+def _store_dir(path: str) -> bool:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False  # gone meanwhile
+    if stat.S_ISLNK(mode):
+        raise StoreError(
+            f"{path}: is a symbolic link (refused: kvtier never follows links "
+            "to its store directories). Remove it, or pass the directory it "
+            "points to"
+        )
+    return stat.S_ISDIR(mode)
+
+
+def _found(name: str, directories: Sequence[str]) -> SlabFiles:
+    """One store found on disk: its layout.json, slabs and geometry."""
+    where = ", ".join(directories)
+    layout: dict[str, Any] | None = None
+    warnings: list[str] = []
+    for d in directories:
+        doc, err = _read_layout(d)
+        if err is not None:
+            warnings.append(err)
+        elif layout is None:
+            layout = doc
+        elif doc != layout:
+            warnings.append(f"{d}: layout.json differs from {directories[0]}")
+    block_bytes, digest = _geometry(f"{directories[0]}/{LAYOUT_FILE}", layout, warnings)
+    if digest is not None and not digest.hex().startswith(
+        store_digest_prefix(name) or ""
+    ):
+        warnings.append(
+            f"layout.json digest {digest.hex()} does not match the directory name {name}"
+        )
+    found: list[tuple[int, str, int]] = []
+    for d in directories:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError as exc:
+            raise StoreError(f"{d}: cannot list: {exc.strerror or exc}") from None
+        for n in names:
+            m = SLAB_RE.match(n)
+            if m is not None:
+                fd, st = open_regular(os.path.join(d, n))
+                os.close(fd)
+                found.append((int(m.group(1)), os.path.join(d, n), st.st_size))
+    found.sort()
+    if not found:
+        raise StoreError(f"{where}: no slab-<n>.kvt file in the store")
+    if block_bytes is None:
+        block_bytes = _infer_block_bytes([p for _i, p, _s in found], warnings)
+    if block_bytes is None:
+        raise StoreError(f"{where}: {warnings[-1]}")
+    ssz = slot_size(block_bytes)
+    slabs = []
+    for index, path, size in found:
+        if 0 < size < ssz:
+            raise StoreError(
+                f"{path}: {size} bytes, smaller than one slot of {ssz} bytes "
+                f"(block_bytes {block_bytes}): wrong layout.json?"
+            )
+        if size % ssz:
+            warnings.append(
+                f"{path}: size {size} is not a multiple of the slot size "
+                f"{ssz}; the partial tail is ignored"
+            )
+        slabs.append(SlabFile(path, index, size // ssz, ssz, size))
+    if not any(s.num_slots for s in slabs):
+        raise StoreError(f"{where}: every slab is empty (0 bytes, no slots)")
+    files = SlabFiles(
+        name,
+        list(directories),
+        slabs,
+        block_bytes,
+        digest if digest is not None else store_digest_prefix(name),
+        _ReadOnly(),
+        owns_backend=False,
+        writable=False,
+    )
+    files.layout, files.warnings = layout, warnings
+    return files
+
+
+def _read_layout(directory: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(layout, None), or (None, warning) for a missing or unparsable file.
+    StoreError for a layout.json that is not a regular file or is
+    implausibly large."""
+    path = os.path.join(directory, LAYOUT_FILE)
+    if not os.path.lexists(path):
+        return None, f"{path}: missing"
+    fd, st = open_regular(path)
+    try:
+        if st.st_size > MAX_LAYOUT_BYTES:
+            raise StoreError(f"{path}: {st.st_size} bytes, not a kvtier layout.json")
+        data = os.pread(fd, MAX_LAYOUT_BYTES + 1, 0)
+    except OSError as exc:
+        return None, f"{path}: unreadable ({exc})"
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        return None, f"{path}: unreadable ({exc})"
+    if not isinstance(doc, dict):
+        return None, f"{path}: not a JSON object"
+    return doc, None
+
+
+def _layout_int(layout: dict[str, Any], key: str, where: str) -> int:
+    v = layout[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise StoreError(f"{where}: {key} {v!r:.40} is not an integer")
+    return v
+
+
+def _geometry(
+    where: str, layout: dict[str, Any] | None, warnings: list[str]
+) -> tuple[int | None, bytes | None]:
+    """``(block_bytes, digest)`` that layout.json states, each None when it
+    does not. StoreError when its geometry is impossible (non-integer,
+    non-positive, not 4 KiB-aligned, absurdly large, or inconsistent)."""
+    if layout is None:
+        return None, None
+    block_bytes = None
+    if "block_bytes" not in layout:
+        warnings.append(f"{where}: no block_bytes; geometry taken from headers")
+    else:
+        bb = _layout_int(layout, "block_bytes", where)
+        if not 0 < bb <= MAX_BLOCK_BYTES:
+            raise StoreError(
+                f"{where}: block_bytes {bb} is not within [1, {MAX_BLOCK_BYTES}]"
+            )
+        expected = slot_size(bb)
+        if "slot_size" in layout:
+            ssz = _layout_int(layout, "slot_size", where)
+            if not MIN_SLOT_SIZE <= ssz <= MAX_SLOT_SIZE or ssz % IO_ALIGNMENT:
+                raise StoreError(
+                    f"{where}: slot_size {ssz} is impossible (a slot is a "
+                    f"{HEADER_SIZE} B header plus the payload, a multiple of "
+                    f"{IO_ALIGNMENT} B between {MIN_SLOT_SIZE} and {MAX_SLOT_SIZE})"
+                )
+            if ssz != expected:
+                raise StoreError(
+                    f"{where}: slot_size {ssz} does not match block_bytes {bb} "
+                    f"(this format's slot is {expected} B)"
+                )
+        block_bytes = bb
+    if layout.get("header_size", HEADER_SIZE) != HEADER_SIZE:
+        warnings.append(
+            f"layout.json header_size {layout['header_size']!r:.40} != {HEADER_SIZE}"
+        )
+    digest = layout.get("digest")
+    if isinstance(digest, str):
+        try:
+            return block_bytes, bytes.fromhex(digest)
+        except ValueError:
+            warnings.append(f"layout.json digest {digest!r:.80} is not hex")
+    return block_bytes, None
+
+
+def _infer_block_bytes(paths: list[str], warnings: list[str]) -> int | None:
+    """Without a usable layout.json: the block size in the header of slot 0
+    of the first slab that has a valid one (within MAX_BLOCK_BYTES)."""
+    for path in paths:
+        try:
+            fd, _ = open_regular(path)
+        except StoreError:
+            continue
+        try:
+            buf = os.pread(fd, HEADER_SIZE, 0)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        hdr = parse_header(buf, len(buf)).header
+        if hdr is None:
+            continue
+        if not 0 < hdr.raw_len <= MAX_BLOCK_BYTES:
+            warnings.append(f"{path}: slot 0 header raw_len {hdr.raw_len} is implausible")
+            continue
+        warnings.append(
+            f"slot size {slot_size(hdr.raw_len)} inferred from the header of slot 0 "
+            f"of {path}"
+        )
+        return hdr.raw_len
+    warnings.append(
+        "no usable layout.json and no readable header at slot 0 of any slab: "
+        "slot size unknown"
+    )
+    return None

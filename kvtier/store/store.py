@@ -1,0 +1,331 @@
+"""The disk tier's block store of one rank: writing blocks into slots, and
+reading them back verified.
+
+:class:`DiskStore` creates the store's slab files
+(:meth:`kvtier.store.slabs.SlabFiles.create`: one directory and one
+preallocated slab per path, slots striped over them) and is the store's
+write path. A write builds header and payload (zstd on byte planes when
+configured and worth it) in the calling thread's aligned bounce buffer,
+zero-pads it to ``IO_ALIGNMENT`` and writes it at the slot's (aligned)
+offset in one positioned write. Its reads go through the one reader
+(:class:`kvtier.store.reader.SlotReader`, one row per thread over that same
+bounce buffer) and its scans through the one scan
+(:func:`kvtier.store.scan.scan`): a torn, stale or corrupted slot is
+reported, never returned.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from kvtier.log import get_logger
+from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
+from kvtier.store.backends.factory import make_backend
+from kvtier.store.checksum import device_checksum, payload_checksum
+from kvtier.store.compression import Codec, compress
+from kvtier.store.reader import SlotReader
+from kvtier.store.scan import scan
+from kvtier.store.slabs import SlabFile, SlabFiles, SlabStats
+from kvtier.store.slot import (
+    HEADER_SIZE,
+    MAX_KEY_LEN,
+    LayoutFingerprint,
+    ReadOutcome,
+    SlotHeader,
+    aligned_empty,
+    round_up,
+    slot_size,
+)
+
+logger = get_logger("store")
+
+COMPRESSION_CHOICES = ("none", "zstd")
+
+
+def flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:
+    """``arr`` as a flat uint8 view; ValueError unless it is a C-contiguous
+    numpy array of exactly ``nbytes`` bytes."""
+    if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
+        raise ValueError(f"{what} must be a C-contiguous numpy array")
+    flat = arr.reshape(-1).view(np.uint8)
+    if flat.size != nbytes:
+        raise ValueError(f"{what} has {flat.size} bytes, expected block_bytes={nbytes}")
+    return flat
+
+
+class DiskStore:
+    """Fixed-size block slots on one or more paths, verified on every read.
+
+    Contract:
+      - ``write_block``/``read_block``/``invalidate``/``verify``/
+        ``read_header`` are synchronous and thread-safe for *distinct* slots
+        (callers never touch one slot from two threads at once; the tier
+        bookkeeping ensures that); ``next_seq`` and ``stats`` from any thread.
+      - ``write_block`` and ``invalidate`` raise OSError (with errno; a short
+        write as EIO) on failure. ``read_block``/``verify``/``read_header``/
+        ``scan`` never raise for I/O or data problems: they return a
+        ReadOutcome (:class:`~kvtier.store.reader.SlotReads` says which), and
+        ``read_block`` writes ``out`` only when returning OK. All raise
+        IndexError for a slot out of range and RuntimeError once closed.
+      - Failed writes and invalidations are counted in ``io_errors`` and
+        logged once per slab and errno before the OSError propagates.
+      - Slot contents survive process restarts; ``scan`` reports every slot's
+        header so the caller can rebuild its index. ``seq`` values handed out
+        by ``next_seq`` stay above any seq seen on disk by ``scan`` or
+        ``read_header``.
+      - ``backend`` given as a string is created (via make_backend) and owned,
+        i.e. shut down by ``close``; a DiskBackend instance is only borrowed.
+      - ``files`` is the shared :class:`~kvtier.store.slabs.SlabFiles`
+        (slab handles, ``locate``) for tools and tests that look at the bytes.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        num_slots: int,
+        block_bytes: int,
+        fingerprint: LayoutFingerprint,
+        backend: DiskBackend | str = "auto",
+        compression: str = "none",
+        elem_size: int = 2,
+        *,
+        threads: int = 4,
+        min_saving: float = 0.05,
+    ) -> None:
+        if isinstance(paths, str):
+            paths = [paths]
+        if not paths:
+            raise ValueError("DiskStore needs at least one path")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if block_bytes != fingerprint.block_bytes:
+            raise ValueError(
+                f"block_bytes={block_bytes} disagrees with fingerprint "
+                f"block_bytes={fingerprint.block_bytes}"
+            )
+        if compression not in COMPRESSION_CHOICES:
+            raise ValueError(
+                f"compression must be one of {COMPRESSION_CHOICES}, got {compression!r}"
+            )
+        if elem_size < 1 or block_bytes % elem_size:
+            raise ValueError(
+                f"elem_size={elem_size} must divide block_bytes={block_bytes}"
+            )
+
+        self.paths = [os.path.abspath(p) for p in paths]
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
+        self.fingerprint = fingerprint
+        self.compression = compression
+        self.elem_size = elem_size
+        self.slot_size = slot_size(block_bytes)
+        self._min_saving = min_saving
+        self._digest = fingerprint.digest()
+        # Wall-clock ns as the starting point keeps seq increasing across
+        # restarts even before (or without) a scan; scan() raises it further.
+        self._seq = time.time_ns()
+        self._seq_lock = threading.Lock()
+        self._zero_header = aligned_empty(HEADER_SIZE)
+        self._zero_header[:] = 0
+
+        self.backend: DiskBackend = (
+            make_backend(backend, threads=threads)
+            if isinstance(backend, str)
+            else backend
+        )
+        self.files = SlabFiles.create(
+            self.paths,
+            fingerprint,
+            num_slots,
+            self.backend,
+            owns_backend=isinstance(backend, str),
+        )
+        self._tls = threading.local()  # per thread: bounce buffer, reader
+        logger.debug(
+            "DiskStore %s: %d slots x %d B on %s via %s",
+            self._digest.hex()[:16],
+            num_slots,
+            self.slot_size,
+            self.paths,
+            self.backend.describe(),
+        )
+
+    def _bounce(self) -> np.ndarray:
+        """This thread's aligned slot-sized buffer (O_DIRECT needs the
+        alignment; verifying in it keeps bad bytes away from callers)."""
+        buf: np.ndarray | None = getattr(self._tls, "bounce", None)
+        if buf is None:
+            buf = self._tls.bounce = aligned_empty(self.slot_size)
+        return buf
+
+    def _reader(self) -> SlotReader:
+        """This thread's one-row reader, over its bounce buffer."""
+        reader: SlotReader | None = getattr(self._tls, "reader", None)
+        if reader is None:
+            reader = self._tls.reader = SlotReader(self.files, area=self._bounce())
+        return reader
+
+    def _bump_seq(self, seen: int) -> None:
+        with self._seq_lock:
+            self._seq = max(self._seq, seen)
+
+    def _on_header(self, hdr: SlotHeader) -> None:
+        self._bump_seq(hdr.seq)
+
+    # -- public API -----------------------------------------------------------
+
+    def next_seq(self) -> int:
+        """A sequence number greater than every one handed out or scanned."""
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
+
+    def write_block(
+        self,
+        slot: int,
+        key: bytes,
+        data: np.ndarray,
+        seq: int,
+        *,
+        on_staged: Callable[[], None] | None = None,
+    ) -> int:
+        """Write one block (header + payload in one aligned write).
+
+        ``data`` is a C-contiguous array of exactly ``block_bytes`` bytes.
+        Returns the bytes written to disk; raises OSError on failure.
+        ``on_staged`` is called once ``data`` was copied into the private
+        bounce buffer, before the write: ``data`` is not read after that.
+        """
+        if len(key) > MAX_KEY_LEN:
+            raise ValueError(f"key is {len(key)} bytes, max {MAX_KEY_LEN}")
+        flat = flat_u8(data, self.block_bytes, "data")
+        idx, offset = self.files.locate(slot)
+        t0 = time.perf_counter()
+        bounce = self._bounce()
+        if self.compression == "zstd":
+            codec, packed = compress(flat, self.elem_size, min_saving=self._min_saving)
+            n = len(packed)
+            bounce[HEADER_SIZE : HEADER_SIZE + n] = np.frombuffer(
+                packed, dtype=np.uint8
+            )
+        else:
+            codec, n = Codec.RAW, flat.size
+            bounce[HEADER_SIZE : HEADER_SIZE + n] = flat
+        payload = bounce[HEADER_SIZE : HEADER_SIZE + n]
+        header = SlotHeader(
+            key=bytes(key),
+            fingerprint=self._digest,
+            payload_len=n,
+            raw_len=flat.size,
+            codec=codec,
+            checksum=payload_checksum(payload),
+            device_checksum=device_checksum(payload),
+            seq=seq,
+            written_at=time.time(),
+            elem_size=self.elem_size if codec is Codec.ZSTD_BYTEPLANE else 1,
+        )
+        bounce[:HEADER_SIZE] = np.frombuffer(header.pack(), dtype=np.uint8)
+        end = round_up(HEADER_SIZE + n, IO_ALIGNMENT)
+        bounce[HEADER_SIZE + n : end] = 0  # don't leak a previous block's tail
+        if on_staged is not None:
+            on_staged()
+        self._bump_seq(seq)
+        written = self.files.write_all("write", idx, bounce[:end], offset)
+        self.files.count_write(written, time.perf_counter() - t0)
+        return written
+
+    def invalidate(self, slot: int) -> None:
+        """Zero the slot's header so no reader or restart scan trusts it again.
+
+        Raises OSError if the header could not be overwritten.
+        """
+        idx, offset = self.files.locate(slot)
+        self.files.write_all("invalidate", idx, self._zero_header, offset)
+
+    def read_block(
+        self, slot: int, key: bytes, out: np.ndarray, *, guard: Any = None
+    ) -> ReadOutcome:
+        """Read the block stored under ``key`` in ``slot`` into ``out`` (a
+        C-contiguous array of exactly ``block_bytes`` bytes, else ValueError),
+        written only when the result is OK. With ``guard`` (e.g.
+        :class:`kvtier.store.transfers.RowGuard`) ``out`` is written only
+        between a successful ``guard.enter()`` and ``guard.leave()``; when
+        ``enter()`` refuses (the caller gave ``out`` away meanwhile) ``out``
+        is left alone and IO_ERROR is returned."""
+        flat = flat_u8(out, self.block_bytes, "out")
+        reader = self._reader()
+        (got,) = reader.read([(slot, key)])
+        if got.outcome is not ReadOutcome.OK:
+            return got.outcome
+        if guard is not None and not guard.enter():
+            return ReadOutcome.IO_ERROR
+        try:
+            flat[:] = reader.rows[got.row]
+        finally:
+            if guard is not None:
+                guard.leave()
+        return ReadOutcome.OK
+
+    def verify(self, slot: int) -> ReadOutcome:
+        """Read the whole slot and check header, layout and payload checksum."""
+        (got,) = self._reader().read([(slot, None)])
+        return got.outcome
+
+    def read_header(self, slot: int) -> tuple[SlotHeader | None, ReadOutcome]:
+        """Read one slot's header only (the same classification as ``scan``)."""
+        (rec,) = scan(self.files, slots=[slot], window=1, on_header=self._on_header)
+        return rec.header, rec.outcome
+
+    def scan(
+        self, window: int = 64
+    ) -> Iterator[tuple[int, SlotHeader | None, ReadOutcome]]:
+        """Yield ``(slot, header, outcome)`` for every slot, in slot order,
+        reading headers only (``window`` in flight; see
+        :func:`kvtier.store.scan.scan`). The header is there for OK and for
+        FINGERPRINT_MISMATCH (another layout's slot). Raises ``next_seq``
+        above every intact header seen."""
+        for rec in scan(self.files, window=window, on_header=self._on_header):
+            yield rec.slot, rec.header, rec.outcome
+
+    @property
+    def dirs(self) -> list[str]:
+        """The store directory on each path."""
+        return self.files.dirs
+
+    @property
+    def slabs(self) -> list[SlabFile]:
+        """The slab file on each path."""
+        return self.files.slabs
+
+    def stats(self) -> SlabStats:
+        """A consistent snapshot of the counters."""
+        return self.files.stats()
+
+    def close(self) -> None:
+        """Close slab handles, shut the back end down if owned, and release the
+        store-directory locks. Idempotent."""
+        self.files.close()
+
+    def abandon(self) -> None:
+        """Mark closed without closing anything: for a store whose I/O threads
+        may still be blocked in a read or write (a hung disk); see
+        :meth:`kvtier.store.slabs.SlabFiles.abandon`."""
+        self.files.abandon()
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,732 @@
+"""Spills (host rows -> disk slots) and promotions (disk slots -> host rows)
+of every TP rank, run on background threads off the scheduler's path.
+
+The scheduler side turns the hierarchy's decisions into jobs; they must
+never block its step, so submitting only enqueues and finished jobs are
+polled. The host rows are the CPU tier's shared memory (or, in tiering
+mode, vLLM's primary tier), mapped in the scheduler process, so the workers
+take no part. Each rank has its own store and rows; a job's items are fanned
+out per rank and item onto one pool of threads, so one large job keeps every
+thread and disk busy, and promotions (a request waits for them) run ahead of
+spills (which run ahead of need). A key that failed on any rank failed.
+
+:class:`TransferEngine` runs the jobs; :class:`DiskRuntime` owns what they
+run on (one :class:`~kvtier.store.store.DiskStore` per rank, the rows, the
+engine), the warm-restart scan and the bounded stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvtier.host.cpu_tier import AttachedRows
+from kvtier.host.placement import name_this_thread
+from kvtier.log import get_logger
+from kvtier.store.slot import LayoutFingerprint, ReadOutcome
+from kvtier.store.store import DiskStore
+from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
+
+logger = get_logger("store")
+
+PROMOTE_PRIORITY = 0
+SPILL_PRIORITY = 1
+_STOP_PRIORITY = 1 << 30  # sorts after every real task: shutdown drains first
+
+# Read outcomes that mean the slot's own bytes are damaged: the slot is
+# invalidated, so a restart never adopts it again.
+_CORRUPT = frozenset(
+    {ReadOutcome.CHECKSUM_MISMATCH, ReadOutcome.BAD_HEADER, ReadOutcome.TRUNCATED}
+)
+# What moving one item returns when it failed with an I/O error or was never
+# done (an abandoned engine, an exception), not on bytes shown bad.
+IO_FAILED = -1
+
+# Bound on waiting for the I/O threads at close(): a hung disk must not hang
+# the engine's shutdown.
+CLOSE_TIMEOUT_S = 10.0
+
+
+class HostRows(Protocol):
+    """One rank's host rows: ``array[row]`` is a contiguous ``block_bytes``
+    view (the CPU tier's :class:`~kvtier.host.cpu_tier.CpuBlockBuffer`,
+    :class:`~kvtier.host.cpu_tier.AttachedRows`, or a view of vLLM's primary
+    tier). ``array`` may raise OSError where the rows cannot be mapped."""
+
+    block_bytes: int
+
+    @property
+    def array(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What a job function reports: overall success, bytes moved, failed keys."""
+
+    success: bool
+    bytes: int = 0
+    failed_keys: list[bytes] = field(default_factory=list)
+    io_failed_keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FinishedJob:
+    """A job every rank finished.
+
+    ``failed_keys``: the keys whose transfer did not happen on some rank
+    (each once); ``success`` is False iff there is one. ``io_failed_keys``
+    (of them): keys whose failure says nothing against their disk copy on
+    any rank (an I/O error, or never moved: refused, given up), so a
+    promotion's slot may be read again. ``bytes``: block bytes moved by the
+    items that succeeded, every rank's (DiskStore.stats has the on-disk
+    bytes); ``seconds`` from submission to the last item (queueing included).
+    """
+
+    job_id: int
+    success: bool
+    bytes: int
+    seconds: float
+    failed_keys: list[bytes]
+    io_failed_keys: list[bytes] = field(default_factory=list)
+    spill: bool = False
+
+
+class _Job:
+    """One job in flight (its keys, its items left) and what they did."""
+
+    def __init__(self, job_id: int, keys: list[bytes], count: int, spill: bool) -> None:
+        self.job_id, self.keys, self.remaining, self.spill = job_id, keys, count, spill
+        self.started = time.perf_counter()
+        self.bytes = 0
+        self.failed: dict[bytes, None] = {}  # ordered, each key once
+        self.bad: set[bytes] = set()  # failed on bytes shown bad on some rank
+        self.lock = threading.Lock()
+        self.final: FinishedJob | None = None
+
+    def item_done(self, key: bytes, nbytes: int | None) -> bool:
+        """Record one item (bytes moved; None: failed on bad bytes;
+        ``IO_FAILED``); True when it was the last."""
+        with self.lock:
+            if nbytes is None or nbytes == IO_FAILED:
+                self.failed[key] = None
+                if nbytes is None:
+                    self.bad.add(key)
+            else:
+                self.bytes += nbytes
+            self.remaining -= 1
+            return self.remaining == 0
+
+    def given_up(self) -> FinishedJob:
+        """Failed whole, every key unread: nothing shows its bytes bad."""
+        return FinishedJob(self.job_id, False, 0, 0.0, self.keys, self.keys, self.spill)
+
+    def result(self, outcome: JobOutcome | None = None) -> FinishedJob:
+        if outcome is None:
+            outcome = JobOutcome(
+                not self.failed,
+                self.bytes,
+                list(self.failed),
+                [k for k in self.failed if k not in self.bad],
+            )
+        return FinishedJob(
+            self.job_id,
+            outcome.success and not outcome.failed_keys,
+            outcome.bytes,
+            time.perf_counter() - self.started,
+            list(outcome.failed_keys),
+            list(outcome.io_failed_keys),
+            self.spill,
+        )
+
+
+class _StagedTooLate(Exception):
+    """A spill's row copy outlasted ``abandon()``: its block is not written."""
+
+
+class RowGuard:
+    """Fences every touch of host rows by transfer threads.
+
+    A thread calls ``enter()`` before it reads or writes a row and
+    ``leave()`` right after; ``close()`` makes every later ``enter()`` fail
+    and waits for the touches in progress, which are memory copies and never
+    wait for a disk. After a successful ``close()`` no thread of the engine
+    touches a row again, even one that is still blocked in a read or write
+    of a hung disk, so the caller may hand the rows to someone else."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+        self._overrun = False
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            self._active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def close(self, timeout: float | None = 5.0) -> bool:
+        with self._cond:
+            self._closed = True
+            done = self._cond.wait_for(lambda: self._active == 0, timeout)
+            if not done:
+                self._overrun = True
+            return done
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def overrun(self) -> bool:
+        """Whether ``close()`` stopped waiting while a touch was in progress:
+        that touch may have overlapped the rows' next owner, so what it read
+        must not be used (a thread checks after its ``leave()``)."""
+        return self._overrun
+
+
+class TransferEngine:
+    """Runs transfer jobs over ``rows[r]`` and ``stores[r]`` of every rank
+    on ``threads`` threads.
+
+    Contract:
+      - ``submit``/``submit_spill``/``submit_promote`` return immediately.
+        A ``job_id`` must not be reused while that job is pending. Items are
+        ``(key, src, dst)``: CPU row -> disk slot for spills, disk slot ->
+        CPU row for promotions, the same on every rank.
+      - Every submitted job produces exactly one :class:`FinishedJob`,
+        returned once by ``get_finished`` (which drains); a job function or
+        an item that raises fails (with a log line), it never kills a
+        thread. A rank whose rows cannot be mapped fails its items at once
+        as I/O failures (logged once).
+      - For promote, a key whose read is not OK is in ``failed_keys`` and its
+        row was not written (DiskStore.read_block guarantees it), so the
+        caller must not mark that row valid. It is in ``io_failed_keys`` too
+        when the read failed with an I/O error or was never done; its slot
+        is then left as it is. A slot whose bytes failed verification (a bad
+        header or checksum, a truncated slab) is invalidated.
+      - Rows and slots named by a job belong to it until its result is
+        returned: the caller must not reuse them before that.
+      - ``shutdown`` runs all queued work to completion, then stops the
+        threads, waiting at most ``timeout``; threads still busy then (a hung
+        disk) are abandoned (see ``abandon``) and it returns False. Rows and
+        stores are borrowed, not closed.
+      - ``abandon`` stops all row access for good: queued items fail without
+        I/O, and once it returned True no thread touches a row again, even
+        one still blocked in a disk read or write.
+    """
+
+    def __init__(
+        self, rows: Sequence[HostRows], stores: Sequence[DiskStore], threads: int = 4
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        for r, s in zip(rows, stores, strict=True):
+            if r.block_bytes != s.block_bytes:
+                raise ValueError(
+                    f"CPU buffer rows are {r.block_bytes} B but disk blocks are "
+                    f"{s.block_bytes} B"
+                )
+        self.rows, self.stores = list(rows), list(stores)
+        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
+            queue.PriorityQueue()
+        )
+        self._order = itertools.count()  # FIFO among equal priorities
+        self._cond = threading.Condition()
+        self._jobs: dict[int, _Job] = {}  # submitted, not finished yet
+        self._finished: list[_Job] = []  # finished, not returned yet
+        self._closed = False
+        self._guard = RowGuard()
+        self._warned: set[int] = set()
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"kvtier-xfer-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- plumbing -------------------------------------------------------------
+
+    def _worker(self) -> None:
+        name_this_thread()
+        while True:
+            _, _, task = self._queue.get()
+            if task is None:
+                return
+            try:
+                task()
+            except BaseException:  # tasks handle their own errors; belt and braces
+                logger.exception("kvtier transfer task crashed")
+
+    def _enqueue(self, priority: int, task: Callable[[], None]) -> None:
+        self._queue.put((priority, next(self._order), task))
+
+    def _begin(self, job_id: int, keys: list[bytes], count: int, spill: bool) -> _Job:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("TransferEngine is shut down")
+            if job_id in self._jobs:
+                raise ValueError(f"job {job_id} is already pending")
+            job = self._jobs[job_id] = _Job(job_id, keys, count, spill)
+        return job
+
+    def _finish(self, job: _Job, outcome: JobOutcome | None = None) -> None:
+        job.final = job.result(outcome)
+        with self._cond:
+            if self._jobs.pop(job.job_id, None) is job:  # else given up
+                self._finished.append(job)
+            self._cond.notify_all()
+
+    def _rows_of(self, rank: int) -> np.ndarray | None:
+        """Rank ``rank``'s rows, or None (logged once) where they cannot be
+        mapped: its items fail as I/O failures, a miss, not a crash."""
+        try:
+            return self.rows[rank].array
+        except Exception as exc:
+            if rank not in self._warned:
+                self._warned.add(rank)
+                logger.warning(
+                    "kvtier disk tier: cannot map the CPU tier of rank %d (%s); "
+                    "its transfers fail (recomputed), the engine keeps running",
+                    rank,
+                    exc,
+                )
+            return None
+
+    # -- public API -----------------------------------------------------------
+
+    def submit(
+        self, job_id: int, fn: Callable[[], JobOutcome], *, priority: int = SPILL_PRIORITY
+    ) -> None:
+        """Run ``fn`` on a thread; its JobOutcome becomes the job's result."""
+        job = self._begin(job_id, [], 1, False)
+
+        def task() -> None:
+            try:
+                outcome = fn()
+            except Exception:
+                logger.exception("kvtier transfer job %d failed", job_id)
+                outcome = JobOutcome(success=False)
+            self._finish(job, outcome)
+
+        self._enqueue(priority, task)
+
+    def submit_spill(self, job_id: int, items: Iterable[TransferItem | tuple]) -> None:
+        """Copy CPU rows to disk slots: ``items`` are (key, cpu_slot, disk_slot)."""
+        self._fan_out(job_id, list(items), self._spill_one, True)
+
+    def submit_promote(self, job_id: int, items: Iterable[TransferItem | tuple]) -> None:
+        """Load disk slots into CPU rows: ``items`` are (key, disk_slot, cpu_slot)."""
+        self._fan_out(job_id, list(items), self._promote_one, False)
+
+    def _spill_one(
+        self, store: DiskStore, rows: np.ndarray, key: bytes, cpu_slot: int, disk_slot: int
+    ) -> int | None:
+        guard = self._guard
+        if not guard.enter():
+            return None  # abandoned: the row may belong to someone else
+        held = [True]
+
+        def leave() -> None:
+            if held[0]:
+                held[0] = False
+                guard.leave()
+
+        def staged() -> None:  # the row is in the bounce buffer now
+            leave()
+            if guard.overrun:
+                # abandon() stopped waiting for this copy: the row may have
+                # been reused under it, so the staged bytes may mix two
+                # blocks. Never write them under this key.
+                raise _StagedTooLate
+
+        try:
+            store.write_block(
+                disk_slot, key, rows[cpu_slot], store.next_seq(), on_staged=staged
+            )
+        except (OSError, _StagedTooLate):
+            return None  # the store already logged errno and path
+        finally:
+            leave()
+        return store.block_bytes
+
+    def _promote_one(
+        self, store: DiskStore, rows: np.ndarray, key: bytes, disk_slot: int, cpu_slot: int
+    ) -> int | None:
+        guard = self._guard
+        if guard.closed:
+            return IO_FAILED
+        outcome = store.read_block(disk_slot, key, rows[cpu_slot], guard=guard)
+        if guard.closed:
+            return IO_FAILED  # abandoned meanwhile: no bookkeeping either
+        if outcome is ReadOutcome.OK:
+            return store.block_bytes
+        logger.debug("promote of slot %d failed: %s", disk_slot, outcome.name)
+        if outcome is ReadOutcome.IO_ERROR:
+            return IO_FAILED
+        if outcome in _CORRUPT:
+            # Erase the bad header while the job still owns the slot. A key
+            # or fingerprint mismatch is someone else's intact block: left.
+            with contextlib.suppress(OSError):
+                store.invalidate(disk_slot)
+        return None
+
+    def _fan_out(
+        self,
+        job_id: int,
+        items: list[Any],
+        move: Callable[[DiskStore, np.ndarray, bytes, int, int], int | None],
+        spill: bool,
+    ) -> None:
+        keys = list(dict.fromkeys(item[0] for item in items))
+        job = self._begin(job_id, keys, len(items) * len(self.stores), spill)
+        if not items or not self.stores:
+            self._finish(job)
+            return
+        priority = SPILL_PRIORITY if spill else PROMOTE_PRIORITY
+        for rank, store in enumerate(self.stores):
+            rows = self._rows_of(rank)
+            for key, src, dst in items:
+                if rows is None:
+                    if job.item_done(key, IO_FAILED):
+                        self._finish(job)
+                    continue
+
+                def task(
+                    store: DiskStore = store,
+                    rows: np.ndarray = rows,
+                    key: bytes = key,
+                    src: int = src,
+                    dst: int = dst,
+                ) -> None:
+                    try:
+                        nbytes = move(store, rows, key, src, dst)
+                    except Exception:
+                        logger.exception(
+                            "kvtier transfer of one block in job %d failed", job_id
+                        )
+                        nbytes = IO_FAILED  # nothing showed its bytes bad
+                    if job.item_done(key, nbytes):
+                        self._finish(job)
+
+                self._enqueue(priority, task)
+
+    def get_finished(self) -> list[FinishedJob]:
+        """Results of jobs finished since the last call (drains them)."""
+        with self._cond:
+            done, self._finished = self._finished, []
+        return [job.final for job in done]
+
+    def wait(
+        self, job_ids: Iterable[int] | None = None, timeout: float | None = None
+    ) -> bool:
+        """Block until none of ``job_ids`` (None: of the jobs) is pending;
+        False on timeout. Does not consume results; ids never submitted count
+        as finished."""
+        ids = None if job_ids is None else set(job_ids)
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not (self._jobs.keys() if ids is None else ids & self._jobs.keys()),
+                timeout,
+            )
+
+    def pending(self) -> int:
+        """Number of submitted jobs not finished yet."""
+        with self._cond:
+            return len(self._jobs)
+
+    def give_up(self) -> list[FinishedJob]:
+        """``abandon``, then every job not returned yet, failed whole (all
+        its keys, as I/O failures, every result it had dropped): none of them
+        is reported again, whatever its I/O does later."""
+        self.abandon()
+        with self._cond:
+            held = [*self._finished, *self._jobs.values()]
+            self._finished, self._jobs = [], {}
+        return [job.given_up() for job in held]
+
+    def abandon(self, timeout: float | None = 5.0) -> bool:
+        """Stop touching rows for good (a drain or shutdown timed out).
+
+        Items not started yet fail without I/O; items blocked in a disk read
+        or write finish later without writing any row. Returns True once no
+        row copy is in progress (copies are memory-bound, so this is quick);
+        False only if one is still running after ``timeout``."""
+        return self._guard.close(timeout)
+
+    def shutdown(self, timeout: float | None = 30.0) -> bool:
+        """Finish queued work, then stop the threads; idempotent.
+
+        Waits at most ``timeout`` seconds in all (None: forever). Threads
+        still busy then (a hung disk) are abandoned: they are daemon threads
+        and never touch a row again (``abandon``). Returns True when every
+        thread stopped; on False the caller must keep the rows mapped and
+        the stores' descriptors open, since a blocked thread still uses them."""
+        with self._cond:
+            first = not self._closed
+            self._closed = True
+        if first:
+            for _ in self._threads:
+                self._queue.put((_STOP_PRIORITY, next(self._order), None))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not any(t.is_alive() for t in self._threads):
+            return True
+        self.abandon()
+        # Queued items now fail fast; threads blocked in I/O stay blocked.
+        for t in self._threads:
+            t.join(0.5)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if not alive:
+            return True
+        logger.warning(
+            "kvtier: %d disk I/O thread(s) still blocked after %.0f s (a hung "
+            "disk?); shutting down without them (they will never touch the CPU "
+            "tier again)",
+            len(alive),
+            timeout or 0.0,
+        )
+        return False
+
+
+def open_stores(
+    paths: Sequence[str],
+    fingerprints: Sequence[LayoutFingerprint],
+    num_slots: int,
+    block_bytes: int,
+    **kw: Any,
+) -> list[DiskStore]:
+    """One :class:`DiskStore` per rank (``fingerprints``), all on ``paths``;
+    if one cannot be opened, those opened before are closed and the error
+    propagates."""
+    stores: list[DiskStore] = []
+    try:
+        for fp in fingerprints:
+            stores.append(DiskStore(paths, num_slots, block_bytes, fp, **kw))
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise
+    return stores
+
+
+@dataclass
+class DiskIOTotals:
+    """Cumulative disk-tier I/O as seen by finished jobs."""
+
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+
+
+class DiskRuntime:
+    """Runs SpillOrders and PromoteOrders for every TP rank; never blocks.
+
+    ``rows`` (one :class:`HostRows` per rank) defaults to the CPU tier's
+    files ``cpu_buffer_paths``, mapped as :class:`AttachedRows`: at start-up
+    when the workers created them, else at the first job.
+
+    Contract: ``submit_*`` return at once and never raise for I/O set-up
+    problems (rows that cannot be mapped, a stopped runtime): the job's keys
+    fail instead. ``poll`` returns each job exactly once after every rank
+    finished it. ``drain`` waits for everything submitted (shutdown and
+    reset only), at most ``timeout``; when it times out the runtime is
+    *broken*: its threads never touch a row again (so the caller may reuse
+    every row), the next ``poll`` reports every unfinished job failed, all
+    its keys (no late result of its I/O ever reaches ``poll``), and later
+    jobs fail at once. All I/O threads start in the constructor, so what can
+    fail fails at start-up, with the real error (nothing is left behind)."""
+
+    def __init__(
+        self,
+        *,
+        disk_paths: Sequence[str],
+        num_disk_blocks: int,
+        block_bytes: int,
+        fingerprints: Sequence[LayoutFingerprint],
+        num_cpu_blocks: int = 0,
+        cpu_buffer_paths: Sequence[str] = (),
+        rows: Sequence[HostRows] | None = None,
+        disk_io: str = "auto",
+        compression: str = "none",
+        elem_size: int = 2,
+        threads: int = 4,
+    ):
+        if rows is None:
+            if len(cpu_buffer_paths) != len(fingerprints):
+                raise ValueError("one fingerprint and one CPU buffer per rank")
+            rows = [AttachedRows(p, num_cpu_blocks, block_bytes) for p in cpu_buffer_paths]
+        self.rows = list(rows)
+        self.totals = DiskIOTotals()
+        self._broken: str | None = None
+        self._given_up: list[FinishedJob] = []
+        self._lock = threading.Lock()
+        self.stores = open_stores(
+            disk_paths,
+            fingerprints,
+            num_disk_blocks,
+            block_bytes,
+            backend=disk_io,
+            compression=compression,
+            elem_size=elem_size,
+            threads=threads,
+        )
+        try:
+            # Each rank's own threads' worth, as each rank's stores have.
+            self._engine: TransferEngine | None = TransferEngine(
+                self.rows, self.stores, threads=threads * len(self.stores)
+            )
+        except BaseException:
+            for store in self.stores:
+                store.close()
+            raise
+        for rank, r in enumerate(self.rows):
+            if isinstance(r, AttachedRows):
+                r.attach_at_start(rank)
+        logger.info(
+            "kvtier disk tier: %d blocks of %d B per rank on %s via %s",
+            num_disk_blocks,
+            block_bytes,
+            list(disk_paths),
+            self.stores[0].backend.describe(),
+        )
+
+    def scan_restore(self) -> list[tuple[bytes, int]]:
+        """Blocks a previous run left on disk that every rank holds intact
+        headers for (same key, same fingerprint), oldest first: one per key,
+        at most one per slot, so never more than the store holds.
+
+        Payload checksums are verified lazily, on promotion: a bad payload
+        then costs one miss, and start-up reads only headers."""
+        per_rank: list[dict[int, tuple[bytes, int]]] = []
+        for store in self.stores:
+            found: dict[int, tuple[bytes, int]] = {}
+            for slot, header, outcome in store.scan():
+                if outcome is ReadOutcome.OK and header is not None:
+                    found[slot] = (header.key, header.seq)
+            per_rank.append(found)
+        entries = sorted(
+            (seq, slot, key)
+            for slot, (key, seq) in per_rank[0].items()
+            if all(other.get(slot, (None,))[0] == key for other in per_rank[1:])
+        )
+        # Two slots with the same key can exist after a crash between a
+        # respill and an invalidate; keep the newest.
+        newest = {key: slot for _seq, slot, key in entries}
+        return [(key, slot) for _seq, slot, key in entries if newest[key] == slot]
+
+    @property
+    def broken(self) -> str | None:
+        """Why the runtime stopped taking jobs (a drain timed out), or None."""
+        return self._broken
+
+    def submit_spill(self, order: SpillOrder) -> None:
+        self._submit(order.job_id, order.items, True)
+
+    def submit_promote(self, order: PromoteOrder) -> None:
+        self._submit(order.job_id, order.items, False)
+
+    def _submit(self, job_id: int, items: Sequence[TransferItem], spill: bool) -> None:
+        engine = self._engine
+        try:
+            if self._broken is not None or engine is None:
+                raise RuntimeError(self._broken or "the disk tier is closed")
+            if spill:
+                engine.submit_spill(job_id, items)
+            else:
+                engine.submit_promote(job_id, items)
+        except Exception as exc:
+            logger.debug("kvtier disk tier refused job %d: %s", job_id, exc)
+            keys = list(dict.fromkeys(it[0] for it in items))
+            with self._lock:
+                self._given_up.append(FinishedJob(job_id, False, 0, 0.0, keys, keys, spill))
+
+    def poll(self) -> list[FinishedJob]:
+        with self._lock:
+            done, self._given_up = self._given_up, []
+        if self._engine is not None and self._broken is None:
+            for job in self._engine.get_finished():
+                if job.spill:
+                    self.totals.write_bytes += job.bytes
+                    self.totals.write_seconds += job.seconds
+                else:
+                    self.totals.read_bytes += job.bytes
+                    self.totals.read_seconds += job.seconds
+                done.append(job)
+        return done
+
+    @property
+    def pending(self) -> int:
+        return 0 if self._engine is None or self._broken else self._engine.pending()
+
+    def drain(self, timeout: float | None = 60.0) -> bool:
+        """Wait until every submitted job finished (results stay for poll);
+        at most ``timeout`` seconds in all. Returns False on timeout, after
+        which the runtime is broken (see the class docstring)."""
+        engine = self._engine
+        if engine is None or self._broken is not None:
+            return self._broken is None
+        if engine.wait(timeout=timeout):
+            return True
+        self._break(f"disk jobs did not finish within {timeout} s (a hung disk?)")
+        return False
+
+    def _break(self, why: str) -> None:
+        """Stop for good: no thread touches a row again, unfinished jobs fail
+        whole at the next ``poll``, later jobs fail at once (misses)."""
+        engine = self._engine
+        if self._broken is None:
+            self._broken = why
+            logger.error(
+                "kvtier disk tier stopped: %s. Pending spills and promotions are "
+                "dropped and the disk tier takes no more jobs (lookups miss); "
+                "restart the engine once the disk is healthy",
+                why,
+            )
+        if engine is not None:
+            given = engine.give_up()
+            with self._lock:
+                self._given_up.extend(given)
+
+    def checksum_failures(self) -> int:
+        return sum(s.stats().checksum_failures for s in self.stores)
+
+    def io_errors(self) -> int:
+        return sum(s.stats().io_errors for s in self.stores)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the I/O threads (at most ``timeout`` s), unmap the rows and
+        close the stores. Threads still blocked then (a hung disk) are
+        abandoned: the mappings and descriptors they use are left open (a
+        closed descriptor number could be reused by another file) until the
+        process exits. Idempotent."""
+        engine, self._engine = self._engine, None
+        stopped = engine is None or engine.shutdown(timeout=timeout)
+        if not stopped:
+            self._break("I/O threads did not stop at shutdown (a hung disk?)")
+            for store in self.stores:
+                store.abandon()
+        else:
+            for r in self.rows:
+                if isinstance(r, AttachedRows):
+                    r.close()
+            for store in self.stores:
+                store.close()
+        self.rows, self.stores = [], []

@@ -1,0 +1,382 @@
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier.store.backends.factory import make_backend
+from kvtier.store.compression import Codec
+from kvtier.store.reader import SlotReader
+from kvtier.store.scan import scan
+from kvtier.store.slabs import SlabFiles, locate, store_dirname
+from kvtier.store.slot import (
+    HEADER_SIZE,
+    LayoutFingerprint,
+    ReadOutcome,
+    slot_size,
+)
+from kvtier.store.store import DiskStore
+
+BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
+KEY = bytes(range(32)) + b"\x00\x00\x00\x01"  # 32-byte hash + 4-byte group
+SENTINEL = 0xEE
+
+
+def block(seed: int, n: int = BLOCK_BYTES) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def sentinel_out(n: int = BLOCK_BYTES) -> np.ndarray:
+    return np.full(n, SENTINEL, dtype=np.uint8)
+
+
+def location(store: DiskStore, slot: int) -> tuple[str, int]:
+    idx, local = locate(slot, len(store.paths))
+    return store.slabs[idx].path, local * store.slot_size
+
+
+def flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture(params=["none", "zstd"])
+def store(
+    request: pytest.FixtureRequest, tmp_path: Path, fingerprint: LayoutFingerprint
+) -> Any:
+    with DiskStore(
+        [str(tmp_path)],
+        8,
+        BLOCK_BYTES,
+        fingerprint,
+        backend="posix",
+        compression=request.param,
+    ) as s:
+        yield s
+
+
+def test_roundtrip_persists_across_reopen(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    data = block(1)
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        assert s.write_block(2, KEY, data, seq=7) == slot_size(BLOCK_BYTES)
+        st = s.stats()
+        assert st.write_bytes == slot_size(BLOCK_BYTES) and st.blocks_written == 1
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        out = sentinel_out()
+        assert s.read_block(2, KEY, out) is ReadOutcome.OK
+        assert out.tobytes() == data.tobytes()
+        assert s.read_block(1, KEY, sentinel_out()) is ReadOutcome.EMPTY
+        assert s.verify(2) is ReadOutcome.OK
+        st = s.stats()
+        assert st.blocks_read == 3 and st.read_bytes > 0 and st.read_seconds > 0
+
+
+def test_layout_permissions_and_striping(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    with DiskStore([str(a), str(b)], 5, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        for slot in range(5):
+            s.write_block(slot, KEY + bytes([slot]), block(slot), s.next_seq())
+        sub = store_dirname(fingerprint)
+        assert sub == "kvtier-" + fingerprint.digest().hex()[:16]
+        slab_a, slab_b = a / sub / "slab-0.kvt", b / sub / "slab-1.kvt"
+        assert s.dirs == [str(a / sub), str(b / sub)]
+        # 5 slots over 2 paths: slots 0,2,4 on a; 1,3 on b.
+        assert os.path.getsize(slab_a) == 3 * s.slot_size
+        assert os.path.getsize(slab_b) == 2 * s.slot_size
+        for slot in range(5):
+            f = slab_a if slot % 2 == 0 else slab_b
+            raw = f.read_bytes()[(slot // 2) * s.slot_size :][: s.slot_size]
+            assert raw[32 : 32 + 37] == KEY + bytes([slot])  # key field of the header
+            assert raw[HEADER_SIZE : HEADER_SIZE + BLOCK_BYTES] == block(slot).tobytes()
+        for p in (slab_a, slab_b):
+            assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+            assert stat.S_IMODE(os.stat(p.parent).st_mode) == 0o700
+            layout = p.parent / "layout.json"
+            assert stat.S_IMODE(os.stat(layout).st_mode) == 0o600
+            assert (
+                json.loads(layout.read_text())["digest"] == fingerprint.digest().hex()
+            )
+
+
+def test_corrupt_payload_is_checksum_mismatch(store: DiskStore) -> None:
+    data = np.frombuffer(np.arange(BLOCK_BYTES // 2, dtype="<u2").tobytes(), np.uint8)
+    store.write_block(3, KEY, data, store.next_seq())
+    hdr, outcome = store.read_header(3)
+    assert outcome is ReadOutcome.OK and hdr is not None
+    # The zstd store really compressed this (so both codecs are exercised).
+    assert hdr.codec is (
+        Codec.RAW if store.compression == "none" else Codec.ZSTD_BYTEPLANE
+    )
+    path, off = location(store, 3)
+    flip(path, off + HEADER_SIZE + hdr.payload_len // 2)
+    out = sentinel_out()
+    assert store.read_block(3, KEY, out) is ReadOutcome.CHECKSUM_MISMATCH
+    assert (out == SENTINEL).all()
+    assert store.verify(3) is ReadOutcome.CHECKSUM_MISMATCH
+    assert store.stats().checksum_failures == 2
+
+
+@pytest.mark.parametrize("pos", [0, 8, 20, 40, 100, 130, 140])
+def test_corrupt_header_is_bad_header(store: DiskStore, pos: int) -> None:
+    store.write_block(1, KEY, block(2), store.next_seq())
+    path, off = location(store, 1)
+    flip(path, off + pos)
+    out = sentinel_out()
+    assert store.read_block(1, KEY, out) is ReadOutcome.BAD_HEADER
+    assert (out == SENTINEL).all()
+    assert store.read_header(1) == (None, ReadOutcome.BAD_HEADER)
+
+
+@pytest.mark.parametrize("cut", ["slab_start", "mid_header", "mid_payload"])
+def test_truncated_slab_never_returns_data(store: DiskStore, cut: str) -> None:
+    data = block(3)
+    store.write_block(4, KEY, data, store.next_seq())
+    path, off = location(store, 4)
+    size = {
+        "slab_start": 0,
+        "mid_header": off + 100,
+        "mid_payload": off + HEADER_SIZE + 1000,
+    }[cut]
+    os.truncate(path, size)
+    out = sentinel_out()
+    assert store.read_block(4, KEY, out) in (
+        ReadOutcome.TRUNCATED,
+        ReadOutcome.IO_ERROR,
+    )
+    assert (out == SENTINEL).all()
+
+
+def test_foreign_fingerprint_is_fingerprint_mismatch(
+    tmp_path: Path, fingerprint: LayoutFingerprint, fingerprint_factory: Any
+) -> None:
+    other_fp = fingerprint_factory(model="another/model")
+    with (
+        DiskStore([str(tmp_path)], 4, BLOCK_BYTES, other_fp, backend="posix") as other,
+        DiskStore(
+            [str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix"
+        ) as ours,
+    ):
+        assert other.dirs != ours.dirs
+        other.write_block(0, KEY, block(4), other.next_seq())
+        # Transplant the foreign slot into our slab (e.g. files copied around).
+        src, soff = location(other, 0)
+        dst, doff = location(ours, 0)
+        with open(src, "rb") as f:
+            f.seek(soff)
+            raw = f.read(ours.slot_size)
+        with open(dst, "r+b") as f:
+            f.seek(doff)
+            f.write(raw)
+        out = sentinel_out()
+        assert ours.read_block(0, KEY, out) is ReadOutcome.FINGERPRINT_MISMATCH
+        assert (out == SENTINEL).all()
+        hdr, outcome = ours.read_header(0)
+        assert outcome is ReadOutcome.FINGERPRINT_MISMATCH
+        assert hdr is not None and hdr.fingerprint == other_fp.digest()
+
+
+def test_wrong_key_and_invalidate(store: DiskStore) -> None:
+    store.write_block(5, KEY, block(5), store.next_seq())
+    out = sentinel_out()
+    assert store.read_block(5, b"another-key", out) is ReadOutcome.KEY_MISMATCH
+    assert (out == SENTINEL).all()
+    store.invalidate(5)
+    assert store.read_block(5, KEY, out) is ReadOutcome.EMPTY
+    assert (out == SENTINEL).all()
+    assert store.verify(5) is ReadOutcome.EMPTY
+
+
+def test_scan_reports_every_slot_and_raises_seq(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with DiskStore(paths, 7, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        for slot, seq in ((0, 10), (3, 2**62), (4, 11), (6, 12)):
+            s.write_block(slot, KEY + bytes([slot]), block(slot), seq)
+        s.invalidate(6)
+        path, off = location(s, 4)
+        flip(path, off + 50)
+    with DiskStore(paths, 7, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        before = s.next_seq()
+        results = list(s.scan(window=3))
+        assert [r[0] for r in results] == list(range(7))
+        outcomes = {slot: outcome for slot, _, outcome in results}
+        assert outcomes == {
+            0: ReadOutcome.OK,
+            1: ReadOutcome.EMPTY,
+            2: ReadOutcome.EMPTY,
+            3: ReadOutcome.OK,
+            4: ReadOutcome.BAD_HEADER,
+            5: ReadOutcome.EMPTY,
+            6: ReadOutcome.EMPTY,
+        }
+        headers = {slot: h for slot, h, _ in results if h is not None}
+        assert headers[0].key == KEY + b"\x00" and headers[0].seq == 10
+        assert headers[3].seq == 2**62 and headers[3].written_at > 0
+        assert before < 2**62 < s.next_seq()
+
+
+def test_concurrent_distinct_slots(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with (
+        DiskStore(paths, 32, BLOCK_BYTES, fingerprint, backend="posix") as s,
+        ThreadPoolExecutor(8) as pool,
+    ):
+        list(
+            pool.map(
+                lambda i: s.write_block(i, KEY + bytes([i]), block(i), s.next_seq()),
+                range(32),
+            )
+        )
+
+        def check(i: int) -> bool:
+            out = sentinel_out()
+            return (
+                s.read_block(i, KEY + bytes([i]), out) is ReadOutcome.OK
+                and out.tobytes() == block(i).tobytes()
+            )
+
+        assert all(pool.map(check, range(32)))
+        assert s.stats().blocks_written == 32
+
+
+def test_read_io_error_is_outcome_logged_once(
+    tmp_path: Path,
+    fingerprint: LayoutFingerprint,
+    caplog: pytest.LogCaptureFixture,
+    fault_backend: Any,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.store")
+    backend = fault_backend(read_errno=errno.EIO)
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend=backend) as s:
+        out = sentinel_out()
+        assert s.read_block(0, KEY, out) is ReadOutcome.IO_ERROR
+        assert s.read_block(1, KEY, out) is ReadOutcome.IO_ERROR
+        assert (out == SENTINEL).all()
+        assert {o for _, _, o in s.scan()} == {ReadOutcome.IO_ERROR}
+        assert s.stats().io_errors == 6
+    logged = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(logged) == 1 and "errno 5" in logged[0] and s.slabs[0].path in logged[0]
+
+
+def test_write_error_raises_with_errno(
+    tmp_path: Path, fingerprint: LayoutFingerprint, fault_backend: Any
+) -> None:
+    backend = fault_backend(write_errno=errno.ENOSPC)
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend=backend) as s:
+        with pytest.raises(OSError) as info:
+            s.write_block(0, KEY, block(0), 1)
+        assert info.value.errno == errno.ENOSPC
+        assert s.stats().io_errors == 1
+        with pytest.raises(OSError):
+            s.invalidate(0)
+
+
+def test_roundtrip_through_async_only_backend(
+    tmp_path: Path, fingerprint: LayoutFingerprint, fault_backend: Any
+) -> None:
+    backend = fault_backend()  # no faults: exercises both the async and sync paths
+    with DiskStore(
+        [str(tmp_path)],
+        4,
+        BLOCK_BYTES,
+        fingerprint,
+        backend=backend,
+        compression="zstd",
+    ) as s:
+        data = np.zeros(BLOCK_BYTES, np.uint8)
+        data[::7] = 3
+        s.write_block(1, KEY, data, 1)
+        out = sentinel_out()
+        assert s.read_block(1, KEY, out) is ReadOutcome.OK
+        assert out.tobytes() == data.tobytes()
+        s.invalidate(1)
+        assert s.read_block(1, KEY, out) is ReadOutcome.EMPTY
+
+
+def test_argument_validation(tmp_path: Path, fingerprint: LayoutFingerprint) -> None:
+    with pytest.raises(ValueError, match="block_bytes"):
+        DiskStore([str(tmp_path)], 4, BLOCK_BYTES * 2, fingerprint, backend="posix")
+    with pytest.raises(ValueError, match="compression"):
+        DiskStore(
+            [str(tmp_path)],
+            4,
+            BLOCK_BYTES,
+            fingerprint,
+            backend="posix",
+            compression="lz4",
+        )
+    with pytest.raises(ValueError):
+        DiskStore([], 4, BLOCK_BYTES, fingerprint, backend="posix")
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        with pytest.raises(ValueError):
+            s.write_block(0, KEY, block(0, BLOCK_BYTES - 1), 1)
+        with pytest.raises(ValueError):
+            s.write_block(0, b"k" * 65, block(0), 1)
+        with pytest.raises(ValueError):
+            s.read_block(0, KEY, np.zeros(10, np.uint8))
+        with pytest.raises(IndexError):
+            s.write_block(4, KEY, block(0), 1)
+    with pytest.raises(RuntimeError):
+        s.read_block(0, KEY, sentinel_out())
+
+
+def test_read_header_raises_seq_too(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        s.write_block(2, KEY, block(2), 2**62)
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        assert s.next_seq() < 2**62
+        hdr, outcome = s.read_header(2)
+        assert outcome is ReadOutcome.OK and hdr is not None and hdr.seq == 2**62
+        assert s.next_seq() > 2**62
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_the_reader_stands_alone_over_slab_files(
+    tmp_path: Path, fingerprint: LayoutFingerprint, compression: str
+) -> None:
+    """The read path needs only the shared files, not a DiskStore."""
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    data = block(7)
+    with DiskStore(
+        paths, 5, BLOCK_BYTES, fingerprint, backend="posix", compression=compression
+    ) as s:
+        s.write_block(3, KEY, data, 42)
+    backend = make_backend("posix")
+    files = SlabFiles.open(paths, fingerprint, 5, backend, owns_backend=True)
+    seen: list[int] = []
+    reader = SlotReader(files, capacity=1)
+    try:
+        (got,) = reader.read([(3, KEY)])
+        assert got.outcome is ReadOutcome.OK
+        assert reader.rows[got.row].tobytes() == data.tobytes()
+        assert reader.read([(2, KEY)])[0].outcome is ReadOutcome.EMPTY
+        recs = scan(files, on_header=lambda hdr: seen.append(hdr.seq))
+        assert [r.outcome for r in recs].count(ReadOutcome.OK) == 1
+        assert seen == [42]
+        stats = files.stats()
+        assert stats.blocks_read == 2 and stats.blocks_written == 0
+        assert files.locate(3) == (1, files.slabs[1].offset(1))
+    finally:
+        reader.close()
+    with pytest.raises(RuntimeError):
+        reader.read([(3, None)])

@@ -1,0 +1,299 @@
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.host.cpu_tier import CpuBlockBuffer
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.compression import Codec
+from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome
+from kvtier.store.store import DiskStore
+from kvtier.store.transfers import JobOutcome, TransferEngine
+
+BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
+N = 12  # blocks per round trip
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "little") + b"\x00\x00\x00\x00"
+
+
+def fill_kv(
+    buf: CpuBlockBuffer, rows: range, dtype: torch.dtype, seed: int = 0
+) -> None:
+    """KV-shaped data: normal values in a 16-bit float dtype, viewed as bytes."""
+    g = torch.Generator().manual_seed(seed)
+    vals = torch.randn(len(rows), BLOCK_BYTES // 2, generator=g).to(dtype)
+    buf.tensor[rows.start : rows.stop] = vals.view(torch.uint8)
+
+
+@pytest.fixture
+def engine_on(
+    tmp_path: Path, shm_dir: str, fingerprint: LayoutFingerprint
+) -> Iterator[Any]:
+    made: list[Any] = []
+
+    def build(where: str, npaths: int, compression: str, **kw: Any) -> TransferEngine:
+        base = Path(shm_dir) if where == "shm" else tmp_path
+        paths = [str(base / f"p{i}") for i in range(npaths)]
+        backend: Any = PosixBackend(threads=2, direct=where != "tmp-buffered")
+        store = DiskStore(
+            paths,
+            2 * N,
+            BLOCK_BYTES,
+            fingerprint,
+            backend=backend,
+            compression=compression,
+        )
+        buf = CpuBlockBuffer(3 * N, BLOCK_BYTES)
+        eng = TransferEngine([buf], [store], threads=kw.get("threads", 4))
+        made.append((eng, store, buf, backend))
+        return eng
+
+    yield build
+    for eng, store, buf, backend in made:
+        eng.shutdown()
+        store.close()
+        buf.close()
+        backend.shutdown()
+
+
+@pytest.mark.parametrize("where", ["tmp", "shm", "tmp-buffered"])
+@pytest.mark.parametrize("npaths", [1, 2])
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_spill_promote_roundtrip_is_byte_exact(
+    engine_on: Any, where: str, npaths: int, compression: str, dtype: torch.dtype
+) -> None:
+    eng: TransferEngine = engine_on(where, npaths, compression)
+    buf, store = eng.rows[0], eng.stores[0]
+    fill_kv(buf, range(0, N), dtype)
+    original = buf.array[:N].copy()
+
+    # CPU rows 0..N-1 -> disk slots 2N-1, 2N-3, ... (odd slots, scattered)
+    disk_slots = [2 * N - 1 - 2 * i for i in range(N)]
+    eng.submit_spill(1, [(key(i), i, disk_slots[i]) for i in range(N)])
+    assert eng.wait([1], timeout=30)
+    [spill] = eng.get_finished()
+    assert (spill.job_id, spill.success, spill.failed_keys) == (1, True, [])
+    assert spill.bytes == N * BLOCK_BYTES and spill.seconds > 0
+
+    # Disk -> different CPU rows (2N..3N-1, in reverse order), which hold junk.
+    buf.array[N:] = 0xAB
+    eng.submit_promote(2, [(key(i), disk_slots[i], 3 * N - 1 - i) for i in range(N)])
+    assert eng.wait([2], timeout=30)
+    [promote] = eng.get_finished()
+    assert (promote.success, promote.failed_keys, promote.bytes) == (
+        True,
+        [],
+        N * BLOCK_BYTES,
+    )
+    for i in range(N):
+        assert buf.array[3 * N - 1 - i].tobytes() == original[i].tobytes(), i
+    assert buf.array[:N].tobytes() == original.tobytes()  # sources untouched
+    assert (buf.array[N : 2 * N] == 0xAB).all()  # rows nobody targeted
+
+    stats = store.stats()
+    codecs = {h.codec for _, h, _ in store.scan() if h is not None}
+    if compression == "zstd":
+        # KV data in 16-bit floats compresses by more than the 5% threshold.
+        assert codecs == {Codec.ZSTD_BYTEPLANE}
+        assert stats.write_bytes < N * (HEADER_SIZE + BLOCK_BYTES)
+    else:
+        assert codecs == {Codec.RAW}
+        assert stats.write_bytes == N * (HEADER_SIZE + BLOCK_BYTES)
+    handles_direct = {h.direct for h in store.files.handles}
+    assert handles_direct == ({False} if where == "tmp-buffered" else handles_direct)
+
+
+@pytest.mark.usefixtures("reject_o_direct")
+def test_roundtrip_when_filesystem_rejects_o_direct(engine_on: Any) -> None:
+    eng: TransferEngine = engine_on("shm", 2, "none")
+    buf, store = eng.rows[0], eng.stores[0]
+    assert {h.direct for h in store.files.handles} == {False}
+    fill_kv(buf, range(0, 4), torch.bfloat16, seed=3)
+    eng.submit_spill(1, [(key(i), i, i) for i in range(4)])
+    eng.submit_promote(2, [(key(i), i, 10 + i) for i in range(4)])  # may run first...
+    eng.wait([1, 2], timeout=30)
+    eng.get_finished()
+    eng.submit_promote(3, [(key(i), i, 20 + i) for i in range(4)])  # ...this one can't
+    eng.wait([3], timeout=30)
+    [res] = eng.get_finished()
+    assert res.success
+    assert buf.array[20:24].tobytes() == buf.array[0:4].tobytes()
+
+
+def test_failed_promote_keys_leave_rows_untouched(engine_on: Any) -> None:
+    eng: TransferEngine = engine_on("tmp", 1, "zstd")
+    buf, store = eng.rows[0], eng.stores[0]
+    fill_kv(buf, range(0, 3), torch.bfloat16)
+    eng.submit_spill(1, [(key(i), i, i) for i in range(3)])
+    eng.wait([1])
+    # Corrupt slot 1's payload on disk.
+    slab = store.slabs[0]
+    with open(slab.path, "r+b") as f:
+        f.seek(slab.offset(1) + HEADER_SIZE + 10)
+        f.write(b"\x00\x01\x02")
+    buf.array[10:15] = 0xEE
+    items = [
+        (key(0), 0, 10),  # ok
+        (key(1), 1, 11),  # checksum mismatch
+        (key(9), 2, 12),  # wrong key
+        (key(3), 3, 13),  # empty slot
+        (key(2), 2, 14),  # ok
+    ]
+    eng.submit_promote(2, items)
+    eng.wait([2])
+    results = {r.job_id: r for r in eng.get_finished()}
+    res = results[2]
+    assert not res.success
+    assert sorted(res.failed_keys) == sorted([key(1), key(9), key(3)])
+    assert res.bytes == 2 * BLOCK_BYTES
+    assert buf.array[10].tobytes() == buf.array[0].tobytes()
+    assert buf.array[14].tobytes() == buf.array[2].tobytes()
+    assert (buf.array[11:14] == 0xEE).all()
+
+
+def test_failed_spill_reports_keys(
+    tmp_path: Path, fingerprint: LayoutFingerprint, fault_backend: Any
+) -> None:
+    backend = fault_backend(write_errno=errno.ENOSPC, fail_offsets={0})  # slot 0 only
+    with (
+        DiskStore(
+            [str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend=backend
+        ) as store,
+        CpuBlockBuffer(2, BLOCK_BYTES) as buf,
+    ):
+        eng = TransferEngine([buf], [store], threads=2)
+        eng.submit_spill(7, [(key(0), 0, 0), (key(1), 1, 1)])
+        eng.wait([7])
+        [res] = eng.get_finished()
+        assert (res.success, res.failed_keys, res.bytes) == (
+            False,
+            [key(0)],
+            BLOCK_BYTES,
+        )
+        eng.shutdown()
+
+
+def test_a_spill_copy_that_outlasts_abandon_is_never_written(
+    engine_on: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """abandon() waits a bounded time for row copies in progress; after it
+    gave up, the caller reuses the rows, so a spill still copying its row
+    may have staged two blocks' bytes. Written under the key with a valid
+    checksum, a warm restart would serve them: it must never be written."""
+    eng: TransferEngine = engine_on("tmp", 1, "none", threads=1)
+    buf, store = eng.rows[0], eng.stores[0]
+    fill_kv(buf, range(0, 1), torch.bfloat16)
+    copying, done_copying = threading.Event(), threading.Event()
+    real = store.write_block
+
+    def slow_copy(slot, k, data, seq, *, on_staged=None):
+        def staged_late() -> None:  # the row copy takes this long
+            copying.set()
+            done_copying.wait(30)
+            on_staged()
+
+        return real(slot, k, data, seq, on_staged=staged_late)
+
+    monkeypatch.setattr(store, "write_block", slow_copy)
+    eng.submit_spill(1, [(key(0), 0, 0)])
+    assert copying.wait(30)
+    assert eng.abandon(timeout=0.1) is False  # gave up on the copy
+    buf.array[0] = 0x5A  # the row's next owner writes it
+    done_copying.set()
+    assert eng.wait([1], timeout=30)
+    [res] = eng.get_finished()
+    assert res.failed_keys == [key(0)]
+    out = np.zeros(BLOCK_BYTES, dtype=np.uint8)
+    assert store.read_block(0, key(0), out) is ReadOutcome.EMPTY  # not written
+
+
+def test_generic_jobs_wait_pending_and_errors(engine_on: Any) -> None:
+    eng: TransferEngine = engine_on("tmp", 1, "none", threads=2)
+    gate = threading.Event()
+
+    def blocked() -> JobOutcome:
+        gate.wait(10)
+        return JobOutcome(success=True, bytes=5)
+
+    def broken() -> JobOutcome:
+        raise RuntimeError("boom")
+
+    eng.submit(1, blocked)
+    eng.submit(2, broken)
+    with pytest.raises(ValueError):
+        eng.submit(1, blocked)  # id still pending
+    assert eng.wait([2], timeout=10)
+    assert not eng.wait([1], timeout=0.05)
+    assert eng.pending() == 1
+    gate.set()
+    assert eng.wait([1, 2, 99], timeout=10)  # 99 was never submitted
+    results = {r.job_id: r for r in eng.get_finished()}
+    assert results[1].success and results[1].bytes == 5
+    assert not results[2].success and results[2].bytes == 0
+    assert eng.get_finished() == [] and eng.pending() == 0
+    eng.submit_spill(3, [])
+    assert [r.success for r in eng.get_finished()] == [True]
+    eng.submit(4, lambda: JobOutcome(success=True, failed_keys=[b"k"]))
+    eng.wait([4])
+    assert not eng.get_finished()[0].success  # failed keys imply failure
+
+
+def test_promotes_overtake_queued_spills(engine_on: Any) -> None:
+    eng: TransferEngine = engine_on("tmp", 1, "none", threads=1)
+    fill_kv(eng.rows[0], range(0, 4), torch.bfloat16)
+    eng.submit_spill(1, [(key(0), 0, 0)])
+    eng.wait([1])
+    eng.get_finished()
+    started, gate = threading.Event(), threading.Event()
+
+    def occupy() -> JobOutcome:
+        started.set()
+        gate.wait(10)
+        return JobOutcome(success=True)
+
+    eng.submit(2, occupy)  # holds the only worker while the others queue up
+    assert started.wait(10)
+    eng.submit_spill(3, [(key(i), i, i) for i in range(1, 4)])
+    eng.submit_promote(4, [(key(0), 0, 20)])
+    gate.set()
+    eng.wait([2, 3, 4], timeout=30)
+    order = [r.job_id for r in eng.get_finished()]
+    assert order == [2, 4, 3]
+
+
+def test_shutdown_drains_then_rejects(engine_on: Any) -> None:
+    eng: TransferEngine = engine_on("tmp", 1, "none", threads=1)
+    fill_kv(eng.rows[0], range(0, 8), torch.float16)
+    eng.submit_spill(1, [(key(i), i, i) for i in range(8)])
+    eng.shutdown()
+    [res] = eng.get_finished()
+    assert res.success and res.bytes == 8 * BLOCK_BYTES
+    with pytest.raises(RuntimeError):
+        eng.submit_spill(2, [])
+    eng.shutdown()
+
+
+def test_geometry_mismatch(tmp_path: Path, fingerprint: LayoutFingerprint) -> None:
+    with (
+        DiskStore(
+            [str(tmp_path)], 2, BLOCK_BYTES, fingerprint, backend="posix"
+        ) as store,
+        CpuBlockBuffer(2, BLOCK_BYTES // 2) as buf,
+        pytest.raises(ValueError),
+    ):
+        TransferEngine([buf], [store])
+
+
+def test_rows_are_numpy_views(engine_on: Any) -> None:
+    eng: TransferEngine = engine_on("tmp", 1, "none")
+    assert isinstance(eng.rows[0].array, np.ndarray)
