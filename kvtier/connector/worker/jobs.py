@@ -16,7 +16,7 @@ copy goes or stays (the disk core's read-failure rule). Anything *raised*
 while a job runs (a bug, an error no one foresaw in the reader or the copy
 path) is unexpected: the worker contains it, so that it never reaches vLLM's
 model runner, and fails the whole job, as nothing the job wrote can be
-trusted. :class:`JobExceptions` logs and counts those; :func:`whole_load_error`
+trusted. :class:`JobExceptions` logs and counts those; :meth:`Job.whole_error`
 is what such a load reports.
 
 Thread-safety: the model runner's thread only (the load pipeline never sees
@@ -105,16 +105,6 @@ def disk_load_error(
     return error
 
 
-def whole_load_error(src: LoadStoreSpec, dst: GPULoadStoreSpec) -> LoadError:
-    """A load that raised: every disk key of the job as *unloaded* (their
-    promotion rows are given back unwritten; the disk copies were not shown
-    bad, so they stay and a later request may load them) and every GPU
-    block, whether meant for a disk or a CPU block (a partial load counts
-    for nothing)."""
-    keys = [k for k in src.keys if k] if isinstance(src, TierLoadSpec) else []
-    return LoadError(unloaded=keys, gpu_block_ids={int(b) for b in dst.block_ids})
-
-
 class JobExceptions:
     """The exceptions a worker contained: ``count`` of them, and a log line
     with the traceback for the first of each distinct cause (exception type
@@ -166,9 +156,15 @@ class Job:
     dst: GPULoadStoreSpec | None = None
 
     def whole_error(self) -> LoadError:
-        """Every block of this load failed."""
-        assert self.src is not None and self.dst is not None
-        return whole_load_error(self.src, self.dst)
+        """Every block of this load failed (it raised, or was given up):
+        every disk key as *unloaded* (their promotion rows are given back
+        unwritten; nothing showed the disk copies bad, so they stay for a
+        later request) and every GPU block, whether meant for a disk or a CPU
+        block (a partial load counts for nothing)."""
+        src, dst = self.src, self.dst
+        assert src is not None and dst is not None
+        keys = [k for k in src.keys if k] if isinstance(src, TierLoadSpec) else []
+        return LoadError(unloaded=keys, gpu_block_ids={int(b) for b in dst.block_ids})
 
 
 class JobBook:

@@ -1,40 +1,35 @@
-"""The worker's load pipeline: the part of a load that takes time, on one
-thread of its own, off the model runner's thread.
+"""The worker's load pipeline: the slow part of every load, on one thread
+of its own.
 
 vLLM calls ``submit_load`` on the model runner's thread, between engine
 steps, and every running request waits for what it does there (vLLM 0.33:
 "Submission itself must still not block"). The worker only plans a load
-there and hands its :class:`LoadTask` to this pipeline, whose thread reads
-the task's disk slots batch by batch into the reader's bounce area, verifies
-every slot, copies a verified block with a promotion row into that CPU row,
-and copies the batch into the KV cache: itself on the CPU platform (CPU-tier
+there and hands its :class:`LoadTask` to the pipeline's thread, which reads
+the disk slots batch by batch into the reader's bounce area, verifies every
+slot, copies a verified block with a promotion row into that CPU row, and
+copies the batch into the KV cache: itself on the CPU platform (CPU-tier
 rows too), on accelerators by issuing transfers on vLLM's handlers from a
 stream of its own that follows the model's stream as it was at
-``submit_load`` (the task's ``after``). The task comes back through
-:meth:`LoadPipeline.take` once all of it is done, failed or given up and
-every transfer it issued landed: the model runner's thread only collects.
+``submit_load`` (the task's ``after``). The model runner's thread only
+collects finished tasks.
 
 The bounce area is a ring of parts (:class:`BounceRing`); a part *is* one
-read batch, so later batches are read into the other parts while one is
-verified and copied. A part is read into again only once no transfer reads
-it, whichever task they belong to.
-
-The thread is fed like vLLM's ``DualQueueThreadPool``: expedited tasks
-(vLLM 0.33's synchronous loads, waited on within the step) first, the others
-taking turns, one unit (a read batch, or a run of CPU-row copies) per turn,
-so a CPU-tier hit or a short prefix never waits for a long prefix to come
-off disk. One thread and whole batches, because an in-process engine's loop
-spins without sleeping: a background thread gets the interpreter lock back
-only at the switch interval each time it blocks, so work is handed over per
-batch and per task, never per block.
+read batch, so later batches are read into other parts while one is
+verified and copied. The thread is fed like vLLM's ``DualQueueThreadPool``:
+expedited tasks (vLLM 0.33's synchronous loads, waited on within the step)
+first, the others taking turns, one unit (a read batch, or a run of CPU-row
+copies) per turn, so a CPU-tier hit or a short prefix never waits for a
+long prefix to come off disk. One thread and whole batches, because an
+in-process engine's loop spins without sleeping: a background thread gets
+the interpreter lock back only at the switch interval each time it blocks,
+so work is handed over per batch and per task, never per block.
 
 One deadline per batch (``deadline_s``, from when the thread starts it): a
 batch whose reads have not returned by then is given up, its blocks fail as
-I/O errors (their disk copies stay) and its part stays STUCK until the reads
+I/O errors (their disk copies stay) and its part is STUCK until the reads
 return; with every part stuck, disk blocks fail at once, unread, while
-CPU-row copies go on. Where the thread itself cannot come back (an open or
-a transfer that does not return), :meth:`LoadPipeline.overdue` tells the
-worker, which gives up every load it holds.
+CPU-row copies go on. A thread stuck in one step (an open or a transfer
+that does not return) is the worker's to handle (:meth:`LoadPipeline.overdue`).
 """
 
 from __future__ import annotations
@@ -120,7 +115,7 @@ class LoadTask:
     and none in flight, nothing of the thread's can still write the job's
     blocks, so the worker may report it without the thread. The fields
     after ``copies`` are the thread's progress: CPU-row copies left, disk
-    blocks not yet read (positions in the spec), read batches in flight."""
+    blocks not yet read (positions in the spec)."""
 
     job_id: int
     groups: list[GroupPlan]
@@ -137,7 +132,6 @@ class LoadTask:
     copies: int = field(default=0, init=False)
     cpu_left: deque[tuple[int, CopyPlan]] = field(default_factory=deque, init=False)
     disk_left: np.ndarray | None = field(default=None, init=False)
-    batches: int = field(default=0, init=False)
     started: float | None = field(default=None, init=False)
 
     def cut(self, per_unit: int) -> None:
@@ -231,9 +225,12 @@ class BounceRing:
                 return part
         return None
 
-    def reading(self) -> list[Part]:
-        """The READING parts, oldest batch first."""
-        return sorted((p for p in self.parts if p.state is READING), key=lambda p: p.since)
+    def reading(self, task: LoadTask | None = None) -> list[Part]:
+        """The READING parts (``task``'s only, if given), oldest batch first."""
+        parts = [p for p in self.parts if p.state is READING]
+        if task is not None:
+            parts = [p for p in parts if p.task is task]
+        return sorted(parts, key=lambda p: p.since)
 
     def stuck(self) -> list[Part]:
         return [p for p in self.parts if p.state is STUCK]
@@ -253,7 +250,7 @@ class BounceRing:
                     task.copies -= 1
             if part is not None:
                 part.transfers.discard(transfer)
-                if not part.transfers and part.state is COPYING:
+                if not part.transfers:  # COPYING until its last one landed
                     self.free(part)
 
     def free(self, part: Part) -> None:
@@ -438,7 +435,8 @@ class LoadPipeline:
         reader, ring = self.reader, self.ring
         if ring.parts:
             ring.reap(reader)
-        self._land()
+        if ring.transfers:  # landed: their tasks may finish, their parts free
+            ring.landed(self.copies.poll())
         task = self._pick()
         reading = ring.reading()
         if task is not None:
@@ -472,7 +470,7 @@ class LoadPipeline:
             for _ in range(len(queue)):
                 task = queue.popleft()
                 if not task.copies and (
-                    task.cancelled or (not task.has_work() and not task.batches)
+                    task.cancelled or not (task.has_work() or self.ring.reading(task))
                 ):
                     self._done(task)
                     continue
@@ -486,12 +484,10 @@ class LoadPipeline:
         return None
 
     def _runnable(self, task: LoadTask) -> bool:
-        if task.cancelled:
-            return False  # waits for its copies in flight, then leaves
+        if task.cancelled or not task.has_work():
+            return False  # waits for its reads or copies in flight, then leaves
         if task.cpu_left:
             return True
-        if task.disk_left is None or not len(task.disk_left):
-            return False
         states = {p.state for p in self.ring.parts}
         return FREE in states or states == {STUCK}  # all stuck: fails at once
 
@@ -524,7 +520,6 @@ class LoadPipeline:
         items = [(int(spec.block_ids[p]), spec.keys[p]) for p in batch]
         part.pending = self.reader.submit(items, first_row=part.first_row)
         part.state, part.task, part.positions = READING, task, batch
-        task.batches += 1
 
     def _finish(self, part: Part) -> None:
         """Verify a batch whose reads returned, copy its promotions, and copy
@@ -533,7 +528,6 @@ class LoadPipeline:
         reader, task = self.reader, part.task
         assert task is not None and part.positions is not None
         part.state = COPYING
-        task.batches -= 1
         try:
             bounce_row = task.delivered(part.positions, reader.complete(part.pending))
             self.read_latencies.add(time.monotonic() - part.since)
@@ -558,7 +552,6 @@ class LoadPipeline:
         fail as I/O errors, its part is STUCK until the reads return."""
         task = part.task
         assert task is not None and task.failed is not None
-        task.batches -= 1
         task.failed[part.positions] = IO_ERROR  # a stall: the copies stay
         part.state = STUCK
         if not task.cancelled:  # else the worker gave the job up and said so
@@ -585,22 +578,14 @@ class LoadPipeline:
         if transfer is not None:
             self.ring.issued(transfer, task, part)
 
-    def _land(self) -> None:
-        """Note the transfers that landed: their tasks may finish, their
-        parts be read into again."""
-        if self.ring.transfers:
-            self.ring.landed(self.copies.poll())
-
     def _fail(self, task: LoadTask, exc: BaseException) -> None:
         """``task`` raised: it fails whole; its other batches are dropped."""
         task.error = exc
-        for part in self.ring.parts:
-            if part.task is task and part.state is READING:
-                task.batches -= 1
-                if self.reader.ready(part.pending):
-                    self.ring.abandon(part, self.reader)
-                else:  # never wait here for a read that may not return
-                    part.state = STUCK
+        for part in self.ring.reading(task):
+            if self.reader.ready(part.pending):
+                self.ring.abandon(part, self.reader)
+            else:  # never wait here for a read that may not return
+                part.state = STUCK
         task.cpu_left.clear()
         task.disk_left = None
 

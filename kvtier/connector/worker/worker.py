@@ -7,34 +7,27 @@ disk block the scheduler gave a promotion row is also copied into that CPU
 row).
 
 ``submit_*`` never waits for I/O. A store's copies are issued on the
-calling (model-runner) thread. A load is planned there (index arithmetic)
-and its slow part runs on the worker's load thread
-(:mod:`kvtier.connector.worker.pipeline`): the disk reads, pipelined batch by
-batch through the bounce area, the verification of every slot, and on the
-CPU platform the copies into the KV cache too. It completes through
-``get_finished``. Copies between the KV cache and the host go through a
-copy path: on accelerators vLLM's own transfer code
-(:class:`~kvtier.connector.worker.device_copy.DeviceCopies`), one instance
-per thread: the model runner's issues stores and CPU-tier rows, the load
-thread's the disk batches; on the CPU platform kvtier's word-sized copier
-(:class:`~kvtier.host.block_copy.HostCopies`), shared. A job may be several
-transfers (one per KV-cache group and host area, one per bounce batch); it
-is reported done once its load task came back (which waits for the
-transfers it issued) and every transfer of the model runner's thread
-landed (the bookkeeping: :mod:`kvtier.connector.worker.jobs`).
+calling (model-runner) thread; a load is planned there (index arithmetic)
+and its slow part runs on the load pipeline
+(:mod:`kvtier.connector.worker.pipeline`). Copies between the KV cache and
+the host go through a copy path: on accelerators vLLM's own transfer code
+(:class:`~kvtier.connector.worker.device_copy.DeviceCopies`), one per
+thread (the model runner's issues stores and CPU-tier rows, the load
+thread's the disk batches); on the CPU platform kvtier's word-sized copier
+(:class:`~kvtier.host.block_copy.HostCopies`), shared. A job is reported
+done once its load task came back and every transfer of it landed
+(:mod:`kvtier.connector.worker.jobs`).
 
 What fails costs a recompute, never wrong KV or a hang. A disk block that
-fails (I/O error, checksum, header, wrong key) is copied nowhere; the job
-reports the keys and GPU blocks it could not fill (:meth:`take_load_error`)
-and kvtier's connector turns that into vLLM's load-error path. Under
-kvtier's connector (``contain_exceptions``) an exception raised by a job (a
-bug, an unforeseen error of the reader or the copy path) is logged, counted
-(:class:`~kvtier.connector.worker.jobs.JobExceptions`) and fails the whole
-job: a load with every block, a store with every CPU row
-(:meth:`take_store_error`). A read batch that does not come back by its
-deadline costs its blocks; when the load thread itself does not come back
-from one step (a hung open or transfer), every load it holds is given up
-whole.
+fails (I/O error, checksum, header, wrong key, a batch past its deadline)
+is copied nowhere; the job reports the keys and GPU blocks it could not
+fill (:meth:`take_load_error`) and kvtier's connector turns that into
+vLLM's load-error path. Under kvtier's connector (``contain_exceptions``)
+an exception raised by a job (a bug, an unforeseen error of the reader or
+the copy path) is logged, counted and fails the whole job: a load with
+every block, a store with every CPU row (:meth:`take_store_error`). A load
+thread that does not come back from one step (a hung open or transfer)
+costs every load it holds, failed whole.
 """
 
 from __future__ import annotations
@@ -61,7 +54,6 @@ from kvtier.connector.worker.jobs import (
     JobExceptions,
     LoadError,
     disk_load_error,
-    whole_load_error,
 )
 from kvtier.connector.worker.kv_layout import group_views
 from kvtier.connector.worker.pipeline import TICK_S, LoadPipeline, LoadTask, Reader
@@ -219,8 +211,8 @@ class TieredOffloadingWorker(OffloadingWorker):
         A disk block that fails is left unfilled. With
         ``contain_exceptions``, an exception raised on the way (here or on
         the load thread) is logged, counted (``exceptions``) and fails every
-        block of the job (:func:`~kvtier.connector.worker.jobs.
-        whole_load_error`); without, it propagates (from here, or from
+        block of the job (:meth:`~kvtier.connector.worker.jobs.Job.
+        whole_error`); without, it propagates (from here, or from
         ``get_finished``). A failed job is reported once the copies it had
         already submitted landed, and :meth:`take_load_error` names the
         keys and GPU blocks it could not deliver."""
@@ -236,7 +228,7 @@ class TieredOffloadingWorker(OffloadingWorker):
                 self.book.jobs.pop(job_id, None)
                 raise
             self.exceptions.note(exc, "load", job_id)
-            self.book.fail(job, whole_load_error(src_spec, dst_spec))
+            self.book.fail(job, job.whole_error())
             self.book.settle(job)
             return True
         if job.task is None:
