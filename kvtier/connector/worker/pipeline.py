@@ -57,11 +57,9 @@ from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = get_logger("connector")
 
-# A batch not back this long after it started is given up; a healthy drive
-# reads one in milliseconds.
+# A batch not back this long after it started is given up; a healthy drive takes ms.
 BATCH_DEADLINE_S = 15.0
-# Nice levels below the engine: its step wins a busy core and the load takes
-# the slack (19 starved the load).
+# The engine's step wins a busy core, the load takes the slack (19 starved it).
 LOAD_THREAD_NICE = 10
 # The thread looks at deadlines, cancellations and new work at least this often.
 TICK_S = 0.05
@@ -197,8 +195,9 @@ class BounceRing:
     flight (``transfers``: id -> its task and the part it reads, oldest first).
 
     Contract (the load thread only: no locking):
-      - :meth:`lay_out` cuts the area (:func:`part_layout`) before the first
-        read; :meth:`take` returns the next FREE part in ring order, or None.
+      - :meth:`lay_out` cuts the area (:func:`part_layout`) ahead of a task's
+        reads, again only while every part is FREE; :meth:`take` returns the
+        next FREE part in ring order, or None.
       - :meth:`issued` notes a transfer of a task (reading a part, or None
         for a copy from elsewhere); :meth:`landed` notes the ids that landed
         (unknown ids are ignored): a COPYING part whose last transfer landed
@@ -213,8 +212,12 @@ class BounceRing:
         self._next = 0
 
     def lay_out(self, capacity: int, slot_bytes: int) -> None:
-        count, self.per_part = part_layout(capacity, slot_bytes)
-        self.parts = [Part(i * self.per_part) for i in range(count)]
+        count, per = part_layout(capacity, slot_bytes)
+        if (count, per) == (len(self.parts), self.per_part):
+            return
+        if all(p.state is FREE for p in self.parts):
+            self.parts = [Part(i * per) for i in range(count)]
+            self.per_part, self._next = per, 0
 
     def take(self) -> Part | None:
         n = len(self.parts)
@@ -426,7 +429,7 @@ class LoadPipeline:
             while self._queue:
                 task = self._queue.popleft()
                 task.cut(self._per_unit)
-                if task.disk_left is not None and not self.ring.parts:
+                if task.disk_left is not None:
                     self.ring.lay_out(self.reader.capacity, self.reader.slot_size)
                 (self._expedited if task.expedited else self._turns).append(task)
             if self._stopping:

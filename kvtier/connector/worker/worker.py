@@ -70,8 +70,7 @@ from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = get_logger("connector")
 
-# Shutdown never waits longer for the load thread; a read that never returns
-# keeps its areas mapped.
+# Shutdown waits no longer for the load thread; a read still out keeps its areas mapped.
 STOP_DEADLINE_S = 10.0
 
 
