@@ -137,15 +137,16 @@ class LoadTask:
         CPU-row copies (``cpu_left``), and note the disk blocks to read."""
         for group, plan in self.cpu_plans:
             for lo in range(0, len(plan), per_unit):
-                hi = lo + per_unit
-                unit = CopyPlan(plan.gpu_ids[lo:hi], plan.row_ids[lo:hi], plan.sub_ids[lo:hi])
+                span = slice(lo, lo + per_unit)
+                unit = CopyPlan(plan.gpu_ids[span], plan.row_ids[span], plan.sub_ids[span])
                 self.cpu_left.append((group, unit))
         if self.spec is not None:
             self.disk_left = np.flatnonzero(self.spec.on_disk)
 
     def has_work(self) -> bool:
         """Units left to start (CPU-row copies or disk reads)."""
-        return bool(self.cpu_left) or (self.disk_left is not None and len(self.disk_left) > 0)
+        disk = self.disk_left
+        return bool(self.cpu_left) or (disk is not None and len(disk) > 0)
 
     def delivered(self, positions: np.ndarray, results: list[Any]) -> np.ndarray:
         """Note a read batch's outcomes (one per block at ``positions`` of the
@@ -307,7 +308,11 @@ class LoadPipeline:
     """
 
     def __init__(
-        self, reader: Reader | None, copies: CopyPath, cpu_buffer: Any, block_bytes: list[int]
+        self,
+        reader: Reader | None,
+        copies: CopyPath,
+        cpu_buffer: Any,
+        block_bytes: list[int],
     ) -> None:
         self.reader = reader
         self.copies = copies
@@ -388,7 +393,9 @@ class LoadPipeline:
     # ------------------------------------------------------ the load thread
 
     def _start_thread(self) -> None:
-        self.thread = threading.Thread(target=self._run, name="kvtier-load", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name="kvtier-load", daemon=True
+        )
         self.thread.start()
 
     def _run(self) -> None:
@@ -452,7 +459,8 @@ class LoadPipeline:
             self.copies.wait({next(iter(ring.transfers))})
         elif reading:
             oldest = reading[0]
-            if oldest.task.cancelled or time.monotonic() - oldest.since > self.deadline_s:
+            late = time.monotonic() - oldest.since > self.deadline_s
+            if late or oldest.task.cancelled:
                 self._give_up(oldest)
             else:
                 self._step_since = None
@@ -512,7 +520,8 @@ class LoadPipeline:
     def _read(self, task: LoadTask) -> None:
         """Start reading ``task``'s next batch into the next free part."""
         spec = task.spec
-        assert spec is not None and task.failed is not None and task.disk_left is not None
+        assert spec is not None and task.failed is not None
+        assert task.disk_left is not None
         per = self.ring.per_part
         batch, task.disk_left = task.disk_left[:per], task.disk_left[per:]
         part = self.ring.take()
@@ -559,8 +568,8 @@ class LoadPipeline:
         part.state = STUCK
         if not task.cancelled:  # else the worker gave the job up and said so
             logger.error(
-                "kvtier: disk reads of load job %d have not returned after %.0f s: "
-                "its %d blocks are recomputed; %d of %d bounce parts wait for the reads",
+                "kvtier: disk reads of load job %d have not returned after %.0f s: its "
+                "%d blocks are recomputed; %d of %d bounce parts wait for the reads",
                 task.job_id,
                 time.monotonic() - part.since,
                 len(part.positions),
