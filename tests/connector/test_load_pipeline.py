@@ -360,6 +360,45 @@ def test_an_open_that_never_returns_costs_its_job_not_a_hang(tmp_path, plan):
         r.close()
 
 
+def test_a_stuck_load_thread_costs_every_load_it_holds(tmp_path, plan):
+    """A load submitted while the thread is stuck in one step (an open that
+    does not return) cannot start either: past the deadline the worker
+    gives up every load it holds, whole and kept on disk; once the thread
+    is back, loads work again."""
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
+    release = threading.Event()
+    try:
+        failed_open = plan.add(FaultRule.error(errno.EIO, ops="open", first_n=1))
+        r.worker.get_finished()  # the load thread starts, its opens fail
+        _wait_for(lambda: plan.count(FaultKind.ERROR) >= 1, "the failed open")
+        plan.remove(failed_open)
+        first = push_to_disk(r, [1, 2], others="bcdef")
+        second = r.keys("b", 4)[:2]
+        hang = plan.add(FaultRule.hang(release, ops="open"))
+        r.worker.loads.deadline_s = 0.3
+        ctx1 = _submit(r, first, [40, 41], job_id=1)
+        _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held open")
+        ctx2 = _submit(r, second, [44, 45], job_id=2)
+        done = wait_finished(r.worker, count=2)
+        assert sorted((d.job_id, d.success) for d in done) == [(1, False), (2, False)]
+        for job, keys, ctx in ((1, first, ctx1), (2, second, ctx2)):
+            error = r.worker.take_load_error(job)
+            assert error.unloaded == keys and error.keys == error.io_failed == []
+            _complete(r, keys, ctx, error)
+        plan.remove(hang)
+        release.set()
+        _wait_for(r.worker.loads.idle, "the load thread to come back")
+        assert not any(_landed(r, first + second, [40, 41, 44, 45]))
+        r.worker.loads.deadline_s = pipeline.BATCH_DEADLINE_S
+        ctx3 = _submit(r, first, [48, 49], job_id=3)
+        assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(3, True)]
+        assert _landed(r, first, [48, 49]) == [True, True]
+        _complete(r, first, ctx3)
+    finally:
+        release.set()
+        r.close()
+
+
 def _record_reads(r: RequestRunner, jobs: dict[bytes, int]) -> list[int]:
     """The job of every read batch the load thread starts, in order
     (``jobs`` maps each job's first key to its id)."""
