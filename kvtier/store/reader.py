@@ -424,7 +424,11 @@ class SlotReader:
         or the start failed (logged)."""
         ssz = self.slot_size
         rows = slice(run.row, run.row + run.count)
-        target = (self.staging if self._area is None else self._area)[rows].reshape(-1)
+        # kvikio reads into the staging tensor itself, whatever its device;
+        # the other back ends into host memory (on the CPU, the staging
+        # tensor's own).
+        direct = self._start_read is not None or self._area is None
+        target = (self.staging if direct else self._area)[rows].reshape(-1)
         try:
             handle = self.files.handle(run.slab)
             offset = run.local * ssz

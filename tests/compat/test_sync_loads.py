@@ -33,7 +33,7 @@ from kvtier.connector.connector import (  # noqa: E402
     KvtierWorkerMetadata,
 )
 from kvtier.connector.specs import CpuTierSpec  # noqa: E402
-from kvtier.connector.worker.job_errors import LoadError  # noqa: E402
+from kvtier.connector.worker.jobs import LoadError  # noqa: E402
 from kvtier.connector.worker_report import WorkerCounters, WorkerReport  # noqa: E402
 
 needs_sync_loads = pytest.mark.skipif(

@@ -123,9 +123,8 @@ def landing_at_once(r: RequestRunner):
 
 
 def _no_copy_in_flight(r: RequestRunner) -> None:
-    bounce = r.worker.loads._bounce
-    assert bounce.idle()
-    assert not bounce.read_by_copies(0) and not bounce.read_by_copies(1)
+    ring = r.worker.loads.ring
+    assert not ring.transfers and not any(part.transfers for part in ring.parts)
 
 
 def _submit_disk_load(r: RequestRunner, name: str, keys, gpu_blocks, job_id: int):

@@ -7,32 +7,27 @@ disk block the scheduler gave a promotion row is also copied into that CPU
 row).
 
 ``submit_*`` never waits for I/O. A store's copies are issued on the
-calling (model-runner) thread. A load is planned there (index arithmetic)
-and its slow part runs on the worker's load thread
-(:mod:`kvtier.connector.worker.load_runner`): the disk reads, pipelined batch by
-batch through the bounce area, the verification of every slot, and on the
-CPU platform the copies into the KV cache too. It completes through
-``get_finished``. Copies between the KV cache and the host go through a
-copy path: on accelerators vLLM's own transfer code
-(:class:`~kvtier.connector.worker.device_copy.DeviceCopies`), one instance
-per thread: the model runner's issues stores and CPU-tier rows, the load
-thread's the disk batches; on the CPU platform kvtier's word-sized copier
-(:class:`~kvtier.host.block_copy.HostCopies`), shared. A job may be several
-transfers (one per KV-cache group and host area, one per bounce batch); it
-is reported done once its load task came back (which waits for the
-transfers it issued) and every transfer of the model runner's thread
-landed (the bookkeeping: :mod:`kvtier.connector.worker.job_book`).
+calling (model-runner) thread; a load is planned there (index arithmetic)
+and its slow part runs on the load pipeline
+(:mod:`kvtier.connector.worker.pipeline`). Copies between the KV cache and
+the host go through a copy path: on accelerators vLLM's own transfer code
+(:class:`~kvtier.connector.worker.device_copy.DeviceCopies`), one per
+thread (the model runner's issues stores and CPU-tier rows, the load
+thread's the disk batches); on the CPU platform kvtier's word-sized copier
+(:class:`~kvtier.host.block_copy.HostCopies`), shared. A job is reported
+done once its load task came back and every transfer of it landed
+(:mod:`kvtier.connector.worker.jobs`).
 
 What fails costs a recompute, never wrong KV or a hang. A disk block that
-fails (I/O error, checksum, header, wrong key) is copied nowhere; the job
-reports the keys and GPU blocks it could not fill (:meth:`take_load_error`)
-and kvtier's connector turns that into vLLM's load-error path. Under
-kvtier's connector (``contain_exceptions``) an exception raised by a job (a
-bug, an unforeseen error of the reader or the copy path) is logged, counted
-(:mod:`kvtier.connector.worker.job_errors`) and fails the whole job: a load with
+fails (I/O error, checksum, header, wrong key, a batch past its deadline)
+is copied nowhere; the job reports the keys and GPU blocks it could not
+fill (:meth:`take_load_error`) and kvtier's connector turns that into
+vLLM's load-error path. Under kvtier's connector (``contain_exceptions``)
+an exception raised by a job (a bug, an unforeseen error of the reader or
+the copy path) is logged, counted and fails the whole job: a load with
 every block, a store with every CPU row (:meth:`take_store_error`). A load
-that does not finish within ``LOAD_DEADLINE_S`` (a read that never returns)
-is given up whole.
+thread that does not come back from one step (a hung open or transfer)
+costs every load it holds, failed whole.
 """
 
 from __future__ import annotations
@@ -52,18 +47,17 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvtier.connector.worker.job_book import Job, JobBook
-from kvtier.connector.worker.job_errors import (
+from kvtier.connector.worker.jobs import (
     BAD,
+    Job,
+    JobBook,
     JobExceptions,
     LoadError,
     disk_load_error,
-    whole_load_error,
 )
-from kvtier.connector.worker.job_plan import plan_load, split_by_group
 from kvtier.connector.worker.kv_layout import group_views
-from kvtier.connector.worker.load_runner import LoadRunner
-from kvtier.connector.worker.load_task import LoadTask
+from kvtier.connector.worker.pipeline import TICK_S, LoadPipeline, LoadTask
+from kvtier.connector.worker.plans import split_by_group, split_load
 from kvtier.host.block_copy import (
     CopyPath,
     CopyPlan,
@@ -77,13 +71,7 @@ from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = get_logger("connector")
 
-
-# A load whose host work has not finished by then is given up (see the
-# module doc): long enough for any healthy drive to read a whole bounce
-# area many times over, short enough that a request never waits forever.
-LOAD_DEADLINE_S = 60.0
-# How long shutdown waits for the load thread before leaving the host areas
-# mapped (a read that never returns must not write into unmapped memory).
+# Shutdown waits no longer for the load thread; a read still out keeps its areas mapped.
 STOP_DEADLINE_S = 10.0
 
 
@@ -106,7 +94,7 @@ class TieredOffloadingWorker(OffloadingWorker):
     so the spec sets it only under kvtier's connector.
 
     Thread-safety: vLLM calls every method from the model runner's thread;
-    the load thread shares only what :class:`LoadRunner` hands over."""
+    the load thread shares only what :class:`LoadPipeline` hands over."""
 
     def __init__(
         self,
@@ -171,14 +159,12 @@ class TieredOffloadingWorker(OffloadingWorker):
         self.reader = reader
         self.block_bytes = block_bytes
         self.copies = copies
-        self.loads = LoadRunner(
+        self.loads = LoadPipeline(
             reader, copies if load_copies is None else load_copies, cpu_buffer, block_bytes
         )
         self.book = JobBook(block_bytes)
         self.contain_exceptions = False
         self.exceptions = JobExceptions()
-        self.deadline_s = LOAD_DEADLINE_S
-        self._next_deadline = float("inf")  # the earliest of a load in flight
         self._warm = reader is None  # nothing to open ahead without a disk tier
 
     # ------------------------------------------------------------- contract
@@ -225,14 +211,12 @@ class TieredOffloadingWorker(OffloadingWorker):
         A disk block that fails is left unfilled. With
         ``contain_exceptions``, an exception raised on the way (here or on
         the load thread) is logged, counted (``exceptions``) and fails every
-        block of the job (:func:`~kvtier.connector.worker.job_errors.
-        whole_load_error`); without, it propagates (from here, or from
+        block of the job (:meth:`~kvtier.connector.worker.jobs.Job.
+        whole_error`); without, it propagates (from here, or from
         ``get_finished``). A failed job is reported once the copies it had
         already submitted landed, and :meth:`take_load_error` names the
         keys and GPU blocks it could not deliver."""
-        deadline = time.monotonic() + self.deadline_s
-        self._next_deadline = min(self._next_deadline, deadline)
-        job = Job(job_id, deadline=deadline, src=src_spec, dst=dst_spec)
+        job = Job(job_id, src=src_spec, dst=dst_spec)
         self.book.jobs[job_id] = job
         try:
             task = self._plan_load(job, src_spec, dst_spec, expedited)
@@ -244,7 +228,7 @@ class TieredOffloadingWorker(OffloadingWorker):
                 self.book.jobs.pop(job_id, None)
                 raise
             self.exceptions.note(exc, "load", job_id)
-            self.book.fail(job, whole_load_error(src_spec, dst_spec))
+            self.book.fail(job, job.whole_error())
             self.book.settle(job)
             return True
         if job.task is None:
@@ -264,8 +248,7 @@ class TieredOffloadingWorker(OffloadingWorker):
     @override
     def wait(self, job_ids: set[int]) -> None:
         """Return once the given jobs finished (they are still reported by
-        the next ``get_finished``). A load whose host work outlives its
-        deadline is given up as in ``get_finished``."""
+        the next ``get_finished``). Loads are given up as in ``get_finished``."""
         while True:
             self._pump()
             jobs = [self.book.jobs[j] for j in job_ids if j in self.book.jobs]
@@ -274,7 +257,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             if all(job.task is None for job in jobs):
                 self.copies.wait(set().union(*(job.transfers for job in jobs)))
             else:
-                self.loads.wait_output(0.05)
+                self.loads.wait_output(TICK_S)
 
     @override
     def shutdown(self) -> None:
@@ -332,45 +315,39 @@ class TieredOffloadingWorker(OffloadingWorker):
         nothing is left for it. ``expedited`` (vLLM >= 0.33: waited on
         within the step) runs on its own streams on accelerators and goes
         ahead of queued loads on the load thread."""
-        plan = plan_load(src_spec, dst_spec, self.blocks_per_chunk)
-        task = LoadTask(job.job_id, plan.groups, expedited=expedited)
-        if plan.spec is not None and not self.loads.copies.synchronous:
+        split = split_load(src_spec, dst_spec, self.blocks_per_chunk)
+        task = LoadTask(job.job_id, split.groups, expedited=expedited)
+        if split.spec is not None and not self.loads.copies.synchronous:
             task.after = self.copies.mark()
-        for group, copy in plan.cpu:
+        for group, copy in split.cpu:
             if self.copies.synchronous:
-                task.host_plans.append((group, copy))
+                task.cpu_plans.append((group, copy))
             else:
                 self.book.copy(self.copies, job, MEDIUM_CPU, group, copy, False, expedited)
-        if plan.spec is not None:
+        if split.spec is not None:
             if self.reader is None:
                 # No disk tier on this worker: nothing can be read.
-                bad = np.where(plan.on_disk, BAD, 0)
-                self.book.fail(job, disk_load_error(plan.spec, plan.groups, bad))
+                bad = np.where(split.on_disk, BAD, 0)
+                self.book.fail(job, disk_load_error(split.spec, split.groups, bad))
             else:
-                task.spec = plan.spec
-                task.failed = np.zeros(len(plan.on_disk), dtype=np.int8)
-        if task.spec is None and not task.host_plans:
+                task.spec = split.spec
+                task.failed = np.zeros(len(split.on_disk), dtype=np.int8)
+        if task.spec is None and not task.cpu_plans:
             return None
         return task
 
     def _pump(self) -> None:
-        """Take the tasks the load thread finished, collect landed
-        transfers, give up loads past their deadline, and report finished
-        jobs."""
+        """Take the tasks the load thread handed back, collect landed
+        transfers, give up every load if the thread is stuck, and report
+        finished jobs."""
         for task in self.loads.take():
             self._task_done(task)
         for transfer, seconds in self.copies.poll().items():
             self.book.landed(transfer, seconds)
-        now = time.monotonic()
-        if now > self._next_deadline:  # rarely: a load's is a minute out
-            self._next_deadline = float("inf")
+        if self.loads.overdue():
             for job in list(self.book.jobs.values()):
-                if job.task is None or job.task.cancelled:
-                    continue
-                if now > job.deadline:
+                if job.task is not None and not job.task.cancelled:
                     self._give_up(job)
-                else:
-                    self._next_deadline = min(self._next_deadline, job.deadline)
 
     def _task_done(self, task: LoadTask) -> None:
         job = self.book.jobs.get(task.job_id)
@@ -378,7 +355,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             return  # already reported
         job.task = None
         if task.cancelled:
-            # Given up (failed whole in _drop); reported now that no copy of
+            # Given up (failed whole in _give_up); reported now that no copy of
             # its task can still write its blocks.
             self.book.settle(job)
             return
@@ -397,32 +374,24 @@ class TieredOffloadingWorker(OffloadingWorker):
         self.book.settle(job)
 
     def _give_up(self, job: Job) -> None:
-        assert job.task is not None
-        logger.error(
-            "kvtier: load job %d did not finish within %.0f s (a disk read that "
-            "does not return?); its blocks are recomputed",
-            job.job_id,
-            self.deadline_s,
-        )
+        """Fail ``job`` whole: the load thread issues nothing more for it, and
+        it is reported now if no copy of it is in flight, else once its task
+        came back (the copies it issued landed)."""
         task = job.task
-        self._drop(task)
-        with task.lock:  # the thread issues nothing for it from here on
-            idle = task.copies == 0
-        if idle and job.task is task:
-            # No copy of it in flight: report it now rather than when the
-            # thread hands it back, which a read or an open that does not
-            # return (a hung disk) may delay without end.
-            job.task = None
-            self.book.settle(job)
-
-    def _drop(self, task: LoadTask) -> None:
-        """Fail ``task``'s job whole: the load thread issues nothing more
-        for it, and it is reported once the task came back (the copies it
-        already issued landed)."""
-        job = self.book.jobs.get(task.job_id)
-        if job is None:
-            return  # already reported
+        assert task is not None
+        logger.error(
+            "kvtier: the load thread has not come back from one step for %.0f s "
+            "(a disk open or transfer that does not return?); load job %d is "
+            "recomputed",
+            self.loads.deadline_s,
+            job.job_id,
+        )
         self.loads.cancel(task)
         self.book.fail(job, job.whole_error())
-        if job.task is not task:
+        with task.lock:  # the thread issues nothing for it from here on
+            idle = task.copies == 0
+        if idle:
+            # Report it now rather than when the thread hands it back, which
+            # an open or a read that does not return may delay without end.
+            job.task = None
             self.book.settle(job)

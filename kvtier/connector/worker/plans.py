@@ -4,7 +4,7 @@ vLLM hands a worker each job as a GPU spec (block ids, group by group) and
 a host spec (one offloaded block per ``blocks_per_chunk`` GPU blocks of a
 group). :func:`split_by_group` pairs them up per KV-cache group; the
 worker then picks each plan's rows (CPU rows, bounce rows) by medium, for a
-load through :func:`plan_load`.
+load through :func:`split_load`.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def select_rows(plan: CopyPlan, mask: np.ndarray, rows: np.ndarray) -> CopyPlan:
 
 
 @dataclass
-class LoadPlan:
-    """A load job, planned: its per-group plans, and its blocks by medium.
+class LoadSplit:
+    """A load job split by medium: its per-group plans, and its blocks.
     ``cpu`` holds, per KV-cache group, the copies from CPU rows (row ids are
     CPU rows); ``spec`` is the load spec when some blocks are on disk
     (``on_disk`` marks them)."""
@@ -81,9 +81,9 @@ class LoadPlan:
     spec: TierLoadSpec | None
 
 
-def plan_load(
+def split_load(
     src: LoadStoreSpec, dst: GPULoadStoreSpec, blocks_per_chunk: int
-) -> LoadPlan:
+) -> LoadSplit:
     """Split a load into CPU-row copies and disk blocks. A plain row spec
     (vLLM's ``CPULoadStoreSpec``) loads every block from the CPU tier."""
     if isinstance(src, TierLoadSpec):
@@ -97,4 +97,4 @@ def plan_load(
         mask = ~on_disk[gp.plan.row_ids]
         if mask.any():
             cpu.append((gp.group, select_rows(gp.plan, mask, slots[gp.plan.row_ids[mask]])))
-    return LoadPlan(groups, cpu, on_disk, spec if on_disk.any() else None)
+    return LoadSplit(groups, cpu, on_disk, spec if on_disk.any() else None)

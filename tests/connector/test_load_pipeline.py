@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 
+from kvtier.connector.worker import pipeline  # noqa: E402
 from kvtier.connector.worker import worker as worker_mod  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.store.slot import HEADER_SIZE  # noqa: E402
@@ -173,14 +174,12 @@ def test_every_bounce_part_is_read_into_before_the_first_verification(
     """With the bounce area cut into four parts, a four-batch load has all
     four reads in flight before the first batch is verified: the load
     pipelines over every part, not two halves."""
-    from kvtier.connector.worker import bounce_parts
-
     r = runner
     keys = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
     reader = r.worker.reader
     reader.capacity = 4
-    monkeypatch.setattr(bounce_parts, "PART_BYTES", reader.slot_size)
-    assert bounce_parts.bounce_parts(reader.capacity, reader.slot_size) == (4, 1)
+    monkeypatch.setattr(pipeline, "PART_BYTES", reader.slot_size)
+    assert pipeline.part_layout(reader.capacity, reader.slot_size) == (4, 1)
     calls = _log_reads_and_checks(reader)
     ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
     assert [d.success for d in wait_finished(r.worker)] == [True]
@@ -202,9 +201,7 @@ def test_every_bounce_part_is_read_into_before_the_first_verification(
     ],
 )
 def test_bounce_part_sizes(capacity, slot, expected):
-    from kvtier.connector.worker.bounce_parts import bounce_parts
-
-    assert bounce_parts(capacity, slot) == expected
+    assert pipeline.part_layout(capacity, slot) == expected
 
 
 @pytest.mark.parametrize("fault", ["eio", "short", "bit-flip"])
@@ -299,7 +296,7 @@ def test_io_errors_in_a_row_drop_the_block_and_a_good_read_resets_them(runner, p
 def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, caplog):
     r = runner
     keys = push_to_disk(r, [1, 2, 3, 4])
-    r.worker.deadline_s = 0.3
+    r.worker.loads.deadline_s = 0.3
     release = threading.Event()
     rule = plan.add(FaultRule.hang(release, ops="read"))
     try:
@@ -307,10 +304,11 @@ def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, cap
             ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
             done = wait_finished(r.worker)
         assert [(d.job_id, d.success) for d in done] == [(1, False)]
-        assert any("did not finish within" in m for m in caplog.messages)
+        assert any("have not returned" in m for m in caplog.messages)
         error = r.worker.take_load_error(1)
-        # Nothing showed the copies bad: unloaded, kept for a later request.
-        assert error.keys == [] and error.unloaded == keys
+        # A read past its deadline is an I/O error: the copies are kept (one
+        # strike) for a later request.
+        assert error.keys == [] and error.io_failed == keys
         assert error.gpu_block_ids == {40, 41, 42, 43}
         _complete(r, keys, ctx, error)
         assert not any(_landed(r, keys, [40, 41, 42, 43]))
@@ -319,11 +317,11 @@ def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, cap
         release.set()
     # The held read returns late: its job was given up, so it writes
     # nothing into the blocks vLLM has since handed to other requests.
-    _wait_for(lambda: not r.worker.loads._queue, "the load thread to go idle")
+    _wait_for(r.worker.loads.idle, "the load thread to go idle")
     time.sleep(0.05)
     assert r.worker.get_finished() == []
     assert not any(_landed(r, keys, [40, 41, 42, 43]))
-    r.worker.deadline_s = worker_mod.LOAD_DEADLINE_S
+    r.worker.loads.deadline_s = pipeline.BATCH_DEADLINE_S
     ctx = _submit(r, keys, [44, 45, 46, 47], job_id=2)
     assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(2, True)]
     assert _landed(r, keys, [44, 45, 46, 47]) == [True] * 4
@@ -345,7 +343,7 @@ def test_an_open_that_never_returns_costs_its_job_not_a_hang(tmp_path, plan):
         plan.remove(failed_open)
         keys = push_to_disk(r, [1, 2, 3, 4])
         plan.add(FaultRule.hang(release, ops="open"))
-        r.worker.deadline_s = 0.3
+        r.worker.loads.deadline_s = 0.3
         ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
         _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held open")
         done = wait_finished(r.worker)
@@ -354,9 +352,48 @@ def test_an_open_that_never_returns_costs_its_job_not_a_hang(tmp_path, plan):
         assert error.unloaded == keys and error.gpu_block_ids == {40, 41, 42, 43}
         _complete(r, keys, ctx, error)
         release.set()  # the open returns: the cancelled job issues nothing
-        _wait_for(lambda: not r.worker.loads._tasks, "the load thread to drop it")
+        _wait_for(r.worker.loads.idle, "the load thread to drop it")
         assert r.worker.get_finished() == []
         assert not any(_landed(r, keys, [40, 41, 42, 43]))
+    finally:
+        release.set()
+        r.close()
+
+
+def test_a_stuck_load_thread_costs_every_load_it_holds(tmp_path, plan):
+    """A load submitted while the thread is stuck in one step (an open that
+    does not return) cannot start either: past the deadline the worker
+    gives up every load it holds, whole and kept on disk; once the thread
+    is back, loads work again."""
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
+    release = threading.Event()
+    try:
+        failed_open = plan.add(FaultRule.error(errno.EIO, ops="open", first_n=1))
+        r.worker.get_finished()  # the load thread starts, its opens fail
+        _wait_for(lambda: plan.count(FaultKind.ERROR) >= 1, "the failed open")
+        plan.remove(failed_open)
+        first = push_to_disk(r, [1, 2], others="bcdef")
+        second = r.keys("b", 4)[:2]
+        hang = plan.add(FaultRule.hang(release, ops="open"))
+        r.worker.loads.deadline_s = 0.3
+        ctx1 = _submit(r, first, [40, 41], job_id=1)
+        _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held open")
+        ctx2 = _submit(r, second, [44, 45], job_id=2)
+        done = wait_finished(r.worker, count=2)
+        assert sorted((d.job_id, d.success) for d in done) == [(1, False), (2, False)]
+        for job, keys, ctx in ((1, first, ctx1), (2, second, ctx2)):
+            error = r.worker.take_load_error(job)
+            assert error.unloaded == keys and error.keys == error.io_failed == []
+            _complete(r, keys, ctx, error)
+        plan.remove(hang)
+        release.set()
+        _wait_for(r.worker.loads.idle, "the load thread to come back")
+        assert not any(_landed(r, first + second, [40, 41, 44, 45]))
+        r.worker.loads.deadline_s = pipeline.BATCH_DEADLINE_S
+        ctx3 = _submit(r, first, [48, 49], job_id=3)
+        assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(3, True)]
+        assert _landed(r, first, [48, 49]) == [True, True]
+        _complete(r, first, ctx3)
     finally:
         release.set()
         r.close()
@@ -426,7 +463,7 @@ def test_jobs_take_turns_and_expedited_loads_go_first(runner, plan):
 
 def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplog):
     """A read that does not return costs its batch (reported failed after
-    ``stall_s``) and, until it returns, its bounce part: later loads go
+    ``deadline_s``) and, until it returns, its bounce part: later loads go
     through the other part; with both parts held, disk blocks fail at once
     while CPU-tier rows still load; once the reads return, all is well."""
     r = runner
@@ -434,7 +471,7 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
     first = push_to_disk(r, [1, 2], others="bcdef")
     second, third, fourth = (r.keys(n, 4)[:2] for n in "bcd")
     on_cpu = r.store("z", [30, 31])
-    r.worker.loads.stall_s = 0.3
+    r.worker.loads.deadline_s = 0.3
     release = threading.Event()
     rule = plan.add(FaultRule.hang(release, ops="read", first_n=2))
     try:
@@ -459,7 +496,7 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
             started = time.monotonic()
             ctx3 = _submit(r, mixed, [50, 51, 52, 53], job_id=3)
             done = wait_finished(r.worker)
-            assert time.monotonic() - started < r.worker.deadline_s / 2
+            assert time.monotonic() - started < DEADLINE_S / 2
             assert [(d.job_id, d.success) for d in done] == [(3, False)]
             error = r.worker.take_load_error(3)
             assert error.unloaded == third and error.gpu_block_ids == {52, 53}
@@ -472,7 +509,7 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
     # where vLLM might look.
     plan.remove(rule)
     assert not any(_landed(r, first + second, [40, 41, 44, 45]))
-    _wait_for(lambda: not r.worker.loads._bounce.stuck, "the stalled reads to be reaped")
+    _wait_for(lambda: not r.worker.loads.ring.stuck(), "the stalled reads to be reaped")
     ctx4 = _submit(r, fourth, [56, 57], job_id=4)
     assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(4, True)]
     assert _landed(r, fourth, [56, 57]) == [True, True]
@@ -517,7 +554,7 @@ def test_a_job_that_raises_never_waits_for_its_held_read(runner, plan, monkeypat
     finally:
         release.set()
         plan.remove(rule)
-    _wait_for(lambda: not r.worker.loads._bounce.stuck, "the held read to be reaped")
+    _wait_for(lambda: not r.worker.loads.ring.stuck(), "the held read to be reaped")
     assert not any(_landed(r, keys, [40, 41]))
 
 
@@ -542,7 +579,7 @@ def test_shutdown_mid_read_is_bounded_and_never_unmaps_under_a_read(
         assert not buffer._closed
     finally:
         release.set()
-    thread = r.worker.loads._thread
+    thread = r.worker.loads.thread
     thread.join(DEADLINE_S)
     assert not thread.is_alive()
     # The read returned after shutdown: nothing of it reached the KV cache.
@@ -570,16 +607,14 @@ def test_the_store_is_opened_ahead_of_the_first_load(runner):
 def test_the_load_thread_yields_the_cpu_to_the_engine(runner):
     """The load thread runs LOAD_THREAD_NICE nice levels below the engine's
     thread, which keeps its own."""
-    from kvtier.connector.worker import load_runner
-
     r = runner
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert r.worker.get_finished() == []  # the first step starts the thread
-    thread = r.worker.loads._thread
+    thread = r.worker.loads.thread
     assert thread is not None
     if base >= 19:
         pytest.skip("already at the lowest priority")
-    want = min(19, base + load_runner.LOAD_THREAD_NICE)
+    want = min(19, base + pipeline.LOAD_THREAD_NICE)
     assert want > base
     _wait_for(
         lambda: thread.native_id is not None
