@@ -122,7 +122,9 @@ def shm_available(
     free, plus what ``existing`` (this engine's CPU-tier files, created by
     its other role) already hold."""
     free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
-    available = free_bytes(shm_dir)
+    # The private directory exists once the first CPU-tier file does; its
+    # file system is its parent's.
+    available = free_bytes(shm_dir if os.path.isdir(shm_dir) else os.path.dirname(shm_dir))
     for path in existing:
         with contextlib.suppress(OSError):
             available += os.stat(path).st_blocks * 512

@@ -257,6 +257,10 @@ def _create_owned(path: str, size: int) -> int:
     leftover if its lock can be taken (then it is removed and the creation
     retried) and otherwise a live engine's: InUseError."""
     directory, name = os.path.split(path)
+    if os.path.basename(directory) == os.path.basename(_dir_name()):
+        # This user's private directory: created if needed, and checked
+        # (ours, 0700, no link) before anything is created in it.
+        os.close(open_private_dir(directory))
     for _attempt in range(5):
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
         try:
@@ -363,11 +367,19 @@ def _release_owned(path: str, fd: int) -> None:
 def cpu_buffer_path(engine_id: str, rank: int, world_size: int) -> str:
     """Where rank ``rank``'s CPU tier lives, shared by scheduler and worker.
 
-    Inside this user's private directory (``cpu_buffer_dir``: 0700, owner
-    checked, created on first use), so other users can neither read the
-    rows nor plant a file under the predictable name."""
+    Inside this user's private directory (:func:`cpu_buffer_dir`: 0700,
+    owner checked), so other users can neither read the rows nor plant a
+    file under the predictable name. Only a name: the directory is created
+    and checked when the worker creates the file, and goes with the last
+    file, so an engine that never creates one leaves nothing behind."""
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
-    return os.path.join(cpu_buffer_dir(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
+    return os.path.join(_dir_name(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
+
+
+def _dir_name(base: str | None = None) -> str:
+    if base is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"kvtier-{os.geteuid()}")
 
 
 def cpu_buffer_dir(base: str | None = None) -> str:
@@ -379,9 +391,7 @@ def cpu_buffer_dir(base: str | None = None) -> str:
     neither read, plant nor replace files in it, and the names inside can
     stay predictable (the scheduler and the workers derive them from the
     same config)."""
-    if base is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    path = os.path.join(base, f"kvtier-{os.geteuid()}")
+    path = _dir_name(base)
     os.close(open_private_dir(path))
     return path
 
