@@ -9,7 +9,6 @@ docs/compatibility.md has the whole list.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -19,12 +18,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from kvtier.connector.config import ConfigError, KvtierConfig
 
 SYNC_LOADS: bool = "sync" in {f.name for f in dataclasses.fields(TransferJob)}
-
-# The model's number of KV-cache groups, set by kvtier's connector while it
-# builds its spec (the spec itself never sees the KV-cache config).
-KV_CACHE_GROUPS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "kvtier_kv_cache_groups", default=None
-)
 
 KEY = "sync_load_budget_bytes"
 

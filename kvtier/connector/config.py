@@ -52,6 +52,15 @@ class TransferConfigError(ConfigError):
         ValueError.__init__(self, f"kvtier: kv_transfer_config[{key!r}]: {message}")
 
 
+# How to run under kvtier's connector; a disk tier needs it (kvtier.connector
+# .connector reports a failed disk load to vLLM instead of crashing).
+CONNECTOR_HINT = (
+    'set "kv_connector": "TieredOffloadingConnector", '
+    '"kv_connector_module_path": "kvtier.connector" and '
+    '"kv_load_failure_policy": "recompute" in --kv-transfer-config'
+)
+
+
 # ------------------------------------------------------------ value kinds
 
 

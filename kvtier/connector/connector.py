@@ -40,7 +40,6 @@ never read unwritten. Enable with::
 
 from __future__ import annotations
 
-import contextvars
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,45 +54,33 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+    build_offloading_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    OffloadingConnectorScheduler,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.v1.kv_offload.base import OffloadingSpec
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from kvtier.connector.compat import KV_CACHE_GROUPS
-from kvtier.connector.config import TransferConfigError
+from kvtier.connector.config import CONNECTOR_HINT, TransferConfigError
 from kvtier.connector.identity import (
     HASH_FIX,
     prefix_hash_problem,
     settings_identity,
 )
+from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerReport
 from kvtier.log import get_logger
 
 logger = get_logger("connector")
-
-# Set while TieredOffloadingConnector builds its spec: a spec with a disk
-# tier refuses to start under the stock OffloadingConnector, which would
-# assert (crash) on the first corrupt disk block.
-UNDER_KVTIER_CONNECTOR: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "kvtier_under_connector", default=False
-)
-
-# Set while TieredOffloadingConnector builds its spec: what the resolved
-# VllmConfig says produces KV values (kvtier.connector.identity
-# .settings_identity), for the disk tier's namespace. The scheduler's and
-# every worker's connector compute it from the same VllmConfig.
-KV_SETTINGS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
-    "kvtier_kv_settings", default=None
-)
-
-CONNECTOR_HINT = (
-    'set "kv_connector": "TieredOffloadingConnector", '
-    '"kv_connector_module_path": "kvtier.connector" and '
-    '"kv_load_failure_policy": "recompute" in --kv-transfer-config'
-)
 
 
 @dataclass
@@ -229,6 +216,15 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         return out
 
 
+def _create_spec(config: OffloadingConfig, facts: ConnectorFacts) -> OffloadingSpec:
+    """vLLM's ``OffloadingSpecFactory.create_spec``, handing kvtier's spec
+    the connector's facts; any other spec is built as vLLM builds it."""
+    spec_cls = OffloadingSpecFactory.get_spec_cls(config.extra_config)
+    if issubclass(spec_cls, TieredOffloadingSpec):
+        return spec_cls(config, facts)
+    return spec_cls(config)
+
+
 class TieredOffloadingConnector(OffloadingConnector):
     """OffloadingConnector that turns failed disk loads into recomputation."""
 
@@ -250,23 +246,29 @@ class TieredOffloadingConnector(OffloadingConnector):
                     problem,
                     HASH_FIX,
                 )
-        token = UNDER_KVTIER_CONNECTOR.set(True)
-        groups = KV_CACHE_GROUPS.set(len(kv_cache_config.kv_cache_groups))
-        settings = KV_SETTINGS.set(settings_identity(vllm_config))
-        try:
-            super().__init__(vllm_config, role, kv_cache_config)
-        finally:
-            KV_SETTINGS.reset(settings)
-            KV_CACHE_GROUPS.reset(groups)
-            UNDER_KVTIER_CONNECTOR.reset(token)
+        # vLLM's OffloadingConnector.__init__, statement for statement
+        # (tests/compat fails by name when vLLM changes it), but for the
+        # spec, built with what only the connector knows, and the worker.
+        super(OffloadingConnector, self).__init__(vllm_config, role, kv_cache_config)
+        offloading_config = build_offloading_config(vllm_config, kv_cache_config)
+        self._canonical_layout = offloading_config.canonical_layout
+        facts = ConnectorFacts(
+            len(kv_cache_config.kv_cache_groups), settings_identity(vllm_config)
+        )
+        spec = _create_spec(offloading_config, facts)
+        self.connector_scheduler: OffloadingConnectorScheduler | None = None
+        self.connector_worker: OffloadingConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = OffloadingConnectorScheduler(
+                spec, vllm_config, kv_cache_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = KvtierConnectorWorker(
+                spec, vllm_config, kv_cache_config
+            )
         # vLLM (0.32, 0.33) accepts block-level errors only for one group.
         self._request_level_errors = len(kv_cache_config.kv_cache_groups) > 1
         self._invalid_block_ids: set[int] = set()
-        if self.connector_worker is not None:
-            stock = self.connector_worker
-            self.connector_worker = KvtierConnectorWorker(
-                stock.spec, stock.vllm_config, stock.kv_cache_config
-            )
 
     @override
     def get_transfer_results(

@@ -18,6 +18,7 @@ same ``OffloadingConfig`` and meet on the shared CPU-tier files.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from typing_extensions import override
@@ -30,18 +31,14 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvtier.connector.compat import KV_CACHE_GROUPS, check_sync_load_budget
+from kvtier.connector.compat import check_sync_load_budget
 from kvtier.connector.config import (
+    CONNECTOR_HINT,
     ConfigError,
     KvtierConfig,
     TransferConfigError,
     blocks_in_budget,
     parse_extra_config,
-)
-from kvtier.connector.connector import (
-    CONNECTOR_HINT,
-    KV_SETTINGS,
-    UNDER_KVTIER_CONNECTOR,
 )
 from kvtier.connector.identity import describe_settings, namespace
 from kvtier.connector.metrics import metric_definitions
@@ -115,8 +112,28 @@ def device_copy_path() -> Any:
     return DeviceCopies
 
 
+@dataclass(frozen=True)
+class ConnectorFacts:
+    """What kvtier's connector knows of the engine and hands to the spec it
+    builds; vLLM's ``OffloadingConfig`` carries neither.
+
+    ``kv_cache_groups``: the model's number of KV-cache groups (refuses a
+    synchronous-load budget a disk tier cannot honour). ``settings``: what
+    the resolved ``VllmConfig`` says produces KV values
+    (:func:`~kvtier.connector.identity.settings_identity`), part of the disk
+    tier's namespace; the scheduler's and every worker's connector compute
+    it from the same config. None: not known (tests and tools)."""
+
+    kv_cache_groups: int | None = None
+    settings: dict[str, Any] | None = None
+
+
 class TieredOffloadingSpec(OffloadingSpec):
-    """GPU -> CPU DRAM -> disk, with cascade, promotion and checksums."""
+    """GPU -> CPU DRAM -> disk, with cascade, promotion and checksums.
+
+    ``facts`` None: built by vLLM's factory under the stock connector, which
+    asserts on a failed load, so a disk tier is refused; kvtier's connector
+    passes its :class:`ConnectorFacts`."""
 
     @override
     @classmethod
@@ -125,11 +142,15 @@ class TieredOffloadingSpec(OffloadingSpec):
     ) -> dict[str, OffloadingMetricMetadata]:
         return metric_definitions()
 
-    def __init__(self, config: OffloadingConfig):
+    def __init__(self, config: OffloadingConfig, facts: ConnectorFacts | None = None):
         super().__init__(config)
         check_single_node(config)  # workers on another node: refuse
         self.kvtier: KvtierConfig = parse_extra_config(self.extra_config)
-        check_sync_load_budget(self.kvtier, kv_cache_groups=KV_CACHE_GROUPS.get())
+        # Only kvtier's connector turns a failed job into a miss.
+        self.under_kvtier_connector = facts is not None
+        facts = facts or ConnectorFacts()
+        self.settings = facts.settings
+        check_sync_load_budget(self.kvtier, kv_cache_groups=facts.kv_cache_groups)
         if config.canonical_layout:
             raise ConfigError(
                 "canonical_layout",
@@ -165,11 +186,6 @@ class TieredOffloadingSpec(OffloadingSpec):
                     "disk_bytes_to_use",
                     "disk slot",
                 )
-        # Only kvtier's connector turns a failed job into a miss.
-        self.under_kvtier_connector = UNDER_KVTIER_CONNECTOR.get()
-        # What produced the blocks (always known when a disk tier runs: a
-        # disk tier needs kvtier's connector, which sets it).
-        self.settings = KV_SETTINGS.get()
         if self.kvtier.disk_enabled and not self.under_kvtier_connector:
             # The stock connector asserts on a failed load: a corrupt disk
             # block would crash the engine. Say how to fix it, at start.

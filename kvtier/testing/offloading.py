@@ -28,14 +28,9 @@ if TYPE_CHECKING:
 def tiered_spec(config: OffloadingConfig) -> TieredOffloadingSpec:
     """A ``TieredOffloadingSpec`` built as kvtier's connector builds it, for
     tests and tools that drive its manager and worker without an engine."""
-    from kvtier.connector.connector import UNDER_KVTIER_CONNECTOR
-    from kvtier.connector.spec import TieredOffloadingSpec
+    from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
 
-    token = UNDER_KVTIER_CONNECTOR.set(True)
-    try:
-        return TieredOffloadingSpec(config)
-    finally:
-        UNDER_KVTIER_CONNECTOR.reset(token)
+    return TieredOffloadingSpec(config, ConnectorFacts())
 
 
 def offloading_config(

@@ -18,7 +18,9 @@ findings, each one line naming the kvtier class or module and the problem:
 - the vLLM attributes kvtier uses on other objects (:data:`RELIED_ON`);
 - a call to a vLLM class or function (by name, as kvtier imports it) whose
   arguments do not bind to its signature, or a missing ``Name.attr`` (enum
-  members and the like).
+  members and the like);
+- a vLLM function kvtier mirrors statement for statement instead of calling
+  it (:data:`MIRRORED`) whose statements changed.
 
 Run ``python -m kvtier.testing.vllm_conformance`` with the vLLM to check
 first on ``PYTHONPATH``; it prints the findings and exits 1 if any.
@@ -132,6 +134,60 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
 )
 
+# vLLM functions kvtier runs its own copy of, and their statements as
+# ``ast.unparse`` writes them: (module, qualified name, kvtier's copy,
+# statements). TieredOffloadingConnector.__init__ repeats
+# OffloadingConnector.__init__ to hand its spec ConnectorFacts and build
+# kvtier's connector worker; when vLLM changes the original, the copy
+# must follow.
+MIRRORED: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+        "OffloadingConnector.__init__",
+        "kvtier.connector.connector.TieredOffloadingConnector.__init__",
+        (
+            "super().__init__(vllm_config, role, kv_cache_config)",
+            "offloading_config = build_offloading_config(vllm_config, kv_cache_config)",
+            "self._canonical_layout = offloading_config.canonical_layout",
+            "spec = OffloadingSpecFactory.create_spec(offloading_config)",
+            "self.connector_scheduler: OffloadingConnectorScheduler | None = None",
+            "self.connector_worker: OffloadingConnectorWorker | None = None",
+            "if role == KVConnectorRole.SCHEDULER:\n"
+            "    self.connector_scheduler = OffloadingConnectorScheduler("
+            "spec, vllm_config, kv_cache_config)\n"
+            "elif role == KVConnectorRole.WORKER:\n"
+            "    self.connector_worker = OffloadingConnectorWorker("
+            "spec, vllm_config, kv_cache_config)",
+        ),
+    ),
+)
+
+
+def statements(func: Any) -> tuple[str, ...]:
+    """A function's body, one ``ast.unparse`` string per statement (its
+    docstring left out)."""
+    node: Any = ast.parse(textwrap.dedent(inspect.getsource(func))).body[0]
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    return tuple(ast.unparse(statement) for statement in body)
+
+
+def check_mirrored() -> list[str]:
+    out = []
+    for module, qualname, copy, expected in MIRRORED:
+        obj: Any = importlib.import_module(module)
+        try:
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            out.append(f"vLLM {module}.{qualname}: missing; {copy} mirrors it")
+            continue
+        if statements(obj) != expected:
+            out.append(
+                f"vLLM {module}.{qualname} changed: {copy} mirrors it statement "
+                "for statement; follow the change there and in MIRRORED"
+            )
+    return out
+
 
 def _is_vllm(obj: Any) -> bool:
     return (getattr(obj, "__module__", None) or "").split(".")[0] == "vllm"
@@ -153,10 +209,10 @@ def _modules() -> list[Any]:
 
 def kvtier_classes() -> list[type]:
     """kvtier's classes with a vLLM class among their bases."""
-    from kvtier.connector.tiering.portable import _portable_worker_cls
+    from kvtier.connector.tiering.portable import portable_worker_cls
 
     found: dict[str, type] = {}
-    candidates = [_portable_worker_cls()]
+    candidates = [portable_worker_cls()]
     for module in _modules():
         candidates += [v for v in vars(module).values() if isinstance(v, type)]
     for cls in candidates:
@@ -402,7 +458,7 @@ def check() -> list[str]:
     for module in _modules():
         findings += check_calls(module)
     # A kvtier base's problem shows once, not once per subclass.
-    return list(dict.fromkeys(findings + check_relied_on()))
+    return list(dict.fromkeys(findings + check_relied_on() + check_mirrored()))
 
 
 def main() -> int:

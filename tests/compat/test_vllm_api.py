@@ -114,3 +114,18 @@ def test_attribute_check_catches_an_unknown_vllm_attribute() -> None:
     assert vc.provides(OffloadingConnectorWorker, "_load_jobs")
     assert vc.provides(OffloadingConnectorWorker, "_connector_worker_meta")
     assert not vc.provides(OffloadingConnectorWorker, "_load_jobz")
+
+
+def test_mirror_check_catches_a_changed_vllm_function(monkeypatch) -> None:
+    module, qualname, copy, expected = vc.MIRRORED[0]
+    changed = list(expected)
+    changed[3] = "spec = OffloadingSpecFactory.create_spec(offloading_config, 1)"
+    monkeypatch.setattr(vc, "MIRRORED", ((module, qualname, copy, tuple(changed)),))
+    assert vc.check_mirrored() == [
+        f"vLLM {module}.{qualname} changed: {copy} mirrors it statement for "
+        "statement; follow the change there and in MIRRORED"
+    ]
+    monkeypatch.setattr(vc, "MIRRORED", ((module, "Gone.__init__", copy, expected),))
+    assert vc.check_mirrored() == [
+        f"vLLM {module}.Gone.__init__: missing; {copy} mirrors it"
+    ]

@@ -98,7 +98,7 @@ class _RegionHandle:
         self.region.cleanup()
 
 
-def _portable_worker_cls() -> type:
+def portable_worker_cls() -> type:
     # Deferred: kvtier.connector.worker.worker imports torch-heavy modules that the
     # scheduler side (and metric definitions) never needs.
     from kvtier.connector.worker.worker import TieredOffloadingWorker
@@ -223,7 +223,7 @@ class PortableTieringSpec(TieringOffloadingSpec):
             cpu_page_size=self.cpu_page_size_per_worker,
         )
         try:
-            worker = _portable_worker_cls()(kv_caches, region, self.blocks_per_chunk)
+            worker = portable_worker_cls()(kv_caches, region, self.blocks_per_chunk)
         except Exception:
             region.cleanup()
             raise

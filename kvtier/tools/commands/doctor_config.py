@@ -14,7 +14,12 @@ import importlib.metadata
 import re
 from typing import Any
 
-from kvtier.connector.config import ConfigError, KvtierConfig, parse_extra_config
+from kvtier.connector.config import (
+    CONNECTOR_HINT,
+    ConfigError,
+    KvtierConfig,
+    parse_extra_config,
+)
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, Check, DoctorInput
 
@@ -79,15 +84,6 @@ def _config_error(exc: ConfigError) -> Check:
     return Check("config", exc.key, ERROR, str(exc), "see docs/configuration.md")
 
 
-def _connector_hint() -> str:
-    """The fix the connector itself names at engine start."""
-    try:
-        from kvtier.connector.connector import CONNECTOR_HINT
-    except Exception:  # vLLM missing or broken: check_vllm says so
-        return "see docs/configuration.md#passing-it-to-vllm"
-    return CONNECTOR_HINT
-
-
 def _transfer_keys() -> tuple[str, ...] | None:
     """vLLM's ``KVTransferConfig`` fields (None if vLLM cannot be imported)."""
     try:
@@ -116,7 +112,6 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
     connector = transfer.get("kv_connector")
     module = transfer.get("kv_connector_module_path")
     policy = transfer.get("kv_load_failure_policy", "fail")
-    hint = _connector_hint()
     if spec in TIERING_SPECS:
         if connector != "OffloadingConnector":
             out.append(
@@ -152,7 +147,7 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
                 f"{connector!r} (module {module!r}): the disk tier needs kvtier's "
                 "connector, which turns a corrupt disk block into a recomputation "
                 "instead of crashing the engine",
-                hint,
+                CONNECTOR_HINT,
             )
         )
     else:
