@@ -1,5 +1,5 @@
-"""What produced a block: the model's contents and every setting that
-changes KV values, for the disk tier's namespace.
+"""What a block on disk belongs to (:func:`layout_fingerprint`): its layout,
+the model's contents and every setting that changes KV values.
 
 The disk tier outlives the engine, so a warm restart may serve a block only
 to the model and settings that wrote it. Two parts enter the store's
@@ -36,6 +36,7 @@ import struct
 from typing import Any
 
 from kvtier.log import get_logger
+from kvtier.store.slot import LayoutFingerprint
 
 logger = get_logger("connector")
 
@@ -244,15 +245,38 @@ def describe_settings(settings: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def namespace(config: Any, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``LayoutFingerprint`` keyword arguments beyond the layout, from vLLM's
-    ``OffloadingConfig`` (duck-typed) and, under kvtier's connector, the
-    resolved configuration's :func:`settings_identity`: ``model_id`` covers
-    the model's contents (with its KV-cache dtype) and those settings;
-    ``dp_rank`` keeps DP replicas sharing one config (and one disk_path) in
-    separate store directories; ``identity`` describes both parts for
-    layout.json (``contents`` is the model contents' own digest, which
-    ``kvtier doctor`` recomputes from ``--model``)."""
+def layout_fingerprint(
+    config: Any,
+    block_bytes: int,
+    rank: int,
+    world_size: int,
+    host_layout: str | None = None,
+    settings: dict[str, Any] | None = None,
+) -> LayoutFingerprint:
+    """The disk layout identity of one rank's blocks, from vLLM's
+    ``OffloadingConfig`` (duck-typed): what must match for a disk block to be
+    reusable. Used by the full spec and the tiering-mode disk tier;
+    ``host_layout`` names a CPU-row layout other than the full spec's, so the
+    two never share slab directories.
+
+    Beyond the geometry: ``model_id`` covers the model's contents (with its
+    KV-cache dtype) and, under kvtier's connector, the resolved
+    configuration's :func:`settings_identity` (``settings``); ``dp_rank``
+    keeps DP replicas sharing one config (and one disk_path) in separate
+    store directories; ``identity`` describes both parts for layout.json
+    (``contents`` is the model contents' own digest, which ``kvtier doctor``
+    recomputes from ``--model``)."""
+    groups = ",".join(
+        f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}" for g in config.groups
+    )
+    geometry = (
+        f"groups={groups};blocks_per_chunk={config.cache.blocks_per_chunk};"
+        f"tokens_per_hash={config.cache.tokens_per_hash};"
+        f"layout={config.kv_cache_layout};"
+        f"canonical={config.canonical_layout}"
+    )
+    if host_layout is not None:
+        geometry += f";host_layout={host_layout}"
     par = config.parallel
     dp_rank = getattr(par, "data_parallel_index", None)
     if dp_rank is None:
@@ -266,11 +290,17 @@ def namespace(config: Any, settings: dict[str, Any] | None = None) -> dict[str, 
             {"model": contents, "settings": settings_digest(settings)},
             b"kvtier-model",
         )
-    return {
-        "model_id": model_id,
-        "dp_rank": int(dp_rank),
-        "identity": tuple(sorted(described.items())),
-    }
+    return LayoutFingerprint(
+        model=config.model.name,
+        dtype=str(config.model.dtype),
+        block_bytes=block_bytes,
+        geometry=geometry,
+        tp_rank=rank,
+        tp_size=world_size,
+        model_id=model_id,
+        dp_rank=int(dp_rank),
+        identity=tuple(sorted(described.items())),
+    )
 
 
 # The fix, named wherever a non-reproducible prefix hash is reported.

@@ -40,7 +40,7 @@ from kvtier.connector.config import (
     blocks_in_budget,
     parse_extra_config,
 )
-from kvtier.connector.identity import describe_settings, namespace
+from kvtier.connector.identity import describe_settings, layout_fingerprint
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.preflight import check_disk_paths, prepare_cpu_tier
 from kvtier.connector.topology import check_single_node
@@ -51,45 +51,6 @@ from kvtier.store.slabs import store_dirname
 from kvtier.store.slot import LayoutFingerprint, slot_size
 
 logger = get_logger("connector")
-
-
-def layout_fingerprint(
-    config: OffloadingConfig,
-    block_bytes: int,
-    rank: int,
-    world_size: int,
-    host_layout: str | None = None,
-    settings: dict[str, Any] | None = None,
-) -> LayoutFingerprint:
-    """The disk layout identity of one rank's blocks, from vLLM's config.
-
-    Shared by :class:`TieredOffloadingSpec` and the tiering-mode disk tier
-    (``kvtier.connector.tiering``); ``host_layout`` names a CPU-row layout
-    other than this spec's own, so the two never share slab directories.
-    ``settings``: the resolved configuration's KV-relevant settings
-    (:func:`~kvtier.connector.identity.settings_identity`), known under
-    kvtier's connector."""
-    groups = ",".join(
-        f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}" for g in config.groups
-    )
-    geometry = (
-        f"groups={groups};blocks_per_chunk={config.cache.blocks_per_chunk};"
-        f"tokens_per_hash={config.cache.tokens_per_hash};"
-        f"layout={config.kv_cache_layout};"
-        f"canonical={config.canonical_layout}"
-    )
-    if host_layout is not None:
-        geometry += f";host_layout={host_layout}"
-    return LayoutFingerprint(
-        model=config.model.name,
-        dtype=str(config.model.dtype),
-        block_bytes=block_bytes,
-        geometry=geometry,
-        tp_rank=rank,
-        tp_size=world_size,
-        # model contents + settings + DP rank (kvtier.connector.identity)
-        **namespace(config, settings),
-    )
 
 
 def device_copy_path() -> Any:

@@ -21,8 +21,10 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheTensor,
 )
 
-from kvtier.connector.identity import model_identity  # noqa: E402
-from kvtier.connector.spec import layout_fingerprint  # noqa: E402
+from kvtier.connector.identity import (
+    layout_fingerprint,  # noqa: E402
+    model_identity,  # noqa: E402
+)
 from kvtier.safe_open import InUseError  # noqa: E402
 from kvtier.store.slabs import store_dirname  # noqa: E402
 from kvtier.store.slot import slot_size  # noqa: E402

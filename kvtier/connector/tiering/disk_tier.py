@@ -57,18 +57,19 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvtier.connector.config import ConfigError, blocks_in_budget
+from kvtier.connector.identity import layout_fingerprint
+from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.preflight import check_disk_paths
-from kvtier.connector.spec import layout_fingerprint
 from kvtier.connector.tiering.config import (
-    TIER_TYPE,
+    DISK_TIER_TYPE,
     TierConfigError,
     as_tier_error,
     parse_tier_config,
 )
 from kvtier.connector.tiering.metrics import (
+    DISK_TIER_METRICS,
     DiskTierMetrics,
     DiskTierStats,
-    metric_definitions,
 )
 from kvtier.connector.tiering.pull import PullBack
 from kvtier.log import get_logger
@@ -150,7 +151,7 @@ class KvtierDiskTier(SecondaryTierManager):
         if config.canonical_layout:
             raise TierConfigError(
                 "type",
-                f"{TIER_TYPE} stores each rank's page of a primary row; it does "
+                f"{DISK_TIER_TYPE} stores each rank's page of a primary row; it does "
                 "not support canonical_layout (remove canonical_layout from "
                 "kv_connector_extra_config)",
             )
@@ -164,7 +165,7 @@ class KvtierDiskTier(SecondaryTierManager):
         rows = np.asarray(primary_kv_view).view(np.uint8)
         if rows.ndim != 2 or self.num_ranks * self.block_bytes > rows.shape[1]:
             raise ValueError(
-                f"{TIER_TYPE}: primary rows of {rows.shape} cannot hold "
+                f"{DISK_TIER_TYPE}: primary rows of {rows.shape} cannot hold "
                 f"{self.num_ranks} rank page(s) of {self.block_bytes} B"
             )
         try:
@@ -423,7 +424,7 @@ class KvtierDiskTier(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        return metric_definitions()
+        return metric_definitions(DISK_TIER_METRICS)
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
