@@ -39,7 +39,7 @@ from kvtier.tiers.optimum import (
 )
 from kvtier.tiers.policy import policy_names
 from kvtier.tools.sizing import SizingResult, replay_trace
-from kvtier.tools.sizing_compare import optimal_hit_rate
+from kvtier.tools.sizing_compare import trace_optimal_hit_rate
 from kvtier.tools.sizing_plot import plot_tier_split
 from kvtier.tools.trace import infinite_cache_hit_rate, load_trace, unique_blocks
 
@@ -123,7 +123,7 @@ def main() -> None:
     optimum: dict[tuple[str, int], float] = {}
     for c, d, _, _, part in cfgs:
         if (part, c + d) not in optimum:
-            optimum[part, c + d] = optimal_hit_rate(parts[part], c + d)
+            optimum[part, c + d] = trace_optimal_hit_rate(parts[part], c + d)
     vllm = {} if args.no_vllm else vllm_hit_rates(args.trace, cpu)
 
     rows = []

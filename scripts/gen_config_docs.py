@@ -322,14 +322,14 @@ def keys_section() -> str:
 
 
 def tier_keys_section() -> str:
-    from kvtier.connector.tiering.config import TIER_KEYS, TIER_TYPE
+    from kvtier.connector.tiering.config import DISK_TIER_TYPE, TIER_KEYS
 
     lines = [
-        f"## The `{TIER_TYPE}` entry (tiering mode)",
+        f"## The `{DISK_TIER_TYPE}` entry (tiering mode)",
         "",
         f"Under vLLM's `TieringOffloadingSpec` (or kvtier's `PortableTieringSpec`) "
         f'kvtier\'s disk tier is an entry of `secondary_tiers` with `"type": '
-        f'"{TIER_TYPE}"` ([tiering mode](tiering-mode.md)); the top-level keys '
+        f'"{DISK_TIER_TYPE}"` ([tiering mode](tiering-mode.md)); the top-level keys '
         "(`cpu_bytes_to_use`, `eviction_policy` of the CPU tier, `block_size`, "
         "`secondary_tiers`, ...) are vLLM's. The entry's disk keys are the "
         "fields of the table above, with the same defaults and checks "

@@ -169,7 +169,7 @@ def _one_of(*choices: str) -> Any:
 DiskIo = _one_of("auto", "posix", "kvikio")
 Compression = _one_of("none", "zstd")
 LoadPath = _one_of("host", "device")
-ReadProcess = _one_of("auto", "off")
+AutoOrOff = _one_of("auto", "off")
 
 
 def _policies() -> str:
@@ -305,7 +305,7 @@ class KvtierConfig(BaseModel):
         "with the device checksum and copied device-to-device; needs "
         "disk_compression none). docs/gds.md.",
     )
-    disk_read_process: ReadProcess = Field(
+    disk_read_process: AutoOrOff = Field(
         "auto",
         description="Whether a worker reads and verifies disk hits in a child "
         "process of its own (kvtier.store.read_process: a shared bounce area, one "

@@ -177,8 +177,12 @@ _DEFS: dict[str, OffloadingMetricMetadata] = {
 MAX_PENDING_SAMPLES = 4096
 
 
-def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
-    return dict(_DEFS)
+def metric_definitions(
+    names: Iterable[str] | None = None,
+) -> dict[str, OffloadingMetricMetadata]:
+    """kvtier's series (for vLLM's ``build_metric_definitions``), or those
+    of ``names`` (what a secondary tier feeds)."""
+    return dict(_DEFS) if names is None else {name: _DEFS[name] for name in names}
 
 
 Totals = Iterable[tuple[str, tuple[str, ...], float]]

@@ -49,8 +49,8 @@ def parse_size(text: str) -> int:
     value = text.strip()
     if len(value) > 64:  # before int(): no parsing of megabyte numbers
         if _PLAIN.fullmatch(value):
-            raise ValueError(f"byte size too large: {_short(value)}")
-        raise NotASize(f"not a byte size: {_short(value)} (too long)")
+            raise ValueError(f"byte size too large: {quoted(value)}")
+        raise NotASize(f"not a byte size: {quoted(value)} (too long)")
     if _PLAIN.fullmatch(value):
         return _checked(int(value), value)
     m = _LETTER.fullmatch(value)
@@ -61,7 +61,7 @@ def parse_size(text: str) -> int:
     if m is not None:
         number, unit, binary = m.groups()
         return _scaled(number, unit.lower(), binary=bool(binary), text=value)
-    raise NotASize(f"not a byte size: {_short(value)}; give {SIZE_RULE}")
+    raise NotASize(f"not a byte size: {quoted(value)}; give {SIZE_RULE}")
 
 
 def _scaled(number: str, unit: str, *, binary: bool, text: str) -> int:
@@ -78,17 +78,18 @@ def _scaled(number: str, unit: str, *, binary: bool, text: str) -> int:
     # As vLLM computes it (int of a float), so both read the same number.
     scaled = float(number) * 1000**exponent
     if scaled > MAX_SIZE:
-        raise ValueError(f"byte size too large: {_short(text)}")
+        raise ValueError(f"byte size too large: {quoted(text)}")
     return int(scaled)
 
 
 def _checked(n: int, text: str) -> int:
     if abs(n) > MAX_SIZE:
-        raise ValueError(f"byte size too large: {_short(text)}")
+        raise ValueError(f"byte size too large: {quoted(text)}")
     return n
 
 
-def _short(text: str, n: int = 40) -> str:
+def quoted(text: str, n: int = 40) -> str:
+    """``text`` for an error message: quoted, cut after ``n`` characters."""
     return repr(text) if len(text) <= n else repr(text[:n]) + "..."
 
 

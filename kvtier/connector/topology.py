@@ -112,6 +112,8 @@ def observe(config: Any) -> Topology:
     try:
         from vllm.distributed import parallel_state
 
+        # Private: get_node_count() asserts before the distributed
+        # environment exists, where this reads None.
         topo["measured_nodes"] = parallel_state._NODE_COUNT
     except ImportError:  # pragma: no cover
         pass

@@ -77,8 +77,8 @@ logger = get_logger("store")
 CLOSE_WAIT_S = 5.0
 # How long abandon() waits for the child's answer before it stops the child.
 ABANDON_WAIT_S = 5.0
-# How long a blocking wait sleeps in one poll of the pipe.
-POLL_S = 0.05
+# The longest one wait on the pipe lasts before a blocking wait looks again.
+PIPE_WAIT_S = 0.05
 # The child's name in ps and top (its read threads are kvtier-posix_N).
 CHILD_NAME = "kvtier-read"
 # Linux: F_SETPIPE_SZ. A larger pipe takes a batch's request (about 45
@@ -291,7 +291,7 @@ class ReadProcess:
         if isinstance(pending, PendingRead):
             return self._local.complete(pending)
         while pending.result is None:
-            self.poll(POLL_S)
+            self.poll(PIPE_WAIT_S)
         if not pending.result and pending.items:
             return [SlotRead(ReadOutcome.IO_ERROR, -1) for _ in pending.items]
         return pending.result
@@ -308,7 +308,7 @@ class ReadProcess:
                 # it is reaped; a read it cannot leave keeps that wait.
                 self._lost("it did not answer a batch given up")
                 break
-            self.poll(POLL_S)
+            self.poll(PIPE_WAIT_S)
 
     # ------------------------------------------------------------ internals
 

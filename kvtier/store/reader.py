@@ -53,7 +53,7 @@ from kvtier.store.slot import (
 logger = get_logger("store")
 
 # kvikio's reads have no timed wait: a batch of them is polled this often.
-POLL_S = 0.001
+KVIKIO_POLL_S = 0.001
 
 # Outcomes of slots read whole but not served for what they hold: counted in
 # ``checksum_failures`` (an empty slot, an I/O error or a slot for the host
@@ -217,7 +217,7 @@ def wait_reads(reads: Sequence[Any], timeout: float | None = None) -> bool:
     while not all(r.done() for r in polled):
         if deadline is not None and time.monotonic() >= deadline:
             return False
-        time.sleep(POLL_S)
+        time.sleep(KVIKIO_POLL_S)
     return True
 
 

@@ -168,7 +168,7 @@ class InjectedFault:
 
 
 @dataclass
-class _Decision:
+class Decision:
     fault: FaultRule | None = None
     delay_s: float = 0.0
     flip_positions: list[int] = field(default_factory=list)
@@ -220,8 +220,8 @@ class FaultPlan:
             if (kind is None or f.kind is kind) and (want_op is None or f.op is want_op)
         )
 
-    def _decide(self, op: Op, path: str, offset: int, nbytes: int) -> _Decision:
-        out = _Decision()
+    def _decide(self, op: Op, path: str, offset: int, nbytes: int) -> Decision:
+        out = Decision()
         if not self.armed:
             return out
         with self._lock:
@@ -276,13 +276,13 @@ class FaultPlan:
 
 def _detail(rule: FaultRule, nbytes: int) -> str:
     if rule.kind is FaultKind.SHORT:
-        return f"{_short_len(rule, nbytes)} of {nbytes} bytes"
+        return f"{short_len(rule, nbytes)} of {nbytes} bytes"
     if rule.kind is FaultKind.ERROR:
         return errno_mod.errorcode.get(rule.errno, str(rule.errno))
     return ""
 
 
-def _short_len(rule: FaultRule, nbytes: int) -> int:
+def short_len(rule: FaultRule, nbytes: int) -> int:
     if rule.short_bytes is not None:
         return min(rule.short_bytes, nbytes)
     return (nbytes // 2) // IO_ALIGNMENT * IO_ALIGNMENT

@@ -68,14 +68,14 @@ if TYPE_CHECKING:
 
 from kvtier.testing.fault_plan import (
     MAX_DELAY_S,
+    Decision,
     FaultKind,
     FaultPlan,
     FaultRule,
     InjectedFault,
     Op,
-    _Decision,
-    _short_len,
     on_slot,
+    short_len,
 )
 
 __all__ = [
@@ -152,7 +152,7 @@ class FaultInjectingBackend(DiskBackend):
 
     def _begin(
         self, op: Op, handle: FaultHandle, offset: int, nbytes: int
-    ) -> _Decision:
+    ) -> Decision:
         decision = self.plan._decide(op, handle.path, offset, nbytes)
         if decision.delay_s:
             time.sleep(decision.delay_s)
@@ -175,7 +175,7 @@ class FaultInjectingBackend(DiskBackend):
             # the caller's buffer keeps its old bytes, as after a real short read.
             scratch = aligned_empty(len(view))
             n = transfer(handle.inner, scratch, offset)
-            keep = min(n, _short_len(rule, len(view)))
+            keep = min(n, short_len(rule, len(view)))
             view[:keep] = scratch[:keep].data
             return keep
         n = transfer(handle.inner, buf, offset)
@@ -193,7 +193,7 @@ class FaultInjectingBackend(DiskBackend):
         decision = self._begin(Op.WRITE, handle, offset, len(view))
         rule = decision.fault
         if rule is not None and rule.kind is FaultKind.SHORT:
-            keep = _short_len(rule, len(view))
+            keep = short_len(rule, len(view))
             return transfer(handle.inner, view[:keep], offset) if keep else 0
         if decision.flip_positions:
             scratch = aligned_empty(len(view))

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from kvtier.connector.sizes import SIZE_RULE, parse_size
+from kvtier.connector.sizes import SIZE_RULE, parse_size, quoted
 from kvtier.tiers.policy import policy_names
 from kvtier.tools.commands.doctor import cmd_doctor
 from kvtier.tools.commands.events import cmd_events
@@ -28,7 +28,7 @@ from kvtier.tools.events_sub import DEFAULT_MAX_MESSAGE_BYTES
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
-def _size(text: str) -> int:
+def _size_arg(text: str) -> int:
     """An argparse type: a byte size by vLLM's rule (kvtier.connector.sizes)."""
     try:
         return parse_size(text)
@@ -37,28 +37,24 @@ def _size(text: str) -> int:
 
 
 def _nonneg_bytes(text: str) -> int:
-    v = _size(text)
+    v = _size_arg(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 bytes, got {text!r}")
     return v
 
 
 def _pos_bytes(text: str) -> int:
-    v = _size(text)
+    v = _size_arg(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
     return v
-
-
-def _short(text: str, n: int = 40) -> str:
-    return repr(text) if len(text) <= n else repr(text[:n]) + "..."
 
 
 def _int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {_short(text)}") from None
+        raise argparse.ArgumentTypeError(f"not an integer: {quoted(text)}") from None
 
 
 def _nonneg_int(text: str) -> int:
@@ -79,9 +75,9 @@ def _float(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {_short(text)}") from None
+        raise argparse.ArgumentTypeError(f"not a number: {quoted(text)}") from None
     if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"must be finite, got {_short(text)}")
+        raise argparse.ArgumentTypeError(f"must be finite, got {quoted(text)}")
     return v
 
 

@@ -65,13 +65,13 @@ def policy_pairs(
     return [(c, d) for c in names for d in names]
 
 
-def optimal_hit_rate(
+def trace_optimal_hit_rate(
     requests: Sequence[TraceRequest | Sequence[Hashable]], capacity: int
 ) -> float:
-    """Offline optimum (Belady on prefix hits) of one tier of ``capacity``."""
-    from kvtier.tiers.optimum import optimal_hit_rate as _opt
+    """:func:`kvtier.tiers.optimum.optimal_hit_rate` of a trace's requests."""
+    from kvtier.tiers.optimum import optimal_hit_rate
 
-    return _opt([request_keys(r) for r in requests], capacity)
+    return optimal_hit_rate([request_keys(r) for r in requests], capacity)
 
 
 def compare_policies(
@@ -101,7 +101,7 @@ def compare_policies(
     return PolicyComparison(
         cpu_blocks=cpu_blocks,
         disk_blocks=disk_blocks,
-        optimal_hit_rate=optimal_hit_rate(requests, cpu_blocks + disk_blocks),
+        optimal_hit_rate=trace_optimal_hit_rate(requests, cpu_blocks + disk_blocks),
         infinite_hit_rate=infinite_cache_hit_rate(requests),
         results=results,
     )

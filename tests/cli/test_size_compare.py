@@ -37,7 +37,7 @@ def test_size_compare_json_lists_every_policy_under_the_optimum(
     cmp = doc["comparison"]
     assert [p["cpu_policy"] for p in cmp["policies"]] == list(policy_names())
     assert cmp["optimal_hit_rate"] == pytest.approx(
-        sizing_compare.optimal_hit_rate(PREFIXES, 4)
+        sizing_compare.trace_optimal_hit_rate(PREFIXES, 4)
     )
     for p in cmp["policies"]:
         assert p["hit_rate"] <= cmp["optimal_hit_rate"] + 1e-12

@@ -271,9 +271,10 @@ def test_hung_shared_lookups_turn_into_misses(tmp_path, drivers):
     ],
 )
 def test_bad_shared_tier_config_names_the_key(entry, key):
-    from kvtier.connector.tiering.shared_fs import SharedTierConfigError, parse_guard
+    from kvtier.connector.tiering.config import TierConfigError
+    from kvtier.connector.tiering.shared_fs import parse_guard
 
-    with pytest.raises(SharedTierConfigError, match=rf"\[type=SharedFsTier\]\['{key}'\]"):
+    with pytest.raises(TierConfigError, match=rf"\[type=SharedFsTier\]\['{key}'\]"):
         parse_guard(entry)
 
 

@@ -29,7 +29,7 @@ from kvtier.connector.config import (
 )
 from kvtier.connector.preflight import check_disk_paths
 
-TIER_TYPE = "KvtierDiskTier"
+DISK_TIER_TYPE = "KvtierDiskTier"
 
 
 class _FactoryKeys(BaseModel):
@@ -39,7 +39,7 @@ class _FactoryKeys(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    type: VllmString = Field(None, description=f"`{TIER_TYPE}`.")
+    type: VllmString = Field(None, description=f"`{DISK_TIER_TYPE}`.")
     module_path: VllmString = Field(None, description="`kvtier.connector.tiering`.")
     backpressure: Annotated[Any, Accepts("object", owner="vllm")] = Field(
         None, description="vLLM's per-tier back-pressure detector settings."
@@ -89,13 +89,13 @@ TIER_KEYS = key_specs(KvtierDiskTierConfig)
 
 
 class TierConfigError(ConfigError):
-    """A bad key of the ``KvtierDiskTier`` entry in ``secondary_tiers``."""
+    """A bad key of a kvtier entry (``tier``: its type) in ``secondary_tiers``."""
 
-    def __init__(self, key: str, message: str):
+    def __init__(self, key: str, message: str, tier: str = DISK_TIER_TYPE):
         self.key = key
         ValueError.__init__(
             self,
-            f"kvtier: kv_connector_extra_config['secondary_tiers'][type={TIER_TYPE}]"
+            f"kvtier: kv_connector_extra_config['secondary_tiers'][type={tier}]"
             f"[{key!r}]: {message}",
         )
 

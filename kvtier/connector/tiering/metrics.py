@@ -1,7 +1,7 @@
 """The metrics of :class:`kvtier.connector.tiering.KvtierDiskTier`.
 
-The tier counts into :class:`DiskTierStats`; :func:`metric_definitions`
-declares kvtier's series to vLLM and :class:`DiskTierMetrics` turns the
+The tier counts into :class:`DiskTierStats`; :data:`DISK_TIER_METRICS`
+names kvtier's series it declares to vLLM and :class:`DiskTierMetrics` turns the
 counters' growth since the last call into vLLM's
 ``OffloadingConnectorStats``.
 """
@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
-from vllm.v1.kv_offload.base import OffloadingMetricMetadata
 
 from kvtier.connector import metrics as m
 from kvtier.connector.worker_report import CounterDeltas
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
 # kvtier's metric series this tier feeds, the full spec's where the concept
 # exists (tier label "disk"). vLLM's tiering manager also exports read and
 # write bytes and time per tier type (vllm:kv_offload_tiering_*).
-_METRICS = (
+DISK_TIER_METRICS = (
     m.TIER_USAGE,
     m.TIER_BLOCKS,
     m.TIER_CAPACITY,
@@ -71,12 +70,6 @@ class DiskTierStats:
     restored: int = 0
     # Blocks another secondary tier supplied, stored here too (pull.py).
     pulled: int = 0
-
-
-def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
-    """kvtier's series this tier feeds (``build_metric_definitions``)."""
-    defs = m.metric_definitions()
-    return {name: defs[name] for name in _METRICS}
 
 
 class DiskTierMetrics:

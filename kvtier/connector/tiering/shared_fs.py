@@ -66,7 +66,7 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from kvtier.connector.config import ConfigError
+from kvtier.connector.tiering.config import TierConfigError
 from kvtier.log import get_logger
 
 if TYPE_CHECKING:
@@ -75,48 +75,34 @@ if TYPE_CHECKING:
 
 logger = get_logger("connector")
 
-TIER_TYPE = "SharedFsTier"
+SHARED_TIER_TYPE = "SharedFsTier"
 # Keys handed to vLLM's FileSystemTierManager unchanged.
 FS_KEYS = ("n_read_threads", "n_write_threads", "enable_kv_events")
 GUARD_KEYS = {"probe_timeout_s": 5.0, "lookup_timeout_s": 5.0, "store_timeout_s": 60.0}
 
 
-class SharedTierConfigError(ConfigError):
-    """A bad key of the ``SharedFsTier`` entry in ``secondary_tiers``."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        ValueError.__init__(
-            self,
-            f"kvtier: kv_connector_extra_config['secondary_tiers'][type={TIER_TYPE}]"
-            f"[{key!r}]: {message}",
-        )
-
-
 def parse_guard(config: dict[str, Any]) -> tuple[str, str, dict[str, float], dict]:
     """(root_dir, locality, guard timeouts, fs keys) of one entry; raise
-    :class:`SharedTierConfigError` naming the key."""
+    :class:`~kvtier.connector.tiering.config.TierConfigError` naming the key."""
+
+    def refuse(key: str, message: str) -> TierConfigError:
+        return TierConfigError(key, message, SHARED_TIER_TYPE)
+
     valid = ("root_dir", "locality", *FS_KEYS, *GUARD_KEYS)
     for key in config:
         if key not in valid:
-            raise SharedTierConfigError(
-                key, f"unknown key; valid keys are: {', '.join(valid)}"
-            )
+            raise refuse(key, f"unknown key; valid keys are: {', '.join(valid)}")
     root = config.get("root_dir")
     if not isinstance(root, str) or not os.path.isabs(root):
-        raise SharedTierConfigError(
-            "root_dir", f"got {root!r}; give the shared mount's absolute path"
-        )
+        raise refuse("root_dir", f"got {root!r}; give the shared mount's absolute path")
     locality = config.get("locality", "REMOTE")
     if locality not in ("LOCAL", "REMOTE"):
-        raise SharedTierConfigError(
-            "locality", f"got {locality!r}; accepted values: REMOTE | LOCAL"
-        )
+        raise refuse("locality", f"got {locality!r}; accepted values: REMOTE | LOCAL")
     guard = {}
     for key, default in GUARD_KEYS.items():
         value = config.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise SharedTierConfigError(key, f"got {value!r}; give seconds > 0")
+            raise refuse(key, f"got {value!r}; give seconds > 0")
         guard[key] = float(value)
     return root, locality, guard, {k: config[k] for k in FS_KEYS if k in config}
 

@@ -28,12 +28,11 @@ from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
 logger = get_logger("store")
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-_O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
 
 
 def _open_fd(path: str, flags: int, mode: int = 0o600) -> int:
-    """open_private (O_NOFOLLOW, owner and write-bit checks on the opened
-    descriptor), isolated so tests can simulate file systems rejecting
+    """open_private (O_NOFOLLOW | O_CLOEXEC, owner and write-bit checks on
+    the opened descriptor), isolated so tests can simulate file systems rejecting
     O_DIRECT."""
     return open_private(path, flags, mode)
 
@@ -103,7 +102,7 @@ class PosixBackend(DiskBackend):
     # -- DiskBackend ------------------------------------------------------
 
     def open(self, path: str, writable: bool = True) -> PosixHandle:
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | _O_CLOEXEC
+        flags = os.O_RDWR if writable else os.O_RDONLY
         if self.direct_supported(os.path.dirname(os.path.abspath(path))):
             try:
                 return PosixHandle(_open_fd(path, flags | _O_DIRECT), path, True)
@@ -187,9 +186,7 @@ def probe_direct(directory: str) -> tuple[bool, str]:
     with mmap.mmap(-1, IO_ALIGNMENT) as page:
         page.write(b"kvtier-probe".ljust(IO_ALIGNMENT, b"\0"))
         try:
-            fd = _open_fd(
-                path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_CLOEXEC | _O_DIRECT
-            )
+            fd = _open_fd(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_DIRECT)
             if os.pwritev(fd, [page], 0) != IO_ALIGNMENT:
                 return False, "short O_DIRECT probe write"
             back = mmap.mmap(-1, IO_ALIGNMENT)

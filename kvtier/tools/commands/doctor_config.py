@@ -20,6 +20,7 @@ from kvtier.connector.config import (
     KvtierConfig,
     parse_extra_config,
 )
+from kvtier.connector.tiering.config import DISK_TIER_TYPE, parse_tier_config
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, Check, DoctorInput
 
@@ -37,7 +38,6 @@ TIERING_SPEC = "TieringOffloadingSpec"  # vLLM's, with a KvtierDiskTier
 TIERING_SPECS = (TIERING_SPEC, "PortableTieringSpec")
 KVTIER_CONNECTOR = "TieredOffloadingConnector"
 KVTIER_MODULE = "kvtier.connector"
-DISK_TIER_TYPE = "KvtierDiskTier"
 
 
 def vllm_distribution() -> tuple[str, str] | None:
@@ -185,8 +185,6 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
 def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
     """The disk tier of vLLM's tiering spec as a KvtierConfig (its CPU bytes
     are vLLM's own ``cpu_bytes_to_use``)."""
-    from kvtier.connector.tiering.config import parse_tier_config
-
     tiers = [
         t
         for t in extra.get("secondary_tiers") or []
