@@ -46,7 +46,7 @@ from typing import Any
 
 from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json
 
-from kvtier.tiers import TierHierarchy
+from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tools.sizing import TraceReplayer, replay_trace
 from kvtier.tools.trace import load_trace
 

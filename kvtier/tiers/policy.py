@@ -198,8 +198,7 @@ class LRUPolicy(EvictionPolicy):
             return super().insert_many(keys)
         # New keys (none resident, none twice: the tier's contract): each
         # appended with the next stamp. (A loop of stores: an OrderedDict's
-        # update() takes the generic MutableMapping path, ~1.3x the cost
-        # per key.)
+        # update() takes the slower generic MutableMapping path.)
         keys = list(keys)
         if not keys:
             return []

@@ -131,9 +131,9 @@ class TwoQueuePolicy(EvictionPolicy):
     the capacity insertions: 2Q's A1out ghost list remembers only evicted
     keys, for about half the capacity, while a prefix cache's reuse
     distances are many capacities long. Much longer is not better: keys
-    reused too rarely to survive in the main LRU then crowd it (10x lost to
-    5x at small tiers on the tuning half of the trace). O(1) per call;
-    ~4 bytes per key of history.
+    reused too rarely to survive in the main LRU then crowd it
+    (docs/benchmarks.md, "Hit rate"). O(1) per call; ~4 bytes per key of
+    history.
 
     Segments: probation and main. Probation is kept as its older part
     (beyond the target) and its newest ``small_target`` keys, so the order

@@ -39,10 +39,9 @@ from typing import Any
 # One run of a victim order (see kvtier.tiers.policy.Run).
 Runs = Sequence[tuple[int, int | None]]
 
-# Ordered runs per segment. With three, no admission of the trace replay
-# (CPU tier over a disk tier of 0, 5 or 20x) goes to a heap; a simulation
-# of the same admissions sent 72 % of the CPU tier's to a heap with one run
-# and 24 % with two. More would only add a comparison per victim.
+# Ordered runs per segment: with three, no admission of the trace replay
+# goes to a heap (docs/benchmarks.md, "Scheduler cost"); more would only add
+# a comparison per victim.
 RUNS_PER_SEGMENT = 3
 
 
@@ -133,8 +132,8 @@ class VictimIndex:
             else:
                 group, placed = fresh, positions
             # A key listed twice gets the same stamp twice: one entry. (A
-            # loop of stores: OrderedDict.update takes the generic
-            # MutableMapping path, ~1.3x the cost per key.)
+            # loop of stores: OrderedDict.update takes the slower generic
+            # MutableMapping path.)
             for key, (_, stamp) in zip(group, placed):
                 run[key] = stamp
             tails[r] = stamp  # the group's last, its newest

@@ -3,7 +3,7 @@
 Replays a Mooncake-format trace (one JSON object per line: ``timestamp`` in
 ms, ``input_length``, ``output_length``, ``hash_ids``: prefix hashes of
 512-token blocks, where an id covers its block and everything before it)
-through the real :class:`~kvtier.tiers.TierHierarchy`, as the plugin's
+through the real :class:`~kvtier.tiers.hierarchy.TierHierarchy`, as the plugin's
 scheduler side would drive it, with every spill and load completing
 instantly. Only the offload tiers are modelled: every block of every request
 is looked up in CPU/disk (the GPU prefix cache is not simulated).
@@ -24,7 +24,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvtier.tiers import Residency, TierHierarchy
+from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.plans import Residency
 from kvtier.tools.trace import (
     TOKENS_PER_TRACE_BLOCK,
     TraceRequest,

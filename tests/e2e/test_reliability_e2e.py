@@ -21,7 +21,7 @@ from vllm import SamplingParams
 from kvtier.store.slot import slot_size
 from kvtier.testing.engine import drain, engine, make_prompt, run_prompts
 from kvtier.testing.faults import FaultPlan, FaultRule, inject_faults
-from kvtier.tiers import BlockState
+from kvtier.tiers.slots import BlockState
 
 from .workload import (
     FIRST,

@@ -22,7 +22,8 @@ from kvtier.store.slot import LayoutFingerprint
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import FinishedJob, TransferEngine
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
-from kvtier.tiers import TierEvent, TierHierarchy, replay
+from kvtier.tiers.events import TierEvent, replay
+from kvtier.tiers.hierarchy import TierHierarchy
 
 BLOCK_BYTES = 64 * 1024
 SENTINEL = 0xCD

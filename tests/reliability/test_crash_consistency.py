@@ -26,7 +26,9 @@ from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import TransferEngine
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
-from kvtier.tiers import Residency, TierEvent, TierHierarchy, replay
+from kvtier.tiers.events import TierEvent, replay
+from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.plans import Residency
 
 BLOCK = 512 * 1024
 SLOTS = 32

@@ -35,7 +35,8 @@ from kvtier.store import slabs as slab_mod
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.slot import ReadOutcome
 from kvtier.store.store import DiskStore
-from kvtier.tiers import Residency, TierHierarchy
+from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.plans import Residency
 
 FS_MIB = 16
 KINDS = pytest.mark.parametrize("kind", ["tmpfs", "ext4"])

@@ -39,7 +39,8 @@ from kvtier.testing.faults import (
     FaultRule,
     on_slot,
 )
-from kvtier.tiers import Residency, TierHierarchy
+from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.plans import Residency
 
 SYNC = pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 

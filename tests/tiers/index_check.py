@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.tiers import Tier
+from kvtier.tiers.tier import Tier
 
 
 def check_index(tier: Tier) -> None:

@@ -2,15 +2,11 @@
 
 import pytest
 
-from kvtier.tiers import (
-    MEDIUM_CPU,
-    MEDIUM_DISK,
-    Residency,
-    TierHierarchy,
-    policy_names,
-    replay,
-)
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, replay
+from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.plans import Residency
+from kvtier.tiers.policy import policy_names
 from tests.tiers.index_check import check_index
 
 

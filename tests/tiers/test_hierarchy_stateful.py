@@ -28,14 +28,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvtier.tiers import (
-    MEDIUM_CPU,
-    MEDIUM_DISK,
-    Residency,
-    TierHierarchy,
-    policy_names,
-    replay,
-)
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, replay
+from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.plans import Residency
+from kvtier.tiers.policy import policy_names
 from tests.tiers.index_check import check_index
 
 KEYS = st.integers(min_value=0, max_value=11)

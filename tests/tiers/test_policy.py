@@ -4,10 +4,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers import ARCPolicy, LRUPolicy, Tier, TierEvent, make_policy, replay
 from kvtier.tiers.doorkeeper import Doorkeeper
-from kvtier.tiers.policy import policy_names
-from kvtier.tiers.scan_resistant import ARCDoorkeeperPolicy, TwoQueuePolicy
+from kvtier.tiers.events import TierEvent, replay
+from kvtier.tiers.policy import LRUPolicy, make_policy, policy_names
+from kvtier.tiers.scan_resistant import ARCDoorkeeperPolicy, ARCPolicy, TwoQueuePolicy
+from kvtier.tiers.tier import Tier
 
 
 def test_lru_orders_by_last_use():
@@ -207,7 +208,7 @@ def test_doorkeeper_add_reports_what_contains_said(keys):
 @pytest.mark.parametrize("name", policy_names())
 def test_every_policy_is_accepted_by_the_config_and_the_hierarchy(name):
     from kvtier.connector.config import parse_extra_config
-    from kvtier.tiers import TierHierarchy
+    from kvtier.tiers.hierarchy import TierHierarchy
 
     base = {"cpu_bytes_to_use": 1 << 30}
     cfg = parse_extra_config({**base, "eviction_policy": name.upper()})

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvtier.tiers import Tier
 from kvtier.tiers.policy import (
     POLICY_REGISTRY,
     EvictionPolicy,
@@ -23,6 +22,7 @@ from kvtier.tiers.policy import (
     policy_names,
     register_policy,
 )
+from kvtier.tiers.tier import Tier
 
 TIER_BLOCKS = 100_000
 ELIGIBLE_EVERY = 100  # 1 % of the blocks may be victims, the rest are pinned

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from kvtier.tiers import LRUPolicy, Tier, make_policy
-from kvtier.tiers.policy import policy_names
+from kvtier.tiers.policy import LRUPolicy, make_policy, policy_names
+from kvtier.tiers.tier import Tier
 from tests.tiers.index_check import check_index
 
 
