@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import drop_caches  # noqa: E402
 from kvtier.store.slot import LayoutFingerprint, slot_size  # noqa: E402
-from kvtier.store.store import DiskStore  # noqa: E402
+from kvtier.store.store import DiskStore, open_stores  # noqa: E402
 from kvtier.store.transfers import DiskRuntime  # noqa: E402
 from kvtier.tiers.hierarchy import TierHierarchy  # noqa: E402
 
@@ -49,13 +49,10 @@ def fill(store: DiskStore, block_bytes: int) -> float:
 
 def restart(paths, n, block_bytes, fp) -> tuple[float, int]:
     t0 = time.perf_counter()
-    rt = DiskRuntime(
-        disk_paths=paths,
-        num_disk_blocks=n,
-        block_bytes=block_bytes,
-        fingerprints=[fp],  # no CPU tier mapped: no spill runs here
-        disk_io="posix",
-    )
+    stores = open_stores(paths, [fp], n, block_bytes, backend="posix")
+    # No CPU tier file: nothing is mapped, no spill runs here.
+    nowhere = os.path.join(paths[0], "no-cpu-tier")
+    rt = DiskRuntime(stores, num_cpu_blocks=1, cpu_buffer_paths=[nowhere])
     entries = rt.scan_restore()
     h = TierHierarchy(1, n)
     h.restore_disk(entries)

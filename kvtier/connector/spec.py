@@ -200,6 +200,7 @@ class TieredOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             from kvtier.connector.manager import TieredOffloadingManager
+            from kvtier.store.store import open_stores
             from kvtier.store.transfers import DiskRuntime
             from kvtier.tiers.hierarchy import TierHierarchy
 
@@ -215,20 +216,24 @@ class TieredOffloadingSpec(OffloadingSpec):
             )
             runtime = None
             if self.num_disk_blocks > 0:
+                stores = open_stores(
+                    cfg.disk_paths,
+                    [self.fingerprint(r) for r in range(self.world_size)],
+                    self.num_disk_blocks,
+                    self.block_bytes,
+                    # Spills only: disk reads happen in the workers, so
+                    # kvikio (needing libcuda) is never loaded here.
+                    backend="posix",
+                    compression=cfg.disk_compression,
+                    elem_size=self.elem_size,
+                    threads=cfg.disk_io_threads,
+                )
                 runtime = DiskRuntime(
-                    disk_paths=cfg.disk_paths,
-                    num_disk_blocks=self.num_disk_blocks,
+                    stores,
                     num_cpu_blocks=self.num_cpu_blocks,
-                    block_bytes=self.block_bytes,
-                    fingerprints=[self.fingerprint(r) for r in range(self.world_size)],
                     cpu_buffer_paths=[
                         self._buffer_path(r) for r in range(self.world_size)
                     ],
-                    # Spills only: disk reads happen in the workers, so
-                    # kvikio (needing libcuda) is never loaded here.
-                    disk_io="posix",
-                    compression=cfg.disk_compression,
-                    elem_size=self.elem_size,
                     threads=cfg.disk_io_threads,
                 )
                 restored = runtime.scan_restore()

@@ -11,7 +11,7 @@ offset in one positioned write. Its reads go through the one reader
 (:class:`kvtier.store.reader.SlotReader`, one row per thread over that same
 bounce buffer) and its scans through the one scan
 (:func:`kvtier.store.scan.scan`): a torn, stale or corrupted slot is
-reported, never returned.
+reported, never returned. :func:`open_stores` opens one per rank.
 """
 
 from __future__ import annotations
@@ -329,3 +329,24 @@ class DiskStore:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def open_stores(
+    paths: Sequence[str],
+    fingerprints: Sequence[LayoutFingerprint],
+    num_slots: int,
+    block_bytes: int,
+    **kw: Any,
+) -> list[DiskStore]:
+    """One :class:`DiskStore` per rank (``fingerprints``), all on ``paths``;
+    if one cannot be opened, those opened before are closed and the error
+    propagates."""
+    stores: list[DiskStore] = []
+    try:
+        for fp in fingerprints:
+            stores.append(DiskStore(paths, num_slots, block_bytes, fp, **kw))
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise
+    return stores

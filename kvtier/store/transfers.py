@@ -31,7 +31,7 @@ import numpy as np
 from kvtier.host.cpu_tier import AttachedRows
 from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
-from kvtier.store.slot import LayoutFingerprint, ReadOutcome
+from kvtier.store.slot import ReadOutcome
 from kvtier.store.store import DiskStore
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 
@@ -505,27 +505,6 @@ class TransferEngine:
         return False
 
 
-def open_stores(
-    paths: Sequence[str],
-    fingerprints: Sequence[LayoutFingerprint],
-    num_slots: int,
-    block_bytes: int,
-    **kw: Any,
-) -> list[DiskStore]:
-    """One :class:`DiskStore` per rank (``fingerprints``), all on ``paths``;
-    if one cannot be opened, those opened before are closed and the error
-    propagates."""
-    stores: list[DiskStore] = []
-    try:
-        for fp in fingerprints:
-            stores.append(DiskStore(paths, num_slots, block_bytes, fp, **kw))
-    except BaseException:
-        for store in stores:
-            store.close()
-        raise
-    return stores
-
-
 @dataclass
 class DiskIOTotals:
     """Cumulative disk-tier I/O as seen by finished jobs."""
@@ -539,6 +518,9 @@ class DiskIOTotals:
 class DiskRuntime:
     """Runs SpillOrders and PromoteOrders for every TP rank; never blocks.
 
+    ``stores`` (one :class:`~kvtier.store.store.DiskStore` per rank, from
+    :func:`~kvtier.store.store.open_stores`) are the runtime's from the
+    call on: closed by :meth:`close`, or at once if the constructor fails.
     ``rows`` (one :class:`HostRows` per rank) defaults to the CPU tier's
     files ``cpu_buffer_paths``, mapped as :class:`AttachedRows`: at start-up
     when the workers created them, else at the first job.
@@ -556,39 +538,28 @@ class DiskRuntime:
 
     def __init__(
         self,
+        stores: Sequence[DiskStore],
         *,
-        disk_paths: Sequence[str],
-        num_disk_blocks: int,
-        block_bytes: int,
-        fingerprints: Sequence[LayoutFingerprint],
         num_cpu_blocks: int = 0,
         cpu_buffer_paths: Sequence[str] = (),
         rows: Sequence[HostRows] | None = None,
-        disk_io: str = "auto",
-        compression: str = "none",
-        elem_size: int = 2,
         threads: int = 4,
     ):
-        if rows is None:
-            if len(cpu_buffer_paths) != len(fingerprints):
-                raise ValueError("one fingerprint and one CPU buffer per rank")
-            rows = [AttachedRows(p, num_cpu_blocks, block_bytes) for p in cpu_buffer_paths]
-        self.rows = list(rows)
+        self.stores = list(stores)
         self.totals = DiskIOTotals()
         self._broken: str | None = None
         self._given_up: list[FinishedJob] = []
         self._lock = threading.Lock()
-        self.stores = open_stores(
-            disk_paths,
-            fingerprints,
-            num_disk_blocks,
-            block_bytes,
-            backend=disk_io,
-            compression=compression,
-            elem_size=elem_size,
-            threads=threads,
-        )
+        first = self.stores[0]
         try:
+            if rows is None:
+                if len(cpu_buffer_paths) != len(self.stores):
+                    raise ValueError("one store and one CPU buffer per rank")
+                rows = [
+                    AttachedRows(p, num_cpu_blocks, first.block_bytes)
+                    for p in cpu_buffer_paths
+                ]
+            self.rows = list(rows)
             # Each rank's own threads' worth, as each rank's stores have.
             self._engine: TransferEngine | None = TransferEngine(
                 self.rows, self.stores, threads=threads * len(self.stores)
@@ -602,10 +573,10 @@ class DiskRuntime:
                 r.attach_at_start(rank)
         logger.info(
             "kvtier disk tier: %d blocks of %d B per rank on %s via %s",
-            num_disk_blocks,
-            block_bytes,
-            list(disk_paths),
-            self.stores[0].backend.describe(),
+            first.num_slots,
+            first.block_bytes,
+            first.paths,
+            first.backend.describe(),
         )
 
     def scan_restore(self) -> list[tuple[bytes, int]]:

@@ -27,6 +27,7 @@ from kvtier.store import store as disk_store_mod
 from kvtier.store.backends.base import BackendUnavailableError
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.slabs import store_dirname
+from kvtier.store.store import open_stores
 from kvtier.store.transfers import DiskRuntime
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
@@ -95,18 +96,16 @@ def shm_file(tmp_path: Path) -> Iterator[Callable[[int], CpuBlockBuffer]]:
         b.close()
 
 
-def make_runtime(tmp_path: Path, cpu_path: str, **kw) -> DiskRuntime:
-    kw.setdefault("disk_io", "posix")
-    return DiskRuntime(
-        disk_paths=[str(tmp_path / "disk")],
-        num_disk_blocks=8,
-        num_cpu_blocks=8,
-        block_bytes=BLOCK_BYTES,
-        fingerprints=[make_fingerprint()],
-        cpu_buffer_paths=[cpu_path],
+def make_runtime(tmp_path: Path, cpu_path: str, disk_io: str = "posix") -> DiskRuntime:
+    stores = open_stores(
+        [str(tmp_path / "disk")],
+        [make_fingerprint()],
+        8,
+        BLOCK_BYTES,
+        backend=disk_io,
         threads=2,
-        **kw,
     )
+    return DiskRuntime(stores, num_cpu_blocks=8, cpu_buffer_paths=[cpu_path], threads=2)
 
 
 def spill(job_id: int, keys: list[bytes]) -> SpillOrder:

@@ -76,6 +76,7 @@ from kvtier.log import get_logger
 from kvtier.store.compression import element_bytes
 from kvtier.store.slabs import store_dirname
 from kvtier.store.slot import slot_size
+from kvtier.store.store import open_stores
 from kvtier.store.transfers import DiskRuntime
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
@@ -199,7 +200,18 @@ class KvtierDiskTier(SecondaryTierManager):
             check_disk_paths(cfg, reusable=[store_dirname(fp) for fp in fingerprints])
         except ConfigError as exc:
             raise as_tier_error(exc) from None
+        stores = open_stores(
+            cfg.disk_paths,
+            fingerprints,
+            self.capacity,
+            self.block_bytes,
+            backend=cfg.disk_io,
+            compression=cfg.disk_compression,
+            elem_size=element_bytes(config.model.dtype),
+            threads=cfg.disk_io_threads,
+        )
         self.runtime: DiskRuntime | None = DiskRuntime(
+            stores,
             rows=[
                 PrimaryRows(
                     rows[:, r * self.block_bytes : (r + 1) * self.block_bytes],
@@ -207,13 +219,6 @@ class KvtierDiskTier(SecondaryTierManager):
                 )
                 for r in range(self.num_ranks)
             ],
-            disk_paths=cfg.disk_paths,
-            num_disk_blocks=self.capacity,
-            block_bytes=self.block_bytes,
-            fingerprints=fingerprints,
-            disk_io=cfg.disk_io,
-            compression=cfg.disk_compression,
-            elem_size=element_bytes(config.model.dtype),
             threads=cfg.disk_io_threads,
         )
         self._warm_restart()
