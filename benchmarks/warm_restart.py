@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import drop_caches  # noqa: E402
+from kvtier.host.cpu_tier import AttachedRows  # noqa: E402
 from kvtier.store.slot import LayoutFingerprint, slot_size  # noqa: E402
 from kvtier.store.store import DiskStore, open_stores  # noqa: E402
 from kvtier.store.transfers import DiskRuntime  # noqa: E402
@@ -52,7 +53,7 @@ def restart(paths, n, block_bytes, fp) -> tuple[float, int]:
     stores = open_stores(paths, [fp], n, block_bytes, backend="posix")
     # No CPU tier file: nothing is mapped, no spill runs here.
     nowhere = os.path.join(paths[0], "no-cpu-tier")
-    rt = DiskRuntime(stores, num_cpu_blocks=1, cpu_buffer_paths=[nowhere])
+    rt = DiskRuntime(stores, [AttachedRows(nowhere, 1, block_bytes)])
     entries = rt.scan_restore()
     h = TierHierarchy(1, n)
     h.restore_disk(entries)

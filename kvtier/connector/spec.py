@@ -44,7 +44,7 @@ from kvtier.connector.identity import describe_settings, layout_fingerprint
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.preflight import check_disk_paths, prepare_cpu_tier
 from kvtier.connector.topology import check_single_node
-from kvtier.host.cpu_tier import cpu_buffer_path, open_worker_buffer
+from kvtier.host.cpu_tier import AttachedRows, cpu_buffer_path, open_worker_buffer
 from kvtier.log import get_logger
 from kvtier.store.compression import element_bytes
 from kvtier.store.slabs import store_dirname
@@ -228,14 +228,13 @@ class TieredOffloadingSpec(OffloadingSpec):
                     elem_size=self.elem_size,
                     threads=cfg.disk_io_threads,
                 )
-                runtime = DiskRuntime(
-                    stores,
-                    num_cpu_blocks=self.num_cpu_blocks,
-                    cpu_buffer_paths=[
-                        self._buffer_path(r) for r in range(self.world_size)
-                    ],
-                    threads=cfg.disk_io_threads,
-                )
+                rows = [
+                    AttachedRows(
+                        self._buffer_path(r), self.num_cpu_blocks, self.block_bytes
+                    )
+                    for r in range(self.world_size)
+                ]
+                runtime = DiskRuntime(stores, rows, threads=cfg.disk_io_threads)
                 restored = runtime.scan_restore()
                 if restored:
                     hierarchy.restore_disk(restored)

@@ -521,9 +521,9 @@ class DiskRuntime:
     ``stores`` (one :class:`~kvtier.store.store.DiskStore` per rank, from
     :func:`~kvtier.store.store.open_stores`) are the runtime's from the
     call on: closed by :meth:`close`, or at once if the constructor fails.
-    ``rows`` (one :class:`HostRows` per rank) defaults to the CPU tier's
-    files ``cpu_buffer_paths``, mapped as :class:`AttachedRows`: at start-up
-    when the workers created them, else at the first job.
+    ``rows``: one :class:`HostRows` per rank; :class:`AttachedRows` (the CPU
+    tier's files) are mapped at start-up when the workers created them, else
+    at the first job, and unmapped by :meth:`close`.
 
     Contract: ``submit_*`` return at once and never raise for I/O set-up
     problems (rows that cannot be mapped, a stopped runtime): the job's keys
@@ -539,27 +539,17 @@ class DiskRuntime:
     def __init__(
         self,
         stores: Sequence[DiskStore],
+        rows: Sequence[HostRows],
         *,
-        num_cpu_blocks: int = 0,
-        cpu_buffer_paths: Sequence[str] = (),
-        rows: Sequence[HostRows] | None = None,
         threads: int = 4,
     ):
-        self.stores = list(stores)
+        self.stores, self.rows = list(stores), list(rows)
         self.totals = DiskIOTotals()
         self._broken: str | None = None
         self._given_up: list[FinishedJob] = []
         self._lock = threading.Lock()
         first = self.stores[0]
         try:
-            if rows is None:
-                if len(cpu_buffer_paths) != len(self.stores):
-                    raise ValueError("one store and one CPU buffer per rank")
-                rows = [
-                    AttachedRows(p, num_cpu_blocks, first.block_bytes)
-                    for p in cpu_buffer_paths
-                ]
-            self.rows = list(rows)
             # Each rank's own threads' worth, as each rank's stores have.
             self._engine: TransferEngine | None = TransferEngine(
                 self.rows, self.stores, threads=threads * len(self.stores)

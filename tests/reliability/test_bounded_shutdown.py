@@ -21,7 +21,7 @@ from reliability_common import (
     pattern,
 )
 
-from kvtier.host.cpu_tier import CpuBlockBuffer
+from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer
 from kvtier.store import slabs as slab_mod
 from kvtier.store import store as disk_store_mod
 from kvtier.store.backends.base import BackendUnavailableError
@@ -105,7 +105,7 @@ def make_runtime(tmp_path: Path, cpu_path: str, disk_io: str = "posix") -> DiskR
         backend=disk_io,
         threads=2,
     )
-    return DiskRuntime(stores, num_cpu_blocks=8, cpu_buffer_paths=[cpu_path], threads=2)
+    return DiskRuntime(stores, [AttachedRows(cpu_path, 8, BLOCK_BYTES)], threads=2)
 
 
 def spill(job_id: int, keys: list[bytes]) -> SpillOrder:

@@ -212,7 +212,7 @@ class KvtierDiskTier(SecondaryTierManager):
         )
         self.runtime: DiskRuntime | None = DiskRuntime(
             stores,
-            rows=[
+            [
                 PrimaryRows(
                     rows[:, r * self.block_bytes : (r + 1) * self.block_bytes],
                     self.block_bytes,
