@@ -7,8 +7,8 @@ file system:
   slots -> CPU rows) through the real path: CpuBlockBuffer -> TransferEngine
   (``threads`` workers) -> DiskStore (slot headers, xxh3 checksums, verify on
   read) -> back end. Back ends: ``posix`` always, ``kvikio`` only where
-  ``kvtier.store.backends.kvikio_probe.kvikio_usable()`` is True (otherwise its reason is
-  recorded). Where a CUDA GPU exists, **disk -> GPU** is measured as well
+  ``kvtier.store.backends.factory.kvikio_status()`` says it is usable
+  (otherwise its reason is recorded). Where a CUDA GPU exists, **disk -> GPU** is measured as well
   (load into the pinned CPU rows, then one host -> device copy, timed
   together); without one the JSON says why not.
 - **fio** with ``--direct=1``, the same block size, ``--numjobs`` = threads
@@ -64,6 +64,7 @@ from _common import write_json  # noqa: E402
 
 from kvtier.host.cpu_tier import CpuBlockBuffer  # noqa: E402
 from kvtier.store.backends.base import DiskBackend  # noqa: E402
+from kvtier.store.backends.factory import kvikio_status  # noqa: E402
 from kvtier.store.backends.posix import PosixBackend  # noqa: E402
 from kvtier.store.slot import LayoutFingerprint  # noqa: E402
 from kvtier.store.store import DiskStore  # noqa: E402
@@ -346,19 +347,6 @@ class KvtierRig:
         self.store.close()
         self.buf.close()
         self.backend.shutdown()
-
-
-def kvikio_status() -> tuple[bool, str]:
-    try:
-        from kvtier.store.backends.kvikio_probe import (
-            kvikio_unusable_reason,
-            kvikio_usable,
-        )
-    except ImportError as exc:
-        return False, f"kvtier.store.backends.kvikio_probe cannot be imported: {exc}"
-    if kvikio_usable():
-        return True, "kvikio_usable() is True"
-    return False, kvikio_unusable_reason() or "kvikio_usable() is False"
 
 
 def make_backend(name: str, threads: int) -> DiskBackend:

@@ -52,9 +52,9 @@ def test_missing_recompute_policy_is_an_error(capsys, tmp_path, disk, shm):
 
 
 def test_kvikio_requested_without_a_driver_is_an_error(capsys, tmp_path, disk, shm):
-    from kvtier.store.backends.kvikio_probe import kvikio_usable
+    from kvtier.store.backends.kvikio_probe import usable_status
 
-    if kvikio_usable():
+    if usable_status()[0]:
         pytest.skip("kvikio is usable on this host")
     doc = good_config(disk)
     doc["kv_connector_extra_config"]["disk_io"] = "kvikio"

@@ -175,9 +175,9 @@ def test_failed_manager_start_shows_the_real_error(
         "disk_path": str(disk),
     }
     if failure == "kvikio_absent":
-        from kvtier.store.backends.factory import _kvikio_status
+        from kvtier.store.backends.factory import kvikio_status
 
-        if _kvikio_status()[0]:
+        if kvikio_status()[0]:
             pytest.skip("kvikio is usable here")
         extra["disk_io"] = "kvikio"
     spec = tiered_spec(spec_config(tmp_path, **extra))

@@ -105,10 +105,10 @@ def test_wrong_bytes_in_the_kv_cache_change_the_output(
 ):
     settings, medium, reader, backend = LOAD_PATHS[path]
     if backend == "kvikio":
-        from kvtier.store.backends.kvikio_probe import kvikio_unusable_reason
+        from kvtier.store.backends.kvikio_probe import usable_status
 
-        why = kvikio_unusable_reason()
-        if why is not None:
+        usable, why = usable_status()
+        if not usable:
             pytest.skip(f"kvikio unusable: {why}")
     corruptor = LoadCorruptor().install(monkeypatch)
     # Every block spilled at once: a CPU copy is always clean, droppable.

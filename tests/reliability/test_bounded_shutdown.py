@@ -123,9 +123,9 @@ def poll_until(rt: DiskRuntime, timeout: float = 10.0) -> list:
 
 
 def test_failed_start_kvikio_absent_shows_the_real_error(tmp_path: Path) -> None:
-    from kvtier.store.backends.factory import _kvikio_status
+    from kvtier.store.backends.factory import kvikio_status
 
-    if _kvikio_status()[0]:
+    if kvikio_status()[0]:
         pytest.skip("kvikio is usable here")
     with pytest.raises(BackendUnavailableError, match="disk_io='kvikio'"):
         make_runtime(tmp_path, "/nonexistent", disk_io="kvikio")

@@ -28,12 +28,12 @@ def install_fake(monkeypatch: pytest.MonkeyPatch, usable: Any) -> None:
     probe = types.ModuleType(PROBE)
     mod = types.ModuleType(BACKEND)
 
-    def kvikio_usable() -> bool:
+    def usable_status() -> tuple[bool, str]:
         if isinstance(usable, Exception):
             raise usable
-        return bool(usable)
+        return bool(usable), "fake"
 
-    probe.kvikio_usable = kvikio_usable  # type: ignore[attr-defined]
+    probe.usable_status = usable_status  # type: ignore[attr-defined]
     mod.KvikioBackend = FakeKvikio  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, PROBE, probe)
     monkeypatch.setitem(sys.modules, BACKEND, mod)

@@ -103,16 +103,13 @@ UNUSABLE_CHILD = """
     from kvtier.store.backends.base import BackendUnavailableError
     from kvtier.store.backends.factory import make_backend
     from kvtier.store.backends.kvikio import KvikioBackend
-    from kvtier.store.backends.kvikio_probe import (
-        gds_available, kvikio_unusable_reason, kvikio_usable,
-    )
+    from kvtier.store.backends.kvikio_probe import gds_status, usable_status
 
-    usable = kvikio_usable()
-    reason = kvikio_unusable_reason()
-    assert not usable, "kvikio_usable() is True without a CUDA driver"
+    usable, reason = usable_status()
+    assert not usable, "kvikio usable without a CUDA driver"
     assert reason, "no reason recorded"
-    assert kvikio_usable() is False and kvikio_unusable_reason() == reason  # cached
-    assert gds_available() is False
+    assert usable_status() == (False, reason)  # cached
+    assert gds_status()[0] is False
     with pytest.raises(BackendUnavailableError):
         KvikioBackend()
     auto = make_backend("auto")
@@ -151,13 +148,10 @@ ROUNDTRIP_CHILD = """
 
     from kvtier.store.backends.factory import make_backend
     from kvtier.store.backends.kvikio import KvikioBackend
-    from kvtier.store.backends.kvikio_probe import (
-        gds_available, kvikio_unusable_reason, kvikio_usable,
-    )
+    from kvtier.store.backends.kvikio_probe import gds_status, usable_status
 
-    assert kvikio_usable(), kvikio_unusable_reason()
-    assert kvikio_unusable_reason() is None
-    assert gds_available() is False  # no GPU here: compat mode
+    assert usable_status()[0], usable_status()[1]
+    assert gds_status()[0] is False  # no GPU here: compat mode
 
     def aligned(n):
         raw = np.empty(n + 4096, dtype=np.uint8)

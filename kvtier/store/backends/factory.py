@@ -27,8 +27,8 @@ def _log_choice(name: str, why: str) -> None:
     logger.info("kvtier disk I/O back end: %s (%s)", name, why)
 
 
-def _kvikio_status() -> tuple[bool, str]:
-    """Whether kvikio can be used, and why not. Never raises."""
+def kvikio_status() -> tuple[bool, str]:
+    """Whether kvikio can be used here, and why (not). Never raises."""
     try:
         # import_module (not "from kvtier.store.backends import ...") so sys.modules is
         # authoritative, which is what tests and a failed import rely on.
@@ -36,15 +36,10 @@ def _kvikio_status() -> tuple[bool, str]:
     except ImportError as exc:
         return False, f"kvtier.store.backends.kvikio_probe unavailable: {exc}"
     try:
-        usable = bool(kvikio_probe.kvikio_usable())
-        if usable:
-            return True, "kvikio_usable() is True"
-        # Optional companion that explains the refusal in one line.
-        reason_fn = getattr(kvikio_probe, "kvikio_unusable_reason", None)
-        reason = reason_fn() if reason_fn is not None else None
+        usable, why = kvikio_probe.usable_status()
     except Exception as exc:  # a probe must never take the worker down
-        return False, f"kvikio_usable() failed: {exc!r}"
-    return False, f"kvikio unusable: {reason}" if reason else "kvikio_usable() is False"
+        return False, f"the kvikio probe failed: {exc!r}"
+    return bool(usable), why if usable else f"kvikio unusable: {why}"
 
 
 def _make_kvikio(threads: int) -> DiskBackend:
@@ -60,14 +55,14 @@ def make_backend(disk_io: str = "auto", *, threads: int = 4) -> DiskBackend:
     - ``"posix"``: PosixBackend.
     - ``"kvikio"``: KvikioBackend; raises BackendUnavailableError naming
       ``disk_io`` if kvikio cannot be used here.
-    - ``"auto"``: kvikio when ``kvikio_usable()`` says so, otherwise posix.
+    - ``"auto"``: kvikio when ``kvikio_status()`` says so, otherwise posix.
     Any other value raises ValueError.
     """
     if disk_io == "posix":
         _log_choice("posix", "disk_io='posix'")
         return PosixBackend(threads)
     if disk_io == "kvikio":
-        usable, why = _kvikio_status()
+        usable, why = kvikio_status()
         if not usable:
             raise BackendUnavailableError(
                 f"disk_io='kvikio' was requested but kvikio cannot be used: {why}; "
@@ -77,7 +72,7 @@ def make_backend(disk_io: str = "auto", *, threads: int = 4) -> DiskBackend:
         _log_choice(backend.describe(), "disk_io='kvikio'")
         return backend
     if disk_io == "auto":
-        usable, why = _kvikio_status()
+        usable, why = kvikio_status()
         if usable:
             backend = _make_kvikio(threads)
             _log_choice(backend.describe(), f"disk_io='auto': {why}")

@@ -4,7 +4,7 @@ Two facts shape these probes:
 
 - kvikio dlopen()s the CUDA driver (``libcuda.so.1``) on the first read or
   write, *even into host memory*, and fails every I/O without it. So
-  :func:`kvikio_usable` checks the driver up front and the back-end factory
+  :func:`usable_status` checks the driver up front and the back-end factory
   falls back to POSIX instead of handing out a back end whose every I/O
   fails.
 - kvikio 26.10 deadlocks (recursive static initialisation of its driver shim)
@@ -150,7 +150,8 @@ _gds: tuple[bool, str] | None = None
 
 
 def usable_status() -> tuple[bool, str]:
-    """(kvikio usable, one-line reason), probed once per process."""
+    """(kvikio importable and the CUDA driver able to serve it, one-line
+    reason), probed once per process."""
     global _usable
     with _lock:
         if _usable is None:
@@ -159,8 +160,11 @@ def usable_status() -> tuple[bool, str]:
 
 
 def gds_status() -> tuple[bool, str]:
-    """(GDS in use, one-line reason), probed once per process; never asks
-    cuFile when kvikio is unusable."""
+    """(kvikio will use GPUDirect Storage, not compat mode; one-line reason),
+    probed once per process: False whenever kvikio is unusable (cuFile is
+    then never asked), compat mode is forced or preferred, or cuFile reports
+    GDS unavailable. kvikio may still fall back to compat mode per file
+    (a file system that rejects O_DIRECT)."""
     global _gds
     usable, why = usable_status()
     # Never ask cuFile without a working driver: it prints dlopen errors to
@@ -171,44 +175,3 @@ def gds_status() -> tuple[bool, str]:
         if _gds is None:
             _gds = _with_watchdog(_probe_gds, "gds-probe")
         return _gds
-
-
-def kvikio_usable() -> bool:
-    """Whether kvikio is importable and the CUDA driver can serve it (cached).
-
-    Never raises and never blocks longer than ``PROBE_TIMEOUT_S``. When False,
-    ``kvikio_unusable_reason()`` says why in one line.
-    """
-    return usable_status()[0]
-
-
-def kvikio_unusable_reason() -> str | None:
-    """One line saying why ``kvikio_usable()`` is False; None when it is True."""
-    usable, why = usable_status()
-    return None if usable else why
-
-
-def gds_available() -> bool:
-    """Whether kvikio will use GPUDirect Storage (not compat mode); cached.
-
-    False whenever kvikio is unusable, compat mode is forced or preferred, or
-    cuFile reports GDS unavailable. Individual files can still fall back to
-    compat mode (e.g. a file system that rejects O_DIRECT); kvikio does that
-    per file.
-    """
-    return gds_status()[0]
-
-
-def gds_unavailable_reason() -> str | None:
-    """One line saying why ``gds_available()`` is False (compat mode forced
-    or preferred, cuFile without GDS, kvikio unusable); None when True."""
-    available, why = gds_status()
-    return None if available else why
-
-
-def _reset_probes() -> None:
-    """Forget cached probe results (tests only)."""
-    global _usable, _gds
-    with _lock:
-        _usable = None
-        _gds = None

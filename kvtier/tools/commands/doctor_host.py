@@ -53,26 +53,15 @@ def check_io_path(cfg: KvtierConfig) -> list[Check]:
     from kvtier.store.backends import kvikio_probe as kb
 
     facts = _gds_host_facts()
-    usable = kb.kvikio_usable()
+    usable, why = kb.usable_status()
     out: list[Check] = []
     if usable:
-        gds = kb.gds_available()
-        why = (
-            "GPUDirect Storage active"
-            if gds
-            else f"compat mode ({kb.gds_unavailable_reason()})"
-        )
-        out.append(Check("io", "kvikio", OK, f"usable, {why}; {facts}"))
+        gds, gds_why = kb.gds_status()
+        mode = "GPUDirect Storage active" if gds else f"compat mode ({gds_why})"
+        out.append(Check("io", "kvikio", OK, f"usable, {mode}; {facts}"))
     else:
         gds = False
-        out.append(
-            Check(
-                "io",
-                "kvikio",
-                OK,
-                f"not usable: {kb.kvikio_unusable_reason()}; {facts}",
-            )
-        )
+        out.append(Check("io", "kvikio", OK, f"not usable: {why}; {facts}"))
     if cfg.disk_io == "posix":
         path, status, fix = "posix threads (disk_io='posix')", OK, ""
     elif cfg.disk_io == "kvikio" and not usable:
