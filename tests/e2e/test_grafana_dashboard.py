@@ -16,6 +16,7 @@ that a dashboard expression names; vLLM's tiering series
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -27,6 +28,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +211,8 @@ def live(request, tmp_path_factory) -> tuple[str, str]:
     log_path = tmp_path_factory.mktemp(f"dash-log-{mode}") / "server.log"
     port = _free_port()
     kv = kv_transfer_config(mode, str(disk))
+    # A known engine id names vLLM's tiering primary region (below).
+    kv["engine_id"] = f"kvtier-dash-{mode}-{uuid.uuid4().hex[:12]}"
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--dtype", "float32", "--enforce-eager",
@@ -262,6 +266,13 @@ def live(request, tmp_path_factory) -> tuple[str, str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait(timeout=30)
+        # vLLM's tiering spec unlinks its primary region
+        # (/dev/shm/vllm_offload_<engine id>.mmap) only when its scheduler
+        # closes it; a SIGTERM to the whole group can end the engine core
+        # first. vLLM's file, not kvtier's: remove it once nothing is left
+        # to map it, so the run leaves /dev/shm as it found it.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/vllm_offload_{kv['engine_id']}.mmap")
 
 
 # ------------------------------------------------------------------ tests
