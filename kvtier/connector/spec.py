@@ -235,9 +235,14 @@ class TieredOffloadingSpec(OffloadingSpec):
                     for r in range(self.world_size)
                 ]
                 runtime = DiskRuntime(stores, rows, threads=cfg.disk_io_threads)
-                restored = runtime.scan_restore()
-                if restored:
-                    hierarchy.restore_disk(restored)
+                try:
+                    restored = runtime.scan_restore()
+                    if restored:
+                        hierarchy.restore_disk(restored)
+                except BaseException:
+                    # Its threads, slab files and store locks go with it.
+                    runtime.close()
+                    raise
                 fp = self.fingerprint(0)
                 logger.info(
                     "kvtier store identity: model %s, model_id %s, %s; store %s: %s",

@@ -256,6 +256,12 @@ class ReadProcess:
                 f"{len(items)} slots from row {first_row} exceed capacity "
                 f"{self.capacity}"
             )
+        # The protocol's IndexError, here: in the child it would fail the
+        # whole batch as an I/O error instead, valid slots included.
+        num_slots = self._local.files.num_slots
+        for slot, _ in items:
+            if not 0 <= slot < num_slots:
+                raise IndexError(f"slot {slot} out of range [0, {num_slots})")
         self._next += 1
         read = ProcessRead(self._next, list(items), first_row)
         self._held[read.rid] = read

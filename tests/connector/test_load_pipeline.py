@@ -328,6 +328,55 @@ def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, cap
     _complete(r, keys, ctx)
 
 
+def test_a_hung_read_is_given_up_at_its_deadline_while_other_loads_keep_coming(
+    runner, plan, monkeypatch
+):
+    """The deadline holds on a busy load thread too: CPU-tier loads queued
+    behind a disk load whose read hangs keep the thread working well past
+    the deadline, and the disk load is still given up at it, not after the
+    others are done."""
+    r = runner
+    disk = push_to_disk(r, [1, 2])
+    on_cpu = r.store("z", [30, 31])
+    r.worker.loads.deadline_s = 0.2
+    copies = r.worker.loads.copies
+    copy = copies.submit
+
+    def slow_copy(*args, **kwargs):
+        time.sleep(0.005)  # each CPU-tier load keeps the thread >= 5 ms
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(copies, "submit", slow_copy)
+    cpu_loads = []
+    for job in range(2, 202):  # >= 1 s of work, five deadlines
+        assert r.lookup(f"cpu{job}", on_cpu) == 2
+        cpu_loads.append((job, r.ctx, r.manager.prepare_load(on_cpu, r.ctx)))
+    release = threading.Event()
+    rule = plan.add(FaultRule.hang(release, ops="read"))
+    try:
+        ctx1 = _submit(r, disk, [40, 41], job_id=1)
+        _wait_for(lambda: plan.count(FaultKind.HANG) >= 1, "the held read")
+        dst = GPULoadStoreSpec([50, 51], [2], [0])
+        for job, _, spec in cpu_loads:
+            r.worker.submit_load(job, spec, dst)
+        done = wait_finished(r.worker, count=201)
+        order = [d.job_id for d in done]
+        results = {d.job_id: d.success for d in done}
+        assert results == {1: False, **{job: True for job, _, _ in cpu_loads}}
+        # Given up while CPU-tier loads were still running, not last.
+        assert order.index(1) < len(order) - 50, order
+        error = r.worker.take_load_error(1)
+        assert error.io_failed == disk and error.keys == []
+        _complete(r, disk, ctx1, error)
+        for _, ctx, _ in cpu_loads:
+            _complete(r, on_cpu, ctx)
+    finally:
+        plan.remove(rule)
+        release.set()
+    assert _landed(r, on_cpu, [50, 51]) == [True, True]
+    assert not any(_landed(r, disk, [40, 41]))
+
+
 def test_an_open_that_never_returns_costs_its_job_not_a_hang(tmp_path, plan):
     """A slab not opened ahead (its open at start-up failed) is opened at
     its first read, on the load thread. If that open never returns (a hung

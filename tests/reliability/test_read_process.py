@@ -119,6 +119,31 @@ def test_the_child_reads_and_verifies_as_the_engines_process_would(
         rp.close()
 
 
+def test_a_slot_out_of_range_is_refused_as_the_protocol_says(
+    make_rig: Callable[..., Rig],
+) -> None:
+    """SlotReads.submit raises IndexError for a slot outside the store,
+    with the child running as without it, instead of the child failing the
+    batch's valid slots with it as I/O errors; the child keeps serving."""
+    rig = make_rig()
+    keys = _written(rig, 1)
+    rp = _reader(rig)
+    try:
+        num_slots = rig.store.num_slots
+        with pytest.raises(IndexError, match="out of range"):
+            rp.submit([(0, keys[0]), (num_slots, key_of(1))])  # no child yet
+        _running(rp)
+        with pytest.raises(IndexError, match="out of range"):
+            rp.submit([(0, keys[0]), (num_slots, key_of(1))])
+        pending = rp.submit([(0, keys[0])])
+        assert isinstance(pending, ProcessRead)
+        (got,) = rp.complete(pending)
+        assert got.outcome is ReadOutcome.OK
+        assert np.array_equal(rp.rows[got.row], pattern(keys[0]))
+    finally:
+        rp.close()
+
+
 def test_a_dead_child_costs_its_batches_then_reads_stay_here(
     make_rig: Callable[..., Rig], caplog: pytest.LogCaptureFixture
 ) -> None:

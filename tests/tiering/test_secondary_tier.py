@@ -709,3 +709,32 @@ def test_ready_config_files_load_our_tier(name, spec_name):
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(["--kv-transfer-config", text])
     assert args.kv_transfer_config.kv_connector_extra_config == extra
+
+
+def test_a_failed_warm_restart_leaves_no_store_behind(tmp_path, make_driver, monkeypatch):
+    """The tier's construction fails with the warm-restart scan's own error,
+    and the disk runtime it built goes with it: its I/O threads end and the
+    store's lock is free for the next engine on the same disk_path."""
+    import threading
+
+    from kvtier.store.transfers import DiskRuntime
+
+    def xfer_threads() -> int:
+        return sum(t.name.startswith("kvtier-xfer") for t in threading.enumerate())
+
+    before = xfer_threads()
+    scan = DiskRuntime.scan_restore
+
+    def failing_scan(self):
+        raise OSError(5, "scan failed")
+
+    monkeypatch.setattr(DiskRuntime, "scan_restore", failing_scan)
+    with pytest.raises(OSError, match="scan failed"):
+        Driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    deadline = time.monotonic() + 60
+    while xfer_threads() > before:
+        assert time.monotonic() < deadline, "the runtime's I/O threads stayed"
+        time.sleep(0.01)
+    monkeypatch.setattr(DiskRuntime, "scan_restore", scan)
+    d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    assert d.tier.runtime is not None  # the store's lock was released

@@ -221,7 +221,12 @@ class KvtierDiskTier(SecondaryTierManager):
             ],
             threads=cfg.disk_io_threads,
         )
-        self._warm_restart()
+        try:
+            self._warm_restart()
+        except BaseException:
+            # Its threads, slab files and store locks go with it.
+            self.runtime.close()
+            raise
         logger.info(
             "kvtier %s: %d blocks of %d B x %d rank(s) (%s, %s) on %s",
             tier_type,

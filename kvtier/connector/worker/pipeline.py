@@ -442,8 +442,13 @@ class LoadPipeline:
             ring.reap(reader)
         if ring.transfers:  # landed: their tasks may finish, their parts free
             ring.landed(self.copies.poll())
-        task = self._pick()
         reading = ring.reading()
+        if reading and self._overdue(reading[0]):
+            # Checked every turn, not only when idle: a thread kept busy by
+            # other loads must still give up a batch whose reads hang.
+            self._give_up(reading[0])
+            return True
+        task = self._pick()
         if task is not None:
             self._unit(task)
         elif returned := next((p for p in reading if reader.ready(p.pending)), None):
@@ -453,13 +458,8 @@ class LoadPipeline:
             # transfer (on its event) rather than poll.
             self.copies.wait({next(iter(ring.transfers))})
         elif reading:
-            oldest = reading[0]
-            late = time.monotonic() - oldest.since > self.deadline_s
-            if late or oldest.task.cancelled:
-                self._give_up(oldest)
-            else:
-                self._step_since = None
-                reader.wait(oldest.pending, TICK_S)
+            self._step_since = None
+            reader.wait(reading[0].pending, TICK_S)
         else:
             self._step_since = None
             with self._cond:
@@ -467,6 +467,13 @@ class LoadPipeline:
                     held = self._expedited or self._turns or ring.stuck()
                     self._cond.wait(TICK_S if held else None)
         return True
+
+    def _overdue(self, part: Part) -> bool:
+        """Whether ``part``'s batch is past its deadline (or its task was
+        cancelled) and has not returned meanwhile."""
+        assert part.task is not None
+        late = time.monotonic() - part.since > self.deadline_s
+        return (late or part.task.cancelled) and not self.reader.ready(part.pending)
 
     def _pick(self) -> LoadTask | None:
         """The task whose unit runs next: the oldest expedited task that can
