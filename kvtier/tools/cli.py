@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--duration",
         type=_pos_seconds,
         default=None,
-        help="seconds (default: until Ctrl-C)",
+        help="seconds (default: until Ctrl-C or SIGTERM; either prints the summary)",
     )
     e.add_argument(
         "--bind",

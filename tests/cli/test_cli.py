@@ -568,3 +568,41 @@ def test_events_cli_duration_bound_without_publisher(
     doc = json.loads(out)
     assert doc["batches"] == 0
     assert all(c["stored"] == 0 for c in doc["media"].values())
+
+
+def test_events_cli_stops_on_sigterm_with_its_summary_even_if_sigint_is_ignored(
+    tmp_path: Path,
+) -> None:
+    """A watch started where SIGINT is ignored (a shell's background job)
+    still stops on SIGTERM, exits 0 and prints its summary."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.tools.cli", "events", "--endpoint",
+         f"tcp://127.0.0.1:{port}", "--bind", "--json", "--progress",
+         "--decoder", "plain", "--duration", "600"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    try:
+        assert cli.stderr is not None
+        line = cli.stderr.readline()  # the CLI says so once it listens
+        assert "listening on" in line, line
+        started = time.monotonic()
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=60) == 0
+        assert time.monotonic() - started < 60
+        doc = json.loads(cli.stdout.read())
+        assert doc["batches"] == 0 and doc["endpoint"].endswith(str(port))
+    finally:
+        if cli.poll() is None:
+            cli.kill()

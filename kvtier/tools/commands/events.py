@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 import time
+from types import FrameType
 
 from kvtier.tools.commands.common import emit_json
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -36,6 +42,10 @@ def cmd_events(args: argparse.Namespace) -> int:
     deadline = start + args.duration if args.duration else None
     live = not args.json
     tty = sys.stdout.isatty()
+    # SIGTERM (kill, systemd, a supervisor) ends the watch like Ctrl-C: the
+    # summary is still printed. SIGINT alone would not do for a watch started
+    # in the background, where the shell ignores it.
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         # Subscribed already: batches queue while vLLM's classes import.
         try:
@@ -83,6 +93,7 @@ def cmd_events(args: argparse.Namespace) -> int:
             while sub.poll(200) and time.monotonic() < drain_until:
                 pass
         sub.close()
+        signal.signal(signal.SIGTERM, previous)
     doc = sub.counts.to_dict()
     doc.update(
         endpoint=endpoint,
