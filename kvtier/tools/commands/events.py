@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import signal
 import sys
+import threading
 import time
 from types import FrameType
 
@@ -45,7 +46,9 @@ def cmd_events(args: argparse.Namespace) -> int:
     # SIGTERM (kill, systemd, a supervisor) ends the watch like Ctrl-C: the
     # summary is still printed. SIGINT alone would not do for a watch started
     # in the background, where the shell ignores it.
-    previous = signal.signal(signal.SIGTERM, _stop)
+    # (Only the main thread may set a handler; embedded callers keep theirs.)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
     try:
         # Subscribed already: batches queue while vLLM's classes import.
         try:
@@ -93,7 +96,8 @@ def cmd_events(args: argparse.Namespace) -> int:
             while sub.poll(200) and time.monotonic() < drain_until:
                 pass
         sub.close()
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:  # None: a handler not set from Python
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
     doc = sub.counts.to_dict()
     doc.update(
         endpoint=endpoint,
