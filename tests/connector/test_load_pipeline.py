@@ -377,19 +377,26 @@ def test_a_hung_read_is_given_up_at_its_deadline_while_other_loads_keep_coming(
     assert not any(_landed(r, disk, [40, 41]))
 
 
+def _runner_with_an_unopened_slab(tmp_path, plan) -> RequestRunner:
+    """A runner whose load thread failed to open the slab at start-up, so
+    its first disk read opens it on the load thread."""
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
+    failed_open = plan.add(FaultRule.error(errno.EIO, ops="open", first_n=1))
+    r.worker.get_finished()  # the load thread starts, its opens fail
+    _wait_for(lambda: plan.count(FaultKind.ERROR) >= 1, "the failed open")
+    plan.remove(failed_open)
+    return r
+
+
 def test_an_open_that_never_returns_costs_its_job_not_a_hang(tmp_path, plan):
     """A slab not opened ahead (its open at start-up failed) is opened at
     its first read, on the load thread. If that open never returns (a hung
     mount), the thread is stuck outside any read's deadline: the job is
     still reported, failed, at its own deadline (it has no copy in flight),
     and its blocks are never written afterwards."""
-    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
+    r = _runner_with_an_unopened_slab(tmp_path, plan)
     release = threading.Event()
     try:
-        failed_open = plan.add(FaultRule.error(errno.EIO, ops="open", first_n=1))
-        r.worker.get_finished()  # the load thread starts, its opens fail
-        _wait_for(lambda: plan.count(FaultKind.ERROR) >= 1, "the failed open")
-        plan.remove(failed_open)
         keys = push_to_disk(r, [1, 2, 3, 4])
         plan.add(FaultRule.hang(release, ops="open"))
         r.worker.loads.deadline_s = 0.3
@@ -414,13 +421,9 @@ def test_a_stuck_load_thread_costs_every_load_it_holds(tmp_path, plan):
     does not return) cannot start either: past the deadline the worker
     gives up every load it holds, whole and kept on disk; once the thread
     is back, loads work again."""
-    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
+    r = _runner_with_an_unopened_slab(tmp_path, plan)
     release = threading.Event()
     try:
-        failed_open = plan.add(FaultRule.error(errno.EIO, ops="open", first_n=1))
-        r.worker.get_finished()  # the load thread starts, its opens fail
-        _wait_for(lambda: plan.count(FaultKind.ERROR) >= 1, "the failed open")
-        plan.remove(failed_open)
         first = push_to_disk(r, [1, 2], others="bcdef")
         second = r.keys("b", 4)[:2]
         hang = plan.add(FaultRule.hang(release, ops="open"))

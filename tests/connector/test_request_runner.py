@@ -390,32 +390,43 @@ def test_disk_tier_refuses_the_stock_connector(tmp_path):
     TieredOffloadingSpec(make_config(tmp_path, cpu_blocks=4, disk_blocks=0))
 
 
-def test_a_failed_warm_restart_leaves_no_store_behind(tmp_path, monkeypatch):
-    """get_manager fails with the warm-restart scan's own error, and the
-    disk runtime it built goes with it: its I/O threads end and the store
-    directory's lock is free for the next engine on the same disk_path."""
+
+def transfer_threads() -> int:
+    """The disk runtimes' I/O threads alive in this process."""
     import threading
 
+    return sum(t.name.startswith("kvtier-xfer") for t in threading.enumerate())
+
+
+def wait_transfer_threads(at_most: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while transfer_threads() > at_most:
+        assert time.monotonic() < deadline, "the runtime's I/O threads stayed"
+        time.sleep(0.01)
+
+
+def fail_warm_restart(monkeypatch) -> None:
+    """Every disk runtime's warm-restart scan fails with EIO from here on
+    (``monkeypatch.undo()`` ends it)."""
     from kvtier.store.transfers import DiskRuntime
-
-    def xfer_threads() -> int:
-        return sum(t.name.startswith("kvtier-xfer") for t in threading.enumerate())
-
-    before = xfer_threads()
-    scan = DiskRuntime.scan_restore
 
     def failing_scan(self):
         raise OSError(5, "scan failed")
 
     monkeypatch.setattr(DiskRuntime, "scan_restore", failing_scan)
+
+
+def test_a_failed_warm_restart_leaves_no_store_behind(tmp_path, monkeypatch):
+    """get_manager fails with the warm-restart scan's own error, and the
+    disk runtime it built goes with it: its I/O threads end and the store
+    directory's lock is free for the next engine on the same disk_path."""
+    before = transfer_threads()
+    fail_warm_restart(monkeypatch)
     spec = tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=16))
     with pytest.raises(OSError, match="scan failed"):
         spec.get_manager()
-    deadline = time.monotonic() + 60
-    while xfer_threads() > before:
-        assert time.monotonic() < deadline, "the runtime's I/O threads stayed"
-        time.sleep(0.01)
-    monkeypatch.setattr(DiskRuntime, "scan_restore", scan)
+    wait_transfer_threads(before)
+    monkeypatch.undo()
     again = tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=16))
     manager = again.get_manager()  # the store's lock was released
     assert manager.hierarchy.disk is not None

@@ -711,30 +711,22 @@ def test_ready_config_files_load_our_tier(name, spec_name):
     assert args.kv_transfer_config.kv_connector_extra_config == extra
 
 
+
 def test_a_failed_warm_restart_leaves_no_store_behind(tmp_path, make_driver, monkeypatch):
     """The tier's construction fails with the warm-restart scan's own error,
     and the disk runtime it built goes with it: its I/O threads end and the
     store's lock is free for the next engine on the same disk_path."""
-    import threading
+    from tests.connector.test_request_runner import (
+        fail_warm_restart,
+        transfer_threads,
+        wait_transfer_threads,
+    )
 
-    from kvtier.store.transfers import DiskRuntime
-
-    def xfer_threads() -> int:
-        return sum(t.name.startswith("kvtier-xfer") for t in threading.enumerate())
-
-    before = xfer_threads()
-    scan = DiskRuntime.scan_restore
-
-    def failing_scan(self):
-        raise OSError(5, "scan failed")
-
-    monkeypatch.setattr(DiskRuntime, "scan_restore", failing_scan)
+    before = transfer_threads()
+    fail_warm_restart(monkeypatch)
     with pytest.raises(OSError, match="scan failed"):
         Driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
-    deadline = time.monotonic() + 60
-    while xfer_threads() > before:
-        assert time.monotonic() < deadline, "the runtime's I/O threads stayed"
-        time.sleep(0.01)
-    monkeypatch.setattr(DiskRuntime, "scan_restore", scan)
+    wait_transfer_threads(before)
+    monkeypatch.undo()
     d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
     assert d.tier.runtime is not None  # the store's lock was released
