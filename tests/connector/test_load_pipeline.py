@@ -674,3 +674,40 @@ def test_the_load_thread_yields_the_cpu_to_the_engine(runner):
         "the load thread's nice level",
     )
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+
+
+def test_a_load_thread_that_cannot_start_costs_loads_not_the_engine(
+    tmp_path, plan, monkeypatch
+):
+    """No thread can start (RuntimeError, as with no threads left): the
+    worker's warm-up step says so and goes on, a load submitted meanwhile
+    fails whole (a recompute) and is never run later, and once a thread can
+    start again the next load starts it and completes."""
+    start = threading.Thread.start
+    refuse = threading.Event()
+    refuse.set()
+
+    def guarded_start(self):
+        if self.name == "kvtier-load" and refuse.is_set():
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", guarded_start)
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=32)))
+    try:
+        assert r.worker.get_finished() == []  # the warm-up step goes on
+        keys = push_to_disk(r, [1, 2, 3, 4])
+        ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
+        assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(1, False)]
+        error = r.worker.take_load_error(1)
+        assert error.unloaded == keys
+        _complete(r, keys, ctx, error)
+        refuse.clear()
+        ctx = _submit(r, keys, [44, 45, 46, 47], job_id=2)
+        assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(2, True)]
+        assert _landed(r, keys, [44, 45, 46, 47]) == [True] * 4
+        _complete(r, keys, ctx)
+        # Job 1's task left with its error: nothing wrote its blocks.
+        assert not any(_landed(r, keys, [40, 41, 42, 43]))
+    finally:
+        r.close()

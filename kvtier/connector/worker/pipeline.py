@@ -339,7 +339,13 @@ class LoadPipeline:
                 raise RuntimeError("kvtier load thread is stopped")
             self._queue.append(task)
             if self.thread is None:
-                self._start_thread()
+                try:
+                    self._start_thread()
+                except BaseException:
+                    # No thread: the task leaves with the error (its job
+                    # fails whole); a later submit tries again.
+                    self._queue.remove(task)
+                    raise
             self._cond.notify_all()
 
     def warm_up(self) -> None:
@@ -348,7 +354,14 @@ class LoadPipeline:
         disk hit's path). A file not created yet is opened at its first read."""
         with self._cond:
             if self.thread is None and not self._stopping:
-                self._start_thread()
+                try:
+                    self._start_thread()
+                except RuntimeError as exc:  # no thread can start now
+                    logger.warning(
+                        "kvtier: the load thread cannot start yet (%s); "
+                        "the first load tries again",
+                        exc,
+                    )
 
     def take(self) -> list[LoadTask]:
         out: list[LoadTask] = []
@@ -388,10 +401,12 @@ class LoadPipeline:
     # ------------------------------------------------------ the load thread
 
     def _start_thread(self) -> None:
-        self.thread = threading.Thread(
-            target=self._run, name="kvtier-load", daemon=True
-        )
-        self.thread.start()
+        """Start the load thread; ``self.thread`` is set only once it runs,
+        so a start that fails (RuntimeError: no thread can start) is tried
+        again instead of leaving loads queued for a thread that never ran."""
+        thread = threading.Thread(target=self._run, name="kvtier-load", daemon=True)
+        thread.start()
+        self.thread = thread
 
     def _run(self) -> None:
         self._step_since = time.monotonic()
