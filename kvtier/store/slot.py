@@ -153,8 +153,9 @@ class LayoutFingerprint:
             extra["dp_rank"] = self.dp_rank
         return extra
 
-    def _canonical(self) -> bytes:
-        fields = {
+    def _fields(self) -> dict[str, Any]:
+        """What the digest covers."""
+        return {
             "format_version": FORMAT_VERSION,
             "model": self.model,
             "dtype": self.dtype,
@@ -164,8 +165,10 @@ class LayoutFingerprint:
             "tp_size": self.tp_size,
             **self._optional(),
         }
+
+    def _canonical(self) -> bytes:
         return json.dumps(
-            fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True
+            self._fields(), sort_keys=True, separators=(",", ":"), ensure_ascii=True
         ).encode("ascii")
 
     def digest(self) -> bytes:
@@ -177,14 +180,7 @@ class LayoutFingerprint:
     def describe(self) -> dict[str, Any]:
         """JSON-friendly description (written next to the slabs, shown by inspect)."""
         return {
-            "format_version": FORMAT_VERSION,
-            "model": self.model,
-            "dtype": self.dtype,
-            "block_bytes": self.block_bytes,
-            "geometry": self.geometry,
-            "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size,
-            **self._optional(),
+            **self._fields(),
             **({"identity": dict(self.identity)} if self.identity else {}),
             "digest": self.digest().hex(),
         }
