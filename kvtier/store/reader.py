@@ -47,6 +47,7 @@ from kvtier.store.slot import (
     aligned_empty,
     check_payload,
     decode_payload,
+    round_up,
     verify_header,
 )
 
@@ -188,9 +189,9 @@ def bounce_area(nbytes: int, *, pin: bool) -> tuple[np.ndarray, Any]:
         import torch
 
         if torch.cuda.is_available():
-            owner = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
+            owner = torch.empty(nbytes + IO_ALIGNMENT, dtype=torch.uint8, pin_memory=True)
             raw = owner.numpy()
-            start = (-raw.ctypes.data) % 4096
+            start = (-raw.ctypes.data) % IO_ALIGNMENT
             return raw[start : start + nbytes], owner
     area = aligned_empty(nbytes)
     area.fill(0)
@@ -304,7 +305,6 @@ class SlotReader:
         self._start_read = (
             getattr(self.backend, "start_read", None) if device is not None else None
         )
-        self._read_sync = getattr(self.backend, "read_sync", None)
         self._scratch: np.ndarray | None = None  # zstd decoding, host only
         self._closed = False
 
@@ -430,13 +430,12 @@ class SlotReader:
         direct = self._start_read is not None or self._area is None
         target = (self.staging if direct else self._area)[rows].reshape(-1)
         try:
-            handle = self.files.handle(run.slab)
             offset = run.local * ssz
             if self._start_read is not None:
-                return self._start_read(handle, target, offset)
-            if inline and self._read_sync is not None:
-                return int(self._read_sync(handle, target, offset))
-            return self.backend.submit_read(handle, target, offset)
+                return self._start_read(self.files.handle(run.slab), target, offset)
+            if inline and self.files.reads_inline:
+                return self.files.read(run.slab, target, offset)
+            return self.files.submit_read(run.slab, target, offset)
         except OSError as exc:
             self.files.io_error("read", run.slab, exc)
             return None
@@ -529,7 +528,7 @@ class SlotReader:
                 # The host area's copies must land before it is read into again.
                 torch.cuda.current_stream(self.staging.device).synchronize()
             return
-        padded = -(-self.block_bytes // 4) * 4
+        padded = round_up(self.block_bytes, 4)
         payload = self.staging[
             first : first + len(items), HEADER_SIZE : HEADER_SIZE + padded
         ]

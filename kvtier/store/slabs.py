@@ -198,7 +198,6 @@ class SlabFiles:
         backend: DiskBackend,
         *,
         owns_backend: bool,
-        writable: bool,
         fingerprint: LayoutFingerprint | None = None,
     ) -> None:
         self.name = name
@@ -211,7 +210,6 @@ class SlabFiles:
         self.stripes = max((s.index for s in slabs), default=-1) + 1
         self.digest = digest
         self.backend = backend
-        self.writable = writable
         self.layout: dict[str, Any] | None = None
         self.warnings: list[str] = []
         self._owns_backend = owns_backend
@@ -261,7 +259,6 @@ class SlabFiles:
             fingerprint.digest(),
             backend,
             owns_backend=owns_backend,
-            writable=False,
             fingerprint=fingerprint,
         )
 
@@ -282,7 +279,6 @@ class SlabFiles:
         another live engine holds a directory, PermissionError for a link,
         a foreign owner or a swapped file."""
         files = cls.open(paths, fingerprint, num_slots, backend, owns_backend=owns_backend)
-        files.writable = True
         try:
             for i, slab in enumerate(files.slabs):
                 d = files.dirs[i]
@@ -345,6 +341,12 @@ class SlabFiles:
         """Slab ``idx``'s current size, None when unknown (not open)."""
         handle = self.handles[idx]
         return None if handle is None else self.backend.size(handle)
+
+    @property
+    def reads_inline(self) -> bool:
+        """Whether :meth:`read` runs on the caller's thread (the back end's
+        ``read_sync``) rather than waiting for the back end's pool."""
+        return self._read_sync is not None
 
     def read(self, idx: int, buf: Any, offset: int) -> int:
         """Blocking positioned read from slab ``idx``: the count read."""
@@ -803,7 +805,6 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
         digest if digest is not None else store_digest_prefix(name),
         _ReadOnly(),
         owns_backend=False,
-        writable=False,
     )
     files.layout, files.warnings = layout, warnings
     return files
