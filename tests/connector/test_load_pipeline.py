@@ -711,3 +711,39 @@ def test_a_load_thread_that_cannot_start_costs_loads_not_the_engine(
         assert not any(_landed(r, keys, [40, 41, 42, 43]))
     finally:
         r.close()
+
+
+def test_a_copy_that_never_returns_never_stops_the_engine_step(runner, monkeypatch):
+    """The load thread is stuck inside a CPU-tier load's copy (it holds the
+    task's lock): past the deadline the worker gives the job up without
+    waiting for that lock, so get_finished returns; the job is reported,
+    failed, once the copy returns."""
+    r = runner
+    on_cpu = r.store("z", [30, 31])
+    r.worker.loads.deadline_s = 0.3
+    copies = r.worker.loads.copies
+    copy = copies.submit
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck_copy(*args, **kwargs):
+        entered.set()
+        release.wait(DEADLINE_S)
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(copies, "submit", stuck_copy)
+    try:
+        ctx = _submit(r, on_cpu, [50, 51], job_id=1)
+        assert entered.wait(DEADLINE_S), "the copy never started"
+        _wait_for(r.worker.loads.overdue, "the thread to be overdue")
+        steps: list[list] = []
+        step = threading.Thread(target=lambda: steps.append(r.worker.get_finished()))
+        step.start()
+        step.join(10)
+        assert not step.is_alive(), "get_finished waited for the stuck copy"
+        assert steps == [[]]  # given up, reported once the copy is back
+    finally:
+        release.set()
+    done = wait_finished(r.worker)
+    assert [(d.job_id, d.success) for d in done] == [(1, False)]
+    error = r.worker.take_load_error(1)
+    _complete(r, on_cpu, ctx, error)

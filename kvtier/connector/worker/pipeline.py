@@ -375,8 +375,10 @@ class LoadPipeline:
             self._cond.wait_for(lambda: bool(self._out), timeout)
 
     def cancel(self, task: LoadTask) -> None:
-        with task.lock:
-            task.cancelled = True
+        # A plain store, read by the thread under ``task.lock`` before each
+        # copy: the worker never waits for that lock, which a thread stuck
+        # in one of the task's copies holds.
+        task.cancelled = True
         with self._cond:
             self._cond.notify_all()
 

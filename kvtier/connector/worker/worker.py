@@ -388,8 +388,16 @@ class TieredOffloadingWorker(OffloadingWorker):
         )
         self.loads.cancel(task)
         self.book.fail(job, job.whole_error())
-        with task.lock:  # the thread issues nothing for it from here on
-            idle = task.copies == 0
+        # The thread issues nothing for it from here on. If it holds the
+        # task's lock it is inside one of the task's copies (perhaps the
+        # step it is stuck in): the job is reported once the task is back,
+        # never waited for here.
+        idle = False
+        if task.lock.acquire(blocking=False):
+            try:
+                idle = task.copies == 0
+            finally:
+                task.lock.release()
         if idle:
             # Report it now rather than when the thread hands it back, which
             # an open or a read that does not return may delay without end.
