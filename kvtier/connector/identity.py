@@ -1,4 +1,4 @@
-"""What a block on disk belongs to (:func:`layout_fingerprint`): its layout,
+"""What a block on disk belongs to (:func:`layout_fingerprints`): its layout,
 the model's contents and every setting that changes KV values.
 
 The disk tier outlives the engine, so a warm restart may serve a block only
@@ -245,15 +245,15 @@ def describe_settings(settings: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def layout_fingerprint(
+def layout_fingerprints(
     config: Any,
     block_bytes: int,
-    rank: int,
     world_size: int,
     host_layout: str | None = None,
     settings: dict[str, Any] | None = None,
-) -> LayoutFingerprint:
-    """The disk layout identity of one rank's blocks, from vLLM's
+) -> list[LayoutFingerprint]:
+    """The disk layout identity of each rank's blocks (one per rank of
+    ``world_size``; the model's contents are hashed once), from vLLM's
     ``OffloadingConfig`` (duck-typed): what must match for a disk block to be
     reusable. Used by the full spec and the tiering-mode disk tier;
     ``host_layout`` names a CPU-row layout other than the full spec's, so the
@@ -290,17 +290,20 @@ def layout_fingerprint(
             {"model": contents, "settings": settings_digest(settings)},
             b"kvtier-model",
         )
-    return LayoutFingerprint(
-        model=config.model.name,
-        dtype=str(config.model.dtype),
-        block_bytes=block_bytes,
-        geometry=geometry,
-        tp_rank=rank,
-        tp_size=world_size,
-        model_id=model_id,
-        dp_rank=int(dp_rank),
-        identity=tuple(sorted(described.items())),
-    )
+    return [
+        LayoutFingerprint(
+            model=config.model.name,
+            dtype=str(config.model.dtype),
+            block_bytes=block_bytes,
+            geometry=geometry,
+            tp_rank=rank,
+            tp_size=world_size,
+            model_id=model_id,
+            dp_rank=int(dp_rank),
+            identity=tuple(sorted(described.items())),
+        )
+        for rank in range(world_size)
+    ]
 
 
 # The fix, named wherever a non-reproducible prefix hash is reported.

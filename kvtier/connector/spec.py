@@ -18,6 +18,7 @@ same ``OffloadingConfig`` and meet on the shared CPU-tier files.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ from kvtier.connector.config import (
     blocks_in_budget,
     parse_extra_config,
 )
-from kvtier.connector.identity import describe_settings, layout_fingerprint
+from kvtier.connector.identity import describe_settings, layout_fingerprints
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.preflight import check_disk_paths, prepare_cpu_tier
 from kvtier.connector.topology import check_single_node
@@ -168,7 +169,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             check_disk_paths(
                 self.kvtier,
                 reusable=[
-                    store_dirname(self.fingerprint(r)) for r in range(self.world_size)
+                    store_dirname(fp) for fp in self.fingerprints
                 ],
             )
             # Ranks of this node share one shared-memory file system.
@@ -185,10 +186,12 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     # ------------------------------------------------------------- helpers
 
-    def fingerprint(self, rank: int) -> LayoutFingerprint:
-        """What must match for a disk block to be reusable by this engine."""
-        return layout_fingerprint(
-            self.config, self.block_bytes, rank, self.world_size, settings=self.settings
+    @functools.cached_property
+    def fingerprints(self) -> list[LayoutFingerprint]:
+        """Per rank, what must match for a disk block to be reusable by this
+        engine (the model's contents hashed once per spec)."""
+        return layout_fingerprints(
+            self.config, self.block_bytes, self.world_size, settings=self.settings
         )
 
     def _buffer_path(self, rank: int) -> str:
@@ -218,7 +221,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             if self.num_disk_blocks > 0:
                 stores = open_stores(
                     cfg.disk_paths,
-                    [self.fingerprint(r) for r in range(self.world_size)],
+                    self.fingerprints,
                     self.num_disk_blocks,
                     self.block_bytes,
                     # Spills only: disk reads happen in the workers, so
@@ -243,7 +246,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                     # Its threads, slab files and store locks go with it.
                     runtime.close()
                     raise
-                fp = self.fingerprint(0)
+                fp = self.fingerprints[0]
                 logger.info(
                     "kvtier store identity: model %s, model_id %s, %s; store %s: %s",
                     fp.model,
@@ -286,7 +289,7 @@ class TieredOffloadingSpec(OffloadingSpec):
 
         files = SlabFiles.open(
             cfg.disk_paths,
-            self.fingerprint(self.rank),
+            self.fingerprints[self.rank],
             self.num_disk_blocks,
             backend,
             owns_backend=True,

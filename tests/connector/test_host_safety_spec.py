@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 from kvtier.connector.identity import (
-    layout_fingerprint,  # noqa: E402
+    layout_fingerprints,  # noqa: E402
     model_identity,  # noqa: E402
 )
 from kvtier.safe_open import InUseError  # noqa: E402
@@ -77,10 +77,10 @@ def test_layout_fingerprint_covers_model_contents_and_dp_rank(tmp_path: Path) ->
         worker_kv_bytes_per_block=BLOCK,
         model=str(model),
     )
-    before = layout_fingerprint(cfg, BLOCK, 0, 1)
-    assert layout_fingerprint(cfg, BLOCK, 0, 1).digest() == before.digest()
+    before = layout_fingerprints(cfg, BLOCK, 1)[0]
+    assert layout_fingerprints(cfg, BLOCK, 1)[0].digest() == before.digest()
     (model / "config.json").write_text(json.dumps({"hidden_size": 128}))
-    after = layout_fingerprint(cfg, BLOCK, 0, 1)
+    after = layout_fingerprints(cfg, BLOCK, 1)[0]
     assert after.digest() != before.digest()
     assert store_dirname(after) != store_dirname(before)
 
@@ -90,7 +90,7 @@ def test_layout_fingerprint_covers_model_contents_and_dp_rank(tmp_path: Path) ->
             cfg.parallel, data_parallel_index=1, data_parallel_size=2
         ),
     )
-    replica = layout_fingerprint(dp1, BLOCK, 0, 1)
+    replica = layout_fingerprints(dp1, BLOCK, 1)[0]
     assert replica.dp_rank == 1 and replica.digest() != after.digest()
 
 
@@ -193,7 +193,7 @@ def test_failed_manager_start_shows_the_real_error(
         return
     worker = spec.get_worker(caches())
     if failure == "file_in_place":
-        (disk / store_dirname(spec.fingerprint(0))).write_text("x")
+        (disk / store_dirname(spec.fingerprints[0])).write_text("x")
         expected = "not a directory"
     elif failure == "enospc":
         import errno

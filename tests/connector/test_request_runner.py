@@ -431,3 +431,25 @@ def test_a_failed_warm_restart_leaves_no_store_behind(tmp_path, monkeypatch):
     manager = again.get_manager()  # the store's lock was released
     assert manager.hierarchy.disk is not None
     manager.shutdown()
+
+
+def test_the_models_contents_are_hashed_once_per_spec(tmp_path, monkeypatch):
+    """Hashing the model's files (its identity on disk) is start-up work:
+    the spec does it once, however many places need the fingerprints."""
+    from kvtier.connector import identity
+
+    calls = []
+    real = identity.model_identity
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(identity, "model_identity", counted)
+    spec = tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=16))
+    manager = spec.get_manager()
+    try:
+        assert spec.fingerprints[0].model_id
+        assert len(calls) == 1
+    finally:
+        manager.shutdown()

@@ -57,7 +57,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvtier.connector.config import ConfigError, blocks_in_budget
-from kvtier.connector.identity import layout_fingerprint
+from kvtier.connector.identity import layout_fingerprints
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.preflight import check_disk_paths
 from kvtier.connector.tiering.config import (
@@ -192,9 +192,8 @@ class KvtierDiskTier(SecondaryTierManager):
         self._pull = PullBack()
         self._metrics = DiskTierMetrics()
         host_layout = HOST_LAYOUT + ("-replicated" if replicated else "")
-        fingerprints = [
-            layout_fingerprint(config, self.block_bytes, r, world, host_layout)
-            for r in range(self.num_ranks)
+        fingerprints = layout_fingerprints(config, self.block_bytes, world, host_layout)[
+            : self.num_ranks
         ]
         try:
             check_disk_paths(cfg, reusable=[store_dirname(fp) for fp in fingerprints])
