@@ -288,7 +288,7 @@ class KvtierRig:
         )
         # Rows [0, count) are spilled; loads land in [count, 2*count).
         self.buf = CpuBlockBuffer(2 * count, block)
-        self.engine = TransferEngine([self.buf], [self.store], threads=threads)
+        self.engine = TransferEngine([self.store], [self.buf], threads=threads)
         self.job = 0
         # KV-like contents (bf16 normals) so compressed runs are meaningful.
         chunk = np.random.default_rng(0).standard_normal(

@@ -232,7 +232,7 @@ class TransferEngine:
     """
 
     def __init__(
-        self, rows: Sequence[HostRows], stores: Sequence[DiskStore], threads: int = 4
+        self, stores: Sequence[DiskStore], rows: Sequence[HostRows], threads: int = 4
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -552,7 +552,7 @@ class DiskRuntime:
         try:
             # Each rank's own threads' worth, as each rank's stores have.
             self._engine: TransferEngine | None = TransferEngine(
-                self.rows, self.stores, threads=threads * len(self.stores)
+                self.stores, self.rows, threads=threads * len(self.stores)
             )
         except BaseException:
             for store in self.stores:

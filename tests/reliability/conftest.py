@@ -52,7 +52,7 @@ def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
             backend.shutdown()
             raise
         cpu = CpuBlockBuffer(cpu_blocks, BLOCK_BYTES)
-        rig = Rig(plan, backend, store, cpu, TransferEngine([cpu], [store], threads=2))
+        rig = Rig(plan, backend, store, cpu, TransferEngine([store], [cpu], threads=2))
         rigs.append(rig)
         return rig
 

@@ -112,7 +112,7 @@ def restore_and_reuse(store: DiskStore, s: Survey) -> None:
         targets = {it.dst_slot for o in orders for it in o.items}
         assert targets == set(range(SLOTS)) - set(s.good)
         assert s.damaged <= targets
-        engine = TransferEngine([cpu], [store], threads=2)
+        engine = TransferEngine([store], [cpu], threads=2)
         try:
             for order in orders:
                 items = [(it.key, it.src_slot, it.dst_slot) for it in order.items]

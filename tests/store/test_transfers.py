@@ -53,7 +53,7 @@ def engine_on(
             compression=compression,
         )
         buf = CpuBlockBuffer(3 * N, BLOCK_BYTES)
-        eng = TransferEngine([buf], [store], threads=kw.get("threads", 4))
+        eng = TransferEngine([store], [buf], threads=kw.get("threads", 4))
         made.append((eng, store, buf, backend))
         return eng
 
@@ -171,7 +171,7 @@ def test_failed_spill_reports_keys(
         ) as store,
         CpuBlockBuffer(2, BLOCK_BYTES) as buf,
     ):
-        eng = TransferEngine([buf], [store], threads=2)
+        eng = TransferEngine([store], [buf], threads=2)
         eng.submit_spill(7, [(key(0), 0, 0), (key(1), 1, 1)])
         eng.wait([7])
         [res] = eng.get_finished()
@@ -291,7 +291,7 @@ def test_geometry_mismatch(tmp_path: Path, fingerprint: LayoutFingerprint) -> No
         CpuBlockBuffer(2, BLOCK_BYTES // 2) as buf,
         pytest.raises(ValueError),
     ):
-        TransferEngine([buf], [store])
+        TransferEngine([store], [buf])
 
 
 def test_rows_are_numpy_views(engine_on: Any) -> None:
