@@ -32,7 +32,7 @@ from typing import Any
 
 from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, RESULTS_DIR, write_json
 
-from kvtier.tiers.optimum import (
+from kvtier.testing.oracles import (
     oracle_admission_lru_hits,
     rate_oracle_hits,
     static_frequency_hits,

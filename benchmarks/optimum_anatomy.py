@@ -18,7 +18,7 @@ import argparse
 
 from _common import DEFAULT_TRACE, write_json
 
-from kvtier.tiers.optimum import optimal_hits_by_reuse_distance
+from kvtier.testing.oracles import optimal_hits_by_reuse_distance
 from kvtier.tools.trace import load_trace
 
 MULTS = (1, 2, 4, 8)  # bin edges, in multiples of the capacity

@@ -7,6 +7,8 @@
   spec built outside an engine.
 - :mod:`kvtier.testing.kv_corruption`: wrong bytes in the KV cache after
   each load, the negative control of every load path.
+- :mod:`kvtier.testing.oracles`: exhaustive and clairvoyant reference
+  points for the offline optimum (``kvtier.tiers.optimum``).
 - :mod:`kvtier.testing.procs`: an engine's processes and their threads'
   names, from ``/proc`` (imports nothing beyond the standard library).
 

@@ -3,15 +3,14 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.optimum import (
+from kvtier.testing.oracles import (
     brute_force_hits,
-    optimal_hit_rate,
-    optimal_hits,
     optimal_hits_by_reuse_distance,
     oracle_admission_lru_hits,
     rate_oracle_hits,
     static_frequency_hits,
 )
+from kvtier.tiers.optimum import optimal_hit_rate, optimal_hits
 from kvtier.tiers.policy import policy_names
 from kvtier.tools.sizing import replay_trace
 
