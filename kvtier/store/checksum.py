@@ -79,17 +79,19 @@ _weights: dict[tuple[str, int, int], Any] = {}
 _weights_lock = threading.Lock()
 
 
-def _np_weights(q: int, n: int) -> tuple[Any, Any, Any]:
-    key = ("np", q, n)
+def _weights_for(key: tuple[str, int, int], arange: Any) -> tuple[Any, Any, Any]:
+    """The weights of ``q, n = key[1:]`` words (row offsets, column weights,
+    tail weights), made with ``arange(start, stop)`` once per key."""
+    _, q, n = key
     with _weights_lock:
         w = _weights.get(key)
         if w is None:
             if len(_weights) > 32:
                 _weights.clear()
             w = _weights[key] = (
-                (np.arange(q, dtype=np.uint64) * _COLS) % _P,
-                np.arange(1, _COLS + 1, dtype=np.uint64),
-                np.arange(q * _COLS + 1, n + 1, dtype=np.uint64) % _P,
+                (arange(0, q) * _COLS) % _P,
+                arange(1, _COLS + 1),
+                arange(q * _COLS + 1, n + 1) % _P,
             )
     return w
 
@@ -110,7 +112,9 @@ def device_checksum(data: Any) -> int:
             f"payload of {raw.size} bytes is too long for the device checksum"
         )
     q = n // _COLS
-    cw, jw, tw = _np_weights(q, n)
+    cw, jw, tw = _weights_for(
+        ("np", q, n), lambda lo, hi: np.arange(lo, hi, dtype=np.uint64)
+    )
     main = words[: q * _COLS].reshape(q, _COLS)
     tail = words[q * _COLS :].astype(np.uint64)
     t = main.sum(axis=1, dtype=np.uint64)  # (q,), each < 2**42
@@ -151,19 +155,10 @@ def device_checksums(rows: Any, nbytes: int) -> Any:
     if n >= 1 << 31:
         raise ValueError("rows too long for the device checksum")
     q = n // _COLS
-    key = (str(rows.device), q, n)
-    with _weights_lock:
-        w = _weights.get(key)
-        if w is None:
-            if len(_weights) > 32:
-                _weights.clear()
-            dev = rows.device
-            w = _weights[key] = (
-                (torch.arange(q, dtype=torch.int64, device=dev) * _COLS) % _P,
-                torch.arange(1, _COLS + 1, dtype=torch.int64, device=dev),
-                torch.arange(q * _COLS + 1, n + 1, dtype=torch.int64, device=dev) % _P,
-            )
-    cw, jw, tw = w
+    cw, jw, tw = _weights_for(
+        (str(rows.device), q, n),
+        lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64, device=rows.device),
+    )
     words = rows[:, :nbytes].view(torch.int32)
     step = max(1, _TORCH_CHUNK_WORDS // n)
     for lo in range(0, count, step):

@@ -10,12 +10,10 @@ into it with its own back end and verifies them with the one
 batch (each slot's outcome and row). The engine's process keeps only what
 must touch its memory: copying verified rows into the KV cache.
 
-Why: the engine's loop and the load thread share one interpreter lock, and
-every read returning, every slot's checksum and header check takes it back
-from the loop (docs/benchmarks.md, "Engine step stalls"). In a process of
-its own the reads and checks cost the engine's process one message per
-batch. O_DIRECT reads issued in the engine's process also stalled it more
-than the same reads issued from another process.
+Why: the engine's loop and the load thread share one interpreter lock,
+which every returning read and every slot check takes back from the loop;
+in a process of their own they cost the engine one message per batch
+(docs/benchmarks.md, "Engine step stalls").
 
 Contract (beyond :class:`~kvtier.store.reader.SlotReads`):
   - The child starts in :meth:`ReadProcess.start` (the load thread's first
@@ -112,7 +110,6 @@ class ReadProcess:
     def __init__(
         self, files: SlabFiles, *, capacity: int, disk_io: str, threads: int
     ) -> None:
-        assert files.fingerprint is not None
         self.slot_size = files.slot_size
         nbytes = capacity * self.slot_size
         self._fd = os.memfd_create("kvtier-bounce", os.MFD_CLOEXEC)
@@ -145,9 +142,7 @@ class ReadProcess:
         self.pinned = False
         self.files = self._local.files
         self._child_config = {
-            "paths": [os.path.dirname(d) for d in files.dirs],
-            "num_slots": files.num_slots,
-            "fingerprint": files.fingerprint,
+            "files": files.reopener(),
             "disk_io": disk_io,
             "threads": threads,
             "nbytes": nbytes,
@@ -541,10 +536,7 @@ def _serve(fd: int, req: Connection, resp: Connection) -> None:
     shared = mmap.mmap(fd, cfg["nbytes"], mmap.MAP_SHARED)
     area = np.frombuffer(shared, dtype=np.uint8)
     backend = make_backend(cfg["disk_io"], threads=cfg["threads"])
-    files = SlabFiles.open(
-        cfg["paths"], cfg["fingerprint"], cfg["num_slots"], backend, owns_backend=True
-    )
-    reader = SlotReader(files, area=area)
+    reader = SlotReader(cfg["files"](backend), area=area)
     reader.files.open_all()
     resp.send(("ready",))
     # One thread (the reader is single-threaded): start every batch that

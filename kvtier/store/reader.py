@@ -325,9 +325,7 @@ class SlotReader:
         return self._submit(items, first_row, inline=False)
 
     def ready(self, pending: PendingRead) -> bool:
-        return all(
-            p.done() for p in pending.parts if p is not None and not isinstance(p, int)
-        )
+        return wait_reads(pending.parts, 0.0)
 
     def wait(self, pending: PendingRead, timeout: float) -> bool:
         return wait_reads(pending.parts, timeout)

@@ -24,7 +24,6 @@ Contract of :func:`scan`:
 
 from __future__ import annotations
 
-import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -34,16 +33,14 @@ from typing import Any
 from kvtier.store.slabs import SlabFiles, global_slot
 from kvtier.store.slot import (
     HEADER_SIZE,
-    MAGIC,
     ReadOutcome,
     SlotHeader,
     aligned_empty,
     check_payload,
+    header_version,
     round_up,
     verify_header,
 )
-
-_VERSION = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
@@ -141,9 +138,7 @@ def _judge(
         files.io_error("read", idx, exc)
         return record(ReadOutcome.IO_ERROR, detail=str(exc))
     files.count_read(n)
-    version = None
-    if n >= len(MAGIC) + _VERSION.size and bytes(buf[: len(MAGIC)]) == MAGIC:
-        version = _VERSION.unpack_from(buf, len(MAGIC))[0]
+    version = header_version(buf, n)
     if n < HEADER_SIZE:
         return record(files.short_read(slot), detail=f"read {n} of {HEADER_SIZE} bytes")
     verdict = verify_header(

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import os
 import re
@@ -300,6 +301,21 @@ class SlabFiles:
             files.close()
             raise
         return files
+
+    def reopener(self) -> Callable[[DiskBackend], SlabFiles]:
+        """The same slabs for another process, picklable: called there with
+        that process's back end (which the result owns), it gives these
+        files opened for reading, as :meth:`open` does."""
+        return functools.partial(
+            SlabFiles,
+            self.name,
+            self.dirs,
+            self.slabs,
+            self.block_bytes,
+            self.digest,
+            owns_backend=True,
+            fingerprint=self.fingerprint,
+        )
 
     # -- where and how bytes move -----------------------------------------
 

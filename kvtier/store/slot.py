@@ -262,9 +262,9 @@ class SlotHeader:
         fixed = bytes(view[:FIXED_HEADER_LEN])
         if fixed[: len(MAGIC)] == bytes(len(MAGIC)):
             raise EmptySlotError("empty slot")
-        if fixed[: len(MAGIC)] != MAGIC:
+        version = header_version(fixed, len(fixed))
+        if version is None:
             raise CorruptHeaderError(f"bad magic {fixed[: len(MAGIC)]!r}")
-        (version,) = _VERSION_AT.unpack_from(fixed, len(MAGIC))
         fields = _FIELDS.get(version)
         if fields is None:
             raise CorruptHeaderError(
@@ -321,6 +321,16 @@ class SlotHeader:
             version=version,
             device_checksum=device_checksum,
         )
+
+
+def header_version(buf: Any, nread: int) -> int | None:
+    """The header version of a slot whose first ``nread`` bytes (in ``buf``)
+    start with kvtier's magic, even a version this kvtier refuses; None
+    when they do not."""
+    view = memoryview(buf).cast("B")
+    if nread < len(MAGIC) + _VERSION_AT.size or bytes(view[: len(MAGIC)]) != MAGIC:
+        return None
+    return int(_VERSION_AT.unpack_from(view, len(MAGIC))[0])
 
 
 class ReadOutcome(Enum):

@@ -32,7 +32,7 @@ from kvtier.store.checksum import device_checksum, payload_checksum
 from kvtier.store.compression import Codec, compress
 from kvtier.store.reader import SlotReader
 from kvtier.store.scan import scan
-from kvtier.store.slabs import SlabFile, SlabFiles, SlabStats
+from kvtier.store.slabs import SlabFiles, SlabStats
 from kvtier.store.slot import (
     HEADER_SIZE,
     MAX_KEY_LEN,
@@ -41,7 +41,6 @@ from kvtier.store.slot import (
     SlotHeader,
     aligned_empty,
     round_up,
-    slot_size,
 )
 
 logger = get_logger("store")
@@ -58,6 +57,11 @@ def flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:
     if flat.size != nbytes:
         raise ValueError(f"{what} has {flat.size} bytes, expected block_bytes={nbytes}")
     return flat
+
+
+def _of_files(name: str) -> Any:
+    """A read-only attribute that is the slab files' own ``name``."""
+    return property(lambda self: getattr(self.files, name), doc=f"``files.{name}``.")
 
 
 class DiskStore:
@@ -82,9 +86,19 @@ class DiskStore:
         ``read_header``.
       - ``backend`` given as a string is created (via make_backend) and owned,
         i.e. shut down by ``close``; a DiskBackend instance is only borrowed.
-      - ``files`` is the shared :class:`~kvtier.store.slabs.SlabFiles`
-        (slab handles, ``locate``) for tools and tests that look at the bytes.
+      - ``files`` is the store's :class:`~kvtier.store.slabs.SlabFiles`,
+        which owns its geometry (``num_slots``, ``block_bytes``,
+        ``slot_size``, ``fingerprint``, ``dirs``, ``slabs``, ``backend``:
+        the same attributes here), handles and counters.
     """
+
+    num_slots = _of_files("num_slots")
+    block_bytes = _of_files("block_bytes")
+    slot_size = _of_files("slot_size")
+    fingerprint = _of_files("fingerprint")
+    dirs = _of_files("dirs")
+    slabs = _of_files("slabs")
+    backend = _of_files("backend")
 
     def __init__(
         self,
@@ -120,14 +134,9 @@ class DiskStore:
             )
 
         self.paths = [os.path.abspath(p) for p in paths]
-        self.num_slots = num_slots
-        self.block_bytes = block_bytes
-        self.fingerprint = fingerprint
         self.compression = compression
         self.elem_size = elem_size
-        self.slot_size = slot_size(block_bytes)
         self._min_saving = min_saving
-        self._digest = fingerprint.digest()
         # Wall-clock ns as the starting point keeps seq increasing across
         # restarts even before (or without) a scan; scan() raises it further.
         self._seq = time.time_ns()
@@ -135,22 +144,19 @@ class DiskStore:
         self._zero_header = aligned_empty(HEADER_SIZE)
         self._zero_header[:] = 0
 
-        self.backend: DiskBackend = (
-            make_backend(backend, threads=threads)
-            if isinstance(backend, str)
-            else backend
-        )
         self.files = SlabFiles.create(
             self.paths,
             fingerprint,
             num_slots,
-            self.backend,
+            make_backend(backend, threads=threads)
+            if isinstance(backend, str)
+            else backend,
             owns_backend=isinstance(backend, str),
         )
         self._tls = threading.local()  # per thread: bounce buffer, reader
         logger.debug(
             "DiskStore %s: %d slots x %d B on %s via %s",
-            self._digest.hex()[:16],
+            self.files.name,
             num_slots,
             self.slot_size,
             self.paths,
@@ -221,7 +227,7 @@ class DiskStore:
         payload = bounce[HEADER_SIZE : HEADER_SIZE + n]
         header = SlotHeader(
             key=bytes(key),
-            fingerprint=self._digest,
+            fingerprint=self.files.digest,
             payload_len=n,
             raw_len=flat.size,
             codec=codec,
@@ -293,16 +299,6 @@ class DiskStore:
         above every intact header seen."""
         for rec in scan(self.files, window=window, on_header=self._on_header):
             yield rec.slot, rec.header, rec.outcome
-
-    @property
-    def dirs(self) -> list[str]:
-        """The store directory on each path."""
-        return self.files.dirs
-
-    @property
-    def slabs(self) -> list[SlabFile]:
-        """The slab file on each path."""
-        return self.files.slabs
 
     def stats(self) -> SlabStats:
         """A consistent snapshot of the counters."""

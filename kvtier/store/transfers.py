@@ -68,16 +68,6 @@ class HostRows(Protocol):
 
 
 @dataclass(frozen=True)
-class JobOutcome:
-    """What a job function reports: overall success, bytes moved, failed keys."""
-
-    success: bool
-    bytes: int = 0
-    failed_keys: list[bytes] = field(default_factory=list)
-    io_failed_keys: list[bytes] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
 class FinishedJob:
     """A job every rank finished.
 
@@ -128,21 +118,14 @@ class _Job:
         """Failed whole, every key unread: nothing shows its bytes bad."""
         return FinishedJob(self.job_id, False, 0, 0.0, self.keys, self.keys, self.spill)
 
-    def result(self, outcome: JobOutcome | None = None) -> FinishedJob:
-        if outcome is None:
-            outcome = JobOutcome(
-                not self.failed,
-                self.bytes,
-                list(self.failed),
-                [k for k in self.failed if k not in self.bad],
-            )
+    def result(self) -> FinishedJob:
         return FinishedJob(
             self.job_id,
-            outcome.success and not outcome.failed_keys,
-            outcome.bytes,
+            not self.failed,
+            self.bytes,
             time.perf_counter() - self.started,
-            list(outcome.failed_keys),
-            list(outcome.io_failed_keys),
+            list(self.failed),
+            [k for k in self.failed if k not in self.bad],
             self.spill,
         )
 
@@ -205,14 +188,13 @@ class TransferEngine:
     on ``threads`` threads.
 
     Contract:
-      - ``submit``/``submit_spill``/``submit_promote`` return immediately.
+      - ``submit_spill``/``submit_promote`` return immediately.
         A ``job_id`` must not be reused while that job is pending. Items are
         ``(key, src, dst)``: CPU row -> disk slot for spills, disk slot ->
         CPU row for promotions, the same on every rank.
       - Every submitted job produces exactly one :class:`FinishedJob`,
-        returned once by ``get_finished`` (which drains); a job function or
-        an item that raises fails (with a log line), it never kills a
-        thread. A rank whose rows cannot be mapped fails its items at once
+        returned once by ``get_finished`` (which drains); an item that
+        raises fails (with a log line), it never kills a thread. A rank whose rows cannot be mapped fails its items at once
         as I/O failures (logged once).
       - For promote, a key whose read is not OK is in ``failed_keys`` and its
         row was not written (DiskStore.read_block guarantees it), so the
@@ -285,8 +267,8 @@ class TransferEngine:
             job = self._jobs[job_id] = _Job(job_id, keys, count, spill)
         return job
 
-    def _finish(self, job: _Job, outcome: JobOutcome | None = None) -> None:
-        job.final = job.result(outcome)
+    def _finish(self, job: _Job) -> None:
+        job.final = job.result()
         with self._cond:
             if self._jobs.pop(job.job_id, None) is job:  # else given up
                 self._finished.append(job)
@@ -309,22 +291,6 @@ class TransferEngine:
             return None
 
     # -- public API -----------------------------------------------------------
-
-    def submit(
-        self, job_id: int, fn: Callable[[], JobOutcome], *, priority: int = SPILL_PRIORITY
-    ) -> None:
-        """Run ``fn`` on a thread; its JobOutcome becomes the job's result."""
-        job = self._begin(job_id, [], 1, False)
-
-        def task() -> None:
-            try:
-                outcome = fn()
-            except Exception:
-                logger.exception("kvtier transfer job %d failed", job_id)
-                outcome = JobOutcome(success=False)
-            self._finish(job, outcome)
-
-        self._enqueue(priority, task)
 
     def submit_spill(self, job_id: int, items: Iterable[TransferItem | tuple]) -> None:
         """Copy CPU rows to disk slots: ``items`` are (key, cpu_slot, disk_slot)."""

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import errno
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,45 @@ from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.compression import Codec
 from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome
 from kvtier.store.store import DiskStore
-from kvtier.store.transfers import JobOutcome, TransferEngine
+from kvtier.store.transfers import IO_FAILED, SPILL_PRIORITY, TransferEngine
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 N = 12  # blocks per round trip
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What a job function of :class:`FnEngine` reports."""
+
+    success: bool
+    bytes: int = 0
+    failed_keys: list[bytes] = field(default_factory=list)
+
+
+class FnEngine(TransferEngine):
+    """A TransferEngine that also runs plain functions as one-item jobs, to
+    test the queue itself: pending jobs, waits, priorities, a job that
+    raises."""
+
+    def submit(
+        self,
+        job_id: int,
+        fn: Callable[[], JobOutcome],
+        *,
+        priority: int = SPILL_PRIORITY,
+    ) -> None:
+        job = self._begin(job_id, [], 1, False)
+
+        def task() -> None:
+            try:
+                outcome = fn()
+                ok = outcome.success and not outcome.failed_keys
+            except Exception:
+                outcome, ok = JobOutcome(success=False), False
+            job.item_done(b"fn", outcome.bytes if ok else IO_FAILED)
+            self._finish(job)
+
+        self._enqueue(priority, task)
 
 
 def key(i: int) -> bytes:
@@ -40,7 +76,7 @@ def engine_on(
 ) -> Iterator[Any]:
     made: list[Any] = []
 
-    def build(where: str, npaths: int, compression: str, **kw: Any) -> TransferEngine:
+    def build(where: str, npaths: int, compression: str, **kw: Any) -> FnEngine:
         base = Path(shm_dir) if where == "shm" else tmp_path
         paths = [str(base / f"p{i}") for i in range(npaths)]
         backend: Any = PosixBackend(threads=2, direct=where != "tmp-buffered")
@@ -53,7 +89,7 @@ def engine_on(
             compression=compression,
         )
         buf = CpuBlockBuffer(3 * N, BLOCK_BYTES)
-        eng = TransferEngine([store], [buf], threads=kw.get("threads", 4))
+        eng = FnEngine([store], [buf], threads=kw.get("threads", 4))
         made.append((eng, store, buf, backend))
         return eng
 
@@ -218,7 +254,7 @@ def test_a_spill_copy_that_outlasts_abandon_is_never_written(
 
 
 def test_generic_jobs_wait_pending_and_errors(engine_on: Any) -> None:
-    eng: TransferEngine = engine_on("tmp", 1, "none", threads=2)
+    eng: FnEngine = engine_on("tmp", 1, "none", threads=2)
     gate = threading.Event()
 
     def blocked() -> JobOutcome:
@@ -249,7 +285,7 @@ def test_generic_jobs_wait_pending_and_errors(engine_on: Any) -> None:
 
 
 def test_promotes_overtake_queued_spills(engine_on: Any) -> None:
-    eng: TransferEngine = engine_on("tmp", 1, "none", threads=1)
+    eng: FnEngine = engine_on("tmp", 1, "none", threads=1)
     fill_kv(eng.rows[0], range(0, 4), torch.bfloat16)
     eng.submit_spill(1, [(key(0), 0, 0)])
     eng.wait([1])

@@ -35,14 +35,12 @@ class DiskBackend(ABC):
       - ``buf`` is a host buffer (anything exposing the buffer protocol, e.g. a
         numpy uint8 array) whose address and length are multiples of
         ``IO_ALIGNMENT`` and ``offset`` is a multiple of ``IO_ALIGNMENT``.
-        Back ends with ``supports_device_memory`` also accept a CUDA tensor.
+        The kvikio back end also accepts a CUDA tensor.
       - Methods are thread-safe; ``close`` and ``shutdown`` wait for nothing
         but the back end's own bookkeeping (callers drain their futures first).
     """
 
     name: ClassVar[str]
-    # True when reads/writes may target GPU memory directly (GDS).
-    supports_device_memory: ClassVar[bool] = False
 
     @abstractmethod
     def open(self, path: str, writable: bool = True) -> Any:

@@ -130,12 +130,10 @@ class KvikioBackend(DiskBackend):
     pool, which is raised to ``threads`` unless KVIKIO_NTHREADS is set
     (kvikio defaults to a single thread, serialising all I/O).
 
-    Reads are clamped to the file's size so a read across end of file is
-    reported short, as the contract requires; kvikio itself raises there.
+    Reads are clamped to the file's size (:func:`_start_read`).
     """
 
     name = "kvikio"
-    supports_device_memory = True
 
     def __init__(self, threads: int = 4) -> None:
         if threads < 1:
@@ -198,7 +196,9 @@ class KvikioBackend(DiskBackend):
     def submit_read(self, handle: KvikioHandle, buf: Any, offset: int) -> Future[int]:
         target, nbytes = _as_target(buf, for_read=True)
         _check_offset(offset)
-        return self._pool.submit(_read, handle, target, nbytes, offset)
+        return self._pool.submit(
+            lambda: _start_read(handle, target, nbytes, offset).result()
+        )
 
     def start_read(self, handle: KvikioHandle, buf: Any, offset: int) -> KvikioRead:
         """Start ``len(buf)`` bytes at ``offset`` with kvikio's own
@@ -207,14 +207,7 @@ class KvikioBackend(DiskBackend):
         raise here; so does a failure to start (as OSError)."""
         target, nbytes = _as_target(buf, for_read=True)
         _check_offset(offset)
-        try:
-            size = os.fstat(handle.file.fileno()).st_size
-            count = min(nbytes, max(0, size - offset))
-            fut = handle.file.pread(target, count, offset) if count else None
-        except Exception as exc:
-            raise _to_oserror(exc, "read", handle.path) from exc
-
-        return KvikioRead(fut, handle.path)
+        return _start_read(handle, target, nbytes, offset)
 
     def submit_write(self, handle: KvikioHandle, buf: Any, offset: int) -> Future[int]:
         target, nbytes = _as_target(buf, for_read=False)
@@ -257,15 +250,18 @@ def _check_offset(offset: int) -> None:
         raise ValueError(f"offset must be >= 0, got {offset}")
 
 
-def _read(handle: KvikioHandle, target: Any, nbytes: int, offset: int) -> int:
+def _start_read(
+    handle: KvikioHandle, target: Any, nbytes: int, offset: int
+) -> KvikioRead:
+    """``CuFile.pread`` clamped to the file's size (kvikio raises for a read
+    across the end; the contract wants it short); failures as OSError."""
     try:
         size = os.fstat(handle.file.fileno()).st_size
         count = min(nbytes, max(0, size - offset))
-        if count == 0:
-            return 0
-        return int(handle.file.pread(target, count, offset).get())
+        fut = handle.file.pread(target, count, offset) if count else None
     except Exception as exc:
         raise _to_oserror(exc, "read", handle.path) from exc
+    return KvikioRead(fut, handle.path)
 
 
 def _write(handle: KvikioHandle, target: Any, nbytes: int, offset: int) -> int:
