@@ -31,19 +31,14 @@ from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
 def _gds_host_facts() -> str:
     """Driver and cuFile presence, from files only (nothing is loaded)."""
-    facts = []
-    facts.append(
-        "NVIDIA driver "
-        + ("loaded" if os.path.exists("/proc/driver/nvidia/version") else "absent")
+    driver = os.path.exists("/proc/driver/nvidia/version")
+    nvidia_fs = os.path.exists("/proc/driver/nvidia-fs")
+    cufile = ctypes.util.find_library("cufile")
+    return (
+        f"NVIDIA driver {'loaded' if driver else 'absent'}, "
+        f"nvidia-fs (GDS) driver {'loaded' if nvidia_fs else 'absent'}, "
+        f"libcufile {'found' if cufile else 'absent'}"
     )
-    facts.append(
-        "nvidia-fs (GDS) driver "
-        + ("loaded" if os.path.exists("/proc/driver/nvidia-fs") else "absent")
-    )
-    facts.append(
-        "libcufile " + ("found" if ctypes.util.find_library("cufile") else "absent")
-    )
-    return ", ".join(facts)
 
 
 def check_io_path(cfg: KvtierConfig) -> list[Check]:
@@ -178,24 +173,16 @@ def check_prefix_hash(algo: str) -> list[Check]:
     if problem:
         return [Check("warm-restart", subject, WARNING, problem, HASH_FIX)]
     if seed_set:
-        return [
-            Check(
-                "warm-restart",
-                subject,
-                OK,
-                f"PYTHONHASHSEED={seed} seeds the hashes: keep it identical on "
-                "every start, or the disk tier starts cold",
-            )
-        ]
-    return [
-        Check(
-            "warm-restart",
-            subject,
-            OK,
-            "reproducible across restarts (PYTHONHASHSEED unset; setting it "
-            "later changes every key once)",
+        detail = (
+            f"PYTHONHASHSEED={seed} seeds the hashes: keep it identical on "
+            "every start, or the disk tier starts cold"
         )
-    ]
+    else:
+        detail = (
+            "reproducible across restarts (PYTHONHASHSEED unset; setting it "
+            "later changes every key once)"
+        )
+    return [Check("warm-restart", subject, OK, detail)]
 
 
 def _cpu_fix(auto: bool) -> str:
@@ -226,18 +213,21 @@ def check_cpu_placement(
             set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
         )
     bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "").strip() or "auto"
-    subject = f"VLLM_CPU_OMP_THREADS_BIND={bind}"
+    status, detail, fix = _cpu_placement(bind, env, allowed, topology)
+    return [Check("cpu", f"VLLM_CPU_OMP_THREADS_BIND={bind}", status, detail, fix)]
+
+
+def _cpu_placement(
+    bind: str, env: dict[str, str], allowed: set[int], topology: str
+) -> tuple[str, str, str]:
+    """(status, detail, fix) of the CPU placement check for ``bind``."""
     if bind == "nobind":
-        return [
-            Check(
-                "cpu",
-                subject,
-                WARNING,
-                "the model's OpenMP threads are not bound: kvtier's loads cannot "
-                "keep off their CPUs",
-                _cpu_fix(auto=False).replace("drop one from", "set"),
-            )
-        ]
+        return (
+            WARNING,
+            "the model's OpenMP threads are not bound: kvtier's loads cannot "
+            "keep off their CPUs",
+            _cpu_fix(auto=False).replace("drop one from", "set"),
+        )
     if bind == "auto":
         # vLLM (utils/ompmultiprocessing.py) reserves one CPU per worker, and
         # one more per worker with a KV connector (kvtier is one), unless
@@ -250,39 +240,24 @@ def check_cpu_placement(
             reserve = 2
         cores = physical_cores(allowed, os.path.join(topology, "cpu"))
         if reserve <= 0 or cores <= reserve:
-            return [
-                Check(
-                    "cpu",
-                    subject,
-                    WARNING,
-                    f"{cores} core(s), {reserve} to reserve: vLLM's automatic binding "
-                    "keeps no CPU outside the model's here, so kvtier's loads share "
-                    "the model's cores",
-                    _cpu_fix(auto=True),
-                )
-            ]
-        return [
-            Check(
-                "cpu",
-                subject,
-                OK,
-                f"{cores} cores: vLLM keeps {reserve} CPU(s) per worker outside the "
-                "model's (one for the engine, one for a KV connector); kvtier's "
-                "loads run there (the engine logs 'loads run on CPUs ...')",
+            return (
+                WARNING,
+                f"{cores} core(s), {reserve} to reserve: vLLM's automatic binding "
+                "keeps no CPU outside the model's here, so kvtier's loads share "
+                "the model's cores",
+                _cpu_fix(auto=True),
             )
-        ]
+        return (
+            OK,
+            f"{cores} cores: vLLM keeps {reserve} CPU(s) per worker outside the "
+            "model's (one for the engine, one for a KV connector); kvtier's "
+            "loads run there (the engine logs 'loads run on CPUs ...')",
+            "",
+        )
     try:
         lists = bind_lists(bind)
     except ValueError as exc:
-        return [
-            Check(
-                "cpu",
-                subject,
-                ERROR,
-                "vLLM cannot read this binding",
-                f"{exc}",
-            )
-        ]
+        return ERROR, "vLLM cannot read this binding", str(exc)
     taken = set().union(*lists)
     crowded = [
         rank
@@ -295,22 +270,15 @@ def check_cpu_placement(
         )
     ]
     if crowded:
-        return [
-            Check(
-                "cpu",
-                subject,
-                WARNING,
-                f"rank(s) {crowded}: no CPU of their NUMA node is left outside the "
-                "workers' OpenMP CPUs, so kvtier's loads share the model's",
-                _cpu_fix(auto=False),
-            )
-        ]
-    return [
-        Check(
-            "cpu",
-            subject,
-            OK,
-            "every rank has CPUs of its NUMA node outside the workers' OpenMP "
-            "CPUs: kvtier's loads run there",
+        return (
+            WARNING,
+            f"rank(s) {crowded}: no CPU of their NUMA node is left outside the "
+            "workers' OpenMP CPUs, so kvtier's loads share the model's",
+            _cpu_fix(auto=False),
         )
-    ]
+    return (
+        OK,
+        "every rank has CPUs of its NUMA node outside the workers' OpenMP "
+        "CPUs: kvtier's loads run there",
+        "",
+    )
