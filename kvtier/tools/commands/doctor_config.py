@@ -55,29 +55,23 @@ def vllm_distribution() -> tuple[str, str] | None:
 def check_vllm() -> list[Check]:
     found = vllm_distribution()
     if found is None:
-        return [
-            Check(
-                "vllm",
-                "version",
-                ERROR,
-                "vLLM is not installed in this Python environment",
-                f"install {_SUPPORTED_TEXT}: {_INSTALL}",
-            )
-        ]
-    name, version = found
-    m = re.match(r"(\d+)\.(\d+)", version)
-    major_minor = (int(m.group(1)), int(m.group(2))) if m else None
-    if major_minor in SUPPORTED_VLLM:
-        return [Check("vllm", "version", OK, f"{name} {version} is supported")]
-    return [
-        Check(
-            "vllm",
-            "version",
+        status, detail, fix = (
             ERROR,
-            f"{name} {version} is not supported; kvtier supports {_SUPPORTED_TEXT}",
-            _INSTALL,
+            "vLLM is not installed in this Python environment",
+            f"install {_SUPPORTED_TEXT}: {_INSTALL}",
         )
-    ]
+    else:
+        name, version = found
+        m = re.match(r"(\d+)\.(\d+)", version)
+        if m and (int(m.group(1)), int(m.group(2))) in SUPPORTED_VLLM:
+            status, detail, fix = OK, f"{name} {version} is supported", ""
+        else:
+            status, detail, fix = (
+                ERROR,
+                f"{name} {version} is not supported; kvtier supports {_SUPPORTED_TEXT}",
+                _INSTALL,
+            )
+    return [Check("vllm", "version", status, detail, fix)]
 
 
 def _config_error(exc: ConfigError) -> Check:
