@@ -104,51 +104,38 @@ def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]
     if os.path.isdir(directory) and not os.path.islink(directory):
         stale = reclaim_stale_cpu_files(directory, dry_run=not reclaim)
     stale_bytes = sum(n for _, n in stale)
+    names = ", ".join(os.path.basename(p) for p, _ in stale)
+    subject = f"{directory}: stale files"
     if stale and reclaim:
-        out.append(
-            Check(
-                "shm",
-                f"{directory}: stale files",
-                OK,
-                f"removed {len(stale)} dead engine file(s), {fmt_bytes(stale_bytes)}: "
-                + ", ".join(os.path.basename(p) for p, _ in stale),
-            )
-        )
+        removed = f"removed {len(stale)} dead engine file(s), {fmt_bytes(stale_bytes)}"
+        out.append(Check("shm", subject, OK, f"{removed}: {names}"))
         stale_bytes = 0
     elif stale:
         out.append(
             Check(
                 "shm",
-                f"{directory}: stale files",
+                subject,
                 WARNING,
                 f"{len(stale)} CPU-tier file(s) of engines no longer running pin "
-                f"{fmt_bytes(stale_bytes)} of shared memory: "
-                + ", ".join(os.path.basename(p) for p, _ in stale),
+                f"{fmt_bytes(stale_bytes)} of shared memory: {names}",
                 "kvtier doctor --reclaim-stale removes them (an engine starting "
                 "here also does)",
             )
         )
     else:
-        out.append(Check("shm", f"{directory}: stale files", OK, "none"))
+        out.append(Check("shm", subject, OK, "none"))
+    room = f"{base}: room for the CPU tier"
     try:
         check_shm_space(base, cfg.cpu_bytes_to_use, [p for p, _ in stale])
     except ConfigError as exc:
-        return [
-            *out,
-            Check(
-                "shm",
-                f"{base}: room for the CPU tier",
-                ERROR,
-                str(exc),
-                "docker run --shm-size=<more>, or lower cpu_bytes_to_use",
-            ),
-        ]
+        fix = "docker run --shm-size=<more>, or lower cpu_bytes_to_use"
+        return [*out, Check("shm", room, ERROR, str(exc), fix)]
     free = os.statvfs(base)
     free_bytes = free.f_bavail * free.f_frsize
     out.append(
         Check(
             "shm",
-            f"{base}: room for the CPU tier",
+            room,
             OK,
             f"needs {fmt_bytes(cfg.cpu_bytes_to_use)}, {fmt_bytes(free_bytes)} free"
             + (
