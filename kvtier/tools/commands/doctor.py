@@ -157,11 +157,13 @@ def load_input(args: argparse.Namespace) -> DoctorInput:
     return DoctorInput(None, {key: value for (_, key), value in given.items()}, args)
 
 
-def _guarded(area: str, subject: str, fn: Callable[[], list[Check]]) -> list[Check]:
-    """``fn()``'s checks; an unexpected exception becomes an error check
+def _guarded(
+    area: str, subject: str, fn: Callable[..., list[Check]], *args: Any
+) -> list[Check]:
+    """``fn(*args)``'s checks; an unexpected exception becomes an error check
     (one broken probe must not hide the rest of the report)."""
     try:
-        return fn()
+        return fn(*args)
     except Exception as exc:
         return [
             Check(
@@ -200,24 +202,17 @@ def run_checks(inp: DoctorInput) -> list[Check]:
         store_checks = _guarded("warm-restart", "existing stores", stores)
         seconds = 0.0 if args.no_probe else args.probe_seconds
         for path in cfg.disk_paths:
+            reusable = adopted.get(path, [])
             checks += _guarded(
-                "disk",
-                path,
-                lambda p=path: doctor_disk.check_disk_path(
-                    cfg, p, reusable=adopted.get(p, []), probe_seconds=seconds
-                ),
+                "disk", path, doctor_disk.check_disk_path, cfg, path, reusable, seconds
             )
         checks += store_checks
-    checks += _guarded("io", "disk I/O path", lambda: doctor_host.check_io_path(cfg))
+    checks += _guarded("io", "disk I/O path", doctor_host.check_io_path, cfg)
     checks += _guarded(
-        "shm",
-        "CPU tier",
-        lambda: doctor_host.check_shm(cfg, args.shm_dir, args.reclaim_stale),
+        "shm", "CPU tier", doctor_host.check_shm, cfg, args.shm_dir, args.reclaim_stale
     )
     checks += _guarded(
-        "warm-restart",
-        "prefix hash",
-        lambda: doctor_host.check_prefix_hash(args.hash_algo),
+        "warm-restart", "prefix hash", doctor_host.check_prefix_hash, args.hash_algo
     )
     checks += _guarded("cpu", "CPU placement", _cpu_placement)
     return checks

@@ -271,7 +271,7 @@ def _probe_check(cfg: KvtierConfig, path: str, seconds: float) -> Check:
 
 
 def check_disk_path(
-    cfg: KvtierConfig, path: str, *, reusable: list[str], probe_seconds: float
+    cfg: KvtierConfig, path: str, reusable: list[str], probe_seconds: float
 ) -> list[Check]:
     """Exists, owner/mode, writable, free space, file system, O_DIRECT,
     throughput: one Check each (only the first when the path is unusable)."""
