@@ -18,22 +18,16 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     bpt = args.bytes_per_token
     if (args.cpu_bytes is not None or args.disk_bytes is not None) and bpt is None:
         raise ValueError("--cpu-bytes/--disk-bytes need --bytes-per-token")
-    if args.cpu_blocks is not None and args.cpu_bytes is not None:
-        raise ValueError("give --cpu-blocks or --cpu-bytes, not both")
-    if args.disk_blocks is not None and args.disk_bytes is not None:
-        raise ValueError("give --disk-blocks or --disk-bytes, not both")
-    if args.cpu_blocks is not None:
-        cpu = args.cpu_blocks
-    elif args.cpu_bytes is not None:
-        cpu = blocks_for_bytes(args.cpu_bytes, bpt)
-    else:
+
+    def blocks(tier: str, n_blocks: int | None, n_bytes: int | None) -> int | None:
+        if n_blocks is not None and n_bytes is not None:
+            raise ValueError(f"give --{tier}-blocks or --{tier}-bytes, not both")
+        return n_blocks if n_bytes is None else blocks_for_bytes(n_bytes, bpt)
+
+    cpu = blocks("cpu", args.cpu_blocks, args.cpu_bytes)
+    disk = blocks("disk", args.disk_blocks, args.disk_bytes) or 0
+    if cpu is None:
         raise ValueError("give --cpu-blocks, or --cpu-bytes with --bytes-per-token")
-    if args.disk_blocks is not None:
-        disk = args.disk_blocks
-    elif args.disk_bytes is not None:
-        disk = blocks_for_bytes(args.disk_bytes, bpt)
-    else:
-        disk = 0
     if cpu <= 0:
         raise ValueError(
             "the CPU tier must hold at least one 512-token block "
