@@ -13,8 +13,8 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import NoReturn, TypeVar
 
 from kvtier.connector.sizes import SIZE_RULE, parse_size, quoted
 from kvtier.tiers.policy import policy_names
@@ -27,6 +27,8 @@ from kvtier.tools.events_sub import DEFAULT_MAX_MESSAGE_BYTES
 # vLLM's PrefixCachingHashAlgo (vllm.config.cache); a test keeps them equal.
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
+T = TypeVar("T")
+
 
 def _size_arg(text: str) -> int:
     """An argparse type: a byte size by vLLM's rule (kvtier.connector.sizes)."""
@@ -36,39 +38,11 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _nonneg_bytes(text: str) -> int:
-    v = _size_arg(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 bytes, got {text!r}")
-    return v
-
-
-def _pos_bytes(text: str) -> int:
-    v = _size_arg(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
-    return v
-
-
 def _int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {quoted(text)}") from None
-
-
-def _nonneg_int(text: str) -> int:
-    v = _int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _pos_int(text: str) -> int:
-    v = _int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
-    return v
 
 
 def _float(text: str) -> float:
@@ -81,25 +55,28 @@ def _float(text: str) -> float:
     return v
 
 
-def _watermark(text: str) -> float:
-    v = _float(text)
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
-    return v
+def _bounded(
+    parse: Callable[[str], T], accept: Callable[[T], bool], rule: str
+) -> Callable[[str], T]:
+    """An argparse type: ``parse(text)``, refused unless ``accept`` takes it;
+    the error names the ``rule`` ("> 0", "within [0, 1]", ...)."""
+
+    def convert(text: str) -> T:
+        v = parse(text)
+        if not accept(v):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {quoted(text)}")
+        return v
+
+    return convert
 
 
-def _target(text: str) -> float:
-    v = _float(text)
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be within (0, 1], got {text}")
-    return v
-
-
-def _pos_seconds(text: str) -> float:
-    v = _float(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return v
+_nonneg_bytes = _bounded(_size_arg, lambda v: v >= 0, ">= 0 bytes")
+_pos_bytes = _bounded(_size_arg, lambda v: v > 0, "> 0 bytes")
+_nonneg_int = _bounded(_int, lambda v: v >= 0, ">= 0")
+_pos_int = _bounded(_int, lambda v: v > 0, "> 0")
+_watermark = _bounded(_float, lambda v: 0.0 <= v <= 1.0, "within [0, 1]")
+_target = _bounded(_float, lambda v: 0.0 < v <= 1.0, "within (0, 1]")
+_pos_seconds = _bounded(_float, lambda v: v > 0, "> 0 seconds")
 
 
 # -------------------------------------------------------------------- parser

@@ -28,7 +28,6 @@ carry the token ids of each block, i.e. the prompts.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -179,10 +178,10 @@ class BatchDecoder:
         self._typed: Any = None
         if mode == "vllm":
             self._typed = _typed_decoder()
-        elif mode == "auto" and _vllm_available():
+        elif mode == "auto":
             try:
                 self._typed = _typed_decoder()
-            except Exception:  # a broken vLLM install: plain msgpack still works
+            except Exception:  # no or a broken vLLM: plain msgpack still works
                 self._typed = None
         self.kind = "vllm" if self._typed is not None else "plain"
         self.fallbacks = 0  # payloads the vLLM classes rejected
@@ -215,13 +214,6 @@ def _typed_decoder() -> Any:
     from vllm.distributed.kv_events import KVEventBatch
 
     return msgspec.msgpack.Decoder(type=KVEventBatch)
-
-
-def _vllm_available() -> bool:
-    try:
-        return importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def _zero() -> dict[str, int]:

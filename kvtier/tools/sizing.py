@@ -1,19 +1,15 @@
 """Trace-driven sizing of the CPU and disk tiers (``kvtier size``).
 
-Replays a Mooncake-format trace (one JSON object per line: ``timestamp`` in
-ms, ``input_length``, ``output_length``, ``hash_ids``: prefix hashes of
-512-token blocks, where an id covers its block and everything before it)
-through the real :class:`~kvtier.tiers.hierarchy.TierHierarchy`, as the plugin's
+Replays a Mooncake-format trace (read by :mod:`kvtier.tools.trace`, which
+defines the format and the infinite-cache bound) through the real
+:class:`~kvtier.tiers.hierarchy.TierHierarchy`, as the plugin's
 scheduler side would drive it, with every spill and load completing
 instantly. Only the offload tiers are modelled: every block of every request
 is looked up in CPU/disk (the GPU prefix cache is not simulated).
 
 Hit rate is block-level: hit blocks / all blocks of all requests. The
-infinite-cache bound counts every block seen earlier in the trace as a hit;
-with prefix hashes that is exactly what a never-evicting prefix cache gets.
-
-Traces are read by :mod:`kvtier.tools.trace`; the every-policy comparison against
-the offline optimum is :mod:`kvtier.tools.sizing_compare`.
+every-policy comparison against the offline optimum is
+:mod:`kvtier.tools.sizing_compare`.
 
 No vLLM import; pure Python on top of :mod:`kvtier.tiers`.
 """
@@ -21,7 +17,7 @@ No vLLM import; pure Python on top of :mod:`kvtier.tiers`.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvtier.tiers.hierarchy import TierHierarchy
@@ -105,18 +101,14 @@ class TraceReplayer:
     completed as soon as the hierarchy hands it out.
     """
 
-    def __init__(self, hierarchy: TierHierarchy, max_store_blocks: int | None = None):
+    def __init__(self, hierarchy: TierHierarchy):
         self.h = hierarchy
-        cap = hierarchy.cpu.capacity
-        # A store larger than the CPU tier can never succeed in one call.
-        self.max_store_blocks = min(max_store_blocks or cap, cap)
+        disk = hierarchy.disk
         self.result = SizingResult(
-            cpu_blocks=cap,
-            disk_blocks=hierarchy.disk.capacity if hierarchy.disk is not None else 0,
-            cpu_policy=_policy_name(hierarchy.cpu.policy),
-            disk_policy=(
-                _policy_name(hierarchy.disk.policy) if hierarchy.disk else "lru"
-            ),
+            cpu_blocks=hierarchy.cpu.capacity,
+            disk_blocks=disk.capacity if disk is not None else 0,
+            cpu_policy=hierarchy.cpu.policy.name,
+            disk_policy=disk.policy.name if disk else "lru",
             spill_watermark=hierarchy.spill_watermark,
         )
         self._seen: set[Hashable] = set()
@@ -150,8 +142,9 @@ class TraceReplayer:
             self.h.complete_load(plan.load_id)
 
     def store(self, keys: Sequence[Hashable]) -> None:
-        """Offer the computed blocks for storing, in CPU-sized batches."""
-        step = self.max_store_blocks
+        """Offer the computed blocks for storing, in CPU-sized batches (a
+        larger store can never succeed in one call)."""
+        step = self.h.cpu.capacity
         for i in range(0, len(keys), step):
             batch = keys[i : i + step]
             plan = self.h.prepare_store(batch)
@@ -203,13 +196,6 @@ class TraceReplayer:
         return res
 
 
-def _policy_name(policy: object) -> str:
-    if getattr(policy, "name", ""):
-        return str(policy.name)  # type: ignore[attr-defined]
-    name = type(policy).__name__.lower()
-    return name.removesuffix("policy") or name
-
-
 def replay_trace(
     requests: Iterable[TraceRequest | Sequence[Hashable]],
     cpu_blocks: int,
@@ -218,7 +204,6 @@ def replay_trace(
     disk_policy: str = "lru",
     spill_watermark: float = 0.75,
     *,
-    max_store_blocks: int | None = None,
     progress: Progress | None = None,
 ) -> SizingResult:
     """Replay ``requests`` through a fresh ``TierHierarchy`` and count hits.
@@ -237,7 +222,7 @@ def replay_trace(
         disk_policy=disk_policy,
         spill_watermark=spill_watermark,
     )
-    rep = TraceReplayer(h, max_store_blocks)
+    rep = TraceReplayer(h)
     rep.result.disk_policy = disk_policy
     pending = 0
     for req in requests:
@@ -255,21 +240,18 @@ def replay_trace(
 # ----------------------------------------------------------------- sizing
 
 
-def bytes_per_block(
-    bytes_per_token: int, tokens_per_block: int = TOKENS_PER_TRACE_BLOCK
-) -> int:
+def bytes_per_block(bytes_per_token: int) -> int:
+    """Bytes of one trace block; ValueError unless ``bytes_per_token`` > 0."""
     if bytes_per_token <= 0:
         raise ValueError(f"bytes_per_token must be > 0, got {bytes_per_token}")
-    return bytes_per_token * tokens_per_block
+    return bytes_per_token * TOKENS_PER_TRACE_BLOCK
 
 
-def blocks_for_bytes(
-    nbytes: int, bytes_per_token: int, tokens_per_block: int = TOKENS_PER_TRACE_BLOCK
-) -> int:
+def blocks_for_bytes(nbytes: int, bytes_per_token: int) -> int:
     """Whole trace blocks that fit in ``nbytes``."""
     if nbytes < 0:
         raise ValueError(f"byte budget must be >= 0, got {nbytes}")
-    return nbytes // bytes_per_block(bytes_per_token, tokens_per_block)
+    return nbytes // bytes_per_block(bytes_per_token)
 
 
 @dataclass
@@ -296,21 +278,17 @@ class Recommendation:
         return self.disk_blocks * self.bytes_per_block
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "cpu_blocks": self.cpu_blocks,
-            "target_fraction": self.target_fraction,
-            "target_hit_rate": self.target_hit_rate,
-            "infinite_hit_rate": self.infinite_hit_rate,
-            "disk_blocks": self.disk_blocks,
-            "disk_bytes": self.disk_bytes,
-            "hit_rate": self.hit_rate,
-            "unique_blocks": self.unique_blocks,
-            "bytes_per_block": self.bytes_per_block,
-            "evaluated": [
+        """The fields, ``disk_bytes``, and of each evaluated replay only its
+        disk size and hit rate (by disk size)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(
+            disk_bytes=self.disk_bytes,
+            evaluated=[
                 {"disk_blocks": r.disk_blocks, "hit_rate": r.hit_rate}
                 for r in sorted(self.evaluated, key=lambda r: r.disk_blocks)
             ],
-        }
+        )
+        return d
 
 
 def recommend_disk_blocks(
@@ -388,28 +366,6 @@ def recommend_disk_blocks(
         rec.disk_blocks = hi
         rec.hit_rate = runs[hi].hit_rate
     return rec
-
-
-def sweep_disk(
-    requests: Sequence[TraceRequest],
-    cpu_blocks: int,
-    disk_sizes: Iterable[int],
-    *,
-    cpu_policy: str = "lru",
-    disk_policy: str = "lru",
-    spill_watermark: float = 0.75,
-    on_replay: Callable[[SizingResult], None] | None = None,
-) -> list[SizingResult]:
-    """One replay per disk size (sorted, deduplicated)."""
-    out = []
-    for disk in sorted(set(disk_sizes)):
-        r = replay_trace(
-            requests, cpu_blocks, disk, cpu_policy, disk_policy, spill_watermark
-        )
-        out.append(r)
-        if on_replay is not None:
-            on_replay(r)
-    return out
 
 
 def default_sweep_sizes(cpu_blocks: int, disk_blocks: int, n_unique: int) -> list[int]:

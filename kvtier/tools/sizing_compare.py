@@ -28,9 +28,6 @@ class PolicyComparison:
             return 1.0
         return r.hit_rate / self.optimal_hit_rate
 
-    def best(self) -> SizingResult:
-        return max(self.results, key=lambda r: r.hit_rate)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "cpu_blocks": self.cpu_blocks,
@@ -52,14 +49,12 @@ class PolicyComparison:
         }
 
 
-def policy_pairs(
-    disk_blocks: int, policies: Sequence[str] | None = None
-) -> list[tuple[str, str]]:
+def policy_pairs(disk_blocks: int) -> list[tuple[str, str]]:
     """(cpu, disk) policy choices worth comparing: each policy alone without
     a disk tier; with one, every combination."""
     from kvtier.tiers.policy import policy_names
 
-    names = list(policies or policy_names())
+    names = policy_names()
     if disk_blocks <= 0:
         return [(p, p) for p in names]
     return [(c, d) for c in names for d in names]
@@ -78,14 +73,12 @@ def compare_policies(
     requests: Sequence[TraceRequest | Sequence[Hashable]],
     cpu_blocks: int,
     disk_blocks: int,
-    pairs: Sequence[tuple[str, str]] | None = None,
-    spill_watermark: float = 0.75,
     *,
+    spill_watermark: float = 0.75,
     progress: Progress | None = None,
 ) -> PolicyComparison:
-    """Replay every (cpu, disk) policy pair (default :func:`policy_pairs`)
-    and compute the optimum of one tier of ``cpu_blocks + disk_blocks``."""
-    pairs = list(pairs or policy_pairs(disk_blocks))
+    """Replay every (cpu, disk) policy pair of :func:`policy_pairs` and
+    compute the optimum of one tier of ``cpu_blocks + disk_blocks``."""
     results = [
         replay_trace(
             requests,
@@ -96,7 +89,7 @@ def compare_policies(
             spill_watermark,
             progress=progress,
         )
-        for cp, dp in pairs
+        for cp, dp in policy_pairs(disk_blocks)
     ]
     return PolicyComparison(
         cpu_blocks=cpu_blocks,

@@ -2,13 +2,7 @@
 
 One JSON object per line: ``timestamp`` in ms, ``input_length``,
 ``output_length``, ``hash_ids``: prefix hashes of 512-token blocks, where an
-id covers its block and everything before it.
-
-The infinite-cache bound counts every block seen earlier in the trace as a
-hit; with prefix hashes that is exactly what a never-evicting prefix cache
-gets.
-
-No vLLM import; pure Python.
+id covers its block and everything before it. No vLLM import; pure Python.
 """
 
 from __future__ import annotations
@@ -34,9 +28,8 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
-# Input bounds for trace files. The shared 3,993-request trace is 1.1 MB with
-# lines under 2 KB; a line holds the prefix hashes of one request (about 10
-# bytes per 512-token block), so 4 MiB is ~200 M tokens.
+# Input bounds for trace files: a line holds the prefix hashes of one request
+# (about 10 bytes per 512-token block), so 4 MiB is ~200 M tokens.
 MAX_TRACE_LINE_BYTES = 4 << 20
 MAX_TRACE_BYTES = 4 << 30
 # Hash ids are unsigned 64-bit integers (benchmarks turn them into 32-byte
@@ -178,7 +171,9 @@ def request_keys(req: TraceRequest | Sequence[Hashable]) -> Sequence[Hashable]:
 def infinite_cache_hit_rate(
     requests: Iterable[TraceRequest | Sequence[Hashable]],
 ) -> float:
-    """Block-level hit rate of a cache that never evicts."""
+    """Block-level hit rate of a cache that never evicts: every block seen
+    earlier in the trace is a hit (with prefix hashes, exactly what a
+    never-evicting prefix cache gets)."""
     seen: set[Hashable] = set()
     hits = total = 0
     for req in requests:

@@ -1,12 +1,10 @@
 """``kvtier doctor``: check this host and a kvtier config before ``vllm serve``.
 
 Reads the same JSON as ``--kv-transfer-config`` (``--config``: the JSON
-text itself, or a file holding it), or a disk path and sizes given as flags, and reports one line per check: ``ok``,
-``warning`` or ``error``, each problem with its fix. The checks live by idea
-in ``doctor_config`` (vLLM, connector, keys), ``doctor_disk`` (each disk
-path), ``doctor_host`` (GDS / I/O path, ``/dev/shm``, prefix hashing, CPU
-placement on the CPU platform) and
-``doctor_store`` (would an existing store be adopted).
+text itself, or a file holding it), or a disk path and sizes given as
+flags, and reports one line per check: ``ok``, ``warning`` or ``error``,
+each problem with its fix. The checks live by idea in ``doctor_config``,
+``doctor_disk``, ``doctor_host`` and ``doctor_store``.
 
 Exit status: 0 when no check is an error (warnings included), 1 when one
 is, 2 when the input cannot be read (missing file, malformed JSON, bad
@@ -124,20 +122,21 @@ def _parse_config(value: str) -> dict[str, Any]:
 
 def load_input(args: argparse.Namespace) -> DoctorInput:
     """The config from ``--config`` or from the flags; raises InputError."""
-    flags = [
-        f
-        for f, v in (
-            ("--disk-path", args.disk_path),
-            ("--cpu-bytes", args.cpu_bytes),
-            ("--disk-bytes", args.disk_bytes),
+    # The flags given instead of --config, and the config key each sets.
+    given = {
+        (flag, key): value
+        for flag, key, value in (
+            ("--disk-path", "disk_path", args.disk_path),
+            ("--cpu-bytes", "cpu_bytes_to_use", args.cpu_bytes),
+            ("--disk-bytes", "disk_bytes_to_use", args.disk_bytes),
         )
-        if v
-    ]
+        if value
+    }
     if args.config is not None:
-        if flags:
+        if given:
             raise InputError(
-                f"give --config or {', '.join(flags)}, not both (the config "
-                "holds the sizes and paths)"
+                f"give --config or {', '.join(flag for flag, _ in given)}, not "
+                "both (the config holds the sizes and paths)"
             )
         doc = _parse_config(args.config)
         where = _config_name(args.config)
@@ -150,26 +149,21 @@ def load_input(args: argparse.Namespace) -> DoctorInput:
                 "configs/cpu-disk.json)"
             )
         return DoctorInput(doc, extra, args)
-    if not flags:
+    if not given:
         raise InputError(
             "give --config FILE.json (the --kv-transfer-config JSON, or the "
             "JSON text itself), or --cpu-bytes with --disk-path and --disk-bytes"
         )
-    extra = {"cpu_bytes_to_use": args.cpu_bytes}
-    if args.disk_bytes:
-        extra["disk_bytes_to_use"] = args.disk_bytes
-    if args.disk_path:
-        extra["disk_path"] = list(args.disk_path)
-    if args.cpu_bytes is None:
-        extra.pop("cpu_bytes_to_use")
-    return DoctorInput(None, extra, args)
+    return DoctorInput(None, {key: value for (_, key), value in given.items()}, args)
 
 
-def _guarded(area: str, subject: str, fn: Callable[[], list[Check]]) -> list[Check]:
-    """``fn()``'s checks; an unexpected exception becomes an error check
+def _guarded(
+    area: str, subject: str, fn: Callable[..., list[Check]], *args: Any
+) -> list[Check]:
+    """``fn(*args)``'s checks; an unexpected exception becomes an error check
     (one broken probe must not hide the rest of the report)."""
     try:
-        return fn()
+        return fn(*args)
     except Exception as exc:
         return [
             Check(
@@ -208,24 +202,17 @@ def run_checks(inp: DoctorInput) -> list[Check]:
         store_checks = _guarded("warm-restart", "existing stores", stores)
         seconds = 0.0 if args.no_probe else args.probe_seconds
         for path in cfg.disk_paths:
+            reusable = adopted.get(path, [])
             checks += _guarded(
-                "disk",
-                path,
-                lambda p=path: doctor_disk.check_disk_path(
-                    cfg, p, reusable=adopted.get(p, []), probe_seconds=seconds
-                ),
+                "disk", path, doctor_disk.check_disk_path, cfg, path, reusable, seconds
             )
         checks += store_checks
-    checks += _guarded("io", "disk I/O path", lambda: doctor_host.check_io_path(cfg))
+    checks += _guarded("io", "disk I/O path", doctor_host.check_io_path, cfg)
     checks += _guarded(
-        "shm",
-        "CPU tier",
-        lambda: doctor_host.check_shm(cfg, args.shm_dir, args.reclaim_stale),
+        "shm", "CPU tier", doctor_host.check_shm, cfg, args.shm_dir, args.reclaim_stale
     )
     checks += _guarded(
-        "warm-restart",
-        "prefix hash",
-        lambda: doctor_host.check_prefix_hash(args.hash_algo),
+        "warm-restart", "prefix hash", doctor_host.check_prefix_hash, args.hash_algo
     )
     checks += _guarded("cpu", "CPU placement", _cpu_placement)
     return checks

@@ -55,29 +55,23 @@ def vllm_distribution() -> tuple[str, str] | None:
 def check_vllm() -> list[Check]:
     found = vllm_distribution()
     if found is None:
-        return [
-            Check(
-                "vllm",
-                "version",
-                ERROR,
-                "vLLM is not installed in this Python environment",
-                f"install {_SUPPORTED_TEXT}: {_INSTALL}",
-            )
-        ]
-    name, version = found
-    m = re.match(r"(\d+)\.(\d+)", version)
-    major_minor = (int(m.group(1)), int(m.group(2))) if m else None
-    if major_minor in SUPPORTED_VLLM:
-        return [Check("vllm", "version", OK, f"{name} {version} is supported")]
-    return [
-        Check(
-            "vllm",
-            "version",
+        status, detail, fix = (
             ERROR,
-            f"{name} {version} is not supported; kvtier supports {_SUPPORTED_TEXT}",
-            _INSTALL,
+            "vLLM is not installed in this Python environment",
+            f"install {_SUPPORTED_TEXT}: {_INSTALL}",
         )
-    ]
+    else:
+        name, version = found
+        m = re.match(r"(\d+)\.(\d+)", version)
+        if m and (int(m.group(1)), int(m.group(2))) in SUPPORTED_VLLM:
+            status, detail, fix = OK, f"{name} {version} is supported", ""
+        else:
+            status, detail, fix = (
+                ERROR,
+                f"{name} {version} is not supported; kvtier supports {_SUPPORTED_TEXT}",
+                _INSTALL,
+            )
+    return [Check("vllm", "version", status, detail, fix)]
 
 
 def _config_error(exc: ConfigError) -> Check:
@@ -113,73 +107,40 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
     module = transfer.get("kv_connector_module_path")
     policy = transfer.get("kv_load_failure_policy", "fail")
     if spec in TIERING_SPECS:
-        if connector != "OffloadingConnector":
-            out.append(
-                Check(
-                    "config",
-                    "kv_connector",
-                    ERROR,
-                    f"{connector!r}: {spec} runs under vLLM's "
-                    "OffloadingConnector",
-                    'set "kv_connector": "OffloadingConnector" (docs/tiering-mode.md)',
-                )
-            )
+        if connector == "OffloadingConnector":
+            found = (OK, "OffloadingConnector (tiering mode)", "")
         else:
-            out.append(
-                Check(
-                    "config", "kv_connector", OK, "OffloadingConnector (tiering mode)"
-                )
+            found = (
+                ERROR,
+                f"{connector!r}: {spec} runs under vLLM's OffloadingConnector",
+                'set "kv_connector": "OffloadingConnector" (docs/tiering-mode.md)',
             )
-        return out
-    ours = connector == KVTIER_CONNECTOR and module == KVTIER_MODULE
-    if ours:
-        out.append(
-            Check(
-                "config", "kv_connector", OK, f"{KVTIER_CONNECTOR} from {KVTIER_MODULE}"
-            )
-        )
-    elif disk:
-        out.append(
-            Check(
-                "config",
-                "kv_connector",
+        return [*out, Check("config", "kv_connector", *found)]
+    if connector != KVTIER_CONNECTOR or module != KVTIER_MODULE:
+        if disk:
+            found = (
                 ERROR,
                 f"{connector!r} (module {module!r}): the disk tier needs kvtier's "
                 "connector, which turns a corrupt disk block into a recomputation "
                 "instead of crashing the engine",
                 CONNECTOR_HINT,
             )
-        )
+        else:
+            found = (OK, f"{connector!r}: enough for a CPU-only hierarchy", "")
+        return [*out, Check("config", "kv_connector", *found)]
+    out.append(
+        Check("config", "kv_connector", OK, f"{KVTIER_CONNECTOR} from {KVTIER_MODULE}")
+    )
+    if policy == "recompute":
+        found = (OK, "recompute: a failed disk block costs a recomputation", "")
     else:
-        out.append(
-            Check(
-                "config",
-                "kv_connector",
-                OK,
-                f"{connector!r}: enough for a CPU-only hierarchy",
-            )
+        found = (
+            ERROR,
+            f"{policy!r}: a failed disk block would fail its request; "
+            f"{KVTIER_CONNECTOR} refuses to start with it",
+            'set "kv_load_failure_policy": "recompute"',
         )
-    if ours and policy != "recompute":
-        out.append(
-            Check(
-                "config",
-                "kv_load_failure_policy",
-                ERROR,
-                f"{policy!r}: a failed disk block would fail its request; "
-                f"{KVTIER_CONNECTOR} refuses to start with it",
-                'set "kv_load_failure_policy": "recompute"',
-            )
-        )
-    elif ours:
-        out.append(
-            Check(
-                "config",
-                "kv_load_failure_policy",
-                OK,
-                "recompute: a failed disk block costs a recomputation",
-            )
-        )
-    return out
+    return [*out, Check("config", "kv_load_failure_policy", *found)]
 
 
 def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:

@@ -131,47 +131,42 @@ def _space_check(cfg: KvtierConfig, path: str, reusable: list[str]) -> Check:
     return Check("disk", subject, OK, detail)
 
 
+_LOCAL_FS_FIX = "use a local NVMe file system (ext4, xfs)"
+
+
+def _fs_problem(fstype: str) -> tuple[str, str] | None:
+    """(what is wrong, fix) for a file system unfit for the disk tier."""
+    if fstype in NETWORK_FS or fstype.startswith("fuse"):
+        return (
+            "a network or FUSE file system; the store's lock is host-local and "
+            "latency is far above NVMe",
+            _LOCAL_FS_FIX,
+        )
+    if fstype in ("tmpfs", "ramfs"):
+        return (
+            "RAM-backed, so the disk tier takes memory the CPU tier could use "
+            "and is lost on reboot",
+            _LOCAL_FS_FIX,
+        )
+    if fstype == "overlay":
+        return (
+            "a container's writable layer (slow, often no O_DIRECT)",
+            "mount an NVMe volume into the container and point disk_path there",
+        )
+    return None
+
+
 def _fs_checks(path: str) -> list[Check]:
     from kvtier.store.backends.posix import probe_direct
 
     point, fstype, source = mount_of(path)
-    out: list[Check] = []
     subject = f"{path}: file system"
     where = f"{fstype} on {source} (mounted at {point})"
-    if fstype in NETWORK_FS or fstype.startswith("fuse"):
-        out.append(
-            Check(
-                "disk",
-                subject,
-                WARNING,
-                f"{where}: a network or FUSE file system; the store's lock is "
-                "host-local and latency is far above NVMe",
-                "use a local NVMe file system (ext4, xfs)",
-            )
-        )
-    elif fstype in ("tmpfs", "ramfs"):
-        out.append(
-            Check(
-                "disk",
-                subject,
-                WARNING,
-                f"{where}: RAM-backed, so the disk tier takes memory the CPU "
-                "tier could use and is lost on reboot",
-                "use a local NVMe file system (ext4, xfs)",
-            )
-        )
-    elif fstype == "overlay":
-        out.append(
-            Check(
-                "disk",
-                subject,
-                WARNING,
-                f"{where}: a container's writable layer (slow, often no O_DIRECT)",
-                "mount an NVMe volume into the container and point disk_path there",
-            )
-        )
+    problem = _fs_problem(fstype)
+    if problem is None:
+        out = [Check("disk", subject, OK, where)]
     else:
-        out.append(Check("disk", subject, OK, where))
+        out = [Check("disk", subject, WARNING, f"{where}: {problem[0]}", problem[1])]
     ok, why = probe_direct(path)
     if ok:
         out.append(Check("disk", f"{path}: O_DIRECT", OK, "accepted"))
@@ -276,7 +271,7 @@ def _probe_check(cfg: KvtierConfig, path: str, seconds: float) -> Check:
 
 
 def check_disk_path(
-    cfg: KvtierConfig, path: str, *, reusable: list[str], probe_seconds: float
+    cfg: KvtierConfig, path: str, reusable: list[str], probe_seconds: float
 ) -> list[Check]:
     """Exists, owner/mode, writable, free space, file system, O_DIRECT,
     throughput: one Check each (only the first when the path is unusable)."""

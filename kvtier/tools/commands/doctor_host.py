@@ -31,19 +31,14 @@ from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
 def _gds_host_facts() -> str:
     """Driver and cuFile presence, from files only (nothing is loaded)."""
-    facts = []
-    facts.append(
-        "NVIDIA driver "
-        + ("loaded" if os.path.exists("/proc/driver/nvidia/version") else "absent")
+    driver = os.path.exists("/proc/driver/nvidia/version")
+    nvidia_fs = os.path.exists("/proc/driver/nvidia-fs")
+    cufile = ctypes.util.find_library("cufile")
+    return (
+        f"NVIDIA driver {'loaded' if driver else 'absent'}, "
+        f"nvidia-fs (GDS) driver {'loaded' if nvidia_fs else 'absent'}, "
+        f"libcufile {'found' if cufile else 'absent'}"
     )
-    facts.append(
-        "nvidia-fs (GDS) driver "
-        + ("loaded" if os.path.exists("/proc/driver/nvidia-fs") else "absent")
-    )
-    facts.append(
-        "libcufile " + ("found" if ctypes.util.find_library("cufile") else "absent")
-    )
-    return ", ".join(facts)
 
 
 def check_io_path(cfg: KvtierConfig) -> list[Check]:
@@ -109,51 +104,38 @@ def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]
     if os.path.isdir(directory) and not os.path.islink(directory):
         stale = reclaim_stale_cpu_files(directory, dry_run=not reclaim)
     stale_bytes = sum(n for _, n in stale)
+    names = ", ".join(os.path.basename(p) for p, _ in stale)
+    subject = f"{directory}: stale files"
     if stale and reclaim:
-        out.append(
-            Check(
-                "shm",
-                f"{directory}: stale files",
-                OK,
-                f"removed {len(stale)} dead engine file(s), {fmt_bytes(stale_bytes)}: "
-                + ", ".join(os.path.basename(p) for p, _ in stale),
-            )
-        )
+        removed = f"removed {len(stale)} dead engine file(s), {fmt_bytes(stale_bytes)}"
+        out.append(Check("shm", subject, OK, f"{removed}: {names}"))
         stale_bytes = 0
     elif stale:
         out.append(
             Check(
                 "shm",
-                f"{directory}: stale files",
+                subject,
                 WARNING,
                 f"{len(stale)} CPU-tier file(s) of engines no longer running pin "
-                f"{fmt_bytes(stale_bytes)} of shared memory: "
-                + ", ".join(os.path.basename(p) for p, _ in stale),
+                f"{fmt_bytes(stale_bytes)} of shared memory: {names}",
                 "kvtier doctor --reclaim-stale removes them (an engine starting "
                 "here also does)",
             )
         )
     else:
-        out.append(Check("shm", f"{directory}: stale files", OK, "none"))
+        out.append(Check("shm", subject, OK, "none"))
+    room = f"{base}: room for the CPU tier"
     try:
         check_shm_space(base, cfg.cpu_bytes_to_use, [p for p, _ in stale])
     except ConfigError as exc:
-        return [
-            *out,
-            Check(
-                "shm",
-                f"{base}: room for the CPU tier",
-                ERROR,
-                str(exc),
-                "docker run --shm-size=<more>, or lower cpu_bytes_to_use",
-            ),
-        ]
+        fix = "docker run --shm-size=<more>, or lower cpu_bytes_to_use"
+        return [*out, Check("shm", room, ERROR, str(exc), fix)]
     free = os.statvfs(base)
     free_bytes = free.f_bavail * free.f_frsize
     out.append(
         Check(
             "shm",
-            f"{base}: room for the CPU tier",
+            room,
             OK,
             f"needs {fmt_bytes(cfg.cpu_bytes_to_use)}, {fmt_bytes(free_bytes)} free"
             + (
@@ -178,24 +160,16 @@ def check_prefix_hash(algo: str) -> list[Check]:
     if problem:
         return [Check("warm-restart", subject, WARNING, problem, HASH_FIX)]
     if seed_set:
-        return [
-            Check(
-                "warm-restart",
-                subject,
-                OK,
-                f"PYTHONHASHSEED={seed} seeds the hashes: keep it identical on "
-                "every start, or the disk tier starts cold",
-            )
-        ]
-    return [
-        Check(
-            "warm-restart",
-            subject,
-            OK,
-            "reproducible across restarts (PYTHONHASHSEED unset; setting it "
-            "later changes every key once)",
+        detail = (
+            f"PYTHONHASHSEED={seed} seeds the hashes: keep it identical on "
+            "every start, or the disk tier starts cold"
         )
-    ]
+    else:
+        detail = (
+            "reproducible across restarts (PYTHONHASHSEED unset; setting it "
+            "later changes every key once)"
+        )
+    return [Check("warm-restart", subject, OK, detail)]
 
 
 def _cpu_fix(auto: bool) -> str:
@@ -226,18 +200,21 @@ def check_cpu_placement(
             set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
         )
     bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "").strip() or "auto"
-    subject = f"VLLM_CPU_OMP_THREADS_BIND={bind}"
+    status, detail, fix = _cpu_placement(bind, env, allowed, topology)
+    return [Check("cpu", f"VLLM_CPU_OMP_THREADS_BIND={bind}", status, detail, fix)]
+
+
+def _cpu_placement(
+    bind: str, env: dict[str, str], allowed: set[int], topology: str
+) -> tuple[str, str, str]:
+    """(status, detail, fix) of the CPU placement check for ``bind``."""
     if bind == "nobind":
-        return [
-            Check(
-                "cpu",
-                subject,
-                WARNING,
-                "the model's OpenMP threads are not bound: kvtier's loads cannot "
-                "keep off their CPUs",
-                _cpu_fix(auto=False).replace("drop one from", "set"),
-            )
-        ]
+        return (
+            WARNING,
+            "the model's OpenMP threads are not bound: kvtier's loads cannot "
+            "keep off their CPUs",
+            _cpu_fix(auto=False).replace("drop one from", "set"),
+        )
     if bind == "auto":
         # vLLM (utils/ompmultiprocessing.py) reserves one CPU per worker, and
         # one more per worker with a KV connector (kvtier is one), unless
@@ -250,39 +227,24 @@ def check_cpu_placement(
             reserve = 2
         cores = physical_cores(allowed, os.path.join(topology, "cpu"))
         if reserve <= 0 or cores <= reserve:
-            return [
-                Check(
-                    "cpu",
-                    subject,
-                    WARNING,
-                    f"{cores} core(s), {reserve} to reserve: vLLM's automatic binding "
-                    "keeps no CPU outside the model's here, so kvtier's loads share "
-                    "the model's cores",
-                    _cpu_fix(auto=True),
-                )
-            ]
-        return [
-            Check(
-                "cpu",
-                subject,
-                OK,
-                f"{cores} cores: vLLM keeps {reserve} CPU(s) per worker outside the "
-                "model's (one for the engine, one for a KV connector); kvtier's "
-                "loads run there (the engine logs 'loads run on CPUs ...')",
+            return (
+                WARNING,
+                f"{cores} core(s), {reserve} to reserve: vLLM's automatic binding "
+                "keeps no CPU outside the model's here, so kvtier's loads share "
+                "the model's cores",
+                _cpu_fix(auto=True),
             )
-        ]
+        return (
+            OK,
+            f"{cores} cores: vLLM keeps {reserve} CPU(s) per worker outside the "
+            "model's (one for the engine, one for a KV connector); kvtier's "
+            "loads run there (the engine logs 'loads run on CPUs ...')",
+            "",
+        )
     try:
         lists = bind_lists(bind)
     except ValueError as exc:
-        return [
-            Check(
-                "cpu",
-                subject,
-                ERROR,
-                "vLLM cannot read this binding",
-                f"{exc}",
-            )
-        ]
+        return ERROR, "vLLM cannot read this binding", str(exc)
     taken = set().union(*lists)
     crowded = [
         rank
@@ -295,22 +257,15 @@ def check_cpu_placement(
         )
     ]
     if crowded:
-        return [
-            Check(
-                "cpu",
-                subject,
-                WARNING,
-                f"rank(s) {crowded}: no CPU of their NUMA node is left outside the "
-                "workers' OpenMP CPUs, so kvtier's loads share the model's",
-                _cpu_fix(auto=False),
-            )
-        ]
-    return [
-        Check(
-            "cpu",
-            subject,
-            OK,
-            "every rank has CPUs of its NUMA node outside the workers' OpenMP "
-            "CPUs: kvtier's loads run there",
+        return (
+            WARNING,
+            f"rank(s) {crowded}: no CPU of their NUMA node is left outside the "
+            "workers' OpenMP CPUs, so kvtier's loads share the model's",
+            _cpu_fix(auto=False),
         )
-    ]
+    return (
+        OK,
+        "every rank has CPUs of its NUMA node outside the workers' OpenMP "
+        "CPUs: kvtier's loads run there",
+        "",
+    )

@@ -9,8 +9,8 @@ accident: the model name and the identity of its contents
 (:func:`kvtier.connector.identity.model_identity`), which a replaced
 checkpoint changes.
 
-:func:`store_verdicts` is the one place that decides; it lists stores only
-through :func:`kvtier.store.slabs.find_stores` (layout.json) and
+:func:`check_stores` lists stores only through
+:func:`kvtier.store.slabs.find_stores` (layout.json) and
 :data:`~kvtier.store.slabs.STORE_DIR_RE`.
 """
 
@@ -19,24 +19,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import OK, WARNING, Check
-
-ADOPTED, SET_ASIDE, UNKNOWN = "adopted", "set aside", "unknown"
-
-
-@dataclass(frozen=True)
-class StoreVerdict:
-    """One store found at the disk paths and what this config would do."""
-
-    name: str  # kvtier-<digest16>
-    directories: tuple[str, ...]
-    model: str | None
-    verdict: str  # ADOPTED / SET_ASIDE / UNKNOWN
-    reason: str
-    bytes_on_disk: int
 
 
 def _bytes_of(directories: Sequence[str]) -> int:
@@ -63,11 +48,35 @@ def _settings(layout: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "not recorded"
 
 
-def store_verdicts(paths: Sequence[str], model: str | None) -> list[StoreVerdict]:
-    """The stores under ``paths`` and whether a config serving ``model``
-    would adopt them (identity match) or set them aside. Raises
-    OSError/ValueError for a store that cannot be read safely."""
+def _verdict(layout: dict, model: str | None) -> tuple[str, str]:
+    """(status, "<verdict>: <reason>") of a store whose layout.json is
+    ``layout``, for a config serving ``model``: adopted on an identity
+    match, else set aside (unknown without ``model``)."""
     from kvtier.connector.identity import model_identity
+
+    name = layout.get("model")
+    if model is None:
+        return OK, f"model {name!r}; pass --model to tell whether it would be adopted"
+    if name != model:
+        return WARNING, f"set aside: written for another model ({name!r})"
+    contents = _contents(layout)
+    if contents and contents != model_identity(
+        model, kv_cache_dtype=str(layout.get("dtype", ""))
+    ):
+        return WARNING, (
+            "set aside: the model's files changed since it was written (another "
+            "checkpoint at the same path)"
+        )
+    return OK, (
+        "adopted: same model and contents; adopted if the settings that change "
+        f"KV (dtype, hf_overrides, quantization, kv_cache_dtype: {_settings(layout)}"
+        ") and the KV layout (block_size, TP size) are unchanged too"
+    )
+
+
+def _find(paths: Sequence[str]) -> list:
+    """The stores under ``paths`` (:class:`~kvtier.store.slabs.SlabFiles`).
+    Raises OSError/ValueError for a store that cannot be read safely."""
     from kvtier.store.slabs import STORE_DIR_RE, find_stores
 
     with_stores = [
@@ -75,51 +84,18 @@ def store_verdicts(paths: Sequence[str], model: str | None) -> list[StoreVerdict
         for p in paths
         if os.path.isdir(p) and any(STORE_DIR_RE.match(n) for n in os.listdir(p))
     ]
-    if not with_stores:
-        return []
-    out: list[StoreVerdict] = []
-    for view in find_stores(with_stores):
-        layout = view.layout or {}
-        name = layout.get("model")
-        size = _bytes_of(view.dirs)
-        if model is None:
-            verdict, reason = (
-                UNKNOWN,
-                "pass --model to tell whether it would be adopted",
-            )
-        elif name != model:
-            verdict, reason = SET_ASIDE, f"written for another model ({name!r})"
-        elif _contents(layout) and _contents(layout) != model_identity(
-            model, kv_cache_dtype=str(layout.get("dtype", ""))
-        ):
-            verdict, reason = (
-                SET_ASIDE,
-                "the model's files changed since it was written (another "
-                "checkpoint at the same path)",
-            )
-        else:
-            verdict, reason = (
-                ADOPTED,
-                "same model and contents; adopted if the settings that change "
-                "KV (dtype, hf_overrides, quantization, kv_cache_dtype: "
-                + _settings(layout)
-                + ") and the KV layout (block_size, TP size) are unchanged too",
-            )
-        out.append(
-            StoreVerdict(
-                view.name, tuple(view.dirs), name, verdict, reason, size
-            )
-        )
-    return out
+    return find_stores(with_stores) if with_stores else []
 
 
 def check_stores(
     paths: Sequence[str], model: str | None
 ) -> tuple[list[Check], dict[str, list[str]]]:
-    """Checks, and per disk path the store directory names a restart would
-    reuse (their space counts as available)."""
+    """One check per store under ``paths``: whether a config serving
+    ``model`` would adopt it (identity match) or set it aside; and per disk
+    path the store directory names a restart would reuse (their space
+    counts as available)."""
     try:
-        verdicts = store_verdicts(paths, model)
+        views = _find(paths)
     except (OSError, ValueError) as exc:
         return [
             Check(
@@ -130,7 +106,7 @@ def check_stores(
                 "kvtier inspect <disk_path> shows it; remove it if it is not kvtier's",
             )
         ], {}
-    if not verdicts:
+    if not views:
         return [
             Check(
                 "warm-restart",
@@ -141,25 +117,26 @@ def check_stores(
         ], {}
     out: list[Check] = []
     reusable: dict[str, list[str]] = {}
-    for v in verdicts:
-        subject = f"store {v.name}"
-        detail = f"{v.verdict}: {v.reason}; {fmt_bytes(v.bytes_on_disk)} on disk"
-        if v.verdict == ADOPTED:
-            for d in v.directories:
-                reusable.setdefault(os.path.dirname(d), []).append(v.name)
+    for view in views:
+        layout = view.layout or {}
+        status, verdict = _verdict(layout, model)
+        subject = f"store {view.name}"
+        if model is None:
+            out.append(Check("warm-restart", subject, status, verdict))
+            continue
+        detail = f"{verdict}; {fmt_bytes(_bytes_of(view.dirs))} on disk"
+        if status == OK:
+            for d in view.dirs:
+                reusable.setdefault(os.path.dirname(d), []).append(view.name)
             out.append(Check("warm-restart", subject, OK, detail))
-        elif v.verdict == SET_ASIDE:
+        else:
             out.append(
                 Check(
                     "warm-restart",
                     subject,
                     WARNING,
                     detail + " (not reusable, not counted as free)",
-                    f"remove {' '.join(v.directories)} once no engine needs it",
+                    f"remove {' '.join(view.dirs)} once no engine needs it",
                 )
-            )
-        else:
-            out.append(
-                Check("warm-restart", subject, OK, f"model {v.model!r}; {v.reason}")
             )
     return out, reusable

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
@@ -17,22 +18,16 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     bpt = args.bytes_per_token
     if (args.cpu_bytes is not None or args.disk_bytes is not None) and bpt is None:
         raise ValueError("--cpu-bytes/--disk-bytes need --bytes-per-token")
-    if args.cpu_blocks is not None and args.cpu_bytes is not None:
-        raise ValueError("give --cpu-blocks or --cpu-bytes, not both")
-    if args.disk_blocks is not None and args.disk_bytes is not None:
-        raise ValueError("give --disk-blocks or --disk-bytes, not both")
-    if args.cpu_blocks is not None:
-        cpu = args.cpu_blocks
-    elif args.cpu_bytes is not None:
-        cpu = blocks_for_bytes(args.cpu_bytes, bpt)
-    else:
+
+    def blocks(tier: str, n_blocks: int | None, n_bytes: int | None) -> int | None:
+        if n_blocks is not None and n_bytes is not None:
+            raise ValueError(f"give --{tier}-blocks or --{tier}-bytes, not both")
+        return n_blocks if n_bytes is None else blocks_for_bytes(n_bytes, bpt)
+
+    cpu = blocks("cpu", args.cpu_blocks, args.cpu_bytes)
+    disk = blocks("disk", args.disk_blocks, args.disk_bytes) or 0
+    if cpu is None:
         raise ValueError("give --cpu-blocks, or --cpu-bytes with --bytes-per-token")
-    if args.disk_blocks is not None:
-        disk = args.disk_blocks
-    elif args.disk_bytes is not None:
-        disk = blocks_for_bytes(args.disk_bytes, bpt)
-    else:
-        disk = 0
     if cpu <= 0:
         raise ValueError(
             "the CPU tier must hold at least one 512-token block "
@@ -67,24 +62,32 @@ def cmd_size(args: argparse.Namespace) -> int:
         print(f"kvtier size: cannot read trace: {exc}", file=sys.stderr)
         return 2
     show = not args.json
-
-    def replay(disk_blocks: int, desc: str) -> sizing.SizingResult:
-        with progress_bar(show, len(requests), desc, "req") as tick:
-            return sizing.replay_trace(
-                requests,
-                cpu,
-                disk_blocks,
-                cpu_policy,
-                disk_policy,
-                args.spill_watermark,
-                progress=tick,
-            )
-
-    result = replay(disk, "replay")
+    # The replay of this trace, tier sizes and policies at one disk size.
+    replay = functools.partial(
+        sizing.replay_trace,
+        requests,
+        cpu,
+        cpu_policy=cpu_policy,
+        disk_policy=disk_policy,
+        spill_watermark=args.spill_watermark,
+    )
+    with progress_bar(show, len(requests), "replay", "req") as tick:
+        result = replay(disk, progress=tick)
     doc: dict[str, Any] = {"trace": args.trace, **result.to_dict()}
     rec = None
     if bpt is not None or args.recommend:
-        rec = _recommend(requests, cpu, cpu_policy, disk_policy, args, bpt)
+        # The sweep's length is not known ahead (doubling, then bisection).
+        with progress_bar(show, None, "sizing sweep", "replay") as tick:
+            rec = sizing.recommend_disk_blocks(
+                requests,
+                cpu,
+                args.target,
+                cpu_policy=cpu_policy,
+                disk_policy=disk_policy,
+                spill_watermark=args.spill_watermark,
+                bytes_per_token=bpt,
+                on_replay=None if tick is None else lambda _r: tick(1),
+            )
         doc["bytes_per_token"] = bpt
         doc["recommendation"] = rec.to_dict()
     if bpt is not None:
@@ -104,7 +107,7 @@ def cmd_size(args: argparse.Namespace) -> int:
         plot_policy_comparison(cmp, args.plot, title=args.trace)
         doc["plot"] = args.plot
     elif args.plot:
-        _plot_size(args, requests, cpu, disk, cpu_policy, disk_policy, result, rec)
+        _plot_size(args, requests, replay, result, rec)
         doc["plot"] = args.plot
     if args.json:
         emit_json(doc)
@@ -117,40 +120,15 @@ def cmd_size(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recommend(
-    requests: Sequence[Any],
-    cpu: int,
-    cpu_policy: str,
-    disk_policy: str,
-    args: argparse.Namespace,
-    bpt: int | None,
-) -> Any:
-    from kvtier.tools import sizing
-
-    # The sweep's length is not known ahead (doubling, then bisection).
-    with progress_bar(not args.json, None, "sizing sweep", "replay") as tick:
-        return sizing.recommend_disk_blocks(
-            requests,
-            cpu,
-            args.target,
-            cpu_policy=cpu_policy,
-            disk_policy=disk_policy,
-            spill_watermark=args.spill_watermark,
-            bytes_per_token=bpt,
-            on_replay=None if tick is None else lambda _r: tick(1),
-        )
-
-
 def _plot_size(
     args: argparse.Namespace,
     requests: Sequence[Any],
-    cpu: int,
-    disk: int,
-    cpu_policy: str,
-    disk_policy: str,
+    replay: Callable[..., Any],
     result: Any,
     rec: Any,
 ) -> None:
+    """Hit rate vs disk capacity, by tier: ``replay(disk_blocks)`` at the
+    default sweep sizes, reusing the replays already done."""
     from kvtier.tools import sizing
     from kvtier.tools.sizing_plot import plot_tier_split
     from kvtier.tools.trace import unique_blocks
@@ -158,23 +136,19 @@ def _plot_size(
     known = {result.disk_blocks: result}
     if rec is not None:
         known.update({r.disk_blocks: r for r in rec.evaluated})
-    sizes = sizing.default_sweep_sizes(cpu, disk, unique_blocks(requests))
+    cpu = result.cpu_blocks
+    sizes = sizing.default_sweep_sizes(cpu, result.disk_blocks, unique_blocks(requests))
     if rec is not None and rec.disk_blocks is not None:
         sizes = sorted(set(sizes) | {rec.disk_blocks})
     todo = [d for d in sizes if d not in known]
     total = len(todo) * len(requests)
     with progress_bar(not args.json, total, "plot sweep", "req") as tick:
         for d in todo:
-            known[d] = sizing.replay_trace(
-                requests,
-                cpu,
-                d,
-                cpu_policy,
-                disk_policy,
-                args.spill_watermark,
-                progress=tick,
-            )
-    title = f"{args.trace}: CPU {cpu} blocks ({cpu_policy}), disk policy {disk_policy}"
+            known[d] = replay(d, progress=tick)
+    title = (
+        f"{args.trace}: CPU {cpu} blocks ({result.cpu_policy}), "
+        f"disk policy {result.disk_policy}"
+    )
     plot_tier_split(
         {"hit rate vs disk capacity": [known[d] for d in sizes]},
         args.plot,

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
 # Slots scanned between two calls of verify_store's ``progress``.
 PROGRESS_STEP = 256
+# The layout.json keys ``kvtier inspect`` shows on its layout line.
+LAYOUT_SHOWN = ("model", "dtype", "block_bytes", "geometry", "tp_rank", "tp_size")
 
 
 def inspect_store(files: Any) -> dict[str, Any]:
@@ -102,23 +104,12 @@ def verify_store(
     }
 
 
-def _open_views(paths: Sequence[str], cmd: str) -> list[Any] | None:
+def cmd_inspect(args: argparse.Namespace) -> int:
     from kvtier.store.slabs import find_stores
 
     try:
-        return find_stores(paths)
-    except (OSError, ValueError) as exc:
-        print(f"kvtier {cmd}: {exc}", file=sys.stderr)
-        return None
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    views = _open_views(args.paths, "inspect")
-    if views is None:
-        return 2
-    try:
-        reports = [inspect_store(v) for v in views]
-    except (OSError, ValueError) as exc:  # a slab swapped for a FIFO since
+        reports = [inspect_store(v) for v in find_stores(args.paths)]
+    except (OSError, ValueError) as exc:  # also: a slab swapped for a FIFO since
         print(f"kvtier inspect: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -130,18 +121,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  directory        {d}")
         layout = rep["layout"] or {}
         if layout:
-            desc = ", ".join(
-                f"{k}={layout[k]}"
-                for k in (
-                    "model",
-                    "dtype",
-                    "block_bytes",
-                    "geometry",
-                    "tp_rank",
-                    "tp_size",
-                )
-                if k in layout
-            )
+            desc = ", ".join(f"{k}={layout[k]}" for k in LAYOUT_SHOWN if k in layout)
             print(f"  layout           {desc}")
             print(f"  digest           {layout.get('digest')}")
             if layout.get("model_id"):
@@ -177,11 +157,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    views = _open_views(args.paths, "verify")
-    if views is None:
-        return 2
-    total = sum(v.num_slots for v in views)
+    from kvtier.store.slabs import find_stores
+
     try:
+        views = find_stores(args.paths)
+        total = sum(v.num_slots for v in views)
         with progress_bar(not args.json, total, "verify", "slot") as tick:
             reports = [verify_store(v, progress=tick) for v in views]
     except (OSError, ValueError) as exc:
