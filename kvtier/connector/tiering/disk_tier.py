@@ -338,7 +338,6 @@ class KvtierDiskTier(SecondaryTierManager):
                 JobResult(job_id, True, transfer_time=0.0, transfer_bytes=0)
             )
             return
-        self.stats.stores_submitted += len(items)
         self._jobs[job_id] = _TierJob(True, keys, moved=[it.key for it in items])
         self.runtime.submit_spill(SpillOrder(job_id, tuple(items)))
 
