@@ -490,7 +490,6 @@ def key_specs(model: type[BaseModel]) -> tuple[KeySpec, ...]:
 
 
 KEYS = key_specs(KvtierConfig)
-KEY_NAMES = tuple(KvtierConfig.model_fields)
 # The keys that take a size string ("64G"): kvtier reads them itself.
 SIZE_KEYS = tuple(
     name for name, field in KvtierConfig.model_fields.items() if _SIZE in field.metadata

@@ -15,7 +15,6 @@ import pytest
 
 from kvtier.connector import preflight
 from kvtier.connector.config import (
-    KEY_NAMES,
     KEYS,
     ConfigError,
     KvtierConfig,
@@ -125,7 +124,7 @@ def test_unknown_policy(key: str, policy: str) -> None:
 @pytest.mark.parametrize("key", ["cpu_bytes", "disk_paths", "CPU_BYTES_TO_USE", ""])
 def test_unknown_key_lists_valid_keys(key: str) -> None:
     err = _expect({**DISK, key: 1}, key, "unknown key", "valid keys are")
-    for name in KEY_NAMES:
+    for name in KvtierConfig.model_fields:
         assert name in str(err)
 
 
