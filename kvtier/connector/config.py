@@ -1,12 +1,15 @@
-"""kvtier's keys in ``kv_connector_extra_config``: the one schema.
+"""Every config schema kvtier accepts: its keys in
+``kv_connector_extra_config`` and the tiering mode's ``KvtierDiskTier`` entry.
 
 :class:`KvtierConfig` is a pydantic model (``extra="forbid"``): each key's
 type, default, range and description are written once, in its field, and
 everything else comes from there: validation (:func:`parse_extra_config`,
-at engine start and in ``kvtier doctor``), the key table of
-docs/configuration.md (scripts/gen_config_docs.py, through :data:`KEYS`),
-and the tiering mode's ``KvtierDiskTier`` entry, which takes a subset of the
-same fields (:mod:`kvtier.connector.tiering.config`).
+at engine start and in ``kvtier doctor``), the key tables of
+docs/configuration.md (scripts/gen_config_docs.py, through :data:`KEYS` and
+:data:`TIER_KEYS`), and the ``KvtierDiskTier`` entry of vLLM's
+``secondary_tiers`` (:data:`KvtierDiskTierConfig`, :func:`parse_tier_config`),
+which takes the same disk fields, so both modes accept exactly the same disk
+settings, with the same defaults and messages.
 
 This module does not import vLLM, so the CLI, the docs generator and unit
 tests can use the schema directly. Every error is a :class:`ConfigError`
@@ -16,6 +19,7 @@ engine start in an operator's log.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,9 +31,10 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    create_model,
     model_validator,
 )
-from pydantic.fields import FieldInfo
+from pydantic.fields import FieldInfo, PydanticUndefined
 
 from kvtier.connector.sizes import NotASize, parse_size
 from kvtier.tiers.policy import policy_names
@@ -485,7 +490,6 @@ def key_specs(model: type[BaseModel]) -> tuple[KeySpec, ...]:
 
 
 KEYS = key_specs(KvtierConfig)
-KEY_NAMES = tuple(KvtierConfig.model_fields)
 # The keys that take a size string ("64G"): kvtier reads them itself.
 SIZE_KEYS = tuple(
     name for name, field in KvtierConfig.model_fields.items() if _SIZE in field.metadata
@@ -510,3 +514,102 @@ def blocks_in_budget(
             f"over {ranks} rank(s); raise {key}",
         )
     return blocks
+
+
+# ------------------------------------- the tiering mode's KvtierDiskTier entry
+
+DISK_TIER_TYPE = "KvtierDiskTier"
+
+
+class _FactoryKeys(BaseModel):
+    """The keys vLLM's tier factory reads from the entry (``type``,
+    ``module_path``, ``backpressure``; the rest is passed to the tier) and
+    ``locality``, which the tier reports to vLLM's tier filters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: VllmString = Field(None, description=f"`{DISK_TIER_TYPE}`.")
+    module_path: VllmString = Field(None, description="`kvtier.connector.tiering`.")
+    backpressure: Annotated[Any, Accepts("object", owner="vllm")] = Field(
+        None, description="vLLM's per-tier back-pressure detector settings."
+    )
+    locality: Annotated[
+        str, BeforeValidator(choice(("LOCAL",))), Accepts("LOCAL (a local disk)")
+    ] = Field(
+        "LOCAL",
+        description="Where the storage is, for vLLM's per-request tier filters.",
+    )
+
+
+def _shared(
+    name: str, *, required: bool = False, minimum: int | None = None
+) -> tuple[Any, FieldInfo]:
+    """:class:`KvtierConfig`'s field ``name`` as it is, or made ``required``
+    (no default) and with ``minimum`` as its lower bound."""
+    field = KvtierConfig.model_fields[name]
+    if required or minimum is not None:
+        field = copy.copy(field)
+    if required:
+        field.default = PydanticUndefined
+    if minimum is not None:
+        bound = Field(ge=minimum).metadata  # replaces the lower bound
+        field.metadata = [m for m in field.metadata if not hasattr(m, "ge")] + bound
+    return field.annotation, field
+
+
+# The KvtierConfig keys a tier entry takes.
+DISK_KEYS = (
+    "disk_bytes_to_use",
+    "disk_path",
+    "eviction_policy",
+    "disk_compression",
+    "disk_io",
+    "disk_io_threads",
+)
+KvtierDiskTierConfig = create_model(
+    "KvtierDiskTierConfig",
+    __base__=_FactoryKeys,
+    __doc__="One ``KvtierDiskTier`` entry of ``secondary_tiers``.",
+    disk_bytes_to_use=_shared("disk_bytes_to_use", required=True, minimum=1),
+    disk_path=_shared("disk_path", required=True),
+    **{name: _shared(name) for name in DISK_KEYS[2:]},
+)
+TIER_KEYS = key_specs(KvtierDiskTierConfig)
+
+
+class TierConfigError(ConfigError):
+    """A bad key of a kvtier entry (``tier``: its type) in ``secondary_tiers``."""
+
+    def __init__(self, key: str, message: str, tier: str = DISK_TIER_TYPE):
+        self.key = key
+        ValueError.__init__(
+            self,
+            f"kvtier: kv_connector_extra_config['secondary_tiers'][type={tier}]"
+            f"[{key!r}]: {message}",
+        )
+
+
+def as_tier_error(exc: ConfigError) -> TierConfigError:
+    """The same complaint, named as a key of the ``secondary_tiers`` entry."""
+    text = str(exc)
+    marker = f"[{exc.key!r}]: "
+    return TierConfigError(exc.key, text.split(marker, 1)[-1])
+
+
+def parse_tier_config(
+    tier_config: Mapping[str, Any], *, cpu_bytes_to_use: int = 1
+) -> KvtierConfig:
+    """Validate one ``KvtierDiskTier`` entry; raise :class:`TierConfigError`.
+
+    Returns a :class:`KvtierConfig` holding the entry's disk settings.
+    Checks values only: the tier checks its directories
+    (:func:`kvtier.connector.preflight.check_disk_paths`) once it knows
+    which store directories a warm restart may reuse. The primary (CPU) tier
+    is vLLM's: ``cpu_bytes_to_use`` is its budget where a caller knows it
+    (``kvtier doctor``), else a placeholder the tier never uses."""
+    entry = validate_keys(KvtierDiskTierConfig, tier_config, TierConfigError)
+    disk = {name: getattr(entry, name) for name in DISK_KEYS}
+    try:
+        return parse_extra_config({"cpu_bytes_to_use": cpu_bytes_to_use, **disk})
+    except ConfigError as exc:
+        raise as_tier_error(exc) from None

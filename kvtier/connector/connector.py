@@ -208,12 +208,11 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         take_latencies = getattr(self.worker, "take_read_latencies", None)
         if take_latencies is not None:
             report.read_latencies = take_latencies()
-        out = KvtierWorkerMetadata(
+        return KvtierWorkerMetadata(
             completed_jobs=meta.completed_jobs,
             transfer_stats=meta.transfer_stats,
             report=report,
         )
-        return out
 
 
 def _create_spec(config: OffloadingConfig, facts: ConnectorFacts) -> OffloadingSpec:

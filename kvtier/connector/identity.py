@@ -186,19 +186,13 @@ def model_identity(model: str, dtype: str = "", kv_cache_dtype: str = "") -> str
     digest sees a rewrite that kept size and mtime). For a name that
     resolves to no local directory the identity covers the name only."""
     root = resolve_model_dir(model)
-    doc: dict[str, Any] = {
+    doc = {
         "name": model,
         "dtype": dtype,
         "kv_cache_dtype": kv_cache_dtype,
+        "files": "unresolved" if root is None else _describe_files(root),
     }
-    if root is None:
-        doc["files"] = "unresolved"
-    else:
-        doc["files"] = _describe_files(root)
-    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.blake2b(
-        canonical, digest_size=16, person=b"kvtier-model"
-    ).hexdigest()
+    return _canonical_digest(doc, b"kvtier-model")
 
 
 def _canonical_digest(doc: Any, person: bytes) -> str:

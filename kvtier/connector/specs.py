@@ -7,7 +7,6 @@ vLLM passes these objects from the scheduler-side manager to the workers
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
 
 import numpy as np
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, LoadStoreSpec
@@ -20,11 +19,9 @@ class CpuTierSpec(BlockIDsLoadStoreSpec):
     """CPU-tier rows (the shared host buffer); ``block_ids`` are row numbers.
     Stores always go here."""
 
-    MEDIUM: ClassVar[str] = MEDIUM_CPU
-
     @classmethod
     def medium(cls) -> str:
-        return cls.MEDIUM
+        return MEDIUM_CPU
 
 
 class TierLoadSpec(LoadStoreSpec):
@@ -38,8 +35,6 @@ class TierLoadSpec(LoadStoreSpec):
       - ``promote_rows``: a CPU row the worker also copies a verified disk
         block into, or -1.
     """
-
-    MEDIUM: ClassVar[str] = "cpu+disk"
 
     def __init__(
         self,
@@ -63,11 +58,8 @@ class TierLoadSpec(LoadStoreSpec):
 
     @classmethod
     def medium(cls) -> str:
-        return cls.MEDIUM
-
-    @property
-    def num_disk(self) -> int:
-        return int(self.on_disk.sum())
+        return "cpu+disk"
 
     def __repr__(self) -> str:
-        return f"TierLoadSpec({len(self.block_ids)} blocks, {self.num_disk} from disk)"
+        disk = int(self.on_disk.sum())
+        return f"TierLoadSpec({len(self.block_ids)} blocks, {disk} from disk)"

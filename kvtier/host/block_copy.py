@@ -189,13 +189,14 @@ class BlockCopier:
 
     def to_cpu(self, plan: CopyPlan) -> None:
         """GPU blocks -> CPU rows."""
-        self._copy(plan, to_cpu=True)
+        self.copy(plan, to_cpu=True)
 
     def to_gpu(self, plan: CopyPlan) -> None:
         """CPU rows -> GPU blocks."""
-        self._copy(plan, to_cpu=False)
+        self.copy(plan, to_cpu=False)
 
-    def _copy(self, plan: CopyPlan, to_cpu: bool) -> None:
+    def copy(self, plan: CopyPlan, to_cpu: bool) -> None:
+        """GPU blocks -> CPU rows (``to_cpu``), else CPU rows -> GPU blocks."""
         if len(plan) == 0:
             return
         if self._host is not None:
@@ -360,11 +361,7 @@ class HostCopies(SynchronousCopies):
         to_host: bool,
         expedited: bool = False,
     ) -> int | None:
-        copier = self.copiers[(area, group)]
-        if to_host:
-            copier.to_cpu(plan)
-        else:
-            copier.to_gpu(plan)
+        self.copiers[(area, group)].copy(plan, to_cpu=to_host)
         return None
 
     def shutdown(self) -> None:

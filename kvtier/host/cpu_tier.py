@@ -215,16 +215,21 @@ def _reserve(fd: int, size: int, path: str) -> None:
         ) from exc
 
 
-def _try_reclaim(path: str) -> bool:
-    """The file at ``path`` exists: reclaim it if no live engine holds it.
+def _reclaim(path: str, *, dry_run: bool = False) -> int | None:
+    """Remove the CPU-tier file at ``path`` if no live engine holds it.
 
-    Returns True when it was removed (a dead engine's leftover). Raises
-    InUseError when a live process holds its lock, PermissionError/OSError
-    when it is not ours (another user's file, a symlink): never adopted."""
+    A live owner keeps an exclusive flock on its file and the kernel drops
+    it when the process dies, so a file whose lock can be taken is a dead
+    engine's leftover. Returns the bytes of shared memory it pinned, or None
+    when nothing was there to remove (the name went or changed meanwhile);
+    with ``dry_run`` nothing is removed (the lock is taken and dropped
+    again). Raises InUseError when a live process holds its lock,
+    PermissionError/OSError when it is not ours (another user's file, a
+    symbolic link): never adopted."""
     try:
         fd = open_private(path, os.O_RDONLY, private=True)
     except FileNotFoundError:
-        return True  # gone meanwhile: try creating again
+        return None
     try:
         if not flock_exclusive(fd):
             raise InUseError(
@@ -232,16 +237,17 @@ def _try_reclaim(path: str) -> bool:
                 path,
             )
         if not same_name(path, fd):
-            return True
-        size = os.fstat(fd).st_size
-        os.unlink(path)
-        logger.info(
-            "kvtier: reclaimed stale CPU-tier file %s (%d bytes) left by an "
-            "engine that is no longer running",
-            path,
-            size,
-        )
-        return True
+            return None
+        size = os.fstat(fd).st_blocks * 512
+        if not dry_run:
+            os.unlink(path)
+            logger.info(
+                "kvtier: reclaimed stale CPU-tier file %s (%d bytes of shared "
+                "memory) left by an engine that is no longer running",
+                path,
+                size,
+            )
+        return size
     finally:
         os.close(fd)
 
@@ -281,7 +287,7 @@ def _create_owned(path: str, size: int) -> int:
                 os.unlink(tmp)
                 os.close(fd)
                 fd = -1
-                _try_reclaim(path)
+                _reclaim(path)
                 continue
             os.unlink(tmp)
             return fd
@@ -431,15 +437,12 @@ def _younger_than(path: str, seconds: float) -> bool:
 def reclaim_stale_cpu_files(
     directory: str, *, dry_run: bool = False
 ) -> list[tuple[str, int]]:
-    """Remove CPU-tier files in ``directory`` that no live engine holds.
-
-    A live owner keeps an exclusive flock on its file; the kernel drops it
-    when the process dies (SIGKILL and OOM kill included), so an unlocked
-    ``*.cpu`` file (or half-built temporary) is a dead engine's leftover that
-    still pins shared memory. Files of other users and symbolic links are
-    skipped. Returns ``(path, bytes)`` of what was removed; with ``dry_run``
-    (``kvtier doctor``) of what would be, and nothing is removed (the lock is
-    taken and dropped again)."""
+    """Remove CPU-tier files in ``directory`` that no live engine holds
+    (:func:`_reclaim`): ``*.cpu`` files and half-built temporaries, a dead
+    engine's leftovers that still pin shared memory. Files of other users
+    and symbolic links are skipped. Returns ``(path, bytes)`` of what was
+    removed; with ``dry_run`` (``kvtier doctor``) of what would be, and
+    nothing is removed."""
     removed: list[tuple[str, int]] = []
     try:
         names = os.listdir(directory)
@@ -452,30 +455,14 @@ def reclaim_stale_cpu_files(
         if entry.endswith(".tmp") and _younger_than(path, _TMP_GRACE_S):
             continue  # an owner between creating and locking it: not stale
         try:
-            fd = open_private(path, os.O_RDONLY, private=True)
+            size = _reclaim(path, dry_run=dry_run)
+        except InUseError:
+            continue
         except OSError as exc:
             logger.warning("kvtier: leaving %s alone: %s", path, exc)
             continue
-        try:
-            if not flock_exclusive(fd) or not same_name(path, fd):
-                continue
-            size = os.fstat(fd).st_blocks * 512
-            if dry_run:
-                removed.append((path, size))
-                continue
-            os.unlink(path)
-        except OSError as exc:
-            logger.warning("kvtier: could not reclaim %s: %s", path, exc)
-            continue
-        finally:
-            os.close(fd)
-        logger.info(
-            "kvtier: reclaimed stale CPU-tier file %s (%d bytes of shared memory) "
-            "left by an engine that is no longer running",
-            path,
-            size,
-        )
-        removed.append((path, size))
+        if size is not None:
+            removed.append((path, size))
     return removed
 
 

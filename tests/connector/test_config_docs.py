@@ -34,7 +34,7 @@ def doc_text() -> str:
 
 
 def test_every_key_is_documented(doc_text: str) -> None:
-    from kvtier.connector.tiering.config import TIER_KEYS
+    from kvtier.connector.config import TIER_KEYS
 
     missing = [k.name for k in (*KEYS, *TIER_KEYS) if f"`{k.name}`" not in doc_text]
     assert not missing, f"undocumented keys: {missing}"

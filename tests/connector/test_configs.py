@@ -80,13 +80,13 @@ def test_config_file_is_valid(path: Path) -> None:
         for tier in tiers:
             assert tier["module_path"] == "kvtier.connector.tiering"
         if HAVE_VLLM:
-            from kvtier.connector.tiering.config import parse_tier_config
+            from kvtier.connector.config import parse_tier_config
 
             for tier in tiers:
                 conf = {
                     k: v for k, v in tier.items() if k not in ("type", "module_path")
                 }
-                assert parse_tier_config(conf, check_paths=False).disk_enabled
+                assert parse_tier_config(conf).disk_enabled
     else:
         pytest.fail(f"{path.name}: spec_name {spec!r} does not load kvtier")
 

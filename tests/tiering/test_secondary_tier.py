@@ -40,8 +40,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
+from kvtier.connector.config import TierConfigError  # noqa: E402
 from kvtier.connector.tiering import KvtierDiskTier, PortableTieringSpec  # noqa: E402
-from kvtier.connector.tiering.config import TierConfigError  # noqa: E402
 from kvtier.store.slot import HEADER_SIZE, slot_size  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
 from kvtier.testing.offloading import offloading_config, wait_finished  # noqa: E402
@@ -691,7 +691,7 @@ def test_ready_config_files_load_our_tier(name, spec_name):
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    from kvtier.connector.tiering.config import parse_tier_config
+    from kvtier.connector.config import parse_tier_config
 
     text = (CONFIG_DIR / name).read_text()
     cfg = json.loads(text)
@@ -702,7 +702,7 @@ def test_ready_config_files_load_our_tier(name, spec_name):
     assert issubclass(spec_cls, TieringOffloadingSpec)
     (entry,) = extra["secondary_tiers"]
     assert SecondaryTierFactory.get_tier_class(entry) is KvtierDiskTier
-    settings = parse_tier_config(entry, check_paths=False)
+    settings = parse_tier_config(entry)
     assert settings.disk_paths[0].startswith("/mnt/")
     assert settings.disk_bytes_to_use > 0
     # The documented form: the file's text as --kv-transfer-config.

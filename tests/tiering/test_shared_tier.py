@@ -271,7 +271,7 @@ def test_hung_shared_lookups_turn_into_misses(tmp_path, drivers):
     ],
 )
 def test_bad_shared_tier_config_names_the_key(entry, key):
-    from kvtier.connector.tiering.config import TierConfigError
+    from kvtier.connector.config import TierConfigError
     from kvtier.connector.tiering.shared_fs import parse_guard
 
     with pytest.raises(TierConfigError, match=rf"\[type=SharedFsTier\]\['{key}'\]"):
@@ -285,7 +285,7 @@ def test_ready_shared_config_orders_local_before_shared():
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-    from kvtier.connector.tiering.config import parse_tier_config
+    from kvtier.connector.config import parse_tier_config
     from kvtier.connector.tiering.shared_fs import SharedFsTier, parse_guard
 
     path = Path(__file__).resolve().parents[2] / "configs"
@@ -296,7 +296,7 @@ def test_ready_shared_config_orders_local_before_shared():
     # first hit, so a local NVMe hit is preferred to the shared tier.
     assert SecondaryTierFactory.get_tier_class(local) is KvtierDiskTier
     assert SecondaryTierFactory.get_tier_class(shared) is SharedFsTier
-    parse_tier_config(local, check_paths=False)
+    parse_tier_config(local)
     rest = {k: v for k, v in shared.items() if k not in ("type", "module_path")}
     root, locality, guard, fs_keys = parse_guard(rest)
     assert root == "/mnt/shared/kvcache" and locality == "REMOTE"
@@ -320,7 +320,7 @@ def test_ready_obj_config_orders_local_before_the_object_store():
         ObjectStoreSecondaryTierManager,
     )
 
-    from kvtier.connector.tiering.config import parse_tier_config
+    from kvtier.connector.config import parse_tier_config
 
     path = Path(__file__).resolve().parents[2] / "configs"
     text = (path / "vllm-tiering-kvtier-disk-obj.json").read_text()
@@ -328,7 +328,7 @@ def test_ready_obj_config_orders_local_before_the_object_store():
     local, obj = extra["secondary_tiers"]
     assert SecondaryTierFactory.get_tier_class(local) is KvtierDiskTier
     assert SecondaryTierFactory.get_tier_class(obj) is ObjectStoreSecondaryTierManager
-    parse_tier_config(local, check_paths=False)
+    parse_tier_config(local)
     # Every key is one vLLM's obj tier takes (the factory passes them as
     # keyword arguments), and store_config is a valid ObjStoreConfig.
     rest = {k: v for k, v in obj.items() if k != "type"}

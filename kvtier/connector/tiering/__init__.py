@@ -36,11 +36,10 @@ Config (vLLM 0.32 - 0.33)::
                           "eviction_policy": "lru",
                           "disk_compression": "none"}]}
 
-Modules: ``config`` (the ``secondary_tiers`` keys and their checks),
-``disk_tier``, ``rows`` (the primary-row layout and the data path),
-``pull`` (keeping what a lower tier supplied), ``metrics``, ``portable``,
-``shared_fs``. Importing the package is cheap: a class loads on first
-access.
+Modules: ``disk_tier``, ``pull`` (keeping what a lower tier supplied),
+``metrics``, ``portable``, ``shared_fs``; the entry's keys and their checks
+are :mod:`kvtier.connector.config`'s. Importing the package is cheap: a
+class loads on first access.
 
 When to use this mode instead of the full ``TieredOffloadingSpec``, and its
 measured hit rate: docs/tiering-mode.md.

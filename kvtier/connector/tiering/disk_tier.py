@@ -56,16 +56,17 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from kvtier.connector.config import ConfigError, blocks_in_budget
+from kvtier.connector.config import (
+    DISK_TIER_TYPE,
+    ConfigError,
+    TierConfigError,
+    as_tier_error,
+    blocks_in_budget,
+    parse_tier_config,
+)
 from kvtier.connector.identity import layout_fingerprints
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.preflight import check_disk_paths
-from kvtier.connector.tiering.config import (
-    DISK_TIER_TYPE,
-    TierConfigError,
-    as_tier_error,
-    parse_tier_config,
-)
 from kvtier.connector.tiering.metrics import (
     DISK_TIER_METRICS,
     DiskTierMetrics,
@@ -146,7 +147,7 @@ class KvtierDiskTier(SecondaryTierManager):
         self.locality = Locality.LOCAL
         # Paths are checked below, once the layout (and so the directory a
         # warm restart may reuse) is known.
-        self.settings = parse_tier_config(tier_config, check_paths=False)
+        self.settings = parse_tier_config(tier_config)
         cfg = self.settings
         config = offloading_spec.config
         if config.canonical_layout:
@@ -337,7 +338,6 @@ class KvtierDiskTier(SecondaryTierManager):
                 JobResult(job_id, True, transfer_time=0.0, transfer_bytes=0)
             )
             return
-        self.stats.stores_submitted += len(items)
         self._jobs[job_id] = _TierJob(True, keys, moved=[it.key for it in items])
         self.runtime.submit_spill(SpillOrder(job_id, tuple(items)))
 

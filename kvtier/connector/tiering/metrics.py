@@ -56,7 +56,6 @@ _DISK = (MEDIUM_DISK,)
 class DiskTierStats:
     """Monotonic counters (the metrics diff them)."""
 
-    stores_submitted: int = 0
     stores_completed: int = 0
     store_failures: int = 0
     stores_skipped_full: int = 0

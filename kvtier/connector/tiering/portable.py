@@ -79,10 +79,7 @@ class _RegionCopies(SynchronousCopies):
         expedited: bool = False,
     ) -> None:
         for copier in self.groups[group]:
-            if to_host:
-                copier.to_cpu(plan)
-            else:
-                copier.to_gpu(plan)
+            copier.copy(plan, to_cpu=to_host)
 
     def shutdown(self) -> None:
         self.groups = []  # drop the views before the region is unmapped

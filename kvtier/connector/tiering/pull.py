@@ -57,7 +57,6 @@ class PullBack:
         self.limit = limit
         self.patience_s = patience_s
         self._noted: OrderedDict[OffloadKey, float] = OrderedDict()
-        self.pulled = 0  # keys handed to create_store_job, in total
 
     def __len__(self) -> int:
         return len(self._noted)
@@ -99,7 +98,6 @@ class PullBack:
             job = parent.create_store_job(ready, ctx) if ready else None
         finally:
             parent.on_request_finished(ctx)
-        self.pulled += len(ready)
         return job
 
     def clear(self) -> None:

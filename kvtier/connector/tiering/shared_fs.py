@@ -66,7 +66,7 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from kvtier.connector.tiering.config import TierConfigError
+from kvtier.connector.config import TierConfigError
 from kvtier.log import get_logger
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ GUARD_KEYS = {"probe_timeout_s": 5.0, "lookup_timeout_s": 5.0, "store_timeout_s"
 
 def parse_guard(config: dict[str, Any]) -> tuple[str, str, dict[str, float], dict]:
     """(root_dir, locality, guard timeouts, fs keys) of one entry; raise
-    :class:`~kvtier.connector.tiering.config.TierConfigError` naming the key."""
+    :class:`~kvtier.connector.config.TierConfigError` naming the key."""
 
     def refuse(key: str, message: str) -> TierConfigError:
         return TierConfigError(key, message, SHARED_TIER_TYPE)

@@ -1,25 +1,23 @@
 """The worker's load pipeline: the slow part of every load, on one thread
 of its own.
 
-vLLM calls ``submit_load`` on the model runner's thread, between engine
-steps, and every running request waits for what it does there (vLLM 0.33:
-"Submission itself must still not block"). The worker only plans a load
-there and hands its :class:`LoadTask` to the pipeline's thread, which reads
-the disk slots batch by batch into the reader's bounce area, verifies every
-slot, copies a verified block with a promotion row into that CPU row, and
-copies the batch into the KV cache: itself on the CPU platform (CPU-tier
-rows too), on accelerators by issuing transfers on vLLM's handlers from a
-stream of its own that follows the model's stream as it was at
-``submit_load`` (the task's ``after``). The model runner's thread only
-collects finished tasks.
+``submit_load`` runs on the model runner's thread, between engine steps,
+and must not block: the worker only plans a load there and hands its
+:class:`LoadTask` to the pipeline's thread, which reads the disk slots batch
+by batch into the reader's bounce area, verifies every slot, copies a
+verified block with a promotion row into that CPU row, and copies the batch
+into the KV cache: itself on the CPU platform (CPU-tier rows too), on
+accelerators by issuing transfers on vLLM's handlers from a stream of its
+own that follows the model's stream as it was at ``submit_load`` (the
+task's ``after``).
 
-The bounce area is a ring of parts (:class:`BounceRing`); a part *is* one
-read batch, so later batches are read into other parts while one is
-verified and copied. The thread is fed like vLLM's ``DualQueueThreadPool``:
-expedited tasks (vLLM 0.33's synchronous loads, waited on within the step)
-first, the others taking turns, one unit (a read batch, or a run of CPU-row
-copies) per turn, so a CPU-tier hit or a short prefix never waits for a
-long prefix to come off disk. One thread and whole batches, because an
+The bounce area is a ring of parts (:class:`BounceRing`), one read batch
+each, so later batches are read while one is verified and copied. The
+thread is fed like vLLM's ``DualQueueThreadPool``: expedited tasks (vLLM
+0.33's synchronous loads, waited on within the step) first, the others
+taking turns, one unit (a read batch, or a run of CPU-row copies) per turn,
+so a CPU-tier hit or a short prefix never waits for a long prefix to come
+off disk. One thread and whole batches, because an
 in-process engine's loop spins without sleeping: a background thread gets
 the interpreter lock back only at the switch interval each time it blocks,
 so work is handed over per batch and per task, never per block.
@@ -56,13 +54,13 @@ from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 
 logger = get_logger("connector")
 
-# A batch not back this long after it started is given up; a healthy drive takes ms.
+# A batch not back this long after it started is given up.
 BATCH_DEADLINE_S = 15.0
-# The engine's step wins a busy core, the load takes the slack (19 starved it).
+# The engine's step wins a busy core, the load takes the slack.
 LOAD_THREAD_NICE = 10
 # The thread looks at deadlines, cancellations and new work at least this often.
 TICK_S = 0.05
-# A long CPU-tier hit takes turns with short ones; a call still moves tens of MiB.
+# CPU-row copies per unit: a long CPU-tier hit takes turns with short ones.
 COPY_UNIT_BYTES = 32 << 20
 # The last part's checks and copies follow the last read, so parts stay small.
 PART_BYTES = 8 << 20

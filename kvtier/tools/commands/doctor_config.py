@@ -2,7 +2,7 @@
 
 The config's values are checked by kvtier's own schema
 (:func:`kvtier.connector.config.parse_extra_config`, and
-:func:`kvtier.connector.tiering.config.parse_tier_config` for a
+:func:`kvtier.connector.config.parse_tier_config` for a
 ``KvtierDiskTier`` under vLLM's tiering spec): the doctor reports exactly
 what engine start would refuse, with the same message.
 """
@@ -16,11 +16,12 @@ from typing import Any
 
 from kvtier.connector.config import (
     CONNECTOR_HINT,
+    DISK_TIER_TYPE,
     ConfigError,
     KvtierConfig,
     parse_extra_config,
+    parse_tier_config,
 )
-from kvtier.connector.tiering.config import DISK_TIER_TYPE, parse_tier_config
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, Check, DoctorInput
 
@@ -165,7 +166,7 @@ def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
             "reads it with int(); a bare 64G in the --kv-transfer-config text "
             "is expanded by vLLM)",
         )
-    return parse_tier_config(tiers[0], check_paths=False, cpu_bytes_to_use=cpu)
+    return parse_tier_config(tiers[0], cpu_bytes_to_use=cpu)
 
 
 def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
