@@ -326,7 +326,9 @@ class TieredOffloadingManager(OffloadingManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         h = self.hierarchy
         stats = OffloadingConnectorStats()
-        tiers = [(MEDIUM_CPU, h.cpu)] + ([(MEDIUM_DISK, h.disk)] if h.disk else [])
+        tiers = [(MEDIUM_CPU, h.cpu)]
+        if h.disk is not None:  # an empty Tier is falsy (len 0)
+            tiers.append((MEDIUM_DISK, h.disk))
         for name, tier in tiers:
             stats.set_gauge(m.TIER_BLOCKS, len(tier), (name,))
             stats.set_gauge(m.TIER_CAPACITY, tier.capacity, (name,))

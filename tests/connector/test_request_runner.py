@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     make_offload_key,
 )
 
+from kvtier.connector import metrics  # noqa: E402
 from kvtier.connector.specs import TierLoadSpec  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.store.slot import slot_size  # noqa: E402
@@ -360,6 +361,22 @@ def test_cpu_only_spec_runs_without_disk(tmp_path):
         assert r.manager.runtime is None
     finally:
         r.close()
+
+
+def test_tier_gauges_before_the_first_spill(tmp_path):
+    """The disk tier's gauges are exported while it is still empty (an
+    empty tier is a tier, not a missing one); a CPU-only spec has none."""
+    for disk_blocks, media in ((32, {"cpu", "disk"}), (0, {"cpu"})):
+        cfg = make_config(tmp_path, 8, disk_blocks)
+        r = RequestRunner(tiered_spec(cfg))
+        try:
+            gauges = r.manager.get_stats()._values
+            capacity = {k[0]: v for k, v in gauges[metrics.TIER_CAPACITY].items()}
+            assert set(capacity) == media
+            assert capacity.get("disk", 0) == disk_blocks
+            assert gauges[metrics.TIER_BLOCKS].get(("disk",), 0) == 0
+        finally:
+            r.close()
 
 
 def test_multi_chunk_rows_and_partial_first_chunk(tmp_path):
