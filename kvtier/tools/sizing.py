@@ -108,7 +108,7 @@ class TraceReplayer:
             cpu_blocks=hierarchy.cpu.capacity,
             disk_blocks=disk.capacity if disk is not None else 0,
             cpu_policy=hierarchy.cpu.policy.name,
-            disk_policy=disk.policy.name if disk else "lru",
+            disk_policy=disk.policy.name if disk is not None else "lru",
             spill_watermark=hierarchy.spill_watermark,
         )
         self._seen: set[Hashable] = set()

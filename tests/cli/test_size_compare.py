@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.policy import policy_names
 from kvtier.tools import sizing, sizing_compare
 from kvtier.tools.cli import main
@@ -70,3 +71,11 @@ def test_size_compare_each_policy_matches_a_plain_replay(tmp_path: Path) -> None
         again = sizing.replay_trace(PREFIXES, 4, 0, r.cpu_policy)
         assert again.hit_rate == r.hit_rate
     assert max(r.hit_rate for r in cmp.results) <= cmp.optimal_hit_rate
+
+
+@pytest.mark.parametrize("disk_policy", policy_names())
+def test_a_replayer_names_its_disk_policy_before_the_first_spill(disk_policy) -> None:
+    """The result names the disk tier's policy while that tier is still
+    empty (an empty tier has len 0, not a missing one)."""
+    h = TierHierarchy(4, 8, cpu_policy="lru", disk_policy=disk_policy)
+    assert sizing.TraceReplayer(h).result.disk_policy == disk_policy
