@@ -18,8 +18,7 @@ is optimal (Belady 1966; Mattson et al. 1970). The deepest-first tie-break
 keeps the cache prefix-closed (a child's next use is never before its
 parent's: every request holding the child holds the parent), so the plain
 cache's hits are all prefix hits and the bound is reached.
-``tests/tiers/test_optimum.py`` checks it against exhaustive search
-(:func:`kvtier.testing.oracles.brute_force_hits`).
+``tests/tiers/test_optimum.py`` checks it against exhaustive search.
 
 Two tiers can never beat one tier of their total capacity holding the
 same blocks, so ``optimal_hits(trace, cpu + disk)`` bounds any two-tier
