@@ -477,12 +477,7 @@ class SlotReader:
         xxh3 and decoding; for a staging area, whether the device can
         verify it (its device checksum is checked with the batch's)."""
         verdict = verify_header(
-            head,
-            HEADER_SIZE,
-            key=key,
-            digest=self.files.digest,
-            block_bytes=self.block_bytes,
-            slot_bytes=self.slot_size,
+            head, key=key, digest=self.files.digest, block_bytes=self.block_bytes
         )
         hdr = verdict.header
         if verdict.ok and self.staging is not None:

@@ -142,12 +142,7 @@ def _judge(
     if n < HEADER_SIZE:
         return record(files.short_read(slot), detail=f"read {n} of {HEADER_SIZE} bytes")
     verdict = verify_header(
-        buf,
-        n,
-        key=None,
-        digest=files.digest,
-        block_bytes=files.block_bytes,
-        slot_bytes=files.slot_size,
+        buf, key=None, digest=files.digest, block_bytes=files.block_bytes
     )
     hdr, detail = verdict.header, verdict.detail
     if verdict.outcome is ReadOutcome.BAD_HEADER and detail.startswith("bad header ("):

@@ -74,9 +74,10 @@ from kvtier.safe_open import (
 from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
 from kvtier.store.slot import (
     HEADER_SIZE,
+    HeaderError,
     LayoutFingerprint,
     ReadOutcome,
-    parse_header,
+    SlotHeader,
     short_read_outcome,
     slot_size,
 )
@@ -917,8 +918,11 @@ def _infer_block_bytes(paths: list[str], warnings: list[str]) -> int | None:
             continue
         finally:
             os.close(fd)
-        hdr = parse_header(buf, len(buf)).header
-        if hdr is None:
+        if len(buf) < HEADER_SIZE:
+            continue
+        try:
+            hdr = SlotHeader.unpack(buf)
+        except HeaderError:  # empty or corrupt
             continue
         if not 0 < hdr.raw_len <= MAX_BLOCK_BYTES:
             warnings.append(f"{path}: slot 0 header raw_len {hdr.raw_len} is implausible")

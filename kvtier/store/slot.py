@@ -378,35 +378,22 @@ class SlotVerdict:
         return self.outcome is ReadOutcome.OK
 
 
-def parse_header(buf: Any, nread: int) -> SlotVerdict:
-    """Parse the header at the start of ``buf`` of which ``nread`` bytes were
-    read: TRUNCATED, EMPTY, BAD_HEADER (magic, unknown version, header
-    checksum, fields) or OK with the header."""
-    if nread < HEADER_SIZE:
-        return SlotVerdict(
-            ReadOutcome.TRUNCATED, detail=f"read {nread} of {HEADER_SIZE} bytes"
-        )
+def verify_header(
+    buf: Any, *, key: bytes | None, digest: bytes | str | None, block_bytes: int
+) -> SlotVerdict:
+    """Judge the header of a slot read whole (at least its fixed part is in
+    ``buf``): EMPTY, BAD_HEADER (magic, unknown version, header checksum,
+    fields), or whether it belongs here: to the layout ``digest`` (bytes:
+    the full digest; str: a hex prefix, as in a store directory's name;
+    None: any), to ``key`` (None: any key) and to blocks of ``block_bytes``
+    (a parsed header's payload is never longer than its ``raw_len``, so it
+    then fits the slot). OK carries the header."""
     try:
-        hdr = SlotHeader.unpack(memoryview(buf).cast("B")[:HEADER_SIZE])
+        hdr = SlotHeader.unpack(buf)
     except EmptySlotError:
         return SlotVerdict(ReadOutcome.EMPTY)
     except CorruptHeaderError as exc:
         return SlotVerdict(ReadOutcome.BAD_HEADER, detail=f"bad header ({exc})")
-    return SlotVerdict(ReadOutcome.OK, hdr)
-
-
-def check_header(
-    hdr: SlotHeader,
-    *,
-    key: bytes | None,
-    digest: bytes | str | None,
-    block_bytes: int | None,
-    slot_bytes: int,
-) -> SlotVerdict:
-    """Whether a parsed header belongs here: to the layout ``digest`` (bytes:
-    the full digest; str: a hex prefix, as in a store directory's name; None:
-    any), to ``key`` (None: any key) and to a slot of ``slot_bytes`` holding
-    blocks of ``block_bytes`` (None: unknown, not checked)."""
     if isinstance(digest, bytes):
         fp_ok = hdr.fingerprint == digest
     else:
@@ -421,40 +408,12 @@ def check_header(
         return SlotVerdict(
             ReadOutcome.KEY_MISMATCH, hdr, f"slot holds key {hdr.key.hex()}"
         )
-    if block_bytes is not None and hdr.raw_len != block_bytes:
+    if hdr.raw_len != block_bytes:
         return SlotVerdict(
             ReadOutcome.BAD_HEADER,
             detail=f"raw_len {hdr.raw_len} != block_bytes {block_bytes}",
         )
-    if HEADER_SIZE + hdr.payload_len > slot_bytes:
-        return SlotVerdict(
-            ReadOutcome.BAD_HEADER,
-            detail=f"payload_len {hdr.payload_len} overflows the slot",
-        )
     return SlotVerdict(ReadOutcome.OK, hdr)
-
-
-def verify_header(
-    buf: Any,
-    nread: int,
-    *,
-    key: bytes | None,
-    digest: bytes | str | None,
-    block_bytes: int | None,
-    slot_bytes: int,
-) -> SlotVerdict:
-    """:func:`parse_header` then :func:`check_header`."""
-    verdict = parse_header(buf, nread)
-    if not verdict.ok:
-        return verdict
-    assert verdict.header is not None
-    return check_header(
-        verdict.header,
-        key=key,
-        digest=digest,
-        block_bytes=block_bytes,
-        slot_bytes=slot_bytes,
-    )
 
 
 def check_payload(hdr: SlotHeader, payload: Any, available: int) -> SlotVerdict:
