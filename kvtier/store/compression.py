@@ -38,7 +38,7 @@ def element_bytes(dtype: object) -> int:
     return _ELEMENT_BYTES.get(str(dtype).lower(), 2)
 
 
-DEFAULT_LEVEL = 1
+LEVEL = 1
 DEFAULT_MIN_SAVING = 0.05
 
 
@@ -54,15 +54,14 @@ class CorruptPayloadError(ValueError):
 
 
 # zstd contexts are not thread-safe but are expensive to create per block:
-# keep one pair per thread (and per level).
+# keep one pair per thread.
 _local = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("c", {})
-    cctx = cache.get(level)
+def _compressor() -> zstandard.ZstdCompressor:
+    cctx = getattr(_local, "c", None)
     if cctx is None:
-        cctx = cache[level] = zstandard.ZstdCompressor(level=level)
+        cctx = _local.c = zstandard.ZstdCompressor(level=LEVEL)
     return cctx
 
 
@@ -101,22 +100,17 @@ def from_byte_planes(planes: np.ndarray, elem_size: int, out: np.ndarray) -> Non
 
 
 def compress(
-    data: np.ndarray,
-    elem_size: int,
-    *,
-    level: int = DEFAULT_LEVEL,
-    min_saving: float = DEFAULT_MIN_SAVING,
+    data: np.ndarray, elem_size: int, *, min_saving: float = DEFAULT_MIN_SAVING
 ) -> tuple[Codec, bytes]:
     """Encode one block; returns the codec used and the bytes to store.
 
     Contract: ``decompress(codec, payload, data.nbytes, elem_size, out)``
     restores ``data`` byte for byte. Returns ``(Codec.RAW, bytes(data))``
     when compression would save less than ``min_saving`` of the size.
+    ``elem_size`` >= 1 (the store checks it).
     """
-    if elem_size < 1:
-        raise ValueError(f"elem_size must be >= 1, got {elem_size}")
     flat = _flat_u8(data)
-    packed = _compressor(level).compress(to_byte_planes(flat, elem_size))
+    packed = _compressor().compress(to_byte_planes(flat, elem_size))
     if len(packed) <= flat.size * (1.0 - min_saving):
         return Codec.ZSTD_BYTEPLANE, packed
     return Codec.RAW, flat.tobytes()

@@ -111,7 +111,6 @@ class DiskStore:
         elem_size: int = 2,
         *,
         threads: int = 4,
-        min_saving: float = 0.05,
     ) -> None:
         if isinstance(paths, str):
             paths = [paths]
@@ -136,7 +135,6 @@ class DiskStore:
         self.paths = [os.path.abspath(p) for p in paths]
         self.compression = compression
         self.elem_size = elem_size
-        self._min_saving = min_saving
         # Wall-clock ns as the starting point keeps seq increasing across
         # restarts even before (or without) a scan; scan() raises it further.
         self._seq = time.time_ns()
@@ -216,7 +214,7 @@ class DiskStore:
         t0 = time.perf_counter()
         bounce = self._bounce()
         if self.compression == "zstd":
-            codec, packed = compress(flat, self.elem_size, min_saving=self._min_saving)
+            codec, packed = compress(flat, self.elem_size)
             n = len(packed)
             bounce[HEADER_SIZE : HEADER_SIZE + n] = np.frombuffer(
                 packed, dtype=np.uint8
