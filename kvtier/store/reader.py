@@ -240,10 +240,10 @@ class SlotReader:
     """:class:`SlotReads` into a host area or a device staging area (see the
     module doc and the protocol for the contract).
 
-    ``capacity`` rows of their own, or as many as ``area`` holds (uint8,
-    4 KiB-aligned whole slots, kept mapped by the caller until
+    ``capacity`` (>= 1) rows of their own, or as many as ``area`` holds
+    (uint8, 4 KiB-aligned, whole slots, kept mapped by the caller until
     :meth:`close`); ``pin``: page-lock the host area. ``device``: stage on
-    that torch device instead. ``close`` closes ``files`` (the reader owns
+    that torch device instead (no ``area`` then). ``close`` closes ``files`` (the reader owns
     them). On CUDA the staging copies and checksums run on the calling
     thread's current stream; rows are complete on it when ``complete``
     returns (it reads the checksums back)."""
@@ -257,8 +257,6 @@ class SlotReader:
         pin: bool = False,
         area: np.ndarray | None = None,
     ) -> None:
-        if capacity < 1 or (area is not None and device is not None):
-            raise ValueError("a reader needs capacity >= 1, and an area or a device")
         self.files = files
         self.backend = files.backend
         self.slot_size = ssz = files.slot_size
@@ -267,12 +265,7 @@ class SlotReader:
         self.staging: Any = None  # the device staging tensor
         self._owner: Any = None  # keeps a pinned host area alive
         if area is not None:
-            if area.dtype != np.uint8 or area.ctypes.data % IO_ALIGNMENT:
-                raise ValueError("area must be uint8 memory aligned to IO_ALIGNMENT")
-            if area.nbytes < ssz:
-                raise ValueError(f"area of {area.nbytes} B holds no slot of {ssz} B")
             capacity = area.nbytes // ssz
-            area = area.reshape(-1)[: capacity * ssz]
         self.capacity = capacity
         if device is None:
             if area is None:

@@ -113,15 +113,12 @@ def store_digest_prefix(name: str) -> str | None:
 
 def slab_name(index: int) -> str:
     """File name of the slab of path ``index`` (inside the store directory)."""
-    if index < 0:
-        raise ValueError(f"slab index must be >= 0, got {index}")
     return f"slab-{index}.kvt"
 
 
 def locate(slot: int, stripes: int) -> tuple[int, int]:
-    """``(slab index, local slot)`` of global ``slot`` striped over ``stripes``."""
-    if stripes < 1 or slot < 0:
-        raise ValueError(f"bad slot {slot} or stripe count {stripes}")
+    """``(slab index, local slot)`` of global ``slot`` (>= 0) striped over
+    ``stripes`` (>= 1)."""
     return slot % stripes, slot // stripes
 
 
@@ -540,8 +537,6 @@ def create_slab(
     another owner's file or a group/other-writable one is refused (looser
     read bits are removed); with ``dir_fd`` the name is resolved inside
     that (already checked) directory."""
-    if num_slots < 0 or slot_bytes <= 0:
-        raise ValueError(f"bad slab geometry: {num_slots} x {slot_bytes}")
     size = num_slots * slot_bytes
     name = os.path.basename(path) if dir_fd is not None else path
     fd = open_private(name, os.O_RDWR | os.O_CREAT, 0o600, dir_fd=dir_fd, fix_mode=True)

@@ -136,8 +136,6 @@ class KvikioBackend(DiskBackend):
     name = "kvikio"
 
     def __init__(self, threads: int = 4) -> None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
         usable, why = usable_status()
         if not usable:
             raise BackendUnavailableError(f"kvikio cannot be used here: {why}")
@@ -195,7 +193,6 @@ class KvikioBackend(DiskBackend):
 
     def submit_read(self, handle: KvikioHandle, buf: Any, offset: int) -> Future[int]:
         target, nbytes = _as_target(buf, for_read=True)
-        _check_offset(offset)
         return self._pool.submit(
             lambda: _start_read(handle, target, nbytes, offset).result()
         )
@@ -206,12 +203,10 @@ class KvikioBackend(DiskBackend):
         thread pool; device buffers go NVMe -> GPU under GDS). Bad arguments
         raise here; so does a failure to start (as OSError)."""
         target, nbytes = _as_target(buf, for_read=True)
-        _check_offset(offset)
         return _start_read(handle, target, nbytes, offset)
 
     def submit_write(self, handle: KvikioHandle, buf: Any, offset: int) -> Future[int]:
         target, nbytes = _as_target(buf, for_read=False)
-        _check_offset(offset)
         if not handle.writable:
             # kvikio would fail with a misleading EPERM; say what happened.
             fut: Future[int] = Future()
@@ -243,11 +238,6 @@ class KvikioBackend(DiskBackend):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def _check_offset(offset: int) -> None:
-    if offset < 0:
-        raise ValueError(f"offset must be >= 0, got {offset}")
 
 
 def _start_read(

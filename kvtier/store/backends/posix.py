@@ -64,8 +64,6 @@ class PosixBackend(DiskBackend):
     name = "posix"
 
     def __init__(self, threads: int = 4, *, direct: bool = True) -> None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
         self._threads = threads
         self._want_direct = direct and _O_DIRECT != 0
         self._pool = ThreadPoolExecutor(
