@@ -283,11 +283,6 @@ class ReadProcess:
             self.poll(left)
         return True
 
-    def read(
-        self, items: Sequence[tuple[int, bytes | None]], first_row: int = 0
-    ) -> list[SlotRead]:
-        return self.complete(self.submit(items, first_row))
-
     def complete(self, pending: ProcessRead | PendingRead) -> list[SlotRead]:
         if isinstance(pending, PendingRead):
             return self._local.complete(pending)

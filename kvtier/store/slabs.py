@@ -240,8 +240,6 @@ class SlabFiles:
     ) -> SlabFiles:
         """The store on ``paths`` for reading: opens nothing yet (see the
         module doc)."""
-        if isinstance(paths, str):
-            paths = [paths]
         if not paths or num_slots < 1:
             raise ValueError("a store needs paths and slots")
         name, ssz = store_dirname(fingerprint), slot_size(fingerprint.block_bytes)
@@ -351,11 +349,6 @@ class SlabFiles:
                 logger.debug("slab %s not opened ahead: %s", slab.path, exc)
         return sum(h is not None for h in self.handles)
 
-    def size(self, idx: int) -> int | None:
-        """Slab ``idx``'s current size, None when unknown (not open)."""
-        handle = self.handles[idx]
-        return None if handle is None else self.backend.size(handle)
-
     @property
     def reads_inline(self) -> bool:
         """Whether :meth:`read` runs on the caller's thread (the back end's
@@ -438,7 +431,7 @@ class SlabFiles:
     def rejected(self, slot: int, what: str) -> None:
         """The bytes read from ``slot`` failed a check: logged (the reader
         counts them)."""
-        idx = self._index(slot)
+        idx = locate(slot, self.stripes)[0]
         self._log_once(
             ("corrupt", idx, None),
             "kvtier disk read of slot %d on %s rejected: %s (corrupt or torn "
@@ -454,7 +447,8 @@ class SlabFiles:
         IO_ERROR (counted and logged as an EIO); see
         :func:`~kvtier.store.slot.short_read_outcome`."""
         idx, offset = self.locate(slot)
-        size = self.size(idx)
+        handle = self.handles[idx]
+        size = None if handle is None else self.backend.size(handle)
         outcome = short_read_outcome(size, offset + self.slot_size)
         if outcome is ReadOutcome.TRUNCATED:
             self.rejected(slot, f"short read: the slab ends at byte {size} (truncated)")
@@ -468,7 +462,7 @@ class SlabFiles:
 
     def host_only(self, slot: int, why: str) -> None:
         """An intact slot that the device path cannot verify: logged."""
-        idx = self._index(slot)
+        idx = locate(slot, self.stripes)[0]
         self._log_once(
             ("host_only", idx, None),
             "kvtier slot %d of %s cannot be verified on the device (%s): the "
@@ -478,9 +472,6 @@ class SlabFiles:
             self.slabs[idx].path,
             why,
         )
-
-    def _index(self, slot: int) -> int:
-        return locate(slot, self.stripes)[0] if self.stripes else 0
 
     def _log_once(self, key: tuple[str, int, int | None], msg: str, *args: Any) -> None:
         with self._lock:

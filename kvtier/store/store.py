@@ -112,8 +112,6 @@ class DiskStore:
         *,
         threads: int = 4,
     ) -> None:
-        if isinstance(paths, str):
-            paths = [paths]
         if not paths:
             raise ValueError("DiskStore needs at least one path")
         if num_slots < 1:
