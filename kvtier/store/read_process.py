@@ -57,7 +57,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -95,7 +95,7 @@ class ProcessRead:
     rid: int
     items: list[tuple[int, bytes | None]]
     first_row: int
-    result: list[SlotRead] | None = field(default=None)
+    result: list[SlotRead] | None = None
 
 
 class ReadProcess:
@@ -537,7 +537,7 @@ def _serve(fd: int, req: Connection, resp: Connection) -> None:
     # One thread (the reader is single-threaded): start every batch that
     # arrived, then verify and answer the oldest; the back end's threads
     # read the others meanwhile.
-    started: deque[tuple[int, int, PendingRead | None]] = deque()
+    started: deque[tuple[int, PendingRead | None]] = deque()
     try:
         while True:
             while not started or req.poll(0):
@@ -547,21 +547,19 @@ def _serve(fd: int, req: Connection, resp: Connection) -> None:
                 except Exception:
                     logger.exception("kvtier read process: a batch could not start")
                     pending = None
-                started.append((rid, len(items), pending))
-            rid, count, pending = started.popleft()
+                started.append((rid, pending))
+            rid, pending = started.popleft()
             out: list[SlotRead] = []
             if pending is not None:
                 try:
                     out = reader.complete(pending)
                 except Exception:
                     logger.exception("kvtier read process: a batch raised")
-            codes = [r.outcome.value for r in out] or [
-                ReadOutcome.IO_ERROR.value
-            ] * count
-            rows = [r.row for r in out] or [-1] * count
+            codes = [r.outcome.value for r in out]  # none: all IO_ERROR
+            rows = [r.row for r in out]
             resp.send(("done", rid, codes, rows, astuple(reader.stats())))
     finally:
-        for _rid, _count, pending in started:
+        for _rid, pending in started:
             if pending is not None:
                 reader.abandon(pending)
         reader.close()
@@ -572,7 +570,8 @@ def child_main(argv: list[str]) -> int:
     by fd), read and verify each batch it is sent with a
     :class:`~kvtier.store.reader.SlotReader` over it, and answer one message
     per batch in the order they came: ``("ready",)`` once, then ``("done",
-    rid, outcome codes, rows, reader stats)``. It exits when the request
+    rid, outcome codes, rows, reader stats)``, no codes for a batch that
+    failed whole. It exits when the request
     pipe closes."""
     parent, fd, req_fd, resp_fd = (int(a) for a in argv[1:5])
     _die_with_parent(parent)
