@@ -10,7 +10,7 @@ they were given (read-write, read-only, or found on disk by the tools).
 Contract of :func:`scan`:
   - It yields one :class:`SlotRecord` per slot, in slot order, in file
     order (slab by slab: ``kvtier inspect``/``verify``), or for the given
-    ``slots``; it keeps up to ``window`` header reads in flight.
+    ``slots``; it keeps up to ``window`` (>= 1) header reads in flight.
   - It never raises for I/O or data problems: a failed read (any errno) is
     IO_ERROR, counted and logged once per slab and errno by the files; a
     read that came back short is TRUNCATED when the slab now ends inside the
@@ -85,7 +85,6 @@ def scan(
     on_header: Callable[[SlotHeader], None] | None = None,
 ) -> Iterator[SlotRecord]:
     """Every slot of ``files`` (or ``slots``), judged; see the module doc."""
-    window = max(1, window)
     bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
     inflight: deque[tuple[int, int, int, Any, Future[int] | OSError]] = deque()
     for k, (slot, idx, offset) in enumerate(_where(files, slots, file_order)):
@@ -106,10 +105,10 @@ def _where(
 ) -> Iterator[tuple[int, int, int]]:
     """``(global slot, slab index, byte offset)`` of each slot to scan."""
     if file_order:
-        stripes = max(files.stripes, 1)
         for idx, slab in enumerate(files.slabs):
             for local in range(slab.num_slots):
-                yield global_slot(slab.index, local, stripes), idx, local * files.slot_size
+                slot = global_slot(slab.index, local, files.stripes)
+                yield slot, idx, local * files.slot_size
         return
     for slot in range(files.num_slots) if slots is None else slots:
         yield (slot, *files.locate(slot))
