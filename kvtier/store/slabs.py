@@ -349,12 +349,6 @@ class SlabFiles:
                 logger.debug("slab %s not opened ahead: %s", slab.path, exc)
         return sum(h is not None for h in self.handles)
 
-    @property
-    def reads_inline(self) -> bool:
-        """Whether :meth:`read` runs on the caller's thread (the back end's
-        ``read_sync``) rather than waiting for the back end's pool."""
-        return self._read_sync is not None
-
     def read(self, idx: int, buf: Any, offset: int) -> int:
         """Blocking positioned read from slab ``idx``: the count read."""
         handle = self.handle(idx)
@@ -494,17 +488,13 @@ class SlabFiles:
             handles, self.handles = self.handles, [None] * len(self.handles)
         for handle in handles:
             if handle is not None:
-                try:
+                with contextlib.suppress(OSError):
                     self.backend.close(handle)
-                except OSError as exc:
-                    logger.debug("closing slab handle failed: %s", exc)
         if self._owns_backend:
             self.backend.shutdown()
         for fd in self._dir_fds:  # releases the store-directory locks
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError as exc:
-                logger.debug("closing store directory failed: %s", exc)
         self._dir_fds.clear()
 
     def abandon(self) -> None:
@@ -661,6 +651,15 @@ class _ReadOnly(DiskBackend):
         return handle
 
 
+_FILE_KINDS = {
+    stat.S_IFDIR: "directory",
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFSOCK: "socket",
+}
+
+
 def open_regular(path: str) -> tuple[int, os.stat_result]:
     """``os.open`` for reading that never blocks or follows a symlink, and
     accepts only a regular file (a FIFO named like a slab would otherwise
@@ -678,20 +677,7 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
         raise StoreError(f"{path}: cannot stat: {exc.strerror or exc}") from None
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        kind = next(
-            (
-                name
-                for test, name in (
-                    (stat.S_ISDIR, "directory"),
-                    (stat.S_ISFIFO, "FIFO"),
-                    (stat.S_ISCHR, "character device"),
-                    (stat.S_ISBLK, "block device"),
-                    (stat.S_ISSOCK, "socket"),
-                )
-                if test(st.st_mode)
-            ),
-            "special file",
-        )
+        kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "special file")
         raise StoreError(f"{path}: not a regular file ({kind})")
     return fd, st
 
