@@ -42,13 +42,6 @@ def kvikio_status() -> tuple[bool, str]:
     return bool(usable), why if usable else f"kvikio unusable: {why}"
 
 
-def _make_kvikio(threads: int) -> DiskBackend:
-    backend: DiskBackend = importlib.import_module(
-        "kvtier.store.backends.kvikio"
-    ).KvikioBackend(threads=threads)
-    return backend
-
-
 def make_backend(disk_io: str = "auto", *, threads: int = 4) -> DiskBackend:
     """Build the back end named by ``disk_io``.
 
@@ -58,27 +51,25 @@ def make_backend(disk_io: str = "auto", *, threads: int = 4) -> DiskBackend:
     - ``"auto"``: kvikio when ``kvikio_status()`` says so, otherwise posix.
     Any other value raises ValueError.
     """
-    if disk_io == "posix":
-        _log_choice("posix", "disk_io='posix'")
-        return PosixBackend(threads)
-    if disk_io == "kvikio":
+    if disk_io not in DISK_IO_CHOICES:
+        raise ValueError(
+            f"disk_io must be one of {', '.join(map(repr, DISK_IO_CHOICES))}; "
+            f"got {disk_io!r}"
+        )
+    setting = f"disk_io={disk_io!r}"
+    if disk_io != "posix":
         usable, why = kvikio_status()
-        if not usable:
+        if disk_io == "kvikio" and not usable:
             raise BackendUnavailableError(
-                f"disk_io='kvikio' was requested but kvikio cannot be used: {why}; "
+                f"{setting} was requested but kvikio cannot be used: {why}; "
                 "set disk_io='posix' or 'auto'"
             )
-        backend = _make_kvikio(threads)
-        _log_choice(backend.describe(), "disk_io='kvikio'")
-        return backend
-    if disk_io == "auto":
-        usable, why = kvikio_status()
+        if disk_io == "auto":
+            setting = f"{setting}: {why}"
         if usable:
-            backend = _make_kvikio(threads)
-            _log_choice(backend.describe(), f"disk_io='auto': {why}")
+            module = importlib.import_module("kvtier.store.backends.kvikio")
+            backend: DiskBackend = module.KvikioBackend(threads=threads)
+            _log_choice(backend.describe(), setting)
             return backend
-        _log_choice("posix", f"disk_io='auto': {why}")
-        return PosixBackend(threads)
-    raise ValueError(
-        f"disk_io must be one of {', '.join(map(repr, DISK_IO_CHOICES))}; got {disk_io!r}"
-    )
+    _log_choice("posix", setting)
+    return PosixBackend(threads)
