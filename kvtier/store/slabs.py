@@ -78,7 +78,6 @@ from kvtier.store.slot import (
     LayoutFingerprint,
     ReadOutcome,
     SlotHeader,
-    short_read_outcome,
     slot_size,
 )
 
@@ -436,23 +435,24 @@ class SlabFiles:
         )
 
     def short_read(self, slot: int) -> ReadOutcome:
-        """A read of ``slot`` came back short: TRUNCATED (logged with the
-        rejected slots) when its slab now ends inside the slot, else
-        IO_ERROR (counted and logged as an EIO); see
-        :func:`~kvtier.store.slot.short_read_outcome`."""
+        """What a read of ``slot`` that came back short means. Slabs are
+        preallocated to their full size, so one that now ends inside the
+        slot was truncated: TRUNCATED, the block is gone for good (logged
+        with the rejected slots). One long enough, or of unknown size, had
+        the read cut short by the device: IO_ERROR, transient like an errno
+        (counted and logged as an EIO)."""
         idx, offset = self.locate(slot)
         handle = self.handles[idx]
         size = None if handle is None else self.backend.size(handle)
-        outcome = short_read_outcome(size, offset + self.slot_size)
-        if outcome is ReadOutcome.TRUNCATED:
+        if size is not None and size < offset + self.slot_size:
             self.rejected(slot, f"short read: the slab ends at byte {size} (truncated)")
-        else:
-            self.io_error(
-                "read",
-                idx,
-                OSError(errno.EIO, f"short read of slot {slot} (not the file's end)"),
-            )
-        return outcome
+            return ReadOutcome.TRUNCATED
+        self.io_error(
+            "read",
+            idx,
+            OSError(errno.EIO, f"short read of slot {slot} (not the file's end)"),
+        )
+        return ReadOutcome.IO_ERROR
 
     def host_only(self, slot: int, why: str) -> None:
         """An intact slot that the device path cannot verify: logged."""

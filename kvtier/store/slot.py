@@ -12,8 +12,7 @@ returns a :class:`SlotVerdict` whose ``detail`` says, for a rejected slot,
 why in words. :func:`verify_header` (magic, version, header checksum, layout,
 key, lengths) then :func:`check_payload` (the payload's xxh3) is the whole
 host verification; :func:`decode_payload` decodes a verified payload and rejects one
-that does not decode as the header says; :func:`short_read_outcome` says
-what a read that came back short means.
+that does not decode as the header says.
 
 Pure: no I/O, no torch.
 """
@@ -348,20 +347,6 @@ class ReadOutcome(Enum):
     # device checksum; a compressed payload decodes on the host only): read
     # it through the host path. Only the device staging reader reports it.
     HOST_ONLY = "host_only"
-
-
-def short_read_outcome(file_size: int | None, slot_end: int) -> ReadOutcome:
-    """What a read of a slot that returned fewer bytes than asked means.
-
-    Slabs are preallocated to their full size, so a slab that now ends
-    before ``slot_end`` (the slot's end offset) was truncated: TRUNCATED,
-    the slot's block is gone for good (structural, like a bad checksum). A
-    slab long enough (or of unknown size) had the read cut short by the
-    device: IO_ERROR, transient like an errno (the block may read whole
-    next time)."""
-    if file_size is not None and file_size < slot_end:
-        return ReadOutcome.TRUNCATED
-    return ReadOutcome.IO_ERROR
 
 
 @dataclass(frozen=True)
