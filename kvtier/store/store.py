@@ -213,13 +213,10 @@ class DiskStore:
         bounce = self._bounce()
         if self.compression == "zstd":
             codec, packed = compress(flat, self.elem_size)
-            n = len(packed)
-            bounce[HEADER_SIZE : HEADER_SIZE + n] = np.frombuffer(
-                packed, dtype=np.uint8
-            )
         else:
-            codec, n = Codec.RAW, flat.size
-            bounce[HEADER_SIZE : HEADER_SIZE + n] = flat
+            codec, packed = Codec.RAW, flat
+        n = len(packed)
+        bounce[HEADER_SIZE : HEADER_SIZE + n] = np.frombuffer(packed, dtype=np.uint8)
         payload = bounce[HEADER_SIZE : HEADER_SIZE + n]
         header = SlotHeader(
             key=bytes(key),
