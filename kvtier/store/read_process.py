@@ -127,15 +127,8 @@ class ReadProcess:
             raise
         area = np.frombuffer(self._map, dtype=np.uint8)
         area.fill(0)  # its pages in now, not during the first load
-        try:
-            # Reads here while the child starts, and after it is gone.
-            self._local = SlotReader(files, area=area)
-        except BaseException:
-            del area
-            self._map = None
-            os.close(self._fd)
-            raise
-        del area
+        # Reads here while the child starts, and after it is gone.
+        self._local = SlotReader(files, area=area)
         self.backend = files.backend  # this process's (the child makes its own)
         self.capacity = self._local.capacity
         self.rows = self._local.rows
@@ -180,16 +173,15 @@ class ReadProcess:
                 env=_child_env(),
             )
         except OSError as exc:
-            for fd in (req_r, req_w, resp_r, resp_w):
-                os.close(fd)
+            os.close(req_w)
+            os.close(resp_r)
             logger.warning(
                 "kvtier: no read process (%s); loads read in the engine", exc
             )
             return
-        finally:
-            if self._proc is not None:
-                os.close(req_r)
-                os.close(resp_w)
+        finally:  # the child's ends: it has its own copies, or there is none
+            os.close(req_r)
+            os.close(resp_w)
         self._pipes = PipeChannel(req_w, resp_r)
         try:
             self._pipes.send(self._child_config)
