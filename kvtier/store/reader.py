@@ -408,9 +408,9 @@ class SlotReader:
         )
 
     def _issue(self, run: ReadRun, inline: bool) -> Any:
-        """Start one run's read: its future, its byte count (``inline``:
-        read before returning, on this thread where the back end can), or
-        None where the open or the start failed (logged)."""
+        """Start one run's read: its future, its byte count (``inline`` on a
+        back end that reads on the calling thread), or None where the open
+        or the start failed (logged)."""
         ssz = self.slot_size
         rows = slice(run.row, run.row + run.count)
         # kvikio reads into the staging tensor itself, whatever its device;
@@ -422,7 +422,7 @@ class SlotReader:
             offset = run.local * ssz
             if self._start_read is not None:
                 return self._start_read(self.files.handle(run.slab), target, offset)
-            if inline:
+            if inline and self.files.reads_inline:
                 return self.files.read(run.slab, target, offset)
             return self.files.submit_read(run.slab, target, offset)
         except OSError as exc:
