@@ -270,7 +270,7 @@ class DeviceCopies:
         end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record(stream)
-            copier.to_gpu(plan)
+            copier.copy(plan, to_cpu=False)
             end.record(stream)
         transfer = next(self._ids)
         self._events[transfer] = (start, end)
