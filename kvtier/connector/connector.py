@@ -98,8 +98,6 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
         report = self.report
         if isinstance(other, KvtierWorkerMetadata):
             report = report.merge(other.report)
-        else:
-            report = report.merge(WorkerReport())
         return KvtierWorkerMetadata(
             completed_jobs=base.completed_jobs,
             transfer_stats=base.transfer_stats,
