@@ -37,7 +37,7 @@ Config (vLLM 0.32 - 0.33)::
                           "disk_compression": "none"}]}
 
 Modules: ``disk_tier``, ``pull`` (keeping what a lower tier supplied),
-``metrics``, ``portable``, ``shared_fs``; the entry's keys and their checks
+``portable``, ``shared_fs``; the entry's keys and their checks
 are :mod:`kvtier.connector.config`'s. Importing the package is cheap: a
 class loads on first access.
 
