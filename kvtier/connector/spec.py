@@ -180,7 +180,6 @@ class TieredOffloadingSpec(OffloadingSpec):
             )
         else:
             check_disk_paths(self.kvtier)
-        self.elem_size = element_bytes(config.model.dtype)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -228,7 +227,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                     # kvikio (needing libcuda) is never loaded here.
                     backend="posix",
                     compression=cfg.disk_compression,
-                    elem_size=self.elem_size,
+                    elem_size=element_bytes(self.config.model.dtype),
                     threads=cfg.disk_io_threads,
                 )
                 rows = [
