@@ -215,6 +215,10 @@ class KvtierDiskTier(SecondaryTierManager):
                 f"{DISK_TIER_TYPE}: primary rows of {rows.shape} cannot hold "
                 f"{self.num_ranks} rank page(s) of {self.block_bytes} B"
             )
+        host_layout = HOST_LAYOUT + ("-replicated" if replicated else "")
+        fingerprints = layout_fingerprints(
+            config, self.block_bytes, world, host_layout
+        )[: self.num_ranks]
         try:
             self.capacity = blocks_in_budget(
                 cfg.disk_bytes_to_use,
@@ -223,6 +227,7 @@ class KvtierDiskTier(SecondaryTierManager):
                 "disk_bytes_to_use",
                 "disk slot",
             )
+            check_disk_paths(cfg, reusable=[store_dirname(fp) for fp in fingerprints])
         except ConfigError as exc:
             raise as_tier_error(exc) from None
         self._events: list[OffloadingEvent] | None = (
@@ -243,14 +248,6 @@ class KvtierDiskTier(SecondaryTierManager):
         # The data path's totals as last seen: a shut-down tier (no runtime)
         # keeps reporting them, so no counter goes backwards.
         self._io: list[tuple[str, tuple[str, ...], float]] = []
-        host_layout = HOST_LAYOUT + ("-replicated" if replicated else "")
-        fingerprints = layout_fingerprints(config, self.block_bytes, world, host_layout)[
-            : self.num_ranks
-        ]
-        try:
-            check_disk_paths(cfg, reusable=[store_dirname(fp) for fp in fingerprints])
-        except ConfigError as exc:
-            raise as_tier_error(exc) from None
         stores = open_stores(
             cfg.disk_paths,
             fingerprints,
