@@ -67,12 +67,8 @@ class CpuBlockBuffer:
         adopted. ``owner=False`` maps an existing file whose owner is alive
         (its lock is held), else FileNotFoundError. ``owner=None``: the
         latter if possible, else the former.
-      - ``unlink_name`` removes the file's name (only while it still names
-        the mapped inode) once every process that needs the rows has them
-        mapped: the memory then goes back to the system when the last
-        mapping goes, however its processes end (SIGKILL and OOM kill
-        included). Until then a dead owner's file is reclaimed by the next
-        start (its lock died with it).
+      - :meth:`unlink_name` removes the file's name once every process that
+        needs the rows has them mapped (the module doc has the file's life).
       - ``close`` unmaps and, for the owner, unlinks the file and
         releases the lock (also done at garbage collection or interpreter
         exit, so a failed start leaves no file). Views handed out must be
