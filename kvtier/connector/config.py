@@ -47,7 +47,7 @@ class ConfigError(ValueError):
     where = "kv_connector_extra_config"
 
     def __init__(self, key: str, message: str):
-        self.key = key
+        self.key, self.message = key, message
         super().__init__(f"kvtier: {self.where}[{key!r}]: {message}")
 
 
@@ -588,9 +588,7 @@ class TierConfigError(ConfigError):
 
 def as_tier_error(exc: ConfigError) -> TierConfigError:
     """The same complaint, named as a key of the ``secondary_tiers`` entry."""
-    text = str(exc)
-    marker = f"[{exc.key!r}]: "
-    return TierConfigError(exc.key, text.split(marker, 1)[-1])
+    return TierConfigError(exc.key, exc.message)
 
 
 def parse_tier_config(
