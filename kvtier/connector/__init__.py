@@ -17,22 +17,13 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "TieredOffloadingConnector": "kvtier.connector.connector",
     "TieredOffloadingSpec": "kvtier.connector.spec",
-    "TieredOffloadingManager": "kvtier.connector.manager",
-    "TieredOffloadingWorker": "kvtier.connector.worker.worker",
 }
 
-__all__ = [
-    "TieredOffloadingConnector",
-    "TieredOffloadingManager",
-    "TieredOffloadingSpec",
-    "TieredOffloadingWorker",
-]
+__all__ = ["TieredOffloadingConnector", "TieredOffloadingSpec"]
 
 if TYPE_CHECKING:
     from kvtier.connector.connector import TieredOffloadingConnector
-    from kvtier.connector.manager import TieredOffloadingManager
     from kvtier.connector.spec import TieredOffloadingSpec
-    from kvtier.connector.worker.worker import TieredOffloadingWorker
 
 
 def __getattr__(name: str) -> Any:

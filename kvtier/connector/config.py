@@ -41,20 +41,21 @@ from kvtier.tiers.policy import policy_names
 
 
 class ConfigError(ValueError):
-    """A bad ``kv_connector_extra_config`` value; the message names the key."""
+    """A bad ``kv_connector_extra_config`` value; the message names the key
+    (``where``: the config it is a key of)."""
+
+    where = "kv_connector_extra_config"
 
     def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"kvtier: kv_connector_extra_config[{key!r}]: {message}")
+        self.key, self.message = key, message
+        super().__init__(f"kvtier: {self.where}[{key!r}]: {message}")
 
 
 class TransferConfigError(ConfigError):
     """A bad top-level ``--kv-transfer-config`` value (not an extra-config
     key): the connector class or vLLM's ``kv_load_failure_policy``."""
 
-    def __init__(self, key: str, message: str):
-        self.key = key
-        ValueError.__init__(self, f"kvtier: kv_transfer_config[{key!r}]: {message}")
+    where = "kv_transfer_config"
 
 
 # How to run under kvtier's connector; a disk tier needs it (kvtier.connector
@@ -581,19 +582,13 @@ class TierConfigError(ConfigError):
     """A bad key of a kvtier entry (``tier``: its type) in ``secondary_tiers``."""
 
     def __init__(self, key: str, message: str, tier: str = DISK_TIER_TYPE):
-        self.key = key
-        ValueError.__init__(
-            self,
-            f"kvtier: kv_connector_extra_config['secondary_tiers'][type={tier}]"
-            f"[{key!r}]: {message}",
-        )
+        self.where = f"kv_connector_extra_config['secondary_tiers'][type={tier}]"
+        super().__init__(key, message)
 
 
 def as_tier_error(exc: ConfigError) -> TierConfigError:
     """The same complaint, named as a key of the ``secondary_tiers`` entry."""
-    text = str(exc)
-    marker = f"[{exc.key!r}]: "
-    return TierConfigError(exc.key, text.split(marker, 1)[-1])
+    return TierConfigError(exc.key, exc.message)
 
 
 def parse_tier_config(

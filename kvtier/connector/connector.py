@@ -98,8 +98,6 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
         report = self.report
         if isinstance(other, KvtierWorkerMetadata):
             report = report.merge(other.report)
-        else:
-            report = report.merge(WorkerReport())
         return KvtierWorkerMetadata(
             completed_jobs=base.completed_jobs,
             transfer_stats=base.transfer_stats,
@@ -195,13 +193,9 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         d = self._deltas.delta
         reader = getattr(self.worker, "reader", None)
         if reader is not None:
-            s = reader.stats()
-            report.counters.read_bytes = int(d("read_bytes", s.read_bytes))
-            report.counters.read_seconds = d("read_seconds", s.read_seconds)
-            report.counters.checksum_failures = int(
-                d("checksum_failures", s.checksum_failures)
-            )
-            report.counters.io_errors = int(d("io_errors", s.io_errors))
+            stats = reader.stats()
+            for name in ("read_bytes", "read_seconds", "checksum_failures", "io_errors"):
+                setattr(report.counters, name, d(name, getattr(stats, name)))
         exceptions = getattr(self.worker, "exceptions", None)
         if exceptions is not None:
             report.counters.exceptions = int(d("exceptions", exceptions.count))

@@ -1,15 +1,7 @@
-"""``TieredOffloadingSpec``: kvtier as an out-of-tree vLLM OffloadingSpec.
-
-Enable with::
-
-    --kv-transfer-config '{"kv_connector": "OffloadingConnector",
-      "kv_role": "kv_both",
-      "kv_connector_extra_config": {
-        "spec_name": "TieredOffloadingSpec",
-        "spec_module_path": "kvtier.connector",
-        "cpu_bytes_to_use": 8000000000,
-        "disk_bytes_to_use": 200000000000,
-        "disk_path": "/mnt/nvme0/kvtier"}}'
+"""``TieredOffloadingSpec``: kvtier as an out-of-tree vLLM OffloadingSpec,
+built by kvtier's connector (:mod:`kvtier.connector.connector` has the
+``--kv-transfer-config`` that enables both; vLLM's stock connector may build
+it too, without a disk tier).
 
 vLLM builds one spec per role: the scheduler calls ``get_manager`` and each
 worker calls ``get_worker``. Both sides derive the same geometry from the
@@ -180,7 +172,6 @@ class TieredOffloadingSpec(OffloadingSpec):
             )
         else:
             check_disk_paths(self.kvtier)
-        self.elem_size = element_bytes(config.model.dtype)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -228,7 +219,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                     # kvikio (needing libcuda) is never loaded here.
                     backend="posix",
                     compression=cfg.disk_compression,
-                    elem_size=self.elem_size,
+                    elem_size=element_bytes(self.config.model.dtype),
                     threads=cfg.disk_io_threads,
                 )
                 rows = [

@@ -90,17 +90,15 @@ def multi_node_reason(t: Topology) -> str | None:
 
 def observe(config: Any) -> Topology:
     """This process's facts for the spec's ``OffloadingConfig``."""
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.distributed import parallel_state
+
     par = config.parallel
     topo: dict[str, Any] = {
         "world_size": max(int(par.world_size), 1),
         "data_parallel_size": max(int(par.data_parallel_size), 1),
     }
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-
-        vllm_config = get_current_vllm_config_or_none()
-    except ImportError:  # pragma: no cover - older vLLM
-        vllm_config = None
+    vllm_config = get_current_vllm_config_or_none()
     if vllm_config is not None:
         pc = vllm_config.parallel_config
         try:
@@ -109,14 +107,9 @@ def observe(config: Any) -> Topology:
             topo["nnodes_within_dp"] = int(getattr(pc, "nnodes", 1) or 1)
         backend = pc.distributed_executor_backend
         topo["backend"] = backend if isinstance(backend, str) else None
-    try:
-        from vllm.distributed import parallel_state
-
-        # Private: get_node_count() asserts before the distributed
-        # environment exists, where this reads None.
-        topo["measured_nodes"] = parallel_state._NODE_COUNT
-    except ImportError:  # pragma: no cover
-        pass
+    # Private: get_node_count() asserts before the distributed environment
+    # exists, where this reads None.
+    topo["measured_nodes"] = parallel_state._NODE_COUNT
     for key, env in (
         ("launcher_world", "WORLD_SIZE"),
         ("launcher_local", "LOCAL_WORLD_SIZE"),

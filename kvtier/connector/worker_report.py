@@ -60,23 +60,21 @@ class WorkerReport:
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """A new report with both reports' contents (neither is changed)."""
-        out = WorkerReport(
-            {k: list(v) for k, v in self.failed_keys.items()},
-            {k: list(v) for k, v in self.unloaded_keys.items()},
-            list(self.failed_store_rows),
+
+        def keys(mine: dict[str, list[bytes]], theirs: dict[str, list[bytes]]):
+            out = {req_id: list(held) for req_id, held in mine.items()}
+            for req_id, held in theirs.items():
+                out.setdefault(req_id, []).extend(held)
+            return out
+
+        return WorkerReport(
+            keys(self.failed_keys, other.failed_keys),
+            keys(self.unloaded_keys, other.unloaded_keys),
+            self.failed_store_rows + other.failed_store_rows,
             self.counters + other.counters,
-            {k: list(v) for k, v in self.io_failed_keys.items()},
+            keys(self.io_failed_keys, other.io_failed_keys),
             self.read_latencies + other.read_latencies,
         )
-        for mine, theirs in (
-            (out.failed_keys, other.failed_keys),
-            (out.unloaded_keys, other.unloaded_keys),
-            (out.io_failed_keys, other.io_failed_keys),
-        ):
-            for req_id, keys in theirs.items():
-                mine.setdefault(req_id, []).extend(keys)
-        out.failed_store_rows.extend(other.failed_store_rows)
-        return out
 
 
 class CounterDeltas:

@@ -187,14 +187,6 @@ class BlockCopier:
             t = t.reshape(t.shape[0], -1)
         return t
 
-    def to_cpu(self, plan: CopyPlan) -> None:
-        """GPU blocks -> CPU rows."""
-        self.copy(plan, to_cpu=True)
-
-    def to_gpu(self, plan: CopyPlan) -> None:
-        """CPU rows -> GPU blocks."""
-        self.copy(plan, to_cpu=False)
-
     def copy(self, plan: CopyPlan, to_cpu: bool) -> None:
         """GPU blocks -> CPU rows (``to_cpu``), else CPU rows -> GPU blocks."""
         if len(plan) == 0:

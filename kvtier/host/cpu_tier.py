@@ -5,8 +5,8 @@ Each rank's CPU tier is one contiguous, page-aligned mapping of
 ``num_blocks`` rows (:class:`CpuBlockBuffer`): one mapping rather than many
 tensors because the disk path needs page-aligned rows for O_DIRECT, one
 registration page-locks it all for device copies, and, backed by a file in
-this user's private shared-memory directory (:func:`cpu_buffer_dir`, named by
-:func:`cpu_buffer_path` from the engine id, rank and world size), the
+this user's private shared-memory directory (``/dev/shm/kvtier-<euid>``,
+named by :func:`cpu_buffer_path` from the engine id, rank and world size), the
 scheduler process and the worker see the same bytes.
 
 Its life: the worker owns the file (:func:`open_worker_buffer`: created
@@ -67,12 +67,8 @@ class CpuBlockBuffer:
         adopted. ``owner=False`` maps an existing file whose owner is alive
         (its lock is held), else FileNotFoundError. ``owner=None``: the
         latter if possible, else the former.
-      - ``unlink_name`` removes the file's name (only while it still names
-        the mapped inode) once every process that needs the rows has them
-        mapped: the memory then goes back to the system when the last
-        mapping goes, however its processes end (SIGKILL and OOM kill
-        included). Until then a dead owner's file is reclaimed by the next
-        start (its lock died with it).
+      - :meth:`unlink_name` removes the file's name once every process that
+        needs the rows has them mapped (the module doc has the file's life).
       - ``close`` unmaps and, for the owner, unlinks the file and
         releases the lock (also done at garbage collection or interpreter
         exit, so a failed start leaves no file). Views handed out must be
@@ -133,10 +129,6 @@ class CpuBlockBuffer:
         if self._tensor is None:
             raise RuntimeError("CpuBlockBuffer is closed")
         return self._tensor
-
-    def row(self, index: int) -> np.ndarray:
-        """Row ``index`` as a 1-D uint8 view."""
-        return self.array[index]
 
     def unlink_name(self) -> bool:
         """Remove ``shm_path`` if it still names the mapped inode (never a
@@ -373,33 +365,20 @@ def _release_owned(path: str, fd: int) -> None:
 def cpu_buffer_path(engine_id: str, rank: int, world_size: int) -> str:
     """Where rank ``rank``'s CPU tier lives, shared by scheduler and worker.
 
-    Inside this user's private directory (:func:`cpu_buffer_dir`: 0700,
-    owner checked), so other users can neither read the rows nor plant a
-    file under the predictable name. Only a name: the directory is created
-    and checked when the worker creates the file, and goes with the last
-    file, so an engine that never creates one leaves nothing behind."""
+    Inside this user's private directory, ``<base>/kvtier-<euid>`` (``base``:
+    /dev/shm, or the temp directory where there is no /dev/shm), so other
+    users can neither read the rows nor plant a file under the predictable
+    name. Only a name: the directory is created (0700, owned by the
+    effective user, not a symbolic link, else PermissionError/OSError) when
+    the worker creates the file, and goes with the last file, so an engine
+    that never creates one leaves nothing behind."""
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
     return os.path.join(_dir_name(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
 
 
-def _dir_name(base: str | None = None) -> str:
-    if base is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+def _dir_name() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, f"kvtier-{os.geteuid()}")
-
-
-def cpu_buffer_dir(base: str | None = None) -> str:
-    """This user's private directory for CPU-tier files, created if needed.
-
-    ``<base>/kvtier-<euid>`` (``base``: /dev/shm, or the temp directory where
-    there is no /dev/shm), mode 0700, owned by the effective user and not a
-    symbolic link, else PermissionError/OSError naming it: other users can
-    neither read, plant nor replace files in it, and the names inside can
-    stay predictable (the scheduler and the workers derive them from the
-    same config)."""
-    path = _dir_name(base)
-    os.close(open_private_dir(path))
-    return path
 
 
 def same_name(path: str, fd: int) -> bool:

@@ -11,6 +11,8 @@
   points for the offline optimum (``kvtier.tiers.optimum``).
 - :mod:`kvtier.testing.procs`: an engine's processes and their threads'
   names, from ``/proc`` (imports nothing beyond the standard library).
+- :mod:`kvtier.testing.host`: the CPU tier's private directory under a
+  base of the test's choosing (no vLLM import).
 
 Importing this package imports nothing else; each module imports vLLM.
 """

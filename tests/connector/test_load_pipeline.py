@@ -63,6 +63,17 @@ def _wait_for(cond, what: str, timeout: float = DEADLINE_S) -> None:
         time.sleep(0.002)
 
 
+def _idle(loads: pipeline.LoadPipeline):
+    """A probe of the load thread's state: no task queued or held, every
+    bounce part free."""
+
+    def idle() -> bool:
+        busy = loads._queue or loads._expedited or loads._turns
+        return not busy and all(p.state is pipeline.FREE for p in loads.ring.parts)
+
+    return idle
+
+
 def _submit(r: RequestRunner, keys, gpu_blocks, job_id: int):
     """Plan a load of ``keys`` and submit it from another thread: a
     ``submit_load`` that waited for a held read would never return, and the
@@ -317,7 +328,7 @@ def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, cap
         release.set()
     # The held read returns late: its job was given up, so it writes
     # nothing into the blocks vLLM has since handed to other requests.
-    _wait_for(r.worker.loads.idle, "the load thread to go idle")
+    _wait_for(_idle(r.worker.loads), "the load thread to go idle")
     time.sleep(0.05)
     assert r.worker.get_finished() == []
     assert not any(_landed(r, keys, [40, 41, 42, 43]))
@@ -408,7 +419,7 @@ def test_an_open_that_never_returns_costs_its_job_not_a_hang(tmp_path, plan):
         assert error.unloaded == keys and error.gpu_block_ids == {40, 41, 42, 43}
         _complete(r, keys, ctx, error)
         release.set()  # the open returns: the cancelled job issues nothing
-        _wait_for(r.worker.loads.idle, "the load thread to drop it")
+        _wait_for(_idle(r.worker.loads), "the load thread to drop it")
         assert r.worker.get_finished() == []
         assert not any(_landed(r, keys, [40, 41, 42, 43]))
     finally:
@@ -439,7 +450,7 @@ def test_a_stuck_load_thread_costs_every_load_it_holds(tmp_path, plan):
             _complete(r, keys, ctx, error)
         plan.remove(hang)
         release.set()
-        _wait_for(r.worker.loads.idle, "the load thread to come back")
+        _wait_for(_idle(r.worker.loads), "the load thread to come back")
         assert not any(_landed(r, first + second, [40, 41, 44, 45]))
         r.worker.loads.deadline_s = pipeline.BATCH_DEADLINE_S
         ctx3 = _submit(r, first, [48, 49], job_id=3)

@@ -127,6 +127,11 @@ def _no_copy_in_flight(r: RequestRunner) -> None:
     assert not ring.transfers and not any(part.transfers for part in ring.parts)
 
 
+def _book_empty(r: RequestRunner) -> bool:
+    """No job and no transfer in flight."""
+    return not r.worker.book.jobs and not r.worker.book._owner
+
+
 def _submit_disk_load(r: RequestRunner, name: str, keys, gpu_blocks, job_id: int):
     assert r.lookup(name, keys) == len(keys)
     ctx = r.ctx
@@ -372,7 +377,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     assert reads == [1, 1] and late_cpu.landed == [1] and late.landed == [1]
     assert not late_cpu.queued and not late.queued
     _no_copy_in_flight(r)
-    assert r.worker.book.empty()
+    assert _book_empty(r)
     # Every block of the job counts as failed, the CPU ones included; the
     # disk copies are reported unloaded, not bad (nothing showed them bad).
     error = r.worker.take_load_error(9)
@@ -457,7 +462,7 @@ def test_a_batch_copy_that_raises_fails_its_job_not_the_engine(runner, monkeypat
     assert error.gpu_block_ids == {50, 51, 52}
     _no_copy_in_flight(r)
     assert late.landed == [1]  # the first batch's, before the job was reported
-    assert r.worker.book.empty() and not late.queued
+    assert _book_empty(r) and not late.queued
     r.manager.note_worker_report(
         WorkerReport({ctx.req_id: error.keys}, {ctx.req_id: error.unloaded})
     )

@@ -32,7 +32,7 @@ def test_copies_are_byte_exact_at_every_word_size(pages, word, row_stride_extra)
     assert copier.word == min(word, word_size([rows]))
 
     plan = plan_copy([3, 4, 9], [1, 4], bpc, first_block_index=1)
-    assert copier.to_cpu(plan) is None  # CPU platform: done on return
+    assert copier.copy(plan, to_cpu=True) is None  # CPU platform: done on return
     offset = 0
     for t, page in zip(kv, pages):
         for g, r, sub in zip(plan.gpu_ids, plan.row_ids, plan.sub_ids):
@@ -43,7 +43,7 @@ def test_copies_are_byte_exact_at_every_word_size(pages, word, row_stride_extra)
     assert not rows[1, : pages[0]].any()
 
     back = [torch.zeros_like(t) for t in kv]
-    BlockCopier(back, rows, bpc).to_gpu(plan)
+    BlockCopier(back, rows, bpc).copy(plan, to_cpu=False)
     for t, b in zip(kv, back):
         assert torch.equal(b[plan.gpu_ids], t[plan.gpu_ids])
         mask = np.ones(16, dtype=bool)
@@ -115,7 +115,7 @@ def test_host_copies_from_runs_and_gathers_equal_a_blockwise_copy(
         want_area = area.clone()
         _reference(want_kv, want_area[:, :row_bytes], bpc, plan, to_cpu)
         copier = BlockCopier(kv, rows, bpc, host_numpy=host_numpy)
-        (copier.to_cpu if to_cpu else copier.to_gpu)(plan)
+        copier.copy(plan, to_cpu)
         assert torch.equal(area, want_area)
         for got, want in zip(kv, want_kv):
             assert torch.equal(got, want)

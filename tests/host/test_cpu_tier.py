@@ -21,7 +21,7 @@ def test_anonymous_buffer_geometry_alignment_and_views() -> None:
         assert buf.array.shape == (6, 8192) and buf.array.dtype == np.uint8
         assert buf.tensor.shape == (6, 8192) and buf.tensor.dtype == torch.uint8
         assert buf.array.ctypes.data % 4096 == 0
-        assert all(buf.row(i).ctypes.data % 4096 == 0 for i in range(6))
+        assert all(buf.array[i].ctypes.data % 4096 == 0 for i in range(6))
         assert not buf.array.any()
         buf.tensor[2].fill_(7)  # writes through the tensor are seen by numpy
         assert (buf.array[2] == 7).all() and not buf.array[1].any()
@@ -86,7 +86,8 @@ def test_bad_geometry() -> None:
 def test_last_owner_leaves_nothing_in_the_shared_memory_directory(tmp_path):
     import os
 
-    from kvtier.host.cpu_tier import CpuBlockBuffer, cpu_buffer_dir
+    from kvtier.host.cpu_tier import CpuBlockBuffer
+    from kvtier.testing.host import cpu_buffer_dir
 
     # A private base: the real /dev/shm/kvtier-<euid> is shared with any
     # engine this user runs meanwhile, whose files would keep it alive.

@@ -27,12 +27,12 @@ from kvtier.connector.preflight import prepare_cpu_tier
 from kvtier.host import cpu_tier as cpu_buffer_mod
 from kvtier.host.cpu_tier import (
     CpuBlockBuffer,
-    cpu_buffer_dir,
     cpu_buffer_path,
     open_worker_buffer,
     reclaim_stale_cpu_files,
 )
 from kvtier.safe_open import InUseError
+from kvtier.testing.host import cpu_buffer_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW = 4096

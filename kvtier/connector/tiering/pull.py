@@ -19,13 +19,13 @@ wants blocks it was not sent, ``serve_external_requests(parent)``:
    another tier). ``HIT``: the block is in the primary tier now, and
    ``parent.create_store_job`` pins it there for a store into this tier,
    exactly like a cascade. ``HIT_PENDING``: its promotion is still in
-   flight, so ask again next step (up to ``patience_s``). ``MISS``: nobody
-   supplied it (a fresh block, which reaches this tier through the normal
-   cascade once computed), so forget it.
+   flight, so ask again next step (up to :data:`PATIENCE_S`). ``MISS``:
+   nobody supplied it (a fresh block, which reaches this tier through the
+   normal cascade once computed), so forget it.
 
-Bounded: at most ``limit`` noted keys (the oldest are dropped), and each is
-given up after ``patience_s``. Costs one primary-tier dict lookup per noted
-key per step; the extra queries show in vLLM's tiering lookup metrics.
+Bounded: at most :data:`LIMIT` noted keys (the oldest are dropped), and each
+is given up after :data:`PATIENCE_S`. Costs one primary-tier dict lookup per
+noted key per step; the extra queries show in vLLM's tiering lookup metrics.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from vllm.v1.kv_offload.tiering.base import ParentManager, TransferJob
 
 # Admits no secondary tier: the manager's lookup then asks the primary only.
 PRIMARY_ONLY = TierFilter(matchers=())
+# Noted keys kept at most, and seconds a key's promotion is waited for.
+LIMIT = 8192
+PATIENCE_S = 30.0
 
 _ids = itertools.count()
 
@@ -53,9 +56,7 @@ class PullBack:
     """Noted misses of one tier, turned into store jobs once another tier
     has brought the block into the primary tier (see module doc)."""
 
-    def __init__(self, limit: int = 8192, patience_s: float = 30.0):
-        self.limit = limit
-        self.patience_s = patience_s
+    def __init__(self) -> None:
         self._noted: OrderedDict[OffloadKey, float] = OrderedDict()
 
     def __len__(self) -> int:
@@ -66,7 +67,7 @@ class PullBack:
         if key in self._noted:
             return
         self._noted[key] = time.monotonic()
-        if len(self._noted) > self.limit:
+        if len(self._noted) > LIMIT:
             self._noted.popitem(last=False)
 
     def serve(
@@ -90,9 +91,7 @@ class PullBack:
                 result = parent.lookup(key, ctx)
                 if result is LookupResult.HIT:
                     ready.append(key)
-                elif (
-                    result is LookupResult.HIT_PENDING and now - since < self.patience_s
-                ):
+                elif result is LookupResult.HIT_PENDING and now - since < PATIENCE_S:
                     continue
                 del self._noted[key]
             job = parent.create_store_job(ready, ctx) if ready else None

@@ -146,9 +146,7 @@ class DeviceCopies:
         # in shutdown() after the last transfer drained.
         self._registered: list[int] = []
         self.areas: dict[str, HostArea] = {}
-        # Areas in device memory (the device staging area of verified disk
-        # slots): copied into the KV cache by kvtier on a stream of its own,
-        # since vLLM's handlers copy between host and device only.
+        # Areas in device memory: one copier per group (see the class doc).
         self._scatter: dict[str, list[BlockCopier]] = {}
         self._stream: torch.cuda.Stream | None = None
         self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
@@ -256,9 +254,7 @@ class DeviceCopies:
             raise errors[0]
 
     def _submit_scatter(self, area: str, group: int, plan: CopyPlan, to_host: bool) -> int:
-        """Device staging rows -> KV cache, queued on kvtier's stream after
-        the work already queued on the current (model) stream; timed by
-        CUDA events like vLLM's transfers."""
+        """Device staging rows -> KV cache (see the class doc)."""
         if to_host:
             raise ValueError(f"the device area {area!r} is only copied from")
         copier = self._scatter[area][group]
@@ -270,7 +266,7 @@ class DeviceCopies:
         end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record(stream)
-            copier.to_gpu(plan)
+            copier.copy(plan, to_cpu=False)
             end.record(stream)
         transfer = next(self._ids)
         self._events[transfer] = (start, end)

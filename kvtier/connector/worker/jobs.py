@@ -256,10 +256,6 @@ class JobBook:
     def take_store_error(self, job_id: int) -> list[int] | None:
         return self._store_errors.pop(job_id, None)
 
-    def empty(self) -> bool:
-        """No job and no transfer in flight."""
-        return not self.jobs and not self._owner
-
     def clear(self) -> None:
         """Forget every job in flight (shutdown)."""
         self.jobs.clear()

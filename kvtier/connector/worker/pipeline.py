@@ -294,9 +294,9 @@ class LoadPipeline:
         waited for. It returns False if the thread did not stop in time (a
         read that never returns): then the host areas must stay mapped.
       - ``submit``, ``warm_up``, ``take``, ``wait_output``, ``cancel``,
-        ``overdue``, ``idle`` and ``stop`` are called from the worker's
-        thread; everything else runs on the load thread, which alone calls
-        the reader and ``copies`` (an asynchronous path is the load thread's
+        ``overdue`` and ``stop`` are called from the worker's thread;
+        everything else runs on the load thread, which alone calls the
+        reader and ``copies`` (an asynchronous path is the load thread's
         own, see :class:`~kvtier.host.block_copy.CopyPath`).
     """
 
@@ -383,11 +383,6 @@ class LoadPipeline:
     def overdue(self) -> bool:
         since = self._step_since
         return since is not None and time.monotonic() - since > self.deadline_s
-
-    def idle(self) -> bool:
-        """No task queued or held, every bounce part free."""
-        busy = self._queue or self._expedited or self._turns
-        return not busy and all(p.state is FREE for p in self.ring.parts)
 
     def stop(self, timeout: float) -> bool:
         with self._cond:

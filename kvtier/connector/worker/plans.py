@@ -45,17 +45,9 @@ def split_by_group(
             continue
         n_rows = (first + size - 1) // blocks_per_chunk - first // blocks_per_chunk + 1
         positions = np.arange(r_start, r_start + n_rows, dtype=np.int64)
-        plans.append(
-            GroupPlan(
-                group,
-                plan_copy(
-                    gpu_ids[g_start : g_start + size],
-                    positions,
-                    blocks_per_chunk,
-                    first,
-                ),
-            )
-        )
+        span = gpu_ids[g_start : g_start + size]
+        plan = plan_copy(span, positions, blocks_per_chunk, first)
+        plans.append(GroupPlan(group, plan))
         g_start += size
         r_start += n_rows
     if r_start != num_rows:

@@ -18,16 +18,13 @@ thread's the disk batches); on the CPU platform kvtier's word-sized copier
 done once its load task came back and every transfer of it landed
 (:mod:`kvtier.connector.worker.jobs`).
 
-What fails costs a recompute, never wrong KV or a hang. A disk block that
-fails (I/O error, checksum, header, wrong key, a batch past its deadline)
-is copied nowhere; the job reports the keys and GPU blocks it could not
-fill (:meth:`take_load_error`) and kvtier's connector turns that into
-vLLM's load-error path. Under kvtier's connector (``contain_exceptions``)
-an exception raised by a job (a bug, an unforeseen error of the reader or
-the copy path) is logged, counted and fails the whole job: a load with
-every block, a store with every CPU row (:meth:`take_store_error`). A load
-thread that does not come back from one step (a hung open or transfer)
-costs every load it holds, failed whole.
+What fails costs a recompute, never wrong KV or a hang (the kinds of
+failure: :mod:`kvtier.connector.worker.jobs`). A disk block that fails is
+copied nowhere; the job reports the keys and GPU blocks it could not fill
+(:meth:`take_load_error`) and kvtier's connector turns that into vLLM's
+load-error path. An exception raised by a job fails the whole job
+(``contain_exceptions``). A load thread that does not come back from one
+step (a hung open or transfer) costs every load it holds, failed whole.
 """
 
 from __future__ import annotations
