@@ -8,6 +8,7 @@ cannot drift apart.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -92,9 +93,33 @@ def test_same_number_as_vllm(text: str) -> None:
 
 @given(st.lists(st.one_of(_tokens, st.sampled_from(['"64G"', ", ", ": ", "{", "}"]))))
 def test_json_expansion_is_vllms(parts: list[str]) -> None:
+    """The same text as vLLM's, except that a size over ``MAX_SIZE`` (joined
+    tokens make long numbers) is refused where vLLM expands it."""
     text = "".join(parts)
     theirs = _or_none(arg_utils._expand_json_human_readable_numbers, text)
-    assert _or_none(expand_bare_sizes, text) == theirs, text
+    ours = _or_none(expand_bare_sizes, text)
+    if ours is None and theirs is not None:
+        assert any(_too_large(t) for t in _BARE_TOKEN.findall(text)), text
+    else:
+        assert ours == theirs, text
+
+
+def test_json_expansion_refuses_what_is_too_large() -> None:
+    text = '{"cpu_bytes_to_use": 1180610000t}'  # > MAX_SIZE; vLLM expands it
+    assert _or_none(arg_utils._expand_json_human_readable_numbers, text)
+    with pytest.raises(ValueError, match="too large"):
+        expand_bare_sizes(text)
+
+
+_BARE_TOKEN = re.compile(r"\b[0-9]+(?:\.[0-9]+)?[kKmMgGtT]\b")  # as vLLM finds them
+
+
+def _too_large(token: str) -> bool:
+    try:
+        parse_size(token)
+    except ValueError as exc:
+        return "too large" in str(exc)
+    return False
 
 
 def test_json_expansion_leaves_strings() -> None:
