@@ -179,6 +179,22 @@ def test_stores_of_another_identity_are_set_aside(capsys, disk, shm):
     )
 
 
+def test_a_model_that_cannot_be_read_is_a_warning(capsys, disk, shm, monkeypatch):
+    """A store whose model cannot be hashed (an I/O error reading its files)
+    is a store that cannot be read: a warning, not a failed check."""
+    model = build_tiny_llama()
+    _store(disk, model, model_identity(model, kv_cache_dtype="float32"))
+
+    def unreadable(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("kvtier.connector.identity.model_identity", unreadable)
+    rc, checks = doctor(capsys, *flags(disk, shm, "--model", model))
+    found = checks["existing stores"]
+    assert found["status"] == "warning" and "cannot read a store" in found["detail"]
+    assert rc == 0
+
+
 def test_xxhash_without_seed_warns(capsys, disk, shm, monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     _, checks = doctor(capsys, *flags(disk, shm, "--hash-algo", "xxhash"))

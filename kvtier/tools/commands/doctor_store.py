@@ -96,6 +96,7 @@ def check_stores(
     counts as available)."""
     try:
         views = _find(paths)
+        verdicts = [_verdict(view.layout or {}, model) for view in views]
     except (OSError, ValueError) as exc:
         return [
             Check(
@@ -117,9 +118,7 @@ def check_stores(
         ], {}
     out: list[Check] = []
     reusable: dict[str, list[str]] = {}
-    for view in views:
-        layout = view.layout or {}
-        status, verdict = _verdict(layout, model)
+    for view, (status, verdict) in zip(views, verdicts):
         subject = f"store {view.name}"
         if model is None:
             out.append(Check("warm-restart", subject, status, verdict))
