@@ -304,8 +304,8 @@ class SlabFiles:
         return functools.partial(
             SlabFiles,
             self.name,
-            self.dirs,
-            self.slabs,
+            list(self.dirs),
+            list(self.slabs),
             self.block_bytes,
             self.digest,
             owns_backend=True,
