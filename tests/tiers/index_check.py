@@ -17,6 +17,11 @@ def check_index(tier: Tier) -> None:
     eligible = set(tier.index.eligible)
     assert set(expect) == eligible, (tier.medium, expect, eligible)
     saved = tier.index.inspected
-    got = tier.eligible_in_order()
+    got = eligible_in_order(tier)
     tier.index.inspected = saved
     assert got == expect, (tier.medium, got, expect)
+
+
+def eligible_in_order(tier: Tier) -> list:
+    """Every eligible key of ``tier``, most evictable first."""
+    return tier.victims(len(tier.index.eligible))
