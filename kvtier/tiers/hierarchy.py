@@ -111,7 +111,6 @@ class TierHierarchy:
         self._cpu_get = self.cpu.get
         self._disk_get = self.disk.get if self.disk is not None else _absent
         self.spill_watermark = spill_watermark
-        self.spill_batch = max(1, spill_batch)
         self.stats = HierarchyStats()
         self._next_job_id = 1
         # The write-back of dirty CPU blocks (None without a disk tier).
@@ -200,20 +199,9 @@ class TierHierarchy:
 
     # -------------------------------------------------------------------- load
 
-    @property
-    def promote_on_hit(self) -> bool:
-        """Whether a disk hit is also copied into a free CPU row."""
-        return self._planner.promote_on_hit
-
-    @promote_on_hit.setter
-    def promote_on_hit(self, value: bool) -> None:
-        self._planner.promote_on_hit = value
-
-    def prepare_load(
-        self, keys: Sequence[Key], promote: bool | None = None
-    ) -> LoadPlan:
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
         """See :meth:`kvtier.tiers.loading.LoadPlanner.prepare_load`."""
-        return self._planner.prepare_load(keys, promote)
+        return self._planner.prepare_load(keys)
 
     def complete_load(
         self,
