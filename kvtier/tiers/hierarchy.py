@@ -67,7 +67,7 @@ class TierHierarchy:
     Contract (what the property tests check):
       - capacities are never exceeded; a WRITING or pinned block is never
         evicted or overwritten;
-      - ``lookup``/``prefix_hits`` report only READY blocks as hits;
+      - ``lookup`` reports only READY blocks as hits;
       - every residency change appends exactly one event, in order, and
         :func:`kvtier.tiers.events.replay` of all events equals
         :meth:`residency`;
@@ -140,6 +140,7 @@ class TierHierarchy:
         # Without a consumer (KV events off) nothing drains the events, so
         # none are recorded: an undrained log would grow without bound.
         self._events = EventLog(record_events)
+        self._emit = self._events.record
         self._planner = LoadPlanner(
             self.cpu,
             self.disk_core,
@@ -167,15 +168,6 @@ class TierHierarchy:
         if on_disk is not None and on_disk.state is READY:
             return _HIT_DISK
         return _PENDING if block is not None else _MISS
-
-    def prefix_hits(self, keys: Iterable[Key]) -> int:
-        """Consecutive keys from the first that are ready in *any* tier."""
-        n = 0
-        for key in keys:
-            if not self.lookup(key).is_hit:
-                break
-            n += 1
-        return n
 
     def source_of(self, key: Key) -> str:
         """Medium a hit on ``key`` is credited to (disk if its CPU copy was
@@ -433,11 +425,6 @@ class TierHierarchy:
         :meth:`SpillQueue.disk_dropped`."""
         if self._spills is not None:
             self._spills.disk_dropped(keys, evicted)
-
-    def _emit(
-        self, keys: Sequence[Key], medium: str, removed: bool, reason: str
-    ) -> None:
-        self._events.record(keys, medium, removed, reason)
 
     def _emit_disk(self, keys: Sequence[Key], removed: bool, reason: str) -> None:
         self._events.record(keys, MEDIUM_DISK, removed, reason)

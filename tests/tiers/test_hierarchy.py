@@ -7,7 +7,7 @@ from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, replay
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 from kvtier.tiers.policy import policy_names
-from tests.tiers.index_check import check_index
+from tests.tiers.index_check import check_index, prefix_hits
 
 
 def _store(h, keys):
@@ -32,7 +32,7 @@ def test_cpu_only_drops_lru_victims():
     # "a" could never be hit, "a" without "b" still is.
     assert _store(h, ["d"]).evicted_keys == ["b"]
     assert h.lookup("b") is Residency.MISS
-    assert h.prefix_hits(["a", "b"]) == 1
+    assert prefix_hits(h, ["a", "b"]) == 1
 
 
 def test_victims_cascade_to_disk_and_come_back():
@@ -43,7 +43,7 @@ def test_victims_cascade_to_disk_and_come_back():
     assert sorted(plan.evicted_keys) == ["a", "b"]
     assert h.lookup("a") is Residency.HIT_DISK
     # A prefix spanning disk and CPU counts as one hit run.
-    assert h.prefix_hits(["a", "c", "b", "d"]) == 4
+    assert prefix_hits(h, ["a", "c", "b", "d"]) == 4
     load = h.prepare_load(["a", "c"])
     assert [loc.medium for loc in load.locations] == [MEDIUM_DISK, MEDIUM_CPU]
     h.complete_load(load.load_id)
@@ -220,7 +220,7 @@ def test_offer_larger_than_the_cpu_tier_stores_its_head():
     plan = _store(h, keys)
     assert plan.keys_to_store == keys[:4]  # the head, not nothing
     assert h.stats.store_blocks_skipped == 6 and h.stats.stores_declined == 0
-    assert h.prefix_hits(keys) == 4
+    assert prefix_hits(h, keys) == 4
     # An offer that fits the tier stays all or nothing (dirty blocks wait).
     assert h.prepare_store(["x", "y"]) is None
     assert h.stats.stores_declined == 1

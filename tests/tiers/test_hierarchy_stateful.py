@@ -32,7 +32,7 @@ from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, replay
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 from kvtier.tiers.policy import policy_names
-from tests.tiers.index_check import check_index
+from tests.tiers.index_check import check_index, prefix_hits
 
 KEYS = st.integers(min_value=0, max_value=11)
 
@@ -119,7 +119,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         keys = head + [k for k in extra if k not in head]
         if not keys:
             return
-        n = self.h.prefix_hits(keys)
+        n = prefix_hits(self.h, keys)
         if n == 0:
             return
         plan = self.h.prepare_load(keys[:n])
@@ -228,7 +228,7 @@ class HierarchyMachine(RuleBasedStateMachine):
             if key not in ready:
                 break
             expected += 1
-        assert self.h.prefix_hits(probe) == expected
+        assert prefix_hits(self.h, probe) == expected
         for key in probe:
             r = self.h.lookup(key)
             assert r.is_hit == (key in ready)
