@@ -266,8 +266,7 @@ class TierHierarchy:
                 self._queue_spills(need - available)
                 self.stats.store_blocks_skipped += len(new_keys) - room
                 new_keys = new_keys[:room]
-                cpu.remove_many(evicted, True)
-                self._dropped_from_cpu(evicted)
+                self._drop_from_cpu(evicted)
 
         # Allocated tail first: the head of the prefix ranks newest.
         slots = cpu.allocate_many(new_keys[::-1], "store")
