@@ -69,8 +69,7 @@ class TierHierarchy:
         evicted or overwritten;
       - ``lookup`` reports only READY blocks as hits;
       - every residency change appends exactly one event, in order, and
-        :func:`kvtier.tiers.events.replay` of all events equals
-        :meth:`residency`;
+        replaying all events from an empty state gives :meth:`residency`;
       - with a disk tier, a block leaves the CPU tier only when it is also
         ready on disk, or when the disk refused it (spill failed), or on
         ``reset``;

@@ -25,8 +25,9 @@ from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import TransferEngine
+from kvtier.testing.events import replay
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
-from kvtier.tiers.events import TierEvent, replay
+from kvtier.tiers.events import TierEvent
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 

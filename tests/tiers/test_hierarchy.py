@@ -2,8 +2,9 @@
 
 import pytest
 
+from kvtier.testing.events import replay
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
-from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, replay
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 from kvtier.tiers.policy import policy_names

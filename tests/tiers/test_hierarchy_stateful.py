@@ -28,7 +28,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, replay
+from kvtier.testing.events import replay
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 from kvtier.tiers.policy import policy_names
