@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from kvtier.tiers.policy import EvictionPolicy, make_policy
 from kvtier.tiers.slots import BlockState, SlotPool, TierBlock
-from kvtier.tiers.victims import VictimIndex, scan_victims
+from kvtier.tiers.victims import VictimIndex
 
 _READY = BlockState.READY
 _WRITING = BlockState.WRITING
@@ -320,7 +320,7 @@ class Tier:
             return []
         if limit is not None:
             candidates = itertools.islice(self.policy.candidates(), limit)
-            return scan_victims(n, candidates, self.index.eligible, exclude, self.index)
+            return self.index.scan(n, candidates, exclude)
         return self.index.victims(n, self.policy.victim_order(), exclude, take=False)
 
     def evict(

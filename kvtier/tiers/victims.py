@@ -36,8 +36,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from itertools import filterfalse, repeat
 from typing import Any
 
-# One run of a victim order (see kvtier.tiers.policy.Run).
-Runs = Sequence[tuple[int, int | None]]
+from kvtier.tiers.policy import Run
 
 # Ordered runs per segment: with three, no admission of the trace replay
 # goes to a heap (docs/benchmarks.md, "Scheduler cost"); more would only add
@@ -244,7 +243,7 @@ class VictimIndex:
     def victims(
         self,
         n: int,
-        order: Runs,
+        order: Sequence[Run],
         exclude: set[Hashable] | frozenset[Hashable],
         take: bool,
     ) -> list[Hashable]:
@@ -313,31 +312,30 @@ class VictimIndex:
                 heapq.heappush(from_heap, (stamp, key))
         return chosen
 
-
-def scan_victims(
-    n: int,
-    candidates: Iterable[Hashable],
-    eligible: dict[Hashable, Any],
-    exclude: set[Hashable] | frozenset[Hashable],
-    counter: Any,
-) -> list[Hashable]:
-    """Victims among ``candidates`` (a bounded prefix of the policy's
-    order): the first ``n`` eligible ones not excluded; stops
-    once every eligible key was seen. ``counter.inspected`` counts the
-    candidates examined. O(candidates consumed)."""
-    chosen: list[Hashable] = []
-    left = len(eligible)
-    inspected = 0
-    for key in candidates:
-        inspected += 1
-        if key not in eligible:
-            continue
-        left -= 1
-        if key not in exclude:
-            chosen.append(key)
-            if len(chosen) >= n:
+    def scan(
+        self,
+        n: int,
+        candidates: Iterable[Hashable],
+        exclude: set[Hashable] | frozenset[Hashable],
+    ) -> list[Hashable]:
+        """Victims among ``candidates`` (a bounded prefix of the policy's
+        order): the first ``n`` eligible ones not excluded; stops once every
+        eligible key was seen. Nothing changes but ``inspected``.
+        O(candidates consumed)."""
+        eligible = self.eligible
+        chosen: list[Hashable] = []
+        left = len(eligible)
+        inspected = 0
+        for key in candidates:
+            inspected += 1
+            if key not in eligible:
+                continue
+            left -= 1
+            if key not in exclude:
+                chosen.append(key)
+                if len(chosen) >= n:
+                    break
+            if left == 0:
                 break
-        if left == 0:
-            break
-    counter.inspected += inspected
-    return chosen
+        self.inspected += inspected
+        return chosen
