@@ -96,26 +96,24 @@ class TierHierarchy:
                 f"spill_watermark must be within [0, 1], got {spill_watermark}"
             )
         self.cpu = Tier(MEDIUM_CPU, cpu_blocks, cpu_policy)
-        # The disk tier's placement (slots, victims, pins, events) is the
-        # same engine as the tiering-mode disk tier's; ``disk`` is its Tier.
-        self.disk_core: DiskTierCore | None = (
-            DiskTierCore(disk_blocks, disk_policy, emit=self._emit_disk)
-            if disk_blocks > 0
-            else None
-        )
-        self.disk: Tier | None = (
-            self.disk_core.tier if self.disk_core is not None else None
-        )
-        # The tiers' block lookups, bound once for the hottest query.
-        self._cpu_get = self.cpu.get
-        self._disk_get = self.disk.get if self.disk is not None else _absent
         self.spill_watermark = spill_watermark
         self.stats = HierarchyStats()
         self._next_job_id = 1
-        # The write-back of dirty CPU blocks (None without a disk tier).
+        # Without a disk tier: no disk core, no write-back of dirty CPU
+        # blocks (``_spills``), no dirty CPU block (``_dirty``, oldest use
+        # first) and no spill in flight (``_spilling``: key -> job id).
+        self.disk_core: DiskTierCore | None = None
+        self.disk: Tier | None = None
         self._spills: SpillQueue | None = None
-        if self.disk_core is not None:
-            self._spills = SpillQueue(
+        self._dirty: OrderedDict[Key, None] = OrderedDict()
+        self._spilling: dict[Key, int] = {}
+        if disk_blocks > 0:
+            # The disk tier's placement (slots, victims, pins, events) is the
+            # same engine as the tiering-mode disk tier's; ``disk`` is its
+            # Tier.
+            self.disk_core = DiskTierCore(disk_blocks, disk_policy, self._emit_disk)
+            self.disk = self.disk_core.tier
+            self._spills = spills = SpillQueue(
                 self.cpu,
                 self.disk_core,
                 self.stats,
@@ -123,16 +121,15 @@ class TierHierarchy:
                 batch=spill_batch,
                 new_job_id=self._new_job_id,
             )
+            self._dirty, self._spilling = spills.dirty, spills.spilling
             # Victims of the CPU tier are only blocks it may drop now; the
             # tier indexes them, so a tier full of dirty or in-flight
             # blocks costs nothing to ask. The spill queue refreshes a key
             # whenever what the filter reads changes.
-            self.cpu.set_filter(self._spills.droppable)
-        spills = self._spills
-        # Dirty CPU blocks, oldest use first (empty without a disk tier), and
-        # the spills in flight (key -> job id).
-        self._dirty = spills.dirty if spills is not None else OrderedDict()
-        self._spilling = spills.spilling if spills is not None else {}
+            self.cpu.set_filter(spills.droppable)
+        # The tiers' block lookups, bound once for the hottest query.
+        self._cpu_get = self.cpu.get
+        self._disk_get = self.disk.get if self.disk is not None else _absent
         # Keys whose CPU copy came from disk, so hits keep reporting "disk"
         # as their source until the block is stored again.
         self._promoted: set[Key] = set()

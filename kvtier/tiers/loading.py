@@ -4,11 +4,9 @@ to a disk copy is the disk core's read-failure rule).
 
 :class:`LoadPlanner` is the load half of
 :class:`~kvtier.tiers.hierarchy.TierHierarchy`, kept apart because it is one
-responsibility. It is given, at construction, exactly what it reads and
-changes: the CPU tier, the disk tier's core, the hierarchy's dirty queue,
-promoted set and counters, and three hooks into the hierarchy (make CPU
-room, follow up a dropped disk copy, record an event). Single-threaded, like
-the hierarchy; O(keys of the load) per call, plus a bounded victim scan.
+responsibility; it is given exactly what it reads and changes.
+Single-threaded, like the hierarchy; O(keys of the load) per call, plus a
+bounded victim scan.
 """
 
 from __future__ import annotations
