@@ -1,5 +1,5 @@
 """A ZMQ subscriber of vLLM's KV events, counting blocks per event and medium;
-the residency that kvtier's own events (TierEvent) imply."""
+the residency that kvtier's own events (TierEvent) imply, and a hierarchy's."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, TierEvent
+from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.slots import BlockState
+from kvtier.tiers.tier import Tier
 
 # --------------------------------------------------------------------------
 # 4. KV events
@@ -190,3 +193,14 @@ def replay(events: Iterable[TierEvent]) -> dict[str, set[Hashable]]:
                     raise ValueError(f"stored {key!r} on {ev.medium} twice")
                 held.add(key)
     return state
+
+
+def residency(h: TierHierarchy) -> dict[str, set[Hashable]]:
+    """The keys READY per medium of ``h`` (O(n)): what :func:`replay` of all
+    its events must give."""
+
+    def ready(tier: Tier | None) -> set[Hashable]:
+        items = tier.items() if tier is not None else ()
+        return {k for k, b in items if b.state is BlockState.READY}
+
+    return {MEDIUM_CPU: ready(h.cpu), MEDIUM_DISK: ready(h.disk)}

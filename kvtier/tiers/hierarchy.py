@@ -69,7 +69,8 @@ class TierHierarchy:
         evicted or overwritten;
       - ``lookup`` reports only READY blocks as hits;
       - every residency change appends exactly one event, in order, and
-        replaying all events from an empty state gives :meth:`residency`;
+        replaying all events from an empty state gives the READY keys of
+        each tier;
       - with a disk tier, a block leaves the CPU tier only when it is also
         ready on disk, or when the disk refused it (spill failed), or on
         ``reset``;
@@ -373,11 +374,6 @@ class TierHierarchy:
     def take_events(self) -> list[TierEvent]:
         """Drain the residency events since the last call, in order."""
         return self._events.take()
-
-    def residency(self) -> dict[str, set[Key]]:
-        """Keys READY per medium (for tests and tools; O(n))."""
-        disk = self.disk.ready_keys() if self.disk is not None else set()
-        return {MEDIUM_CPU: self.cpu.ready_keys(), MEDIUM_DISK: disk}
 
     @property
     def has_pending_io(self) -> bool:

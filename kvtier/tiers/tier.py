@@ -85,10 +85,6 @@ class Tier:
         """How many of ``keys`` may be victims now. O(len(keys))."""
         return sum(map(self.index.eligible.__contains__, keys))
 
-    def ready_keys(self) -> set[Hashable]:
-        """Keys whose block is READY (O(n): tests and tools)."""
-        return {k for k, b in self._blocks.items() if b.state is _READY}
-
     def keys(self) -> Iterator[Hashable]:
         return iter(self._blocks)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtier.testing.events import replay
+from kvtier.testing.events import replay, residency
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
@@ -55,7 +55,7 @@ def test_victims_cascade_to_disk_and_come_back():
         ("cpu", True, "evict"),
         ("cpu", False, "store"),
     ]
-    assert replay(ev) == h.residency()
+    assert replay(ev) == residency(h)
 
 
 def test_store_declines_rather_than_waiting_for_disk():
@@ -99,7 +99,7 @@ def test_disk_hits_load_in_place_with_promotion_and_corrupt_block():
     assert "b" not in h.cpu  # its promotion row given back unwritten
     assert h.disk_core.failures.corrupt == 1 and h.stats.load_failures == 1
     assert h.stats.loads_disk == 1 and h.stats.promotions_completed == 1
-    assert replay(h.take_events()) == h.residency()
+    assert replay(h.take_events()) == residency(h)
 
 
 def _on_disk_only(keys):
@@ -132,7 +132,7 @@ def test_an_io_error_keeps_the_disk_copy_and_a_good_read_resets_its_count():
     plan = h.prepare_load(["b"])
     h.complete_load(plan.load_id, io_failed=["b"])
     assert h.lookup("b") is Residency.HIT_DISK
-    assert replay(h.take_events()) == h.residency()
+    assert replay(h.take_events()) == residency(h)
 
 
 def test_io_errors_in_a_row_drop_the_disk_copy():

@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvtier.testing.events import replay
+from kvtier.testing.events import replay, residency
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
@@ -110,7 +110,7 @@ class HierarchyMachine(RuleBasedStateMachine):
     def load(self, data, extra):
         # Mostly load what is resident (plus maybe a miss at the end), so
         # loads and evictions overlap often.
-        res = self.h.residency()
+        res = residency(self.h)
         ready = sorted(res[MEDIUM_CPU] | res[MEDIUM_DISK])
         head = (
             data.draw(st.lists(st.sampled_from(ready), max_size=3, unique=True))
@@ -209,11 +209,11 @@ class HierarchyMachine(RuleBasedStateMachine):
     @invariant()
     def events_replay_to_residency(self):
         self._collect_events()
-        assert replay(self.events) == self.h.residency()
+        assert replay(self.events) == residency(self.h)
 
     @invariant()
     def ready_blocks_hold_their_bytes(self):
-        res = self.h.residency()
+        res = residency(self.h)
         for key in res[MEDIUM_CPU]:
             assert self.cpu_bytes.get(self.h.cpu.get(key).slot) == key
         for key in res[MEDIUM_DISK]:
