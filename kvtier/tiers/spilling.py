@@ -74,8 +74,8 @@ class SpillQueue:
         key given twice is marked once: the second time it is READY);
         returns them. Equal to ``cpu.mark_ready_many`` of those keys then
         queueing each as dirty unless it is READY on disk or spilling, minus
-        the index work for the keys the filter rejects (a WRITING block was never eligible, so only
-        its state changes). O(len(keys))."""
+        the index work for the keys the filter rejects (a WRITING block was
+        never eligible, so only its state changes). O(len(keys))."""
         cpu_get, disk_get = self.cpu.get, self.disk.get
         dirty, spilling, unspillable = self.dirty, self.spilling, self.unspillable
         stored: list[Key] = []
