@@ -212,8 +212,8 @@ def run_slow_spill(
         "stores_declined": h.stats.stores_declined,
         "spills_completed": h.stats.spills_completed,
         "victim_candidates_inspected": {
-            "cpu": getattr(h.cpu, "inspected", None),
-            "disk": getattr(h.disk, "inspected", None),
+            "cpu": h.cpu.index.inspected,
+            "disk": h.disk.index.inspected if h.disk is not None else None,
         },
         "hit_rate": res.hit_rate,
         "wall_s": wall,

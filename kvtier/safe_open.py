@@ -41,11 +41,6 @@ __all__ = [
     "same_file",
 ]
 
-_O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
-_O_DIRECTORY: int = getattr(os, "O_DIRECTORY", 0)
-_O_NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
-
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 
@@ -141,7 +136,7 @@ def open_private(
     A read-only opener of slab files (workers) calls
     ``open_private(slab_path, os.O_RDONLY)``."""
     shown = _display(path, dir_fd)
-    extra = _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK
+    extra = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(path, flags | extra, mode, dir_fd=dir_fd)
     except OSError as exc:
@@ -168,9 +163,9 @@ def open_private(
             # store keeps its files 0600); type, owner and write bits are
             # what make the contents trustworthy.
             _check_owned(os.fstat(fd), shown, False)
-        if _O_NONBLOCK and not flags & _O_NONBLOCK:
+        if not flags & os.O_NONBLOCK:
             fcntl.fcntl(
-                fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_NONBLOCK
+                fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK
             )
     except BaseException:
         os.close(fd)
@@ -188,7 +183,7 @@ def _display(path: str, dir_fd: int | None) -> str:
         return path
 
 
-def open_private_dir(path: str, *, create: bool = True) -> int:
+def open_private_dir(path: str) -> int:
     """Create (mode 0700) or open a kvtier-owned directory; returns its fd.
 
     The directory itself must not be a symbolic link, must be owned by the
@@ -196,11 +191,10 @@ def open_private_dir(path: str, *, create: bool = True) -> int:
     refused: someone else may have put files in it); group/other read or
     search bits are removed. A plain file in its place is a clear error.
     Parent directories are the operator's choice and are followed."""
-    if create:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, DIR_MODE)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, DIR_MODE)
     try:
-        fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
             # Linux answers ENOTDIR for O_DIRECTORY|O_NOFOLLOW on a link.

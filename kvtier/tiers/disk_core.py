@@ -42,7 +42,6 @@ from typing import Any
 
 from kvtier.tiers.events import MEDIUM_DISK
 from kvtier.tiers.plans import Key
-from kvtier.tiers.slots import BlockState
 from kvtier.tiers.tier import Tier
 
 # emit(keys, removed, reason): keys became READY here (removed=False) or
@@ -80,7 +79,6 @@ class DiskTierCore:
 
     def __init__(self, capacity: int, policy: Any = "lru", emit: Emit | None = None):
         self.tier = Tier(MEDIUM_DISK, capacity, policy)
-        self.capacity = capacity
         self._emit = emit
         self.failures = ReadFailures()
         # Resident keys whose last reads failed with an I/O error, and how
@@ -227,7 +225,3 @@ class DiskTierCore:
         self._io_errors.clear()
         self._report(ready, True, "reset")
         return ready
-
-    def is_ready(self, key: Key) -> bool:
-        block = self.tier.get(key)
-        return block is not None and block.state is BlockState.READY

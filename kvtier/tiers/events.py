@@ -3,13 +3,14 @@
 Every time a block becomes readable on a medium (``stored``) or stops being
 readable there (``removed``), the hierarchy appends one :class:`TierEvent`.
 Replaying the stream from an empty state reproduces exactly which keys are
-ready on which medium (:func:`replay`); the vLLM adapter maps these events
-1:1 onto vLLM's ``OffloadingEvent`` (medium CPU / STORAGE).
+ready on which medium (``tests/tiers/test_hierarchy_stateful.py`` checks it);
+the vLLM adapter maps these events 1:1 onto vLLM's ``OffloadingEvent``
+(medium CPU / STORAGE).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from itertools import repeat
 from typing import NamedTuple
 
@@ -19,7 +20,6 @@ from typing import NamedTuple
 MEDIUM_GPU = "gpu"
 MEDIUM_CPU = "cpu"
 MEDIUM_DISK = "disk"
-TIER_MEDIA = (MEDIUM_CPU, MEDIUM_DISK)  # kvtier's tiers
 ALL_MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
 VLLM_MEDIA = {"GPU": MEDIUM_GPU, "CPU": MEDIUM_CPU, "STORAGE": MEDIUM_DISK}
 
@@ -39,28 +39,6 @@ class TierEvent(NamedTuple):
     medium: str
     removed: bool
     reason: str = ""
-
-
-def replay(events: Iterable[TierEvent]) -> dict[str, set[Hashable]]:
-    """Residency per medium implied by an event stream that starts empty.
-
-    Raises ``ValueError`` on an event that contradicts the state so far (a
-    store of a key already there, a removal of a key that is not): the
-    stream is then not a faithful log.
-    """
-    state: dict[str, set[Hashable]] = {m: set() for m in TIER_MEDIA}
-    for ev in events:
-        held = state[ev.medium]
-        for key in ev.keys:
-            if ev.removed:
-                if key not in held:
-                    raise ValueError(f"removed {key!r} from {ev.medium} twice")
-                held.discard(key)
-            else:
-                if key in held:
-                    raise ValueError(f"stored {key!r} on {ev.medium} twice")
-                held.add(key)
-    return state
 
 
 class EventLog:

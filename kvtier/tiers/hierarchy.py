@@ -67,10 +67,10 @@ class TierHierarchy:
     Contract (what the property tests check):
       - capacities are never exceeded; a WRITING or pinned block is never
         evicted or overwritten;
-      - ``lookup``/``prefix_hits`` report only READY blocks as hits;
+      - ``lookup`` reports only READY blocks as hits;
       - every residency change appends exactly one event, in order, and
-        :func:`kvtier.tiers.events.replay` of all events equals
-        :meth:`residency`;
+        replaying all events from an empty state gives the READY keys of
+        each tier;
       - with a disk tier, a block leaves the CPU tier only when it is also
         ready on disk, or when the disk refused it (spill failed), or on
         ``reset``;
@@ -97,27 +97,24 @@ class TierHierarchy:
                 f"spill_watermark must be within [0, 1], got {spill_watermark}"
             )
         self.cpu = Tier(MEDIUM_CPU, cpu_blocks, cpu_policy)
-        # The disk tier's placement (slots, victims, pins, events) is the
-        # same engine as the tiering-mode disk tier's; ``disk`` is its Tier.
-        self.disk_core: DiskTierCore | None = (
-            DiskTierCore(disk_blocks, disk_policy, emit=self._emit_disk)
-            if disk_blocks > 0
-            else None
-        )
-        self.disk: Tier | None = (
-            self.disk_core.tier if self.disk_core is not None else None
-        )
-        # The tiers' block lookups, bound once for the hottest query.
-        self._cpu_get = self.cpu.get
-        self._disk_get = self.disk.get if self.disk is not None else _absent
         self.spill_watermark = spill_watermark
-        self.spill_batch = max(1, spill_batch)
         self.stats = HierarchyStats()
         self._next_job_id = 1
-        # The write-back of dirty CPU blocks (None without a disk tier).
+        # Without a disk tier: no disk core, no write-back of dirty CPU
+        # blocks (``_spills``), no dirty CPU block (``_dirty``, oldest use
+        # first) and no spill in flight (``_spilling``: key -> job id).
+        self.disk_core: DiskTierCore | None = None
+        self.disk: Tier | None = None
         self._spills: SpillQueue | None = None
-        if self.disk_core is not None:
-            self._spills = SpillQueue(
+        self._dirty: OrderedDict[Key, None] = OrderedDict()
+        self._spilling: dict[Key, int] = {}
+        if disk_blocks > 0:
+            # The disk tier's placement (slots, victims, pins, events) is the
+            # same engine as the tiering-mode disk tier's; ``disk`` is its
+            # Tier.
+            self.disk_core = DiskTierCore(disk_blocks, disk_policy, self._emit_disk)
+            self.disk = self.disk_core.tier
+            self._spills = spills = SpillQueue(
                 self.cpu,
                 self.disk_core,
                 self.stats,
@@ -125,22 +122,22 @@ class TierHierarchy:
                 batch=spill_batch,
                 new_job_id=self._new_job_id,
             )
+            self._dirty, self._spilling = spills.dirty, spills.spilling
             # Victims of the CPU tier are only blocks it may drop now; the
             # tier indexes them, so a tier full of dirty or in-flight
             # blocks costs nothing to ask. The spill queue refreshes a key
             # whenever what the filter reads changes.
-            self.cpu.set_filter(self._spills.droppable)
-        spills = self._spills
-        # Dirty CPU blocks, oldest use first (empty without a disk tier), and
-        # the spills in flight (key -> job id).
-        self._dirty = spills.dirty if spills is not None else OrderedDict()
-        self._spilling = spills.spilling if spills is not None else {}
+            self.cpu.set_filter(spills.droppable)
+        # The tiers' block lookups, bound once for the hottest query.
+        self._cpu_get = self.cpu.get
+        self._disk_get = self.disk.get if self.disk is not None else _absent
         # Keys whose CPU copy came from disk, so hits keep reporting "disk"
         # as their source until the block is stored again.
         self._promoted: set[Key] = set()
         # Without a consumer (KV events off) nothing drains the events, so
         # none are recorded: an undrained log would grow without bound.
         self._events = EventLog(record_events)
+        self._emit = self._events.record
         self._planner = LoadPlanner(
             self.cpu,
             self.disk_core,
@@ -169,15 +166,6 @@ class TierHierarchy:
             return _HIT_DISK
         return _PENDING if block is not None else _MISS
 
-    def prefix_hits(self, keys: Iterable[Key]) -> int:
-        """Consecutive keys from the first that are ready in *any* tier."""
-        n = 0
-        for key in keys:
-            if not self.lookup(key).is_hit:
-                break
-            n += 1
-        return n
-
     def source_of(self, key: Key) -> str:
         """Medium a hit on ``key`` is credited to (disk if its CPU copy was
         promoted from disk)."""
@@ -200,20 +188,9 @@ class TierHierarchy:
 
     # -------------------------------------------------------------------- load
 
-    @property
-    def promote_on_hit(self) -> bool:
-        """Whether a disk hit is also copied into a free CPU row."""
-        return self._planner.promote_on_hit
-
-    @promote_on_hit.setter
-    def promote_on_hit(self, value: bool) -> None:
-        self._planner.promote_on_hit = value
-
-    def prepare_load(
-        self, keys: Sequence[Key], promote: bool | None = None
-    ) -> LoadPlan:
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
         """See :meth:`kvtier.tiers.loading.LoadPlanner.prepare_load`."""
-        return self._planner.prepare_load(keys, promote)
+        return self._planner.prepare_load(keys)
 
     def complete_load(
         self,
@@ -286,8 +263,7 @@ class TierHierarchy:
                 self._queue_spills(need - available)
                 self.stats.store_blocks_skipped += len(new_keys) - room
                 new_keys = new_keys[:room]
-                cpu.remove_many(evicted, True)
-                self._dropped_from_cpu(evicted)
+                self._drop_from_cpu(evicted)
 
         # Allocated tail first: the head of the prefix ranks newest.
         slots = cpu.allocate_many(new_keys[::-1], "store")
@@ -399,11 +375,6 @@ class TierHierarchy:
         """Drain the residency events since the last call, in order."""
         return self._events.take()
 
-    def residency(self) -> dict[str, set[Key]]:
-        """Keys READY per medium (for tests and tools; O(n))."""
-        disk = self.disk.ready_keys() if self.disk is not None else set()
-        return {MEDIUM_CPU: self.cpu.ready_keys(), MEDIUM_DISK: disk}
-
     @property
     def has_pending_io(self) -> bool:
         spills = self._spills
@@ -445,11 +416,6 @@ class TierHierarchy:
         :meth:`SpillQueue.disk_dropped`."""
         if self._spills is not None:
             self._spills.disk_dropped(keys, evicted)
-
-    def _emit(
-        self, keys: Sequence[Key], medium: str, removed: bool, reason: str
-    ) -> None:
-        self._events.record(keys, medium, removed, reason)
 
     def _emit_disk(self, keys: Sequence[Key], removed: bool, reason: str) -> None:
         self._events.record(keys, MEDIUM_DISK, removed, reason)

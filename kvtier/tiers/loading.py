@@ -4,11 +4,9 @@ to a disk copy is the disk core's read-failure rule).
 
 :class:`LoadPlanner` is the load half of
 :class:`~kvtier.tiers.hierarchy.TierHierarchy`, kept apart because it is one
-responsibility. It is given, at construction, exactly what it reads and
-changes: the CPU tier, the disk tier's core, the hierarchy's dirty queue,
-promoted set and counters, and three hooks into the hierarchy (make CPU
-room, follow up a dropped disk copy, record an event). Single-threaded, like
-the hierarchy; O(keys of the load) per call, plus a bounded victim scan.
+responsibility; it is given exactly what it reads and changes.
+Single-threaded, like the hierarchy; O(keys of the load) per call, plus a
+bounded victim scan.
 """
 
 from __future__ import annotations
@@ -64,17 +62,13 @@ class LoadPlanner:
         self._emit = emit
         self._new_job_id = new_job_id
 
-    def prepare_load(
-        self, keys: Sequence[Key], promote: bool | None = None
-    ) -> LoadPlan:
+    def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
         """Pin each key where it is ready (CPU preferred) and say where.
 
-        A key read from disk also gets a CPU row to be copied into when one
-        is free or a clean block can give its row up (``promote``, default
-        ``promote_on_hit``); the load never waits for one. Raises
-        ``KeyError`` (pinning nothing) if a key is not ready anywhere."""
-        if promote is None:
-            promote = self.promote_on_hit
+        With ``promote_on_hit``, a key read from disk also gets a CPU row to
+        be copied into when one is free or a clean block can give its row
+        up; the load never waits for one. Raises ``KeyError`` (pinning
+        nothing) if a key is not ready anywhere."""
         cpu, disk = self.cpu, self.disk
         ready = BlockState.READY
         cpu_get = cpu.get
@@ -109,7 +103,7 @@ class LoadPlanner:
         # Rows for promotions, found by a short scan: one per key (its first
         # occurrence), allocated in key order in one batch.
         rows: dict[Key, int] = {}
-        if promote and wanted:
+        if self.promote_on_hit and wanted:
             distinct = list(dict.fromkeys(wanted))
             room = self._make_cpu_room(len(distinct), PROMOTION_SCAN)
             if room:

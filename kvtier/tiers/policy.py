@@ -213,10 +213,7 @@ class LRUPolicy(EvictionPolicy):
     def touch_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
         if type(self).touch is not LRUPolicy.touch:
             return super().touch_many(keys)
-        return self._to_back(keys)
-
-    def _to_back(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """Each key (new, or resident: moved) gets the next stamp, last."""
+        # Each key (all resident) moves last, with the next stamp.
         order, clock, out = self._order, self._clock, []
         pop = order.pop
         for key in keys:

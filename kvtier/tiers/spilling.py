@@ -73,9 +73,9 @@ class SpillQueue:
         blocks of a store READY, dirty unless already on disk, in order (a
         key given twice is marked once: the second time it is READY);
         returns them. Equal to ``cpu.mark_ready_many`` of those keys then
-        :meth:`mark_dirty_if_needed` of each, minus the index work for the
-        keys the filter rejects (a WRITING block was never eligible, so only
-        its state changes). O(len(keys))."""
+        queueing each as dirty unless it is READY on disk or spilling, minus
+        the index work for the keys the filter rejects (a WRITING block was
+        never eligible, so only its state changes). O(len(keys))."""
         cpu_get, disk_get = self.cpu.get, self.disk.get
         dirty, spilling, unspillable = self.dirty, self.spilling, self.unspillable
         stored: list[Key] = []
@@ -97,13 +97,6 @@ class SpillQueue:
         if clean:
             self.cpu.mark_ready_many(clean, accepted=True)
         return stored
-
-    def mark_dirty_if_needed(self, key: Key) -> None:
-        if key in self.spilling:
-            return
-        on_disk = self.disk.get(key)
-        if on_disk is None or on_disk.state is not READY:
-            self.dirty[key] = None
 
     def maybe_spill(self) -> None:
         """Keep at most ``watermark`` of the CPU tier dirty, so at least the
@@ -208,13 +201,15 @@ class SpillQueue:
             cpu.refresh_many(on_cpu, accepted=True)
             self.stats.disk_evictions += len(keys)
             return
-        refresh = cpu.refresh
+        # Their disk copies are gone: a READY CPU copy is the only copy
+        # again (dirty), unless a spill of it is in flight.
+        refresh, dirty, spilling = cpu.refresh, self.dirty, self.spilling
         for key in keys:
             block = cpu_get(key)
             if block is None:
                 continue
-            if block.state is READY:
-                self.mark_dirty_if_needed(key)
+            if block.state is READY and key not in spilling:
+                dirty[key] = None
             refresh(key)
 
     def forget(self, keys: Sequence[Key]) -> None:

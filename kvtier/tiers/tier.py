@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from kvtier.tiers.policy import EvictionPolicy, make_policy
 from kvtier.tiers.slots import BlockState, SlotPool, TierBlock
-from kvtier.tiers.victims import VictimIndex, scan_victims
+from kvtier.tiers.victims import VictimIndex
 
 _READY = BlockState.READY
 _WRITING = BlockState.WRITING
@@ -37,8 +37,7 @@ class Tier:
     Block state changes go through the tier's methods (``pin``, ``unpin``,
     ``mark_ready``...), which keep the victim index current. When what the
     tier's ``filter`` depends on changes outside the tier, the owner calls
-    :meth:`refresh` for that key. Each batch method (``*_many``) is exactly
-    the per-key method applied to each key in order.
+    :meth:`refresh` for that key.
     """
 
     def __init__(
@@ -86,33 +85,18 @@ class Tier:
         """How many of ``keys`` may be victims now. O(len(keys))."""
         return sum(map(self.index.eligible.__contains__, keys))
 
-    @property
-    def inspected(self) -> int:
-        """Candidates examined by ``victims`` (index entries, or policy
-        candidates of a bounded scan), for tests and benchmarks."""
-        return self.index.inspected
-
-    def ready_keys(self) -> set[Hashable]:
-        """Keys whose block is READY (O(n): tests and tools)."""
-        return {k for k, b in self._blocks.items() if b.state is _READY}
-
     def keys(self) -> Iterator[Hashable]:
         return iter(self._blocks)
 
     def items(self) -> Iterator[tuple[Hashable, TierBlock]]:
         return iter(self._blocks.items())
 
-    # --- mutations ---
+    # --- mutations: each per-key method is its batch (``*_many``) of one ---
 
     def allocate(self, key: Hashable, origin: str = "store") -> TierBlock:
         """Give ``key`` a free slot in state WRITING. Caller checked room."""
-        if key in self._blocks:
-            raise KeyError(f"{key!r} already resident in {self.medium} tier")
-        block = self._blocks[key] = self._slots.take(origin)
-        self.policy.insert(key)
-        # WRITING: not eligible, so only the position is recorded.
-        self.index.pos[key] = self.policy.position(key)
-        return block
+        self.allocate_many((key,), origin)
+        return self._blocks[key]
 
     def restore(self, entries: list[tuple[Hashable, int]]) -> None:
         """Register READY blocks at known slots (warm restart).
@@ -134,46 +118,28 @@ class Tier:
             self.refresh(key)
         self._slots.restore(used)
 
-    def mark_ready(self, key: Hashable) -> TierBlock:
-        block = self._blocks[key]
-        block.state = _READY
-        self.refresh(key)
-        return block
+    def mark_ready(self, key: Hashable) -> None:
+        self.mark_ready_many((key,))
 
     def remove(self, key: Hashable, evicted: bool = False) -> TierBlock:
-        """Drop ``key`` and free its slot."""
-        block = self._blocks.pop(key)
-        self.policy.remove(key, evicted)
-        self._free.append(block)
-        self.index.forget(key)
+        """Drop ``key`` and free its slot; returns its (freed) block."""
+        block = self._blocks[key]
+        self.remove_many((key,), evicted)
         return block
 
     def touch(self, key: Hashable) -> None:
-        if key in self._blocks:
-            self.policy.touch(key)
-            if not self.index.place(key, self.policy.position(key)):
-                self.refresh(key)
+        self.touch_many((key,))
 
-    def pin(self, key: Hashable) -> TierBlock:
-        block = self._blocks[key]
-        block.pins += 1
-        self.index.drop_many((key,))
-        return block
+    def pin(self, key: Hashable) -> None:
+        self.pin_many((key,))
 
-    def unpin(self, key: Hashable) -> TierBlock:
-        block = self._blocks[key]
-        if block.pins <= 0:
-            raise RuntimeError(f"unpin of unpinned {key!r} in {self.medium} tier")
-        block.pins -= 1
-        if block.pins == 0:
-            self.refresh(key)
-        return block
-
-    # --- batches: the same as one call per key, in order, minus the calls ---
+    def unpin(self, key: Hashable) -> None:
+        self.unpin_many((key,))
 
     def allocate_many(self, keys: Sequence[Hashable], origin: str) -> list[int]:
-        """``allocate(key, origin)`` for each key in order; returns the
-        slots. Caller checked room for all. O(len(keys))."""
+        """Give each key a free slot in state WRITING, in order; returns the
+        slots. Caller checked room for all. A key already resident raises
+        ``KeyError`` (the keys before it stay allocated). O(len(keys))."""
         blocks, free = self._blocks, self._free
         slots: list[int] = []
         try:
@@ -197,7 +163,7 @@ class Tier:
         return slots
 
     def mark_ready_many(self, keys: Sequence[Hashable], accepted: bool = False) -> None:
-        """``mark_ready(key)`` for each key in order. ``accepted``: the
+        """The keys' blocks become READY, in order. ``accepted``: the
         caller vouches that the tier's filter accepts every key, so it is
         not asked (same result, one call less per key). O(len(keys) log n)."""
         blocks = self._blocks
@@ -211,7 +177,8 @@ class Tier:
         self._settle(ready, pinned, known)
 
     def pin_many(self, keys: Sequence[Hashable]) -> list[int]:
-        """``pin(key)`` for each key in order; returns their slots. O(len)."""
+        """Add a reader to each key's block (no longer a victim), in order;
+        returns their slots. O(len(keys))."""
         blocks, pop = self._blocks, self.index.eligible.pop
         slots: list[int] = []
         for key in keys:
@@ -224,8 +191,10 @@ class Tier:
         return slots
 
     def unpin_many(self, keys: Sequence[Hashable], accepted: bool = False) -> None:
-        """``unpin(key)`` for each key in order. ``accepted``: as for
-        :meth:`mark_ready_many`. O(len(keys) log n)."""
+        """Take a reader off each key's block, in order (one left without
+        readers may be a victim again); a block without readers raises
+        ``RuntimeError``. ``accepted``: as for :meth:`mark_ready_many`.
+        O(len(keys) log n)."""
         blocks = self._blocks
         known = accepted or self.filter is None
         idle: list[Hashable] = []
@@ -255,8 +224,8 @@ class Tier:
             self.index.admit_many(ready)
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
-        """``touch(key)`` for each key in order (the last ends up most
-        recent). O(len(keys) log n)."""
+        """Mark the resident keys used, in order (the last ends up most
+        recent); other keys are ignored. O(len(keys) log n)."""
         blocks, index, accept = self._blocks, self.index, self.filter
         eligible = index.eligible
         resident: list[Hashable] = []
@@ -281,7 +250,8 @@ class Tier:
             index.place_many(moved)
 
     def remove_many(self, keys: Sequence[Hashable], evicted: bool) -> None:
-        """``remove(key, evicted)`` for each key in order. O(len(keys))."""
+        """Drop the keys and free their slots, in order (``evicted``: the
+        tier chose them as victims). O(len(keys))."""
         blocks, free = self._blocks, self._free
         done = 0
         try:
@@ -331,36 +301,23 @@ class Tier:
     def victims(
         self,
         n: int,
-        accept: Callable[[Hashable, TierBlock], bool] | None = None,
         exclude: set[Hashable] | frozenset[Hashable] = frozenset(),
         limit: int | None = None,
     ) -> list[Hashable]:
         """Up to ``n`` eligible keys in policy order (nothing is removed).
 
-        Eligible: READY, unpinned and allowed by the tier's ``filter``.
-        ``accept`` can narrow the choice further per call. Cost is
-        proportional to the eligible candidates inspected (the chosen, the
-        excluded and those ``accept`` rejects), plus stale index entries,
-        each dropped once: never to the blocks that may not be victims.
-        With ``limit``, only the first ``limit`` keys of the policy's order
-        (eligible or not) are considered, as a bounded scan."""
+        Eligible: READY, unpinned and allowed by the tier's ``filter``. Cost
+        is proportional to the eligible candidates inspected (the chosen and
+        the excluded), plus stale index entries, each dropped once: never to
+        the blocks that may not be victims. With ``limit``, only the first
+        ``limit`` keys of the policy's order (eligible or not) are
+        considered, as a bounded scan."""
         if n <= 0 or not self.index.eligible:
             return []
-        check = None
-        if accept is not None:
-            blocks, fn = self._blocks, accept
-
-            def check(key: Hashable) -> bool:
-                return fn(key, blocks[key])
-
         if limit is not None:
             candidates = itertools.islice(self.policy.candidates(), limit)
-            return scan_victims(
-                n, candidates, self.index.eligible, check, exclude, self.index
-            )
-        return self.index.victims(
-            n, self.policy.victim_order(), check, exclude, take=False
-        )
+            return self.index.scan(n, candidates, exclude)
+        return self.index.victims(n, self.policy.victim_order(), exclude, take=False)
 
     def evict(
         self, n: int, exclude: set[Hashable] | frozenset[Hashable] = frozenset()
@@ -372,7 +329,7 @@ class Tier:
         if n <= 0 or not self.index.eligible:
             return []
         index = self.index
-        chosen = index.victims(n, self.policy.victim_order(), None, exclude, take=True)
+        chosen = index.victims(n, self.policy.victim_order(), exclude, take=True)
         if chosen:
             # remove_many(chosen, True), minus the index's eligibility
             # (the victims were taken out of it as they were chosen).
@@ -394,15 +351,7 @@ class Tier:
         one stale entry, dropped when popped."""
         if n <= 0 or not self.index.eligible:
             return []
-        return self.index.victims(
-            n, self.policy.victim_order(), None, exclude, take=True
-        )
-
-    # --- tests and tools ---
-
-    def eligible_in_order(self) -> list[Hashable]:
-        """Every eligible key, most evictable first (O(n); for tests)."""
-        return self.victims(len(self.index.eligible))
+        return self.index.victims(n, self.policy.victim_order(), exclude, take=True)
 
     def clear(self) -> list[Hashable]:
         """Forget every block; returns the keys that were READY."""

@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from itertools import filterfalse, repeat
 from typing import Any
 
-# One run of a victim order (see kvtier.tiers.policy.Run).
-Runs = Sequence[tuple[int, int | None]]
+from kvtier.tiers.policy import Run
 
 # Ordered runs per segment: with three, no admission of the trace replay
 # goes to a heap (docs/benchmarks.md, "Scheduler cost"); more would only add
@@ -70,21 +69,15 @@ class VictimIndex:
         # Entries examined by ``victims``, for tests and benchmarks.
         self.inspected = 0
 
-    def __len__(self) -> int:
-        return len(self.eligible)
-
     # --- admitting and dropping keys ---
 
-    def admit(self, key: Hashable) -> None:
-        """``key`` (positioned) may be a victim now. O(1), O(log n) if it
-        goes to the heap; nothing if it already was eligible."""
-        self.admit_many((key,))
-
     def admit_many(self, keys: Iterable[Hashable]) -> None:
-        """``admit(key)`` for each key (a key listed twice is admitted
-        once). The keys are sorted by position first, so a batch that
-        arrives newest first still appends to one run: each segment's keys
-        go, in one batch, to the run chosen for its oldest key."""
+        """The keys (positioned) may be victims now; a key already eligible
+        or listed twice is admitted once. O(1) per key, O(log n) for one
+        that goes to the heap. The keys are sorted by position first, so a
+        batch that arrives newest first still appends to one run: each
+        segment's keys go, in one batch, to the run chosen for its oldest
+        key."""
         eligible, pos = self.eligible, self.pos
         # (filterfalse: a comprehension is a function call of its own.)
         fresh = list(filterfalse(eligible.__contains__, keys))
@@ -152,29 +145,14 @@ class VictimIndex:
             if held is not None:
                 del held[key]
 
-    def place(self, key: Hashable, position: tuple[int, int]) -> bool:
-        """Record ``key``'s new policy position; an eligible key moves to
-        it. Returns whether the key is eligible. O(1) (O(log n) to the
-        heap)."""
-        self.pos[key] = position
-        held = self.eligible.pop(key, None)
-        if held is None:
-            return False
-        del held[key]
-        self.admit_many((key,))
-        return True
-
     def place_many(self, keys: Sequence[Hashable]) -> None:
         """Each key (eligible or not) is, from now on, eligible at its
         recorded position: an eligible key's old place is dropped first."""
         self.drop_many(keys)
         self.admit_many(keys)
 
-    def forget(self, key: Hashable) -> None:
-        """``key`` left the tier. O(1)."""
-        self.forget_many((key,))
-
     def forget_many(self, keys: Iterable[Hashable]) -> None:
+        """The keys left the tier. O(1) per key."""
         pos_pop, pop = self.pos.pop, self.eligible.pop
         for key in keys:
             pos_pop(key, None)
@@ -223,7 +201,6 @@ class VictimIndex:
         n: int,
         chosen: list[Hashable],
         held: list[tuple[Any, Hashable, int, Any]],
-        accept: Callable[[Hashable], bool] | None,
         exclude: set[Hashable] | frozenset[Hashable],
         take: bool,
     ) -> int:
@@ -246,7 +223,7 @@ class VictimIndex:
                 run.move_to_end(key, last=False)
                 break
             inspected += 1
-            if key in exclude or (accept is not None and not accept(key)):
+            if key in exclude:
                 held.append((run, key, stamp, None))
                 continue
             chosen.append(key)
@@ -266,19 +243,18 @@ class VictimIndex:
     def victims(
         self,
         n: int,
-        order: Runs,
-        accept: Callable[[Hashable], bool] | None,
+        order: Sequence[Run],
         exclude: set[Hashable] | frozenset[Hashable],
         take: bool,
     ) -> list[Hashable]:
-        """Up to ``n`` eligible keys, not in ``exclude`` and passing
-        ``accept``, in the order of ``order`` (the policy's victim order).
+        """Up to ``n`` eligible keys not in ``exclude``, in the order of
+        ``order`` (the policy's victim order).
 
         ``take=False``: nothing changes but the dropping of stale heap
         entries. ``take=True``: the chosen keys leave the index (no longer
         eligible); the caller removes them from the tier or re-admits them.
-        Cost: O(runs) per entry inspected (the chosen, the excluded, those
-        ``accept`` rejects), O(log n) more for one from a heap, and the
+        Cost: O(runs) per entry inspected (the chosen and the excluded),
+        O(log n) more for one from a heap, and the
         stale heap entries, each dropped once."""
         chosen: list[Hashable] = []
         # Entries taken out to be looked at and put back afterwards:
@@ -308,7 +284,7 @@ class VictimIndex:
                     # older than every other front (and ``stop``), without
                     # comparing the fronts again for each one.
                     inspected += self._drain_run(
-                        front, fronts, stop, n, chosen, held, accept, exclude, take
+                        front, fronts, stop, n, chosen, held, exclude, take
                     )
                     continue
                 inspected += 1
@@ -316,7 +292,7 @@ class VictimIndex:
                 heappop(heap)
                 fronts.remove(front)
                 inspected += self._live_top(seg, fronts)
-                if key in exclude or (accept is not None and not accept(key)):
+                if key in exclude:
                     held.append((source, key, stamp, heap))
                     continue
                 chosen.append(key)
@@ -336,32 +312,30 @@ class VictimIndex:
                 heapq.heappush(from_heap, (stamp, key))
         return chosen
 
-
-def scan_victims(
-    n: int,
-    candidates: Iterable[Hashable],
-    eligible: dict[Hashable, Any],
-    accept: Callable[[Hashable], bool] | None,
-    exclude: set[Hashable] | frozenset[Hashable],
-    counter: Any,
-) -> list[Hashable]:
-    """Victims among ``candidates`` (a bounded prefix of the policy's
-    order): the first ``n`` eligible ones not excluded and accepted; stops
-    once every eligible key was seen. ``counter.inspected`` counts the
-    candidates examined. O(candidates consumed)."""
-    chosen: list[Hashable] = []
-    left = len(eligible)
-    inspected = 0
-    for key in candidates:
-        inspected += 1
-        if key not in eligible:
-            continue
-        left -= 1
-        if key not in exclude and (accept is None or accept(key)):
-            chosen.append(key)
-            if len(chosen) >= n:
+    def scan(
+        self,
+        n: int,
+        candidates: Iterable[Hashable],
+        exclude: set[Hashable] | frozenset[Hashable],
+    ) -> list[Hashable]:
+        """Victims among ``candidates`` (a bounded prefix of the policy's
+        order): the first ``n`` eligible ones not excluded; stops once every
+        eligible key was seen. Nothing changes but ``inspected``.
+        O(candidates consumed)."""
+        eligible = self.eligible
+        chosen: list[Hashable] = []
+        left = len(eligible)
+        inspected = 0
+        for key in candidates:
+            inspected += 1
+            if key not in eligible:
+                continue
+            left -= 1
+            if key not in exclude:
+                chosen.append(key)
+                if len(chosen) >= n:
+                    break
+            if left == 0:
                 break
-        if left == 0:
-            break
-    counter.inspected += inspected
-    return chosen
+        self.inspected += inspected
+        return chosen

@@ -117,8 +117,8 @@ class TraceReplayer:
     # -- phases ---------------------------------------------------------------
 
     def lookup(self, keys: Sequence[Hashable]) -> tuple[int, list[Hashable]]:
-        """Prefix lookup (same semantics as ``prefix_hits``): the number of
-        leading keys ready in some tier, and those of them only on disk."""
+        """Prefix lookup: the number of leading keys ready in some tier, and
+        those of them only on disk."""
         lookup = self.h.lookup
         n = 0
         on_disk: list[Hashable] = []

@@ -31,6 +31,7 @@ from kvtier.connector import metrics  # noqa: E402
 from kvtier.connector.specs import TierLoadSpec  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.store.slot import slot_size  # noqa: E402
+from kvtier.testing.events import residency  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
 from kvtier.testing.offloading import (  # noqa: E402
     offloading_config,
@@ -345,7 +346,7 @@ def test_events_replay_to_residency(runner):
             held[ev.medium] -= set(ev.keys)
         else:
             held[ev.medium] |= set(ev.keys)
-    res = runner.manager.hierarchy.residency()
+    res = residency(runner.manager.hierarchy)
     assert held[Medium.CPU] == res["cpu"]
     assert held[Medium.STORAGE] == res["disk"]
 

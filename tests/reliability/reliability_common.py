@@ -21,8 +21,9 @@ from kvtier.host.cpu_tier import CpuBlockBuffer
 from kvtier.store.slot import LayoutFingerprint
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import FinishedJob, TransferEngine
+from kvtier.testing.events import replay, residency
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
-from kvtier.tiers.events import TierEvent, replay
+from kvtier.tiers.events import TierEvent
 from kvtier.tiers.hierarchy import TierHierarchy
 
 BLOCK_BYTES = 64 * 1024
@@ -94,7 +95,7 @@ class EventLog:
 
     def check(self) -> None:
         self.events += self.h.take_events()
-        assert replay(self.events) == self.h.residency()
+        assert replay(self.events) == residency(self.h)
 
 
 # -- small real file systems ----------------------------------------------

@@ -25,8 +25,9 @@ from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import TransferEngine
+from kvtier.testing.events import replay, residency
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
-from kvtier.tiers.events import TierEvent, replay
+from kvtier.tiers.events import TierEvent
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 
@@ -97,7 +98,7 @@ def restore_and_reuse(store: DiskStore, s: Survey) -> None:
     assert h.disk.num_free == SLOTS - len(s.good)
     assert all(h.lookup(hdr.key) is Residency.HIT_DISK for hdr in s.good.values())
     events += h.take_events()
-    assert replay(events) == h.residency()
+    assert replay(events) == residency(h)
 
     # New blocks fill exactly the slots not holding a good block, the damaged
     # ones included, and read back intact afterwards.
@@ -125,7 +126,7 @@ def restore_and_reuse(store: DiskStore, s: Survey) -> None:
             engine.shutdown()
     assert len(h.disk) == SLOTS and h.disk.num_free == 0
     events += h.take_events()
-    assert replay(events) == h.residency()
+    assert replay(events) == residency(h)
     out = np.empty(BLOCK, np.uint8)
     for key in fresh:
         block = h.disk.get(key)

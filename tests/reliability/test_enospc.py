@@ -35,6 +35,7 @@ from kvtier.store import slabs as slab_mod
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.slot import ReadOutcome
 from kvtier.store.store import DiskStore
+from kvtier.testing.events import residency
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 
@@ -118,7 +119,7 @@ def test_sparse_slab_on_full_fs_fails_keys_then_recovers(
     assert sorted(failed) == sorted(keys)
     for key in keys:
         assert h.lookup(key) is Residency.HIT_CPU  # still served from CPU
-    assert h.residency()["disk"] == set() and h.stats.spill_failures == 4
+    assert residency(h)["disk"] == set() and h.stats.spill_failures == 4
     log.check()
 
     stats = rig.store.stats()
@@ -139,7 +140,7 @@ def test_sparse_slab_on_full_fs_fails_keys_then_recovers(
     results = run_hierarchy_spills(h, rig)
     assert all(r.success for r in results)
     for key in more:
-        assert h.lookup(key) is Residency.HIT_CPU and key in h.residency()["disk"]
+        assert h.lookup(key) is Residency.HIT_CPU and key in residency(h)["disk"]
         block = h.disk.get(key) if h.disk is not None else None
         assert block is not None
         assert rig.store.read_block(block.slot, key, out) is ReadOutcome.OK

@@ -32,6 +32,7 @@ from kvtier.store.backends.factory import make_backend
 from kvtier.store.reader import SlotReader
 from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome
+from kvtier.testing.events import residency
 from kvtier.testing.faults import (
     MAX_DELAY_S,
     FaultKind,
@@ -357,8 +358,8 @@ def test_failed_jobs_drive_the_hierarchy(
         assert res.failed_keys == [first[1]]
     rig.plan.remove(rule)
     assert h.lookup(first[1]) is Residency.HIT_CPU  # stays CPU-only
-    assert first[1] not in h.residency()["disk"]
-    assert {first[0], first[2], first[3]} <= h.residency()["disk"]
+    assert first[1] not in residency(h)["disk"]
+    assert {first[0], first[2], first[3]} <= residency(h)["disk"]
     assert h.stats.spill_failures == 1
     log.check()
 

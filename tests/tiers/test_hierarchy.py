@@ -2,12 +2,13 @@
 
 import pytest
 
+from kvtier.testing.events import replay, residency
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
-from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, replay
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 from kvtier.tiers.policy import policy_names
-from tests.tiers.index_check import check_index
+from tests.tiers.index_check import check_index, prefix_hits
 
 
 def _store(h, keys):
@@ -32,7 +33,7 @@ def test_cpu_only_drops_lru_victims():
     # "a" could never be hit, "a" without "b" still is.
     assert _store(h, ["d"]).evicted_keys == ["b"]
     assert h.lookup("b") is Residency.MISS
-    assert h.prefix_hits(["a", "b"]) == 1
+    assert prefix_hits(h, ["a", "b"]) == 1
 
 
 def test_victims_cascade_to_disk_and_come_back():
@@ -43,7 +44,7 @@ def test_victims_cascade_to_disk_and_come_back():
     assert sorted(plan.evicted_keys) == ["a", "b"]
     assert h.lookup("a") is Residency.HIT_DISK
     # A prefix spanning disk and CPU counts as one hit run.
-    assert h.prefix_hits(["a", "c", "b", "d"]) == 4
+    assert prefix_hits(h, ["a", "c", "b", "d"]) == 4
     load = h.prepare_load(["a", "c"])
     assert [loc.medium for loc in load.locations] == [MEDIUM_DISK, MEDIUM_CPU]
     h.complete_load(load.load_id)
@@ -54,7 +55,7 @@ def test_victims_cascade_to_disk_and_come_back():
         ("cpu", True, "evict"),
         ("cpu", False, "store"),
     ]
-    assert replay(ev) == h.residency()
+    assert replay(ev) == residency(h)
 
 
 def test_store_declines_rather_than_waiting_for_disk():
@@ -98,7 +99,7 @@ def test_disk_hits_load_in_place_with_promotion_and_corrupt_block():
     assert "b" not in h.cpu  # its promotion row given back unwritten
     assert h.disk_core.failures.corrupt == 1 and h.stats.load_failures == 1
     assert h.stats.loads_disk == 1 and h.stats.promotions_completed == 1
-    assert replay(h.take_events()) == h.residency()
+    assert replay(h.take_events()) == residency(h)
 
 
 def _on_disk_only(keys):
@@ -131,7 +132,7 @@ def test_an_io_error_keeps_the_disk_copy_and_a_good_read_resets_its_count():
     plan = h.prepare_load(["b"])
     h.complete_load(plan.load_id, io_failed=["b"])
     assert h.lookup("b") is Residency.HIT_DISK
-    assert replay(h.take_events()) == h.residency()
+    assert replay(h.take_events()) == residency(h)
 
 
 def test_io_errors_in_a_row_drop_the_disk_copy():
@@ -220,7 +221,7 @@ def test_offer_larger_than_the_cpu_tier_stores_its_head():
     plan = _store(h, keys)
     assert plan.keys_to_store == keys[:4]  # the head, not nothing
     assert h.stats.store_blocks_skipped == 6 and h.stats.stores_declined == 0
-    assert h.prefix_hits(keys) == 4
+    assert prefix_hits(h, keys) == 4
     # An offer that fits the tier stays all or nothing (dirty blocks wait).
     assert h.prepare_store(["x", "y"]) is None
     assert h.stats.stores_declined == 1
@@ -238,7 +239,7 @@ def _count_candidates(tier):
             yield key
 
     tier.policy.candidates = counting  # this instance only
-    return lambda: seen[0] + getattr(tier, "inspected", 0)
+    return lambda: seen[0] + tier.index.inspected
 
 
 @pytest.mark.parametrize("policy", policy_names())

@@ -28,11 +28,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, replay
+from kvtier.testing.events import replay, residency
+from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 from kvtier.tiers.policy import policy_names
-from tests.tiers.index_check import check_index
+from tests.tiers.index_check import check_index, prefix_hits
 
 KEYS = st.integers(min_value=0, max_value=11)
 
@@ -109,7 +110,7 @@ class HierarchyMachine(RuleBasedStateMachine):
     def load(self, data, extra):
         # Mostly load what is resident (plus maybe a miss at the end), so
         # loads and evictions overlap often.
-        res = self.h.residency()
+        res = residency(self.h)
         ready = sorted(res[MEDIUM_CPU] | res[MEDIUM_DISK])
         head = (
             data.draw(st.lists(st.sampled_from(ready), max_size=3, unique=True))
@@ -119,7 +120,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         keys = head + [k for k in extra if k not in head]
         if not keys:
             return
-        n = self.h.prefix_hits(keys)
+        n = prefix_hits(self.h, keys)
         if n == 0:
             return
         plan = self.h.prepare_load(keys[:n])
@@ -208,11 +209,11 @@ class HierarchyMachine(RuleBasedStateMachine):
     @invariant()
     def events_replay_to_residency(self):
         self._collect_events()
-        assert replay(self.events) == self.h.residency()
+        assert replay(self.events) == residency(self.h)
 
     @invariant()
     def ready_blocks_hold_their_bytes(self):
-        res = self.h.residency()
+        res = residency(self.h)
         for key in res[MEDIUM_CPU]:
             assert self.cpu_bytes.get(self.h.cpu.get(key).slot) == key
         for key in res[MEDIUM_DISK]:
@@ -228,7 +229,7 @@ class HierarchyMachine(RuleBasedStateMachine):
             if key not in ready:
                 break
             expected += 1
-        assert self.h.prefix_hits(probe) == expected
+        assert prefix_hits(self.h, probe) == expected
         for key in probe:
             r = self.h.lookup(key)
             assert r.is_hit == (key in ready)

@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.testing.events import replay
 from kvtier.tiers.doorkeeper import Doorkeeper
-from kvtier.tiers.events import TierEvent, replay
+from kvtier.tiers.events import TierEvent
 from kvtier.tiers.policy import LRUPolicy, make_policy, policy_names
 from kvtier.tiers.scan_resistant import ARCDoorkeeperPolicy, ARCPolicy, TwoQueuePolicy
 from kvtier.tiers.tier import Tier

@@ -33,7 +33,7 @@ class CountingKey:
     """A block key that counts every lookup of it (hash or equality): each
     dict, set or heap operation of the tier or the policy on a key is one
     visit. (A walk that only iterates a container without looking keys up is
-    not counted: that is what ``Tier.inspected`` is for.)"""
+    not counted: that is what ``VictimIndex.inspected`` is for.)"""
 
     visits = 0
     __slots__ = ("i",)
@@ -87,10 +87,12 @@ def victim_cost(policy: str, scan_limit: int | None = None) -> VictimCost:
     cost = VictimCost(0, 0, 0)
     fresh = TIER_BLOCKS
     for r in range(ROUNDS):
-        CountingKey.visits, inspected = 0, tier.inspected
+        CountingKey.visits, inspected = 0, tier.index.inspected
         chosen = tier.victims(PER_CALL, limit=scan_limit)
         cost.worst_visits = max(cost.worst_visits, CountingKey.visits)
-        cost.worst_inspected = max(cost.worst_inspected, tier.inspected - inspected)
+        cost.worst_inspected = max(
+            cost.worst_inspected, tier.index.inspected - inspected
+        )
         cost.returned += len(chosen)
         assert chosen, "the tier always has eligible blocks here"
         for k in chosen:

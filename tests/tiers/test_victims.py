@@ -7,7 +7,7 @@ import pytest
 
 from kvtier.tiers.policy import LRUPolicy, make_policy, policy_names
 from kvtier.tiers.tier import Tier
-from tests.tiers.index_check import check_index
+from tests.tiers.index_check import check_index, eligible_in_order
 
 
 def _churned_tier(policy: str, seed: int, capacity: int = 200) -> Tier:
@@ -54,22 +54,22 @@ def test_evict_removes_exactly_what_victims_returns(policy, seed):
         got = b.evict(n, exclude=exclude)
         assert got == expect
         assert sorted(map(str, b.keys())) == sorted(map(str, a.keys()))
-        assert b.eligible_in_order() == a.eligible_in_order()
+        assert eligible_in_order(b) == eligible_in_order(a)
         check_index(b)
     # n=1000 took every eligible key that was not excluded.
-    assert b.eligible_in_order()
-    assert all(k in exclude for k in b.eligible_in_order())
+    assert eligible_in_order(b)
+    assert all(k in exclude for k in eligible_in_order(b))
 
 
 @pytest.mark.parametrize("policy", policy_names())
 def test_taken_victims_given_back_keep_their_place(policy):
     tier = _churned_tier(policy, seed=11)
-    before = tier.eligible_in_order()
+    before = eligible_in_order(tier)
     taken = tier.take_victims(10)
     assert taken == before[:10]
     assert tier.num_eligible == len(before) - 10
     tier.refresh_many(taken)
-    assert tier.eligible_in_order() == before
+    assert eligible_in_order(tier) == before
     check_index(tier)
 
 
@@ -94,7 +94,7 @@ def test_index_heaps_stay_bounded_under_touch_churn():
         tier.touch_many([i % 50, (i * 7) % 50])
     assert sum(len(h) for h in tier.index.heaps) == 0
     check_index(tier)
-    assert tier.eligible_in_order()[:3] == tier.victims(3)
+    assert eligible_in_order(tier)[:3] == tier.victims(3)
 
 
 @pytest.mark.parametrize("policy", policy_names())
@@ -119,7 +119,7 @@ def test_out_of_order_admissions_use_the_heap_and_keep_the_order(policy):
         len(h) <= 2 * len(live) + 64
         for h, live in zip(tier.index.heaps, tier.index.heaped)
     )
-    order = tier.eligible_in_order()
+    order = eligible_in_order(tier)
     assert tier.evict(len(order) // 2) == order[: len(order) // 2]
     check_index(tier)
 

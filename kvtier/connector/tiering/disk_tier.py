@@ -397,7 +397,7 @@ class KvtierDiskTier(SecondaryTierManager):
         items = []
         chunks: list[int] = []
         for key, chunk in zip(keys, job_metadata.chunk_ids):
-            if not self.core.is_ready(key):
+            if not self.tier.is_ready(key):
                 job.missing.append(key)
                 continue
             job.moved.append(key)
