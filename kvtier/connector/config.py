@@ -396,6 +396,12 @@ class KvtierConfig(BaseModel):
     def disk_enabled(self) -> bool:
         return self.disk_bytes_to_use > 0
 
+    @property
+    def disk_bytes_per_path(self) -> int:
+        """The bytes of ``disk_bytes_to_use`` each disk path must hold (its
+        share, rounded up; 0 without a disk tier)."""
+        return -(-self.disk_bytes_to_use // max(len(self.disk_path), 1))
+
 
 # ------------------------------------------------------ validation, docs
 

@@ -29,16 +29,10 @@ def check_disk_paths(
     free_bytes: Callable[[str], int] | None = None,
     reusable: Iterable[str] = (),
 ) -> None:
-    """Fail fast on disk paths that are missing, not writable, or too small.
-
-    Each path must hold its share of ``disk_bytes_to_use``. Space used by
-    the store directories named in ``reusable`` (this engine's own layout,
-    which a warm restart reuses) counts as available; directories of other
-    layouts (another model or block size) do not."""
+    """Fail fast on disk paths that are missing, listed twice under two
+    names, not writable, or too small (:func:`check_disk_space`)."""
     if not cfg.disk_enabled:
         return
-    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
-    share = -(-cfg.disk_bytes_to_use // len(cfg.disk_paths))
     seen: dict[tuple[int, int], str] = {}
     for path in cfg.disk_paths:
         if not os.path.isdir(path):
@@ -64,30 +58,54 @@ def check_disk_paths(
                 "disk_path",
                 f"{path!r} is not writable by this process (uid {os.getuid()})",
             )
-        available = free_bytes(path) + _existing_slab_bytes(path, reusable)
-        if available < share:
-            raise ConfigError(
-                "disk_bytes_to_use",
-                f"{path!r} has {available} bytes free but needs {share} "
-                f"(disk_bytes_to_use={cfg.disk_bytes_to_use} over {len(cfg.disk_paths)} path(s)); "
-                "lower disk_bytes_to_use or free space",
-            )
+        check_disk_space(cfg, path, free_bytes=free_bytes, reusable=reusable)
+
+
+def check_disk_space(
+    cfg: KvtierConfig,
+    path: str,
+    *,
+    free_bytes: Callable[[str], int] | None = None,
+    reusable: Iterable[str] = (),
+) -> None:
+    """Fail fast when the disk path ``path`` cannot hold its share of
+    ``disk_bytes_to_use`` (:attr:`KvtierConfig.disk_bytes_per_path`): a
+    :class:`ConfigError` naming the key and the fix.
+
+    Space used by the store directories named in ``reusable`` (this
+    engine's own layout, which a warm restart reuses) counts as available;
+    directories of other layouts (another model or block size) do not."""
+    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
+    share = cfg.disk_bytes_per_path
+    available = free_bytes(path) + _existing_slab_bytes(path, reusable)
+    if available < share:
+        raise ConfigError(
+            "disk_bytes_to_use",
+            f"{path!r} has {available} bytes free but needs {share} "
+            f"(disk_bytes_to_use={cfg.disk_bytes_to_use} over {len(cfg.disk_paths)} path(s)); "
+            "lower disk_bytes_to_use or free space",
+        )
+
+
+def allocated_bytes(directory: str) -> int:
+    """Bytes the files under ``directory`` take on disk (symbolic links are
+    neither followed nor counted beyond themselves; unreadable files are
+    skipped)."""
+    total = 0
+    for root, _dirs, files in os.walk(directory, followlinks=False):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
 
 
 def _existing_slab_bytes(path: str, names: Iterable[str] = ()) -> int:
-    wanted = set(names)
+    """Bytes held by the store directories ``names`` (not links) in ``path``."""
     total = 0
-    try:
-        entries = os.scandir(path)
-    except OSError:
-        return 0
-    with entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False) and entry.name in wanted:
-                for root, _dirs, files in os.walk(entry.path, followlinks=False):
-                    for name in files:
-                        with contextlib.suppress(OSError):
-                            total += os.stat(os.path.join(root, name)).st_blocks * 512
+    for name in set(names):
+        store = os.path.join(path, name)
+        if os.path.isdir(store) and not os.path.islink(store):
+            total += allocated_bytes(store)
     return total
 
 
@@ -112,67 +130,58 @@ def _kvtier_shm_files(directory: str, exclude: Sequence[str]) -> list[tuple[str,
     return found
 
 
-def shm_available(
-    shm_dir: str,
-    existing: Iterable[str] = (),
-    *,
-    free_bytes: Callable[[str], int] | None = None,
-) -> int:
-    """Bytes of shared memory the CPU tier can have in ``shm_dir``: what is
-    free, plus what ``existing`` (this engine's CPU-tier files, created by
-    its other role) already hold."""
-    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
-    # The private directory exists once the first CPU-tier file does; its
-    # file system is its parent's.
-    available = free_bytes(shm_dir if os.path.isdir(shm_dir) else os.path.dirname(shm_dir))
-    for path in existing:
-        with contextlib.suppress(OSError):
-            available += os.stat(path).st_blocks * 512
-    return available
-
-
 def check_shm_space(
     shm_dir: str,
     needed: int,
-    existing: Iterable[str] = (),
+    existing: Sequence[str] = (),
     *,
     free_bytes: Callable[[str], int] | None = None,
-    holders: str = "",
 ) -> None:
     """Fail fast when the CPU tier's shared-memory file system is too small:
-    a :class:`ConfigError` naming ``cpu_bytes_to_use`` and the fix.
-    ``holders``: a sentence naming other files that hold the space."""
-    available = shm_available(shm_dir, existing, free_bytes=free_bytes)
-    if available < needed:
-        raise ConfigError(
-            "cpu_bytes_to_use",
-            f"the CPU tier needs {needed} bytes of shared memory in {shm_dir!r} "
-            f"but only {available} are free; enlarge it (e.g. docker run "
-            f"--shm-size) or lower cpu_bytes_to_use{holders}",
-        )
+    a :class:`ConfigError` naming ``cpu_bytes_to_use`` and the fix, and the
+    other kvtier CPU-tier files that hold the space.
 
-
-def prepare_cpu_tier(paths: Sequence[str], num_blocks: int, block_bytes: int) -> None:
-    """Reclaim dead engines' CPU-tier files, then check shared memory for
-    one CPU tier of ``num_blocks`` rows of ``block_bytes`` per path.
-
-    ``paths`` are this engine's files (one per rank, all in one directory).
-    A file whose owner died (SIGKILL, OOM kill) keeps its shared memory
-    until removed; its lock died with the owner, so it is removed here. When
-    space is still short, the error names the kvtier files that hold it."""
-    directory = os.path.dirname(paths[0])
-    reclaim_stale_cpu_files(directory)
-    needed = len(paths) * mapped_bytes(num_blocks, block_bytes)
-    if shm_available(directory, paths) >= needed:
+    ``shm_dir``: this user's CPU-tier directory (its file system is its
+    parent's until the first CPU-tier file creates it); ``existing``: files
+    whose space counts as available (this engine's own, created by its other
+    role, or dead engines' that are reclaimed first)."""
+    free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
+    available = free_bytes(
+        shm_dir if os.path.isdir(shm_dir) else os.path.dirname(shm_dir)
+    )
+    for path in existing:
+        with contextlib.suppress(OSError):
+            available += os.stat(path).st_blocks * 512
+    if available >= needed:
         return
-    others = _kvtier_shm_files(directory, paths)
     holders = ""
+    others = _kvtier_shm_files(shm_dir, existing)
     if others:
         listed = ", ".join(f"{p} ({n} bytes)" for p, n in others)
         holders = (
             f". Other kvtier CPU-tier files hold {sum(n for _, n in others)} "
-            f"bytes of it: {listed}. Files in {directory} are held by running "
+            f"bytes of it: {listed}. Files in {shm_dir} are held by running "
             "engines (stop them); files outside it were left by older kvtier "
             "versions: remove those no running engine uses"
         )
-    check_shm_space(directory, needed, paths, holders=holders)
+    raise ConfigError(
+        "cpu_bytes_to_use",
+        f"the CPU tier needs {needed} bytes of shared memory in {shm_dir!r} "
+        f"but only {available} are free; enlarge it (e.g. docker run "
+        f"--shm-size) or lower cpu_bytes_to_use{holders}",
+    )
+
+
+def prepare_cpu_tier(paths: Sequence[str], num_blocks: int, block_bytes: int) -> None:
+    """Reclaim dead engines' CPU-tier files, then check shared memory for
+    one CPU tier of ``num_blocks`` rows of ``block_bytes`` per path
+    (:func:`check_shm_space`).
+
+    ``paths`` are this engine's files (one per rank, all in one directory).
+    A file whose owner died (SIGKILL, OOM kill) keeps its shared memory
+    until removed; its lock died with the owner, so it is removed here."""
+    directory = os.path.dirname(paths[0])
+    reclaim_stale_cpu_files(directory)
+    check_shm_space(
+        directory, len(paths) * mapped_bytes(num_blocks, block_bytes), paths
+    )

@@ -255,7 +255,7 @@ def _create_owned(path: str, size: int) -> int:
     leftover if its lock can be taken (then it is removed and the creation
     retried) and otherwise a live engine's: InUseError."""
     directory, name = os.path.split(path)
-    if os.path.basename(directory) == os.path.basename(_dir_name()):
+    if os.path.basename(directory) == os.path.basename(cpu_tier_dir()):
         # This user's private directory: created if needed, and checked
         # (ours, 0700, no link) before anything is created in it.
         os.close(open_private_dir(directory))
@@ -373,11 +373,15 @@ def cpu_buffer_path(engine_id: str, rank: int, world_size: int) -> str:
     the worker creates the file, and goes with the last file, so an engine
     that never creates one leaves nothing behind."""
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
-    return os.path.join(_dir_name(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
+    return os.path.join(cpu_tier_dir(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
 
 
-def _dir_name() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+def cpu_tier_dir(base: str | None = None) -> str:
+    """This user's private CPU-tier directory, ``<base>/kvtier-<euid>``;
+    ``base`` defaults to /dev/shm, or the temp directory where there is no
+    /dev/shm. Only a name: nothing is created."""
+    if base is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, f"kvtier-{os.geteuid()}")
 
 

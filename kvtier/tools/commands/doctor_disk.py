@@ -2,7 +2,7 @@
 
 Each check reuses the code the engine runs: the owner/mode rules of
 :mod:`kvtier.safe_open`, the space rule of
-:func:`kvtier.connector.preflight.check_disk_paths`, the O_DIRECT probe of
+:func:`kvtier.connector.preflight.check_disk_space`, the O_DIRECT probe of
 :mod:`kvtier.store.backends.posix`, and for the throughput probe the POSIX back
 end itself (its thread pool, O_DIRECT where accepted, ``disk_io_threads``
 threads), on a private probe file that is removed again.
@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future
 
 from kvtier.connector.config import ConfigError, KvtierConfig
-from kvtier.connector.preflight import check_disk_paths
+from kvtier.connector.preflight import check_disk_space
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
@@ -102,11 +102,10 @@ def _mode_check(path: str) -> Check:
 
 
 def _space_check(cfg: KvtierConfig, path: str, reusable: list[str]) -> Check:
-    share = -(-cfg.disk_bytes_to_use // len(cfg.disk_paths))
-    one = cfg.model_copy(update={"disk_path": (path,), "disk_bytes_to_use": share})
+    share = cfg.disk_bytes_per_path
     subject = f"{path}: free space"
     try:
-        check_disk_paths(one, reusable=reusable)
+        check_disk_space(cfg, path, reusable=reusable)
     except ConfigError as exc:
         return Check(
             "disk", subject, ERROR, str(exc), "lower disk_bytes_to_use or free space"
@@ -243,7 +242,7 @@ def _probe_check(cfg: KvtierConfig, path: str, seconds: float) -> Check:
     subject = f"{path}: throughput"
     if seconds <= 0:
         return Check("disk", subject, OK, "not probed (--no-probe)")
-    share = -(-cfg.disk_bytes_to_use // len(cfg.disk_paths))
+    share = cfg.disk_bytes_per_path
     limit = min(PROBE_MAX_BYTES, share, shutil.disk_usage(path).free // 4)
     limit -= limit % PROBE_CHUNK
     if limit < PROBE_CHUNK:

@@ -4,8 +4,10 @@
   :func:`kvtier.store.backends.factory.make_backend`, with kvikio's own probes, which
   never hang and never need a GPU to answer);
 - shared memory for the CPU tier (the engine's own space rule,
-  :func:`kvtier.connector.preflight.check_shm_space`) and dead engines' files
-  there (:func:`kvtier.host.cpu_tier.reclaim_stale_cpu_files`);
+  :func:`kvtier.connector.preflight.check_shm_space`, which names the other
+  kvtier files holding it) and dead engines' files in this user's CPU-tier
+  directory (:func:`kvtier.host.cpu_tier.cpu_tier_dir`,
+  :func:`kvtier.host.cpu_tier.reclaim_stale_cpu_files`);
 - prefix hashing: whether block keys survive a restart;
 - on the CPU platform, whether vLLM leaves a CPU outside the model's
   OpenMP threads for kvtier's loads (:mod:`kvtier.host.placement`).
@@ -15,10 +17,11 @@ from __future__ import annotations
 
 import ctypes.util
 import os
-import tempfile
+import shutil
 
 from kvtier.connector.config import ConfigError, KvtierConfig
 from kvtier.connector.preflight import check_shm_space
+from kvtier.host.cpu_tier import cpu_tier_dir, reclaim_stale_cpu_files
 from kvtier.host.placement import (
     bind_lists,
     numa_neighbours,
@@ -85,20 +88,12 @@ def check_io_path(cfg: KvtierConfig) -> list[Check]:
     return out
 
 
-def shm_base(base: str | None) -> str:
-    """The CPU tier's shared-memory file system, as kvtier.host.cpu_tier
-    chooses it (/dev/shm, else the temp directory), or ``base``."""
-    if base is not None:
-        return base
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
 def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]:
-    """Room for ``cpu_bytes_to_use`` and stale CPU-tier files of this user."""
-    from kvtier.host.cpu_tier import reclaim_stale_cpu_files
-
-    base = shm_base(base)
-    directory = os.path.join(base, f"kvtier-{os.geteuid()}")
+    """Room for ``cpu_bytes_to_use`` and stale CPU-tier files of this user
+    in the CPU tier's shared-memory file system (``base``, else the one the
+    engine chooses)."""
+    directory = cpu_tier_dir(base)
+    base = os.path.dirname(directory)
     out: list[Check] = []
     stale: list[tuple[str, int]] = []
     if os.path.isdir(directory) and not os.path.islink(directory):
@@ -126,18 +121,17 @@ def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]
         out.append(Check("shm", subject, OK, "none"))
     room = f"{base}: room for the CPU tier"
     try:
-        check_shm_space(base, cfg.cpu_bytes_to_use, [p for p, _ in stale])
+        check_shm_space(directory, cfg.cpu_bytes_to_use, [p for p, _ in stale])
     except ConfigError as exc:
         fix = "docker run --shm-size=<more>, or lower cpu_bytes_to_use"
         return [*out, Check("shm", room, ERROR, str(exc), fix)]
-    free = os.statvfs(base)
-    free_bytes = free.f_bavail * free.f_frsize
     out.append(
         Check(
             "shm",
             room,
             OK,
-            f"needs {fmt_bytes(cfg.cpu_bytes_to_use)}, {fmt_bytes(free_bytes)} free"
+            f"needs {fmt_bytes(cfg.cpu_bytes_to_use)}, "
+            f"{fmt_bytes(shutil.disk_usage(base).free)} free"
             + (
                 f" (+{fmt_bytes(stale_bytes)} stale, reclaimed at start)"
                 if stale_bytes

@@ -16,22 +16,12 @@ checkpoint changes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Sequence
 
+from kvtier.connector.preflight import allocated_bytes
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import OK, WARNING, Check
-
-
-def _bytes_of(directories: Sequence[str]) -> int:
-    total = 0
-    for d in directories:
-        for root, _dirs, files in os.walk(d, followlinks=False):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
-    return total
 
 
 def _contents(layout: dict) -> str | None:
@@ -123,7 +113,7 @@ def check_stores(
         if model is None:
             out.append(Check("warm-restart", subject, status, verdict))
             continue
-        detail = f"{verdict}; {fmt_bytes(_bytes_of(view.dirs))} on disk"
+        detail = f"{verdict}; {fmt_bytes(sum(map(allocated_bytes, view.dirs)))} on disk"
         if status == OK:
             for d in view.dirs:
                 reusable.setdefault(os.path.dirname(d), []).append(view.name)
