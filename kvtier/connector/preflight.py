@@ -146,9 +146,8 @@ def check_shm_space(
     whose space counts as available (this engine's own, created by its other
     role, or dead engines' that are reclaimed first)."""
     free_bytes = free_bytes or (lambda p: shutil.disk_usage(p).free)
-    available = free_bytes(
-        shm_dir if os.path.isdir(shm_dir) else os.path.dirname(shm_dir)
-    )
+    mounted = shm_dir if os.path.isdir(shm_dir) else os.path.dirname(shm_dir)
+    available = free_bytes(mounted)
     for path in existing:
         with contextlib.suppress(OSError):
             available += os.stat(path).st_blocks * 512
@@ -182,6 +181,5 @@ def prepare_cpu_tier(paths: Sequence[str], num_blocks: int, block_bytes: int) ->
     until removed; its lock died with the owner, so it is removed here."""
     directory = os.path.dirname(paths[0])
     reclaim_stale_cpu_files(directory)
-    check_shm_space(
-        directory, len(paths) * mapped_bytes(num_blocks, block_bytes), paths
-    )
+    needed = len(paths) * mapped_bytes(num_blocks, block_bytes)
+    check_shm_space(directory, needed, paths)
