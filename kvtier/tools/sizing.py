@@ -212,8 +212,7 @@ def replay_trace(
     ``lookup`` says HIT_CPU, to ``disk`` when HIT_DISK), load of the hits
     (disk hits also copied into free CPU rows), store of the remaining
     blocks.
-    ``progress`` is called with the number of requests done since its last
-    call.
+    ``progress`` is called with 1 after each request.
     """
     h = TierHierarchy(
         cpu_blocks,
@@ -224,16 +223,10 @@ def replay_trace(
     )
     rep = TraceReplayer(h)
     rep.result.disk_policy = disk_policy
-    pending = 0
     for req in requests:
         rep.replay(request_keys(req))
         if progress is not None:
-            pending += 1
-            if pending == 64:
-                progress(pending)
-                pending = 0
-    if progress is not None and pending:
-        progress(pending)
+            progress(1)
     return rep.finish()
 
 
