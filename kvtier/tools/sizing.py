@@ -287,22 +287,23 @@ class Recommendation:
 def recommend_disk_blocks(
     requests: Sequence[TraceRequest],
     cpu_blocks: int,
+    replay: Callable[[int], SizingResult],
     target_fraction: float = DEFAULT_TARGET_FRACTION,
     *,
-    cpu_policy: str = "lru",
-    disk_policy: str = "lru",
-    spill_watermark: float = 0.75,
     tolerance: float = 0.02,
     bytes_per_token: int | None = None,
-    on_replay: Callable[[SizingResult], None] | None = None,
+    progress: Progress | None = None,
 ) -> Recommendation:
     """Sweep disk capacities to find the smallest reaching the target.
 
-    Doubles the disk tier from ``cpu_blocks`` until the target is met (or the
-    disk holds every unique block), then bisects between the last miss and
-    the first success until they are within ``tolerance`` (relative) of each
-    other. Assumes the hit rate grows with disk capacity, which holds for
-    these policies up to small non-monotonic wiggles.
+    ``replay(disk_blocks)`` replays ``requests`` with a CPU tier of
+    ``cpu_blocks`` (policies and watermark fixed) and a disk tier of that
+    size; ``progress`` is called with 1 after each replay. Doubles the disk
+    tier from ``cpu_blocks`` until the target is met (or the disk holds
+    every unique block), then bisects between the last miss and the first
+    success until they are within ``tolerance`` (relative) of each other.
+    Assumes the hit rate grows with disk capacity, which holds for these
+    policies up to small non-monotonic wiggles.
     """
     if not 0 < target_fraction <= 1:
         raise ValueError(f"target_fraction must be in (0, 1], got {target_fraction}")
@@ -310,11 +311,9 @@ def recommend_disk_blocks(
 
     def run(disk: int) -> SizingResult:
         if disk not in runs:
-            runs[disk] = replay_trace(
-                requests, cpu_blocks, disk, cpu_policy, disk_policy, spill_watermark
-            )
-            if on_replay is not None:
-                on_replay(runs[disk])
+            runs[disk] = replay(disk)
+            if progress is not None:
+                progress(1)
         return runs[disk]
 
     n_unique = unique_blocks(requests)

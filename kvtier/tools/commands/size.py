@@ -45,8 +45,6 @@ def cmd_size(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvtier size: {exc}", file=sys.stderr)
         return 2
-    cpu_policy = args.cpu_policy or args.policy
-    disk_policy = args.disk_policy or args.policy
     if args.plot:
         # Before the replay, which can take minutes: not after it.
         from kvtier.tools.sizing_plot import check_plot_path
@@ -62,13 +60,13 @@ def cmd_size(args: argparse.Namespace) -> int:
         print(f"kvtier size: cannot read trace: {exc}", file=sys.stderr)
         return 2
     show = not args.json
-    # The replay of this trace, tier sizes and policies at one disk size.
+    # The replay of this trace, CPU tier and policies at one disk size.
     replay = functools.partial(
         sizing.replay_trace,
         requests,
         cpu,
-        cpu_policy=cpu_policy,
-        disk_policy=disk_policy,
+        cpu_policy=args.cpu_policy or args.policy,
+        disk_policy=args.disk_policy or args.policy,
         spill_watermark=args.spill_watermark,
     )
     with progress_bar(show, len(requests), "replay", "req") as tick:
@@ -79,14 +77,7 @@ def cmd_size(args: argparse.Namespace) -> int:
         # The sweep's length is not known ahead (doubling, then bisection).
         with progress_bar(show, None, "sizing sweep", "replay") as tick:
             rec = sizing.recommend_disk_blocks(
-                requests,
-                cpu,
-                args.target,
-                cpu_policy=cpu_policy,
-                disk_policy=disk_policy,
-                spill_watermark=args.spill_watermark,
-                bytes_per_token=bpt,
-                on_replay=None if tick is None else lambda _r: tick(1),
+                requests, cpu, replay, args.target, bytes_per_token=bpt, progress=tick
             )
         doc["bytes_per_token"] = bpt
         doc["recommendation"] = rec.to_dict()
