@@ -234,17 +234,8 @@ def replay_trace(
 
 
 def bytes_per_block(bytes_per_token: int) -> int:
-    """Bytes of one trace block; ValueError unless ``bytes_per_token`` > 0."""
-    if bytes_per_token <= 0:
-        raise ValueError(f"bytes_per_token must be > 0, got {bytes_per_token}")
+    """Bytes of one trace block."""
     return bytes_per_token * TOKENS_PER_TRACE_BLOCK
-
-
-def blocks_for_bytes(nbytes: int, bytes_per_token: int) -> int:
-    """Whole trace blocks that fit in ``nbytes``."""
-    if nbytes < 0:
-        raise ValueError(f"byte budget must be >= 0, got {nbytes}")
-    return nbytes // bytes_per_block(bytes_per_token)
 
 
 @dataclass
@@ -319,16 +310,6 @@ def recommend_disk_blocks(
     n_unique = unique_blocks(requests)
     bound = infinite_cache_hit_rate(requests)
     target = target_fraction * bound
-    rec = Recommendation(
-        cpu_blocks=cpu_blocks,
-        target_fraction=target_fraction,
-        target_hit_rate=target,
-        infinite_hit_rate=bound,
-        disk_blocks=None,
-        hit_rate=None,
-        unique_blocks=n_unique,
-        bytes_per_block=bytes_per_block(bytes_per_token) if bytes_per_token else None,
-    )
 
     def ok(r: SizingResult) -> bool:
         return r.hit_rate >= target - 1e-12
@@ -353,11 +334,17 @@ def recommend_disk_blocks(
                 hi = mid
             else:
                 lo = mid
-    rec.evaluated = list(runs.values())
-    if hi is not None:
-        rec.disk_blocks = hi
-        rec.hit_rate = runs[hi].hit_rate
-    return rec
+    return Recommendation(
+        cpu_blocks=cpu_blocks,
+        target_fraction=target_fraction,
+        target_hit_rate=target,
+        infinite_hit_rate=bound,
+        disk_blocks=hi,
+        hit_rate=None if hi is None else runs[hi].hit_rate,
+        unique_blocks=n_unique,
+        bytes_per_block=bytes_per_block(bytes_per_token) if bytes_per_token else None,
+        evaluated=list(runs.values()),
+    )
 
 
 def default_sweep_sizes(cpu_blocks: int, disk_blocks: int, n_unique: int) -> list[int]:

@@ -12,8 +12,9 @@ from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
 
 def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
-    """(cpu_blocks, disk_blocks, bytes_per_token) from the blocks or bytes form."""
-    from kvtier.tools.sizing import blocks_for_bytes
+    """(cpu_blocks, disk_blocks, bytes_per_token) from the blocks or bytes form
+    (the parser refuses sizes < 0 and bytes per token <= 0)."""
+    from kvtier.tools.sizing import bytes_per_block
 
     bpt = args.bytes_per_token
     if (args.cpu_bytes is not None or args.disk_bytes is not None) and bpt is None:
@@ -22,7 +23,7 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     def blocks(tier: str, n_blocks: int | None, n_bytes: int | None) -> int | None:
         if n_blocks is not None and n_bytes is not None:
             raise ValueError(f"give --{tier}-blocks or --{tier}-bytes, not both")
-        return n_blocks if n_bytes is None else blocks_for_bytes(n_bytes, bpt)
+        return n_blocks if n_bytes is None else n_bytes // bytes_per_block(bpt)
 
     cpu = blocks("cpu", args.cpu_blocks, args.cpu_bytes)
     disk = blocks("disk", args.disk_blocks, args.disk_bytes) or 0
@@ -31,7 +32,7 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     if cpu <= 0:
         raise ValueError(
             "the CPU tier must hold at least one 512-token block "
-            f"({fmt_bytes(512 * (bpt or 0))} at {bpt} bytes/token)"
+            f"({fmt_bytes(bytes_per_block(bpt))} at {bpt} bytes/token)"
         )
     return cpu, disk, bpt
 
