@@ -61,9 +61,7 @@ def check_plot_path(out_path: str | os.PathLike[str]) -> None:
     """
     path = os.fspath(out_path)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
+        _pyplot()
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as exc:
         raise ValueError(
