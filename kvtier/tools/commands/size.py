@@ -93,13 +93,13 @@ def cmd_size(args: argparse.Namespace) -> int:
                 requests, cpu, disk, spill_watermark=args.spill_watermark, progress=tick
             )
         doc["comparison"] = cmp.to_dict()
-    if args.plot and cmp is not None:
-        from kvtier.tools.sizing_plot import plot_policy_comparison
+    if args.plot:
+        if cmp is not None:
+            from kvtier.tools.sizing_plot import plot_policy_comparison
 
-        plot_policy_comparison(cmp, args.plot, title=args.trace)
-        doc["plot"] = args.plot
-    elif args.plot:
-        _plot_size(args, requests, replay, result, rec)
+            plot_policy_comparison(cmp, args.plot, title=args.trace)
+        else:
+            _plot_size(args, requests, replay, result, rec)
         doc["plot"] = args.plot
     if args.json:
         emit_json(doc)
