@@ -125,13 +125,6 @@ class Event:
     blocks: int
 
 
-@dataclass(frozen=True, slots=True)
-class Batch:
-    ts: float
-    events: tuple[Event, ...]
-    data_parallel_rank: int | None
-
-
 _KINDS = {"BlockStored": "stored", "BlockRemoved": "removed"}
 
 
@@ -148,8 +141,10 @@ class DecodeError(ValueError):
     """A payload that is not a KV event batch."""
 
 
-def decode_plain(payload: bytes) -> Batch:
-    """Decode with plain msgpack (no vLLM needed)."""
+def decode_plain(payload: bytes) -> tuple[Event, ...]:
+    """The events of one batch, decoded with plain msgpack (no vLLM needed);
+    DecodeError (or the ValueError/TypeError of a non-numeric timestamp) if
+    the payload is not a batch."""
     import msgspec
 
     try:
@@ -165,28 +160,28 @@ def decode_plain(payload: bytes) -> Batch:
         ev = _event(raw["type"], raw.get("medium"), raw.get("block_hashes"))
         if ev is not None:
             events.append(ev)
-    rank = obj[2] if len(obj) > 2 else None
-    return Batch(float(obj[0]), tuple(events), rank)
+    float(obj[0])  # a batch has a numeric timestamp
+    return tuple(events)
 
 
 class BatchDecoder:
-    """Payload -> :class:`Batch`, via vLLM's ``KVEventBatch`` when available."""
+    """Payload -> the events of one batch (the kinds :class:`EventCounts`
+    counts), via vLLM's ``KVEventBatch`` when available."""
 
     def __init__(self, mode: str = "auto") -> None:
         if mode not in DECODERS:
             raise ValueError(f"decoder must be one of {DECODERS}, got {mode!r}")
         self._typed: Any = None
-        if mode == "vllm":
-            self._typed = _typed_decoder()
-        elif mode == "auto":
+        if mode != "plain":
             try:
                 self._typed = _typed_decoder()
             except Exception:  # no or a broken vLLM: plain msgpack still works
-                self._typed = None
+                if mode == "vllm":
+                    raise
         self.kind = "vllm" if self._typed is not None else "plain"
         self.fallbacks = 0  # payloads the vLLM classes rejected
 
-    def decode(self, payload: bytes) -> Batch:
+    def decode(self, payload: bytes) -> tuple[Event, ...]:
         if self._typed is None:
             return decode_plain(payload)
         import msgspec
@@ -206,7 +201,7 @@ class BatchDecoder:
             )
             if ev is not None:
                 events.append(ev)
-        return Batch(float(batch.ts), tuple(events), batch.data_parallel_rank)
+        return tuple(events)
 
 
 def _typed_decoder() -> Any:
@@ -242,13 +237,14 @@ class EventCounts:
         self.decode_errors += 1
         self.last_decode_error = reason[:200]
 
-    def add(self, batch: Batch, seq: int | None = None) -> None:
+    def add(self, events: Iterable[Event], seq: int | None = None) -> None:
+        """Count one batch's events; ``seq`` is its sequence number."""
         if seq is not None:
             if self.last_seq is not None and seq != self.last_seq + 1:
                 self.seq_gaps += 1
             self.last_seq = seq
         self.batches += 1
-        for ev in batch.events:
+        for ev in events:
             self.events += 1
             if ev.kind == "cleared":
                 self.cleared += 1
@@ -321,7 +317,6 @@ class EventSubscriber:
             self._ctx.destroy(linger=0)
             raise
         self.endpoint = endpoint
-        self.max_message_bytes = max_message_bytes
         self._bind = bind
         self.counts = EventCounts()
         self.decoder: BatchDecoder | None = None
@@ -403,11 +398,11 @@ class EventSubscriber:
             self.counts.malformed(f"sequence frame of {len(seq_b)} bytes, expected 8")
             return
         try:
-            batch = self.decoder.decode(payload)
+            events = self.decoder.decode(payload)
         except Exception as exc:  # untrusted input: never fatal
             self.counts.malformed(f"{type(exc).__name__}: {exc}")
             return
-        self.counts.add(batch, int.from_bytes(seq_b, "big", signed=True))
+        self.counts.add(events, int.from_bytes(seq_b, "big", signed=True))
 
     def close(self) -> None:
         with contextlib.suppress(self._zmq.ZMQError):

@@ -212,8 +212,7 @@ def replay_trace(
     ``lookup`` says HIT_CPU, to ``disk`` when HIT_DISK), load of the hits
     (disk hits also copied into free CPU rows), store of the remaining
     blocks.
-    ``progress`` is called with the number of requests done since its last
-    call.
+    ``progress`` is called with 1 after each request.
     """
     h = TierHierarchy(
         cpu_blocks,
@@ -224,16 +223,10 @@ def replay_trace(
     )
     rep = TraceReplayer(h)
     rep.result.disk_policy = disk_policy
-    pending = 0
     for req in requests:
         rep.replay(request_keys(req))
         if progress is not None:
-            pending += 1
-            if pending == 64:
-                progress(pending)
-                pending = 0
-    if progress is not None and pending:
-        progress(pending)
+            progress(1)
     return rep.finish()
 
 
@@ -241,17 +234,8 @@ def replay_trace(
 
 
 def bytes_per_block(bytes_per_token: int) -> int:
-    """Bytes of one trace block; ValueError unless ``bytes_per_token`` > 0."""
-    if bytes_per_token <= 0:
-        raise ValueError(f"bytes_per_token must be > 0, got {bytes_per_token}")
+    """Bytes of one trace block."""
     return bytes_per_token * TOKENS_PER_TRACE_BLOCK
-
-
-def blocks_for_bytes(nbytes: int, bytes_per_token: int) -> int:
-    """Whole trace blocks that fit in ``nbytes``."""
-    if nbytes < 0:
-        raise ValueError(f"byte budget must be >= 0, got {nbytes}")
-    return nbytes // bytes_per_block(bytes_per_token)
 
 
 @dataclass
@@ -294,22 +278,23 @@ class Recommendation:
 def recommend_disk_blocks(
     requests: Sequence[TraceRequest],
     cpu_blocks: int,
+    replay: Callable[[int], SizingResult],
     target_fraction: float = DEFAULT_TARGET_FRACTION,
     *,
-    cpu_policy: str = "lru",
-    disk_policy: str = "lru",
-    spill_watermark: float = 0.75,
     tolerance: float = 0.02,
     bytes_per_token: int | None = None,
-    on_replay: Callable[[SizingResult], None] | None = None,
+    progress: Progress | None = None,
 ) -> Recommendation:
     """Sweep disk capacities to find the smallest reaching the target.
 
-    Doubles the disk tier from ``cpu_blocks`` until the target is met (or the
-    disk holds every unique block), then bisects between the last miss and
-    the first success until they are within ``tolerance`` (relative) of each
-    other. Assumes the hit rate grows with disk capacity, which holds for
-    these policies up to small non-monotonic wiggles.
+    ``replay(disk_blocks)`` replays ``requests`` with a CPU tier of
+    ``cpu_blocks`` (policies and watermark fixed) and a disk tier of that
+    size; ``progress`` is called with 1 after each replay. Doubles the disk
+    tier from ``cpu_blocks`` until the target is met (or the disk holds
+    every unique block), then bisects between the last miss and the first
+    success until they are within ``tolerance`` (relative) of each other.
+    Assumes the hit rate grows with disk capacity, which holds for these
+    policies up to small non-monotonic wiggles.
     """
     if not 0 < target_fraction <= 1:
         raise ValueError(f"target_fraction must be in (0, 1], got {target_fraction}")
@@ -317,26 +302,14 @@ def recommend_disk_blocks(
 
     def run(disk: int) -> SizingResult:
         if disk not in runs:
-            runs[disk] = replay_trace(
-                requests, cpu_blocks, disk, cpu_policy, disk_policy, spill_watermark
-            )
-            if on_replay is not None:
-                on_replay(runs[disk])
+            runs[disk] = replay(disk)
+            if progress is not None:
+                progress(1)
         return runs[disk]
 
     n_unique = unique_blocks(requests)
     bound = infinite_cache_hit_rate(requests)
     target = target_fraction * bound
-    rec = Recommendation(
-        cpu_blocks=cpu_blocks,
-        target_fraction=target_fraction,
-        target_hit_rate=target,
-        infinite_hit_rate=bound,
-        disk_blocks=None,
-        hit_rate=None,
-        unique_blocks=n_unique,
-        bytes_per_block=bytes_per_block(bytes_per_token) if bytes_per_token else None,
-    )
 
     def ok(r: SizingResult) -> bool:
         return r.hit_rate >= target - 1e-12
@@ -361,11 +334,17 @@ def recommend_disk_blocks(
                 hi = mid
             else:
                 lo = mid
-    rec.evaluated = list(runs.values())
-    if hi is not None:
-        rec.disk_blocks = hi
-        rec.hit_rate = runs[hi].hit_rate
-    return rec
+    return Recommendation(
+        cpu_blocks=cpu_blocks,
+        target_fraction=target_fraction,
+        target_hit_rate=target,
+        infinite_hit_rate=bound,
+        disk_blocks=hi,
+        hit_rate=None if hi is None else runs[hi].hit_rate,
+        unique_blocks=n_unique,
+        bytes_per_block=bytes_per_block(bytes_per_token) if bytes_per_token else None,
+        evaluated=list(runs.values()),
+    )
 
 
 def default_sweep_sizes(cpu_blocks: int, disk_blocks: int, n_unique: int) -> list[int]:

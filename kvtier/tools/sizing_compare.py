@@ -49,17 +49,6 @@ class PolicyComparison:
         }
 
 
-def policy_pairs(disk_blocks: int) -> list[tuple[str, str]]:
-    """(cpu, disk) policy choices worth comparing: each policy alone without
-    a disk tier; with one, every combination."""
-    from kvtier.tiers.policy import policy_names
-
-    names = policy_names()
-    if disk_blocks <= 0:
-        return [(p, p) for p in names]
-    return [(c, d) for c in names for d in names]
-
-
 def trace_optimal_hit_rate(
     requests: Sequence[TraceRequest | Sequence[Hashable]], capacity: int
 ) -> float:
@@ -77,8 +66,16 @@ def compare_policies(
     spill_watermark: float = 0.75,
     progress: Progress | None = None,
 ) -> PolicyComparison:
-    """Replay every (cpu, disk) policy pair of :func:`policy_pairs` and
-    compute the optimum of one tier of ``cpu_blocks + disk_blocks``."""
+    """Replay every policy choice worth comparing (each policy alone without
+    a disk tier; with one, every (cpu, disk) pair) and compute the optimum
+    of one tier of ``cpu_blocks + disk_blocks``."""
+    from kvtier.tiers.policy import policy_names
+
+    names = policy_names()
+    if disk_blocks > 0:
+        pairs = [(c, d) for c in names for d in names]
+    else:
+        pairs = [(p, p) for p in names]
     results = [
         replay_trace(
             requests,
@@ -89,7 +86,7 @@ def compare_policies(
             spill_watermark,
             progress=progress,
         )
-        for cp, dp in policy_pairs(disk_blocks)
+        for cp, dp in pairs
     ]
     return PolicyComparison(
         cpu_blocks=cpu_blocks,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kvtier.tools.sizing import SizingResult
 from kvtier.tools.sizing_compare import PolicyComparison
@@ -24,6 +25,31 @@ def _label(r: SizingResult) -> str:
     return f"+disk {r.disk_blocks}\n({shown} CPU)"
 
 
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _tier_bars(ax: Any, results: Sequence[SizingResult]) -> range:
+    """Stacked bars, CPU hits below and disk hits above, one per result; the
+    y axis is the block hit rate. Returns the bars' x positions."""
+    xs = range(len(results))
+    cpu = [r.hit_rate_cpu for r in results]
+    disk = [r.hit_rate_disk for r in results]
+    ax.bar(xs, cpu, color=CPU_COLOR, label="hit on CPU")
+    ax.bar(xs, disk, bottom=cpu, color=DISK_COLOR, label="hit on disk")
+    ax.set_xticks(list(xs))
+    ax.set_ylim(0, 1.0)
+    ax.set_ylabel("block hit rate")
+    ax.grid(axis="y", alpha=0.3)
+    return xs
+
+
 def check_plot_path(out_path: str | os.PathLike[str]) -> None:
     """Raise ValueError unless a plot can be saved to ``out_path``.
 
@@ -35,9 +61,7 @@ def check_plot_path(out_path: str | os.PathLike[str]) -> None:
     """
     path = os.fspath(out_path)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
+        _pyplot()
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as exc:
         raise ValueError(
@@ -73,11 +97,7 @@ def plot_tier_split(
 ) -> None:
     """One subplot per panel: stacked bars (CPU hits below, disk hits above)
     per disk capacity, with the infinite-cache bound as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     n = len(panels)
     cols = min(n, 2)
     rows = (n + cols - 1) // cols
@@ -87,11 +107,7 @@ def plot_tier_split(
     )
     for ax, (name, results) in zip(axes.flat, panels.items()):
         results = sorted(results, key=lambda r: r.disk_blocks)
-        xs = range(len(results))
-        cpu = [r.hit_rate_cpu for r in results]
-        disk = [r.hit_rate_disk for r in results]
-        ax.bar(xs, cpu, color=CPU_COLOR, label="hit on CPU")
-        ax.bar(xs, disk, bottom=cpu, color=DISK_COLOR, label="hit on disk")
+        xs = _tier_bars(ax, results)
         for x, r in zip(xs, results):
             ax.text(x, r.hit_rate + 0.01, f"{r.hit_rate:.3f}", ha="center", fontsize=8)
         if results:
@@ -107,12 +123,8 @@ def plot_tier_split(
                     lw=1,
                     label=f"{target_fraction:.0%} of bound",
                 )
-        ax.set_xticks(list(xs))
         ax.set_xticklabels([_label(r) for r in results], fontsize=8)
         ax.set_title(name, fontsize=10)
-        ax.set_ylim(0, 1.0)
-        ax.set_ylabel("block hit rate")
-        ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
@@ -128,18 +140,10 @@ def plot_policy_comparison(
 ) -> None:
     """One stacked bar (CPU hits below, disk hits above) per policy choice,
     best first, with the offline optimum and the infinite cache as lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     results = sorted(cmp.results, key=lambda r: -r.hit_rate)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(results) + 2), 4.5))
-    xs = range(len(results))
-    cpu = [r.hit_rate_cpu for r in results]
-    disk = [r.hit_rate_disk for r in results]
-    ax.bar(xs, cpu, color=CPU_COLOR, label="hit on CPU")
-    ax.bar(xs, disk, bottom=cpu, color=DISK_COLOR, label="hit on disk")
+    xs = _tier_bars(ax, results)
     for x, r in zip(xs, results):
         ax.text(
             x,
@@ -163,7 +167,6 @@ def plot_policy_comparison(
         label=f"infinite cache {cmp.infinite_hit_rate:.3f}",
     )
     with_disk = cmp.disk_blocks > 0
-    ax.set_xticks(list(xs))
     ax.set_xticklabels(
         [
             f"{r.cpu_policy}/{r.disk_policy}" if with_disk else r.cpu_policy
@@ -172,10 +175,7 @@ def plot_policy_comparison(
         fontsize=8,
         rotation=30 if len(results) > 5 else 0,
     )
-    ax.set_ylim(0, 1.0)
-    ax.set_ylabel("block hit rate")
     ax.set_xlabel("policy (cpu/disk)" if with_disk else "policy")
-    ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
     tiers = f"CPU {cmp.cpu_blocks}" + (
         f" + disk {cmp.disk_blocks} blocks" if with_disk else " blocks"

@@ -87,6 +87,9 @@ def parse_request(obj: Mapping[str, Any]) -> TraceRequest:
     )
 
 
+_SPECIAL_FILES = {stat.S_IFCHR: "character device", stat.S_IFIFO: "FIFO"}
+
+
 def _open_trace(path: str | os.PathLike[str]) -> Any:
     """A binary reader for a trace, which must be a regular file: devices
     (``/dev/zero``), FIFOs and directories are refused, and opening never
@@ -100,13 +103,7 @@ def _open_trace(path: str | os.PathLike[str]) -> Any:
         if stat.S_ISDIR(st.st_mode):
             raise TraceError(f"{path}: is a directory, not a trace file")
         if not stat.S_ISREG(st.st_mode):
-            kind = (
-                "character device"
-                if stat.S_ISCHR(st.st_mode)
-                else "FIFO"
-                if stat.S_ISFIFO(st.st_mode)
-                else "special file"
-            )
+            kind = _SPECIAL_FILES.get(stat.S_IFMT(st.st_mode), "special file")
             raise TraceError(f"{path}: is a {kind}, not a regular trace file")
         if st.st_size > MAX_TRACE_BYTES:
             raise TraceError(

@@ -12,8 +12,9 @@ from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
 
 def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
-    """(cpu_blocks, disk_blocks, bytes_per_token) from the blocks or bytes form."""
-    from kvtier.tools.sizing import blocks_for_bytes
+    """(cpu_blocks, disk_blocks, bytes_per_token) from the blocks or bytes form
+    (the parser refuses sizes < 0 and bytes per token <= 0)."""
+    from kvtier.tools.sizing import bytes_per_block
 
     bpt = args.bytes_per_token
     if (args.cpu_bytes is not None or args.disk_bytes is not None) and bpt is None:
@@ -22,7 +23,7 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     def blocks(tier: str, n_blocks: int | None, n_bytes: int | None) -> int | None:
         if n_blocks is not None and n_bytes is not None:
             raise ValueError(f"give --{tier}-blocks or --{tier}-bytes, not both")
-        return n_blocks if n_bytes is None else blocks_for_bytes(n_bytes, bpt)
+        return n_blocks if n_bytes is None else n_bytes // bytes_per_block(bpt)
 
     cpu = blocks("cpu", args.cpu_blocks, args.cpu_bytes)
     disk = blocks("disk", args.disk_blocks, args.disk_bytes) or 0
@@ -31,7 +32,7 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     if cpu <= 0:
         raise ValueError(
             "the CPU tier must hold at least one 512-token block "
-            f"({fmt_bytes(512 * (bpt or 0))} at {bpt} bytes/token)"
+            f"({fmt_bytes(bytes_per_block(bpt))} at {bpt} bytes/token)"
         )
     return cpu, disk, bpt
 
@@ -45,8 +46,6 @@ def cmd_size(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvtier size: {exc}", file=sys.stderr)
         return 2
-    cpu_policy = args.cpu_policy or args.policy
-    disk_policy = args.disk_policy or args.policy
     if args.plot:
         # Before the replay, which can take minutes: not after it.
         from kvtier.tools.sizing_plot import check_plot_path
@@ -62,13 +61,13 @@ def cmd_size(args: argparse.Namespace) -> int:
         print(f"kvtier size: cannot read trace: {exc}", file=sys.stderr)
         return 2
     show = not args.json
-    # The replay of this trace, tier sizes and policies at one disk size.
+    # The replay of this trace, CPU tier and policies at one disk size.
     replay = functools.partial(
         sizing.replay_trace,
         requests,
         cpu,
-        cpu_policy=cpu_policy,
-        disk_policy=disk_policy,
+        cpu_policy=args.cpu_policy or args.policy,
+        disk_policy=args.disk_policy or args.policy,
         spill_watermark=args.spill_watermark,
     )
     with progress_bar(show, len(requests), "replay", "req") as tick:
@@ -79,14 +78,7 @@ def cmd_size(args: argparse.Namespace) -> int:
         # The sweep's length is not known ahead (doubling, then bisection).
         with progress_bar(show, None, "sizing sweep", "replay") as tick:
             rec = sizing.recommend_disk_blocks(
-                requests,
-                cpu,
-                args.target,
-                cpu_policy=cpu_policy,
-                disk_policy=disk_policy,
-                spill_watermark=args.spill_watermark,
-                bytes_per_token=bpt,
-                on_replay=None if tick is None else lambda _r: tick(1),
+                requests, cpu, replay, args.target, bytes_per_token=bpt, progress=tick
             )
         doc["bytes_per_token"] = bpt
         doc["recommendation"] = rec.to_dict()
@@ -101,13 +93,13 @@ def cmd_size(args: argparse.Namespace) -> int:
                 requests, cpu, disk, spill_watermark=args.spill_watermark, progress=tick
             )
         doc["comparison"] = cmp.to_dict()
-    if args.plot and cmp is not None:
-        from kvtier.tools.sizing_plot import plot_policy_comparison
+    if args.plot:
+        if cmp is not None:
+            from kvtier.tools.sizing_plot import plot_policy_comparison
 
-        plot_policy_comparison(cmp, args.plot, title=args.trace)
-        doc["plot"] = args.plot
-    elif args.plot:
-        _plot_size(args, requests, replay, result, rec)
+            plot_policy_comparison(cmp, args.plot, title=args.trace)
+        else:
+            _plot_size(args, requests, replay, result, rec)
         doc["plot"] = args.plot
     if args.json:
         emit_json(doc)

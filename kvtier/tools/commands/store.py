@@ -10,8 +10,6 @@ from typing import Any
 
 from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
-# Slots scanned between two calls of verify_store's ``progress``.
-PROGRESS_STEP = 256
 # The layout.json keys ``kvtier inspect`` shows on its layout line.
 LAYOUT_SHOWN = ("model", "dtype", "block_bytes", "geometry", "tp_rank", "tp_size")
 
@@ -72,19 +70,16 @@ def verify_store(
     files: Any, progress: Callable[[int], None] | None = None
 ) -> dict[str, Any]:
     """Check every used slot's header and payload; list the bad ones.
-    ``progress`` is called with the number of slots scanned since its last
-    call (every slot is scanned, used or not)."""
+    ``progress`` is called with 1 after each slot (every slot is scanned,
+    used or not)."""
     from kvtier.store.scan import scan
     from kvtier.store.slot import ReadOutcome
 
-    checked = ok = pending = 0
+    checked = ok = 0
     bad: list[dict[str, Any]] = []
     for rec in scan(files, file_order=True, payload=True):
         if progress is not None:
-            pending += 1
-            if pending == PROGRESS_STEP:
-                progress(pending)
-                pending = 0
+            progress(1)
         if not rec.used:
             continue
         checked += 1
@@ -92,8 +87,6 @@ def verify_store(
             ok += 1
         else:
             bad.append(rec.to_dict())
-    if progress is not None and pending:
-        progress(pending)
     return {
         "store": files.name,
         "directories": files.dirs,
