@@ -26,7 +26,7 @@ pytest.importorskip("tqdm")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_BYTES = 4096
-SLOTS = 600  # more than one progress step (256 slots)
+SLOTS = 600  # enough for a bar to move
 
 
 def _cli(*argv: str, tty: bool) -> tuple[int, str, str]:
