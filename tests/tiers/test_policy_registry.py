@@ -176,9 +176,6 @@ def test_a_policy_without_a_victim_order_is_refused():
             def candidates(self):
                 return iter(())
 
-            def __len__(self):
-                return 0
-
     message = str(info.value)
     assert "'test-scan-only'" in message
     assert "does not implement position, victim_order" in message
