@@ -1,5 +1,6 @@
 """Reads and moves of the plugin's inner state that only tests and
-benchmarks need (imports no vLLM).
+benchmarks need, and the slot headers an older kvtier wrote (imports no
+vLLM).
 
 Each helper reaches the state the way the plugin itself does (the same
 readers, the same private bookkeeping), so what a test asserts through it is
@@ -8,9 +9,20 @@ what the plugin would see.
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvtier.store.read_process import PipeChannel
 from kvtier.store.reader import SlotReader
-from kvtier.store.slot import ReadOutcome, SlotHeader
+from kvtier.store.slot import (
+    _FIELDS_V1,
+    _HEADER_CHECKSUM,
+    HEADER_SIZE,
+    HEADER_VERSION,
+    MAGIC,
+    ReadOutcome,
+    SlotHeader,
+    header_checksum,
+)
 from kvtier.store.store import DiskStore
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.hierarchy import TierHierarchy
@@ -61,3 +73,14 @@ def io_error_count(core: DiskTierCore, key: Key) -> int:
 def unsent(chan: PipeChannel) -> int:
     """Bytes sent on ``chan`` that the pipe has not taken yet."""
     return len(chan._outbox)
+
+
+def pack_version_1(header: SlotHeader) -> bytes:
+    """``header`` as the version 1 header an older kvtier wrote: the version
+    2 fields less ``device_checksum``, under their own header checksum,
+    zero-padded to HEADER_SIZE."""
+    current = dataclasses.replace(header, version=HEADER_VERSION, device_checksum=0)
+    fixed = bytearray(current.pack()[: _FIELDS_V1.size])
+    fixed[len(MAGIC) : len(MAGIC) + 4] = (1).to_bytes(4, "little")
+    fixed += _HEADER_CHECKSUM.pack(header_checksum(bytes(fixed)))
+    return bytes(fixed) + bytes(HEADER_SIZE - len(fixed))

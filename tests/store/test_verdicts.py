@@ -27,7 +27,7 @@ from kvtier.store.slabs import (
 )
 from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
-from kvtier.testing.state import verify
+from kvtier.testing.state import pack_version_1, verify
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_SLOTS = 8
@@ -107,11 +107,7 @@ def _damage(store: DiskStore, kind: str, slot: int) -> None:
             f.seek(off)
             hdr = SlotHeader.unpack(f.read(HEADER_SIZE))
         if kind == "old_version":
-            packed = SlotHeader(
-                key=hdr.key, fingerprint=hdr.fingerprint, payload_len=hdr.payload_len,
-                raw_len=hdr.raw_len, codec=hdr.codec, checksum=hdr.checksum,
-                seq=hdr.seq, written_at=hdr.written_at, version=1,
-            ).pack()
+            packed = pack_version_1(hdr)
         else:
             packed = bytearray(hdr.pack())
             packed[8:12] = (3).to_bytes(4, "little")
