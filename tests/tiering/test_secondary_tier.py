@@ -704,7 +704,7 @@ def test_ready_config_files_load_our_tier(name, spec_name):
     (entry,) = extra["secondary_tiers"]
     assert SecondaryTierFactory.get_tier_class(entry) is KvtierDiskTier
     settings = parse_tier_config(entry)
-    assert settings.disk_paths[0].startswith("/mnt/")
+    assert settings.disk_path[0].startswith("/mnt/")
     assert settings.disk_bytes_to_use > 0
     # The documented form: the file's text as --kv-transfer-config.
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
