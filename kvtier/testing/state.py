@@ -27,6 +27,7 @@ from kvtier.store.store import DiskStore
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Key
+from kvtier.tiers.slots import BlockState, TierBlock
 
 
 def verify(store: DiskStore, slot: int) -> ReadOutcome:
@@ -47,13 +48,18 @@ def read_header(store: DiskStore, slot: int) -> tuple[SlotHeader | None, ReadOut
     raise IndexError(f"slot {slot} out of range")
 
 
+def evictable(block: TierBlock) -> bool:
+    """``block`` may be chosen as a victim: READY and read by nobody."""
+    return block.state is BlockState.READY and block.pins == 0
+
+
 def evict_clean(h: TierHierarchy, key: Key) -> bool:
     """Drop ``key``'s CPU copy if it is idle and also ready on disk (the
     disk copy stays), as CPU-tier pressure would. True if dropped."""
     if h.disk is None or not h.disk.is_ready(key):
         return False
     block = h.cpu.get(key)
-    if block is None or not block.evictable:
+    if block is None or not evictable(block):
         return False
     h._drop_from_cpu([key])
     return True

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from kvtier.testing.state import evictable
 from kvtier.tiers.policy import LRUPolicy, make_policy, policy_names
 from kvtier.tiers.tier import Tier
 from tests.tiers.index_check import check_index, eligible_in_order
@@ -31,7 +32,7 @@ def _churned_tier(policy: str, seed: int, capacity: int = 200) -> Tier:
             tier.pin(key)
         elif op < 0.6 and block.pins:
             tier.unpin(key)
-        elif op < 0.8 and block.evictable:
+        elif op < 0.8 and evictable(block):
             tier.remove(key)
             tier.allocate(fresh)
             if rng.random() < 0.8:
