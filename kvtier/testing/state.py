@@ -28,6 +28,7 @@ from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Key
 from kvtier.tiers.slots import BlockState, TierBlock
+from kvtier.tiers.tier import Tier
 
 
 def verify(store: DiskStore, slot: int) -> ReadOutcome:
@@ -51,6 +52,20 @@ def read_header(store: DiskStore, slot: int) -> tuple[SlotHeader | None, ReadOut
 def evictable(block: TierBlock) -> bool:
     """``block`` may be chosen as a victim: READY and read by nobody."""
     return block.state is BlockState.READY and block.pins == 0
+
+
+def allocate(tier: Tier, key: Key, origin: str = "store") -> TierBlock:
+    """Give ``key`` a free slot of ``tier`` in state WRITING (a batch of
+    one); returns its block. The caller checked room."""
+    tier.allocate_many((key,), origin)
+    block = tier.get(key)
+    assert block is not None
+    return block
+
+
+def pin(tier: Tier, key: Key) -> None:
+    """Add a reader to ``key``'s block (a batch of one): no longer a victim."""
+    tier.pin_many((key,))
 
 
 def evict_clean(h: TierHierarchy, key: Key) -> bool:
