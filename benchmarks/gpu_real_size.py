@@ -403,6 +403,7 @@ class Bench:
         from benchmarks._common import direct_read_baseline, drop_caches
         from kvtier.store.slot import slot_size
         from kvtier.testing.engine import get_connector, offloading_kv_transfer_config
+        from kvtier.testing.state import evict_clean
         from kvtier.tiers.plans import Residency
 
         s = self.s
@@ -448,7 +449,7 @@ class Bench:
             def only_on_disk(n: int) -> None:
                 _settle(mgr)
                 for k in keys[n]:
-                    h.evict_clean(k)
+                    evict_clean(h, k)
                 dropped.append(drop_caches())
 
             for r in self._repeats("kvtier", reserve_s):

@@ -25,7 +25,6 @@ KEY = "sync_load_budget_bytes"
 def check_sync_load_budget(
     cfg: KvtierConfig,
     *,
-    sync_loads: bool | None = None,
     kv_cache_groups: int | None = None,
 ) -> None:
     """Refuse ``sync_load_budget_bytes`` where kvtier cannot honour it.
@@ -40,9 +39,7 @@ def check_sync_load_budget(
     budget = cfg.sync_load_budget_bytes
     if budget == 0:
         return
-    if sync_loads is None:
-        sync_loads = SYNC_LOADS
-    if not sync_loads:
+    if not SYNC_LOADS:
         raise ConfigError(
             KEY,
             f"is {budget}, but this vLLM has no synchronous loads (they came "

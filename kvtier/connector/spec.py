@@ -211,7 +211,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             runtime = None
             if self.num_disk_blocks > 0:
                 stores = open_stores(
-                    cfg.disk_paths,
+                    cfg.disk_path,
                     self.fingerprints,
                     self.num_disk_blocks,
                     self.block_bytes,
@@ -279,7 +279,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         from kvtier.store.slabs import SlabFiles
 
         files = SlabFiles.open(
-            cfg.disk_paths,
+            cfg.disk_path,
             self.fingerprints[self.rank],
             self.num_disk_blocks,
             backend,

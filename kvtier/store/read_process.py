@@ -418,11 +418,6 @@ class PipeChannel:
         self._poller.register(recv_fd, select.POLLIN)
         self._watching_send = False
 
-    @property
-    def unsent(self) -> int:
-        """Bytes sent but not yet taken by the pipe."""
-        return len(self._outbox)
-
     def send(self, obj: Any) -> None:
         """Queue ``obj`` and write as much of the outbox as the pipe takes."""
         self._outbox += frame(obj)

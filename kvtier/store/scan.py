@@ -1,22 +1,21 @@
 """The one header scan of a store: what every slot holds, judged by its
 header (and, when asked, its payload).
 
-Warm restart (:meth:`kvtier.store.store.DiskStore.scan`), a single header
-read (:meth:`~kvtier.store.store.DiskStore.read_header`) and ``kvtier
-inspect``/``verify`` all classify slots here, with the slot checks of
+Warm restart (:meth:`kvtier.store.store.DiskStore.scan`) and ``kvtier
+inspect``/``verify`` both classify slots here, with the slot checks of
 :mod:`kvtier.store.slot`, through the :class:`~kvtier.store.slabs.SlabFiles`
 they were given (read-write, read-only, or found on disk by the tools).
 
 Contract of :func:`scan`:
-  - It yields one :class:`SlotRecord` per slot, in slot order, in file
-    order (slab by slab: ``kvtier inspect``/``verify``), or for the given
-    ``slots``; it keeps up to ``window`` (>= 1) header reads in flight.
+  - It yields one :class:`SlotRecord` per slot, in slot order or in file
+    order (slab by slab: ``kvtier inspect``/``verify``); it keeps up to
+    ``window`` (>= 1) header reads in flight.
   - It never raises for I/O or data problems: a failed read (any errno) is
     IO_ERROR, counted and logged once per slab and errno by the files; a
     read that came back short is TRUNCATED when the slab now ends inside the
-    slot, IO_ERROR otherwise. It raises IndexError for a slot out of range,
-    RuntimeError once the files are closed, and StoreError when a found
-    store's slab was swapped for something that is not a regular file.
+    slot, IO_ERROR otherwise. It raises RuntimeError once the files are
+    closed, and StoreError when a found store's slab was swapped for
+    something that is not a regular file.
   - OK means the header is intact and of this layout; the payload is checked
     only with ``payload`` (its xxh3, like a load's). Every OK header goes to
     ``on_header`` (the store raises its next ``seq`` above it).
@@ -25,7 +24,7 @@ Contract of :func:`scan`:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -78,16 +77,15 @@ class SlotRecord:
 def scan(
     files: SlabFiles,
     *,
-    slots: Iterable[int] | None = None,
     file_order: bool = False,
     payload: bool = False,
     window: int = 64,
     on_header: Callable[[SlotHeader], None] | None = None,
 ) -> Iterator[SlotRecord]:
-    """Every slot of ``files`` (or ``slots``), judged; see the module doc."""
+    """Every slot of ``files``, judged; see the module doc."""
     bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
     inflight: deque[tuple[int, int, int, Any, Future[int] | OSError]] = deque()
-    for k, (slot, idx, offset) in enumerate(_where(files, slots, file_order)):
+    for k, (slot, idx, offset) in enumerate(_where(files, file_order)):
         if len(inflight) == window:
             yield _judge(files, *inflight.popleft(), payload, on_header)
         buf = bufs[k % window]
@@ -100,9 +98,7 @@ def scan(
         yield _judge(files, *inflight.popleft(), payload, on_header)
 
 
-def _where(
-    files: SlabFiles, slots: Iterable[int] | None, file_order: bool
-) -> Iterator[tuple[int, int, int]]:
+def _where(files: SlabFiles, file_order: bool) -> Iterator[tuple[int, int, int]]:
     """``(global slot, slab index, byte offset)`` of each slot to scan."""
     if file_order:
         for idx, slab in enumerate(files.slabs):
@@ -110,7 +106,7 @@ def _where(
                 slot = global_slot(slab.index, local, files.stripes)
                 yield slot, idx, local * files.slot_size
         return
-    for slot in range(files.num_slots) if slots is None else slots:
+    for slot in range(files.num_slots):
         yield (slot, *files.locate(slot))
 
 
@@ -157,9 +153,13 @@ def _judge(
             got = files.read(idx, stored, offset + HEADER_SIZE)
         except OSError as exc:
             files.io_error("read", idx, exc)
-            return record(ReadOutcome.IO_ERROR, header=hdr, detail=str(exc), version=version)
+            return record(
+                ReadOutcome.IO_ERROR, header=hdr, detail=str(exc), version=version
+            )
         files.count_read(got)
         verdict = check_payload(hdr, stored, got)
         if not verdict.ok:
-            return record(verdict.outcome, header=hdr, detail=verdict.detail, version=version)
+            return record(
+                verdict.outcome, header=hdr, detail=verdict.detail, version=version
+            )
     return record(ReadOutcome.OK, header=hdr, version=version)

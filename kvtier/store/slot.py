@@ -201,9 +201,9 @@ class SlotHeader:
         compression); ``raw_len`` is the decoded size. ``device_checksum``
         (version 2 headers; ``None`` in version 1) is
         :func:`kvtier.store.checksum.device_checksum` of the same bytes.
-      - ``version`` 1 and 2 are read; ``pack`` writes ``version`` (2 unless
-        told otherwise, 1 only to make old-format slots in tests). Any other
-        version is refused by ``unpack`` with a message naming it.
+      - ``version`` 1 and 2 are read; ``pack`` writes HEADER_VERSION only
+        (ValueError for another ``version`` or without ``device_checksum``).
+        Any other version is refused by ``unpack`` with a message naming it.
       - ``seq`` grows monotonically per store (also across restarts) and
         ``written_at`` is wall-clock seconds; both order warm-restart eviction.
     """
@@ -226,14 +226,11 @@ class SlotHeader:
             raise ValueError(f"key is {len(self.key)} bytes, max {MAX_KEY_LEN}")
         if len(self.fingerprint) != FINGERPRINT_LEN:
             raise ValueError(f"fingerprint must be {FINGERPRINT_LEN} bytes")
-        if self.version not in HEADER_VERSIONS:
+        if self.version != HEADER_VERSION:
             raise ValueError(f"cannot write header version {self.version}")
-        extra: tuple[int, ...] = ()
-        if self.version >= 2:
-            if self.device_checksum is None:
-                raise ValueError("a version 2 header needs device_checksum")
-            extra = (self.device_checksum,)
-        fixed = _FIELDS[self.version].pack(
+        if self.device_checksum is None:
+            raise ValueError(f"a version {HEADER_VERSION} header needs device_checksum")
+        fixed = _FIELDS_V2.pack(
             self.magic,
             self.version,
             int(self.codec),
@@ -247,7 +244,7 @@ class SlotHeader:
             self.checksum,
             self.seq,
             self.written_at,
-            *extra,
+            self.device_checksum,
         )
         fixed += _HEADER_CHECKSUM.pack(header_checksum(fixed))
         return fixed + bytes(HEADER_SIZE - len(fixed))

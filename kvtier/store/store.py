@@ -68,22 +68,21 @@ class DiskStore:
     """Fixed-size block slots on one or more paths, verified on every read.
 
     Contract:
-      - ``write_block``/``read_block``/``invalidate``/``verify``/
-        ``read_header`` are synchronous and thread-safe for *distinct* slots
-        (callers never touch one slot from two threads at once; the tier
-        bookkeeping ensures that); ``next_seq`` and ``stats`` from any thread.
+      - ``write_block``/``read_block``/``invalidate`` are synchronous and
+        thread-safe for *distinct* slots (callers never touch one slot from
+        two threads at once; the tier bookkeeping ensures that); ``next_seq``
+        and ``stats`` from any thread.
       - ``write_block`` and ``invalidate`` raise OSError (with errno; a short
-        write as EIO) on failure. ``read_block``/``verify``/``read_header``/
-        ``scan`` never raise for I/O or data problems: they return a
-        ReadOutcome (:class:`~kvtier.store.reader.SlotReads` says which), and
+        write as EIO) on failure. ``read_block`` and ``scan`` never raise for
+        I/O or data problems: they return a ReadOutcome
+        (:class:`~kvtier.store.reader.SlotReads` says which), and
         ``read_block`` writes ``out`` only when returning OK. All raise
         IndexError for a slot out of range and RuntimeError once closed.
       - Failed writes and invalidations are counted in ``io_errors`` and
         logged once per slab and errno before the OSError propagates.
       - Slot contents survive process restarts; ``scan`` reports every slot's
         header so the caller can rebuild its index. ``seq`` values handed out
-        by ``next_seq`` stay above any seq seen on disk by ``scan`` or
-        ``read_header``.
+        by ``next_seq`` stay above any seq seen on disk by ``scan``.
       - ``backend`` given as a string is created (via make_backend) and owned,
         i.e. shut down by ``close``; a DiskBackend instance is only borrowed.
       - ``files`` is the store's :class:`~kvtier.store.slabs.SlabFiles`,
@@ -271,16 +270,6 @@ class DiskStore:
             if guard is not None:
                 guard.leave()
         return ReadOutcome.OK
-
-    def verify(self, slot: int) -> ReadOutcome:
-        """Read the whole slot and check header, layout and payload checksum."""
-        (got,) = self._reader().read([(slot, None)])
-        return got.outcome
-
-    def read_header(self, slot: int) -> tuple[SlotHeader | None, ReadOutcome]:
-        """Read one slot's header only (the same classification as ``scan``)."""
-        (rec,) = scan(self.files, slots=[slot], window=1, on_header=self._on_header)
-        return rec.header, rec.outcome
 
     def scan(
         self, window: int = 64

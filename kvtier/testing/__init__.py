@@ -13,6 +13,9 @@
   names, from ``/proc`` (imports nothing beyond the standard library).
 - :mod:`kvtier.testing.host`: the CPU tier's private directory under a
   base of the test's choosing (no vLLM import).
+- :mod:`kvtier.testing.state`: reads and moves of the plugin's inner state
+  (a slot's verdict or header, a clean CPU eviction, counters) that only
+  tests and benchmarks need (no vLLM import).
 
 Importing this package imports nothing else; each module imports vLLM.
 """

@@ -186,11 +186,6 @@ class DiskTierCore:
         self.failures.unreadable += len(unreadable)
         return dropped + unreadable
 
-    def io_error_count(self, key: Key) -> int:
-        """How many reads of ``key``'s block failed with an I/O error in a
-        row (0 after a good read)."""
-        return self._io_errors.get(key, 0)
-
     @staticmethod
     def _idle(block: Any) -> bool:
         return block is not None and block.pins == 0

@@ -336,17 +336,6 @@ class TierHierarchy:
             self._drop_from_cpu(cpu.victims(need, limit=limit))
         return min(n, cpu.num_free)
 
-    def evict_clean(self, key: Key) -> bool:
-        """Drop ``key``'s CPU copy if it is idle and also ready on disk (the
-        disk copy stays). True if dropped."""
-        if self.disk is None or not self.disk.is_ready(key):
-            return False
-        block = self.cpu.get(key)
-        if block is None or not block.evictable:
-            return False
-        self._drop_from_cpu([key])
-        return True
-
     # ----------------------------------------------------------------- restore
 
     def restore_disk(self, entries: list[tuple[Key, int]]) -> None:
@@ -379,11 +368,6 @@ class TierHierarchy:
     def has_pending_io(self) -> bool:
         spills = self._spills
         return spills is not None and bool(spills.jobs or spills.new_orders)
-
-    @property
-    def num_loads(self) -> int:
-        """Loads planned and not completed."""
-        return len(self._loads)
 
     # ----------------------------------------------------------------- helpers
 

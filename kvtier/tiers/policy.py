@@ -110,9 +110,6 @@ class EvictionPolicy(ABC):
     def victim_order(self) -> tuple[Run, ...]:
         """The current order of the segments, as runs. O(1)."""
 
-    @abstractmethod
-    def __len__(self) -> int: ...
-
 
 P = TypeVar("P", bound=type[EvictionPolicy])
 
@@ -238,6 +235,3 @@ class LRUPolicy(EvictionPolicy):
 
     def victim_order(self) -> tuple[Run, ...]:
         return ((0, None),)
-
-    def __len__(self) -> int:
-        return len(self._order)

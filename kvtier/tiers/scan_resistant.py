@@ -107,9 +107,6 @@ class ARCPolicy(EvictionPolicy):
             return ((_T1, None), (_T2, None))
         return ((_T2, None), (_T1, None))
 
-    def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
-
 
 _PROBATION, _MAIN = 0, 1
 
@@ -206,9 +203,6 @@ class TwoQueuePolicy(EvictionPolicy):
             return ((_MAIN, None), (_PROBATION, None))
         threshold = next(iter(self._young.values()))
         return ((_PROBATION, threshold), (_MAIN, None), (_PROBATION, None))
-
-    def __len__(self) -> int:
-        return len(self._old) + len(self._young) + len(self._main)
 
 
 @register_policy

@@ -34,10 +34,6 @@ class TierBlock:
     # Why the block is being written: "store", "spill", "promote", "restore".
     origin: str = "store"
 
-    @property
-    def evictable(self) -> bool:
-        return self.state is BlockState.READY and self.pins == 0
-
 
 _WRITING = BlockState.WRITING
 

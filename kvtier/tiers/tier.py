@@ -93,11 +93,6 @@ class Tier:
 
     # --- mutations: each per-key method is its batch (``*_many``) of one ---
 
-    def allocate(self, key: Hashable, origin: str = "store") -> TierBlock:
-        """Give ``key`` a free slot in state WRITING. Caller checked room."""
-        self.allocate_many((key,), origin)
-        return self._blocks[key]
-
     def restore(self, entries: list[tuple[Hashable, int]]) -> None:
         """Register READY blocks at known slots (warm restart).
 
@@ -129,9 +124,6 @@ class Tier:
 
     def touch(self, key: Hashable) -> None:
         self.touch_many((key,))
-
-    def pin(self, key: Hashable) -> None:
-        self.pin_many((key,))
 
     def unpin(self, key: Hashable) -> None:
         self.unpin_many((key,))

@@ -188,10 +188,10 @@ def test_valid_config_and_defaults() -> None:
         promote_on_hit=False,
         spill_watermark=0.5,
     )
-    assert cfg.disk_paths == ("/mnt/a", "/mnt/b")
+    assert cfg.disk_path == ("/mnt/a", "/mnt/b")
     assert (cfg.cpu_eviction_policy, cfg.disk_eviction_policy) == ("lru", "arc")
     plain = parse_extra_config(BASE)
-    assert not plain.disk_enabled and plain.disk_paths == ()
+    assert not plain.disk_enabled and plain.disk_path == ()
     defaults = {k.name: k.default for k in KEYS}
     assert plain.disk_io == defaults["disk_io"]
     assert plain.disk_compression == defaults["disk_compression"]

@@ -67,7 +67,7 @@ def test_config_file_is_valid(path: Path) -> None:
         assert extra["spec_module_path"] == "kvtier.connector"
         parsed = parse_extra_config(extra)
         assert parsed.cpu_bytes_to_use > 0
-        for disk_path in parsed.disk_paths:
+        for disk_path in parsed.disk_path:
             assert disk_path.startswith("/mnt/"), disk_path
     elif spec in TIERING_SPECS:
         assert cfg["kv_connector"] == "OffloadingConnector"
@@ -95,9 +95,9 @@ def test_each_config_shows_its_feature() -> None:
     by_name = {name: parse_extra_config(_extra(CONFIG_DIR / name)) for name in EXPECTED}
     assert not by_name["cpu-only.json"].disk_enabled
     disk = by_name["cpu-disk.json"]
-    assert disk.disk_enabled and len(disk.disk_paths) == 1
+    assert disk.disk_enabled and len(disk.disk_path) == 1
     multi = by_name["cpu-disk-multi-nvme.json"]
-    assert multi.disk_enabled and len(multi.disk_paths) == 2
+    assert multi.disk_enabled and len(multi.disk_path) == 2
     gds = by_name["cpu-disk-gds-zstd.json"]
     assert (gds.disk_io, gds.disk_compression) == ("kvikio", "zstd")
 

@@ -34,6 +34,7 @@ from kvtier.testing.fault_plan import (  # noqa: E402
 )
 from kvtier.testing.faults import inject_faults  # noqa: E402
 from kvtier.testing.offloading import tiered_spec, wait_finished  # noqa: E402
+from kvtier.testing.state import evict_clean, io_error_count
 from tests.connector.test_request_runner import (  # noqa: E402
     RequestRunner,
     make_config,
@@ -271,7 +272,7 @@ def test_io_errors_in_a_row_drop_the_block_and_a_good_read_resets_them(runner, p
         job += 1
         # CPU copies (promotions) of earlier loads go: all from disk again.
         for k in keys:
-            h.evict_clean(k)
+            evict_clean(h, k)
         rule = plan.add(FaultRule.error(errno.EIO, ops="read", **target)) if fail else None
         ctx = _submit(r, keys, [40, 41, 42, 43], job_id=job)
         (done,) = wait_finished(r.worker)
@@ -286,10 +287,10 @@ def test_io_errors_in_a_row_drop_the_block_and_a_good_read_resets_them(runner, p
     for _ in range(MAX_READ_IO_ERRORS - 1):
         load(fail=True)
     assert h.lookup(victim).name == "HIT_DISK"
-    assert h.disk_core.io_error_count(victim) == MAX_READ_IO_ERRORS - 1
+    assert io_error_count(h.disk_core, victim) == MAX_READ_IO_ERRORS - 1
     load(fail=False)  # read and verified: the count starts again
     assert _landed(r, keys, [40, 41, 42, 43]) == [True] * 4
-    assert h.disk_core.io_error_count(victim) == 0
+    assert io_error_count(h.disk_core, victim) == 0
     for _ in range(MAX_READ_IO_ERRORS - 1):
         load(fail=True)
     assert h.lookup(victim).name == "HIT_DISK"

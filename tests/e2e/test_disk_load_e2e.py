@@ -35,6 +35,7 @@ from kvtier.testing.engine import (
     run_prompts,
 )
 from kvtier.testing.faults import FaultPlan, FaultRule, on_slot
+from kvtier.testing.state import evict_clean, io_error_count
 from kvtier.tiers.plans import Residency
 
 from .test_reliability_e2e import assert_at_rest
@@ -441,7 +442,7 @@ class Env:
         keys = self.stored[res.request_ids[0]]
         assert keys, "nothing was stored"
         for key in keys:
-            self.h.evict_clean(key)
+            evict_clean(self.h, key)
             assert self.h.lookup(key) is Residency.HIT_DISK, key.hex()
         assert self.llm.reset_prefix_cache()
         return res.request_ids[0], keys
@@ -572,7 +573,7 @@ class TestDiskCorruption:
         assert len(full) == 4
         for key in keys:
             if key in full[1::2] or key not in full:
-                assert e.h.evict_clean(key) or e.h.lookup(key) is Residency.HIT_DISK
+                assert evict_clean(e.h, key) or e.h.lookup(key) is Residency.HIT_DISK
         assert e.llm.reset_prefix_cache()
         mixed = run_prompts(e.llm, [MIXED_PROMPT], MAX_TOKENS)
         assert mixed.outputs == [e.want(MIXED_PROMPT)]
@@ -622,7 +623,7 @@ class TestDiskCorruption:
 
         # The next load of the prefix, from disk only, reads it back.
         for key in keys:
-            e.h.evict_clean(key)
+            evict_clean(e.h, key)
         assert e.llm.reset_prefix_cache()
         before = e.counters()
         third = run_prompts(e.llm, [prompt], MAX_TOKENS)
@@ -630,5 +631,5 @@ class TestDiskCorruption:
         assert third.hits_by_source[0] == {"disk": 4 * BLOCK}, third.hits_by_source
         d, _fd, _wd = _deltas(e.counters(), before)
         assert d["load_failures"] == 0 and d["loads_disk"] >= 4, d
-        assert e.h.disk_core.io_error_count(victim) == 0
+        assert io_error_count(e.h.disk_core, victim) == 0
         assert_at_rest(e.mgr)

@@ -22,6 +22,7 @@ from kvtier.testing.engine import (
     run_prompts,
     wait_events_delivered,
 )
+from kvtier.testing.state import evict_clean
 
 from .workload import (
     BLOCKS_PER_PROMPT,
@@ -151,7 +152,7 @@ def test_prefix_split_across_cpu_and_disk_loads_fully(model, block_bytes, tmp_pa
         assert len(keys) == BLOCKS_PER_PROMPT
         # Blocks 0 and 2 leave the CPU tier (their disk copies stay): the
         # prefix reads disk, cpu, disk, cpu.
-        assert h.evict_clean(keys[0]) and h.evict_clean(keys[2])
+        assert evict_clean(h, keys[0]) and evict_clean(h, keys[2])
         assert llm.reset_prefix_cache()  # forget the GPU copies
         again = run_prompts(llm, [prompt], MAX_TOKENS)
     assert again.hits_by_source[0] == {"disk": 64, "host": 64}

@@ -27,6 +27,7 @@ import torch
 
 from kvtier.testing.engine import engine, run_prompts
 from kvtier.testing.kv_corruption import LoadCorruptor
+from kvtier.testing.state import evict_clean
 from kvtier.tiers.plans import Residency
 
 from .workload import (
@@ -92,7 +93,7 @@ def _only_in(llm, medium: str) -> None:
     assert len(keys) == BLOCKS_PER_PROMPT, len(keys)
     for key in keys:
         if medium == "disk":
-            assert h.evict_clean(key), key.hex()
+            assert evict_clean(h, key), key.hex()
             assert h.lookup(key) is Residency.HIT_DISK, key.hex()
         else:
             assert h.lookup(key) is Residency.HIT_CPU, key.hex()

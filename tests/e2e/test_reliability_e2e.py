@@ -21,6 +21,7 @@ from vllm import SamplingParams
 from kvtier.store.slot import slot_size
 from kvtier.testing.engine import drain, engine, make_prompt, run_prompts
 from kvtier.testing.faults import FaultPlan, FaultRule, inject_faults
+from kvtier.testing.state import num_loads
 from kvtier.tiers.slots import BlockState
 
 from .workload import (
@@ -49,7 +50,7 @@ def assert_at_rest(mgr) -> None:
         for key, block in tier.items():
             assert block.pins == 0, (tier.medium, key.hex(), block)
             assert block.state is BlockState.READY, (tier.medium, key.hex(), block)
-    assert h.num_loads == 0 and not mgr._failed_loads
+    assert num_loads(h) == 0 and not mgr._failed_loads
     assert not h._spilling
 
 

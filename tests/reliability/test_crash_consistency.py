@@ -27,6 +27,7 @@ from kvtier.store.store import DiskStore
 from kvtier.store.transfers import TransferEngine
 from kvtier.testing.events import replay, residency
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
+from kvtier.testing.state import verify
 from kvtier.tiers.events import TierEvent
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
@@ -75,7 +76,7 @@ def survey(store: DiskStore) -> Survey:
             s.invalid.add(slot)
     # verify() (full read, no key) flags exactly the damaged slots among
     # those with an intact header, and passes exactly the good ones.
-    verified = {slot: store.verify(slot) for slot in range(SLOTS)}
+    verified = {slot: verify(store, slot) for slot in range(SLOTS)}
     assert {s_ for s_, o in verified.items() if o is ReadOutcome.OK} == set(s.good)
     assert {
         s_
@@ -238,6 +239,6 @@ def test_torn_writes_are_detected_after_restart(tmp_path: Path) -> None:
         }
         assert s.damaged == {1}
         assert s.invalid == {2} | set(range(4, SLOTS))
-        assert store.verify(1) is ReadOutcome.CHECKSUM_MISMATCH
-        assert store.verify(2) is ReadOutcome.BAD_HEADER
+        assert verify(store, 1) is ReadOutcome.CHECKSUM_MISMATCH
+        assert verify(store, 2) is ReadOutcome.BAD_HEADER
         restore_and_reuse(store, s)

@@ -29,6 +29,7 @@ from reliability_common import (
 from kvtier.store.slot import ReadOutcome
 from kvtier.store.store import DiskStore
 from kvtier.testing.faults import FaultPlan, FaultRule, on_slot
+from kvtier.testing.state import verify
 
 NOBODY = 65534
 
@@ -204,7 +205,7 @@ def test_rm_rf_under_a_running_store(
     # Open descriptors still reach the (now unlinked) slab: reads are still
     # verified and correct, and writes still land.
     assert all(read_ok(rig.store, s, k) for s, k in enumerate(keys))
-    assert {rig.store.verify(s) for s in range(4)} == {ReadOutcome.OK}
+    assert {verify(rig.store, s) for s in range(4)} == {ReadOutcome.OK}
     rig.store.write_block(6, key_of(6), pattern(key_of(6)), rig.store.next_seq())
     assert read_ok(rig.store, 6, key_of(6))
     headers = {slot: h for slot, h, o in rig.store.scan() if o is ReadOutcome.OK}
@@ -253,7 +254,7 @@ def test_truncated_slab_is_a_counted_logged_miss(
     os.truncate(slab.path, slab.offset(3) + 5000)  # mid-payload of slot 3
     assert all(read_ok(rig.store, s, keys[s]) for s in range(3))
     assert [read_ok(rig.store, s, keys[s]) for s in range(3, 6)] == [False] * 3
-    outcomes = {s: rig.store.verify(s) for s in range(3, 6)}
+    outcomes = {s: verify(rig.store, s) for s in range(3, 6)}
     assert set(outcomes.values()) == {ReadOutcome.TRUNCATED}
     # 3 reads + 3 verifies; a truncated slab lost those bytes (not an errno).
     stats = rig.store.stats()

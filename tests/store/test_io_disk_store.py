@@ -24,6 +24,7 @@ from kvtier.store.slot import (
     slot_size,
 )
 from kvtier.store.store import DiskStore
+from kvtier.testing.state import read_header, verify
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 KEY = bytes(range(32)) + b"\x00\x00\x00\x01"  # 32-byte hash + 4-byte group
@@ -79,7 +80,7 @@ def test_roundtrip_persists_across_reopen(
         assert s.read_block(2, KEY, out) is ReadOutcome.OK
         assert out.tobytes() == data.tobytes()
         assert s.read_block(1, KEY, sentinel_out()) is ReadOutcome.EMPTY
-        assert s.verify(2) is ReadOutcome.OK
+        assert verify(s, 2) is ReadOutcome.OK
         st = s.stats()
         assert st.blocks_read == 3 and st.read_bytes > 0 and st.read_seconds > 0
 
@@ -116,7 +117,7 @@ def test_layout_permissions_and_striping(
 def test_corrupt_payload_is_checksum_mismatch(store: DiskStore) -> None:
     data = np.frombuffer(np.arange(BLOCK_BYTES // 2, dtype="<u2").tobytes(), np.uint8)
     store.write_block(3, KEY, data, store.next_seq())
-    hdr, outcome = store.read_header(3)
+    hdr, outcome = read_header(store, 3)
     assert outcome is ReadOutcome.OK and hdr is not None
     # The zstd store really compressed this (so both codecs are exercised).
     assert hdr.codec is (
@@ -127,7 +128,7 @@ def test_corrupt_payload_is_checksum_mismatch(store: DiskStore) -> None:
     out = sentinel_out()
     assert store.read_block(3, KEY, out) is ReadOutcome.CHECKSUM_MISMATCH
     assert (out == SENTINEL).all()
-    assert store.verify(3) is ReadOutcome.CHECKSUM_MISMATCH
+    assert verify(store, 3) is ReadOutcome.CHECKSUM_MISMATCH
     assert store.stats().checksum_failures == 2
 
 
@@ -139,7 +140,7 @@ def test_corrupt_header_is_bad_header(store: DiskStore, pos: int) -> None:
     out = sentinel_out()
     assert store.read_block(1, KEY, out) is ReadOutcome.BAD_HEADER
     assert (out == SENTINEL).all()
-    assert store.read_header(1) == (None, ReadOutcome.BAD_HEADER)
+    assert read_header(store, 1) == (None, ReadOutcome.BAD_HEADER)
 
 
 @pytest.mark.parametrize("cut", ["slab_start", "mid_header", "mid_payload"])
@@ -185,7 +186,7 @@ def test_foreign_fingerprint_is_fingerprint_mismatch(
         out = sentinel_out()
         assert ours.read_block(0, KEY, out) is ReadOutcome.FINGERPRINT_MISMATCH
         assert (out == SENTINEL).all()
-        hdr, outcome = ours.read_header(0)
+        hdr, outcome = read_header(ours, 0)
         assert outcome is ReadOutcome.FINGERPRINT_MISMATCH
         assert hdr is not None and hdr.fingerprint == other_fp.digest()
 
@@ -198,7 +199,7 @@ def test_wrong_key_and_invalidate(store: DiskStore) -> None:
     store.invalidate(5)
     assert store.read_block(5, KEY, out) is ReadOutcome.EMPTY
     assert (out == SENTINEL).all()
-    assert store.verify(5) is ReadOutcome.EMPTY
+    assert verify(store, 5) is ReadOutcome.EMPTY
 
 
 def test_scan_reports_every_slot_and_raises_seq(
@@ -345,7 +346,7 @@ def test_read_header_raises_seq_too(
         s.write_block(2, KEY, block(2), 2**62)
     with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
         assert s.next_seq() < 2**62
-        hdr, outcome = s.read_header(2)
+        hdr, outcome = read_header(s, 2)
         assert outcome is ReadOutcome.OK and hdr is not None and hdr.seq == 2**62
         assert s.next_seq() > 2**62
 

@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from kvtier.store.read_process import PipeChannel, frame
+from kvtier.testing.state import unsent
 
 DEADLINE_S = 30.0
 
@@ -44,7 +45,7 @@ def test_send_never_waits_for_a_reader_and_keeps_order(ends):
     msgs = [(i, [(j, bytes([i % 256]) * 36) for j in range(500)]) for i in range(200)]
     # ~5 MB of requests, far above any pipe's room, with nobody reading.
     assert _within_deadline(lambda: [chan.send(m) for m in msgs])
-    assert chan.unsent > 0  # the pipe took only part of it
+    assert unsent(chan) > 0  # the pipe took only part of it
     got: list = []
 
     def read_all() -> None:
@@ -53,10 +54,10 @@ def test_send_never_waits_for_a_reader_and_keeps_order(ends):
 
     reader = threading.Thread(target=read_all, daemon=True)
     reader.start()
-    while reader.is_alive() and chan.unsent:
+    while reader.is_alive() and unsent(chan):
         chan.receive(0.01)  # each call sends on what the pipe takes
     reader.join(DEADLINE_S)
-    assert got == msgs and chan.unsent == 0
+    assert got == msgs and unsent(chan) == 0
 
 
 def test_a_message_written_in_part_is_taken_whole_later(ends):

@@ -22,6 +22,7 @@ from kvtier.store.slot import (
     aligned_empty,
     slot_size,
 )
+from kvtier.testing.state import pack_version_1
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REF = LayoutFingerprint(
@@ -59,7 +60,7 @@ def test_header_roundtrip_and_size() -> None:
 
 def test_version_1_header_still_parses() -> None:
     old = header(version=1, device_checksum=None)
-    packed = old.pack()
+    packed = pack_version_1(old)
     assert packed[8:12] == (1).to_bytes(4, "little")
     back = SlotHeader.unpack(packed)
     assert back == old and back.device_checksum is None

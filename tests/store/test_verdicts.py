@@ -27,6 +27,7 @@ from kvtier.store.slabs import (
 )
 from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
+from kvtier.testing.state import pack_version_1, verify
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_SLOTS = 8
@@ -106,11 +107,7 @@ def _damage(store: DiskStore, kind: str, slot: int) -> None:
             f.seek(off)
             hdr = SlotHeader.unpack(f.read(HEADER_SIZE))
         if kind == "old_version":
-            packed = SlotHeader(
-                key=hdr.key, fingerprint=hdr.fingerprint, payload_len=hdr.payload_len,
-                raw_len=hdr.raw_len, codec=hdr.codec, checksum=hdr.checksum,
-                seq=hdr.seq, written_at=hdr.written_at, version=1,
-            ).pack()
+            packed = pack_version_1(hdr)
         else:
             packed = bytearray(hdr.pack())
             packed[8:12] = (3).to_bytes(4, "little")
@@ -154,7 +151,7 @@ def test_every_reader_judges_a_damaged_slot_alike(
         got_store = store.read_block(victim, key_of(victim), out)
         if got_store is RO.OK:
             assert np.array_equal(out, block_of(victim, block_bytes))
-        assert store.verify(victim) is (
+        assert verify(store, victim) is (
             RO.OK if got_store is RO.KEY_MISMATCH else got_store
         )
 

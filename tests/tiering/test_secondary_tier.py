@@ -45,6 +45,7 @@ from kvtier.connector.tiering import KvtierDiskTier, PortableTieringSpec  # noqa
 from kvtier.store.slot import HEADER_SIZE, slot_size  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
 from kvtier.testing.offloading import offloading_config, wait_finished  # noqa: E402
+from kvtier.testing.state import io_error_count, read_header
 
 PAGE = 4096  # bytes of one block of one layer
 LAYERS = 2
@@ -341,7 +342,7 @@ def test_corrupt_slot_is_a_miss_not_data(tmp_path, make_driver):
     assert not d.in_primary(victim)
     assert d.tier.stats.promotion_failures == 1
     assert d.tier.runtime.checksum_failures() == 1
-    assert store.read_header(slot)[1].name == "EMPTY"  # invalidated
+    assert read_header(store, slot)[1].name == "EMPTY"  # invalidated
     _stored, removed = d.storage_events()
     assert victim in removed
     # Dropped at once, as corrupt: not an I/O error to read again.
@@ -420,7 +421,7 @@ def test_an_io_error_fails_the_load_and_keeps_the_block(
     assert victim not in d.storage_events()[1]
     assert hits == 4
     assert d.load_and_check(first, ctx) == {"disk": 4}
-    assert store.read_header(d.tier.tier.get(victim).slot)[1].name == "OK"
+    assert read_header(store, d.tier.tier.get(victim).slot)[1].name == "OK"
     assert d.tier.stats.load_errors == 1  # a promotion job failed on it
     failures = d.tier.core.failures
     assert (failures.io_errors_kept, failures.corrupt, failures.unreadable) == (
@@ -428,7 +429,7 @@ def test_an_io_error_fails_the_load_and_keeps_the_block(
         0,
         0,
     )
-    assert d.tier.core.io_error_count(victim) == 0  # a good read resets it
+    assert io_error_count(d.tier.core, victim) == 0  # a good read resets it
     series = d.manager.get_stats().data["data"]
     assert series["vllm:kv_offload_kvtier_load_io_errors"][()] == 1
     assert series["vllm:kv_offload_kvtier_load_errors"][()] == 1
@@ -703,7 +704,7 @@ def test_ready_config_files_load_our_tier(name, spec_name):
     (entry,) = extra["secondary_tiers"]
     assert SecondaryTierFactory.get_tier_class(entry) is KvtierDiskTier
     settings = parse_tier_config(entry)
-    assert settings.disk_paths[0].startswith("/mnt/")
+    assert settings.disk_path[0].startswith("/mnt/")
     assert settings.disk_bytes_to_use > 0
     # The documented form: the file's text as --kv-transfer-config.
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())

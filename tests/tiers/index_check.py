@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
+from kvtier.testing.state import evictable
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.tier import Tier
 
@@ -16,7 +17,7 @@ def check_index(tier: Tier) -> None:
     expect = [
         k
         for k in tier.policy.candidates()
-        if blocks[k].evictable and (tier.filter is None or tier.filter(k, blocks[k]))
+        if evictable(blocks[k]) and (tier.filter is None or tier.filter(k, blocks[k]))
     ]
     eligible = set(tier.index.eligible)
     assert set(expect) == eligible, (tier.medium, expect, eligible)

@@ -3,6 +3,7 @@
 import pytest
 
 from kvtier.testing.events import replay, residency
+from kvtier.testing.state import io_error_count
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
@@ -121,14 +122,14 @@ def test_an_io_error_keeps_the_disk_copy_and_a_good_read_resets_its_count():
         h.complete_load(plan.load_id, io_failed=["b"])
     # Failed loads, but the block stays: the next request may read it.
     assert h.lookup("b") is Residency.HIT_DISK
-    assert h.disk_core.io_error_count("b") == MAX_READ_IO_ERRORS - 1
+    assert io_error_count(h.disk_core, "b") == MAX_READ_IO_ERRORS - 1
     assert failures.io_errors_kept == MAX_READ_IO_ERRORS - 1
     assert failures.corrupt == failures.unreadable == 0
     assert h.stats.load_failures == MAX_READ_IO_ERRORS - 1
     assert h.stats.loads_disk == MAX_READ_IO_ERRORS - 1  # "a" each time
     plan = h.prepare_load(["b"])
     h.complete_load(plan.load_id)  # read and verified: the count starts again
-    assert h.disk_core.io_error_count("b") == 0
+    assert io_error_count(h.disk_core, "b") == 0
     plan = h.prepare_load(["b"])
     h.complete_load(plan.load_id, io_failed=["b"])
     assert h.lookup("b") is Residency.HIT_DISK
@@ -162,7 +163,7 @@ def test_a_block_given_up_unread_keeps_its_count():
     h.complete_load(plan.load_id, io_failed=["a"])
     plan = h.prepare_load(["a"])
     h.complete_load(plan.load_id, unloaded=["a"])  # nothing was read
-    assert h.disk_core.io_error_count("a") == 1
+    assert io_error_count(h.disk_core, "a") == 1
     assert h.lookup("a") is Residency.HIT_DISK
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvtier.testing.state import allocate, pin
 from kvtier.tiers.policy import (
     POLICY_REGISTRY,
     EvictionPolicy,
@@ -71,13 +72,13 @@ def victim_cost(policy: str, scan_limit: int | None = None) -> VictimCost:
     tier = Tier("cpu", TIER_BLOCKS, policy)
     keys = [CountingKey(i) for i in range(TIER_BLOCKS)]
     for k in keys:
-        tier.allocate(k)
+        allocate(tier, k)
         tier.mark_ready(k)
     for k in keys[::3]:
         tier.touch(k)  # a second use: ARC's T2, 2q's main
     for i, k in enumerate(keys):
         if i % ELIGIBLE_EVERY:
-            tier.pin(k)
+            pin(tier, k)
     for k in keys[::ELIGIBLE_EVERY]:
         tier.touch(k)  # the eligible blocks are the newest: a scan walks
         # past every pinned block before it finds one (issue 11's case)
@@ -100,7 +101,7 @@ def victim_cost(policy: str, scan_limit: int | None = None) -> VictimCost:
         for _ in chosen:
             k = CountingKey(fresh)
             fresh += 1
-            tier.allocate(k)
+            allocate(tier, k)
             tier.mark_ready(k)
         tier.touch(keys[(r * 7 * ELIGIBLE_EVERY) % TIER_BLOCKS])
     return cost
@@ -175,9 +176,6 @@ def test_a_policy_without_a_victim_order_is_refused():
             def remove(self, key, evicted): ...
             def candidates(self):
                 return iter(())
-
-            def __len__(self):
-                return 0
 
     message = str(info.value)
     assert "'test-scan-only'" in message

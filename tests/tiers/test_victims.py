@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from kvtier.testing.state import allocate, evictable, pin
 from kvtier.tiers.policy import LRUPolicy, make_policy, policy_names
 from kvtier.tiers.tier import Tier
 from tests.tiers.index_check import check_index, eligible_in_order
@@ -17,7 +18,7 @@ def _churned_tier(policy: str, seed: int, capacity: int = 200) -> Tier:
     tier = Tier("cpu", capacity, policy)
     fresh = 0
     for _ in range(capacity):
-        tier.allocate(fresh)
+        allocate(tier, fresh)
         tier.mark_ready(fresh)
         fresh += 1
     for _ in range(600):
@@ -28,12 +29,12 @@ def _churned_tier(policy: str, seed: int, capacity: int = 200) -> Tier:
         if op < 0.3:
             tier.touch_many(rng.sample(keys, 3))
         elif op < 0.45 and block.state.value == "ready":
-            tier.pin(key)
+            pin(tier, key)
         elif op < 0.6 and block.pins:
             tier.unpin(key)
-        elif op < 0.8 and block.evictable:
+        elif op < 0.8 and evictable(block):
             tier.remove(key)
-            tier.allocate(fresh)
+            allocate(tier, fresh)
             if rng.random() < 0.8:
                 tier.mark_ready(fresh)
             fresh += 1
@@ -76,9 +77,9 @@ def test_taken_victims_given_back_keep_their_place(policy):
 def test_count_eligible_counts_only_victim_candidates():
     tier = Tier("cpu", 4)
     for k in "abcd":
-        tier.allocate(k)
+        allocate(tier, k)
     tier.mark_ready_many(["a", "b", "c"])
-    tier.pin("b")
+    pin(tier, "b")
     assert tier.count_eligible({"a", "b", "c", "d", "zz"}) == 2  # a, c
     assert tier.num_eligible == 2
 
@@ -88,7 +89,7 @@ def test_index_heaps_stay_bounded_under_touch_churn():
     run): no heap entry, nothing stale."""
     tier = Tier("cpu", 50)
     for k in range(50):
-        tier.allocate(k)
+        allocate(tier, k)
     tier.mark_ready_many(list(range(50)))
     for i in range(5000):
         tier.touch_many([i % 50, (i * 7) % 50])
@@ -106,7 +107,7 @@ def test_out_of_order_admissions_use_the_heap_and_keep_the_order(policy):
     tier = Tier("cpu", 300, policy)
     keys = list(range(300))
     for k in keys:
-        tier.allocate(k)
+        allocate(tier, k)
     tier.mark_ready_many(keys)
     tier.pin_many(keys)
     for _ in range(40):
@@ -197,7 +198,7 @@ def test_allocate_many_is_allocate_per_key(policy: str, case: str) -> None:
     for _ in range(2):
         tier = Tier("disk", 12, policy)
         for key in range(8):
-            tier.allocate(key)
+            allocate(tier, key)
             tier.mark_ready(key)
         for key in (5, 2, 6):
             tier.remove(key)  # three free slots, four never handed out
@@ -212,7 +213,7 @@ def test_allocate_many_is_allocate_per_key(policy: str, case: str) -> None:
     errors = []
     for alloc in (
         lambda: batch.allocate_many(keys, "spill"),
-        lambda: [single.allocate(k, "spill").slot for k in keys],
+        lambda: [allocate(single, k, "spill").slot for k in keys],
     ):
         try:
             errors.append(("ok", alloc()))

@@ -249,7 +249,7 @@ class KvtierDiskTier(SecondaryTierManager):
         # keeps reporting them, so no counter goes backwards.
         self._io: list[tuple[str, tuple[str, ...], float]] = []
         stores = open_stores(
-            cfg.disk_paths,
+            cfg.disk_path,
             fingerprints,
             self.capacity,
             self.block_bytes,
@@ -283,7 +283,7 @@ class KvtierDiskTier(SecondaryTierManager):
             self.num_ranks,
             cfg.disk_eviction_policy,
             cfg.disk_compression,
-            list(cfg.disk_paths),
+            list(cfg.disk_path),
         )
 
     # ------------------------------------------------------------ helpers
