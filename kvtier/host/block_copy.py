@@ -135,7 +135,11 @@ class BlockCopier:
         kv_tensors: Sequence[torch.Tensor],
         cpu_rows: torch.Tensor,
         blocks_per_chunk: int,
+        *,
+        host_numpy: bool = True,
     ):
+        """``host_numpy=False`` copies host memory with torch's indexing
+        kernels, as on a device: tests run the device path on CPU tensors."""
         if cpu_rows.dtype != torch.uint8 or cpu_rows.dim() != 2:
             raise ValueError("cpu_rows must be a 2-D uint8 tensor")
         if cpu_rows.stride(1) != 1:
@@ -172,7 +176,7 @@ class BlockCopier:
         # Host memory: numpy views of the same bytes (see the class doc).
         self._host = (
             [(k.numpy(), v.numpy()) for k, v in zip(self.kv, self.cpu_views)]
-            if cpu_rows.device.type == "cpu"
+            if host_numpy and cpu_rows.device.type == "cpu"
             else None
         )
 

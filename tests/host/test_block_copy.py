@@ -114,9 +114,7 @@ def test_host_copies_from_runs_and_gathers_equal_a_blockwise_copy(
         want_kv = [t.clone() for t in kv]
         want_area = area.clone()
         _reference(want_kv, want_area[:, :row_bytes], bpc, plan, to_cpu)
-        copier = BlockCopier(kv, rows, bpc)
-        if not host_numpy:  # torch's indexing kernels, as on a device
-            copier._host = None
+        copier = BlockCopier(kv, rows, bpc, host_numpy=host_numpy)
         copier.copy(plan, to_cpu)
         assert torch.equal(area, want_area)
         for got, want in zip(kv, want_kv):
