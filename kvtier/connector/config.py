@@ -388,11 +388,6 @@ class KvtierConfig(BaseModel):
         return self
 
     @property
-    def disk_paths(self) -> tuple[str, ...]:
-        """``disk_path`` as normalized absolute paths (one per device)."""
-        return self.disk_path
-
-    @property
     def disk_enabled(self) -> bool:
         return self.disk_bytes_to_use > 0
 

@@ -34,7 +34,7 @@ def check_disk_paths(
     if not cfg.disk_enabled:
         return
     seen: dict[tuple[int, int], str] = {}
-    for path in cfg.disk_paths:
+    for path in cfg.disk_path:
         if not os.path.isdir(path):
             raise ConfigError(
                 "disk_path",
@@ -82,7 +82,7 @@ def check_disk_space(
         raise ConfigError(
             "disk_bytes_to_use",
             f"{path!r} has {available} bytes free but needs {share} "
-            f"(disk_bytes_to_use={cfg.disk_bytes_to_use} over {len(cfg.disk_paths)} path(s)); "
+            f"(disk_bytes_to_use={cfg.disk_bytes_to_use} over {len(cfg.disk_path)} path(s)); "
             "lower disk_bytes_to_use or free space",
         )
 

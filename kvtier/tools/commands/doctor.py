@@ -195,13 +195,13 @@ def run_checks(inp: DoctorInput) -> list[Check]:
         adopted: dict[str, list[str]] = {}
 
         def stores() -> list[Check]:
-            found, reusable = doctor_store.check_stores(cfg.disk_paths, args.model)
+            found, reusable = doctor_store.check_stores(cfg.disk_path, args.model)
             adopted.update(reusable)
             return found
 
         store_checks = _guarded("warm-restart", "existing stores", stores)
         seconds = 0.0 if args.no_probe else args.probe_seconds
-        for path in cfg.disk_paths:
+        for path in cfg.disk_path:
             reusable = adopted.get(path, [])
             checks += _guarded(
                 "disk", path, doctor_disk.check_disk_path, cfg, path, reusable, seconds

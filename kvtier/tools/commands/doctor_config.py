@@ -214,7 +214,7 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
     if inp.transfer is not None:
         out += _connector_checks(inp.transfer, spec, cfg.disk_enabled)
     tiers = f"CPU {fmt_bytes(cfg.cpu_bytes_to_use)}" + (
-        f", disk {fmt_bytes(cfg.disk_bytes_to_use)} over {len(cfg.disk_paths)} path(s)"
+        f", disk {fmt_bytes(cfg.disk_bytes_to_use)} over {len(cfg.disk_path)} path(s)"
         if cfg.disk_enabled
         else ", no disk tier"
     )
