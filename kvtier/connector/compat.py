@@ -25,6 +25,7 @@ KEY = "sync_load_budget_bytes"
 def check_sync_load_budget(
     cfg: KvtierConfig,
     *,
+    sync_loads: bool | None = None,
     kv_cache_groups: int | None = None,
 ) -> None:
     """Refuse ``sync_load_budget_bytes`` where kvtier cannot honour it.
@@ -39,7 +40,9 @@ def check_sync_load_budget(
     budget = cfg.sync_load_budget_bytes
     if budget == 0:
         return
-    if not SYNC_LOADS:
+    if sync_loads is None:
+        sync_loads = SYNC_LOADS
+    if not sync_loads:
         raise ConfigError(
             KEY,
             f"is {budget}, but this vLLM has no synchronous loads (they came "

@@ -11,7 +11,6 @@ from kvtier.connector.config import ConfigError, parse_extra_config
 
 pytest.importorskip("vllm")
 
-from kvtier.connector import compat  # noqa: E402
 from kvtier.connector.compat import SYNC_LOADS, check_sync_load_budget  # noqa: E402
 
 KEY = "sync_load_budget_bytes"
@@ -49,19 +48,14 @@ CASES = [
 
 @pytest.mark.parametrize("extra,sync_loads,groups,refusal", CASES)
 def test_decision(
-    extra: dict[str, Any],
-    sync_loads: bool,
-    groups: int | None,
-    refusal: list[str] | None,
-    monkeypatch: pytest.MonkeyPatch,
+    extra: dict[str, Any], sync_loads: bool, groups: int | None, refusal: list[str] | None
 ) -> None:
-    monkeypatch.setattr(compat, "SYNC_LOADS", sync_loads)  # this vLLM's fact
     cfg = parse_extra_config({**extra, KEY: 1 << 20})
     if refusal is None:
-        check_sync_load_budget(cfg, kv_cache_groups=groups)
+        check_sync_load_budget(cfg, sync_loads=sync_loads, kv_cache_groups=groups)
         return
     with pytest.raises(ConfigError) as err:
-        check_sync_load_budget(cfg, kv_cache_groups=groups)
+        check_sync_load_budget(cfg, sync_loads=sync_loads, kv_cache_groups=groups)
     assert err.value.key == KEY
     message = str(err.value)
     assert f"kv_connector_extra_config['{KEY}']" in message
@@ -70,13 +64,10 @@ def test_decision(
         assert fragment in message
 
 
-@pytest.mark.parametrize("sync_loads", [False, True])
-def test_zero_is_accepted_everywhere(
-    sync_loads: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(compat, "SYNC_LOADS", sync_loads)
+def test_zero_is_accepted_everywhere() -> None:
     cfg = parse_extra_config({**DISK, KEY: 0})
-    check_sync_load_budget(cfg, kv_cache_groups=4)
+    check_sync_load_budget(cfg, sync_loads=False, kv_cache_groups=4)
+    check_sync_load_budget(cfg, sync_loads=True, kv_cache_groups=4)
 
 
 def test_the_spec_applies_the_decision_of_this_vllm() -> None:
