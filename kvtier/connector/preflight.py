@@ -33,32 +33,42 @@ def check_disk_paths(
     names, not writable, or too small (:func:`check_disk_space`)."""
     if not cfg.disk_enabled:
         return
-    seen: dict[tuple[int, int], str] = {}
-    for path in cfg.disk_path:
+    for i, path in enumerate(cfg.disk_path):
         if not os.path.isdir(path):
             raise ConfigError(
                 "disk_path",
                 f"{path!r} does not exist or is not a directory; create it first",
             )
-        try:
-            st = os.stat(path)
-        except OSError:
-            st = None  # raced away: the writability check below says so
-        other = path if st is None else seen.setdefault((st.st_dev, st.st_ino), path)
-        if other != path:
-            # Else the store's second directory is its first one, whose
-            # lock it already holds: "in use by another engine".
-            raise ConfigError(
-                "disk_path",
-                f"{other!r} and {path!r} are the same directory (a link or "
-                "bind mount); list each directory once",
-            )
+        same = same_directory(cfg.disk_path[: i + 1])  # a few paths at most
+        if same is not None:
+            raise ConfigError("disk_path", same)
         if not os.access(path, os.W_OK | os.X_OK):
             raise ConfigError(
                 "disk_path",
                 f"{path!r} is not writable by this process (uid {os.getuid()})",
             )
         check_disk_space(cfg, path, free_bytes=free_bytes, reusable=reusable)
+
+
+def same_directory(paths: Sequence[str]) -> str | None:
+    """Why two of ``paths`` are one directory under two names (a link or a
+    bind mount), or None. A store's second directory would be its first one,
+    whose lock it already holds: it would refuse itself as "in use by
+    another engine". A path that cannot be stat'ed is left to the caller's
+    other checks."""
+    seen: dict[tuple[int, int], str] = {}
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        other = seen.setdefault((st.st_dev, st.st_ino), path)
+        if other != path:
+            return (
+                f"{other!r} and {path!r} are the same directory (a link or "
+                "bind mount); list each directory once"
+            )
+    return None
 
 
 def check_disk_space(

@@ -52,6 +52,21 @@ def test_world_writable_path_without_sticky_bit_is_flagged(capsys, disk, shm):
     assert c["status"] == "warning" and "sticky" not in c["detail"]
 
 
+def test_one_directory_under_two_names_is_an_error(capsys, tmp_path, disk, shm):
+    """The engine refuses a directory listed twice (a link or bind mount);
+    the doctor says so too, by the same rule, instead of "ready"."""
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(disk)
+    rc, checks = doctor(capsys, *flags(disk, shm, "--disk-path", str(other)))
+    assert checks["distinct paths"]["status"] == "ok"
+    rc, checks = doctor(capsys, *flags(disk, shm, "--disk-path", str(link)))
+    found = checks["distinct paths"]
+    assert found["status"] == "error" and "same directory" in found["detail"]
+    assert rc == 1
+
+
 def test_unwritable_path_is_an_error(capsys, disk, shm):
     if os.geteuid() == 0:
         pytest.skip("root writes anywhere: no unwritable directory to build")

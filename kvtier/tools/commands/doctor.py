@@ -200,6 +200,7 @@ def run_checks(inp: DoctorInput) -> list[Check]:
             return found
 
         store_checks = _guarded("warm-restart", "existing stores", stores)
+        checks += _guarded("disk", "distinct paths", _distinct_paths, cfg.disk_path)
         seconds = 0.0 if args.no_probe else args.probe_seconds
         for path in cfg.disk_path:
             reusable = adopted.get(path, [])
@@ -216,6 +217,19 @@ def run_checks(inp: DoctorInput) -> list[Check]:
     )
     checks += _guarded("cpu", "CPU placement", _cpu_placement)
     return checks
+
+
+def _distinct_paths(paths: tuple[str, ...]) -> list[Check]:
+    """Each disk path a directory of its own, by the engine's rule
+    (:func:`kvtier.connector.preflight.same_directory`)."""
+    from kvtier.connector.preflight import same_directory
+
+    if len(paths) < 2:
+        return []
+    same = same_directory(paths)
+    if same is None:
+        return [Check("disk", "distinct paths", OK, f"{len(paths)} directories")]
+    return [Check("disk", "distinct paths", ERROR, same, "list each directory once")]
 
 
 def _cpu_placement() -> list[Check]:
