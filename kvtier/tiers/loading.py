@@ -188,8 +188,7 @@ class LoadPlanner:
         )
         self._disk_dropped(dropped, False)
         if promoted:
-            for key in promoted:
-                cpu.mark_ready(key)
+            cpu.mark_ready_many(promoted)
             self._promoted.update(promoted)
             stats.promotions_completed += len(promoted)
             self._emit(promoted, MEDIUM_CPU, removed=False, reason="promote")

@@ -352,8 +352,7 @@ class KvtierDiskTier(SecondaryTierManager):
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        for key in keys:
-            self.tier.touch(key)
+        self.tier.touch_many(list(keys))
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -363,10 +362,9 @@ class KvtierDiskTier(SecondaryTierManager):
         tier = self.tier
         fresh: dict[OffloadKey, int] = {}
         for key, chunk in zip(keys, chunks):
-            if key in tier:  # stored or being stored already
-                tier.touch(key)
-            else:
+            if key not in tier:  # else stored or being stored already
                 fresh.setdefault(key, chunk)
+        tier.touch_many([key for key in keys if key not in fresh])
         if len(fresh) > tier.num_free:
             evicted = self.core.make_room(len(fresh), exclude=set(keys))
             self.stats.evictions += len(evicted)
