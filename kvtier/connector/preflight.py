@@ -33,15 +33,16 @@ def check_disk_paths(
     names, not writable, or too small (:func:`check_disk_space`)."""
     if not cfg.disk_enabled:
         return
-    for i, path in enumerate(cfg.disk_path):
+    for path in cfg.disk_path:
         if not os.path.isdir(path):
             raise ConfigError(
                 "disk_path",
                 f"{path!r} does not exist or is not a directory; create it first",
             )
-        same = same_directory(cfg.disk_path[: i + 1])  # a few paths at most
-        if same is not None:
-            raise ConfigError("disk_path", same)
+    same = same_directory(cfg.disk_path)
+    if same is not None:
+        raise ConfigError("disk_path", same)
+    for path in cfg.disk_path:
         if not os.access(path, os.W_OK | os.X_OK):
             raise ConfigError(
                 "disk_path",
