@@ -158,12 +158,11 @@ class TieredOffloadingSpec(OffloadingSpec):
                 f"{slot_size(self.block_bytes)} B; raise disk_load_buffer_bytes",
             )
         if self.block_bytes > 0:
-            check_disk_paths(
-                self.kvtier,
-                reusable=[
-                    store_dirname(fp) for fp in self.fingerprints
-                ],
-            )
+            if self.kvtier.disk_enabled:  # the fingerprints hash the model
+                check_disk_paths(
+                    self.kvtier,
+                    reusable=[store_dirname(fp) for fp in self.fingerprints],
+                )
             # Ranks of this node share one shared-memory file system.
             prepare_cpu_tier(
                 [self._buffer_path(r) for r in range(self.world_size)],

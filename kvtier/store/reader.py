@@ -316,7 +316,10 @@ class SlotReader:
         return self._submit(items, first_row, inline=False)
 
     def ready(self, pending: PendingRead) -> bool:
-        return wait_reads(pending.parts, 0.0)
+        # Polled by the load thread every turn: a plain check, without the
+        # waiter that concurrent.futures.wait sets up on every future.
+        parts = pending.parts
+        return all(r.done() for r in parts if r is not None and not isinstance(r, int))
 
     def wait(self, pending: PendingRead, timeout: float) -> bool:
         return wait_reads(pending.parts, timeout)
@@ -422,7 +425,7 @@ class SlotReader:
             offset = run.local * ssz
             if self._start_read is not None:
                 return self._start_read(self.files.handle(run.slab), target, offset)
-            if inline and self.files.reads_inline:
+            if inline:  # read() waits for it anyway: on this thread where it can
                 return self.files.read(run.slab, target, offset)
             return self.files.submit_read(run.slab, target, offset)
         except OSError as exc:

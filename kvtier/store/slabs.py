@@ -348,12 +348,6 @@ class SlabFiles:
                 logger.debug("slab %s not opened ahead: %s", slab.path, exc)
         return sum(h is not None for h in self.handles)
 
-    @property
-    def reads_inline(self) -> bool:
-        """Whether :meth:`read` runs on the caller's thread (the back end's
-        ``read_sync``) rather than waiting for the back end's pool."""
-        return self._read_sync is not None
-
     def read(self, idx: int, buf: Any, offset: int) -> int:
         """Blocking positioned read from slab ``idx``: the count read."""
         handle = self.handle(idx)
