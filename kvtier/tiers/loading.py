@@ -162,23 +162,27 @@ class LoadPlanner:
             return
         stats = self.stats
         promoted: list[Key] = []
+        on_cpu: list[Key] = []
         on_disk: list[Key] = []
+        unwritten: list[Key] = []  # promotion rows given back
         cpu = self.cpu
         for key, loc in zip(plan.keys, plan.locations):
             if loc.medium == MEDIUM_CPU:
                 if cpu.get(key) is not None:
-                    cpu.unpin(key)
+                    on_cpu.append(key)
                 stats.loads_cpu += 1
                 continue
             on_disk.append(key)
             if key in bad or key in failing or key in skipped:
                 stats.load_failures += 1
                 if loc.promote_slot is not None:
-                    cpu.remove(key)
+                    unwritten.append(key)
                 continue
             stats.loads_disk += 1
             if loc.promote_slot is not None:
                 promoted.append(key)
+        cpu.unpin_many(on_cpu)
+        cpu.remove_many(unwritten, False)
         assert self.disk_core is not None
         dropped = self.disk_core.release_reads(
             on_disk,
