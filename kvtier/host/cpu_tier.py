@@ -397,7 +397,7 @@ def same_name(path: str, fd: int) -> bool:
 
 def rmdir_if_empty(directory: str) -> None:
     """Remove this user's private CPU-tier directory if no file is left."""
-    if os.path.basename(directory) == f"kvtier-{os.geteuid()}":
+    if os.path.basename(directory) == os.path.basename(cpu_tier_dir()):
         # The last engine leaves no trace in /dev/shm: rmdir fails while
         # other files remain, and a creator racing it re-creates the
         # directory (_create_owned).

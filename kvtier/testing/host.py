@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from kvtier.host.cpu_tier import cpu_tier_dir
 from kvtier.safe_open import open_private_dir
 
 
@@ -12,6 +13,6 @@ def cpu_buffer_dir(base: str) -> str:
     this user's private CPU-tier directory (:mod:`kvtier.host.cpu_tier`):
     mode 0700, owned by the effective user and not a symbolic link, else
     PermissionError/OSError naming it."""
-    path = os.path.join(base, f"kvtier-{os.geteuid()}")
+    path = cpu_tier_dir(base)
     os.close(open_private_dir(path))
     return path

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 from kvtier.store.read_process import PipeChannel
-from kvtier.store.reader import SlotReader
 from kvtier.store.slot import (
     _FIELDS_V1,
     _HEADER_CHECKSUM,
@@ -36,7 +35,7 @@ def verify(store: DiskStore, slot: int) -> ReadOutcome:
     layout and payload checksum (what ``kvtier verify`` does per slot).
     Counts in the store's stats like any read; IndexError for a slot out of
     range."""
-    (got,) = SlotReader(store.files, capacity=1).read([(slot, None)])
+    (got,) = store._reader().read([(slot, None)])
     return got.outcome
 
 
