@@ -376,7 +376,8 @@ def test_tier_gauges_before_the_first_spill(tmp_path):
             capacity = {k[0]: v for k, v in gauges[metrics.TIER_CAPACITY].items()}
             assert set(capacity) == media
             assert capacity.get("disk", 0) == disk_blocks
-            assert gauges[metrics.TIER_BLOCKS].get(("disk",), 0) == 0
+            blocks = {k[0]: v for k, v in gauges[metrics.TIER_BLOCKS].items()}
+            assert set(blocks) == media and blocks.get("disk", 0) == 0
         finally:
             r.close()
 
@@ -448,8 +449,10 @@ def test_a_failed_warm_restart_leaves_no_store_behind(tmp_path, monkeypatch):
     monkeypatch.undo()
     again = tiered_spec(make_config(tmp_path, cpu_blocks=8, disk_blocks=16))
     manager = again.get_manager()  # the store's lock was released
-    assert manager.hierarchy.disk is not None
-    manager.shutdown()
+    try:
+        assert manager.hierarchy.disk is not None
+    finally:
+        manager.shutdown()
 
 
 def test_the_models_contents_are_hashed_once_per_spec(tmp_path, monkeypatch):

@@ -233,28 +233,30 @@ def test_an_item_that_raises_fails_its_key_and_keeps_the_engine(
         CpuBlockBuffer(2, BLOCK_BYTES) as buf,
     ):
         eng = TransferEngine([store], [buf], threads=1)
-        real = store.write_block
+        try:
+            real = store.write_block
 
-        def write_block(slot: int, k: bytes, *args: Any, **kwargs: Any) -> Any:
-            if k == key(0):
-                raise RuntimeError("a bug")
-            return real(slot, k, *args, **kwargs)
+            def write_block(slot: int, k: bytes, *args: Any, **kwargs: Any) -> Any:
+                if k == key(0):
+                    raise RuntimeError("a bug")
+                return real(slot, k, *args, **kwargs)
 
-        monkeypatch.setattr(store, "write_block", write_block)
-        eng.submit_spill(1, [(key(0), 0, 0), (key(1), 1, 1)])
-        assert eng.wait([1], timeout=30)
-        [res] = eng.get_finished()
-        assert (res.success, res.failed_keys, res.io_failed_keys, res.bytes) == (
-            False,
-            [key(0)],
-            [key(0)],
-            BLOCK_BYTES,
-        )
-        assert "job 1 failed" in caplog.text
-        eng.submit_spill(2, [(key(2), 0, 2)])
-        assert eng.wait([2], timeout=30)
-        assert [r.success for r in eng.get_finished()] == [True]
-        eng.shutdown()
+            monkeypatch.setattr(store, "write_block", write_block)
+            eng.submit_spill(1, [(key(0), 0, 0), (key(1), 1, 1)])
+            assert eng.wait([1], timeout=30)
+            [res] = eng.get_finished()
+            assert (res.success, res.failed_keys, res.io_failed_keys, res.bytes) == (
+                False,
+                [key(0)],
+                [key(0)],
+                BLOCK_BYTES,
+            )
+            assert "job 1 failed" in caplog.text
+            eng.submit_spill(2, [(key(2), 0, 2)])
+            assert eng.wait([2], timeout=30)
+            assert [r.success for r in eng.get_finished()] == [True]
+        finally:
+            eng.shutdown()
 
 
 def test_a_spill_copy_that_outlasts_abandon_is_never_written(
