@@ -494,6 +494,18 @@ def _error_examples() -> list[tuple[str, str]]:
     out.append(("path does not exist", _message(check(False, True, 0))))
     out.append(("path not writable", _message(check(True, False, 0))))
     out.append(("not enough free space", _message(check(True, True, GiB))))
+    both = ["/mnt/nvme0/kvtier", "/mnt/nvme0-link/kvtier"]
+    twice = c.parse_extra_config({**disk, "disk_path": both})
+
+    def same_directory() -> Any:
+        one = d.os.stat_result((0o40700, 7, 7, 1, 0, 0, 0, 0, 0, 0))  # same dev, ino
+        with (
+            mock.patch.object(d.os.path, "isdir", return_value=True),
+            mock.patch.object(d.os, "stat", return_value=one),
+        ):
+            return d.check_disk_paths(twice)
+
+    out.append(("one directory under two names", _message(same_directory)))
 
     # sync_load_budget_bytes, decided per vLLM and model (kvtier.connector.compat).
     from kvtier.connector.compat import check_sync_load_budget
