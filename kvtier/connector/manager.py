@@ -326,13 +326,9 @@ class TieredOffloadingManager(OffloadingManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         h = self.hierarchy
         stats = OffloadingConnectorStats()
-        tiers = [(MEDIUM_CPU, h.cpu)]
+        m.report_occupancy(stats, h.cpu, MEDIUM_CPU)
         if h.disk is not None:  # an empty Tier is falsy (len 0)
-            tiers.append((MEDIUM_DISK, h.disk))
-        for name, tier in tiers:
-            stats.set_gauge(m.TIER_BLOCKS, len(tier), (name,))
-            stats.set_gauge(m.TIER_CAPACITY, tier.capacity, (name,))
-            stats.set_gauge(m.TIER_USAGE, len(tier) / tier.capacity, (name,))
+            m.report_occupancy(stats, h.disk, MEDIUM_DISK)
 
         now = h.stats
         bytes_per_block = self.block_bytes * self.world_size

@@ -30,6 +30,7 @@ from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
 if TYPE_CHECKING:
     from kvtier.connector.worker_report import CounterDeltas
     from kvtier.tiers.disk_core import ReadFailures
+    from kvtier.tiers.tier import Tier
 
 PREFIX = "vllm:kv_offload_kvtier_"
 TIER = ("tier",)
@@ -186,6 +187,15 @@ def metric_definitions(
 
 
 Totals = Iterable[tuple[str, tuple[str, ...], float]]
+
+
+def report_occupancy(stats: OffloadingConnectorStats, tier: Tier, medium: str) -> None:
+    """The tier's occupancy gauges (blocks, capacity, usage), labelled
+    ``medium``; an empty tier reports them too."""
+    labels = (medium,)
+    stats.set_gauge(TIER_BLOCKS, len(tier), labels)
+    stats.set_gauge(TIER_CAPACITY, tier.capacity, labels)
+    stats.set_gauge(TIER_USAGE, len(tier) / tier.capacity, labels)
 
 
 def report_counters(

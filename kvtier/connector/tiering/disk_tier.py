@@ -488,9 +488,7 @@ class KvtierDiskTier(SecondaryTierManager):
         thread only."""
         tier, stats = self.tier, self.stats
         out = OffloadingConnectorStats()
-        out.set_gauge(m.TIER_BLOCKS, len(tier), _DISK)
-        out.set_gauge(m.TIER_CAPACITY, tier.capacity, _DISK)
-        out.set_gauge(m.TIER_USAGE, len(tier) / tier.capacity, _DISK)
+        m.report_occupancy(out, tier, MEDIUM_DISK)
         totals: list[tuple[str, tuple[str, ...], float]] = [
             (m.EVICTIONS, _DISK, stats.evictions),
             (m.SPILLS, (), stats.stores_completed),
