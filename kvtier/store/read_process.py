@@ -171,6 +171,11 @@ class ReadProcess:
                 pass_fds=(self._fd, req_r, resp_w),
                 stdin=subprocess.DEVNULL,
                 env=_child_env(),
+                # ``-m`` puts the working directory first on the child's
+                # path: there, this kvtier's own directory, never whatever
+                # the engine's working directory (/tmp, another checkout)
+                # holds.
+                cwd=_kvtier_root(),
             )
         except OSError as exc:
             os.close(req_w)
@@ -365,14 +370,23 @@ class ReadProcess:
         self._pipes = None
 
 
+def _kvtier_root() -> str:
+    """The directory this kvtier package was imported from."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _child_env() -> dict[str, str]:
     """This environment, with the directory this kvtier was imported from
     first on the child's path (it runs the same code as the worker), and
     without an OpenMP binding: the child keeps the CPUs of the load thread
     that starts it (:mod:`kvtier.host.placement`)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = without_openmp_binding(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    # The child runs in another directory (``start``): the worker's relative
+    # entries are made absolute, so they name what they name here.
+    inherited = env.get("PYTHONPATH", "").split(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [_kvtier_root(), *(os.path.abspath(p) for p in inherited if p)]
+    )
     return env
 
 

@@ -119,6 +119,41 @@ def test_the_child_reads_and_verifies_as_the_engines_process_would(
         rp.close()
 
 
+def test_the_child_runs_this_kvtier_whatever_the_working_directory_holds(
+    make_rig: Callable[..., Rig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m`` puts the working directory first on the child's path,
+    ahead of the kvtier the worker runs: a ``kvtier`` package (another
+    checkout, or one another user planted in a shared directory such as
+    /tmp) there ran in the child instead, as this user."""
+    cwd = tmp_path / "cwd"
+    planted = cwd / "kvtier"
+    planted.mkdir(parents=True)
+    marker = cwd / "planted-code-ran"
+    (planted / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nraise SystemExit(3)\n"
+    )
+    rig = make_rig()
+    keys = _written(rig, 1)
+    monkeypatch.chdir(cwd)
+    rp = _reader(rig)
+    try:
+        rp.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while not rp.running and rp.pid is not None:
+            assert time.monotonic() < deadline, "the read process did not start"
+            rp.poll(0.05)
+        assert not marker.exists()
+        assert rp.running
+        pending = rp.submit([(0, keys[0])])
+        assert isinstance(pending, ProcessRead)
+        (got,) = rp.complete(pending)
+        assert got.outcome is ReadOutcome.OK
+        assert np.array_equal(rp.rows[got.row], pattern(keys[0]))
+    finally:
+        rp.close()
+
+
 def test_a_slot_out_of_range_is_refused_as_the_protocol_says(
     make_rig: Callable[..., Rig],
 ) -> None:
