@@ -135,7 +135,10 @@ def _judge(
     files.count_read(n)
     version = header_version(buf, n)
     if n < HEADER_SIZE:
-        return record(files.short_read(slot), detail=f"read {n} of {HEADER_SIZE} bytes")
+        return record(
+            files.short_read(slot, (idx, offset)),
+            detail=f"read {n} of {HEADER_SIZE} bytes",
+        )
     verdict = verify_header(
         buf, key=None, digest=files.digest, block_bytes=files.block_bytes
     )

@@ -421,10 +421,11 @@ class SlabFiles:
             exc.strerror,
         )
 
-    def rejected(self, slot: int, what: str) -> None:
-        """The bytes read from ``slot`` failed a check: logged (the reader
-        counts them)."""
-        idx = locate(slot, self.stripes)[0]
+    def rejected(self, slot: int, what: str, idx: int | None = None) -> None:
+        """The bytes read from ``slot`` (of slab ``idx``, located when not
+        given) failed a check: logged (the reader counts them)."""
+        if idx is None:
+            idx = locate(slot, self.stripes)[0]
         self._log_once(
             ("corrupt", idx, None),
             "kvtier disk read of slot %d on %s rejected: %s (corrupt or torn "
@@ -434,18 +435,22 @@ class SlabFiles:
             what,
         )
 
-    def short_read(self, slot: int) -> ReadOutcome:
+    def short_read(self, slot: int, at: tuple[int, int] | None = None) -> ReadOutcome:
         """What a read of ``slot`` that came back short means. Slabs are
         preallocated to their full size, so one that now ends inside the
         slot was truncated: TRUNCATED, the block is gone for good (logged
         with the rejected slots). One long enough, or of unknown size, had
         the read cut short by the device: IO_ERROR, transient like an errno
-        (counted and logged as an EIO)."""
-        idx, offset = self.locate(slot)
+        (counted and logged as an EIO). ``at``: the ``(slab index, byte
+        offset)`` that was read, where the caller has it (the slabs of a
+        found store need not cover the striping :meth:`locate` follows)."""
+        idx, offset = self.locate(slot) if at is None else at
         handle = self.handles[idx]
         size = None if handle is None else self.backend.size(handle)
         if size is not None and size < offset + self.slot_size:
-            self.rejected(slot, f"short read: the slab ends at byte {size} (truncated)")
+            self.rejected(
+                slot, f"short read: the slab ends at byte {size} (truncated)", idx
+            )
             return ReadOutcome.TRUNCATED
         self.io_error(
             "read",

@@ -196,6 +196,33 @@ def test_every_reader_judges_a_damaged_slot_alike(
     assert (got_store, got_reader, got_inspect, got_staging) == MATRIX[kind]
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_slab_cut_after_it_was_found_is_reported_not_raised(
+    tmp_path: Path, which: int
+) -> None:
+    """``kvtier inspect``/``verify`` of one path of a striped store (the
+    other path's slab is not found): a slab cut after the store was found
+    reads short. That slot is TRUNCATED and the scan goes on; the short
+    read's judgement used to locate the slot in the whole store's striping
+    (IndexError: another slab, or past the slots found)."""
+    block_bytes = 4096
+    paths = _striped_store(tmp_path, block_bytes)
+    (view,) = find_stores([paths[which]])
+    (slab,) = view.slabs
+    assert slab.index == which
+    cut = NUM_SLOTS // 2 - 1  # the slab's last local slot
+    os.truncate(slab.path, cut * view.slot_size + 100)
+    recs = list(scan(view, file_order=True, payload=True))
+    assert [r.slot for r in recs] == [
+        global_slot(which, local, view.stripes) for local in range(NUM_SLOTS // 2)
+    ]
+    assert [r.outcome for r in recs] == [RO.OK] * cut + [RO.TRUNCATED]
+    # The slab holds global slots which, which + 2, ... of the store.
+    assert [r.header.key for r in recs[:cut]] == [
+        key_of(global_slot(which, local, 2)) for local in range(cut)
+    ]
+
+
 # ------------------------------------------- one run rule, both readers
 
 
