@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.manager")
 from vllm.v1.kv_offload.base import (  # noqa: E402
     Locality,
+    LookupResult,
     Medium,
     ReqContext,
     make_offload_key,
@@ -258,6 +259,40 @@ def test_hung_shared_lookups_turn_into_misses(tmp_path, drivers):
         assert not list(shared.rglob("*.bin"))
     finally:
         release.set()
+
+
+def test_a_lookup_another_request_gave_up_on_does_not_take_the_tier_offline(
+    tmp_path, drivers
+):
+    """lookup_timeout_s times one request's unanswered lookup: a key an
+    aborted request was told RETRY for (and never asked about again) must not
+    make the next request's first RETRY of that key count as a hang."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    a = drivers(shared_config(tmp_path / "a", shared))
+    keys = a.store("prompt", 1)
+    a.settle()
+    assert len(fs_files(shared)) == 1
+    truth = dict(a.truth)
+    a.close()
+
+    (tmp_path / "b").mkdir()
+    b = drivers(
+        shared_config(tmp_path / "b", shared, guarded=True, lookup_timeout_s=0.3),
+        truth,
+    )
+    ctx = ReqContext(req_id="aborted")
+    b.manager.on_new_request(ctx)
+    assert b.manager.lookup(keys[0], ctx) is LookupResult.RETRY
+    b.manager.on_request_finished(ctx)  # aborted while deferred
+    b.step()
+    time.sleep(0.5)  # longer than lookup_timeout_s since that RETRY
+    b.rows[:, :] = 0xAB
+    hits, ctx = b.lookup("next", keys, timeout=10)
+    assert b.shared.online, b.shared.offline_reason
+    assert hits == 1
+    assert b.load_and_check(keys, ctx) == {CacheHitSource.DISK.value: 1}
 
 
 @pytest.mark.parametrize(

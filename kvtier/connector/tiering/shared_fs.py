@@ -181,7 +181,11 @@ class SharedFsTier(SecondaryTierManager):
             self._go_offline(self.offline_reason)
         else:
             logger.info("kvtier %s: shared tier on %s", tier_type, root)
-        self._retry_since: dict[OffloadKey, float] = {}
+        # Per request: when each of its lookups was first answered RETRY.
+        # Per request, not per key: a key another request left unanswered
+        # (it was aborted, or found the key in an earlier tier and stopped
+        # asking) says nothing about how long this request's lookup waits.
+        self._retry_since: dict[str, dict[OffloadKey, float]] = {}
         self._store_since: dict[JobId, float] = {}
         self._done: list[JobResult] = []
 
@@ -215,11 +219,15 @@ class SharedFsTier(SecondaryTierManager):
         if not self.online or self.inner is None:
             return LookupResult.MISS
         result = self.inner.lookup(key, req_context)
+        waiting = self._retry_since.get(req_context.req_id)
         if result is not LookupResult.RETRY:
-            self._retry_since.pop(key, None)
+            if waiting:
+                waiting.pop(key, None)
             return result
         now = time.monotonic()
-        since = self._retry_since.setdefault(key, now)
+        if waiting is None:
+            waiting = self._retry_since[req_context.req_id] = {}
+        since = waiting.setdefault(key, now)
         if now - since > self.lookup_timeout_s:
             self._retry_since.clear()
             self._go_offline(
@@ -279,8 +287,7 @@ class SharedFsTier(SecondaryTierManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         if self.inner is not None:
             self.inner.on_request_finished(req_context)
-        if len(self._retry_since) > 65536:  # keys of long-gone requests
-            self._retry_since.clear()
+        self._retry_since.pop(req_context.req_id, None)
 
     @override
     def serve_external_requests(self, parent: ParentManager) -> None:
