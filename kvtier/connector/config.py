@@ -67,6 +67,15 @@ CONNECTOR_HINT = (
 )
 
 
+# Why every kvtier spec refuses vLLM's canonical_layout (vLLM reads the key
+# with bool(): any non-empty value, "false" included, asks for it).
+CANONICAL_LAYOUT_REFUSAL = (
+    "kvtier's rows and disk slots hold each rank's pages as its KV cache lays "
+    "them out (the direct layout), so vLLM's canonical host layout cannot be "
+    "honoured; remove canonical_layout"
+)
+
+
 # ------------------------------------------------------------ value kinds
 
 
