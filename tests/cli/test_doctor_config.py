@@ -174,7 +174,7 @@ def test_sync_load_budget_is_refused_where_the_engine_refuses_it(
     assert c["status"] == "error" and "no synchronous loads" in c["detail"], c
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "missing", "binary"])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "missing", "binary", "deep"])
 def test_unreadable_config_is_one_line_and_no_hang(tmp_path, kind):
     """In a subprocess with a timeout: a FIFO must not block the read."""
     path = tmp_path / "kv.json"
@@ -184,6 +184,8 @@ def test_unreadable_config_is_one_line_and_no_hang(tmp_path, kind):
         path.mkdir()
     elif kind == "binary":
         path.write_bytes(b"\xff\xfe{")
+    elif kind == "deep":
+        path.write_text('{"kv_role": ' + "[" * 100_000)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.tools.cli", "doctor", "--config", str(path)],
@@ -219,6 +221,7 @@ def test_config_as_json_text_like_vllm_serve(capsys, disk, shm):
         ('{"kv_role": "kv_both", oops}', "--config (JSON text) is not valid JSON"),
         ('{"kv_connector_extra_config": {"cpu_bytes_to_use": 1.5G}}', "decimals"),
         ('  {"kv_role": "kv_both"}', "'kv_connector_extra_config' is missing"),
+        ('{"kv_role": ' + "[" * 100_000, "JSON nested too deeply"),
     ],
 )
 def test_bad_json_text(capsys, text, fragment):
