@@ -158,6 +158,8 @@ def _paths(value: Any) -> tuple[str, ...]:
     for item in items:
         if not isinstance(item, str) or not item:
             raise _Refusal(f"got {item!r}; each entry must be a non-empty path string")
+        if "\0" in item:  # no file name holds one: os calls raise ValueError
+            raise _Refusal(f"{item!r} holds a NUL byte; give the directory's path")
         if not os.path.isabs(item):
             raise _Refusal(f"{item!r} is relative; use an absolute path")
         norm = os.path.normpath(item)
