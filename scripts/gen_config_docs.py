@@ -540,6 +540,7 @@ def _message(call: Callable[[], Any]) -> str:
 
 def _spec_error_templates() -> list[str]:
     """ConfigError messages raised in spec.py, as templates from its source."""
+    from kvtier.connector import config
     from kvtier.connector.config import ConfigError
 
     tree = ast.parse(SPEC_PATH.read_text())
@@ -584,6 +585,8 @@ def _spec_error_templates() -> list[str]:
                     expr = ast.unparse(value.value).replace("self.kvtier.", "")
                     parts.append("{" + expr.replace("self.", "") + "}")
             text = "".join(parts)
+        elif isinstance(msg, ast.Name) and hasattr(config, msg.id):
+            text = str(getattr(config, msg.id))  # a message config.py holds
         else:
             continue
         templates.append(str(ConfigError(node.args[0].value, text)))

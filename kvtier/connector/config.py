@@ -67,6 +67,15 @@ CONNECTOR_HINT = (
 )
 
 
+# Why every kvtier spec refuses vLLM's canonical_layout (vLLM reads the key
+# with bool(): any non-empty value, "false" included, asks for it).
+CANONICAL_LAYOUT_REFUSAL = (
+    "kvtier's rows and disk slots hold each rank's pages as its KV cache lays "
+    "them out (the direct layout), so vLLM's canonical host layout cannot be "
+    "honoured; remove canonical_layout"
+)
+
+
 # ------------------------------------------------------------ value kinds
 
 
@@ -149,6 +158,8 @@ def _paths(value: Any) -> tuple[str, ...]:
     for item in items:
         if not isinstance(item, str) or not item:
             raise _Refusal(f"got {item!r}; each entry must be a non-empty path string")
+        if "\0" in item:  # no file name holds one: os calls raise ValueError
+            raise _Refusal(f"{item!r} holds a NUL byte; give the directory's path")
         if not os.path.isabs(item):
             raise _Refusal(f"{item!r} is relative; use an absolute path")
         norm = os.path.normpath(item)

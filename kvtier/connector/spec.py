@@ -26,6 +26,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.connector.compat import check_sync_load_budget
 from kvtier.connector.config import (
+    CANONICAL_LAYOUT_REFUSAL,
     CONNECTOR_HINT,
     ConfigError,
     KvtierConfig,
@@ -106,12 +107,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.settings = facts.settings
         check_sync_load_budget(self.kvtier, kv_cache_groups=facts.kv_cache_groups)
         if config.canonical_layout:
-            raise ConfigError(
-                "canonical_layout",
-                "kvtier's rows and disk slots hold each rank's pages as its "
-                "KV cache lays them out (the direct layout), so vLLM's canonical "
-                "host layout cannot be honoured; remove canonical_layout",
-            )
+            raise ConfigError("canonical_layout", CANONICAL_LAYOUT_REFUSAL)
         # vLLM's replicated layout (MLA under TP) keeps one host copy that
         # rank 0 writes; kvtier keeps one per rank (its rows and slots are
         # per-rank files), so it leaves ``self.replicated_layout`` False and

@@ -89,6 +89,14 @@ def check_plot_path(out_path: str | os.PathLike[str]) -> None:
         raise ValueError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 
+def _save(fig: Any, out_path: str | os.PathLike[str]) -> None:
+    """Save ``fig`` to exactly ``out_path``: in the format its extension
+    names, PNG without one (matplotlib alone would write PATH.png, not the
+    file :func:`check_plot_path` checked and the command reports)."""
+    ext = os.path.splitext(os.fspath(out_path))[1][1:].lower()
+    fig.savefig(out_path, dpi=110, format=ext or "png")
+
+
 def plot_tier_split(
     panels: Mapping[str, Sequence[SizingResult]],
     out_path: str | os.PathLike[str],
@@ -131,7 +139,7 @@ def plot_tier_split(
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=110)
+    _save(fig, out_path)
     plt.close(fig)
 
 
@@ -182,5 +190,5 @@ def plot_policy_comparison(
     )
     ax.set_title(f"{title}\n{tiers}; labels: hit rate, share of optimum", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=110)
+    _save(fig, out_path)
     plt.close(fig)

@@ -210,6 +210,29 @@ def test_size_text_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("compare", [False, True])
+def test_size_plot_without_extension_is_png_at_that_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], compare: bool
+) -> None:
+    """No extension means PNG, written to the path given (the one checked
+    before the replay and reported), not to PATH.png."""
+    pytest.importorskip("matplotlib")
+    trace = write_trace(tmp_path / "t.jsonl", [A, A, B, B] * 3)
+    plot = tmp_path / "sweep"
+    argv = ["size", "--trace", trace, "--cpu-blocks", "4", "--disk-blocks", "8"]
+    rc, out = run_cli(
+        capsys,
+        *argv,
+        *(["--compare"] if compare else []),
+        "--plot",
+        str(plot),
+        "--json",
+    )
+    assert rc == 0 and json.loads(out)["plot"] == str(plot)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep", "t.jsonl"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_infinite_cache_definition(tmp_path: Path) -> None:
     # Blocks seen before count as hits, wherever they are in the request.
     reqs = [TraceRequest(0, 0, 0, ids) for ids in [(1, 2), (1, 3), (4, 2)]]

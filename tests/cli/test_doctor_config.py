@@ -133,7 +133,48 @@ def test_tiering_mode_config(capsys, tmp_path, disk, shm, shipped):
     assert rc == 1 and "secondary_tiers" in checks["disk_bytez"]["detail"]
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "missing", "binary"])
+@pytest.mark.parametrize(
+    "shipped", ["cpu-disk.json", "cpu-only.json", "vllm-tiering-kvtier-disk.json"]
+)
+@pytest.mark.parametrize("value", [True, "false", 1, False])
+def test_canonical_layout_is_refused_as_at_engine_start(
+    capsys, tmp_path, disk, shm, shipped, value
+):
+    """Every kvtier spec and disk tier refuses vLLM's canonical_layout at
+    engine start; vLLM reads the key with bool(), so "false" asks for it."""
+    doc = shipped_config(shipped, disk)
+    extra = doc["kv_connector_extra_config"]
+    for tier in extra.get("secondary_tiers", []):
+        tier["disk_bytes_to_use"] = 1 << 30
+    extra["canonical_layout"] = value
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    if not value:
+        assert rc == 0 and "canonical_layout" not in checks
+        return
+    assert rc == 1
+    c = checks["canonical_layout"]
+    assert c["status"] == "error"
+    assert "remove canonical_layout" in c["detail"], c
+
+
+def test_sync_load_budget_is_refused_where_the_engine_refuses_it(
+    capsys, tmp_path, disk, shm
+):
+    """sync_load_budget_bytes on a vLLM without synchronous loads (0.32):
+    the spec refuses it at engine start, so the doctor does too."""
+    compat = pytest.importorskip("kvtier.connector.compat")
+    doc = good_config(disk)
+    doc["kv_connector_extra_config"]["sync_load_budget_bytes"] = 256 * MiB
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    if compat.SYNC_LOADS:
+        assert rc == 0 and "sync_load_budget_bytes" not in checks
+        return
+    assert rc == 1
+    c = checks["sync_load_budget_bytes"]
+    assert c["status"] == "error" and "no synchronous loads" in c["detail"], c
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "missing", "binary", "deep"])
 def test_unreadable_config_is_one_line_and_no_hang(tmp_path, kind):
     """In a subprocess with a timeout: a FIFO must not block the read."""
     path = tmp_path / "kv.json"
@@ -143,6 +184,8 @@ def test_unreadable_config_is_one_line_and_no_hang(tmp_path, kind):
         path.mkdir()
     elif kind == "binary":
         path.write_bytes(b"\xff\xfe{")
+    elif kind == "deep":
+        path.write_text('{"kv_role": ' + "[" * 100_000)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.tools.cli", "doctor", "--config", str(path)],
@@ -178,6 +221,7 @@ def test_config_as_json_text_like_vllm_serve(capsys, disk, shm):
         ('{"kv_role": "kv_both", oops}', "--config (JSON text) is not valid JSON"),
         ('{"kv_connector_extra_config": {"cpu_bytes_to_use": 1.5G}}', "decimals"),
         ('  {"kv_role": "kv_both"}', "'kv_connector_extra_config' is missing"),
+        ('{"kv_role": ' + "[" * 100_000, "JSON nested too deeply"),
     ],
 )
 def test_bad_json_text(capsys, text, fragment):

@@ -142,6 +142,8 @@ def test_unknown_key_lists_valid_keys(key: str) -> None:
         ({"/mnt/a": 1}, "expected a path"),
         (["/mnt/a", "/mnt/a/"], "listed twice"),
         (["/mnt/a", "/mnt/b/../a"], "listed twice"),
+        ("/mnt/a\x00b", "NUL byte"),
+        (["/mnt/a", "/mnt/\x00"], "NUL byte"),
     ],
 )
 def test_bad_disk_path(paths: Any, fragment: str) -> None:

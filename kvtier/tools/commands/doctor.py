@@ -110,6 +110,10 @@ def _parse_config(value: str) -> dict[str, Any]:
             f"{exc.msg}); it takes the JSON given to vllm serve "
             "--kv-transfer-config, or a file holding it"
         ) from None
+    except RecursionError:  # "[[[[..." nested deeper than the parser goes
+        raise InputError(
+            f"{where} is not a transfer config: JSON nested too deeply"
+        ) from None
     except ValueError as exc:  # a bare size vLLM refuses too
         raise InputError(f"{where}: {exc}") from None
     if not isinstance(doc, dict):

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from kvtier.connector.config import (
+    CANONICAL_LAYOUT_REFUSAL,
     CONNECTOR_HINT,
     DISK_TIER_TYPE,
     ConfigError,
@@ -169,6 +170,30 @@ def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
     return parse_tier_config(tiers[0], cpu_bytes_to_use=cpu)
 
 
+def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[Check]:
+    """What the spec refuses when it is built, beyond the keys' values: vLLM's
+    canonical_layout (every kvtier spec and tier; vLLM reads the key with
+    bool(), so "false" asks for it too) and, for TieredOffloadingSpec,
+    sync_load_budget_bytes on a vLLM without synchronous loads
+    (:func:`kvtier.connector.compat.check_sync_load_budget`; its rule for
+    several KV-cache groups needs the model, which only the engine knows)."""
+    out = []
+    if extra.get("canonical_layout", False):
+        out.append(
+            _config_error(ConfigError("canonical_layout", CANONICAL_LAYOUT_REFUSAL))
+        )
+    if spec == TIERED_SPEC:
+        try:
+            from kvtier.connector.compat import check_sync_load_budget
+        except Exception:  # no usable vLLM: check_vllm reports it
+            return out
+        try:
+            check_sync_load_budget(cfg)
+        except ConfigError as exc:
+            out.append(_config_error(exc))
+    return out
+
+
 def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
     """The connector keys and kvtier's keys; the parsed config (None when
     its values are refused: the path checks then cannot run)."""
@@ -213,6 +238,10 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
         return out, None
     if inp.transfer is not None:
         out += _connector_checks(inp.transfer, spec, cfg.disk_enabled)
+    refused = _spec_refusals(extra, spec, cfg)
+    out += refused
+    if refused:
+        return out, cfg
     tiers = f"CPU {fmt_bytes(cfg.cpu_bytes_to_use)}" + (
         f", disk {fmt_bytes(cfg.disk_bytes_to_use)} over {len(cfg.disk_path)} path(s)"
         if cfg.disk_enabled
