@@ -13,6 +13,7 @@ primary memory; one test also runs the CPU-platform worker end to end.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -40,7 +41,11 @@ from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from kvtier.connector.config import TierConfigError  # noqa: E402
+from kvtier.connector.config import (  # noqa: E402
+    CANONICAL_LAYOUT_REFUSAL,
+    ConfigError,
+    TierConfigError,
+)
 from kvtier.connector.tiering import KvtierDiskTier, PortableTieringSpec  # noqa: E402
 from kvtier.store.slot import HEADER_SIZE, slot_size  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
@@ -675,6 +680,23 @@ def test_missing_disk_path_names_the_key(tmp_path):
     )
     with pytest.raises(TierConfigError, match=r"\['disk_path'\]: is required"):
         spec.get_manager()
+
+
+def test_canonical_layout_is_refused_as_the_full_spec_and_the_doctor_refuse_it(
+    tmp_path,
+):
+    """vLLM's canonical_layout (a key of kv_connector_extra_config, not of
+    the tier's entry) is refused by the disk tier with the one message the
+    full spec and ``kvtier doctor`` give."""
+    config = make_config(tmp_path, cpu_chunks=4, disk_blocks=8)
+    spec = PortableTieringSpec(dataclasses.replace(config, canonical_layout=True))
+    with pytest.raises(ConfigError) as refused:
+        spec.get_manager()
+    assert (refused.value.key, refused.value.message) == (
+        "canonical_layout",
+        CANONICAL_LAYOUT_REFUSAL,
+    )
+    assert not isinstance(refused.value, TierConfigError)
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"

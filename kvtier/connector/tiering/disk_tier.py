@@ -58,9 +58,9 @@ from vllm.v1.kv_offload.tiering.base import (
 
 from kvtier.connector import metrics as m
 from kvtier.connector.config import (
+    CANONICAL_LAYOUT_REFUSAL,
     DISK_TIER_TYPE,
     ConfigError,
-    TierConfigError,
     as_tier_error,
     blocks_in_budget,
     parse_tier_config,
@@ -196,12 +196,8 @@ class KvtierDiskTier(SecondaryTierManager):
         cfg = self.settings
         config = offloading_spec.config
         if config.canonical_layout:
-            raise TierConfigError(
-                "type",
-                f"{DISK_TIER_TYPE} stores each rank's page of a primary row; it does "
-                "not support canonical_layout (remove canonical_layout from "
-                "kv_connector_extra_config)",
-            )
+            # A key of kv_connector_extra_config, not of this entry.
+            raise ConfigError("canonical_layout", CANONICAL_LAYOUT_REFUSAL)
         world = max(config.parallel.world_size, 1)
         replicated = bool(getattr(offloading_spec, "replicated_layout", False))
         self.num_ranks = 1 if replicated else world

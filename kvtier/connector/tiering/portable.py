@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtier.connector.config import ConfigError
+from kvtier.connector.config import CANONICAL_LAYOUT_REFUSAL, ConfigError
 from kvtier.connector.topology import check_single_node
 from kvtier.host.block_copy import SynchronousCopies
 from kvtier.log import get_logger
@@ -193,11 +193,7 @@ class PortableTieringSpec(TieringOffloadingSpec):
         from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
         if self.config.canonical_layout:
-            raise ConfigError(
-                "canonical_layout",
-                "PortableTieringSpec's CPU-platform worker copies whole pages "
-                "(the direct layout); remove canonical_layout",
-            )
+            raise ConfigError("canonical_layout", CANONICAL_LAYOUT_REFUSAL)
         if self.num_chunks < 1:
             raise ConfigError(
                 "cpu_bytes_to_use",
