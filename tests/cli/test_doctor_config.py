@@ -233,7 +233,7 @@ def test_bad_json_text(capsys, text, fragment):
 def test_tiering_mode_sizes(capsys, disk, shm):
     """Under vLLM's tiering spec the disk tier's budget is kvtier's (a size
     string works), the CPU budget vLLM's (read with int(): a bare token in
-    the flag's text works, a string does not)."""
+    the flag's text works, a numeric string too, a size string does not)."""
     doc = shipped_config("vllm-tiering-kvtier-disk.json", disk)
     extra = doc["kv_connector_extra_config"]
     extra["secondary_tiers"][0]["disk_bytes_to_use"] = "1G"
@@ -246,3 +246,7 @@ def test_tiering_mode_sizes(capsys, disk, shm):
     extra["cpu_bytes_to_use"] = "2M"
     rc, checks = run_config(capsys, disk.parent, shm, doc)
     assert rc == 1 and "int()" in checks["cpu_bytes_to_use"]["detail"]
+    extra["cpu_bytes_to_use"] = str(2 * MiB)  # int() reads it, as vLLM does
+    rc, checks = run_config(capsys, disk.parent, shm, doc)
+    assert rc == 0, [c for c in checks.values() if c["status"] == "error"]
+    assert "CPU 2.0 MiB" in checks["kvtier keys"]["detail"]

@@ -159,15 +159,20 @@ def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
             "secondary_tiers",
             f"no entry of type {DISK_TIER_TYPE!r}; kvtier has nothing to do here",
         )
-    if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu <= 0:
-        # vLLM's key here, read with int(): no size string.
+    # vLLM's key here, read with int(): what int() reads (2097152, "2097152"),
+    # no size string.
+    try:
+        cpu_bytes = 0 if isinstance(cpu, bool) else int(cpu)
+    except (TypeError, ValueError, OverflowError):
+        cpu_bytes = 0
+    if cpu_bytes <= 0:
         raise ConfigError(
             "cpu_bytes_to_use",
             f"got {cpu!r}; accepted values: integer > 0 (vLLM's tiering spec "
             "reads it with int(); a bare 64G in the --kv-transfer-config text "
             "is expanded by vLLM)",
         )
-    return parse_tier_config(tiers[0], cpu_bytes_to_use=cpu)
+    return parse_tier_config(tiers[0], cpu_bytes_to_use=cpu_bytes)
 
 
 def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[Check]:
