@@ -153,18 +153,18 @@ def choice(choices: tuple[str, ...] | Callable[[], tuple[str, ...]]):
 def _paths(value: Any) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not items:
-        raise _Refusal(f"got {value!r}; expected a path or a non-empty list of paths")
+        raise _Refusal(f"got {value!r:.200}; expected a path or a non-empty list of paths")
     out: list[str] = []
     for item in items:
         if not isinstance(item, str) or not item:
-            raise _Refusal(f"got {item!r}; each entry must be a non-empty path string")
+            raise _Refusal(f"got {item!r:.200}; each entry must be a non-empty path string")
         if "\0" in item:  # no file name holds one: os calls raise ValueError
-            raise _Refusal(f"{item!r} holds a NUL byte; give the directory's path")
+            raise _Refusal(f"{item!r:.200} holds a NUL byte; give the directory's path")
         if not os.path.isabs(item):
-            raise _Refusal(f"{item!r} is relative; use an absolute path")
+            raise _Refusal(f"{item!r:.200} is relative; use an absolute path")
         norm = os.path.normpath(item)
         if norm in out:
-            raise _Refusal(f"{item!r} is listed twice")
+            raise _Refusal(f"{item!r:.200} is listed twice")
         out.append(norm)
     return tuple(out)
 
@@ -459,7 +459,7 @@ def validate_keys(
     detail = str(cause or "")
     raise error(
         key,
-        f"got {p['input']!r}; accepted values: {want}"
+        f"got {p['input']!r:.200}; accepted values: {want}"
         + (f" ({detail})" if detail else ""),
     )
 

@@ -150,6 +150,23 @@ def test_bad_disk_path(paths: Any, fragment: str) -> None:
     _expect({**DISK, "disk_path": paths}, "disk_path", fragment)
 
 
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("eviction_policy", "x" * (1 << 20)),
+        ("disk_io_threads", 10**4000),
+        ("disk_path", "r" * (1 << 20)),
+        ("disk_path", [1] * (1 << 18)),
+    ],
+    ids=["long-string", "huge-int", "long-relative-path", "long-list"],
+)
+def test_a_huge_value_is_shown_in_part(key: str, value: Any) -> None:
+    """An error is one readable line: it shows the start of what was given,
+    not all of a megabyte."""
+    err = _expect({**DISK, key: value}, key)
+    assert len(str(err)) < 1000, len(str(err))
+
+
 def test_disk_budget_without_path() -> None:
     extra = {k: v for k, v in DISK.items() if k != "disk_path"}
     _expect(extra, "disk_path", "required when disk_bytes_to_use > 0")

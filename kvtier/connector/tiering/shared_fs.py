@@ -94,15 +94,15 @@ def parse_guard(config: dict[str, Any]) -> tuple[str, str, dict[str, float], dic
             raise refuse(key, f"unknown key; valid keys are: {', '.join(valid)}")
     root = config.get("root_dir")
     if not isinstance(root, str) or not os.path.isabs(root):
-        raise refuse("root_dir", f"got {root!r}; give the shared mount's absolute path")
+        raise refuse("root_dir", f"got {root!r:.200}; give the shared mount's absolute path")
     locality = config.get("locality", "REMOTE")
     if locality not in ("LOCAL", "REMOTE"):
-        raise refuse("locality", f"got {locality!r}; accepted values: REMOTE | LOCAL")
+        raise refuse("locality", f"got {locality!r:.200}; accepted values: REMOTE | LOCAL")
     guard = {}
     for key, default in GUARD_KEYS.items():
         value = config.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise refuse(key, f"got {value!r}; give seconds > 0")
+            raise refuse(key, f"got {value!r:.200}; give seconds > 0")
         guard[key] = float(value)
     return root, locality, guard, {k: config[k] for k in FS_KEYS if k in config}
 

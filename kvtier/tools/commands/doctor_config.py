@@ -168,7 +168,7 @@ def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
     if cpu_bytes <= 0:
         raise ConfigError(
             "cpu_bytes_to_use",
-            f"got {cpu!r}; accepted values: integer > 0 (vLLM's tiering spec "
+            f"got {cpu!r:.200}; accepted values: integer > 0 (vLLM's tiering spec "
             "reads it with int(); a bare 64G in the --kv-transfer-config text "
             "is expanded by vLLM)",
         )
