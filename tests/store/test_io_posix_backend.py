@@ -63,6 +63,28 @@ def test_roundtrip_on_disk_uses_o_direct_where_probe_says_so(tmp_path: Path) -> 
         backend.shutdown()
 
 
+def test_a_probe_that_failed_for_another_reason_is_tried_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory that does not exist yet (a worker may open its slabs
+    before the scheduler side created the store) says nothing about
+    O_DIRECT: warned once, and once the directory exists the next open
+    probes again and gets what the file system gives."""
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.store")
+    backend = PosixBackend(threads=1)
+    later = tmp_path / "later"
+    try:
+        for _ in range(3):
+            assert backend.direct_supported(str(later)) is False
+        assert len(o_direct_warnings(caplog)) == 1
+        later.mkdir()
+        h = backend.open(make_file(later / "f", 8 * IO_ALIGNMENT))
+        assert h.direct == probe_direct(str(later))[0]
+        backend.close(h)
+    finally:
+        backend.shutdown()
+
+
 def test_roundtrip_on_tmpfs_logs_at_most_once(
     shm_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:

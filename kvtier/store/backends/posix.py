@@ -3,9 +3,11 @@
 O_DIRECT keeps multi-GiB spill traffic out of the page cache (which would
 otherwise evict the very DRAM the CPU tier lives in, and double-copy). Not
 every file system accepts it (older tmpfs, some FUSE/overlay setups answer
-EINVAL), so each directory is probed once and falls back to buffered I/O
-with a single warning. Buffered I/O is still correct: the slot format's
-checksums, not the page cache, guard integrity.
+EINVAL), so each directory is probed and falls back to buffered I/O with a
+single warning. A probe that fails for another reason (no directory yet, a
+full disk, EIO) says nothing about O_DIRECT: that file is opened buffered
+and the next open probes again. Buffered I/O is still correct: the slot
+format's checksums, not the page cache, guard integrity.
 """
 
 from __future__ import annotations
@@ -72,13 +74,16 @@ class PosixBackend(DiskBackend):
             initializer=name_this_thread,
         )
         self._lock = threading.Lock()
-        # realpath(directory) -> whether O_DIRECT works there; probed once.
+        # realpath(directory) -> whether O_DIRECT works there, once a probe
+        # settled it; directories whose probe failed otherwise, warned once.
         self._direct_dirs: dict[str, bool] = {}
+        self._unsettled: set[str] = set()
 
     # -- O_DIRECT probing -------------------------------------------------
 
     def direct_supported(self, directory: str) -> bool:
-        """Whether O_DIRECT works in ``directory`` (probed once, then cached)."""
+        """Whether O_DIRECT works in ``directory``: probed until a probe
+        settles it (see the module doc), then cached."""
         if not self._want_direct:
             return False
         key = os.path.realpath(directory)
@@ -86,14 +91,20 @@ class PosixBackend(DiskBackend):
             cached = self._direct_dirs.get(key)
             if cached is not None:
                 return cached
-            ok, reason = probe_direct(key)
-            self._direct_dirs[key] = ok
-        if not ok:
+            ok, reason, settled = _probe(key)
+            if settled:
+                self._direct_dirs[key] = ok
+                warn = not ok
+            else:
+                warn = key not in self._unsettled
+                self._unsettled.add(key)
+        if warn:
             logger.warning(
                 "O_DIRECT is not usable in %s (%s); falling back to buffered I/O "
-                "there (data goes through the page cache)",
+                "%s (data goes through the page cache)",
                 key,
                 reason,
+                "there" if settled else "until a probe there succeeds",
             )
         return ok
 
@@ -174,8 +185,19 @@ def probe_direct(directory: str) -> tuple[bool, str]:
     Creates a private probe file there (O_EXCL, 0600), does an aligned 4 KiB
     write and read-back with O_DIRECT, and removes it. Never raises for an
     I/O error: it is the reason."""
+    return _probe(directory)[:2]
+
+
+# What a file system that refuses O_DIRECT answers.
+_REFUSES_DIRECT = (errno.EINVAL, errno.EOPNOTSUPP)
+
+
+def _probe(directory: str) -> tuple[bool, str, bool]:
+    """:func:`probe_direct`, and whether its answer is settled: False when
+    the probe failed for a reason other than O_DIRECT itself (no directory,
+    no space, EIO), so that a later probe may succeed."""
     if _O_DIRECT == 0:
-        return False, "O_DIRECT not available on this platform"
+        return False, "O_DIRECT not available on this platform", True
     path = os.path.join(
         directory, f".kvtier-odirect-probe-{os.getpid()}-{uuid.uuid4().hex}"
     )
@@ -186,18 +208,19 @@ def probe_direct(directory: str) -> tuple[bool, str]:
         try:
             fd = _open_fd(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_DIRECT)
             if os.pwritev(fd, [page], 0) != IO_ALIGNMENT:
-                return False, "short O_DIRECT probe write"
+                return False, "short O_DIRECT probe write", True
             back = mmap.mmap(-1, IO_ALIGNMENT)
             try:
                 if os.preadv(fd, [back], 0) != IO_ALIGNMENT or back[:] != page[:]:
-                    return False, "O_DIRECT probe read back different bytes"
+                    return False, "O_DIRECT probe read back different bytes", True
             finally:
                 back.close()
-            return True, "ok"
+            return True, "ok", True
         except OSError as exc:
             return (
                 False,
                 f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}",
+                exc.errno in _REFUSES_DIRECT,
             )
         finally:
             if fd >= 0:
