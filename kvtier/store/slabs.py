@@ -572,7 +572,9 @@ def _open_store_dir(path: str, base: str) -> int:
 def _write_layout(
     directory: str, fingerprint: LayoutFingerprint, slot_bytes: int, *, dir_fd: int
 ) -> None:
-    """Write ``layout.json`` unless it already says the same."""
+    """Write ``layout.json`` unless it already says the same. It is only an
+    aid (reads never trust it), so a failure to write it is a warning, and
+    the temporary file goes with it."""
     doc = dict(fingerprint.describe(), header_size=HEADER_SIZE, slot_size=slot_bytes)
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     path = os.path.join(directory, LAYOUT_FILE)
@@ -591,12 +593,22 @@ def _write_layout(
     tmp = f"{LAYOUT_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp, dir_fd=dir_fd)  # a crashed run's leftover
-    fd = open_private(
-        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd, private=True
-    )
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, LAYOUT_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    try:
+        fd = open_private(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd, private=True
+        )
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, LAYOUT_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        logger.warning(
+            "kvtier could not write %s (%s); the store works without it, but "
+            "kvtier inspect shows less (remove what is in its place)",
+            path,
+            exc,
+        )
 
 
 def _preallocate(fd: int, size: int, path: str, old_size: int) -> None:

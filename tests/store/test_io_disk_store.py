@@ -114,6 +114,27 @@ def test_layout_permissions_and_striping(
             )
 
 
+def test_a_layout_json_that_cannot_be_written_costs_a_warning_not_the_store(
+    tmp_path: Path, fingerprint: LayoutFingerprint, caplog: pytest.LogCaptureFixture
+) -> None:
+    """layout.json is only an aid: a directory in its place (or a full
+    disk) is a warning naming it, the store opens and serves, and no
+    temporary file is left behind."""
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.store")
+    store_dir = tmp_path / store_dirname(fingerprint)
+    (store_dir / "layout.json").mkdir(parents=True, mode=0o700)
+    store_dir.chmod(0o700)
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        s.write_block(1, KEY, block(1), s.next_seq())
+        out = sentinel_out()
+        assert s.read_block(1, KEY, out) is ReadOutcome.OK
+        assert out.tobytes() == block(1).tobytes()
+    assert sorted(p.name for p in store_dir.iterdir()) == ["layout.json", "slab-0.kvt"]
+    assert any(
+        str(store_dir / "layout.json") in r.getMessage() for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+
+
 def test_corrupt_payload_is_checksum_mismatch(store: DiskStore) -> None:
     data = np.frombuffer(np.arange(BLOCK_BYTES // 2, dtype="<u2").tobytes(), np.uint8)
     store.write_block(3, KEY, data, store.next_seq())
