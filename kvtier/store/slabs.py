@@ -765,9 +765,12 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
     if digest is not None and not digest.hex().startswith(
         store_digest_prefix(name) or ""
     ):
+        # The engine's slots carry the digest the directory is named by.
         warnings.append(
-            f"layout.json digest {digest.hex()} does not match the directory name {name}"
+            f"layout.json digest {digest.hex()} does not match the directory name "
+            f"{name}; slots are judged by the name's digest"
         )
+        digest = None
     found: list[tuple[int, str, int]] = []
     for d in directories:
         try:

@@ -8,6 +8,7 @@ answer is compared with the expected outcome (and, where OK, with the bytes).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,25 @@ def test_a_slab_cut_after_it_was_found_is_reported_not_raised(
     assert [r.header.key for r in recs[:cut]] == [
         key_of(global_slot(which, local, 2)) for local in range(cut)
     ]
+
+
+def test_a_layout_json_naming_another_digest_does_not_change_the_verdicts(
+    tmp_path: Path,
+) -> None:
+    """layout.json is never trusted for reads: one that states another
+    layout's digest than the directory is named by is a warning, and
+    ``kvtier inspect``/``verify`` judge the slots as the engine does, by the
+    name's digest (the engine's own slots stay OK)."""
+    paths = _striped_store(tmp_path, 4096)
+    (store_dir,) = Path(paths[0]).iterdir()
+    doc = json.loads((store_dir / "layout.json").read_text())
+    doc["digest"] = fp(8192).digest().hex()
+    (store_dir / "layout.json").write_text(json.dumps(doc))
+    (view,) = find_stores([paths[0]])
+    assert any("does not match the directory name" in w for w in view.warnings)
+    recs = list(scan(view, file_order=True, payload=True))
+    assert [r.outcome for r in recs] == [RO.OK] * (NUM_SLOTS // 2)
+    assert [r.header.key for r in recs] == [key_of(s) for s in range(0, NUM_SLOTS, 2)]
 
 
 # ------------------------------------------- one run rule, both readers
