@@ -79,6 +79,9 @@ SHARED_TIER_TYPE = "SharedFsTier"
 # Keys handed to vLLM's FileSystemTierManager unchanged.
 FS_KEYS = ("n_read_threads", "n_write_threads", "enable_kv_events")
 GUARD_KEYS = {"probe_timeout_s": 5.0, "lookup_timeout_s": 5.0, "store_timeout_s": 60.0}
+# Requests with a lookup answered RETRY tracked at most (vLLM reports each
+# finished request; this only bounds the map should one never be).
+_MAX_WAITING_REQUESTS = 65536
 
 
 def parse_guard(config: dict[str, Any]) -> tuple[str, str, dict[str, float], dict]:
@@ -226,6 +229,9 @@ class SharedFsTier(SecondaryTierManager):
             return result
         now = time.monotonic()
         if waiting is None:
+            if len(self._retry_since) >= _MAX_WAITING_REQUESTS:
+                # The others' timers start again; nothing goes offline.
+                self._retry_since.clear()
             waiting = self._retry_since[req_context.req_id] = {}
         since = waiting.setdefault(key, now)
         if now - since > self.lookup_timeout_s:
