@@ -172,7 +172,10 @@ def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
             "reads it with int(); a bare 64G in the --kv-transfer-config text "
             "is expanded by vLLM)",
         )
-    return parse_tier_config(tiers[0], cpu_bytes_to_use=cpu_bytes)
+    # Each entry is a tier of its own at engine start: each is checked; the
+    # path checks follow the first.
+    configs = [parse_tier_config(t, cpu_bytes_to_use=cpu_bytes) for t in tiers]
+    return configs[0]
 
 
 def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[Check]:
