@@ -159,12 +159,6 @@ class TieredOffloadingSpec(OffloadingSpec):
                     self.kvtier,
                     reusable=[store_dirname(fp) for fp in self.fingerprints],
                 )
-            # Ranks of this node share one shared-memory file system.
-            prepare_cpu_tier(
-                [self._buffer_path(r) for r in range(self.world_size)],
-                self.num_cpu_blocks,
-                self.block_bytes,
-            )
         else:
             check_disk_paths(self.kvtier)
         self._manager: OffloadingManager | None = None
@@ -310,6 +304,14 @@ class TieredOffloadingSpec(OffloadingSpec):
             from kvtier.store.backends.factory import make_backend
 
             cfg = self.kvtier
+            # Shared memory is checked here, where this rank's file is made,
+            # and for that file alone. The scheduler's spec is built after the
+            # workers made theirs, and other ranks may have made theirs
+            # already (without a disk tier their names go at once): a check
+            # there, or of every rank, asked again for room they already hold.
+            prepare_cpu_tier(
+                [self._buffer_path(self.rank)], self.num_cpu_blocks, self.block_bytes
+            )
             buffer = open_worker_buffer(
                 self.config.engine_id,
                 self.rank,

@@ -280,3 +280,56 @@ def test_owner_close_unlinks_only_its_own_file(private_dir: str) -> None:
     assert os.path.exists(path)  # the successor's file survives
     successor.close()
     assert not os.path.exists(path)
+
+
+# -- the shared-memory check at start ------------------------------------------
+
+_SPEC_BOTH_ROLES = r"""
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor,
+)
+from kvtier.testing.offloading import offloading_config, tiered_spec
+
+PAGE = 32768  # per layer; two layers: 64 KiB rows
+config = offloading_config(
+    {"spec_name": "TieredOffloadingSpec", "spec_module_path": "kvtier.connector",
+     "cpu_bytes_to_use": 64 * 2 * PAGE},  # 4 MiB of a 6 MiB /dev/shm
+    worker_kv_bytes_per_block=2 * PAGE, layers=2,
+)
+kv = [torch.zeros(4, PAGE, dtype=torch.int8) for _ in range(2)]
+caches = CanonicalKVCaches(
+    tensors=[CanonicalKVCacheTensor(t, PAGE) for t in kv],
+    group_data_refs=[[CanonicalKVCacheRef(i, PAGE) for i in range(2)]],
+)
+# vLLM's order: the worker's spec and CPU tier (its KV cache), then the
+# scheduler's spec (EngineCore builds the Scheduler after the KV caches).
+tiered_spec(config).get_worker(caches)
+tiered_spec(config).get_manager()
+print("started", flush=True)
+"""
+
+
+def test_cpu_tier_that_fits_shared_memory_starts_both_roles() -> None:
+    """A CPU tier that fits /dev/shm once must start: the scheduler's spec is
+    built after the worker created its file (without a disk tier the name is
+    gone at once), so a check there counted the worker's own tier as taken
+    and asked for the room a second time."""
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a mount namespace: {probe.stderr!r}")
+    r = subprocess.run(
+        [
+            "unshare", "-m", "sh", "-c",
+            'mount -t tmpfs -o size=6m tmpfs /dev/shm && exec "$0" -c "$1"',
+            sys.executable, _SPEC_BOTH_ROLES,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO_ROOT,
+    )
+    assert r.returncode == 0 and "started" in r.stdout, r.stderr[-3000:]
