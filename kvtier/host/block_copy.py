@@ -159,6 +159,8 @@ class BlockCopier:
                 f"a CPU row holds {cpu_rows.shape[1]} B but a chunk needs {needed} B"
             )
         self.block_bytes = sum(self.page_bytes)
+        self.num_gpu_blocks = min(t.shape[0] for t in kv_bytes)
+        self.num_rows = cpu_rows.shape[0]
         spans: list[torch.Tensor] = []
         offset = 0
         for page in self.page_bytes:
@@ -188,9 +190,14 @@ class BlockCopier:
         return t
 
     def copy(self, plan: CopyPlan, to_cpu: bool) -> None:
-        """GPU blocks -> CPU rows (``to_cpu``), else CPU rows -> GPU blocks."""
+        """GPU blocks -> CPU rows (``to_cpu``), else CPU rows -> GPU blocks.
+
+        A plan naming a GPU block, row or sub-block that does not exist is
+        refused with IndexError before any byte moves (a slice past the end
+        would copy a neighbour's bytes, a negative index wrap around)."""
         if len(plan) == 0:
             return
+        self._check(plan)
         if self._host is not None:
             self._copy_host(plan, to_cpu)
             return
@@ -204,6 +211,25 @@ class BlockCopier:
                 view[row_idx, sub_idx] = kv[gpu_idx]
             else:
                 kv[gpu_idx] = view[row_idx, sub_idx]
+
+    def _check(self, plan: CopyPlan) -> None:
+        n = len(plan)
+        if len(plan.row_ids) != n or len(plan.sub_ids) != n:
+            raise ValueError(
+                f"copy plan arrays differ in length: {n} GPU blocks, "
+                f"{len(plan.row_ids)} rows, {len(plan.sub_ids)} sub-blocks"
+            )
+        for what, ids, end in (
+            ("GPU block", plan.gpu_ids, self.num_gpu_blocks),
+            ("row", plan.row_ids, self.num_rows),
+            ("sub-block", plan.sub_ids, self.blocks_per_chunk),
+        ):
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= end:
+                raise IndexError(
+                    f"copy plan names {what} {low if low < 0 else high}, out of "
+                    f"range [0, {end}); nothing was copied"
+                )
 
     def _copy_host(self, plan: CopyPlan, to_cpu: bool) -> None:
         """One numpy copy per run of consecutive source blocks and tensor,

@@ -119,3 +119,33 @@ def test_host_copies_from_runs_and_gathers_equal_a_blockwise_copy(
         assert torch.equal(area, want_area)
         for got, want in zip(kv, want_kv):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("host_numpy", [True, False])
+@pytest.mark.parametrize(
+    ("gpu", "rows", "subs", "to_cpu"),
+    [
+        ([0, 1], [2, 3], [0, 0], False),  # a row past the end (a run of rows)
+        ([0], [-1], [0], False),  # a negative row
+        ([4, 5], [0, 1], [0, 0], True),  # a GPU block past the end (a run)
+        ([0], [0], [1], True),  # a sub-block past blocks_per_chunk
+        ([1], [0], [-1], False),  # a negative sub-block
+    ],
+)
+def test_a_plan_out_of_range_is_refused_and_copies_nothing(
+    gpu, rows, subs, to_cpu, host_numpy
+):
+    """A plan naming a block, row or sub-block that does not exist is refused
+    with IndexError before any byte moves, on every path: a slice past the
+    end must not quietly copy a neighbour's bytes (wrong KV) and a negative
+    index must not wrap around to the last row."""
+    from kvtier.host.block_copy import CopyPlan
+
+    kv = [torch.arange(5 * 8, dtype=torch.uint8).reshape(5, 8)]
+    area = torch.arange(100, 100 + 3 * 8, dtype=torch.uint8).reshape(3, 8)
+    kv_before, area_before = kv[0].clone(), area.clone()
+    copier = BlockCopier(kv, area, 1, host_numpy=host_numpy)
+    plan = CopyPlan(*(np.array(x, dtype=np.int64) for x in (gpu, rows, subs)))
+    with pytest.raises(IndexError, match="out of range"):
+        copier.copy(plan, to_cpu=to_cpu)
+    assert torch.equal(kv[0], kv_before) and torch.equal(area, area_before)
