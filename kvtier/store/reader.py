@@ -27,7 +27,7 @@ the worker's side). Where the bytes land is a parameter:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -55,6 +55,9 @@ logger = get_logger("store")
 
 # kvikio's reads have no timed wait: a batch of them is polled this often.
 KVIKIO_POLL_S = 0.001
+# Slots a reader reads alone after a read of several failed, at most: one
+# bad sector is one slot's strike, not its neighbours' (see ``plan_runs``).
+MAX_SUSPECT_SLOTS = 4096
 
 # Outcomes of slots read whole but not served for what they hold: counted in
 # ``checksum_failures`` (an empty slot, an I/O error or a slot for the host
@@ -143,7 +146,12 @@ class ReadRun(NamedTuple):
 
 
 def plan_runs(
-    slots: Sequence[int], stripes: int, *, num_slots: int, first_row: int = 0
+    slots: Sequence[int],
+    stripes: int,
+    *,
+    num_slots: int,
+    first_row: int = 0,
+    alone: Container[int] = (),
 ) -> tuple[list[ReadRun], list[int]]:
     """How to read the global ``slots`` of a batch into rows ``first_row``
     .. ``first_row + len(slots) - 1``: ``(runs, row_of)``.
@@ -152,8 +160,9 @@ def plan_runs(
     ``slots``, so slots consecutive in one slab file land in adjacent rows
     and make one :class:`ReadRun` (one read); runs are in file order too.
     ``row_of[i]`` is the row of ``slots[i]``; the rows are a permutation of
-    the range. A slot listed twice gets two rows (and two runs). IndexError
-    for a slot outside ``[0, num_slots)``."""
+    the range. A slot listed twice gets two rows (and two runs); a slot in
+    ``alone`` gets a run of its own. IndexError for a slot outside
+    ``[0, num_slots)``."""
     for slot in slots:
         if not 0 <= slot < num_slots:
             raise IndexError(f"slot {slot} out of range [0, {num_slots})")
@@ -161,15 +170,24 @@ def plan_runs(
     order = sorted(range(len(slots)), key=where.__getitem__)
     row_of = [0] * len(slots)
     runs: list[ReadRun] = []
+    joinable = False  # whether the last run may grow
     for k, i in enumerate(order):
         row = first_row + k
         row_of[i] = row
         f, local = where[i]
         last = runs[-1] if runs else None
-        if last is not None and last.slab == f and last.local + last.count == local:
+        single = slots[i] in alone
+        if (
+            joinable
+            and not single
+            and last is not None
+            and last.slab == f
+            and last.local + last.count == local
+        ):
             runs[-1] = last._replace(count=last.count + 1)
         else:
             runs.append(ReadRun(f, local, row, 1))
+        joinable = not single
     return runs, row_of
 
 
@@ -244,7 +262,13 @@ class SlotReader:
     that torch device instead (no ``area`` then). ``close`` closes ``files`` (the reader owns
     them). On CUDA the staging copies and checksums run on the calling
     thread's current stream; rows are complete on it when ``complete``
-    returns (it reads the checksums back)."""
+    returns (it reads the checksums back).
+
+    A read of several slots that fails (an errno) fails them all; each of
+    them is then read alone until it reads (at most
+    :data:`MAX_SUSPECT_SLOTS`), so a bad sector costs its own slot's block,
+    not its neighbours'. One thread submits and completes a reader's
+    batches."""
 
     def __init__(
         self,
@@ -298,6 +322,7 @@ class SlotReader:
         )
         self._scratch: np.ndarray | None = None  # zstd decoding, host only
         self._closed = False
+        self._suspect: set[int] = set()  # slots to read alone
 
     # ----------------------------------------------------------------- API
 
@@ -334,20 +359,28 @@ class SlotReader:
         seconds = time.perf_counter() - t0 + pending.seconds
         # Per row from ``first``: 0 the read failed, 1 complete, 2 short.
         state = np.zeros(len(items), dtype=np.int8)
+        shared_failure: set[int] = set()  # rows of failed reads of several slots
         for run, n in zip(pending.runs, got):
             if n is not None:
                 full = min(run.count, n // self.slot_size)
                 at = run.row - first
                 state[at : at + full] = 1
                 state[at + full : at + run.count] = 2
+            elif run.count > 1:
+                shared_failure.update(range(run.row, run.row + run.count))
         heads = self._headers(first, len(items))
         out: list[SlotRead] = []
         on_device: list[tuple[int, int]] = []  # (item, expected checksum)
         for i, (slot, key) in enumerate(items):
             row = pending.row_of[i]
             if state[row - first] == 0:
+                if row in shared_failure:
+                    if len(self._suspect) >= MAX_SUSPECT_SLOTS:
+                        self._suspect.clear()
+                    self._suspect.add(slot)
                 out.append(SlotRead(ReadOutcome.IO_ERROR, row, "read failed"))
                 continue
+            self._suspect.discard(slot)
             if state[row - first] == 2:
                 out.append(SlotRead(self.files.short_read(slot), row, "short read"))
                 continue
@@ -395,6 +428,7 @@ class SlotReader:
             self.files.stripes,
             num_slots=self.files.num_slots,
             first_row=first_row,
+            alone=self._suspect,
         )
         t0 = time.perf_counter()
         parts: list[Any] = []

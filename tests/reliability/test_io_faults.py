@@ -410,6 +410,60 @@ def test_failed_jobs_drive_the_hierarchy(
     assert stats.io_errors + stats.checksum_failures == 1  # the write
 
 
+def test_an_io_error_in_a_read_of_several_slots_is_pinned_to_its_slot_next_time(
+    make_rig: Callable[..., Rig],
+) -> None:
+    """Consecutive slots are one read: an EIO from one bad sector fails the
+    whole read, so every slot in it fails once. From the next batch on they
+    are read alone until they read: only the bad slot keeps failing (its
+    neighbours are not struck again) and stays alone, and once it reads all
+    join up."""
+    rig = make_rig()
+    keys = [key_of(i) for i in range(4)]
+    for slot, key in enumerate(keys):
+        rig.store.write_block(slot, key, pattern(key), rig.store.next_seq())
+    items = list(enumerate(keys))
+    reader = SlotReader(_files(rig, rig.backend), capacity=4)
+    reads = []  # (slab, offset) of each read the reader issues
+
+    def counting(call: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(idx: int, buf: Any, offset: int) -> Any:
+            reads.append((idx, offset))
+            return call(idx, buf, offset)
+
+        return counted
+
+    files = reader.files
+    files.read = counting(files.read)  # type: ignore[method-assign]
+    files.submit_read = counting(files.submit_read)  # type: ignore[method-assign]
+    rule = rig.plan.add(FaultRule.error(errno.EIO, ops="read", **on_slot(rig.store, 2)))
+    try:
+        first = reader.read(items)
+        assert [r.outcome for r in first] == [ReadOutcome.IO_ERROR] * 4
+        assert len(reads) == 1
+        for attempt in range(3):
+            reads.clear()
+            again = reader.read(items)
+            assert [r.outcome for r in again] == [
+                ReadOutcome.OK,
+                ReadOutcome.OK,
+                ReadOutcome.IO_ERROR,
+                ReadOutcome.OK,
+            ]
+            for slot in (0, 1, 3):
+                assert np.array_equal(reader.rows[again[slot].row], pattern(keys[slot]))
+            # First each slot alone; then only the bad one (0 and 1 join up).
+            assert len(reads) == (4 if attempt == 0 else 3)
+        rig.plan.remove(rule)  # the sector is remapped: the slot reads again
+        healed = reader.read(items)
+        assert [r.outcome for r in healed] == [ReadOutcome.OK] * 4
+        reads.clear()
+        assert [r.outcome for r in reader.read(items)] == [ReadOutcome.OK] * 4
+        assert len(reads) == 1  # one read of the four again
+    finally:
+        reader.close()
+
+
 def test_reads_into_part_of_the_bounce_area_leave_the_rest_alone(
     make_rig: Callable[..., Rig],
 ) -> None:

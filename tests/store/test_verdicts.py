@@ -66,6 +66,10 @@ def test_plan_runs_reads_file_order_in_as_few_runs_as_the_files_allow() -> None:
     assert runs == [(0, 0, 0, 1), (1, 0, 1, 2), (1, 1, 3, 1), (1, 3, 4, 1), (1, 5, 5, 1)]
     assert row_of == [4, 2, 1, 3, 5, 0]
     assert plan_runs([], 2, num_slots=8) == ([], [])
+    # A slot to be read alone splits the run it would join, on both sides.
+    runs, row_of = plan_runs([3, 0, 1, 2], 1, num_slots=8, alone={1})
+    assert runs == [(0, 0, 0, 1), (0, 1, 1, 1), (0, 2, 2, 2)]
+    assert row_of == [3, 0, 1, 2]
     for bad in (8, -1):
         with pytest.raises(IndexError):
             plan_runs([0, bad], 2, num_slots=8)
