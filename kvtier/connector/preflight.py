@@ -182,15 +182,15 @@ def check_shm_space(
     )
 
 
-def prepare_cpu_tier(paths: Sequence[str], num_blocks: int, block_bytes: int) -> None:
+def prepare_cpu_tier(path: str, num_blocks: int, block_bytes: int) -> None:
     """Reclaim dead engines' CPU-tier files, then check shared memory for
-    one CPU tier of ``num_blocks`` rows of ``block_bytes`` per path
-    (:func:`check_shm_space`).
+    the CPU-tier file ``path`` about to be made: ``num_blocks`` rows of
+    ``block_bytes`` (:func:`check_shm_space`).
 
-    ``paths`` are this engine's files (one per rank, all in one directory).
-    A file whose owner died (SIGKILL, OOM kill) keeps its shared memory
-    until removed; its lock died with the owner, so it is removed here."""
-    directory = os.path.dirname(paths[0])
+    One rank's file, checked where it is made: other files (other ranks',
+    or the scheduler's view of them) already hold their room. A file whose
+    owner died (SIGKILL, OOM kill) keeps its shared memory until removed;
+    its lock died with the owner, so it is removed here."""
+    directory = os.path.dirname(path)
     reclaim_stale_cpu_files(directory)
-    needed = len(paths) * mapped_bytes(num_blocks, block_bytes)
-    check_shm_space(directory, needed, paths)
+    check_shm_space(directory, mapped_bytes(num_blocks, block_bytes), [path])

@@ -310,7 +310,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             # already (without a disk tier their names go at once): a check
             # there, or of every rank, asked again for room they already hold.
             prepare_cpu_tier(
-                [self._buffer_path(self.rank)], self.num_cpu_blocks, self.block_bytes
+                self._buffer_path(self.rank), self.num_cpu_blocks, self.block_bytes
             )
             buffer = open_worker_buffer(
                 self.config.engine_id,

@@ -221,7 +221,7 @@ def test_shm_space_error_names_the_files_holding_it(private_dir: str) -> None:
     fd = os.open(dead, os.O_CREAT | os.O_RDWR, 0o600)
     os.posix_fallocate(fd, 0, 8 * ROW)
     os.close(fd)
-    mine = [os.path.join(private_dir, "kvtier-me-r0of1.cpu")]
+    mine = os.path.join(private_dir, "kvtier-me-r0of1.cpu")
     with CpuBlockBuffer(4, ROW, live, owner=True):
         with pytest.raises(ConfigError) as info:
             prepare_cpu_tier(mine, 1 << 40, 1 << 22)
