@@ -64,6 +64,16 @@ def _running(rp: ReadProcess) -> ReadProcess:
     return rp
 
 
+def _serves_slot_0(rp: ReadProcess, key: bytes) -> None:
+    """A batch of slot 0 goes to the child and comes back verified and
+    byte-exact."""
+    pending = rp.submit([(0, key)])
+    assert isinstance(pending, ProcessRead)
+    (got,) = rp.complete(pending)
+    assert got.outcome is ReadOutcome.OK
+    assert np.array_equal(rp.rows[got.row], pattern(key))
+
+
 def _flip_payload_byte(rig: Rig, reader: ReadProcess, slot: int) -> None:
     offset = slot * rig.store.slot_size + HEADER_SIZE + 100
     flip_byte(reader.files.slabs[0].path, offset, 0x40)
@@ -138,18 +148,9 @@ def test_the_child_runs_this_kvtier_whatever_the_working_directory_holds(
     monkeypatch.chdir(cwd)
     rp = _reader(rig)
     try:
-        rp.start()
-        deadline = time.monotonic() + DEADLINE_S
-        while not rp.running and rp.pid is not None:
-            assert time.monotonic() < deadline, "the read process did not start"
-            rp.poll(0.05)
+        _running(rp)
         assert not marker.exists()
-        assert rp.running
-        pending = rp.submit([(0, keys[0])])
-        assert isinstance(pending, ProcessRead)
-        (got,) = rp.complete(pending)
-        assert got.outcome is ReadOutcome.OK
-        assert np.array_equal(rp.rows[got.row], pattern(keys[0]))
+        _serves_slot_0(rp, keys[0])
     finally:
         rp.close()
 
@@ -170,11 +171,7 @@ def test_a_slot_out_of_range_is_refused_as_the_protocol_says(
         _running(rp)
         with pytest.raises(IndexError, match="out of range"):
             rp.submit([(0, keys[0]), (num_slots, key_of(1))])
-        pending = rp.submit([(0, keys[0])])
-        assert isinstance(pending, ProcessRead)
-        (got,) = rp.complete(pending)
-        assert got.outcome is ReadOutcome.OK
-        assert np.array_equal(rp.rows[got.row], pattern(keys[0]))
+        _serves_slot_0(rp, keys[0])
     finally:
         rp.close()
 
