@@ -91,7 +91,7 @@ class PosixBackend(DiskBackend):
             cached = self._direct_dirs.get(key)
             if cached is not None:
                 return cached
-            ok, reason, settled = _probe(key)
+            ok, reason, settled = probe_direct(key)
             if settled:
                 self._direct_dirs[key] = ok
                 warn = not ok
@@ -179,23 +179,19 @@ def _transfer(op: Any, handle: PosixHandle, view: memoryview, offset: int) -> in
     return done
 
 
-def probe_direct(directory: str) -> tuple[bool, str]:
-    """Whether O_DIRECT works in ``directory``, and why not: (ok, reason).
-
-    Creates a private probe file there (O_EXCL, 0600), does an aligned 4 KiB
-    write and read-back with O_DIRECT, and removes it. Never raises for an
-    I/O error: it is the reason."""
-    return _probe(directory)[:2]
-
-
 # What a file system that refuses O_DIRECT answers.
 _REFUSES_DIRECT = (errno.EINVAL, errno.EOPNOTSUPP)
 
 
-def _probe(directory: str) -> tuple[bool, str, bool]:
-    """:func:`probe_direct`, and whether its answer is settled: False when
-    the probe failed for a reason other than O_DIRECT itself (no directory,
-    no space, EIO), so that a later probe may succeed."""
+def probe_direct(directory: str) -> tuple[bool, str, bool]:
+    """Whether O_DIRECT works in ``directory``, why not, and whether that
+    answer is settled: ``(ok, reason, settled)``. Not settled when the probe
+    failed for a reason other than O_DIRECT itself (no directory, no space,
+    EIO): a later probe may succeed.
+
+    Creates a private probe file there (O_EXCL, 0600), does an aligned 4 KiB
+    write and read-back with O_DIRECT, and removes it. Never raises for an
+    I/O error: it is the reason."""
     if _O_DIRECT == 0:
         return False, "O_DIRECT not available on this platform", True
     path = os.path.join(

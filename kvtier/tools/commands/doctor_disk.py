@@ -166,7 +166,7 @@ def _fs_checks(path: str) -> list[Check]:
         out = [Check("disk", subject, OK, where)]
     else:
         out = [Check("disk", subject, WARNING, f"{where}: {problem[0]}", problem[1])]
-    ok, why = probe_direct(path)
+    ok, why, _settled = probe_direct(path)
     if ok:
         out.append(Check("disk", f"{path}: O_DIRECT", OK, "accepted"))
     else:
