@@ -357,7 +357,8 @@ class KvtierConfig(BaseModel):
         False,
         description="vLLM's canonical host layout; read by vLLM. "
         "TieredOffloadingSpec refuses it (its rows and disk slots are the direct "
-        "layout), as does PortableTieringSpec's CPU-platform worker.",
+        "layout), as do KvtierDiskTier and PortableTieringSpec's CPU-platform "
+        "worker, with the same message; kvtier doctor reports it.",
     )
 
     @model_validator(mode="before")
