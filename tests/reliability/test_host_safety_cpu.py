@@ -304,7 +304,8 @@ caches = CanonicalKVCaches(
 )
 # vLLM's order: the worker's spec and CPU tier (its KV cache), then the
 # scheduler's spec (EngineCore builds the Scheduler after the KV caches).
-tiered_spec(config).get_worker(caches)
+worker_spec = tiered_spec(config)
+worker = worker_spec.get_worker(caches)  # kept: its tier holds the room
 tiered_spec(config).get_manager()
 print("started", flush=True)
 """
