@@ -591,6 +591,29 @@ KvtierDiskTierConfig = create_model(
 TIER_KEYS = key_specs(KvtierDiskTierConfig)
 
 
+def check_one_disk_tier(secondary_tiers: Any) -> None:
+    """Refuse ``secondary_tiers`` naming more than one ``KvtierDiskTier``.
+
+    vLLM's tiering manager writes every chunk to every secondary tier, so a
+    second kvtier disk tier would keep a second copy of each chunk on local
+    disk, and kvtier's series (``tier="disk"``) and events (``ownership``)
+    could not tell the two apart. One tier stripes over several directories.
+    Raises :class:`ConfigError` under ``secondary_tiers``."""
+    count = sum(
+        isinstance(t, dict) and t.get("type") == DISK_TIER_TYPE
+        for t in (secondary_tiers if isinstance(secondary_tiers, list) else [])
+    )
+    if count > 1:
+        raise ConfigError(
+            "secondary_tiers",
+            f"lists {count} entries of type {DISK_TIER_TYPE!r}; accepted: one "
+            "(vLLM writes every chunk to every secondary tier, so a second "
+            "would hold a second copy of each chunk, and kvtier's metrics and "
+            "events could not tell them apart): list every directory in one "
+            "entry's disk_path, which stripes over them",
+        )
+
+
 class TierConfigError(ConfigError):
     """A bad key of a kvtier entry (``tier``: its type) in ``secondary_tiers``."""
 

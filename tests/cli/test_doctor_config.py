@@ -131,12 +131,15 @@ def test_tiering_mode_config(capsys, tmp_path, disk, shm, shipped):
     doc["kv_connector_extra_config"]["secondary_tiers"][0]["disk_bytez"] = 1
     rc, checks = run_config(capsys, tmp_path, shm, doc)
     assert rc == 1 and "secondary_tiers" in checks["disk_bytez"]["detail"]
-    # A second kvtier disk tier is a tier of its own: its keys are checked too.
+    # A second kvtier disk tier is refused, as at engine start.
     tiers = doc["kv_connector_extra_config"]["secondary_tiers"]
     del tiers[0]["disk_bytez"]
-    tiers.append({**tiers[0], "eviction_policy": "fifo"})
+    tiers.append(dict(tiers[0]))
     rc, checks = run_config(capsys, tmp_path, shm, doc)
-    assert rc == 1 and "secondary_tiers" in checks["eviction_policy"]["detail"]
+    assert rc == 1
+    assert "lists 2 entries of type 'KvtierDiskTier'" in (
+        checks["secondary_tiers"]["detail"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -699,6 +699,34 @@ def test_canonical_layout_is_refused_as_the_full_spec_and_the_doctor_refuse_it(
     assert not isinstance(refused.value, TierConfigError)
 
 
+def test_a_second_kvtier_disk_tier_is_refused_by_name(tmp_path, make_driver):
+    """vLLM writes every chunk to every secondary tier: a second kvtier disk
+    tier would hold a second copy and share the first's series and events.
+    Engine start refuses it under ``secondary_tiers`` and builds no store;
+    one kvtier tier beside another type of tier is fine."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    config = make_config(tmp_path / "a", cpu_chunks=4, disk_blocks=8)
+    (entry,) = config.extra_config["secondary_tiers"]
+    second = {**entry, "disk_path": str(tmp_path / "b")}
+    config.extra_config["secondary_tiers"].append(second)
+    spec = PortableTieringSpec(config)
+    with pytest.raises(ConfigError) as refused:
+        spec.get_manager()
+    assert refused.value.key == "secondary_tiers"
+    assert "lists 2 entries of type 'KvtierDiskTier'" in refused.value.message
+    assert "disk_path" in refused.value.message
+    assert not any((tmp_path / "a").iterdir()) and not any((tmp_path / "b").iterdir())
+    # One KvtierDiskTier and vLLM's example tier: both are built.
+    config = make_config(tmp_path / "a", cpu_chunks=4, disk_blocks=8)
+    config.extra_config["secondary_tiers"].append({"type": "example"})
+    d = make_driver(config)
+    assert [t.tier_type for t in d.manager.secondary_tiers] == [
+        "KvtierDiskTier",
+        "example",
+    ]
+
+
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 TIERING_CONFIGS = {
     "vllm-tiering-kvtier-disk.json": "TieringOffloadingSpec",

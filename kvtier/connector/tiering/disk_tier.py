@@ -63,6 +63,7 @@ from kvtier.connector.config import (
     ConfigError,
     as_tier_error,
     blocks_in_budget,
+    check_one_disk_tier,
     parse_tier_config,
 )
 from kvtier.connector.identity import layout_fingerprints
@@ -192,6 +193,7 @@ class KvtierDiskTier(SecondaryTierManager):
         self.locality = Locality.LOCAL
         # Paths are checked below, once the layout (and so the directory a
         # warm restart may reuse) is known.
+        check_one_disk_tier(offloading_spec.extra_config.get("secondary_tiers"))
         self.settings = parse_tier_config(tier_config)
         cfg = self.settings
         config = offloading_spec.config

@@ -20,6 +20,7 @@ from kvtier.connector.config import (
     DISK_TIER_TYPE,
     ConfigError,
     KvtierConfig,
+    check_one_disk_tier,
     parse_extra_config,
     parse_tier_config,
 )
@@ -172,10 +173,8 @@ def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
             "reads it with int(); a bare 64G in the --kv-transfer-config text "
             "is expanded by vLLM)",
         )
-    # Each entry is a tier of its own at engine start: each is checked; the
-    # path checks follow the first.
-    configs = [parse_tier_config(t, cpu_bytes_to_use=cpu_bytes) for t in tiers]
-    return configs[0]
+    check_one_disk_tier(tiers)
+    return parse_tier_config(tiers[0], cpu_bytes_to_use=cpu_bytes)
 
 
 def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[Check]:
