@@ -3,7 +3,10 @@
 - caplog sees kvtier's records (children of vLLM's ``vllm`` logger);
 - the suite leaves nothing in /dev/shm: an entry created during the run
   that no live process maps at its end (kvtier's or vLLM's) fails the run,
-  named.
+  named;
+- vLLM's ZMQ sockets go to a directory of the run's own, removed at its end
+  (vLLM's multiprocess engine leaves its IPC socket files behind in
+  ``VLLM_RPC_BASE_PATH``, /tmp by default).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ _SHM_CHECK_ENV = "KVTIER_TESTS_SHM_CHECKED_BY"
 # A process that ended leaves its semaphores to multiprocessing's resource
 # tracker, which unlinks them as it exits, a moment later.
 _SHM_SETTLE_S = 15.0
+_RPC_DIR = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -73,11 +77,17 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     os.environ[_SHM_CHECK_ENV] = str(os.getpid())
     config.stash[_SHM_BEFORE] = shm_entries()
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        rpc = tempfile.mkdtemp(prefix="kvtier-tests-rpc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = config.stash[_RPC_DIR] = rpc
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """After every worker is gone: what this run left in /dev/shm."""
+    rpc = session.config.stash.get(_RPC_DIR, None)
+    if rpc is not None:
+        shutil.rmtree(rpc, ignore_errors=True)
     before = session.config.stash.get(_SHM_BEFORE, None)
     if before is None:
         return
