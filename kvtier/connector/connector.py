@@ -165,6 +165,8 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
                     report.io_failed_keys.setdefault(owner, []).extend(
                         error.io_failed
                     )
+                if error.whole:
+                    report.failed_loads.append(owner)
                 if req_id is None:  # sync: the request runs this step
                     self._sync_invalid_block_ids |= error.gpu_block_ids
                 else:

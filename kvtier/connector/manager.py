@@ -87,6 +87,9 @@ class TieredOffloadingManager(OffloadingManager):
         self._io_failed_loads: dict[str, set[bytes]] = {}
         self._io_failed_logged = False
         self._unloaded_loads: dict[str, set[bytes]] = {}
+        # Requests whose load a worker failed whole (none of its blocks
+        # landed), until that load completes.
+        self._failed_whole: set[str] = set()
         # Requests with a load prepared and not completed: a report for any
         # other (a job from before reset_cache, which vLLM never completes)
         # must not reach a later load of the same request.
@@ -155,7 +158,8 @@ class TieredOffloadingManager(OffloadingManager):
         disk blocks its load could not use (shown bad: dropped when the load
         completes), those whose read failed with an I/O error (kept,
         counted) and those it did not deliver for another reason (kept);
-        the CPU rows of stores that failed (their keys are completed as
+        the requests whose load failed whole (no block of it counts as
+        loaded); the CPU rows of stores that failed (their keys are completed as
         failed, see ``complete_store``); and their counters."""
         for reported, pending in (
             (report.failed_keys, self._failed_loads),
@@ -165,6 +169,7 @@ class TieredOffloadingManager(OffloadingManager):
             for req_id, keys in reported.items():
                 if req_id in self._loading:
                     pending.setdefault(req_id, set()).update(keys)
+        self._failed_whole.update(r for r in report.failed_loads if r in self._loading)
         self._failed_store_rows.update(report.failed_store_rows)
         self.worker_totals = self.worker_totals + report.counters
         self.read_latencies.extend(report.read_latencies)
@@ -212,8 +217,14 @@ class TieredOffloadingManager(OffloadingManager):
                 "; repeats logged at debug" if first else "",
             )
         unloaded = self._unloaded_loads.pop(req_id, ())
+        whole = req_id in self._failed_whole
+        self._failed_whole.discard(req_id)
         self.hierarchy.complete_load(
-            load.load_id, failed, unloaded=unloaded, io_failed=io_failed
+            load.load_id,
+            failed,
+            unloaded=unloaded,
+            io_failed=io_failed,
+            whole_failed=whole,
         )
 
     @override
@@ -308,6 +319,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._failed_loads.clear()
         self._io_failed_loads.clear()
         self._unloaded_loads.clear()
+        self._failed_whole.clear()
         self._loading.clear()  # vLLM completes no load from before the reset
         # A report arriving after this (a job vLLM no longer completes) can
         # only fail a later store into the same row: a miss, never data.

@@ -107,7 +107,7 @@ _DEFS: dict[str, OffloadingMetricMetadata] = {
     LOADED_BLOCKS: OffloadingCounterMetadata(
         "Blocks loaded out of the tier, verified: into the KV cache (tiering "
         "mode: disk blocks promoted into vLLM's primary tier); a failed disk "
-        "block is not counted.",
+        "block is not counted, nor any block of a load that failed whole.",
         TIER,
     ),
     LOAD_ERRORS: OffloadingCounterMetadata(

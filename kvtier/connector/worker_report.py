@@ -48,6 +48,8 @@ class WorkerReport:
     another reason (not read, the job raised or was given up: the copies
     are kept).
     ``failed_store_rows``: CPU rows of stores that failed; never readable.
+    ``failed_loads``: requests whose load failed whole (the job raised or
+    was given up): none of its blocks landed, its CPU-tier blocks included.
     """
 
     failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
@@ -57,6 +59,7 @@ class WorkerReport:
     io_failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
     # Seconds each disk read batch took, issued to verified.
     read_latencies: list[float] = field(default_factory=list)
+    failed_loads: list[str] = field(default_factory=list)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """A new report with both reports' contents (neither is changed)."""
@@ -74,6 +77,7 @@ class WorkerReport:
             self.counters + other.counters,
             keys(self.io_failed_keys, other.io_failed_keys),
             self.read_latencies + other.read_latencies,
+            self.failed_loads + other.failed_loads,
         )
 
 

@@ -198,9 +198,10 @@ class TierHierarchy:
         failed: Iterable[Key] = (),
         unloaded: Iterable[Key] = (),
         io_failed: Iterable[Key] = (),
+        whole_failed: bool = False,
     ) -> None:
         """See :meth:`kvtier.tiers.loading.LoadPlanner.complete_load`."""
-        self._planner.complete_load(load_id, failed, unloaded, io_failed)
+        self._planner.complete_load(load_id, failed, unloaded, io_failed, whole_failed)
 
     # ------------------------------------------------------------------- store
 

@@ -142,6 +142,7 @@ class LoadPlanner:
         failed: Iterable[Key] = (),
         unloaded: Iterable[Key] = (),
         io_failed: Iterable[Key] = (),
+        whole_failed: bool = False,
     ) -> None:
         """Release a load's pins and apply what it found to the disk copies
         (the disk core's read-failure rule). Keys in ``failed`` were read from
@@ -152,12 +153,20 @@ class LoadPlanner:
         reason that says nothing about their copy (the load raised or was
         given up): it stays as it is. None of them is loaded: their
         promotion row is given back unwritten. Other promoted keys become
-        ready on CPU."""
+        ready on CPU. ``whole_failed``: no block of the load landed (the job
+        raised or was given up): its CPU-tier blocks are not counted as
+        loaded, and every disk key not in ``failed`` or ``io_failed`` is
+        treated as ``unloaded``."""
         plan = self.loads.pop(load_id)
         bad = set(failed)
         failing = set(io_failed) - bad
-        skipped = set(unloaded) - bad - failing
-        if not bad and not failing and not skipped:
+        skipped = set(unloaded)
+        if whole_failed:
+            skipped.update(
+                k for k, loc in zip(plan.keys, plan.locations) if loc.medium != MEDIUM_CPU
+            )
+        skipped -= bad | failing
+        if not bad and not failing and not skipped and not whole_failed:
             self._release(plan)
             return
         stats = self.stats
@@ -170,7 +179,8 @@ class LoadPlanner:
             if loc.medium == MEDIUM_CPU:
                 if cpu.get(key) is not None:
                     on_cpu.append(key)
-                stats.loads_cpu += 1
+                if not whole_failed:
+                    stats.loads_cpu += 1
                 continue
             on_disk.append(key)
             if key in bad or key in failing or key in skipped:

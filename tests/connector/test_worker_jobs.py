@@ -576,3 +576,105 @@ def test_a_report_from_before_reset_cache_never_reaches_a_later_load():
     m.complete_load([key], again)
     assert h.disk.is_ready(key)
     assert h.stats.load_failures == 0
+
+
+def _connector_worker(worker):
+    """kvtier's connector worker (vLLM's worker-side code) over ``worker``."""
+    from types import SimpleNamespace
+
+    from kvtier.connector.connector import KvtierConnectorWorker
+
+    spec = SimpleNamespace(
+        replicated_layout=False,
+        config=SimpleNamespace(canonical_layout=False, parallel=SimpleNamespace(rank=0)),
+    )
+    conn = KvtierConnectorWorker(spec, None, None)
+    conn.worker = worker
+    return conn
+
+
+class _Exported:
+    """The counters a manager exports (``get_stats``, which vLLM feeds to
+    Prometheus), summed from construction: ``grew(name)`` is what each
+    series grew by since then (series that did not grow left out)."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self.start = self._totals()
+
+    def _totals(self):
+        totals = getattr(self, "totals", {})
+        stats = self.manager.get_stats()
+        for name, series in stats._values.items():
+            if stats._types[name] == "counter":
+                for labels, value in series.items():
+                    key = (name, labels)
+                    totals[key] = totals.get(key, 0) + value
+        self.totals = totals
+        return dict(totals)
+
+    def collect(self):
+        self.now = self._totals()
+
+    def grew(self, name):
+        return {
+            labels: value - self.start.get((n, labels), 0)
+            for (n, labels), value in self.now.items()
+            if n == name and value != self.start.get((n, labels), 0)
+        }
+
+
+def test_a_load_that_raises_counts_no_block_as_loaded(runner, monkeypatch):
+    """A load job that raised delivered nothing (every GPU block reported
+    unfilled): neither its CPU-tier blocks nor its disk blocks count in
+    ``loaded_blocks`` or ``read_bytes``. They had: the CPU blocks of a job
+    that failed whole still counted as loaded from the CPU tier."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+
+    r = runner
+    with landing_at_once(r):
+        on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
+        on_cpu = r.store("z", [30, 31])
+    conn = _connector_worker(r.worker)
+    exported = _Exported(r.manager)
+    keys = on_cpu + on_disk[:2]
+    assert r.lookup("mixed", keys) == len(keys)
+    ctx = r.ctx
+    spec = r.manager.prepare_load(keys, ctx)
+    assert list(spec.on_disk) == [False, False, True, True]
+
+    def complete(pending):
+        raise RuntimeError("a bug in the reader")
+
+    monkeypatch.setattr(r.worker.reader, "complete", complete)
+    dst = GPULoadStoreSpec([50, 51, 52, 53], [4], [0])
+    job = TransferJob(req_id=ctx.req_id, src_spec=spec, dst_spec=dst)
+    conn.start_kv_transfers(
+        OffloadingConnectorMetadata(load_jobs={9: job}, store_jobs={}, jobs_to_flush=set())
+    )
+    deadline = time.monotonic() + 10
+    while ctx.req_id not in conn.get_finished(set())[1]:
+        assert time.monotonic() < deadline, "the load was never reported"
+        time.sleep(0.001)
+    assert conn.take_load_errors()[1] == {50, 51, 52, 53}  # nothing landed
+    meta = conn.build_connector_worker_meta()
+    r.manager.note_worker_report(meta.report)
+    r.manager.complete_load(keys, ctx)
+    r.manager.on_request_finished(ctx)
+    exported.collect()
+    assert exported.grew(metrics.LOADED_BLOCKS) == {}
+    assert exported.grew(metrics.READ_BYTES) == {}
+    assert exported.grew(metrics.WORKER_EXCEPTIONS) == {(): 1}
+    h = r.manager.hierarchy
+    assert (h.stats.loads_cpu, h.stats.loads_disk) == (0, 0)
+    # Nothing was lost: the blocks are where they were, and load next time.
+    assert [h.lookup(k).name for k in keys] == ["HIT_CPU"] * 2 + ["HIT_DISK"] * 2
+    monkeypatch.undo()
+    with landing_at_once(r):
+        assert r.lookup("mixed", keys) == len(keys)
+        r.load(keys, [54, 55, 56, 57])
+    exported.collect()
+    assert exported.grew(metrics.LOADED_BLOCKS) == {("cpu",): 2, ("disk",): 2}

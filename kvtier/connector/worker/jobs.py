@@ -71,12 +71,15 @@ class LoadError:
     disk blocks whose read failed (an I/O error: their copies stay,
     counted); ``unloaded``, disk blocks not delivered for a reason that says
     nothing about their copies (not read, or the job raised: the copies
-    stay); and the GPU blocks that were left unfilled."""
+    stay); and the GPU blocks that were left unfilled. ``whole``: the job
+    failed whole (it raised or was given up), so no block of it landed,
+    its CPU-tier blocks included (which no key here names)."""
 
     keys: list[bytes] = field(default_factory=list)
     gpu_block_ids: set[int] = field(default_factory=set)
     unloaded: list[bytes] = field(default_factory=list)
     io_failed: list[bytes] = field(default_factory=list)
+    whole: bool = False
 
     def merge(self, other: LoadError) -> LoadError:
         """One error with everything both name (a job fails once)."""
@@ -85,6 +88,7 @@ class LoadError:
             gpu_block_ids=self.gpu_block_ids | other.gpu_block_ids,
             unloaded=list(dict.fromkeys(self.unloaded + other.unloaded)),
             io_failed=list(dict.fromkeys(self.io_failed + other.io_failed)),
+            whole=self.whole or other.whole,
         )
 
 
@@ -164,7 +168,9 @@ class Job:
         src, dst = self.src, self.dst
         assert src is not None and dst is not None
         keys = [k for k in src.keys if k] if isinstance(src, TierLoadSpec) else []
-        return LoadError(unloaded=keys, gpu_block_ids={int(b) for b in dst.block_ids})
+        return LoadError(
+            unloaded=keys, gpu_block_ids={int(b) for b in dst.block_ids}, whole=True
+        )
 
 
 class JobBook:
