@@ -328,6 +328,15 @@ def test_inspect_and_verify_real_store(
     assert rc == 0 and "5 ok, 0 bad" in out
     assert _tree(tmp_path) == before  # neither command created or changed anything
 
+    # The text report names the format version and the header versions read
+    # apart: version 2 headers are read, so it must not say "reads v1" only.
+    rc, out = run_cli(capsys, "inspect", str(tmp_path))
+    (line,) = [ln for ln in out.splitlines() if "format version" in ln]
+    assert line.split(None, 2)[2] == (
+        "1 (layout.json); headers: v2 x5; "
+        "this kvtier reads format v1, header versions v1, v2"
+    )
+
     # Corrupt one payload byte of slot 3: exactly that slot is reported.
     slab = store.slabs[0]
     _flip(slab.path, slab.offset(3) + HEADER_SIZE + 17)

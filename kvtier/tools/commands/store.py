@@ -127,7 +127,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
         print(
             f"  format version   {rep['format_version']} (layout.json); "
-            f"headers: {versions or 'none'}; this kvtier reads v{rep['reader_format_version']}"
+            f"headers: {versions or 'none'}; this kvtier reads format "
+            f"v{rep['reader_format_version']}, header versions "
+            + ", ".join(f"v{v}" for v in rep["reader_header_versions"])
         )
         print(
             f"  slabs            {len(rep['slabs'])} file(s), {rep['total_slots']} slots "
