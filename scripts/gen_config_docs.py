@@ -348,9 +348,12 @@ def configs_section() -> str:
         "`configs/` holds complete `--kv-transfer-config` values "
         "(tests/connector/test_configs.py checks them against the schema). "
         "Adjust sizes and paths to the machine; the paths must exist. The "
-        "`vllm-tiering-*` files use vLLM's own `TieringOffloadingSpec` with "
-        "kvtier's disk tier as a secondary tier instead of kvtier's spec (see "
-        "the docstring of kvtier/connector/tiering/disk_tier.py); the keys below are "
+        "`vllm-tiering-*` files use vLLM's tiering spec with kvtier's disk "
+        "tier as a secondary tier instead of kvtier's spec: vLLM's own "
+        "`TieringOffloadingSpec`, or kvtier's `PortableTieringSpec` (the same "
+        "spec, whose worker also runs on the CPU platform), as the spec column "
+        "says (see [tiering mode](tiering-mode.md) and the docstring of "
+        "kvtier/connector/tiering/disk_tier.py); the keys below are "
         "those of `TieredOffloadingSpec`.",
         "",
         "| file | spec | CPU tier | disk tier | disk paths | other keys |",
