@@ -65,8 +65,10 @@ _DEFS: dict[str, OffloadingMetricMetadata] = {
     TIER_BLOCKS: OffloadingGaugeMetadata("Blocks resident in the tier.", TIER),
     TIER_CAPACITY: OffloadingGaugeMetadata("Capacity of the tier in blocks.", TIER),
     READ_BYTES: OffloadingCounterMetadata(
-        "Bytes loaded out of the tier into the KV cache (disk: verified slot "
-        "bytes the workers read; tiering mode: block bytes promoted into "
+        "Bytes read out of the tier (cpu: block bytes loaded into the KV "
+        "cache; disk: the drive's traffic for loads, slot headers and "
+        "payloads the workers read, a slot that then fails verification "
+        "included; tiering mode: block bytes each rank read to promote into "
         "vLLM's primary tier).",
         TIER,
     ),
@@ -80,8 +82,10 @@ _DEFS: dict[str, OffloadingMetricMetadata] = {
         TIER,
     ),
     WRITE_BYTES: OffloadingCounterMetadata(
-        "Bytes written into the tier (cpu: stores from the GPU; disk: spills, "
-        "in tiering mode the blocks written to the disk tier).",
+        "Bytes written into the tier (cpu: stores from the GPU; disk: the "
+        "drive's traffic for spills, in tiering mode for the blocks written "
+        "to the disk tier; each rank's write counts, even where another "
+        "rank's write of the same block failed).",
         TIER,
     ),
     WRITE_SECONDS: OffloadingCounterMetadata(
