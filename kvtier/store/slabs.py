@@ -95,6 +95,7 @@ MAX_BLOCK_BYTES = 1 << 32
 MAX_SLOT_SIZE = slot_size(MAX_BLOCK_BYTES)
 MIN_SLOT_SIZE = slot_size(1)  # header + one aligned payload unit
 MAX_LAYOUT_BYTES = 1 << 20  # layout.json is a few hundred bytes
+MAX_STRIPES = 1 << 12  # directories one store stripes over (layout.json)
 
 
 def store_dirname(fingerprint: LayoutFingerprint) -> str:
@@ -280,7 +281,9 @@ class SlabFiles:
                 d = files.dirs[i]
                 dir_fd = _open_store_dir(d, os.path.dirname(d))
                 files._dir_fds.append(dir_fd)
-                _write_layout(d, fingerprint, slab.slot_size, dir_fd=dir_fd)
+                _write_layout(
+                    d, fingerprint, slab.slot_size, len(files.slabs), dir_fd=dir_fd
+                )
                 dev_ino = create_slab(slab.path, slab.num_slots, slab.slot_size, dir_fd=dir_fd)
                 files.handles[i] = backend.open(slab.path, writable=True)
                 fd = backend.fileno(files.handles[i])
@@ -570,12 +573,23 @@ def _open_store_dir(path: str, base: str) -> int:
 
 
 def _write_layout(
-    directory: str, fingerprint: LayoutFingerprint, slot_bytes: int, *, dir_fd: int
+    directory: str,
+    fingerprint: LayoutFingerprint,
+    slot_bytes: int,
+    stripes: int,
+    *,
+    dir_fd: int,
 ) -> None:
     """Write ``layout.json`` unless it already says the same. It is only an
     aid (reads never trust it), so a failure to write it is a warning, and
-    the temporary file goes with it."""
-    doc = dict(fingerprint.describe(), header_size=HEADER_SIZE, slot_size=slot_bytes)
+    the temporary file goes with it. ``stripes``: how many directories the
+    store stripes over (``kvtier inspect`` of some of them says so)."""
+    doc = dict(
+        fingerprint.describe(),
+        header_size=HEADER_SIZE,
+        slot_size=slot_bytes,
+        stripes=stripes,
+    )
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     path = os.path.join(directory, LAYOUT_FILE)
     try:
@@ -806,6 +820,7 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
         slabs.append(SlabFile(path, index, size // ssz, ssz, size))
     if not any(s.num_slots for s in slabs):
         raise StoreError(f"{where}: every slab is empty (0 bytes, no slots)")
+    stripes = _declared_stripes(where, layout, [s.index for s in slabs], warnings)
     files = SlabFiles(
         name,
         list(directories),
@@ -816,7 +831,36 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
         owns_backend=False,
     )
     files.layout, files.warnings = layout, warnings
+    if stripes is not None:
+        files.stripes = stripes  # slots numbered store-wide, as the engine does
     return files
+
+
+def _declared_stripes(
+    where: str, layout: dict[str, Any] | None, found: list[int], warnings: list[str]
+) -> int | None:
+    """The directory count ``layout.json`` states, when it is plausible (no
+    smaller than the slabs found imply); a warning names the slabs not
+    found, so a check of some directories of a striped store says that it
+    did not see the whole store."""
+    declared = (layout or {}).get("stripes")
+    if isinstance(declared, bool) or not isinstance(declared, int):
+        return None
+    if not max(found) < declared <= MAX_STRIPES:
+        warnings.append(
+            f"{where}: layout.json says the store stripes over {declared} "
+            f"directories, but slab-{max(found)}.kvt was found; ignored"
+        )
+        return None
+    missing = sorted(set(range(declared)) - set(found))
+    if missing:
+        names = ", ".join(slab_name(i) for i in missing)
+        warnings.append(
+            f"the store stripes over {declared} directories; {names} not under "
+            "the paths given, so its slots were not checked: pass every "
+            "directory of its disk_path to check the whole store"
+        )
+    return declared
 
 
 def _read_layout(directory: str) -> tuple[dict[str, Any] | None, str | None]:

@@ -228,6 +228,34 @@ def test_a_slab_cut_after_it_was_found_is_reported_not_raised(
     ]
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_one_directory_of_a_striped_store_is_numbered_store_wide_and_said_partial(
+    tmp_path: Path, which: int
+) -> None:
+    """``kvtier inspect``/``verify`` of one directory of a store striped over
+    two: each slot carries its store-wide number (the one its key was
+    written under), and a warning names the slab not given, so a clean
+    verify of half a store does not read as the whole store checked."""
+    paths = _striped_store(tmp_path, 4096)
+    (view,) = find_stores([paths[which]])
+    other = f"slab-{1 - which}.kvt"
+    assert [w for w in view.warnings if "stripes over 2" in w] == [
+        f"the store stripes over 2 directories; {other} not under the paths "
+        "given, so its slots were not checked: pass every directory of its "
+        "disk_path to check the whole store"
+    ]
+    recs = list(scan(view, file_order=True, payload=True))
+    assert [r.outcome for r in recs] == [RO.OK] * (NUM_SLOTS // 2)
+    assert [r.slot for r in recs] == list(range(which, NUM_SLOTS, 2))
+    assert [r.header.key for r in recs] == [key_of(r.slot) for r in recs]
+    # Both directories: the whole store, no warning.
+    (whole,) = find_stores(paths)
+    assert not [w for w in whole.warnings if "stripes" in w]
+    assert sorted(r.slot for r in scan(whole, file_order=True)) == list(
+        range(NUM_SLOTS)
+    )
+
+
 def test_a_layout_json_naming_another_digest_does_not_change_the_verdicts(
     tmp_path: Path,
 ) -> None:
