@@ -17,8 +17,10 @@ to the model and settings that wrote it. Two parts enter the store's
 - :func:`settings_identity`, vLLM's *resolved* configuration: the model
   config's hash factors as vLLM computes them (the effective HF config after
   ``hf_overrides``, dtype, quantization and its config, revision, ...) less
-  the fields that cannot change a KV value (:data:`KV_NEUTRAL_MODEL_FIELDS`),
-  and the exact KV-cache dtype and KV-scale settings. docs/operations.md
+  the fields that cannot change a KV value (:data:`KV_NEUTRAL_MODEL_FIELDS`;
+  ``max_model_len`` only where it picks LongRoPE's factors), the exact
+  KV-cache dtype and KV-scale settings, the load format and its loader's
+  source (``dummy`` is random weights). docs/operations.md
   ("Store identity") lists every field in and why each field out is out.
 
 :func:`model_identity` imports no vLLM (``kvtier doctor`` uses it);
@@ -60,7 +62,7 @@ _MAX_HEADER_BYTES = 16 << 20
 # adds later is in by default (stricter, never wrong).
 KV_NEUTRAL_MODEL_FIELDS = frozenset(
     {
-        "max_model_len",  # how long a sequence may grow, not its values
+        "max_model_len",  # how long a sequence may grow (LongRoPE: see below)
         "spec_target_max_model_len",
         "max_logprobs",
         "logprobs_mode",
@@ -101,6 +103,15 @@ KV_CACHE_FIELDS = (
     "mamba_cache_dtype",
     "mamba_ssm_cache_dtype",
 )
+# LoadConfig fields that change the weights loaded: "dummy" is random
+# weights, "tensorizer" and other loaders read the weights from where
+# model_loader_extra_config says, ignore_patterns picks the files. The rest
+# (download_dir, device, progress bars, safetensors read strategy) moves the
+# same bytes.
+KV_LOAD_FIELDS = ("load_format", "model_loader_extra_config", "ignore_patterns")
+# AttentionConfig fields that change what a KV value is: the sparse-attention
+# indexer's K cache (DeepSeek, MiniMax) is KV-cache bytes in its own dtype.
+KV_ATTENTION_FIELDS = ("indexer_kv_dtype",)
 
 
 def resolve_model_dir(model: str) -> str | None:
@@ -207,18 +218,50 @@ def settings_identity(vllm_config: Any) -> dict[str, Any]:
     changes KV values, as a JSON-able dict: vLLM's own ModelConfig hash
     factors (``get_hash_factors``: the effective HF config after
     ``hf_overrides``, dtype, quantization and its config, revision, runner,
-    model implementation, ...) less :data:`KV_NEUTRAL_MODEL_FIELDS`, and the
-    cache config's :data:`KV_CACHE_FIELDS` (the exact KV-cache dtype string,
-    KV-scale settings). Deterministic across processes and restarts."""
+    model implementation, ...) less :data:`KV_NEUTRAL_MODEL_FIELDS` (plus
+    what ``max_model_len`` decides for LongRoPE), the cache config's
+    :data:`KV_CACHE_FIELDS` (the exact KV-cache dtype string, KV-scale
+    settings), the load config's :data:`KV_LOAD_FIELDS` (dummy weights,
+    another loader's source) and the attention config's
+    :data:`KV_ATTENTION_FIELDS`. Deterministic across processes and
+    restarts."""
     from vllm.config.utils import get_hash_factors
 
     model = vllm_config.model_config
     factors = get_hash_factors(model, set(KV_NEUTRAL_MODEL_FIELDS))
+    factors.update(_max_model_len_effects(model))
     cache = vllm_config.cache_config
+    load = getattr(vllm_config, "load_config", None)
+    attn = getattr(vllm_config, "attention_config", None)
     return {
         "model_factors": {k: str(v) for k, v in sorted(factors.items())},
         "kv_cache": {f: str(getattr(cache, f, None)) for f in KV_CACHE_FIELDS},
+        "load": {f: str(getattr(load, f, None)) for f in KV_LOAD_FIELDS},
+        "attention": {f: str(getattr(attn, f, None)) for f in KV_ATTENTION_FIELDS},
     }
+
+
+def _max_model_len_effects(model: Any) -> dict[str, Any]:
+    """What ``max_model_len`` (KV-neutral otherwise) decides about KV values:
+    vLLM's LongRoPE (``Phi3LongRoPEScaledRotaryEmbedding``) rotates every
+    key with its long factors when ``max_model_len`` exceeds
+    ``original_max_position_embeddings``, with its short ones otherwise."""
+    text = getattr(model, "hf_text_config", None)
+    rope = getattr(text, "rope_parameters", None) or {}
+    if not isinstance(rope, dict):
+        return {}
+    # One dict, or one per layer type (transformers' nested form).
+    params = [rope] if "rope_type" in rope else list(rope.values())
+    for p in params:
+        if isinstance(p, dict) and p.get("rope_type") in ("longrope", "su"):
+            original = p.get(
+                "original_max_position_embeddings",
+                getattr(text, "original_max_position_embeddings", None),
+            )
+            if original is None:  # vLLM would fail; never share a store
+                return {"longrope_long_factors": "unknown"}
+            return {"longrope_long_factors": model.max_model_len > original}
+    return {}
 
 
 def settings_digest(settings: dict[str, Any]) -> str:

@@ -82,13 +82,87 @@ def test_settings_are_the_same_in_every_process(model) -> None:
         {"dtype": "bfloat16"},
         {"kv_cache_dtype": "fp8_e5m2"},
         {"revision": "other"},
+        {"attention_config": {"indexer_kv_dtype": "bf16"}},
     ],
-    ids=["rms_norm_eps", "rope", "dtype", "kv_cache_dtype", "revision"],
+    ids=["rms_norm_eps", "rope", "dtype", "kv_cache_dtype", "revision", "indexer"],
 )
 def test_each_kv_changing_setting_changes_the_identity(model, change) -> None:
     base = settings_identity(_config(model))
     cfg = _config(model, **change)
     assert settings_digest(settings_identity(cfg)) != settings_digest(base)
+
+
+def test_dummy_weights_are_not_the_checkpoint(model) -> None:
+    """--load-format dummy (profiling, benchmarks) runs random weights over
+    the same model directory: its KV must never be served to the real
+    weights after a restart on the same disk_path, nor theirs to it."""
+    base = settings_digest(settings_identity(_config(model)))
+    dummy = settings_identity(_config(model, load_format="dummy"))
+    assert settings_digest(dummy) != base
+    tensorizer = _config(
+        model,
+        load_format="tensorizer",
+        model_loader_extra_config={"tensorizer_uri": "/weights/other.tensors"},
+    )
+    assert settings_digest(settings_identity(tensorizer)) not in (
+        base,
+        settings_digest(dummy),
+    )
+    # Where the same bytes are read from, and how, is not a new store.
+    moved = _config(model, download_dir="/tmp/elsewhere", use_tqdm_on_load=False)
+    assert settings_digest(settings_identity(moved)) == base
+
+
+_LONGROPE = {
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 16,  # head_dim 32
+        "long_factor": [4.0] * 16,
+        "original_max_position_embeddings": 1024,
+    }
+}
+
+
+def _long_factors(cfg) -> bool:
+    """Which factors vLLM's own LongRoPE embedding rotates keys with."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import (
+        Phi3LongRoPEScaledRotaryEmbedding,
+    )
+
+    rope = cfg.model_config.hf_text_config.rope_parameters
+    with set_current_vllm_config(cfg):
+        emb = Phi3LongRoPEScaledRotaryEmbedding(
+            32,
+            32,
+            4096,
+            rope["original_max_position_embeddings"],
+            10000.0,
+            True,
+            torch.float32,
+            rope["short_factor"],
+            rope["long_factor"],
+        )
+    return emb.use_long_rope
+
+
+def test_longrope_max_model_len_changes_the_identity(model) -> None:
+    """max_model_len is KV-neutral but for LongRoPE (Phi-3/3.5/4-mini):
+    above original_max_position_embeddings vLLM rotates every key with the
+    long factors, at or below it with the short ones."""
+    short = _config(model, hf_overrides=_LONGROPE, max_model_len=1024)
+    short2 = _config(model, hf_overrides=_LONGROPE, max_model_len=512)
+    long = _config(model, hf_overrides=_LONGROPE, max_model_len=4096)
+    long2 = _config(model, hf_overrides=_LONGROPE, max_model_len=2048)
+    assert not _long_factors(short) and _long_factors(long)
+    digest = [
+        settings_digest(settings_identity(c)) for c in (short, short2, long, long2)
+    ]
+    assert digest[0] != digest[2]
+    # Same factors, same KV: no new store.
+    assert digest[0] == digest[1] and digest[2] == digest[3]
 
 
 def test_kv_neutral_settings_keep_the_identity(model) -> None:
