@@ -73,6 +73,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from kvtier.connector.config import CONNECTOR_HINT, TransferConfigError
 from kvtier.connector.identity import (
     HASH_FIX,
+    LORA_ON_DISK,
     prefix_hash_problem,
     settings_identity,
 )
@@ -251,6 +252,13 @@ class TieredOffloadingConnector(OffloadingConnector):
             len(kv_cache_config.kv_cache_groups), settings_identity(vllm_config)
         )
         spec = _create_spec(offloading_config, facts)
+        if (
+            role == KVConnectorRole.SCHEDULER
+            and getattr(vllm_config, "lora_config", None) is not None
+            and isinstance(spec, TieredOffloadingSpec)
+            and spec.kvtier.disk_enabled
+        ):
+            logger.warning("kvtier: %s", LORA_ON_DISK)
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

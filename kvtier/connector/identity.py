@@ -20,7 +20,9 @@ to the model and settings that wrote it. Two parts enter the store's
   the fields that cannot change a KV value (:data:`KV_NEUTRAL_MODEL_FIELDS`;
   ``max_model_len`` only where it picks LongRoPE's factors), the exact
   KV-cache dtype and KV-scale settings, the load format and its loader's
-  source (``dummy`` is random weights). docs/operations.md
+  source (``dummy`` is random weights), and the weights' source
+  (:func:`weights_source`: a hub id's snapshot commit; weights a trainer
+  pushes at runtime, whose stores are never adopted). docs/operations.md
   ("Store identity") lists every field in and why each field out is out.
 
 :func:`model_identity` imports no vLLM (``kvtier doctor`` uses it);
@@ -114,15 +116,21 @@ KV_LOAD_FIELDS = ("load_format", "model_loader_extra_config", "ignore_patterns")
 KV_ATTENTION_FIELDS = ("indexer_kv_dtype",)
 
 
-def resolve_model_dir(model: str) -> str | None:
+def resolve_model_dir(
+    model: str, revision: str | None = None, cache_dir: str | None = None
+) -> str | None:
     """The local directory holding ``model``: the path itself, or the Hugging
-    Face cache snapshot a hub id resolves to (offline). None if neither."""
+    Face cache snapshot a hub id resolves to (offline) at ``revision``
+    (default: main) in ``cache_dir`` (default: the hub's own cache). None if
+    neither."""
     if os.path.isdir(model):
         return os.path.realpath(model)
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(model, "config.json")
+        found = try_to_load_from_cache(
+            model, "config.json", cache_dir=cache_dir, revision=revision
+        )
     except Exception as exc:  # not a valid repo id, no hub library, ...
         logger.debug("no HF cache snapshot for %r: %r", model, exc)
         return None
@@ -222,9 +230,9 @@ def settings_identity(vllm_config: Any) -> dict[str, Any]:
     what ``max_model_len`` decides for LongRoPE), the cache config's
     :data:`KV_CACHE_FIELDS` (the exact KV-cache dtype string, KV-scale
     settings), the load config's :data:`KV_LOAD_FIELDS` (dummy weights,
-    another loader's source) and the attention config's
-    :data:`KV_ATTENTION_FIELDS`. Deterministic across processes and
-    restarts."""
+    another loader's source), the attention config's
+    :data:`KV_ATTENTION_FIELDS` and :func:`weights_source`. Deterministic
+    across processes and restarts."""
     from vllm.config.utils import get_hash_factors
 
     model = vllm_config.model_config
@@ -238,7 +246,45 @@ def settings_identity(vllm_config: Any) -> dict[str, Any]:
         "kv_cache": {f: str(getattr(cache, f, None)) for f in KV_CACHE_FIELDS},
         "load": {f: str(getattr(load, f, None)) for f in KV_LOAD_FIELDS},
         "attention": {f: str(getattr(attn, f, None)) for f in KV_ATTENTION_FIELDS},
+        "weights": weights_source(vllm_config),
     }
+
+
+def weights_source(vllm_config: Any) -> dict[str, str]:
+    """Where the weights come from, beyond what :func:`model_identity` sees
+    of the model's name:
+
+    - ``snapshot``: for a hub id, the Hugging Face cache snapshot (a commit
+      hash) it resolves to under the engine's own ``revision`` and
+      ``download_dir``, so a branch that moved to new weights is another
+      store ("" for a local directory or no snapshot found);
+    - ``runtime_updates``: vLLM's ``weight_transfer_config`` backend, or
+      "none". With it a trainer pushes new weights into the running engine,
+      so no block on disk can name the weights that made it: such a store
+      is never adopted at start (:func:`weights_change_at_runtime`)."""
+    model = vllm_config.model_config
+    load = getattr(vllm_config, "load_config", None)
+    snapshot = ""
+    if not os.path.isdir(model.model):
+        found = resolve_model_dir(
+            model.model,
+            revision=getattr(model, "revision", None),
+            cache_dir=getattr(load, "download_dir", None),
+        )
+        snapshot = os.path.basename(found) if found else ""
+    transfer = getattr(vllm_config, "weight_transfer_config", None)
+    return {
+        "snapshot": snapshot,
+        "runtime_updates": str(transfer.backend) if transfer is not None else "none",
+    }
+
+
+def weights_change_at_runtime(settings: dict[str, Any] | None) -> bool:
+    """Whether :func:`settings_identity`'s ``settings`` say the engine's
+    weights change while it runs (vLLM's ``weight_transfer_config``): its
+    disk blocks are then never adopted by a later engine."""
+    weights = (settings or {}).get("weights", {})
+    return weights.get("runtime_updates", "none") != "none"
 
 
 def _max_model_len_effects(model: Any) -> dict[str, Any]:
@@ -342,6 +388,15 @@ def layout_fingerprints(
         for rank in range(world_size)
     ]
 
+
+# Said at start when LoRA serves from a disk tier: vLLM keys an adapter's
+# blocks by its name and path (its block-hash extra keys), not its contents.
+LORA_ON_DISK = (
+    "LoRA with a disk tier: vLLM names an adapter's blocks by the adapter's "
+    "name and path, not its contents, so an adapter rewritten in place would "
+    "be served the old adapter's KV from disk after a restart; give each "
+    "adapter version its own path"
+)
 
 # The fix, named wherever a non-reproducible prefix hash is reported.
 HASH_FIX = (

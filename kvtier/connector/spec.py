@@ -34,7 +34,11 @@ from kvtier.connector.config import (
     blocks_in_budget,
     parse_extra_config,
 )
-from kvtier.connector.identity import describe_settings, layout_fingerprints
+from kvtier.connector.identity import (
+    describe_settings,
+    layout_fingerprints,
+    weights_change_at_runtime,
+)
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.preflight import check_disk_paths, prepare_cpu_tier
 from kvtier.connector.topology import check_single_node
@@ -218,8 +222,11 @@ class TieredOffloadingSpec(OffloadingSpec):
                     for r in range(self.world_size)
                 ]
                 runtime = DiskRuntime(stores, rows, threads=cfg.disk_io_threads)
+                # Blocks written under weights a trainer since replaced
+                # (weight_transfer_config) must not outlive this engine.
+                adopt = not weights_change_at_runtime(self.settings)
                 try:
-                    restored = runtime.scan_restore()
+                    restored = runtime.scan_restore() if adopt else []
                     if restored:
                         hierarchy.restore_disk(restored)
                 except BaseException:
@@ -237,7 +244,10 @@ class TieredOffloadingSpec(OffloadingSpec):
                     store_dirname(fp),
                     f"warm restart adopted {len(restored)} disk blocks"
                     if restored
-                    else "no blocks adopted (new or empty store)",
+                    else "no blocks adopted (new or empty store)"
+                    if adopt
+                    else "no blocks adopted (weights change at runtime: "
+                    "weight_transfer_config)",
                 )
             self._manager = TieredOffloadingManager(
                 hierarchy,

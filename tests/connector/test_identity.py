@@ -4,6 +4,7 @@ every start."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -20,6 +21,7 @@ from kvtier.connector.identity import (
     sampled_digest,
     settings_digest,
     settings_identity,
+    weights_change_at_runtime,
 )
 from kvtier.testing.model import build_tiny_llama
 
@@ -111,6 +113,86 @@ def test_dummy_weights_are_not_the_checkpoint(model) -> None:
     # Where the same bytes are read from, and how, is not a new store.
     moved = _config(model, download_dir="/tmp/elsewhere", use_tqdm_on_load=False)
     assert settings_digest(settings_identity(moved)) == base
+
+
+_HUB_CHILD = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm.engine.arg_utils import EngineArgs
+from kvtier.connector.identity import settings_identity
+out = {}
+for name, kw in json.loads(sys.argv[2]).items():
+    cfg = EngineArgs(model=sys.argv[1], dtype="float32", block_size=32, **kw)
+    cfg = cfg.create_engine_config()
+    # Offline, vLLM resolves a hub id to its snapshot's path first (a local
+    # directory, named by its contents); online, the id stays, as here.
+    assert "/snapshots/" in cfg.model_config.model
+    cfg.model_config.model = sys.argv[1]
+    out[name] = settings_identity(cfg)["weights"]
+print("WEIGHTS", json.dumps(out))
+"""
+
+
+def _hub_snapshot(hub: Path, repo: str, ref: str, sha: str, model: str) -> None:
+    """``model``'s files as the Hugging Face cache keeps ``repo`` at commit
+    ``sha``, with branch ``ref`` pointing at it."""
+    root = hub / ("models--" + repo.replace("/", "--"))
+    shutil.copytree(model, root / "snapshots" / sha)
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / ref).write_text(sha)
+
+
+def test_a_hub_model_is_named_by_the_snapshot_its_revision_and_cache_resolve_to(
+    model, tmp_path
+) -> None:
+    """A hub id is served from the snapshot its ``revision`` (a branch that
+    can move) resolves to in its cache, ``download_dir`` if given: that
+    snapshot's commit is in the identity, so a branch moved to new weights,
+    another branch or another cache's copy is another store."""
+    repo, a, b = "kvtier-test/tiny", "a" * 40, "b" * 40
+    hub, elsewhere = tmp_path / "hub", tmp_path / "elsewhere"
+    _hub_snapshot(hub, repo, "main", a, model)
+    _hub_snapshot(hub, repo, "v2", b, model)
+    _hub_snapshot(elsewhere, repo, "main", b, model)
+    cases = {
+        "main": {},
+        "v2": {"revision": "v2"},
+        "download_dir": {"download_dir": str(elsewhere)},
+        "transfer": {"weight_transfer_config": {"backend": "nccl"}},
+    }
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _HUB_CHILD, repo, json.dumps(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("WEIGHTS")]
+    got = json.loads(line.split(" ", 1)[1])
+    assert got == {
+        "main": {"snapshot": a, "runtime_updates": "none"},
+        "v2": {"snapshot": b, "runtime_updates": "none"},
+        "download_dir": {"snapshot": b, "runtime_updates": "none"},
+        "transfer": {"snapshot": a, "runtime_updates": "nccl"},
+    }
+    # A local directory is named by its contents (model_identity) instead.
+    assert settings_identity(_config(model))["weights"] == {
+        "snapshot": "",
+        "runtime_updates": "none",
+    }
+
+
+def test_runtime_weight_updates_are_never_adopted(model) -> None:
+    """vLLM's weight_transfer_config (a trainer pushes weights into the
+    running engine): its own store, and a later engine adopts none of it."""
+    base = settings_identity(_config(model))
+    rl = settings_identity(_config(model, weight_transfer_config={"backend": "nccl"}))
+    assert settings_digest(rl) != settings_digest(base)
+    assert weights_change_at_runtime(rl)
+    assert not weights_change_at_runtime(base)
+    assert not weights_change_at_runtime(None)
 
 
 _LONGROPE = {

@@ -123,6 +123,36 @@ def test_a_changed_setting_never_adopts_the_old_store(
     assert len([p for p in disk.iterdir() if p.name.startswith("kvtier-")]) == 2
 
 
+def test_weights_updated_at_runtime_are_never_adopted(
+    private_model, block_bytes, tmp_path, caplog
+):
+    """Under vLLM's weight_transfer_config a trainer pushes new weights into
+    the running engine, so no block on disk names the weights that made it:
+    a restart with the same settings adopts nothing (and reuses the store's
+    directory, so restarts do not pile stores up), and a plain engine of
+    the same checkpoint never sees that store."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cfg = kvtier_config(block_bytes, disk)
+    rl = {"weight_transfer_config": {"backend": "nccl"}}
+    _fill(private_model, cfg, **rl)
+    caplog.clear()
+    with (
+        caplog.at_level(logging.INFO, logger="vllm.kvtier"),
+        engine(str(private_model), cfg, num_gpu_blocks=GPU_BLOCKS, **rl) as llm,
+    ):
+        adopted = len(manager_of(llm).hierarchy.disk)
+        again = run_prompts(llm, RETURNING, MAX_TOKENS)
+    assert adopted == 0 and again.totals.get("disk", 0) == 0
+    (line,) = _identity_lines(caplog)
+    assert "no blocks adopted (weights change at runtime" in line, line
+    assert len([p for p in disk.iterdir() if p.name.startswith("kvtier-")]) == 1
+    with engine(str(private_model), cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        adopted = len(manager_of(llm).hierarchy.disk)
+    assert adopted == 0
+    assert len([p for p in disk.iterdir() if p.name.startswith("kvtier-")]) == 2
+
+
 def _identity_lines(caplog) -> list[str]:
     return [m for m in caplog.messages if m.startswith("kvtier store identity:")]
 
@@ -215,3 +245,33 @@ def test_a_prefix_hash_that_changes_per_process_is_warned_at_start(
     warned = [m for m in caplog.messages if "--prefix-caching-hash-algo" in m]
     assert len(warned) == 1, caplog.messages
     assert "PYTHONHASHSEED" in warned[0] and "sha256" in warned[0]
+
+
+@pytest.mark.parametrize("disk_tier", [True, False])
+def test_lora_with_a_disk_tier_is_warned_at_start(
+    model, block_bytes, tmp_path, caplog, disk_tier
+):
+    """vLLM names a LoRA adapter's blocks by its name and path, not its
+    contents: an adapter rewritten in place would meet the old adapter's
+    blocks on disk after a restart. Start-up says so once when a disk tier
+    is on (the CPU tier dies with the engine, as vLLM's own cache does)."""
+    cfg = kvtier_config(block_bytes, tmp_path)
+    if not disk_tier:
+        extra = cfg["kv_connector_extra_config"]
+        del extra["disk_path"], extra["disk_bytes_to_use"]
+    with (
+        caplog.at_level(logging.WARNING, logger="vllm.kvtier"),
+        engine(
+            model,
+            cfg,
+            num_gpu_blocks=GPU_BLOCKS,
+            enable_lora=True,
+            max_loras=1,
+            max_lora_rank=8,
+        ),
+    ):
+        pass
+    warned = [m for m in caplog.messages if "LoRA with a disk tier" in m]
+    assert len(warned) == (1 if disk_tier else 0), caplog.messages
+    if disk_tier:
+        assert "give each adapter version its own path" in warned[0]
