@@ -53,6 +53,7 @@ import shutil
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -569,24 +570,41 @@ def main() -> int:
         "page_bytes": args.page,
         "block_bytes": block_bytes,
     }
-    if device == "cuda" and args.gpu_cpu:
-        doc["gpu_cpu"] = gpu_cpu_rows(args, caches, most)
-    else:
-        doc["gpu_cpu"] = (
-            "skipped (--no-gpu-cpu)"
-            if args.gpu_cpu is False
-            else "skipped: vLLM's stock CPUOffloadingWorker needs CUDA"
-        )
-    doc["disk_gpu"] = disk_rows(args, caches, device, most)
-    print_disk_table(doc["disk_gpu"])
-
     default = "gpu_copy.json" if device == "cuda" else "gpu_copy_cpu.json"
     out = Path(args.out or ROOT / "benchmarks/results" / default)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc["when"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+    def save() -> None:
+        doc["when"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+    # Each part is saved as soon as it is measured, and a part that raises
+    # is recorded as its error: a lent GPU's run keeps what it measured.
+    failed = False
+    try:
+        if device == "cuda" and args.gpu_cpu:
+            doc["gpu_cpu"] = gpu_cpu_rows(args, caches, most)
+        else:
+            doc["gpu_cpu"] = (
+                "skipped (--no-gpu-cpu)"
+                if args.gpu_cpu is False
+                else "skipped: vLLM's stock CPUOffloadingWorker needs CUDA"
+            )
+    except Exception as exc:  # noqa: BLE001 - recorded, the disk rows still run
+        traceback.print_exc()
+        doc["gpu_cpu"] = f"failed: {exc!r}"
+        failed = True
+    save()
+    try:
+        doc["disk_gpu"] = disk_rows(args, caches, device, most)
+        print_disk_table(doc["disk_gpu"])
+    except Exception as exc:  # noqa: BLE001 - recorded in the JSON
+        traceback.print_exc()
+        doc["disk_gpu"] = f"failed: {exc!r}"
+        failed = True
+    save()
     print("wrote", out)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

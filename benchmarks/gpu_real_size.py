@@ -36,7 +36,9 @@ equal wherever stored KV is reused (``outputs_equal``); recompute's tokens
 beside them (``recompute_equal``: bf16 prefill shapes can differ).
 
 ``--budget-s`` bounds the whole run: a repeat that would not fit is not
-started, and the JSON written after each engine says what completed.
+started, no wait outlasts the budget, an engine that fails is noted and the
+next one still runs, and the JSON written after each engine says what
+completed (``complete``: every engine ran to its end).
 Writes ``benchmarks/results/gpu_real_size_<device>.json``::
 
     python3 benchmarks/gpu_real_size.py --prefix-tokens 8192 32768 --repeats 2 \\
@@ -60,6 +62,8 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,6 +175,13 @@ class Clock:
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.t0)
 
+    def wait_s(self, limit: float) -> float:
+        """How long one wait may take: ``limit``, or what is left of the
+        budget if less (at least 1 s), so that a request or spill that hangs
+        ends the stage while the JSON can still be written, not the
+        caller's ``timeout`` (run.sh gives the script its cap less 10 s)."""
+        return max(1.0, min(limit, self.left()))
+
 
 class LoadTimer:
     """Each load job of kvtier's worker (in-process): its bytes and the time
@@ -274,10 +285,11 @@ class Bench:
             rid, {"prompt_token_ids": list(prompt)}, self._params(max_tokens)
         )
         ttft, tokens = None, []
-        deadline = time.monotonic() + 600
+        wait_s = self.clock.wait_s(600)
+        deadline = time.monotonic() + wait_s
         while eng.has_unfinished_requests():
             if time.monotonic() > deadline:
-                raise TimeoutError("a request did not finish in 600 s")
+                raise TimeoutError(f"a request did not finish in {wait_s:.0f} s")
             for out in eng.step():
                 if out.request_id == rid:
                     tokens = list(out.outputs[0].token_ids)
@@ -290,7 +302,7 @@ class Bench:
     def _drain(self, llm) -> None:
         from kvtier.testing.engine import drain
 
-        drain(llm, timeout=120)
+        drain(llm, timeout=self.clock.wait_s(120))
 
     def _beside_decoders(
         self, llm, prompt: list[int]
@@ -306,11 +318,12 @@ class Bench:
         last: dict[str, tuple[float, int]] = {}
         gaps: list[tuple[float, float]] = []  # (arrival, gap)
         first: list[float] = []
-        deadline = time.monotonic() + 600
+        wait_s = self.clock.wait_s(600)
+        deadline = time.monotonic() + wait_s
 
         def step() -> None:
             if time.monotonic() > deadline:
-                raise TimeoutError("a run did not finish in 600 s")
+                raise TimeoutError(f"a run did not finish in {wait_s:.0f} s")
             outs = eng.step()
             now = time.perf_counter()
             for out in outs:
@@ -431,7 +444,7 @@ class Bench:
             for n in s.prefixes:
                 before = set(h.cpu.keys())
                 self._alone(llm, self.prefix_prompts[n] + self.first_tail, 1)
-                _settle(mgr)
+                _settle(mgr, self.clock.wait_s(300))
                 stored = h.cpu.keys()
                 keys[n] = [k for k in stored if k not in before]
                 if len(keys[n]) != n // s.block:
@@ -447,7 +460,7 @@ class Bench:
             dropped: list[bool] = []
 
             def only_on_disk(n: int) -> None:
-                _settle(mgr)
+                _settle(mgr, self.clock.wait_s(300))
                 for k in keys[n]:
                     evict_clean(h, k)
                 dropped.append(drop_caches())
@@ -634,6 +647,41 @@ class Bench:
         }
 
 
+def run_stages(
+    stages: list[tuple[str, Callable[[], None]]],
+    clock: Clock,
+    min_left_s: float,
+    notes: list[str],
+    save: Callable[[bool], None],
+) -> list[str]:
+    """Run the engines' stages in order and save the JSON after each.
+
+    A stage that raises (an engine that fails to start, a request past its
+    deadline, a CUDA error) is noted with its error and the next stage still
+    runs: a lent GPU's minutes are not spent again for the stages that
+    would have worked. A stage with less than ``min_left_s`` of the budget
+    left is noted and not started. The last save is ``complete`` only if
+    every stage ran to its end. Returns the labels of the stages that
+    failed."""
+    failed: list[str] = []
+    skipped = False
+    for label, stage in stages:
+        if clock.left() < min_left_s:
+            notes.append(f"{label}: not run (budget)")
+            skipped = True
+            continue
+        print(f"== {label} ({clock.left():.0f} s left)", flush=True)
+        try:
+            stage()
+        except Exception as exc:  # noqa: BLE001 - noted, the next stage runs
+            traceback.print_exc()
+            notes.append(f"{label}: failed: {exc!r}")
+            failed.append(label)
+        save(False)
+    save(not failed and not skipped)
+    return failed
+
+
 def _p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -786,22 +834,21 @@ def main() -> int:
 
         # What the later engines need at least (start, warm-up, one repeat).
         reserve = 60.0 if not args.tiny else 10.0
-        for label, step in (
-            ("kvtier", lambda: bench.kvtier(cpu_bytes, 2 * reserve)),
-            ("vllm_cpu_offload", lambda: bench.vllm_offload(cpu_bytes, reserve)),
-            ("baseline", lambda: bench.baseline(5.0)),
-        ):
-            if clock.left() < reserve / 2:
-                bench.notes.append(f"{label}: not run (budget)")
-                continue
-            print(f"== {label} ({clock.left():.0f} s left)", flush=True)
-            step()
-            save(False)
-        save(True)
+        failed = run_stages(
+            [
+                ("kvtier", lambda: bench.kvtier(cpu_bytes, 2 * reserve)),
+                ("vllm_cpu_offload", lambda: bench.vllm_offload(cpu_bytes, reserve)),
+                ("baseline", lambda: bench.baseline(5.0)),
+            ],
+            clock,
+            reserve / 2,
+            bench.notes,
+            save,
+        )
         doc = json.loads(out.read_text())
         _print_table(doc)
         print(f"wrote {out}")
-        return 0 if doc["outputs_equal"] else 1
+        return 0 if doc["outputs_equal"] and not failed else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

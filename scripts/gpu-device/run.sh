@@ -10,7 +10,9 @@
 # under 8 minutes); each step gets at most its own cap and what is left. The
 # e2e tests run first, in the order test_gpu_e2e.py collects them (newest
 # checks first), then tests/gpu; gpu_tests.log lists each test as it ran.
-# A later call on the same warm machine skips the install (/tmp/vl,
+# Each step runs under `timeout -k 10`: SIGKILL 10 s after the SIGTERM, so a
+# process whose SIGTERM handler hangs (an engine shutting down) cannot hold the
+# call past its cap. A later call on the same warm machine skips the install (/tmp/vl,
 # /tmp/site stay) and can run the steps that did not fit.
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
@@ -38,7 +40,7 @@ for step in $steps; do
     case $step in
     tests)
         echo "=== tests (cap $(cap 270) s)"
-        timeout "$(cap 270)" python3 -m pytest -v -m gpu tests/e2e/test_gpu_e2e.py tests/gpu \
+        timeout -k 10 "$(cap 270)" python3 -m pytest -v -m gpu tests/e2e/test_gpu_e2e.py tests/gpu \
             -p no:cacheprovider -rfEs --durations=15 > "$OUT/gpu_tests.log" 2>&1
         echo "rc=$? (124: timed out; gpu_tests.log lists each test as it ran)"
         grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" "$OUT/gpu_tests.log" | tail -15
@@ -46,7 +48,7 @@ for step in $steps; do
     real_size)
         if (($(left) < 90)); then echo "=== real_size: skipped, $(left) s left"; continue; fi
         echo "=== gpu_real_size (cap $(cap 180) s)"
-        timeout "$(cap 180)" python3 benchmarks/gpu_real_size.py --prefix-tokens 8192 32768 \
+        timeout -k 10 "$(cap 180)" python3 benchmarks/gpu_real_size.py --prefix-tokens 8192 32768 \
             --repeats 2 --disk-dir /var/tmp/kvtier-real --budget-s "$(($(cap 180) - 10))" \
             --out-dir "$OUT" > "$OUT/gpu_real_size.log" 2>&1
         echo "rc=$?"
@@ -56,18 +58,25 @@ for step in $steps; do
     copy)
         if (($(left) < 60)); then echo "=== gpu_copy: skipped, $(left) s left"; continue; fi
         echo "=== gpu_copy (cap $(cap 300) s)"
-        timeout "$(cap 300)" python3 benchmarks/gpu_copy.py --blocks 64 512 --repeats 5 \
+        timeout -k 10 "$(cap 300)" python3 benchmarks/gpu_copy.py --blocks 64 512 --repeats 5 \
             --disk-dir /var/tmp/kvtier-bench --out "$OUT/gpu_copy.json" > "$OUT/gpu_copy.log" 2>&1
         echo "rc=$?"
         tail -9 "$OUT/gpu_copy.log"
         python3 - <<'PY'
 import json, os
-d = json.load(open(os.environ["OUT"] + "/gpu_copy.json"))
-for n, g in d["gpu_cpu"].items():
+path = os.environ["OUT"] + "/gpu_copy.json"
+d = json.load(open(path)) if os.path.exists(path) else {}
+g_all, disk = d.get("gpu_cpu"), d.get("disk_gpu")
+for n, g in (g_all.items() if isinstance(g_all, dict) else [("gpu_cpu", g_all)]):
     if isinstance(g, dict):
         print(n, {k: round(v, 3) for k, v in g.items() if k.startswith("ratio")})
-for k, v in d["disk_gpu"]["rows"].items():
-    t = v["thread"]
+    else:
+        print(n, g)
+for k, v in (disk["rows"].items() if isinstance(disk, dict) else [("disk_gpu", disk)]):
+    t = v.get("thread") if isinstance(v, dict) else None
+    if t is None:
+        print(k, v.get("error", "no runs") if isinstance(v, dict) else v)
+        continue
     print(k, "cpu ms/GiB", round(t["cpu_ms_per_gib"], 3), "idle us", round(v["idle_get_finished_us"], 2))
 PY
         ;;

@@ -87,3 +87,66 @@ def test_tiny_run_reports_every_source(tmp_path):
             assert run["loaded"] == {"cpu": blocks, "disk": 0}, run
         elif run["source"] == "gpu_cache":
             assert run["hits"] == {} and run["loaded"] in ({}, {"cpu": 0, "disk": 0})
+
+
+def _script_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_real_size", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_real_size"] = module  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_failing_engine_stage_still_writes_results_and_the_next_stage_runs():
+    """A lent GPU's minutes are few: one engine that raises (a start that
+    fails, a request past its deadline) must not cost the stages after it
+    nor the JSON of those before it, and the JSON must not say complete."""
+    mod = _script_module()
+    ran: list[str] = []
+    saves: list[tuple[bool, list[str]]] = []
+    notes: list[str] = []
+
+    def kvtier() -> None:
+        ran.append("kvtier")
+        raise RuntimeError("engine start failed")
+
+    stages = [
+        ("kvtier", kvtier),
+        ("vllm_cpu_offload", lambda: ran.append("vllm_cpu_offload")),
+        ("baseline", lambda: ran.append("baseline")),
+    ]
+    failed = mod.run_stages(
+        stages,
+        mod.Clock(600.0),
+        5.0,
+        notes,
+        lambda complete: saves.append((complete, list(ran))),
+    )
+    assert ran == ["kvtier", "vllm_cpu_offload", "baseline"]
+    assert failed == ["kvtier"]
+    assert any(n.startswith("kvtier: failed: RuntimeError") for n in notes), notes
+    # Saved after every stage (the failed one too), the last not complete.
+    assert [s[0] for s in saves] == [False, False, False, False]
+    assert saves[0][1] == ["kvtier"]
+
+    # Out of budget: nothing starts, and the JSON does not say complete.
+    saves.clear()
+    ran.clear()
+    assert mod.run_stages(stages[1:], mod.Clock(1.0), 5.0, notes, saves.append) == []
+    assert ran == [] and saves == [False]
+    # All ran: complete.
+    saves.clear()
+    assert mod.run_stages(stages[1:], mod.Clock(600.0), 5.0, [], saves.append) == []
+    assert saves[-1] is True
+
+
+def test_no_wait_outlasts_the_budget():
+    """run.sh kills the script at its cap (the budget plus 10 s): a request
+    that hangs must time out within the budget, while the JSON can still be
+    written."""
+    mod = _script_module()
+    assert mod.Clock(30.0).wait_s(600) <= 30.0
+    assert mod.Clock(-5.0).wait_s(600) == 1.0
+    assert mod.Clock(10_000.0).wait_s(600) == 600
