@@ -204,7 +204,7 @@ def bounce_area(nbytes: int, *, pin: bool) -> tuple[np.ndarray, Any]:
     if pin:
         import torch
 
-        if torch.cuda.is_available():
+        if torch.accelerator.is_available():
             owner = torch.empty(nbytes + IO_ALIGNMENT, dtype=torch.uint8, pin_memory=True)
             raw = owner.numpy()
             start = (-raw.ctypes.data) % IO_ALIGNMENT
@@ -545,9 +545,9 @@ class SlotReader:
         import torch
 
         if not on_device:
-            if self.staging.is_cuda:
+            if self.staging.device.type != "cpu":
                 # The host area's copies must land before it is read into again.
-                torch.cuda.current_stream(self.staging.device).synchronize()
+                torch.accelerator.current_stream(self.staging.device).synchronize()
             return
         padded = round_up(self.block_bytes, 4)
         payload = self.staging[

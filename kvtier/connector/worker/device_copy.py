@@ -35,6 +35,7 @@ import itertools
 
 import numpy as np
 import torch
+from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
@@ -148,8 +149,8 @@ class DeviceCopies:
         self.areas: dict[str, HostArea] = {}
         # Areas in device memory: one copier per group (see the class doc).
         self._scatter: dict[str, list[BlockCopier]] = {}
-        self._stream: torch.cuda.Stream | None = None
-        self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        self._stream: torch.Stream | None = None
+        self._events: dict[int, tuple[torch.Event, torch.Event]] = {}
         for area in areas:
             if area.rows.device.type != "cpu":
                 self._scatter[area.name] = [
@@ -214,17 +215,17 @@ class DeviceCopies:
         of it)."""
         return self.group_views[0][0].device
 
-    def mark(self) -> torch.cuda.Event:
+    def mark(self) -> torch.Event:
         """A point in the calling thread's stream (see :meth:`follow`):
         recording an event costs microseconds and never waits."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event = torch.Event(device=self.device)
+        event.record(current_platform.current_stream(self.device))
         return event
 
-    def follow(self, mark: torch.cuda.Event) -> None:
+    def follow(self, mark: torch.Event) -> None:
         """Order this thread's later transfers after ``mark``: its current
         stream waits for the event (on the device, not on the host)."""
-        torch.cuda.current_stream(self.device).wait_event(mark)
+        current_platform.current_stream(self.device).wait_event(mark)
 
     def wait(self, transfers: set[int]) -> None:
         for handler in self._handlers.values():
@@ -258,13 +259,14 @@ class DeviceCopies:
         if to_host:
             raise ValueError(f"the device area {area!r} is only copied from")
         copier = self._scatter[area][group]
+        device = copier.kv[0].device
         if self._stream is None:
-            self._stream = torch.cuda.Stream(copier.kv[0].device)
+            self._stream = current_platform.Stream(device)
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
+        stream.wait_stream(current_platform.current_stream(device))
+        start = torch.Event(device=device, enable_timing=True)
+        end = torch.Event(device=device, enable_timing=True)
+        with current_platform.stream(stream):
             start.record(stream)
             copier.copy(plan, to_cpu=False)
             end.record(stream)

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.platforms import current_platform
 
 from kvtier.connector.metrics import Samples
 from kvtier.connector.specs import TierLoadSpec
@@ -409,12 +410,13 @@ class LoadPipeline:
         place_background_thread(LOAD_THREAD_NICE)
         try:
             device = getattr(self.copies, "device", None)
-            if device is not None and device.type == "cuda":
+            if device is not None and device.type != "cpu":
                 # Copies (and a device staging reader's checks) are queued
                 # after this thread's current stream: its own, never the
                 # legacy default stream that would serialise with the
-                # model's work. Each task's copies follow its ``after`` mark.
-                torch.cuda.set_stream(torch.cuda.Stream(device))
+                # model's work (setting it sets this thread's device too).
+                # Each task's copies follow its ``after`` mark.
+                torch.accelerator.set_stream(current_platform.Stream(device))
             if self.reader is not None:
                 # The read process's child starts here, off the model's
                 # thread; the slabs that exist open before the first hit.
