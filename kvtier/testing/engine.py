@@ -417,8 +417,10 @@ def run_prompts(
 
 def collect_result(rec: HitRecorder, before, finals, wall_s: float) -> RunResult:
     """A :class:`RunResult` from finished ``RequestOutput``s: outputs, and
-    the cached tokens per source (device = cached minus external hits)
-    recorded since the ``before`` snapshot of ``rec``."""
+    the cached tokens per source recorded since the ``before`` snapshot of
+    ``rec``. The external sources are what vLLM was told would load (a
+    failed load's tokens included, then recomputed); device = cached minus
+    those, none where a failed load left fewer cached tokens."""
     after = rec.snapshot()
     outputs, cached, per_src, ids = [], [], [], []
     totals: Counter[str] = Counter()
@@ -430,7 +432,7 @@ def collect_result(rec: HitRecorder, before, finals, wall_s: float) -> RunResult
         ext = dict(rec.per_request.get(o.request_id, {}))
         src = {k: v for k, v in ext.items() if v}
         device = n_cached - sum(ext.values())
-        if device:
+        if device > 0:
             src["device"] = device
         per_src.append(src)
         totals.update(src)

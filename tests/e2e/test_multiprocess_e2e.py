@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from kvtier.host.cpu_tier import cpu_tier_dir
 from kvtier.host.placement import hyperthread_siblings, numa_neighbours, spare_cpus
 
 from .workload import run_multiprocess
@@ -16,12 +17,11 @@ pytestmark = pytest.mark.e2e
 
 
 def _cpu_tier_files() -> set[str]:
-    shm = "/dev/shm"
-    if not os.path.isdir(shm):
+    """This user's CPU-tier files (named while a disk tier needs them)."""
+    directory = cpu_tier_dir()
+    if not os.path.isdir(directory):
         return set()
-    return {
-        p for p in os.listdir(shm) if p.startswith("kvtier-") and p.endswith(".cpu")
-    }
+    return {p for p in os.listdir(directory) if p.endswith(".cpu")}
 
 
 def test_disk_tier_under_the_multiprocess_engine(
