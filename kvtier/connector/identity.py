@@ -233,11 +233,15 @@ def settings_identity(vllm_config: Any) -> dict[str, Any]:
     another loader's source), the attention config's
     :data:`KV_ATTENTION_FIELDS` and :func:`weights_source`. Deterministic
     across processes and restarts."""
-    from vllm.config.utils import get_hash_factors
+    from vllm.config.utils import get_hash_factors, normalize_value
 
     model = vllm_config.model_config
     factors = get_hash_factors(model, set(KV_NEUTRAL_MODEL_FIELDS))
-    factors.update(_max_model_len_effects(model))
+    loaded = _as_configured(model)
+    for name in ("hf_config", "hf_text_config"):
+        if name in factors:
+            factors[name] = normalize_value(getattr(loaded, name))
+    factors.update(_max_model_len_effects(loaded))
     cache = vllm_config.cache_config
     load = getattr(vllm_config, "load_config", None)
     attn = getattr(vllm_config, "attention_config", None)
@@ -248,6 +252,42 @@ def settings_identity(vllm_config: Any) -> dict[str, Any]:
         "attention": {f: str(getattr(attn, f, None)) for f in KV_ATTENTION_FIELDS},
         "weights": weights_source(vllm_config),
     }
+
+
+def _as_configured(model: Any) -> Any:
+    """``model`` (a ``ModelConfig``) as vLLM configured it, before any model
+    class ran: rebuilt from its own init fields, so its HF config is read and
+    overridden (``hf_overrides``) again by vLLM's own code.
+
+    Some model classes write into ``model_config.hf_config`` in their
+    ``__init__`` (Llama 4's ``attn_temperature_tuning``, TeleChat2's
+    ``hidden_act`` and biases, MiniMax-M2's ``max_model_len``, the
+    Transformers back end's ``dtype``), and only in the process that builds
+    the model. Under vLLM's multiprocess executor (TP > 1,
+    ``distributed_executor_backend="mp"``) the scheduler's config never sees
+    those writes while every worker's does: hashed as they stand, the two
+    sides would name different stores, and the scheduler would spill where
+    no worker reads. The rebuilt config is the same on both sides. If it
+    cannot be rebuilt, ``model`` as it stands (warned)."""
+    import dataclasses
+    import logging
+
+    kw = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init}
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.WARNING)  # its start-up lines, said once already
+    try:
+        return type(model)(**kw)
+    except Exception as exc:
+        logger.warning(
+            "kvtier: could not rebuild the model config (%r): the store "
+            "identity hashes the HF config as it stands, which model code may "
+            "have changed in this process only",
+            exc,
+        )
+        return model
+    finally:
+        vllm_logger.setLevel(level)
 
 
 def weights_source(vllm_config: Any) -> dict[str, str]:

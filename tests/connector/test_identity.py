@@ -55,6 +55,71 @@ def test_settings_survive_the_trip_to_a_worker(model) -> None:
     assert settings_identity(pickle.loads(pickle.dumps(cfg))) == settings_identity(cfg)
 
 
+_MODEL_INIT_CHILD = """
+import os, pickle, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm.config import set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.model_loader.utils import initialize_model
+from kvtier.connector.identity import settings_digest, settings_identity
+cfg = EngineArgs(
+    model=sys.argv[1], dtype="float32", block_size=32, max_model_len=2048,
+    load_format="dummy", skip_tokenizer_init=True,
+).create_engine_config()
+print("SCHEDULER", settings_digest(settings_identity(cfg)))
+worker = pickle.loads(pickle.dumps(cfg))  # as vLLM's MultiprocExecutor hands it
+with set_current_vllm_config(worker):
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo",
+        distributed_init_method="tcp://127.0.0.1:" + sys.argv[2],
+    )
+    initialize_model_parallel(1, 1)
+    model = initialize_model(vllm_config=worker)
+print("WORKER", settings_digest(settings_identity(worker)))
+print("TUNING", cfg.model_config.hf_config.attn_temperature_tuning,
+      worker.model_config.hf_config.attn_temperature_tuning)
+"""
+
+
+def test_settings_ignore_what_model_code_writes_into_the_config(tmp_path) -> None:
+    """Llama4ForCausalLM.__init__ sets hf_config.attn_temperature_tuning in
+    the process that builds the model: a worker, under vLLM's multiprocess
+    executor (TP > 1), not the scheduler. The scheduler's connector and the
+    worker's must still name the same store, or every disk hit is a failed
+    read."""
+    import socket
+
+    from transformers import Llama4TextConfig
+
+    hf = Llama4TextConfig(
+        vocab_size=1024, hidden_size=128, intermediate_size=128,
+        intermediate_size_mlp=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=2,
+        num_experts_per_tok=1, interleave_moe_layer_step=1,
+        max_position_embeddings=4096, attention_chunk_size=8192,
+        no_rope_layers=[1, 0],
+    )  # fmt: skip
+    hf.architectures = ["Llama4ForCausalLM"]
+    hf.save_pretrained(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, "-c", _MODEL_INIT_CHILD, str(tmp_path), str(port)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = {ln.split()[0]: ln.split()[1:] for ln in out.stdout.splitlines()}
+    # The model class did write into the worker's config (else this test
+    # proves nothing) ...
+    assert said["TUNING"] == ["True", "False"], out.stdout
+    # ... and both sides still agree.
+    assert said["SCHEDULER"] == said["WORKER"], out.stdout
+
+
 def test_settings_are_the_same_in_every_process(model) -> None:
     digests = set()
     for seed in ("0", "12345"):
