@@ -63,6 +63,20 @@ class _LoadInFlight:
         self.load_id = load_id
 
 
+class _LoadFailed:
+    """Marks a request whose load failed, in part or whole: its lookups
+    miss from then on, so vLLM recomputes it rather than loading again.
+
+    Why not load again: vLLM (0.32, 0.33) keeps a request whose
+    asynchronous load failed with no valid token left in its set of
+    in-flight prefills, so a second asynchronous load of that request
+    reserves its blocks twice (``_inflight_prefill_reserved_blocks``); a
+    prompt needing more than half the free KV cache is then never admitted
+    and the engine spins on it for ever. A sync admission reserves nothing
+    and clears that entry when its prefill ends. And a drive that just
+    failed this request would likely fail it again."""
+
+
 class TieredOffloadingManager(OffloadingManager):
     """vLLM's manager contract, answered by kvtier's cascading hierarchy."""
 
@@ -127,6 +141,8 @@ class TieredOffloadingManager(OffloadingManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if req_context.get_state(_LoadFailed) is not None:
+            return LookupResult.MISS
         residency = self.hierarchy.lookup(key)
         if residency.is_hit:
             # Ready on CPU or on disk: the worker reads either directly.
@@ -219,6 +235,8 @@ class TieredOffloadingManager(OffloadingManager):
         unloaded = self._unloaded_loads.pop(req_id, ())
         whole = req_id in self._failed_whole
         self._failed_whole.discard(req_id)
+        if failed or io_failed or unloaded or whole:
+            req_context.set_state(_LoadFailed())
         self.hierarchy.complete_load(
             load.load_id,
             failed,

@@ -183,15 +183,52 @@ def test_a_disk_load_that_raises_is_recomputed_not_hung(
     # them), the second was served.
     assert [h.get("disk", 0) for h in again.hits_by_source] == [4 * 32, 4 * 32]
     assert after["load_failures"] - before["load_failures"] == 4
-    # RETURNING[1]'s 4, and RETURNING[0]'s 4 when vLLM looked its prefix up
-    # again after the failed load: its copies were kept.
-    assert after["loads_disk"] - before["loads_disk"] == 8
+    # RETURNING[1]'s 4 only: after its failed load RETURNING[0] is
+    # recomputed, not loaded again (its copies were kept for later requests).
+    assert after["loads_disk"] - before["loads_disk"] == 4
     assert dict(vars(failures)) == failures_before  # nothing kept or dropped
     assert exceptions == 1
     errors = [r for r in caplog.records if "raised RuntimeError" in r.getMessage()]
     assert len(errors) == 1 and errors[0].exc_info is not None
     for hits in later.hits_by_source:
         assert hits.get("disk", 0) + hits.get("host", 0) == 4 * 32, later.hits_by_source
+
+
+# A prompt needing more than half of the GPU cache (19 usable blocks).
+LONG_PROMPT = make_prompt(900, 12 * 32 + 5)
+
+
+def test_a_failed_load_of_a_long_prompt_is_recomputed_not_hung(
+    model, block_bytes, tmp_path, inject
+):
+    """vLLM keeps a request whose asynchronous load failed with no valid
+    token in its in-flight prefills, so loading it again would reserve its
+    blocks twice: a prompt needing more than half of the free KV cache was
+    never admitted again and the engine spun on it (the disk kept the
+    blocks after an I/O error, so every lookup offered the load again).
+    After a failed load the request is recomputed instead, under a
+    deadline, with the baseline's tokens."""
+    with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
+        (expected,) = run_prompts(llm, [LONG_PROMPT], MAX_TOKENS).outputs
+    with engine(
+        model, kvtier_config(block_bytes, tmp_path), num_gpu_blocks=GPU_BLOCKS
+    ) as llm:
+        first = run_settled(llm, [LONG_PROMPT, *FIRST], timeout=120)
+        mgr = manager_of(llm)
+        stats, failures = mgr.hierarchy.stats, mgr.hierarchy.disk_core.failures
+        before = dict(vars(stats))
+        inject.add(FaultRule.error(errno.EIO, ops="read"))
+        again = run_settled(llm, [LONG_PROMPT], timeout=90)
+        assert_at_rest(mgr)
+        after = dict(vars(stats))
+    assert first.outputs[0] == again.outputs[0] == expected
+    # Planned from disk, its first block failed (nothing valid), recomputed:
+    # one failed load, no second one.
+    assert again.hits_by_source[0].get("disk", 0) >= 32, again.hits_by_source
+    assert again.num_cached_tokens == [0]
+    assert after["load_failures"] > before["load_failures"]
+    assert after["loads_disk"] == before["loads_disk"]
+    assert failures.io_errors_kept > 0  # the copies stay for later requests
 
 
 def test_a_store_that_raises_is_not_offloaded_and_nothing_hangs(
