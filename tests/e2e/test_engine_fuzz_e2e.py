@@ -1,0 +1,333 @@
+"""Randomized engine-level test: kvtier's failure paths under vLLM's own
+scheduler.
+
+Per seed, a real in-process engine with a small GPU cache (so vLLM
+preempts), kvtier's full spec with a small CPU tier (so blocks reach disk)
+and a disk tier behind kvtier's fault layer, is stepped by hand under a hard
+deadline while, at random steps:
+
+* requests arrive, drawn from a pool of prompts sharing prefixes (some need
+  more than half of the GPU cache);
+* requests are aborted (preferably one whose load is in flight);
+* the disk's reads fail (EIO, short read, bit flip) or are held on a gate
+  and released later, rules switched on and off between phases;
+* the GPU prefix cache is reset (``reset_prefix_cache``), sometimes with
+  the connector's cache.
+
+Invariants: every request not aborted finishes before the deadline with the
+no-offload engine's greedy tokens for its prompt; after draining, kvtier is
+at rest (no pins, loads, reservations or disk jobs), and every prompt,
+run again with a healthy disk, still gets its baseline tokens.
+
+``KVTIER_FUZZ_SEEDS`` (e.g. ``0-49``) explores more seeds than the few
+committed ones.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+from vllm import SamplingParams
+from vllm.v1.request import RequestStatus
+
+from kvtier.store.slot import slot_size
+from kvtier.testing.engine import (
+    build_tiny_gemma2,
+    engine,
+    get_hit_recorder,
+    get_scheduler,
+    kv_bytes_per_block,
+    make_prompt,
+)
+from kvtier.testing.faults import FaultPlan, FaultRule, inject_faults
+
+from .test_reliability_e2e import assert_at_rest
+from .workload import kvtier_config, manager_of, run_each
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+MAX_TOKENS = 24
+DEADLINE_S = 150.0
+# Gemma-2 (two groups): a connector reset while requests run can leave a
+# wrong KV copy in the tiers (open finding, see the report); off there
+# unless this is set, to reproduce it.
+BUSY_CONNECTOR_RESET_GEMMA = os.environ.get("KVTIER_FUZZ_BUSY_RESET_GEMMA") == "1"
+SCALE = int(os.environ.get("KVTIER_FUZZ_SCALE", "1"))  # longer runs per seed
+
+
+def _seeds() -> list[int]:
+    spec = os.environ.get("KVTIER_FUZZ_SEEDS")
+    if not spec:
+        return [0, 1]
+    seeds: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        seeds.extend(range(int(lo), int(hi or lo) + 1))
+    return seeds
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    gpu_blocks: int
+    max_len: int
+    groups: int
+
+
+LLAMA = Model("llama", gpu_blocks=20, max_len=19 * BLOCK, groups=1)
+GEMMA = Model("gemma2", gpu_blocks=24, max_len=352, groups=2)
+
+
+def prompt_pool(m: Model) -> list[list[int]]:
+    """Prompts over three shared prefixes; the long ones need more than half
+    of the GPU cache. Fixed per model (the baseline is computed once)."""
+    room = m.max_len - MAX_TOKENS
+    prefixes = [make_prompt(7000 + i, n * BLOCK) for i, n in enumerate((2, 3, 5))]
+    pool = []
+    for i, (p, extra) in enumerate(
+        [(0, 37), (0, 70), (0, 101), (1, 5), (1, 100), (1, 40), (2, 21), (2, 66)]
+        + [(None, 133), (None, 90), (None, 170), (None, 75)]
+    ):
+        head = prefixes[p] if p is not None else []
+        pool.append(head + make_prompt(7100 + i, extra))
+    # Long: more than half of the usable GPU blocks.
+    long_len = min(room, (m.gpu_blocks // 2 + 2) * BLOCK + 9)
+    pool.append(prefixes[2] + make_prompt(7200, long_len - len(prefixes[2])))
+    pool.append(make_prompt(7201, long_len - 3))
+    assert all(len(p) <= room for p in pool)
+    return pool
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    finished: int = 0
+    aborts: int = 0
+    aborts_loading: int = 0
+    resets: int = 0
+    resets_done: int = 0
+    connector_resets: int = 0
+    preemptions: int = 0
+    faults: Counter = field(default_factory=Counter)
+    injected: Counter = field(default_factory=Counter)
+    steps: int = 0
+    log: list = field(default_factory=list, repr=False)
+
+
+def _read_rule(rng: random.Random, gates: list[threading.Event]) -> FaultRule | None:
+    kind = rng.choice(["none", "eio", "short", "flip", "hang", "hang"])
+    p = rng.choice([0.3, 0.6, 1.0])
+    if kind == "eio":
+        return FaultRule.error(errno.EIO, ops="read", probability=p)
+    if kind == "short":
+        return FaultRule.short(ops="read", probability=p)
+    if kind == "flip":
+        return FaultRule.bit_flip(ops="read", flips=2, probability=p)
+    if kind == "hang":
+        gate = threading.Event()
+        gates.append(gate)
+        return FaultRule.hang(gate, ops="read", first_n=rng.randint(1, 3))
+    return None
+
+
+def fuzz(
+    llm, plan: FaultPlan, pool, expected, seed: int, busy_connector_reset: bool
+) -> Tally:
+    rng = random.Random(seed)
+    core = llm.llm_engine
+    sched = get_scheduler(llm)
+    tally = Tally()
+    real_preempt = sched._preempt_request
+
+    def counting(*args, **kwargs):
+        tally.preemptions += 1
+        return real_preempt(*args, **kwargs)
+
+    sched._preempt_request = counting
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
+    )
+    n_requests = rng.randint(14, 22) * SCALE
+    # In bursts, so that requests overlap and the GPU cache runs out.
+    bursts = [rng.randint(0, 150 * SCALE) for _ in range(4 * SCALE)]
+    arrivals = sorted(rng.choice(bursts) + rng.randint(0, 6) for _ in range(n_requests))
+    phase_steps = sorted(rng.sample(range(1, 160 * SCALE), 6 * SCALE))
+    gates: list[threading.Event] = []
+    gate_release: dict[int, int] = {}  # index in gates -> release at step
+    rule: FaultRule | None = None
+    live: dict[str, str] = {}  # external id -> the scheduler's id
+    prompt_of: dict[str, int] = {}
+    aborted: set[str] = set()
+    done: dict[str, list[int]] = {}
+    deadline = time.monotonic() + DEADLINE_S
+    step = 0
+    log: list[str] = []
+    try:
+        while arrivals or live:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"seed {seed}: {len(live)} request(s) not finished after "
+                    f"{DEADLINE_S}s ({step} steps): "
+                    + ", ".join(
+                        f"{e}(prompt {prompt_of[e]}, {sched.requests[i].status.name}, "
+                        f"computed {sched.requests[i].num_computed_tokens})"
+                        for e, i in live.items()
+                        if i in sched.requests
+                    )
+                    + f"; inflight prefills {len(sched._inflight_prefills)}"
+                    + f"; log tail {log[-15:]}"
+                )
+            if phase_steps and step >= phase_steps[0]:
+                phase_steps.pop(0)
+                if rule is not None:
+                    plan.remove(rule)
+                rule = _read_rule(rng, gates)
+                if rule is not None:
+                    plan.add(rule)
+                    tally.faults[rule.kind.name] += 1
+                    if rule.release is not None:
+                        gate_release[len(gates) - 1] = step + rng.randint(2, 40)
+                log.append(f"s{step}:phase {rule and rule.kind.name}")
+            for i, at in gate_release.items():
+                if step >= at and not gates[i].is_set():
+                    gates[i].set()
+                    log.append(f"s{step}:release gate {i}")
+            while arrivals and arrivals[0] <= step:
+                arrivals.pop(0)
+                p = rng.randrange(len(pool))
+                ext = f"s{seed}-r{tally.requests}"
+                tally.requests += 1
+                rid = core.add_request(ext, {"prompt_token_ids": list(pool[p])}, sp)
+                live[ext] = rid
+                prompt_of[ext] = p
+                log.append(f"s{step}:add {ext} p{p}")
+            if live and rng.random() < 0.02:
+                waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+                loading = [
+                    e
+                    for e, i in live.items()
+                    if i in sched.requests and sched.requests[i].status == waiting
+                ]
+                pick = loading if loading and rng.random() < 0.7 else list(live)
+                ext = rng.choice(pick)
+                del live[ext]
+                tally.aborts += 1
+                tally.aborts_loading += ext in loading
+                aborted.add(ext)
+                core.abort_request([ext])
+                log.append(f"s{step}:abort {ext} loading={ext in loading}")
+            idle = not sched.has_requests()
+            if rng.random() < (0.5 if idle else 0.015):
+                connector = rng.random() < 0.25 and (idle or busy_connector_reset)
+                tally.resets += 1
+                tally.connector_resets += connector
+                ok = llm.reset_prefix_cache(reset_connector=connector)
+                tally.resets_done += bool(ok)
+                loading_now = [
+                    e
+                    for e, i in live.items()
+                    if i in sched.requests
+                    and sched.requests[i].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                ]
+                log.append(
+                    f"s{step}:reset connector={connector} ok={ok} loading={loading_now}"
+                    f" gates={[g.is_set() for g in gates]}"
+                )
+            for out in core.step():
+                if out.num_cached_tokens is not None and out.request_id in live:
+                    hits = get_hit_recorder(llm).per_request.get(out.request_id)
+                    log.append(
+                        f"s{step}:out {out.request_id} cached={out.num_cached_tokens}"
+                        f" ext={hits} n={len(out.outputs[0].token_ids)}"
+                    )
+                if out.finished and live.pop(out.request_id, None) is not None:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+                    tally.finished += 1
+            step += 1
+            if not sched.has_requests() and not live:
+                time.sleep(0.001)
+    finally:
+        for gate in gates:
+            gate.set()
+        if rule is not None:
+            plan.remove(rule)
+        sched._preempt_request = real_preempt
+    tally.steps = step
+    tally.log = log
+    tally.injected = Counter(f"{f.kind.name}:{f.op.value}" for f in plan.injected)
+    wrong = [e for e, out in done.items() if out != expected[prompt_of[e]]]
+    if wrong:
+        print("\n".join(log))
+    assert not wrong, (seed, [(e, prompt_of[e]) for e in wrong])
+    return tally
+
+
+def _drain(llm, timeout: float = 60.0) -> None:
+    sched = get_scheduler(llm)
+    deadline = time.monotonic() + timeout
+    while sched.has_requests():
+        assert time.monotonic() < deadline, "the engine did not drain"
+        llm.llm_engine.step()
+        time.sleep(0.001)
+
+
+@pytest.fixture(scope="module")
+def gemma_model() -> str:
+    return build_tiny_gemma2()
+
+
+_EXPECTED: dict[str, list[list[int]]] = {}
+
+
+def _setup(request, m: Model):
+    if m.name == "llama":
+        model_dir = request.getfixturevalue("model")
+    else:
+        model_dir = request.getfixturevalue("gemma_model")
+    offload_bytes = kv_bytes_per_block(model_dir, BLOCK) // m.groups
+    pool = prompt_pool(m)
+    kw = dict(num_gpu_blocks=m.gpu_blocks, max_model_len=m.max_len, max_num_seqs=6)
+    if m.name not in _EXPECTED:
+        with engine(model_dir, None, **kw) as llm:
+            _EXPECTED[m.name] = run_each(llm, pool, MAX_TOKENS).outputs
+    return model_dir, offload_bytes, pool, _EXPECTED[m.name], kw
+
+
+@pytest.mark.parametrize("seed", _seeds())
+@pytest.mark.parametrize("m", [LLAMA, GEMMA], ids=lambda m: m.name)
+def test_engine_fuzz(request, m, seed, tmp_path, monkeypatch):
+    model_dir, offload_bytes, pool, expected, kw = _setup(request, m)
+    plan = inject_faults(monkeypatch, FaultPlan(seed=seed))
+    rng = random.Random(10_000 + seed)
+    cfg = kvtier_config(
+        offload_bytes,
+        tmp_path,
+        cpu_bytes_to_use=rng.choice([2, 4, 8]) * offload_bytes,
+        disk_bytes_to_use=rng.choice([24, 128]) * slot_size(offload_bytes),
+        spill_watermark=rng.choice([0.0, 0.5]),
+    )
+    with engine(model_dir, cfg, **kw) as llm:
+        mgr = manager_of(llm)
+        busy_reset = m.groups == 1 or BUSY_CONNECTOR_RESET_GEMMA
+        tally = fuzz(llm, plan, pool, expected, seed, busy_reset)
+        _drain(llm)
+        assert_at_rest(mgr)
+        stats = mgr.hierarchy.stats
+        fuzzed = (stats.loads_disk, stats.loads_cpu, stats.load_failures)
+        # A healthy disk again: every prompt gets its baseline tokens.
+        again = run_each(llm, pool, MAX_TOKENS)
+        wrong = [i for i, o in enumerate(again.outputs) if o != expected[i]]
+        if wrong:
+            print("\n".join(tally.log))
+        assert not wrong, (wrong, [again.hits_by_source[i] for i in wrong])
+        _drain(llm)
+        assert_at_rest(mgr)
+        print(f"\nFUZZ {m.name} seed={seed} {tally} loads disk/cpu/failed={fuzzed}")
