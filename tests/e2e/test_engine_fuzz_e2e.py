@@ -57,8 +57,8 @@ BLOCK = 32
 MAX_TOKENS = 24
 DEADLINE_S = 150.0
 # Gemma-2 (two groups): a connector reset while requests run can leave a
-# wrong KV copy in the tiers (open finding, see the report); off there
-# unless this is set, to reproduce it.
+# wrong KV copy in the tiers (open, docs/operations.md "Open: a connector
+# reset while requests run"); off there unless this is set, to reproduce it.
 BUSY_CONNECTOR_RESET_GEMMA = os.environ.get("KVTIER_FUZZ_BUSY_RESET_GEMMA") == "1"
 SCALE = int(os.environ.get("KVTIER_FUZZ_SCALE", "1"))  # longer runs per seed
 
