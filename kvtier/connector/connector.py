@@ -295,6 +295,33 @@ class TieredOffloadingConnector(OffloadingConnector):
         return results
 
     @override
+    def reset_cache(self) -> bool | None:
+        """vLLM's connector reset, but requests still in the scheduler keep
+        their store progress instead of storing again from their first
+        chunk.
+
+        vLLM restarts active requests' stores from chunk 0 after a reset,
+        from the GPU block ids it recorded for them. On a model with a
+        sliding-window group, reset while requests ran (the GPU cache then
+        keeps its blocks), those re-stores left a copy whose bytes were not
+        its chunk's KV, which later requests loaded
+        (tests/e2e/test_engine_fuzz_e2e.py, Gemma-2); without them the
+        copies were right. With the progress kept, the chunks they stored
+        before the reset are forgotten like every other block: a miss,
+        never a copy of unknown bytes."""
+        sched = self.connector_scheduler
+        assert sched is not None
+        progress = {
+            req_id: [group.next_stored_chunk_idx for group in status.group_states]
+            for req_id, status in sched._req_status.items()
+        }
+        done = super().reset_cache()
+        for req_id, status in sched._req_status.items():
+            for group, stored in zip(status.group_states, progress.get(req_id, ())):
+                group.next_stored_chunk_idx = stored
+        return done
+
+    @override
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid_block_ids = self._invalid_block_ids, set()
         return out
