@@ -60,7 +60,17 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
         "OffloadingConnectorScheduler",
-        ("manager",),
+        ("manager", "_req_status", "reset_cache"),
+    ),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+        "RequestOffloadState",
+        ("group_states",),
+    ),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+        "RequestGroupState",
+        ("next_stored_chunk_idx",),
     ),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common",
