@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,8 @@ import pytest
 from kvtier.store.scan import scan
 from kvtier.store.slabs import find_stores
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome
+
+from .workload import run_child
 
 pytestmark = pytest.mark.e2e
 
@@ -43,22 +43,13 @@ def _layout(files) -> dict:
 @pytest.fixture(scope="module")
 def tp2(model, tmp_path_factory) -> tuple[dict, Path]:
     disk = tmp_path_factory.mktemp("tp2-disk")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["VLLM_CPU_OMP_THREADS_BIND"] = _omp_binding()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": _omp_binding()}
     # Workers get time to exit by themselves on a loaded machine (a killed
     # one leaves vLLM's shared-memory segment behind).
-    env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")
-    script = Path(__file__).with_name("_tp2_engine.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), model, str(disk)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=420,
+    env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = os.environ.get(
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60"
     )
-    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
-    assert proc.returncode == 0 and found, proc.stderr[-4000:]
-    return json.loads(found[-1].split(" ", 1)[1]), disk
+    return run_child("_tp2_engine.py", [model, str(disk)], env, 420), disk
 
 
 def test_tp2_outputs_equal_the_baseline_with_hits_from_cpu_and_disk(tp2):

@@ -197,27 +197,36 @@ def run_multiprocess(
     ``hold_dir`` (decode-while-loading), the returning prefix's disk read is
     held in the engine core until the decoders produced more tokens.
     ``env``: more environment for the engine (e.g. vLLM's CPU binding)."""
+    extra = dict(env or {})
+    if hold_dir is not None:
+        extra["KVTIER_TEST_HOLD_DIR"] = str(hold_dir)
+    result = run_child(
+        "_mp_engine.py", [model, str(block_bytes), str(disk), *mode], extra, 300
+    )
+    assert result["engine_core"] == "SyncMPClient", result["engine_core"]
+    return result
+
+
+def run_child(script: str, args: list[str], env: dict, timeout: float) -> dict:
+    """Run ``script`` (a file beside this one) in a child Python with the
+    test's environment less VLLM_ENABLE_V1_MULTIPROCESSING, plus ``env``;
+    the JSON of its last ``KVTIER-RESULT`` line (asserted present, and the
+    child's exit status 0)."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("_mp_engine.py")
-    extra = env or {}
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(extra)
-    if hold_dir is not None:
-        env["KVTIER_TEST_HOLD_DIR"] = str(hold_dir)
+    full = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    full.update(env)
     proc = subprocess.run(
-        [sys.executable, str(script), model, str(block_bytes), str(disk), *mode],
+        [sys.executable, str(Path(__file__).with_name(script)), *args],
         capture_output=True,
         text=True,
-        env=env,
-        timeout=300,
+        env=full,
+        timeout=timeout,
     )
     found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
-    assert proc.returncode == 0 and found, proc.stderr[-3000:]
-    result = json.loads(found[-1].split(" ", 1)[1])
-    assert result["engine_core"] == "SyncMPClient", result["engine_core"]
-    return result
+    assert proc.returncode == 0 and found, proc.stderr[-4000:]
+    return json.loads(found[-1].split(" ", 1)[1])
