@@ -75,7 +75,6 @@ from kvtier.connector.identity import (
     HASH_FIX,
     LORA_ON_DISK,
     prefix_hash_problem,
-    settings_identity,
 )
 from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerReport
@@ -248,9 +247,7 @@ class TieredOffloadingConnector(OffloadingConnector):
         super(OffloadingConnector, self).__init__(vllm_config, role, kv_cache_config)
         offloading_config = build_offloading_config(vllm_config, kv_cache_config)
         self._canonical_layout = offloading_config.canonical_layout
-        facts = ConnectorFacts(
-            len(kv_cache_config.kv_cache_groups), settings_identity(vllm_config)
-        )
+        facts = ConnectorFacts.of(vllm_config, len(kv_cache_config.kv_cache_groups))
         spec = _create_spec(offloading_config, facts)
         if (
             role == KVConnectorRole.SCHEDULER

@@ -12,8 +12,9 @@ to the model and settings that wrote it. Two parts enter the store's
   same-size rewrite that kept the mtime (``cp -p``, ``rsync -a``,
   ``touch -r``) still changes the identity; the link target for Hugging Face
   cache snapshots (blob names are content hashes). A hub id that is not a
-  local directory falls back to its Hugging Face cache snapshot (offline),
-  else to the name alone.
+  local directory falls back to its Hugging Face cache snapshot (offline)
+  at the engine's ``revision`` in its ``download_dir``
+  (:class:`ModelSource`), else to the name alone.
 - :func:`settings_identity`, vLLM's *resolved* configuration: the model
   config's hash factors as vLLM computes them (the effective HF config after
   ``hf_overrides``, dtype, quantization and its config, revision, ...) less
@@ -24,6 +25,10 @@ to the model and settings that wrote it. Two parts enter the store's
   (:func:`weights_source`: a hub id's snapshot commit; weights a trainer
   pushes at runtime, whose stores are never adopted). docs/operations.md
   ("Store identity") lists every field in and why each field out is out.
+
+A start looks a hub id up in the cache once (:meth:`ModelSource.of`): the
+snapshot it finds is both the weights' source and the directory whose
+contents are hashed.
 
 :func:`model_identity` imports no vLLM (``kvtier doctor`` uses it);
 :func:`settings_identity` imports vLLM lazily.
@@ -37,6 +42,7 @@ import json
 import os
 import stat
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.log import get_logger
@@ -139,6 +145,41 @@ def resolve_model_dir(
     return None
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the engine reads model ``name``'s files, looked up once
+    (:meth:`resolve`): ``root``, the directory itself or the Hugging Face
+    cache snapshot a hub id resolves to at ``revision`` in ``download_dir``
+    (vLLM's names; None: main, the hub's own cache), None if neither;
+    ``snapshot``, that snapshot's commit for a hub id ("" for a local
+    directory or none found)."""
+
+    name: str
+    root: str | None
+    snapshot: str = ""
+
+    @classmethod
+    def resolve(
+        cls, name: str, revision: str | None = None, download_dir: str | None = None
+    ) -> ModelSource:
+        if os.path.isdir(name):
+            return cls(name, os.path.realpath(name))
+        root = resolve_model_dir(name, revision=revision, cache_dir=download_dir)
+        return cls(name, root, os.path.basename(root) if root else "")
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> ModelSource:
+        """The source of ``vllm_config``'s model under its own ``revision``
+        and ``download_dir``."""
+        model = vllm_config.model_config
+        load = getattr(vllm_config, "load_config", None)
+        return cls.resolve(
+            model.model,
+            revision=getattr(model, "revision", None),
+            download_dir=getattr(load, "download_dir", None),
+        )
+
+
 def sampled_digest(path: str, size: int) -> str:
     """A 32-hex-digit digest of ``path``'s safetensors header (when it is
     one) and ``_SAMPLES`` reads of ``_SAMPLE_BYTES`` evenly spread over its
@@ -197,19 +238,36 @@ def _describe_files(root: str) -> dict[str, Any]:
     return files
 
 
-def model_identity(model: str, dtype: str = "", kv_cache_dtype: str = "") -> str:
+def model_identity(
+    model: str | ModelSource,
+    dtype: str = "",
+    kv_cache_dtype: str = "",
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> str:
     """A 32-hex-digit identity of ``model``'s contents (plus the dtypes).
+
+    ``model``: a name, resolved here at ``revision`` in ``download_dir``
+    (vLLM's names; a hub id's snapshot, see :class:`ModelSource`), or a
+    :class:`ModelSource` already resolved (then give neither).
 
     Changes when ``config.json`` or a weight index changes, or when a weight
     file is added, removed, resized, touched or rewritten (the sampled
     digest sees a rewrite that kept size and mtime). For a name that
     resolves to no local directory the identity covers the name only."""
-    root = resolve_model_dir(model)
+    if isinstance(model, ModelSource):
+        if revision is not None or download_dir is not None:
+            raise TypeError(
+                "a ModelSource is resolved already: give no revision or download_dir"
+            )
+        source = model
+    else:
+        source = ModelSource.resolve(model, revision, download_dir)
     doc = {
-        "name": model,
+        "name": source.name,
         "dtype": dtype,
         "kv_cache_dtype": kv_cache_dtype,
-        "files": "unresolved" if root is None else _describe_files(root),
+        "files": "unresolved" if source.root is None else _describe_files(source.root),
     }
     return _canonical_digest(doc, b"kvtier-model")
 
@@ -221,7 +279,9 @@ def _canonical_digest(doc: Any, person: bytes) -> str:
     ).hexdigest()
 
 
-def settings_identity(vllm_config: Any) -> dict[str, Any]:
+def settings_identity(
+    vllm_config: Any, source: ModelSource | None = None
+) -> dict[str, Any]:
     """Every setting of ``vllm_config`` (a resolved ``VllmConfig``) that
     changes KV values, as a JSON-able dict: vLLM's own ModelConfig hash
     factors (``get_hash_factors``: the effective HF config after
@@ -231,8 +291,9 @@ def settings_identity(vllm_config: Any) -> dict[str, Any]:
     :data:`KV_CACHE_FIELDS` (the exact KV-cache dtype string, KV-scale
     settings), the load config's :data:`KV_LOAD_FIELDS` (dummy weights,
     another loader's source), the attention config's
-    :data:`KV_ATTENTION_FIELDS` and :func:`weights_source`. Deterministic
-    across processes and restarts."""
+    :data:`KV_ATTENTION_FIELDS` and :func:`weights_source` (of ``source``,
+    the model's :class:`ModelSource`, looked up here when None).
+    Deterministic across processes and restarts."""
     from vllm.config.utils import get_hash_factors, normalize_value
 
     model = vllm_config.model_config
@@ -250,7 +311,7 @@ def settings_identity(vllm_config: Any) -> dict[str, Any]:
         "kv_cache": {f: str(getattr(cache, f, None)) for f in KV_CACHE_FIELDS},
         "load": {f: str(getattr(load, f, None)) for f in KV_LOAD_FIELDS},
         "attention": {f: str(getattr(attn, f, None)) for f in KV_ATTENTION_FIELDS},
-        "weights": weights_source(vllm_config),
+        "weights": weights_source(vllm_config, source),
     }
 
 
@@ -290,7 +351,9 @@ def _as_configured(model: Any) -> Any:
         vllm_logger.setLevel(level)
 
 
-def weights_source(vllm_config: Any) -> dict[str, str]:
+def weights_source(
+    vllm_config: Any, source: ModelSource | None = None
+) -> dict[str, str]:
     """Where the weights come from, beyond what :func:`model_identity` sees
     of the model's name:
 
@@ -301,17 +364,13 @@ def weights_source(vllm_config: Any) -> dict[str, str]:
     - ``runtime_updates``: vLLM's ``weight_transfer_config`` backend, or
       "none". With it a trainer pushes new weights into the running engine,
       so no block on disk can name the weights that made it: such a store
-      is never adopted at start (:func:`weights_change_at_runtime`)."""
-    model = vllm_config.model_config
-    load = getattr(vllm_config, "load_config", None)
-    snapshot = ""
-    if not os.path.isdir(model.model):
-        found = resolve_model_dir(
-            model.model,
-            revision=getattr(model, "revision", None),
-            cache_dir=getattr(load, "download_dir", None),
-        )
-        snapshot = os.path.basename(found) if found else ""
+      is never adopted at start (:func:`weights_change_at_runtime`).
+
+    ``source``: the model's :class:`ModelSource` (:meth:`ModelSource.of`
+    ``vllm_config``), looked up here when None."""
+    if source is None:
+        source = ModelSource.of(vllm_config)
+    snapshot = source.snapshot
     transfer = getattr(vllm_config, "weight_transfer_config", None)
     return {
         "snapshot": snapshot,
@@ -374,6 +433,7 @@ def layout_fingerprints(
     world_size: int,
     host_layout: str | None = None,
     settings: dict[str, Any] | None = None,
+    source: ModelSource | None = None,
 ) -> list[LayoutFingerprint]:
     """The disk layout identity of each rank's blocks (one per rank of
     ``world_size``; the model's contents are hashed once), from vLLM's
@@ -388,7 +448,10 @@ def layout_fingerprints(
     keeps DP replicas sharing one config (and one disk_path) in separate
     store directories; ``identity`` describes both parts for layout.json
     (``contents`` is the model contents' own digest, which ``kvtier doctor``
-    recomputes from ``--model``)."""
+    recomputes from ``--model``, ``--revision`` and ``--download-dir``).
+    ``source``: the model's :class:`ModelSource` as the engine resolved it
+    (its ``revision`` and ``download_dir``); None: ``config.model.name``
+    resolved with the defaults (a hub id at main in the hub's own cache)."""
     groups = ",".join(
         f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}" for g in config.groups
     )
@@ -404,7 +467,14 @@ def layout_fingerprints(
     dp_rank = getattr(par, "data_parallel_index", None)
     if dp_rank is None:
         dp_rank = getattr(par, "data_parallel_rank", 0) or 0
-    contents = model_identity(config.model.name, kv_cache_dtype=str(config.model.dtype))
+    if source is not None and source.name != config.model.name:
+        raise ValueError(
+            f"model source {source.name!r} is not the model {config.model.name!r}"
+        )
+    contents = model_identity(
+        source if source is not None else config.model.name,
+        kv_cache_dtype=str(config.model.dtype),
+    )
     described = {"contents": contents}
     model_id = contents
     if settings is not None:

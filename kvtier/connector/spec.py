@@ -35,8 +35,10 @@ from kvtier.connector.config import (
     parse_extra_config,
 )
 from kvtier.connector.identity import (
+    ModelSource,
     describe_settings,
     layout_fingerprints,
+    settings_identity,
     weights_change_at_runtime,
 )
 from kvtier.connector.metrics import metric_definitions
@@ -81,10 +83,23 @@ class ConnectorFacts:
     the resolved ``VllmConfig`` says produces KV values
     (:func:`~kvtier.connector.identity.settings_identity`), part of the disk
     tier's namespace; the scheduler's and every worker's connector compute
-    it from the same config. None: not known (tests and tools)."""
+    it from the same config. ``source``: where the engine reads the model
+    (:class:`~kvtier.connector.identity.ModelSource`: a hub id's snapshot
+    at the engine's ``revision`` in its ``download_dir``), whose contents
+    the disk tier's namespace hashes. None: not known (tests and tools).
+
+    :meth:`of` looks the model up once for both: the snapshot named in
+    ``settings`` is the one whose contents are hashed."""
 
     kv_cache_groups: int | None = None
     settings: dict[str, Any] | None = None
+    source: ModelSource | None = None
+
+    @classmethod
+    def of(cls, vllm_config: Any, kv_cache_groups: int) -> ConnectorFacts:
+        """The facts of the engine ``vllm_config`` describes."""
+        source = ModelSource.of(vllm_config)
+        return cls(kv_cache_groups, settings_identity(vllm_config, source), source)
 
 
 class TieredOffloadingSpec(OffloadingSpec):
@@ -109,6 +124,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.under_kvtier_connector = facts is not None
         facts = facts or ConnectorFacts()
         self.settings = facts.settings
+        self.source = facts.source
         check_sync_load_budget(self.kvtier, kv_cache_groups=facts.kv_cache_groups)
         if config.canonical_layout:
             raise ConfigError("canonical_layout", CANONICAL_LAYOUT_REFUSAL)
@@ -175,7 +191,11 @@ class TieredOffloadingSpec(OffloadingSpec):
         """Per rank, what must match for a disk block to be reusable by this
         engine (the model's contents hashed once per spec)."""
         return layout_fingerprints(
-            self.config, self.block_bytes, self.world_size, settings=self.settings
+            self.config,
+            self.block_bytes,
+            self.world_size,
+            settings=self.settings,
+            source=self.source,
         )
 
     def _buffer_path(self, rank: int) -> str:

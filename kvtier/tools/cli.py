@@ -263,6 +263,17 @@ def build_parser() -> argparse.ArgumentParser:
         "would be adopted",
     )
     d.add_argument(
+        "--revision",
+        help="with --model: vllm serve's --revision (a hub id's branch, tag or "
+        "commit; default main), which picks the snapshot whose files are compared",
+    )
+    d.add_argument(
+        "--download-dir",
+        metavar="DIR",
+        help="with --model: vllm serve's --download-dir (the Hugging Face cache "
+        "a hub id is looked up in; default the hub's own)",
+    )
+    d.add_argument(
         "--hash-algo",
         choices=HASH_ALGOS,
         default="sha256",

@@ -105,6 +105,18 @@ def test_config_and_flags_together_or_neither(capsys, tmp_path, disk):
     assert "give --config FILE.json" in capsys.readouterr().err
 
 
+def test_revision_and_download_dir_need_the_model(capsys, tmp_path, disk):
+    """They pick the snapshot of --model (vllm serve's flags): alone they
+    would be silently ignored."""
+    path = write(tmp_path, good_config(disk))
+    assert main(["doctor", "--config", path, "--revision", "v2"]) == 2
+    err = capsys.readouterr().err
+    assert "--revision" in err and "give --model" in err
+    argv = ["doctor", "--config", path, "--download-dir", str(tmp_path)]
+    assert main(argv) == 2
+    assert "--download-dir" in capsys.readouterr().err
+
+
 def test_text_output_and_exit_status(capsys, tmp_path, shm):
     rc = main(["doctor", *flags(tmp_path / "nope", shm)])
     out = capsys.readouterr().out

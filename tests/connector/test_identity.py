@@ -181,30 +181,75 @@ def test_dummy_weights_are_not_the_checkpoint(model) -> None:
 
 
 _HUB_CHILD = """
-import json, os, sys
+import dataclasses, json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm.engine.arg_utils import EngineArgs
-from kvtier.connector.identity import settings_identity
+from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
+from kvtier.store.slabs import store_dirname
+from kvtier.store.store import DiskStore
+from kvtier.testing.offloading import offloading_config
+repo, disk = sys.argv[1], sys.argv[3]
 out = {}
 for name, kw in json.loads(sys.argv[2]).items():
-    cfg = EngineArgs(model=sys.argv[1], dtype="float32", block_size=32, **kw)
+    cfg = EngineArgs(model=repo, dtype="float32", block_size=32, **kw)
     cfg = cfg.create_engine_config()
     # Offline, vLLM resolves a hub id to its snapshot's path first (a local
     # directory, named by its contents); online, the id stays, as here.
     assert "/snapshots/" in cfg.model_config.model
-    cfg.model_config.model = sys.argv[1]
-    out[name] = settings_identity(cfg)["weights"]
+    cfg.model_config.model = repo
+    # What kvtier's connector hands its spec, and the store it then opens.
+    facts = ConnectorFacts.of(cfg, 1)
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": "kvtier.connector",
+        "cpu_bytes_to_use": 1 << 20,
+        "disk_bytes_to_use": 1 << 20,
+        "disk_path": disk,
+        "disk_io": "posix",
+    }
+    config = offloading_config(
+        extra, worker_kv_bytes_per_block=4096, model=repo, dtype="float32"
+    )
+    fp = TieredOffloadingSpec(config, facts).fingerprints[0]
+    with DiskStore([disk], 4, fp.block_bytes, fp, backend="posix"):
+        pass
+    out[name] = {
+        "weights": facts.settings["weights"],
+        "contents": dict(fp.identity)["contents"],
+        "store": store_dirname(fp),
+    }
 print("WEIGHTS", json.dumps(out))
 """
 
 
 def _hub_snapshot(hub: Path, repo: str, ref: str, sha: str, model: str) -> None:
     """``model``'s files as the Hugging Face cache keeps ``repo`` at commit
-    ``sha``, with branch ``ref`` pointing at it."""
+    ``sha``, with branch ``ref`` pointing at it; each commit's
+    ``config.json`` is its own (so are its contents)."""
     root = hub / ("models--" + repo.replace("/", "--"))
-    shutil.copytree(model, root / "snapshots" / sha)
+    snapshot = root / "snapshots" / sha
+    shutil.copytree(model, snapshot)
+    config = json.loads((snapshot / "config.json").read_text())
+    (snapshot / "config.json").write_text(json.dumps({**config, "commit": sha}))
     (root / "refs").mkdir(parents=True, exist_ok=True)
     (root / "refs" / ref).write_text(sha)
+
+
+def _doctor_stores(env: dict, disk: Path, shm: Path, *more: str) -> dict[str, str]:
+    """``kvtier doctor``'s verdict ("adopted" / "set aside") on each store
+    under ``disk``, by store directory name."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.tools.cli", "doctor", "--json",
+         "--disk-path", str(disk), "--cpu-bytes", "1MiB", "--disk-bytes", "1MiB",
+         "--shm-dir", str(shm), "--no-probe", *more],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode in (0, 1), out.stderr[-3000:]
+    return {
+        c["subject"].removeprefix("store "): c["detail"].split(":")[0]
+        for c in json.loads(out.stdout)["checks"]
+        if c["subject"].startswith("store kvtier-")
+    }
 
 
 def test_a_hub_model_is_named_by_the_snapshot_its_revision_and_cache_resolve_to(
@@ -212,13 +257,19 @@ def test_a_hub_model_is_named_by_the_snapshot_its_revision_and_cache_resolve_to(
 ) -> None:
     """A hub id is served from the snapshot its ``revision`` (a branch that
     can move) resolves to in its cache, ``download_dir`` if given: that
-    snapshot's commit is in the identity, so a branch moved to new weights,
-    another branch or another cache's copy is another store."""
+    snapshot's commit is in the identity, and so are that snapshot's
+    contents (not main's in the hub's own cache), so a branch moved to new
+    weights, another branch or another cache's copy is another store.
+    ``kvtier doctor --revision --download-dir`` hashes the same snapshot as
+    the engine, so it names the store that engine would adopt."""
     repo, a, b = "kvtier-test/tiny", "a" * 40, "b" * 40
     hub, elsewhere = tmp_path / "hub", tmp_path / "elsewhere"
     _hub_snapshot(hub, repo, "main", a, model)
     _hub_snapshot(hub, repo, "v2", b, model)
     _hub_snapshot(elsewhere, repo, "main", b, model)
+    disk, shm = tmp_path / "disk", tmp_path / "shm"
+    disk.mkdir(mode=0o700)
+    shm.mkdir(mode=0o700)
     cases = {
         "main": {},
         "v2": {"revision": "v2"},
@@ -227,7 +278,7 @@ def test_a_hub_model_is_named_by_the_snapshot_its_revision_and_cache_resolve_to(
     }
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", _HUB_CHILD, repo, json.dumps(cases)],
+        [sys.executable, "-c", _HUB_CHILD, repo, json.dumps(cases), str(disk)],
         env=env,
         capture_output=True,
         text=True,
@@ -236,11 +287,37 @@ def test_a_hub_model_is_named_by_the_snapshot_its_revision_and_cache_resolve_to(
     assert out.returncode == 0, out.stderr[-3000:]
     (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("WEIGHTS")]
     got = json.loads(line.split(" ", 1)[1])
-    assert got == {
+    assert {name: case["weights"] for name, case in got.items()} == {
         "main": {"snapshot": a, "runtime_updates": "none"},
         "v2": {"snapshot": b, "runtime_updates": "none"},
         "download_dir": {"snapshot": b, "runtime_updates": "none"},
         "transfer": {"snapshot": a, "runtime_updates": "nccl"},
+    }
+    # The contents hashed are the served snapshot's: commit b's, in either
+    # cache, are not main's (and each cache's copy has its own mtimes).
+    contents = {name: case["contents"] for name, case in got.items()}
+    assert contents["main"] not in (contents["v2"], contents["download_dir"])
+    assert contents["transfer"] == contents["main"]
+    assert contents["v2"] == model_identity(
+        repo, kv_cache_dtype="float32", revision="v2", download_dir=str(hub)
+    )
+    # The doctor, given vllm serve's flags, adopts the store that engine
+    # would and sets aside the others' (same name, other contents). (The
+    # doctor compares contents only: it cannot tell the transfer engine's.)
+    stores = {name: case["store"] for name, case in got.items() if name != "transfer"}
+    serve = {
+        "main": (),
+        "v2": ("--revision", "v2"),
+        "download_dir": ("--download-dir", str(elsewhere)),
+    }
+    adopted = {}
+    for case, more in serve.items():
+        verdicts = _doctor_stores(env, disk, shm, "--model", repo, *more)
+        adopted[case] = {n for n, st in stores.items() if verdicts[st] == "adopted"}
+    assert adopted == {
+        "main": {"main"},
+        "v2": {"v2"},
+        "download_dir": {"download_dir"},
     }
     # A local directory is named by its contents (model_identity) instead.
     assert settings_identity(_config(model))["weights"] == {

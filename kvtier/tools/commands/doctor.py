@@ -136,6 +136,19 @@ def load_input(args: argparse.Namespace) -> DoctorInput:
         )
         if value
     }
+    without_model = [
+        flag
+        for flag, value in (
+            ("--revision", args.revision),
+            ("--download-dir", args.download_dir),
+        )
+        if value is not None and args.model is None
+    ]
+    if without_model:
+        raise InputError(
+            f"{' and '.join(without_model)} pick the snapshot of --model: give "
+            "--model too (vllm serve's model)"
+        )
     if args.config is not None:
         if given:
             raise InputError(
@@ -199,7 +212,9 @@ def run_checks(inp: DoctorInput) -> list[Check]:
         adopted: dict[str, list[str]] = {}
 
         def stores() -> list[Check]:
-            found, reusable = doctor_store.check_stores(cfg.disk_path, args.model)
+            found, reusable = doctor_store.check_stores(
+                cfg.disk_path, args.model, args.revision, args.download_dir
+            )
             adopted.update(reusable)
             return found
 

@@ -7,7 +7,9 @@ fingerprint without building vLLM's config (the KV geometry comes from the
 model's attention layers), so it compares the part an operator changes by
 accident: the model name and the identity of its contents
 (:func:`kvtier.connector.identity.model_identity`), which a replaced
-checkpoint changes.
+checkpoint changes. A hub id's contents are those of the snapshot the
+engine would load: ``--revision`` and ``--download-dir``, as given to
+``vllm serve``, pick it as they pick the engine's.
 
 :func:`check_stores` lists stores only through
 :func:`kvtier.store.slabs.find_stores` (layout.json) and
@@ -18,10 +20,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.connector.preflight import allocated_bytes
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import OK, WARNING, Check
+
+if TYPE_CHECKING:
+    from kvtier.connector.identity import ModelSource
 
 
 def _contents(layout: dict) -> str | None:
@@ -38,7 +44,7 @@ def _settings(layout: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "not recorded"
 
 
-def _verdict(layout: dict, model: str | None) -> tuple[str, str]:
+def _verdict(layout: dict, model: ModelSource | None) -> tuple[str, str]:
     """(status, "<verdict>: <reason>") of a store whose layout.json is
     ``layout``, for a config serving ``model``: adopted on an identity
     match, else set aside (unknown without ``model``)."""
@@ -47,7 +53,7 @@ def _verdict(layout: dict, model: str | None) -> tuple[str, str]:
     name = layout.get("model")
     if model is None:
         return OK, f"model {name!r}; pass --model to tell whether it would be adopted"
-    if name != model:
+    if name != model.name:
         return WARNING, f"set aside: written for another model ({name!r})"
     contents = _contents(layout)
     if contents and contents != model_identity(
@@ -78,15 +84,24 @@ def _find(paths: Sequence[str]) -> list:
 
 
 def check_stores(
-    paths: Sequence[str], model: str | None
+    paths: Sequence[str],
+    model: str | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
 ) -> tuple[list[Check], dict[str, list[str]]]:
     """One check per store under ``paths``: whether a config serving
-    ``model`` would adopt it (identity match) or set it aside; and per disk
-    path the store directory names a restart would reuse (their space
-    counts as available)."""
+    ``model`` (at ``revision`` in ``download_dir``, as vLLM takes them)
+    would adopt it (identity match) or set it aside; and per disk path the
+    store directory names a restart would reuse (their space counts as
+    available)."""
+    from kvtier.connector.identity import ModelSource
+
     try:
         views = _find(paths)
-        verdicts = [_verdict(view.layout or {}, model) for view in views]
+        source = None
+        if model is not None and views:  # one lookup, as at engine start
+            source = ModelSource.resolve(model, revision, download_dir)
+        verdicts = [_verdict(view.layout or {}, source) for view in views]
     except (OSError, ValueError) as exc:
         return [
             Check(
