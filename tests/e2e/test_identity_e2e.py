@@ -224,6 +224,17 @@ def test_an_unchanged_restart_still_adopts_and_serves_from_disk(
         assert len(stores) == 1 and expect in stores[0]["detail"], checks
 
 
+def _start_warnings(model, cfg, caplog, **engine_args) -> list[str]:
+    """Every message logged at WARNING or above while an engine with kvtier
+    config ``cfg`` (and vLLM's ``engine_args``) starts and stops."""
+    with (
+        caplog.at_level(logging.WARNING, logger="vllm.kvtier"),
+        engine(model, cfg, num_gpu_blocks=GPU_BLOCKS, **engine_args),
+    ):
+        pass
+    return caplog.messages
+
+
 def test_a_prefix_hash_that_changes_per_process_is_warned_at_start(
     model, block_bytes, tmp_path, caplog, monkeypatch
 ):
@@ -232,18 +243,9 @@ def test_a_prefix_hash_that_changes_per_process_is_warned_at_start(
     and names the fix."""
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     cfg = kvtier_config(block_bytes, tmp_path)
-    with (
-        caplog.at_level(logging.WARNING, logger="vllm.kvtier"),
-        engine(
-            model,
-            cfg,
-            num_gpu_blocks=GPU_BLOCKS,
-            prefix_caching_hash_algo="xxhash",
-        ),
-    ):
-        pass
-    warned = [m for m in caplog.messages if "--prefix-caching-hash-algo" in m]
-    assert len(warned) == 1, caplog.messages
+    said = _start_warnings(model, cfg, caplog, prefix_caching_hash_algo="xxhash")
+    warned = [m for m in said if "--prefix-caching-hash-algo" in m]
+    assert len(warned) == 1, said
     assert "PYTHONHASHSEED" in warned[0] and "sha256" in warned[0]
 
 
@@ -259,19 +261,10 @@ def test_lora_with_a_disk_tier_is_warned_at_start(
     if not disk_tier:
         extra = cfg["kv_connector_extra_config"]
         del extra["disk_path"], extra["disk_bytes_to_use"]
-    with (
-        caplog.at_level(logging.WARNING, logger="vllm.kvtier"),
-        engine(
-            model,
-            cfg,
-            num_gpu_blocks=GPU_BLOCKS,
-            enable_lora=True,
-            max_loras=1,
-            max_lora_rank=8,
-        ),
-    ):
-        pass
-    warned = [m for m in caplog.messages if "LoRA with a disk tier" in m]
-    assert len(warned) == (1 if disk_tier else 0), caplog.messages
+    said = _start_warnings(
+        model, cfg, caplog, enable_lora=True, max_loras=1, max_lora_rank=8
+    )
+    warned = [m for m in said if "LoRA with a disk tier" in m]
+    assert len(warned) == (1 if disk_tier else 0), said
     if disk_tier:
         assert "give each adapter version its own path" in warned[0]
