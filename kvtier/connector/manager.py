@@ -42,7 +42,7 @@ from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, Worker
 from kvtier.log import get_logger
 from kvtier.store.transfers import DiskRuntime
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
-from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
+from kvtier.tiers.events import EVENT_BACKLOG_PER_STEP, MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 from kvtier.tiers.slots import BlockState
@@ -305,7 +305,10 @@ class TieredOffloadingManager(OffloadingManager):
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
-        events = self.hierarchy.take_events()
+        # vLLM drains this once per engine step and translates every key in
+        # the step: a warm restart's one event naming every adopted block
+        # goes out over several steps instead.
+        events = self.hierarchy.take_events(EVENT_BACKLOG_PER_STEP)
         if not self.enable_events:
             return
         for ev in events:

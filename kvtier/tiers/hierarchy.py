@@ -361,9 +361,11 @@ class TierHierarchy:
         self._promoted.clear()
         self._loads.clear()
 
-    def take_events(self) -> list[TierEvent]:
-        """Drain the residency events since the last call, in order."""
-        return self._events.take()
+    def take_events(self, backlog: int | None = None) -> list[TierEvent]:
+        """Drain the residency events since the last call, in order; with
+        ``backlog``, at most that many keys of those left pending by earlier
+        calls (see :meth:`EventLog.take`)."""
+        return self._events.take(backlog)
 
     @property
     def has_pending_io(self) -> bool:

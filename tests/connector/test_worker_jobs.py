@@ -678,3 +678,27 @@ def test_a_load_that_raises_counts_no_block_as_loaded(runner, monkeypatch):
         r.load(keys, [54, 55, 56, 57])
     exported.collect()
     assert exported.grew(metrics.LOADED_BLOCKS) == {("cpu",): 2, ("disk",): 2}
+
+
+def test_a_warm_restart_is_announced_over_several_steps(monkeypatch):
+    """vLLM drains take_events once per engine step and builds one KV event
+    per key in it: a warm restart adopting a million blocks handed them all
+    to the first step (about 5 s of it on a 2-core VM). Each step now takes
+    at most EVENT_BACKLOG_PER_STEP keys of it, in order, until all are out."""
+    from kvtier.connector import manager as manager_module
+    from kvtier.connector.manager import TieredOffloadingManager
+    from kvtier.tiers.hierarchy import TierHierarchy
+
+    monkeypatch.setattr(manager_module, "EVENT_BACKLOG_PER_STEP", 16)
+    keys = [i.to_bytes(36, "big") for i in range(100)]
+    h = TierHierarchy(4, 100)
+    h.restore_disk([(k, i) for i, k in enumerate(keys)])
+    m = TieredOffloadingManager(h, None, block_bytes=4096, enable_events=True)
+    steps = []
+    while True:
+        events = list(m.take_events())
+        if not events:
+            break
+        steps.append([k for ev in events for k in ev.keys])
+    assert [len(s) for s in steps] == [16] * 6 + [4]
+    assert [k for s in steps for k in s] == keys

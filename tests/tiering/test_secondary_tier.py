@@ -478,6 +478,34 @@ def test_io_errors_in_a_row_drop_the_block(tmp_path, make_driver, faulty_disk):
     assert series["vllm:kv_offload_kvtier_unreadable_blocks"][()] == 1
 
 
+def test_a_warm_restart_is_announced_over_several_steps(
+    tmp_path, make_driver, monkeypatch
+):
+    """The restore event names every adopted block; vLLM builds one KV event
+    per key within the step that drains it, so each step takes at most
+    EVENT_BACKLOG_PER_STEP keys of it (all of them, in order, in the end)."""
+    from kvtier.connector.tiering import disk_tier
+
+    first = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    keys = first.store("a", 4)
+    first.settle()
+    keys += first.store("b", 4)
+    first.settle()
+    first.close()
+
+    monkeypatch.setattr(disk_tier, "EVENT_BACKLOG_PER_STEP", 3)
+    second = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    assert second.tier.stats.restored == 8
+    per_step = []
+    while True:
+        events = list(second.tier.take_events())
+        if not events:
+            break
+        per_step.append([k for ev in events for k in ev.keys])
+    assert [len(s) for s in per_step] == [3, 3, 2]
+    assert sorted(k for s in per_step for k in s) == sorted(keys)
+
+
 def test_warm_restart_and_kvtier_inspect(tmp_path, make_driver, capsys):
     from kvtier.tools.cli import main as kvtier_cli
 

@@ -286,3 +286,50 @@ def test_declined_stores_inspect_blocks_touched_not_the_tier(policy, disk_blocks
     check_index(h.cpu)
     check_index(h.disk)
     assert h.prepare_store([("new", 0, k) for k in range(per_call)]) is not None
+
+
+def test_a_warm_restart_event_goes_out_over_several_drains():
+    # A warm restart records one event naming every adopted block (a million
+    # on a 2 TB tier of 2 MiB blocks). A consumer drains once per engine
+    # step (vLLM: one KV event per key, built in the step), so a bounded
+    # drain hands out what the step did plus at most `backlog` keys of the
+    # restore, in order, and the rest on later drains.
+    n, per_drain = 1000, 64
+    h = TierHierarchy(4, n)
+    h.restore_disk([(f"r{i}", i) for i in range(n)])
+    drained = h.take_events(backlog=per_drain)
+    assert [(e.medium, e.removed, e.reason) for e in drained] == [
+        ("disk", False, "restore")
+    ]
+    assert list(drained[0].keys) == [f"r{i}" for i in range(per_drain)]
+    # A step's own events add as many keys to that step's drain; order is
+    # kept, so they come out after the restore.
+    _store(h, ["a", "b"])
+    step = h.take_events(backlog=per_drain)
+    assert [(e.reason, len(e.keys)) for e in step] == [("restore", per_drain + 2)]
+    drains = [drained, step]
+    while True:
+        more = h.take_events(backlog=per_drain)
+        if not more:
+            break
+        assert sum(len(e.keys) for e in more) <= per_drain
+        drains.append(more)
+    assert len(drains) == 2 + -(-(n - 2 * per_drain) // per_drain)
+    events = [e for d in drains for e in d]
+    assert [(e.reason, list(e.keys)) for e in events[-1:]] == [("store", ["a", "b"])]
+    # Every adopted key exactly once, in adoption order, and the stream
+    # replays to the tiers' contents.
+    restored = [k for e in events if e.reason == "restore" for k in e.keys]
+    assert restored == [f"r{i}" for i in range(n)]
+    assert replay(events) == residency(h)
+
+
+def test_an_unbounded_drain_takes_everything():
+    h = TierHierarchy(4, 100)
+    h.restore_disk([(f"r{i}", i) for i in range(100)])
+    _store(h, ["a"])
+    assert [(e.reason, len(e.keys)) for e in h.take_events()] == [
+        ("restore", 100),
+        ("store", 1),
+    ]
+    assert h.take_events(backlog=1) == []

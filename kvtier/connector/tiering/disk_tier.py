@@ -77,7 +77,7 @@ from kvtier.store.slot import slot_size
 from kvtier.store.store import open_stores
 from kvtier.store.transfers import DiskRuntime
 from kvtier.tiers.disk_core import DiskTierCore
-from kvtier.tiers.events import MEDIUM_DISK
+from kvtier.tiers.events import EVENT_BACKLOG_PER_STEP, MEDIUM_DISK, EventLog
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 
 if TYPE_CHECKING:
@@ -228,8 +228,8 @@ class KvtierDiskTier(SecondaryTierManager):
             check_disk_paths(cfg, reusable=[store_dirname(fp) for fp in fingerprints])
         except ConfigError as exc:
             raise as_tier_error(exc) from None
-        self._events: list[OffloadingEvent] | None = (
-            [] if offloading_spec.kv_events_config.enable_kv_cache_events else None
+        self._events = EventLog(
+            offloading_spec.kv_events_config.enable_kv_cache_events
         )
         self.core = DiskTierCore(
             self.capacity, cfg.disk_eviction_policy, emit=self._emit
@@ -300,22 +300,9 @@ class KvtierDiskTier(SecondaryTierManager):
         )
 
     def _emit(self, keys: Sequence[Any], removed: bool, reason: str = "") -> None:
-        """The core's event hook: one vLLM event per batch (``reason`` is
-        kvtier's, not part of vLLM's event)."""
-        if self._events is not None and keys:
-            self._events.append(
-                OffloadingEvent(
-                    keys=list(keys),
-                    medium=Medium.STORAGE,
-                    removed=removed,
-                    locality=Locality.LOCAL,
-                    # Names this tier among several STORAGE tiers, and (every
-                    # block leaves with a BlockRemoved) keeps vLLM's
-                    # self-describing payload alive until that removal.
-                    ownership=self.tier_type,
-                    removal_expected=True,
-                )
-            )
+        """The core's event hook: recorded, one vLLM event per batch at
+        ``take_events`` (``reason`` is kvtier's, not part of vLLM's event)."""
+        self._events.record(keys, MEDIUM_DISK, removed, reason)
 
     # ----------------------------------------------------------- contract
 
@@ -519,9 +506,20 @@ class KvtierDiskTier(SecondaryTierManager):
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events:
-            events, self._events = self._events, []
-            yield from events
+        # Once per engine step: a warm restart's event naming every adopted
+        # block goes out over several steps (EVENT_BACKLOG_PER_STEP).
+        for ev in self._events.take(EVENT_BACKLOG_PER_STEP):
+            yield OffloadingEvent(
+                keys=list(ev.keys),
+                medium=Medium.STORAGE,
+                removed=ev.removed,
+                locality=Locality.LOCAL,
+                # Names this tier among several STORAGE tiers, and (every
+                # block leaves with a BlockRemoved) keeps vLLM's
+                # self-describing payload alive until that removal.
+                ownership=self.tier_type,
+                removal_expected=True,
+            )
 
     @override
     def drain_jobs(self) -> None:
