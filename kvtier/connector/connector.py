@@ -318,6 +318,38 @@ class TieredOffloadingConnector(OffloadingConnector):
                 group.next_stored_chunk_idx = stored
         return done
 
+    def _restart_stores_after_failed_loads(self) -> None:
+        """Start the stores of each request whose load just failed over from
+        its first chunk, so the chunks it recomputes are offloaded again.
+
+        vLLM sets a request's store progress to the end of its planned load
+        (the loaded chunks need no store) and keeps it there when the load
+        fails, so the recomputed chunks were never stored: a corrupt block
+        dropped from the disk tier stayed a miss for every later request.
+        From chunk 0, as a new request's stores start (and as vLLM 0.33
+        starts every request it looks up), the tiers skip the chunks they
+        hold and store the others from the request's GPU blocks, once they
+        are computed (the failed ones recomputed).
+
+        Only while the request has no GPU block id recorded, as an
+        asynchronous load leaves it (vLLM cleared them at its lookup and
+        records them again when it schedules the request): every block id a
+        store then uses is recorded after the restart, and vLLM's check for
+        sliding-window blocks freed and reused covers every position from
+        the store progress on. A restart over recorded ids could store a
+        sliding-window block reused since (the connector reset's failure,
+        see :meth:`reset_cache`); such a request keeps vLLM's progress: a
+        miss."""
+        sched = self.connector_scheduler
+        assert sched is not None
+        take = getattr(sched.manager, "take_failed_loads", None)
+        for req_id in take() if take is not None else ():
+            status = sched._req_status.get(req_id)
+            if status is None or any(g.block_ids for g in status.group_states):
+                continue
+            for group in status.group_states:
+                group.next_stored_chunk_idx = 0
+
     @override
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid_block_ids = self._invalid_block_ids, set()
@@ -338,3 +370,4 @@ class TieredOffloadingConnector(OffloadingConnector):
             if report is not None:
                 report(meta.report)
         super().update_connector_output(connector_output)
+        self._restart_stores_after_failed_loads()

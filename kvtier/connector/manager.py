@@ -108,6 +108,9 @@ class TieredOffloadingManager(OffloadingManager):
         # other (a job from before reset_cache, which vLLM never completes)
         # must not reach a later load of the same request.
         self._loading: set[str] = set()
+        # Requests whose load failed, since the connector last took them
+        # (take_failed_loads).
+        self._failed_load_reqs: list[str] = []
         # CPU rows of stores a worker reported failed, until their store
         # completes (vLLM completes it as a success: complete_store).
         self._failed_store_rows: set[int] = set()
@@ -237,6 +240,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._failed_whole.discard(req_id)
         if failed or io_failed or unloaded or whole:
             req_context.set_state(_LoadFailed())
+            self._failed_load_reqs.append(req_id)
         self.hierarchy.complete_load(
             load.load_id,
             failed,
@@ -244,6 +248,12 @@ class TieredOffloadingManager(OffloadingManager):
             io_failed=io_failed,
             whole_failed=whole,
         )
+
+    def take_failed_loads(self) -> list[str]:
+        """The requests whose load failed since the last call (their stores
+        restart: ``TieredOffloadingConnector``)."""
+        out, self._failed_load_reqs = self._failed_load_reqs, []
+        return out
 
     @override
     def prepare_store(
@@ -342,6 +352,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._unloaded_loads.clear()
         self._failed_whole.clear()
         self._loading.clear()  # vLLM completes no load from before the reset
+        self._failed_load_reqs.clear()
         # A report arriving after this (a job vLLM no longer completes) can
         # only fail a later store into the same row: a miss, never data.
         self._failed_store_rows.clear()

@@ -70,7 +70,7 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
         "RequestGroupState",
-        ("next_stored_chunk_idx",),
+        ("next_stored_chunk_idx", "block_ids"),
     ),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common",

@@ -62,7 +62,7 @@ CORRUPTIONS = ["bit-flip", "other-key", "truncated-slab"]
 # (the same for both models).
 CORRUPT_PROMPTS = {
     k: make_prompt(900 + i, SHORT_LEN)
-    for i, k in enumerate([*CORRUPTIONS, "eio-on-read"])
+    for i, k in enumerate([*CORRUPTIONS, "eio-on-read", "stored-again"])
 }
 # Test 3: a prompt whose prefix comes back from CPU and disk, one from disk.
 MIXED_PROMPT = make_prompt(950, SHORT_LEN)
@@ -369,6 +369,8 @@ class Env:
     def __init__(self, llm, expected: dict, plan: FaultPlan) -> None:
         self.llm = llm
         self.expected = expected
+        # Blocks a returning 4-block prefix loads (set by the fixture).
+        self.loaded_per_prefix = 0
         self.plan = plan
         self.mgr = manager_of(llm)
         self.h = self.mgr.hierarchy
@@ -455,10 +457,14 @@ def env(request, model, block_bytes, tmp_path_factory):
         model_dir, expected = model, request.getfixturevalue("llama_expected")
         offload_bytes, groups = block_bytes, 1
         kw = dict(num_gpu_blocks=20)
+        loaded = 4  # blocks a 4-block prefix loads
     else:
         model_dir = request.getfixturevalue("gemma_model")
         expected = request.getfixturevalue("gemma_expected")
         groups = 2
+        # The full-attention group's 4 and the sliding-window group's 2 (its
+        # 64-token window).
+        loaded = 6
         offload_bytes = kv_bytes_per_block(model_dir, BLOCK) // groups
         kw = dict(num_gpu_blocks=GEMMA_GPU_BLOCKS, max_model_len=GEMMA_MAX_LEN)
     cfg = kvtier_config(
@@ -475,6 +481,7 @@ def env(request, model, block_bytes, tmp_path_factory):
         plan = inject_faults(mp, FaultPlan(seed=11))
         with engine(model_dir, cfg, **kw) as llm:
             e = Env(llm, expected, plan)
+            e.loaded_per_prefix = loaded
             assert manager_of(llm).block_bytes == offload_bytes
             assert len(e.group_specs) == groups, e.group_specs
             yield e
@@ -553,6 +560,45 @@ class TestDiskCorruption:
 
         # The engine keeps serving, correctly.
         assert run_prompts(e.llm, [prompt], MAX_TOKENS).outputs == [e.want(prompt)]
+        assert_at_rest(e.mgr)
+
+    def test_a_dropped_block_is_stored_again_from_its_recompute(self, env):
+        """A corrupt disk block is dropped as its load completes and its
+        tokens are recomputed; the recomputed chunks are then offloaded
+        again (vLLM had advanced the request's store progress past the
+        planned load, so they never were: one more miss for every later
+        request). Llama fails block level (the valid head is kept), Gemma-2
+        request level (recomputed from token 0). The copy stored again is
+        the recomputed KV: the prefix then comes back whole from disk, with
+        the baseline's tokens."""
+        e = env
+        prompt = CORRUPT_PROMPTS["stored-again"]
+        keys, victim = e.victim_on_disk(prompt)
+        _corrupt(e, "bit-flip", keys, victim)
+        before = e.counters()
+        e.after_failed_load.clear()
+        again = run_prompts(e.llm, [prompt], MAX_TOKENS)
+        assert again.outputs == [e.want(prompt)]
+        d, fd, _wd = _deltas(e.counters(), before)
+        assert d["load_failures"] >= 1 and fd["corrupt"] == 1, (d, fd)
+        assert victim in {k for k, _res, _blk in e.after_failed_load}
+        assert_at_rest(e.mgr)  # the new copy spilled
+        # Stored again by the recomputing request: the victim only, every
+        # other key was still in the tier.
+        assert e.stored[again.request_ids[0]] == [victim]
+
+        for key in keys:
+            evict_clean(e.h, key)
+            assert e.h.lookup(key) is Residency.HIT_DISK, key.hex()
+        assert e.llm.reset_prefix_cache()
+        before = e.counters()
+        third = run_prompts(e.llm, [prompt], MAX_TOKENS)
+        assert third.outputs == [e.want(prompt)]
+        assert third.hits_by_source[0] == {"disk": 4 * BLOCK}, third.hits_by_source
+        d, fd, wd = _deltas(e.counters(), before)
+        assert d["load_failures"] == 0 and d["loads_cpu"] == 0, d
+        assert d["loads_disk"] == e.loaded_per_prefix, d
+        assert wd["checksum_failures"] == 0 and fd["corrupt"] == 0, (wd, fd)
         assert_at_rest(e.mgr)
 
     @pytest.mark.parametrize("env", ["gemma2"], indirect=True)
