@@ -129,12 +129,17 @@ class TieredOffloadingManager(OffloadingManager):
         runtime = self.runtime
         if runtime is None:
             return
+        self._apply_finished_spills(runtime)
+        for order in self.hierarchy.take_spills():
+            runtime.submit_spill(order)
+
+    def _apply_finished_spills(self, runtime: DiskRuntime) -> None:
+        """Settle the spill jobs that finished (counted in ``spills`` as
+        their bytes are in ``write_bytes``)."""
         h = self.hierarchy
         for job in runtime.poll():
             assert job.spill
             h.complete_spill(job.job_id, job.failed_keys)
-        for order in h.take_spills():
-            runtime.submit_spill(order)
 
     # ------------------------------------------------------------- contract
 
@@ -342,10 +347,12 @@ class TieredOffloadingManager(OffloadingManager):
     @override
     def reset_cache(self) -> None:
         if self.runtime is not None:
+            # Settle every spill in flight, and order no new one: the reset
+            # forgets every block, so a spill ordered now only wrote the
+            # drive for nothing (and its result, dropped, counted in
+            # write_bytes but not in spills).
             self.runtime.drain()
-            self._pump()
-            self.runtime.drain()
-            self.runtime.poll()
+            self._apply_finished_spills(self.runtime)
         self.hierarchy.reset()
         self._failed_loads.clear()
         self._io_failed_loads.clear()

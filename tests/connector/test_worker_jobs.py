@@ -702,3 +702,31 @@ def test_a_warm_restart_is_announced_over_several_steps(monkeypatch):
         steps.append([k for ev in events for k in ev.keys])
     assert [len(s) for s in steps] == [16] * 6 + [4]
     assert [k for s in steps for k in s] == keys
+
+
+def test_spills_finishing_in_reset_cache_count_alike_in_spills_and_write_bytes(
+    tmp_path,
+):
+    """Every spill that reaches the drive counts in ``spills`` and in
+    ``write_bytes{disk}`` alike, those that finish inside reset_cache too.
+    The reset ordered more spills after applying the finished ones (a disk
+    as small as half the CPU tier takes half the dirty blocks per round),
+    waited for them and dropped their results: the drive wrote blocks that
+    the reset forgot at once, counted in write_bytes and not in spills."""
+    config = make_config(tmp_path, cpu_blocks=8, disk_blocks=4, spill_watermark=0.0)
+    r = RequestRunner(tiered_spec(config))
+    try:
+        exported = _Exported(r.manager)
+        r.store("a", list(range(1, 9)))  # 8 dirty blocks, room on disk for 4
+        h = r.manager.hierarchy
+        assert h.stats.spills_started == 4
+        r.manager.reset_cache()
+        exported.collect()
+        spills = exported.grew(metrics.SPILLS)
+        written = exported.grew(metrics.WRITE_BYTES).get(("disk",), 0)
+        assert spills == {(): 4}, spills
+        assert written == 4 * r.manager.block_bytes, written
+        assert not r.manager.has_pending_work()
+        assert len(h.cpu) == len(h.disk) == 0
+    finally:
+        r.close()
