@@ -118,14 +118,63 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         # failed keys. Their unfilled blocks are reported block level only.
         self._sync_load_reqs: dict[int, str] = {}
         self._sync_invalid_block_ids: set[int] = set()
+        # This step's store jobs (prepare_store_kv), and whether a sync load
+        # of this step failed (get_finished): see _drop_step_stores.
+        self._step_stores: dict[int, Any] = {}
+        self._step_sync_failed = False
         self._deltas = CounterDeltas()
 
     @override
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
+        self._step_stores = {}
+        self._step_sync_failed = False
         for job_id, entry in metadata.load_jobs.items():
             if getattr(entry, "sync", False):
                 self._sync_load_reqs[job_id] = entry.req_id
         super().start_kv_transfers(metadata)
+
+    @override
+    def prepare_store_kv(self, metadata: OffloadingConnectorMetadata) -> None:
+        self._step_stores.update(metadata.store_jobs)
+        super().prepare_store_kv(metadata)
+        if self._step_sync_failed:  # vLLM called get_finished first
+            self._drop_step_stores()
+
+    def _drop_step_stores(self) -> None:
+        """Fail this step's store jobs: a synchronous load of this step
+        failed, and the step computed its tokens over the blocks it left
+        unfilled.
+
+        vLLM (0.33) builds a step's store jobs next to its synchronous loads,
+        for the chunks that step computes, and submits them at the next
+        step's start; on a failed load it only winds the requests back. Those
+        chunks' KV was computed against the unfilled blocks (by the loading
+        request, by any request sharing its blocks in the batch, and, under
+        tensor parallelism, by every rank, through the all-reduce), so
+        stored, it would be wrong KV under the right keys for later
+        requests. No step store is submitted; every one travels to the
+        scheduler as its CPU rows, from every rank, so the manager gives
+        them back unwritten: misses, only in a step whose synchronous load
+        failed."""
+        if not self._step_stores:
+            return
+        queued = self._unsubmitted_store_jobs
+        self._unsubmitted_store_jobs = [
+            job for job in queued if job[0] not in self._step_stores
+        ]
+        meta = self._connector_worker_meta
+        for job_id, entry in self._step_stores.items():
+            self._report.failed_store_rows.extend(
+                int(r) for r in entry.dst_spec.block_ids
+            )
+            if job_id not in meta.completed_jobs:  # a non-writer's already is
+                meta.mark_completed(job_id)
+        logger.warning(
+            "kvtier: a synchronous load failed; the %d store job(s) of its step "
+            "are dropped (their chunks were computed over the unfilled blocks)",
+            len(self._step_stores),
+        )
+        self._step_stores = {}
 
     @override
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -169,12 +218,15 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
                     report.failed_loads.append(owner)
                 if req_id is None:  # sync: the request runs this step
                     self._sync_invalid_block_ids |= error.gpu_block_ids
+                    self._step_sync_failed = True
                 else:
                     self._failed_reqs.add(req_id)
                     self._invalid_block_ids |= error.gpu_block_ids
             meta.mark_completed(job_id)
             if req_id is not None:
                 finished_recving.add(req_id)
+        if self._step_sync_failed:
+            self._drop_step_stores()
         return set(), finished_recving
 
     def take_load_errors(self) -> tuple[set[str], set[int], set[int]]:

@@ -53,11 +53,13 @@ class FakeWorker:
         self.fail = dict(fail or {})
         self.failed_stores = dict(failed_stores or {})
         self.loads: list[tuple[int, bool]] = []  # (job_id, expedited)
+        self.stores: list[int] = []  # job ids submitted
         self.waited: list[set[int]] = []
         self._done: list[TransferResult] = []
         self._errors: dict[int, LoadError] = {}
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        self.stores.append(job_id)
         ok = job_id not in self.failed_stores
         self._done.append(TransferResult(job_id, ok, 100, 0.5))
         return True
@@ -264,3 +266,67 @@ def test_connector_reports_sync_failures_block_level(request_level: bool) -> Non
         assert results.failed_recving == set()
         assert conn.get_block_ids_with_load_errors() == {2, 5}
     assert conn.get_block_ids_with_load_errors() == set()
+
+
+def _store(req_id: str, gpu_blocks: list[int], rows: list[int]) -> TransferJob:
+    return TransferJob(
+        req_id=req_id,
+        src_spec=GPULoadStoreSpec(
+            gpu_blocks, group_sizes=[len(gpu_blocks)], block_indices=[0]
+        ),
+        dst_spec=CpuTierSpec(rows),
+    )
+
+
+@needs_sync_loads
+@pytest.mark.parametrize("writer", [True, False], ids=["writer", "non-writer"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["finalize", "deferred"])
+@pytest.mark.parametrize("sync_fails", [True, False], ids=["failed", "loaded"])
+def test_a_failed_sync_load_drops_the_stores_of_its_step(
+    sync_fails: bool, deferred: bool, writer: bool
+) -> None:
+    """A step with a synchronous load also stores the chunks it computes
+    (vLLM 0.33 submits them at the next step's start). When the load fails,
+    those chunks were computed over its unfilled blocks: no store of the
+    step may be written, and each one's CPU rows go to the scheduler as
+    failed, from every rank (a non-writer's too: under tensor parallelism
+    the writer's KV went through the same all-reduce)."""
+    fail = {1: LoadError(keys=[b"h1"], gpu_block_ids={4})} if sync_fails else {}
+    fake = FakeWorker(fail)
+    worker = _worker(fake)
+    worker._is_store_writer = writer
+    step = OffloadingConnectorMetadata(
+        load_jobs={1: _load("a", [3, 4], sync=True)},
+        # "a" computes past its hit; "b" shares nothing but runs in the step.
+        store_jobs={7: _store("a", [5, 6], [20, 21]), 8: _store("b", [9], [22])},
+        jobs_to_flush=set(),
+    )
+    worker.start_kv_transfers(step)
+    if deferred:  # speculative decoding: wait_for_save after the results
+        worker.get_finished(set())
+        first = worker.build_connector_worker_meta()
+        worker.prepare_store_kv(step)
+    else:
+        worker.prepare_store_kv(step)
+        worker.get_finished(set())
+        first = worker.build_connector_worker_meta()
+    # The next step submits what the last one left queued.
+    worker.start_kv_transfers(
+        OffloadingConnectorMetadata(load_jobs={}, store_jobs={}, jobs_to_flush=set())
+    )
+    worker.get_finished(set())
+    second = worker.build_connector_worker_meta()
+    metas = [m for m in (first, second) if m is not None]
+    completed: dict[int, int] = {}
+    rows: list[int] = []
+    for m in metas:
+        completed.update(m.completed_jobs)
+        rows += m.report.failed_store_rows
+    if sync_fails:
+        assert fake.stores == []
+        assert sorted(rows) == [20, 21, 22]
+    else:
+        assert fake.stores == ([7, 8] if writer else [])
+        assert rows == []
+    # Every job of the step completes exactly once, on every rank.
+    assert completed == {1: 1, 7: 1, 8: 1}
