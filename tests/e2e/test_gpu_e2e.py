@@ -1,7 +1,8 @@
 """The real-engine tests on CUDA: ``make test-gpu`` (marked ``gpu``).
 
-The e2e tests of test_kvtier_e2e.py, test_disk_load_e2e.py,
-test_async_load_e2e.py and test_load_negative_control_e2e.py (the harness
+The e2e tests of test_sync_load_e2e.py, test_kvtier_e2e.py,
+test_disk_load_e2e.py, test_async_load_e2e.py and
+test_load_negative_control_e2e.py (the harness
 is platform-neutral: a tiny random Llama and a tiny Gemma-2 built locally,
 the no-offload baseline, greedy outputs compared token for token),
 collected again here under the ``gpu`` mark so that on a CUDA host with
@@ -11,6 +12,10 @@ staging area (posix, kvikio) for ``disk_load_path: device``. In-process
 engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as tests/e2e pins), except
 the multiprocess case of test_async_load_e2e.py.
 
+- a synchronous load (vLLM 0.33's ``sync_load_budget_bytes``) that fails
+  a bit-flipped disk block: its step's computed chunks are not stored
+  (they were computed over the unfilled block), and are stored later from
+  a correct compute; skipped on a vLLM without synchronous loads;
 - returning prompts served from disk; KV events and Prometheus series per
   tier; a prefix split across CPU and disk; warm restart; configuration
   errors;
@@ -62,10 +67,14 @@ if _missing is not None:
     pytest.skip(f"needs a vLLM CUDA engine build ({_missing})", allow_module_level=True)
 
 # Collected in this order (a lent GPU's time is short, a run that stops
-# early has done the newest checks first): the negative controls, the
-# disk-load tests, the main run and its neighbours, then the asynchronous
-# loads (the multiprocess case last).
+# early has done the newest checks first): the failed synchronous load, the
+# negative controls, the disk-load tests, the main run and its neighbours,
+# then the asynchronous loads (the multiprocess case last).
 # isort: off
+from .test_sync_load_e2e import (  # noqa: E402,F401  (tests and their fixtures)
+    test_a_failed_sync_load_stores_nothing_its_step_computed,
+    sync_load_expected,
+)
 from .test_load_negative_control_e2e import (  # noqa: E402,F401  (tests and their fixtures)
     test_wrong_bytes_in_the_kv_cache_change_the_output,
 )
