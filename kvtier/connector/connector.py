@@ -40,6 +40,7 @@ never read unwritten. Enable with::
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -342,6 +343,38 @@ class TieredOffloadingConnector(OffloadingConnector):
         # where block level cannot be used: compat.check_sync_load_budget).
         self._invalid_block_ids |= sync_blocks
         return results
+
+    @override
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """vLLM's, but a request that ``reset_prefix_cache(
+        reset_running_requests=True)`` preempted and the same step readmitted
+        with a load is not taken for a request with store jobs to flush.
+
+        vLLM 0.32 flushes the jobs of each preempted request and asserts
+        they are stores; a request preempted by that reset (between steps)
+        and readmitted with a CPU or disk hit has only its new load, not
+        yet submitted, and the assertion stopped the engine. vLLM 0.33
+        leaves such loads out of the flush; so does this: those requests
+        leave the preempted set that vLLM's connector scheduler reads (the
+        worker still gets vLLM's own scheduler output). A load is only
+        issued when a request has no other job in flight, so nothing of
+        theirs needed a flush."""
+        sched = self.connector_scheduler
+        assert sched is not None
+        preempted = scheduler_output.preempted_req_ids
+        fresh = sched._current_batch_load_jobs.keys()
+        if preempted and fresh:
+            readmitted = {
+                req_id
+                for req_id in preempted
+                if (status := sched._req_status.get(req_id)) is not None
+                and status.transfer_jobs
+                and status.transfer_jobs <= fresh
+            }
+            if readmitted:
+                scheduler_output = copy.copy(scheduler_output)
+                scheduler_output.preempted_req_ids = preempted - readmitted
+        return super().build_connector_meta(scheduler_output)
 
     @override
     def reset_cache(self) -> bool | None:

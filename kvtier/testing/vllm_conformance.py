@@ -60,12 +60,18 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
         "OffloadingConnectorScheduler",
-        ("manager", "_req_status", "reset_cache"),
+        (
+            "manager",
+            "_req_status",
+            "reset_cache",
+            "_current_batch_load_jobs",
+            "build_connector_meta",
+        ),
     ),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
         "RequestOffloadState",
-        ("group_states",),
+        ("group_states", "transfer_jobs"),
     ),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
@@ -93,6 +99,7 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("finished_sending", "finished_recving", "failed_recving"),
     ),
     ("vllm.v1.outputs", "KVConnectorOutput", ("kv_connector_worker_meta",)),
+    ("vllm.v1.core.sched.output", "SchedulerOutput", ("preempted_req_ids",)),
     (
         "vllm.config.kv_transfer",
         "KVTransferConfig",

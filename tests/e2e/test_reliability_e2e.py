@@ -386,3 +386,51 @@ def test_preempted_requests_return_pins_and_keep_outputs(model, block_bytes, tmp
     assert preemptions > 0
     assert first.outputs == expected and again.outputs == expected
     assert sum(again.totals.get(s, 0) for s in ("host", "disk")) > 0
+
+
+def test_a_reset_that_preempts_running_requests_reloads_them(
+    model, block_bytes, tmp_path
+):
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts the
+    running requests and, in the same step, readmits them: a request whose
+    chunks the CPU tier holds is loaded back while vLLM flushes the jobs of
+    the requests it preempted. Found by the engine fuzz (running resets)."""
+    from kvtier.testing.engine import get_connector, get_scheduler
+
+    prompt = FIRST[0]
+    tokens = 48
+    with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
+        expected = run_prompts(llm, [prompt], tokens).outputs[0]
+
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False
+    )
+    cfg = kvtier_config(block_bytes, tmp_path)
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        core = llm.llm_engine
+        sched = get_scheduler(llm)
+        conn = get_connector(llm).connector_scheduler
+        mgr = manager_of(llm)
+        rid = core.add_request("reset-running", {"prompt_token_ids": prompt}, sp)
+        out: list[int] = []
+        deadline = time.monotonic() + 60
+        # Run until the prompt's chunks are in the CPU tier, their stores
+        # complete, and the request still runs.
+        while not (
+            len(mgr.hierarchy.cpu) >= len(prompt) // 32
+            and not conn._req_status[rid].transfer_jobs
+        ):
+            assert time.monotonic() < deadline, "the prompt's chunks were not stored"
+            for o in core.step():
+                out = list(o.outputs[0].token_ids)
+        assert len(out) < tokens and sched.running
+        assert llm.reset_prefix_cache(reset_running_requests=True)
+        finished = False
+        while not finished:
+            assert time.monotonic() < deadline, "the request did not finish"
+            for o in core.step():
+                out, finished = list(o.outputs[0].token_ids), o.finished
+        assert out == expected
+        assert mgr.hierarchy.stats.loads_cpu > 0  # it was loaded back
+        drain(llm)
+        assert_at_rest(mgr)
