@@ -12,7 +12,9 @@ deadline while, at random steps:
 * the disk's reads fail (EIO, short read, bit flip) or are held on a gate
   and released later, rules switched on and off between phases;
 * the GPU prefix cache is reset (``reset_prefix_cache``), sometimes with
-  the connector's cache.
+  the connector's cache, and while busy sometimes with
+  ``reset_running_requests=True`` (vLLM preempts the running requests
+  first; it refuses with a RuntimeError while a load holds blocks).
 
 Invariants: every request not aborted finishes before the deadline with the
 no-offload engine's greedy tokens for its prompt; after draining, kvtier is
@@ -20,7 +22,9 @@ at rest (no pins, loads, reservations or disk jobs), and every prompt,
 run again with a healthy disk, still gets its baseline tokens.
 
 ``KVTIER_FUZZ_SEEDS`` (e.g. ``0-49``) explores more seeds than the few
-committed ones.
+committed ones, ``KVTIER_FUZZ_SCALE`` (e.g. ``3``) runs longer per seed, and
+``KVTIER_FUZZ_TIGHT=1`` gives Llama the fewest GPU blocks its longest prompt
+fits in, so vLLM preempts more (Gemma-2's default is already that).
 """
 
 from __future__ import annotations
@@ -76,10 +80,14 @@ class Model:
     gpu_blocks: int
     max_len: int
     groups: int
+    # The fewest GPU blocks that still fit the longest prompt of the pool:
+    # vLLM preempts at almost every burst (KVTIER_FUZZ_TIGHT=1).
+    tight_blocks: int
 
 
-LLAMA = Model("llama", gpu_blocks=20, max_len=19 * BLOCK, groups=1)
-GEMMA = Model("gemma2", gpu_blocks=24, max_len=352, groups=2)
+LLAMA = Model("llama", gpu_blocks=20, max_len=19 * BLOCK, groups=1, tight_blocks=15)
+GEMMA = Model("gemma2", gpu_blocks=24, max_len=352, groups=2, tight_blocks=24)
+TIGHT = os.environ.get("KVTIER_FUZZ_TIGHT") == "1"
 
 
 def prompt_pool(m: Model) -> list[list[int]]:
@@ -111,6 +119,9 @@ class Tally:
     resets: int = 0
     resets_done: int = 0
     connector_resets: int = 0
+    running_resets: int = 0
+    running_resets_refused: int = 0
+    reset_preempted: int = 0  # running requests the running resets preempted
     preemptions: int = 0
     faults: Counter = field(default_factory=Counter)
     injected: Counter = field(default_factory=Counter)
@@ -134,8 +145,13 @@ def _read_rule(rng: random.Random, gates: list[threading.Event]) -> FaultRule | 
     return None
 
 
-def fuzz(llm, plan: FaultPlan, pool, expected, seed: int, scale: int) -> Tally:
+def fuzz(
+    llm, plan: FaultPlan, pool, expected, seed: int, scale: int, running: bool = True
+) -> Tally:
     rng = random.Random(seed)
+    # Its own stream, so that a case without running resets draws what it
+    # drew before they were fuzzed.
+    rng_running = random.Random(f"running-{seed}")
     core = llm.llm_engine
     sched = get_scheduler(llm)
     tally = Tally()
@@ -221,19 +237,48 @@ def fuzz(llm, plan: FaultPlan, pool, expected, seed: int, scale: int) -> Tally:
             idle = not sched.has_requests()
             if rng.random() < (0.5 if idle else 0.015):
                 connector = rng.random() < 0.25
+                # vLLM preempts the running requests first (their KV is
+                # recomputed), then resets; it raises while a request waits
+                # for its load (its blocks stay allocated).
+                preempt = running and not idle and rng_running.random() < 0.5
+                if preempt:
+                    connector = rng_running.random() < 0.75
                 tally.resets += 1
                 tally.connector_resets += connector
-                ok = llm.reset_prefix_cache(reset_connector=connector)
-                tally.resets_done += bool(ok)
+                tally.running_resets += preempt
+                tally.reset_preempted += len(sched.running) if preempt else 0
                 loading_now = [
                     e
                     for e, i in live.items()
                     if i in sched.requests
                     and sched.requests[i].status == RequestStatus.WAITING_FOR_REMOTE_KVS
                 ]
+                # Blocks no preemption frees: of requests loading, loaded and
+                # not yet scheduled, aborted while loading; and the frees
+                # vLLM defers while a connector may still write the blocks.
+                holders = [
+                    r.request_id
+                    for r in sched.requests.values()
+                    if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                    or RequestStatus.is_finished(r.status)
+                    or (
+                        r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                        and r.num_computed_tokens
+                    )
+                ] + ["deferred frees"] * bool(sched.deferred_frees)
+                try:
+                    ok = llm.reset_prefix_cache(
+                        reset_running_requests=preempt, reset_connector=connector
+                    )
+                except RuntimeError as e:
+                    assert preempt and holders, (seed, step, e)
+                    assert "waiting for remote KV transfer" in str(e), e
+                    ok = "refused"
+                    tally.running_resets_refused += 1
+                tally.resets_done += ok is True
                 log.append(
-                    f"s{step}:reset connector={connector} ok={ok} loading={loading_now}"
-                    f" gates={[g.is_set() for g in gates]}"
+                    f"s{step}:reset running={preempt} connector={connector} ok={ok}"
+                    f" loading={loading_now} gates={[g.is_set() for g in gates]}"
                 )
             for out in core.step():
                 if out.num_cached_tokens is not None and out.request_id in live:
@@ -248,6 +293,9 @@ def fuzz(llm, plan: FaultPlan, pool, expected, seed: int, scale: int) -> Tally:
             step += 1
             if not sched.has_requests() and not live:
                 time.sleep(0.001)
+    except BaseException:
+        print("\n".join(log))
+        raise
     finally:
         for gate in gates:
             gate.set()
@@ -281,7 +329,7 @@ def gemma_model() -> str:
 _EXPECTED: dict[str, list[list[int]]] = {}
 
 
-def _setup(request, m: Model):
+def _setup(request, m: Model, tight: bool):
     if m.name == "llama":
         model_dir = request.getfixturevalue("model")
     else:
@@ -292,25 +340,33 @@ def _setup(request, m: Model):
     if m.name not in _EXPECTED:
         with engine(model_dir, None, **kw) as llm:
             _EXPECTED[m.name] = run_each(llm, pool, MAX_TOKENS).outputs
+    if tight:
+        kw["num_gpu_blocks"] = m.tight_blocks
+        kw["max_model_len"] = min(m.max_len, (m.tight_blocks - 1) * BLOCK)
     return model_dir, offload_bytes, pool, _EXPECTED[m.name], kw
 
 
-# (model, seed, scale): the seeds asked for, on both models, and the case
-# that left a wrong copy on Gemma-2 when a connector reset while requests
-# ran made vLLM store their chunks again from the first (fixed in
-# TieredOffloadingConnector.reset_cache).
-CASES = [(m, seed, SCALE) for seed in _seeds() for m in (LLAMA, GEMMA)] + [
-    (GEMMA, 114, 3)
+# (model, seed, scale, running resets, tight GPU cache): the seeds asked
+# for, on both models, and the case that left a wrong copy on Gemma-2 when a
+# connector reset while requests ran made vLLM store their chunks again from
+# the first (fixed in TieredOffloadingConnector.reset_cache; it predates the
+# running resets, so it runs without them, as it ran then).
+CASES = [(m, seed, SCALE, True, TIGHT) for seed in _seeds() for m in (LLAMA, GEMMA)] + [
+    (GEMMA, 114, 3, False, False)
 ]
 
 
+def _case_id(m, seed, scale, running, tight) -> str:
+    return f"{m.name}-{seed}-x{scale}" + ("-tight" if tight else "")
+
+
 @pytest.mark.parametrize(
-    ("m", "seed", "scale"),
+    ("m", "seed", "scale", "running", "tight"),
     CASES,
-    ids=[f"{m.name}-{seed}-x{scale}" for m, seed, scale in CASES],
+    ids=[_case_id(*c) for c in CASES],
 )
-def test_engine_fuzz(request, m, seed, scale, tmp_path, monkeypatch):
-    model_dir, offload_bytes, pool, expected, kw = _setup(request, m)
+def test_engine_fuzz(request, m, seed, scale, running, tight, tmp_path, monkeypatch):
+    model_dir, offload_bytes, pool, expected, kw = _setup(request, m, tight)
     plan = inject_faults(monkeypatch, FaultPlan(seed=seed))
     rng = random.Random(10_000 + seed)
     cfg = kvtier_config(
@@ -322,7 +378,7 @@ def test_engine_fuzz(request, m, seed, scale, tmp_path, monkeypatch):
     )
     with engine(model_dir, cfg, **kw) as llm:
         mgr = manager_of(llm)
-        tally = fuzz(llm, plan, pool, expected, seed, scale)
+        tally = fuzz(llm, plan, pool, expected, seed, scale, running)
         _drain(llm)
         assert_at_rest(mgr)
         stats = mgr.hierarchy.stats
