@@ -119,16 +119,24 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         # failed keys. Their unfilled blocks are reported block level only.
         self._sync_load_reqs: dict[int, str] = {}
         self._sync_invalid_block_ids: set[int] = set()
-        # This step's store jobs (prepare_store_kv), and whether a sync load
-        # of this step failed (get_finished): see _drop_step_stores.
+        # This step's store jobs (prepare_store_kv), and whether they are
+        # dropped: a sync load of this step failed (get_finished), or of one
+        # of the steps the scheduler planned this one after, before it read
+        # that step's output (async scheduling, pipeline parallelism): the
+        # next max_concurrent_batches - 1 steps. See _drop_step_stores.
         self._step_stores: dict[int, Any] = {}
         self._step_sync_failed = False
+        batches = getattr(self.vllm_config, "max_concurrent_batches", None)
+        self._steps_planned_ahead = max(int(batches or 1), 1) - 1
+        self._blind_steps_left = 0
         self._deltas = CounterDeltas()
 
     @override
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
         self._step_stores = {}
-        self._step_sync_failed = False
+        # Planned before the scheduler saw an earlier step's failed sync load.
+        self._step_sync_failed = self._blind_steps_left > 0
+        self._blind_steps_left = max(self._blind_steps_left - 1, 0)
         for job_id, entry in metadata.load_jobs.items():
             if getattr(entry, "sync", False):
                 self._sync_load_reqs[job_id] = entry.req_id
@@ -156,7 +164,15 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         requests. No step store is submitted; every one travels to the
         scheduler as its CPU rows, from every rank, so the manager gives
         them back unwritten: misses, only in a step whose synchronous load
-        failed."""
+        failed.
+
+        The same goes for the steps vLLM planned after that one before it
+        read its output (async scheduling: the next step; pipeline
+        parallelism: up to ``max_concurrent_batches - 1``): the loading
+        request computed its next prefill chunk, or decoded, over the
+        unfilled blocks there too, and vLLM built those chunks' store jobs
+        with the keys of a correct compute; only a step planned after the
+        scheduler wound the request back recomputes them."""
         if not self._step_stores:
             return
         queued = self._unsubmitted_store_jobs
@@ -171,8 +187,9 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
             if job_id not in meta.completed_jobs:  # a non-writer's already is
                 meta.mark_completed(job_id)
         logger.warning(
-            "kvtier: a synchronous load failed; the %d store job(s) of its step "
-            "are dropped (their chunks were computed over the unfilled blocks)",
+            "kvtier: a synchronous load failed; the %d store job(s) of its step, "
+            "or of a step planned before its failure was seen, are dropped "
+            "(their chunks were computed over the unfilled blocks)",
             len(self._step_stores),
         )
         self._step_stores = {}
@@ -220,6 +237,7 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
                 if req_id is None:  # sync: the request runs this step
                     self._sync_invalid_block_ids |= error.gpu_block_ids
                     self._step_sync_failed = True
+                    self._blind_steps_left = self._steps_planned_ahead
                 else:
                     self._failed_reqs.add(req_id)
                     self._invalid_block_ids |= error.gpu_block_ids

@@ -100,6 +100,7 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     ("vllm.v1.outputs", "KVConnectorOutput", ("kv_connector_worker_meta",)),
     ("vllm.v1.core.sched.output", "SchedulerOutput", ("preempted_req_ids",)),
+    ("vllm.config.vllm", "VllmConfig", ("max_concurrent_batches",)),
     (
         "vllm.config.kv_transfer",
         "KVTransferConfig",

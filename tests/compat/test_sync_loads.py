@@ -88,14 +88,22 @@ class FakeWorker:
         return self.failed_stores.pop(job_id, None)
 
 
-def _worker(fake: FakeWorker) -> KvtierConnectorWorker:
+def _worker(
+    fake: FakeWorker, batches_in_flight: int | None = None
+) -> KvtierConnectorWorker:
     spec = SimpleNamespace(
         replicated_layout=False,
         config=SimpleNamespace(
             canonical_layout=False, parallel=SimpleNamespace(rank=0)
         ),
     )
-    worker = KvtierConnectorWorker(spec, None, None)
+    # vllm_config.max_concurrent_batches: 2 under async scheduling.
+    vllm_config = (
+        None
+        if batches_in_flight is None
+        else SimpleNamespace(max_concurrent_batches=batches_in_flight)
+    )
+    worker = KvtierConnectorWorker(spec, vllm_config, None)
     worker.worker = fake  # type: ignore[assignment]
     return worker
 
@@ -330,3 +338,54 @@ def test_a_failed_sync_load_drops_the_stores_of_its_step(
         assert rows == []
     # Every job of the step completes exactly once, on every rank.
     assert completed == {1: 1, 7: 1, 8: 1}
+
+
+@needs_sync_loads
+@pytest.mark.parametrize(
+    "batches_in_flight", [1, 2, 3], ids=["sync-sched", "async-sched", "pp3"]
+)
+def test_a_failed_sync_load_drops_the_stores_of_steps_planned_before_it_was_seen(
+    batches_in_flight: int,
+) -> None:
+    """Under async scheduling (``max_concurrent_batches`` 2; more with
+    pipeline parallelism) the scheduler plans the steps after a synchronous
+    load's step before it reads that step's output: the loading request
+    computes its next prefill chunk (or decodes) over the block the load
+    left unfilled, and vLLM builds that chunk's store job next to it. Only
+    the steps planned after the scheduler wound the request back compute
+    over a refilled block. So the store jobs of the sync load's step and of
+    the ``max_concurrent_batches - 1`` steps after it are never written and
+    their rows go to the scheduler as failed; a later step's are written."""
+    fake = FakeWorker({1: LoadError(keys=[b"h1"], gpu_block_ids={4})})
+    worker = _worker(fake, batches_in_flight)
+    steps = [
+        # Step n: "a" loads [3, 4] synchronously (4 fails), computes block 5.
+        ({1: _load("a", [3, 4], sync=True)}, {7: _store("a", [5], [20])}),
+        # Steps planned before the failure was seen: "a" goes on over block 4.
+        ({}, {8: _store("a", [6], [21])}),
+        ({}, {9: _store("a", [10], [22])}),
+        # Planned after: "a" recomputed from block 4.
+        ({}, {}),
+        ({}, {11: _store("a", [4], [23])}),
+        ({}, {}),  # submits what the last one left queued
+    ]
+    rows: list[int] = []
+    completed: dict[int, int] = {}
+    for loads, stores in steps:
+        step = OffloadingConnectorMetadata(
+            load_jobs=loads, store_jobs=stores, jobs_to_flush=set()
+        )
+        worker.handle_preemptions(step)
+        worker.start_kv_transfers(step)
+        worker.prepare_store_kv(step)
+        worker.get_finished(set())
+        meta = worker.build_connector_worker_meta()
+        if meta is not None:
+            rows += meta.report.failed_store_rows
+            for job_id, count in meta.completed_jobs.items():
+                completed[job_id] = completed.get(job_id, 0) + count
+    planned_blind = [7, 8, 9][:batches_in_flight]
+    assert sorted(rows) == [20, 21, 22][:batches_in_flight]
+    assert fake.stores == [j for j in (7, 8, 9, 11) if j not in planned_blind]
+    # Every job completes exactly once.
+    assert completed == {1: 1, 7: 1, 8: 1, 9: 1, 11: 1}
