@@ -528,6 +528,16 @@ def _error_examples() -> list[tuple[str, str]]:
             ),
         )
     )
+    out.append(
+        (
+            "`sync_load_budget_bytes` with a disk tier, async scheduling",
+            _message(
+                lambda: check_sync_load_budget(
+                    sync, sync_loads=True, kv_cache_groups=1, concurrent_batches=2
+                )
+            ),
+        )
+    )
     return out
 
 

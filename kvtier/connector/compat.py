@@ -27,6 +27,7 @@ def check_sync_load_budget(
     *,
     sync_loads: bool | None = None,
     kv_cache_groups: int | None = None,
+    concurrent_batches: int | None = None,
 ) -> None:
     """Refuse ``sync_load_budget_bytes`` where kvtier cannot honour it.
 
@@ -36,7 +37,18 @@ def check_sync_load_budget(
     the engine on block-level errors for a model with several KV-cache
     groups. A CPU-only hierarchy never fails a load, so it is accepted
     there. ``kv_cache_groups`` None: not known (not under kvtier's
-    connector, which a disk tier requires anyway)."""
+    connector, which a disk tier requires anyway).
+
+    ``concurrent_batches``: vLLM's ``max_concurrent_batches`` (2 under
+    async scheduling, vLLM 0.33's default on CUDA; more with pipeline
+    parallelism); None: not known. Above 1, vLLM has planned the next step
+    before it learns that a synchronous load failed, and a request planned
+    there over the loaded blocks (they are in vLLM's prefix cache from the
+    step that loads them) keeps what it computed over the unfilled one
+    (vLLM 0.33's ``_update_requests_with_invalid_blocks`` counts the block
+    as recomputed by the loading request): wrong tokens for that request,
+    and wrong KV in every chunk it stores from then on. So a disk tier,
+    whose loads can fail, is refused there too."""
     budget = cfg.sync_load_budget_bytes
     if budget == 0:
         return
@@ -58,4 +70,16 @@ def check_sync_load_budget(
             "refuses for several KV-cache groups (the engine would stop); "
             f"remove {KEY} (or set it to 0), or drop the disk tier "
             "(disk_bytes_to_use: 0)",
+        )
+    if cfg.disk_enabled and concurrent_batches is not None and concurrent_batches > 1:
+        raise ConfigError(
+            KEY,
+            f"is {budget} with a disk tier while vLLM runs {concurrent_batches} "
+            "batches at once (async scheduling, or pipeline parallelism): vLLM "
+            "plans the next step before it learns that a synchronous load "
+            "failed, and keeps what a request planned there computed over the "
+            "unfilled block (wrong tokens, and wrong KV stored); "
+            f"remove {KEY} (or set it to 0), or run vLLM with "
+            "--no-async-scheduling and no pipeline parallelism, or drop the "
+            "disk tier (disk_bytes_to_use: 0)",
         )

@@ -78,8 +78,9 @@ class ConnectorFacts:
     """What kvtier's connector knows of the engine and hands to the spec it
     builds; vLLM's ``OffloadingConfig`` carries neither.
 
-    ``kv_cache_groups``: the model's number of KV-cache groups (refuses a
-    synchronous-load budget a disk tier cannot honour). ``settings``: what
+    ``kv_cache_groups``: the model's number of KV-cache groups, and
+    ``concurrent_batches``: vLLM's ``max_concurrent_batches`` (each refuses
+    a synchronous-load budget a disk tier cannot honour). ``settings``: what
     the resolved ``VllmConfig`` says produces KV values
     (:func:`~kvtier.connector.identity.settings_identity`), part of the disk
     tier's namespace; the scheduler's and every worker's connector compute
@@ -94,12 +95,18 @@ class ConnectorFacts:
     kv_cache_groups: int | None = None
     settings: dict[str, Any] | None = None
     source: ModelSource | None = None
+    concurrent_batches: int | None = None
 
     @classmethod
     def of(cls, vllm_config: Any, kv_cache_groups: int) -> ConnectorFacts:
         """The facts of the engine ``vllm_config`` describes."""
         source = ModelSource.of(vllm_config)
-        return cls(kv_cache_groups, settings_identity(vllm_config, source), source)
+        return cls(
+            kv_cache_groups,
+            settings_identity(vllm_config, source),
+            source,
+            int(vllm_config.max_concurrent_batches),
+        )
 
 
 class TieredOffloadingSpec(OffloadingSpec):
@@ -125,7 +132,11 @@ class TieredOffloadingSpec(OffloadingSpec):
         facts = facts or ConnectorFacts()
         self.settings = facts.settings
         self.source = facts.source
-        check_sync_load_budget(self.kvtier, kv_cache_groups=facts.kv_cache_groups)
+        check_sync_load_budget(
+            self.kvtier,
+            kv_cache_groups=facts.kv_cache_groups,
+            concurrent_batches=facts.concurrent_batches,
+        )
         if config.canonical_layout:
             raise ConfigError("canonical_layout", CANONICAL_LAYOUT_REFUSAL)
         # vLLM's replicated layout (MLA under TP) keeps one host copy that

@@ -64,10 +64,44 @@ def test_decision(
         assert fragment in message
 
 
+@pytest.mark.parametrize(
+    "extra,batches,refused",
+    [
+        (DISK, 1, False),  # synchronous scheduling
+        (DISK, None, False),  # not known: kvtier's connector checks
+        (DISK, 2, True),  # async scheduling (vLLM 0.33's CUDA default)
+        (DISK, 3, True),  # pipeline parallelism
+        (CPU, 2, False),  # a CPU-only hierarchy never fails a load
+    ],
+)
+def test_a_disk_tier_refuses_sync_loads_when_vllm_plans_ahead(
+    extra: dict[str, Any], batches: int | None, refused: bool
+) -> None:
+    """Under async scheduling vLLM plans the next step before it learns a
+    synchronous load failed, and keeps what a request planned there over
+    the loaded blocks computed: a disk tier, whose loads fail, is refused."""
+    cfg = parse_extra_config({**extra, KEY: 1 << 20})
+    if not refused:
+        check_sync_load_budget(
+            cfg, sync_loads=True, kv_cache_groups=1, concurrent_batches=batches
+        )
+        return
+    with pytest.raises(ConfigError) as err:
+        check_sync_load_budget(
+            cfg, sync_loads=True, kv_cache_groups=1, concurrent_batches=batches
+        )
+    assert err.value.key == KEY
+    message = str(err.value)
+    assert f"{batches} batches at once" in message
+    for fix in (f"remove {KEY}", "--no-async-scheduling", "disk_bytes_to_use: 0"):
+        assert fix in message, fix
+
+
 def test_zero_is_accepted_everywhere() -> None:
     cfg = parse_extra_config({**DISK, KEY: 0})
     check_sync_load_budget(cfg, sync_loads=False, kv_cache_groups=4)
     check_sync_load_budget(cfg, sync_loads=True, kv_cache_groups=4)
+    check_sync_load_budget(cfg, sync_loads=True, concurrent_batches=2)
 
 
 def test_the_spec_applies_the_decision_of_this_vllm() -> None:
@@ -81,3 +115,16 @@ def test_the_spec_applies_the_decision_of_this_vllm() -> None:
         return
     with pytest.raises(ConfigError, match="vLLM >= 0.33"):
         tiered_spec(config)
+
+
+def test_the_spec_refuses_a_disk_tier_under_the_connectors_async_scheduling() -> None:
+    """The connector hands the spec vLLM's ``max_concurrent_batches``
+    (``ConnectorFacts.of``); the spec refuses before it creates any file."""
+    from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
+    from kvtier.testing.offloading import offloading_config
+
+    config = offloading_config({**DISK, KEY: 1 << 20}, worker_kv_bytes_per_block=4096)
+    facts = ConnectorFacts(kv_cache_groups=1, concurrent_batches=2)
+    refusal = "2 batches at once" if SYNC_LOADS else "vLLM >= 0.33"
+    with pytest.raises(ConfigError, match=refusal):
+        TieredOffloadingSpec(config, facts)

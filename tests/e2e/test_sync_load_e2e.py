@@ -22,9 +22,11 @@ kvtier accepts a sync budget with a disk tier for), a disk tier, and
 ``sync_load_budget_bytes`` far above the prefix, so vLLM's
 ``_reserve_sync_load`` takes every hit here synchronously (its other
 conditions: a hit, at least one token left to compute; no load window or
-lookahead setting is involved). Async scheduling (CUDA's default) and
-synchronous scheduling both run: the worker sees the same order of calls,
-the scheduler learns of the failure one step later under async scheduling.
+lookahead setting is involved). Scheduling is synchronous: under async
+scheduling (CUDA's default) kvtier refuses a disk tier with synchronous
+loads (vLLM plans the next step before it learns a load failed, and keeps
+what a request planned there computed over the unfilled block), which the
+first test checks.
 """
 
 from __future__ import annotations
@@ -161,10 +163,48 @@ class StepLog:
         return step
 
 
+def _sync_config(block_bytes, tmp_path) -> dict:
+    return kvtier_config(
+        block_bytes,
+        tmp_path,
+        cpu_bytes_to_use=CPU_BLOCKS * block_bytes,
+        spill_watermark=0.0,
+        # Far above a 6-block hit: every hit here loads synchronously.
+        sync_load_budget_bytes=64 * block_bytes,
+    )
+
+
 @needs_sync_loads
-@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_a_disk_tier_with_sync_loads_is_refused_under_async_scheduling(
+    model, block_bytes, tmp_path, monkeypatch
+):
+    """Under async scheduling (CUDA's default) vLLM plans the next step
+    before it learns that a synchronous load failed, and keeps what a
+    request planned there computed over the unfilled block: the engine
+    refuses to start, naming the key and the fixes."""
+    _keep_async_scheduling_on_cpu(monkeypatch)
+    with (
+        pytest.raises(Exception) as info,
+        engine(
+            model,
+            _sync_config(block_bytes, tmp_path),
+            num_gpu_blocks=GPU_BLOCKS,
+            async_scheduling=True,
+        ),
+    ):
+        pass
+    chain, exc = [], info.value
+    while exc is not None:
+        chain.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    text = " | ".join(chain)
+    assert "sync_load_budget_bytes" in text and "batches at once" in text, chain
+    assert "--no-async-scheduling" in text, chain
+
+
+@needs_sync_loads
 def test_a_failed_sync_load_stores_nothing_its_step_computed(
-    model, block_bytes, sync_load_expected, tmp_path, monkeypatch, scheduling
+    model, block_bytes, sync_load_expected, tmp_path
 ):
     """PROMPT's first 4 blocks are on disk only, the second bit-flipped;
     PROMPT has 2 more full blocks (and a tail). Run 1: the 4 blocks load
@@ -182,21 +222,11 @@ def test_a_failed_sync_load_stores_nothing_its_step_computed(
     2 dropped keys are stored by the request that computes them. Run 3
     (GPU cache reset, all 6 blocks on disk only): every block of PROMPT
     comes back from disk, no load fails, outputs equal the baseline."""
-    asynchronous = scheduling == "async"
-    if asynchronous:
-        _keep_async_scheduling_on_cpu(monkeypatch)
-    cfg = kvtier_config(
-        block_bytes,
-        tmp_path,
-        cpu_bytes_to_use=CPU_BLOCKS * block_bytes,
-        spill_watermark=0.0,
-        # Far above a 6-block hit: every hit here loads synchronously.
-        sync_load_budget_bytes=64 * block_bytes,
-    )
-    with engine(
-        model, cfg, num_gpu_blocks=GPU_BLOCKS, async_scheduling=asynchronous
-    ) as llm:
-        assert bool(get_engine_core(llm).async_scheduling) is asynchronous
+    cfg = _sync_config(block_bytes, tmp_path)
+    # Synchronous scheduling: a disk tier with synchronous loads is refused
+    # under async scheduling (the test above).
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS, async_scheduling=False) as llm:
+        assert not get_engine_core(llm).async_scheduling
         e = Env(llm, sync_load_expected, FaultPlan(seed=13))
         log = StepLog(llm)
         _rid, prefix_keys = e.only_on_disk(PREFIX_PROMPT)
