@@ -24,17 +24,21 @@ MEDIUM_DISK = "disk"
 ALL_MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
 VLLM_MEDIA = {"GPU": MEDIUM_GPU, "CPU": MEDIUM_CPU, "STORAGE": MEDIUM_DISK}
 
-# Keys left pending by earlier drains that one engine step's drain takes
-# (``EventLog.take(backlog=...)``), beyond every key recorded since the last
-# one. vLLM builds and publishes one KV event per key within the step (about
-# 5 us each on a 2-core VM), so a warm restart's event naming a million
-# adopted blocks would otherwise cost the first step seconds; at this rate
-# it goes out over its first steps, about 20 ms of each.
+# Keys of bulk events (``BULK_REASONS``) one engine step's drain hands out
+# (``EventLog.take(backlog=...)``), beyond every other event recorded since
+# the last one. vLLM builds and publishes one KV event per key within the
+# step (about 5 us each on a 2-core VM), so a warm restart's event naming a
+# million adopted blocks would otherwise cost the first step seconds; at this
+# rate it goes out over its first steps, about 20 ms of each.
 EVENT_BACKLOG_PER_STEP = 4096
 
 # Reasons of the events that name a whole tier at once (warm restart,
-# reset): backlog from the start (see ``EventLog``).
+# reset): handed out as a bounded backlog (see ``EventLog``).
 BULK_REASONS = frozenset({"restore", "reset"})
+
+# ``EventLog._owed``: the low bits name bulk kinds (at most this many).
+_KIND_BITS = 8
+_KIND_MASK = (1 << _KIND_BITS) - 1
 
 
 class TierEvent(NamedTuple):
@@ -61,33 +65,41 @@ class EventLog:
     per key), which keeps streams short for batch evictions. Disabled (no
     consumer, e.g. KV events off) it records nothing, so nothing grows.
 
-    ``take(backlog=k)`` bounds what one drain costs. The events of a whole
-    tier at once (``BULK_REASONS``: a warm restart's one event naming every
-    block adopted, a million on a large disk tier; a reset's removals) are
-    *backlog* from the start, and so are the keys a drain leaves pending. A
-    drain returns the oldest pending keys, in order: as many as the other
-    keys recorded since the previous drain, plus at most ``k``. So a
-    consumer that drains once per engine step pays for what the step did
-    plus ``k``, and the backlog shrinks by ``k`` a step (events recorded
-    behind it wait for it: order is kept)."""
+    ``take(backlog=k)`` bounds what one drain costs without delaying any
+    event a step caused. The events naming a whole tier at once
+    (``BULK_REASONS``: a warm restart's one event naming every block
+    adopted, a million on a large disk tier; a reset's removals) are a
+    *backlog*, handed out at most ``k`` keys a drain, oldest first; every
+    other event goes out in the first drain after it. Order is kept per
+    key, which is what a consumer rebuilding each tier's contents needs
+    (vLLM's event tracker keeps a block's payload per key too): a drain
+    hands out the other events before the backlog's keys, and an event
+    naming a key the backlog still owes an event for is preceded by that
+    one (it leaves the backlog). So the stream still replays to the tiers'
+    contents after every drain."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._pending: deque[tuple[str, bool, str, list[Hashable]]] = deque()
+        self._pending: list[tuple[str, bool, str, list[Hashable]]] = []
         # The kind (medium, removed, reason) and keys of the last pending
         # event, so coalescing compares one tuple and extends one list.
         self._last_kind: tuple[str, bool, str] | None = None
         self._last_keys: list[Hashable] = []
-        # Keys of the first pending event already taken (a partial take).
-        self._head = 0
-        # Keys pending in all, and those of them that are backlog (pending
-        # when the last ``take`` returned, or of a bulk event).
-        self._count = 0
-        self._backlog = 0
-
-    def __len__(self) -> int:
-        """Keys pending (recorded and not taken yet)."""
-        return self._count
+        # The backlog: bulk events oldest first, as (number, kind bit,
+        # keys), and how many keys of the first were handed out already.
+        self._bulk: deque[tuple[int, int, list[Hashable]]] = deque()
+        self._bulk_head = 0
+        self._bulk_number = 0
+        # The bulk kinds, bit i naming _bulk_kinds[i] (in the order they
+        # were first recorded, which is each key's order of them: the
+        # hierarchy records a restore once, at start, and a reset's
+        # removals in a fixed order).
+        self._bulk_kinds: list[tuple[str, bool, str]] = []
+        # Per key, the bulk events it is still owed: kind bits, and above
+        # _KIND_BITS the number of the first backlog event it owes one of.
+        # An older backlog event naming the key went out ahead of an event
+        # of the key already (``_settle``), so it hands out nothing for it.
+        self._owed: dict[Hashable, int] = {}
 
     def record(
         self, keys: Sequence[Hashable], medium: str, removed: bool, reason: str
@@ -95,43 +107,86 @@ class EventLog:
         if not self.enabled or not keys:
             return
         kind = (medium, removed, reason)
+        if reason in BULK_REASONS:
+            self._record_bulk(keys, kind)
+            return
+        if self._owed:
+            self._settle(keys)
+        self._append(keys, kind)
+
+    def _append(self, keys: Sequence[Hashable], kind: tuple[str, bool, str]) -> None:
         if kind == self._last_kind:
             self._last_keys.extend(keys)
         else:
             self._last_kind, self._last_keys = kind, list(keys)
-            self._pending.append((medium, removed, reason, self._last_keys))
-        self._count += len(keys)
-        if reason in BULK_REASONS:
-            self._backlog += len(keys)
+            self._pending.append((*kind, self._last_keys))
+
+    def _record_bulk(self, keys: Sequence[Hashable], kind: tuple[str, bool, str]) -> None:
+        if kind in self._bulk_kinds:
+            bit = 1 << self._bulk_kinds.index(kind)
+        else:
+            assert len(self._bulk_kinds) < _KIND_BITS, self._bulk_kinds
+            bit = 1 << len(self._bulk_kinds)
+            self._bulk_kinds.append(kind)
+        bulk = self._bulk
+        if bulk and bulk[-1][1] == bit:
+            number = bulk[-1][0]
+            bulk[-1][2].extend(keys)
+        else:
+            self._bulk_number += 1
+            number = self._bulk_number
+            bulk.append((number, bit, list(keys)))
+        owed, first = self._owed, number << _KIND_BITS
+        for key in keys:
+            owed[key] = (owed.get(key) or first) | bit
+
+    def _settle(self, keys: Sequence[Hashable]) -> None:
+        """Move out of the backlog, ahead of an event naming ``keys``, the
+        bulk events those keys are still owed."""
+        owed, kinds = self._owed, self._bulk_kinds
+        for key in keys:
+            bits = owed.pop(key, 0) & _KIND_MASK
+            while bits:
+                low = bits & -bits
+                self._append((key,), kinds[low.bit_length() - 1])
+                bits ^= low
 
     def take(self, backlog: int | None = None) -> list[TierEvent]:
-        """Drain the events since the last call, in order. ``backlog``: take
-        at most this many keys more than were recorded since the last call,
-        bulk events aside (see the class doc), leaving the newest pending
-        keys for later calls; None: all. O(keys returned)."""
-        pending = self._pending
-        if not pending:
-            return []
-        limit = self._count
-        if backlog is not None:
-            limit = min(limit, self._count - self._backlog + backlog)
-        out: list[tuple[tuple[Hashable, ...], str, bool, str]] = []
-        left, head = limit, self._head
-        while left > 0 and pending:
-            medium, removed, why, keys = pending[0]
-            end = head + left
-            if end < len(keys):
-                out.append((tuple(keys[head:end]), medium, removed, why))
-                head = end
-                break
-            out.append((tuple(keys[head:] if head else keys), medium, removed, why))
-            left -= len(keys) - head
-            head = 0
-            pending.popleft()
-        if not pending:
-            self._last_kind = None  # nothing left to coalesce into
-        self._head = head
-        self._count -= limit
-        self._backlog = self._count
+        """Drain the events since the last call: every event but the
+        backlog's, in order, then at most ``backlog`` keys of the backlog
+        (None: all of it), oldest first. O(keys returned + ``backlog``)."""
+        out = [(tuple(keys), m, r, why) for m, r, why, keys in self._pending]
+        self._pending, self._last_kind = [], None
+        if self._bulk:
+            self._take_bulk(out, backlog)
         # tuple.__new__ builds the NamedTuples in C.
         return list(map(tuple.__new__, repeat(TierEvent), out))
+
+    def _take_bulk(
+        self, out: list[tuple[tuple[Hashable, ...], str, bool, str]], backlog: int | None
+    ) -> None:
+        owed, bulk = self._owed, self._bulk
+        left = backlog
+        while bulk and (left is None or left > 0):
+            number, bit, keys = bulk[0]
+            head = self._bulk_head
+            end = len(keys) if left is None else min(len(keys), head + left)
+            due = []
+            for key in keys[head:end]:
+                v = owed.get(key, 0)
+                # Else it went out ahead of a later event of its key.
+                if v & bit and v >> _KIND_BITS <= number:
+                    if v & _KIND_MASK == bit:
+                        del owed[key]
+                    else:
+                        owed[key] = v ^ bit
+                    due.append(key)
+            if due:
+                out.append((tuple(due), *self._bulk_kinds[bit.bit_length() - 1]))
+            if left is not None:
+                left -= end - head
+            if end == len(keys):
+                bulk.popleft()
+                self._bulk_head = 0
+            else:
+                self._bulk_head = end

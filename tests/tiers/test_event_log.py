@@ -1,0 +1,92 @@
+"""``EventLog``: the bounded backlog of bulk events (warm restart, reset)
+keeps each key's order and delays no other event."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier.tiers.events import EventLog
+
+BULK = [("disk", False, "restore"), ("cpu", True, "reset"), ("disk", True, "reset")]
+OTHER = [
+    ("cpu", False, "store"),
+    ("disk", False, "spill"),
+    ("cpu", True, "evict"),
+    ("disk", True, "corrupt"),
+]
+
+
+def test_an_event_naming_an_owed_key_takes_its_backlog_event_along():
+    log = EventLog()
+    log.record([f"r{i}" for i in range(10)], "disk", False, "restore")
+    log.record(["r5"], "disk", True, "corrupt")
+    first = [(list(e.keys), e.reason) for e in log.take(backlog=1)]
+    # The step's event goes out at once, its key's restore just before it;
+    # then one key of the backlog.
+    assert first == [(["r5"], "restore"), (["r5"], "corrupt"), (["r0"], "restore")]
+    rest = [k for e in log.take(backlog=100) for k in e.keys]
+    assert rest == [f"r{i}" for i in range(1, 10) if i != 5]
+    assert log.take(backlog=100) == []
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_streams_keep_each_keys_order_and_bound_the_backlog(seed: int):
+    rng = random.Random(seed)
+    log = EventLog()
+    recorded: dict[str, list[tuple]] = {}
+    emitted: dict[str, list[tuple]] = {}
+    keys = [f"k{i}" for i in range(30)]
+    # What the hierarchy guarantees (EventLog's doc): between two other
+    # events of a key, it owes each bulk kind at most once, in the order
+    # the kinds were first recorded.
+    first_seen: list[tuple] = []
+    owed: dict[str, list[tuple]] = {}
+    for _ in range(200):
+        op = rng.random()
+        if op < 0.15:
+            kind = rng.choice(BULK)
+            rank = first_seen.index(kind) if kind in first_seen else len(first_seen)
+            batch = [
+                k
+                for k in rng.sample(keys, rng.randint(1, 20))
+                if all(first_seen.index(o) < rank for o in owed.get(k, ()))
+            ]
+            if not batch:
+                continue
+            if kind not in first_seen:
+                first_seen.append(kind)
+            for k in batch:
+                owed.setdefault(k, []).append(kind)
+        elif op < 0.6:
+            kind = rng.choice(OTHER)
+            batch = rng.sample(keys, rng.randint(1, 4))
+            for k in batch:
+                owed.pop(k, None)
+        else:
+            k = rng.choice([None, 0, 1, 3, 8])
+            since = sum(1 for v in recorded.values() for _ in v) - sum(
+                1 for v in emitted.values() for _ in v
+            )
+            out = log.take(backlog=k)
+            bulk_out = sum(len(e.keys) for e in out if e.reason in ("restore", "reset"))
+            if k is not None:
+                # Owed bulk events leave with a later event of their key
+                # (at most one per bulk kind); the backlog itself hands out
+                # at most k keys.
+                other_out = sum(len(e.keys) for e in out) - bulk_out
+                assert bulk_out <= k + len(BULK) * other_out, (bulk_out, k, other_out)
+            assert sum(len(e.keys) for e in out) <= since
+            for e in out:
+                for key in e.keys:
+                    emitted.setdefault(key, []).append((e.medium, e.removed, e.reason))
+            continue
+        log.record(batch, *kind)
+        for key in batch:
+            recorded.setdefault(key, []).append(kind)
+    for e in log.take():
+        for key in e.keys:
+            emitted.setdefault(key, []).append((e.medium, e.removed, e.reason))
+    # Every recorded event exactly once, in each key's order.
+    assert emitted == recorded
