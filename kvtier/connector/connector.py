@@ -161,10 +161,12 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         request, by any request sharing its blocks in the batch, and, under
         tensor parallelism, by every rank, through the all-reduce), so
         stored, it would be wrong KV under the right keys for later
-        requests. No step store is submitted; every one travels to the
-        scheduler as its CPU rows, from every rank, so the manager gives
-        them back unwritten: misses, only in a step whose synchronous load
-        failed.
+        requests. No step store is submitted here; every one travels to the
+        scheduler as its CPU rows (from each rank whose load failed: each
+        verifies its own shard), and the manager completes a key as failed
+        when any rank names its row, so the rows stay unreadable even where
+        another rank wrote them: misses, only in a step whose synchronous
+        load failed.
 
         The same goes for the steps vLLM planned after that one before it
         read its output (async scheduling: the next step; pipeline
@@ -175,10 +177,10 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         scheduler wound the request back recomputes them."""
         if not self._step_stores:
             return
+        # vLLM's queue of (job id, source, destination), filtered in place:
+        # the next step's start submits what is left of it.
         queued = self._unsubmitted_store_jobs
-        self._unsubmitted_store_jobs = [
-            job for job in queued if job[0] not in self._step_stores
-        ]
+        queued[:] = [job for job in queued if job[0] not in self._step_stores]
         meta = self._connector_worker_meta
         for job_id, entry in self._step_stores.items():
             self._report.failed_store_rows.extend(

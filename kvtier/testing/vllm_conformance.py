@@ -53,6 +53,7 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "worker",
             "_load_jobs",
             "_connector_worker_meta",
+            "_unsubmitted_store_jobs",
             "start_kv_transfers",
             "get_finished",
         ),

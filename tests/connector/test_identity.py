@@ -199,6 +199,7 @@ for name, kw in json.loads(sys.argv[2]).items():
     cfg.model_config.model = repo
     # What kvtier's connector hands its spec, and the store it then opens.
     facts = ConnectorFacts.of(cfg, 1)
+    assert facts.concurrent_batches == cfg.max_concurrent_batches >= 1
     extra = {
         "spec_name": "TieredOffloadingSpec",
         "spec_module_path": "kvtier.connector",

