@@ -443,11 +443,25 @@ class Env:
         assert_at_rest(self.mgr)  # every spill finished
         keys = self.stored[res.request_ids[0]]
         assert keys, "nothing was stored"
+        self.keep_on_disk_only(keys)
+        return res.request_ids[0], keys
+
+    def keep_on_disk_only(self, keys: list[bytes]) -> None:
+        """Forget the CPU and GPU copies of ``keys`` (spilled): they can
+        only come back from disk."""
         for key in keys:
             evict_clean(self.h, key)
             assert self.h.lookup(key) is Residency.HIT_DISK, key.hex()
         assert self.llm.reset_prefix_cache()
-        return res.request_ids[0], keys
+
+    def run_from_disk(self, prompt: list[int], keys: list[bytes]):
+        """Run ``prompt`` with ``keys`` on disk only: the baseline's outputs;
+        returns the run and the counter deltas (:func:`_deltas`)."""
+        self.keep_on_disk_only(keys)
+        before = self.counters()
+        res = run_prompts(self.llm, [prompt], MAX_TOKENS)
+        assert res.outputs == [self.want(prompt)]
+        return res, _deltas(self.counters(), before)
 
 
 @pytest.fixture(scope="class", params=["llama", "gemma2"])
@@ -587,15 +601,8 @@ class TestDiskCorruption:
         # other key was still in the tier.
         assert e.stored[again.request_ids[0]] == [victim]
 
-        for key in keys:
-            evict_clean(e.h, key)
-            assert e.h.lookup(key) is Residency.HIT_DISK, key.hex()
-        assert e.llm.reset_prefix_cache()
-        before = e.counters()
-        third = run_prompts(e.llm, [prompt], MAX_TOKENS)
-        assert third.outputs == [e.want(prompt)]
+        third, (d, fd, wd) = e.run_from_disk(prompt, keys)
         assert third.hits_by_source[0] == {"disk": 4 * BLOCK}, third.hits_by_source
-        d, fd, wd = _deltas(e.counters(), before)
         assert d["load_failures"] == 0 and d["loads_cpu"] == 0, d
         assert d["loads_disk"] == e.loaded_per_prefix, d
         assert wd["checksum_failures"] == 0 and fd["corrupt"] == 0, (wd, fd)
@@ -668,14 +675,8 @@ class TestDiskCorruption:
         assert_at_rest(e.mgr)
 
         # The next load of the prefix, from disk only, reads it back.
-        for key in keys:
-            evict_clean(e.h, key)
-        assert e.llm.reset_prefix_cache()
-        before = e.counters()
-        third = run_prompts(e.llm, [prompt], MAX_TOKENS)
-        assert third.outputs == [e.want(prompt)]
+        third, (d, _fd, _wd) = e.run_from_disk(prompt, keys)
         assert third.hits_by_source[0] == {"disk": 4 * BLOCK}, third.hits_by_source
-        d, _fd, _wd = _deltas(e.counters(), before)
         assert d["load_failures"] == 0 and d["loads_disk"] >= 4, d
         assert io_error_count(e.h.disk_core, victim) == 0
         assert_at_rest(e.mgr)

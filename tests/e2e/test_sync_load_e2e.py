@@ -44,7 +44,6 @@ from kvtier.testing.engine import (
     run_prompts,
 )
 from kvtier.testing.faults import FaultPlan
-from kvtier.testing.state import evict_clean
 from kvtier.tiers.plans import Residency
 
 from .test_disk_load_e2e import (
@@ -202,6 +201,16 @@ def test_a_disk_tier_with_sync_loads_is_refused_under_async_scheduling(
     assert "--no-async-scheduling" in text, chain
 
 
+def _prompt_from_disk(e: Env, log: StepLog, keys: list) -> tuple:
+    """Evict ``keys`` to disk only, reset the GPU prefix cache and run
+    PROMPT: the baseline's outputs, its hit loaded synchronously; returns
+    the run and the counter deltas."""
+    log.clear()
+    out, deltas = e.run_from_disk(PROMPT, keys)
+    log.sync_load_step(out.request_ids[0])
+    return out, deltas
+
+
 @needs_sync_loads
 def test_a_failed_sync_load_stores_nothing_its_step_computed(
     model, block_bytes, sync_load_expected, tmp_path
@@ -267,37 +276,18 @@ def test_a_failed_sync_load_stores_nothing_its_step_computed(
 
         # Run 2: the prefix's good blocks from disk, the rest computed
         # again, and the missing blocks stored from that compute.
-        for key in prefix_keys:
-            if key != victim:
-                evict_clean(e.h, key)
-                assert e.h.lookup(key) is Residency.HIT_DISK, key.hex()
-        assert llm.reset_prefix_cache()
-        log.clear()
-        before = e.counters()
-        again = run_prompts(llm, [PROMPT], MAX_TOKENS)
-        assert again.outputs == [e.want(PROMPT)]
-        log.sync_load_step(again.request_ids[0])
+        good = [k for k in prefix_keys if k != victim]
+        again, (d, _fd, _wd) = _prompt_from_disk(e, log, good)
         assert again.hits_by_source[0] == {"disk": BLOCK}, again.hits_by_source
-        d, _fd, _wd = _deltas(e.counters(), before)
         assert d["load_failures"] == 0 and d["stores_failed"] == 0, d
         assert log.failed_store_rows == []
         assert e.stored[again.request_ids[0]] == [victim, *new_keys]
         assert_at_rest(e.mgr)
 
         # Run 3: the whole of PROMPT's blocks from disk, all good.
-        keys = [*prefix_keys, *new_keys]
-        for key in keys:
-            evict_clean(e.h, key)
-            assert e.h.lookup(key) is Residency.HIT_DISK, key.hex()
-        assert llm.reset_prefix_cache()
-        log.clear()
-        before = e.counters()
-        third = run_prompts(llm, [PROMPT], MAX_TOKENS)
-        assert third.outputs == [e.want(PROMPT)]
-        log.sync_load_step(third.request_ids[0])
+        third, (d, fd, wd) = _prompt_from_disk(e, log, [*prefix_keys, *new_keys])
         n = PREFIX_BLOCKS + NEW_BLOCKS
         assert third.hits_by_source[0] == {"disk": n * BLOCK}, third.hits_by_source
-        d, fd, wd = _deltas(e.counters(), before)
         assert d["load_failures"] == 0 and d["loads_disk"] == n, d
         assert wd["checksum_failures"] == 0 and fd["corrupt"] == 0, (wd, fd)
         assert_at_rest(e.mgr)
