@@ -11,6 +11,11 @@ deadline while, at random steps:
 * requests are aborted (preferably one whose load is in flight);
 * the disk's reads fail (EIO, short read, bit flip) or are held on a gate
   and released later, rules switched on and off between phases;
+* the disk's writes (spills; the header wipes of corrupt slots) fail
+  (EIO, ENOSPC, short write) or are held on a gate released some steps
+  later (before a connector reset, which waits for the spills in flight,
+  by a timer shortly after the reset began), so spills stay in flight
+  across steps, aborts and GPU resets; a write rule per phase as well;
 * the GPU prefix cache is reset (``reset_prefix_cache``), sometimes with
   the connector's cache, and while busy sometimes with
   ``reset_running_requests=True`` (vLLM preempts the running requests
@@ -18,8 +23,11 @@ deadline while, at random steps:
 
 Invariants: every request not aborted finishes before the deadline with the
 no-offload engine's greedy tokens for its prompt; after draining, kvtier is
-at rest (no pins, loads, reservations or disk jobs), and every prompt,
-run again with a healthy disk, still gets its baseline tokens.
+at rest (no pins, loads, reservations or disk jobs), the disk tier's blocks
+and free slots add up to its capacity, every block the hierarchy holds on
+disk reads back verified from its slot (so a failed spill left no block the
+hierarchy serves) and equal to its CPU copy where there is one, and every
+prompt, run again with a healthy disk, still gets its baseline tokens.
 
 ``KVTIER_FUZZ_SEEDS`` (e.g. ``0-49``) explores more seeds than the few
 committed ones, ``KVTIER_FUZZ_SCALE`` (e.g. ``3``) runs longer per seed, and
@@ -37,11 +45,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 from vllm import SamplingParams
 from vllm.v1.request import RequestStatus
 
-from kvtier.store.slot import slot_size
+from kvtier.store.slot import ReadOutcome, slot_size
 from kvtier.testing.engine import (
     build_tiny_gemma2,
     engine,
@@ -121,6 +130,7 @@ class Tally:
     connector_resets: int = 0
     running_resets: int = 0
     running_resets_refused: int = 0
+    write_releases_by_timer: int = 0  # write gates a connector reset released
     reset_preempted: int = 0  # running requests the running resets preempted
     preemptions: int = 0
     faults: Counter = field(default_factory=Counter)
@@ -145,13 +155,36 @@ def _read_rule(rng: random.Random, gates: list[threading.Event]) -> FaultRule | 
     return None
 
 
+def _write_rule(rng: random.Random, gates: list[threading.Event]) -> FaultRule | None:
+    kind = rng.choice(["none", "eio", "enospc", "short", "hang", "hang"])
+    p = rng.choice([0.3, 0.6, 1.0])
+    if kind in ("eio", "enospc"):
+        code = errno.EIO if kind == "eio" else errno.ENOSPC
+        return FaultRule.error(code, ops="write", probability=p)
+    if kind == "short":
+        return FaultRule.short(ops="write", probability=p)
+    if kind == "hang":
+        gate = threading.Event()
+        gates.append(gate)
+        return FaultRule.hang(gate, ops="write", first_n=rng.randint(1, 3))
+    return None
+
+
 def fuzz(
-    llm, plan: FaultPlan, pool, expected, seed: int, scale: int, running: bool = True
+    llm,
+    plan: FaultPlan,
+    pool,
+    expected,
+    seed: int,
+    scale: int,
+    running: bool = True,
+    writes: bool = True,
 ) -> Tally:
     rng = random.Random(seed)
-    # Its own stream, so that a case without running resets draws what it
-    # drew before they were fuzzed.
+    # Their own streams, so that a case without running resets (write
+    # faults) draws what it drew before they were fuzzed.
     rng_running = random.Random(f"running-{seed}")
+    rng_write = random.Random(f"write-{seed}")
     core = llm.llm_engine
     sched = get_scheduler(llm)
     tally = Tally()
@@ -173,6 +206,10 @@ def fuzz(
     gates: list[threading.Event] = []
     gate_release: dict[int, int] = {}  # index in gates -> release at step
     rule: FaultRule | None = None
+    wgates: list[threading.Event] = []
+    wgate_release: dict[int, int] = {}  # index in wgates -> release at step
+    wrule: FaultRule | None = None
+    timers: list[threading.Timer] = []
     live: dict[str, str] = {}  # external id -> the scheduler's id
     prompt_of: dict[str, int] = {}
     aborted: set[str] = set()
@@ -206,10 +243,26 @@ def fuzz(
                     if rule.release is not None:
                         gate_release[len(gates) - 1] = step + rng.randint(2, 40)
                 log.append(f"s{step}:phase {rule and rule.kind.name}")
+                if writes:
+                    if wrule is not None:
+                        plan.remove(wrule)
+                    wrule = _write_rule(rng_write, wgates)
+                    if wrule is not None:
+                        plan.add(wrule)
+                        tally.faults[f"write {wrule.kind.name}"] += 1
+                        if wrule.release is not None:
+                            wgate_release[len(wgates) - 1] = step + rng_write.randint(
+                                2, 40
+                            )
+                    log.append(f"s{step}:write phase {wrule and wrule.kind.name}")
             for i, at in gate_release.items():
                 if step >= at and not gates[i].is_set():
                     gates[i].set()
                     log.append(f"s{step}:release gate {i}")
+            for i, at in wgate_release.items():
+                if step >= at and not wgates[i].is_set():
+                    wgates[i].set()
+                    log.append(f"s{step}:release write gate {i}")
             while arrivals and arrivals[0] <= step:
                 arrivals.pop(0)
                 p = rng.randrange(len(pool))
@@ -266,6 +319,18 @@ def fuzz(
                         and r.num_computed_tokens
                     )
                 ] + ["deferred frees"] * bool(sched.deferred_frees)
+                held = [g for g in wgates if not g.is_set()]
+                if connector and held:
+                    # A connector reset waits for the spills in flight (at
+                    # most 60 s, then the disk tier stops): the held writes
+                    # go on shortly after it began waiting.
+                    timer = threading.Timer(
+                        rng_write.uniform(0.01, 0.3),
+                        lambda h=held: [g.set() for g in h],
+                    )
+                    timers.append(timer)
+                    timer.start()
+                    tally.write_releases_by_timer += len(held)
                 try:
                     ok = llm.reset_prefix_cache(
                         reset_running_requests=preempt, reset_connector=connector
@@ -279,6 +344,7 @@ def fuzz(
                 log.append(
                     f"s{step}:reset running={preempt} connector={connector} ok={ok}"
                     f" loading={loading_now} gates={[g.is_set() for g in gates]}"
+                    f" write gates={[g.is_set() for g in wgates]}"
                 )
             for out in core.step():
                 if out.num_cached_tokens is not None and out.request_id in live:
@@ -297,10 +363,14 @@ def fuzz(
         print("\n".join(log))
         raise
     finally:
-        for gate in gates:
+        for gate in gates + wgates:
             gate.set()
-        if rule is not None:
-            plan.remove(rule)
+        for timer in timers:
+            timer.cancel()
+            timer.join()
+        for r in (rule, wrule):
+            if r is not None:
+                plan.remove(r)
         sched._preempt_request = real_preempt
     tally.steps = step
     tally.log = log
@@ -310,6 +380,35 @@ def fuzz(
         print("\n".join(log))
     assert not wrong, (seed, [(e, prompt_of[e]) for e in wrong])
     return tally
+
+
+def assert_disk_consistent(mgr) -> int:
+    """The disk tier's blocks and free slots add up to its capacity, each
+    block on its own slot; every block reads back verified (no failed,
+    torn or held spill left a block the hierarchy serves) and equal to its
+    CPU copy where the CPU tier holds one. At rest only. Returns the number
+    of disk blocks checked."""
+    h, runtime = mgr.hierarchy, mgr.runtime
+    disk = h.disk
+    assert len(disk) + disk.num_free == disk.capacity, (
+        len(disk),
+        disk.num_free,
+        disk.capacity,
+    )
+    slots = [block.slot for _key, block in disk.items()]
+    assert len(set(slots)) == len(slots)
+    if runtime is None or runtime.broken:
+        return 0
+    for rank, store in enumerate(runtime.stores):
+        out = np.empty(store.block_bytes, dtype=np.uint8)
+        rows = runtime.rows[rank].array
+        for key, block in disk.items():
+            outcome = store.read_block(block.slot, key, out)
+            assert outcome is ReadOutcome.OK, (rank, key.hex(), block, outcome)
+            on_cpu = h.cpu.get(key)
+            if on_cpu is not None:
+                assert np.array_equal(out, rows[on_cpu.slot]), (rank, key.hex())
+    return len(disk)
 
 
 def _drain(llm, timeout: float = 60.0) -> None:
@@ -346,26 +445,29 @@ def _setup(request, m: Model, tight: bool):
     return model_dir, offload_bytes, pool, _EXPECTED[m.name], kw
 
 
-# (model, seed, scale, running resets, tight GPU cache): the seeds asked
-# for, on both models, and the case that left a wrong copy on Gemma-2 when a
-# connector reset while requests ran made vLLM store their chunks again from
-# the first (fixed in TieredOffloadingConnector.reset_cache; it predates the
-# running resets, so it runs without them, as it ran then).
-CASES = [(m, seed, SCALE, True, TIGHT) for seed in _seeds() for m in (LLAMA, GEMMA)] + [
-    (GEMMA, 114, 3, False, False)
-]
+# (model, seed, scale, running resets, tight GPU cache, write faults): the
+# seeds asked for, on both models, and the case that left a wrong copy on
+# Gemma-2 when a connector reset while requests ran made vLLM store their
+# chunks again from the first (fixed in TieredOffloadingConnector.reset_cache;
+# it predates the running resets and the write faults, so it runs without
+# them, as it ran then).
+CASES = [
+    (m, seed, SCALE, True, TIGHT, True) for seed in _seeds() for m in (LLAMA, GEMMA)
+] + [(GEMMA, 114, 3, False, False, False)]
 
 
-def _case_id(m, seed, scale, running, tight) -> str:
+def _case_id(m, seed, scale, running, tight, writes) -> str:
     return f"{m.name}-{seed}-x{scale}" + ("-tight" if tight else "")
 
 
 @pytest.mark.parametrize(
-    ("m", "seed", "scale", "running", "tight"),
+    ("m", "seed", "scale", "running", "tight", "writes"),
     CASES,
     ids=[_case_id(*c) for c in CASES],
 )
-def test_engine_fuzz(request, m, seed, scale, running, tight, tmp_path, monkeypatch):
+def test_engine_fuzz(
+    request, m, seed, scale, running, tight, writes, tmp_path, monkeypatch
+):
     model_dir, offload_bytes, pool, expected, kw = _setup(request, m, tight)
     plan = inject_faults(monkeypatch, FaultPlan(seed=seed))
     rng = random.Random(10_000 + seed)
@@ -378,9 +480,10 @@ def test_engine_fuzz(request, m, seed, scale, running, tight, tmp_path, monkeypa
     )
     with engine(model_dir, cfg, **kw) as llm:
         mgr = manager_of(llm)
-        tally = fuzz(llm, plan, pool, expected, seed, scale, running)
+        tally = fuzz(llm, plan, pool, expected, seed, scale, running, writes)
         _drain(llm)
         assert_at_rest(mgr)
+        on_disk = assert_disk_consistent(mgr)
         stats = mgr.hierarchy.stats
         fuzzed = (stats.loads_disk, stats.loads_cpu, stats.load_failures)
         # A healthy disk again: every prompt gets its baseline tokens.
@@ -391,4 +494,9 @@ def test_engine_fuzz(request, m, seed, scale, running, tight, tmp_path, monkeypa
         assert not wrong, (wrong, [again.hits_by_source[i] for i in wrong])
         _drain(llm)
         assert_at_rest(mgr)
-        print(f"\nFUZZ {m.name} seed={seed} {tally} loads disk/cpu/failed={fuzzed}")
+        assert_disk_consistent(mgr)
+        print(
+            f"\nFUZZ {m.name} seed={seed} {tally} loads disk/cpu/failed={fuzzed}"
+            f" spills ok/failed={stats.spills_completed}/{stats.spill_failures}"
+            f" disk blocks verified={on_disk}"
+        )
