@@ -179,9 +179,8 @@ def main() -> None:
 
         # Served again once the GPU forgot it, twice: nothing of the bad
         # slot comes back; the request that recomputed after the failed load
-        # did not offload its first block again (vLLM's connector skips the
-        # chunks it planned to load), so the next one computes and stores
-        # it, and the one after that is served from the tiers again.
+        # stored its first block again (its stores restart after a failed
+        # load), so both are served from the tiers.
         after = []
         for _ in range(2):
             assert llm.reset_prefix_cache()

@@ -134,13 +134,12 @@ def test_tp2_one_ranks_corrupt_slot_fails_the_block_on_every_rank(tp2):
     assert c["num_cached_tokens"] == [0]
     assert c["outputs"] == r["baseline"]["corrupt"]
     # Later runs are correct; the bad slot never serves again. The request
-    # that recomputed did not store block 0 again (vLLM's connector skips
-    # the chunks it planned to load), so the next one misses and stores it,
-    # and the one after is served from the tiers (block 0 from the CPU tier,
-    # where that store put it).
+    # that recomputed stored block 0 again (its stores restart after a
+    # failed load), so the next ones are served whole from the tiers: block
+    # 0 from the CPU tier, where that store put it, the rest from disk.
     first_after, second_after = r["after"]
     assert first_after["outputs"] == second_after["outputs"] == r["baseline"]["corrupt"]
-    assert first_after["hits"] == [{}]
-    (hits,) = second_after["hits"]
-    assert hits.get("host", 0) >= 32 and set(hits) <= {"host", "disk"}
-    assert sum(hits.values()) == BLOCK_TOKENS, hits
+    for run in (first_after, second_after):
+        (hits,) = run["hits"]
+        assert hits.get("host", 0) >= 32 and set(hits) <= {"host", "disk"}, hits
+        assert sum(hits.values()) == BLOCK_TOKENS, hits
