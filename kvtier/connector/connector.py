@@ -119,24 +119,22 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         # failed keys. Their unfilled blocks are reported block level only.
         self._sync_load_reqs: dict[int, str] = {}
         self._sync_invalid_block_ids: set[int] = set()
-        # This step's store jobs (prepare_store_kv), and whether they are
-        # dropped: a sync load of this step failed (get_finished), or of one
-        # of the steps the scheduler planned this one after, before it read
-        # that step's output (async scheduling, pipeline parallelism): the
-        # next max_concurrent_batches - 1 steps. See _drop_step_stores.
+        # This step's store jobs (prepare_store_kv), and how many steps,
+        # this one included, drop theirs: a sync load of this step failed
+        # (get_finished), and the scheduler planned the next
+        # max_concurrent_batches - 1 steps before it read that step's output
+        # (async scheduling, pipeline parallelism). See _drop_step_stores.
         self._step_stores: dict[int, Any] = {}
-        self._step_sync_failed = False
         batches = getattr(self.vllm_config, "max_concurrent_batches", None)
-        self._steps_planned_ahead = max(int(batches or 1), 1) - 1
-        self._blind_steps_left = 0
+        self._steps_per_failure = max(int(batches or 1), 1)
+        self._dropping_steps = 0
         self._deltas = CounterDeltas()
 
     @override
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
         self._step_stores = {}
-        # Planned before the scheduler saw an earlier step's failed sync load.
-        self._step_sync_failed = self._blind_steps_left > 0
-        self._blind_steps_left = max(self._blind_steps_left - 1, 0)
+        if self._dropping_steps:
+            self._dropping_steps -= 1
         for job_id, entry in metadata.load_jobs.items():
             if getattr(entry, "sync", False):
                 self._sync_load_reqs[job_id] = entry.req_id
@@ -144,9 +142,9 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
 
     @override
     def prepare_store_kv(self, metadata: OffloadingConnectorMetadata) -> None:
-        self._step_stores.update(metadata.store_jobs)
+        self._step_stores = metadata.store_jobs
         super().prepare_store_kv(metadata)
-        if self._step_sync_failed:  # vLLM called get_finished first
+        if self._dropping_steps:  # vLLM called get_finished first
             self._drop_step_stores()
 
     def _drop_step_stores(self) -> None:
@@ -238,15 +236,14 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
                     report.failed_loads.append(owner)
                 if req_id is None:  # sync: the request runs this step
                     self._sync_invalid_block_ids |= error.gpu_block_ids
-                    self._step_sync_failed = True
-                    self._blind_steps_left = self._steps_planned_ahead
+                    self._dropping_steps = self._steps_per_failure
                 else:
                     self._failed_reqs.add(req_id)
                     self._invalid_block_ids |= error.gpu_block_ids
             meta.mark_completed(job_id)
             if req_id is not None:
                 finished_recving.add(req_id)
-        if self._step_sync_failed:
+        if self._dropping_steps:
             self._drop_step_stores()
         return set(), finished_recving
 
