@@ -239,30 +239,18 @@ def _describe_files(root: str) -> dict[str, Any]:
 
 
 def model_identity(
-    model: str | ModelSource,
-    dtype: str = "",
-    kv_cache_dtype: str = "",
-    revision: str | None = None,
-    download_dir: str | None = None,
+    model: str | ModelSource, dtype: str = "", kv_cache_dtype: str = ""
 ) -> str:
     """A 32-hex-digit identity of ``model``'s contents (plus the dtypes).
 
-    ``model``: a name, resolved here at ``revision`` in ``download_dir``
-    (vLLM's names; a hub id's snapshot, see :class:`ModelSource`), or a
-    :class:`ModelSource` already resolved (then give neither).
+    ``model``: a :class:`ModelSource` (a hub id at the engine's revision in
+    its cache), or a name, resolved here with the defaults.
 
     Changes when ``config.json`` or a weight index changes, or when a weight
     file is added, removed, resized, touched or rewritten (the sampled
     digest sees a rewrite that kept size and mtime). For a name that
     resolves to no local directory the identity covers the name only."""
-    if isinstance(model, ModelSource):
-        if revision is not None or download_dir is not None:
-            raise TypeError(
-                "a ModelSource is resolved already: give no revision or download_dir"
-            )
-        source = model
-    else:
-        source = ModelSource.resolve(model, revision, download_dir)
+    source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
     doc = {
         "name": source.name,
         "dtype": dtype,

@@ -169,7 +169,7 @@ def _store(disk: Path, model: str, model_id: str) -> str:
         return os.path.basename(s.dirs[0])
 
 
-def test_stores_of_another_identity_are_set_aside(capsys, disk, shm):
+def test_stores_of_another_identity_are_set_aside(capsys, disk, shm, monkeypatch):
     model = build_tiny_llama()
     same = model_identity(model, kv_cache_dtype="float32")
     _store(disk, model, same)
@@ -185,6 +185,19 @@ def test_stores_of_another_identity_are_set_aside(capsys, disk, shm):
     ]
     details = " ".join(v["detail"] for v in stores.values())
     assert "files changed" in details and "another model ('/models/other')" in details
+    # The model's files are read once for every store of its name and dtype.
+    from kvtier.connector import identity
+
+    reads: list[str] = []
+    describe = identity._describe_files
+
+    def counted(root: str):
+        reads.append(root)
+        return describe(root)
+
+    monkeypatch.setattr(identity, "_describe_files", counted)
+    doctor(capsys, *flags(disk, shm, "--model", model))
+    assert len(reads) == 1, reads
     # Without --model nothing is claimed either way.
     _, checks = doctor(capsys, *flags(disk, shm))
     assert all(

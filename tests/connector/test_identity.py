@@ -16,6 +16,7 @@ import pytest
 
 from kvtier.connector.identity import (
     HASH_FIX,
+    ModelSource,
     model_identity,
     prefix_hash_problem,
     sampled_digest,
@@ -299,9 +300,8 @@ def test_a_hub_model_is_named_by_the_snapshot_its_revision_and_cache_resolve_to(
     contents = {name: case["contents"] for name, case in got.items()}
     assert contents["main"] not in (contents["v2"], contents["download_dir"])
     assert contents["transfer"] == contents["main"]
-    assert contents["v2"] == model_identity(
-        repo, kv_cache_dtype="float32", revision="v2", download_dir=str(hub)
-    )
+    v2 = ModelSource.resolve(repo, revision="v2", download_dir=str(hub))
+    assert contents["v2"] == model_identity(v2, kv_cache_dtype="float32")
     # The doctor, given vllm serve's flags, adopts the store that engine
     # would and sets aside the others' (same name, other contents). (The
     # doctor compares contents only: it cannot tell the transfer engine's.)

@@ -18,8 +18,9 @@ engine would load: ``--revision`` and ``--download-dir``, as given to
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.connector.preflight import allocated_bytes
@@ -44,21 +45,20 @@ def _settings(layout: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "not recorded"
 
 
-def _verdict(layout: dict, model: ModelSource | None) -> tuple[str, str]:
+def _verdict(
+    layout: dict, model: ModelSource | None, contents_of: Callable[[str], str]
+) -> tuple[str, str]:
     """(status, "<verdict>: <reason>") of a store whose layout.json is
-    ``layout``, for a config serving ``model``: adopted on an identity
-    match, else set aside (unknown without ``model``)."""
-    from kvtier.connector.identity import model_identity
-
+    ``layout``, for a config serving ``model`` whose contents digest at a KV
+    dtype is ``contents_of(dtype)``: adopted on an identity match, else set
+    aside (unknown without ``model``)."""
     name = layout.get("model")
     if model is None:
         return OK, f"model {name!r}; pass --model to tell whether it would be adopted"
     if name != model.name:
         return WARNING, f"set aside: written for another model ({name!r})"
     contents = _contents(layout)
-    if contents and contents != model_identity(
-        model, kv_cache_dtype=str(layout.get("dtype", ""))
-    ):
+    if contents and contents != contents_of(str(layout.get("dtype", ""))):
         return WARNING, (
             "set aside: the model's files changed since it was written (another "
             "checkpoint at the same path)"
@@ -94,14 +94,20 @@ def check_stores(
     would adopt it (identity match) or set it aside; and per disk path the
     store directory names a restart would reuse (their space counts as
     available)."""
-    from kvtier.connector.identity import ModelSource
+    from kvtier.connector.identity import ModelSource, model_identity
 
     try:
         views = _find(paths)
         source = None
         if model is not None and views:  # one lookup, as at engine start
             source = ModelSource.resolve(model, revision, download_dir)
-        verdicts = [_verdict(view.layout or {}, source) for view in views]
+
+        @functools.cache
+        def contents_of(dtype: str) -> str:  # the model's files read once
+            assert source is not None
+            return model_identity(source, kv_cache_dtype=dtype)
+
+        verdicts = [_verdict(view.layout or {}, source, contents_of) for view in views]
     except (OSError, ValueError) as exc:
         return [
             Check(
