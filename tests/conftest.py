@@ -6,7 +6,10 @@
   named;
 - vLLM's ZMQ sockets go to a directory of the run's own, removed at its end
   (vLLM's multiprocess engine leaves its IPC socket files behind in
-  ``VLLM_RPC_BASE_PATH``, /tmp by default).
+  ``VLLM_RPC_BASE_PATH``, /tmp by default);
+- with ``KVTIER_FAILURE_LOG`` set, each failure's report is appended to that
+  file as it happens: a run cut off at its time limit (a lent GPU's call)
+  keeps the tracebacks pytest would print only at its end.
 """
 
 from __future__ import annotations
@@ -97,6 +100,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if left:
         session.config.stash[_SHM_LEFT] = left
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = os.environ.get("KVTIER_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

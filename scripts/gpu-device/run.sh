@@ -1,15 +1,26 @@
 #!/bin/bash
-# On the GPU machine (see bundle.sh): `make test-gpu`'s tests (tests/gpu and
-# the real-engine e2e tests on vLLM 0.33's CUDA engine, in-process), then
-# benchmarks/gpu_real_size.py, then benchmarks/gpu_copy.py while time is
-# left; logs and JSON in $OUT.
+# On the GPU machine (see bundle.sh): `make test-gpu`'s tests (the real-engine
+# e2e tests on vLLM 0.33's CUDA engine, in-process, then tests/gpu),
+# benchmarks/gpu_real_size.py and benchmarks/gpu_copy.py; logs and JSON in
+# $OUT.
 #
 #   bash .gpu/b/run.sh [STEP...]   STEP: tests, real_size, copy (default: all)
 #
-# The whole run stays within BUDGET_S seconds (default 460: one device call
-# under 8 minutes); each step gets at most its own cap and what is left. The
-# e2e tests run first, in the order test_gpu_e2e.py collects them (newest
-# checks first), then tests/gpu; gpu_tests.log lists each test as it ran.
+# The tests alone fill one call (about 5-6 minutes on an H100), so a session
+# runs them in one call and the benchmarks in the next, on the same warm
+# machine: `run.sh tests`, then `run.sh real_size copy`.
+#
+# REAL_SIZE_ARGS adds arguments to gpu_real_size.py (e.g.
+# "--disk-read-process on" measures kvtier's disk tier read by a process of
+# its own).
+#
+# One call stays within BUDGET_S seconds (default 460: under 8 minutes);
+# each step gets at most its own cap and what is left. The e2e tests run in
+# the order test_gpu_e2e.py collects them (newest checks first);
+# gpu_tests.log lists each test as it ran, gpu_failures.log each failure's
+# traceback as it happened (a run cut off at its cap keeps them), and where
+# pytest-timeout is installed a test stops after PER_TEST_S (150) seconds
+# with its traceback instead of holding the rest.
 # Each step runs under `timeout -k 10`: SIGKILL 10 s after the SIGTERM, so a
 # process whose SIGTERM handler hangs (an engine shutting down) cannot hold the
 # call past its cap. A later call on the same warm machine skips the install (/tmp/vl,
@@ -39,26 +50,31 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 for step in $steps; do
     case $step in
     tests)
-        echo "=== tests (cap $(cap 270) s)"
-        timeout -k 10 "$(cap 270)" python3 -m pytest -v -m gpu tests/e2e/test_gpu_e2e.py tests/gpu \
+        echo "=== tests (cap $(cap 430) s)"
+        per_test=()
+        if python3 -c "import pytest_timeout" 2>/dev/null; then
+            per_test=(--timeout "${PER_TEST_S:-150}" --timeout-method signal)
+        fi
+        KVTIER_FAILURE_LOG="$OUT/gpu_failures.log" timeout -k 10 "$(cap 430)" \
+            python3 -m pytest -v -m gpu tests/e2e/test_gpu_e2e.py tests/gpu "${per_test[@]}" \
             -p no:cacheprovider -rfEs --durations=15 > "$OUT/gpu_tests.log" 2>&1
         echo "rc=$? (124: timed out; gpu_tests.log lists each test as it ran)"
         grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" "$OUT/gpu_tests.log" | tail -15
         ;;
     real_size)
         if (($(left) < 90)); then echo "=== real_size: skipped, $(left) s left"; continue; fi
-        echo "=== gpu_real_size (cap $(cap 180) s)"
-        timeout -k 10 "$(cap 180)" python3 benchmarks/gpu_real_size.py --prefix-tokens 8192 32768 \
-            --repeats 2 --disk-dir /var/tmp/kvtier-real --budget-s "$(($(cap 180) - 10))" \
-            --out-dir "$OUT" > "$OUT/gpu_real_size.log" 2>&1
+        echo "=== gpu_real_size (cap $(cap 240) s)"
+        timeout -k 10 "$(cap 240)" python3 benchmarks/gpu_real_size.py --prefix-tokens 8192 32768 \
+            --repeats 2 --disk-dir /var/tmp/kvtier-real --budget-s "$(($(cap 240) - 10))" \
+            --attention-backend TRITON_ATTN $REAL_SIZE_ARGS --out-dir "$OUT" > "$OUT/gpu_real_size.log" 2>&1
         echo "rc=$?"
         tail -25 "$OUT/gpu_real_size.log"
         rm -rf /var/tmp/kvtier-real
         ;;
     copy)
         if (($(left) < 60)); then echo "=== gpu_copy: skipped, $(left) s left"; continue; fi
-        echo "=== gpu_copy (cap $(cap 300) s)"
-        timeout -k 10 "$(cap 300)" python3 benchmarks/gpu_copy.py --blocks 64 512 --repeats 5 \
+        echo "=== gpu_copy (cap $(cap 200) s)"
+        timeout -k 10 "$(cap 200)" python3 benchmarks/gpu_copy.py --blocks 64 512 --repeats 5 \
             --disk-dir /var/tmp/kvtier-bench --out "$OUT/gpu_copy.json" > "$OUT/gpu_copy.log" 2>&1
         echo "rc=$?"
         tail -9 "$OUT/gpu_copy.log"
