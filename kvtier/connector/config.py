@@ -186,7 +186,7 @@ def _one_of(*choices: str) -> Any:
 DiskIo = _one_of("auto", "posix", "kvikio")
 Compression = _one_of("none", "zstd")
 LoadPath = _one_of("host", "device")
-AutoOrOff = _one_of("auto", "off")
+AutoOnOff = _one_of("auto", "on", "off")
 
 
 def _policies() -> str:
@@ -322,14 +322,16 @@ class KvtierConfig(BaseModel):
         "with the device checksum and copied device-to-device; needs "
         "disk_compression none). docs/gds.md.",
     )
-    disk_read_process: AutoOrOff = Field(
+    disk_read_process: AutoOnOff = Field(
         "auto",
         description="Whether a worker reads and verifies disk hits in a child "
         "process of its own (kvtier.store.read_process: a shared bounce area, one "
         "message per batch), so the reads and checks do not compete with the "
         "engine's loop for the interpreter lock: auto (on the CPU platform with "
-        "disk_load_path host; elsewhere in the worker's process) or off (always "
-        "in the worker's process).",
+        "disk_load_path host; elsewhere in the worker's process), on (with "
+        "disk_load_path host on every platform; on an accelerator the shared "
+        "area is page-locked like the CPU tier) or off (always in the worker's "
+        "process).",
     )
     sync_load_budget_bytes: VllmBytes = Field(
         0,

@@ -320,11 +320,15 @@ class TieredOffloadingSpec(OffloadingSpec):
         try:
             if cfg.disk_load_path == "device":
                 return SlotReader(files, device=device, capacity=capacity)
-            if cfg.disk_read_process == "auto" and device.type == "cpu":
+            if cfg.disk_read_process == "on" or (
+                cfg.disk_read_process == "auto" and device.type == "cpu"
+            ):
                 # Reads and checks beside the engine, not under its
                 # interpreter lock (docs/benchmarks.md, "Engine step
-                # stalls"). On accelerators the area must be page-locked:
-                # read in this process there.
+                # stalls"). On an accelerator the copy path page-locks the
+                # shared area (DeviceCopies, as it does the CPU tier's);
+                # auto keeps reads in this process there until a lent GPU
+                # measured the child against them ("Real-size model on GPU").
                 from kvtier.store.read_process import ReadProcess
 
                 return ReadProcess(

@@ -56,7 +56,7 @@ for _key, _frag in (
     ("disk_io", "auto | posix | kvikio"),
     ("disk_compression", "none | zstd"),
     ("disk_load_path", "host | device"),
-    ("disk_read_process", "auto | off"),
+    ("disk_read_process", "auto | on | off"),
 ):
     for _bad in (1, True, ["lru"], "", "fifo"):
         WRONG_TYPES.append((_key, _bad, _frag))

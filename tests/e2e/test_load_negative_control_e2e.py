@@ -60,6 +60,7 @@ CPU_PATHS = {
 CUDA_PATHS = {
     "cpu-rows": ({}, "host", None, None),
     "disk-host": ({}, "disk", "SlotReader", None),
+    "disk-read-process": ({"disk_read_process": "on"}, "disk", "ReadProcess", None),
     "disk-device-posix": (
         {"disk_load_path": "device", "disk_io": "posix"},
         "disk",

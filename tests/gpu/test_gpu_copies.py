@@ -48,6 +48,7 @@ from kvtier.connector.worker.worker import TieredOffloadingWorker  # noqa: E402
 from kvtier.host.block_copy import HostArea, HostCopies, plan_copy  # noqa: E402
 from kvtier.host.cpu_tier import CpuBlockBuffer  # noqa: E402
 from kvtier.store.backends.factory import make_backend  # noqa: E402
+from kvtier.store.read_process import ReadProcess  # noqa: E402
 from kvtier.store.reader import SlotReader  # noqa: E402
 from kvtier.store.slabs import SlabFiles  # noqa: E402
 from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint  # noqa: E402
@@ -152,11 +153,13 @@ def _key(i: int) -> bytes:
     return hashlib.sha256(f"gpu/{i}".encode()).digest()
 
 
-@pytest.fixture(params=["host", "device"])
+@pytest.fixture(params=["host", "device", "read-process"])
 def disk_worker(tmp_path, request):
     """A worker over CUDA KV caches, a CPU tier and a real disk tier whose
     slots 0..15 hold the blocks of keys 0..15 (random bytes), read through
-    the host bounce area or a CUDA staging area (``disk_load_path``)."""
+    the host bounce area or a CUDA staging area (``disk_load_path``), or
+    by a read process into a shared area the copy path page-locks
+    (``disk_read_process: on``)."""
     caches, tensors = hybrid_caches("cuda")
     buffer = CpuBlockBuffer(16, 3 * PAGE)
     store = DiskStore([str(tmp_path)], 32, 3 * PAGE, FINGERPRINT, backend="posix")
@@ -170,6 +173,8 @@ def disk_worker(tmp_path, request):
     )
     if request.param == "device":
         reader = SlotReader(files, device="cuda", capacity=4)
+    elif request.param == "read-process":
+        reader = ReadProcess(files, capacity=4, disk_io="posix", threads=2)
     else:
         reader = SlotReader(files, capacity=4, pin=True)
     worker = TieredOffloadingWorker(
