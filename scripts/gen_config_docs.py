@@ -538,6 +538,20 @@ def _error_examples() -> list[tuple[str, str]]:
             ),
         )
     )
+    out.append(
+        (
+            "`sync_load_budget_bytes` with a disk tier, vLLM's Model Runner V2",
+            _message(
+                lambda: check_sync_load_budget(
+                    sync,
+                    sync_loads=True,
+                    kv_cache_groups=1,
+                    concurrent_batches=1,
+                    model_runner_v2=True,
+                )
+            ),
+        )
+    )
     return out
 
 

@@ -28,6 +28,7 @@ def check_sync_load_budget(
     sync_loads: bool | None = None,
     kv_cache_groups: int | None = None,
     concurrent_batches: int | None = None,
+    model_runner_v2: bool | None = None,
 ) -> None:
     """Refuse ``sync_load_budget_bytes`` where kvtier cannot honour it.
 
@@ -48,7 +49,20 @@ def check_sync_load_budget(
     (vLLM 0.33's ``_update_requests_with_invalid_blocks`` counts the block
     as recomputed by the loading request): wrong tokens for that request,
     and wrong KV in every chunk it stores from then on. So a disk tier,
-    whose loads can fail, is refused there too."""
+    whose loads can fail, is refused there too.
+
+    ``model_runner_v2``: whether vLLM runs its Model Runner V2 (vLLM 0.33's
+    default on CUDA; ``VllmConfig.use_v2_model_runner``); None: not known.
+    vLLM recovers from a failed synchronous load by winding the running
+    request back (``_update_requests_with_invalid_blocks``); V2 keeps its own
+    count of the request's computed tokens on the device, advanced only
+    forward, and its ``update_requests`` writes the wound-back count to the
+    host mirror only (vllm-project/vllm#49250, unfixed in 0.33): the
+    recompute reads its input tokens and positions from the old offset.
+    Wrong tokens, and the failed block, hashed in vLLM's prefix cache since
+    the load, is not rewritten: wrong KV for later requests of the prefix.
+    Refused with a disk tier too (vLLM's V1 model runner takes the
+    scheduler's count)."""
     budget = cfg.sync_load_budget_bytes
     if budget == 0:
         return
@@ -71,15 +85,34 @@ def check_sync_load_budget(
             f"remove {KEY} (or set it to 0), or drop the disk tier "
             "(disk_bytes_to_use: 0)",
         )
-    if cfg.disk_enabled and concurrent_batches is not None and concurrent_batches > 1:
+    if not cfg.disk_enabled:
+        return
+    # Every reason at once: vLLM 0.33 on CUDA has both by default.
+    reasons: list[str] = []
+    runs: list[str] = []
+    if concurrent_batches is not None and concurrent_batches > 1:
+        reasons.append(
+            f"vLLM runs {concurrent_batches} batches at once (async scheduling, "
+            "or pipeline parallelism): vLLM plans the next step before it learns "
+            "that a synchronous load failed, and keeps what a request planned "
+            "there computed over the unfilled block"
+        )
+        runs.append("--no-async-scheduling and no pipeline parallelism")
+    if model_runner_v2:
+        reasons.append(
+            "vLLM runs its Model Runner V2 (its default on CUDA): when a "
+            "synchronous load fails, vLLM winds the request back but this runner "
+            "recomputes it from its own, unwound count of computed tokens, at "
+            "the wrong positions (vllm-project/vllm#49250)"
+        )
+        runs.append("its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
+    if reasons:
         raise ConfigError(
             KEY,
-            f"is {budget} with a disk tier while vLLM runs {concurrent_batches} "
-            "batches at once (async scheduling, or pipeline parallelism): vLLM "
-            "plans the next step before it learns that a synchronous load "
-            "failed, and keeps what a request planned there computed over the "
-            "unfilled block (wrong tokens, and wrong KV stored); "
+            f"is {budget} with a disk tier while "
+            + "; and while ".join(reasons)
+            + " (wrong tokens, and wrong KV stored); "
             f"remove {KEY} (or set it to 0), or run vLLM with "
-            "--no-async-scheduling and no pipeline parallelism, or drop the "
-            "disk tier (disk_bytes_to_use: 0)",
+            + " and with ".join(runs)
+            + ", or drop the disk tier (disk_bytes_to_use: 0)",
         )

@@ -78,9 +78,10 @@ class ConnectorFacts:
     """What kvtier's connector knows of the engine and hands to the spec it
     builds; vLLM's ``OffloadingConfig`` carries neither.
 
-    ``kv_cache_groups``: the model's number of KV-cache groups, and
-    ``concurrent_batches``: vLLM's ``max_concurrent_batches`` (each refuses
-    a synchronous-load budget a disk tier cannot honour). ``settings``: what
+    ``kv_cache_groups``: the model's number of KV-cache groups,
+    ``concurrent_batches``: vLLM's ``max_concurrent_batches``, and
+    ``model_runner_v2``: vLLM's ``use_v2_model_runner`` (each refuses a
+    synchronous-load budget a disk tier cannot honour). ``settings``: what
     the resolved ``VllmConfig`` says produces KV values
     (:func:`~kvtier.connector.identity.settings_identity`), part of the disk
     tier's namespace; the scheduler's and every worker's connector compute
@@ -96,6 +97,7 @@ class ConnectorFacts:
     settings: dict[str, Any] | None = None
     source: ModelSource | None = None
     concurrent_batches: int | None = None
+    model_runner_v2: bool | None = None
 
     @classmethod
     def of(cls, vllm_config: Any, kv_cache_groups: int) -> ConnectorFacts:
@@ -106,6 +108,7 @@ class ConnectorFacts:
             settings_identity(vllm_config, source),
             source,
             int(vllm_config.max_concurrent_batches),
+            bool(vllm_config.use_v2_model_runner),
         )
 
 
@@ -136,6 +139,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             self.kvtier,
             kv_cache_groups=facts.kv_cache_groups,
             concurrent_batches=facts.concurrent_batches,
+            model_runner_v2=facts.model_runner_v2,
         )
         if config.canonical_layout:
             raise ConfigError("canonical_layout", CANONICAL_LAYOUT_REFUSAL)

@@ -101,7 +101,11 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     ("vllm.v1.outputs", "KVConnectorOutput", ("kv_connector_worker_meta",)),
     ("vllm.v1.core.sched.output", "SchedulerOutput", ("preempted_req_ids",)),
-    ("vllm.config.vllm", "VllmConfig", ("max_concurrent_batches",)),
+    (
+        "vllm.config.vllm",
+        "VllmConfig",
+        ("max_concurrent_batches", "use_v2_model_runner"),
+    ),
     (
         "vllm.config.kv_transfer",
         "KVTransferConfig",

@@ -389,3 +389,58 @@ def test_a_failed_sync_load_drops_the_stores_of_steps_planned_before_it_was_seen
     assert fake.stores == [j for j in (7, 8, 9, 11) if j not in planned_blind]
     # Every job completes exactly once.
     assert completed == {1: 1, 7: 1, 8: 1, 9: 1, 11: 1}
+
+
+class _Untouchable:
+    """Stands for Model Runner V2's device-side count of computed tokens:
+    records every use."""
+
+    def __init__(self) -> None:
+        self.uses: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        self.uses.append(name)
+        return lambda *args, **kwargs: None
+
+
+@needs_sync_loads
+def test_model_runner_v2_winds_a_running_request_back_on_the_host_only() -> None:
+    """Why kvtier refuses a disk tier with synchronous loads under vLLM's
+    Model Runner V2 (``compat.check_sync_load_budget``): vLLM recovers from
+    a failed synchronous load by sending the running request's wound-back
+    ``num_computed_tokens`` in the next step's ``scheduled_cached_reqs``, and
+    V2's ``update_requests`` writes it to its host mirror only; the device
+    count, from which the recompute's input tokens and positions are read,
+    keeps the old offset (vllm-project/vllm#49250). Runs vLLM's own
+    ``update_requests``; once it winds the device count back too, this fails
+    and the refusal can be lifted for that vLLM."""
+    import numpy as np
+
+    mrv2 = pytest.importorskip("vllm.v1.worker.gpu.model_runner")
+    device_count = _Untouchable()
+    req_states = SimpleNamespace(
+        req_id_to_index={"r": 0},
+        # After the failed step: 4 blocks of 32 loaded, 69 tokens computed.
+        num_computed_tokens_np=np.array([197], dtype=np.int32),
+        num_computed_prefill_tokens=np.zeros(1, dtype=np.int32),
+        prefill_len=SimpleNamespace(np=np.array([197], dtype=np.int32)),
+        num_computed_tokens=device_count,
+    )
+    runner = SimpleNamespace(req_states=req_states, block_tables=None)
+    # The scheduler wound the request back to its failed block (block 1).
+    step = SimpleNamespace(
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["r"], num_computed_tokens=[32], new_block_ids=[None]
+        ),
+        new_block_ids_to_zero=None,
+        kv_cache_block_copies=None,
+    )
+    mrv2.GPUModelRunner.update_requests(runner, step)
+    assert req_states.num_computed_tokens_np.tolist() == [32]
+    assert req_states.num_computed_prefill_tokens.tolist() == [32]
+    assert device_count.uses == [], (
+        "vLLM's Model Runner V2 now updates its device count of computed "
+        f"tokens on a rewind ({device_count.uses}): kvtier's refusal of "
+        "sync_load_budget_bytes with a disk tier under it "
+        "(kvtier.connector.compat) may be lifted for this vLLM"
+    )

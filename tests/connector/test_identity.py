@@ -201,6 +201,7 @@ for name, kw in json.loads(sys.argv[2]).items():
     # What kvtier's connector hands its spec, and the store it then opens.
     facts = ConnectorFacts.of(cfg, 1)
     assert facts.concurrent_batches == cfg.max_concurrent_batches >= 1
+    assert facts.model_runner_v2 is cfg.use_v2_model_runner
     extra = {
         "spec_name": "TieredOffloadingSpec",
         "spec_module_path": "kvtier.connector",

@@ -97,11 +97,52 @@ def test_a_disk_tier_refuses_sync_loads_when_vllm_plans_ahead(
         assert fix in message, fix
 
 
+@pytest.mark.parametrize(
+    "extra,v2,batches,refused",
+    [
+        (DISK, False, 1, False),  # vLLM's V1 model runner, synchronous scheduling
+        (DISK, None, 1, False),  # not known: kvtier's connector checks
+        (DISK, True, 1, True),  # Model Runner V2 (vLLM 0.33's CUDA default)
+        (DISK, True, 2, True),  # ... with async scheduling: both reasons
+        (CPU, True, 2, False),  # a CPU-only hierarchy never fails a load
+    ],
+)
+def test_a_disk_tier_refuses_sync_loads_under_model_runner_v2(
+    extra: dict[str, Any], v2: bool | None, batches: int, refused: bool
+) -> None:
+    """vLLM recovers from a failed synchronous load by winding the running
+    request back; Model Runner V2 keeps its own device-side count of the
+    request's computed tokens and recomputes from the old offset
+    (vllm-project/vllm#49250): wrong tokens. A disk tier, whose loads fail,
+    is refused there, naming every reason and fix at once."""
+    cfg = parse_extra_config({**extra, KEY: 1 << 20})
+    kw = dict(
+        sync_loads=True, kv_cache_groups=1, concurrent_batches=batches, model_runner_v2=v2
+    )
+    if not refused:
+        check_sync_load_budget(cfg, **kw)  # type: ignore[arg-type]
+        return
+    with pytest.raises(ConfigError) as err:
+        check_sync_load_budget(cfg, **kw)  # type: ignore[arg-type]
+    assert err.value.key == KEY
+    message = str(err.value)
+    for fix in (
+        "Model Runner V2",
+        "VLLM_USE_V2_MODEL_RUNNER=0",
+        f"remove {KEY}",
+        "disk_bytes_to_use: 0",
+    ):
+        assert fix in message, fix
+    assert ("--no-async-scheduling" in message) is (batches > 1), message
+    assert (f"{batches} batches at once" in message) is (batches > 1), message
+
+
 def test_zero_is_accepted_everywhere() -> None:
     cfg = parse_extra_config({**DISK, KEY: 0})
     check_sync_load_budget(cfg, sync_loads=False, kv_cache_groups=4)
     check_sync_load_budget(cfg, sync_loads=True, kv_cache_groups=4)
     check_sync_load_budget(cfg, sync_loads=True, concurrent_batches=2)
+    check_sync_load_budget(cfg, sync_loads=True, model_runner_v2=True)
 
 
 def test_the_spec_applies_the_decision_of_this_vllm() -> None:
@@ -126,5 +167,18 @@ def test_the_spec_refuses_a_disk_tier_under_the_connectors_async_scheduling() ->
     config = offloading_config({**DISK, KEY: 1 << 20}, worker_kv_bytes_per_block=4096)
     facts = ConnectorFacts(kv_cache_groups=1, concurrent_batches=2)
     refusal = "2 batches at once" if SYNC_LOADS else "vLLM >= 0.33"
+    with pytest.raises(ConfigError, match=refusal):
+        TieredOffloadingSpec(config, facts)
+
+
+def test_the_spec_refuses_a_disk_tier_under_the_connectors_model_runner_v2() -> None:
+    """The connector hands the spec vLLM's ``use_v2_model_runner``
+    (``ConnectorFacts.of``); the spec refuses before it creates any file."""
+    from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
+    from kvtier.testing.offloading import offloading_config
+
+    config = offloading_config({**DISK, KEY: 1 << 20}, worker_kv_bytes_per_block=4096)
+    facts = ConnectorFacts(kv_cache_groups=1, concurrent_batches=1, model_runner_v2=True)
+    refusal = "VLLM_USE_V2_MODEL_RUNNER=0" if SYNC_LOADS else "vLLM >= 0.33"
     with pytest.raises(ConfigError, match=refusal):
         TieredOffloadingSpec(config, facts)

@@ -15,8 +15,10 @@ the multiprocess case of test_async_load_e2e.py.
 - a synchronous load (vLLM 0.33's ``sync_load_budget_bytes``) that fails
   a bit-flipped disk block: its step's computed chunks are not stored
   (they were computed over the unfilled block), and are stored later from
-  a correct compute; under async scheduling a disk tier with synchronous
-  loads is refused at start; skipped on a vLLM without synchronous loads;
+  a correct compute (vLLM's V1 model runner); under async scheduling, and
+  under Model Runner V2 (vllm-project/vllm#49250), a disk tier with
+  synchronous loads is refused at start; skipped on a vLLM without
+  synchronous loads;
 - returning prompts served from disk; KV events and Prometheus series per
   tier; a prefix split across CPU and disk; warm restart; configuration
   errors;
@@ -75,6 +77,7 @@ if _missing is not None:
 from .test_sync_load_e2e import (  # noqa: E402,F401  (tests and their fixtures)
     test_a_failed_sync_load_stores_nothing_its_step_computed,
     test_a_disk_tier_with_sync_loads_is_refused_under_async_scheduling,
+    test_a_disk_tier_with_sync_loads_is_refused_under_model_runner_v2,
     sync_load_expected,
 )
 from .test_load_negative_control_e2e import (  # noqa: E402,F401  (tests and their fixtures)

