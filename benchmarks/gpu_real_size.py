@@ -168,6 +168,9 @@ class Run:
     hits: dict[str, int]
     loaded: dict[str, int] = field(default_factory=dict)
     load: dict[str, float] | None = None
+    # Where the TTFT went (ms): arrival to the first load's submit_load,
+    # that to the last load's report, that to the first token.
+    phases_ms: dict[str, float] | None = None
 
 
 def _prompt(seed: int, n: int, vocab: int) -> list[int]:
@@ -193,14 +196,16 @@ class Clock:
 
 
 class LoadTimer:
-    """Each load job of kvtier's worker (in-process): its bytes and the time
-    from ``submit_load`` to the ``get_finished`` that reported it."""
+    """Each load job of the engine's offloading worker (in-process; kvtier's
+    or vLLM's, both vLLM ``OffloadingWorker`` objects): its bytes, when
+    ``submit_load`` took it and when the ``get_finished`` that reported it
+    returned (``perf_counter`` seconds)."""
 
     def __init__(self) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().connector_worker.worker
-        self.jobs: list[tuple[int, float]] = []
+        self.jobs: list[tuple[int, float, float]] = []
         self._started: dict[int, float] = {}
         submit_load, get_finished = worker.submit_load, worker.get_finished
 
@@ -214,7 +219,7 @@ class LoadTimer:
             for r in results:
                 t = self._started.pop(r.job_id, None)
                 if t is not None and r.success and r.transfer_size:
-                    self.jobs.append((int(r.transfer_size), now - t))
+                    self.jobs.append((int(r.transfer_size), t, now))
             return results
 
         worker.submit_load = timed_submit_load
@@ -235,6 +240,8 @@ class Bench:
         self.notes: list[str] = []
         self.dd: dict[int, dict[str, Any]] = {}
         self._ids = iter(range(10**9))
+        # (add_request, first token) of the last returning prompt.
+        self.last_arrival = (0.0, 0.0)
         g = setup.geometry
         self.token_bytes = g["kv_bytes_per_token"]
         self.prefix_prompts = {
@@ -366,6 +373,7 @@ class Bench:
         while not first:
             step()
         ttft = first[0] - t0
+        self.last_arrival = (t0, first[0])
         window = [g * 1e3 for t, g in gaps if t <= first[0]]
         eng.abort_request(dec)
         while eng.has_unfinished_requests():
@@ -390,15 +398,29 @@ class Bench:
                 "disk": stats.loads_disk - before[1],
             }
         if timer and len(timer.jobs) > jobs:
-            nbytes = sum(b for b, _ in timer.jobs[jobs:])
-            secs = sum(t for _, t in timer.jobs[jobs:])
+            mine = timer.jobs[jobs:]
+            nbytes = sum(b for b, _, _ in mine)
+            secs = sum(done - t for _, t, done in mine)
             run.load = {"bytes": nbytes, "seconds": secs, "gbps": nbytes / secs / 1e9}
+            arrival, first_token = self.last_arrival
+            submitted, reported = min(t for _, t, _ in mine), max(d for _, _, d in mine)
+            run.phases_ms = {
+                "to_submit": (submitted - arrival) * 1e3,
+                "load": (reported - submitted) * 1e3,
+                "to_first_token": (first_token - reported) * 1e3,
+            }
         self.runs.append(run)
         print(
             f"  {source:>16} {n:>6} tokens: TTFT {ttft * 1e3:9.1f} ms, decoder ITL "
             f"p50 {_p50(window):6.1f} max {max(window, default=float('nan')):7.1f} ms "
             f"(no load p50 {_p50(no_load):6.1f}), hits {hits}"
-            + (f", load {run.load['gbps']:.2f} GB/s" if run.load else ""),
+            + (f", load {run.load['gbps']:.2f} GB/s" if run.load else "")
+            + (
+                " (ms: to submit {to_submit:.1f}, load {load:.1f}, to first token "
+                "{to_first_token:.1f})".format(**run.phases_ms)
+                if run.phases_ms
+                else ""
+            ),
             flush=True,
         )
 
@@ -539,12 +561,13 @@ class Bench:
         )
         llm, start_s = self._engine(cfg)
         try:
+            timer = LoadTimer()
             warm_s = self._warm(llm)
             for r in self._repeats("vllm_cpu_offload", reserve_s):
                 for n in s.prefixes if r % 2 == 0 else s.prefixes[::-1]:
                     prompt = self.prefix_prompts[n] + self.tail
                     assert llm.reset_prefix_cache()
-                    self._record(llm, "vllm_cpu_offload", n, prompt)
+                    self._record(llm, "vllm_cpu_offload", n, prompt, timer=timer)
                     self._record(llm, "gpu_cache", n, prompt)
             for n in s.prefixes:
                 assert llm.reset_prefix_cache()
@@ -627,6 +650,20 @@ class Bench:
             ]
             disk_gbps.append(statistics.median(loads) if loads else None)
             dd_gbps.append(self.dd.get(n, {}).get("gbps"))
+        # Where each loading source's TTFT went: median per phase and length.
+        phases: dict[str, dict[str, dict[str, float]]] = {}
+        for r in self.runs:
+            if r.phases_ms:
+                by_n = phases.setdefault(r.source, {}).setdefault(str(r.prefix), {})
+                for k, v in r.phases_ms.items():
+                    by_n.setdefault(k, []).append(v)
+        phases = {
+            src: {
+                n: {k: statistics.median(v) for k, v in ph.items()}
+                for n, ph in by.items()
+            }
+            for src, by in phases.items()
+        }
         equal, recompute_equal = True, True
         for n in s.prefixes:
             outs = self.outputs[n]
@@ -649,6 +686,7 @@ class Bench:
             "repeats": s.repeats,
             "ttft_s": ttft,
             "ttft_alone_s": {str(n): v for n, v in self.ttft_alone.items()},
+            "ttft_phases_ms": phases,
             "disk_gbps": disk_gbps,
             "dd_gbps": dd_gbps,
             "dd": {str(n): v for n, v in self.dd.items()},

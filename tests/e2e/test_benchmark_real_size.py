@@ -87,6 +87,16 @@ def test_tiny_run_reports_every_source(tmp_path):
             assert run["loaded"] == {"cpu": blocks, "disk": 0}, run
         elif run["source"] == "gpu_cache":
             assert run["hits"] == {} and run["loaded"] in ({}, {"cpu": 0, "disk": 0})
+        # A loading run's TTFT split at its load's submit and report: the
+        # phases are its own load's (none negative) and add up to its TTFT.
+        if run["source"] in ("kvtier_cpu", "kvtier_disk"):
+            phases = run["phases_ms"]
+            assert set(phases) == {"to_submit", "load", "to_first_token"}, run
+            assert min(phases.values()) >= 0, phases
+            assert abs(sum(phases.values()) - run["ttft_s"] * 1e3) < 1e-3, run
+        else:
+            assert run["phases_ms"] is None, run
+    assert set(doc["ttft_phases_ms"]) == {"kvtier_cpu", "kvtier_disk"}
 
 
 def _script_module():
