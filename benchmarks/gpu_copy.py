@@ -31,6 +31,15 @@ Side by side in one run, interleaved (the order alternates every round):
   every ``--poll-ms`` (0.2 ms): a loop without pauses would hold the GIL
   and starve the worker's load thread (measured on the CPU platform: a
   4 MiB load took 1-4 s instead of ~10 ms).
+- a busy model-runner thread: a third pass per round spins in Python for
+  each simulated step instead of sleeping (an eager forward pass is mostly
+  Python launching kernels, holding the interpreter lock) and counts its
+  iterations; ``busy_slowdown`` is the fraction of them the load took away,
+  against the same spin with an idle worker. The ``read-process`` rows
+  (``disk_read_process: on``: reads and checks in a child process, the
+  shared bounce area page-locked by the copy path) are the host path with
+  its reads out of the engine's process; on the lent H100 the decoders' step
+  doubled while a 32k-token prefix loaded from disk with the reads in it.
 
 ``--device cpu`` runs the disk rows with CPU tensors for the KV cache and
 the staging area (the CPU platform's copy path, no vLLM CUDA build): the
@@ -66,8 +75,23 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import direct_read_baseline, drop_caches  # noqa: E402
 
-LOAD_PATHS = ("host", "device")  # disk_load_path
-READER_CLASS = {"host": "SlotReader", "device": "SlotReader(device)"}
+# disk_load_path host, the same with disk_read_process on, disk_load_path device
+LOAD_PATHS = ("host", "read-process", "device")
+READER_CLASS = {
+    "host": "SlotReader",
+    "read-process": "ReadProcess",
+    "device": "SlotReader(device)",
+}
+
+
+def spin(seconds: float) -> int:
+    """Hold the interpreter for ``seconds`` as an eager forward pass does
+    (Python launching kernels); returns the loop's iterations."""
+    n = 0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        n += 1
+    return n
 
 
 def _caches(layers: int, page: int, num_blocks: int, device: str = "cuda"):
@@ -113,16 +137,25 @@ def _run_job(worker, submit, job_id: int, *args) -> tuple[float, float, bool]:
 
 
 def timed_load(
-    worker, job_id: int, src, dst, *, step_s: float, device: str, timeout: float = 120
+    worker,
+    job_id: int,
+    src,
+    dst,
+    *,
+    step_s: float,
+    device: str,
+    busy: bool = False,
+    timeout: float = 120,
 ) -> dict[str, Any]:
     """Load ``src`` into ``dst`` through ``worker`` as the model runner does
     (``submit_load``, then ``get_finished`` once per step of ``step_s``
     seconds; 0: without pausing) and time every worker call on this thread.
+    ``busy``: each step spins (:func:`spin`) instead of sleeping.
 
     Returns wall seconds from submit until reported finished, the seconds
     spent inside the calls (wall and this thread's CPU time), the submit
-    alone, the number of ``get_finished`` calls, the longest call, and the
-    job's success."""
+    alone, the number of ``get_finished`` calls, the longest call, the
+    job's success, and with ``busy`` the spin's iterations and seconds."""
     _sync(device)
     # thread_time() is a system call (tens of microseconds on some VMs):
     # taken outside the wall-clock windows, so each call's wall time is the
@@ -134,10 +167,15 @@ def timed_load(
     cpu = time.thread_time() - c0
     inside = t1 - t0
     submit = longest = inside
-    calls = 0
+    calls = spins = 0
+    spin_s = 0.0
     deadline = t0 + timeout
     while True:
-        if step_s:
+        if busy:
+            a = time.perf_counter()
+            spins += spin(step_s)  # the engine's forward pass, launching kernels
+            spin_s += time.perf_counter() - a
+        elif step_s:
             time.sleep(step_s)  # the engine's forward pass
         ca = time.thread_time()
         a = time.perf_counter()
@@ -157,9 +195,23 @@ def timed_load(
                     "calls": calls,
                     "longest": longest,
                     "success": bool(result.success),
+                    "spins": spins,
+                    "spin_s": spin_s,
                 }
         if b > deadline:
             raise TimeoutError(f"job {job_id} did not finish")
+
+
+def idle_spin_rate(worker, step_s: float, steps: int = 40) -> float:
+    """Iterations per second of :func:`spin` over steps of ``step_s`` with
+    an idle ``get_finished`` between them: the busy pass's baseline."""
+    spins, spent = 0, 0.0
+    for _ in range(steps):
+        a = time.perf_counter()
+        spins += spin(step_s)
+        spent += time.perf_counter() - a
+        worker.get_finished()
+    return spins / spent
 
 
 def idle_get_finished_s(worker, step_s: float, calls: int = 100) -> float:
@@ -268,6 +320,7 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
     from kvtier.connector.worker.worker import TieredOffloadingWorker
     from kvtier.host.cpu_tier import CpuBlockBuffer
     from kvtier.store.backends.factory import make_backend
+    from kvtier.store.read_process import ReadProcess
     from kvtier.store.reader import SlotReader
     from kvtier.store.slabs import SlabFiles
     from kvtier.store.slot import LayoutFingerprint, slot_size
@@ -324,7 +377,9 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
     workers: dict[str, Any] = {}
     rows: dict[str, dict[str, Any]] = res["rows"]
     for path in LOAD_PATHS:
-        for name in backends:
+        # The read process's own back end is the reads' only difference to
+        # the host path: one row, over POSIX.
+        for name in backends if path != "read-process" else ["posix"]:
             key = f"{path}/{name}"
             row: dict[str, Any] = {"reader": READER_CLASS[path], "backend": name}
             rows[key] = row
@@ -341,6 +396,10 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
                         files, device=caches.tensors[0].tensor.device, capacity=capacity
                     )
                     row["mode"] = reader.mode
+                elif path == "read-process":
+                    reader = ReadProcess(
+                        files, capacity=capacity, disk_io=name, threads=4
+                    )
                 else:
                     reader = SlotReader(files, capacity=capacity, pin=True)
                 workers[key] = TieredOffloadingWorker(
@@ -359,11 +418,13 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
 
     job = 0
 
-    def load(key: str, step_s: float) -> dict[str, Any] | None:
+    def load(key: str, step_s: float, busy: bool = False) -> dict[str, Any] | None:
         nonlocal job
         job += 1
         try:
-            out = timed_load(workers[key], job, spec, dst, step_s=step_s, device=device)
+            out = timed_load(
+                workers[key], job, spec, dst, step_s=step_s, device=device, busy=busy
+            )
             if not out["success"]:
                 raise RuntimeError(
                     f"load reported failed: {workers[key].take_load_error(job)}"
@@ -399,9 +460,12 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
             rows[key]["idle_get_finished_us"] = 1e6 * idle_get_finished_s(
                 workers[key], args.step_ms / 1e3
             )
+            rows[key]["idle_spin_rate"] = idle_spin_rate(
+                workers[key], args.step_ms / 1e3
+            )
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        k: {"poll": [], "step": []} for k in workers
+        k: {"poll": [], "step": [], "busy": []} for k in workers
     }
     baseline: list[dict[str, Any]] = []
     dropped: list[bool] = []
@@ -414,11 +478,12 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
             for mode, step_s in (
                 ("poll", args.poll_ms / 1e3),
                 ("step", args.step_ms / 1e3),
+                ("busy", args.step_ms / 1e3),
             ):
                 if key not in workers:
                     break
                 dropped.append(args.drop_caches and drop_caches())
-                out = load(key, step_s)
+                out = load(key, step_s, busy=mode == "busy")
                 if out is not None:
                     runs[key][mode].append(out)
     gbps = [b["gbps"] for b in baseline if "gbps" in b]
@@ -431,6 +496,16 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
     base = res["baseline"]["gbps_median"]
     for key, row in rows.items():
         poll, step = runs.get(key, {}).get("poll"), runs.get(key, {}).get("step")
+        busy = runs.get(key, {}).get("busy")
+        if busy and row.get("idle_spin_rate"):
+            rates = [o["spins"] / o["spin_s"] for o in busy if o["spin_s"]]
+            if rates:
+                row["busy"] = {
+                    "slowdown": 1 - statistics.median(rates) / row["idle_spin_rate"],
+                    "gbps_median": nbytes
+                    / statistics.median(o["wall"] for o in busy)
+                    / 1e9,
+                }
         if poll:
             wall = statistics.median(o["wall"] for o in poll)
             row["gbps_median"] = nbytes / wall / 1e9
@@ -479,12 +554,13 @@ def print_disk_table(res: dict[str, Any]) -> None:
     head = (
         f"  {'load path':<9} {'back end':<8} {'mode':<6} | {'GB/s':>6} | "
         f"{'x ' + str(base['tool']):>7} | {'thread ms/GiB':>13} | {'net ms/GiB':>10} | "
-        f"{'submit ms':>9} | {'calls':>5} | {'longest ms':>10}"
+        f"{'submit ms':>9} | {'calls':>5} | {'longest ms':>10} | "
+        f"{'busy: slowdown':>14} | {'GB/s':>5}"
     )
     print(head)
     print("  " + "-" * (len(head) - 2))
     for row in res["rows"].values():
-        path = "host" if row["reader"] == "SlotReader" else "device"
+        path = {v: k for k, v in READER_CLASS.items()}[row["reader"]]
         lead = f"  {path:<9} {row['backend']:<8} {row.get('mode', '?'):<6} | "
         if "gbps_median" not in row or "thread" not in row:
             print(lead + f"error: {row.get('error', 'no runs')}")
@@ -495,7 +571,12 @@ def print_disk_table(res: dict[str, Any]) -> None:
             lead + f"{row['gbps_median']:>6.2f} | {(f'{x:.2f}' if x else '-'):>7} | "
             f"{t['ms_per_gib']:>13.3f} | {t['net_ms_per_gib']:>10.3f} | "
             f"{t['submit_ms']:>9.3f} | {t['get_finished_calls']:>5.0f} | "
-            f"{t['longest_call_ms']:>10.3f}"
+            f"{t['longest_call_ms']:>10.3f} | "
+            + (
+                f"{row['busy']['slowdown']:>13.1%} | {row['busy']['gbps_median']:>5.2f}"
+                if "busy" in row
+                else f"{'-':>14} | {'-':>5}"
+            )
         )
     timed = {k: r["thread"] for k, r in res["rows"].items() if "thread" in r}
     if timed:
@@ -508,7 +589,8 @@ def print_disk_table(res: dict[str, Any]) -> None:
     print(
         f"  model-runner thread ms per submitted GiB = submit_load + every "
         f"get_finished until done, one call per {res['step_ms']} ms step; net: less "
-        f"an idle get_finished per call"
+        f"an idle get_finished per call; busy: the share of a spinning model-"
+        f"runner thread's iterations (steps of {res['step_ms']} ms) the load took"
     )
 
 

@@ -93,7 +93,9 @@ for k, v in (disk["rows"].items() if isinstance(disk, dict) else [("disk_gpu", d
     if t is None:
         print(k, v.get("error", "no runs") if isinstance(v, dict) else v)
         continue
-    print(k, "cpu ms/GiB", round(t["cpu_ms_per_gib"], 3), "idle us", round(v["idle_get_finished_us"], 2))
+    busy = v.get("busy") or {}
+    print(k, "cpu ms/GiB", round(t["cpu_ms_per_gib"], 3), "idle us", round(v["idle_get_finished_us"], 2),
+          "busy slowdown", round(busy.get("slowdown", float("nan")), 3), "busy GB/s", round(busy.get("gbps_median", float("nan")), 2))
 PY
         ;;
     *) echo "run.sh: unknown step $step (tests, real_size, copy)"; exit 2 ;;
