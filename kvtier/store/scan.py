@@ -19,6 +19,10 @@ Contract of :func:`scan`:
   - OK means the header is intact and of this layout; the payload is checked
     only with ``payload`` (its xxh3, like a load's). Every OK header goes to
     ``on_header`` (the store raises its next ``seq`` above it).
+  - With ``skip_new`` (warm restart) the slots that the files' ``create``
+    just made (at or past a slab's size before it, ``SlabFiles.old_sizes``)
+    are neither read nor yielded: they hold nothing, and a new store of
+    millions of slots starts without reading one header.
 """
 
 from __future__ import annotations
@@ -81,11 +85,12 @@ def scan(
     payload: bool = False,
     window: int = 64,
     on_header: Callable[[SlotHeader], None] | None = None,
+    skip_new: bool = False,
 ) -> Iterator[SlotRecord]:
     """Every slot of ``files``, judged; see the module doc."""
     bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
     inflight: deque[tuple[int, int, int, Any, Future[int] | OSError]] = deque()
-    for k, (slot, idx, offset) in enumerate(_where(files, file_order)):
+    for k, (slot, idx, offset) in enumerate(_where(files, file_order, skip_new)):
         if len(inflight) == window:
             yield _judge(files, *inflight.popleft(), payload, on_header)
         buf = bufs[k % window]
@@ -98,16 +103,34 @@ def scan(
         yield _judge(files, *inflight.popleft(), payload, on_header)
 
 
-def _where(files: SlabFiles, file_order: bool) -> Iterator[tuple[int, int, int]]:
+def _where(
+    files: SlabFiles, file_order: bool, skip_new: bool = False
+) -> Iterator[tuple[int, int, int]]:
     """``(global slot, slab index, byte offset)`` of each slot to scan."""
+    # Local slots of each slab to scan: all, or (skip_new) those that begin
+    # before the slab's size before this open (a slot cut by it is read: it
+    # may hold a torn block, judged as any other).
+    counts = [
+        min(slab.num_slots, -(-old // files.slot_size)) if skip_new else slab.num_slots
+        for slab, old in zip(files.slabs, files.old_sizes, strict=True)
+    ]
     if file_order:
         for idx, slab in enumerate(files.slabs):
-            for local in range(slab.num_slots):
+            for local in range(counts[idx]):
                 slot = global_slot(slab.index, local, files.stripes)
                 yield slot, idx, local * files.slot_size
         return
-    for slot in range(files.num_slots):
-        yield (slot, *files.locate(slot))
+    if not skip_new:
+        for slot in range(files.num_slots):
+            yield (slot, *files.locate(slot))
+        return
+    # Slot s is local slot s // stripes of slab s % stripes: past
+    # stripes * max(counts) no slab has a slot left to scan.
+    by_index = {slab.index: n for slab, n in zip(files.slabs, counts, strict=True)}
+    end = min(files.num_slots, files.stripes * max(counts, default=0))
+    for slot in range(end):
+        if slot // files.stripes < by_index.get(slot % files.stripes, 0):
+            yield (slot, *files.locate(slot))
 
 
 def _judge(

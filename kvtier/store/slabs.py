@@ -213,6 +213,10 @@ class SlabFiles:
         self.warnings: list[str] = []
         self._owns_backend = owns_backend
         self.handles: list[Any] = [None] * len(slabs)
+        # Per slab, the bytes it held before this open: slots at or past
+        # that offset were made by :meth:`create` just now and hold nothing
+        # (the full size where nothing was created: open, find_stores).
+        self.old_sizes: list[int] = [s.size for s in slabs]
         self._dir_fds: list[int] = []  # create: held, with their locks, until close
         self._lock = threading.Lock()  # counters and the log-once set
         self._open_lock = threading.Lock()  # lazy opens (may take a while)
@@ -284,7 +288,9 @@ class SlabFiles:
                 _write_layout(
                     d, fingerprint, slab.slot_size, len(files.slabs), dir_fd=dir_fd
                 )
-                dev_ino = create_slab(slab.path, slab.num_slots, slab.slot_size, dir_fd=dir_fd)
+                dev_ino, files.old_sizes[i] = create_slab(
+                    slab.path, slab.num_slots, slab.slot_size, dir_fd=dir_fd
+                )
                 files.handles[i] = backend.open(slab.path, writable=True)
                 fd = backend.fileno(files.handles[i])
                 if fd is not None and _dev_ino(fd) != dev_ino:
@@ -519,10 +525,12 @@ class SlabFiles:
 
 def create_slab(
     path: str, num_slots: int, slot_bytes: int, *, dir_fd: int | None = None
-) -> tuple[int, int]:
+) -> tuple[tuple[int, int], int]:
     """Create (or reopen) the slab at ``path``, at least ``num_slots *
     slot_bytes`` bytes and mode 0o600, preallocated; its ``(st_dev,
-    st_ino)``. A larger file is never shrunk (its tail is unused). A link,
+    st_ino)`` and the size it had before (0 for a new file: past that
+    offset it holds nothing yet). A larger file is never shrunk (its tail
+    is unused). A link,
     another owner's file or a group/other-writable one is refused (looser
     read bits are removed); with ``dir_fd`` the name is resolved inside
     that (already checked) directory."""
@@ -535,7 +543,7 @@ def create_slab(
             _preallocate(fd, size, path, st.st_size)
     finally:
         os.close(fd)
-    return st.st_dev, st.st_ino
+    return (st.st_dev, st.st_ino), st.st_size
 
 
 def _dev_ino(fd: int) -> tuple[int, int]:

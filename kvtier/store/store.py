@@ -272,14 +272,18 @@ class DiskStore:
         return ReadOutcome.OK
 
     def scan(
-        self, window: int = 64
+        self, window: int = 64, *, skip_new: bool = False
     ) -> Iterator[tuple[int, SlotHeader | None, ReadOutcome]]:
         """Yield ``(slot, header, outcome)`` for every slot, in slot order,
         reading headers only (``window`` in flight; see
         :func:`kvtier.store.scan.scan`). The header is there for OK and for
         FINGERPRINT_MISMATCH (another layout's slot). Raises ``next_seq``
-        above every intact header seen."""
-        for rec in scan(self.files, window=window, on_header=self._on_header):
+        above every intact header seen. ``skip_new`` (warm restart): the
+        slots this store's open just created are empty, neither read nor
+        yielded."""
+        for rec in scan(
+            self.files, window=window, on_header=self._on_header, skip_new=skip_new
+        ):
             yield rec.slot, rec.header, rec.outcome
 
     def stats(self) -> SlabStats:

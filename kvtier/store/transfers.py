@@ -541,11 +541,13 @@ class DiskRuntime:
         at most one per slot, so never more than the store holds.
 
         Payload checksums are verified lazily, on promotion: a bad payload
-        then costs one miss, and start-up reads only headers."""
+        then costs one miss, and start-up reads only headers, and only of
+        slots that existed before this start (a new or grown slab's new
+        slots hold nothing)."""
         per_rank: list[dict[int, tuple[bytes, int]]] = []
         for store in self.stores:
             found: dict[int, tuple[bytes, int]] = {}
-            for slot, header, outcome in store.scan():
+            for slot, header, outcome in store.scan(skip_new=True):
                 if outcome is ReadOutcome.OK and header is not None:
                     found[slot] = (header.key, header.seq)
             per_rank.append(found)

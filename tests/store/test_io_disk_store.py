@@ -253,6 +253,46 @@ def test_scan_reports_every_slot_and_raises_seq(
         assert before < 2**62 < s.next_seq()
 
 
+def test_warm_restart_reads_only_the_headers_of_slots_that_existed(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    """A start's restart scan reads no header of a slot its own create just
+    made (a new slab, or a grown slab's new tail: they hold nothing), and
+    still finds every block of the slots that were there, a torn one judged
+    as before."""
+    from kvtier.host.cpu_tier import AttachedRows
+    from kvtier.store.transfers import DiskRuntime
+
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    nowhere = str(tmp_path / "no-cpu-tier")
+
+    def restart(num_slots: int) -> tuple[list[tuple[bytes, int]], int]:
+        store = DiskStore(paths, num_slots, BLOCK_BYTES, fingerprint, backend="posix")
+        runtime = DiskRuntime([store], [AttachedRows(nowhere, 1, BLOCK_BYTES)])
+        try:
+            return runtime.scan_restore(), store.stats().read_bytes
+        finally:
+            runtime.close()
+
+    # A new store of 64 slots: not one header read.
+    assert restart(64) == ([], 0)
+    # Blocks in a store that existed: found, reading the existing slots only.
+    with DiskStore(paths, 64, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        s.write_block(1, KEY + b"\x01", block(1), 5)
+        s.write_block(62, KEY + b"\x3e", block(62), 6)
+        s.write_block(63, KEY + b"\x3f", block(63), 7)
+        path, off = location(s, 63)
+        flip(path, off + 50)  # a torn header: a miss, as ever
+    found = [(KEY + b"\x01", 1), (KEY + b"\x3e", 62)]
+    assert restart(64) == (found, 64 * HEADER_SIZE)
+    # Grown to 256 slots: the 64 old ones are read, the 192 new ones are not.
+    assert restart(256) == (found, 64 * HEADER_SIZE)
+    with DiskStore(paths, 512, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        assert [slot for slot, _, _ in s.scan(skip_new=True)] == list(range(256))
+    # And the next start has 512 slots that existed.
+    assert restart(512) == (found, 512 * HEADER_SIZE)
+
+
 def test_concurrent_distinct_slots(
     tmp_path: Path, fingerprint: LayoutFingerprint
 ) -> None:
