@@ -27,6 +27,9 @@ Contract of :func:`scan`:
 
 from __future__ import annotations
 
+import errno
+import heapq
+import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -124,13 +127,47 @@ def _where(
         for slot in range(files.num_slots):
             yield (slot, *files.locate(slot))
         return
-    # Slot s is local slot s // stripes of slab s % stripes: past
-    # stripes * max(counts) no slab has a slot left to scan.
-    by_index = {slab.index: n for slab, n in zip(files.slabs, counts, strict=True)}
-    end = min(files.num_slots, files.stripes * max(counts, default=0))
-    for slot in range(end):
-        if slot // files.stripes < by_index.get(slot % files.stripes, 0):
-            yield (slot, *files.locate(slot))
+    # Slot s is local slot s // stripes of slab s % stripes; each slab's
+    # slots in order, merged into slot order.
+    def slab_slots(idx: int, count: int) -> Iterator[tuple[int, int, int]]:
+        index = files.slabs[idx].index
+        for local in _header_data(files, idx, count):
+            yield global_slot(index, local, files.stripes), idx, local * files.slot_size
+
+    yield from heapq.merge(*(slab_slots(i, n) for i, n in enumerate(counts)))
+
+
+def _header_data(files: SlabFiles, idx: int, count: int) -> Iterator[int]:
+    """The local slots below ``count`` of slab ``idx`` whose header bytes
+    the file system may hold data for. A header in a hole (never written:
+    ``lseek(SEEK_DATA)``; a preallocated, unwritten extent counts as one on
+    ext4 and XFS) reads as zeros, an empty slot. Where holes cannot be
+    asked for (no descriptor, an error) every slot is listed."""
+    size, end = files.slot_size, count * files.slot_size
+    try:
+        fd = files.backend.fileno(files.handle(idx)) if count else None
+    except OSError:
+        fd = None
+    if fd is None:
+        yield from range(count)
+        return
+    local = 0  # the next slot not yet listed
+    while local < count:
+        try:
+            start = os.lseek(fd, local * size, os.SEEK_DATA)
+            stop = min(os.lseek(fd, start, os.SEEK_HOLE), end)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: no data past here
+                yield from range(local, count)
+            return
+        if start >= end:
+            return
+        # Slots whose header [l * size, l * size + HEADER_SIZE) meets
+        # [start, stop).
+        first = max(local, (start - HEADER_SIZE) // size + 1)
+        last = min(count, -(-stop // size))
+        yield from range(first, last)
+        local = max(local, last)
 
 
 def _judge(

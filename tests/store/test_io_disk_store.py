@@ -283,14 +283,28 @@ def test_warm_restart_reads_only_the_headers_of_slots_that_existed(
         s.write_block(63, KEY + b"\x3f", block(63), 7)
         path, off = location(s, 63)
         flip(path, off + 50)  # a torn header: a miss, as ever
+    # Where the file system tells preallocated, never written bytes (ext4,
+    # XFS: SEEK_DATA), only the three written headers are read; elsewhere
+    # every slot that existed.
+    probe = tmp_path / "probe"
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, 1 << 20)
+        try:
+            holes = os.lseek(fd, 0, os.SEEK_DATA) != 0
+        except OSError:
+            holes = True
+    finally:
+        os.close(fd)
     found = [(KEY + b"\x01", 1), (KEY + b"\x3e", 62)]
-    assert restart(64) == (found, 64 * HEADER_SIZE)
+    assert restart(64) == (found, (3 if holes else 64) * HEADER_SIZE)
     # Grown to 256 slots: the 64 old ones are read, the 192 new ones are not.
-    assert restart(256) == (found, 64 * HEADER_SIZE)
+    assert restart(256) == (found, (3 if holes else 64) * HEADER_SIZE)
     with DiskStore(paths, 512, BLOCK_BYTES, fingerprint, backend="posix") as s:
-        assert [slot for slot, _, _ in s.scan(skip_new=True)] == list(range(256))
+        scanned = [slot for slot, _, _ in s.scan(skip_new=True)]
+        assert scanned == ([1, 62, 63] if holes else list(range(256)))
     # And the next start has 512 slots that existed.
-    assert restart(512) == (found, 512 * HEADER_SIZE)
+    assert restart(512) == (found, (3 if holes else 512) * HEADER_SIZE)
 
 
 def test_concurrent_distinct_slots(
