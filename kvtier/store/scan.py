@@ -162,12 +162,17 @@ def _header_data(files: SlabFiles, idx: int, count: int) -> Iterator[int]:
             return
         if start >= end:
             return
+        if start < local * size or stop <= start:
+            # Answers no file system should give (data behind the offset
+            # asked for, an empty data range): trust them no further.
+            yield from range(local, count)
+            return
         # Slots whose header [l * size, l * size + HEADER_SIZE) meets
         # [start, stop).
         first = max(local, (start - HEADER_SIZE) // size + 1)
         last = min(count, -(-stop // size))
         yield from range(first, last)
-        local = max(local, last)
+        local = max(local + 1, last)
 
 
 def _judge(
