@@ -400,6 +400,21 @@ class KvtierConfig(BaseModel):
                 "disk_compression to none, or disk_load_path to host",
                 "disk_load_path",
             )
+        if self.disk_read_process == "on" and self.disk_load_path == "device":
+            raise _Refusal(
+                "on reads into a host area, but disk_load_path device reads into "
+                "the KV cache's device; set disk_read_process to auto or off, or "
+                "disk_load_path to host",
+                "disk_read_process",
+            )
+        if self.disk_read_process == "on" and self.disk_io == "kvikio":
+            raise _Refusal(
+                "on reads in a child process that sees no accelerator, where "
+                "kvikio has no driver (into host memory kvikio reads through "
+                "POSIX anyway); set disk_io to auto or posix, or "
+                "disk_read_process to auto or off",
+                "disk_read_process",
+            )
         return self
 
     @property

@@ -377,10 +377,15 @@ def _kvtier_root() -> str:
 
 def _child_env() -> dict[str, str]:
     """This environment, with the directory this kvtier was imported from
-    first on the child's path (it runs the same code as the worker), and
-    without an OpenMP binding: the child keeps the CPUs of the load thread
-    that starts it (:mod:`kvtier.host.placement`)."""
+    first on the child's path (it runs the same code as the worker), no
+    accelerator visible, and without an OpenMP binding: the child keeps the
+    CPUs of the load thread that starts it (:mod:`kvtier.host.placement`)."""
     env = without_openmp_binding(os.environ)
+    # The child reads into host memory: it never needs an accelerator, and a
+    # back end that would make a CUDA context there (kvikio) would take GPU
+    # memory outside vLLM's accounting, on GPU 0 for every rank. Hidden, its
+    # ``auto`` back end is POSIX.
+    env["CUDA_VISIBLE_DEVICES"] = ""
     # The child runs in another directory (``start``): the worker's relative
     # entries are made absolute, so they name what they name here.
     inherited = env.get("PYTHONPATH", "").split(os.pathsep)

@@ -172,6 +172,23 @@ def test_disk_budget_without_path() -> None:
     _expect(extra, "disk_path", "required when disk_bytes_to_use > 0")
 
 
+@pytest.mark.parametrize(
+    "other, fragment",
+    [
+        ({"disk_load_path": "device"}, "disk_load_path to host"),
+        ({"disk_io": "kvikio"}, "set disk_io to auto or posix"),
+    ],
+)
+def test_a_read_process_is_refused_where_it_cannot_read(
+    other: dict[str, str], fragment: str
+) -> None:
+    """``disk_read_process: on`` reads in a child, into host memory, with no
+    accelerator visible: not into a device staging area, not with kvikio."""
+    _expect({**DISK, "disk_read_process": "on", **other}, "disk_read_process", fragment)
+    for setting in ("auto", "off"):  # where the worker picks, or reads itself
+        parse_extra_config({**DISK, "disk_read_process": setting, **other})
+
+
 @pytest.mark.parametrize("budget", [None, 0])
 def test_path_without_disk_budget(budget: Any) -> None:
     extra = {**BASE, "disk_path": "/mnt/d"}

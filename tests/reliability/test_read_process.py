@@ -104,6 +104,10 @@ def test_the_child_reads_and_verifies_as_the_engines_process_would(
             names = {(t / "comm").read_text().strip() for t in task.iterdir()}
             assert (task / str(rp.pid) / "comm").read_text().strip() == CHILD_NAME
             assert any(n.startswith("kvtier-posix_") for n in names), names
+            # It sees no accelerator (it reads into host memory; a CUDA
+            # context there would take GPU memory vLLM does not count).
+            environ = Path(f"/proc/{rp.pid}/environ").read_bytes().split(b"\0")
+            assert b"CUDA_VISIBLE_DEVICES=" in environ, environ
         local = SlotReader(_files(rig, PosixBackend(threads=1)), capacity=8)
         try:
             want = local.read(items)
