@@ -49,6 +49,10 @@ logger = get_logger("connector")
 # Same bound as vLLM's pin_mmap_region: the driver limits one registration.
 MAX_REGISTER_BYTES = 64 * 1024**3
 
+# Host areas (and their registrations) of a DeviceCopies whose shutdown
+# failed: kept mapped and registered for the life of the process.
+_HELD_AREAS: list[tuple[dict, list[int]]] = []
+
 
 def pin_host_area(array: np.ndarray) -> list[int]:
     """Page-lock ``array``'s memory in chunks with vLLM's ``host_register``.
@@ -248,11 +252,16 @@ class DeviceCopies:
         self._events.clear()
         self._scatter.clear()
         self.group_views = []
-        self.areas = {}
-        if not errors:  # never unlock memory a stuck copy may still touch
-            unpin_host_area(self._registered)
         if errors:
+            # Never unlock memory a stuck copy may still touch, nor let it be
+            # unmapped while registered (a later mapping at its addresses
+            # would meet the stale registration): the areas stay referenced
+            # until the process exits, a deliberate leak.
+            _HELD_AREAS.append((self.areas, self._registered))
+            self.areas = {}
             raise errors[0]
+        self.areas = {}
+        unpin_host_area(self._registered)
 
     def _submit_scatter(self, area: str, group: int, plan: CopyPlan, to_host: bool) -> int:
         """Device staging rows -> KV cache (see the class doc)."""
