@@ -460,9 +460,6 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
             rows[key]["idle_get_finished_us"] = 1e6 * idle_get_finished_s(
                 workers[key], args.step_ms / 1e3
             )
-            rows[key]["idle_spin_rate"] = idle_spin_rate(
-                workers[key], args.step_ms / 1e3
-            )
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         k: {"poll": [], "step": [], "busy": []} for k in workers
@@ -482,8 +479,15 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
             ):
                 if key not in workers:
                     break
+                idle_rate = None
+                if mode == "busy":
+                    # The spin's rate with nothing loading, right before:
+                    # the clock of this VM's CPU drifts between rounds.
+                    idle_rate = idle_spin_rate(workers[key], step_s)
                 dropped.append(args.drop_caches and drop_caches())
                 out = load(key, step_s, busy=mode == "busy")
+                if out is not None and idle_rate is not None:
+                    out["idle_spin_rate"] = idle_rate
                 if out is not None:
                     runs[key][mode].append(out)
     gbps = [b["gbps"] for b in baseline if "gbps" in b]
@@ -497,11 +501,15 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
     for key, row in rows.items():
         poll, step = runs.get(key, {}).get("poll"), runs.get(key, {}).get("step")
         busy = runs.get(key, {}).get("busy")
-        if busy and row.get("idle_spin_rate"):
-            rates = [o["spins"] / o["spin_s"] for o in busy if o["spin_s"]]
-            if rates:
+        if busy:
+            shares = [
+                o["spins"] / o["spin_s"] / o["idle_spin_rate"]
+                for o in busy
+                if o["spin_s"]
+            ]
+            if shares:
                 row["busy"] = {
-                    "slowdown": 1 - statistics.median(rates) / row["idle_spin_rate"],
+                    "slowdown": 1 - statistics.median(shares),
                     "gbps_median": nbytes
                     / statistics.median(o["wall"] for o in busy)
                     / 1e9,
@@ -530,6 +538,9 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
             }
         if key in workers:
             row["reader_stats"] = vars(workers[key].reader.stats())
+            # Where the reads ran by the end: a read process whose child did
+            # not start (or was lost) reads in this process.
+            row["reader_describe"] = workers[key].reader.describe()
     for w in workers.values():
         w.shutdown()
     shutil.rmtree(disk, ignore_errors=True)

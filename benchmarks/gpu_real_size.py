@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib
 import json
 import os
 import re
@@ -554,6 +555,9 @@ class Bench:
                 "disk_bytes_to_use": disk_bytes,
                 "disk_read_process": read_process,
                 "reader": _reader_kind(),
+                # Where the reads ran by the end (a read process whose child
+                # never started or was lost reads in the engine's process).
+                "reader_describe": _reader().describe(),
                 "disk_fs": _fs(disk),
                 "page_cache_dropped": all(dropped) if dropped else None,
                 "stats": dict(vars(h.stats)),
@@ -754,8 +758,11 @@ def run_stages(
             traceback.print_exc()
             notes.append(f"{label}: failed: {exc!r}")
             failed.append(label)
-            # The traceback's frames hold the failed engine: drop them first.
-            del exc
+            # The traceback's frames hold the failed engine.
+            traceback.clear_frames(exc.__traceback__)
+        if failed and failed[-1] == label:
+            # Outside the handler: there the exception being handled still
+            # holds its frames, and with them the engine.
             release()
         save(False)
     save(not failed and not skipped)
@@ -794,23 +801,33 @@ def _shutdown(llm) -> None:
 
 def _reader_kind() -> str:
     """The class of the in-process worker's reader of disk hits."""
+    return type(_reader()).__name__
+
+
+def _reader():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return type(get_kv_transfer_group().connector_worker.worker.reader).__name__
+    return get_kv_transfer_group().connector_worker.worker.reader
 
 
 def _release_failed_engine() -> None:
-    """Free what an engine that raised still holds: its distributed state,
-    model and KV cache, with vLLM's own cleanup between engines."""
+    """Free what an engine that raised still holds: its worker's KV
+    connector (vLLM creates it before the warm-up that failed on the H100,
+    and would hand the next engine the same one, bound to the failed
+    engine's KV cache), its distributed state, model and KV cache, with
+    vLLM's own cleanup between engines."""
     import gc
 
     gc.collect()
-    try:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
-    except Exception:  # noqa: BLE001 - best effort: the next stage says if not
-        traceback.print_exc()
+    for cleanup in (
+        "vllm.distributed.kv_transfer:ensure_kv_transfer_shutdown",
+        "vllm.distributed.parallel_state:cleanup_dist_env_and_memory",
+    ):
+        module, name = cleanup.split(":")
+        try:
+            getattr(importlib.import_module(module), name)()
+        except Exception:  # noqa: BLE001 - best effort: the next stage says if not
+            traceback.print_exc()
 
 
 def _fs(path: str) -> str | None:
@@ -966,19 +983,30 @@ def main() -> int:
 
         # What the later engines need at least (start, warm-up, one repeat).
         reserve = 60.0 if not args.tiny else 10.0
+        # The A/B's further kvtier engines run last: the goals' sources
+        # (kvtier, vLLM's CPU offloading, recompute) come first.
+        extra = setup.disk_read_process[1:]
         variants = [
-            (f"kvtier[{v}]", lambda v=v: bench.kvtier(cpu_bytes, 2 * reserve, v))
-            for v in setup.disk_read_process[1:]
+            (
+                f"kvtier[{v}]",
+                lambda v=v, i=i: bench.kvtier(
+                    cpu_bytes, (len(extra) - 1 - i) * reserve + 5.0, v
+                ),
+            )
+            for i, v in enumerate(extra)
         ]
         failed = run_stages(
             [
                 (
                     "kvtier",
-                    lambda: bench.kvtier(cpu_bytes, (2 + len(variants)) * reserve),
+                    lambda: bench.kvtier(cpu_bytes, (2 + len(extra)) * reserve),
                 ),
+                (
+                    "vllm_cpu_offload",
+                    lambda: bench.vllm_offload(cpu_bytes, (1 + len(extra)) * reserve),
+                ),
+                ("baseline", lambda: bench.baseline(len(extra) * reserve + 5.0)),
                 *variants,
-                ("vllm_cpu_offload", lambda: bench.vllm_offload(cpu_bytes, reserve)),
-                ("baseline", lambda: bench.baseline(5.0)),
             ],
             clock,
             reserve / 2,
