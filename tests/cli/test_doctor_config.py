@@ -184,8 +184,8 @@ def test_sync_load_budget_is_refused_where_the_engine_refuses_it(
     """sync_load_budget_bytes on a vLLM without synchronous loads (0.32):
     the spec refuses it at engine start, so the doctor does too. With
     synchronous loads and a disk tier (0.33), a warning: the engine refuses
-    it under async scheduling, its default on CUDA, which only the engine's
-    own flags decide."""
+    it under async scheduling and under Model Runner V2, both its defaults
+    on CUDA, which only the engine's own flags decide."""
     compat = pytest.importorskip("kvtier.connector.compat")
     doc = good_config(disk)
     doc["kv_connector_extra_config"]["sync_load_budget_bytes"] = 256 * MiB
@@ -194,6 +194,7 @@ def test_sync_load_budget_is_refused_where_the_engine_refuses_it(
         assert rc == 0
         c = checks["sync_load_budget_bytes"]
         assert c["status"] == "warning" and "--no-async-scheduling" in c["fix"], c
+        assert "VLLM_USE_V2_MODEL_RUNNER=0" in c["fix"], c
         return
     assert rc == 1
     c = checks["sync_load_budget_bytes"]

@@ -185,8 +185,8 @@ def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[
     (:func:`kvtier.connector.compat.check_sync_load_budget`; its rules for
     several KV-cache groups and for async scheduling need the model and the
     engine's settings, which only the engine knows: with a disk tier, the
-    second is a warning here, since vLLM 0.33 schedules asynchronously by
-    default on CUDA)."""
+    second is a warning here, since vLLM 0.33 schedules asynchronously and
+    runs its Model Runner V2 by default on CUDA)."""
     out = []
     if extra.get("canonical_layout", False):
         out.append(
@@ -210,9 +210,13 @@ def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[
                         WARNING,
                         "with a disk tier, the engine refuses synchronous loads "
                         "while it schedules asynchronously (vLLM's default on "
-                        "CUDA) or runs pipeline parallelism",
-                        "run vllm serve with --no-async-scheduling (and no "
-                        "pipeline parallelism), or remove sync_load_budget_bytes",
+                        "CUDA), runs pipeline parallelism, or runs vLLM's Model "
+                        "Runner V2 (also its default on CUDA: it recomputes a "
+                        "failed synchronous load from the wrong offset, "
+                        "vllm-project/vllm#49250)",
+                        "run vllm serve with --no-async-scheduling and "
+                        "VLLM_USE_V2_MODEL_RUNNER=0 (and no pipeline "
+                        "parallelism), or remove sync_load_budget_bytes",
                     )
                 )
     return out
