@@ -116,9 +116,13 @@ def test_tiny_run_reports_every_source(tmp_path):
     # Each engine read its disk hits where it was told to.
     engines = doc["engines"]
     assert engines["kvtier"]["reader"] == "ReadProcess", engines["kvtier"]
-    assert engines["kvtier"]["reader_describe"].startswith("read process ")
+    # By the end: in the read process if its child had said it was ready
+    # (on a loaded machine a short run may end before), else here.
+    assert engines["kvtier"]["reader_describe"].startswith(
+        ("read process ", "engine's process; posix")
+    ), engines["kvtier"]
     assert engines["kvtier[off]"]["reader"] == "SlotReader", engines["kvtier[off]"]
-    assert "read process" not in engines["kvtier[off]"]["reader_describe"]
+    assert engines["kvtier[off]"]["reader_describe"].startswith("posix"), engines
     assert engines["kvtier[off]"]["stats"]["loads_disk"] > 0, engines["kvtier[off]"]
 
 
