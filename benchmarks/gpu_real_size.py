@@ -554,7 +554,7 @@ class Bench:
                 "cpu_bytes_to_use": cpu_bytes,
                 "disk_bytes_to_use": disk_bytes,
                 "disk_read_process": read_process,
-                "reader": _reader_kind(),
+                "reader": type(_reader()).__name__,
                 # Where the reads ran by the end (a read process whose child
                 # never started or was lost reads in the engine's process).
                 "reader_describe": _reader().describe(),
@@ -799,12 +799,8 @@ def _shutdown(llm) -> None:
         pass
 
 
-def _reader_kind() -> str:
-    """The class of the in-process worker's reader of disk hits."""
-    return type(_reader()).__name__
-
-
 def _reader():
+    """The in-process worker's reader of disk hits."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group().connector_worker.worker.reader

@@ -22,7 +22,11 @@ Contract of :func:`scan`:
   - With ``skip_new`` (warm restart) the slots that the files' ``create``
     just made (at or past a slab's size before it, ``SlabFiles.old_sizes``)
     are neither read nor yielded: they hold nothing, and a new store of
-    millions of slots starts without reading one header.
+    millions of slots starts without reading one header. Nor, in slot
+    order, are the slots whose header lies in a hole of the file
+    (``lseek`` SEEK_DATA/SEEK_HOLE: never written, it reads as zeros, an
+    empty slot); where the file system cannot tell, or answers nonsense,
+    every slot that existed is read.
 """
 
 from __future__ import annotations

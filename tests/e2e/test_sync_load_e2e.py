@@ -199,6 +199,27 @@ def _sync_config(block_bytes, tmp_path) -> dict:
     )
 
 
+def _refused_start(model, block_bytes, tmp_path, **engine_kw) -> tuple[str, list[str]]:
+    """Start an engine with the disk tier and a synchronous-load budget,
+    which must fail: the messages of the exception chain, joined and as a
+    list."""
+    with (
+        pytest.raises(Exception) as info,
+        engine(
+            model,
+            _sync_config(block_bytes, tmp_path),
+            num_gpu_blocks=GPU_BLOCKS,
+            **engine_kw,
+        ),
+    ):
+        pass
+    chain, exc = [], info.value
+    while exc is not None:
+        chain.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return " | ".join(chain), chain
+
+
 @needs_sync_loads
 def test_a_disk_tier_with_sync_loads_is_refused_under_async_scheduling(
     model, block_bytes, tmp_path, monkeypatch
@@ -208,21 +229,7 @@ def test_a_disk_tier_with_sync_loads_is_refused_under_async_scheduling(
     request planned there computed over the unfilled block: the engine
     refuses to start, naming the key and the fixes."""
     _keep_async_scheduling_on_cpu(monkeypatch)
-    with (
-        pytest.raises(Exception) as info,
-        engine(
-            model,
-            _sync_config(block_bytes, tmp_path),
-            num_gpu_blocks=GPU_BLOCKS,
-            async_scheduling=True,
-        ),
-    ):
-        pass
-    chain, exc = [], info.value
-    while exc is not None:
-        chain.append(str(exc))
-        exc = exc.__cause__ or exc.__context__
-    text = " | ".join(chain)
+    text, chain = _refused_start(model, block_bytes, tmp_path, async_scheduling=True)
     assert "sync_load_budget_bytes" in text and "batches at once" in text, chain
     assert "--no-async-scheduling" in text, chain
 
@@ -242,22 +249,10 @@ def test_a_disk_tier_with_sync_loads_is_refused_under_model_runner_v2(
             "vLLM's CPU platform runs its V1 model runner; the decision is "
             "tested in tests/connector/test_sync_load_budget.py"
         )
-    with (
-        _model_runner(v2=True),
-        pytest.raises(Exception) as info,
-        engine(
-            model,
-            _sync_config(block_bytes, tmp_path),
-            num_gpu_blocks=GPU_BLOCKS,
-            async_scheduling=False,
-        ),
-    ):
-        pass
-    chain, exc = [], info.value
-    while exc is not None:
-        chain.append(str(exc))
-        exc = exc.__cause__ or exc.__context__
-    text = " | ".join(chain)
+    with _model_runner(v2=True):
+        text, chain = _refused_start(
+            model, block_bytes, tmp_path, async_scheduling=False
+        )
     assert "sync_load_budget_bytes" in text and "Model Runner V2" in text, chain
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in text, chain
 
