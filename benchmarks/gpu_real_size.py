@@ -18,14 +18,23 @@ prompt ``prefix + 8 new tokens`` is served with its prefix from:
 Each run starts 8 decoders (prompts one token short of a block: nothing of
 theirs is stored or loaded, and every run starts them the same way),
 records their inter-token latency for 16 steps with nothing loading
-(``no_load``), then adds the
-returning prompt: its time to first token (TTFT, from ``add_request`` to the
-step that returns its first token: 8 decoders run beside it) and the
-decoders' inter-token latency until then (``itl_ms``: p50 and max over the
-repeats). Sources and repeats are interleaved within each engine (the
-order alternates every repeat); the engines run one after the other
-(vLLM's connector is a per-process global): kvtier's, vLLM's CPU
-offloading, then one without a connector (gpu_cache, recompute).
+(``no_load``), then adds the returning prompt: its time to first token
+(TTFT, from ``add_request`` to the step that returns its first token: 8
+decoders run beside it) and the decoders' inter-token latency until then
+(``itl_ms``: p50 and max over the repeats; ``itl_loading_ms``: of the steps
+begun before the load was reported, what the decoders feel while the
+prefix arrives, not the request's own compute after it). A loading run is
+followed by the same prompt from the same engine's GPU prefix cache.
+
+Each engine runs in a process of its own (vLLM's connector is a
+per-process global; a process's exit frees all an engine held, so one that
+fails costs the next nothing). kvtier's engine and vLLM's CPU offloading
+engine are alive together and their sources interleave run by run (the
+order alternates every repeat): on the H100 the same decoders stepped in
+25 ms in one engine and 38-43 ms in the next, a drift far above the 5 %
+the CPU-tier goal must resolve; engines run one after the other would
+each take their own share of it. Then the engine without a connector (``gpu_cache``,
+``recompute``), then any ``--disk-read-process`` variant.
 
 Also, in the same run: the disk tier's load rate (each load job's bytes
 over the time from ``submit_load`` to its report, median) next to ``dd``
@@ -34,6 +43,7 @@ same directory (page cache dropped first where allowed); and the greedy
 outputs (16 tokens) of the returning prompt served alone once per source:
 equal wherever stored KV is reused (``outputs_equal``); recompute's tokens
 beside them (``recompute_equal``: bf16 prefill shapes can differ).
+``goals``: the issue's four goals as measured (see :func:`_goals`).
 
 ``--disk-read-process auto on`` adds a second kvtier engine, with its disk
 reads and checks in a read process of their own, that serves the disk
@@ -59,8 +69,8 @@ end to end on a machine without a GPU; its figures say nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
-import importlib
 import json
 import os
 import re
@@ -73,7 +83,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -180,6 +190,9 @@ class Run:
     # Where the TTFT went (ms): arrival to the first load's submit_load,
     # that to the last load's report, that to the first token.
     phases_ms: dict[str, float] | None = None
+    # The decoders' gaps (ms) of the steps begun before the load was
+    # reported (loading sources only).
+    itl_loading_ms: list[float] | None = None
 
 
 def _prompt(seed: int, n: int, vocab: int) -> list[int]:
@@ -189,8 +202,12 @@ def _prompt(seed: int, n: int, vocab: int) -> list[int]:
 
 
 class Clock:
-    def __init__(self, budget_s: float) -> None:
-        self.t0 = time.monotonic()
+    """The run's budget. ``t0``: when it started (``time.monotonic``, one
+    clock for every process of the machine), so the engines' processes
+    share the driver's budget."""
+
+    def __init__(self, budget_s: float, t0: float | None = None) -> None:
+        self.t0 = time.monotonic() if t0 is None else t0
         self.budget_s = budget_s
 
     def left(self) -> float:
@@ -235,24 +252,46 @@ class LoadTimer:
         worker.get_finished = timed_get_finished
 
 
-class Bench:
-    """The engines, the runs, and what they measured."""
+class EngineHost:
+    """One engine and the sources it serves, in a process of its own
+    (:func:`_serve`; vLLM's connector is a per-process global).
 
-    def __init__(self, setup: Setup, disk_dir: str, clock: Clock) -> None:
+    ``kind``: ``kvtier`` (``kvtier_cpu`` and the disk source), ``vllm_cpu_offload``
+    (vLLM's ``CPUOffloadingSpec``) or ``baseline`` (no connector:
+    ``gpu_cache``, ``recompute``). A kvtier engine with ``variant`` set
+    serves the disk source only, labelled ``kvtier_disk[<read_process>]``.
+    Every method returns plain data (it crosses the pipe); what it noted on
+    the way is in ``notes``."""
+
+    def __init__(
+        self,
+        setup: Setup,
+        disk_dir: str,
+        clock: Clock,
+        kind: str,
+        cpu_bytes: int = 0,
+        read_process: str = "auto",
+        variant: bool = False,
+        engine_kw: dict[str, Any] | None = None,
+    ) -> None:
         self.s = setup
         self.disk_dir = disk_dir
         self.clock = clock
-        self.runs: list[Run] = []
-        self.outputs: dict[int, dict[str, list[int]]] = {n: {} for n in setup.prefixes}
-        self.ttft_alone: dict[int, dict[str, float]] = {n: {} for n in setup.prefixes}
-        self.engines: dict[str, dict[str, Any]] = {}
+        self.kind = kind
+        self.cpu_bytes = cpu_bytes
+        self.read_process = read_process
+        self.variant = variant
+        self.engine_kw = engine_kw or {}
+        self.label = f"kvtier[{read_process}]" if variant else kind
+        self.disk_source = f"kvtier_disk[{read_process}]" if variant else "kvtier_disk"
         self.notes: list[str] = []
-        self.dd: dict[int, dict[str, Any]] = {}
+        self.llm = None
+        self.timer: LoadTimer | None = None
+        self.info: dict[str, Any] = {}
         self._ids = iter(range(10**9))
         # (add_request, first token) of the last returning prompt.
         self.last_arrival = (0.0, 0.0)
-        g = setup.geometry
-        self.token_bytes = g["kv_bytes_per_token"]
+        self.token_bytes = setup.geometry["kv_bytes_per_token"]
         self.prefix_prompts = {
             n: _prompt(1000 + i, n, setup.vocab) for i, n in enumerate(setup.prefixes)
         }
@@ -262,21 +301,33 @@ class Bench:
             _prompt(500 + i, setup.block - 1, setup.vocab)
             for i in range(setup.decoders)
         ]
+        # kvtier: the blocks of each prefix (its keys), the disk tier's
+        # directory, whether each page-cache drop was allowed.
+        self.keys: dict[int, list[bytes]] = {}
+        self.disk = os.path.join(disk_dir, self.label)
+        self.dropped: list[bool] = []
 
-    # ------------------------------------------------------------ engines
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
 
-    def _engine(self, cfg: dict | None):
-        from kvtier.testing.engine import make_llm
+    # ------------------------------------------------------------ engine
+
+    def start(self) -> dict[str, Any]:
+        """Build the engine and serve every prefix once (its first visit);
+        what it took."""
+        from kvtier.testing.engine import make_llm, offloading_kv_transfer_config
 
         s = self.s
         longest = max(s.prefixes)
-        # Room for two prefixes of each length (one returning, one fresh)
-        # and the decoders.
-        tokens = (
-            2 * sum(s.prefixes)
-            + longest
-            + s.decoders * (s.decoder_tokens + 2 * s.block)
-        )
+        if self.kind == "baseline":
+            # Room for two prefixes of each length (one returning, one
+            # fresh) and the decoders.
+            tokens = 2 * sum(s.prefixes) + longest
+        else:
+            # A returning prefix loading while another stays cached.
+            tokens = 2 * longest
+        tokens += s.decoders * (s.decoder_tokens + 2 * s.block)
         kw: dict[str, Any] = dict(
             num_gpu_blocks=tokens // s.block + 8,
             block_size=s.block,
@@ -285,14 +336,183 @@ class Bench:
             max_num_seqs=s.decoders + 8,
             max_num_batched_tokens=max(2048, 8 * s.block) if s.tiny else 8192,
             skip_tokenizer_init=True,
+            **self.engine_kw,
         )
         if s.load_format != "auto":
             kw["load_format"] = s.load_format
         if s.attention_backend is not None:
             kw["attention_backend"] = s.attention_backend
+        cfg = None
+        if self.kind == "kvtier":
+            from kvtier.store.slot import slot_size
+
+            shutil.rmtree(self.disk, ignore_errors=True)  # each engine starts empty
+            os.makedirs(self.disk, exist_ok=True)
+            block_bytes = s.block * self.token_bytes
+            disk_bytes = (
+                2
+                * sum(-(-n // s.block) + 8 for n in s.prefixes)
+                * slot_size(block_bytes)
+            )
+            cfg = offloading_kv_transfer_config(
+                "TieredOffloadingSpec",
+                "kvtier.connector",
+                cpu_bytes_to_use=self.cpu_bytes,
+                disk_bytes_to_use=disk_bytes,
+                disk_path=self.disk,
+                spill_watermark=0.0,  # every block reaches disk at once
+                disk_read_process=self.read_process,
+            )
+            self.info.update(
+                disk_bytes_to_use=disk_bytes, disk_read_process=self.read_process
+            )
+        elif self.kind == "vllm_cpu_offload":
+            cfg = offloading_kv_transfer_config(
+                "CPUOffloadingSpec", cpu_bytes_to_use=self.cpu_bytes
+            )
+        if cfg is not None:
+            self.info["cpu_bytes_to_use"] = self.cpu_bytes
         t0 = time.monotonic()
-        llm = make_llm(s.model_dir, cfg, **kw)
-        return llm, time.monotonic() - t0
+        self.llm = make_llm(s.model_dir, cfg, **kw)
+        self.info["start_s"] = time.monotonic() - t0
+        if cfg is not None:
+            self.timer = LoadTimer()
+        t0 = time.monotonic()
+        if self.kind == "kvtier":
+            h = self._hierarchy()
+            for n in s.prefixes:
+                before = set(h.cpu.keys())
+                self._alone(self.prefix_prompts[n] + self.first_tail, 1)
+                self._settle()
+                stored = h.cpu.keys()
+                self.keys[n] = [k for k in stored if k not in before]
+                if len(self.keys[n]) != n // s.block:
+                    self.notes.append(
+                        f"{self.label}: {len(self.keys[n])} of {n // s.block} blocks "
+                        f"of the {n}-token prefix reached the CPU tier"
+                    )
+        else:
+            for n in s.prefixes:
+                self._alone(self.prefix_prompts[n] + self.first_tail, 1)
+        self.info["warm_s"] = time.monotonic() - t0
+        return dict(self.info)
+
+    def measure(self, source: str, n: int, r: int) -> list[dict[str, Any]]:
+        """Serve the ``n``-token returning prompt beside the decoders with
+        its prefix from ``source``, then from this engine's GPU prefix cache
+        (each loading source's own-engine reference); the runs."""
+        s = self.s
+        prompt = self.prefix_prompts[n] + self.tail
+        if source == "recompute":
+            fresh = _prompt(2000 + 10 * r + s.prefixes.index(n), n, s.vocab)
+            return [self._record("recompute", n, fresh + self.tail)]
+        if source == "gpu_cache":
+            return [self._record("gpu_cache", n, prompt)]
+        if source == "kvtier_cpu" and not self._on_cpu(n):
+            self.notes.append(f"kvtier_cpu {n}: prefix not all on CPU")
+        if source == self.disk_source:
+            self._only_on_disk(n)
+        assert self.llm.reset_prefix_cache()
+        return [self._record(source, n, prompt), self._record("gpu_cache", n, prompt)]
+
+    def outputs(self) -> dict[str, dict[str, Any]]:
+        """Each of this engine's sources served alone once per prefix: its
+        greedy tokens and TTFT, ``{str(n): {source: (ttft, tokens)}}``."""
+        s = self.s
+        out: dict[str, dict[str, Any]] = {}
+        for n in s.prefixes:
+            prompt = self.prefix_prompts[n] + self.tail
+            got = out.setdefault(str(n), {})
+            if self.kind == "baseline":
+                got["gpu_cache_baseline"] = self._alone(prompt, s.out_tokens)[:2]
+                assert self.llm.reset_prefix_cache()
+                got["recompute"] = self._alone(prompt, s.out_tokens)[:2]
+                continue
+            sources = (
+                [self.disk_source]
+                if self.variant
+                else ["kvtier_cpu", "kvtier_disk"]
+                if self.kind == "kvtier"
+                else ["vllm_cpu_offload"]
+            )
+            for source in sources:
+                if source == self.disk_source:
+                    self._only_on_disk(n)
+                assert self.llm.reset_prefix_cache()
+                got[source] = self._alone(prompt, s.out_tokens)[:2]
+                if self.kind == "kvtier" and "gpu_cache" not in got:
+                    got["gpu_cache"] = self._alone(prompt, s.out_tokens)[:2]
+        return out
+
+    def finish(self) -> dict[str, Any]:
+        """What this engine reports beside its runs: ``engine`` (start,
+        warm-up, sizes, kvtier's reader and counters) and ``dd`` (kvtier's
+        main engine: dd O_DIRECT over as many bytes of its slab as each
+        prefix's load read, ``{str(n): result}``)."""
+        dd: dict[str, Any] = {}
+        if self.kind == "kvtier":
+            from benchmarks._common import direct_read_baseline
+            from kvtier.store.slot import slot_size
+
+            s = self.s
+            slabs = sorted(glob.glob(os.path.join(self.disk, "*", "slab-0.kvt")))
+            for n in s.prefixes if not self.variant else []:
+                size = (n // s.block) * slot_size(s.block * self.token_bytes)
+                if slabs and os.path.getsize(slabs[0]) >= size:
+                    dd[str(n)] = direct_read_baseline(None, slabs[0], size)
+            reader = _reader()
+            self.info.update(
+                reader=type(reader).__name__,
+                # Where the reads ran by the end (a read process whose child
+                # never started or was lost reads in the engine's process).
+                reader_describe=reader.describe(),
+                disk_fs=_fs(self.disk),
+                page_cache_dropped=all(self.dropped) if self.dropped else None,
+                stats=dict(vars(self._hierarchy().stats)),
+            )
+        return {"engine": dict(self.info), "dd": dd}
+
+    def close(self) -> None:
+        if self.llm is not None:
+            from kvtier.testing.engine import shutdown_llm
+
+            llm, self.llm = self.llm, None
+            shutdown_llm(llm)
+
+    # ------------------------------------------------------------- kvtier
+
+    def _hierarchy(self):
+        from kvtier.testing.engine import get_connector
+
+        return get_connector(self.llm).connector_scheduler.manager.hierarchy
+
+    def _settle(self) -> None:
+        from kvtier.testing.engine import get_connector
+
+        _settle(
+            get_connector(self.llm).connector_scheduler.manager,
+            self.clock.wait_s(300),
+        )
+
+    def _on_cpu(self, n: int) -> bool:
+        from kvtier.tiers.plans import Residency
+
+        h = self._hierarchy()
+        return all(h.lookup(k) is Residency.HIT_CPU for k in self.keys[n])
+
+    def _only_on_disk(self, n: int) -> None:
+        """Drop the prefix's CPU copies (clean: each is on disk) and the
+        page cache (where allowed): its next hit reads the drive."""
+        from benchmarks._common import drop_caches
+        from kvtier.testing.state import evict_clean
+
+        self._settle()
+        h = self._hierarchy()
+        for k in self.keys[n]:
+            evict_clean(h, k)
+        self.dropped.append(drop_caches())
+
+    # ------------------------------------------------------------- serving
 
     def _params(self, max_tokens: int):
         from vllm import SamplingParams
@@ -302,10 +522,10 @@ class Bench:
         )
 
     def _alone(
-        self, llm, prompt: list[int], max_tokens: int
+        self, prompt: list[int], max_tokens: int
     ) -> tuple[float, list[int], str]:
         """Serve ``prompt`` with nothing beside it: (TTFT, tokens, request id)."""
-        eng = llm.llm_engine
+        eng = self.llm.llm_engine
         rid = f"alone{next(self._ids)}"
         t0 = time.perf_counter()
         eng.add_request(
@@ -322,28 +542,29 @@ class Bench:
                     tokens = list(out.outputs[0].token_ids)
                     if ttft is None and tokens:
                         ttft = time.perf_counter() - t0
-        self._drain(llm)
+        self._drain()
         assert ttft is not None
         return ttft, tokens, rid
 
-    def _drain(self, llm) -> None:
+    def _drain(self) -> None:
         from kvtier.testing.engine import drain
 
-        drain(llm, timeout=self.clock.wait_s(120))
+        drain(self.llm, timeout=self.clock.wait_s(120))
 
     def _beside_decoders(
-        self, llm, prompt: list[int]
-    ) -> tuple[float, list[float], list[float], str]:
+        self, prompt: list[int]
+    ) -> tuple[float, list[float], list[tuple[float, float]], str]:
         """Decoders run; ``prompt`` arrives. Returns its TTFT, the decoders'
-        inter-token latencies (ms) before it arrived and until it answered,
-        and its request id."""
+        inter-token latencies (ms) before it arrived, their gaps until it
+        answered (``(step start, ms)``, perf_counter seconds), and its
+        request id."""
         s = self.s
-        eng = llm.llm_engine
+        eng = self.llm.llm_engine
         tag = next(self._ids)
         dec = [f"d{tag}x{i}" for i in range(s.decoders)]
         rid = f"ret{tag}"
         last: dict[str, tuple[float, int]] = {}
-        gaps: list[tuple[float, float]] = []  # (arrival, gap)
+        gaps: list[tuple[float, float]] = []  # (step start, gap s)
         first: list[float] = []
         wait_s = self.clock.wait_s(600)
         deadline = time.monotonic() + wait_s
@@ -363,7 +584,7 @@ class Bench:
                 if prev is not None and n > prev[1]:
                     # Tokens that arrive together share the gap.
                     per = (now - prev[0]) / (n - prev[1])
-                    gaps.extend((now, per) for _ in range(n - prev[1]))
+                    gaps.extend((prev[0], per) for _ in range(n - prev[1]))
                 if prev is None or n > prev[1]:
                     last[out.request_id] = (now, n)
 
@@ -383,24 +604,23 @@ class Bench:
             step()
         ttft = first[0] - t0
         self.last_arrival = (t0, first[0])
-        window = [g * 1e3 for t, g in gaps if t <= first[0]]
+        window = [(t, g * 1e3) for t, g in gaps if t < first[0]]
         eng.abort_request(dec)
         while eng.has_unfinished_requests():
             step()
-        self._drain(llm)
+        self._drain()
         return ttft, no_load, window, rid
 
-    def _record(
-        self, llm, source: str, n: int, prompt: list[int], hierarchy=None, timer=None
-    ) -> None:
+    def _record(self, source: str, n: int, prompt: list[int]) -> dict[str, Any]:
         from kvtier.testing.engine import get_hit_recorder
 
-        stats = hierarchy.stats if hierarchy is not None else None
+        stats = self._hierarchy().stats if self.kind == "kvtier" else None
         before = (stats.loads_cpu, stats.loads_disk) if stats else (0, 0)
+        timer = self.timer if source != "gpu_cache" else None
         jobs = len(timer.jobs) if timer else 0
-        ttft, no_load, window, rid = self._beside_decoders(llm, prompt)
-        hits = get_hit_recorder(llm).per_request.get(rid, {})
-        run = Run(source, n, ttft, no_load, window, 0, dict(hits))
+        ttft, no_load, window, rid = self._beside_decoders(prompt)
+        hits = get_hit_recorder(self.llm).per_request.get(rid, {})
+        run = Run(source, n, ttft, no_load, [g for _, g in window], 0, dict(hits))
         if stats:
             run.loaded = {
                 "cpu": stats.loads_cpu - before[0],
@@ -418,10 +638,13 @@ class Bench:
                 "load": (reported - submitted) * 1e3,
                 "to_first_token": (first_token - reported) * 1e3,
             }
-        self.runs.append(run)
+            # The steps that began before the load was reported: what the
+            # decoders feel while the prefix arrives (the steps after it
+            # are the request's own compute, whatever its source).
+            run.itl_loading_ms = [g for t, g in window if t < reported]
         print(
             f"  {source:>16} {n:>6} tokens: TTFT {ttft * 1e3:9.1f} ms, decoder ITL "
-            f"p50 {_p50(window):6.1f} max {max(window, default=float('nan')):7.1f} ms "
+            f"p50 {_p50(run.itl_ms):6.1f} max {max(run.itl_ms, default=float('nan')):7.1f} ms "
             f"(no load p50 {_p50(no_load):6.1f}), hits {hits}"
             + (f", load {run.load['gbps']:.2f} GB/s" if run.load else "")
             + (
@@ -432,10 +655,239 @@ class Bench:
             ),
             flush=True,
         )
+        return vars(run)
+
+
+def _serve(
+    conn,
+    setup: Setup,
+    disk_dir: str,
+    t0: float,
+    budget_s: float,
+    kw: dict[str, Any],
+    parent: int,
+) -> None:
+    """A child process's loop: one :class:`EngineHost`, one call per
+    message ``(method, args)``, each answered ``(status, value, notes)``;
+    ``close`` shuts the engine down and ends the process. The first answer
+    says what the process took to import vLLM (and initialise CUDA). The
+    process dies with the driver (run.sh's timeout kills the driver: an
+    engine left behind would hold its GPU memory into the next step)."""
+    from kvtier.store.read_process import die_with_parent
+    from kvtier.testing.engine import use_in_process_engines
+
+    die_with_parent(parent)
+    use_in_process_engines()
+    clock = Clock(budget_s, t0)
+    host: EngineHost | None = None
+    try:
+        t_import = time.monotonic()
+        import torch
+        import vllm
+        import vllm.entrypoints.llm  # noqa: F401
+
+        cuda = torch.cuda.is_available() and not setup.tiny
+        if cuda:
+            torch.cuda.init()
+        host = EngineHost(setup, disk_dir, clock, **kw)
+        conn.send(
+            (
+                "ok",
+                {
+                    "device": torch.cuda.get_device_name() if cuda else "cpu",
+                    "torch": torch.__version__,
+                    "vllm": getattr(vllm, "__version__", None),
+                    "import_and_cuda_init_s": time.monotonic() - t_import,
+                },
+                [],
+            )
+        )
+        while True:
+            method, args = conn.recv()
+            try:
+                if method == "close":
+                    host.close()
+                    conn.send(("ok", None, host.take_notes()))
+                    return
+                value = getattr(host, method)(*args)
+                conn.send(("ok", value, host.take_notes()))
+            except Exception as exc:  # noqa: BLE001 - reported to the driver
+                traceback.print_exc()
+                conn.send(("err", repr(exc), host.take_notes()))
+    except (EOFError, KeyboardInterrupt):
+        return  # the driver went away
+    except Exception as exc:  # noqa: BLE001 - reported to the driver
+        traceback.print_exc()
+        with contextlib.suppress(OSError):
+            conn.send(("err", repr(exc), host.take_notes() if host else []))
+
+
+class EngineProcess:
+    """The driver's handle on one :class:`EngineHost` in a child process.
+
+    Each call waits at most its timeout; a child that does not answer in
+    time is killed (a hung request or load must not cost the stages
+    after it), and one that died or raised fails the call with its error.
+    A child's exit frees all it held (GPU memory, CPU tiers), so an engine
+    that failed costs the next one nothing."""
+
+    def __init__(
+        self, label: str, setup: Setup, disk_dir: str, clock: Clock, **kw: Any
+    ) -> None:
+        import multiprocessing as mp
+
+        self.label = label
+        self.clock = clock
+        self.notes: list[str] = []
+        # spawn: a fresh interpreter (CUDA cannot be forked into).
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_serve,
+            args=(child, setup, disk_dir, clock.t0, clock.budget_s, kw, os.getpid()),
+            name=f"engine-{label}",
+        )
+        self.proc.start()
+        child.close()
+        self._facts: dict[str, Any] | None = None
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        """What the child took to import vLLM (and initialise CUDA), its
+        device and versions: its first answer, waited for here (the
+        children of one stage import side by side)."""
+        if self._facts is None:
+            self._facts = self._answer(self.clock.wait_s(600) + 30)
+        return self._facts
+
+    def call(self, method: str, *args: Any, limit_s: float = 600) -> Any:
+        """``method(*args)`` in the child; what it returned. Waits at most
+        ``limit_s`` (within the budget) plus a margin for the child's own
+        deadlines to fire first."""
+        assert self.facts
+        try:
+            self.conn.send((method, args))
+        except OSError:  # the child's end is gone
+            self._exited()
+        return self._answer(self.clock.wait_s(limit_s) + 30)
+
+    def _exited(self) -> NoReturn:
+        self.proc.join(5)
+        raise RuntimeError(
+            f"{self.label}: its process exited (code {self.proc.exitcode})"
+        ) from None
+
+    def _answer(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            self.kill()
+            raise TimeoutError(f"{self.label}: no answer in {timeout:.0f} s (killed)")
+        try:
+            status, value, notes = self.conn.recv()
+        except (EOFError, OSError):
+            self._exited()
+        self.notes.extend(notes)
+        if status != "ok":
+            raise RuntimeError(f"{self.label}: {value}")
+        return value
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Shut the engine down and end the process (killed if it does not
+        end in ``timeout``)."""
+        if self.proc.is_alive():
+            with contextlib.suppress(Exception):
+                self.conn.send(("close", ()))
+                if self.conn.poll(timeout):
+                    self.notes.extend(self.conn.recv()[2])
+            self.proc.join(10)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+        with contextlib.suppress(OSError):
+            self.conn.close()
+
+
+class Bench:
+    """The driver: starts the engines (each in a process of its own),
+    interleaves their runs, and gathers what they measured."""
+
+    def __init__(
+        self, setup: Setup, disk_dir: str, clock: Clock, cpu_bytes: int, cuda: bool
+    ) -> None:
+        self.s = setup
+        self.disk_dir = disk_dir
+        self.clock = clock
+        self.cpu_bytes = cpu_bytes
+        self.cuda = cuda
+        self.runs: list[dict[str, Any]] = []
+        self.outputs: dict[int, dict[str, list[int]]] = {n: {} for n in setup.prefixes}
+        self.ttft_alone: dict[int, dict[str, float]] = {n: {} for n in setup.prefixes}
+        self.engines: dict[str, dict[str, Any]] = {}
+        self.notes: list[str] = []
+        self.dd: dict[int, dict[str, Any]] = {}
+        self.facts: dict[str, Any] = {}
+        self.live: list[EngineProcess] = []
+
+    def _spawn(self, label: str, **kw: Any) -> EngineProcess:
+        """A child process for an engine (importing vLLM; see ``_start``)."""
+        if self.cuda:
+            # The KV cache is sized explicitly (make_llm), so vLLM's
+            # gpu_memory_utilization is only its start's check that this
+            # share of the GPU is free: with two engines alive, each must
+            # pass it beside the other (an offloading engine takes ~30 GB
+            # of an H100's 80; the baseline, alone, ~34).
+            kw["engine_kw"] = {"gpu_memory_utilization": 0.45}
+        proc = EngineProcess(label, self.s, self.disk_dir, self.clock, **kw)
+        self.live.append(proc)
+        return proc
+
+    def _start(self, proc: EngineProcess) -> EngineProcess:
+        """Build ``proc``'s engine and serve its prefixes once; a process
+        whose engine did not start is ended."""
+        try:
+            self.facts = self.facts or dict(proc.facts)
+            info = proc.call("start")
+            self.engines[proc.label] = {
+                "import_and_cuda_init_s": proc.facts["import_and_cuda_init_s"],
+                **info,
+            }
+        except BaseException:
+            self._close(proc)
+            raise
+        return proc
+
+    def _close(self, proc: EngineProcess) -> None:
+        proc.close()
+        self.notes.extend(proc.notes)
+        proc.notes.clear()
+        if proc in self.live:
+            self.live.remove(proc)
+
+    def release(self) -> None:
+        """End every engine process still running (after a failed stage)."""
+        for proc in list(self.live):
+            proc.kill()
+            self._close(proc)
+
+    def _gather(self, proc: EngineProcess) -> None:
+        """The engine's outputs served alone, and what it reports."""
+        for n, by_source in proc.call("outputs").items():
+            for source, (ttft, tokens) in by_source.items():
+                self.outputs[int(n)][source] = tokens
+                if source != "gpu_cache_baseline":
+                    self.ttft_alone[int(n)].setdefault(source, ttft)
+                else:
+                    self.ttft_alone[int(n)]["gpu_cache"] = ttft
+        end = proc.call("finish")
+        self.engines[proc.label].update(end["engine"])
+        for n, result in end["dd"].items():
+            self.dd[int(n)] = result
 
     def _repeats(self, label: str, reserve_s: float):
         """The repeats to run: each, while the previous one's time and
-        ``reserve_s`` (the later engines') still fit the budget."""
+        ``reserve_s`` (the later stages') still fit the budget."""
         per_repeat = None
         for r in range(self.s.repeats):
             if per_repeat is not None and self.clock.left() < per_repeat + reserve_s:
@@ -445,240 +897,174 @@ class Bench:
             yield r
             per_repeat = time.monotonic() - t_r
 
-    def _warm(self, llm) -> float:
-        """Serve every prefix once (its first visit); the seconds it took."""
-        t0 = time.monotonic()
-        for n in self.s.prefixes:
-            self._alone(llm, self.prefix_prompts[n] + self.first_tail, 1)
-        return time.monotonic() - t0
+    # ------------------------------------------------------------ stages
 
-    # ------------------------------------------------------------- kvtier
-
-    def kvtier(
-        self, cpu_bytes: int, reserve_s: float, read_process: str | None = None
-    ) -> None:
-        """kvtier's engine: the CPU and disk sources (``read_process`` None:
-        ``disk_read_process`` the first value), or, for a further value,
-        the disk source only, labelled ``kvtier_disk[<value>]``."""
-        from benchmarks._common import direct_read_baseline, drop_caches
-        from kvtier.store.slot import slot_size
-        from kvtier.testing.engine import get_connector, offloading_kv_transfer_config
-        from kvtier.testing.state import evict_clean
-        from kvtier.tiers.plans import Residency
-
+    def offloading(self, reserve_s: float) -> None:
+        """kvtier's engine and vLLM's CPU offloading engine, alive together
+        in two processes, their sources interleaved run by run: the
+        machine's drift between engines (on the H100 the same decoders
+        stepped in 25 ms in one engine and 38-43 ms in the next) falls on
+        both alike. An engine that fails is noted; the other goes on."""
         s = self.s
-        variant = read_process is not None
-        read_process = read_process or s.disk_read_process[0]
-        label = f"kvtier[{read_process}]" if variant else "kvtier"
-        disk_source = f"kvtier_disk[{read_process}]" if variant else "kvtier_disk"
-        sources = [disk_source] if variant else ["kvtier_cpu", "kvtier_disk"]
-        block_bytes = s.block * self.token_bytes
-        disk = os.path.join(self.disk_dir, label)
-        shutil.rmtree(disk, ignore_errors=True)  # each engine starts empty
-        os.makedirs(disk, exist_ok=True)
-        disk_bytes = (
-            2 * sum(-(-n // s.block) + 8 for n in s.prefixes) * slot_size(block_bytes)
-        )
-        cfg = offloading_kv_transfer_config(
-            "TieredOffloadingSpec",
-            "kvtier.connector",
-            cpu_bytes_to_use=cpu_bytes,
-            disk_bytes_to_use=disk_bytes,
-            disk_path=disk,
-            spill_watermark=0.0,  # every block reaches disk at once
-            disk_read_process=read_process,
-        )
-        llm, start_s = self._engine(cfg)
-        try:
-            mgr = get_connector(llm).connector_scheduler.manager
-            h = mgr.hierarchy
-            timer = LoadTimer()
-            keys: dict[int, list[bytes]] = {}
-            t0 = time.monotonic()
-            for n in s.prefixes:
-                before = set(h.cpu.keys())
-                self._alone(llm, self.prefix_prompts[n] + self.first_tail, 1)
-                _settle(mgr, self.clock.wait_s(300))
-                stored = h.cpu.keys()
-                keys[n] = [k for k in stored if k not in before]
-                if len(keys[n]) != n // s.block:
-                    self.notes.append(
-                        f"kvtier: {len(keys[n])} of {n // s.block} blocks of the "
-                        f"{n}-token prefix reached the CPU tier"
-                    )
-            warm_s = time.monotonic() - t0
-
-            def on_cpu(n: int) -> bool:
-                return all(h.lookup(k) is Residency.HIT_CPU for k in keys[n])
-
-            dropped: list[bool] = []
-
-            def only_on_disk(n: int) -> None:
-                _settle(mgr, self.clock.wait_s(300))
-                for k in keys[n]:
-                    evict_clean(h, k)
-                dropped.append(drop_caches())
-
-            for r in self._repeats(label, reserve_s):
-                order = s.prefixes if r % 2 == 0 else s.prefixes[::-1]
-                for n in order:
-                    prompt = self.prefix_prompts[n] + self.tail
-                    for source in sources if r % 2 == 0 else sources[::-1]:
-                        if source == "kvtier_cpu" and not on_cpu(n):
-                            self.notes.append(f"kvtier_cpu {n}: prefix not all on CPU")
-                        if source == disk_source:
-                            only_on_disk(n)
-                        assert llm.reset_prefix_cache()
-                        self._record(llm, source, n, prompt, h, timer)
-                        self._record(llm, "gpu_cache", n, prompt, h, timer)
-            # The outputs, each source served alone once.
-            for n in s.prefixes:
-                prompt = self.prefix_prompts[n] + self.tail
-                for source in sources:
-                    if source == disk_source:
-                        only_on_disk(n)
-                    assert llm.reset_prefix_cache()
-                    ttft, out, _ = self._alone(llm, prompt, s.out_tokens)
-                    self.outputs[n][source] = out
-                    self.ttft_alone[n][source] = ttft
-                    ttft, out, _ = self._alone(llm, prompt, s.out_tokens)
-                    self.outputs[n].setdefault("gpu_cache", out)
-            slabs = sorted(glob.glob(os.path.join(disk, "*", "slab-0.kvt")))
-            for n in s.prefixes if not variant else []:
-                size = (n // s.block) * slot_size(block_bytes)
-                if slabs and os.path.getsize(slabs[0]) >= size:
-                    self.dd[n] = direct_read_baseline(None, slabs[0], size)
-            self.engines[label] = {
-                "start_s": start_s,
-                "warm_s": warm_s,
-                "cpu_bytes_to_use": cpu_bytes,
-                "disk_bytes_to_use": disk_bytes,
-                "disk_read_process": read_process,
-                "reader": type(_reader()).__name__,
-                # Where the reads ran by the end (a read process whose child
-                # never started or was lost reads in the engine's process).
-                "reader_describe": _reader().describe(),
-                "disk_fs": _fs(disk),
-                "page_cache_dropped": all(dropped) if dropped else None,
-                "stats": dict(vars(h.stats)),
-            }
-        finally:
-            _shutdown(llm)
-
-    # ------------------------------------------------------ vLLM offload
-
-    def vllm_offload(self, cpu_bytes: int, reserve_s: float) -> None:
-        from vllm.platforms import current_platform
-
-        if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
+        paired = self.cuda  # vLLM's CPUOffloadingSpec: CUDA/XPU only
+        starts: list[tuple[str, dict[str, Any]]] = [
+            (
+                "kvtier",
+                dict(
+                    kind="kvtier",
+                    cpu_bytes=self.cpu_bytes,
+                    read_process=s.disk_read_process[0],
+                ),
+            )
+        ]
+        if paired:
+            starts.append(
+                (
+                    "vllm_cpu_offload",
+                    dict(
+                        kind="vllm_cpu_offload",
+                        cpu_bytes=self.cpu_bytes,
+                    ),
+                )
+            )
+        else:
             self.notes.append(
                 "vllm_cpu_offload: vLLM's CPUOffloadingSpec runs on CUDA/XPU only"
             )
-            return
-        from kvtier.testing.engine import offloading_kv_transfer_config
-
-        s = self.s
-        cfg = offloading_kv_transfer_config(
-            "CPUOffloadingSpec", cpu_bytes_to_use=cpu_bytes
-        )
-        llm, start_s = self._engine(cfg)
+        hosts: dict[str, EngineProcess] = {}
+        errors: list[str] = []
+        # Both import vLLM side by side; the engines start one after the
+        # other (vLLM's start checks the GPU memory free beside the other).
+        spawned = [self._spawn(label, **kw) for label, kw in starts]
+        for proc in spawned:
+            try:
+                hosts[proc.label] = self._start(proc)
+            except Exception as exc:  # noqa: BLE001 - the other engine goes on
+                errors.append(f"{proc.label}: failed to start: {exc!r}")
+        plan = [
+            ("kvtier", "kvtier_cpu"),
+            ("vllm_cpu_offload", "vllm_cpu_offload"),
+            ("kvtier", "kvtier_disk"),
+        ]
         try:
-            timer = LoadTimer()
-            warm_s = self._warm(llm)
-            for r in self._repeats("vllm_cpu_offload", reserve_s):
+            for r in self._repeats("offloading", reserve_s):
                 for n in s.prefixes if r % 2 == 0 else s.prefixes[::-1]:
-                    prompt = self.prefix_prompts[n] + self.tail
-                    assert llm.reset_prefix_cache()
-                    self._record(llm, "vllm_cpu_offload", n, prompt, timer=timer)
-                    self._record(llm, "gpu_cache", n, prompt)
-            for n in s.prefixes:
-                assert llm.reset_prefix_cache()
-                ttft, out, _ = self._alone(
-                    llm, self.prefix_prompts[n] + self.tail, s.out_tokens
-                )
-                self.outputs[n]["vllm_cpu_offload"] = out
-                self.ttft_alone[n]["vllm_cpu_offload"] = ttft
-            self.engines["vllm_cpu_offload"] = {
-                "start_s": start_s,
-                "warm_s": warm_s,
-                "cpu_bytes_to_use": cpu_bytes,
-            }
+                    for label, source in plan if r % 2 == 0 else plan[::-1]:
+                        proc = hosts.get(label)
+                        if proc is None:
+                            continue
+                        try:
+                            self.runs += proc.call("measure", source, n, r)
+                        except Exception as exc:  # noqa: BLE001 - the other goes on
+                            errors.append(f"{label}: {source} {n}: {exc!r}")
+                            self._close(hosts.pop(label))
+            for label in list(hosts):
+                try:
+                    self._gather(hosts[label])
+                except Exception as exc:  # noqa: BLE001 - the other goes on
+                    errors.append(f"{label}: {exc!r}")
         finally:
-            _shutdown(llm)
-
-    # ---------------------------------------------------------- baseline
+            for proc in hosts.values():
+                self._close(proc)
+        if errors:
+            raise RuntimeError("; ".join(errors))
 
     def baseline(self, reserve_s: float) -> None:
-        s = self.s
-        llm, start_s = self._engine(None)
+        """An engine without a connector: the GPU prefix cache and
+        recompute, interleaved."""
+        proc = self._start(self._spawn("baseline", kind="baseline"))
         try:
-            warm_s = self._warm(llm)
             for r in self._repeats("baseline", reserve_s):
-                for n in s.prefixes if r % 2 == 0 else s.prefixes[::-1]:
-                    fresh = _prompt(2000 + 10 * r + s.prefixes.index(n), n, s.vocab)
-                    runs = [
-                        ("gpu_cache", self.prefix_prompts[n] + self.tail),
-                        ("recompute", fresh + self.tail),
-                    ]
-                    for source, prompt in runs if r % 2 == 0 else runs[::-1]:
-                        self._record(llm, source, n, prompt)
-            for n in s.prefixes:
-                prompt = self.prefix_prompts[n] + self.tail
-                ttft, out, _ = self._alone(llm, prompt, s.out_tokens)
-                self.outputs[n]["gpu_cache_baseline"] = out
-                self.ttft_alone[n]["gpu_cache"] = ttft
-                assert llm.reset_prefix_cache()
-                ttft, out, _ = self._alone(llm, prompt, s.out_tokens)
-                self.outputs[n]["recompute"] = out
-                self.ttft_alone[n]["recompute"] = ttft
-            self.engines["baseline"] = {"start_s": start_s, "warm_s": warm_s}
+                for n in self.s.prefixes if r % 2 == 0 else self.s.prefixes[::-1]:
+                    sources = ["gpu_cache", "recompute"]
+                    for source in sources if r % 2 == 0 else sources[::-1]:
+                        self.runs += proc.call("measure", source, n, r)
+            self._gather(proc)
         finally:
-            _shutdown(llm)
+            self._close(proc)
+
+    def variant(self, read_process: str, reserve_s: float) -> None:
+        """A further kvtier engine, ``disk_read_process`` set to
+        ``read_process``, serving the disk source only."""
+        label = f"kvtier[{read_process}]"
+        proc = self._start(
+            self._spawn(
+                label,
+                kind="kvtier",
+                cpu_bytes=self.cpu_bytes,
+                read_process=read_process,
+                variant=True,
+            )
+        )
+        try:
+            for r in self._repeats(label, reserve_s):
+                for n in self.s.prefixes if r % 2 == 0 else self.s.prefixes[::-1]:
+                    source = f"kvtier_disk[{read_process}]"
+                    self.runs += proc.call("measure", source, n, r)
+            self._gather(proc)
+        finally:
+            self._close(proc)
 
     # -------------------------------------------------------------- JSON
 
     def result(self, device: str, complete: bool) -> dict[str, Any]:
         s = self.s
+        runs = self.runs
         ttft: dict[str, list[float | None]] = {}
         itl: dict[str, dict[str, list[float | None]]] = {}
-        extra = sorted({r.source for r in self.runs} - set(SOURCES))
+        itl_loading: dict[str, dict[str, list[float | None]]] = {}
+        extra = sorted({r["source"] for r in runs} - set(SOURCES))
         for source in (*SOURCES, *extra):
             ttft[source] = []
             itl[source] = {"p50": [], "max": []}
             for n in s.prefixes:
-                runs = [r for r in self.runs if r.source == source and r.prefix == n]
+                mine = [r for r in runs if r["source"] == source and r["prefix"] == n]
                 ttft[source].append(
-                    statistics.median(r.ttft_s for r in runs) if runs else None
+                    statistics.median(r["ttft_s"] for r in mine) if mine else None
                 )
-                window = [x for r in runs for x in r.itl_ms]
+                window = [x for r in mine for x in r["itl_ms"]]
                 itl[source]["p50"].append(_p50(window) if window else None)
                 itl[source]["max"].append(max(window) if window else None)
+                loading = [x for r in mine for x in r.get("itl_loading_ms") or []]
+                if any(r.get("itl_loading_ms") is not None for r in mine):
+                    by = itl_loading.setdefault(
+                        source,
+                        {
+                            "p50": [None] * len(s.prefixes),
+                            "max": [None] * len(s.prefixes),
+                        },
+                    )
+                    i = s.prefixes.index(n)
+                    by["p50"][i] = _p50(loading) if loading else None
+                    by["max"][i] = max(loading) if loading else None
         # Nothing loading: the decoders of kvtier's engine before each prompt.
         itl["no_load"] = {"p50": [], "max": []}
         for n in s.prefixes:
             quiet = [
                 x
-                for r in self.runs
-                if r.prefix == n and r.source in ("kvtier_cpu", "kvtier_disk")
-                for x in r.itl_no_load_ms
-            ] or [x for r in self.runs if r.prefix == n for x in r.itl_no_load_ms]
+                for r in runs
+                if r["prefix"] == n and r["source"] in ("kvtier_cpu", "kvtier_disk")
+                for x in r["itl_no_load_ms"]
+            ] or [x for r in runs if r["prefix"] == n for x in r["itl_no_load_ms"]]
             itl["no_load"]["p50"].append(_p50(quiet) if quiet else None)
             itl["no_load"]["max"].append(max(quiet) if quiet else None)
         disk_gbps, dd_gbps = [], []
         for n in s.prefixes:
             loads = [
-                r.load["gbps"]
-                for r in self.runs
-                if r.source == "kvtier_disk" and r.prefix == n and r.load
+                r["load"]["gbps"]
+                for r in runs
+                if r["source"] == "kvtier_disk" and r["prefix"] == n and r["load"]
             ]
             disk_gbps.append(statistics.median(loads) if loads else None)
             dd_gbps.append(self.dd.get(n, {}).get("gbps"))
         # Where each loading source's TTFT went: median per phase and length.
-        phases: dict[str, dict[str, dict[str, float]]] = {}
-        for r in self.runs:
-            if r.phases_ms:
-                by_n = phases.setdefault(r.source, {}).setdefault(str(r.prefix), {})
-                for k, v in r.phases_ms.items():
+        phases: dict[str, dict[str, dict[str, Any]]] = {}
+        for r in runs:
+            if r["phases_ms"]:
+                by_n = phases.setdefault(r["source"], {}).setdefault(
+                    str(r["prefix"]), {}
+                )
+                for k, v in r["phases_ms"].items():
                     by_n.setdefault(k, []).append(v)
         phases = {
             src: {
@@ -716,13 +1102,68 @@ class Bench:
             "dd_gbps": dd_gbps,
             "dd": {str(n): v for n, v in self.dd.items()},
             "itl_ms": itl,
+            "itl_loading_ms": itl_loading,
+            "goals": _goals(
+                s.prefixes, ttft, disk_gbps, dd_gbps, itl_loading, runs, equal
+            ),
             "outputs_equal": equal,
             "recompute_equal": recompute_equal,
             "outputs": {str(n): v for n, v in self.outputs.items()},
             "engines": self.engines,
-            "runs": [vars(r) for r in self.runs],
+            "runs": runs,
             "notes": self.notes,
         }
+
+
+def _goals(
+    prefixes: list[int],
+    ttft: dict[str, list[float | None]],
+    disk_gbps: list[float | None],
+    dd_gbps: list[float | None],
+    itl_loading: dict[str, dict[str, list[float | None]]],
+    runs: list[dict[str, Any]],
+    equal: bool,
+) -> dict[str, Any]:
+    """The issue's four goals as measured; a ``*_met`` is None where a
+    figure is missing. kvtier's CPU-tier TTFT over vLLM's CPU offloading's
+    (<= 1.05 at every length); the disk tier's load rate over dd's
+    (>= 0.8); per disk source, the decoders' longest inter-token latency
+    while the longest prefix loaded (the steps begun before its load was
+    reported) over their p50 with nothing loading in the same runs (<= 2);
+    outputs equal."""
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
+    def met(xs: list[float | None], ok: Callable[[float], bool]) -> bool | None:
+        if not xs or any(x is None for x in xs):
+            return None
+        return all(ok(x) for x in xs)  # type: ignore[arg-type]
+
+    cpu = [ratio(a, b) for a, b in zip(ttft["kvtier_cpu"], ttft["vllm_cpu_offload"])]
+    disk = [ratio(a, b) for a, b in zip(disk_gbps, dd_gbps)]
+    longest = max(prefixes)
+    itl: dict[str, float | None] = {}
+    for source, by in itl_loading.items():
+        if not source.startswith("kvtier_disk"):
+            continue
+        quiet = [
+            x
+            for r in runs
+            if r["source"] == source and r["prefix"] == longest
+            for x in r["itl_no_load_ms"]
+        ]
+        itl[source] = ratio(by["max"][-1], _p50(quiet) if quiet else None)
+    return {
+        "prefix_tokens": prefixes,
+        "kvtier_cpu_over_vllm_ttft": cpu,
+        "kvtier_cpu_met": met(cpu, lambda x: x <= 1.05),
+        "disk_over_dd": disk,
+        "disk_met": met(disk, lambda x: x >= 0.8),
+        "loading_itl_max_over_no_load_p50": itl,
+        "itl_met": {k: met([v], lambda x: x <= 2.0) for k, v in itl.items()},
+        "outputs_equal": equal,
+    }
 
 
 def run_stages(
@@ -736,12 +1177,12 @@ def run_stages(
     """Run the engines' stages in order and save the JSON after each.
 
     A stage that raises (an engine that fails to start, a request past its
-    deadline, a CUDA error) is noted with its error, ``release`` frees what
-    its engine held (an engine that failed in its constructor leaves its
-    weights on the GPU, and the next engine's start finds too little free
-    memory), and the next stage still runs: a lent GPU's minutes are not
-    spent again for the stages that would have worked. A stage with less than ``min_left_s`` of the budget
-    left is noted and not started. The last save is ``complete`` only if
+    deadline, a CUDA error) is noted with its error, ``release`` ends what
+    its engines left running (a process still holding GPU memory would
+    leave the next engine's start too little), and the next stage still
+    runs: a lent GPU's minutes are not spent again for the stages that would
+    have worked. A stage with less than ``min_left_s`` of the budget left is
+    noted and not started. The last save is ``complete`` only if
     every stage ran to its end. Returns the labels of the stages that
     failed."""
     failed: list[str] = []
@@ -758,11 +1199,6 @@ def run_stages(
             traceback.print_exc()
             notes.append(f"{label}: failed: {exc!r}")
             failed.append(label)
-            # The traceback's frames hold the failed engine.
-            traceback.clear_frames(exc.__traceback__)
-        if failed and failed[-1] == label:
-            # Outside the handler: there the exception being handled still
-            # holds its frames, and with them the engine.
             release()
         save(False)
     save(not failed and not skipped)
@@ -783,47 +1219,11 @@ def _settle(mgr, timeout: float = 300.0) -> None:
         time.sleep(0.005)
 
 
-def _shutdown(llm) -> None:
-    from kvtier.testing.engine import shutdown_llm
-
-    shutdown_llm(llm)
-    import gc
-
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001 - best effort between engines
-        pass
-
-
 def _reader():
     """The in-process worker's reader of disk hits."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group().connector_worker.worker.reader
-
-
-def _release_failed_engine() -> None:
-    """Free what an engine that raised still holds: its worker's KV
-    connector (vLLM creates it before the warm-up that failed on the H100,
-    and would hand the next engine the same one, bound to the failed
-    engine's KV cache), its distributed state, model and KV cache, with
-    vLLM's own cleanup between engines."""
-    import gc
-
-    gc.collect()
-    for cleanup in (
-        "vllm.distributed.kv_transfer:ensure_kv_transfer_shutdown",
-        "vllm.distributed.parallel_state:cleanup_dist_env_and_memory",
-    ):
-        module, name = cleanup.split(":")
-        try:
-            getattr(importlib.import_module(module), name)()
-        except Exception:  # noqa: BLE001 - best effort: the next stage says if not
-            traceback.print_exc()
 
 
 def _fs(path: str) -> str | None:
@@ -837,14 +1237,6 @@ def _shm_free() -> int:
         return shutil.disk_usage("/dev/shm").free
     except OSError:
         return 0
-
-
-def _device_name(tiny: bool) -> str:
-    import torch
-
-    if torch.cuda.is_available() and not tiny:
-        return torch.cuda.get_device_name()
-    return "cpu"
 
 
 def _slug(name: str) -> str:
@@ -928,56 +1320,48 @@ def main() -> int:
                 attention_backend=args.attention_backend,
                 disk_read_process=tuple(args.disk_read_process),
             )
-        device = _device_name(args.tiny)
         disk_dir = args.disk_dir or os.path.join(tmp, "disk")
         os.makedirs(disk_dir, exist_ok=True)
-        bench = Bench(setup, disk_dir, clock)
-        # vLLM's first import in a process (its modules compiled on a fresh
-        # machine) and CUDA's initialisation are no engine's start: on the
-        # H100 they made 24 s of the first engine's 48 s. The first engine
-        # still pays the process's first model load and kernel compiles.
-        t_import = time.monotonic()
-        import vllm.entrypoints.llm  # noqa: F401
-
-        if torch.cuda.is_available() and not args.tiny:
-            torch.cuda.init()
-        bench.engines["process"] = {
-            "import_and_cuda_init_s": time.monotonic() - t_import,
-            "first_engine": "kvtier",
-        }
-        per_token = bench.token_bytes
+        per_token = setup.geometry["kv_bytes_per_token"]
         # The same CPU bytes for kvtier and vLLM: every prefix, a quarter more
         # (their tails, the decoders' prompts), within /dev/shm (both keep
-        # the CPU tier there).
+        # the CPU tier there, and on CUDA both engines are alive at once).
+        cuda = not args.tiny
         want = int(1.25 * sum(setup.prefixes) * per_token) + (64 << 20)
         shm = _shm_free()
-        cpu_bytes = min(want, int(0.8 * shm)) if shm else want
+        share = 0.4 if cuda else 0.8
+        cpu_bytes = min(want, int(share * shm)) if shm else want
+        bench = Bench(setup, disk_dir, clock, cpu_bytes, cuda)
         if cpu_bytes < want:
             bench.notes.append(
                 f"/dev/shm has {shm} bytes free: CPU tiers of {cpu_bytes} bytes, "
                 f"not {want} (the longest prefixes may not fit the CPU tier)"
             )
-        name = f"gpu_real_size_{_slug(device) if not args.tiny else 'cpu-tiny'}"
-        out = Path(args.out) if args.out else Path(args.out_dir) / f"{name}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
         print(
-            f"{device}: {setup.geometry}, prefixes {setup.prefixes}, repeats "
+            f"{setup.geometry}, prefixes {setup.prefixes}, repeats "
             f"{setup.repeats}, CPU bytes {cpu_bytes}, disk {disk_dir} ({_fs(disk_dir)})",
             flush=True,
         )
 
+        def path() -> Path:
+            if args.out:
+                return Path(args.out)
+            device = bench.facts.get("device", "cuda" if cuda else "cpu")
+            name = f"gpu_real_size_{_slug(device) if cuda else 'cpu-tiny'}"
+            return Path(args.out_dir) / f"{name}.json"
+
         def save(complete: bool) -> None:
-            doc = bench.result(device, complete)
+            doc = bench.result(bench.facts.get("device", "unknown"), complete)
             doc["budget_s"] = args.budget_s
             doc["elapsed_s"] = args.budget_s - clock.left()
             doc["when"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-            doc["torch"] = torch.__version__
-            import vllm
-
-            doc["vllm"] = getattr(vllm, "__version__", None)
+            doc["torch"] = bench.facts.get("torch")
+            doc["vllm"] = bench.facts.get("vllm")
+            out = path()
+            out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(doc, indent=1) + "\n")
 
-        # What the later engines need at least (start, warm-up, one repeat).
+        # What the later stages need at least (start, warm-up, one repeat).
         reserve = 60.0 if not args.tiny else 10.0
         # The A/B's further kvtier engines run last: the goals' sources
         # (kvtier, vLLM's CPU offloading, recompute) come first.
@@ -985,34 +1369,31 @@ def main() -> int:
         variants = [
             (
                 f"kvtier[{v}]",
-                lambda v=v, i=i: bench.kvtier(
-                    cpu_bytes, (len(extra) - 1 - i) * reserve + 5.0, v
-                ),
+                lambda v=v, i=i: bench.variant(v, (len(extra) - 1 - i) * reserve + 5.0),
             )
             for i, v in enumerate(extra)
         ]
-        failed = run_stages(
-            [
-                (
-                    "kvtier",
-                    lambda: bench.kvtier(cpu_bytes, (2 + len(extra)) * reserve),
-                ),
-                (
-                    "vllm_cpu_offload",
-                    lambda: bench.vllm_offload(cpu_bytes, (1 + len(extra)) * reserve),
-                ),
-                ("baseline", lambda: bench.baseline(len(extra) * reserve + 5.0)),
-                *variants,
-            ],
-            clock,
-            reserve / 2,
-            bench.notes,
-            save,
-            _release_failed_engine,
-        )
-        doc = json.loads(out.read_text())
+        try:
+            failed = run_stages(
+                [
+                    (
+                        "offloading",
+                        lambda: bench.offloading((1 + len(extra)) * reserve),
+                    ),
+                    ("baseline", lambda: bench.baseline(len(extra) * reserve + 5.0)),
+                    *variants,
+                ],
+                clock,
+                reserve / 2,
+                bench.notes,
+                save,
+                bench.release,
+            )
+        finally:
+            bench.release()
+        doc = json.loads(path().read_text())
         _print_table(doc)
-        print(f"wrote {out}")
+        print(f"wrote {path()}")
         return 0 if doc["outputs_equal"] and not failed else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1032,16 +1413,19 @@ def _print_table(doc: dict) -> None:
         f"{'ITL ms p50/max':>16} | "
         + " | ".join(f"{n:>17}" for n in doc["prefix_tokens"])
     )
-    for source, v in doc["itl_ms"].items():
-        cells = [
-            f"{f(a, fmt='{:.1f}')}/{f(b, fmt='{:.1f}')}"
-            for a, b in zip(v["p50"], v["max"])
-        ]
-        print(f"{source:>16} | " + " | ".join(f"{c:>17}" for c in cells))
+    for label, table in (("", doc["itl_ms"]), ("loading ", doc["itl_loading_ms"])):
+        for source, v in table.items():
+            cells = [
+                f"{f(a, fmt='{:.1f}')}/{f(b, fmt='{:.1f}')}"
+                for a, b in zip(v["p50"], v["max"])
+            ]
+            name = f"{label}{source}"
+            print(f"{name:>16} | " + " | ".join(f"{c:>17}" for c in cells))
     print(f"disk GB/s {doc['disk_gbps']}  dd O_DIRECT GB/s {doc['dd_gbps']}")
     print(
         f"outputs equal (reuse): {doc['outputs_equal']}; recompute equal: {doc['recompute_equal']}"
     )
+    print("goals:", json.dumps(doc["goals"]))
     for note in doc["notes"]:
         print("note:", note)
 

@@ -520,9 +520,11 @@ class PipeChannel:
 # ------------------------------------------------------------ the child
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Linux: SIGKILL this process when the thread that started it exits
-    (the worker's load thread, alive as long as the worker's loads)."""
+    (a read process's: the worker's load thread, alive as long as the
+    worker's loads), or exit now if ``parent`` (its pid) is already gone.
+    Elsewhere it outlives its parent until its pipe closes."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -580,7 +582,7 @@ def child_main(argv: list[str]) -> int:
     failed whole. It exits when the request
     pipe closes."""
     parent, fd, req_fd, resp_fd = (int(a) for a in argv[1:5])
-    _die_with_parent(parent)
+    die_with_parent(parent)
     name_this_thread(CHILD_NAME)
     req = Connection(req_fd, writable=False)
     resp = Connection(resp_fd, readable=False)

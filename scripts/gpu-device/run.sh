@@ -65,7 +65,7 @@ for step in $steps; do
         if (($(left) < 90)); then echo "=== real_size: skipped, $(left) s left"; continue; fi
         echo "=== gpu_real_size (cap $(cap 300) s)"
         timeout -k 10 "$(cap 300)" python3 benchmarks/gpu_real_size.py --prefix-tokens 8192 32768 \
-            --repeats 2 --disk-dir /var/tmp/kvtier-real --budget-s "$(($(cap 300) - 10))" \
+            --repeats 3 --disk-dir /var/tmp/kvtier-real --budget-s "$(($(cap 300) - 10))" \
             --attention-backend TRITON_ATTN --disk-read-process auto on $REAL_SIZE_ARGS --out-dir "$OUT" > "$OUT/gpu_real_size.log" 2>&1
         echo "rc=$?"
         tail -25 "$OUT/gpu_real_size.log"

