@@ -31,15 +31,22 @@ Side by side in one run, interleaved (the order alternates every round):
   every ``--poll-ms`` (0.2 ms): a loop without pauses would hold the GIL
   and starve the worker's load thread (measured on the CPU platform: a
   4 MiB load took 1-4 s instead of ~10 ms).
-- a busy model-runner thread: a third pass per round spins in Python for
-  each simulated step instead of sleeping (an eager forward pass is mostly
-  Python launching kernels, holding the interpreter lock) and counts its
-  iterations; ``busy_slowdown`` is the fraction of them the load took away,
-  against the same spin with an idle worker. The ``read-process`` rows
-  (``disk_read_process: on``: reads and checks in a child process, the
-  shared bounce area page-locked by the copy path) are the host path with
-  its reads out of the engine's process; on the lent H100 the decoders' step
-  doubled while a 32k-token prefix loaded from disk with the reads in it.
+- a busy model-runner thread: a third pass per round launches tiny ops on
+  the worker's device for each simulated step instead of sleeping, and
+  counts them: an eager forward pass is Python launching kernels, and each
+  launch lets the interpreter lock go and takes it back (torch's bindings
+  release it around every op), so a thread of the worker's that runs
+  Python then costs the launching thread a wait per launch.
+  ``busy_slowdown`` is the fraction of launches the load took away, against
+  the same steps with an idle worker. (A loop of pure Python instead never
+  lets the lock go but at the interpreter's switch interval: on the CPU
+  platform it lost nothing and starved the load to 0.02-0.08 GB/s, where
+  the launching loop lost 31-36 % and the load ran at 1.3-3.3 GB/s.) The
+  ``read-process`` rows (``disk_read_process: on``: reads and checks in a
+  child process, the shared bounce area page-locked by the copy path) are
+  the host path with its reads out of the engine's process; on the lent
+  H100 the decoders' step doubled while a 32k-token prefix loaded from disk
+  with the reads in it.
 
 ``--device cpu`` runs the disk rows with CPU tensors for the KV cache and
 the staging area (the CPU platform's copy path, no vLLM CUDA build): the
@@ -84,14 +91,26 @@ READER_CLASS = {
 }
 
 
-def spin(seconds: float) -> int:
-    """Hold the interpreter for ``seconds`` as an eager forward pass does
-    (Python launching kernels); returns the loop's iterations."""
-    n = 0
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        n += 1
-    return n
+class Launcher:
+    """Tiny in-place ops on a one-element tensor on ``device``, launched as
+    an eager forward pass launches its kernels: each op lets the interpreter
+    lock go and takes it back. A step ends with a synchronisation, as the
+    sampler's does."""
+
+    def __init__(self, device: str) -> None:
+        self.x = torch.zeros(1, device=device)
+        self.device = device
+
+    def step(self, seconds: float) -> int:
+        """Launch for ``seconds``; returns the ops launched."""
+        n = 0
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for _ in range(16):
+                self.x.add_(1)
+            n += 16
+        _sync(self.device)
+        return n
 
 
 def _caches(layers: int, page: int, num_blocks: int, device: str = "cuda"):
@@ -144,18 +163,19 @@ def timed_load(
     *,
     step_s: float,
     device: str,
-    busy: bool = False,
+    busy: Launcher | None = None,
     timeout: float = 120,
 ) -> dict[str, Any]:
     """Load ``src`` into ``dst`` through ``worker`` as the model runner does
     (``submit_load``, then ``get_finished`` once per step of ``step_s``
     seconds; 0: without pausing) and time every worker call on this thread.
-    ``busy``: each step spins (:func:`spin`) instead of sleeping.
+    ``busy``: each step launches ops (:class:`Launcher`) instead of sleeping.
 
     Returns wall seconds from submit until reported finished, the seconds
     spent inside the calls (wall and this thread's CPU time), the submit
     alone, the number of ``get_finished`` calls, the longest call, the
-    job's success, and with ``busy`` the spin's iterations and seconds."""
+    job's success, and with ``busy`` the ops launched and the seconds spent
+    launching."""
     _sync(device)
     # thread_time() is a system call (tens of microseconds on some VMs):
     # taken outside the wall-clock windows, so each call's wall time is the
@@ -167,14 +187,14 @@ def timed_load(
     cpu = time.thread_time() - c0
     inside = t1 - t0
     submit = longest = inside
-    calls = spins = 0
-    spin_s = 0.0
+    calls = launches = 0
+    launch_s = 0.0
     deadline = t0 + timeout
     while True:
-        if busy:
+        if busy is not None:
             a = time.perf_counter()
-            spins += spin(step_s)  # the engine's forward pass, launching kernels
-            spin_s += time.perf_counter() - a
+            launches += busy.step(step_s)  # the engine's forward pass
+            launch_s += time.perf_counter() - a
         elif step_s:
             time.sleep(step_s)  # the engine's forward pass
         ca = time.thread_time()
@@ -195,23 +215,25 @@ def timed_load(
                     "calls": calls,
                     "longest": longest,
                     "success": bool(result.success),
-                    "spins": spins,
-                    "spin_s": spin_s,
+                    "launches": launches,
+                    "launch_s": launch_s,
                 }
         if b > deadline:
             raise TimeoutError(f"job {job_id} did not finish")
 
 
-def idle_spin_rate(worker, step_s: float, steps: int = 40) -> float:
-    """Iterations per second of :func:`spin` over steps of ``step_s`` with
-    an idle ``get_finished`` between them: the busy pass's baseline."""
-    spins, spent = 0, 0.0
+def idle_launch_rate(
+    worker, launcher: Launcher, step_s: float, steps: int = 40
+) -> float:
+    """Ops per second of :class:`Launcher` over steps of ``step_s`` with an
+    idle ``get_finished`` between them: the busy pass's baseline."""
+    launches, spent = 0, 0.0
     for _ in range(steps):
         a = time.perf_counter()
-        spins += spin(step_s)
+        launches += launcher.step(step_s)
         spent += time.perf_counter() - a
         worker.get_finished()
-    return spins / spent
+    return launches / spent
 
 
 def idle_get_finished_s(worker, step_s: float, calls: int = 100) -> float:
@@ -417,8 +439,11 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
                     backend.shutdown()
 
     job = 0
+    launcher = Launcher(device)
 
-    def load(key: str, step_s: float, busy: bool = False) -> dict[str, Any] | None:
+    def load(
+        key: str, step_s: float, busy: Launcher | None = None
+    ) -> dict[str, Any] | None:
         nonlocal job
         job += 1
         try:
@@ -481,13 +506,13 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
                     break
                 idle_rate = None
                 if mode == "busy":
-                    # The spin's rate with nothing loading, right before:
+                    # The launch rate with nothing loading, right before:
                     # the clock of this VM's CPU drifts between rounds.
-                    idle_rate = idle_spin_rate(workers[key], step_s)
+                    idle_rate = idle_launch_rate(workers[key], launcher, step_s)
                 dropped.append(args.drop_caches and drop_caches())
-                out = load(key, step_s, busy=mode == "busy")
+                out = load(key, step_s, busy=launcher if mode == "busy" else None)
                 if out is not None and idle_rate is not None:
-                    out["idle_spin_rate"] = idle_rate
+                    out["idle_launch_rate"] = idle_rate
                 if out is not None:
                     runs[key][mode].append(out)
     gbps = [b["gbps"] for b in baseline if "gbps" in b]
@@ -503,9 +528,9 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
         busy = runs.get(key, {}).get("busy")
         if busy:
             shares = [
-                o["spins"] / o["spin_s"] / o["idle_spin_rate"]
+                o["launches"] / o["launch_s"] / o["idle_launch_rate"]
                 for o in busy
-                if o["spin_s"]
+                if o["launch_s"]
             ]
             if shares:
                 row["busy"] = {
@@ -600,8 +625,8 @@ def print_disk_table(res: dict[str, Any]) -> None:
     print(
         f"  model-runner thread ms per submitted GiB = submit_load + every "
         f"get_finished until done, one call per {res['step_ms']} ms step; net: less "
-        f"an idle get_finished per call; busy: the share of a spinning model-"
-        f"runner thread's iterations (steps of {res['step_ms']} ms) the load took"
+        f"an idle get_finished per call; busy: the share of a launching model-"
+        f"runner thread's ops (steps of {res['step_ms']} ms) the load took"
     )
 
 
