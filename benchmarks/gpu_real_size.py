@@ -42,7 +42,10 @@ O_DIRECT reading the same number of bytes of the disk tier's slab in the
 same directory (page cache dropped first where allowed); and the greedy
 outputs (16 tokens) of the returning prompt served alone once per source:
 equal wherever stored KV is reused (``outputs_equal``); recompute's tokens
-beside them (``recompute_equal``: bf16 prefill shapes can differ).
+beside them (``recompute_equal``: bf16 prefill shapes can differ). With
+random weights the greedy tokens are often one token repeated, which says
+little: each token's top logprobs are compared too (``logprobs_equal``:
+they move with every bit of the KV they were computed over).
 ``goals``: the issue's four goals as measured (see :func:`_goals`).
 
 ``--disk-read-process auto on`` adds a second kvtier engine, with its disk
@@ -90,6 +93,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SOURCES = ("gpu_cache", "kvtier_cpu", "kvtier_disk", "recompute", "vllm_cpu_offload")
+# How much earlier than the driver's the children's budget ends.
+CHILD_MARGIN_S = 15.0
+# Top logprobs kept per output token (compared across the sources too).
+LOGPROBS = 5
 # Sources whose outputs reuse stored KV (compared for equality).
 REUSE = ("gpu_cache", "kvtier_cpu", "kvtier_disk", "vllm_cpu_offload")
 
@@ -417,31 +424,40 @@ class EngineHost:
 
     def outputs(self) -> dict[str, dict[str, Any]]:
         """Each of this engine's sources served alone once per prefix: its
-        greedy tokens and TTFT, ``{str(n): {source: (ttft, tokens)}}``."""
+        TTFT, greedy tokens and top logprobs per token (see ``_alone``),
+        ``{str(n): {source: (ttft, tokens, logprobs)}}``."""
         s = self.s
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, dict[str, Any]] = {str(n): {} for n in s.prefixes}
+        if self.kind == "baseline":
+            # Every prefix from the GPU cache first (all of them are cached
+            # after the runs), then, after one reset, every one recomputed:
+            # a reset between them would make the next "GPU cache" a
+            # recompute.
+            for n in s.prefixes:
+                prompt = self.prefix_prompts[n] + self.tail
+                out[str(n)]["gpu_cache_baseline"] = self._alone(prompt, s.out_tokens)
+            assert self.llm.reset_prefix_cache()
+            for n in s.prefixes:
+                prompt = self.prefix_prompts[n] + self.tail
+                out[str(n)]["recompute"] = self._alone(prompt, s.out_tokens)
+            return out
+        sources = (
+            [self.disk_source]
+            if self.variant
+            else ["kvtier_cpu", "kvtier_disk"]
+            if self.kind == "kvtier"
+            else ["vllm_cpu_offload"]
+        )
         for n in s.prefixes:
             prompt = self.prefix_prompts[n] + self.tail
-            got = out.setdefault(str(n), {})
-            if self.kind == "baseline":
-                got["gpu_cache_baseline"] = self._alone(prompt, s.out_tokens)[:2]
-                assert self.llm.reset_prefix_cache()
-                got["recompute"] = self._alone(prompt, s.out_tokens)[:2]
-                continue
-            sources = (
-                [self.disk_source]
-                if self.variant
-                else ["kvtier_cpu", "kvtier_disk"]
-                if self.kind == "kvtier"
-                else ["vllm_cpu_offload"]
-            )
+            got = out[str(n)]
             for source in sources:
                 if source == self.disk_source:
                     self._only_on_disk(n)
                 assert self.llm.reset_prefix_cache()
-                got[source] = self._alone(prompt, s.out_tokens)[:2]
+                got[source] = self._alone(prompt, s.out_tokens)
                 if self.kind == "kvtier" and "gpu_cache" not in got:
-                    got["gpu_cache"] = self._alone(prompt, s.out_tokens)[:2]
+                    got["gpu_cache"] = self._alone(prompt, s.out_tokens)
         return out
 
     def finish(self) -> dict[str, Any]:
@@ -523,15 +539,19 @@ class EngineHost:
 
     def _alone(
         self, prompt: list[int], max_tokens: int
-    ) -> tuple[float, list[int], str]:
-        """Serve ``prompt`` with nothing beside it: (TTFT, tokens, request id)."""
+    ) -> tuple[float, list[int], list[dict[str, float]]]:
+        """Serve ``prompt`` with nothing beside it: its TTFT, greedy tokens,
+        and each token's top logprobs (``{str(token id): logprob}``). With
+        random weights the greedy tokens are often one token repeated; the
+        logprobs still move with every bit of the KV they were computed
+        over."""
         eng = self.llm.llm_engine
         rid = f"alone{next(self._ids)}"
+        params = self._params(max_tokens)
+        params.logprobs = LOGPROBS
         t0 = time.perf_counter()
-        eng.add_request(
-            rid, {"prompt_token_ids": list(prompt)}, self._params(max_tokens)
-        )
-        ttft, tokens = None, []
+        eng.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
+        ttft, tokens, logprobs = None, [], []
         wait_s = self.clock.wait_s(600)
         deadline = time.monotonic() + wait_s
         while eng.has_unfinished_requests():
@@ -540,11 +560,15 @@ class EngineHost:
             for out in eng.step():
                 if out.request_id == rid:
                     tokens = list(out.outputs[0].token_ids)
+                    logprobs = [
+                        {str(t): lp.logprob for t, lp in top.items()}
+                        for top in out.outputs[0].logprobs or []
+                    ]
                     if ttft is None and tokens:
                         ttft = time.perf_counter() - t0
         self._drain()
         assert ttft is not None
-        return ttft, tokens, rid
+        return ttft, tokens, logprobs
 
     def _drain(self) -> None:
         from kvtier.testing.engine import drain
@@ -678,7 +702,10 @@ def _serve(
 
     die_with_parent(parent)
     use_in_process_engines()
-    clock = Clock(budget_s, t0)
+    # The child's own deadlines end CHILD_MARGIN_S before the driver's, so
+    # a request that hangs fails in the child, which says so, before the
+    # driver gives up on it.
+    clock = Clock(budget_s - CHILD_MARGIN_S, t0)
     host: EngineHost | None = None
     try:
         t_import = time.monotonic()
@@ -757,19 +784,18 @@ class EngineProcess:
         device and versions: its first answer, waited for here (the
         children of one stage import side by side)."""
         if self._facts is None:
-            self._facts = self._answer(self.clock.wait_s(600) + 30)
+            self._facts = self._answer(600)
         return self._facts
 
     def call(self, method: str, *args: Any, limit_s: float = 600) -> Any:
-        """``method(*args)`` in the child; what it returned. Waits at most
-        ``limit_s`` (within the budget) plus a margin for the child's own
-        deadlines to fire first."""
+        """``method(*args)`` in the child; what it returned (see
+        ``_answer`` for how long it waits)."""
         assert self.facts
         try:
             self.conn.send((method, args))
         except OSError:  # the child's end is gone
             self._exited()
-        return self._answer(self.clock.wait_s(limit_s) + 30)
+        return self._answer(limit_s)
 
     def _exited(self) -> NoReturn:
         self.proc.join(5)
@@ -777,7 +803,15 @@ class EngineProcess:
             f"{self.label}: its process exited (code {self.proc.exitcode})"
         ) from None
 
-    def _answer(self, timeout: float) -> Any:
+    def _answer(self, limit_s: float) -> Any:
+        """The child's answer, waited for ``limit_s`` (within the budget)
+        plus the margin by which the child's deadlines come first, and never
+        more than 5 s past the budget: run.sh's timeout kills this process
+        10 s after it, and the JSON must be written before."""
+        timeout = min(
+            self.clock.wait_s(limit_s) + CHILD_MARGIN_S + 15,
+            max(2.0, self.clock.left() + 5),
+        )
         if not self.conn.poll(timeout):
             self.kill()
             raise TimeoutError(f"{self.label}: no answer in {timeout:.0f} s (killed)")
@@ -790,28 +824,35 @@ class EngineProcess:
             raise RuntimeError(f"{self.label}: {value}")
         return value
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Shut the engine down and end the process (killed if it does not
-        end in ``timeout``)."""
+    def close(self) -> None:
+        """Shut the engine down and end the process: killed if it does not
+        end within a minute, or what is left of the budget."""
+        timeout = max(2.0, min(60.0, self.clock.left()))
         if self.proc.is_alive():
             with contextlib.suppress(Exception):
                 self.conn.send(("close", ()))
                 if self.conn.poll(timeout):
                     self.notes.extend(self.conn.recv()[2])
-            self.proc.join(10)
+            self.proc.join(min(10.0, timeout))
         self.kill()
 
     def kill(self) -> None:
         if self.proc.is_alive():
             self.proc.kill()
-        self.proc.join(10)
+        self.proc.join(5)
         with contextlib.suppress(OSError):
             self.conn.close()
 
 
 class Bench:
     """The driver: starts the engines (each in a process of its own),
-    interleaves their runs, and gathers what they measured."""
+    interleaves their runs, and gathers what they measured.
+
+    Every engine's process is spawned at once (:meth:`spawn`), so their
+    imports of vLLM (tens of seconds on a fresh machine) overlap; each
+    stage then starts its engines. ``save`` (set by the caller) writes the
+    JSON; it runs after every repeat and every engine's outputs, so a run
+    cut off keeps what it measured."""
 
     def __init__(
         self, setup: Setup, disk_dir: str, clock: Clock, cpu_bytes: int, cuda: bool
@@ -823,71 +864,94 @@ class Bench:
         self.cuda = cuda
         self.runs: list[dict[str, Any]] = []
         self.outputs: dict[int, dict[str, list[int]]] = {n: {} for n in setup.prefixes}
+        self.logprobs: dict[int, dict[str, list[dict[str, float]]]] = {
+            n: {} for n in setup.prefixes
+        }
         self.ttft_alone: dict[int, dict[str, float]] = {n: {} for n in setup.prefixes}
         self.engines: dict[str, dict[str, Any]] = {}
         self.notes: list[str] = []
         self.dd: dict[int, dict[str, Any]] = {}
         self.facts: dict[str, Any] = {}
-        self.live: list[EngineProcess] = []
+        self.spawned: dict[str, EngineProcess] = {}
+        self._kw: dict[str, dict[str, Any]] = {}  # each label's spawn arguments
+        self.save: Callable[[bool], None] = lambda complete: None
 
-    def _spawn(self, label: str, **kw: Any) -> EngineProcess:
-        """A child process for an engine (importing vLLM; see ``_start``)."""
+    # ----------------------------------------------------------- engines
+
+    def spawn(self, label: str, **kw: Any) -> None:
+        """A child process for engine ``label`` (importing vLLM while the
+        others do; :meth:`_start` builds its engine)."""
+        self._kw[label] = dict(kw)
         if self.cuda:
             # The KV cache is sized explicitly (make_llm), so vLLM's
             # gpu_memory_utilization is only its start's check that this
             # share of the GPU is free: with two engines alive, each must
-            # pass it beside the other (an offloading engine takes ~30 GB
-            # of an H100's 80; the baseline, alone, ~34).
+            # pass it beside the other (an offloading engine takes ~26 GB
+            # of an H100's 80; the baseline, alone, ~32).
             kw["engine_kw"] = {"gpu_memory_utilization": 0.45}
-        proc = EngineProcess(label, self.s, self.disk_dir, self.clock, **kw)
-        self.live.append(proc)
-        return proc
+        self.spawned[label] = EngineProcess(
+            label, self.s, self.disk_dir, self.clock, **kw
+        )
 
-    def _start(self, proc: EngineProcess) -> EngineProcess:
-        """Build ``proc``'s engine and serve its prefixes once; a process
-        whose engine did not start is ended."""
+    def wait_facts(self) -> None:
+        """The device, torch and vLLM of the first child that says."""
+        for proc in self.spawned.values():
+            try:
+                self.facts = dict(proc.facts)
+                return
+            except Exception as exc:  # noqa: BLE001 - its stage says so
+                self.notes.append(f"{proc.label}: {exc!r}")
+
+    def _start(self, label: str) -> EngineProcess:
+        """Build engine ``label`` and serve its prefixes once; its process
+        is ended if that fails."""
+        proc = self.spawned[label]
         try:
-            self.facts = self.facts or dict(proc.facts)
             info = proc.call("start")
-            self.engines[proc.label] = {
+            self.engines[label] = {
                 "import_and_cuda_init_s": proc.facts["import_and_cuda_init_s"],
                 **info,
             }
         except BaseException:
-            self._close(proc)
+            self._close(label)
             raise
         return proc
 
-    def _close(self, proc: EngineProcess) -> None:
-        proc.close()
-        self.notes.extend(proc.notes)
-        proc.notes.clear()
-        if proc in self.live:
-            self.live.remove(proc)
+    def _close(self, label: str) -> None:
+        proc = self.spawned.pop(label, None)
+        if proc is not None:
+            proc.close()
+            self.notes.extend(proc.notes)
 
-    def release(self) -> None:
-        """End every engine process still running (after a failed stage)."""
-        for proc in list(self.live):
-            proc.kill()
-            self._close(proc)
+    def release(self, everything: bool = False) -> None:
+        """End the processes whose engine was started and is still up (a
+        failed stage's), or with ``everything`` every one still running."""
+        for label in list(self.spawned):
+            if everything or label in self.engines:
+                self.spawned[label].kill()
+                self._close(label)
 
-    def _gather(self, proc: EngineProcess) -> None:
+    def _gather(self, label: str) -> None:
         """The engine's outputs served alone, and what it reports."""
+        proc = self.spawned[label]
         for n, by_source in proc.call("outputs").items():
-            for source, (ttft, tokens) in by_source.items():
+            for source, (ttft, tokens, logprobs) in by_source.items():
                 self.outputs[int(n)][source] = tokens
-                if source != "gpu_cache_baseline":
-                    self.ttft_alone[int(n)].setdefault(source, ttft)
-                else:
+                self.logprobs[int(n)][source] = logprobs
+                if source == "gpu_cache_baseline":
                     self.ttft_alone[int(n)]["gpu_cache"] = ttft
+                else:
+                    self.ttft_alone[int(n)].setdefault(source, ttft)
         end = proc.call("finish")
-        self.engines[proc.label].update(end["engine"])
+        self.engines[label].update(end["engine"])
         for n, result in end["dd"].items():
             self.dd[int(n)] = result
+        self.save(False)
 
     def _repeats(self, label: str, reserve_s: float):
         """The repeats to run: each, while the previous one's time and
-        ``reserve_s`` (the later stages') still fit the budget."""
+        ``reserve_s`` (the later stages') still fit the budget; the JSON is
+        saved after each."""
         per_repeat = None
         for r in range(self.s.repeats):
             if per_repeat is not None and self.clock.left() < per_repeat + reserve_s:
@@ -896,6 +960,53 @@ class Bench:
             t_r = time.monotonic()
             yield r
             per_repeat = time.monotonic() - t_r
+            self.save(False)
+
+    def _interleave(
+        self,
+        labels: list[str],
+        plan: list[tuple[str, str]],
+        stage: str,
+        reserve_s: float,
+    ) -> list[str]:
+        """Start the engines ``labels`` (one after the other: vLLM's start
+        checks the GPU memory free beside the engines already up), run
+        ``plan``'s ``(engine, source)`` pairs for every prefix and repeat,
+        the order alternating every repeat, then gather each engine's
+        outputs. An engine that fails is noted and ended, the others go on.
+        Returns the errors, each once."""
+        s = self.s
+        up: list[str] = []
+        errors: list[str] = []
+        for label in labels:
+            try:
+                self._start(label)
+                up.append(label)
+            except Exception as exc:  # noqa: BLE001 - the others go on
+                errors.append(f"{label}: failed to start: {exc!r}")
+        try:
+            for r in self._repeats(stage, reserve_s) if up else ():
+                for n in s.prefixes if r % 2 == 0 else s.prefixes[::-1]:
+                    for label, source in plan if r % 2 == 0 else plan[::-1]:
+                        if label not in up:
+                            continue
+                        try:
+                            self.runs += self.spawned[label].call(
+                                "measure", source, n, r
+                            )
+                        except Exception as exc:  # noqa: BLE001 - the others go on
+                            errors.append(f"{label}: {source} {n}: {exc!r}")
+                            up.remove(label)
+                            self._close(label)
+            for label in list(up):
+                try:
+                    self._gather(label)
+                except Exception as exc:  # noqa: BLE001 - the others go on
+                    errors.append(f"{label}: {exc!r}")
+        finally:
+            for label in up:
+                self._close(label)
+        return errors
 
     # ------------------------------------------------------------ stages
 
@@ -904,106 +1015,55 @@ class Bench:
         in two processes, their sources interleaved run by run: the
         machine's drift between engines (on the H100 the same decoders
         stepped in 25 ms in one engine and 38-43 ms in the next) falls on
-        both alike. An engine that fails is noted; the other goes on."""
-        s = self.s
-        paired = self.cuda  # vLLM's CPUOffloadingSpec: CUDA/XPU only
-        starts: list[tuple[str, dict[str, Any]]] = [
-            (
-                "kvtier",
-                dict(
-                    kind="kvtier",
-                    cpu_bytes=self.cpu_bytes,
-                    read_process=s.disk_read_process[0],
-                ),
-            )
-        ]
-        if paired:
-            starts.append(
-                (
-                    "vllm_cpu_offload",
-                    dict(
-                        kind="vllm_cpu_offload",
-                        cpu_bytes=self.cpu_bytes,
-                    ),
-                )
-            )
-        else:
-            self.notes.append(
-                "vllm_cpu_offload: vLLM's CPUOffloadingSpec runs on CUDA/XPU only"
-            )
-        hosts: dict[str, EngineProcess] = {}
-        errors: list[str] = []
-        # Both import vLLM side by side; the engines start one after the
-        # other (vLLM's start checks the GPU memory free beside the other).
-        spawned = [self._spawn(label, **kw) for label, kw in starts]
-        for proc in spawned:
-            try:
-                hosts[proc.label] = self._start(proc)
-            except Exception as exc:  # noqa: BLE001 - the other engine goes on
-                errors.append(f"{proc.label}: failed to start: {exc!r}")
+        both alike. If one of them cannot start beside the other (a GPU in
+        exclusive-process mode, too little memory), it runs alone after
+        the other ended, noted as not interleaved."""
         plan = [
             ("kvtier", "kvtier_cpu"),
             ("vllm_cpu_offload", "vllm_cpu_offload"),
             ("kvtier", "kvtier_disk"),
         ]
-        try:
-            for r in self._repeats("offloading", reserve_s):
-                for n in s.prefixes if r % 2 == 0 else s.prefixes[::-1]:
-                    for label, source in plan if r % 2 == 0 else plan[::-1]:
-                        proc = hosts.get(label)
-                        if proc is None:
-                            continue
-                        try:
-                            self.runs += proc.call("measure", source, n, r)
-                        except Exception as exc:  # noqa: BLE001 - the other goes on
-                            errors.append(f"{label}: {source} {n}: {exc!r}")
-                            self._close(hosts.pop(label))
-            for label in list(hosts):
-                try:
-                    self._gather(hosts[label])
-                except Exception as exc:  # noqa: BLE001 - the other goes on
-                    errors.append(f"{label}: {exc!r}")
-        finally:
-            for proc in hosts.values():
-                self._close(proc)
+        labels = [
+            label for label in ("kvtier", "vllm_cpu_offload") if label in self.spawned
+        ]
+        if "vllm_cpu_offload" not in labels:
+            self.notes.append(
+                "vllm_cpu_offload: vLLM's CPUOffloadingSpec runs on CUDA/XPU only"
+            )
+        errors = self._interleave(labels, plan, "offloading", reserve_s)
+        unstarted = [
+            label
+            for label in labels
+            if any(e.startswith(f"{label}: failed to start") for e in errors)
+        ]
+        if len(unstarted) == 1 and len(labels) == 2:
+            # Respawned: a failed start ended its process.
+            label = unstarted[0]
+            kw = self._kw[label]
+            self.spawn(label, **kw)
+            self.notes.append(
+                f"{label}: ran alone after the other engine (not interleaved)"
+            )
+            errors += self._interleave([label], plan, f"{label} alone", reserve_s)
         if errors:
             raise RuntimeError("; ".join(errors))
 
     def baseline(self, reserve_s: float) -> None:
         """An engine without a connector: the GPU prefix cache and
         recompute, interleaved."""
-        proc = self._start(self._spawn("baseline", kind="baseline"))
-        try:
-            for r in self._repeats("baseline", reserve_s):
-                for n in self.s.prefixes if r % 2 == 0 else self.s.prefixes[::-1]:
-                    sources = ["gpu_cache", "recompute"]
-                    for source in sources if r % 2 == 0 else sources[::-1]:
-                        self.runs += proc.call("measure", source, n, r)
-            self._gather(proc)
-        finally:
-            self._close(proc)
+        plan = [("baseline", "gpu_cache"), ("baseline", "recompute")]
+        errors = self._interleave(["baseline"], plan, "baseline", reserve_s)
+        if errors:
+            raise RuntimeError("; ".join(errors))
 
     def variant(self, read_process: str, reserve_s: float) -> None:
         """A further kvtier engine, ``disk_read_process`` set to
         ``read_process``, serving the disk source only."""
         label = f"kvtier[{read_process}]"
-        proc = self._start(
-            self._spawn(
-                label,
-                kind="kvtier",
-                cpu_bytes=self.cpu_bytes,
-                read_process=read_process,
-                variant=True,
-            )
-        )
-        try:
-            for r in self._repeats(label, reserve_s):
-                for n in self.s.prefixes if r % 2 == 0 else self.s.prefixes[::-1]:
-                    source = f"kvtier_disk[{read_process}]"
-                    self.runs += proc.call("measure", source, n, r)
-            self._gather(proc)
-        finally:
-            self._close(proc)
+        plan = [(label, f"kvtier_disk[{read_process}]")]
+        errors = self._interleave([label], plan, label, reserve_s)
+        if errors:
+            raise RuntimeError("; ".join(errors))
 
     # -------------------------------------------------------------- JSON
 
@@ -1073,15 +1133,16 @@ class Bench:
             }
             for src, by in phases.items()
         }
-        equal, recompute_equal = True, True
+        equal, recompute_equal, logprobs_equal = True, True, True
         for n in s.prefixes:
-            outs = self.outputs[n]
-            reuse = [
-                outs[k] for k in (*REUSE, *extra, "gpu_cache_baseline") if k in outs
-            ]
+            outs, lps = self.outputs[n], self.logprobs[n]
+            names = [k for k in (*REUSE, *extra, "gpu_cache_baseline") if k in outs]
+            reuse = [outs[k] for k in names]
             equal &= len(reuse) >= 2 and all(o == reuse[0] for o in reuse)
             if "recompute" in outs and reuse:
                 recompute_equal &= outs["recompute"] == reuse[0]
+            same = [lps[k] for k in names if k in lps]
+            logprobs_equal &= len(same) >= 2 and all(x == same[0] for x in same)
         return {
             "device": device,
             "complete": complete,
@@ -1108,7 +1169,9 @@ class Bench:
             ),
             "outputs_equal": equal,
             "recompute_equal": recompute_equal,
+            "logprobs_equal": logprobs_equal,
             "outputs": {str(n): v for n, v in self.outputs.items()},
+            "logprobs": {str(n): v for n, v in self.logprobs.items()},
             "engines": self.engines,
             "runs": runs,
             "notes": self.notes,
@@ -1153,7 +1216,8 @@ def _goals(
             if r["source"] == source and r["prefix"] == longest
             for x in r["itl_no_load_ms"]
         ]
-        itl[source] = ratio(by["max"][-1], _p50(quiet) if quiet else None)
+        at = by["max"][prefixes.index(longest)]
+        itl[source] = ratio(at, _p50(quiet) if quiet else None)
     return {
         "prefix_tokens": prefixes,
         "kvtier_cpu_over_vllm_ttft": cpu,
@@ -1361,11 +1425,34 @@ def main() -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(doc, indent=1) + "\n")
 
-        # What the later stages need at least (start, warm-up, one repeat).
-        reserve = 60.0 if not args.tiny else 10.0
+        bench.save = save
+        # Every engine's process now: their imports of vLLM overlap.
+        bench.spawn(
+            "kvtier",
+            kind="kvtier",
+            cpu_bytes=cpu_bytes,
+            read_process=setup.disk_read_process[0],
+        )
+        if cuda:  # vLLM's CPUOffloadingSpec: CUDA/XPU only
+            bench.spawn(
+                "vllm_cpu_offload", kind="vllm_cpu_offload", cpu_bytes=cpu_bytes
+            )
+        bench.spawn("baseline", kind="baseline")
         # The A/B's further kvtier engines run last: the goals' sources
         # (kvtier, vLLM's CPU offloading, recompute) come first.
         extra = setup.disk_read_process[1:]
+        for v in extra:
+            bench.spawn(
+                f"kvtier[{v}]",
+                kind="kvtier",
+                cpu_bytes=cpu_bytes,
+                read_process=v,
+                variant=True,
+            )
+        bench.wait_facts()
+        # What a later stage needs at least (its engine's start and
+        # warm-up, one repeat, its outputs; its process already imported).
+        reserve = 50.0 if not args.tiny else 10.0
         variants = [
             (
                 f"kvtier[{v}]",
@@ -1390,7 +1477,7 @@ def main() -> int:
                 bench.release,
             )
         finally:
-            bench.release()
+            bench.release(everything=True)
         doc = json.loads(path().read_text())
         _print_table(doc)
         print(f"wrote {path()}")

@@ -34,7 +34,7 @@ left() { echo $((BUDGET_S - (SECONDS - start))); }
 # cap N: N seconds, or what is left of the budget if less (at least 1).
 cap() { local l; l=$(left); l=$((l < $1 ? l : $1)); echo $((l < 1 ? 1 : l)); }
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv
   df -h /dev/shm /var/tmp; free -g; nproc; } > "$OUT/env.txt" 2>&1
 if ! cmp -s .gpu/b/so.sha256 /tmp/site/.kvtier-installed 2>/dev/null; then
     env -u PYTHONPATH python3 .gpu/b/install.py > "$OUT/install.log" 2>&1 ||

@@ -101,6 +101,15 @@ def test_tiny_run_reports_every_source(tmp_path):
     }
     assert goals["outputs_equal"] is True
     assert doc["outputs_equal"] is True
+    # With random weights the greedy tokens may be one token repeated; the
+    # top logprobs of every token are equal too wherever stored KV is reused.
+    assert doc["logprobs_equal"] is True
+    for n in map(str, PREFIXES):
+        lps = doc["logprobs"][n]
+        assert {"gpu_cache", "kvtier_cpu", "kvtier_disk", "kvtier_disk[off]"} <= set(
+            lps
+        )
+        assert all(len(v) == 8 and all(len(t) >= 1 for t in v) for v in lps.values())
     outs = doc["outputs"]
     for n in map(str, PREFIXES):
         assert {
@@ -246,18 +255,20 @@ def test_an_engine_process_that_fails_or_dies_is_ended_and_reported(
         tiny=True,
     )
     bench = mod.Bench(setup, str(tmp_path / "disk"), mod.Clock(300.0), 1 << 24, False)
-    proc = bench._spawn("baseline", kind="baseline")
+    bench.spawn("baseline", kind="baseline")
+    proc = bench.spawned["baseline"]
     assert proc.facts["device"] == "cpu"  # the child imported vLLM
     with pytest.raises(RuntimeError, match="^baseline: "):
-        bench._start(proc)
-    assert not proc.proc.is_alive() and bench.live == []
+        bench._start("baseline")
+    assert not proc.proc.is_alive() and bench.spawned == {}
     assert "baseline" not in bench.engines
 
-    proc = bench._spawn("baseline", kind="baseline")
+    bench.spawn("baseline", kind="baseline")
+    proc = bench.spawned["baseline"]
     assert proc.facts
     proc.proc.kill()
     proc.proc.join(10)
     with pytest.raises(RuntimeError, match="its process exited"):
         proc.call("outputs")
-    bench.release()
-    assert bench.live == []
+    bench.release(everything=True)
+    assert bench.spawned == {} and not proc.proc.is_alive()
