@@ -1046,7 +1046,7 @@ class Bench:
             )
             errors += self._interleave([label], plan, f"{label} alone", reserve_s)
         if errors:
-            raise RuntimeError("; ".join(errors))
+            raise RuntimeError("\n".join(errors))
 
     def baseline(self, reserve_s: float) -> None:
         """An engine without a connector: the GPU prefix cache and
@@ -1054,7 +1054,7 @@ class Bench:
         plan = [("baseline", "gpu_cache"), ("baseline", "recompute")]
         errors = self._interleave(["baseline"], plan, "baseline", reserve_s)
         if errors:
-            raise RuntimeError("; ".join(errors))
+            raise RuntimeError("\n".join(errors))
 
     def variant(self, read_process: str, reserve_s: float) -> None:
         """A further kvtier engine, ``disk_read_process`` set to
@@ -1063,7 +1063,7 @@ class Bench:
         plan = [(label, f"kvtier_disk[{read_process}]")]
         errors = self._interleave([label], plan, label, reserve_s)
         if errors:
-            raise RuntimeError("; ".join(errors))
+            raise RuntimeError("\n".join(errors))
 
     # -------------------------------------------------------------- JSON
 

