@@ -178,6 +178,67 @@ def direct_read_baseline(
     return out
 
 
+def thread_times(main_tid: int) -> dict[str, dict[str, float]] | None:
+    """What this process's threads and its descendants' ran and waited so
+    far, grouped: ``main`` (thread ``main_tid``: the engine's loop),
+    ``kvtier`` (kvtier's named threads, ``kvtier-*``, in any of them),
+    ``other`` (the rest of this process: vLLM's, torch's, an I/O library's)
+    and ``children`` (the rest below it). Per group: ``cpu_s`` (on a CPU),
+    ``runqueue_s`` (runnable, waiting for a CPU) from
+    ``/proc/<pid>/task/<tid>/schedstat``, and ``voluntary_switches`` (the
+    times it slept: a wait for a lock such as the interpreter's, for I/O, or
+    for a blocking GPU synchronisation) from its ``status``. Take two and
+    subtract (:func:`times_delta`): threads that start or end between them
+    skew the groups. None without ``/proc`` schedstat."""
+    from kvtier.testing.procs import descendants, thread_names
+
+    if not os.path.isdir("/proc/self/task"):
+        return None
+    me = os.getpid()
+    groups = {
+        g: {"cpu_s": 0.0, "runqueue_s": 0.0, "voluntary_switches": 0.0}
+        for g in ("main", "kvtier", "other", "children")
+    }
+    read = 0
+    for pid in {me, *descendants(me)}:
+        for tid, name in thread_names(pid).items():
+            if name.startswith("kvtier-"):
+                group = "kvtier"
+            elif pid != me:
+                group = "children"
+            else:
+                group = "main" if tid == main_tid else "other"
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    cpu_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    switches = next(
+                        int(line.split()[1])
+                        for line in f
+                        if line.startswith("voluntary_ctxt_switches")
+                    )
+            except (OSError, ValueError, StopIteration):
+                continue  # it exited meanwhile, or no schedstat
+            read += 1
+            g = groups[group]
+            g["cpu_s"] += cpu_ns / 1e9
+            g["runqueue_s"] += wait_ns / 1e9
+            g["voluntary_switches"] += switches
+    return groups if read else None
+
+
+def times_delta(
+    before: dict[str, dict[str, float]] | None,
+    after: dict[str, dict[str, float]] | None,
+    per: float = 1.0,
+) -> dict[str, dict[str, float]] | None:
+    """``after - before`` of two :func:`thread_times`, each divided by
+    ``per`` (e.g. the steps between them); None if either is."""
+    if before is None or after is None or not per:
+        return None
+    return {g: {k: (after[g][k] - before[g][k]) / per for k in after[g]} for g in after}
+
+
 def kvtier_threads_cpu_s() -> float | None:
     """CPU seconds run so far by kvtier's named threads (``kvtier-*``: the
     load thread, the read process and its read threads, the spill threads)

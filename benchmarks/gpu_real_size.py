@@ -47,6 +47,11 @@ random weights the greedy tokens are often one token repeated, which says
 little: each token's top logprobs are compared too (``logprobs_equal``:
 they move with every bit of the KV they were computed over).
 ``goals``: the issue's four goals as measured (see :func:`_goals`).
+``threads_per_step``: per source, what the engine's threads did per step
+with nothing loading and from the arrival to the first token (on a CPU,
+waiting for one, and sleeps: main loop, kvtier's threads, the others;
+:func:`benchmarks._common.thread_times`), so a step that got slower says
+whether it waited for a lock or the GPU, or for a CPU.
 
 ``--disk-read-process auto on`` adds a second kvtier engine, with its disk
 reads and checks in a read process of their own, that serves the disk
@@ -81,6 +86,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -200,6 +206,9 @@ class Run:
     # The decoders' gaps (ms) of the steps begun before the load was
     # reported (loading sources only).
     itl_loading_ms: list[float] | None = None
+    # Per engine step, what the engine's threads did with nothing loading
+    # and from the arrival to the first token (benchmarks._common.thread_times).
+    threads: dict[str, Any] | None = None
 
 
 def _prompt(seed: int, n: int, vocab: int) -> list[int]:
@@ -577,11 +586,16 @@ class EngineHost:
 
     def _beside_decoders(
         self, prompt: list[int]
-    ) -> tuple[float, list[float], list[tuple[float, float]], str]:
+    ) -> tuple[float, list[float], list[tuple[float, float]], str, dict | None]:
         """Decoders run; ``prompt`` arrives. Returns its TTFT, the decoders'
         inter-token latencies (ms) before it arrived, their gaps until it
-        answered (``(step start, ms)``, perf_counter seconds), and its
-        request id."""
+        answered (``(step start, ms)``, perf_counter seconds), its request
+        id, and what the engine's threads did per step in each of the two
+        windows (``{"no_load": ..., "arrival": ...}``, see
+        :func:`benchmarks._common.thread_times`: whether a slower step was
+        spent waiting for a lock or the GPU, or for a CPU)."""
+        from benchmarks._common import thread_times, times_delta
+
         s = self.s
         eng = self.llm.llm_engine
         tag = next(self._ids)
@@ -590,13 +604,16 @@ class EngineHost:
         last: dict[str, tuple[float, int]] = {}
         gaps: list[tuple[float, float]] = []  # (step start, gap s)
         first: list[float] = []
+        steps = [0]
         wait_s = self.clock.wait_s(600)
         deadline = time.monotonic() + wait_s
+        me = threading.get_native_id()
 
         def step() -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"a run did not finish in {wait_s:.0f} s")
             outs = eng.step()
+            steps[0] += 1
             now = time.perf_counter()
             for out in outs:
                 n = len(out.outputs[0].token_ids)
@@ -612,28 +629,47 @@ class EngineHost:
                 if prev is None or n > prev[1]:
                     last[out.request_id] = (now, n)
 
+        def snapshot() -> tuple[dict | None, int]:
+            """The threads' times now, between two steps; the time it took
+            is taken out of the next gap (it is no step's)."""
+            a = time.perf_counter()
+            times = thread_times(me)
+            took = time.perf_counter() - a
+            for r, (t, n) in last.items():
+                last[r] = (t + took, n)
+            return times, steps[0]
+
         sp = self._params(s.decoder_tokens)
         for d, p in zip(dec, self.decoder_prompts):
             eng.add_request(d, {"prompt_token_ids": list(p)}, sp)
         while len(last) < s.decoders or min(n for _, n in last.values()) < 2:
             step()
         gaps.clear()
+        quiet = snapshot()
         while len(gaps) < s.no_load_steps * s.decoders:
             step()
         no_load = [g * 1e3 for _, g in gaps]
         gaps.clear()
+        arrival = snapshot()
         t0 = time.perf_counter()
         eng.add_request(rid, {"prompt_token_ids": list(prompt)}, self._params(1))
         while not first:
             step()
         ttft = first[0] - t0
         self.last_arrival = (t0, first[0])
+        end = snapshot()
         window = [(t, g * 1e3) for t, g in gaps if t < first[0]]
+        threads = None
+        if quiet[0] is not None:
+            threads = {
+                "no_load": times_delta(quiet[0], arrival[0], arrival[1] - quiet[1]),
+                "arrival": times_delta(arrival[0], end[0], end[1] - arrival[1]),
+            }
         eng.abort_request(dec)
         while eng.has_unfinished_requests():
             step()
         self._drain()
-        return ttft, no_load, window, rid
+        return ttft, no_load, window, rid, threads
 
     def _record(self, source: str, n: int, prompt: list[int]) -> dict[str, Any]:
         from kvtier.testing.engine import get_hit_recorder
@@ -642,9 +678,10 @@ class EngineHost:
         before = (stats.loads_cpu, stats.loads_disk) if stats else (0, 0)
         timer = self.timer if source != "gpu_cache" else None
         jobs = len(timer.jobs) if timer else 0
-        ttft, no_load, window, rid = self._beside_decoders(prompt)
+        ttft, no_load, window, rid, threads = self._beside_decoders(prompt)
         hits = get_hit_recorder(self.llm).per_request.get(rid, {})
         run = Run(source, n, ttft, no_load, [g for _, g in window], 0, dict(hits))
+        run.threads = threads
         if stats:
             run.loaded = {
                 "cpu": stats.loads_cpu - before[0],
@@ -1133,6 +1170,26 @@ class Bench:
             }
             for src, by in phases.items()
         }
+        # What the engine's threads did per step (medians over the runs):
+        # ms on a CPU and waiting for one, and sleeps, per thread group.
+        threads: dict[str, dict[str, dict[str, Any]]] = {}
+        for r in runs:
+            for window, groups in (r.get("threads") or {}).items():
+                if not groups:
+                    continue
+                by = threads.setdefault(r["source"], {}).setdefault(
+                    str(r["prefix"]), {}
+                )
+                for g, v in groups.items():
+                    cell = by.setdefault(window, {}).setdefault(g, {})
+                    cell.setdefault("cpu_ms", []).append(1e3 * v["cpu_s"])
+                    cell.setdefault("runqueue_ms", []).append(1e3 * v["runqueue_s"])
+                    cell.setdefault("sleeps", []).append(v["voluntary_switches"])
+        for by in threads.values():
+            for windows in by.values():
+                for groups in windows.values():
+                    for g, cell in groups.items():
+                        groups[g] = {k: statistics.median(x) for k, x in cell.items()}
         equal, recompute_equal, logprobs_equal = True, True, True
         for n in s.prefixes:
             outs, lps = self.outputs[n], self.logprobs[n]
@@ -1159,6 +1216,7 @@ class Bench:
             "ttft_s": ttft,
             "ttft_alone_s": {str(n): v for n, v in self.ttft_alone.items()},
             "ttft_phases_ms": phases,
+            "threads_per_step": threads,
             "disk_gbps": disk_gbps,
             "dd_gbps": dd_gbps,
             "dd": {str(n): v for n, v in self.dd.items()},

@@ -88,6 +88,14 @@ def test_tiny_run_reports_every_source(tmp_path):
     for source, loading in doc["itl_loading_ms"].items():
         whole = doc["itl_ms"][source]
         assert all(0 < m <= w for m, w in zip(loading["max"], whole["max"])), source
+    # What the engine's threads did per step, with nothing loading and
+    # while each prefix arrived (the loop's own thread ran in both).
+    threads = doc["threads_per_step"]
+    for source in ("kvtier_cpu", "kvtier_disk", "gpu_cache", "recompute"):
+        for n in map(str, PREFIXES):
+            windows = threads[source][n]
+            assert set(windows) == {"no_load", "arrival"}, windows
+            assert all(w["main"]["cpu_ms"] > 0 for w in windows.values()), windows
     # The goals, from the figures above (vLLM's CPU offloading: not measured).
     goals = doc["goals"]
     assert goals["kvtier_cpu_over_vllm_ttft"] == [None, None]
