@@ -70,6 +70,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -333,9 +334,17 @@ def _backend_mode(backend) -> str:
     return staging_mode(backend)
 
 
-def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str, Any]:
+def disk_rows(
+    args: argparse.Namespace,
+    caches,
+    device: str,
+    n: int,
+    checkpoint: Callable[[dict[str, Any]], None] = lambda res: None,
+) -> dict[str, Any]:
     """disk -> KV cache rows, {host, device} load path x {posix, kvikio},
-    next to an O_DIRECT read of the same slab span (see the module doc)."""
+    next to an O_DIRECT read of the same slab span (see the module doc).
+    ``checkpoint`` gets the rows' figures after every round (a run cut off
+    keeps the rounds it finished)."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from kvtier.connector.specs import TierLoadSpec
@@ -491,6 +500,61 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
     }
     baseline: list[dict[str, Any]] = []
     dropped: list[bool] = []
+
+    def summarize() -> None:
+        """The rows' figures from the rounds so far."""
+        gbps = [b["gbps"] for b in baseline if "gbps" in b]
+        res["baseline"] = {
+            "tool": baseline[0]["tool"] if baseline else None,
+            "gbps_median": statistics.median(gbps) if gbps else None,
+            "runs": baseline,
+        }
+        res["page_cache_dropped"] = bool(dropped) and all(dropped)
+        base = res["baseline"]["gbps_median"]
+        for key, row in rows.items():
+            poll, step = runs.get(key, {}).get("poll"), runs.get(key, {}).get("step")
+            busy = runs.get(key, {}).get("busy")
+            if busy:
+                shares = [
+                    o["launches"] / o["launch_s"] / o["idle_launch_rate"]
+                    for o in busy
+                    if o["launch_s"]
+                ]
+                if shares:
+                    row["busy"] = {
+                        "slowdown": 1 - statistics.median(shares),
+                        "gbps_median": nbytes
+                        / statistics.median(o["wall"] for o in busy)
+                        / 1e9,
+                    }
+            if poll:
+                wall = statistics.median(o["wall"] for o in poll)
+                row["gbps_median"] = nbytes / wall / 1e9
+                row["x_baseline"] = row["gbps_median"] / base if base else None
+                row["wall_ms"] = [round(o["wall"] * 1e3, 2) for o in poll]
+                row["poll_thread_ms_per_gib"] = (
+                    1e3 * statistics.median(o["inside"] for o in poll) / gib
+                )
+            if step:
+                idle = row.get("idle_get_finished_us", 0.0) / 1e6
+                med = statistics.median
+                row["thread"] = {
+                    "ms_per_gib": 1e3 * med(o["inside"] for o in step) / gib,
+                    "net_ms_per_gib": 1e3
+                    * med(max(0.0, o["inside"] - o["calls"] * idle) for o in step)
+                    / gib,
+                    "cpu_ms_per_gib": 1e3 * med(o["cpu"] for o in step) / gib,
+                    "submit_ms": 1e3 * med(o["submit"] for o in step),
+                    "get_finished_calls": med(o["calls"] for o in step),
+                    "longest_call_ms": 1e3 * max(o["longest"] for o in step),
+                    "stepped_gbps_median": nbytes / med(o["wall"] for o in step) / 1e9,
+                }
+            if key in workers:
+                row["reader_stats"] = vars(workers[key].reader.stats())
+                # Where the reads ran by the end: a read process whose child did
+                # not start (or was lost) reads in this process.
+                row["reader_describe"] = workers[key].reader.describe()
+
     for r in range(args.repeats):
         baseline.append(
             direct_read_baseline(args.fio, slab, span, drop=args.drop_caches)
@@ -515,57 +579,8 @@ def disk_rows(args: argparse.Namespace, caches, device: str, n: int) -> dict[str
                     out["idle_launch_rate"] = idle_rate
                 if out is not None:
                     runs[key][mode].append(out)
-    gbps = [b["gbps"] for b in baseline if "gbps" in b]
-    res["baseline"] = {
-        "tool": baseline[0]["tool"] if baseline else None,
-        "gbps_median": statistics.median(gbps) if gbps else None,
-        "runs": baseline,
-    }
-    res["page_cache_dropped"] = bool(dropped) and all(dropped)
-    base = res["baseline"]["gbps_median"]
-    for key, row in rows.items():
-        poll, step = runs.get(key, {}).get("poll"), runs.get(key, {}).get("step")
-        busy = runs.get(key, {}).get("busy")
-        if busy:
-            shares = [
-                o["launches"] / o["launch_s"] / o["idle_launch_rate"]
-                for o in busy
-                if o["launch_s"]
-            ]
-            if shares:
-                row["busy"] = {
-                    "slowdown": 1 - statistics.median(shares),
-                    "gbps_median": nbytes
-                    / statistics.median(o["wall"] for o in busy)
-                    / 1e9,
-                }
-        if poll:
-            wall = statistics.median(o["wall"] for o in poll)
-            row["gbps_median"] = nbytes / wall / 1e9
-            row["x_baseline"] = row["gbps_median"] / base if base else None
-            row["wall_ms"] = [round(o["wall"] * 1e3, 2) for o in poll]
-            row["poll_thread_ms_per_gib"] = (
-                1e3 * statistics.median(o["inside"] for o in poll) / gib
-            )
-        if step:
-            idle = row.get("idle_get_finished_us", 0.0) / 1e6
-            med = statistics.median
-            row["thread"] = {
-                "ms_per_gib": 1e3 * med(o["inside"] for o in step) / gib,
-                "net_ms_per_gib": 1e3
-                * med(max(0.0, o["inside"] - o["calls"] * idle) for o in step)
-                / gib,
-                "cpu_ms_per_gib": 1e3 * med(o["cpu"] for o in step) / gib,
-                "submit_ms": 1e3 * med(o["submit"] for o in step),
-                "get_finished_calls": med(o["calls"] for o in step),
-                "longest_call_ms": 1e3 * max(o["longest"] for o in step),
-                "stepped_gbps_median": nbytes / med(o["wall"] for o in step) / 1e9,
-            }
-        if key in workers:
-            row["reader_stats"] = vars(workers[key].reader.stats())
-            # Where the reads ran by the end: a read process whose child did
-            # not start (or was lost) reads in this process.
-            row["reader_describe"] = workers[key].reader.describe()
+        summarize()
+        checkpoint(res)
     for w in workers.values():
         w.shutdown()
     shutil.rmtree(disk, ignore_errors=True)
@@ -713,8 +728,13 @@ def main() -> int:
         doc["gpu_cpu"] = f"failed: {exc!r}"
         failed = True
     save()
+
+    def checkpoint(res: dict[str, Any]) -> None:
+        doc["disk_gpu"] = res
+        save()
+
     try:
-        doc["disk_gpu"] = disk_rows(args, caches, device, most)
+        doc["disk_gpu"] = disk_rows(args, caches, device, most, checkpoint)
         print_disk_table(doc["disk_gpu"])
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON
         traceback.print_exc()
