@@ -180,7 +180,8 @@ def direct_read_baseline(
 
 def thread_times(main_tid: int) -> dict[str, dict[str, float]] | None:
     """What this process's threads and its descendants' ran and waited so
-    far, grouped: ``main`` (thread ``main_tid``: the engine's loop),
+    far, grouped: ``main`` (thread ``main_tid``, -1 for none: the engine's
+    loop),
     ``kvtier`` (kvtier's named threads, ``kvtier-*``, in any of them),
     ``other`` (the rest of this process: vLLM's, torch's, an I/O library's)
     and ``children`` (the rest below it). Per group: ``cpu_s`` (on a CPU),
@@ -243,28 +244,12 @@ def kvtier_threads_cpu_s() -> float | None:
     """CPU seconds run so far by kvtier's named threads (``kvtier-*``: the
     load thread, the read process and its read threads, the spill threads)
     in this process and every process below it (a multiprocess engine's
-    core and workers), from ``/proc/<pid>/task/<tid>/schedstat``; None where
+    core and workers): :func:`thread_times`'s ``kvtier`` group; None where
     that cannot be read (not Linux, a kernel without schedstat). Threads that
     exited are not counted: take it around a window in which kvtier's
     threads live on. Spills running in the window count too."""
-    from kvtier.testing.procs import descendants, thread_names
-
-    if not os.path.isdir("/proc/self/task"):
-        return None
-    total_ns = 0
-    named = read = 0
-    for pid in {os.getpid(), *descendants(os.getpid())}:
-        for tid, name in thread_names(pid).items():
-            if not name.startswith("kvtier-"):
-                continue
-            named += 1
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total_ns += int(f.read().split()[0])
-                    read += 1
-            except OSError:
-                continue  # it exited meanwhile, or no schedstat
-    return None if named and not read else total_ns / 1e9
+    times = thread_times(main_tid=-1)
+    return None if times is None else times["kvtier"]["cpu_s"]
 
 
 def filesystem_of(path: str) -> str | None:

@@ -37,11 +37,11 @@ Side by side in one run, interleaved (the order alternates every round):
   launch lets the interpreter lock go and takes it back (torch's bindings
   release it around every op), so a thread of the worker's that runs
   Python then costs the launching thread a wait per launch.
-  ``busy_slowdown`` is the fraction of launches the load took away, against
-  the same steps with an idle worker. (A loop of pure Python instead never
-  lets the lock go but at the interpreter's switch interval: on the CPU
-  platform it lost nothing and starved the load to 0.02-0.08 GB/s, where
-  the launching loop lost 31-36 % and the load ran at 1.3-3.3 GB/s.) The
+  The slowdown is the fraction of launches the load took away, against
+  the same steps with an idle worker (``rows.<path>.busy.slowdown``). A
+  loop of pure Python instead never lets the lock go but at the
+  interpreter's switch interval, which is no engine's pattern: it loses
+  nothing to the load and starves it (docs/benchmarks.md, GPU). The
   ``read-process`` rows (``disk_read_process: on``: reads and checks in a
   child process, the shared bounce area page-locked by the copy path) are
   the host path with its reads out of the engine's process; on the lent
@@ -581,6 +581,7 @@ def disk_rows(
                     runs[key][mode].append(out)
         summarize()
         checkpoint(res)
+    summarize()  # also with no rounds
     for w in workers.values():
         w.shutdown()
     shutil.rmtree(disk, ignore_errors=True)

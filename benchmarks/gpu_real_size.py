@@ -47,22 +47,31 @@ random weights the greedy tokens are often one token repeated, which says
 little: each token's top logprobs are compared too (``logprobs_equal``:
 they move with every bit of the KV they were computed over).
 ``goals``: the issue's four goals as measured (see :func:`_goals`).
-``threads_per_step``: per source, what the engine's threads did per step
-with nothing loading and from the arrival to the first token (on a CPU,
-waiting for one, and sleeps: main loop, kvtier's threads, the others;
-:func:`benchmarks._common.thread_times`), so a step that got slower says
-whether it waited for a lock or the GPU, or for a CPU.
+``ttft_over_gpu_cache_s``: each loading source's TTFT less that of the same
+prompt from its own engine's GPU cache, served right after (what the
+engines' drift leaves out). ``threads_per_step``: per source, what the
+engine's threads did per step with nothing loading (``no_load``) and from
+the arrival to the first token (``arrival``): on a CPU, waiting for one,
+and sleeps, of the engine's loop, kvtier's threads, the process's other
+threads and its other children
+(:func:`benchmarks._common.thread_times`), so a step that got slower says
+whether it waited for a lock or the GPU, or for a CPU. Also ``ttft_alone_s``
+(each source served alone, the run that gives its outputs),
+``ttft_phases_ms``, ``dd``, ``engines``, ``outputs``, ``logprobs``, every
+run (``runs``) and ``notes``; docs/benchmarks.md lists them.
 
-``--disk-read-process auto on`` adds a second kvtier engine, with its disk
-reads and checks in a read process of their own, that serves the disk
-source only (``kvtier_disk[on]``): where the reads run, side by side in one
-run (on the H100 the decoders' step doubled while a 32k prefix loaded from
+``--disk-read-process auto on`` adds a second kvtier engine, after the
+others, with its disk reads and checks in a read process of their own,
+that serves the disk source only (``kvtier_disk[on]``): where the reads
+run, an A/B in one run (on the H100 the decoders' step doubled while a 32k prefix loaded from
 disk with the reads in the engine's process).
 
 ``--budget-s`` bounds the whole run: a repeat that would not fit is not
-started, no wait outlasts the budget, an engine that fails is noted and the
-next one still runs, and the JSON written after each engine says what
-completed (``complete``: every engine ran to its end).
+started, no wait of the engines outlasts the budget and none of the
+driver's outlasts it by more than 5 s, an engine that fails is noted and
+the next one still runs, and the JSON, written after every repeat and
+every engine, says what completed (``complete``: every stage ran to its
+end).
 Writes ``benchmarks/results/gpu_real_size_<device>.json``::
 
     python3 benchmarks/gpu_real_size.py --prefix-tokens 8192 32768 --repeats 2 \\
@@ -196,8 +205,8 @@ class Run:
     ttft_s: float
     itl_no_load_ms: list[float]
     itl_ms: list[float]
-    cached_tokens: int
     hits: dict[str, int]
+    engine: str = ""  # the engine (label) that served it
     loaded: dict[str, int] = field(default_factory=dict)
     load: dict[str, float] | None = None
     # Where the TTFT went (ms): arrival to the first load's submit_load,
@@ -206,6 +215,9 @@ class Run:
     # The decoders' gaps (ms) of the steps begun before the load was
     # reported (loading sources only).
     itl_loading_ms: list[float] | None = None
+    # A loading run: its TTFT less that of the same prompt from the same
+    # engine's GPU cache, served right after.
+    over_gpu_cache_s: float | None = None
     # Per engine step, what the engine's threads did with nothing loading
     # and from the arrival to the first token (benchmarks._common.thread_times).
     threads: dict[str, Any] | None = None
@@ -324,6 +336,7 @@ class EngineHost:
         self.dropped: list[bool] = []
 
     def take_notes(self) -> list[str]:
+        """What was noted since the last call (sent with each answer)."""
         notes, self.notes = self.notes, []
         return notes
 
@@ -428,8 +441,13 @@ class EngineHost:
             self.notes.append(f"kvtier_cpu {n}: prefix not all on CPU")
         if source == self.disk_source:
             self._only_on_disk(n)
-        assert self.llm.reset_prefix_cache()
-        return [self._record(source, n, prompt), self._record("gpu_cache", n, prompt)]
+        self._reset()
+        loaded = self._record(source, n, prompt)
+        cached = self._record("gpu_cache", n, prompt)
+        # Its cost over this engine's GPU cache, served right after: what
+        # the engine's own step time (it drifts between engines) leaves out.
+        loaded["over_gpu_cache_s"] = loaded["ttft_s"] - cached["ttft_s"]
+        return [loaded, cached]
 
     def outputs(self) -> dict[str, dict[str, Any]]:
         """Each of this engine's sources served alone once per prefix: its
@@ -445,7 +463,7 @@ class EngineHost:
             for n in s.prefixes:
                 prompt = self.prefix_prompts[n] + self.tail
                 out[str(n)]["gpu_cache_baseline"] = self._alone(prompt, s.out_tokens)
-            assert self.llm.reset_prefix_cache()
+            self._reset()
             for n in s.prefixes:
                 prompt = self.prefix_prompts[n] + self.tail
                 out[str(n)]["recompute"] = self._alone(prompt, s.out_tokens)
@@ -463,7 +481,7 @@ class EngineHost:
             for source in sources:
                 if source == self.disk_source:
                     self._only_on_disk(n)
-                assert self.llm.reset_prefix_cache()
+                self._reset()
                 got[source] = self._alone(prompt, s.out_tokens)
                 if self.kind == "kvtier" and "gpu_cache" not in got:
                     got["gpu_cache"] = self._alone(prompt, s.out_tokens)
@@ -498,6 +516,7 @@ class EngineHost:
         return {"engine": dict(self.info), "dd": dd}
 
     def close(self) -> None:
+        """Shut the engine down (its tiers, their files and threads)."""
         if self.llm is not None:
             from kvtier.testing.engine import shutdown_llm
 
@@ -505,6 +524,12 @@ class EngineHost:
             shutdown_llm(llm)
 
     # ------------------------------------------------------------- kvtier
+
+    def _reset(self) -> None:
+        """Empty the GPU prefix cache (the next prompt's prefix comes from
+        the source under test); vLLM refuses while requests run."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache")
 
     def _hierarchy(self):
         from kvtier.testing.engine import get_connector
@@ -680,7 +705,8 @@ class EngineHost:
         jobs = len(timer.jobs) if timer else 0
         ttft, no_load, window, rid, threads = self._beside_decoders(prompt)
         hits = get_hit_recorder(self.llm).per_request.get(rid, {})
-        run = Run(source, n, ttft, no_load, [g for _, g in window], 0, dict(hits))
+        run = Run(source, n, ttft, no_load, [g for _, g in window], dict(hits))
+        run.engine = self.label
         run.threads = threads
         if stats:
             run.loaded = {
@@ -827,7 +853,8 @@ class EngineProcess:
     def call(self, method: str, *args: Any, limit_s: float = 600) -> Any:
         """``method(*args)`` in the child; what it returned (see
         ``_answer`` for how long it waits)."""
-        assert self.facts
+        if not self.facts:  # the first answer, read before this call's
+            raise RuntimeError(f"{self.label}: no first answer")
         try:
             self.conn.send((method, args))
         except OSError:  # the child's end is gone
@@ -862,18 +889,19 @@ class EngineProcess:
         return value
 
     def close(self) -> None:
-        """Shut the engine down and end the process: killed if it does not
-        end within a minute, or what is left of the budget."""
-        timeout = max(2.0, min(60.0, self.clock.left()))
+        """Shut the engine down and end the process: killed if it has not
+        ended within a minute, or 5 s past the budget if that comes first."""
+        end = time.monotonic() + max(2.0, min(60.0, self.clock.left() + 5))
         if self.proc.is_alive():
             with contextlib.suppress(Exception):
                 self.conn.send(("close", ()))
-                if self.conn.poll(timeout):
+                if self.conn.poll(max(0.0, end - time.monotonic())):
                     self.notes.extend(self.conn.recv()[2])
-            self.proc.join(min(10.0, timeout))
+            self.proc.join(max(0.0, end - time.monotonic()))
         self.kill()
 
     def kill(self) -> None:
+        """End the process now (SIGKILL) and close the pipe."""
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5)
@@ -891,13 +919,10 @@ class Bench:
     JSON; it runs after every repeat and every engine's outputs, so a run
     cut off keeps what it measured."""
 
-    def __init__(
-        self, setup: Setup, disk_dir: str, clock: Clock, cpu_bytes: int, cuda: bool
-    ) -> None:
+    def __init__(self, setup: Setup, disk_dir: str, clock: Clock, cuda: bool) -> None:
         self.s = setup
         self.disk_dir = disk_dir
         self.clock = clock
-        self.cpu_bytes = cpu_bytes
         self.cuda = cuda
         self.runs: list[dict[str, Any]] = []
         self.outputs: dict[int, dict[str, list[int]]] = {n: {} for n in setup.prefixes}
@@ -973,12 +998,11 @@ class Bench:
         proc = self.spawned[label]
         for n, by_source in proc.call("outputs").items():
             for source, (ttft, tokens, logprobs) in by_source.items():
-                self.outputs[int(n)][source] = tokens
-                self.logprobs[int(n)][source] = logprobs
-                if source == "gpu_cache_baseline":
-                    self.ttft_alone[int(n)]["gpu_cache"] = ttft
-                else:
-                    self.ttft_alone[int(n)].setdefault(source, ttft)
+                # The first engine to serve a source gives all three (the
+                # GPU cache: kvtier's; the baseline's is gpu_cache_baseline).
+                self.outputs[int(n)].setdefault(source, tokens)
+                self.logprobs[int(n)].setdefault(source, logprobs)
+                self.ttft_alone[int(n)].setdefault(source, ttft)
         end = proc.call("finish")
         self.engines[label].update(end["engine"])
         for n, result in end["dd"].items():
@@ -1105,6 +1129,8 @@ class Bench:
     # -------------------------------------------------------------- JSON
 
     def result(self, device: str, complete: bool) -> dict[str, Any]:
+        """The JSON document of what was measured so far (see the module
+        doc); ``complete``: every stage ran to its end."""
         s = self.s
         runs = self.runs
         ttft: dict[str, list[float | None]] = {}
@@ -1134,6 +1160,20 @@ class Bench:
                     i = s.prefixes.index(n)
                     by["p50"][i] = _p50(loading) if loading else None
                     by["max"][i] = max(loading) if loading else None
+        over: dict[str, list[float | None]] = {}
+        for source in {
+            r["source"] for r in runs if r.get("over_gpu_cache_s") is not None
+        }:
+            over[source] = []
+            for n in s.prefixes:
+                xs = [
+                    r["over_gpu_cache_s"]
+                    for r in runs
+                    if r["source"] == source
+                    and r["prefix"] == n
+                    and r.get("over_gpu_cache_s") is not None
+                ]
+                over[source].append(statistics.median(xs) if xs else None)
         # Nothing loading: the decoders of kvtier's engine before each prompt.
         itl["no_load"] = {"p50": [], "max": []}
         for n in s.prefixes:
@@ -1214,6 +1254,7 @@ class Bench:
             "prefix_tokens": s.prefixes,
             "repeats": s.repeats,
             "ttft_s": ttft,
+            "ttft_over_gpu_cache_s": dict(sorted(over.items())),
             "ttft_alone_s": {str(n): v for n, v in self.ttft_alone.items()},
             "ttft_phases_ms": phases,
             "threads_per_step": threads,
@@ -1250,8 +1291,9 @@ def _goals(
     (<= 1.05 at every length); the disk tier's load rate over dd's
     (>= 0.8); per disk source, the decoders' longest inter-token latency
     while the longest prefix loaded (the steps begun before its load was
-    reported) over their p50 with nothing loading in the same runs (<= 2);
-    outputs equal."""
+    reported) over their p50 with nothing loading in the same runs (<= 2;
+    ``itl_met`` is a dict, one verdict per disk source: the main engine's
+    and each ``--disk-read-process`` variant's); outputs equal."""
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or not b else a / b
@@ -1319,7 +1361,8 @@ def run_stages(
             stage()
         except Exception as exc:  # noqa: BLE001 - noted, the next stage runs
             traceback.print_exc()
-            notes.append(f"{label}: failed: {exc!r}")
+            for line in str(exc).splitlines() or [""]:
+                notes.append(f"{label}: failed: {type(exc).__name__}: {line}")
             failed.append(label)
             release()
         save(False)
@@ -1397,10 +1440,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     clock = Clock(args.budget_s)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from kvtier.testing.engine import use_in_process_engines
-
-    use_in_process_engines()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the children's
     import torch
 
     tmp = tempfile.mkdtemp(prefix="kvtier-real-")
@@ -1453,7 +1493,7 @@ def main() -> int:
         shm = _shm_free()
         share = 0.4 if cuda else 0.8
         cpu_bytes = min(want, int(share * shm)) if shm else want
-        bench = Bench(setup, disk_dir, clock, cpu_bytes, cuda)
+        bench = Bench(setup, disk_dir, clock, cuda)
         if cpu_bytes < want:
             bench.notes.append(
                 f"/dev/shm has {shm} bytes free: CPU tiers of {cpu_bytes} bytes, "
@@ -1568,7 +1608,8 @@ def _print_table(doc: dict) -> None:
             print(f"{name:>16} | " + " | ".join(f"{c:>17}" for c in cells))
     print(f"disk GB/s {doc['disk_gbps']}  dd O_DIRECT GB/s {doc['dd_gbps']}")
     print(
-        f"outputs equal (reuse): {doc['outputs_equal']}; recompute equal: {doc['recompute_equal']}"
+        f"outputs equal (reuse): {doc['outputs_equal']}; top logprobs equal: "
+        f"{doc['logprobs_equal']}; recompute equal: {doc['recompute_equal']}"
     )
     print("goals:", json.dumps(doc["goals"]))
     for note in doc["notes"]:

@@ -11,7 +11,7 @@
 # machine: `run.sh tests`, then `run.sh real_size copy`.
 #
 # gpu_real_size.py runs a second kvtier engine with disk_read_process on
-# beside the default one (the A/B of where the disk reads run, for the ITL
+# after the default one (the A/B of where the disk reads run, for the ITL
 # goal); REAL_SIZE_ARGS adds or overrides its arguments.
 #
 # One call stays within BUDGET_S seconds (default 460: under 8 minutes);

@@ -11,6 +11,7 @@ greedy outputs of the sources that reuse stored KV equal.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,9 @@ def test_tiny_run_reports_every_source(tmp_path):
             windows = threads[source][n]
             assert set(windows) == {"no_load", "arrival"}, windows
             assert all(w["main"]["cpu_ms"] > 0 for w in windows.values()), windows
+    over = doc["ttft_over_gpu_cache_s"]
+    assert set(over) == {"kvtier_cpu", "kvtier_disk", "kvtier_disk[off]"}, over
+    assert all(len(v) == len(PREFIXES) and None not in v for v in over.values())
     # The goals, from the figures above (vLLM's CPU offloading: not measured).
     goals = doc["goals"]
     assert goals["kvtier_cpu_over_vllm_ttft"] == [None, None]
@@ -143,6 +147,9 @@ def test_tiny_run_reports_every_source(tmp_path):
         # A loading run's TTFT split at its load's submit and report: the
         # phases are its own load's (none negative) and add up to its TTFT.
         if run["source"] in ("kvtier_cpu", "kvtier_disk", "kvtier_disk[off]"):
+            # Its cost over its own engine's GPU cache, served right after.
+            assert run["engine"] in ("kvtier", "kvtier[off]"), run
+            assert run["over_gpu_cache_s"] is not None, run
             phases = run["phases_ms"]
             assert set(phases) == {"to_submit", "load", "to_first_token"}, run
             assert min(phases.values()) >= 0, phases
@@ -262,7 +269,7 @@ def test_an_engine_process_that_fails_or_dies_is_ended_and_reported(
         load_format="auto",
         tiny=True,
     )
-    bench = mod.Bench(setup, str(tmp_path / "disk"), mod.Clock(300.0), 1 << 24, False)
+    bench = mod.Bench(setup, str(tmp_path / "disk"), mod.Clock(300.0), False)
     bench.spawn("baseline", kind="baseline")
     proc = bench.spawned["baseline"]
     assert proc.facts["device"] == "cpu"  # the child imported vLLM
@@ -306,7 +313,7 @@ def test_an_offloading_engine_that_cannot_start_beside_kvtier_runs_alone_after(
         load_format="auto",
         tiny=True,
     )
-    bench = mod.Bench(setup, str(tmp_path / "disk"), mod.Clock(300.0), 1 << 24, False)
+    bench = mod.Bench(setup, str(tmp_path / "disk"), mod.Clock(300.0), False)
     bench.spawn("kvtier", kind="kvtier", cpu_bytes=1 << 24)
     bench.spawn("vllm_cpu_offload", kind="vllm_cpu_offload", cpu_bytes=1 << 24)
     procs = list(bench.spawned.values())
@@ -325,4 +332,6 @@ def test_an_offloading_engine_that_cannot_start_beside_kvtier_runs_alone_after(
     assert "kvtier_cpu" in bench.outputs[128] and "kvtier" in bench.engines
     assert any("ran alone after the other engine" in n for n in bench.notes)
     assert bench.spawned == {}
+    # Neither the first processes nor the one the retry spawned are left.
     assert not any(p.proc.is_alive() for p in procs)
+    assert multiprocessing.active_children() == []
