@@ -93,6 +93,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -401,6 +402,13 @@ class EngineHost:
             )
         if cfg is not None:
             self.info["cpu_bytes_to_use"] = self.cpu_bytes
+        if not s.tiny:
+            import torch
+
+            # CUDA's initialisation is no engine's start (its own figure).
+            t0 = time.monotonic()
+            torch.cuda.init()
+            self.info["cuda_init_s"] = time.monotonic() - t0
         t0 = time.monotonic()
         self.llm = make_llm(s.model_dir, cfg, **kw)
         self.info["start_s"] = time.monotonic() - t0
@@ -776,18 +784,16 @@ def _serve(
         import vllm
         import vllm.entrypoints.llm  # noqa: F401
 
-        cuda = torch.cuda.is_available() and not setup.tiny
-        if cuda:
-            torch.cuda.init()
+        # No CUDA here: a process waiting for its stage holds no context
+        # (on a GPU in exclusive-process mode it would keep the others out).
         host = EngineHost(setup, disk_dir, clock, **kw)
         conn.send(
             (
                 "ok",
                 {
-                    "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "torch": torch.__version__,
                     "vllm": getattr(vllm, "__version__", None),
-                    "import_and_cuda_init_s": time.monotonic() - t_import,
+                    "import_s": time.monotonic() - t_import,
                 },
                 [],
             )
@@ -843,9 +849,9 @@ class EngineProcess:
 
     @property
     def facts(self) -> dict[str, Any]:
-        """What the child took to import vLLM (and initialise CUDA), its
-        device and versions: its first answer, waited for here (the
-        children of one stage import side by side)."""
+        """What the child took to import vLLM, and the versions of torch
+        and vLLM: its first answer, waited for here (the children import
+        side by side)."""
         if self._facts is None:
             self._facts = self._answer(600)
         return self._facts
@@ -956,7 +962,7 @@ class Bench:
         )
 
     def wait_facts(self) -> None:
-        """The device, torch and vLLM of the first child that says."""
+        """The torch and vLLM of the first child that says."""
         for proc in self.spawned.values():
             try:
                 self.facts = dict(proc.facts)
@@ -971,7 +977,7 @@ class Bench:
         try:
             info = proc.call("start")
             self.engines[label] = {
-                "import_and_cuda_init_s": proc.facts["import_and_cuda_init_s"],
+                "import_s": proc.facts["import_s"],
                 **info,
             }
         except BaseException:
@@ -1404,6 +1410,22 @@ def _shm_free() -> int:
         return 0
 
 
+def _device_name() -> str:
+    """The GPU's name as ``nvidia-smi`` reports it (as torch would), read
+    without a CUDA context in this process; ``cuda`` if it cannot say."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        name = out.stdout.strip().splitlines()[0] if out.returncode == 0 else ""
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        name = ""
+    return name or "cuda"
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
@@ -1505,15 +1527,16 @@ def main() -> int:
             flush=True,
         )
 
+        device = _device_name() if cuda else "cpu"
+
         def path() -> Path:
             if args.out:
                 return Path(args.out)
-            device = bench.facts.get("device", "cuda" if cuda else "cpu")
             name = f"gpu_real_size_{_slug(device) if cuda else 'cpu-tiny'}"
             return Path(args.out_dir) / f"{name}.json"
 
         def save(complete: bool) -> None:
-            doc = bench.result(bench.facts.get("device", "unknown"), complete)
+            doc = bench.result(device, complete)
             doc["budget_s"] = args.budget_s
             doc["elapsed_s"] = args.budget_s - clock.left()
             doc["when"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")

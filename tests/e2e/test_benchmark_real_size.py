@@ -272,7 +272,7 @@ def test_an_engine_process_that_fails_or_dies_is_ended_and_reported(
     bench = mod.Bench(setup, str(tmp_path / "disk"), mod.Clock(300.0), False)
     bench.spawn("baseline", kind="baseline")
     proc = bench.spawned["baseline"]
-    assert proc.facts["device"] == "cpu"  # the child imported vLLM
+    assert proc.facts["import_s"] > 0  # the child imported vLLM
     with pytest.raises(RuntimeError, match="^baseline: "):
         bench._start("baseline")
     assert not proc.proc.is_alive() and bench.spawned == {}
