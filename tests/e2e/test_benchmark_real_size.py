@@ -259,16 +259,7 @@ def test_an_engine_process_that_fails_or_dies_is_ended_and_reported(
     model = tmp_path / "no-weights"
     model.mkdir()
     shutil.copy(Path(build_tiny_llama()) / "config.json", model / "config.json")
-    setup = mod.Setup(
-        model_dir=str(model),
-        dtype="float32",
-        block=BLOCK,
-        prefixes=[64],
-        repeats=1,
-        vocab=1024,
-        load_format="auto",
-        tiny=True,
-    )
+    setup = mod.Setup.tiny_llama([64], 1, model_dir=str(model))
     bench = mod.Bench(setup, str(tmp_path / "disk"), mod.Clock(300.0), False)
     bench.spawn("baseline", kind="baseline")
     proc = bench.spawned["baseline"]
@@ -298,20 +289,8 @@ def test_an_offloading_engine_that_cannot_start_beside_kvtier_runs_alone_after(
     the stage fails naming both starts; no engine process is left."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     mod = _script_module()
-    from kvtier.testing.engine import build_tiny_llama
-
-    setup = mod.Setup(
-        model_dir=build_tiny_llama(max_position_embeddings=1024),
-        dtype="float32",
-        block=BLOCK,
-        prefixes=[128],
-        repeats=1,
-        vocab=1024,
-        decoder_tokens=64,
-        no_load_steps=4,
-        out_tokens=4,
-        load_format="auto",
-        tiny=True,
+    setup = mod.Setup.tiny_llama(
+        [128], 1, decoder_tokens=64, no_load_steps=4, out_tokens=4
     )
     bench = mod.Bench(setup, str(tmp_path / "disk"), mod.Clock(300.0), False)
     others = set(multiprocessing.active_children())  # other tests' in this process
