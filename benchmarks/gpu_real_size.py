@@ -567,9 +567,10 @@ class EngineHost:
         return get_connector(self.llm).connector_scheduler.manager.hierarchy
 
     def _settle(self) -> None:
-        from kvtier.testing.engine import get_connector
+        """Every spill finished (within the budget)."""
+        from kvtier.testing.engine import get_connector, settle
 
-        _settle(
+        settle(
             get_connector(self.llm).connector_scheduler.manager,
             self.clock.wait_s(300),
         )
@@ -1400,16 +1401,6 @@ def run_stages(
 
 def _p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def _settle(mgr, timeout: float = 300.0) -> None:
-    """Pump kvtier's disk runtime until no spill is in flight."""
-    deadline = time.monotonic() + timeout
-    while mgr.has_pending_work():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"spills still pending after {timeout} s")
-        mgr.on_schedule_end(None)
-        time.sleep(0.005)
 
 
 def _reader():

@@ -388,6 +388,20 @@ def drain(llm, timeout: float = 30.0, idle_sleep_s: float = 0.002) -> int:
     return steps
 
 
+def settle(mgr, timeout: float = 60.0) -> None:
+    """Pump kvtier's disk runtime (``mgr``: the scheduler's offloading
+    manager) until no spill or promotion is in flight; TimeoutError after
+    ``timeout`` seconds. Finished work is applied and new work submitted as
+    at the end of a scheduler step (``on_schedule_end``), without stepping
+    the engine."""
+    deadline = time.monotonic() + timeout
+    while mgr.has_pending_work():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"kvtier disk work still pending after {timeout} s")
+        mgr.on_schedule_end(None)  # applies finished spills, submits new ones
+        time.sleep(0.005)
+
+
 def run_prompts(
     llm, prompts: list[list[int]], max_tokens: int, *, drain_after: bool = True
 ) -> RunResult:

@@ -71,10 +71,9 @@ def main() -> None:
         kvtier_config,
         manager_of,
         run_each,
-        settle,
     )
     from kvtier.store.slot import HEADER_SIZE
-    from kvtier.testing.engine import engine, kv_bytes_per_block
+    from kvtier.testing.engine import engine, kv_bytes_per_block, settle
     from kvtier.testing.faults import flip_byte
 
     model, disk = sys.argv[1], sys.argv[2]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.testing.engine import engine, run_prompts
+from kvtier.testing.engine import engine, run_prompts, settle
 from kvtier.testing.kv_corruption import LoadCorruptor
 from kvtier.testing.state import evict_clean
 from kvtier.tiers.plans import Residency
@@ -37,7 +37,6 @@ from .workload import (
     MAX_TOKENS,
     kvtier_config,
     manager_of,
-    settle,
 )
 
 pytestmark = pytest.mark.e2e

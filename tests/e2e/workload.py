@@ -15,6 +15,7 @@ from kvtier.testing.engine import (
     make_prompt,
     offloading_kv_transfer_config,
     run_prompts,
+    settle,
 )
 
 BLOCKS_PER_PROMPT = 4
@@ -67,16 +68,6 @@ def run_each(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> Run
         request_ids=[r for part in parts for r in part.request_ids],
         wall_s=sum(part.wall_s for part in parts),
     )
-
-
-def settle(mgr, timeout: float = 60.0) -> None:
-    """Pump the disk runtime until no spill is in flight (deadline bound)."""
-    deadline = time.monotonic() + timeout
-    while mgr.has_pending_work():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"kvtier disk work still pending after {timeout}s")
-        mgr.on_schedule_end(None)  # applies finished spills, submits new ones
-        time.sleep(0.005)
 
 
 def run_settled(
