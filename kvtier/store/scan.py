@@ -19,7 +19,7 @@ Contract of :func:`scan`:
   - OK means the header is intact and of this layout; the payload is checked
     only with ``payload`` (its xxh3, like a load's). Every OK header goes to
     ``on_header`` (the store raises its next ``seq`` above it).
-  - With ``skip_new`` (warm restart) the slots that the files' ``create``
+  - With ``skip_new`` (warm restart, slot order) the slots that the files' ``create``
     just made (at or past a slab's size before it, ``SlabFiles.old_sizes``)
     are neither read nor yielded: they hold nothing, and a new store of
     millions of slots starts without reading one header. Nor, in slot
@@ -94,7 +94,10 @@ def scan(
     on_header: Callable[[SlotHeader], None] | None = None,
     skip_new: bool = False,
 ) -> Iterator[SlotRecord]:
-    """Every slot of ``files``, judged; see the module doc."""
+    """Every slot of ``files``, judged; see the module doc. ``skip_new``
+    scans in slot order only (a warm restart's order)."""
+    if skip_new and file_order:
+        raise ValueError("scan: skip_new lists slots in slot order, not file order")
     bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
     inflight: deque[tuple[int, int, int, Any, Future[int] | OSError]] = deque()
     for k, (slot, idx, offset) in enumerate(_where(files, file_order, skip_new)):
@@ -114,16 +117,9 @@ def _where(
     files: SlabFiles, file_order: bool, skip_new: bool = False
 ) -> Iterator[tuple[int, int, int]]:
     """``(global slot, slab index, byte offset)`` of each slot to scan."""
-    # Local slots of each slab to scan: all, or (skip_new) those that begin
-    # before the slab's size before this open (a slot cut by it is read: it
-    # may hold a torn block, judged as any other).
-    counts = [
-        min(slab.num_slots, -(-old // files.slot_size)) if skip_new else slab.num_slots
-        for slab, old in zip(files.slabs, files.old_sizes, strict=True)
-    ]
     if file_order:
         for idx, slab in enumerate(files.slabs):
-            for local in range(counts[idx]):
+            for local in range(slab.num_slots):
                 slot = global_slot(slab.index, local, files.stripes)
                 yield slot, idx, local * files.slot_size
         return
@@ -131,6 +127,13 @@ def _where(
         for slot in range(files.num_slots):
             yield (slot, *files.locate(slot))
         return
+    # Local slots of each slab to scan: those that begin before the slab's
+    # size before this open (a slot cut by it is read: it may hold a torn
+    # block, judged as any other).
+    counts = [
+        min(slab.num_slots, -(-old // files.slot_size))
+        for slab, old in zip(files.slabs, files.old_sizes, strict=True)
+    ]
     # Slot s is local slot s // stripes of slab s % stripes; each slab's
     # slots in order, merged into slot order.
     def slab_slots(idx: int, count: int) -> Iterator[tuple[int, int, int]]:
