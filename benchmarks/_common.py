@@ -180,9 +180,8 @@ def direct_read_baseline(
 
 def thread_times(main_tid: int) -> dict[str, dict[str, float]] | None:
     """What this process's threads and its descendants' ran and waited so
-    far, grouped: ``main`` (thread ``main_tid``, -1 for none: the engine's
-    loop),
-    ``kvtier`` (kvtier's named threads, ``kvtier-*``, in any of them),
+    far, grouped: ``main`` (thread ``main_tid``, the engine's loop; -1 for
+    none), ``kvtier`` (kvtier's named threads, ``kvtier-*``, in any of them),
     ``other`` (the rest of this process: vLLM's, torch's, an I/O library's)
     and ``children`` (the rest below it). Per group: ``cpu_s`` (on a CPU),
     ``runqueue_s`` (runnable, waiting for a CPU) from
