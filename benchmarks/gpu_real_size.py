@@ -15,6 +15,14 @@ prompt ``prefix + 8 new tokens`` is served with its prefix from:
   recompute         nowhere: a fresh prefix of the same length
   vllm_cpu_offload  vLLM's own ``CPUOffloadingSpec`` with the same CPU bytes
 
+and, in kvtier's engine, ``dd_beside``: no returning prompt; where it would
+arrive, ``dd`` (fio where installed) reads as many bytes of the disk tier's
+slab, O_DIRECT 1 MiB, in a process of its own, and the decoders step until
+it exits: what the drive alone costs them, kvtier's code out of the picture
+(its "TTFT" is the read's wall time). Read ``kvtier_disk``'s decoder
+latency against it: a drive (or a virtual disk's host) that slows the
+decoders by itself does the same under any cache.
+
 Each run starts 8 decoders (prompts one token short of a block: nothing of
 theirs is stored or loaded, and every run starts them the same way),
 records their inter-token latency for 16 steps with nothing loading
@@ -467,6 +475,8 @@ class EngineHost:
             return [self._record("recompute", n, fresh + self.tail)]
         if source == "gpu_cache":
             return [self._record("gpu_cache", n, prompt)]
+        if source == "dd_beside":
+            return self._dd_beside(n)
         if source == "kvtier_cpu" and not self._on_cpu(n):
             self.notes.append(f"kvtier_cpu {n}: prefix not all on CPU")
         if source == self.disk_source:
@@ -525,14 +535,11 @@ class EngineHost:
         dd: dict[str, Any] = {}
         if self.kind == "kvtier":
             from benchmarks._common import direct_read_baseline
-            from kvtier.store.slot import slot_size
 
-            s = self.s
-            slabs = sorted(glob.glob(os.path.join(self.disk, "*", "slab-0.kvt")))
-            for n in s.prefixes if not self.variant else []:
-                size = (n // s.block) * slot_size(s.block * self.token_bytes)
-                if slabs and os.path.getsize(slabs[0]) >= size:
-                    dd[str(n)] = direct_read_baseline(None, slabs[0], size)
+            for n in self.s.prefixes if not self.variant else []:
+                span = self._slab_span(n)
+                if span is not None:
+                    dd[str(n)] = direct_read_baseline(None, *span)
             reader = _reader()
             self.info.update(
                 reader=type(reader).__name__,
@@ -580,6 +587,19 @@ class EngineHost:
 
         h = self._hierarchy()
         return all(h.lookup(k) is Residency.HIT_CPU for k in self.keys[n])
+
+    def _slab_span(self, n: int) -> tuple[str, int] | None:
+        """The disk tier's first slab and as many bytes as the ``n``-token
+        prefix's slots take (what dd reads beside kvtier's figures); None
+        before the slab holds that much."""
+        from kvtier.store.slot import slot_size
+
+        s = self.s
+        slabs = sorted(glob.glob(os.path.join(self.disk, "*", "slab-0.kvt")))
+        size = (n // s.block) * slot_size(s.block * self.token_bytes)
+        if not slabs or os.path.getsize(slabs[0]) < size:
+            return None
+        return slabs[0], size
 
     def _only_on_disk(self, n: int) -> None:
         """Drop the prefix's CPU copies (clean: each is on disk) and the
@@ -641,7 +661,7 @@ class EngineHost:
         drain(self.llm, timeout=self.clock.wait_s(120))
 
     def _beside_decoders(
-        self, prompt: list[int]
+        self, prompt: list[int] | None, beside: list[str] | None = None
     ) -> tuple[float, list[float], list[tuple[float, float]], str, dict | None]:
         """Decoders run; ``prompt`` arrives. Returns its TTFT, the decoders'
         inter-token latencies (ms) before it arrived, their gaps until it
@@ -649,7 +669,11 @@ class EngineHost:
         id, and what the engine's threads did per step in each of the two
         windows (``{"no_load": ..., "arrival": ...}``, see
         :func:`benchmarks._common.thread_times`: whether a slower step was
-        spent waiting for a lock or the GPU, or for a CPU)."""
+        spent waiting for a lock or the GPU, or for a CPU).
+
+        With ``beside`` (a command line) and no ``prompt``, the command
+        starts where the prompt would arrive and the decoders step until it
+        exits: the "TTFT" is its wall time, and it must exit 0."""
         from benchmarks._common import thread_times, times_delta
 
         s = self.s
@@ -708,9 +732,26 @@ class EngineHost:
         gaps.clear()
         arrival = snapshot()
         t0 = time.perf_counter()
-        eng.add_request(rid, {"prompt_token_ids": list(prompt)}, self._params(1))
-        while not first:
-            step()
+        if beside is None:
+            eng.add_request(rid, {"prompt_token_ids": list(prompt)}, self._params(1))
+            while not first:
+                step()
+        else:
+            cmd = subprocess.Popen(
+                beside, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
+            try:
+                while cmd.poll() is None:
+                    step()
+            finally:
+                if cmd.poll() is None:  # a step ran past its deadline
+                    cmd.kill()
+                    cmd.wait()
+                err = cmd.stderr.read().decode(errors="replace")[-500:]
+                cmd.stderr.close()
+            first.append(time.perf_counter())
+            if cmd.returncode:
+                raise RuntimeError(f"{beside[0]} exited {cmd.returncode}: {err}")
         ttft = first[0] - t0
         self.last_arrival = (t0, first[0])
         end = snapshot()
@@ -726,6 +767,34 @@ class EngineHost:
             step()
         self._drain()
         return ttft, no_load, window, rid, threads
+
+    def _dd_beside(self, n: int) -> list[dict[str, Any]]:
+        """The decoders while ``dd`` (fio where installed) reads the
+        ``n``-token prefix's span of the disk tier's slab, O_DIRECT, in a
+        process of its own: the drive's own cost to them, no kvtier load in
+        flight (see the module doc). Its "TTFT" is the read's wall time."""
+        from benchmarks._common import direct_read_argv
+
+        span = self._slab_span(n)
+        if span is None:
+            self.notes.append(f"dd_beside {n}: the slab is shorter than the prefix")
+            return []
+        argv = direct_read_argv(shutil.which("fio"), *span)
+        wall, no_load, window, _, threads = self._beside_decoders(None, argv)
+        run = Run("dd_beside", n, wall, no_load, [g for _, g in window], {})
+        run.engine = self.label
+        run.threads = threads
+        run.load = {"bytes": span[1], "seconds": wall, "gbps": span[1] / wall / 1e9}
+        # Every step while the read ran is one the drive could slow.
+        run.itl_loading_ms = list(run.itl_ms)
+        print(
+            f"  {'dd_beside':>16} {n:>6} tokens: read {wall * 1e3:9.1f} ms "
+            f"({run.load['gbps']:.2f} GB/s), decoder ITL p50 {_p50(run.itl_ms):6.1f} "
+            f"max {max(run.itl_ms, default=float('nan')):7.1f} ms "
+            f"(no load p50 {_p50(no_load):6.1f})",
+            flush=True,
+        )
+        return [vars(run)]
 
     def _record(self, source: str, n: int, prompt: list[int]) -> dict[str, Any]:
         from kvtier.testing.engine import get_hit_recorder
@@ -1112,6 +1181,7 @@ class Bench:
             ("kvtier", "kvtier_cpu"),
             ("vllm_cpu_offload", "vllm_cpu_offload"),
             ("kvtier", "kvtier_disk"),
+            ("kvtier", "dd_beside"),
         ]
         labels = [
             label for label in ("kvtier", "vllm_cpu_offload") if label in self.spawned
@@ -1322,7 +1392,8 @@ def _goals(
     while the longest prefix loaded (the steps begun before its load was
     reported) over their p50 with nothing loading in the same runs (<= 2;
     ``itl_met`` is a dict, one verdict per disk source: the main engine's
-    and each ``--disk-read-process`` variant's); outputs equal."""
+    and each ``--disk-read-process`` variant's; ``dd_beside``'s ratio sits
+    beside them, the drive's own share, with no verdict); outputs equal."""
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or not b else a / b
@@ -1337,7 +1408,7 @@ def _goals(
     longest = max(prefixes)
     itl: dict[str, float | None] = {}
     for source, by in itl_loading.items():
-        if not source.startswith("kvtier_disk"):
+        if not source.startswith("kvtier_disk") and source != "dd_beside":
             continue
         quiet = [
             x
@@ -1354,7 +1425,11 @@ def _goals(
         "disk_over_dd": disk,
         "disk_met": met(disk, lambda x: x >= 0.8),
         "loading_itl_max_over_no_load_p50": itl,
-        "itl_met": {k: met([v], lambda x: x <= 2.0) for k, v in itl.items()},
+        "itl_met": {
+            k: met([v], lambda x: x <= 2.0)
+            for k, v in itl.items()
+            if k.startswith("kvtier_disk")
+        },
         "outputs_equal": equal,
     }
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.store.slot import slot_size
+
 pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_real_size.py"
@@ -62,6 +64,7 @@ def test_tiny_run_reports_every_source(tmp_path):
     assert doc["prefix_tokens"] == PREFIXES
     assert set(doc["ttft_s"]) == {
         "kvtier_disk[off]",
+        "dd_beside",
         "gpu_cache",
         "kvtier_cpu",
         "kvtier_disk",
@@ -74,7 +77,7 @@ def test_tiny_run_reports_every_source(tmp_path):
             assert values == [None, None]
         else:
             assert all(v is not None and v > 0 for v in values), (source, values)
-    for source in ("kvtier_disk", "kvtier_disk[off]", "no_load"):
+    for source in ("kvtier_disk", "kvtier_disk[off]", "dd_beside", "no_load"):
         itl = doc["itl_ms"][source]
         assert all(v is not None and v > 0 for v in itl["p50"] + itl["max"]), itl
         assert all(m >= p for p, m in zip(itl["p50"], itl["max"]))
@@ -85,6 +88,7 @@ def test_tiny_run_reports_every_source(tmp_path):
         "kvtier_cpu",
         "kvtier_disk",
         "kvtier_disk[off]",
+        "dd_beside",
     }
     for source, loading in doc["itl_loading_ms"].items():
         whole = doc["itl_ms"][source]
@@ -92,7 +96,7 @@ def test_tiny_run_reports_every_source(tmp_path):
     # What the engine's threads did per step, with nothing loading and
     # while each prefix arrived (the loop's own thread ran in both).
     threads = doc["threads_per_step"]
-    for source in ("kvtier_cpu", "kvtier_disk", "gpu_cache", "recompute"):
+    for source in ("kvtier_cpu", "kvtier_disk", "dd_beside", "gpu_cache", "recompute"):
         for n in map(str, PREFIXES):
             windows = threads[source][n]
             assert set(windows) == {"no_load", "arrival"}, windows
@@ -110,7 +114,10 @@ def test_tiny_run_reports_every_source(tmp_path):
     assert set(goals["loading_itl_max_over_no_load_p50"]) == {
         "kvtier_disk",
         "kvtier_disk[off]",
+        "dd_beside",
     }
+    # The drive's own share is reported beside the disk sources, not judged.
+    assert set(goals["itl_met"]) == {"kvtier_disk", "kvtier_disk[off]"}
     assert goals["outputs_equal"] is True
     assert doc["outputs_equal"] is True
     # With random weights the greedy tokens may be one token repeated; the
@@ -144,6 +151,14 @@ def test_tiny_run_reports_every_source(tmp_path):
         elif run["source"] == "gpu_cache":
             assert run["hits"] == {} and run["loaded"] in ({}, {"cpu": 0, "disk": 0})
             assert run["itl_loading_ms"] is None, run
+        elif run["source"] == "dd_beside":
+            # No request: dd read the prefix's span of kvtier's slab while
+            # the decoders stepped; every step of that window counts.
+            slot = slot_size(BLOCK * doc["model"]["kv_bytes_per_token"])
+            assert run["engine"] == "kvtier" and run["hits"] == {}, run
+            assert run["load"]["bytes"] == blocks * slot, run
+            assert run["load"]["seconds"] == run["ttft_s"] > 0, run
+            assert run["itl_loading_ms"] == run["itl_ms"] and run["itl_ms"], run
         # A loading run's TTFT split at its load's submit and report: the
         # phases are its own load's (none negative) and add up to its TTFT.
         if run["source"] in ("kvtier_cpu", "kvtier_disk", "kvtier_disk[off]"):
@@ -307,6 +322,7 @@ def test_an_offloading_engine_that_cannot_start_beside_kvtier_runs_alone_after(
     assert {r["source"] for r in bench.runs} == {
         "kvtier_cpu",
         "kvtier_disk",
+        "dd_beside",
         "gpu_cache",
     }
     assert "kvtier_cpu" in bench.outputs[128] and "kvtier" in bench.engines
