@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -94,6 +95,73 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def block_device_of(path: str) -> str:
+    """``major:minor`` of the whole block device that holds ``path`` (a
+    partition's disk), as the cgroup I/O controllers name it; OSError where
+    ``path`` is on no block device (tmpfs, overlay)."""
+    st = os.stat(path)
+    node = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    if not os.path.exists(node):
+        raise OSError(f"{path} is on no block device (tmpfs, overlay?)")
+    if os.path.exists(os.path.join(node, "partition")):
+        node = os.path.join(os.path.realpath(node), os.pardir)
+    with open(os.path.join(node, "dev")) as f:
+        return f.read().strip()
+
+
+def _cgroup_read_limit_file() -> tuple[str, str]:
+    """This process's cgroup file that limits read rates, and its kind
+    (``v2``: ``io.max``; ``v1``: ``blkio.throttle.read_bps_device``)."""
+    with open("/proc/self/cgroup") as f:
+        lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+    for _, controllers, where in lines:
+        if "blkio" in controllers.split(","):
+            return (
+                f"/sys/fs/cgroup/blkio{where.rstrip('/')}/blkio.throttle.read_bps_device",
+                "v1",
+            )
+    for hid, _, where in lines:
+        if hid == "0" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            return f"/sys/fs/cgroup{where.rstrip('/')}/io.max", "v2"
+    raise OSError("no cgroup I/O controller for this process")
+
+
+@contextlib.contextmanager
+def read_throttle(path: str, bytes_per_s: int):
+    """Reads of the block device holding ``path`` limited to ``bytes_per_s``
+    for this process's cgroup (its children included) while the block runs:
+    a drive that slow, emulated on a faster one, so a load lasts as long as
+    on the lent GPU's disk. The kernel's throttle (cgroup v1
+    ``blkio.throttle.read_bps_device`` or v2 ``io.max``) counts O_DIRECT
+    reads, kvtier's and dd's alike; writes are not limited. Root only: an
+    OSError naming the cgroup file where the host does not allow it. The
+    limit that was there before is put back on exit."""
+    dev = block_device_of(path)
+    limit_file, kind = _cgroup_read_limit_file()
+    try:
+        with open(limit_file) as f:
+            before = [ln.split() for ln in f if ln.split()[:1] == [dev]]
+        with open(limit_file, "w") as f:
+            f.write(
+                f"{dev} {bytes_per_s}" if kind == "v1" else f"{dev} rbps={bytes_per_s}"
+            )
+    except OSError as exc:
+        raise OSError(
+            f"cannot limit reads of {dev} in {limit_file}: {exc} (root and a "
+            "writable cgroup I/O controller are needed)"
+        ) from exc
+    try:
+        yield dev
+    finally:
+        if kind == "v1":
+            old = before[0][1] if before else "0"  # 0 removes the rule
+        else:
+            rbps = [x for x in (before[0] if before else []) if x.startswith("rbps=")]
+            old = rbps[0] if rbps else "rbps=max"
+        with open(limit_file, "w") as f:
+            f.write(f"{dev} {old}")
 
 
 def direct_read_argv(

