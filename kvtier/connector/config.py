@@ -125,7 +125,7 @@ def _number(value: Any) -> Any:
         raise ValueError()
     try:
         return float(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # an int past float's range: not ValueError
         raise ValueError() from None
 
 

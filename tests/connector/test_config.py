@@ -62,7 +62,7 @@ for _key, _frag in (
         WRONG_TYPES.append((_key, _bad, _frag))
 for _bad in (1, 0, "yes", "1", None, []):
     WRONG_TYPES.append(("promote_on_hit", _bad, BOOL))
-for _bad in ("half", True, None, [0.5], -0.1, 1.01, float("nan")):
+for _bad in ("half", True, None, [0.5], -0.1, 1.01, float("nan"), 10**400):
     WRONG_TYPES.append(("spill_watermark", _bad, FRACTION))
 
 
@@ -78,7 +78,7 @@ def _expect(extra: dict[str, Any], key: str, *fragments: str) -> ConfigError:
 
 
 @pytest.mark.parametrize(
-    "key,value,accepted", WRONG_TYPES, ids=[f"{k}={v!r}" for k, v, _ in WRONG_TYPES]
+    "key,value,accepted", WRONG_TYPES, ids=[f"{k}={v!r:.40}" for k, v, _ in WRONG_TYPES]
 )
 def test_wrong_type(key: str, value: Any, accepted: str) -> None:
     _expect({**DISK, key: value}, key, accepted)
