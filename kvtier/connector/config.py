@@ -125,7 +125,7 @@ def _number(value: Any) -> Any:
         raise ValueError()
     try:
         return float(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # an int past float's range: not ValueError
         raise ValueError() from None
 
 
@@ -522,6 +522,33 @@ def key_specs(model: type[BaseModel]) -> tuple[KeySpec, ...]:
 
 
 KEYS = key_specs(KvtierConfig)
+# The keys only kvtier's spec reads: vLLM's own specs (CPUOffloadingSpec,
+# TieringOffloadingSpec) read cpu_bytes_to_use and eviction_policy too, and
+# ignore these without a word.
+KVTIER_ONLY_KEYS = tuple(
+    k.name
+    for k in KEYS
+    if k.owner == "kvtier" and k.name not in ("cpu_bytes_to_use", "eviction_policy")
+)
+
+
+def check_kvtier_keys_are_read(extra: Mapping[str, Any], spec: str) -> None:
+    """Refuse kvtier's own keys in an extra config whose spec, ``spec``, is
+    not kvtier's: it would ignore them (``spec_name`` missing builds vLLM's
+    CPUOffloadingSpec: no disk tier, silently). Raises :class:`ConfigError`
+    naming ``spec_name``."""
+    ignored = [k for k in KVTIER_ONLY_KEYS if k in extra]
+    if ignored:
+        named = f"is missing, so vLLM builds {spec}"
+        if "spec_name" in extra:
+            named = f"is {extra['spec_name']!r:.100} ({spec})"
+        raise ConfigError(
+            "spec_name",
+            f"{named}, which ignores kvtier's keys {', '.join(ignored)}; "
+            'set "spec_name": "TieredOffloadingSpec" and "spec_module_path": '
+            '"kvtier.connector" (in tiering mode the disk keys go in the '
+            f"{DISK_TIER_TYPE} entry of secondary_tiers)",
+        )
 # The keys that take a size string ("64G"): kvtier reads them itself.
 SIZE_KEYS = tuple(
     name for name, field in KvtierConfig.model_fields.items() if _SIZE in field.metadata

@@ -71,7 +71,11 @@ from vllm.v1.kv_offload.base import OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from kvtier.connector.config import CONNECTOR_HINT, TransferConfigError
+from kvtier.connector.config import (
+    CONNECTOR_HINT,
+    TransferConfigError,
+    check_kvtier_keys_are_read,
+)
 from kvtier.connector.identity import (
     HASH_FIX,
     LORA_ON_DISK,
@@ -287,6 +291,7 @@ def _create_spec(config: OffloadingConfig, facts: ConnectorFacts) -> OffloadingS
     spec_cls = OffloadingSpecFactory.get_spec_cls(config.extra_config)
     if issubclass(spec_cls, TieredOffloadingSpec):
         return spec_cls(config, facts)
+    check_kvtier_keys_are_read(config.extra_config, spec_cls.__name__)
     return spec_cls(config)
 
 

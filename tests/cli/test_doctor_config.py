@@ -155,6 +155,23 @@ def test_tiering_mode_config(capsys, tmp_path, disk, shm, shipped):
 
 
 @pytest.mark.parametrize(
+    "tiers", [5, "KvtierDiskTier", {"type": "KvtierDiskTier"}, None, True]
+)
+def test_secondary_tiers_not_a_list_is_an_error_not_a_traceback(
+    capsys, tmp_path, disk, shm, tiers
+):
+    """vLLM's tiering spec refuses a secondary_tiers that is no list; the
+    doctor says so, naming the key, instead of raising (an int) or
+    reporting "no entry" (a dict, a string: their keys or letters)."""
+    doc = shipped_config("vllm-tiering-kvtier-disk.json", disk)
+    doc["kv_connector_extra_config"]["secondary_tiers"] = tiers
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1
+    c = checks["secondary_tiers"]
+    assert c["status"] == "error" and "a list of tier entries" in c["detail"], c
+
+
+@pytest.mark.parametrize(
     "shipped", ["cpu-disk.json", "cpu-only.json", "vllm-tiering-kvtier-disk.json"]
 )
 @pytest.mark.parametrize("value", [True, "false", 1, False])

@@ -62,7 +62,7 @@ for _key, _frag in (
         WRONG_TYPES.append((_key, _bad, _frag))
 for _bad in (1, 0, "yes", "1", None, []):
     WRONG_TYPES.append(("promote_on_hit", _bad, BOOL))
-for _bad in ("half", True, None, [0.5], -0.1, 1.01, float("nan")):
+for _bad in ("half", True, None, [0.5], -0.1, 1.01, float("nan"), 10**400):
     WRONG_TYPES.append(("spill_watermark", _bad, FRACTION))
 
 
@@ -78,7 +78,7 @@ def _expect(extra: dict[str, Any], key: str, *fragments: str) -> ConfigError:
 
 
 @pytest.mark.parametrize(
-    "key,value,accepted", WRONG_TYPES, ids=[f"{k}={v!r}" for k, v, _ in WRONG_TYPES]
+    "key,value,accepted", WRONG_TYPES, ids=[f"{k}={v!r:.40}" for k, v, _ in WRONG_TYPES]
 )
 def test_wrong_type(key: str, value: Any, accepted: str) -> None:
     _expect({**DISK, key: value}, key, accepted)
@@ -524,3 +524,45 @@ def test_the_tier_entry_takes_the_full_specs_disk_keys() -> None:
             parse_tier_config(bad)
         assert info.value.key == key and fragment in str(info.value), str(info.value)
         assert "['secondary_tiers'][type=KvtierDiskTier]" in str(info.value)
+
+
+# ------------------------------------------- kvtier's keys under another spec
+
+
+@pytest.mark.parametrize(
+    "extra,ignored",
+    [
+        # spec_name forgotten: vLLM's default, CPUOffloadingSpec, no disk tier
+        ({**DISK, "spec_name": None}, "disk_bytes_to_use, disk_path"),
+        (
+            {**BASE, "spec_name": "CPUOffloadingSpec", "spill_watermark": 0.5},
+            "spill_watermark",
+        ),
+    ],
+    ids=["spec_name-missing", "vllm-cpu-spec"],
+)
+def test_kvtier_keys_under_a_spec_that_ignores_them_are_refused(
+    extra: dict[str, Any], ignored: str
+) -> None:
+    """Under kvtier's connector a config without ``spec_name`` builds vLLM's
+    CPUOffloadingSpec, which ignores kvtier's disk keys: the engine ran
+    without its disk tier and said nothing. Refused, naming spec_name."""
+    pytest.importorskip("vllm")
+    from kvtier.connector.connector import _create_spec
+    from kvtier.connector.spec import ConnectorFacts
+    from kvtier.testing.offloading import offloading_config
+
+    extra = {k: v for k, v in extra.items() if v is not None}
+    extra.pop("spec_module_path", None)
+    config = offloading_config(extra, worker_kv_bytes_per_block=4096)
+    with pytest.raises(ConfigError) as info:
+        _create_spec(config, ConnectorFacts())
+    assert info.value.key == "spec_name", str(info.value)
+    for fragment in (ignored, '"spec_name": "TieredOffloadingSpec"', "CPUOffloading"):
+        assert fragment in str(info.value), (fragment, str(info.value))
+    # vLLM's own keys alone: vLLM's spec is built as vLLM builds it.
+    plain = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 20}
+    spec = _create_spec(
+        offloading_config(plain, worker_kv_bytes_per_block=4096), ConnectorFacts()
+    )
+    assert type(spec).__name__ == "CPUOffloadingSpec"

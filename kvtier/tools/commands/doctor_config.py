@@ -149,10 +149,15 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
 def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
     """The disk tier of vLLM's tiering spec as a KvtierConfig (its CPU bytes
     are vLLM's own ``cpu_bytes_to_use``)."""
+    listed = extra.get("secondary_tiers", [])
+    if not isinstance(listed, list):  # vLLM's tiering spec refuses it too
+        raise ConfigError(
+            "secondary_tiers",
+            f"got {listed!r:.200}; accepted values: a list of tier entries, "
+            f'e.g. [{{"type": "{DISK_TIER_TYPE}", ...}}]',
+        )
     tiers = [
-        t
-        for t in extra.get("secondary_tiers") or []
-        if isinstance(t, dict) and t.get("type") == DISK_TIER_TYPE
+        t for t in listed if isinstance(t, dict) and t.get("type") == DISK_TIER_TYPE
     ]
     cpu = extra.get("cpu_bytes_to_use")
     if not tiers:
