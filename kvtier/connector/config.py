@@ -549,6 +549,8 @@ def check_kvtier_keys_are_read(extra: Mapping[str, Any], spec: str) -> None:
             '"kvtier.connector" (in tiering mode the disk keys go in the '
             f"{DISK_TIER_TYPE} entry of secondary_tiers)",
         )
+
+
 # The keys that take a size string ("64G"): kvtier reads them itself.
 SIZE_KEYS = tuple(
     name for name, field in KvtierConfig.model_fields.items() if _SIZE in field.metadata
