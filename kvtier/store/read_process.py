@@ -65,7 +65,7 @@ import numpy as np
 
 from kvtier.host.placement import name_this_thread, without_openmp_binding
 from kvtier.log import get_logger
-from kvtier.store.reader import PendingRead, SlotRead, SlotReader
+from kvtier.store.reader import PendingRead, SlotRead, SlotReader, unallocatable
 from kvtier.store.slabs import SlabFiles, SlabStats
 from kvtier.store.slot import ReadOutcome
 
@@ -118,10 +118,7 @@ class ReadProcess:
             self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED)
         except OSError as exc:
             os.close(self._fd)
-            raise MemoryError(
-                f"kvtier: the disk load bounce area of {nbytes} B cannot be "
-                f"allocated ({exc}); lower disk_load_buffer_bytes"
-            ) from exc
+            raise unallocatable(nbytes, exc) from exc
         except BaseException:
             os.close(self._fd)
             raise

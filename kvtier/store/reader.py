@@ -191,6 +191,16 @@ def plan_runs(
     return runs, row_of
 
 
+def unallocatable(nbytes: int, exc: BaseException) -> MemoryError:
+    """The error for a disk load area (host bounce, device staging, or the
+    read process's shared area) of ``nbytes`` that could not be allocated:
+    its size is ``disk_load_buffer_bytes``' doing, so it names that key."""
+    return MemoryError(
+        f"kvtier: the disk load bounce area of {nbytes} B cannot be allocated "
+        f"({exc}); lower disk_load_buffer_bytes"
+    )
+
+
 def bounce_area(nbytes: int, *, pin: bool) -> tuple[np.ndarray, Any]:
     """A host area of ``nbytes`` for slots to be read into, and the object
     keeping its memory alive (None for plain numpy memory).
@@ -289,14 +299,15 @@ class SlotReader:
         if area is not None:
             capacity = area.nbytes // ssz
         self.capacity = capacity
-        if device is None:
-            if area is None:
-                area, self._owner = bounce_area(capacity * ssz, pin=pin)
-        else:
+        if device is not None:
             import torch
 
             device = torch.device(device)
-            if device.type == "cpu":
+        try:
+            if device is None:
+                if area is None:
+                    area, self._owner = bounce_area(capacity * ssz, pin=pin)
+            elif device.type == "cpu":
                 area, _ = bounce_area(capacity * ssz, pin=False)
                 self.staging = torch.from_numpy(area).view(capacity, ssz)
             else:
@@ -304,6 +315,11 @@ class SlotReader:
                 area = None
                 if self.mode == "posix":
                     area, self._owner = bounce_area(capacity * ssz, pin=True)
+        # numpy: MemoryError, or ValueError past its largest array; torch's
+        # out of memory is a RuntimeError.
+        except (MemoryError, ValueError, RuntimeError) as exc:
+            raise unallocatable(capacity * ssz, exc) from exc
+        if device is not None:
             logger.info(
                 "kvtier device staging: mode %s, staging on %s, back end %s",
                 self.mode,

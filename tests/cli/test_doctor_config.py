@@ -294,3 +294,18 @@ def test_tiering_mode_sizes(capsys, disk, shm):
     rc, checks = run_config(capsys, disk.parent, shm, doc)
     assert rc == 0, [c for c in checks.values() if c["status"] == "error"]
     assert "CPU 2.0 MiB" in checks["kvtier keys"]["detail"]
+
+
+def test_a_load_buffer_past_the_hosts_memory_is_an_error(capsys, tmp_path, disk, shm):
+    """Each worker allocates disk_load_buffer_bytes at its first step, where
+    more than the host's memory fails every worker: the doctor says so."""
+    doc = good_config(disk)
+    doc["kv_connector_extra_config"]["disk_load_buffer_bytes"] = 1 << 60
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1
+    c = checks["disk load buffer"]
+    assert c["status"] == "error" and "disk_load_buffer_bytes" in c["detail"]
+    assert "lower disk_load_buffer_bytes" in c["fix"]
+    # The default is no error, and no line.
+    rc, checks = run_config(capsys, tmp_path, shm, good_config(disk))
+    assert rc == 0 and "disk load buffer" not in checks

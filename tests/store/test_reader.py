@@ -235,6 +235,23 @@ def test_both_readers_read_into_one_kind_of_host_area(tmp_path: Path) -> None:
         backend.shutdown()
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_an_area_too_large_to_allocate_names_the_key(
+    tmp_path: Path, device: str | None
+) -> None:
+    """A bounce (or staging) area past what the host can allocate fails the
+    reader's construction with an error naming ``disk_load_buffer_bytes``,
+    the key that sized it, not a bare allocator error."""
+    backend = PosixBackend(threads=1)
+    try:
+        files = _files([str(tmp_path)], backend, True)
+        with pytest.raises(MemoryError, match="lower disk_load_buffer_bytes") as info:
+            SlotReader(files, device=device, capacity=1 << 50)
+        assert f"area of {(1 << 50) * files.slot_size} B" in str(info.value)
+    finally:
+        backend.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["host", "device"])
 def test_a_held_read_is_not_ready_and_a_timed_wait_gives_up(
     two_paths: tuple[list[str], DiskStore], kind: str

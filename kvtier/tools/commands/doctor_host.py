@@ -2,7 +2,8 @@
 
 - which disk I/O path kvtier takes here and why (the decision of
   :func:`kvtier.store.backends.factory.make_backend`, with kvikio's own probes, which
-  never hang and never need a GPU to answer);
+  never hang and never need a GPU to answer), and whether the host's memory
+  holds each worker's disk load buffer;
 - shared memory for the CPU tier (the engine's own space rule,
   :func:`kvtier.connector.preflight.check_shm_space`, which names the other
   kvtier files holding it) and dead engines' files in this user's CPU-tier
@@ -85,6 +86,23 @@ def check_io_path(cfg: KvtierConfig) -> list[Check]:
             "",
         )
     out.append(Check("io", "disk I/O path", status, path, fix))
+    try:  # each worker allocates it (page-locked on CUDA) at its first step
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        host = 0
+    if host and cfg.disk_load_buffer_bytes > host:
+        out.append(
+            Check(
+                "io",
+                "disk load buffer",
+                ERROR,
+                f"disk_load_buffer_bytes, {fmt_bytes(cfg.disk_load_buffer_bytes)} "
+                f"per worker, exceeds this host's {fmt_bytes(host)} of memory: "
+                "every worker fails to start",
+                "lower disk_load_buffer_bytes (the default, 64M, keeps a fast "
+                "drive busy)",
+            )
+        )
     return out
 
 
