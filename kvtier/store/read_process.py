@@ -167,6 +167,13 @@ class ReadProcess:
                 ],
                 pass_fds=(self._fd, req_r, resp_w),
                 stdin=subprocess.DEVNULL,
+                # Out of the engine's process group: a terminal's Ctrl-C (or
+                # Ctrl-\) goes to the whole foreground group, and is the
+                # engine's to handle; it killed the child with a traceback,
+                # and an engine that lived on read in its own process from
+                # then on. The child still dies with the worker (its pipe,
+                # ``die_with_parent``).
+                start_new_session=True,
                 env=_child_env(),
                 # ``-m`` puts the working directory first on the child's
                 # path: there, this kvtier's own directory, never whatever

@@ -10,7 +10,9 @@ Real files written by a real DiskStore, a real child process, real signals.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -308,6 +310,54 @@ def test_an_answer_that_does_not_read_costs_the_child_not_the_load_thread(
         assert [r.outcome for r in rp.complete(later)] == [ReadOutcome.OK]
     finally:
         rp.close()
+
+
+# An engine's process of its own (its own session, so its Ctrl-C reaches
+# nothing else): starts a read process over the slabs given on stdin, takes
+# a terminal's Ctrl-C as an engine that lives on would (it ignores it here),
+# sends one to its whole process group, then has slot 0 read.
+_CTRL_C_ENGINE = """
+import os, pickle, signal, sys, time
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.read_process import ProcessRead, ReadProcess
+from kvtier.store.slabs import SlabFiles
+paths, fingerprint, num_slots, key = pickle.load(sys.stdin.buffer)
+files = SlabFiles.open(paths, fingerprint, num_slots, PosixBackend(threads=1), owns_backend=True)
+rp = ReadProcess(files, capacity=2, disk_io="posix", threads=1)
+rp.start()
+deadline = time.monotonic() + 30
+while not rp.running and time.monotonic() < deadline:
+    rp.poll(0.05)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+os.killpg(0, signal.SIGINT)
+pending = rp.submit([(0, key)])
+served = isinstance(pending, ProcessRead) and rp.wait(pending, 30)
+print("RESULT", served, [r.outcome.name for r in rp.complete(pending)], flush=True)
+rp.close()
+"""
+
+
+def test_a_terminals_ctrl_c_is_the_engines_not_the_childs(
+    make_rig: Callable[..., Rig],
+) -> None:
+    """Ctrl-C at a terminal goes to its whole foreground process group.
+    The child was in the engine's: it died of it with a KeyboardInterrupt
+    traceback, and an engine that lived on (an interrupted call in an
+    in-process engine) read in its own process from then on."""
+    rig = make_rig()
+    (key,) = _written(rig, 1)
+    s = rig.store
+    engine = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_ENGINE],
+        input=pickle.dumps((s.paths, s.fingerprint, s.num_slots, key)),
+        capture_output=True,
+        start_new_session=True,
+        timeout=120,
+    )
+    out = engine.stdout.decode()
+    assert engine.returncode == 0, engine.stderr.decode()[-2000:]
+    assert "RESULT True ['OK']" in out, out + engine.stderr.decode()[-2000:]
+    assert b"KeyboardInterrupt" not in engine.stderr
 
 
 def test_close_ends_even_a_stuck_child_within_its_deadline(
