@@ -198,7 +198,11 @@ class ReadProcess:
             self._lost("its pipe broke at start")
 
     def close(self) -> None:
-        """Stop the child (waits up to ``CLOSE_WAIT_S``), then unmap."""
+        """Stop the child (waits up to ``CLOSE_WAIT_S``, then kills it and
+        waits as long again), then unmap. A child the kill does not end in
+        that time (stuck in the kernel: a read from a hung mount) is left,
+        named in the log, rather than hang the worker's shutdown; it dies
+        when its read returns."""
         if self._closed:
             return
         self._closed = True
@@ -209,7 +213,16 @@ class ReadProcess:
                 self._proc.wait(CLOSE_WAIT_S)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
-                self._proc.wait()
+                try:
+                    self._proc.wait(CLOSE_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    logger.error(
+                        "kvtier: read process %d did not exit %.0f s after "
+                        "SIGKILL (stuck in the kernel: a hung disk or mount?); "
+                        "left behind",
+                        self._proc.pid,
+                        CLOSE_WAIT_S,
+                    )
         self._local.close()
         # Unmapped once the last view is gone (the worker's copy paths may
         # still hold views of the rows); the memory file goes with the fd.
