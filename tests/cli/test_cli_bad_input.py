@@ -279,6 +279,20 @@ def test_good_store_still_inspects_and_verifies(good_store: Path) -> None:
     assert (rep["slot_size"], rep["total_slots"], rep["blocks"]) == (SLOT, 8, 3)
 
 
+@pytest.mark.parametrize("identity", [["a", "b"], "text", 5, {"contents": "c0ffee"}])
+def test_inspect_shows_any_identity_as_written(
+    good_store: Path, tmp_path: Path, identity: Any
+) -> None:
+    """layout.json's ``identity`` is an object when kvtier wrote it; any other
+    JSON value there is shown as it is, not a traceback."""
+    d = _copy(good_store, tmp_path)
+    _edit_layout(identity=identity)(d)
+    p = kvtier("inspect", str(d))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    shown = "contents=c0ffee" if isinstance(identity, dict) else str(identity)
+    assert f"  identity         {shown}\n" in p.stdout
+
+
 def test_store_without_layout_uses_slot_header(
     good_store: Path, tmp_path: Path
 ) -> None:
