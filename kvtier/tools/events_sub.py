@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -330,13 +331,23 @@ class EventSubscriber:
 
     def poll(self, timeout_ms: int, max_messages: int = MAX_PER_POLL) -> int:
         """Wait up to ``timeout_ms`` for messages, then take those queued, at
-        most ``max_messages``. Returns the number of messages handled
-        (malformed ones included)."""
+        most ``max_messages``, until ``timeout_ms`` after the call (at least
+        one message: one decode, bounded by ``max_message_bytes``, is the
+        most a call overruns). Returns the number of messages handled (malformed
+        ones included)."""
         zmq = self._zmq
-        ready = dict(self._poller.poll(max(0, timeout_ms)))
+        timeout_ms = max(0, timeout_ms)
+        # A big batch takes seconds to decode: a count alone would let a
+        # flood of them hold the caller's deadline for hours.
+        until = time.monotonic() + timeout_ms / 1000
+        ready = dict(self._poller.poll(timeout_ms))
         n = 0
+        drained = True
         if self._sock in ready:
-            while n < max_messages:
+            while True:
+                if n >= max_messages or (n and time.monotonic() >= until):
+                    drained = False
+                    break
                 try:
                     frames, nframes = self._recv()
                 except zmq.Again:
@@ -344,7 +355,7 @@ class EventSubscriber:
                 self.handle(frames, nframes)
                 n += 1
         # After draining: reconnecting drops what is still queued.
-        if self._monitor in ready and n < max_messages:
+        if self._monitor in ready and drained:
             self._check_monitor()
         return n
 

@@ -279,6 +279,20 @@ def test_good_store_still_inspects_and_verifies(good_store: Path) -> None:
     assert (rep["slot_size"], rep["total_slots"], rep["blocks"]) == (SLOT, 8, 3)
 
 
+@pytest.mark.parametrize("identity", [["a", "b"], "text", 5, {"contents": "c0ffee"}])
+def test_inspect_shows_any_identity_as_written(
+    good_store: Path, tmp_path: Path, identity: Any
+) -> None:
+    """layout.json's ``identity`` is an object when kvtier wrote it; any other
+    JSON value there is shown as it is, not a traceback."""
+    d = _copy(good_store, tmp_path)
+    _edit_layout(identity=identity)(d)
+    p = kvtier("inspect", str(d))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    shown = "contents=c0ffee" if isinstance(identity, dict) else str(identity)
+    assert f"  identity         {shown}\n" in p.stdout
+
+
 def test_store_without_layout_uses_slot_header(
     good_store: Path, tmp_path: Path
 ) -> None:
@@ -485,3 +499,44 @@ def test_handle_counts_every_kind_of_garbage() -> None:
         )
     finally:
         sub.close()
+
+
+def test_poll_returns_by_its_timeout_under_a_flood_of_big_batches() -> None:
+    """Batches that take long to decode (a few MiB each, here about a tenth
+    of a second apiece) queued at once: one ``poll(1)`` handles one of them
+    and returns, rather than up to MAX_PER_POLL of them (the watch would
+    then overrun --duration, or a SIGTERM's summary, by hours)."""
+    import time
+
+    import msgspec
+    import zmq
+
+    from kvtier.tools.events_sub import EventSubscriber
+
+    ev = {"type": "BlockStored", "block_hashes": [1], "medium": "CPU"}
+    heavy = msgspec.msgpack.encode([1.0, [ev] * 50_000, 0])
+    sent = 4
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.RCVTIMEO, TIMEOUT * 1000)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = EventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        assert pub.recv() == b"\x01"
+        for seq in range(sent):
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), heavy])
+        handled: list[int] = []
+        deadline = time.monotonic() + TIMEOUT
+        while sum(handled) < sent:
+            assert time.monotonic() < deadline, handled
+            n = sub.poll(1)
+            if n:
+                handled.append(n)
+    finally:
+        sub.close()
+        pub.close(linger=0)
+        ctx.term()
+    assert handled == [1] * sent
+    assert sub.counts.batches == sent and sub.counts.decode_errors == 0
+    assert sub.counts.media["cpu"]["stored"] == sent * 50_000

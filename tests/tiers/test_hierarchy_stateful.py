@@ -18,6 +18,8 @@ every step it checks the contract:
 
 from __future__ import annotations
 
+import copy
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -293,4 +295,72 @@ TestHierarchy.settings = settings(
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class RestartResetMachine(HierarchyMachine):
+    """The same machine over a warm restart (blocks adopted on disk at
+    start), ``reset`` (vLLM's reset_cache, after the manager settled the
+    spills in flight) and drains with a bounded backlog, as the connector
+    takes them (``take_events(backlog=k)``): every drain replays without a
+    contradiction, and with what the log still owes, to the residency."""
+
+    @initialize(
+        cpu=st.integers(1, 6),
+        disk=st.integers(0, 10),
+        watermark=st.sampled_from([0.0, 0.5, 1.0]),
+        restored=st.lists(KEYS, unique=True, max_size=10),
+        backlog=st.sampled_from([None, 0, 1, 2, 3]),
+        data=st.data(),
+    )
+    def setup(self, cpu, disk, watermark, restored, backlog, data):
+        super().setup(cpu, disk, "lru", "lru", watermark)
+        self.backlog = backlog
+        restored = restored[:disk]
+        if restored:
+            slots = data.draw(st.permutations(range(disk)))[: len(restored)]
+            self.h.restore_disk(list(zip(restored, slots)))
+            for key, slot in zip(restored, slots):
+                self.disk_bytes[slot] = key
+
+    def _collect_events(self):
+        self.events.extend(self.h.take_events(self.backlog))
+        replay(self.events)  # raises on a contradiction
+
+    @rule()
+    def reset(self):
+        self._drain_orders()
+        for order in self.spills:
+            for item in order.items:
+                self.disk_bytes[item.dst_slot] = item.key
+            self.h.complete_spill(order.job_id, ())
+        self.spills = []
+        self.h.reset()
+        # vLLM completes no store or load from before the reset.
+        self.pending_stores, self.loads = [], []
+        self._collect_events()
+
+    @invariant()
+    def events_replay_to_residency(self):
+        self._collect_events()
+        owed = copy.deepcopy(self.h._events).take()
+        assert replay(self.events + owed) == residency(self.h)
+
+    # Both read the residency from the events taken so far, which a
+    # backlog delays.
+    @invariant()
+    def prefix_lookup_matches_model(self):
+        pass
+
+    @invariant()
+    def cpu_evictions_keep_a_copy(self):
+        pass
+
+
+TestRestartReset = RestartResetMachine.TestCase
+TestRestartReset.settings = settings(
+    max_examples=100,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )

@@ -119,8 +119,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  digest           {layout.get('digest')}")
             if layout.get("model_id"):
                 print(f"  model_id         {layout['model_id']}")
-            if layout.get("identity"):
-                ident = ", ".join(f"{k}={v}" for k, v in layout["identity"].items())
+            ident = layout.get("identity")
+            if ident:
+                # As written: layout.json is the store's, not to be trusted.
+                if isinstance(ident, dict):
+                    ident = ", ".join(f"{k}={v}" for k, v in ident.items())
                 print(f"  identity         {ident}")
         versions = ", ".join(
             f"v{v} x{n}" for v, n in rep["header_format_versions"].items()
