@@ -207,6 +207,24 @@ def test_stores_of_another_identity_are_set_aside(capsys, disk, shm, monkeypatch
     )
 
 
+@pytest.mark.parametrize("identity", [["x"], "x", 7])
+def test_a_layout_identity_that_is_no_object_is_a_warning(
+    capsys, disk, shm, identity
+):
+    """layout.json is the store's (damaged, or planted in a shared path): an
+    identity that is not an object is reported, not a traceback."""
+    model = build_tiny_llama()
+    name = _store(disk, model, model_identity(model, kv_cache_dtype="float32"))
+    layout = disk / name / "layout.json"
+    doc = json.loads(layout.read_text())
+    doc["identity"] = identity
+    layout.write_text(json.dumps(doc))
+    rc, checks = doctor(capsys, *flags(disk, shm, "--model", model))
+    store = checks[f"store {name}"]
+    assert store["status"] == "warning" and store["detail"].startswith("unknown:")
+    assert repr(identity) in store["detail"] and rc == 0
+
+
 def test_a_model_that_cannot_be_read_is_a_warning(capsys, disk, shm, monkeypatch):
     """A store whose model cannot be hashed (an I/O error reading its files)
     is a store that cannot be read: a warning, not a failed check."""

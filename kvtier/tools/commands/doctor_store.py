@@ -57,6 +57,15 @@ def _verdict(
         return OK, f"model {name!r}; pass --model to tell whether it would be adopted"
     if name != model.name:
         return WARNING, f"set aside: written for another model ({name!r})"
+    ident = layout.get("identity")
+    if ident is not None and not isinstance(ident, dict):
+        # layout.json is the store's, not to be trusted; the engine adopts by
+        # the fingerprint in the slots' headers, which this cannot predict.
+        return WARNING, (
+            f"unknown: its layout.json's identity is {ident!r:.80}, not an object "
+            "(damaged, or not kvtier's); the engine adopts it only if its slots "
+            "carry this config's fingerprint"
+        )
     contents = _contents(layout)
     if contents and contents != contents_of(str(layout.get("dtype", ""))):
         return WARNING, (
