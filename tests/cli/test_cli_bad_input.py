@@ -293,6 +293,22 @@ def test_inspect_shows_any_identity_as_written(
     assert f"  identity         {shown}\n" in p.stdout
 
 
+def test_inspect_shows_a_layouts_control_characters_escaped(
+    good_store: Path, tmp_path: Path
+) -> None:
+    """A planted layout.json's strings reach the operator's terminal with
+    their control characters shown, not as escape sequences (retitle,
+    clear screen)."""
+    d = _copy(good_store, tmp_path)
+    evil = "\x1b]0;owned\x07\x1b[2J"
+    _edit_layout(model=evil, identity={"contents": evil})(d)
+    p = kvtier("inspect", str(d))
+    assert p.returncode == 0, p.stderr
+    assert "\x1b" not in p.stdout and "\x07" not in p.stdout
+    assert "model=\\x1b]0;owned\\x07\\x1b[2J" in p.stdout
+    assert "contents=\\x1b]0;owned" in p.stdout
+
+
 def test_store_without_layout_uses_slot_header(
     good_store: Path, tmp_path: Path
 ) -> None:

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
+
+# C0 and C1 controls: ESC and CSI start a terminal's escape sequences.
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """``text`` with its control characters shown as ``\\xNN``: for lines
+    that carry what a store's files say (``layout.json``, headers), which an
+    operator's terminal must not take for escape sequences (a store planted
+    in a shared disk path could retitle or clear it)."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def fmt_bytes(n: int | None) -> str:

@@ -8,7 +8,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
+from kvtier.tools.commands.common import (
+    emit_json,
+    fmt_bytes,
+    progress_bar,
+    visible,
+)
 
 # The layout.json keys ``kvtier inspect`` shows on its layout line.
 LAYOUT_SHOWN = ("model", "dtype", "block_bytes", "geometry", "tp_rank", "tp_size")
@@ -108,49 +113,52 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"stores": reports})
         return 0
+    def say(line: str) -> None:
+        print(visible(line))  # layout.json is the store's, not to be trusted
+
     for rep in reports:
-        print(f"store {rep['store']}")
+        say(f"store {rep['store']}")
         for d in rep["directories"]:
-            print(f"  directory        {d}")
+            say(f"  directory        {d}")
         layout = rep["layout"] or {}
         if layout:
             desc = ", ".join(f"{k}={layout[k]}" for k in LAYOUT_SHOWN if k in layout)
-            print(f"  layout           {desc}")
-            print(f"  digest           {layout.get('digest')}")
+            say(f"  layout           {desc}")
+            say(f"  digest           {layout.get('digest')}")
             if layout.get("model_id"):
-                print(f"  model_id         {layout['model_id']}")
+                say(f"  model_id         {layout['model_id']}")
             ident = layout.get("identity")
             if ident:
                 # As written: layout.json is the store's, not to be trusted.
                 if isinstance(ident, dict):
                     ident = ", ".join(f"{k}={v}" for k, v in ident.items())
-                print(f"  identity         {ident}")
+                say(f"  identity         {ident}")
         versions = ", ".join(
             f"v{v} x{n}" for v, n in rep["header_format_versions"].items()
         )
-        print(
+        say(
             f"  format version   {rep['format_version']} (layout.json); "
             f"headers: {versions or 'none'}; this kvtier reads format "
             f"v{rep['reader_format_version']}, header versions "
             + ", ".join(f"v{v}" for v in rep["reader_header_versions"])
         )
-        print(
+        say(
             f"  slabs            {len(rep['slabs'])} file(s), {rep['total_slots']} slots "
             f"x {rep['slot_size']} B = {fmt_bytes(rep['slab_bytes'])}"
         )
-        print(
+        say(
             f"  used             {rep['used_slots']} / {rep['total_slots']} slots "
             f"({rep['fill']:.1%}); {rep['blocks']} valid blocks, payload "
             f"{fmt_bytes(rep['payload_bytes'])} (raw {fmt_bytes(rep['raw_bytes'])})"
         )
-        print(
+        say(
             "  slot headers     "
             + ", ".join(f"{k} {v}" for k, v in rep["outcomes"].items())
         )
         for fp, n in rep["fingerprints"].items():
-            print(f"  fingerprint      {fp} x{n}")
+            say(f"  fingerprint      {fp} x{n}")
         for w in rep["warnings"]:
-            print(f"  warning          {w}")
+            say(f"  warning          {w}")
     return 0
 
 
@@ -166,16 +174,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"kvtier verify: {exc}", file=sys.stderr)
         return 2
     nbad = sum(len(r["bad"]) for r in reports)
+
+    def say(line: str) -> None:
+        print(visible(line))  # what a slot header says is the store's
+
     if args.json:
         emit_json({"ok": nbad == 0, "bad_slots": nbad, "stores": reports})
     else:
         for rep in reports:
-            print(
+            say(
                 f"{rep['store']}: {rep['checked']} used slots checked, {rep['ok']} ok, "
                 f"{len(rep['bad'])} bad"
             )
             for b in rep["bad"]:
-                print(
+                say(
                     f"  slot {b['slot']}: {b['reason']}"
                     + (f" ({b['detail']})" if b.get("detail") else "")
                     + (
@@ -185,5 +197,5 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     )
                 )
             for w in rep["warnings"]:
-                print(f"  warning: {w}")
+                say(f"  warning: {w}")
     return 1 if nbad else 0
