@@ -124,9 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--disk-bytes", type=_nonneg_bytes, help="disk budget, e.g. 2T (= 2 TiB)"
     )
-    s.add_argument("--policy", choices=policy_names(), default="lru", help="both tiers")
-    s.add_argument("--cpu-policy", choices=policy_names(), help="overrides --policy")
-    s.add_argument("--disk-policy", choices=policy_names(), help="overrides --policy")
+    # Any case, as the config's eviction policy keys take them.
+    policy = dict(choices=policy_names(), type=str.lower)
+    s.add_argument("--policy", default="lru", help="both tiers", **policy)
+    s.add_argument("--cpu-policy", help="overrides --policy", **policy)
+    s.add_argument("--disk-policy", help="overrides --policy", **policy)
     s.add_argument(
         "--spill-watermark",
         type=_watermark,

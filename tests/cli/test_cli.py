@@ -146,6 +146,9 @@ def test_size_policy_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert (doc["cpu_policy"], doc["disk_policy"]) == ("arc", "arc")
     doc = run_json(capsys, *base, "--policy", "arc", "--cpu-policy", "lru")
     assert (doc["cpu_policy"], doc["disk_policy"]) == ("lru", "arc")
+    # Any case, as the config's eviction_policy takes it.
+    doc = run_json(capsys, *base, "--policy", "ARC", "--disk-policy", "2Q")
+    assert (doc["cpu_policy"], doc["disk_policy"]) == ("arc", "2q")
 
 
 def test_size_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
