@@ -380,8 +380,11 @@ class EventSubscriber:
 
     def _recv(self) -> tuple[list[bytes], int]:
         """One multipart message: its first three frames and its frame count
-        (the rest is read and dropped, so a many-frame message costs no
-        memory)."""
+        (the rest is read and dropped: none is kept past this call; ZMQ itself
+        holds a whole message, every frame up to ``max_message_bytes``,
+        before the first is read, and up to ``RCV_HWM`` messages queue while
+        a big one decodes, so memory is bounded by their product, not by
+        this)."""
         zmq = self._zmq
         frames: list[bytes] = []
         nframes = 0
