@@ -21,9 +21,11 @@ to the model and settings that wrote it. Two parts enter the store's
   the fields that cannot change a KV value (:data:`KV_NEUTRAL_MODEL_FIELDS`;
   ``max_model_len`` only where it picks LongRoPE's factors), the exact
   KV-cache dtype and KV-scale settings, the load format and its loader's
-  source (``dummy`` is random weights), and the weights' source
+  source (``dummy`` is random weights), the weights' source
   (:func:`weights_source`: a hub id's snapshot commit; weights a trainer
-  pushes at runtime, whose stores are never adopted). docs/operations.md
+  pushes at runtime, whose stores are never adopted), and speculative
+  decoding's draft model (:func:`draft_identity`: its layers' KV is
+  offloaded in the target's blocks). docs/operations.md
   ("Store identity") lists every field in and why each field out is out.
 
 A start looks a hub id up in the cache once (:meth:`ModelSource.of`): the
@@ -120,6 +122,15 @@ KV_LOAD_FIELDS = ("load_format", "model_loader_extra_config", "ignore_patterns")
 # AttentionConfig fields that change what a KV value is: the sparse-attention
 # indexer's K cache (DeepSeek, MiniMax) is KV-cache bytes in its own dtype.
 KV_ATTENTION_FIELDS = ("indexer_kv_dtype",)
+# Speculative decoding methods that propose from the token history alone:
+# no draft layers, so no draft KV. Every other method (draft_model, EAGLE,
+# EAGLE-3, MTP, DFlash, ...) runs a draft model whose attention layers keep
+# their KV in the target's blocks, offloaded with the target's.
+DRAFTLESS_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
+# SpeculativeConfig fields that change the draft layers' KV values or bytes:
+# how the draft is fed (method), its own KV-cache dtype (None: the
+# target's, already in), its tensor-parallel size (its heads per rank).
+KV_DRAFT_FIELDS = ("method", "kv_cache_dtype", "draft_tensor_parallel_size")
 
 
 def resolve_model_dir(
@@ -279,27 +290,74 @@ def settings_identity(
     :data:`KV_CACHE_FIELDS` (the exact KV-cache dtype string, KV-scale
     settings), the load config's :data:`KV_LOAD_FIELDS` (dummy weights,
     another loader's source), the attention config's
-    :data:`KV_ATTENTION_FIELDS` and :func:`weights_source` (of ``source``,
-    the model's :class:`ModelSource`, looked up here when None).
+    :data:`KV_ATTENTION_FIELDS`, :func:`weights_source` (of ``source``,
+    the model's :class:`ModelSource`, looked up here when None) and, with
+    a draft model, :func:`draft_identity`.
     Deterministic across processes and restarts."""
+    cache = vllm_config.cache_config
+    load = getattr(vllm_config, "load_config", None)
+    attn = getattr(vllm_config, "attention_config", None)
+    settings = {
+        "model_factors": _model_factors(vllm_config.model_config),
+        "kv_cache": {f: str(getattr(cache, f, None)) for f in KV_CACHE_FIELDS},
+        "load": {f: str(getattr(load, f, None)) for f in KV_LOAD_FIELDS},
+        "attention": {f: str(getattr(attn, f, None)) for f in KV_ATTENTION_FIELDS},
+        "weights": weights_source(vllm_config, source),
+    }
+    draft = draft_identity(vllm_config)
+    if draft is not None:  # absent otherwise: those stores keep their names
+        settings["draft"] = draft
+    return settings
+
+
+def _model_factors(model: Any) -> dict[str, str]:
+    """What ``model`` (a ``ModelConfig``, the target's or a draft's) says
+    produces KV values: vLLM's hash factors less
+    :data:`KV_NEUTRAL_MODEL_FIELDS`, the HF config as configured
+    (:func:`_as_configured`), what ``max_model_len`` decides for LongRoPE."""
     from vllm.config.utils import get_hash_factors, normalize_value
 
-    model = vllm_config.model_config
     factors = get_hash_factors(model, set(KV_NEUTRAL_MODEL_FIELDS))
     loaded = _as_configured(model)
     for name in ("hf_config", "hf_text_config"):
         if name in factors:
             factors[name] = normalize_value(getattr(loaded, name))
     factors.update(_max_model_len_effects(loaded))
-    cache = vllm_config.cache_config
-    load = getattr(vllm_config, "load_config", None)
-    attn = getattr(vllm_config, "attention_config", None)
+    return {k: str(v) for k, v in sorted(factors.items())}
+
+
+def draft_identity(vllm_config: Any) -> dict[str, Any] | None:
+    """What produces the KV values of speculative decoding's draft layers,
+    or None when the engine runs no draft model (no speculative config, or
+    a method in :data:`DRAFTLESS_METHODS`).
+
+    vLLM gives a draft model's attention layers (``draft_model``, EAGLE,
+    MTP, ...) KV-cache specs like the target's: their KV lives in the same
+    blocks, under the same block hashes, and is offloaded with the
+    target's. Another draft of the same shape leaves the geometry as it
+    was, so the draft's own identity is in: the method and
+    :data:`KV_DRAFT_FIELDS`, the draft model config's factors
+    (:func:`_model_factors`), its contents (:func:`model_identity`, at its
+    own ``revision``, in its load config's ``download_dir``) and snapshot,
+    and its load config's :data:`KV_LOAD_FIELDS`."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if spec is None or draft is None or spec.method in DRAFTLESS_METHODS:
+        return None
+    load = getattr(spec, "draft_load_config", None) or getattr(
+        vllm_config, "load_config", None
+    )
+    source = ModelSource.resolve(
+        draft.model,
+        revision=getattr(draft, "revision", None),
+        download_dir=getattr(load, "download_dir", None),
+    )
     return {
-        "model_factors": {k: str(v) for k, v in sorted(factors.items())},
-        "kv_cache": {f: str(getattr(cache, f, None)) for f in KV_CACHE_FIELDS},
+        **{f: str(getattr(spec, f, None)) for f in KV_DRAFT_FIELDS},
+        "model_factors": _model_factors(draft),
+        "contents": model_identity(source),
+        "snapshot": source.snapshot,
         "load": {f: str(getattr(load, f, None)) for f in KV_LOAD_FIELDS},
-        "attention": {f: str(getattr(attn, f, None)) for f in KV_ATTENTION_FIELDS},
-        "weights": weights_source(vllm_config, source),
     }
 
 

@@ -399,6 +399,47 @@ def test_kv_neutral_settings_keep_the_identity(model) -> None:
     )
 
 
+def _draft(draft: str, **kw) -> dict:
+    return {
+        "method": "draft_model",
+        "model": draft,
+        "num_speculative_tokens": 2,
+        **kw,
+    }
+
+
+def test_the_draft_model_is_in_the_identity(model, tmp_path) -> None:
+    """Speculative decoding's draft layers (draft_model, EAGLE, MTP) keep
+    their KV in the target's blocks, under the same block hashes, and are
+    offloaded with them; another draft of the same shape leaves the
+    geometry as it was. A restart with another draft, a draft rewritten in
+    place or another draft KV dtype must not serve the old draft's KV."""
+    digest = lambda **kw: settings_digest(settings_identity(_config(model, **kw)))  # noqa: E731
+    draft = tmp_path / "draft"
+    shutil.copytree(build_tiny_llama(seed=1), draft)
+    base = digest()
+    first = digest(speculative_config=_draft(str(draft)))
+    other = digest(speculative_config=_draft(build_tiny_llama(seed=2)))
+    fp8 = digest(speculative_config=_draft(str(draft), kv_cache_dtype="fp8_e5m2"))
+    assert len({base, first, other, fp8}) == 4
+    # The same draft rewritten in place (another fine-tune, same shapes).
+    weights = next(draft.glob("*.safetensors"))
+    weights.write_bytes(
+        next(Path(build_tiny_llama(seed=2)).glob("*.safetensors")).read_bytes()
+    )
+    assert digest(speculative_config=_draft(str(draft))) not in (first, other)
+    # Workers get the config pickled: their identity is the scheduler's.
+    cfg = _config(model, speculative_config=_draft(str(draft)))
+    assert settings_identity(pickle.loads(pickle.dumps(cfg))) == settings_identity(cfg)
+    # What cannot change a draft KV value keeps the store: how many tokens
+    # it proposes, and proposers with no layers (n-gram).
+    assert digest(speculative_config=_draft(str(draft), num_speculative_tokens=3)) == (
+        settings_digest(settings_identity(cfg))
+    )
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    assert digest(speculative_config=ngram) == base
+
+
 def test_a_same_size_same_mtime_rewrite_changes_the_model_identity(tmp_path) -> None:
     src = Path(build_tiny_llama())
     mdir = tmp_path / "m"
