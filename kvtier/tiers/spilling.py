@@ -108,9 +108,15 @@ class SpillQueue:
     def queue(self, n: int) -> None:
         """Order spills of up to ``n`` dirty blocks, oldest use first, as
         far as the disk has (or can make) room."""
+        dirty, core, disk = self.dirty, self.core, self.disk
+        # No more than the disk can take now (its free slots and its
+        # victims): the rest would be listed only to be left dirty, and a
+        # disk full of spills in flight would have every step walk the
+        # whole excess over the watermark (a slow disk behind a large CPU
+        # tier: O(CPU tier) per step).
+        n = min(n, disk.num_free + disk.num_eligible)
         if n <= 0:
             return
-        dirty, core = self.dirty, self.core
         candidates = list(itertools.islice(dirty, n))
         # One victim choice for the whole batch: per-key choices would pay
         # for the same pinned prefix again and again.

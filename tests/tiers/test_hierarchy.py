@@ -288,6 +288,50 @@ def test_declined_stores_inspect_blocks_touched_not_the_tier(policy, disk_blocks
     assert h.prepare_store([("new", 0, k) for k in range(per_call)]) is not None
 
 
+def test_spills_the_disk_cannot_take_list_no_dirty_block(monkeypatch):
+    """A disk tier full of spills in flight (a slow disk, here a quarter of
+    the CPU tier) can take no spill: queueing one must not walk the dirty
+    blocks. Every step's take_spills (and each store) asked for the whole
+    excess over the watermark and listed it, O(CPU tier) per step (21 ms
+    at a million CPU blocks), to spill none of it."""
+    from collections import OrderedDict
+
+    from kvtier.tiers import spilling
+
+    listed = [0]
+
+    class CountingDirty(OrderedDict):
+        def __iter__(self):
+            for key in super().__iter__():
+                listed[0] += 1
+                yield key
+
+    monkeypatch.setattr(spilling, "OrderedDict", CountingDirty)
+    cpu_blocks, disk_blocks = 4096, 1024
+    h = TierHierarchy(cpu_blocks, disk_blocks, spill_watermark=0.0, record_events=False)
+    assert isinstance(h._spills.dirty, CountingDirty)
+    for i in range(0, cpu_blocks, 256):
+        _store(h, [("old", k) for k in range(i, i + 256)])
+    in_flight = h.take_spills()  # issued, never completed: the disk is slow
+    assert sum(len(o.items) for o in in_flight) == disk_blocks
+    assert h.disk.num_free == 0 and h.disk.num_eligible == 0
+    assert len(h._spills.dirty) == cpu_blocks - disk_blocks
+    listed[0] = 0
+    for i in range(100):  # engine steps: a declined store, then the pump
+        assert h.prepare_store([("new", i)]) is None
+        assert h.take_spills() == []
+    assert listed[0] == 0
+    # One spill lands: its slot takes the oldest dirty block, and only it.
+    h.complete_spill(in_flight[0].job_id)
+    listed[0] = 0
+    orders = h.take_spills()
+    landed = len(in_flight[0].items)
+    assert sum(len(o.items) for o in orders) == landed
+    assert listed[0] == landed
+    check_index(h.cpu)
+    check_index(h.disk)
+
+
 def test_a_warm_restart_event_goes_out_over_several_drains():
     # A warm restart records one event naming every adopted block (a million
     # on a 2 TB tier of 2 MiB blocks). A consumer drains once per engine
