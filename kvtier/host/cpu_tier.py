@@ -207,7 +207,9 @@ def _reserve(fd: int, size: int, path: str) -> None:
         ) from exc
 
 
-def _reclaim(path: str, *, dry_run: bool = False) -> int | None:
+def _reclaim(
+    path: str, *, dry_run: bool = False, dir_fd: int | None = None
+) -> int | None:
     """Remove the CPU-tier file at ``path`` if no live engine holds it.
 
     A live owner keeps an exclusive flock on its file and the kernel drops
@@ -217,9 +219,11 @@ def _reclaim(path: str, *, dry_run: bool = False) -> int | None:
     with ``dry_run`` nothing is removed (the lock is taken and dropped
     again). Raises InUseError when a live process holds its lock,
     PermissionError/OSError when it is not ours (another user's file, a
-    symbolic link): never adopted."""
+    symbolic link): never adopted. With ``dir_fd`` the base name of
+    ``path`` is taken inside that (checked) directory."""
+    name = path if dir_fd is None else os.path.basename(path)
     try:
-        fd = open_private(path, os.O_RDONLY, private=True)
+        fd = open_private(name, os.O_RDONLY, private=True, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     try:
@@ -228,11 +232,11 @@ def _reclaim(path: str, *, dry_run: bool = False) -> int | None:
                 f"kvtier CPU-tier file {path!r} is in use by another live process",
                 path,
             )
-        if not same_name(path, fd):
+        if not same_name(name, fd, dir_fd=dir_fd):
             return None
         size = os.fstat(fd).st_blocks * 512
         if not dry_run:
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)
             logger.info(
                 "kvtier: reclaimed stale CPU-tier file %s (%d bytes of shared "
                 "memory) left by an engine that is no longer running",
@@ -253,46 +257,76 @@ def _create_owned(path: str, size: int) -> int:
     to ``path`` (link fails if the name exists). So the name never shows a
     half-built or unlocked file. An existing file is a dead engine's
     leftover if its lock can be taken (then it is removed and the creation
-    retried) and otherwise a live engine's: InUseError."""
+    retried) and otherwise a live engine's: InUseError.
+
+    Everything is done inside the directory checked at the start (through
+    its descriptor, never its name again): when the last other engine
+    removes the (empty) directory meanwhile and another user creates one of
+    that name, nothing is made in theirs (creating in a removed directory
+    fails, and the name is checked again)."""
     directory, name = os.path.split(path)
-    if os.path.basename(directory) == os.path.basename(cpu_tier_dir()):
-        # This user's private directory: created if needed, and checked
-        # (ours, 0700, no link) before anything is created in it.
-        os.close(open_private_dir(directory))
-    for _attempt in range(5):
-        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
-        try:
-            fd = open_private(
-                tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, private=True
-            )
-        except FileNotFoundError:
-            # The last other engine removed the (empty) directory meanwhile.
-            os.close(open_private_dir(directory))
-            continue
-        try:
-            if not flock_exclusive(fd):  # a brand-new inode: cannot happen
-                raise InUseError(f"cannot lock {tmp!r}", tmp)
-            _reserve(fd, size, path)
+    dir_fd = _open_dir(directory)
+    try:
+        for _attempt in range(5):
+            tmp = f".{name}.{secrets.token_hex(8)}.tmp"
             try:
-                os.link(tmp, path, follow_symlinks=False)
-            except FileExistsError:
-                os.unlink(tmp)
-                os.close(fd)
-                fd = -1
-                _reclaim(path)
+                fd = open_private(
+                    tmp,
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL,
+                    0o600,
+                    dir_fd=dir_fd,
+                    private=True,
+                )
+            except FileNotFoundError:
+                # The last other engine removed the (empty) directory
+                # meanwhile: create and check it again.
+                os.close(dir_fd)
+                dir_fd = -1
+                dir_fd = _open_dir(directory)
                 continue
-            os.unlink(tmp)
-            return fd
-        except BaseException:
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                os.close(fd)
-            raise
+            try:
+                if not flock_exclusive(fd):  # a brand-new inode: cannot happen
+                    raise InUseError(f"cannot lock {tmp!r}", tmp)
+                _reserve(fd, size, path)
+                try:
+                    os.link(
+                        tmp,
+                        name,
+                        src_dir_fd=dir_fd,
+                        dst_dir_fd=dir_fd,
+                        follow_symlinks=False,
+                    )
+                except FileExistsError:
+                    os.unlink(tmp, dir_fd=dir_fd)
+                    os.close(fd)
+                    fd = -1
+                    _reclaim(path, dir_fd=dir_fd)
+                    continue
+                os.unlink(tmp, dir_fd=dir_fd)
+                return fd
+            except BaseException:
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=dir_fd)
+                    os.close(fd)
+                raise
+    finally:
+        if dir_fd >= 0:
+            os.close(dir_fd)
     raise InUseError(
         f"kvtier CPU-tier file {path!r} keeps being re-created by another process",
         path,
     )
+
+
+def _open_dir(directory: str) -> int:
+    """A descriptor of the directory CPU-tier files are made in. This
+    user's private directory (``kvtier-<euid>``) is created if needed and
+    checked (ours, 0700, no link); any other (tests, tools) is the caller's
+    choice and only opened."""
+    if os.path.basename(directory) == os.path.basename(cpu_tier_dir()):
+        return open_private_dir(directory)
+    return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 def _open_attached(path: str, size: int) -> int:
@@ -385,10 +419,11 @@ def cpu_tier_dir(base: str | None = None) -> str:
     return os.path.join(base, f"kvtier-{os.geteuid()}")
 
 
-def same_name(path: str, fd: int) -> bool:
-    """Whether ``path`` (not followed) still names the inode behind ``fd``."""
+def same_name(path: str, fd: int, *, dir_fd: int | None = None) -> bool:
+    """Whether ``path`` (not followed; relative to ``dir_fd`` when given)
+    still names the inode behind ``fd``."""
     try:
-        st = os.stat(path, follow_symlinks=False)
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return False
     here = os.fstat(fd)

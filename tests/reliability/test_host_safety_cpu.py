@@ -136,6 +136,41 @@ def test_file_precreated_by_another_user_is_never_adopted(
     assert path.stat().st_uid == NOBODY
 
 
+@needs_root
+def test_directory_swapped_after_its_check_gets_no_file(
+    sticky_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The private directory goes with its last file (another engine of
+    this user removes it while this one starts), and another user creates
+    one of that name before this engine's file is made. The file must not
+    be made in the other user's directory, where its owner could rename
+    ranks' files into each other's names before the scheduler side maps
+    them (wrong rows), or remove them."""
+    directory = sticky_dir / f"kvtier-{os.geteuid()}"
+    path = directory / "kvtier-e-r0of1.cpu"
+    real_open_dir = cpu_buffer_mod.open_private_dir
+    swapped: list[bool] = []
+
+    def open_dir_then_lose_it(p: str) -> int:
+        fd = real_open_dir(p)
+        if not swapped:  # right after the check: the race, made certain
+            swapped.append(True)
+            os.rmdir(p)  # the last other engine's rmdir_if_empty
+
+            def squat() -> None:
+                os.mkdir(p)
+                os.chmod(p, 0o777)
+
+            as_user(NOBODY, squat)
+        return fd
+
+    monkeypatch.setattr(cpu_buffer_mod, "open_private_dir", open_dir_then_lose_it)
+    with pytest.raises(PermissionError, match=f"owned by uid {NOBODY}"):
+        CpuBlockBuffer(4, ROW, str(path), owner=True)
+    assert swapped and directory.stat().st_uid == NOBODY
+    assert os.listdir(directory) == []  # nothing of ours in their directory
+
+
 def test_symlink_in_place_of_the_cpu_file_is_refused(private_dir: str) -> None:
     target = Path(private_dir) / "target"
     target.write_bytes(b"\0" * ROW)
