@@ -17,7 +17,8 @@ Contract of :func:`scan`:
     closed, and StoreError when a found store's slab was swapped for
     something that is not a regular file.
   - OK means the header is intact and of this layout; the payload is checked
-    only with ``payload`` (its xxh3, like a load's). Every OK header goes to
+    only with ``payload`` (its xxh3 and, compressed, its decoding, like a
+    load's). Every OK header goes to
     ``on_header`` (the store raises its next ``seq`` above it).
   - With ``skip_new`` (warm restart, slot order) the slots that the files' ``create``
     just made (at or past a slab's size before it, ``SlabFiles.old_sizes``)
@@ -40,6 +41,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from kvtier.store.compression import Codec
 from kvtier.store.slabs import SlabFiles, global_slot
 from kvtier.store.slot import (
     HEADER_SIZE,
@@ -47,6 +51,7 @@ from kvtier.store.slot import (
     SlotHeader,
     aligned_empty,
     check_payload,
+    decode_payload,
     header_version,
     round_up,
     verify_header,
@@ -233,6 +238,10 @@ def _judge(
             )
         files.count_read(got)
         verdict = check_payload(hdr, stored, got)
+        if verdict.ok and hdr.codec is not Codec.RAW:
+            # A load decodes it too: one that does not decode is bad here.
+            decoded = np.empty(files.block_bytes, dtype=np.uint8)
+            verdict = decode_payload(hdr, stored[: hdr.payload_len], decoded)
         if not verdict.ok:
             return record(
                 verdict.outcome, header=hdr, detail=verdict.detail, version=version

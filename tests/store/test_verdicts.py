@@ -393,12 +393,13 @@ def test_device_reader_judges_each_item_by_its_own_row(
         backend.shutdown()
 
 
-def test_a_payload_that_does_not_decode_is_a_bad_header_for_both_host_readers(
+def test_a_payload_that_does_not_decode_is_a_bad_header_for_every_host_reader(
     tmp_path: Path,
 ) -> None:
     """Both checksums match but the zstd payload is garbage (the header
-    lies): ``decode_payload`` makes it BAD_HEADER for the store's reads and
-    the load reader alike, and neither hands out a byte of it."""
+    lies): ``decode_payload`` makes it BAD_HEADER for the store's reads,
+    the load reader and ``kvtier verify`` alike, and none hands out a byte
+    of it."""
     import dataclasses
 
     from kvtier.store.checksum import payload_checksum
@@ -436,6 +437,11 @@ def test_a_payload_that_does_not_decode_is_a_bad_header_for_both_host_readers(
     finally:
         reader.close()
         backend.shutdown()
+    # ``kvtier verify`` (a scan with payloads) says so too.
+    (view,) = find_stores(paths)
+    recs = {r.slot: r for r in scan(view, file_order=True, payload=True)}
+    assert recs[1].outcome is RO.BAD_HEADER
+    assert "does not decode" in recs[1].detail
 
 
 def _zstd_frame(declared: int | None, blocks: list[tuple[int, int]]) -> bytes:
@@ -510,6 +516,9 @@ def test_a_zstd_frame_declaring_more_than_the_block_is_refused_before_it_is_deco
     finally:
         reader.close()
         backend.shutdown()
+    (view,) = find_stores(paths)
+    recs = {r.slot: r for r in scan(view, file_order=True, payload=True)}
+    assert [recs[slot].outcome for slot in frames] == [RO.BAD_HEADER] * len(frames)
 
 
 # ------------------------------------------------------- device checksum
