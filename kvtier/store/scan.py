@@ -227,16 +227,18 @@ def _judge(
     assert hdr is not None
     if on_header is not None:
         on_header(hdr)
-    if payload and hdr.payload_len:
+    if payload:
         stored = aligned_empty(round_up(hdr.payload_len))
-        try:
-            got = files.read(idx, stored, offset + HEADER_SIZE)
-        except OSError as exc:
-            files.io_error("read", idx, exc)
-            return record(
-                ReadOutcome.IO_ERROR, header=hdr, detail=str(exc), version=version
-            )
-        files.count_read(got)
+        got = 0
+        if hdr.payload_len:  # a compressed payload may claim none: not decoded
+            try:
+                got = files.read(idx, stored, offset + HEADER_SIZE)
+            except OSError as exc:
+                files.io_error("read", idx, exc)
+                return record(
+                    ReadOutcome.IO_ERROR, header=hdr, detail=str(exc), version=version
+                )
+            files.count_read(got)
         verdict = check_payload(hdr, stored, got)
         if verdict.ok and hdr.codec is not Codec.RAW:
             # A load decodes it too: one that does not decode is bad here.

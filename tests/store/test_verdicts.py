@@ -462,9 +462,10 @@ def test_a_zstd_frame_declaring_more_than_the_block_is_refused_before_it_is_deco
 ) -> None:
     """A slot whose checksums match (xxh3 is no MAC) holds a zstd frame that
     declares more than a block: a few hundred bytes that decode to 64 blocks
-    (a decompression bomb), a size no memory holds, or no size at all. Each
-    is BAD_HEADER for both host readers, nothing of it reaches ``out``, and
-    no reader allocates more than a few blocks on the way."""
+    (a decompression bomb), a size no memory holds, no size, or no frame. Each
+    is BAD_HEADER for every host reader (``kvtier verify`` too), nothing of
+    it reaches ``out``, and no reader allocates more than a few blocks on
+    the way."""
     import dataclasses
     import tracemalloc
 
@@ -477,6 +478,7 @@ def test_a_zstd_frame_declaring_more_than_the_block_is_refused_before_it_is_deco
         1: _zstd_frame(64 * block_bytes, [(9, chunk)] * (64 * block_bytes // chunk)),
         2: _zstd_frame(1 << 62, [(9, 1000)]),
         3: _zstd_frame(None, [(9, chunk)] * 8),
+        4: b"",  # no frame at all
     }
     layout = fp(block_bytes)
     paths = [str(tmp_path)]
