@@ -127,6 +127,11 @@ def decompress(
 
     Raises CorruptPayloadError (before touching ``out``) if the payload does
     not decode to exactly ``raw_len`` bytes, and ValueError for an unknown codec.
+    Memory is bounded by ``raw_len`` whatever the payload: a frame is decoded
+    only when its header declares exactly ``raw_len`` bytes (``compress``
+    always writes the size), because the decoder allocates the declared size
+    and decodes all of it before its length could be compared (a few KiB of
+    frame can declare and hold gigabytes).
     """
     flat_out = _flat_u8(out)
     if flat_out.size != raw_len:
@@ -141,6 +146,10 @@ def decompress(
         flat_out[:] = src
         return
     try:
+        declared = zstandard.frame_content_size(payload)
+        if declared != raw_len:
+            size = "no size" if declared < 0 else f"{declared} bytes"
+            raise CorruptPayloadError(f"zstd frame declares {size}, expected {raw_len}")
         decoded = _decompressor().decompress(payload, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
         raise CorruptPayloadError(f"zstd: {exc}") from exc

@@ -17,7 +17,8 @@ Contract of :func:`scan`:
     closed, and StoreError when a found store's slab was swapped for
     something that is not a regular file.
   - OK means the header is intact and of this layout; the payload is checked
-    only with ``payload`` (its xxh3, like a load's). Every OK header goes to
+    only with ``payload`` (its xxh3 and, compressed, its decoding, like a
+    load's). Every OK header goes to
     ``on_header`` (the store raises its next ``seq`` above it).
   - With ``skip_new`` (warm restart, slot order) the slots that the files' ``create``
     just made (at or past a slab's size before it, ``SlabFiles.old_sizes``)
@@ -40,6 +41,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from kvtier.store.compression import Codec
 from kvtier.store.slabs import SlabFiles, global_slot
 from kvtier.store.slot import (
     HEADER_SIZE,
@@ -47,6 +51,7 @@ from kvtier.store.slot import (
     SlotHeader,
     aligned_empty,
     check_payload,
+    decode_payload,
     header_version,
     round_up,
     verify_header,
@@ -222,17 +227,23 @@ def _judge(
     assert hdr is not None
     if on_header is not None:
         on_header(hdr)
-    if payload and hdr.payload_len:
+    if payload:
         stored = aligned_empty(round_up(hdr.payload_len))
-        try:
-            got = files.read(idx, stored, offset + HEADER_SIZE)
-        except OSError as exc:
-            files.io_error("read", idx, exc)
-            return record(
-                ReadOutcome.IO_ERROR, header=hdr, detail=str(exc), version=version
-            )
-        files.count_read(got)
+        got = 0
+        if hdr.payload_len:  # a compressed payload may claim none: not decoded
+            try:
+                got = files.read(idx, stored, offset + HEADER_SIZE)
+            except OSError as exc:
+                files.io_error("read", idx, exc)
+                return record(
+                    ReadOutcome.IO_ERROR, header=hdr, detail=str(exc), version=version
+                )
+            files.count_read(got)
         verdict = check_payload(hdr, stored, got)
+        if verdict.ok and hdr.codec is not Codec.RAW:
+            # A load decodes it too: one that does not decode is bad here.
+            decoded = np.empty(files.block_bytes, dtype=np.uint8)
+            verdict = decode_payload(hdr, stored[: hdr.payload_len], decoded)
         if not verdict.ok:
             return record(
                 verdict.outcome, header=hdr, detail=verdict.detail, version=version

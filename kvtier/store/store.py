@@ -46,6 +46,9 @@ from kvtier.store.slot import (
 logger = get_logger("store")
 
 COMPRESSION_CHOICES = ("none", "zstd")
+# The most a seq seen on disk raises ``next_seq`` to: it leaves 2^63 writes
+# below a header's u64 (see ``DiskStore._bump_seq``).
+SEQ_CEILING = 1 << 63
 
 
 def flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:
@@ -82,7 +85,8 @@ class DiskStore:
         logged once per slab and errno before the OSError propagates.
       - Slot contents survive process restarts; ``scan`` reports every slot's
         header so the caller can rebuild its index. ``seq`` values handed out
-        by ``next_seq`` stay above any seq seen on disk by ``scan``.
+        by ``next_seq`` stay above any seq seen on disk by ``scan`` (or at
+        least SEQ_CEILING, for a seq above it: they always fit a header).
       - ``backend`` given as a string is created (via make_backend) and owned,
         i.e. shut down by ``close``; a DiskBackend instance is only borrowed.
       - ``files`` is the store's :class:`~kvtier.store.slabs.SlabFiles`,
@@ -174,8 +178,11 @@ class DiskStore:
         return reader
 
     def _bump_seq(self, seen: int) -> None:
+        # A header's seq is a u64 anyone can set (its checksum is no MAC):
+        # one seen above SEQ_CEILING raises the counter to the ceiling only,
+        # so next_seq always fits a header (wall-clock ns reach 2^63 in 2262).
         with self._seq_lock:
-            self._seq = max(self._seq, seen)
+            self._seq = max(self._seq, min(seen, SEQ_CEILING))
 
     def _on_header(self, hdr: SlotHeader) -> None:
         self._bump_seq(hdr.seq)

@@ -455,6 +455,25 @@ def test_read_header_raises_seq_too(
         assert s.next_seq() > 2**62
 
 
+def test_a_slot_with_the_largest_seq_leaves_room_for_the_next_writes(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    """A header's seq is a u64 anyone can set (its checksum is no MAC): a
+    slot claiming the largest one must not push ``next_seq`` past what a
+    header holds, which would make every later write raise."""
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        s.write_block(2, KEY, block(2), 2**64 - 1)
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        assert [outcome for _, _, outcome in s.scan()][2] is ReadOutcome.OK
+        for slot in (0, 1):
+            seq = s.next_seq()
+            assert seq < 2**64
+            s.write_block(slot, KEY + bytes([slot]), block(slot), seq)
+            out = sentinel_out()
+            assert s.read_block(slot, KEY + bytes([slot]), out) is ReadOutcome.OK
+            assert np.array_equal(out, block(slot))
+
+
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_the_reader_stands_alone_over_slab_files(
     tmp_path: Path, fingerprint: LayoutFingerprint, compression: str

@@ -393,12 +393,13 @@ def test_device_reader_judges_each_item_by_its_own_row(
         backend.shutdown()
 
 
-def test_a_payload_that_does_not_decode_is_a_bad_header_for_both_host_readers(
+def test_a_payload_that_does_not_decode_is_a_bad_header_for_every_host_reader(
     tmp_path: Path,
 ) -> None:
     """Both checksums match but the zstd payload is garbage (the header
-    lies): ``decode_payload`` makes it BAD_HEADER for the store's reads and
-    the load reader alike, and neither hands out a byte of it."""
+    lies): ``decode_payload`` makes it BAD_HEADER for the store's reads,
+    the load reader and ``kvtier verify`` alike, and none hands out a byte
+    of it."""
     import dataclasses
 
     from kvtier.store.checksum import payload_checksum
@@ -436,6 +437,90 @@ def test_a_payload_that_does_not_decode_is_a_bad_header_for_both_host_readers(
     finally:
         reader.close()
         backend.shutdown()
+    # ``kvtier verify`` (a scan with payloads) says so too.
+    (view,) = find_stores(paths)
+    recs = {r.slot: r for r in scan(view, file_order=True, payload=True)}
+    assert recs[1].outcome is RO.BAD_HEADER
+    assert "does not decode" in recs[1].detail
+
+
+def _zstd_frame(declared: int | None, blocks: list[tuple[int, int]]) -> bytes:
+    """A zstd frame by hand: its header declares ``declared`` bytes (None:
+    no size), then one RLE block per ``(byte, size)``."""
+    import struct
+
+    fhd, size = (0x00, b"") if declared is None else (0xC0, struct.pack("<Q", declared))
+    frame = struct.pack("<I", 0xFD2FB528) + bytes([fhd, 0x58]) + size
+    for i, (byte, n) in enumerate(blocks):
+        last = i == len(blocks) - 1
+        frame += (int(last) | 2 | n << 3).to_bytes(3, "little") + bytes([byte])
+    return frame
+
+
+def test_a_zstd_frame_declaring_more_than_the_block_is_refused_before_it_is_decoded(
+    tmp_path: Path,
+) -> None:
+    """A slot whose checksums match (xxh3 is no MAC) holds a zstd frame that
+    declares more than a block: a few hundred bytes that decode to 64 blocks
+    (a decompression bomb), a size no memory holds, no size, or no frame. Each
+    is BAD_HEADER for every host reader (``kvtier verify`` too), nothing of
+    it reaches ``out``, and no reader allocates more than a few blocks on
+    the way."""
+    import dataclasses
+    import tracemalloc
+
+    from kvtier.store.checksum import payload_checksum
+    from kvtier.store.compression import Codec
+
+    block_bytes = 16384
+    chunk = 128 * 1024  # zstd's largest block
+    frames = {
+        1: _zstd_frame(64 * block_bytes, [(9, chunk)] * (64 * block_bytes // chunk)),
+        2: _zstd_frame(1 << 62, [(9, 1000)]),
+        3: _zstd_frame(None, [(9, chunk)] * 8),
+        4: b"",  # no frame at all
+    }
+    layout = fp(block_bytes)
+    paths = [str(tmp_path)]
+    with DiskStore(
+        paths, NUM_SLOTS, block_bytes, layout, backend="posix", compression="zstd"
+    ) as store:
+        for slot, frame in frames.items():
+            store.write_block(slot, key_of(slot), np.zeros(block_bytes, np.uint8), seq=1)
+            path, off = _offset(store, slot)
+            with open(path, "r+b") as f:
+                f.seek(off)
+                hdr = SlotHeader.unpack(f.read(HEADER_SIZE))
+                forged = dataclasses.replace(
+                    hdr,
+                    codec=Codec.ZSTD_BYTEPLANE,
+                    payload_len=len(frame),
+                    checksum=payload_checksum(frame),
+                    device_checksum=device_checksum(frame),
+                )
+                f.seek(off)
+                f.write(forged.pack() + frame)
+        tracemalloc.start()
+        try:
+            for slot in frames:
+                out = np.full(block_bytes, 7, np.uint8)
+                assert store.read_block(slot, key_of(slot), out) is RO.BAD_HEADER
+                assert (out == 7).all()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 * block_bytes
+    backend = PosixBackend(threads=1)
+    reader = SlotReader(SlabFiles.open(paths, layout, NUM_SLOTS, backend), capacity=8)
+    try:
+        got = reader.read([(slot, key_of(slot)) for slot in frames])
+        assert [g.outcome for g in got] == [RO.BAD_HEADER] * len(frames)
+    finally:
+        reader.close()
+        backend.shutdown()
+    (view,) = find_stores(paths)
+    recs = {r.slot: r for r in scan(view, file_order=True, payload=True)}
+    assert [recs[slot].outcome for slot in frames] == [RO.BAD_HEADER] * len(frames)
 
 
 # ------------------------------------------------------- device checksum
