@@ -248,6 +248,12 @@ def _reclaim(
         os.close(fd)
 
 
+# Tries at creating a CPU-tier file whose name keeps being taken, and the
+# pause after finding its lock held (by a sweep, if not by a live owner).
+CREATE_ATTEMPTS = 5
+SWEEP_WAIT_S = 0.01
+
+
 def _create_owned(path: str, size: int) -> int:
     """Create ``path`` exclusively, locked and fully sized; returns its fd.
 
@@ -257,7 +263,9 @@ def _create_owned(path: str, size: int) -> int:
     to ``path`` (link fails if the name exists). So the name never shows a
     half-built or unlocked file. An existing file is a dead engine's
     leftover if its lock can be taken (then it is removed and the creation
-    retried) and otherwise a live engine's: InUseError.
+    retried) and otherwise a live engine's: InUseError, once its lock stayed
+    held over :data:`CREATE_ATTEMPTS` tries (a sweep of dead engines' files,
+    another rank's start, holds one for an instant).
 
     Everything is done inside the directory checked at the start (through
     its descriptor, never its name again): when the last other engine
@@ -267,7 +275,7 @@ def _create_owned(path: str, size: int) -> int:
     directory, name = os.path.split(path)
     dir_fd = _open_dir(directory)
     try:
-        for _attempt in range(5):
+        for _attempt in range(CREATE_ATTEMPTS):
             tmp = f".{name}.{secrets.token_hex(8)}.tmp"
             try:
                 fd = open_private(
@@ -300,7 +308,15 @@ def _create_owned(path: str, size: int) -> int:
                     os.unlink(tmp, dir_fd=dir_fd)
                     os.close(fd)
                     fd = -1
-                    _reclaim(path, dir_fd=dir_fd)
+                    try:
+                        _reclaim(path, dir_fd=dir_fd)
+                    except InUseError:
+                        # A live owner holds its lock for good; a sweep of
+                        # dead engines' files (another rank starting,
+                        # reclaim_stale_cpu_files) holds it for an instant.
+                        if _attempt == CREATE_ATTEMPTS - 1:
+                            raise
+                        time.sleep(SWEEP_WAIT_S)
                     continue
                 os.unlink(tmp, dir_fd=dir_fd)
                 return fd

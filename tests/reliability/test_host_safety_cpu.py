@@ -7,6 +7,7 @@ drops to that uid)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -218,6 +219,39 @@ def _child_holding(paths: list[str]) -> int:
     assert os.read(ready_r, 1) == b"1"
     os.close(ready_r)
     return pid
+
+
+def test_a_dead_engines_file_locked_by_a_sweep_is_reclaimed_after_it(
+    private_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another rank's start sweeps dead engines' files and holds each one's
+    lock while it removes it. A rank that finds its own dead file locked at
+    that instant tries again instead of refusing to start ("in use by
+    another live process"); a live owner's lock stays held and is refused
+    (test_two_engines_with_one_engine_id_never_share_rows)."""
+    path = os.path.join(private_dir, "kvtier-e3-r0of1.cpu")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"\x5a" * (4 * ROW))  # the dead engine's rows
+    sweep = os.open(path, os.O_RDONLY)
+    fcntl.flock(sweep, fcntl.LOCK_EX)  # the other rank's sweep, mid-way
+    real_reclaim = cpu_buffer_mod._reclaim
+    refused: list[str] = []
+
+    def sweep_ends_after_the_first_refusal(*args, **kwargs):
+        try:
+            return real_reclaim(*args, **kwargs)
+        except InUseError:
+            refused.append(args[0])
+            os.close(sweep)  # the sweep lets go
+            raise
+
+    monkeypatch.setattr(cpu_buffer_mod, "_reclaim", sweep_ends_after_the_first_refusal)
+    try:
+        with CpuBlockBuffer(4, ROW, path, owner=True) as mine:
+            assert refused == [path]
+            assert not mine.array.any()  # its own rows, not the dead engine's
+    finally:
+        os.close(fd)
 
 
 def test_sigkilled_owner_leaves_a_file_that_a_restart_reclaims(
