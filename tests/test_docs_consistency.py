@@ -1,5 +1,8 @@
-"""Every log line the operator docs quote with its level (``WARNING `...```,
-``ERROR `...```, ``INFO `...```) is one kvtier logs, at that level.
+"""What the operator docs point at exists.
+
+Every log line README.md and docs/ quote with its level (``WARNING `...```,
+``ERROR `...```, ``INFO `...```) is one kvtier logs, at that level; every
+relative link names a file that exists, and a heading there for its anchor.
 
 An operator greps the log for the words the troubleshooting and fault
 tables give; a line the code no longer writes (or writes at another level)
@@ -127,3 +130,32 @@ def test_quoted_log_line_is_logged_at_its_level(
             if any(p.endswith(fragment[:i]) for p in every)
         )
         assert ok, f"{where}: kvtier/ has no message with {fragment!r}"
+
+
+def _slugs(doc: Path) -> set[str]:
+    """GitHub's anchors of ``doc``'s headings."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    seen: dict[str, int] = {}
+    out = set()
+    for m in re.finditer(r"^#+\s+(.*?)\s*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_relative_links_and_anchors_resolve() -> None:
+    broken = []
+    for doc in DOCS:
+        for m in re.finditer(r"\]\(([^)\s]+)\)", doc.read_text()):
+            link = m.group(1)
+            if re.match(r"[a-z]+:", link):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (doc.parent / path) if path else doc
+            if not target.exists():
+                broken.append(f"{doc.name}: {link} (no such file)")
+            elif anchor and target.suffix == ".md" and anchor not in _slugs(target):
+                broken.append(f"{doc.name}: {link} (no such heading)")
+    assert not broken, broken
