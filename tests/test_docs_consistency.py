@@ -83,7 +83,9 @@ def _quotes() -> list[tuple[str, str, str]]:
     found = []
     for doc in DOCS:
         for m in QUOTED.finditer(doc.read_text()):
-            found.append((f"{doc.name}: {m.group(1)} {m.group(2)}", m.group(1), m.group(2)))
+            found.append(
+                (f"{doc.name}: {m.group(1)} {m.group(2)}", m.group(1), m.group(2))
+            )
     return found
 
 
@@ -112,7 +114,11 @@ def test_quoted_log_line_is_logged_at_its_level(
     # The message's first words are the logging call's own (at its level);
     # a message may go on in text passed in for one of its holes.
     start = next(
-        (len(head) - k for k in range(len(head)) if any(head[: len(head) - k] in p for p in at_level)),
+        (
+            len(head) - k
+            for k in range(len(head))
+            if any(head[: len(head) - k] in p for p in at_level)
+        ),
         0,
     )
     assert start >= min(len(head), 8), (
