@@ -218,6 +218,36 @@ def test_sync_load_budget_is_refused_where_the_engine_refuses_it(
     assert c["status"] == "error" and "no synchronous loads" in c["detail"], c
 
 
+@pytest.mark.parametrize(
+    "key,value,needle",
+    [
+        ("lookup_timeout_s", 0, "give seconds > 0"),
+        ("root_dir", "shared/kvcache", "absolute path"),
+        ("lookup_timeout", 5, "unknown key"),
+    ],
+)
+def test_shared_tier_keys_are_refused_as_at_engine_start(
+    capsys, tmp_path, disk, shm, key, value, needle
+):
+    """SharedFsTier refuses a bad key when vLLM builds it (parse_guard); the
+    doctor must not call such a config ready for vllm serve."""
+    doc = json.loads(
+        json.dumps(
+            shipped_config("vllm-tiering-kvtier-disk-shared.json", disk)
+        ).replace("/mnt/shared/kvcache", str(tmp_path))
+    )
+    tiers = doc["kv_connector_extra_config"]["secondary_tiers"]
+    tiers[0]["disk_bytes_to_use"] = 1 << 30
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 0, [c for c in checks.values() if c["status"] == "error"]
+    tiers[1][key] = value
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1
+    c = checks[key]
+    assert c["status"] == "error" and needle in c["detail"], c
+    assert "[type=SharedFsTier]" in c["detail"], c
+
+
 @pytest.mark.parametrize("kind", ["fifo", "directory", "missing", "binary", "deep"])
 def test_unreadable_config_is_one_line_and_no_hang(tmp_path, kind):
     """In a subprocess with a timeout: a FIFO must not block the read."""

@@ -193,6 +193,20 @@ def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[
     second is a warning here, since vLLM 0.33 schedules asynchronously and
     runs its Model Runner V2 by default on CUDA)."""
     out = []
+    listed = extra.get("secondary_tiers")
+    for entry in listed if isinstance(listed, list) else []:
+        if isinstance(entry, dict) and entry.get("type") == "SharedFsTier":
+            # Its keys are refused when the tier is built, as kvtier's are.
+            try:
+                from kvtier.connector.tiering.shared_fs import parse_guard
+            except Exception:  # no usable vLLM: check_vllm reports it
+                break
+            try:
+                parse_guard(
+                    {k: v for k, v in entry.items() if k not in ("type", "module_path")}
+                )
+            except ConfigError as exc:
+                out.append(_config_error(exc))
     if extra.get("canonical_layout", False):
         out.append(
             _config_error(ConfigError("canonical_layout", CANONICAL_LAYOUT_REFUSAL))
