@@ -152,6 +152,12 @@ def open_private(
                 "files (another user may have planted it). Remove it",
                 shown,
             ) from exc
+        if exc.errno == errno.EISDIR:  # opened for writing
+            raise _refuse(
+                errno.EISDIR,
+                "it is a directory where kvtier keeps a file. Remove it",
+                shown,
+            ) from exc
         if exc.filename != shown:
             raise type(exc)(exc.errno, exc.strerror, shown) from exc
         raise

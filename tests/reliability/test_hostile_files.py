@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 from reliability_common import BLOCK_BYTES, key_of, make_fingerprint, pattern
 
 from kvtier.store.store import DiskStore
@@ -132,6 +133,18 @@ def test_worker_reader_refuses_a_fifo_swapped_in_for_the_slab(tmp_path: Path) ->
     """
     )
     assert p.returncode == 0, p.stderr
+
+
+def test_a_directory_in_place_of_the_slab_is_refused_by_name(tmp_path: Path) -> None:
+    """A directory where a slab belongs: the store's start refuses it with
+    kvtier's message naming the path and the fix, as for a FIFO or a link,
+    not a bare IsADirectoryError."""
+    d = make_store(tmp_path)
+    (d / "slab-0.kvt").unlink()
+    (d / "slab-0.kvt").mkdir()
+    with pytest.raises(OSError, match="kvtier refuses .*slab-0.kvt.*a directory"):
+        DiskStore([str(tmp_path)], 4, BLOCK_BYTES, make_fingerprint(), backend="posix")
+    assert (d / "slab-0.kvt").is_dir()  # left as it was
 
 
 # ------------------------------------- headers whose fields disagree
