@@ -561,6 +561,29 @@ def test_reset_cache_drains_and_keeps_the_disk(tmp_path, make_driver):
     assert d.load_and_check(keys, ctx) == {"disk": 4}
 
 
+def test_jobs_after_shutdown_fail_at_once(tmp_path, make_driver):
+    """A cascade or promotion that reaches the tier after its shutdown fails
+    whole through vLLM's path (primary pins released), not an assertion
+    in the scheduler."""
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    d = make_driver(make_config(tmp_path, cpu_chunks=8, disk_blocks=32))
+    first = d.store("a", 2)
+    d.settle()
+    d.tier.shutdown()
+    second = d.store("b", 2)  # cascades to the shut-down tier
+    d.settle()
+    assert not d.manager._jobs  # its result came, the pins were released
+    assert all(d.in_primary(k) for k in second)
+    ctx = ReqContext(req_id="late")
+    assert all(d.tier.lookup(k, ctx) is LookupResult.MISS for k in first + second)
+    load = TransferJob(10**6, first, np.array([0, 1]), True, ctx)
+    d.tier.submit_load(load)
+    assert [(r.job_id, r.success) for r in d.tier.get_finished_jobs()] == [
+        (10**6, False)
+    ]
+
+
 def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
     tmp_path, make_driver, monkeypatch
 ):

@@ -261,6 +261,43 @@ def test_hung_shared_lookups_turn_into_misses(tmp_path, drivers):
         release.set()
 
 
+def test_shutdown_on_a_mount_that_just_hung_is_bounded(tmp_path, drivers):
+    """The mount stops answering just before shutdown, while the tier is
+    still online: vLLM's fs tier joins its lookup thread without a limit, so
+    shutdown would wait as long as the mount hangs. The guard waits at most
+    lookup_timeout_s (no store in flight), then leaves the thread."""
+    import threading
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    d = drivers(
+        shared_config(tmp_path / "a", shared, guarded=True, lookup_timeout_s=0.5)
+    )
+    release = threading.Event()
+
+    def hanging_batch_lookup(keys, req_context):  # the injected fault
+        release.wait(60)
+        return [False] * len(keys)
+
+    d.shared.inner._lookup_manager.batch_lookup = hanging_batch_lookup
+    closer = threading.Thread(target=d.shared.shutdown, daemon=True)
+    try:
+        ctx = ReqContext(req_id="hung")
+        d.manager.on_new_request(ctx)
+        key = make_offload_key(bytes([9]) * 32, 0)
+        assert d.manager.lookup(key, ctx) is LookupResult.RETRY
+        d.step()  # the lookup goes to the (hung) lookup thread
+        assert d.shared.online
+        closer.start()
+        closer.join(20)
+        assert not closer.is_alive(), "shutdown waited on the hung mount"
+    finally:
+        release.set()
+        if closer.ident is not None:
+            closer.join(30)
+
+
 def test_a_lookup_another_request_gave_up_on_does_not_take_the_tier_offline(
     tmp_path, drivers
 ):

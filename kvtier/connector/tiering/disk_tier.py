@@ -339,9 +339,21 @@ class KvtierDiskTier(SecondaryTierManager):
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.tier.touch_many(list(keys))
 
+    def _refuse_after_shutdown(self, job_metadata: TransferJob) -> bool:
+        """A job that comes after ``shutdown`` fails whole at once (its
+        primary slots are released), as the runtime fails one after a
+        drain timed out; never an assertion in the scheduler."""
+        if self.runtime is not None:
+            return False
+        self._done.append(
+            JobResult(job_metadata.job_id, False, transfer_time=0.0, transfer_bytes=0)
+        )
+        return True
+
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
-        assert self.runtime is not None
+        if self._refuse_after_shutdown(job_metadata):
+            return
         keys = list(job_metadata.keys)
         chunks = [int(c) for c in job_metadata.chunk_ids]
         tier = self.tier
@@ -374,7 +386,8 @@ class KvtierDiskTier(SecondaryTierManager):
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        assert self.runtime is not None
+        if self._refuse_after_shutdown(job_metadata):
+            return
         keys = list(job_metadata.keys)
         job = _TierJob(False, keys)
         items = []

@@ -25,9 +25,11 @@ brings the tier back.
 
 Two things stay vLLM's: a read or write already blocked in the kernel keeps
 its primary slot pinned until it returns (it cannot be aborted safely), and
-``reset_cache`` / shutdown wait for in-flight I/O, as vLLM's contract for
-``drain_jobs`` requires (shutdown waits at most ``probe_timeout_s`` once the
-tier is offline).
+``reset_cache`` waits for in-flight I/O, as vLLM's contract for
+``drain_jobs`` requires. Shutdown waits at most ``probe_timeout_s`` once the
+tier is offline, and online at most as long as the guard would before calling
+it a hang (``lookup_timeout_s``, or what is left of a store's
+``store_timeout_s``).
 
 Config (one ``secondary_tiers`` entry; the keys of ``fs`` plus the guard's)::
 
@@ -317,11 +319,26 @@ class SharedFsTier(SecondaryTierManager):
         inner, self.inner = self.inner, None
         if inner is None:
             return
+        # vLLM's fs tier joins its lookup and I/O threads without a limit.
+        # Offline (the mount stopped answering): give them probe_timeout_s.
+        # Online: as long as the guard would have waited before calling it a
+        # hang (lookup_timeout_s, or what is left of a store's
+        # store_timeout_s); a mount that hangs just before shutdown must not
+        # hang it. Then leave them (daemon threads); vLLM's primary region
+        # stays mapped while a thread still holds a view of it.
+        limit = self.probe_timeout_s
         if self.online:
-            inner.shutdown()
-            return
-        # Offline because the mount stopped answering: give its threads
-        # probe_timeout_s to finish, then leave them (daemon threads).
+            now = time.monotonic()
+            stores = [t + self.store_timeout_s - now for t in self._store_since.values()]
+            limit = max([self.lookup_timeout_s, *stores])
         closer = threading.Thread(target=inner.shutdown, daemon=True)
         closer.start()
-        closer.join(self.probe_timeout_s)
+        closer.join(limit)
+        if closer.is_alive():
+            logger.warning(
+                "kvtier %s: shared root %s: I/O threads still busy after %g s at "
+                "shutdown (a hung mount?); shutting down without them",
+                self.tier_type,
+                self.root_dir,
+                limit,
+            )
