@@ -602,6 +602,11 @@ class _FactoryKeys(BaseModel):
     )
 
 
+# The keys vLLM's tier factory takes out of an entry before the tier gets
+# the rest (0.32, 0.33): any tier's entry, kvtier's or SharedFsTier's.
+FACTORY_KEYS = tuple(k for k in _FactoryKeys.model_fields if k != "locality")
+
+
 def _shared(
     name: str, *, required: bool = False, minimum: int | None = None
 ) -> tuple[Any, FieldInfo]:

@@ -18,6 +18,7 @@ from kvtier.connector.config import (
     CANONICAL_LAYOUT_REFUSAL,
     CONNECTOR_HINT,
     DISK_TIER_TYPE,
+    FACTORY_KEYS,
     ConfigError,
     KvtierConfig,
     check_one_disk_tier,
@@ -196,15 +197,14 @@ def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[
     listed = extra.get("secondary_tiers")
     for entry in listed if isinstance(listed, list) else []:
         if isinstance(entry, dict) and entry.get("type") == "SharedFsTier":
-            # Its keys are refused when the tier is built, as kvtier's are.
+            # Its keys are refused when the tier is built, as kvtier's are:
+            # what vLLM's factory leaves it (FACTORY_KEYS taken out).
             try:
                 from kvtier.connector.tiering.shared_fs import parse_guard
             except Exception:  # no usable vLLM: check_vllm reports it
                 break
             try:
-                parse_guard(
-                    {k: v for k, v in entry.items() if k not in ("type", "module_path")}
-                )
+                parse_guard({k: v for k, v in entry.items() if k not in FACTORY_KEYS})
             except ConfigError as exc:
                 out.append(_config_error(exc))
     if extra.get("canonical_layout", False):
