@@ -21,6 +21,11 @@ def visible(text: str) -> str:
     return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
+def say(line: str) -> None:
+    """Print a line that carries what a store's files say (:func:`visible`)."""
+    print(visible(line))
+
+
 def fmt_bytes(n: int | None) -> str:
     if n is None:
         return "?"

@@ -12,7 +12,7 @@ from kvtier.tools.commands.common import (
     emit_json,
     fmt_bytes,
     progress_bar,
-    visible,
+    say,
 )
 
 # The layout.json keys ``kvtier inspect`` shows on its layout line.
@@ -113,9 +113,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"stores": reports})
         return 0
-    def say(line: str) -> None:
-        print(visible(line))  # layout.json is the store's, not to be trusted
-
     for rep in reports:
         say(f"store {rep['store']}")
         for d in rep["directories"]:
@@ -174,9 +171,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"kvtier verify: {exc}", file=sys.stderr)
         return 2
     nbad = sum(len(r["bad"]) for r in reports)
-
-    def say(line: str) -> None:
-        print(visible(line))  # what a slot header says is the store's
 
     if args.json:
         emit_json({"ok": nbad == 0, "bad_slots": nbad, "stores": reports})
