@@ -509,6 +509,16 @@ def _error_examples() -> list[tuple[str, str]]:
             return d.check_disk_paths(twice)
 
     out.append(("one directory under two names", _message(same_directory)))
+    # kvtier's connector building another spec (spec_name missing).
+    no_spec = {k: v for k, v in disk.items() if not k.startswith("spec_")}
+    out.append(
+        (
+            "kvtier's keys without `spec_name`",
+            _message(
+                lambda: c.check_kvtier_keys_are_read(no_spec, "CPUOffloadingSpec")
+            ),
+        )
+    )
 
     # sync_load_budget_bytes, decided per vLLM and model (kvtier.connector.compat).
     from kvtier.connector.compat import check_sync_load_budget
