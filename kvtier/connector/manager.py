@@ -353,6 +353,9 @@ class TieredOffloadingManager(OffloadingManager):
             # write_bytes but not in spills).
             self.runtime.drain()
             self._apply_finished_spills(self.runtime)
+            # The blocks computed from now on may come from other weights
+            # (a sleep, a weight update): no later engine adopts them.
+            self.runtime.mark_reset()
         self.hierarchy.reset()
         self._failed_loads.clear()
         self._io_failed_loads.clear()

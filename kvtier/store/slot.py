@@ -42,8 +42,20 @@ FORMAT_VERSION = 1
 #   1: xxh3_64 payload checksum only.
 #   2: adds ``device_checksum`` (kvtier.store.checksum.device_checksum), which
 #      torch computes on the GPU for reads staged in device memory.
+#   3: version 2's fields, whose reserved byte holds ``flags`` (FLAG_*).
+#      Written only for a slot with a flag set: a release that reads
+#      versions 1 and 2 ignores that byte, so it must refuse such a slot
+#      rather than read it without its flag (``after_reset``).
 HEADER_VERSION = 2
-HEADER_VERSIONS = (1, 2)
+FLAGGED_HEADER_VERSION = 3
+HEADER_VERSIONS = (1, 2, 3)
+# The block was written after a connector reset in the engine that wrote it
+# (vLLM's reset_cache: a sleep, a pause that clears the caches, a weight
+# update's reset): the weights that computed it may no longer be the ones
+# its store's identity names, so no warm restart adopts it. Readable while
+# that engine runs, like any other block.
+FLAG_AFTER_RESET = 0x01
+_KNOWN_FLAGS = FLAG_AFTER_RESET
 MAGIC = b"KVTIERS1"
 # A whole alignment unit: the payload then starts 4 KiB-aligned for O_DIRECT.
 HEADER_SIZE = 4096
@@ -56,10 +68,11 @@ FINGERPRINT_LEN = 16
 #   fingerprint 16s | key 64s | payload_len Q | raw_len Q | payload_checksum Q |
 #   seq Q | written_at d                                     (version 1)
 #   ... | written_at d | device_checksum Q                   (version 2)
+#   version 2's, the reserved byte being ``flags``           (version 3)
 # followed by the header checksum Q over the fields before it.
 _FIELDS_V1 = struct.Struct("<8sIBBBB16s64sQQQQd")
 _FIELDS_V2 = struct.Struct("<8sIBBBB16s64sQQQQdQ")
-_FIELDS = {1: _FIELDS_V1, 2: _FIELDS_V2}
+_FIELDS = {1: _FIELDS_V1, 2: _FIELDS_V2, 3: _FIELDS_V2}
 _VERSION_AT = struct.Struct("<I")
 _HEADER_CHECKSUM = struct.Struct("<Q")
 # Bytes of the header that carry meaning (the longest version's); the rest of
@@ -201,9 +214,14 @@ class SlotHeader:
         compression); ``raw_len`` is the decoded size. ``device_checksum``
         (version 2 headers; ``None`` in version 1) is
         :func:`kvtier.store.checksum.device_checksum` of the same bytes.
-      - ``version`` 1 and 2 are read; ``pack`` writes HEADER_VERSION only
-        (ValueError for another ``version`` or without ``device_checksum``).
-        Any other version is refused by ``unpack`` with a message naming it.
+      - ``version`` 1, 2 and 3 are read; ``pack`` writes HEADER_VERSION, or
+        FLAGGED_HEADER_VERSION for an ``after_reset`` header, and nothing
+        else (ValueError for another ``version`` or without
+        ``device_checksum``). Any other version, and a version 3 header with
+        a flag this kvtier does not know, is refused by ``unpack`` with a
+        message naming it.
+      - ``after_reset`` (FLAG_AFTER_RESET, version 3 only): written after a
+        connector reset in its engine, so never adopted by a warm restart.
       - ``seq`` grows monotonically per store (also across restarts) and
         ``written_at`` is wall-clock seconds; both order warm-restart eviction.
     """
@@ -220,14 +238,19 @@ class SlotHeader:
     magic: bytes = MAGIC
     version: int = HEADER_VERSION
     device_checksum: int | None = None
+    after_reset: bool = False
 
     def pack(self) -> bytes:
         if len(self.key) > MAX_KEY_LEN:
             raise ValueError(f"key is {len(self.key)} bytes, max {MAX_KEY_LEN}")
         if len(self.fingerprint) != FINGERPRINT_LEN:
             raise ValueError(f"fingerprint must be {FINGERPRINT_LEN} bytes")
-        if self.version != HEADER_VERSION:
-            raise ValueError(f"cannot write header version {self.version}")
+        expected = FLAGGED_HEADER_VERSION if self.after_reset else HEADER_VERSION
+        if self.version != expected:
+            raise ValueError(
+                f"cannot write header version {self.version} (a header with "
+                f"after_reset={self.after_reset} is version {expected})"
+            )
         if self.device_checksum is None:
             raise ValueError(f"a version {HEADER_VERSION} header needs device_checksum")
         fixed = _FIELDS_V2.pack(
@@ -236,7 +259,7 @@ class SlotHeader:
             int(self.codec),
             self.elem_size,
             len(self.key),
-            0,
+            FLAG_AFTER_RESET if self.after_reset else 0,
             self.fingerprint,
             self.key,
             self.payload_len,
@@ -277,7 +300,7 @@ class SlotHeader:
             codec,
             elem_size,
             key_len,
-            _reserved,
+            flags,
             fingerprint,
             key,
             payload_len,
@@ -291,6 +314,14 @@ class SlotHeader:
             raise CorruptHeaderError("header checksum mismatch")
         if key_len > MAX_KEY_LEN:
             raise CorruptHeaderError(f"key length {key_len} > {MAX_KEY_LEN}")
+        if version < FLAGGED_HEADER_VERSION:
+            flags = 0  # a reserved byte then, never interpreted
+        elif flags & ~_KNOWN_FLAGS:
+            raise CorruptHeaderError(
+                f"slot header flags {flags:#04x} include one this kvtier does not "
+                "know: the slot was written by another kvtier release; it is "
+                "never read. Upgrade kvtier or give this one an empty disk path"
+            )
         try:
             codec_enum = Codec(codec)
         except ValueError:
@@ -316,6 +347,7 @@ class SlotHeader:
             magic=magic,
             version=version,
             device_checksum=device_checksum,
+            after_reset=bool(flags & FLAG_AFTER_RESET),
         )
 
 

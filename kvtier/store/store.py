@@ -34,7 +34,9 @@ from kvtier.store.reader import SlotReader
 from kvtier.store.scan import scan
 from kvtier.store.slabs import SlabFiles, SlabStats
 from kvtier.store.slot import (
+    FLAGGED_HEADER_VERSION,
     HEADER_SIZE,
+    HEADER_VERSION,
     MAX_KEY_LEN,
     LayoutFingerprint,
     ReadOutcome,
@@ -140,6 +142,8 @@ class DiskStore:
         # restarts even before (or without) a scan; scan() raises it further.
         self._seq = time.time_ns()
         self._seq_lock = threading.Lock()
+        # Set for good by mark_reset: every later block is written after_reset.
+        self._after_reset = False
         self._zero_header = aligned_empty(HEADER_SIZE)
         self._zero_header[:] = 0
 
@@ -195,6 +199,19 @@ class DiskStore:
             self._seq += 1
             return self._seq
 
+    def mark_reset(self) -> None:
+        """Every block written from now on, until this store closes, carries
+        the after-reset flag (:data:`~kvtier.store.slot.FLAG_AFTER_RESET`),
+        so no warm restart adopts it; it reads as any other block meanwhile.
+
+        Called at a connector reset (vLLM's ``reset_cache``: a sleep, a pause
+        that clears the caches, the reset that follows a weight update): the
+        blocks computed after it may come from weights other than those this
+        store's identity names, and nothing in vLLM says which. A write in
+        flight at the call carries the flag or not (callers drain the
+        writes of the blocks computed before the reset first). No I/O."""
+        self._after_reset = True
+
     def write_block(
         self,
         slot: int,
@@ -224,6 +241,7 @@ class DiskStore:
         n = len(packed)
         bounce[HEADER_SIZE : HEADER_SIZE + n] = np.frombuffer(packed, dtype=np.uint8)
         payload = bounce[HEADER_SIZE : HEADER_SIZE + n]
+        after_reset = self._after_reset  # read once: one flag, one version
         header = SlotHeader(
             key=bytes(key),
             fingerprint=self.files.digest,
@@ -235,6 +253,8 @@ class DiskStore:
             seq=seq,
             written_at=time.time(),
             elem_size=self.elem_size if codec is Codec.ZSTD_BYTEPLANE else 1,
+            version=FLAGGED_HEADER_VERSION if after_reset else HEADER_VERSION,
+            after_reset=after_reset,
         )
         bounce[:HEADER_SIZE] = np.frombuffer(header.pack(), dtype=np.uint8)
         end = round_up(HEADER_SIZE + n, IO_ALIGNMENT)

@@ -538,7 +538,9 @@ class DiskRuntime:
     def scan_restore(self) -> list[tuple[bytes, int]]:
         """Blocks a previous run left on disk that every rank holds intact
         headers for (same key, same fingerprint), oldest first: one per key,
-        at most one per slot, so never more than the store holds.
+        at most one per slot, so never more than the store holds. A block
+        written after a connector reset (``after_reset``, see
+        :meth:`mark_reset`) is never adopted: its slot is free.
 
         Payload checksums are verified lazily, on promotion: a bad payload
         then costs one miss, and start-up reads only headers, and only of
@@ -548,7 +550,11 @@ class DiskRuntime:
         for store in self.stores:
             found: dict[int, tuple[bytes, int]] = {}
             for slot, header, outcome in store.scan(skip_new=True):
-                if outcome is ReadOutcome.OK and header is not None:
+                if (
+                    outcome is ReadOutcome.OK
+                    and header is not None
+                    and not header.after_reset
+                ):
                     found[slot] = (header.key, header.seq)
             per_rank.append(found)
         entries = sorted(
@@ -560,6 +566,14 @@ class DiskRuntime:
         # respill and an invalidate; keep the newest.
         newest = {key: slot for _seq, slot, key in entries}
         return [(key, slot) for _seq, slot, key in entries if newest[key] == slot]
+
+    def mark_reset(self) -> None:
+        """A connector reset: every rank's blocks written from now on are
+        never adopted by a warm restart (:meth:`DiskStore.mark_reset`).
+        Callers drain first, so the spills of blocks computed before the
+        reset are written without the flag. No I/O."""
+        for store in self.stores:
+            store.mark_reset()
 
     @property
     def broken(self) -> str | None:

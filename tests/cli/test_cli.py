@@ -17,10 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from store_util import BLOCK_BYTES, fingerprint, key_of, write_store
 
 from kvtier.store.slot import HEADER_SIZE
+from kvtier.store.store import DiskStore
 from kvtier.tools import sizing
 from kvtier.tools.cli import main
 from kvtier.tools.trace import (
@@ -324,7 +326,8 @@ def test_inspect_and_verify_real_store(
         assert rep["payload_bytes"] < rep["raw_bytes"]
     assert rep["fingerprints"] == {fingerprint().digest().hex(): 5}
     assert rep["format_version"] == 1 and rep["header_format_versions"] == {"2": 5}
-    assert rep["reader_header_versions"] == [1, 2]
+    assert rep["reader_header_versions"] == [1, 2, 3]
+    assert rep["after_reset_blocks"] == 0
     assert rep["layout"]["model"] == "test/model"
 
     rc, out = run_cli(capsys, "verify", str(tmp_path))
@@ -337,8 +340,9 @@ def test_inspect_and_verify_real_store(
     (line,) = [ln for ln in out.splitlines() if "format version" in ln]
     assert line.split(None, 2)[2] == (
         "1 (layout.json); headers: v2 x5; "
-        "this kvtier reads format v1, header versions v1, v2"
+        "this kvtier reads format v1, header versions v1, v2, v3"
     )
+    assert "after a reset" not in out
 
     # Corrupt one payload byte of slot 3: exactly that slot is reported.
     slab = store.slabs[0]
@@ -350,6 +354,31 @@ def test_inspect_and_verify_real_store(
     assert bad[0]["key"] == key_of(3).hex()
     rc, out = run_cli(capsys, "verify", str(tmp_path))
     assert rc == 1 and "slot 3: checksum_mismatch" in out
+
+
+def test_inspect_counts_blocks_written_after_a_reset_and_verify_passes_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Blocks written after a connector reset are valid (version 3 headers,
+    verified like any other) and counted apart: a restart never adopts
+    them."""
+    store = DiskStore(
+        [str(tmp_path)], 8, BLOCK_BYTES, fingerprint(BLOCK_BYTES), backend="posix"
+    )
+    data = np.arange(BLOCK_BYTES, dtype=np.uint64).astype(np.uint8)
+    store.write_block(0, key_of(0), data, store.next_seq())
+    store.mark_reset()
+    for i in (1, 2):
+        store.write_block(i, key_of(i), data, store.next_seq())
+    store.close()
+    rep = run_json(capsys, "inspect", str(tmp_path))["stores"][0]
+    assert rep["blocks"] == 3 and rep["after_reset_blocks"] == 2
+    assert rep["header_format_versions"] == {"2": 1, "3": 2}
+    rc, out = run_cli(capsys, "inspect", str(tmp_path))
+    (line,) = [ln for ln in out.splitlines() if "after a reset" in ln]
+    assert "2 of the valid blocks were written after a connector reset" in line
+    rc, out = run_cli(capsys, "verify", str(tmp_path))
+    assert rc == 0 and "3 ok, 0 bad" in out
 
 
 def test_verify_reports_bad_header_and_inspect_counts_it(

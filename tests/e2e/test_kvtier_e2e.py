@@ -183,6 +183,45 @@ def test_warm_restart_serves_disk_blocks_from_a_previous_engine(
     assert fresh.totals.get("disk", 0) == 0
 
 
+def test_blocks_written_after_a_connector_reset_are_never_adopted(
+    model, block_bytes, baseline, tmp_path
+):
+    """A connector reset (a sleep, a pause that clears the caches, the reset
+    after a weight update) may precede other weights, which the store's
+    identity cannot name: the blocks written after it serve this engine,
+    and no later engine adopts them. Those written before it, where no
+    later spill reused their slots, are adopted."""
+    from kvtier.testing.engine import settle
+
+    cfg = kvtier_config(block_bytes, tmp_path, spill_watermark=0.0)
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        mgr = manager_of(llm)
+        h = mgr.hierarchy
+        before = run_each(llm, FIRST[:4])  # disk slots 0-15
+        settle(mgr)
+        assert llm.reset_prefix_cache(reset_connector=True)
+        assert len(h.cpu) == len(h.disk) == 0  # the reset forgot them all
+        after = run_each(llm, FIRST[4:])  # disk slots 0-7 again
+        settle(mgr)
+        # Out of the CPU tier (clean: on disk too), then served from the
+        # blocks written after the reset.
+        assert all(evict_clean(h, key) for key in list(h.cpu.keys()))
+        assert llm.reset_prefix_cache()
+        served = run_each(llm, [FIRST[4]])
+    assert before.outputs + after.outputs == baseline[: len(FIRST)]
+    assert served.hits_by_source == [{"disk": BLOCKS_PER_PROMPT * 32}]
+    assert served.outputs == baseline[4:5]
+
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        restored = len(manager_of(llm).hierarchy.disk)
+        again = run_each(llm, [FIRST[2], FIRST[3], FIRST[4], FIRST[5]])
+    # FIRST[2] and FIRST[3], written before the reset; FIRST[4] and FIRST[5],
+    # written after it over FIRST[0] and FIRST[1], are not adopted.
+    assert restored == 2 * BLOCKS_PER_PROMPT
+    assert again.hits_by_source == [{"disk": BLOCKS_PER_PROMPT * 32}] * 2 + [{}, {}]
+    assert again.outputs == baseline[2:6]
+
+
 @pytest.mark.parametrize(
     ("extra", "pattern"),
     [

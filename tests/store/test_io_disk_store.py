@@ -307,6 +307,54 @@ def test_warm_restart_reads_only_the_headers_of_slots_that_existed(
     assert restart(512) == (found, (3 if holes else 512) * HEADER_SIZE)
 
 
+def test_blocks_written_after_a_reset_are_read_but_never_adopted(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    """After ``mark_reset`` (a connector reset: a sleep, a weight update)
+    every block is written flagged: read like any other while the store is
+    open, skipped by the next start's restart scan (its slot free), and an
+    older unflagged copy of the same key is adopted instead. The flag ends
+    with the store: the next one writes adoptable blocks again."""
+    from kvtier.host.cpu_tier import AttachedRows
+    from kvtier.store.transfers import DiskRuntime
+
+    paths = [str(tmp_path / "a")]
+    nowhere = str(tmp_path / "no-cpu-tier")
+
+    def restart() -> list[tuple[bytes, int]]:
+        store = DiskStore(paths, 16, BLOCK_BYTES, fingerprint, backend="posix")
+        runtime = DiskRuntime([store], [AttachedRows(nowhere, 1, BLOCK_BYTES)])
+        try:
+            return runtime.scan_restore()
+        finally:
+            runtime.close()
+
+    def key(i: int) -> bytes:
+        return KEY + bytes([i])
+
+    with DiskStore(paths, 16, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        s.write_block(0, key(0), block(0), s.next_seq())
+        s.write_block(1, key(1), block(1), s.next_seq())  # older copy of key 1
+        s.mark_reset()
+        s.write_block(2, key(2), block(2), s.next_seq())
+        s.write_block(3, key(1), block(1), s.next_seq())  # newer copy of key 1
+        assert [read_header(s, slot)[0].after_reset for slot in range(4)] == [
+            False,
+            False,
+            True,
+            True,
+        ]
+        # Readable while this store is open, as any block.
+        out = sentinel_out()
+        assert s.read_block(2, key(2), out) is ReadOutcome.OK
+        assert np.array_equal(out, block(2))
+    assert restart() == [(key(0), 0), (key(1), 1)]
+    # A store opened afterwards writes adoptable blocks.
+    with DiskStore(paths, 16, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        s.write_block(4, key(4), block(4), s.next_seq())
+    assert restart() == [(key(0), 0), (key(1), 1), (key(4), 4)]
+
+
 @pytest.mark.parametrize("answer", ["empty data range", "data behind the offset"])
 def test_a_restart_scan_lists_every_slot_where_lseek_answers_nonsense(
     tmp_path: Path, fingerprint: LayoutFingerprint, monkeypatch, answer: str

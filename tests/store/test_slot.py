@@ -8,12 +8,16 @@ from pathlib import Path
 import pytest
 
 from kvtier.store.backends.base import IO_ALIGNMENT
+from kvtier.store.checksum import header_checksum
 from kvtier.store.compression import Codec
 from kvtier.store.slot import (
     FIXED_HEADER_LEN,
+    FLAG_AFTER_RESET,
+    FLAGGED_HEADER_VERSION,
     FORMAT_VERSION,
     HEADER_SIZE,
     HEADER_VERSION,
+    HEADER_VERSIONS,
     MAGIC,
     CorruptHeaderError,
     EmptySlotError,
@@ -73,6 +77,34 @@ def test_version_1_header_still_parses() -> None:
             SlotHeader.unpack(bytes(bad))
 
 
+def _with_flags(packed: bytes, flags: int) -> bytes:
+    """``packed`` with its flags (reserved) byte set and its header checksum
+    made right again: what a writer setting those flags would write."""
+    fixed = bytearray(packed[:FIXED_HEADER_LEN])
+    fixed[15] = flags
+    end = FIXED_HEADER_LEN - 8
+    fixed[end:] = header_checksum(bytes(fixed[:end])).to_bytes(8, "little")
+    return bytes(fixed) + packed[FIXED_HEADER_LEN:]
+
+
+def test_an_after_reset_header_is_version_3_with_its_flag() -> None:
+    plain = header().pack()
+    assert plain[8:12] == (HEADER_VERSION).to_bytes(4, "little") and plain[15] == 0
+    flagged = header(after_reset=True, version=FLAGGED_HEADER_VERSION)
+    packed = flagged.pack()
+    assert packed[8:12] == (3).to_bytes(4, "little")
+    assert packed[15] == FLAG_AFTER_RESET
+    back = SlotHeader.unpack(packed)
+    assert back == flagged and back.after_reset
+    assert SlotHeader.unpack(plain).after_reset is False
+    # The byte is reserved below version 3: a version 2 header is never read
+    # as flagged, whatever it holds there.
+    assert SlotHeader.unpack(_with_flags(plain, FLAG_AFTER_RESET)).after_reset is False
+    # A flag this kvtier does not know (a later release's) is refused.
+    with pytest.raises(CorruptHeaderError, match="flags 0x03 .*Upgrade kvtier"):
+        SlotHeader.unpack(_with_flags(packed, 0x03))
+
+
 def test_every_fixed_header_byte_is_protected() -> None:
     packed = header().pack()
     for i in range(FIXED_HEADER_LEN):
@@ -91,11 +123,13 @@ def test_zeroed_header_is_empty_and_short_is_corrupt() -> None:
 
 def test_other_version_and_bad_fields_rejected() -> None:
     newer = bytearray(header().pack())
-    newer[8:12] = (HEADER_VERSION + 1).to_bytes(4, "little")
-    with pytest.raises(CorruptHeaderError, match="header version 3 .*Upgrade kvtier"):
+    newer[8:12] = (max(HEADER_VERSIONS) + 1).to_bytes(4, "little")
+    with pytest.raises(CorruptHeaderError, match="header version 4 .*Upgrade kvtier"):
         SlotHeader.unpack(bytes(newer))
     with pytest.raises(ValueError, match="cannot write header version"):
-        header(version=HEADER_VERSION + 1).pack()
+        header(version=FLAGGED_HEADER_VERSION).pack()  # no flag: version 2
+    with pytest.raises(ValueError, match="cannot write header version"):
+        header(after_reset=True).pack()  # a flag: version 3
     with pytest.raises(ValueError, match="needs device_checksum"):
         header(device_checksum=None).pack()
     with pytest.raises(CorruptHeaderError, match="magic"):

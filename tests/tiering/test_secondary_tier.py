@@ -561,6 +561,36 @@ def test_reset_cache_drains_and_keeps_the_disk(tmp_path, make_driver):
     assert d.load_and_check(keys, ctx) == {"disk": 4}
 
 
+def test_blocks_stored_after_a_reset_serve_this_engine_and_are_never_adopted(
+    tmp_path, make_driver
+):
+    """vLLM keeps a secondary tier's blocks across its reset (a sleep, a
+    weight update), and so does this tier; but the blocks stored after it
+    may come from other weights: read by this engine, never adopted by a
+    later one. Those from before it are."""
+    d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    before = d.store("a", 4)
+    d.manager.reset_cache()
+    d.settle()
+    after = d.store("b", 4)
+    d.settle()
+    truth = dict(d.truth)
+    d.manager.reset_cache()  # out of the primary tier: read from disk
+    d.rows[:, :] = 0
+    hits, ctx = d.lookup("b-again", after)
+    assert hits == 4
+    assert d.load_and_check(after, ctx) == {"disk": 4}
+    d.close()
+
+    second = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    second.truth = truth
+    assert second.tier.stats.restored == 4
+    hits, ctx = second.lookup("a-again", before)
+    assert hits == 4
+    assert second.load_and_check(before, ctx) == {"disk": 4}
+    assert second.lookup("b-again", after)[0] == 0
+
+
 def test_jobs_after_shutdown_fail_at_once(tmp_path, make_driver):
     """A cascade or promotion that reaches the tier after its shutdown fails
     whole through vLLM's path (primary pins released), not an assertion

@@ -536,8 +536,14 @@ class KvtierDiskTier(SecondaryTierManager):
 
     @override
     def drain_jobs(self) -> None:
+        """vLLM's reset (``TieringOffloadingManager.reset_cache``): wait for
+        the jobs in flight, as vLLM's contract asks. The tier keeps its
+        blocks (vLLM does not reset secondary tiers), but the blocks stored
+        from now on may come from other weights (a sleep, a weight update),
+        so no later engine adopts them (:meth:`DiskRuntime.mark_reset`)."""
         if self.runtime is not None:
             self.runtime.drain()
+            self.runtime.mark_reset()
 
     @override
     def shutdown(self) -> None:

@@ -22,14 +22,16 @@ LAYOUT_SHOWN = ("model", "dtype", "block_bytes", "geometry", "tp_rank", "tp_size
 def inspect_store(files: Any) -> dict[str, Any]:
     """Summary of one store found on disk (a
     :class:`~kvtier.store.slabs.SlabFiles`): slots used, bytes, fill,
-    fingerprints, header versions."""
+    fingerprints, header versions, and the valid blocks written after a
+    connector reset (``after_reset_blocks``: read by the engine that wrote
+    them, never adopted by a restart)."""
     from kvtier.store.scan import scan
     from kvtier.store.slot import FORMAT_VERSION, HEADER_VERSIONS, ReadOutcome
 
     outcomes: Counter[str] = Counter()
     fingerprints: Counter[str] = Counter()
     versions: Counter[int] = Counter()
-    payload_bytes = raw_bytes = 0
+    payload_bytes = raw_bytes = after_reset = 0
     for rec in scan(files, file_order=True):
         outcomes[rec.outcome.value] += 1
         if rec.header is not None:
@@ -42,6 +44,7 @@ def inspect_store(files: Any) -> dict[str, Any]:
             assert rec.header is not None
             payload_bytes += rec.header.payload_len
             raw_bytes += rec.header.raw_len
+            after_reset += rec.header.after_reset
     total = files.num_slots
     used = total - outcomes.get(ReadOutcome.EMPTY.value, 0)
     return {
@@ -62,6 +65,7 @@ def inspect_store(files: Any) -> dict[str, Any]:
         "total_slots": total,
         "used_slots": used,
         "blocks": outcomes.get(ReadOutcome.OK.value, 0),
+        "after_reset_blocks": after_reset,
         "fill": used / total if total else 0.0,
         "payload_bytes": payload_bytes,
         "raw_bytes": raw_bytes,
@@ -148,6 +152,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"({rep['fill']:.1%}); {rep['blocks']} valid blocks, payload "
             f"{fmt_bytes(rep['payload_bytes'])} (raw {fmt_bytes(rep['raw_bytes'])})"
         )
+        if rep["after_reset_blocks"]:
+            say(
+                f"  after a reset    {rep['after_reset_blocks']} of the valid "
+                "blocks were written after a connector reset: a restart never "
+                "adopts them (their weights may have changed)"
+            )
         say(
             "  slot headers     "
             + ", ".join(f"{k} {v}" for k, v in rep["outcomes"].items())
