@@ -57,16 +57,19 @@ def test_tp2_outputs_equal_the_baseline_with_hits_from_cpu_and_disk(tp2):
     base = r["baseline"]
     assert r["first"] == base["first"]
     ret = r["returning"]
+    # What the phase recorded, whole, with any failure below: a failure seen
+    # once under CI's load (no cached tokens) left too little to go on.
+    seen = {k: v for k, v in ret.items() if k != "outputs"}
     # FIRST[5] was in the CPU tier, FIRST[0] on disk only (every rank's copy).
     assert ret["where_before"] == {
         "FIRST[5]": ["HIT_CPU"] * 4,
         "FIRST[0]": ["HIT_DISK"] * 4,
-    }
-    assert ret["hits"] == [{"host": BLOCK_TOKENS}, {"disk": BLOCK_TOKENS}]
-    assert ret["num_cached_tokens"] == [BLOCK_TOKENS, BLOCK_TOKENS]
+    }, seen
+    assert ret["hits"] == [{"host": BLOCK_TOKENS}, {"disk": BLOCK_TOKENS}], seen
+    assert ret["num_cached_tokens"] == [BLOCK_TOKENS, BLOCK_TOKENS], seen
     assert ret["outputs"] == base["returning"]
-    assert ret["stats"]["loads_cpu"] == 4 and ret["stats"]["loads_disk"] == 4
-    assert "load_failures" not in ret["stats"]
+    assert ret["stats"]["loads_cpu"] == 4 and ret["stats"]["loads_disk"] == 4, seen
+    assert "load_failures" not in ret["stats"], seen
     # Each rank had its own CPU-tier file, mapped by the scheduler, holding
     # that rank's shard of each block (both written, not the same bytes);
     # the files went with the engine.
@@ -112,6 +115,7 @@ def test_tp2_each_rank_wrote_its_own_store(tp2):
 def test_tp2_one_ranks_corrupt_slot_fails_the_block_on_every_rank(tp2):
     r, disk = tp2
     c = r["corrupt"]
+    seen = {k: v for k, v in c.items() if k != "outputs"}
     # The corrupted slab is rank 1's.
     stores = find_stores([str(disk)])
     try:
@@ -121,17 +125,17 @@ def test_tp2_one_ranks_corrupt_slot_fails_the_block_on_every_rank(tp2):
         for s in stores:
             s.close()
     # FIRST[1] was on disk only; its load was planned from disk in full ...
-    assert c["where_before"] == ["HIT_DISK"] * 4
-    assert c["hits"][0]["disk"] == BLOCK_TOKENS
+    assert c["where_before"] == ["HIT_DISK"] * 4, seen
+    assert c["hits"][0]["disk"] == BLOCK_TOKENS, seen
     # ... one slot (rank 1's copy of block 0) failed verification; rank 0
     # read its copy fine, yet the block failed for the request: vLLM was
     # told, took back the whole loaded prefix and recomputed it on both
     # ranks, so no cached token was used.
-    assert c["checksum_failures"] == 1 and c["io_errors"] == 0
-    assert c["stats"]["load_failures"] == 1
-    assert c["failures"] == {"corrupt": 1}  # dropped from the disk tier
-    assert c["invalid"][0] == {"blocks": 1, "affected_tokens": BLOCK_TOKENS}
-    assert c["num_cached_tokens"] == [0]
+    assert c["checksum_failures"] == 1 and c["io_errors"] == 0, seen
+    assert c["stats"]["load_failures"] == 1, seen
+    assert c["failures"] == {"corrupt": 1}, seen  # dropped from the disk tier
+    assert c["invalid"][0] == {"blocks": 1, "affected_tokens": BLOCK_TOKENS}, seen
+    assert c["num_cached_tokens"] == [0], seen
     assert c["outputs"] == r["baseline"]["corrupt"]
     # Later runs are correct; the bad slot never serves again. The request
     # that recomputed stored block 0 again (its stores restart after a
