@@ -47,10 +47,11 @@ class Doorkeeper:
         self._prev = bytearray(self._nbytes)
         # The next generation, and how many of its bytes are zero from the
         # start (all of it: it is new). Each addition zeroes ``_step`` more,
-        # so it is all zero after ``window`` additions, when it is needed.
+        # so it is all zero after ``window`` additions, when it is needed: a
+        # power of two, so the steps tile the (power-of-two) generation.
         self._next = bytearray(self._nbytes)
         self._zeroed = self._nbytes
-        self._step = -(-self._nbytes // self.window)
+        self._step = 1 << (-(-self._nbytes // self.window) - 1).bit_length()
         self._zeros = bytes(self._step)
         self._added = 0
 
@@ -78,9 +79,8 @@ class Doorkeeper:
         cur[ib] |= mb
         zeroed = self._zeroed
         if zeroed < self._nbytes:
-            end = min(zeroed + self._step, self._nbytes)
-            self._next[zeroed:end] = self._zeros[: end - zeroed]
-            self._zeroed = end
+            self._zeroed = end = zeroed + self._step
+            self._next[zeroed:end] = self._zeros
         self._added += 1
         if self._added >= self.window:
             # The oldest generation is zeroed from now on, to be the next.
