@@ -129,7 +129,7 @@ class TwoQueuePolicy(EvictionPolicy):
     keys, for about half the capacity, while a prefix cache's reuse
     distances are many capacities long. Much longer is not better: keys
     reused too rarely to survive in the main LRU then crowd it
-    (docs/benchmarks.md, "Hit rate"). O(1) per call; ~4 bytes per key of
+    (docs/benchmarks.md, "Hit rate"). O(1) per call; ~6 bytes per key of
     history.
 
     Segments: probation and main. Probation is kept as its older part

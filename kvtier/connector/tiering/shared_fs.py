@@ -45,6 +45,7 @@ import os
 import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -191,7 +192,10 @@ class SharedFsTier(SecondaryTierManager):
         # (it was aborted, or found the key in an earlier tier and stopped
         # asking) says nothing about how long this request's lookup waits.
         self._retry_since: dict[str, dict[OffloadKey, float]] = {}
-        self._store_since: dict[JobId, float] = {}
+        # Stores in flight and when each was submitted, in submission order:
+        # the first is the oldest, which is all the per-step check reads (a
+        # slow mount can hold thousands in flight).
+        self._store_since: OrderedDict[JobId, float] = OrderedDict()
         self._done: list[JobResult] = []
 
     @property
@@ -274,7 +278,7 @@ class SharedFsTier(SecondaryTierManager):
             self._store_since.pop(result.job_id, None)
             results.append(result)
         if self.online and self._store_since:
-            oldest = min(self._store_since.values())
+            oldest = next(iter(self._store_since.values()))
             if time.monotonic() - oldest > self.store_timeout_s:
                 self._go_offline(
                     f"left a store unfinished for {self.store_timeout_s:g} s "
