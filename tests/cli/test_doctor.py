@@ -225,6 +225,29 @@ def test_a_layout_identity_that_is_no_object_is_a_warning(
     assert repr(identity) in store["detail"] and rc == 0
 
 
+def test_a_planted_layout_sends_no_control_characters_to_the_terminal(
+    capsys, disk, shm
+):
+    """A store planted in a shared disk path names the served model and
+    carries escape sequences in its layout.json identity: the doctor's
+    report of it ("adopted ... dtype=...") printed them raw, so the
+    operator's terminal took them (retitled, cleared). They are shown."""
+    from kvtier.tools.cli import main
+
+    model = build_tiny_llama()
+    name = _store(disk, model, model_identity(model, kv_cache_dtype="float32"))
+    layout = disk / name / "layout.json"
+    doc = json.loads(layout.read_text())
+    doc["identity"] = {"dtype": "\x1b]0;pwned\x07\x1b[2J", "\x9bq": "x"}
+    layout.write_text(json.dumps(doc))
+    main(["doctor", *flags(disk, shm, "--model", model)])
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if f"store {name}" in s)
+    assert "adopted" in line
+    assert not any(c in out for c in "\x1b\x07\x9b")
+    assert "dtype=\\x1b]0;pwned\\x07\\x1b[2J" in line and "\\x9bq=x" in line
+
+
 def test_a_model_that_cannot_be_read_is_a_warning(capsys, disk, shm, monkeypatch):
     """A store whose model cannot be hashed (an I/O error reading its files)
     is a store that cannot be read: a warning, not a failed check."""

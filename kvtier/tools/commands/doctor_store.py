@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.connector.preflight import allocated_bytes
-from kvtier.tools.commands.common import fmt_bytes
+from kvtier.tools.commands.common import fmt_bytes, visible
 from kvtier.tools.commands.doctor import OK, WARNING, Check
 
 if TYPE_CHECKING:
@@ -40,9 +40,14 @@ def _contents(layout: dict) -> str | None:
 
 
 def _settings(layout: dict) -> str:
+    """The settings a store's ``layout.json`` records, for a line: its
+    strings are the file's (planted, in a shared disk path), so control
+    characters are shown, never sent to the operator's terminal."""
     ident = layout.get("identity") or {}
     shown = {k: v for k, v in ident.items() if k not in ("contents", "settings")}
-    return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "not recorded"
+    return visible(", ".join(f"{k}={v}" for k, v in sorted(shown.items()))) or (
+        "not recorded"
+    )
 
 
 def _verdict(
