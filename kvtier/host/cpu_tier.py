@@ -397,7 +397,15 @@ def _map_shared_file(
             _unlink_if_same(path, fd)
         os.close(fd)
         raise
-    if not owner:
+    if owner:
+        # The mapping holds the locked open file description too: a child
+        # forked without exec would inherit it and keep the owner's lock
+        # after the owner died (its file taken for a live engine's, never
+        # reclaimed). Not inherited, it dies with the owner (the lock's
+        # descriptors: kvtier.safe_open).
+        with contextlib.suppress(AttributeError, OSError):
+            mapping.madvise(mmap.MADV_DONTFORK)
+    else:
         os.close(fd)
         fd = -1
     return mapping, owner, fd, (st.st_dev, st.st_ino)
