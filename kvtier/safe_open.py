@@ -18,7 +18,10 @@ Locks: an engine holds an exclusive ``flock`` on its store directory and on
 its CPU-tier file for its lifetime. ``flock`` locks belong to the open file
 description, so they vanish with the process (SIGKILL, OOM kill included):
 a crash never leaves a stale lock, and a file whose lock can be taken has
-no live owner.
+no live owner. A child forked without exec (``os.fork``, multiprocessing's
+fork start) would share those descriptions, and keep the locks after the
+engine died; in such a child the lock descriptors are pointed at
+``/dev/null`` (:func:`_drop_locks_in_child`).
 
 No vLLM import (kvtier.store and kvtier.host stay plain).
 """
@@ -226,18 +229,69 @@ def open_private_dir(path: str) -> int:
     return fd
 
 
+# Descriptors this process took an exclusive lock on, with the inode each
+# named then: a later close (and reuse of the number) needs no bookkeeping,
+# since a forked child only touches a number that still names that inode.
+_locked: dict[int, tuple[int, int]] = {}
+
+
 def flock_exclusive(fd: int) -> bool:
     """Take an exclusive ``flock`` on ``fd`` without waiting; False if held.
 
     The lock lives as long as the open file description (it dies with the
-    process, so a crash never leaves it behind)."""
+    process, so a crash never leaves it behind; a child forked without exec
+    gets no share of it, see :func:`_drop_locks_in_child`)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             return False
         raise
+    st = os.fstat(fd)
+    _locked[fd] = (st.st_dev, st.st_ino)
     return True
+
+
+def _drop_locks_in_child() -> None:
+    """In a child forked without exec: point each descriptor of a file this
+    process holds a lock on at ``/dev/null``. The child would otherwise share
+    the lock's open file description and keep the lock after the engine died
+    (its store "in use by another running engine" at the restart, its
+    CPU-tier file taken for a live owner's) for as long as the child runs.
+    Every descriptor of such a file counts: ``mmap`` keeps a duplicate of the
+    one it maps. The parent's locks are untouched (its own descriptors stay
+    open); the numbers stay valid in the child, so nothing there closes an
+    unrelated file."""
+    held = list(_locked.items())
+    _locked.clear()
+    fds: set[int] = set()
+    inodes: set[tuple[int, int]] = set()
+    for fd, inode in held:
+        with contextlib.suppress(OSError):
+            st = os.fstat(fd)
+            # Still open on that inode (so the inode is not a reused number).
+            if (st.st_dev, st.st_ino) == inode:
+                fds.add(fd)
+                inodes.add(inode)
+    if not fds:
+        return
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                st = os.fstat(int(name))
+                if (st.st_dev, st.st_ino) in inodes:
+                    fds.add(int(name))
+    try:
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.dup2(null, fd, inheritable=False)
+    os.close(null)
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 
 def is_locked(fd: int) -> bool:

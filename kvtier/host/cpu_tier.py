@@ -29,6 +29,7 @@ import errno
 import mmap
 import os
 import secrets
+import stat
 import tempfile
 import time
 import weakref
@@ -396,7 +397,15 @@ def _map_shared_file(
             _unlink_if_same(path, fd)
         os.close(fd)
         raise
-    if not owner:
+    if owner:
+        # The mapping holds the locked open file description too: a child
+        # forked without exec would inherit it and keep the owner's lock
+        # after the owner died (its file taken for a live engine's, never
+        # reclaimed). Not inherited, it dies with the owner (the lock's
+        # descriptors: kvtier.safe_open).
+        with contextlib.suppress(AttributeError, OSError):
+            mapping.madvise(mmap.MADV_DONTFORK)
+    else:
         os.close(fd)
         fd = -1
     return mapping, owner, fd, (st.st_dev, st.st_ino)
@@ -461,9 +470,10 @@ def rmdir_if_empty(directory: str) -> None:
 _TMP_GRACE_S = 60.0
 
 
-def _younger_than(path: str, seconds: float) -> bool:
+def _younger_than(path: str, seconds: float, dir_fd: int | None = None) -> bool:
     try:
-        return time.time() - os.stat(path, follow_symlinks=False).st_mtime < seconds
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        return time.time() - st.st_mtime < seconds
     except OSError:
         return True
 
@@ -474,29 +484,53 @@ def reclaim_stale_cpu_files(
     """Remove CPU-tier files in ``directory`` that no live engine holds
     (:func:`_reclaim`): ``*.cpu`` files and half-built temporaries, a dead
     engine's leftovers that still pin shared memory. Files of other users
-    and symbolic links are skipped. Returns ``(path, bytes)`` of what was
-    removed; with ``dry_run`` (``kvtier doctor``) of what would be, and
-    nothing is removed."""
+    and symbolic links are skipped; so is all of ``directory`` when it is a
+    link or not this user's alone (nothing is removed through it). Returns
+    ``(path, bytes)`` of what was removed; with ``dry_run`` (``kvtier
+    doctor``) of what would be, and nothing is removed."""
     removed: list[tuple[str, int]] = []
+    # The directory is listed and its files removed through one checked
+    # descriptor: a link planted in its place (``/dev/shm`` is writable by
+    # everyone) would otherwise make this remove this user's unlocked
+    # ``*.cpu``/``*.tmp`` files wherever it points.
     try:
-        names = os.listdir(directory)
+        dir_fd = os.open(
+            directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        )
     except FileNotFoundError:
         return removed
-    for entry in sorted(names):
-        if not (entry.endswith(".cpu") or entry.endswith(".tmp")):
-            continue
-        path = os.path.join(directory, entry)
-        if entry.endswith(".tmp") and _younger_than(path, _TMP_GRACE_S):
-            continue  # an owner between creating and locking it: not stale
-        try:
-            size = _reclaim(path, dry_run=dry_run)
-        except InUseError:
-            continue
-        except OSError as exc:
-            logger.warning("kvtier: leaving %s alone: %s", path, exc)
-            continue
-        if size is not None:
-            removed.append((path, size))
+    except OSError as exc:
+        logger.warning("kvtier: not sweeping %s: %s", directory, exc)
+        return removed
+    try:
+        st = os.fstat(dir_fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            logger.warning(
+                "kvtier: not sweeping %s: owned by uid %d (mode %04o), not "
+                "private to this user (uid %d)",
+                directory,
+                st.st_uid,
+                stat.S_IMODE(st.st_mode),
+                os.geteuid(),
+            )
+            return removed
+        for entry in sorted(os.listdir(dir_fd)):
+            if not (entry.endswith(".cpu") or entry.endswith(".tmp")):
+                continue
+            path = os.path.join(directory, entry)
+            if entry.endswith(".tmp") and _younger_than(entry, _TMP_GRACE_S, dir_fd):
+                continue  # an owner between creating and locking it: not stale
+            try:
+                size = _reclaim(path, dry_run=dry_run, dir_fd=dir_fd)
+            except InUseError:
+                continue
+            except OSError as exc:
+                logger.warning("kvtier: leaving %s alone: %s", path, exc)
+                continue
+            if size is not None:
+                removed.append((path, size))
+    finally:
+        os.close(dir_fd)
     return removed
 
 

@@ -225,6 +225,57 @@ def test_a_layout_identity_that_is_no_object_is_a_warning(
     assert repr(identity) in store["detail"] and rc == 0
 
 
+def test_a_planted_layout_sends_no_control_characters_to_the_terminal(
+    capsys, disk, shm
+):
+    """A store planted in a shared disk path names the served model and
+    carries escape sequences in its layout.json identity: the doctor's
+    report of it ("adopted ... dtype=...") printed them raw, so the
+    operator's terminal took them (retitled, cleared). They are shown."""
+    from kvtier.tools.cli import main
+
+    model = build_tiny_llama()
+    name = _store(disk, model, model_identity(model, kv_cache_dtype="float32"))
+    layout = disk / name / "layout.json"
+    doc = json.loads(layout.read_text())
+    doc["identity"] = {"dtype": "\x1b]0;pwned\x07\x1b[2J", "\x9bq": "x"}
+    layout.write_text(json.dumps(doc))
+    main(["doctor", *flags(disk, shm, "--model", model)])
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if f"store {name}" in s)
+    assert "adopted" in line
+    assert not any(c in out for c in "\x1b\x07\x9b")
+    assert "dtype=\\x1b]0;pwned\\x07\\x1b[2J" in line and "\\x9bq=x" in line
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's store needs root")
+def test_a_store_of_another_user_is_never_called_adopted(capsys, disk, shm):
+    """Another user planted the engine's store directory (its layout.json
+    copied, the model named) in a shared disk path: the doctor called it
+    "adopted" (ok) and counted its slabs as free space, while the engine
+    refuses to open it and so to start."""
+    model = build_tiny_llama()
+    name = _store(disk, model, model_identity(model, kv_cache_dtype="float32"))
+    store = disk / name
+    for p in (store, *store.iterdir()):
+        os.chown(p, 65534, 65534)  # as if created by nobody
+    _, checks = doctor(capsys, *flags(disk, shm, "--model", model))
+    check = checks[f"store {name}"]
+    assert check["status"] == "warning", check
+    assert check["detail"].startswith("not adopted:")
+    assert "owned by uid 65534" in check["detail"]
+    assert "adopted store" not in checks[f"{disk}: free space"]["detail"]
+    # Ours again but writable by others: refused as well.
+    for p in (store, *store.iterdir()):
+        os.chown(p, os.geteuid(), os.getegid())
+    store.chmod(0o777)
+    _, checks = doctor(capsys, *flags(disk, shm, "--model", model))
+    assert "mode 0777" in checks[f"store {name}"]["detail"]
+    store.chmod(0o700)
+    _, checks = doctor(capsys, *flags(disk, shm, "--model", model))
+    assert checks[f"store {name}"]["detail"].startswith("adopted:")
+
+
 def test_a_model_that_cannot_be_read_is_a_warning(capsys, disk, shm, monkeypatch):
     """A store whose model cannot be hashed (an I/O error reading its files)
     is a store that cannot be read: a warning, not a failed check."""

@@ -185,6 +185,38 @@ def test_symlink_in_place_of_the_cpu_file_is_refused(private_dir: str) -> None:
     assert link.is_symlink() and target.read_bytes() == b"\0" * ROW
 
 
+@needs_root
+def test_start_sweep_never_removes_files_through_a_planted_directory_link(
+    sticky_dir: Path, tmp_path: Path
+) -> None:
+    """Another user plants ``<shm>/kvtier-<euid>`` as a link to a directory
+    of ours before our engine starts. The start-up sweep of dead engines'
+    files (prepare_cpu_tier) followed it and removed every unlocked 0600
+    ``*.cpu`` and old ``*.tmp`` file of ours there; it must remove nothing
+    (the start is then refused by the directory check)."""
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    old = time.time() - 3600
+    for name in ("notes.tmp", "archive.cpu"):
+        f = ours / name
+        f.write_bytes(b"precious")
+        f.chmod(0o600)
+        os.utime(f, (old, old))
+    link = sticky_dir / f"kvtier-{os.geteuid()}"
+    as_user(NOBODY, lambda: link.symlink_to(ours))
+    prepare_cpu_tier(str(link / "kvtier-e-r0of1.cpu"), 4, ROW)
+    assert sorted(p.name for p in ours.iterdir()) == ["archive.cpu", "notes.tmp"]
+    assert reclaim_stale_cpu_files(str(link), dry_run=True) == []
+    # A directory of another user's is not swept either.
+    link.unlink()
+    theirs = sticky_dir / "theirs"
+    as_user(NOBODY, lambda: theirs.mkdir(mode=0o777))
+    for name in ("a.cpu", "b.tmp"):
+        shutil.copy2(ours / "notes.tmp", theirs / name)  # ours, 0600, unlocked
+    assert reclaim_stale_cpu_files(str(theirs)) == []
+    assert sorted(p.name for p in theirs.iterdir()) == ["a.cpu", "b.tmp"]
+
+
 def test_scheduler_side_never_maps_a_file_without_a_live_owner(
     private_dir: str,
 ) -> None:

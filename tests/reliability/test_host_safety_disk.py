@@ -6,6 +6,7 @@ drops to that uid), so the files it creates really are foreign-owned."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -283,3 +284,56 @@ def test_a_sigkilled_engine_leaves_no_stale_lock(tmp_path: Path) -> None:
         found = {h.key: slot for slot, h, o in store.scan() if o is ReadOutcome.OK}
         assert set(found) == {key_of(i) for i in range(3)}
         assert all(read_ok(store, s, k) for k, s in found.items())
+
+
+def test_a_child_forked_by_a_killed_engine_keeps_none_of_its_locks(
+    tmp_path: Path,
+) -> None:
+    """The engine forks a helper without exec (os.fork, multiprocessing's
+    fork start) after its store and CPU-tier file are open, then is
+    SIGKILLed while the helper lives on. The helper shared the locks' open
+    file descriptions: the restart was refused as "in use by another
+    running kvtier engine" and the CPU-tier file taken for a live owner's,
+    for as long as the helper ran. The locks must die with the engine."""
+    from kvtier.host.cpu_tier import CpuBlockBuffer
+
+    base, shm = tmp_path / "disk", tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    cpu = str(shm / "kvtier-e-r0of1.cpu")
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the engine
+        try:
+            os.close(ready_r)
+            store = open_store(base, slots=8)
+            write_keys(store, 3)
+            rows = CpuBlockBuffer(4, 4096, cpu, owner=True)
+            helper = os.fork()
+            if helper == 0:  # the helper: outlives the engine
+                time.sleep(120)
+                os._exit(0)
+            os.write(ready_w, helper.to_bytes(4, "little"))
+            while store and rows:
+                time.sleep(1)
+        finally:
+            os._exit(1)
+    os.close(ready_w)
+    helper = 0
+    try:
+        helper = int.from_bytes(os.read(ready_r, 4), "little")
+        assert helper > 0
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.kill(helper, 0)  # the helper still runs
+        with open_store(base, slots=8) as store:  # not "in use"
+            found = {h.key for _s, h, o in store.scan() if o is ReadOutcome.OK}
+            assert found == {key_of(i) for i in range(3)}
+        with pytest.raises(FileNotFoundError, match="no live owner"):
+            CpuBlockBuffer(4, 4096, cpu, owner=False)
+        with CpuBlockBuffer(4, 4096, cpu, owner=True) as rows:  # reclaimed
+            assert not rows.array.any()
+    finally:
+        os.close(ready_r)
+        if helper > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGKILL)

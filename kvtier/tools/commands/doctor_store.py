@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.preflight import allocated_bytes
-from kvtier.tools.commands.common import fmt_bytes
+from kvtier.tools.commands.common import fmt_bytes, visible
 from kvtier.tools.commands.doctor import OK, WARNING, Check
 
 if TYPE_CHECKING:
@@ -40,9 +41,14 @@ def _contents(layout: dict) -> str | None:
 
 
 def _settings(layout: dict) -> str:
+    """The settings a store's ``layout.json`` records, for a line: its
+    strings are the file's (planted, in a shared disk path), so control
+    characters are shown, never sent to the operator's terminal."""
     ident = layout.get("identity") or {}
     shown = {k: v for k, v in ident.items() if k not in ("contents", "settings")}
-    return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "not recorded"
+    return visible(", ".join(f"{k}={v}" for k, v in sorted(shown.items()))) or (
+        "not recorded"
+    )
 
 
 def _verdict(
@@ -77,6 +83,30 @@ def _verdict(
         f"KV (dtype, hf_overrides, quantization, kv_cache_dtype: {_settings(layout)}"
         ") and the KV layout (block_size, TP size) are unchanged too"
     )
+
+
+def _not_ours(view: Any) -> str | None:
+    """Why the engine would refuse to open store ``view`` (its directories
+    and slabs must be this user's and not writable by group or others:
+    :mod:`kvtier.safe_open`), or None. Such a store, e.g. one another user
+    planted in a shared disk path, is never adopted: the engine whose
+    layout it is named for refuses to start."""
+    euid = os.geteuid()
+    for path in [*view.dirs, *(slab.path for slab in view.slabs)]:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue  # gone meanwhile: nothing the engine would refuse
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid != euid:
+            return visible(
+                f"{path} is owned by uid {st.st_uid}, not by this user (uid {euid})"
+            )
+        if mode & 0o022:
+            return visible(
+                f"{path} has mode {mode:04o}: group or others can write to it"
+            )
+    return None
 
 
 def _find(paths: Sequence[str]) -> list:
@@ -140,6 +170,24 @@ def check_stores(
     reusable: dict[str, list[str]] = {}
     for view, (status, verdict) in zip(views, verdicts):
         subject = f"store {view.name}"
+        foreign = _not_ours(view)
+        if foreign is not None:
+            # A warning: whether it bears this engine's store name (then the
+            # engine refuses to start) depends on the KV layout, which the
+            # doctor cannot derive (see the module doc).
+            out.append(
+                Check(
+                    "warm-restart",
+                    subject,
+                    WARNING,
+                    f"not adopted: {foreign}; the engine refuses to open it, and "
+                    "to start if it is the store of the engine's layout",
+                    f"remove {' '.join(view.dirs)} after checking it (another "
+                    "user may have placed it there), or use a disk_path only "
+                    "this user can write",
+                )
+            )
+            continue
         if model is None:
             out.append(Check("warm-restart", subject, status, verdict))
             continue
