@@ -135,6 +135,23 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         self._deltas = CounterDeltas()
 
     @override
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """vLLM's, but the loads it flushes that still read the disk are
+        given up first (``TieredOffloadingWorker.give_up_loads``).
+
+        vLLM waits here for every job it flushes; the loads among them are
+        those in flight at a connector reset. A disk read that stalls
+        stalled this step, and every request in it, up to the load thread's
+        batch deadline (15 s); given up, their requests recompute those
+        tokens instead (tests/e2e/test_async_load_e2e.py)."""
+        flushed = kv_connector_metadata.jobs_to_flush or ()
+        loads = [job_id for job_id in flushed if job_id in self._load_jobs]
+        give_up = getattr(self.worker, "give_up_loads", None)
+        if loads and give_up is not None:
+            give_up(loads)
+        super().handle_preemptions(kv_connector_metadata)
+
+    @override
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
         self._step_stores = {}
         if self._dropping_steps:

@@ -55,6 +55,8 @@ class FakeWorker:
         self.loads: list[tuple[int, bool]] = []  # (job_id, expedited)
         self.stores: list[int] = []  # job ids submitted
         self.waited: list[set[int]] = []
+        self.given_up: list[list[int]] = []
+        self.calls: list[str] = []
         self._done: list[TransferResult] = []
         self._errors: dict[int, LoadError] = {}
 
@@ -80,6 +82,11 @@ class FakeWorker:
 
     def wait(self, job_ids: set[int]) -> None:
         self.waited.append(set(job_ids))
+        self.calls.append("wait")
+
+    def give_up_loads(self, job_ids: Any) -> None:
+        self.given_up.append(sorted(job_ids))
+        self.calls.append("give_up_loads")
 
     def take_load_error(self, job_id: int) -> LoadError | None:
         return self._errors.pop(job_id, None)
@@ -444,3 +451,24 @@ def test_model_runner_v2_winds_a_running_request_back_on_the_host_only() -> None
         "sync_load_budget_bytes with a disk tier under it "
         "(kvtier.connector.compat) may be lifted for this vLLM"
     )
+
+
+def test_loads_a_connector_reset_flushes_are_given_up_before_vllm_waits() -> None:
+    """vLLM flushes every job in flight at a connector reset and waits for
+    them at the next step's start (``handle_preemptions``); the loads among
+    them are given up first (a disk read that stalls would stall that step),
+    the other flushed jobs only waited for."""
+    fake = FakeWorker()
+    worker = _worker(fake)
+    worker.start_kv_transfers(
+        OffloadingConnectorMetadata(load_jobs={1: _load("a", [3, 4])}, store_jobs={})
+    )
+    step = OffloadingConnectorMetadata(
+        load_jobs={},
+        store_jobs={7: _store("b", [5], [20])},
+        jobs_to_flush={1, 7},
+    )
+    worker.handle_preemptions(step)
+    assert fake.given_up == [[1]]
+    assert fake.calls == ["give_up_loads", "wait"] and fake.waited == [{1, 7}]
+    assert fake.stores == [7]

@@ -14,6 +14,7 @@ paths (``disk_load_path`` host and device) run the in-process case."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -21,8 +22,12 @@ from kvtier.testing.engine import engine
 from kvtier.testing.fault_plan import FaultKind, FaultPlan, FaultRule
 from kvtier.testing.faults import inject_faults
 
+from .test_reliability_e2e import assert_at_rest
 from .workload import (
+    DECODE_TOKENS,
+    DECODERS,
     FIRST,
+    MAX_TOKENS,
     TOKENS_WHILE_HELD,
     decode_while_loading,
     kvtier_config,
@@ -132,3 +137,71 @@ def test_disk_hit_while_decoding_under_the_multiprocess_engine(
         if n == "vllm:kv_offload_kvtier_loaded_blocks" and lab.get("tier") == "disk"
     )
     assert loaded == 4, result["series"]
+
+
+def test_a_connector_reset_never_waits_for_a_held_disk_read(
+    model, block_bytes, expected, tmp_path, monkeypatch
+):
+    """``reset_prefix_cache(reset_connector=True)`` while the returning
+    prefix's disk read is held: vLLM flushes every job in flight at a reset
+    and waits for them at the next step's start, so that step waited for the
+    read (up to the load thread's batch deadline, 15 s). The load still
+    reading the disk is given up instead (its tokens recomputed, as after
+    any reset): the decoders go on while the read is held, well within the
+    watchdog, and every output equals the no-offload engine's."""
+    from vllm import SamplingParams
+
+    plan = inject_faults(monkeypatch, FaultPlan(seed=5))
+    release = threading.Event()
+    cfg = kvtier_config(block_bytes, tmp_path, spill_watermark=0.0)
+    dec_sp = SamplingParams(
+        temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True, detokenize=False
+    )
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
+    )
+    ids = [f"d{i}" for i in range(len(DECODERS))] + ["x"]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        _only_on_disk(llm)
+        core = llm.llm_engine
+        deadline = time.monotonic() + 120
+
+        def step() -> None:
+            assert time.monotonic() < deadline, "the engine did not finish"
+            for out in core.step():
+                tokens[out.request_id.split("-")[0]] = list(out.outputs[0].token_ids)
+
+        rule = plan.add(FaultRule.hang(release, ops="read"))
+        fired = threading.Event()
+
+        def let_go() -> None:
+            fired.set()
+            release.set()
+
+        # Shorter than the batch deadline, which bounded the wait before.
+        watchdog = threading.Timer(10.0, let_go)
+        try:
+            for rid, p in zip(ids, DECODERS):
+                core.add_request(rid, {"prompt_token_ids": list(p)}, dec_sp)
+            while min(len(tokens[rid]) for rid in ids[:-1]) < 2:
+                step()
+            core.add_request("x", {"prompt_token_ids": list(RETURNING)}, sp)
+            while plan.count(FaultKind.HANG) < 1:
+                step()
+            # The GPU cache's reset fails (requests run), the connector's runs.
+            assert not llm.reset_prefix_cache(reset_connector=True)
+            watchdog.start()
+            start = {rid: len(tokens[rid]) for rid in ids[:-1]}
+            while min(len(tokens[r]) - start[r] for r in start) < TOKENS_WHILE_HELD:
+                step()
+            assert not fired.is_set(), "an engine step waited for the held read"
+            release.set()
+            while core.has_unfinished_requests():
+                step()
+        finally:
+            watchdog.cancel()
+            release.set()
+            plan.remove(rule)
+        assert [tokens[rid] for rid in ids] == expected
+        assert_at_rest(manager_of(llm))

@@ -189,3 +189,71 @@ def test_disk_budget_smaller_than_the_workload_stays_under_budget(
     # Evicted everywhere: recomputed, and still correct.
     assert first + again.outputs == baseline
     assert all("disk" not in hits for hits in again.hits_by_source)
+
+
+def _promotions_wait_for_the_reset_flush() -> bool:
+    """vLLM >= 0.33: the tiering manager holds promotions after a reset
+    until the workers reported every job the reset flushed
+    (``OffloadingManager.on_reset_flushed``); vLLM 0.32 does not."""
+    from vllm.v1.kv_offload.base import OffloadingManager
+
+    return hasattr(OffloadingManager, "on_reset_flushed")
+
+
+@pytest.mark.xfail(
+    not _promotions_wait_for_the_reset_flush(),
+    strict=True,
+    reason="vLLM 0.32's TieringOffloadingManager promotes into primary rows that "
+    "a store job flushed by the reset still writes (docs/tiering-mode.md, "
+    "Limitations)",
+)
+def test_a_connector_reset_while_a_store_is_deferred_never_serves_its_row(
+    model, block_bytes, tmp_path
+):
+    """A connector reset while a request runs frees the primary rows its
+    store job (deferred to the next step's start) will write; the next step
+    promotes a returning prompt's disk hit into those rows. The store lands
+    after the promotion (here 0.3 s late, as a DMA may on a GPU), and on
+    vLLM 0.32 the returning prompt loads the running request's KV under its
+    own keys: wrong tokens (a miss is right: vLLM 0.33 holds the promotion
+    until the flushed jobs are reported)."""
+    import time
+
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvtier.testing.engine import get_scheduler
+
+    runner = make_prompt(555, PROMPT_LEN)
+    with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
+        want = run_prompts(llm, [FIRST[0], runner], MAX_TOKENS).outputs
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
+    )
+    cfg = tiering_config(block_bytes, tmp_path, DISK_BLOCKS)
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        run_first(llm)
+        # An empty primary tier (the disk keeps its blocks): the runner's
+        # store takes the first rows, which the promotion below takes again.
+        assert llm.reset_prefix_cache(reset_connector=True)
+        worker = get_kv_transfer_group().connector_worker.worker
+        real_store = worker.submit_store
+
+        def late_store(job_id, src, dst):
+            time.sleep(0.3)
+            return real_store(job_id, src, dst)
+
+        worker.submit_store = late_store
+        core, sched = llm.llm_engine, get_scheduler(llm)
+        outs: dict[str, list[int]] = {}
+        core.add_request("runner", {"prompt_token_ids": runner}, sp)
+        core.step()  # its prefill: the store job waits for the next step
+        assert not llm.reset_prefix_cache(reset_connector=True)  # it runs
+        core.add_request("returning", {"prompt_token_ids": FIRST[0]}, sp)
+        deadline = time.monotonic() + 60
+        while sched.has_requests():
+            assert time.monotonic() < deadline, "the engine did not drain"
+            for o in core.step():
+                outs[o.request_id.split("-")[0]] = list(o.outputs[0].token_ids)
+    assert outs["runner"] == want[1]
+    assert outs["returning"] == want[0]

@@ -30,7 +30,7 @@ step (a hung open or transfer) costs every load it holds, failed whole.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -370,12 +370,24 @@ class TieredOffloadingWorker(OffloadingWorker):
             self.book.fail(job, disk_load_error(task.spec, task.groups, task.failed))
         self.book.settle(job)
 
+    def give_up_loads(self, job_ids: Collection[int]) -> None:
+        """Fail whole the load jobs among ``job_ids`` that still read the
+        disk, without waiting for their reads; each is reported now if no
+        copy of it is in flight, else once its task came back.
+
+        For vLLM's flush of the jobs in flight at a connector reset, which it
+        waits for at the next step's start (``handle_preemptions``): a disk
+        read that stalls would stall that step, up to the batch deadline.
+        Their requests recompute those tokens, as after the reset they would
+        have for every block it forgot."""
+        for job_id in job_ids:
+            job = self.book.jobs.get(job_id)
+            task = job.task if job is not None else None
+            if task is not None and task.spec is not None and not task.cancelled:
+                self._cancel(job)
+
     def _give_up(self, job: Job) -> None:
-        """Fail ``job`` whole: the load thread issues nothing more for it, and
-        it is reported now if no copy of it is in flight, else once its task
-        came back (the copies it issued landed)."""
-        task = job.task
-        assert task is not None
+        """Fail ``job`` whole, the load thread being stuck (see :meth:`_cancel`)."""
         logger.error(
             "kvtier: the load thread has not come back from one step for %.0f s "
             "(a disk open or transfer that does not return?); load job %d is "
@@ -383,6 +395,14 @@ class TieredOffloadingWorker(OffloadingWorker):
             self.loads.deadline_s,
             job.job_id,
         )
+        self._cancel(job)
+
+    def _cancel(self, job: Job) -> None:
+        """Fail ``job`` whole: the load thread issues nothing more for it, and
+        it is reported now if no copy of it is in flight, else once its task
+        came back (the copies it issued landed)."""
+        task = job.task
+        assert task is not None
         self.loads.cancel(task)
         self.book.fail(job, job.whole_error())
         # The thread issues nothing for it from here on. If it holds the
