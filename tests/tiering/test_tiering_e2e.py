@@ -213,10 +213,13 @@ def test_a_connector_reset_while_a_store_is_deferred_never_serves_its_row(
     """A connector reset while a request runs frees the primary rows its
     store job (deferred to the next step's start) will write; the next step
     promotes a returning prompt's disk hit into those rows. The store lands
-    after the promotion (here 0.3 s late, as a DMA may on a GPU), and on
+    after the promotion (as a late DMA may on a GPU), and on
     vLLM 0.32 the returning prompt loads the running request's KV under its
     own keys: wrong tokens (a miss is right: vLLM 0.33 holds the promotion
-    until the flushed jobs are reported)."""
+    until the flushed jobs are reported). The store waits until the disk
+    tier's threads finished every job submitted to them (the promotion,
+    submitted by the scheduler earlier in the same step), so the order is
+    the same under any load."""
     import time
 
     from vllm import SamplingParams
@@ -239,8 +242,13 @@ def test_a_connector_reset_while_a_store_is_deferred_never_serves_its_row(
         worker = get_kv_transfer_group().connector_worker.worker
         real_store = worker.submit_store
 
+        runtime = tier_of(llm).runtime
+
         def late_store(job_id, src, dst):
-            time.sleep(0.3)
+            deadline = time.monotonic() + 30
+            while runtime.pending and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert not runtime.pending, "the promotion never finished"
             return real_store(job_id, src, dst)
 
         worker.submit_store = late_store
