@@ -599,19 +599,21 @@ def _write_layout(
         stripes=stripes,
     )
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    data = text.encode("utf-8")
     path = os.path.join(directory, LAYOUT_FILE)
     try:
         fd = open_private(LAYOUT_FILE, os.O_RDONLY, dir_fd=dir_fd, private=True)
+        # Compared as bytes, at most one past ours: whatever else is there
+        # (bytes that are not UTF-8, a huge file) is only replaced.
+        with os.fdopen(fd, "rb") as f:
+            if f.read(len(data) + 1) == data:
+                return
     except FileNotFoundError:
         pass
     except OSError as exc:
-        # A link, or not private to us: it is only an aid, so replace it
-        # (rename replaces the name itself, never a link's target).
+        # A link, not private to us, unreadable: it is only an aid, so
+        # replace it (rename replaces the name itself, never a link's target).
         logger.info("replacing %s: %s", path, exc)
-    else:
-        with os.fdopen(fd, encoding="utf-8") as f:
-            if f.read() == text:
-                return
     tmp = f"{LAYOUT_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp, dir_fd=dir_fd)  # a crashed run's leftover
@@ -619,8 +621,8 @@ def _write_layout(
         fd = open_private(
             tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd, private=True
         )
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, LAYOUT_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as exc:
         with contextlib.suppress(OSError):
