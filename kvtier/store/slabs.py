@@ -285,6 +285,7 @@ class SlabFiles:
                 d = files.dirs[i]
                 dir_fd = _open_store_dir(d, os.path.dirname(d))
                 files._dir_fds.append(dir_fd)
+                _remove_leftovers(d, dir_fd)
                 _write_layout(
                     d, fingerprint, slab.slot_size, len(files.slabs), dir_fd=dir_fd
                 )
@@ -578,6 +579,46 @@ def _open_store_dir(path: str, base: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+# What a process killed while it held a store directory may leave there:
+# a temporary layout.json (_write_layout) or an O_DIRECT probe file
+# (kvtier.store.backends.posix.probe_direct); group 1 or 2: its pid.
+_LEFTOVER_RE = re.compile(
+    rf"^(?:{re.escape(LAYOUT_FILE)}\.(\d+)\.\d+\.tmp"
+    r"|\.kvtier-odirect-probe-(\d+)-[0-9a-f]+)$"
+)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
+
+
+def _remove_leftovers(directory: str, dir_fd: int) -> None:
+    """Remove from the store directory (locked by this process) the files
+    that processes killed half-way through creating or removing them left
+    behind, so a crash at such a moment does not leave them for good. Only
+    those of processes that are gone: the engine's own workers probe
+    O_DIRECT here too."""
+    try:
+        names = os.listdir(dir_fd)
+    except OSError:
+        return
+    for name in names:
+        m = _LEFTOVER_RE.match(name)
+        if m is None or _pid_alive(int(m.group(1) or m.group(2))):
+            continue
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            continue
+        logger.info("removed %s/%s, left by a process that is gone", directory, name)
 
 
 def _write_layout(
