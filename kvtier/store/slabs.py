@@ -68,6 +68,7 @@ from kvtier.log import get_logger
 from kvtier.safe_open import (
     InUseError,
     flock_exclusive,
+    lock_holders,
     open_private,
     open_private_dir,
 )
@@ -571,8 +572,10 @@ def _open_store_dir(path: str, base: str) -> int:
             raise InUseError(
                 f"kvtier disk store {path!r} (disk_path {base!r}) is in use by "
                 "another running kvtier engine with the same model and layout "
-                "(another process, or another engine in this process). Give each "
-                "engine its own disk_path, or stop the other engine first",
+                f"(another process, or another engine in this process){lock_holders(fd)}. "
+                "Give each engine its own disk_path, or stop the other engine "
+                "first (a server killed with SIGKILL may leave its engine core "
+                "process running)",
                 path,
             )
     except BaseException:
