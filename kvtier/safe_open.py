@@ -39,6 +39,7 @@ __all__ = [
     "check_private_fd",
     "flock_exclusive",
     "is_locked",
+    "lock_holders",
     "open_private",
     "open_private_dir",
     "same_file",
@@ -313,3 +314,30 @@ def same_file(fd_a: int, fd_b: int) -> bool:
     """Whether two descriptors refer to the same inode."""
     a, b = os.fstat(fd_a), os.fstat(fd_b)
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def lock_holders(fd: int) -> str:
+    """Who holds a ``flock`` on the file behind ``fd``, for a refusal's
+    message: ``" (held by pid N, <its name>)"`` from /proc/locks, or ""
+    where that cannot be told (no /proc, another pid namespace)."""
+    try:
+        st = os.fstat(fd)
+        want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    pids = []
+    for line in lines:
+        fields = line.split()
+        # "N: FLOCK ADVISORY WRITE <pid> <maj:min:ino> 0 EOF"; waiters: "N: -> ..."
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == want:
+            pids.append(fields[4])
+    held = []
+    for pid in dict.fromkeys(pids):
+        try:
+            with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+                held.append(f"pid {pid}, {f.read().strip()!r}")
+        except OSError:
+            held.append(f"pid {pid}")
+    return f" (held by {'; '.join(held)})" if held else ""

@@ -68,6 +68,7 @@ from kvtier.log import get_logger
 from kvtier.safe_open import (
     InUseError,
     flock_exclusive,
+    lock_holders,
     open_private,
     open_private_dir,
 )
@@ -285,6 +286,7 @@ class SlabFiles:
                 d = files.dirs[i]
                 dir_fd = _open_store_dir(d, os.path.dirname(d))
                 files._dir_fds.append(dir_fd)
+                _remove_leftovers(d, dir_fd)
                 _write_layout(
                     d, fingerprint, slab.slot_size, len(files.slabs), dir_fd=dir_fd
                 )
@@ -570,14 +572,56 @@ def _open_store_dir(path: str, base: str) -> int:
             raise InUseError(
                 f"kvtier disk store {path!r} (disk_path {base!r}) is in use by "
                 "another running kvtier engine with the same model and layout "
-                "(another process, or another engine in this process). Give each "
-                "engine its own disk_path, or stop the other engine first",
+                f"(another process, or another engine in this process){lock_holders(fd)}. "
+                "Give each engine its own disk_path, or stop the other engine "
+                "first (a server killed with SIGKILL may leave its engine core "
+                "process running)",
                 path,
             )
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+# What a process killed while it held a store directory may leave there:
+# a temporary layout.json (_write_layout) or an O_DIRECT probe file
+# (kvtier.store.backends.posix.probe_direct); group 1 or 2: its pid.
+_LEFTOVER_RE = re.compile(
+    rf"^(?:{re.escape(LAYOUT_FILE)}\.(\d+)\.\d+\.tmp"
+    r"|\.kvtier-odirect-probe-(\d+)-[0-9a-f]+)$"
+)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
+
+
+def _remove_leftovers(directory: str, dir_fd: int) -> None:
+    """Remove from the store directory (locked by this process) the files
+    that processes killed half-way through creating or removing them left
+    behind, so a crash at such a moment does not leave them for good. Only
+    those of processes that are gone: the engine's own workers probe
+    O_DIRECT here too."""
+    try:
+        names = os.listdir(dir_fd)
+    except OSError:
+        return
+    for name in names:
+        m = _LEFTOVER_RE.match(name)
+        if m is None or _pid_alive(int(m.group(1) or m.group(2))):
+            continue
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            continue
+        logger.info("removed %s/%s, left by a process that is gone", directory, name)
 
 
 def _write_layout(
@@ -599,19 +643,21 @@ def _write_layout(
         stripes=stripes,
     )
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    data = text.encode("utf-8")
     path = os.path.join(directory, LAYOUT_FILE)
     try:
         fd = open_private(LAYOUT_FILE, os.O_RDONLY, dir_fd=dir_fd, private=True)
+        # Compared as bytes, at most one past ours: whatever else is there
+        # (bytes that are not UTF-8, a huge file) is only replaced.
+        with os.fdopen(fd, "rb") as f:
+            if f.read(len(data) + 1) == data:
+                return
     except FileNotFoundError:
         pass
     except OSError as exc:
-        # A link, or not private to us: it is only an aid, so replace it
-        # (rename replaces the name itself, never a link's target).
+        # A link, not private to us, unreadable: it is only an aid, so
+        # replace it (rename replaces the name itself, never a link's target).
         logger.info("replacing %s: %s", path, exc)
-    else:
-        with os.fdopen(fd, encoding="utf-8") as f:
-            if f.read() == text:
-                return
     tmp = f"{LAYOUT_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp, dir_fd=dir_fd)  # a crashed run's leftover
@@ -619,8 +665,8 @@ def _write_layout(
         fd = open_private(
             tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd, private=True
         )
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, LAYOUT_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as exc:
         with contextlib.suppress(OSError):

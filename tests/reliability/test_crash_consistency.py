@@ -196,6 +196,55 @@ def test_sigkill_mid_spill_never_serves_torn_blocks(
         assert not s.damaged and not s.invalid and len(s.good) == SLOTS
 
 
+# A store start killed between creating a file and renaming or removing it.
+_KILLED_START = r"""
+import os, signal, sys
+from _spill_writer import crash_fingerprint
+from kvtier.store.store import DiskStore
+path, block, at = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+real_replace, real_unlink = os.replace, os.unlink
+def replace(src, dst, **kw):
+    if at == "layout":  # layout.json.<pid>.<tid>.tmp written, not renamed
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_replace(src, dst, **kw)
+def unlink(name, **kw):
+    if at == "probe" and ".kvtier-odirect-probe-" in str(name):
+        os.kill(os.getpid(), signal.SIGKILL)  # the O_DIRECT probe file made
+    return real_unlink(name, **kw)
+os.replace, os.unlink = replace, unlink
+DiskStore([path], 4, block, crash_fingerprint(block), backend="posix")
+"""
+
+
+@pytest.mark.parametrize("at", ["layout", "probe"])
+def test_a_start_killed_mid_file_creation_leaves_nothing_for_good(
+    tmp_path: Path, at: str
+) -> None:
+    """A process SIGKILLed while it created ``layout.json`` (its temporary
+    file written, not yet renamed) or probed O_DIRECT in the store directory
+    (the probe file not yet removed) left that file there for good: no later
+    start removed it. The next start that locks the directory does."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(WRITER.parent)]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_START, str(tmp_path), str(BLOCK), at],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    store_dir = next(tmp_path.glob("kvtier-*"))
+    before = sorted(p.name for p in store_dir.iterdir())
+    assert set(before) - {"layout.json", "slab-0.kvt"}, before  # the leftover
+    with open_store(tmp_path) as store:
+        assert store.read_block(0, b"any", np.empty(BLOCK, np.uint8)) is not (
+            ReadOutcome.OK
+        )
+        assert sorted(p.name for p in store_dir.iterdir()) == [
+            "layout.json",
+            "slab-0.kvt",
+        ]
+
+
 # -- torn writes, deterministically ------------------------------------------------
 
 

@@ -135,6 +135,26 @@ def test_a_layout_json_that_cannot_be_written_costs_a_warning_not_the_store(
     ), [r.getMessage() for r in caplog.records]
 
 
+def test_a_damaged_layout_json_is_replaced_not_a_failed_start(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    """layout.json is only an aid: one whose bytes are not UTF-8 (bit rot,
+    an edit) is rewritten, and the store reopens and serves its blocks
+    (it was read as text, and the UnicodeDecodeError failed every start)."""
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        s.write_block(1, KEY, block(1), s.next_seq())
+    layout = tmp_path / store_dirname(fingerprint) / "layout.json"
+    good = layout.read_bytes()
+    layout.write_bytes(good[:20] + b"\xff\xfe" + good[22:])
+    with DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        found = {h.key: slot for slot, h, o in s.scan() if o is ReadOutcome.OK}
+        assert found == {KEY: 1}
+        out = sentinel_out()
+        assert s.read_block(1, KEY, out) is ReadOutcome.OK
+        assert out.tobytes() == block(1).tobytes()
+    assert layout.read_bytes() == good
+
+
 def test_corrupt_payload_is_checksum_mismatch(store: DiskStore) -> None:
     data = np.frombuffer(np.arange(BLOCK_BYTES // 2, dtype="<u2").tobytes(), np.uint8)
     store.write_block(3, KEY, data, store.next_seq())
