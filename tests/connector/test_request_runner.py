@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
     LookupResult,
+    OffloadingCounterMetadata,
     ReqContext,
     make_offload_key,
 )
@@ -378,6 +379,40 @@ def test_tier_gauges_before_the_first_spill(tmp_path):
             assert capacity.get("disk", 0) == disk_blocks
             blocks = {k[0]: v for k, v in gauges[metrics.TIER_BLOCKS].items()}
             assert set(blocks) == media and blocks.get("disk", 0) == 0
+        finally:
+            r.close()
+
+
+def test_counters_exported_from_the_first_step(tmp_path):
+    """Which counters the full spec exports, at 0, from its first
+    ``get_stats`` (docs/operations.md#metrics-reference): vLLM creates a
+    labelled series only when it is first reported, so a counter left out
+    here has no series at all, not a 0 (promotion_failures is tiering
+    mode's; a CPU-only spec has no disk counters)."""
+    counters = {
+        name
+        for name, meta in metrics.metric_definitions().items()
+        if isinstance(meta, OffloadingCounterMetadata)
+    }
+    cpu_only = {
+        metrics.WRITE_BYTES,
+        metrics.READ_BYTES,
+        metrics.EVICTIONS,
+        metrics.LOADED_BLOCKS,
+        metrics.STORES_DECLINED,
+        metrics.WORKER_EXCEPTIONS,
+    }
+    for disk_blocks, want in (
+        (32, counters - {metrics.PROMOTION_FAILURES}),
+        (0, cpu_only),
+    ):
+        r = RequestRunner(tiered_spec(make_config(tmp_path, 8, disk_blocks)))
+        try:
+            stats = r.manager.get_stats()
+            got = {n for n, t in stats._types.items() if t == "counter"}
+            assert got == want, (disk_blocks, sorted(got ^ want))
+            zero = all(v == 0 for n in got for v in stats._values[n].values())
+            assert zero, stats._values
         finally:
             r.close()
 
