@@ -244,8 +244,10 @@ num_disk_blocks = disk_bytes_to_use // (slot_bytes * world_size)
   `disk_compression: "zstd"` a slot is still reserved at full size.
 - A budget smaller than one block is an error (see below), not a silent
   zero. `check_disk_paths` also requires each path to have
-  `ceil(disk_bytes_to_use / len(disk_path))` bytes free (space already used by
-  kvtier's own `kvtier-*` directories there counts as free).
+  `ceil(disk_bytes_to_use / len(disk_path))` bytes free; the slabs of this
+  engine's own store directory there (same model and layout, which a warm
+  restart reuses) count as free, those of other `kvtier-*` directories
+  (another model or `block_size`) do not.
 
 Worked examples (computed with kvtier's `slot_size`):
 
