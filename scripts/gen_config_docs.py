@@ -475,6 +475,18 @@ def _error_examples() -> list[tuple[str, str]]:
         ("boolean as a number", {**base, "promote_on_hit": 1}),
         ("watermark out of range", {**disk, "spill_watermark": 1.5}),
         ("zero I/O threads", {**disk, "disk_io_threads": 0}),
+        (
+            "device loads of zstd slots",
+            {**disk, "disk_load_path": "device", "disk_compression": "zstd"},
+        ),
+        (
+            "read process with device loads",
+            {**disk, "disk_read_process": "on", "disk_load_path": "device"},
+        ),
+        (
+            "read process with kvikio",
+            {**disk, "disk_read_process": "on", "disk_io": "kvikio"},
+        ),
     ]
     out: list[tuple[str, str]] = []
     for what, extra in parse_cases:
