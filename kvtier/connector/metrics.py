@@ -83,9 +83,10 @@ _DEFS: dict[str, OffloadingMetricMetadata] = {
     ),
     WRITE_BYTES: OffloadingCounterMetadata(
         "Bytes written into the tier (cpu: stores from the GPU; disk: the "
-        "drive's traffic for spills, in tiering mode for the blocks written "
-        "to the disk tier; each rank's write counts, even where another "
-        "rank's write of the same block failed).",
+        "block bytes of spills, in tiering mode of the blocks written to the "
+        "disk tier, raw: before zstd and without the slot header, so unlike "
+        "read_bytes not the drive's traffic; each rank's write counts, even "
+        "where another rank's write of the same block failed).",
         TIER,
     ),
     WRITE_SECONDS: OffloadingCounterMetadata(
