@@ -287,7 +287,9 @@ def _md(text: Any) -> str:
 
 
 def _default(value: Any) -> str:
-    if value is None:
+    # No value to give: an empty disk_path is refused (set, it asks for a
+    # disk tier; empty, it names no directory), unset means none.
+    if value is None or value == ():
         return "—"
     return f"`{json.dumps(value)}`"
 

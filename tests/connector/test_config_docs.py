@@ -64,3 +64,34 @@ def test_generator_check_mode(tmp_path: Path) -> None:
     assert gen.main(["--check", "--out", str(stale)]) == 1
     assert gen.main(["--out", str(stale)]) == 0
     assert gen.main(["--check", "--out", str(stale)]) == 0
+
+
+def _documented_defaults(doc_text: str, heading: str) -> dict[str, object]:
+    """key -> the default the table under ``heading`` shows (JSON values
+    only: "required" and "—" say there is none to give)."""
+    import json
+    import re
+
+    table = doc_text.split(heading, 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for m in re.finditer(r"^\| `(\w+)` \| `([^`]*)` \|", table, re.M):
+        out[m.group(1)] = json.loads(m.group(2))
+    assert out, heading
+    return out
+
+
+def test_documented_defaults_are_the_defaults(doc_text: str) -> None:
+    """Writing a key's documented default gives the config that leaving
+    the key out gives: an operator copies the table's value into a config
+    file (a default of ``[]`` for disk_path was refused as an empty list,
+    and as a path without a disk budget)."""
+    from kvtier.connector.config import parse_extra_config, parse_tier_config
+
+    base = {"cpu_bytes_to_use": 1 << 30}
+    for key, value in _documented_defaults(doc_text, "## Keys").items():
+        assert parse_extra_config({**base, key: value}) == parse_extra_config(base), key
+    entry = {"disk_bytes_to_use": 1 << 30, "disk_path": "/mnt/nvme0/kvtier"}
+    tier = _documented_defaults(doc_text, "## The `KvtierDiskTier` entry")
+    for key, value in tier.items():
+        got = parse_tier_config({**entry, key: value})
+        assert got == parse_tier_config(entry), key
