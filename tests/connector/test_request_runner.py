@@ -323,6 +323,39 @@ def test_corrupt_disk_block_is_a_miss_never_data(runner):
     assert runner.load(first[:1], [54]) == {"disk": 1}
 
 
+def test_a_corrupt_block_dropped_before_a_restart_is_a_miss_after_it(tmp_path):
+    """The full spec drops a block whose load found its bytes bad, but its
+    slot keeps its header (the workers read the slabs; nothing rewrites the
+    slot until a later spill reuses it), so a restart adopts it again
+    (docs/operations.md#checks-before-and-after-an-incident): its next load
+    fails verification again and is dropped again, never served."""
+    cfg = make_config(tmp_path, cpu_blocks=8, disk_blocks=32)
+    r = RequestRunner(tiered_spec(cfg))
+    try:
+        first = push_to_disk(r, [1, 2, 3, 4])
+        victim = first[1]
+        _flip_payload_byte(r, victim)
+        assert r.lookup("a", first) == 4
+        r.load(first, [50, 51, 52, 53], expect_failed=[victim])
+        assert victim not in r.manager.hierarchy.disk
+        truth = r.truth  # what each key's block held when it was stored
+    finally:
+        r.close()
+    r = RequestRunner(tiered_spec(cfg))
+    try:
+        r.truth = truth
+        h = r.manager.hierarchy
+        assert h.lookup(victim).name == "HIT_DISK"  # adopted again
+        assert r.lookup("a", first) == 4
+        r.load(first, [50, 51, 52, 53], expect_failed=[victim])
+        assert h.disk_core.failures.corrupt == 1 and h.lookup(victim).name == "MISS"
+        # The others came back from disk with the bytes stored before the
+        # restart (a hit from the CPU copies their load made).
+        assert r.lookup("a", first[:1]) == 1
+    finally:
+        r.close()
+
+
 def test_another_keys_slot_is_refused(runner):
     first = push_to_disk(runner, [1, 2, 3, 4])
     h = runner.manager.hierarchy
