@@ -339,8 +339,9 @@ class KvtierConfig(BaseModel):
         description="KV bytes per step (per worker) that vLLM may load within the "
         "step that schedules a hit, instead of holding the request for a step; "
         "vLLM >= 0.33, 0 = off. Refused on vLLM 0.32, and with a disk tier on a "
-        "model with several KV-cache groups or under async scheduling (vLLM's "
-        "CUDA default) or pipeline parallelism (docs/compatibility.md).",
+        "model with several KV-cache groups, under async scheduling (vLLM's "
+        "CUDA default) or pipeline parallelism, or under vLLM's Model Runner V2 "
+        "(its CUDA default too) (docs/compatibility.md).",
     )
     block_size: VllmInteger = Field(
         None,
