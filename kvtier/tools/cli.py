@@ -3,7 +3,7 @@
 
 ``python -m kvtier.tools.cli ...`` works too. Exit status: 0 on success, 1 when
 ``verify`` finds a bad slot (``doctor``: a check failed), 2 on bad usage or
-unreadable input.
+unreadable input, 141 when the output's reader went away (``| head``).
 """
 
 from __future__ import annotations

@@ -556,3 +556,23 @@ def test_poll_returns_by_its_timeout_under_a_flood_of_big_batches() -> None:
     assert handled == [1] * sent
     assert sub.counts.batches == sent and sub.counts.decode_errors == 0
     assert sub.counts.media["cpu"]["stored"] == sent * 50_000
+
+
+def test_output_closed_early_exits_141_without_a_traceback(good_store: Path) -> None:
+    """``kvtier inspect ... | head``: the reader went away before the
+    output did; the status is the shell's for SIGPIPE (128 + 13), as
+    docs/operations.md says, and nothing is printed about it."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.tools.cli", "inspect", str(good_store)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        cwd=REPO_ROOT,
+        env=env,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the interpreter has started: no line read
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 141, (proc.returncode, err)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err
