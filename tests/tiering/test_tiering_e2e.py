@@ -191,35 +191,20 @@ def test_disk_budget_smaller_than_the_workload_stays_under_budget(
     assert all("disk" not in hits for hits in again.hits_by_source)
 
 
-def _promotions_wait_for_the_reset_flush() -> bool:
-    """vLLM >= 0.33: the tiering manager holds promotions after a reset
-    until the workers reported every job the reset flushed
-    (``OffloadingManager.on_reset_flushed``); vLLM 0.32 does not."""
-    from vllm.v1.kv_offload.base import OffloadingManager
-
-    return hasattr(OffloadingManager, "on_reset_flushed")
-
-
-@pytest.mark.xfail(
-    not _promotions_wait_for_the_reset_flush(),
-    strict=True,
-    reason="vLLM 0.32's TieringOffloadingManager promotes into primary rows that "
-    "a store job flushed by the reset still writes (docs/tiering-mode.md, "
-    "Limitations)",
-)
 def test_a_connector_reset_while_a_store_is_deferred_never_serves_its_row(
     model, block_bytes, tmp_path
 ):
     """A connector reset while a request runs frees the primary rows its
     store job (deferred to the next step's start) will write; the next step
-    promotes a returning prompt's disk hit into those rows. The store lands
-    after the promotion (as a late DMA may on a GPU), and on
-    vLLM 0.32 the returning prompt loads the running request's KV under its
-    own keys: wrong tokens (a miss is right: vLLM 0.33 holds the promotion
-    until the flushed jobs are reported). The store waits until the disk
-    tier's threads finished every job submitted to them (the promotion,
-    submitted by the scheduler earlier in the same step), so the order is
-    the same under any load."""
+    would promote a returning prompt's disk hit into those rows, and the
+    store lands after the promotion (as a late DMA may on a GPU). On vLLM
+    0.32, whose tiering manager promotes there, the returning prompt loaded
+    the running request's KV under its own keys (wrong tokens) until the
+    disk tier held its lookups for the steps that flush
+    (KvtierDiskTier.drain_jobs); vLLM 0.33 holds the promotion itself. A
+    miss is right. The store waits until the disk tier's threads finished
+    every job submitted to them (a promotion is submitted by the scheduler
+    earlier in the same step), so the order is the same under any load."""
     import time
 
     from vllm import SamplingParams

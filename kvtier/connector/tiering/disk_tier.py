@@ -42,10 +42,12 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingEvent,
+    OffloadingManager,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import (
@@ -87,6 +89,12 @@ if TYPE_CHECKING:
 logger = get_logger("connector")
 
 HOST_LAYOUT = "vllm-tiering"
+
+# vLLM 0.33's tiering manager holds promotions after a reset until the
+# workers reported every job the reset flushed (``on_reset_flushed``);
+# vLLM 0.32's does not, so this tier holds its own lookups then
+# (KvtierDiskTier.drain_jobs).
+VLLM_HOLDS_PROMOTIONS_AFTER_RESET = hasattr(OffloadingManager, "on_reset_flushed")
 
 # kvtier's metric series this tier feeds, the full spec's where the concept
 # exists (tier label "disk"). vLLM's tiering manager also exports read and
@@ -239,6 +247,12 @@ class KvtierDiskTier(SecondaryTierManager):
         self._jobs: dict[JobId, _TierJob] = {}
         self._done: list[JobResult] = []
         self._pull = PullBack()
+        # Scheduler steps whose lookups still miss after a reset (vLLM 0.32:
+        # see drain_jobs), and how many a reset holds: every batch that can
+        # be in flight (pp_size with pipeline parallelism, 2 with async
+        # scheduling) has run the workers' flush of the reset's jobs by then.
+        self._held_steps = 0
+        self.reset_hold_steps = 1 + max(2, config.parallel.pp_size)
         # get_stats: counter totals as last reported, and the read latencies
         # observed since (one per promotion job).
         self._deltas = CounterDeltas()
@@ -316,7 +330,7 @@ class KvtierDiskTier(SecondaryTierManager):
         # primary tier anyway (the cascade reads them from there, pinned).
         # A stopped disk (a drain timed out) can only fail a promotion.
         runtime = self.runtime
-        if runtime is None or runtime.broken:
+        if runtime is None or runtime.broken or self._held_steps:
             return LookupResult.MISS
         if self.tier.is_ready(key):
             return LookupResult.HIT
@@ -540,10 +554,25 @@ class KvtierDiskTier(SecondaryTierManager):
         the jobs in flight, as vLLM's contract asks. The tier keeps its
         blocks (vLLM does not reset secondary tiers), but the blocks stored
         from now on may come from other weights (a sleep, a weight update),
-        so no later engine adopts them (:meth:`DiskRuntime.mark_reset`)."""
+        so no later engine adopts them (:meth:`DiskRuntime.mark_reset`).
+
+        Under vLLM 0.32 its lookups then miss for ``reset_hold_steps``
+        scheduler steps. The reset frees the primary rows of store jobs the
+        workers run only at the next step's start (vLLM's flush); a disk hit
+        promoted into such a row meanwhile was overwritten by the late store,
+        and its request loaded another request's KV under its own keys
+        (tests/tiering/test_tiering_e2e.py). vLLM 0.33 holds promotions
+        itself until the flush is reported, and misses as this does."""
         if self.runtime is not None:
             self.runtime.drain()
             self.runtime.mark_reset()
+        if not VLLM_HOLDS_PROMOTIONS_AFTER_RESET:
+            self._held_steps = self.reset_hold_steps
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._held_steps:
+            self._held_steps -= 1
 
     @override
     def shutdown(self) -> None:
