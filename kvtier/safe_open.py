@@ -62,8 +62,10 @@ def _refuse(code: int, why: str, path: str) -> OSError:
     return cls(code, f"kvtier refuses {path!r}: {why}", path)
 
 
-def _check_owned(st: os.stat_result, path: str, directory: bool) -> None:
-    """Type, owner == euid, and no group/other write bit."""
+def check_owned(st: os.stat_result, path: str, directory: bool) -> None:
+    """Type, owner == euid, and no group/other write bit: what every object
+    kvtier trusts must pass (``st`` from ``lstat`` or ``fstat``). Raises
+    PermissionError/OSError naming ``path`` and the fix."""
     if directory and not stat.S_ISDIR(st.st_mode):
         raise _refuse(errno.ENOTDIR, "not a directory", path)
     if not directory and not stat.S_ISREG(st.st_mode):
@@ -99,7 +101,7 @@ def check_private_fd(
     PermissionError/OSError naming ``path``; returns the (possibly
     refreshed) ``fstat``."""
     st = os.fstat(fd)
-    _check_owned(st, path, directory)
+    check_owned(st, path, directory)
     mode = stat.S_IMODE(st.st_mode)
     expected = DIR_MODE if directory else FILE_MODE
     if fix_mode:
@@ -172,7 +174,7 @@ def open_private(
             # Readable by others is the caller's confidentiality matter (the
             # store keeps its files 0600); type, owner and write bits are
             # what make the contents trustworthy.
-            _check_owned(os.fstat(fd), shown, False)
+            check_owned(os.fstat(fd), shown, False)
         if not flags & os.O_NONBLOCK:
             fcntl.fcntl(
                 fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK

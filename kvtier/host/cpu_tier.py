@@ -29,7 +29,6 @@ import errno
 import mmap
 import os
 import secrets
-import stat
 import tempfile
 import time
 import weakref
@@ -41,6 +40,7 @@ import torch
 from kvtier.log import get_logger
 from kvtier.safe_open import (
     InUseError,
+    check_owned,
     flock_exclusive,
     is_locked,
     open_private,
@@ -503,16 +503,10 @@ def reclaim_stale_cpu_files(
         logger.warning("kvtier: not sweeping %s: %s", directory, exc)
         return removed
     try:
-        st = os.fstat(dir_fd)
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            logger.warning(
-                "kvtier: not sweeping %s: owned by uid %d (mode %04o), not "
-                "private to this user (uid %d)",
-                directory,
-                st.st_uid,
-                stat.S_IMODE(st.st_mode),
-                os.geteuid(),
-            )
+        try:
+            check_owned(os.fstat(dir_fd), directory, directory=True)
+        except OSError as exc:
+            logger.warning("kvtier: not sweeping %s: %s", directory, exc.strerror)
             return removed
         for entry in sorted(os.listdir(dir_fd)):
             if not (entry.endswith(".cpu") or entry.endswith(".tmp")):

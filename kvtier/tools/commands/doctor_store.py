@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import functools
 import os
-import stat
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.preflight import allocated_bytes
+from kvtier.safe_open import check_owned
 from kvtier.tools.commands.common import fmt_bytes, visible
 from kvtier.tools.commands.doctor import OK, WARNING, Check
 
@@ -87,25 +87,20 @@ def _verdict(
 
 def _not_ours(view: Any) -> str | None:
     """Why the engine would refuse to open store ``view`` (its directories
-    and slabs must be this user's and not writable by group or others:
-    :mod:`kvtier.safe_open`), or None. Such a store, e.g. one another user
-    planted in a shared disk path, is never adopted: the engine whose
-    layout it is named for refuses to start."""
-    euid = os.geteuid()
-    for path in [*view.dirs, *(slab.path for slab in view.slabs)]:
+    and slabs must pass :func:`kvtier.safe_open.check_owned`: this user's,
+    not writable by group or others), or None. Such a store, e.g. one
+    another user planted in a shared disk path, is never adopted: the
+    engine whose layout it is named for refuses to start."""
+    objects = [(d, True) for d in view.dirs] + [(s.path, False) for s in view.slabs]
+    for path, directory in objects:
         try:
             st = os.lstat(path)
         except OSError:
             continue  # gone meanwhile: nothing the engine would refuse
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid != euid:
-            return visible(
-                f"{path} is owned by uid {st.st_uid}, not by this user (uid {euid})"
-            )
-        if mode & 0o022:
-            return visible(
-                f"{path} has mode {mode:04o}: group or others can write to it"
-            )
+        try:
+            check_owned(st, path, directory)
+        except OSError as exc:
+            return visible(exc.strerror or str(exc))
     return None
 
 
