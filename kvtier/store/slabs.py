@@ -86,9 +86,12 @@ logger = get_logger("store")
 
 LAYOUT_FILE = "layout.json"
 _DIGEST_HEX = 16  # hex digits of the layout digest in a store directory's name
-STORE_DIR_RE = re.compile(rf"^kvtier-([0-9a-f]{{{_DIGEST_HEX}}})$")
+# Name patterns end in \Z, not $ ($ also matches before a trailing newline),
+# and spell digits [0-9]: \d matches any Unicode digit, which int() reads,
+# so a planted "slab-\u0661.kvt" would pass for slab 1.
+STORE_DIR_RE = re.compile(rf"^kvtier-([0-9a-f]{{{_DIGEST_HEX}}})\Z")
 """Matches a store directory's name; group 1 is its digest hex prefix."""
-SLAB_RE = re.compile(r"^slab-(\d+)\.kvt$")
+SLAB_RE = re.compile(r"^slab-([0-9]+)\.kvt\Z")
 
 # Sanity bounds on geometry read from layout.json or a slot header. A 16-token
 # block of a 405B model in bf16 is about 8 MiB per rank; 4 GiB is absurd.
@@ -588,8 +591,8 @@ def _open_store_dir(path: str, base: str) -> int:
 # a temporary layout.json (_write_layout) or an O_DIRECT probe file
 # (kvtier.store.backends.posix.probe_direct); group 1 or 2: its pid.
 _LEFTOVER_RE = re.compile(
-    rf"^(?:{re.escape(LAYOUT_FILE)}\.(\d+)\.\d+\.tmp"
-    r"|\.kvtier-odirect-probe-(\d+)-[0-9a-f]+)$"
+    rf"^(?:{re.escape(LAYOUT_FILE)}\.([0-9]+)\.[0-9]+\.tmp"
+    r"|\.kvtier-odirect-probe-([0-9]+)-[0-9a-f]+)\Z"
 )
 
 

@@ -41,7 +41,7 @@ DECODERS = ("auto", "vllm", "plain")
 # Unknown media get their own counters, up to this many; then "other".
 MAX_MEDIA = 8
 OTHER_MEDIUM = "other"
-_MEDIUM_NAME_RE = re.compile(r"^[a-z0-9_.-]{1,32}$")
+_MEDIUM_NAME_RE = re.compile(r"^[a-z0-9_.-]{1,32}\Z")  # \Z: no trailing newline
 # Largest ZMQ frame accepted (MAXMSGSIZE); a bigger one disconnects its
 # sender. A batch of one engine step with token ids is well under 1 MiB.
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20

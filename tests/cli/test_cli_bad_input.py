@@ -576,3 +576,14 @@ def test_output_closed_early_exits_141_without_a_traceback(good_store: Path) -> 
     _, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 141, (proc.returncode, err)
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err
+
+
+def test_a_medium_name_with_a_newline_is_other() -> None:
+    """A medium name becomes a counter's label only when it is a short
+    identifier: a trailing newline (which ``$`` let through) makes it
+    ``other``, as any other control character does."""
+    from kvtier.tools.events_sub import OTHER_MEDIUM, kvtier_medium
+
+    assert kvtier_medium("NVMe") == "nvme"
+    assert kvtier_medium("nvme\n") == OTHER_MEDIUM
+    assert kvtier_medium("nv\nme") == OTHER_MEDIUM

@@ -585,3 +585,24 @@ def test_device_checksum_catches_each_corruption_class() -> None:
     words = base.view("<u4").copy()
     words[5] = (int(words[5]) + (1 << 31) - 1) % (1 << 32)
     assert device_checksum(words) != want
+
+
+@pytest.mark.parametrize("planted", ["slab-\u0661.kvt", "slab-1.kvt\n"])
+def test_a_name_that_only_looks_like_a_slab_is_not_one(
+    tmp_path: Path, planted: str
+) -> None:
+    """``kvtier inspect``/``verify`` find a store's slabs by name: only
+    ``slab-<ASCII digits>.kvt`` is one. A planted file whose name carries a
+    non-ASCII digit (``int`` reads ``\\u0661`` as 1) or ends in a newline
+    (``$`` matches before one) used to be taken for slab 1 too, and its
+    bytes reported as the store's."""
+    paths = _striped_store(tmp_path, 4096)
+    (view,) = find_stores(paths)
+    found = [(s.index, s.path) for s in view.slabs]
+    real = found[1][1]
+    with open(os.path.join(os.path.dirname(real), planted), "wb") as dst:
+        dst.write(b"\xff" * os.path.getsize(real))
+    (view,) = find_stores(paths)
+    assert [(s.index, s.path) for s in view.slabs] == found
+    recs = list(scan(view, file_order=True, payload=True))
+    assert [r.outcome for r in recs] == [RO.OK] * NUM_SLOTS
