@@ -28,6 +28,11 @@ Contract of :func:`scan`:
     (``lseek`` SEEK_DATA/SEEK_HOLE: never written, it reads as zeros, an
     empty slot); where the file system cannot tell, or answers nonsense,
     every slot that existed is read.
+  - In file order (the tools), a slot whose header lies in a hole is
+    yielded EMPTY without a read, so a large store that is mostly unwritten
+    (preallocated) is checked at the cost of its written slots; slots at or
+    past the slab's end are read (TRUNCATED), as are all where holes cannot
+    be asked for.
 """
 
 from __future__ import annotations
@@ -104,13 +109,20 @@ def scan(
     if skip_new and file_order:
         raise ValueError("scan: skip_new lists slots in slot order, not file order")
     bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
-    inflight: deque[tuple[int, int, int, Any, Future[int] | OSError]] = deque()
-    for k, (slot, idx, offset) in enumerate(_where(files, file_order, skip_new)):
+    # None for a read: a header in a hole, EMPTY unread (kept in line so
+    # that records leave in the order their slots were listed).
+    inflight: deque[tuple[int, int, int, Any, Future[int] | OSError | None]] = deque()
+    k = 0  # reads submitted: the next one's buffer
+    for slot, idx, offset, data in _where(files, file_order, skip_new):
         if len(inflight) == window:
             yield _judge(files, *inflight.popleft(), payload, on_header)
+        if not data:
+            inflight.append((slot, idx, offset, None, None))
+            continue
         buf = bufs[k % window]
+        k += 1
         try:
-            read: Future[int] | OSError = files.submit_read(idx, buf, offset)
+            read: Future[int] | OSError | None = files.submit_read(idx, buf, offset)
         except OSError as exc:
             read = exc
         inflight.append((slot, idx, offset, buf, read))
@@ -120,17 +132,26 @@ def scan(
 
 def _where(
     files: SlabFiles, file_order: bool, skip_new: bool = False
-) -> Iterator[tuple[int, int, int]]:
-    """``(global slot, slab index, byte offset)`` of each slot to scan."""
+) -> Iterator[tuple[int, int, int, bool]]:
+    """``(global slot, slab index, byte offset, data)`` of each slot to
+    scan; ``data`` False: its header lies in a hole (file order only)."""
     if file_order:
         for idx, slab in enumerate(files.slabs):
+            begun = _slots_begun(files, idx)
+            data = _header_data(files, idx, begun)
+            next_data = next(data, None)  # ascending local slots below begun
             for local in range(slab.num_slots):
+                if local == next_data:
+                    next_data = next(data, None)
+                    has_data = True
+                else:  # a hole, or past the slab's end (read: TRUNCATED)
+                    has_data = local >= begun
                 slot = global_slot(slab.index, local, files.stripes)
-                yield slot, idx, local * files.slot_size
+                yield slot, idx, local * files.slot_size, has_data
         return
     if not skip_new:
         for slot in range(files.num_slots):
-            yield (slot, *files.locate(slot))
+            yield slot, *files.locate(slot), True
         return
     # Local slots of each slab to scan: those that begin before the slab's
     # size before this open (a slot cut by it is read: it may hold a torn
@@ -139,14 +160,30 @@ def _where(
         min(slab.num_slots, -(-old // files.slot_size))
         for slab, old in zip(files.slabs, files.old_sizes, strict=True)
     ]
+
     # Slot s is local slot s // stripes of slab s % stripes; each slab's
     # slots in order, merged into slot order.
-    def slab_slots(idx: int, count: int) -> Iterator[tuple[int, int, int]]:
+    def slab_slots(idx: int, count: int) -> Iterator[tuple[int, int, int, bool]]:
         index = files.slabs[idx].index
         for local in _header_data(files, idx, count):
-            yield global_slot(index, local, files.stripes), idx, local * files.slot_size
+            slot = global_slot(index, local, files.stripes)
+            yield slot, idx, local * files.slot_size, True
 
     yield from heapq.merge(*(slab_slots(i, n) for i, n in enumerate(counts)))
+
+
+def _slots_begun(files: SlabFiles, idx: int) -> int:
+    """How many local slots of slab ``idx`` begin before its end now (all
+    of them where its size cannot be read)."""
+    count = files.slabs[idx].num_slots
+    try:
+        fd = files.backend.fileno(files.handle(idx))
+        if fd is None:
+            return count
+        size = os.fstat(fd).st_size
+    except OSError:
+        return count
+    return min(count, -(-size // files.slot_size))
 
 
 def _header_data(files: SlabFiles, idx: int, count: int) -> Iterator[int]:
@@ -193,7 +230,7 @@ def _judge(
     idx: int,
     offset: int,
     buf: Any,
-    read: Future[int] | OSError,
+    read: Future[int] | OSError | None,
     payload: bool,
     on_header: Callable[[SlotHeader], None] | None,
 ) -> SlotRecord:
@@ -202,6 +239,8 @@ def _judge(
     def record(outcome: ReadOutcome, **kw: Any) -> SlotRecord:
         return SlotRecord(slot, path, local, outcome, **kw)
 
+    if read is None:  # its header lies in a hole: zeros, never written
+        return record(ReadOutcome.EMPTY)
     try:
         n = read.result() if isinstance(read, Future) else 0
         if isinstance(read, OSError):

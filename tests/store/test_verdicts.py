@@ -8,6 +8,7 @@ answer is compared with the expected outcome (and, where OK, with the bytes).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -606,3 +607,61 @@ def test_a_name_that_only_looks_like_a_slab_is_not_one(
     assert [(s.index, s.path) for s in view.slabs] == found
     recs = list(scan(view, file_order=True, payload=True))
     assert [r.outcome for r in recs] == [RO.OK] * NUM_SLOTS
+
+
+def _holes_told(tmp_path: Path) -> bool:
+    """Whether this file system reports a preallocated, never written range
+    as a hole (``SEEK_DATA``: ext4, XFS)."""
+    fd = os.open(tmp_path / "hole-probe", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, 1 << 20)
+        try:
+            return os.lseek(fd, 0, os.SEEK_DATA) != 0
+        except OSError as exc:  # ENXIO: no data at all; else: cannot tell
+            return exc.errno == errno.ENXIO
+    finally:
+        os.close(fd)
+        os.unlink(tmp_path / "hole-probe")
+
+
+def test_inspect_reads_only_the_headers_of_written_slots(tmp_path: Path) -> None:
+    """``kvtier inspect``/``verify`` (file order) of a large, mostly
+    unwritten store: a slot whose header lies in a hole is EMPTY without a
+    read, so only the written slots' headers are read (where the file
+    system tells holes; elsewhere every header, with the same verdicts).
+    Slots the slab no longer reaches are still read, and TRUNCATED."""
+    block_bytes, num_slots = 4096, 4096
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for p in paths:
+        os.mkdir(p)
+    written = [0, 1, 777, 2048, 4001, 4095]
+    with DiskStore(paths, num_slots, block_bytes, fp(block_bytes), backend="posix") as s:
+        for slot in written:
+            s.write_block(slot, key_of(slot), block_of(slot, block_bytes), slot + 1)
+    holes = _holes_told(tmp_path)
+    (view,) = find_stores(paths)
+    recs = list(scan(view, file_order=True, payload=True))
+    read = view.stats().read_bytes
+    assert sorted(r.slot for r in recs) == list(range(num_slots))
+    assert sorted(r.slot for r in recs if r.outcome is RO.OK) == written
+    assert all(r.outcome in (RO.OK, RO.EMPTY) for r in recs)
+    assert [r.header.key for r in recs if r.outcome is RO.OK] == [
+        key_of(r.slot) for r in recs if r.outcome is RO.OK
+    ]
+    payloads = len(written) * block_bytes
+    headers = len(written) if holes else num_slots
+    assert read == headers * HEADER_SIZE + payloads
+    view.close()
+
+    # The slab of path b cut to its first 100 local slots: the other 1948
+    # are past its end, read short (TRUNCATED), not taken for holes.
+    (view,) = find_stores(paths)
+    b = next(s for s in view.slabs if s.index == 1)
+    os.truncate(b.path, 100 * view.slot_size)
+    recs = {r.slot: r.outcome for r in scan(view, file_order=True)}
+    view.close()
+    past = {global_slot(1, local, 2) for local in range(100, num_slots // 2)}
+    assert {s for s, o in recs.items() if o is RO.TRUNCATED} == past
+    assert {s for s, o in recs.items() if o is RO.OK} == {
+        s for s in written if s not in past
+    }
