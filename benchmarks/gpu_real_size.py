@@ -386,8 +386,8 @@ class EngineHost:
             # decoders: sized for one repeat's fresh prefixes, vLLM's LRU
             # evicted the returning prefix's blocks, freed before the next
             # repeat's fresh ones, and "gpu_cache" was partly a recompute
-            # (on the 8B geometry, repeat 2's 8k prefix: 6112 of 8192
-            # tokens cached).
+            # (run.sh's 8k and 32k prefixes, 3 repeats, on the tiny Llama:
+            # repeat 2's 8k prefix found 6112 of its 8192 tokens cached).
             tokens = (1 + s.repeats) * sum(s.prefixes) + longest
         else:
             # A returning prefix loading while another stays cached.

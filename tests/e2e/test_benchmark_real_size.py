@@ -364,11 +364,11 @@ def test_the_baseline_serves_gpu_cache_from_the_gpu_cache_in_every_repeat(tmp_pa
     per repeat), interleaved, the order reversed every other repeat. Each
     repeat's fresh prefixes stay in vLLM's prefix cache: an engine sized for
     one repeat's evicted the returning prefix's blocks, freed before them
-    (repeat 2's 8k "gpu_cache" on the GPU geometry found 6112 of its 8192
-    tokens cached), so a figure labelled ``gpu_cache`` was partly a
-    recompute. Every ``gpu_cache`` run, and the baseline's outputs served
-    from its cache, must find the whole prefix cached; every recompute
-    none."""
+    (with run.sh's 8k and 32k prefixes and 3 repeats, repeat 2's 8k
+    "gpu_cache" found 6112 of its 8192 tokens cached; here, 0 of 512), so
+    a figure labelled ``gpu_cache`` was partly a recompute. Every
+    ``gpu_cache`` run, and the baseline's outputs served from its cache,
+    must find the whole prefix cached; every recompute none."""
     from kvtier.testing.engine import use_in_process_engines
 
     use_in_process_engines()
