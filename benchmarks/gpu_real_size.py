@@ -381,9 +381,14 @@ class EngineHost:
         s = self.s
         longest = max(s.prefixes)
         if self.kind == "baseline":
-            # Room for two prefixes of each length (one returning, one
-            # fresh) and the decoders.
-            tokens = 2 * sum(s.prefixes) + longest
+            # Room for every prefix returning, a fresh one of each length per
+            # repeat (recompute's, each kept in vLLM's prefix cache) and the
+            # decoders: sized for one repeat's fresh prefixes, vLLM's LRU
+            # evicted the returning prefix's blocks, freed before the next
+            # repeat's fresh ones, and "gpu_cache" was partly a recompute
+            # (run.sh's 8k and 32k prefixes, 3 repeats, on the tiny Llama:
+            # repeat 2's 8k prefix found 6112 of its 8192 tokens cached).
+            tokens = (1 + s.repeats) * sum(s.prefixes) + longest
         else:
             # A returning prefix loading while another stays cached.
             tokens = 2 * longest
@@ -1047,7 +1052,8 @@ class Bench:
             # gpu_memory_utilization is only its start's check that this
             # share of the GPU is free: with two engines alive, each must
             # pass it beside the other (an offloading engine takes ~26 GB
-            # of an H100's 80; the baseline, alone, ~32).
+            # of an H100's 80; the baseline, alone, ~43 with 3 repeats of 8k
+            # and 32k: its KV cache holds every repeat's fresh prefixes).
             kw["engine_kw"] = {"gpu_memory_utilization": 0.45}
         self.spawned[label] = EngineProcess(
             label, self.s, self.disk_dir, self.clock, **kw

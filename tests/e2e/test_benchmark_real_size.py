@@ -331,3 +331,92 @@ def test_an_offloading_engine_that_cannot_start_beside_kvtier_runs_alone_after(
     # Neither the first processes nor the one the retry spawned are left.
     assert not any(p.proc.is_alive() for p in procs)
     assert set(multiprocessing.active_children()) <= others
+
+
+class _InProcessEngine:
+    """An :class:`EngineHost` driven in this process through the interface
+    the driver uses for an engine's child process (``call``, ``facts``,
+    ``notes``, ``close``, ``kill``)."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+        self.facts = {"import_s": 0.0}
+        self.notes: list[str] = []
+        self.on_start = lambda: None
+
+    def call(self, method: str, *args, limit_s: float = 600):
+        value = getattr(self.host, method)(*args)
+        self.notes.extend(self.host.take_notes())
+        if method == "start":
+            self.on_start()
+        return value
+
+    def close(self) -> None:
+        self.host.close()
+
+    def kill(self) -> None:
+        pass
+
+
+def test_the_baseline_serves_gpu_cache_from_the_gpu_cache_in_every_repeat(tmp_path):
+    """The engine without a connector serves ``gpu_cache`` (the returning
+    prefix from vLLM's GPU prefix cache) and ``recompute`` (a fresh prefix
+    per repeat), interleaved, the order reversed every other repeat. Each
+    repeat's fresh prefixes stay in vLLM's prefix cache: an engine sized for
+    one repeat's evicted the returning prefix's blocks, freed before them
+    (with run.sh's 8k and 32k prefixes and 3 repeats, repeat 2's 8k
+    "gpu_cache" found 6112 of its 8192 tokens cached; here, 0 of 512), so
+    a figure labelled ``gpu_cache`` was partly a recompute. Every
+    ``gpu_cache`` run, and the baseline's outputs served from its cache,
+    must find the whole prefix cached; every recompute none."""
+    from kvtier.testing.engine import use_in_process_engines
+
+    use_in_process_engines()
+    mod = _script_module()
+    prefixes = [512, 2048]
+    setup = mod.Setup.tiny_llama(
+        prefixes, 3, decoder_tokens=64, no_load_steps=4, out_tokens=4
+    )
+    clock = mod.Clock(600.0)
+    bench = mod.Bench(setup, str(tmp_path / "disk"), clock, False)
+    engine = _InProcessEngine(
+        mod.EngineHost(setup, str(tmp_path / "disk"), clock, kind="baseline")
+    )
+    cached: dict[str, int] = {}  # request id: its prompt's cached tokens
+
+    def record_cached_tokens() -> None:
+        eng = engine.host.llm.llm_engine
+        step = eng.step
+
+        def recording_step():
+            outs = step()
+            for out in outs:
+                cached.setdefault(out.request_id, out.num_cached_tokens)
+            return outs
+
+        eng.step = recording_step
+
+    engine.on_start = record_cached_tokens
+    bench.spawned["baseline"] = engine
+    bench.baseline(0.0)
+
+    assert len(bench.runs) == 3 * 2 * len(prefixes), bench.notes
+    returning = [r for r in cached if r.startswith("ret")]
+    assert len(returning) == len(bench.runs)
+    got = [
+        (run["source"], run["prefix"], cached[rid])
+        for run, rid in zip(bench.runs, returning)
+    ]
+    want = [
+        (
+            run["source"],
+            run["prefix"],
+            run["prefix"] if run["source"] == "gpu_cache" else 0,
+        )
+        for run in bench.runs
+    ]
+    assert got == want
+    # The outputs: every prefix from the GPU cache, then (after a reset)
+    # every one recomputed.
+    alone = [cached[r] for r in cached if r.startswith("alone")]
+    assert alone == [*prefixes, 0, 0], alone
