@@ -23,17 +23,24 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     def blocks(tier: str, n_blocks: int | None, n_bytes: int | None) -> int | None:
         if n_blocks is not None and n_bytes is not None:
             raise ValueError(f"give --{tier}-blocks or --{tier}-bytes, not both")
-        return n_blocks if n_bytes is None else n_bytes // bytes_per_block(bpt)
+        if n_bytes is None:
+            return n_blocks
+        n = n_bytes // bytes_per_block(bpt)
+        # As the engine refuses a budget holding no block: a disk budget
+        # that rounds to 0 is not "no disk tier" (that is --disk-bytes 0).
+        if n == 0 and (n_bytes > 0 or tier == "cpu"):
+            raise ValueError(
+                f"--{tier}-bytes {n_bytes} holds no 512-token block "
+                f"({fmt_bytes(bytes_per_block(bpt))} at {bpt} bytes/token); "
+                f"raise --{tier}-bytes"
+                + (", or give 0 for no disk tier" if tier == "disk" else "")
+            )
+        return n
 
     cpu = blocks("cpu", args.cpu_blocks, args.cpu_bytes)
     disk = blocks("disk", args.disk_blocks, args.disk_bytes) or 0
     if cpu is None:
         raise ValueError("give --cpu-blocks, or --cpu-bytes with --bytes-per-token")
-    if cpu <= 0:
-        raise ValueError(
-            "the CPU tier must hold at least one 512-token block "
-            f"({fmt_bytes(bytes_per_block(bpt))} at {bpt} bytes/token)"
-        )
     return cpu, disk, bpt
 
 
