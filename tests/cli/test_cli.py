@@ -195,6 +195,42 @@ def test_size_bytes_form_converts_and_recommends(
     assert rec["hit_rate"] == pytest.approx(at.hit_rate)
 
 
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ("--cpu-blocks", str(10**25)),  # more than an index: was an OverflowError
+        ("--cpu-blocks", "4", "--disk-blocks", str(10**25)),
+        # 2 TiB of disk at a mistyped 1 byte/token: 2**32 blocks, whose 2q
+        # doorkeeper alone was ~200 GiB (a MemoryError, or the OOM killer).
+        ("--cpu-blocks", "4", "--disk-bytes", "2T", "--bytes-per-token", "1"),
+    ],
+)
+@pytest.mark.parametrize("extra", [(), ("--compare",)])
+def test_size_tier_larger_than_the_trace_replays_as_never_evicting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sizes, extra
+) -> None:
+    # A B A A B: 8 distinct blocks. A tier of any size >= 8 never evicts,
+    # so it gets the hits of an 8-block tier, reported at the size given.
+    trace = write_trace(tmp_path / "t.jsonl", [A, B, A, A, B])
+    doc = run_json(capsys, "size", "--trace", trace, "--policy", "2q", *sizes, *extra)
+    huge_cpu = sizes[1] != "4"
+    exact = sizing.replay_trace(load_trace(trace), 8 if huge_cpu else 4, 8, "2q", "2q")
+    assert doc["hit_blocks"] == exact.hit_blocks == 12  # the bound: 12 / 20
+    assert (doc["hit_blocks_cpu"], doc["hit_blocks_disk"]) == (
+        exact.hit_blocks_cpu,
+        exact.hit_blocks_disk,
+    )
+    given = int(sizes[1]) if huge_cpu else 4
+    assert doc["cpu_blocks"] == given
+    if not huge_cpu:
+        disk = int(sizes[3]) if "--disk-blocks" in sizes else 2**41 // 512
+        assert doc["disk_blocks"] == disk
+    if extra:
+        cmp = doc["comparison"]
+        assert cmp["optimal_hit_rate"] == pytest.approx(12 / 20)
+        assert all(p["hit_rate"] == pytest.approx(12 / 20) for p in cmp["policies"])
+
+
 def test_size_text_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = write_trace(tmp_path / "t.jsonl", [A, A, B, B] * 3)
     png = tmp_path / "sweep.png"

@@ -147,6 +147,26 @@ def test_size_rejects_bad_arguments(tmp_path: Path, case: str) -> None:
     assert_usage_error(p, "kvtier size: error: argument", *needles)
 
 
+@pytest.mark.parametrize(
+    "flag,argv",
+    [
+        # 1 KiB/token: a 512-token block is 512 KiB. The disk budget used to
+        # become a disk tier of 0 blocks without a word (the engine refuses
+        # such a disk_bytes_to_use), the CPU one an error not naming its flag.
+        ("--disk-bytes", ["--cpu-blocks", "4", "--disk-bytes", "100K"]),
+        ("--cpu-bytes", ["--cpu-bytes", "100K"]),
+    ],
+)
+def test_size_budget_holding_no_block_is_an_error_naming_its_flag(
+    tmp_path: Path, flag: str, argv: list[str]
+) -> None:
+    p = kvtier(
+        "size", "--trace", _trace(tmp_path, GOOD), "--bytes-per-token", "1K", *argv
+    )
+    line = assert_usage_error(p, "kvtier size:", f"{flag} 102400", "512.0 KiB")
+    assert f"raise {flag}" in line
+
+
 def test_size_checks_plot_path_before_reading_the_trace(tmp_path: Path) -> None:
     # /dev/zero as the trace: the --plot error must come first, i.e. before
     # the trace is read, let alone replayed.

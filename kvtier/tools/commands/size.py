@@ -23,23 +23,50 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     def blocks(tier: str, n_blocks: int | None, n_bytes: int | None) -> int | None:
         if n_blocks is not None and n_bytes is not None:
             raise ValueError(f"give --{tier}-blocks or --{tier}-bytes, not both")
-        return n_blocks if n_bytes is None else n_bytes // bytes_per_block(bpt)
+        if n_bytes is None:
+            return n_blocks
+        n = n_bytes // bytes_per_block(bpt)
+        # As the engine refuses a budget holding no block: a disk budget
+        # that rounds to 0 is not "no disk tier" (that is --disk-bytes 0).
+        if n == 0 and (n_bytes > 0 or tier == "cpu"):
+            raise ValueError(
+                f"--{tier}-bytes {n_bytes} holds no 512-token block "
+                f"({fmt_bytes(bytes_per_block(bpt))} at {bpt} bytes/token); "
+                f"raise --{tier}-bytes"
+                + (", or give 0 for no disk tier" if tier == "disk" else "")
+            )
+        return n
 
     cpu = blocks("cpu", args.cpu_blocks, args.cpu_bytes)
     disk = blocks("disk", args.disk_blocks, args.disk_bytes) or 0
     if cpu is None:
         raise ValueError("give --cpu-blocks, or --cpu-bytes with --bytes-per-token")
-    if cpu <= 0:
-        raise ValueError(
-            "the CPU tier must hold at least one 512-token block "
-            f"({fmt_bytes(bytes_per_block(bpt))} at {bpt} bytes/token)"
-        )
     return cpu, disk, bpt
+
+
+def _replay_capped(
+    requests: Sequence[Any],
+    cpu: int,
+    cap: int,
+    disk: int,
+    *,
+    progress: Callable[[int], None] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``replay_trace`` with each tier at most ``cap`` blocks (the trace's
+    distinct blocks), its result showing the sizes given."""
+    from kvtier.tools.sizing import replay_trace
+
+    r = replay_trace(
+        requests, min(cpu, cap), min(disk, cap), progress=progress, **kwargs
+    )
+    r.cpu_blocks, r.disk_blocks = cpu, disk
+    return r
 
 
 def cmd_size(args: argparse.Namespace) -> int:
     from kvtier.tools import sizing, sizing_compare
-    from kvtier.tools.trace import load_trace
+    from kvtier.tools.trace import load_trace, unique_blocks
 
     try:
         cpu, disk, bpt = _size_blocks(args)
@@ -61,11 +88,17 @@ def cmd_size(args: argparse.Namespace) -> int:
         print(f"kvtier size: cannot read trace: {exc}", file=sys.stderr)
         return 2
     show = not args.json
-    # The replay of this trace, CPU tier and policies at one disk size.
+    # A tier holding every distinct block of the trace never evicts, so any
+    # larger one gets the same hits: it is replayed at that size (a size
+    # like 2T at a mistyped --bytes-per-token 1 is 2**32 blocks, which
+    # overflowed, or whose 2q/arcdk doorkeeper took ~200 GiB) and reported
+    # at the size given. Only the spill count of such a CPU tier can differ.
+    cap = max(1, unique_blocks(requests))
     replay = functools.partial(
-        sizing.replay_trace,
+        _replay_capped,
         requests,
         cpu,
+        cap,
         cpu_policy=args.cpu_policy or args.policy,
         disk_policy=args.disk_policy or args.policy,
         spill_watermark=args.spill_watermark,
@@ -90,8 +123,15 @@ def cmd_size(args: argparse.Namespace) -> int:
     if args.compare:
         with progress_bar(show, None, "compare", "req") as tick:
             cmp = sizing_compare.compare_policies(
-                requests, cpu, disk, spill_watermark=args.spill_watermark, progress=tick
+                requests,
+                min(cpu, cap),
+                min(disk, cap),
+                spill_watermark=args.spill_watermark,
+                progress=tick,
             )
+        cmp.cpu_blocks, cmp.disk_blocks = cpu, disk
+        for r in cmp.results:
+            r.cpu_blocks, r.disk_blocks = cpu, disk
         doc["comparison"] = cmp.to_dict()
     if args.plot:
         if cmp is not None:
