@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from typing_extensions import override
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
@@ -361,6 +363,9 @@ class TieredOffloadingConnector(OffloadingConnector):
         # vLLM (0.32, 0.33) accepts block-level errors only for one group.
         self._request_level_errors = len(kv_cache_config.kv_cache_groups) > 1
         self._invalid_block_ids: set[int] = set()
+        # KV events a connector reset translated (reset_cache), sent first
+        # by the next take_events.
+        self._reset_events: list[Any] = []
 
     @override
     def get_transfer_results(
@@ -429,18 +434,46 @@ class TieredOffloadingConnector(OffloadingConnector):
         (tests/e2e/test_engine_fuzz_e2e.py, Gemma-2); without them the
         copies were right. With the progress kept, the chunks they stored
         before the reset are forgotten like every other block: a miss,
-        never a copy of unknown bytes."""
+        never a copy of unknown bytes.
+
+        With ``self_describing_kv_events``, the removals kvtier's reset
+        announces (one per block its tiers held) are translated here, with
+        the payloads vLLM's reset drops (``OffloadingEventsTracker.reset``;
+        its own CPU manager announces no removal then), and sent first by
+        the next :meth:`take_events`. Translated a step later, a removal
+        named its chunk's last block hash only, so a subscriber kept the
+        chunk's other hashes on CPU and STORAGE for ever; and where that
+        step stored the same blocks again, the removals took the new
+        copies' payload with them."""
         sched = self.connector_scheduler
         assert sched is not None
         progress = {
             req_id: [group.next_stored_chunk_idx for group in status.group_states]
             for req_id, status in sched._req_status.items()
         }
+        tracker = sched._events_tracker
+        payloads = (
+            dict(tracker._pending_event_metadata)
+            if tracker.self_describing_enabled
+            else None
+        )
         done = super().reset_cache()
+        if payloads:
+            tracker._pending_event_metadata.update(payloads)
+            while events := list(sched.manager.take_events()):
+                self._reset_events.extend(tracker.take_events(events))
+            tracker.reset()
         for req_id, status in sched._req_status.items():
             for group, stored in zip(status.group_states, progress.get(req_id, ())):
                 group.next_stored_chunk_idx = stored
         return done
+
+    @override
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        if self._reset_events:
+            events, self._reset_events = self._reset_events, []
+            yield from events
+        yield from super().take_events()
 
     def _restart_stores_after_failed_loads(self) -> None:
         """Start the stores of each request whose load just failed over from

@@ -67,7 +67,14 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "reset_cache",
             "_current_batch_load_jobs",
             "build_connector_meta",
+            "_events_tracker",
+            "take_events",
         ),
+    ),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.events",
+        "OffloadingEventsTracker",
+        ("self_describing_enabled", "_pending_event_metadata", "take_events", "reset"),
     ),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 
 import pytest
 
@@ -264,3 +265,102 @@ def assert_start_fails(model, cfg, pattern: str) -> None:
         chain.append(str(exc))
         exc = exc.__cause__ or exc.__context__
     assert any(re.search(pattern, text) for text in chain), chain
+
+
+def _hashes_held(sub: KVEventSubscriber, medium: str) -> dict:
+    """Per block hash, BlockStored minus BlockRemoved events naming it on
+    ``medium``; the non-zero ones."""
+    held: Counter = Counter()
+    for ev in sub.filter(medium=medium):
+        if type(ev).__name__ in ("BlockStored", "BlockRemoved"):
+            sign = 1 if type(ev).__name__ == "BlockStored" else -1
+            for h in ev.block_hashes:
+                held[h] += sign
+    return {h: n for h, n in held.items() if n}
+
+
+def test_a_reset_removes_every_hash_that_self_describing_stores_named(
+    model, block_bytes, tmp_path
+):
+    """With ``self_describing_kv_events`` a store names every GPU block hash
+    of its chunk (two here: 64-token chunks over 32-token GPU blocks); the
+    removals a connector reset publishes must name them all too, or a
+    subscriber replaying the stream keeps the others on CPU and STORAGE for
+    ever. vLLM drops its chunk payloads at the reset (its CPU manager
+    publishes no removal then), before kvtier's reset removals went out:
+    they named the chunk's last hash only."""
+    cfg = kvtier_config(
+        block_bytes, tmp_path, block_size=64, self_describing_kv_events=True
+    )
+    with (
+        KVEventSubscriber() as sub,
+        engine(
+            model,
+            cfg,
+            num_gpu_blocks=GPU_BLOCKS,
+            enable_kv_events=True,
+            kv_events_endpoint=sub.endpoint,
+        ) as llm,
+    ):
+        run_each(llm, FIRST[:3])  # 6 chunks over a 4-chunk CPU tier: spills
+        h = manager_of(llm).hierarchy
+        assert len(h.cpu) > 0 and len(h.disk) > 0
+        assert llm.reset_prefix_cache(reset_connector=True)
+        # Steps the engine (the removals go out with its events); 48
+        # tokens fill no 64-token chunk, so nothing is stored again.
+        run_prompts(llm, [make_prompt(77, 40)], MAX_TOKENS)
+        assert len(h.cpu) == len(h.disk) == 0
+        assert wait_events_delivered(llm, sub, timeout=60)
+        assert sub.block_counts()[("BlockRemoved", "STORAGE")] > 0
+        assert _hashes_held(sub, "CPU") == {}
+        assert _hashes_held(sub, "STORAGE") == {}
+
+
+def _removed_unstored(sub: KVEventSubscriber, medium: str) -> list:
+    """The block hashes a BlockRemoved on ``medium`` named while no
+    BlockStored there held them."""
+    held: Counter = Counter()
+    bad = []
+    for ev in sub.filter(medium=medium):
+        if type(ev).__name__ == "BlockStored":
+            held.update(ev.block_hashes)
+        elif type(ev).__name__ == "BlockRemoved":
+            for h in ev.block_hashes:
+                if held[h] <= 0:
+                    bad.append(h)
+                held[h] -= 1
+    return bad
+
+
+def test_blocks_stored_again_right_after_a_reset_keep_their_hashes(
+    model, block_bytes, tmp_path
+):
+    """The first step after a connector reset stores a prompt the tiers held
+    before it: vLLM describes the new copies while the reset's removals of
+    the old ones still wait to go out, under the same key. Those removals
+    must not take the new copies' payload with them: a CPU store announced
+    as a bare placeholder (its last hash) was then removed by both hashes."""
+    cfg = kvtier_config(
+        block_bytes, tmp_path, block_size=64, self_describing_kv_events=True
+    )
+    with (
+        KVEventSubscriber() as sub,
+        engine(
+            model,
+            cfg,
+            num_gpu_blocks=GPU_BLOCKS,
+            enable_kv_events=True,
+            kv_events_endpoint=sub.endpoint,
+        ) as llm,
+    ):
+        run_each(llm, FIRST[:3])
+        h = manager_of(llm).hierarchy
+        assert llm.reset_prefix_cache(reset_connector=True)
+        # FIRST[2]'s chunks were on CPU at the reset; stored again now, then
+        # pushed out of the 4-chunk CPU tier.
+        run_each(llm, [FIRST[2], FIRST[3], FIRST[4]])
+        assert wait_events_delivered(llm, sub, timeout=60)
+        assert _removed_unstored(sub, "CPU") == []
+        assert _removed_unstored(sub, "STORAGE") == []
+        assert len(_hashes_held(sub, "CPU")) == 2 * len(h.cpu)
+        assert len(_hashes_held(sub, "STORAGE")) == 2 * len(h.disk)
