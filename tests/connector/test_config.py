@@ -566,3 +566,21 @@ def test_kvtier_keys_under_a_spec_that_ignores_them_are_refused(
         offloading_config(plain, worker_kv_bytes_per_block=4096), ConnectorFacts()
     )
     assert type(spec).__name__ == "CPUOffloadingSpec"
+
+
+def test_a_disk_tier_smaller_than_the_cpu_tier_is_said_at_start(caplog) -> None:
+    """A CPU block leaves its tier only once it is on disk, so a disk tier
+    holding fewer blocks than the CPU tier starves the CPU tier (stores
+    declined): the start says so, naming both keys; an equal or larger
+    disk tier, or none, says nothing."""
+    pytest.importorskip("vllm")
+    from kvtier.connector.spec import warn_disk_smaller_than_cpu
+
+    with caplog.at_level("WARNING", logger="vllm.kvtier.connector"):
+        assert warn_disk_smaller_than_cpu(2000, 10)
+        for disk_blocks in (0, 2000, 20000):
+            assert not warn_disk_smaller_than_cpu(2000, disk_blocks)
+    (said,) = {m for m in caplog.messages if "smaller than the CPU tier" in m}
+    keys = ("disk_bytes_to_use", "cpu_bytes_to_use")
+    for fragment in ("(10 blocks)", "(2000 blocks)", *keys):
+        assert fragment in said, said
