@@ -759,3 +759,37 @@ def test_a_copy_that_never_returns_never_stops_the_engine_step(runner, monkeypat
     assert [(d.job_id, d.success) for d in done] == [(1, False)]
     error = r.worker.take_load_error(1)
     _complete(r, on_cpu, ctx, error)
+
+
+def test_a_task_that_raises_as_the_thread_takes_it_in_is_still_reported(
+    runner, monkeypatch
+):
+    """The load thread cuts each task it takes from the queue into units
+    (and lays the bounce area out for it). A task that raises there (a bug)
+    fails whole and is reported, as one that raises later does; it was out
+    of the queue and not yet among the held tasks, so it was handed back
+    by no one and its request waited for its load for ever. Later loads
+    are served."""
+    r = runner
+    keys = push_to_disk(r, [1, 2], others="bcdef")
+    second = r.keys("b", 4)[:2]
+    real_cut = pipeline.LoadTask.cut
+
+    def cut(task, per_unit):
+        if task.job_id == 1:
+            raise RuntimeError("a bug while the thread takes the task in")
+        return real_cut(task, per_unit)
+
+    monkeypatch.setattr(pipeline.LoadTask, "cut", cut)
+    ctx = _submit(r, keys, [40, 41], job_id=1)
+    done = wait_finished(r.worker, timeout=10.0)
+    assert [(d.job_id, d.success) for d in done] == [(1, False)]
+    error = r.worker.take_load_error(1)
+    assert error.whole and error.unloaded == keys
+    assert error.gpu_block_ids == {40, 41}
+    _complete(r, keys, ctx, error)
+    ctx2 = _submit(r, second, [44, 45], job_id=2)
+    assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(2, True)]
+    assert _landed(r, second, [44, 45]) == [True, True]
+    _complete(r, second, ctx2)
+    assert not any(_landed(r, keys, [40, 41]))

@@ -442,9 +442,14 @@ class LoadPipeline:
         with self._cond:
             while self._queue:
                 task = self._queue.popleft()
-                task.cut(self._per_unit)
-                if task.disk_left is not None:
-                    self.ring.lay_out(self.reader.capacity, self.reader.slot_size)
+                try:
+                    task.cut(self._per_unit)
+                    if task.disk_left is not None:
+                        self.ring.lay_out(self.reader.capacity, self.reader.slot_size)
+                except BaseException as exc:
+                    # Out of the queue and not yet held: failed here, or no
+                    # one would hand it back (_pick does, it has no work).
+                    self._fail(task, exc)
                 (self._expedited if task.expedited else self._turns).append(task)
             if self._stopping:
                 return False
