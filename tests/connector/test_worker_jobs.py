@@ -794,3 +794,56 @@ def test_a_stuck_load_thread_never_holds_back_a_job_whose_copies_it_issued(runne
         time.sleep(0.002)
     assert not late.queued
     assert not any(t[[44, 45]].any() for t in r.kv)
+
+
+def test_a_flushed_load_never_holds_the_step_on_a_load_thread_stuck_after_its_copy(
+    runner,
+):
+    """A connector reset flushes job 1 (``give_up_loads``, then vLLM's
+    ``wait``) while the load thread is inside job 1's batch copy; the thread
+    then gets stuck starting job 2's read. Job 1 was given up already, so
+    the worker's deadline for a stuck thread passed it over, and ``wait``
+    (the engine's step) waited for a thread that did not come back. It
+    returns once the deadline passed and the copy drained."""
+    r = runner
+    with landing_at_once(r):
+        first = push_to_disk(r, [1, 2], others="bcdef")
+    second = r.keys("b", 4)[:2]
+    late = r.worker.loads.copies
+    r.worker.loads.deadline_s = 0.3
+    issued, go_on, stuck = threading.Event(), threading.Event(), threading.Event()
+    real_submit = late.submit
+
+    def submit(*args, **kwargs):
+        transfer = real_submit(*args, **kwargs)
+        issued.set()
+        go_on.wait(10)  # the reset comes, then job 2
+        return transfer
+
+    late.submit = submit
+    reader = r.worker.reader
+    real_read = reader.submit
+
+    def read(items, first_row=0):
+        if items[0][1] in second:
+            stuck.wait(30)
+        return real_read(items, first_row=first_row)
+
+    reader.submit = read
+    waiter = threading.Thread(target=r.worker.wait, args=({1},))
+    try:
+        _submit_disk_load(r, "a", first, [40, 41], job_id=1)
+        assert issued.wait(10)
+        r.worker.give_up_loads([1])  # the thread is inside job 1's copy
+        _submit_disk_load(r, "b", second, [44, 45], job_id=2)
+        go_on.set()
+        waiter.start()
+        waiter.join(5.0)
+        assert not waiter.is_alive(), "wait() held the step on a stuck load thread"
+        done, _ = _poll_until(r, {1, 2}, timeout=5.0)
+        assert sorted((d.job_id, d.success) for d in done) == [(1, False), (2, False)]
+    finally:
+        go_on.set()
+        stuck.set()
+        if waiter.is_alive():
+            waiter.join(10.0)
