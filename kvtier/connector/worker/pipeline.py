@@ -465,8 +465,14 @@ class LoadPipeline:
             # other loads must still give up a batch whose reads hang.
             self._give_up(reading[0])
             return True
-        task = self._pick()
-        if task is not None:
+        # An expedited task's batch that returned goes before any other
+        # task's unit: the engine's step waits for it (and its request runs).
+        urgent = next(
+            (p for p in reading if p.task.expedited and reader.ready(p.pending)), None
+        )
+        if urgent is not None:
+            self._finish(urgent)
+        elif (task := self._pick()) is not None:
             self._unit(task)
         elif returned := next((p for p in reading if reader.ready(p.pending)), None):
             self._finish(returned)
