@@ -277,6 +277,10 @@ class CopyPath(Protocol):
       - ``wait(ids)`` returns once the given transfers completed (ids that
         already completed or are unknown are ignored); they are still
         reported by the next ``poll``.
+      - ``drain()``, from any thread, returns once every transfer submitted
+        before the call completed; they are still reported by the owning
+        thread's next ``poll``. For a worker whose load thread is stuck (it
+        alone polls its path): its copies are known to have landed.
       - ``shutdown()`` waits for every transfer in flight, then releases
         what the path holds (views into the host areas, page-locking); the
         areas may be unmapped afterwards.
@@ -313,6 +317,8 @@ class CopyPath(Protocol):
 
     def wait(self, transfers: set[int]) -> None: ...
 
+    def drain(self) -> None: ...
+
     def mark(self) -> Any: ...
 
     def follow(self, mark: Any) -> None: ...
@@ -341,6 +347,9 @@ class SynchronousCopies:
         return {}
 
     def wait(self, transfers: set[int]) -> None:
+        return None
+
+    def drain(self) -> None:
         return None
 
     def mark(self) -> None:

@@ -759,3 +759,94 @@ def test_a_copy_that_never_returns_never_stops_the_engine_step(runner, monkeypat
     assert [(d.job_id, d.success) for d in done] == [(1, False)]
     error = r.worker.take_load_error(1)
     _complete(r, on_cpu, ctx, error)
+
+
+def test_a_task_that_raises_as_the_thread_takes_it_in_is_still_reported(
+    runner, monkeypatch
+):
+    """The load thread cuts each task it takes from the queue into units
+    (and lays the bounce area out for it). A task that raises there (a bug)
+    fails whole and is reported, as one that raises later does; it was out
+    of the queue and not yet among the held tasks, so it was handed back
+    by no one and its request waited for its load for ever. Later loads
+    are served."""
+    r = runner
+    keys = push_to_disk(r, [1, 2], others="bcdef")
+    second = r.keys("b", 4)[:2]
+    real_cut = pipeline.LoadTask.cut
+
+    def cut(task, per_unit):
+        if task.job_id == 1:
+            raise RuntimeError("a bug while the thread takes the task in")
+        return real_cut(task, per_unit)
+
+    monkeypatch.setattr(pipeline.LoadTask, "cut", cut)
+    ctx = _submit(r, keys, [40, 41], job_id=1)
+    done = wait_finished(r.worker, timeout=10.0)
+    assert [(d.job_id, d.success) for d in done] == [(1, False)]
+    error = r.worker.take_load_error(1)
+    assert error.whole and error.unloaded == keys
+    assert error.gpu_block_ids == {40, 41}
+    _complete(r, keys, ctx, error)
+    ctx2 = _submit(r, second, [44, 45], job_id=2)
+    assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(2, True)]
+    assert _landed(r, second, [44, 45]) == [True, True]
+    _complete(r, second, ctx2)
+    assert not any(_landed(r, keys, [40, 41]))
+
+
+def test_an_expedited_loads_returned_batch_goes_before_other_loads_copies(
+    runner, monkeypatch
+):
+    """vLLM 0.33 waits within the engine step for an expedited (synchronous)
+    load. On the CPU platform the load thread also copies the CPU-tier rows
+    of the other loads, a unit per turn. Once the expedited load's read
+    returned, its batch is verified and copied next: it went first only to
+    be read, then waited, and the step with it, until every queued
+    CPU-tier copy of the other loads was done."""
+    r = runner
+    disk_keys = push_to_disk(r, [1, 2], others="bcdef")
+    cpu_keys = r.keys("f", 4)  # stored last: in the CPU tier
+    h = r.manager.hierarchy
+    assert [h.lookup(k).name for k in cpu_keys] == ["HIT_CPU"] * 4
+    loads = r.worker.loads
+    monkeypatch.setattr(loads, "_per_unit", 1)  # four units of CPU-row copies
+    events: list[str] = []
+    copies = r.worker.copies
+    real_copy = copies.submit
+
+    def read_returned() -> bool:
+        reading = loads.ring.reading()
+        return bool(reading) and all(r.worker.reader.ready(p.pending) for p in reading)
+
+    def copy(area, group, plan, to_host, expedited=False):
+        if area == "cpu" and not to_host:
+            if not events:
+                # The first unit: until the expedited load's read returned.
+                _wait_for(read_returned, "the expedited read")
+            events.append("cpu unit")
+        return real_copy(area, group, plan, to_host, expedited)
+
+    monkeypatch.setattr(copies, "submit", copy)
+    real_done = loads._done
+
+    def done(task):
+        events.append(f"job {task.job_id} back")
+        real_done(task)
+
+    monkeypatch.setattr(loads, "_done", done)
+    assert r.lookup("f", cpu_keys) == 4
+    ctx1, spec1 = r.ctx, r.manager.prepare_load(cpu_keys, r.ctx)
+    assert r.lookup("a", disk_keys) == 2
+    ctx2, spec2 = r.ctx, r.manager.prepare_load(disk_keys, r.ctx)
+    for t in r.kv:
+        t[[40, 41, 42, 43, 48, 49]] = 0
+    r.worker.submit_load(1, spec1, GPULoadStoreSpec([40, 41, 42, 43], [4], [0]))
+    r.worker.submit_load(2, spec2, GPULoadStoreSpec([48, 49], [2], [0]), expedited=True)
+    r.worker.wait({2})
+    done_jobs = wait_finished(r.worker, count=2)
+    assert sorted((d.job_id, d.success) for d in done_jobs) == [(1, True), (2, True)]
+    assert events.index("job 2 back") < events.index("cpu unit") + 2, events
+    assert _landed(r, cpu_keys + disk_keys, [40, 41, 42, 43, 48, 49]) == [True] * 6
+    _complete(r, cpu_keys, ctx1)
+    _complete(r, disk_keys, ctx2)

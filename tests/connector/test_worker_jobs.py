@@ -87,6 +87,10 @@ class LateCopies:
         for transfer in [t for t in self.queued if t <= last]:
             self._land(transfer)
 
+    def drain(self) -> None:
+        for transfer in list(self.queued):
+            self._land(transfer)
+
     def mark(self) -> int:
         self.marks += 1
         return self.marks
@@ -730,3 +734,116 @@ def test_spills_finishing_in_reset_cache_count_alike_in_spills_and_write_bytes(
         assert len(h.cpu) == len(h.disk) == 0
     finally:
         r.close()
+
+
+def test_a_stuck_load_thread_never_holds_back_a_job_whose_copies_it_issued(runner):
+    """The load thread issues job 1's batch copy and, before any later poll
+    of its copy path could report it, gets stuck starting job 2's read (a
+    slab open or a kvikio read start on a hung mount). Past the deadline the
+    worker gives up both jobs. Job 2 had nothing in flight: reported at
+    once. Job 1's copy was issued before its cancellation and is only ever
+    reported by the stuck thread's poll, so job 1 was never reported, and
+    its request (and a flush waiting on it) waited for ever. The worker
+    now waits for that copy on the device (the path's ``drain``), which does
+    not need the thread, and reports job 1 failed whole."""
+    r = runner
+    with landing_at_once(r):
+        first = push_to_disk(r, [1, 2], others="bcdef")
+    second = r.keys("b", 4)[:2]
+    late = r.worker.loads.copies
+    r.worker.loads.deadline_s = 0.3
+    issued, go_on, stuck = threading.Event(), threading.Event(), threading.Event()
+    real_submit = late.submit
+
+    def submit(*args, **kwargs):
+        transfer = real_submit(*args, **kwargs)
+        issued.set()
+        go_on.wait(10)  # until job 2 is queued
+        return transfer
+
+    late.submit = submit
+    reader = r.worker.reader
+    real_read = reader.submit
+
+    def read(items, first_row=0):
+        if items[0][1] in second:
+            stuck.wait(30)  # the step that does not come back
+        return real_read(items, first_row=first_row)
+
+    reader.submit = read
+    try:
+        ctx_a = _submit_disk_load(r, "a", first, [40, 41], job_id=1)
+        assert issued.wait(10)
+        ctx_b = _submit_disk_load(r, "b", second, [44, 45], job_id=2)
+        go_on.set()
+        done, _ = _poll_until(r, {1, 2}, timeout=5.0)
+        assert sorted((d.job_id, d.success) for d in done) == [(1, False), (2, False)]
+        for job, keys, ctx in ((1, first, ctx_a), (2, second, ctx_b)):
+            error = r.worker.take_load_error(job)
+            assert error.whole and error.unloaded == keys
+            r.manager.complete_load(keys, ctx)
+            r.manager.on_request_finished(ctx)
+    finally:
+        go_on.set()
+        stuck.set()
+    # Back from its step: nothing more is reported, nothing written later.
+    deadline = time.monotonic() + 10
+    while r.worker.loads._turns or r.worker.loads.ring.transfers:
+        assert time.monotonic() < deadline, "the load thread never came back"
+        assert r.worker.get_finished() == []
+        time.sleep(0.002)
+    assert not late.queued
+    assert not any(t[[44, 45]].any() for t in r.kv)
+
+
+def test_a_flushed_load_never_holds_the_step_on_a_load_thread_stuck_after_its_copy(
+    runner,
+):
+    """A connector reset flushes job 1 (``give_up_loads``, then vLLM's
+    ``wait``) while the load thread is inside job 1's batch copy; the thread
+    then gets stuck starting job 2's read. Job 1 was given up already, so
+    the worker's deadline for a stuck thread passed it over, and ``wait``
+    (the engine's step) waited for a thread that did not come back. It
+    returns once the deadline passed and the copy drained."""
+    r = runner
+    with landing_at_once(r):
+        first = push_to_disk(r, [1, 2], others="bcdef")
+    second = r.keys("b", 4)[:2]
+    late = r.worker.loads.copies
+    r.worker.loads.deadline_s = 0.3
+    issued, go_on, stuck = threading.Event(), threading.Event(), threading.Event()
+    real_submit = late.submit
+
+    def submit(*args, **kwargs):
+        transfer = real_submit(*args, **kwargs)
+        issued.set()
+        go_on.wait(10)  # the reset comes, then job 2
+        return transfer
+
+    late.submit = submit
+    reader = r.worker.reader
+    real_read = reader.submit
+
+    def read(items, first_row=0):
+        if items[0][1] in second:
+            stuck.wait(30)
+        return real_read(items, first_row=first_row)
+
+    reader.submit = read
+    waiter = threading.Thread(target=r.worker.wait, args=({1},))
+    try:
+        _submit_disk_load(r, "a", first, [40, 41], job_id=1)
+        assert issued.wait(10)
+        r.worker.give_up_loads([1])  # the thread is inside job 1's copy
+        _submit_disk_load(r, "b", second, [44, 45], job_id=2)
+        go_on.set()
+        waiter.start()
+        waiter.join(5.0)
+        assert not waiter.is_alive(), "wait() held the step on a stuck load thread"
+        done, _ = _poll_until(r, {1, 2}, timeout=5.0)
+        assert sorted((d.job_id, d.success) for d in done) == [(1, False), (2, False)]
+    finally:
+        go_on.set()
+        stuck.set()
+        if waiter.is_alive():
+            waiter.join(10.0)

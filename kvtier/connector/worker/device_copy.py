@@ -231,6 +231,12 @@ class DeviceCopies:
         stream waits for the event (on the device, not on the host)."""
         current_platform.current_stream(self.device).wait_event(mark)
 
+    def drain(self) -> None:
+        """Return once every transfer submitted so far completed; from any
+        thread (the device's work, not the handlers' bookkeeping, which
+        stays this path's thread's: they are reported by its next poll)."""
+        torch.accelerator.synchronize(self.device)
+
     def wait(self, transfers: set[int]) -> None:
         for handler in self._handlers.values():
             handler.wait(transfers)

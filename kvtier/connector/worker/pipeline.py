@@ -442,9 +442,14 @@ class LoadPipeline:
         with self._cond:
             while self._queue:
                 task = self._queue.popleft()
-                task.cut(self._per_unit)
-                if task.disk_left is not None:
-                    self.ring.lay_out(self.reader.capacity, self.reader.slot_size)
+                try:
+                    task.cut(self._per_unit)
+                    if task.disk_left is not None:
+                        self.ring.lay_out(self.reader.capacity, self.reader.slot_size)
+                except BaseException as exc:
+                    # Out of the queue and not yet held: failed here, or no
+                    # one would hand it back (_pick does, it has no work).
+                    self._fail(task, exc)
                 (self._expedited if task.expedited else self._turns).append(task)
             if self._stopping:
                 return False
@@ -460,8 +465,14 @@ class LoadPipeline:
             # other loads must still give up a batch whose reads hang.
             self._give_up(reading[0])
             return True
-        task = self._pick()
-        if task is not None:
+        # An expedited task's batch that returned goes before any other
+        # task's unit: the engine's step waits for it (and its request runs).
+        urgent = next(
+            (p for p in reading if p.task.expedited and reader.ready(p.pending)), None
+        )
+        if urgent is not None:
+            self._finish(urgent)
+        elif (task := self._pick()) is not None:
             self._unit(task)
         elif returned := next((p for p in reading if reader.ready(p.pending)), None):
             self._finish(returned)

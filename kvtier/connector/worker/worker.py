@@ -343,7 +343,7 @@ class TieredOffloadingWorker(OffloadingWorker):
             self.book.landed(transfer, seconds)
         if self.loads.overdue():
             for job in list(self.book.jobs.values()):
-                if job.task is not None and not job.task.cancelled:
+                if job.task is not None:  # given up before too: not reported yet
                     self._give_up(job)
 
     def _task_done(self, task: LoadTask) -> None:
@@ -387,20 +387,25 @@ class TieredOffloadingWorker(OffloadingWorker):
                 self._cancel(job)
 
     def _give_up(self, job: Job) -> None:
-        """Fail ``job`` whole, the load thread being stuck (see :meth:`_cancel`)."""
-        logger.error(
-            "kvtier: the load thread has not come back from one step for %.0f s "
-            "(a disk open or transfer that does not return?); load job %d is "
-            "recomputed",
-            self.loads.deadline_s,
-            job.job_id,
-        )
-        self._cancel(job)
+        """Fail ``job`` whole, the load thread being stuck (see :meth:`_cancel`):
+        copies of it the thread issued are waited for on the device, as only
+        the stuck thread would ever poll them."""
+        assert job.task is not None
+        if not job.task.cancelled:  # else it was given up before, and said so
+            logger.error(
+                "kvtier: the load thread has not come back from one step for "
+                "%.0f s (a disk open or transfer that does not return?); load "
+                "job %d is recomputed",
+                self.loads.deadline_s,
+                job.job_id,
+            )
+        self._cancel(job, drain=True)
 
-    def _cancel(self, job: Job) -> None:
+    def _cancel(self, job: Job, drain: bool = False) -> None:
         """Fail ``job`` whole: the load thread issues nothing more for it, and
-        it is reported now if no copy of it is in flight, else once its task
-        came back (the copies it issued landed)."""
+        it is reported now if no copy of it is in flight (with ``drain``:
+        once the copies it issued completed on the device), else once its
+        task came back (the copies it issued landed)."""
         task = job.task
         assert task is not None
         self.loads.cancel(task)
@@ -415,6 +420,12 @@ class TieredOffloadingWorker(OffloadingWorker):
                 idle = task.copies == 0
             finally:
                 task.lock.release()
+            if not idle and drain:
+                # Issued before the lock was taken, so submitted to the
+                # device: landed once it drained, whether or not the thread
+                # ever polls them (a copy takes milliseconds).
+                self.loads.copies.drain()
+                idle = True
         if idle:
             # Report it now rather than when the thread hands it back, which
             # an open or a read that does not return may delay without end.
