@@ -223,7 +223,14 @@ SIZING = """\
 `TieredOffloadingSpec.__init__` (kvtier/connector/spec.py) turns the byte
 budgets into block counts. One kvtier block is one *offloaded* block of one
 TP rank: `blocks_per_chunk` GPU blocks (1 unless the vLLM keys `block_size`
-or `blocks_per_chunk` say otherwise) of every layer.
+or `blocks_per_chunk` say otherwise) of every layer of one KV-cache group.
+On a model with several groups (Gemma-2's sliding-window and
+full-attention layers) vLLM offloads each group's chunk under its own key,
+and a sliding-window group's only where a later hit needs its window (a
+prompt prefilled in one step: the window at its end): a prefix of 9 chunks
+of the tiny Gemma-2 (two groups of two layers, 64-token window, 32-token
+blocks) is 11 kvtier blocks of half the model's layers each, 9 of the
+full-attention group and 2 of the sliding-window one.
 
 ```
 block_bytes     = worker_kv_bytes_per_block * blocks_per_chunk     # vLLM's OffloadingConfig, per rank

@@ -173,7 +173,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.rank = par.rank
         self.world_size = max(par.world_size, 1)
         # One CPU-tier row (and one disk slot) holds one offloaded block of
-        # one rank: blocks_per_chunk GPU blocks of every layer.
+        # one rank: blocks_per_chunk GPU blocks of every layer of one KV-cache group.
         self.block_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.num_cpu_blocks = 0
         self.num_disk_blocks = 0
