@@ -736,6 +736,35 @@ def test_spills_finishing_in_reset_cache_count_alike_in_spills_and_write_bytes(
         r.close()
 
 
+def _copy_then_stuck_read(r, second):
+    """Make the load thread hold in its next batch copy, once issued, until
+    ``go_on`` is set (``issued`` says it was), then get stuck starting the
+    read of keys ``second`` until ``stuck`` is set; the stuck-thread
+    deadline is 0.3 s. Returns ``(issued, go_on, stuck)``."""
+    late = r.worker.loads.copies
+    r.worker.loads.deadline_s = 0.3
+    issued, go_on, stuck = threading.Event(), threading.Event(), threading.Event()
+    real_submit = late.submit
+
+    def submit(*args, **kwargs):
+        transfer = real_submit(*args, **kwargs)
+        issued.set()
+        go_on.wait(10)
+        return transfer
+
+    late.submit = submit
+    reader = r.worker.reader
+    real_read = reader.submit
+
+    def read(items, first_row=0):
+        if items[0][1] in second:
+            stuck.wait(30)  # the step that does not come back
+        return real_read(items, first_row=first_row)
+
+    reader.submit = read
+    return issued, go_on, stuck
+
+
 def test_a_stuck_load_thread_never_holds_back_a_job_whose_copies_it_issued(runner):
     """The load thread issues job 1's batch copy and, before any later poll
     of its copy path could report it, gets stuck starting job 2's read (a
@@ -751,26 +780,7 @@ def test_a_stuck_load_thread_never_holds_back_a_job_whose_copies_it_issued(runne
         first = push_to_disk(r, [1, 2], others="bcdef")
     second = r.keys("b", 4)[:2]
     late = r.worker.loads.copies
-    r.worker.loads.deadline_s = 0.3
-    issued, go_on, stuck = threading.Event(), threading.Event(), threading.Event()
-    real_submit = late.submit
-
-    def submit(*args, **kwargs):
-        transfer = real_submit(*args, **kwargs)
-        issued.set()
-        go_on.wait(10)  # until job 2 is queued
-        return transfer
-
-    late.submit = submit
-    reader = r.worker.reader
-    real_read = reader.submit
-
-    def read(items, first_row=0):
-        if items[0][1] in second:
-            stuck.wait(30)  # the step that does not come back
-        return real_read(items, first_row=first_row)
-
-    reader.submit = read
+    issued, go_on, stuck = _copy_then_stuck_read(r, second)
     try:
         ctx_a = _submit_disk_load(r, "a", first, [40, 41], job_id=1)
         assert issued.wait(10)
@@ -809,27 +819,7 @@ def test_a_flushed_load_never_holds_the_step_on_a_load_thread_stuck_after_its_co
     with landing_at_once(r):
         first = push_to_disk(r, [1, 2], others="bcdef")
     second = r.keys("b", 4)[:2]
-    late = r.worker.loads.copies
-    r.worker.loads.deadline_s = 0.3
-    issued, go_on, stuck = threading.Event(), threading.Event(), threading.Event()
-    real_submit = late.submit
-
-    def submit(*args, **kwargs):
-        transfer = real_submit(*args, **kwargs)
-        issued.set()
-        go_on.wait(10)  # the reset comes, then job 2
-        return transfer
-
-    late.submit = submit
-    reader = r.worker.reader
-    real_read = reader.submit
-
-    def read(items, first_row=0):
-        if items[0][1] in second:
-            stuck.wait(30)
-        return real_read(items, first_row=first_row)
-
-    reader.submit = read
+    issued, go_on, stuck = _copy_then_stuck_read(r, second)
     waiter = threading.Thread(target=r.worker.wait, args=({1},))
     try:
         _submit_disk_load(r, "a", first, [40, 41], job_id=1)

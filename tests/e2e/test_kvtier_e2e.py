@@ -9,6 +9,7 @@ agree with what the hierarchy did.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections import Counter
@@ -279,16 +280,11 @@ def _hashes_held(sub: KVEventSubscriber, medium: str) -> dict:
     return {h: n for h, n in held.items() if n}
 
 
-def test_a_reset_removes_every_hash_that_self_describing_stores_named(
-    model, block_bytes, tmp_path
-):
-    """With ``self_describing_kv_events`` a store names every GPU block hash
-    of its chunk (two here: 64-token chunks over 32-token GPU blocks); the
-    removals a connector reset publishes must name them all too, or a
-    subscriber replaying the stream keeps the others on CPU and STORAGE for
-    ever. vLLM drops its chunk payloads at the reset (its CPU manager
-    publishes no removal then), before kvtier's reset removals went out:
-    they named the chunk's last hash only."""
+@contextlib.contextmanager
+def _self_describing_engine(model, block_bytes, tmp_path):
+    """A KV-events subscriber and an engine publishing self-describing
+    events to it, 64-token chunks over 32-token GPU blocks (two block
+    hashes per offloaded block)."""
     cfg = kvtier_config(
         block_bytes, tmp_path, block_size=64, self_describing_kv_events=True
     )
@@ -302,6 +298,20 @@ def test_a_reset_removes_every_hash_that_self_describing_stores_named(
             kv_events_endpoint=sub.endpoint,
         ) as llm,
     ):
+        yield sub, llm
+
+
+def test_a_reset_removes_every_hash_that_self_describing_stores_named(
+    model, block_bytes, tmp_path
+):
+    """With ``self_describing_kv_events`` a store names every GPU block hash
+    of its chunk (two here: 64-token chunks over 32-token GPU blocks); the
+    removals a connector reset publishes must name them all too, or a
+    subscriber replaying the stream keeps the others on CPU and STORAGE for
+    ever. vLLM drops its chunk payloads at the reset (its CPU manager
+    publishes no removal then), before kvtier's reset removals went out:
+    they named the chunk's last hash only."""
+    with _self_describing_engine(model, block_bytes, tmp_path) as (sub, llm):
         run_each(llm, FIRST[:3])  # 6 chunks over a 4-chunk CPU tier: spills
         h = manager_of(llm).hierarchy
         assert len(h.cpu) > 0 and len(h.disk) > 0
@@ -340,19 +350,7 @@ def test_blocks_stored_again_right_after_a_reset_keep_their_hashes(
     the old ones still wait to go out, under the same key. Those removals
     must not take the new copies' payload with them: a CPU store announced
     as a bare placeholder (its last hash) was then removed by both hashes."""
-    cfg = kvtier_config(
-        block_bytes, tmp_path, block_size=64, self_describing_kv_events=True
-    )
-    with (
-        KVEventSubscriber() as sub,
-        engine(
-            model,
-            cfg,
-            num_gpu_blocks=GPU_BLOCKS,
-            enable_kv_events=True,
-            kv_events_endpoint=sub.endpoint,
-        ) as llm,
-    ):
+    with _self_describing_engine(model, block_bytes, tmp_path) as (sub, llm):
         run_each(llm, FIRST[:3])
         h = manager_of(llm).hierarchy
         assert llm.reset_prefix_cache(reset_connector=True)
