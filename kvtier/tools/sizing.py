@@ -213,10 +213,19 @@ def replay_trace(
     (disk hits also copied into free CPU rows), store of the remaining
     blocks.
     ``progress`` is called with 1 after each request.
+
+    A tier holding every distinct block of the trace never evicts, so any
+    larger one gets the same hits: it is replayed at that size and reported
+    at the size given (only the spill count of such a CPU tier can differ).
+    Without this, a size like 2 TiB at a mistyped 1 byte per token (2**32
+    blocks) overflowed, or its 2q/arcdk doorkeeper took ~200 GiB.
     """
+    if not isinstance(requests, Sequence):
+        requests = list(requests)  # read twice: once for the cap
+    cap = max(1, unique_blocks(requests))
     h = TierHierarchy(
-        cpu_blocks,
-        disk_blocks,
+        min(cpu_blocks, cap),
+        min(disk_blocks, cap),
         cpu_policy=cpu_policy,
         disk_policy=disk_policy,
         spill_watermark=spill_watermark,
@@ -227,7 +236,9 @@ def replay_trace(
         rep.replay(request_keys(req))
         if progress is not None:
             progress(1)
-    return rep.finish()
+    result = rep.finish()
+    result.cpu_blocks, result.disk_blocks = cpu_blocks, disk_blocks
+    return result
 
 
 # ----------------------------------------------------------------- sizing

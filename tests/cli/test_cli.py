@@ -231,6 +231,23 @@ def test_size_tier_larger_than_the_trace_replays_as_never_evicting(
         assert all(p["hit_rate"] == pytest.approx(12 / 20) for p in cmp["policies"])
 
 
+def test_replay_trace_caps_a_tier_at_the_traces_distinct_blocks(
+    tmp_path: Path,
+) -> None:
+    # The cap is replay_trace's own, so every caller (kvtier size, its
+    # sweep and --compare, the benchmarks) gets it; a generator is read once.
+    reqs = load_trace(write_trace(tmp_path / "t.jsonl", [A, B, A, A, B]))
+    exact = sizing.replay_trace(reqs, 8, 8, "arcdk", "2q")
+    huge = sizing.replay_trace(iter(reqs), 10**25, 2**32, "arcdk", "2q")
+    assert (huge.cpu_blocks, huge.disk_blocks) == (10**25, 2**32)
+    assert (huge.hit_blocks_cpu, huge.hit_blocks_disk, huge.blocks) == (
+        exact.hit_blocks_cpu,
+        exact.hit_blocks_disk,
+        exact.blocks,
+    )
+    assert huge.blocks == 20
+
+
 def test_size_text_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = write_trace(tmp_path / "t.jsonl", [A, A, B, B] * 3)
     png = tmp_path / "sweep.png"

@@ -44,29 +44,9 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     return cpu, disk, bpt
 
 
-def _replay_capped(
-    requests: Sequence[Any],
-    cpu: int,
-    cap: int,
-    disk: int,
-    *,
-    progress: Callable[[int], None] | None = None,
-    **kwargs: Any,
-) -> Any:
-    """``replay_trace`` with each tier at most ``cap`` blocks (the trace's
-    distinct blocks), its result showing the sizes given."""
-    from kvtier.tools.sizing import replay_trace
-
-    r = replay_trace(
-        requests, min(cpu, cap), min(disk, cap), progress=progress, **kwargs
-    )
-    r.cpu_blocks, r.disk_blocks = cpu, disk
-    return r
-
-
 def cmd_size(args: argparse.Namespace) -> int:
     from kvtier.tools import sizing, sizing_compare
-    from kvtier.tools.trace import load_trace, unique_blocks
+    from kvtier.tools.trace import load_trace
 
     try:
         cpu, disk, bpt = _size_blocks(args)
@@ -88,17 +68,10 @@ def cmd_size(args: argparse.Namespace) -> int:
         print(f"kvtier size: cannot read trace: {exc}", file=sys.stderr)
         return 2
     show = not args.json
-    # A tier holding every distinct block of the trace never evicts, so any
-    # larger one gets the same hits: it is replayed at that size (a size
-    # like 2T at a mistyped --bytes-per-token 1 is 2**32 blocks, which
-    # overflowed, or whose 2q/arcdk doorkeeper took ~200 GiB) and reported
-    # at the size given. Only the spill count of such a CPU tier can differ.
-    cap = max(1, unique_blocks(requests))
     replay = functools.partial(
-        _replay_capped,
+        sizing.replay_trace,
         requests,
         cpu,
-        cap,
         cpu_policy=args.cpu_policy or args.policy,
         disk_policy=args.disk_policy or args.policy,
         spill_watermark=args.spill_watermark,
@@ -124,14 +97,11 @@ def cmd_size(args: argparse.Namespace) -> int:
         with progress_bar(show, None, "compare", "req") as tick:
             cmp = sizing_compare.compare_policies(
                 requests,
-                min(cpu, cap),
-                min(disk, cap),
+                cpu,
+                disk,
                 spill_watermark=args.spill_watermark,
                 progress=tick,
             )
-        cmp.cpu_blocks, cmp.disk_blocks = cpu, disk
-        for r in cmp.results:
-            r.cpu_blocks, r.disk_blocks = cpu, disk
         doc["comparison"] = cmp.to_dict()
     if args.plot:
         if cmp is not None:
