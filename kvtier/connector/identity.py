@@ -473,6 +473,16 @@ def describe_settings(settings: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def describe_group(group: Any) -> str:
+    """One KV-cache group in a store's geometry: ``id:tokens_per_block x
+    layers @ digest of the layer names``. The names, not only their count:
+    a chunk of group ``id`` holds those layers' KV, so an engine that
+    put other layers in that group (a vLLM that groups layers otherwise,
+    another split of the layers) must not read it back."""
+    names = _canonical_digest(list(group.layer_names), b"kvtier-layers")[:16]
+    return f"{group.group_id}:{group.tokens_per_block}x{len(group.layer_names)}@{names}"
+
+
 def layout_fingerprints(
     config: Any,
     block_bytes: int,
@@ -498,9 +508,7 @@ def layout_fingerprints(
     ``source``: the model's :class:`ModelSource` as the engine resolved it
     (its ``revision`` and ``download_dir``); None: ``config.model.name``
     resolved with the defaults (a hub id at main in the hub's own cache)."""
-    groups = ",".join(
-        f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}" for g in config.groups
-    )
+    groups = ",".join(map(describe_group, config.groups))
     geometry = (
         f"groups={groups};blocks_per_chunk={config.cache.blocks_per_chunk};"
         f"tokens_per_hash={config.cache.tokens_per_hash};"

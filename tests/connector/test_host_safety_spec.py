@@ -94,6 +94,34 @@ def test_layout_fingerprint_covers_model_contents_and_dp_rank(tmp_path: Path) ->
     assert replica.dp_rank == 1 and replica.digest() != after.digest()
 
 
+def test_layout_fingerprint_covers_which_layers_each_group_holds(
+    tmp_path: Path,
+) -> None:
+    # Same group ids, block tokens and layer counts, other layers in the
+    # group (a vLLM that groups layers otherwise): another store.
+    cfg = offloading_config(
+        {"cpu_bytes_to_use": 1 << 20},
+        worker_kv_bytes_per_block=BLOCK,
+        layers=4,
+        model=str(make_model(tmp_path)),
+    )
+    (group,) = cfg.groups
+    names = group.layer_names
+    regrouped = dataclasses.replace(
+        cfg,
+        groups=(
+            dataclasses.replace(group, layer_names=names[0::2] + names[1::2]),
+        ),
+    )
+    before = layout_fingerprints(cfg, BLOCK, 1)[0]
+    after = layout_fingerprints(regrouped, BLOCK, 1)[0]
+    assert before.geometry.split("@")[0] == after.geometry.split("@")[0]
+    assert before.digest() != after.digest()
+    assert store_dirname(after) != store_dirname(before)
+    # ... and one run's names always give the same store.
+    assert layout_fingerprints(cfg, BLOCK, 1)[0].digest() == before.digest()
+
+
 def caches() -> CanonicalKVCaches:
     layers = 2
     kv = [torch.zeros(8, PAGE, dtype=torch.int8) for _ in range(layers)]
