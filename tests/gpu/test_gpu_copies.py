@@ -17,6 +17,7 @@ and what lands in the KV cache after a load equals what was stored.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 
 import numpy as np
@@ -137,6 +138,48 @@ def test_stores_and_loads_match_the_host_layout_byte_for_byte(bpc):
                 assert torch.equal(t[blocks, :page], w[blocks, :page]), (group, layer)
         dev.shutdown()
         ref.shutdown()
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_drain_from_another_thread_completes_every_transfer_submitted(where):
+    """``drain`` is what the worker calls, on the engine's thread, for a
+    load thread stuck past its deadline after it issued copies it will not
+    poll: once it returns, every transfer submitted so far has landed, so
+    the next poll reports them at once. Both kinds of area: vLLM's handlers
+    (host rows) and kvtier's scatter (rows in device memory). What lands is
+    what kvtier's CPU copier writes from the same rows."""
+    rows_n, row_bytes = 40, 3 * PAGE
+    gpu_caches, gpu_tensors = hybrid_caches("cuda")
+    cpu_caches, cpu_tensors = hybrid_caches("cpu")
+    g = torch.Generator(device="cpu").manual_seed(2)
+    rows = torch.randint(0, 256, (rows_n, row_bytes), generator=g)
+    plan = plan_copy(np.arange(rows_n) + 3, np.arange(rows_n), 1, 1)
+    with CpuBlockBuffer(rows_n, row_bytes) as buf:
+        buf.tensor.copy_(rows.to(torch.uint8))
+        ref = HostCopies(
+            group_views(cpu_caches, row_bytes, 1, device_kind="cpu"),
+            [HostArea("stage", buf.tensor)],
+            1,
+        )
+        ref.submit("stage", 0, plan, to_host=False)
+        ref.shutdown()
+        assert not torch.equal(cpu_tensors[0], hybrid_caches("cpu")[1][0])
+        area = buf.tensor if where == "host" else buf.tensor.to("cuda")
+        dev = DeviceCopies(
+            group_views(gpu_caches, row_bytes, 1), [HostArea("stage", area)], 1
+        )
+        try:
+            torch.cuda.synchronize()
+            transfers = {dev.submit("stage", 0, plan, to_host=False)}
+            drained = threading.Thread(target=dev.drain)
+            drained.start()
+            drained.join(30)
+            assert not drained.is_alive(), "drain did not return"
+            assert set(dev.poll()) == transfers  # landed: reported at once
+            for got, want in zip(gpu_tensors, cpu_tensors, strict=True):
+                assert torch.equal(got.cpu(), want)
+        finally:
+            dev.shutdown()
 
 
 FINGERPRINT = LayoutFingerprint(
