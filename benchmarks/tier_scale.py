@@ -1,0 +1,232 @@
+"""Scheduler-call pauses as a tier grows: kvtier's hierarchy next to vLLM's
+CPUOffloadingManager holding as many blocks, in the same run.
+
+    .venv/bin/python benchmarks/tier_scale.py [--sizes 100000,300000,1000000]
+        [--cpu-blocks 20000] [--churn 2] [--request-blocks 64] [--out FILE]
+
+Every scheduler-side call is O(blocks touched), so the mean cost per block
+does not grow with the tier (``scheduler_cost.py``). What does grow is the
+rare long call: Python's dicts rebuild their table, O(entries), once their
+insertions outnumber their live entries, and a tier that keeps evicting and
+storing does that about once per tier-size of stores, in each of the dicts
+that map its keys; the cyclic garbage collector's full passes walk every
+object the tier holds. Both land inside whichever scheduler call happens to
+trigger them, that is inside one engine step.
+
+Per tier size N, each system runs in a fresh process: N + ``--cpu-blocks``
+distinct blocks are stored (requests of ``--request-blocks`` new blocks:
+lookup, store, events), then ``--churn`` x N more, each store evicting as
+many old blocks. Only the churn requests are timed, one time per request
+(all of its scheduler calls). kvtier: a CPU tier of ``--cpu-blocks`` over
+a disk tier of N (LRU both, spills completed at once, as ``kvtier size``
+replays them); vLLM: ``CPUOffloadingManager`` of N chunks (LRU, events on),
+as its OffloadingConnector's scheduler drives it. Garbage collection is on,
+as in a serving engine, after ``gc.freeze()`` of the start-up heap (vLLM's
+engine core freezes it too); the collector's own pauses are reported
+beside the request times (``gc.callbacks``).
+
+Prints a table and writes benchmarks/results/tier_scale.json: per system
+and size, the request time's p50, p99, p99.9 and max (ms), the requests
+over 10 and 100 ms, and the longest collection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from _common import write_json
+
+ns = time.perf_counter_ns
+
+
+def _keys(start: int, n: int) -> list[bytes]:
+    """vLLM OffloadKeys' shape: a 32-byte block hash and a 4-byte group."""
+    return [
+        (i * 2654435761 % 2**256).to_bytes(32, "big") + b"\0\0\0\0"
+        for i in range(start, start + n)
+    ]
+
+
+def _kvtier(size: int, cpu_blocks: int) -> Callable[[list[bytes]], None]:
+    from kvtier.tiers.hierarchy import TierHierarchy
+    from kvtier.tools.sizing import TraceReplayer
+
+    replayer = TraceReplayer(TierHierarchy(cpu_blocks, size))
+    h = replayer.h
+
+    def request(keys: list[bytes]) -> None:
+        # TraceReplayer.replay's calls, without its hit accounting.
+        n, _ = replayer.lookup(keys)
+        replayer.load(keys[:n])
+        replayer.store(keys[n:])
+        h.take_events()
+
+    return request
+
+
+def _vllm(size: int) -> Callable[[list[bytes]], None]:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    m = CPUOffloadingManager(num_chunks=size, cache_policy="lru", enable_events=True)
+    hit = LookupResult.HIT
+    ids = iter(range(1 << 62))
+
+    def request(keys: list[bytes]) -> None:
+        ctx = ReqContext(req_id=str(next(ids)))
+        m.on_new_request(ctx)
+        n = 0
+        for key in keys:
+            if m.lookup(key, ctx) is not hit:
+                break
+            n += 1
+        if n:
+            m.prepare_load(keys[:n], ctx)
+            m.complete_load(keys[:n], ctx)
+        out = m.prepare_store(keys[n:], ctx)
+        if out is not None and out.keys_to_store:
+            m.complete_store(out.keys_to_store, ctx)
+        m.on_request_finished(ctx)
+        list(m.take_events())
+
+    return request
+
+
+def run_one(
+    system: str, size: int, cpu_blocks: int, churn: float, per: int
+) -> dict[str, Any]:
+    """One system at one size, in this process: fill, then time the churn."""
+    gc.collect()
+    gc.freeze()  # the start-up heap, as vLLM's engine core freezes it
+    request = _kvtier(size, cpu_blocks) if system == "kvtier" else _vllm(size)
+    fill = size + (cpu_blocks if system == "kvtier" else 0)
+    t0 = time.monotonic()
+    next_key = 0
+    while next_key < fill:
+        request(_keys(next_key, per))
+        next_key += per
+    fill_s = time.monotonic() - t0
+
+    pauses: list[int] = []
+    started = [0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = ns()
+        elif info.get("generation") == 2:
+            pauses.append(ns() - started[0])
+
+    times: list[int] = []
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(int(churn * size) // per):
+            keys = _keys(next_key, per)
+            next_key += per
+            t = ns()
+            request(keys)
+            times.append(ns() - t)
+    finally:
+        gc.callbacks.remove(on_gc)
+    times.sort()
+
+    def pct(q: float) -> float:
+        return times[min(len(times) - 1, int(q * len(times)))] / 1e6
+
+    return {
+        "system": system,
+        "size": size,
+        "requests": len(times),
+        "fill_s": round(fill_s, 1),
+        "p50_ms": pct(0.5),
+        "p99_ms": pct(0.99),
+        "p999_ms": pct(0.999),
+        "max_ms": times[-1] / 1e6,
+        "over_10ms": sum(t > 10_000_000 for t in times),
+        "over_100ms": sum(t > 100_000_000 for t in times),
+        "full_collections": len(pauses),
+        "gc_max_ms": max(pauses, default=0) / 1e6,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="100000,300000,1000000")
+    ap.add_argument("--cpu-blocks", type=int, default=20000)
+    ap.add_argument("--churn", type=float, default=2.0)
+    ap.add_argument("--request-blocks", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--one", nargs=2, metavar=("SYSTEM", "SIZE"), help=argparse.SUPPRESS
+    )
+    args = ap.parse_args()
+    if args.one:
+        system, size = args.one
+        row = run_one(
+            system, int(size), args.cpu_blocks, args.churn, args.request_blocks
+        )
+        print(json.dumps(row))
+        return
+
+    rows = []
+    sizes = [int(s) for s in args.sizes.split(",")]
+    for i, size in enumerate(sizes):
+        # Interleaved: each size runs both systems back to back, in an order
+        # that alternates, each in a fresh process (its own heap).
+        for system in ("kvtier", "vllm") if i % 2 == 0 else ("vllm", "kvtier"):
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    system,
+                    str(size),
+                    "--cpu-blocks",
+                    str(args.cpu_blocks),
+                    "--churn",
+                    str(args.churn),
+                    "--request-blocks",
+                    str(args.request_blocks),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(
+                f"{system:7s} {size:>9,} blocks: p50 {row['p50_ms']:6.2f} ms  "
+                f"p99 {row['p99_ms']:6.2f}  p99.9 {row['p999_ms']:7.2f}  "
+                f"max {row['max_ms']:8.1f}  >10ms {row['over_10ms']:3d}  "
+                f">100ms {row['over_100ms']:3d}  gc2 {row['full_collections']} "
+                f"(max {row['gc_max_ms']:.0f} ms)",
+                flush=True,
+            )
+    path = write_json(
+        "tier_scale",
+        {
+            "params": {
+                "sizes": sizes,
+                "cpu_blocks": args.cpu_blocks,
+                "churn": args.churn,
+                "request_blocks": args.request_blocks,
+                "unit": "ms per request (all its scheduler calls), churn phase",
+                "vllm_manager": "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager"
+                "(num_chunks=size, cache_policy='lru', enable_events=True)",
+                "kvtier": "TierHierarchy(cpu_blocks, size), lru/lru, spills at once",
+            },
+            "results": rows,
+        },
+        args.out,
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
