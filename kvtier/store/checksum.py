@@ -100,33 +100,57 @@ def device_checksum(data: Any) -> int:
     """The device checksum (see above) of ``data``'s bytes, on the host.
 
     ``data`` exposes the buffer protocol. This is what the writer stores in
-    version 2 headers; :func:`device_checksums` computes the same on tensors.
+    version 2 headers; :func:`device_checksum_rows` computes it for many
+    rows at once, :func:`device_checksums` on tensors.
     """
     raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
     if raw.size % 4:
         raw = np.concatenate([raw, np.zeros(4 - raw.size % 4, dtype=np.uint8)])
-    words = raw.view("<u4")
-    n = words.size
+    return int(device_checksum_rows(raw.reshape(1, -1), raw.size)[0])
+
+
+def device_checksum_rows(rows: np.ndarray, nbytes: int) -> np.ndarray:
+    """:func:`device_checksum` of the first ``nbytes`` bytes of each row of
+    ``rows``, on the host, for all rows in a fixed number of numpy calls
+    (a writer staging many blocks lets the interpreter lock go a few times
+    per batch, not a few times per block).
+
+    ``rows`` is a 2-D uint8 array whose rows are contiguous (its row stride
+    may be larger: the payload columns of slots); ``nbytes`` a multiple of
+    4 within a row. Returns a uint64 array, one checksum per row.
+    """
+    if rows.ndim != 2 or rows.dtype != np.uint8 or rows.strides[1] != 1:
+        raise ValueError("rows must be a 2-D uint8 array with contiguous rows")
+    if nbytes % 4 or not 0 <= nbytes <= rows.shape[1]:
+        raise ValueError(f"nbytes={nbytes} must be a multiple of 4 within a row")
+    n = nbytes // 4
     if n >= 1 << 31:
         raise ValueError(
-            f"payload of {raw.size} bytes is too long for the device checksum"
+            f"payload of {nbytes} bytes is too long for the device checksum"
         )
+    m = rows.shape[0]
+    if n == 0 or m == 0:
+        return np.zeros(m, dtype=np.uint64)
+    words = rows[:, :nbytes].view("<u4")  # (m, n)
     q = n // _COLS
     cw, jw, tw = _weights_for(
         ("np", q, n), lambda lo, hi: np.arange(lo, hi, dtype=np.uint64)
     )
-    main = words[: q * _COLS].reshape(q, _COLS)
-    tail = words[q * _COLS :].astype(np.uint64)
-    t = main.sum(axis=1, dtype=np.uint64)  # (q,), each < 2**42
-    k = main.sum(axis=0, dtype=np.uint64)  # (_COLS,), each < q * 2**32
-    s1 = (int(t.sum()) + int(tail.sum())) & _MASK32
-    # Products of two residues < 2**31 stay < 2**62; their sums < 2**63.
+    main = words[:, : q * _COLS].reshape(m, q, _COLS)
+    tail = words[:, q * _COLS :].astype(np.uint64)
+    t = main.sum(axis=2, dtype=np.uint64)  # (m, q), each < 2**42
+    k = main.sum(axis=1, dtype=np.uint64)  # (m, _COLS), each < q * 2**32
+    # Every sum < n * 2**32 < 2**63, so uint64 never wraps.
+    s1 = (t.sum(axis=1) + tail.sum(axis=1)) & np.uint64(_MASK32)
+    # Products of two residues < 2**31 stay < 2**62; each sum < n * 2**31
+    # and the three together < 2**64.
+    p = np.uint64(_P)
     s2 = (
-        int(((t % _P) * cw % _P).sum())
-        + int(((k % _P) * jw % _P).sum())
-        + int(((tail % _P) * tw % _P).sum())
-    ) % _P
-    return (s2 << 32) | s1
+        ((t % p) * cw % p).sum(axis=1)
+        + ((k % p) * jw % p).sum(axis=1)
+        + ((tail % p) * tw % p).sum(axis=1)
+    ) % p
+    return (s2 << np.uint64(32)) | s1
 
 
 def device_checksums(rows: Any, nbytes: int) -> Any:

@@ -539,7 +539,7 @@ def _ref(data: bytes) -> int:
 
 def test_device_checksum_matches_its_definition_on_numpy_and_torch() -> None:
     torch = pytest.importorskip("torch")
-    from kvtier.store.checksum import device_checksums
+    from kvtier.store.checksum import device_checksum_rows, device_checksums
 
     rng = np.random.default_rng(7)
     rows = rng.integers(0, 256, (5, 4096 + 12), dtype=np.uint8)
@@ -550,6 +550,8 @@ def test_device_checksum_matches_its_definition_on_numpy_and_torch() -> None:
         assert [device_checksum(r[:n]) for r in rows] == want
         # A strided view (row stride != n), as the staging reader passes.
         assert device_checksums(torch.from_numpy(rows), n).tolist() == want
+        # The host's batch form, on the same strided rows (a writer's batch).
+        assert device_checksum_rows(rows, n).tolist() == want
     assert device_checksum(b"\x01\x02\x03") == _ref(b"\x01\x02\x03")
 
 
