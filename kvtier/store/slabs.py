@@ -373,9 +373,13 @@ class SlabFiles:
         """Asynchronous positioned read from slab ``idx`` (the back end's)."""
         return self.backend.submit_read(self.handle(idx), buf, offset)
 
-    def write_all(self, op: str, idx: int, buf: Any, offset: int) -> int:
+    def write_all(
+        self, op: str, idx: int, buf: Any, offset: int, *, report: bool = True
+    ) -> int:
         """Write all of ``buf`` or raise OSError (a short write as EIO); a
-        failure is reported with ``io_error(op, ...)`` before it is raised."""
+        failure is reported with ``io_error(op, ...)`` before it is raised,
+        unless ``report`` is False (a write of several blocks that the
+        caller retries block by block, so each failing block counts once)."""
         try:
             handle = self.handle(idx)
             if self._write_sync is not None:
@@ -389,7 +393,8 @@ class SlabFiles:
                     self.slabs[idx].path,
                 )
         except OSError as exc:
-            self.io_error(op, idx, exc)
+            if report:
+                self.io_error(op, idx, exc)
             raise
         return n
 

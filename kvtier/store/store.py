@@ -16,6 +16,7 @@ reported, never returned. :func:`open_stores` opens one per rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -28,7 +29,11 @@ import numpy as np
 from kvtier.log import get_logger
 from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
 from kvtier.store.backends.factory import make_backend
-from kvtier.store.checksum import device_checksum, payload_checksum
+from kvtier.store.checksum import (
+    device_checksum,
+    device_checksum_rows,
+    payload_checksum,
+)
 from kvtier.store.compression import Codec, compress
 from kvtier.store.reader import SlotReader
 from kvtier.store.scan import scan
@@ -51,6 +56,12 @@ COMPRESSION_CHOICES = ("none", "zstd")
 # The most a seq seen on disk raises ``next_seq`` to: it leaves 2^63 writes
 # below a header's u64 (see ``DiskStore._bump_seq``).
 SEQ_CEILING = 1 << 63
+# The most bytes of slots one ``write_blocks`` call stages. Its area is the
+# calling thread's, shared by every store the thread writes to (a spill
+# thread serves every TP rank): BATCH_BYTES (or one slot, if larger) per
+# thread that ever wrote a batch.
+BATCH_BYTES = 16 << 20
+_batch = threading.local()
 
 
 def flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:
@@ -241,22 +252,16 @@ class DiskStore:
         n = len(packed)
         bounce[HEADER_SIZE : HEADER_SIZE + n] = np.frombuffer(packed, dtype=np.uint8)
         payload = bounce[HEADER_SIZE : HEADER_SIZE + n]
-        after_reset = self._after_reset  # read once: one flag, one version
-        header = SlotHeader(
-            key=bytes(key),
-            fingerprint=self.files.digest,
-            payload_len=n,
-            raw_len=flat.size,
-            codec=codec,
-            checksum=payload_checksum(payload),
-            device_checksum=device_checksum(payload),
-            seq=seq,
-            written_at=time.time(),
-            elem_size=self.elem_size if codec is Codec.ZSTD_BYTEPLANE else 1,
-            version=FLAGGED_HEADER_VERSION if after_reset else HEADER_VERSION,
-            after_reset=after_reset,
+        header = self._header(
+            key,
+            payload,
+            flat.size,
+            codec,
+            device_checksum(payload),
+            seq,
+            self._after_reset,  # read once: one flag, one version
         )
-        bounce[:HEADER_SIZE] = np.frombuffer(header.pack(), dtype=np.uint8)
+        bounce[:HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
         end = round_up(HEADER_SIZE + n, IO_ALIGNMENT)
         bounce[HEADER_SIZE + n : end] = 0  # don't leak a previous block's tail
         if on_staged is not None:
@@ -264,6 +269,186 @@ class DiskStore:
         self._bump_seq(seq)
         written = self.files.write_all("write", idx, bounce[:end], offset)
         self.files.count_write(written, time.perf_counter() - t0)
+        return written
+
+    def _header(
+        self,
+        key: bytes,
+        payload: np.ndarray,
+        raw_len: int,
+        codec: Codec,
+        device_sum: int,
+        seq: int,
+        after_reset: bool,
+    ) -> bytes:
+        """The packed header of one block whose stored bytes are ``payload``."""
+        return SlotHeader(
+            key=bytes(key),
+            fingerprint=self.files.digest,
+            payload_len=payload.size,
+            raw_len=raw_len,
+            codec=codec,
+            checksum=payload_checksum(payload),
+            device_checksum=device_sum,
+            seq=seq,
+            written_at=time.time(),
+            elem_size=self.elem_size if codec is Codec.ZSTD_BYTEPLANE else 1,
+            version=FLAGGED_HEADER_VERSION if after_reset else HEADER_VERSION,
+            after_reset=after_reset,
+        ).pack()
+
+    def batch_capacity(self) -> int:
+        """The most blocks one :meth:`write_blocks` call takes."""
+        return max(1, BATCH_BYTES // self.slot_size)
+
+    def _batch_area(self, k: int) -> np.ndarray:
+        """``k`` slots of this thread's aligned batch area, as rows."""
+        need = max(BATCH_BYTES, self.slot_size)
+        area: np.ndarray | None = getattr(_batch, "area", None)
+        if area is None or area.size < need:
+            area = _batch.area = aligned_empty(need)
+        return area[: k * self.slot_size].reshape(k, self.slot_size)
+
+    def write_blocks(
+        self,
+        slots: Sequence[int],
+        keys: Sequence[bytes],
+        rows: np.ndarray,
+        row_ids: Sequence[int],
+        *,
+        on_staged: Callable[[], None] | None = None,
+    ) -> list[bool]:
+        """Write blocks: ``rows[row_ids[i]]`` under ``keys[i]`` into slot
+        ``slots[i]``, at most :meth:`batch_capacity` of them (else
+        ValueError); the batch form of :meth:`write_block`, same slots and
+        headers, each block with its own ``next_seq()``.
+
+        ``rows`` is a 2-D uint8 array of ``block_bytes`` columns (a CPU
+        tier's rows). All blocks are staged first into this thread's batch
+        area (one copy per run of consecutive rows), then ``on_staged`` is
+        called once (``rows`` is not read after that; what it raises
+        propagates, nothing written). The device checksums of the batch take
+        one pass; each run of blocks in adjacent slots of one slab goes out
+        in one positioned write. So a writing thread lets the interpreter
+        lock go a few times per batch and once or twice per block (its xxh3,
+        its row copy unless the rows run on), where a block-at-a-time writer
+        needs about ten per block: next to a thread that runs Python without
+        pause (a busy engine's loop) each of those waits for the switch
+        interval.
+
+        Returns, per block, whether it was written (where not, the slab
+        files counted and logged the errno and path). With compression each block is packed
+        on its own, as by :meth:`write_block`.
+        """
+        k = len(slots)
+        if not k == len(keys) == len(row_ids):
+            raise ValueError("slots, keys and row_ids differ in length")
+        if k > self.batch_capacity():
+            raise ValueError(f"{k} blocks exceed the batch of {self.batch_capacity()}")
+        if (
+            rows.ndim != 2
+            or rows.dtype != np.uint8
+            or rows.shape[1] != self.block_bytes
+        ):
+            raise ValueError(f"rows must be uint8 rows of {self.block_bytes} bytes")
+        for key in keys:
+            if len(key) > MAX_KEY_LEN:
+                raise ValueError(f"key is {len(key)} bytes, max {MAX_KEY_LEN}")
+        if k == 0:
+            return []
+        bb = self.block_bytes
+        # Slot order: adjacent slots become one write.
+        where = [self.files.locate(slot) for slot in slots]
+        order = sorted(range(k), key=where.__getitem__)
+        area = self._batch_area(k)
+        payload = area[:, HEADER_SIZE : HEADER_SIZE + bb]
+        t0 = time.perf_counter()
+        # One copy per run of consecutive rows (a request's blocks usually
+        # are); numpy's take is slower than row copies for rows this long.
+        ids = [row_ids[i] for i in order]
+        start = 0
+        while start < k:
+            end = start + 1
+            while end < k and ids[end] == ids[start] + (end - start):
+                end += 1
+            payload[start:end] = rows[ids[start] : ids[start] + end - start]
+            start = end
+        if on_staged is not None:
+            on_staged()
+        if self.compression == "zstd":
+            return self._write_each(slots, keys, payload, order)
+        after_reset = self._after_reset  # read once: one flag, one version
+        if bb % 4 == 0:
+            sums = [int(v) for v in device_checksum_rows(payload, bb)]
+        else:
+            sums = [device_checksum(row) for row in payload]
+        for pos, i in enumerate(order):
+            seq = self.next_seq()
+            area[pos, :HEADER_SIZE] = np.frombuffer(
+                self._header(
+                    keys[i], payload[pos], bb, Codec.RAW, sums[pos], seq, after_reset
+                ),
+                dtype=np.uint8,
+            )
+        # The padding after each payload: zero, never a previous batch's
+        # bytes (the area is shared by stores of other slot sizes).
+        area[:, HEADER_SIZE + bb :] = 0
+        staged = time.perf_counter() - t0
+        written = [False] * k
+        ssz = self.slot_size
+        start = 0
+        while start < k:
+            idx, offset = where[order[start]]
+            end = start + 1
+            while end < k and where[order[end]] == (idx, offset + (end - start) * ssz):
+                end += 1
+            t1 = time.perf_counter()
+            done = self._write_run(
+                area, start, end, [where[i] for i in order[start:end]]
+            )
+            share = staged / k + (time.perf_counter() - t1) / (end - start)
+            for pos in done:
+                written[order[pos]] = True
+                self.files.count_write(ssz, share)
+            start = end
+        return written
+
+    def _write_run(
+        self, area: np.ndarray, start: int, end: int, where: list[tuple[int, int]]
+    ) -> list[int]:
+        """Write staged slots ``area[start:end]``, adjacent in one slab from
+        ``where[0]`` on, in one write; returns the positions written. When
+        that write fails, which block failed is unknown: each is written
+        again on its own, so a bad block fails (and counts) alone, as it
+        would written singly."""
+        idx, offset = where[0]
+        if end - start > 1:
+            with contextlib.suppress(OSError):
+                self.files.write_all(
+                    "write", idx, area[start:end].reshape(-1), offset, report=False
+                )
+                return list(range(start, end))
+        done = []
+        for pos, (idx, offset) in zip(range(start, end), where, strict=True):
+            with contextlib.suppress(OSError):  # counted and logged by the files
+                self.files.write_all("write", idx, area[pos], offset)
+                done.append(pos)
+        return done
+
+    def _write_each(
+        self,
+        slots: Sequence[int],
+        keys: Sequence[bytes],
+        payload: np.ndarray,
+        order: list[int],
+    ) -> list[bool]:
+        """:meth:`write_blocks`' compressed form: each staged block through
+        :meth:`write_block` (its own codec and payload length)."""
+        written = [False] * len(slots)
+        for pos, i in enumerate(order):
+            with contextlib.suppress(OSError):  # logged by the files
+                self.write_block(slots[i], keys[i], payload[pos], self.next_seq())
+                written[i] = True
         return written
 
     def invalidate(self, slot: int) -> None:

@@ -6,9 +6,11 @@ never block its step, so submitting only enqueues and finished jobs are
 polled. The host rows are the CPU tier's shared memory (or, in tiering
 mode, vLLM's primary tier), mapped in the scheduler process, so the workers
 take no part. Each rank has its own store and rows; a job's items are fanned
-out per rank and item onto one pool of threads, so one large job keeps every
-thread and disk busy, and promotions (a request waits for them) run ahead of
-spills (which run ahead of need). A key that failed on any rank failed.
+out per rank onto one pool of threads (a spill in batches, one per thread,
+written by ``DiskStore.write_blocks``; a promotion per item), so one large
+job keeps every thread and disk busy, and promotions (a request waits for
+them) run ahead of spills (which run ahead of need). A key that failed on
+any rank failed.
 
 :class:`TransferEngine` runs the jobs; :class:`DiskRuntime` owns what they
 run on (one :class:`~kvtier.store.store.DiskStore` per rank, the rows, the
@@ -293,19 +295,65 @@ class TransferEngine:
     # -- public API -----------------------------------------------------------
 
     def submit_spill(self, job_id: int, items: Iterable[TransferItem | tuple]) -> None:
-        """Copy CPU rows to disk slots: ``items`` are (key, cpu_slot, disk_slot)."""
-        self._fan_out(job_id, list(items), self._spill_one, True)
+        """Copy CPU rows to disk slots: ``items`` are (key, cpu_slot, disk_slot).
+
+        Each rank's items go out in batches (``DiskStore.write_blocks``), as
+        many as there are threads (fewer when a batch would pass the store's
+        ``batch_capacity``, more when it would exceed it): a thread stages
+        and writes a batch with a few hand-offs of the interpreter lock, not
+        ten per block, which is what a spill gets next to an engine loop
+        that holds the lock (docs/benchmarks.md, "Spills next to a busy
+        loop")."""
+        items = list(items)
+        keys = list(dict.fromkeys(item[0] for item in items))
+        job = self._begin(job_id, keys, len(items) * len(self.stores), True)
+        if not items or not self.stores:
+            self._finish(job)
+            return
+        for rank, store in enumerate(self.stores):
+            rows = self._rows_of(rank)
+            if rows is None:
+                for key, _, _ in items:
+                    if job.item_done(key, IO_FAILED):
+                        self._finish(job)
+                continue
+            per = min(store.batch_capacity(), -(-len(items) // len(self._threads)))
+            for first in range(0, len(items), per):
+                batch = items[first : first + per]
+
+                def task(
+                    store: DiskStore = store,
+                    rows: np.ndarray = rows,
+                    batch: list = batch,
+                ) -> None:
+                    try:
+                        written = self._spill_batch(store, rows, batch)
+                    except Exception:
+                        logger.exception(
+                            "kvtier spill of %d blocks in job %d failed",
+                            len(batch),
+                            job_id,
+                        )
+                        written = [IO_FAILED] * len(batch)  # nothing showed them bad
+                    for (key, _, _), nbytes in zip(batch, written, strict=True):
+                        if job.item_done(key, nbytes):
+                            self._finish(job)
+
+                self._enqueue(SPILL_PRIORITY, task)
 
     def submit_promote(self, job_id: int, items: Iterable[TransferItem | tuple]) -> None:
         """Load disk slots into CPU rows: ``items`` are (key, disk_slot, cpu_slot)."""
-        self._fan_out(job_id, list(items), self._promote_one, False)
+        self._fan_out_promote(job_id, list(items))
 
-    def _spill_one(
-        self, store: DiskStore, rows: np.ndarray, key: bytes, cpu_slot: int, disk_slot: int
-    ) -> int | None:
+    def _spill_batch(
+        self, store: DiskStore, rows: np.ndarray, batch: list[Any]
+    ) -> list[int | None]:
+        """Write one batch of (key, cpu_slot, disk_slot); per item the bytes
+        written or None (failed). The rows are read only between the guard's
+        ``enter`` and the batch being staged."""
         guard = self._guard
         if not guard.enter():
-            return None  # abandoned: the row may belong to someone else
+            return [None] * len(batch)  # abandoned: the rows may be others' now
         held = [True]
 
         def leave() -> None:
@@ -313,23 +361,27 @@ class TransferEngine:
                 held[0] = False
                 guard.leave()
 
-        def staged() -> None:  # the row is in the bounce buffer now
+        def staged() -> None:  # the rows are in the batch area now
             leave()
             if guard.overrun:
-                # abandon() stopped waiting for this copy: the row may have
-                # been reused under it, so the staged bytes may mix two
-                # blocks. Never write them under this key.
+                # abandon() stopped waiting for this copy: the rows may have
+                # been reused under it, so the staged bytes may mix blocks.
+                # Never write them under these keys.
                 raise _StagedTooLate
 
         try:
-            store.write_block(
-                disk_slot, key, rows[cpu_slot], store.next_seq(), on_staged=staged
+            written = store.write_blocks(
+                [dst for _, _, dst in batch],
+                [key for key, _, _ in batch],
+                rows,
+                [src for _, src, _ in batch],
+                on_staged=staged,
             )
-        except (OSError, _StagedTooLate):
-            return None  # the store already logged errno and path
+            return [store.block_bytes if ok else None for ok in written]
+        except _StagedTooLate:
+            return [None] * len(batch)
         finally:
             leave()
-        return store.block_bytes
 
     def _promote_one(
         self, store: DiskStore, rows: np.ndarray, key: bytes, disk_slot: int, cpu_slot: int
@@ -352,19 +404,14 @@ class TransferEngine:
                 store.invalidate(disk_slot)
         return None
 
-    def _fan_out(
-        self,
-        job_id: int,
-        items: list[Any],
-        move: Callable[[DiskStore, np.ndarray, bytes, int, int], int | None],
-        spill: bool,
-    ) -> None:
+    def _fan_out_promote(self, job_id: int, items: list[Any]) -> None:
+        """A promotion's items, one task per block and rank (the tiering
+        mode's disk tier: vLLM asks for its blocks one chunk at a time)."""
         keys = list(dict.fromkeys(item[0] for item in items))
-        job = self._begin(job_id, keys, len(items) * len(self.stores), spill)
+        job = self._begin(job_id, keys, len(items) * len(self.stores), False)
         if not items or not self.stores:
             self._finish(job)
             return
-        priority = SPILL_PRIORITY if spill else PROMOTE_PRIORITY
         for rank, store in enumerate(self.stores):
             rows = self._rows_of(rank)
             for key, src, dst in items:
@@ -381,7 +428,7 @@ class TransferEngine:
                     dst: int = dst,
                 ) -> None:
                     try:
-                        nbytes = move(store, rows, key, src, dst)
+                        nbytes = self._promote_one(store, rows, key, src, dst)
                     except Exception:
                         logger.exception(
                             "kvtier transfer of one block in job %d failed", job_id
@@ -390,7 +437,7 @@ class TransferEngine:
                     if job.item_done(key, nbytes):
                         self._finish(job)
 
-                self._enqueue(priority, task)
+                self._enqueue(PROMOTE_PRIORITY, task)
 
     def get_finished(self) -> list[FinishedJob]:
         """Results of jobs finished since the last call (drains them)."""

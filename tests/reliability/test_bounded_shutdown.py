@@ -29,7 +29,7 @@ from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.slabs import store_dirname
 from kvtier.store.store import open_stores
 from kvtier.store.transfers import DiskRuntime
-from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
+from kvtier.testing.faults import FaultInjectingBackend, FaultKind, FaultPlan, FaultRule
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 
 # -- TransferEngine ---------------------------------------------------------------
@@ -44,19 +44,24 @@ def test_shutdown_with_a_hung_disk_returns_within_its_bound(
     keys = [key_of(i) for i in range(3)]
     for row, key in enumerate(keys):
         rig.cpu.array[row] = pattern(key)
-    rig.engine.submit_spill(1, [(k, i, i) for i, k in enumerate(keys)])
-    time.sleep(0.2)  # the two threads are now blocked in pwrite
+    # Job 1: one batch per thread (one block each), both threads then
+    # blocked in pwrite; job 2 waits in the queue behind them.
+    rig.engine.submit_spill(1, [(k, i, i) for i, k in enumerate(keys[:2])])
+    rig.engine.submit_spill(2, [(keys[2], 2, 2)])
+    deadline = time.monotonic() + 10
+    while rig.plan.count(FaultKind.HANG, "write") < 2:
+        assert time.monotonic() < deadline, "the writes never reached the disk"
+        time.sleep(0.01)
     t0 = time.monotonic()
     stopped = rig.engine.shutdown(timeout=1.0)
     elapsed = time.monotonic() - t0
     assert not stopped and elapsed < 20.0  # bounded: never the hung write
     release.set()  # the disk comes back: the blocked writes complete...
-    time.sleep(0.3)
     # ...but the item still queued was dropped without touching its row.
-    assert rig.engine.wait([1], timeout=5.0)
-    results = rig.engine.get_finished()
-    assert [r.job_id for r in results] == [1]
-    assert keys[2] in results[0].failed_keys
+    assert rig.engine.wait([1, 2], timeout=5.0)
+    results = {r.job_id: r for r in rig.engine.get_finished()}
+    assert sorted(results) == [1, 2]
+    assert results[2].failed_keys == [keys[2]]
 
 
 def test_abandoned_promotion_never_writes_its_row(make_rig: Callable[..., Rig]) -> None:

@@ -114,6 +114,60 @@ def test_layout_permissions_and_striping(
             )
 
 
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_write_blocks_writes_what_write_block_writes(
+    tmp_path: Path, fingerprint: LayoutFingerprint, compression: str
+) -> None:
+    """A batch in any order of slots (striped over two paths, some adjacent
+    in one slab, some not) and of rows (runs and single rows): every slot
+    holds its row under its key, verified as a single write's would be, each
+    with its own sequence number; the adjacent ones went out together."""
+    rows = np.stack([block(100 + i) for i in range(12)])
+    slots = [9, 2, 4, 0, 6, 3, 11]  # 0, 2, 4, 6 adjacent on path a
+    row_ids = [7, 1, 2, 3, 4, 11, 0]  # rows 1..4 consecutive
+    keys = [KEY + bytes([s]) for s in slots]
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with DiskStore(
+        paths, 12, BLOCK_BYTES, fingerprint, backend="posix", compression=compression
+    ) as s:
+        writes = []
+        real = s.files.write_all
+        s.files.write_all = lambda op, idx, buf, off, **kw: (
+            writes.append((idx, off, len(buf))) or real(op, idx, buf, off, **kw)
+        )
+        staged = []
+        assert (
+            s.write_blocks(
+                slots, keys, rows, row_ids, on_staged=lambda: staged.append(1)
+            )
+            == [True] * 7
+        )
+        assert staged == [1]
+        if compression == "none":
+            # Path a: slots 0, 2, 4, 6 (local 0-3), one write; path b: slot 3
+            # (local 1) alone, then 9 and 11 (local 4, 5) together.
+            ssz = s.slot_size
+            assert sorted(writes) == [
+                (0, 0, 4 * ssz),
+                (1, ssz, ssz),
+                (1, 4 * ssz, 2 * ssz),
+            ]
+        seqs = set()
+        for slot, key, row in zip(slots, keys, row_ids, strict=True):
+            out = sentinel_out()
+            assert s.read_block(slot, key, out) is ReadOutcome.OK
+            assert out.tobytes() == rows[row].tobytes()
+            assert verify(s, slot) is ReadOutcome.OK
+            header, _ = read_header(s, slot)
+            seqs.add(header.seq)
+        assert len(seqs) == 7
+        assert s.stats().blocks_written == 7
+        assert s.read_block(1, KEY + b"\x01", sentinel_out()) is ReadOutcome.EMPTY
+        with pytest.raises(ValueError, match="exceed the batch"):
+            n = s.batch_capacity() + 1
+            s.write_blocks([0] * n, [KEY] * n, rows, [0] * n)
+
+
 def test_a_layout_json_that_cannot_be_written_costs_a_warning_not_the_store(
     tmp_path: Path, fingerprint: LayoutFingerprint, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -219,37 +219,70 @@ def test_failed_spill_reports_keys(
         eng.shutdown()
 
 
+def test_a_spill_larger_than_its_threads_batches_is_written_whole(
+    engine_on: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spill of more blocks than its threads' batches hold goes out in
+    several batches per thread, each block written once, byte-exact."""
+    from kvtier.store import store as store_module
+
+    eng: TransferEngine = engine_on("tmp", 1, "none", threads=2)
+    buf, store = eng.rows[0], eng.stores[0]
+    monkeypatch.setattr(store_module, "BATCH_BYTES", 3 * store.slot_size)
+    assert store.batch_capacity() == 3
+    fill_kv(buf, range(0, N), torch.bfloat16)
+    seen: list[int] = []
+    real = store.write_blocks
+
+    def write_blocks(slots: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(len(slots))
+        return real(slots, *args, **kwargs)
+
+    monkeypatch.setattr(store, "write_blocks", write_blocks)
+    # Rows 0..N-1 into slots 2N-1, 2N-3, ... (no two adjacent).
+    eng.submit_spill(1, [(key(i), i, 2 * N - 1 - 2 * i) for i in range(N)])
+    assert eng.wait([1], timeout=30)
+    [res] = eng.get_finished()
+    assert (res.success, res.bytes) == (True, N * BLOCK_BYTES)
+    assert sorted(seen) == [3] * (N // 3)
+    assert store.stats().blocks_written == N
+    out = np.zeros(BLOCK_BYTES, dtype=np.uint8)
+    for i in range(N):
+        assert store.read_block(2 * N - 1 - 2 * i, key(i), out) is ReadOutcome.OK
+        assert out.tobytes() == buf.array[i].tobytes(), i
+
+
 def test_an_item_that_raises_fails_its_key_and_keeps_the_engine(
     tmp_path: Path,
     fingerprint: LayoutFingerprint,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A bug in moving one item (an exception, not an I/O error) fails that
-    key as never moved (its disk copy is not shown bad), is logged, and the
-    engine goes on with the next job."""
+    """A bug in moving a spill's batch or a promotion's item (an exception,
+    not an I/O error) fails those keys as never moved (their disk copies are
+    not shown bad), is logged, and the engine goes on with the next job."""
     with (
         DiskStore([str(tmp_path)], 4, BLOCK_BYTES, fingerprint) as store,
         CpuBlockBuffer(2, BLOCK_BYTES) as buf,
     ):
         eng = TransferEngine([store], [buf], threads=1)
         try:
-            real = store.write_block
+            real = store.write_blocks
 
-            def write_block(slot: int, k: bytes, *args: Any, **kwargs: Any) -> Any:
-                if k == key(0):
+            def write_blocks(slots: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
+                if key(0) in keys:
                     raise RuntimeError("a bug")
-                return real(slot, k, *args, **kwargs)
+                return real(slots, keys, *args, **kwargs)
 
-            monkeypatch.setattr(store, "write_block", write_block)
-            eng.submit_spill(1, [(key(0), 0, 0), (key(1), 1, 1)])
+            monkeypatch.setattr(store, "write_blocks", write_blocks)
+            eng.submit_spill(1, [(key(0), 0, 0), (key(1), 1, 1)])  # one batch
             assert eng.wait([1], timeout=30)
             [res] = eng.get_finished()
             assert (res.success, res.failed_keys, res.io_failed_keys, res.bytes) == (
                 False,
-                [key(0)],
-                [key(0)],
-                BLOCK_BYTES,
+                [key(0), key(1)],
+                [key(0), key(1)],
+                0,
             )
             assert "job 1 failed" in caplog.text
             eng.submit_spill(2, [(key(2), 0, 2)])
@@ -270,17 +303,17 @@ def test_a_spill_copy_that_outlasts_abandon_is_never_written(
     buf, store = eng.rows[0], eng.stores[0]
     fill_kv(buf, range(0, 1), torch.bfloat16)
     copying, done_copying = threading.Event(), threading.Event()
-    real = store.write_block
+    real = store.write_blocks
 
-    def slow_copy(slot, k, data, seq, *, on_staged=None):
+    def slow_copy(slots, keys, rows, row_ids, *, on_staged=None):
         def staged_late() -> None:  # the row copy takes this long
             copying.set()
             done_copying.wait(30)
             on_staged()
 
-        return real(slot, k, data, seq, on_staged=staged_late)
+        return real(slots, keys, rows, row_ids, on_staged=staged_late)
 
-    monkeypatch.setattr(store, "write_block", slow_copy)
+    monkeypatch.setattr(store, "write_blocks", slow_copy)
     eng.submit_spill(1, [(key(0), 0, 0)])
     assert copying.wait(30)
     assert eng.abandon(timeout=0.1) is False  # gave up on the copy
