@@ -337,8 +337,8 @@ class DiskStore:
         interval.
 
         Returns, per block, whether it was written (where not, the slab
-        files counted and logged the errno and path). With compression each block is packed
-        on its own, as by :meth:`write_block`.
+        files counted and logged the errno and path). With compression each
+        block is packed on its own, as by :meth:`write_block`.
         """
         k = len(slots)
         if not k == len(keys) == len(row_ids):
