@@ -135,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.75,
         help="fraction of the CPU tier that may be dirty, in [0, 1] (default 0.75)",
     )
+    s.add_argument(
+        "--promote-on-hit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="copy disk hits up into free CPU rows, as the engine's "
+        "promote_on_hit (default: on)",
+    )
     s.add_argument("--limit", type=_pos_int, help="replay only the first N requests")
     s.add_argument(
         "--target",

@@ -44,6 +44,7 @@ class SizingResult:
     cpu_policy: str
     disk_policy: str
     spill_watermark: float
+    promote_on_hit: bool = True
     requests: int = 0
     blocks: int = 0
     hit_blocks_cpu: int = 0
@@ -204,13 +205,15 @@ def replay_trace(
     disk_policy: str = "lru",
     spill_watermark: float = 0.75,
     *,
+    promote_on_hit: bool = True,
     progress: Progress | None = None,
 ) -> SizingResult:
     """Replay ``requests`` through a fresh ``TierHierarchy`` and count hits.
 
     Per request: prefix lookup (a hit block is credited to ``cpu`` when
     ``lookup`` says HIT_CPU, to ``disk`` when HIT_DISK), load of the hits
-    (disk hits also copied into free CPU rows), store of the remaining
+    (disk hits also copied into free CPU rows, unless ``promote_on_hit`` is
+    False, as the engine's key of that name), store of the remaining
     blocks.
     ``progress`` is called with 1 after each request.
 
@@ -229,9 +232,11 @@ def replay_trace(
         cpu_policy=cpu_policy,
         disk_policy=disk_policy,
         spill_watermark=spill_watermark,
+        promote_on_hit=promote_on_hit,
     )
     rep = TraceReplayer(h)
     rep.result.disk_policy = disk_policy
+    rep.result.promote_on_hit = promote_on_hit
     for req in requests:
         rep.replay(request_keys(req))
         if progress is not None:

@@ -64,6 +64,7 @@ def compare_policies(
     disk_blocks: int,
     *,
     spill_watermark: float = 0.75,
+    promote_on_hit: bool = True,
     progress: Progress | None = None,
 ) -> PolicyComparison:
     """Replay every policy choice worth comparing (each policy alone without
@@ -84,6 +85,7 @@ def compare_policies(
             cp,
             dp,
             spill_watermark,
+            promote_on_hit=promote_on_hit,
             progress=progress,
         )
         for cp, dp in pairs

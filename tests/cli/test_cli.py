@@ -124,6 +124,34 @@ def test_size_disk_tier_catches_what_cpu_evicts(
     assert tiered["promotions"] == 24  # every disk hit also went up to CPU
 
 
+def test_size_replays_promote_on_hit_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A A A B B B, 3 times, CPU one prefix, disk two. From cycle 2 on, with
+    # promotion: A from disk (and up to CPU, evicting B), A A from CPU, B
+    # likewise: 8 disk + 16 CPU blocks a cycle. Without (the engine's
+    # promote_on_hit: false): A never comes back to CPU, so every A is a
+    # disk hit and B never leaves CPU: 12 + 12. Cycle 1: 16 CPU hits.
+    trace = write_trace(tmp_path / "t.jsonl", [A, A, A, B, B, B] * 3)
+    common = ("size", "--trace", trace, "--cpu-blocks", "4", "--disk-blocks", "8")
+    common += ("--spill-watermark", "0")
+    on = run_json(capsys, *common, "--promote-on-hit")
+    off = run_json(capsys, *common, "--no-promote-on-hit")
+    assert (on["promote_on_hit"], off["promote_on_hit"]) == (True, False)
+    assert (on["hit_blocks_cpu"], on["hit_blocks_disk"], on["promotions"]) == (
+        48,
+        16,
+        16,
+    )
+    assert (off["hit_blocks_cpu"], off["hit_blocks_disk"], off["promotions"]) == (
+        40,
+        24,
+        0,
+    )
+    rc, out = run_cli(capsys, *common, "--no-promote-on-hit")
+    assert rc == 0 and "disk hits not promoted" in out
+
+
 def test_size_alternating_prefixes_only_disk_hits(tmp_path: Path) -> None:
     # A B A B ...: CPU-only never hits; with disk every request after the
     # first two hits all 4 blocks on disk.

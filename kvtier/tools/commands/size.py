@@ -75,6 +75,7 @@ def cmd_size(args: argparse.Namespace) -> int:
         cpu_policy=args.cpu_policy or args.policy,
         disk_policy=args.disk_policy or args.policy,
         spill_watermark=args.spill_watermark,
+        promote_on_hit=args.promote_on_hit,
     )
     with progress_bar(show, len(requests), "replay", "req") as tick:
         result = replay(disk, progress=tick)
@@ -100,6 +101,7 @@ def cmd_size(args: argparse.Namespace) -> int:
                 cpu,
                 disk,
                 spill_watermark=args.spill_watermark,
+                promote_on_hit=args.promote_on_hit,
                 progress=tick,
             )
         doc["comparison"] = cmp.to_dict()
@@ -174,6 +176,7 @@ def _print_size(trace: str, r: Any, bpt: int | None, rec: Any) -> None:
         f"tiers            cpu {size(r.cpu_blocks)} [{r.cpu_policy}], "
         f"disk {size(r.disk_blocks)} [{r.disk_policy}], "
         f"spill watermark {r.spill_watermark}"
+        + ("" if r.promote_on_hit else ", disk hits not promoted")
     )
     print(
         f"hit rate         {r.hit_rate:.4f}  (cpu {r.hit_rate_cpu:.4f}, "
