@@ -31,7 +31,13 @@ of adjacent slots at once), or with ``--shuffle`` each in a random order
 (a tier that churned: one write per block; py pwrite's offsets likewise).
 
 Interleaved: every repeat runs the four (contender x main thread) in a
-rotated order. Prints a table and writes
+rotated order.
+
+Which of the two orders spills see in practice: the Mooncake trace is
+replayed through the hierarchy (``kvtier size``'s replay, CPU 2,000 and
+disk 10,000 blocks; ``--split 8`` replays it at blocks 8x finer, tiers 8x
+larger) and every spill order it hands out is measured: its disk slots'
+runs of adjacent slots, and how many of its CPU rows follow another. Prints a table and writes
 benchmarks/results/spill_busy_loop.json (MB/s of payload, median of
 ``--repeats``).
 """
@@ -48,7 +54,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from _common import write_json
+from _common import DEFAULT_TRACE, write_json
 
 from kvtier.host.cpu_tier import CpuBlockBuffer
 from kvtier.store.backends.factory import make_backend
@@ -170,6 +176,41 @@ class PyPwrite:
         os.unlink(self.path)
 
 
+def trace_spill_runs(trace: str, split: int) -> dict[str, Any]:
+    """Adjacency of the spill orders of a trace replay (see the module doc)."""
+    from kvtier.tiers.hierarchy import TierHierarchy
+    from kvtier.tools.sizing import TraceReplayer
+    from kvtier.tools.trace import load_trace, request_keys
+
+    h = TierHierarchy(2000 * split, 10000 * split)
+    replayer = TraceReplayer(h)
+    counts = {"blocks": 0, "runs": 0, "rows_following": 0}
+    take = h.take_spills
+
+    def measured() -> Any:
+        orders = take()
+        for order in orders:
+            slots = sorted(item[2] for item in order.items)
+            rows = sorted(item[1] for item in order.items)
+            counts["blocks"] += len(slots)
+            counts["runs"] += len(slots) - sum(
+                b == a + 1 for a, b in zip(slots, slots[1:])
+            )
+            counts["rows_following"] += sum(b == a + 1 for a, b in zip(rows, rows[1:]))
+        return orders
+
+    h.take_spills = measured  # type: ignore[method-assign]
+    for request in load_trace(trace):
+        keys = request_keys(request)
+        replayer.replay([(k, j) for k in keys for j in range(split)])
+    return {
+        "split": split,
+        **counts,
+        "blocks_per_run": counts["blocks"] / max(counts["runs"], 1),
+        "rows_following_fraction": counts["rows_following"] / max(counts["blocks"], 1),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="directory on the disk to test")
@@ -183,6 +224,7 @@ def main() -> None:
         help="rows and slots (offsets) in random order: no write covers two blocks",
     )
     ap.add_argument("--out", default=None)
+    ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     args = ap.parse_args()
 
     rows: list[dict[str, Any]] = []
@@ -236,6 +278,17 @@ def main() -> None:
                     f"busy {busy:8.0f} MB/s   ({busy / wait:.2f}x)",
                     flush=True,
                 )
+    runs = []
+    if os.path.exists(args.trace):
+        for split in (1, 8):
+            r = trace_spill_runs(args.trace, split)
+            runs.append(r)
+            print(
+                f"trace replay, blocks 1/{split} of 512 tokens: spill orders' disk "
+                f"slots in runs of {r['blocks_per_run']:.1f} adjacent slots; "
+                f"{r['rows_following_fraction']:.0%} of CPU rows follow another",
+                flush=True,
+            )
     path = write_json(
         "spill_busy_loop",
         {
@@ -250,6 +303,7 @@ def main() -> None:
                 "until the spill is done",
             },
             "results": rows,
+            "trace_spill_runs": runs,
         },
         args.out,
     )
