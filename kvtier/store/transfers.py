@@ -478,7 +478,9 @@ class TransferEngine:
         """Stop touching rows for good (a drain or shutdown timed out).
 
         Items not started yet fail without I/O; items blocked in a disk read
-        or write finish later without writing any row. Returns True once no
+        or write finish later without writing any row (a spill batch blocked
+        in one write still writes its other runs of slots then, from the
+        bytes it staged before). Returns True once no
         row copy is in progress (copies are memory-bound, so this is quick);
         False only if one is still running after ``timeout``."""
         return self._guard.close(timeout)
