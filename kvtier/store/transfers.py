@@ -297,13 +297,14 @@ class TransferEngine:
     def submit_spill(self, job_id: int, items: Iterable[TransferItem | tuple]) -> None:
         """Copy CPU rows to disk slots: ``items`` are (key, cpu_slot, disk_slot).
 
-        Each rank's items go out in batches (``DiskStore.write_blocks``), as
-        many as there are threads (fewer when a batch would pass the store's
-        ``batch_capacity``, more when it would exceed it): a thread stages
-        and writes a batch with a few hand-offs of the interpreter lock, not
-        ten per block, which is what a spill gets next to an engine loop
-        that holds the lock (docs/benchmarks.md, "Spills next to a busy
-        loop")."""
+        Each rank's items go out in batches (``DiskStore.write_blocks``) of
+        at most ``ceil(items / threads)`` blocks each, so about as many as
+        there are threads (fewer when there are fewer items than threads,
+        more when such a batch would exceed the store's ``batch_capacity``,
+        which then bounds each): a thread stages and writes a batch with a
+        few hand-offs of the interpreter lock, not ten per block, which is
+        what a spill gets next to an engine loop that holds the lock
+        (docs/benchmarks.md, "Spills next to a busy loop")."""
         items = list(items)
         keys = list(dict.fromkeys(item[0] for item in items))
         job = self._begin(job_id, keys, len(items) * len(self.stores), True)
@@ -477,7 +478,9 @@ class TransferEngine:
         """Stop touching rows for good (a drain or shutdown timed out).
 
         Items not started yet fail without I/O; items blocked in a disk read
-        or write finish later without writing any row. Returns True once no
+        or write finish later without writing any row (a spill batch blocked
+        in one write still writes its other runs of slots then, from the
+        bytes it staged before). Returns True once no
         row copy is in progress (copies are memory-bound, so this is quick);
         False only if one is still running after ``timeout``."""
         return self._guard.close(timeout)
