@@ -420,19 +420,26 @@ class DiskStore:
         ``where[0]`` on, in one write; returns the positions written. When
         that write fails, which block failed is unknown: each is written
         again on its own, so a bad block fails (and counts) alone, as it
-        would written singly."""
+        would written singly. If every one of them then succeeds, the first
+        failure is counted and logged instead: an error the disk returned
+        once is never silent."""
         idx, offset = where[0]
+        first: OSError | None = None
         if end - start > 1:
-            with contextlib.suppress(OSError):
+            try:
                 self.files.write_all(
                     "write", idx, area[start:end].reshape(-1), offset, report=False
                 )
                 return list(range(start, end))
+            except OSError as exc:
+                first = exc
         done = []
-        for pos, (idx, offset) in zip(range(start, end), where, strict=True):
+        for pos, (at, at_offset) in zip(range(start, end), where, strict=True):
             with contextlib.suppress(OSError):  # counted and logged by the files
-                self.files.write_all("write", idx, area[pos], offset)
+                self.files.write_all("write", at, area[pos], at_offset)
                 done.append(pos)
+        if first is not None and len(done) == end - start:
+            self.files.io_error("write", idx, first)
         return done
 
     def _write_each(

@@ -111,6 +111,34 @@ def test_write_error_fails_only_that_key(
 
 
 @SYNC
+def test_an_error_of_a_write_of_several_blocks_that_passes_again_is_counted(
+    make_rig: Callable[..., Rig],
+    caplog: pytest.LogCaptureFixture,
+    sync: bool,
+) -> None:
+    """Slots 2 and 3 go out in one write, which fails once; written again
+    one by one they succeed. Every block is on disk, and the disk's error is
+    still counted and logged once, as a block-at-a-time writer's would be
+    (it was silent: nothing failed in the end)."""
+    caplog.set_level(logging.WARNING, logger="vllm.kvtier.store")
+    rig = make_rig(sync=sync)
+    keys = fill_rows(rig, range(4))
+    rig.plan.add(
+        FaultRule.error(errno.EIO, ops="write", first_n=1, **on_slot(rig.store, 2))
+    )
+    res = rig.spill(1, [(k, i, i) for i, k in enumerate(keys)])
+    assert res.success and res.bytes == 4 * BLOCK_BYTES
+    for slot in range(4):
+        outcome, out = slot_data(rig, slot, keys[slot])
+        assert outcome is ReadOutcome.OK
+        assert np.array_equal(out, pattern(keys[slot]))
+    stats = rig.store.stats()
+    assert (stats.io_errors, stats.blocks_written) == (1, 4)
+    logged = kvtier_warnings(caplog)
+    assert len(logged) == 1 and "errno 5 (EIO)" in logged[0], logged
+
+
+@SYNC
 def test_short_write_fails_the_key_and_never_reads_back(
     make_rig: Callable[..., Rig], caplog: pytest.LogCaptureFixture, sync: bool
 ) -> None:
