@@ -217,15 +217,18 @@ def replay_trace(
     blocks.
     ``progress`` is called with 1 after each request.
 
-    A tier holding every distinct block of the trace never evicts, so any
-    larger one gets the same hits: it is replayed at that size and reported
-    at the size given (only the spill count of such a CPU tier can differ).
-    Without this, a size like 2 TiB at a mistyped 1 byte per token (2**32
-    blocks) overflowed, or its 2q/arcdk doorkeeper took ~200 GiB.
+    A tier that can hold every block of the trace never evicts, so any
+    larger one gets the same hits: it is replayed at the trace's block count
+    and reported at the size given (only the spill count of such a CPU tier
+    can differ). Without this, a size like 2 TiB at a mistyped 1 byte per
+    token (2**32 blocks) overflowed, or its 2q/arcdk doorkeeper took
+    ~200 GiB. (The count, not the distinct blocks: it costs a length per
+    request, where a set of the trace's blocks would cost each replay of a
+    sweep a pass over them.)
     """
     if not isinstance(requests, Sequence):
         requests = list(requests)  # read twice: once for the cap
-    cap = max(1, unique_blocks(requests))
+    cap = max(1, sum(len(request_keys(r)) for r in requests))
     h = TierHierarchy(
         min(cpu_blocks, cap),
         min(disk_blocks, cap),
