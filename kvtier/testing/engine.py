@@ -272,6 +272,23 @@ def engine(*args: Any, **kwargs: Any):
         shutdown_llm(llm)
 
 
+@contextlib.contextmanager
+def engine_with_events(*args: Any, enable_kv_events: bool = True, **kwargs: Any):
+    """``with engine_with_events(model_dir, cfg, num_gpu_blocks=..) as (sub,
+    llm):`` a KV-events subscriber (loopback, a free port) and an engine
+    publishing to it (``enable_kv_events`` False: publishing nothing)."""
+    with (
+        KVEventSubscriber() as sub,
+        engine(
+            *args,
+            enable_kv_events=enable_kv_events,
+            kv_events_endpoint=sub.endpoint,
+            **kwargs,
+        ) as llm,
+    ):
+        yield sub, llm
+
+
 # --------------------------------------------------------------------------
 # 3. Per-source hit accounting
 # --------------------------------------------------------------------------

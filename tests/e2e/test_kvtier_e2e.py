@@ -20,6 +20,7 @@ from kvtier.store.slot import slot_size
 from kvtier.testing.engine import (
     KVEventSubscriber,
     engine,
+    engine_with_events,
     make_prompt,
     run_prompts,
     wait_events_delivered,
@@ -50,16 +51,7 @@ def main_run(model, block_bytes, tmp_path_factory):
 
     disk = tmp_path_factory.mktemp("disk")
     cfg = kvtier_config(block_bytes, disk)
-    with (
-        KVEventSubscriber() as sub,
-        engine(
-            model,
-            cfg,
-            num_gpu_blocks=GPU_BLOCKS,
-            enable_kv_events=True,
-            kv_events_endpoint=sub.endpoint,
-        ) as llm,
-    ):
+    with engine_with_events(model, cfg, num_gpu_blocks=GPU_BLOCKS) as (sub, llm):
         first = run_each(llm, FIRST)
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         stats = manager_of(llm).hierarchy.stats
@@ -288,16 +280,7 @@ def _self_describing_engine(model, block_bytes, tmp_path):
     cfg = kvtier_config(
         block_bytes, tmp_path, block_size=64, self_describing_kv_events=True
     )
-    with (
-        KVEventSubscriber() as sub,
-        engine(
-            model,
-            cfg,
-            num_gpu_blocks=GPU_BLOCKS,
-            enable_kv_events=True,
-            kv_events_endpoint=sub.endpoint,
-        ) as llm,
-    ):
+    with engine_with_events(model, cfg, num_gpu_blocks=GPU_BLOCKS) as (sub, llm):
         yield sub, llm
 
 

@@ -182,9 +182,8 @@ def _event(ev: Any) -> dict[str, Any]:
 
 def main() -> None:
     from kvtier.testing.engine import (
-        KVEventSubscriber,
         build_tiny_llama,
-        engine,
+        engine_with_events,
         get_connector,
         kv_bytes_per_block,
         run_prompts,
@@ -205,16 +204,9 @@ def main() -> None:
         shared_type="obj" if obj else "fs" if role == "a" else "SharedFsTier",
     )
     out: dict[str, Any] = {}
-    with (
-        KVEventSubscriber() as sub,
-        engine(
-            model,
-            cfg,
-            num_gpu_blocks=GPU_BLOCKS,
-            enable_kv_events=role == "b" and not obj,
-            kv_events_endpoint=sub.endpoint,
-        ) as llm,
-    ):
+    with engine_with_events(
+        model, cfg, num_gpu_blocks=GPU_BLOCKS, enable_kv_events=role == "b" and not obj
+    ) as (sub, llm):
         manager = get_connector(llm).connector_scheduler.manager
         tier = manager.secondary_tiers[0]
         assert type(tier).__name__ == "KvtierDiskTier", tier

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from kvtier.testing.engine import (
-    KVEventSubscriber,
     build_tiny_llama,
     engine,
+    engine_with_events,
     get_connector,
     kv_bytes_per_block,
     make_prompt,
@@ -106,16 +106,7 @@ def test_returning_prompts_are_served_through_the_kvtier_tier(
     model, block_bytes, baseline, tmp_path
 ):
     cfg = tiering_config(block_bytes, tmp_path, DISK_BLOCKS)
-    with (
-        KVEventSubscriber() as sub,
-        engine(
-            model,
-            cfg,
-            num_gpu_blocks=GPU_BLOCKS,
-            enable_kv_events=True,
-            kv_events_endpoint=sub.endpoint,
-        ) as llm,
-    ):
+    with engine_with_events(model, cfg, num_gpu_blocks=GPU_BLOCKS) as (sub, llm):
         first = run_first(llm)
         again = run_prompts(llm, RETURNING, MAX_TOKENS)
         tier = tier_of(llm)
