@@ -305,46 +305,13 @@ class TransferEngine:
         few hand-offs of the interpreter lock, not ten per block, which is
         what a spill gets next to an engine loop that holds the lock
         (docs/benchmarks.md, "Spills next to a busy loop")."""
-        items = list(items)
-        keys = list(dict.fromkeys(item[0] for item in items))
-        job = self._begin(job_id, keys, len(items) * len(self.stores), True)
-        if not items or not self.stores:
-            self._finish(job)
-            return
-        for rank, store in enumerate(self.stores):
-            rows = self._rows_of(rank)
-            if rows is None:
-                for key, _, _ in items:
-                    if job.item_done(key, IO_FAILED):
-                        self._finish(job)
-                continue
-            per = min(store.batch_capacity(), -(-len(items) // len(self._threads)))
-            for first in range(0, len(items), per):
-                batch = items[first : first + per]
-
-                def task(
-                    store: DiskStore = store,
-                    rows: np.ndarray = rows,
-                    batch: list = batch,
-                ) -> None:
-                    try:
-                        written = self._spill_batch(store, rows, batch)
-                    except Exception:
-                        logger.exception(
-                            "kvtier spill of %d blocks in job %d failed",
-                            len(batch),
-                            job_id,
-                        )
-                        written = [IO_FAILED] * len(batch)  # nothing showed them bad
-                    for (key, _, _), nbytes in zip(batch, written, strict=True):
-                        if job.item_done(key, nbytes):
-                            self._finish(job)
-
-                self._enqueue(SPILL_PRIORITY, task)
+        self._fan_out(job_id, list(items), spill=True)
 
     def submit_promote(self, job_id: int, items: Iterable[TransferItem | tuple]) -> None:
-        """Load disk slots into CPU rows: ``items`` are (key, disk_slot, cpu_slot)."""
-        self._fan_out_promote(job_id, list(items))
+        """Load disk slots into CPU rows: ``items`` are (key, disk_slot, cpu_slot),
+        one block per task (the tiering mode's disk tier: vLLM asks for its
+        blocks one chunk at a time)."""
+        self._fan_out(job_id, list(items), spill=False)
 
     def _spill_batch(
         self, store: DiskStore, rows: np.ndarray, batch: list[Any]
@@ -405,40 +372,54 @@ class TransferEngine:
                 store.invalidate(disk_slot)
         return None
 
-    def _fan_out_promote(self, job_id: int, items: list[Any]) -> None:
-        """A promotion's items, one task per block and rank (the tiering
-        mode's disk tier: vLLM asks for its blocks one chunk at a time)."""
+    def _promote_batch(
+        self, store: DiskStore, rows: np.ndarray, batch: list[Any]
+    ) -> list[int | None]:
+        return [self._promote_one(store, rows, *item) for item in batch]
+
+    def _fan_out(self, job_id: int, items: list[Any], spill: bool) -> None:
+        """Each rank's items as tasks on the pool: a spill's in batches (see
+        :meth:`submit_spill`), a promotion's one block each. A task that
+        raises fails its items as never moved (logged), never a thread."""
         keys = list(dict.fromkeys(item[0] for item in items))
-        job = self._begin(job_id, keys, len(items) * len(self.stores), False)
+        job = self._begin(job_id, keys, len(items) * len(self.stores), spill)
         if not items or not self.stores:
             self._finish(job)
             return
+        move = self._spill_batch if spill else self._promote_batch
+        priority = SPILL_PRIORITY if spill else PROMOTE_PRIORITY
         for rank, store in enumerate(self.stores):
             rows = self._rows_of(rank)
-            for key, src, dst in items:
-                if rows is None:
+            if rows is None:
+                for key, _, _ in items:
                     if job.item_done(key, IO_FAILED):
                         self._finish(job)
-                    continue
+                continue
+            per = 1
+            if spill:
+                per = min(store.batch_capacity(), -(-len(items) // len(self._threads)))
+            for first in range(0, len(items), per):
+                batch = items[first : first + per]
 
                 def task(
                     store: DiskStore = store,
                     rows: np.ndarray = rows,
-                    key: bytes = key,
-                    src: int = src,
-                    dst: int = dst,
+                    batch: list = batch,
                 ) -> None:
                     try:
-                        nbytes = self._promote_one(store, rows, key, src, dst)
+                        moved = move(store, rows, batch)
                     except Exception:
                         logger.exception(
-                            "kvtier transfer of one block in job %d failed", job_id
+                            "kvtier transfer of %d block(s) in job %d failed",
+                            len(batch),
+                            job_id,
                         )
-                        nbytes = IO_FAILED  # nothing showed its bytes bad
-                    if job.item_done(key, nbytes):
-                        self._finish(job)
+                        moved = [IO_FAILED] * len(batch)  # nothing showed them bad
+                    for (key, _, _), nbytes in zip(batch, moved, strict=True):
+                        if job.item_done(key, nbytes):
+                            self._finish(job)
 
-                self._enqueue(PROMOTE_PRIORITY, task)
+                self._enqueue(priority, task)
 
     def get_finished(self) -> list[FinishedJob]:
         """Results of jobs finished since the last call (drains them)."""
