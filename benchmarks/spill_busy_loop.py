@@ -45,6 +45,7 @@ benchmarks/results/spill_busy_loop.json (MB/s of payload, median of
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import statistics
 import tempfile
@@ -138,9 +139,8 @@ class PyPwrite:
             self.fd = os.open(self.path, flags, 0o600)
             self.direct = False
         os.ftruncate(self.fd, block * count)
-        self.mm = np.frombuffer(
-            __import__("mmap").mmap(-1, block * count), dtype=np.uint8
-        ).reshape(count, block)  # page-aligned, as O_DIRECT needs
+        area = mmap.mmap(-1, block * count)  # page-aligned, as O_DIRECT needs
+        self.mm = np.frombuffer(area, dtype=np.uint8).reshape(count, block)
         self.mm[:] = np.random.default_rng(1).integers(
             0, 256, (count, block), dtype=np.uint8
         )
