@@ -303,8 +303,8 @@ class KvtierConfig(BaseModel):
         ge=1,
         le=256,
         description="Threads of the disk I/O pool (per TP rank); they start with "
-        "the engine. Each writes spills in batches and keeps a 16 MiB staging "
-        "area once it wrote one.",
+        "the engine. Each writes spills in batches and keeps a 16 MiB batch area "
+        "(host memory) once it wrote one.",
     )
     disk_load_buffer_bytes: Size = Field(
         64 << 20,
