@@ -7,10 +7,10 @@ thread waiting, in the same run.
 
 Spills run in the scheduler's process (``DiskRuntime``: a
 ``TransferEngine`` over ``DiskStore``), on ``disk_io_threads`` Python
-threads, one block at a time: each block is staged, hashed and written by
-calls that let the interpreter lock go, and each time a thread wants it
-back it waits for the main thread's next switch interval (5 ms) when the
-main thread never blocks. An engine's loop blocks little while it is busy
+threads, in batches (``DiskStore.write_blocks``): staged, hashed and
+written by calls some of which let the interpreter lock go, and each time
+a thread wants it back it waits for the main thread's next switch interval
+(5 ms) when the main thread never blocks. An engine's loop blocks little while it is busy
 (vLLM's engine core launches a step's kernels in Python; an in-process
 engine spins even when idle), so what a spill gets there is the "busy"
 column, not the "waiting" one.
@@ -31,7 +31,11 @@ of adjacent slots at once), or with ``--shuffle`` each in a random order
 (a tier that churned: one write per block; py pwrite's offsets likewise).
 
 Interleaved: every repeat runs the four (contender x main thread) in a
-rotated order.
+rotated order. What a spill costs the loop: its pace (rounds of work per
+second) during each busy run, over its pace alone just before and just
+after it (``loop_share``), and the loop time that took per GB spilled
+(``loop_ms_lost_per_gb``). On a machine with few cores that includes the
+spill threads' CPU work (copies, checksums), not only the lock.
 
 Which of the two orders spills see in practice: the Mooncake trace is
 replayed through the hierarchy (``kvtier size``'s replay, CPU 2,000 and
@@ -74,12 +78,25 @@ def _size(text: str) -> int:
     return int(text)
 
 
-def _busy_until(done: Callable[[], bool]) -> None:
-    """The main thread runs Python without blocking until ``done()``."""
-    x = 0
+def _busy_until(done: Callable[[], bool]) -> int:
+    """The main thread runs Python without blocking until ``done()``;
+    returns the rounds of work it did meanwhile."""
+    rounds = 0
     while not done():
-        for _ in range(200):
-            x += 1
+        # ``done`` is asked once per 10 rounds (about 40 us), so what it
+        # costs (a clock, a lock) barely weighs on the pace.
+        for _ in range(10):
+            for _ in range(200):
+                pass
+        rounds += 10
+    return rounds
+
+
+def _loop_rate(seconds: float = 0.5) -> float:
+    """Rounds per second of ``_busy_until``'s loop with nothing beside it."""
+    t0 = time.perf_counter()
+    rounds = _busy_until(lambda: time.perf_counter() - t0 >= seconds)
+    return rounds / (time.perf_counter() - t0)
 
 
 class KvtierSpill:
@@ -102,7 +119,7 @@ class KvtierSpill:
         self.rows = rng.permutation(order) if shuffle else order
         self.slots = rng.permutation(order) if shuffle else order
 
-    def run(self, busy: bool) -> float:
+    def run(self, busy: bool) -> tuple[float, int]:
         self.job += 1
         items = [
             (b"k%d" % i, int(r), int(s))
@@ -110,15 +127,16 @@ class KvtierSpill:
         ]
         t0 = time.perf_counter()
         self.engine.submit_spill(self.job, items)
+        rounds = 0
         if busy:
-            _busy_until(lambda: not self.engine.pending())
+            rounds = _busy_until(lambda: not self.engine.pending())
         else:
             self.engine.wait([self.job])
         dt = time.perf_counter() - t0
         results = self.engine.get_finished()
         if not all(r.success for r in results):
             raise RuntimeError(f"kvtier spill failed: {results}")
-        return dt
+        return dt, rounds
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -148,7 +166,7 @@ class PyPwrite:
         order = np.arange(count)
         self.offsets = np.random.default_rng(3).permutation(order) if shuffle else order
 
-    def run(self, busy: bool) -> float:
+    def run(self, busy: bool) -> tuple[float, int]:
         left = [self.threads]
         lock = threading.Lock()
 
@@ -165,11 +183,12 @@ class PyPwrite:
         t0 = time.perf_counter()
         for w in workers:
             w.start()
+        rounds = 0
         if busy:
-            _busy_until(lambda: left[0] == 0)
+            rounds = _busy_until(lambda: left[0] == 0)
         for w in workers:
             w.join()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, rounds
 
     def close(self) -> None:
         os.close(self.fd)
@@ -242,30 +261,41 @@ def main() -> None:
                     rig.run(busy=False)  # untimed: allocate the extents
                 runs = [(name, busy) for name in rigs for busy in (False, True)]
                 seconds: dict[tuple[str, bool], list[float]] = {r: [] for r in runs}
+                # The busy loop's share of its own pace, kept during the spill.
+                shares: dict[tuple[str, bool], list[float]] = {r: [] for r in runs}
                 for rep in range(args.repeats):
                     k = rep % len(runs)
                     for name, busy in runs[k:] + runs[:k]:
-                        seconds[(name, busy)].append(rigs[name].run(busy))
+                        before = _loop_rate() if busy else 0.0
+                        dt, rounds = rigs[name].run(busy)
+                        seconds[(name, busy)].append(dt)
+                        if busy:
+                            alone = (before + _loop_rate()) / 2
+                            shares[(name, busy)].append(rounds / dt / alone)
                 for name, busy in runs:
-                    mb_s = (
-                        count * block / statistics.median(seconds[(name, busy)]) / 1e6
-                    )
-                    rows.append(
-                        {
-                            "contender": name,
-                            "block_bytes": block,
-                            "main_thread": "busy" if busy else "waiting",
-                            "mb_s": round(mb_s, 1),
-                            "runs_s": [round(s, 3) for s in seconds[(name, busy)]],
-                        }
-                    )
+                    median_s = statistics.median(seconds[(name, busy)])
+                    row = {
+                        "contender": name,
+                        "block_bytes": block,
+                        "main_thread": "busy" if busy else "waiting",
+                        "mb_s": round(count * block / median_s / 1e6, 1),
+                        "runs_s": [round(s, 3) for s in seconds[(name, busy)]],
+                    }
+                    if busy:
+                        share = statistics.median(shares[(name, busy)])
+                        row["loop_share"] = round(share, 3)
+                        # What the spill took from the loop, per GB written.
+                        row["loop_ms_lost_per_gb"] = round(
+                            median_s * (1 - share) * 1e3 / (count * block / 1e9), 1
+                        )
+                    rows.append(row)
             finally:
                 for rig in rigs.values():
                     rig.close()
             for name in rigs:
                 wait, busy = (
                     next(
-                        r["mb_s"]
+                        r
                         for r in rows
                         if r["contender"] == name
                         and r["block_bytes"] == block
@@ -274,8 +304,11 @@ def main() -> None:
                     for m in ("waiting", "busy")
                 )
                 print(
-                    f"{block // 1024:>6} KiB  {name:10s} waiting {wait:8.0f} MB/s   "
-                    f"busy {busy:8.0f} MB/s   ({busy / wait:.2f}x)",
+                    f"{block // 1024:>6} KiB  {name:10s} waiting "
+                    f"{wait['mb_s']:8.0f} MB/s   busy {busy['mb_s']:8.0f} MB/s   "
+                    f"({busy['mb_s'] / wait['mb_s']:.2f}x); the loop kept "
+                    f"{busy['loop_share']:.0%} of its pace, lost "
+                    f"{busy['loop_ms_lost_per_gb']:.0f} ms per GB",
                     flush=True,
                 )
     runs = []
@@ -301,6 +334,11 @@ def main() -> None:
                 "unit": "MB/s of payload (10^6 B/s), median of repeats",
                 "busy": "main thread runs a Python loop that never blocks "
                 "until the spill is done",
+                "loop_share": "the busy loop's rounds per second during the "
+                "spill over its rate alone just before and after (mean), "
+                "median of repeats",
+                "loop_ms_lost_per_gb": "spill seconds x (1 - loop_share), "
+                "per GB of payload: the loop's time the spill took",
             },
             "results": rows,
             "trace_spill_runs": runs,
