@@ -15,8 +15,11 @@ a thread wants it back it waits for the main thread's next switch interval
 engine spins even when idle), so what a spill gets there is the "busy"
 column, not the "waiting" one.
 
-Contenders, each with the main thread waiting (``wait``) and running a
-Python loop until the spill is done (``busy``):
+Contenders, each with the main thread waiting (``waiting``), running a
+Python loop until the spill is done (``busy``), and running steps of 100
+small torch ops until then (``torch``: each op lets the lock go and takes
+it back, as a model's forward pass on the CPU does; its step times during
+the spill are set beside its step times alone just before and after):
 
 - ``kvtier``: ``TransferEngine.submit_spill`` of ``--total-mib`` of
   blocks from a CPU buffer into a fresh ``DiskStore`` (POSIX back end,
@@ -30,7 +33,7 @@ Rows and slots go in order (a fresh tier's spills: kvtier writes each run
 of adjacent slots at once), or with ``--shuffle`` each in a random order
 (a tier that churned: one write per block; py pwrite's offsets likewise).
 
-Interleaved: every repeat runs the four (contender x main thread) in a
+Interleaved: every repeat runs the six (contender x main thread) in a
 rotated order. What a spill costs the loop: its pace (rounds of work per
 second) during each busy run, over its pace alone just before and just
 after it (``loop_share``), and the loop time that took per GB spilled
@@ -43,7 +46,7 @@ disk 10,000 blocks; ``--split 8`` replays it at blocks 8x finer, tiers 8x
 larger) and every spill order it hands out is measured: its disk slots'
 runs of adjacent slots, and how many of its CPU rows follow another. Prints a table and writes
 benchmarks/results/spill_busy_loop.json (MB/s of payload, median of
-``--repeats``).
+``--repeats``; torch steps' p50, p99 and max, medians of the runs').
 """
 
 from __future__ import annotations
@@ -92,6 +95,64 @@ def _busy_until(done: Callable[[], bool]) -> int:
     return rounds
 
 
+def _torch_steps_until(done: Callable[[], bool]) -> list[float]:
+    """The main thread runs steps of 100 small torch ops until ``done()``
+    (asked between steps); returns each step's seconds. torch lets the
+    interpreter lock go and takes it back around each op, as a model's
+    forward pass on the CPU does in an engine's process."""
+    import torch
+
+    x = torch.zeros(64)
+    steps: list[float] = []
+    while not done():
+        t0 = time.perf_counter()
+        for _ in range(100):
+            x = x + 1
+        steps.append(time.perf_counter() - t0)
+    return steps
+
+
+def _torch_steps_alone(seconds: float = 0.3) -> list[float]:
+    t0 = time.perf_counter()
+    return _torch_steps_until(lambda: time.perf_counter() - t0 >= seconds)
+
+
+MAINS = ("waiting", "busy", "torch")
+TORCH_DESCRIPTION = (
+    "main thread runs steps of 100 torch ops on a 64-float tensor until the "
+    "spill is done; step_*: that run's step p50/p99/max, alone_step_*: 0.3 s "
+    "of steps just before and just after it; each the median over repeats"
+)
+
+
+def _step_figures(runs: list[list[float]], prefix: str) -> dict[str, float]:
+    """Median over runs of each run's step p50, p99 and max, in ms."""
+
+    def pct(steps: list[float], q: float) -> float:
+        ordered = sorted(steps)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    figures = {}
+    for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0)):
+        per_run = [pct(r, q) for r in runs if r]
+        figures[f"{prefix}_{name}_ms"] = round(statistics.median(per_run) * 1e3, 3)
+    return figures
+
+
+def _drive(
+    main: str, done: Callable[[], bool], wait: Callable[[], None]
+) -> tuple[int, list[float]]:
+    """What the main thread does until the spill is done: ``waiting``
+    (blocked in ``wait``), ``busy`` (a Python loop: its rounds) or
+    ``torch`` (steps of torch ops: their seconds)."""
+    if main == "busy":
+        return _busy_until(done), []
+    if main == "torch":
+        return 0, _torch_steps_until(done)
+    wait()
+    return 0, []
+
+
 def _loop_rate(seconds: float = 0.5) -> float:
     """Rounds per second of ``_busy_until``'s loop with nothing beside it."""
     t0 = time.perf_counter()
@@ -119,7 +180,7 @@ class KvtierSpill:
         self.rows = rng.permutation(order) if shuffle else order
         self.slots = rng.permutation(order) if shuffle else order
 
-    def run(self, busy: bool) -> tuple[float, int]:
+    def run(self, main: str) -> tuple[float, int, list[float]]:
         self.job += 1
         items = [
             (b"k%d" % i, int(r), int(s))
@@ -127,16 +188,16 @@ class KvtierSpill:
         ]
         t0 = time.perf_counter()
         self.engine.submit_spill(self.job, items)
-        rounds = 0
-        if busy:
-            rounds = _busy_until(lambda: not self.engine.pending())
-        else:
-            self.engine.wait([self.job])
+        rounds, steps = _drive(
+            main,
+            lambda: not self.engine.pending(),
+            lambda: self.engine.wait([self.job]),
+        )
         dt = time.perf_counter() - t0
         results = self.engine.get_finished()
         if not all(r.success for r in results):
             raise RuntimeError(f"kvtier spill failed: {results}")
-        return dt, rounds
+        return dt, rounds, steps
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -166,7 +227,7 @@ class PyPwrite:
         order = np.arange(count)
         self.offsets = np.random.default_rng(3).permutation(order) if shuffle else order
 
-    def run(self, busy: bool) -> tuple[float, int]:
+    def run(self, main: str) -> tuple[float, int, list[float]]:
         left = [self.threads]
         lock = threading.Lock()
 
@@ -183,12 +244,10 @@ class PyPwrite:
         t0 = time.perf_counter()
         for w in workers:
             w.start()
-        rounds = 0
-        if busy:
-            rounds = _busy_until(lambda: left[0] == 0)
+        rounds, steps = _drive(main, lambda: left[0] == 0, lambda: None)
         for w in workers:
             w.join()
-        return time.perf_counter() - t0, rounds
+        return time.perf_counter() - t0, rounds, steps
 
     def close(self) -> None:
         os.close(self.fd)
@@ -258,42 +317,52 @@ def main() -> None:
             }
             try:
                 for rig in rigs.values():
-                    rig.run(busy=False)  # untimed: allocate the extents
-                runs = [(name, busy) for name in rigs for busy in (False, True)]
-                seconds: dict[tuple[str, bool], list[float]] = {r: [] for r in runs}
-                # The busy loop's share of its own pace, kept during the spill.
-                shares: dict[tuple[str, bool], list[float]] = {r: [] for r in runs}
+                    rig.run("waiting")  # untimed: allocate the extents
+                runs = [(name, main) for name in rigs for main in MAINS]
+                seconds: dict[tuple[str, str], list[float]] = {r: [] for r in runs}
+                # busy: the loop's share of its own pace kept during the spill;
+                # torch: steps during the spill, and alone around it.
+                shares: dict[tuple[str, str], list[float]] = {r: [] for r in runs}
+                steps: dict[tuple[str, str], list[list[float]]] = {r: [] for r in runs}
+                alone: dict[tuple[str, str], list[list[float]]] = {r: [] for r in runs}
                 for rep in range(args.repeats):
                     k = rep % len(runs)
-                    for name, busy in runs[k:] + runs[:k]:
-                        before = _loop_rate() if busy else 0.0
-                        dt, rounds = rigs[name].run(busy)
-                        seconds[(name, busy)].append(dt)
-                        if busy:
-                            alone = (before + _loop_rate()) / 2
-                            shares[(name, busy)].append(rounds / dt / alone)
-                for name, busy in runs:
-                    median_s = statistics.median(seconds[(name, busy)])
-                    row = {
+                    for name, main in runs[k:] + runs[:k]:
+                        rate = _loop_rate() if main == "busy" else 0.0
+                        quiet = _torch_steps_alone() if main == "torch" else []
+                        dt, rounds, during = rigs[name].run(main)
+                        seconds[(name, main)].append(dt)
+                        if main == "busy":
+                            rate = (rate + _loop_rate()) / 2
+                            shares[(name, main)].append(rounds / dt / rate)
+                        if main == "torch":
+                            alone[(name, main)].append(quiet + _torch_steps_alone())
+                            steps[(name, main)].append(during)
+                for name, main in runs:
+                    median_s = statistics.median(seconds[(name, main)])
+                    row: dict[str, Any] = {
                         "contender": name,
                         "block_bytes": block,
-                        "main_thread": "busy" if busy else "waiting",
+                        "main_thread": main,
                         "mb_s": round(count * block / median_s / 1e6, 1),
-                        "runs_s": [round(s, 3) for s in seconds[(name, busy)]],
+                        "runs_s": [round(s, 3) for s in seconds[(name, main)]],
                     }
-                    if busy:
-                        share = statistics.median(shares[(name, busy)])
+                    if main == "busy":
+                        share = statistics.median(shares[(name, main)])
                         row["loop_share"] = round(share, 3)
                         # What the spill took from the loop, per GB written.
                         row["loop_ms_lost_per_gb"] = round(
                             median_s * (1 - share) * 1e3 / (count * block / 1e9), 1
                         )
+                    if main == "torch":
+                        row.update(_step_figures(steps[(name, main)], "step"))
+                        row.update(_step_figures(alone[(name, main)], "alone_step"))
                     rows.append(row)
             finally:
                 for rig in rigs.values():
                     rig.close()
             for name in rigs:
-                wait, busy = (
+                wait, busy, torch_ = (
                     next(
                         r
                         for r in rows
@@ -301,7 +370,7 @@ def main() -> None:
                         and r["block_bytes"] == block
                         and r["main_thread"] == m
                     )
-                    for m in ("waiting", "busy")
+                    for m in MAINS
                 )
                 print(
                     f"{block // 1024:>6} KiB  {name:10s} waiting "
@@ -309,6 +378,14 @@ def main() -> None:
                     f"({busy['mb_s'] / wait['mb_s']:.2f}x); the loop kept "
                     f"{busy['loop_share']:.0%} of its pace, lost "
                     f"{busy['loop_ms_lost_per_gb']:.0f} ms per GB",
+                    flush=True,
+                )
+                print(
+                    f"{'':>6}      {name:10s} torch steps {torch_['mb_s']:6.0f} MB/s; "
+                    f"step p50 {torch_['step_p50_ms']:.3f} ms "
+                    f"(alone {torch_['alone_step_p50_ms']:.3f}), p99 "
+                    f"{torch_['step_p99_ms']:.3f} ({torch_['alone_step_p99_ms']:.3f}), "
+                    f"max {torch_['step_max_ms']:.2f} ({torch_['alone_step_max_ms']:.2f})",
                     flush=True,
                 )
     runs = []
@@ -339,6 +416,7 @@ def main() -> None:
                 "median of repeats",
                 "loop_ms_lost_per_gb": "spill seconds x (1 - loop_share), "
                 "per GB of payload: the loop's time the spill took",
+                "torch": TORCH_DESCRIPTION,
             },
             "results": rows,
             "trace_spill_runs": runs,
