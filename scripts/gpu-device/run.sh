@@ -1,14 +1,18 @@
 #!/bin/bash
 # On the GPU machine (see bundle.sh): `make test-gpu`'s tests (the real-engine
 # e2e tests on vLLM 0.33's CUDA engine, in-process, then tests/gpu),
-# benchmarks/gpu_real_size.py and benchmarks/gpu_copy.py; logs and JSON in
-# $OUT.
+# benchmarks/gpu_real_size.py and benchmarks/gpu_copy.py, then, where time is
+# left, benchmarks/spill_busy_loop.py (CPU only: what spill threads do to a
+# busy loop and to torch steps on a machine with many cores, where on the
+# 2-core dev VM CPU contention and the interpreter lock cannot be told apart);
+# logs and JSON in $OUT.
 #
-#   bash .gpu/b/run.sh [STEP...]   STEP: tests, real_size, copy (default: all)
+#   bash .gpu/b/run.sh [STEP...]   STEP: tests, real_size, copy, spill
+#                                  (default: all)
 #
 # The tests alone fill one call (about 5-6 minutes on an H100), so a session
 # runs them in one call and the benchmarks in the next, on the same warm
-# machine: `run.sh tests`, then `run.sh real_size copy`.
+# machine: `run.sh tests`, then `run.sh real_size copy spill`.
 #
 # gpu_real_size.py runs a second kvtier engine with disk_read_process on
 # after the default one (the A/B of where the disk reads run, for the ITL
@@ -31,7 +35,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
 BUDGET_S=${BUDGET_S:-460}
 start=$SECONDS
-steps=${*:-tests real_size copy}
+steps=${*:-tests real_size copy spill}
 left() { echo $((BUDGET_S - (SECONDS - start))); }
 # cap N: N seconds, or what is left of the budget if less (at least 1).
 cap() { local l; l=$(left); l=$((l < $1 ? l : $1)); echo $((l < 1 ? 1 : l)); }
@@ -100,7 +104,17 @@ for k, v in (disk["rows"].items() if isinstance(disk, dict) else [("disk_gpu", d
           "busy slowdown", round(busy.get("slowdown", float("nan")), 3), "busy GB/s", round(busy.get("gbps_median", float("nan")), 2))
 PY
         ;;
-    *) echo "run.sh: unknown step $step (tests, real_size, copy)"; exit 2 ;;
+    spill)
+        if (($(left) < 75)); then echo "=== spill_busy_loop: skipped, $(left) s left"; continue; fi
+        echo "=== spill_busy_loop (cap $(cap 150) s)"
+        timeout -k 10 "$(cap 150)" python3 benchmarks/spill_busy_loop.py --dir /var/tmp \
+            --repeats 3 --trace /nonexistent --out "$OUT/spill_busy_loop_gpu_host.json" \
+            > "$OUT/spill_busy_loop.log" 2>&1
+        echo "rc=$?"
+        grep KiB "$OUT/spill_busy_loop.log"
+        grep -A1 "KiB  kvtier" "$OUT/spill_busy_loop.log" | grep torch
+        ;;
+    *) echo "run.sh: unknown step $step (tests, real_size, copy, spill)"; exit 2 ;;
     esac
 done
 echo "=== done after $((SECONDS - start)) s"
