@@ -572,10 +572,12 @@ HASH_FIX = (
 def prefix_hash_problem(algo: str, seed: str | None) -> str | None:
     """Why vLLM's prefix block hashes (kvtier's keys) would differ after a
     restart under ``--prefix-caching-hash-algo algo`` and PYTHONHASHSEED
-    ``seed``, or None when they are reproducible. vLLM seeds its
-    non-cryptographic hashes (xxhash*) randomly per process unless
-    PYTHONHASHSEED is set, so no block on disk would ever match."""
-    if algo.startswith("xxhash") and seed in (None, "", "random"):
+    ``seed`` (None: unset), or None when they are reproducible. vLLM seeds
+    its non-cryptographic hashes (xxhash*) randomly per process unless
+    PYTHONHASHSEED is set, so no block on disk would ever match. Set to any
+    value, even empty or ``random`` (Python's own words for a random seed),
+    the value itself is vLLM's seed (``resolve_none_hash_seed``)."""
+    if algo.startswith("xxhash") and seed is None:
         return (
             "non-cryptographic hashing without PYTHONHASHSEED: vLLM seeds it "
             "randomly per process, so nothing on disk matches after a restart"

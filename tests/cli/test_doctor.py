@@ -300,6 +300,12 @@ def test_xxhash_without_seed_warns(capsys, disk, shm, monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     _, checks = doctor(capsys, *flags(disk, shm, "--hash-algo", "xxhash"))
     assert checks["prefix hash xxhash"]["status"] == "ok"
+    # vLLM seeds with any value set, even Python's words for a random seed.
+    for seed in ("", "random"):
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+        _, checks = doctor(capsys, *flags(disk, shm, "--hash-algo", "xxhash"))
+        c = checks["prefix hash xxhash"]
+        assert c["status"] == "ok" and f"PYTHONHASHSEED={seed!r}" in c["detail"]
 
 
 def test_hash_algos_are_vllms():

@@ -477,7 +477,28 @@ def test_a_fifo_in_the_model_directory_does_not_hang(tmp_path) -> None:
 
 def test_prefix_hash_reproducibility() -> None:
     assert prefix_hash_problem("xxhash", None)
-    assert prefix_hash_problem("xxhash_cbor", "random")
+    assert prefix_hash_problem("xxhash_cbor", None)
     assert prefix_hash_problem("xxhash", "42") is None
     assert prefix_hash_problem("sha256", None) is None
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+@pytest.mark.parametrize("seed", [None, "", "random", "0", "42"])
+def test_prefix_hash_problem_follows_vllms_seed_rule(
+    monkeypatch: pytest.MonkeyPatch, algo: str, seed: str | None
+) -> None:
+    """A problem is reported exactly when vLLM's own seed for NONE_HASH
+    differs between two processes started alike: ``resolve_none_hash_seed``
+    called twice under that environment (an empty or ``random``
+    PYTHONHASHSEED is Python's random seed, but vLLM's fixed one)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    hash_fn = get_hash_fn_by_name(algo)
+    reproducible = resolve_none_hash_seed(hash_fn) == resolve_none_hash_seed(hash_fn)
+    assert (prefix_hash_problem(algo, seed) is None) == reproducible
     assert "PYTHONHASHSEED" in HASH_FIX

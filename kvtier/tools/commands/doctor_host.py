@@ -166,14 +166,13 @@ def check_prefix_hash(algo: str) -> list[Check]:
     from kvtier.connector.identity import HASH_FIX, prefix_hash_problem
 
     seed = os.environ.get("PYTHONHASHSEED")
-    seed_set = seed not in (None, "", "random")
     subject = f"prefix hash {algo}"
     problem = prefix_hash_problem(algo, seed)
     if problem:
         return [Check("warm-restart", subject, WARNING, problem, HASH_FIX)]
-    if seed_set:
+    if seed is not None:  # vLLM's rule: any value set, even empty, is the seed
         detail = (
-            f"PYTHONHASHSEED={seed} seeds the hashes: keep it identical on "
+            f"PYTHONHASHSEED={seed!r} seeds the hashes: keep it identical on "
             "every start, or the disk tier starts cold"
         )
     else:
