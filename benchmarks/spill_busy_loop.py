@@ -24,6 +24,9 @@ the spill are set beside its step times alone just before and after):
 - ``kvtier``: ``TransferEngine.submit_spill`` of ``--total-mib`` of
   blocks from a CPU buffer into a fresh ``DiskStore`` (POSIX back end,
   O_DIRECT where the file system takes it), ``--threads`` threads;
+- ``kvtier child``: the same spill, engine and threads in a child process
+  (this script with ``--child``) over the same rows, mapped from a memory
+  file: what moving spills out of the engine's interpreter would buy;
 - ``py pwrite``: the floor of any design that writes from Python threads
   one block per call: ``--threads`` threads each ``os.pwrite`` their share
   of the same blocks, aligned, into one file in the same directory
@@ -33,7 +36,7 @@ Rows and slots go in order (a fresh tier's spills: kvtier writes each run
 of adjacent slots at once), or with ``--shuffle`` each in a random order
 (a tier that churned: one write per block; py pwrite's offsets likewise).
 
-Interleaved: every repeat runs the six (contender x main thread) in a
+Interleaved: every repeat runs the nine (contender x main thread) in a
 rotated order. What a spill costs the loop: its pace (rounds of work per
 second) during each busy run, over its pace alone just before and just
 after it (``loop_share``), and the loop time that took per GB spilled
@@ -55,10 +58,14 @@ import argparse
 import mmap
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -205,6 +212,96 @@ class KvtierSpill:
         self.buf.close()
 
 
+@dataclass
+class _MappedRows:
+    """HostRows over rows this process mapped (``TransferEngine`` reads
+    ``array`` and ``block_bytes``)."""
+
+    array: np.ndarray
+    block_bytes: int
+
+
+class ChildSpill:
+    """``KvtierSpill``'s spill (the same ``TransferEngine`` over a
+    ``DiskStore``, as many threads) run in a child process (this script
+    with ``--child``), over the same rows, which it maps from a memory file
+    this process filled and passes by fd: what a process boundary between
+    spills and the engine's loop buys. The main thread sends each spill's
+    items down a pipe and polls for the child's answer."""
+
+    def __init__(
+        self, directory: str, block: int, count: int, threads: int, shuffle: bool
+    ):
+        nbytes = count * block
+        self.fd = os.memfd_create("kvtier-busy-rows")
+        os.ftruncate(self.fd, nbytes)
+        self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED)
+        rows = np.frombuffer(self.map, dtype=np.uint8).reshape(count, block)
+        rows[:] = np.random.default_rng(0).integers(0, 256, (count, block), np.uint8)
+        del rows  # the map closes at close(): no view may outlive it
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--child", directory]
+            + [str(v) for v in (block, count, threads, self.fd, req_r, resp_w)],
+            pass_fds=(self.fd, req_r, resp_w),
+        )
+        os.close(req_r)
+        os.close(resp_w)
+        self.req = Connection(req_w, readable=False)
+        self.resp = Connection(resp_r, writable=False)
+        self.job = 0
+        rng = np.random.default_rng(2)
+        order = np.arange(count)
+        self.rows = rng.permutation(order) if shuffle else order
+        self.slots = rng.permutation(order) if shuffle else order
+
+    def run(self, main: str) -> tuple[float, int, list[float]]:
+        self.job += 1
+        items = [
+            (b"k%d" % i, int(r), int(s))
+            for i, (r, s) in enumerate(zip(self.rows, self.slots, strict=True))
+        ]
+        t0 = time.perf_counter()
+        self.req.send((self.job, items))
+        rounds, steps = _drive(main, self.resp.poll, lambda: self.resp.poll(None))
+        dt = time.perf_counter() - t0
+        job, ok = self.resp.recv()
+        if job != self.job or not ok:
+            raise RuntimeError(f"kvtier child spill {job} failed")
+        return dt, rounds, steps
+
+    def close(self) -> None:
+        self.req.close()  # the child reads EOF and exits
+        self.proc.wait(60)
+        self.resp.close()
+        self.map.close()
+        os.close(self.fd)
+
+
+def _child(argv: list[str]) -> None:
+    """``ChildSpill``'s child: spill each job it is sent, answer when done."""
+    directory = argv[0]
+    block, count, threads, fd, req_fd, resp_fd = (int(a) for a in argv[1:7])
+    area = mmap.mmap(fd, count * block, mmap.MAP_SHARED)
+    rows = np.frombuffer(area, dtype=np.uint8).reshape(count, block)
+    fp = LayoutFingerprint("bench", "bfloat16", block, f"busy-{block}", 0, 1)
+    store = DiskStore([directory], count, block, fp, backend=make_backend("posix"))
+    engine = TransferEngine([store], [_MappedRows(rows, block)], threads=threads)
+    req = Connection(req_fd, writable=False)
+    resp = Connection(resp_fd, readable=False)
+    while True:
+        try:
+            job, items = req.recv()
+        except EOFError:
+            break
+        engine.submit_spill(job, items)
+        engine.wait([job])
+        resp.send((job, all(r.success for r in engine.get_finished())))
+    engine.shutdown()
+    store.close()
+
+
 class PyPwrite:
     def __init__(
         self, directory: str, block: int, count: int, threads: int, shuffle: bool
@@ -290,6 +387,9 @@ def trace_spill_runs(trace: str, split: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        _child(sys.argv[2:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="directory on the disk to test")
     ap.add_argument("--blocks", default="256KiB,2MiB")
@@ -311,8 +411,13 @@ def main() -> None:
             count = args.total_mib * MIB // block
             kv_dir = os.path.join(root, f"kvtier-{block}")
             os.mkdir(kv_dir)
+            child_dir = os.path.join(root, f"child-{block}")
+            os.mkdir(child_dir)
             rigs = {
                 "kvtier": KvtierSpill(kv_dir, block, count, args.threads, args.shuffle),
+                "kvtier child": ChildSpill(
+                    child_dir, block, count, args.threads, args.shuffle
+                ),
                 "py pwrite": PyPwrite(root, block, count, args.threads, args.shuffle),
             }
             try:
@@ -373,7 +478,7 @@ def main() -> None:
                     for m in MAINS
                 )
                 print(
-                    f"{block // 1024:>6} KiB  {name:10s} waiting "
+                    f"{block // 1024:>6} KiB  {name:12s} waiting "
                     f"{wait['mb_s']:8.0f} MB/s   busy {busy['mb_s']:8.0f} MB/s   "
                     f"({busy['mb_s'] / wait['mb_s']:.2f}x); the loop kept "
                     f"{busy['loop_share']:.0%} of its pace, lost "
@@ -381,7 +486,7 @@ def main() -> None:
                     flush=True,
                 )
                 print(
-                    f"{'':>6}      {name:10s} torch steps {torch_['mb_s']:6.0f} MB/s; "
+                    f"{'':>6}      {name:12s} torch steps {torch_['mb_s']:6.0f} MB/s; "
                     f"step p50 {torch_['step_p50_ms']:.3f} ms "
                     f"(alone {torch_['alone_step_p50_ms']:.3f}), p99 "
                     f"{torch_['step_p99_ms']:.3f} ({torch_['alone_step_p99_ms']:.3f}), "
