@@ -9,6 +9,7 @@ when vLLM's config dataclasses change.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -90,3 +91,24 @@ def wait_finished(worker: Any, count: int = 1, timeout: float = 60.0) -> list:
         time.sleep(0.001)
         done += worker.get_finished()
     return done
+
+
+def wait_jobs(worker: Any, job_ids: set[int], timeout: float = 60.0) -> None:
+    """``worker.wait(job_ids)`` (vLLM's blocking wait, which takes no
+    timeout) on a thread: TimeoutError if it has not returned within
+    ``timeout``, so a job that never finishes fails the test, not hangs it."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.wait(job_ids)
+        except BaseException as exc:  # re-raised in the caller below
+            failed.append(exc)
+
+    waiter = threading.Thread(target=run, name="wait-jobs", daemon=True)
+    waiter.start()
+    waiter.join(timeout)
+    if waiter.is_alive():
+        raise TimeoutError(f"worker.wait({sorted(job_ids)}) not back in {timeout} s")
+    if failed:
+        raise failed[0]

@@ -33,7 +33,7 @@ from kvtier.testing.fault_plan import (  # noqa: E402
     on_slot,
 )
 from kvtier.testing.faults import inject_faults  # noqa: E402
-from kvtier.testing.offloading import tiered_spec, wait_finished  # noqa: E402
+from kvtier.testing.offloading import tiered_spec, wait_finished, wait_jobs  # noqa: E402
 from kvtier.testing.state import evict_clean, io_error_count
 from tests.connector.test_request_runner import (  # noqa: E402
     RequestRunner,
@@ -843,7 +843,7 @@ def test_an_expedited_loads_returned_batch_goes_before_other_loads_copies(
         t[[40, 41, 42, 43, 48, 49]] = 0
     r.worker.submit_load(1, spec1, GPULoadStoreSpec([40, 41, 42, 43], [4], [0]))
     r.worker.submit_load(2, spec2, GPULoadStoreSpec([48, 49], [2], [0]), expedited=True)
-    r.worker.wait({2})
+    wait_jobs(r.worker, {2})
     done_jobs = wait_finished(r.worker, count=2)
     assert sorted((d.job_id, d.success) for d in done_jobs) == [(1, True), (2, True)]
     assert events.index("job 2 back") < events.index("cpu unit") + 2, events

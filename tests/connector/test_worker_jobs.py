@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext  # noqa: E402
 from kvtier.connector import metrics  # noqa: E402
 from kvtier.connector.worker_report import WorkerCounters, WorkerReport  # noqa: E402
 from kvtier.host.block_copy import HostCopies  # noqa: E402
-from kvtier.testing.offloading import tiered_spec  # noqa: E402
+from kvtier.testing.offloading import tiered_spec, wait_jobs  # noqa: E402
 from kvtier.testing.state import num_loads
 from tests.connector.test_request_runner import (  # noqa: E402
     RequestRunner,
@@ -307,7 +307,7 @@ def test_wait_returns_once_loads_landed(runner):
     late = r.worker.loads.copies
     r.worker.reader.capacity = 2
     ctx = _submit_disk_load(r, "a", keys, [40, 41, 42, 43], job_id=7)
-    r.worker.wait({7})
+    wait_jobs(r.worker, {7})
     assert late.landed == [1, 2, 3, 4] and not late.queued
     assert [(d.job_id, d.success) for d in r.worker.get_finished()] == [(7, True)]
     _finish(r, keys, [40, 41, 42, 43], ctx)
@@ -324,7 +324,7 @@ def test_wait_lands_a_store(runner):
     rows = list(out.store_spec.block_ids)
     cpu = r.worker.cpu_buffer.array
     assert not cpu[rows].any()
-    r.worker.wait({3})
+    wait_jobs(r.worker, {3})
     for row, b in zip(rows, [5, 6]):
         want = b"".join(bytes(t[b].numpy()) for t in r.kv)
         assert bytes(cpu[row][: len(want)]) == want
@@ -412,7 +412,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     monkeypatch.setattr(r.worker.reader, "complete", real_complete)
     second = r.keys("b", 4)[:2]
     ctx = _submit_disk_load(r, "b", second, [56, 57], job_id=10)
-    r.worker.wait({10})
+    wait_jobs(r.worker, {10})
     assert [(d.job_id, d.success) for d in r.worker.get_finished()] == [(10, True)]
     _finish(r, second, [56, 57], ctx)
     reads.clear()

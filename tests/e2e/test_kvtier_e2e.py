@@ -142,6 +142,7 @@ def test_prefix_split_across_cpu_and_disk_loads_fully(model, block_bytes, tmp_pa
         while h.has_pending_io and time.monotonic() < deadline:
             mgr.on_schedule_end(None)  # poll spill completions
             time.sleep(0.01)
+        assert not h.has_pending_io, "the prompt's spills did not finish in 10 s"
         keys = list(h.cpu.keys())
         assert len(keys) == BLOCKS_PER_PROMPT
         # Blocks 0 and 2 leave the CPU tier (their disk copies stay): the

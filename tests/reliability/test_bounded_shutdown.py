@@ -253,7 +253,10 @@ def test_close_with_a_hung_disk_is_bounded(
     rt = make_runtime(tmp_path, cpu.shm_path)
     try:
         rt.submit_spill(spill(1, [key_of(0), key_of(1)]))
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while plan.count(FaultKind.HANG, "write") < 1:
+            assert time.monotonic() < deadline, "the write never reached the disk"
+            time.sleep(0.01)
         t0 = time.monotonic()
         rt.close(timeout=1.0)
         assert time.monotonic() - t0 < 20.0  # bounded, not the hung write

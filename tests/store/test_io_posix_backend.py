@@ -12,6 +12,8 @@ from kvtier.store.backends.base import IO_ALIGNMENT
 from kvtier.store.backends.posix import PosixBackend, probe_direct
 from kvtier.store.slot import aligned_empty
 
+WAIT_S = 30.0  # each I/O wait's deadline: a hung back end fails the test
+
 
 def make_file(path: Path, size: int) -> str:
     with open(path, "wb") as f:
@@ -39,10 +41,10 @@ def roundtrip(backend: PosixBackend, path: str) -> None:
     h = backend.open(path)
     try:
         data = pattern(3 * IO_ALIGNMENT)
-        assert backend.submit_write(h, data, IO_ALIGNMENT).result() == data.nbytes
+        assert backend.submit_write(h, data, IO_ALIGNMENT).result(WAIT_S) == data.nbytes
         back = aligned_empty(data.nbytes)
         back[:] = 0
-        assert backend.submit_read(h, back, IO_ALIGNMENT).result() == data.nbytes
+        assert backend.submit_read(h, back, IO_ALIGNMENT).result(WAIT_S) == data.nbytes
         assert back.tobytes() == data.tobytes()
     finally:
         backend.close(h)
@@ -150,8 +152,8 @@ def test_short_read_at_eof_reports_count(tmp_path: Path, direct: bool) -> None:
         buf = aligned_empty(4 * IO_ALIGNMENT)
         for path, expect in ((aligned, 2 * IO_ALIGNMENT), (odd, 5000)):
             h = backend.open(path)
-            assert backend.submit_read(h, buf, 0).result() == expect
-            assert backend.submit_read(h, buf, 8 * IO_ALIGNMENT).result() == 0
+            assert backend.submit_read(h, buf, 0).result(WAIT_S) == expect
+            assert backend.submit_read(h, buf, 8 * IO_ALIGNMENT).result(WAIT_S) == 0
             backend.close(h)
     finally:
         backend.shutdown()
@@ -163,7 +165,7 @@ def test_errors_carry_errno(tmp_path: Path) -> None:
         path = make_file(tmp_path / "f", 2 * IO_ALIGNMENT)
         ro = backend.open(path, writable=False)
         with pytest.raises(OSError) as info:
-            backend.submit_write(ro, aligned_empty(IO_ALIGNMENT), 0).result()
+            backend.submit_write(ro, aligned_empty(IO_ALIGNMENT), 0).result(WAIT_S)
         assert info.value.errno == errno.EBADF
         assert info.value.filename == path
         backend.close(ro)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import struct
 import threading
+import time
 from multiprocessing.connection import Connection
 
 import pytest
@@ -54,7 +55,9 @@ def test_send_never_waits_for_a_reader_and_keeps_order(ends):
 
     reader = threading.Thread(target=read_all, daemon=True)
     reader.start()
+    deadline = time.monotonic() + DEADLINE_S
     while reader.is_alive() and unsent(chan):
+        assert time.monotonic() < deadline, f"{unsent(chan)} bytes never sent"
         chan.receive(0.01)  # each call sends on what the pipe takes
     reader.join(DEADLINE_S)
     assert got == msgs and unsent(chan) == 0

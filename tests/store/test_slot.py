@@ -175,6 +175,7 @@ def test_fingerprint_digest_stable_across_processes() -> None:
         check=True,
         env={"PYTHONHASHSEED": "123", "PATH": ""},
         cwd=REPO_ROOT,
+        timeout=60,
     )
     assert out.stdout.strip() == REF.digest().hex()
 

@@ -157,10 +157,10 @@ def test_roundtrip_when_filesystem_rejects_o_direct(engine_on: Any) -> None:
     fill_kv(buf, range(0, 4), torch.bfloat16, seed=3)
     eng.submit_spill(1, [(key(i), i, i) for i in range(4)])
     eng.submit_promote(2, [(key(i), i, 10 + i) for i in range(4)])  # may run first...
-    eng.wait([1, 2], timeout=30)
+    assert eng.wait([1, 2], timeout=30)
     eng.get_finished()
     eng.submit_promote(3, [(key(i), i, 20 + i) for i in range(4)])  # ...this one can't
-    eng.wait([3], timeout=30)
+    assert eng.wait([3], timeout=30)
     [res] = eng.get_finished()
     assert res.success
     assert buf.array[20:24].tobytes() == buf.array[0:4].tobytes()
@@ -171,7 +171,7 @@ def test_failed_promote_keys_leave_rows_untouched(engine_on: Any) -> None:
     buf, store = eng.rows[0], eng.stores[0]
     fill_kv(buf, range(0, 3), torch.bfloat16)
     eng.submit_spill(1, [(key(i), i, i) for i in range(3)])
-    eng.wait([1])
+    assert eng.wait([1], timeout=30)
     # Corrupt slot 1's payload on disk.
     slab = store.slabs[0]
     with open(slab.path, "r+b") as f:
@@ -186,7 +186,7 @@ def test_failed_promote_keys_leave_rows_untouched(engine_on: Any) -> None:
         (key(2), 2, 14),  # ok
     ]
     eng.submit_promote(2, items)
-    eng.wait([2])
+    assert eng.wait([2], timeout=30)
     results = {r.job_id: r for r in eng.get_finished()}
     res = results[2]
     assert not res.success
@@ -209,7 +209,7 @@ def test_failed_spill_reports_keys(
     ):
         eng = TransferEngine([store], [buf], threads=2)
         eng.submit_spill(7, [(key(0), 0, 0), (key(1), 1, 1)])
-        eng.wait([7])
+        assert eng.wait([7], timeout=30)
         [res] = eng.get_finished()
         assert (res.success, res.failed_keys, res.bytes) == (
             False,
@@ -353,7 +353,7 @@ def test_generic_jobs_wait_pending_and_errors(engine_on: Any) -> None:
     eng.submit_spill(3, [])
     assert [r.success for r in eng.get_finished()] == [True]
     eng.submit(4, lambda: JobOutcome(success=True, failed_keys=[b"k"]))
-    eng.wait([4])
+    assert eng.wait([4], timeout=30)
     assert not eng.get_finished()[0].success  # failed keys imply failure
 
 
@@ -361,7 +361,7 @@ def test_promotes_overtake_queued_spills(engine_on: Any) -> None:
     eng: FnEngine = engine_on("tmp", 1, "none", threads=1)
     fill_kv(eng.rows[0], range(0, 4), torch.bfloat16)
     eng.submit_spill(1, [(key(0), 0, 0)])
-    eng.wait([1])
+    assert eng.wait([1], timeout=30)
     eng.get_finished()
     started, gate = threading.Event(), threading.Event()
 
@@ -375,7 +375,7 @@ def test_promotes_overtake_queued_spills(engine_on: Any) -> None:
     eng.submit_spill(3, [(key(i), i, i) for i in range(1, 4)])
     eng.submit_promote(4, [(key(0), 0, 20)])
     gate.set()
-    eng.wait([2, 3, 4], timeout=30)
+    assert eng.wait([2, 3, 4], timeout=30)
     order = [r.job_id for r in eng.get_finished()]
     assert order == [2, 4, 3]
 
