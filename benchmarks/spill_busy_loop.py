@@ -167,6 +167,20 @@ def _loop_rate(seconds: float = 0.5) -> float:
     return rounds / (time.perf_counter() - t0)
 
 
+def _spill_items(count: int, shuffle: bool) -> list[tuple[bytes, int, int]]:
+    """A spill's items (key, CPU row, disk slot): rows and slots in order
+    (a fresh tier's), or each in a random order (a tier that churned: no
+    two rows or slots adjacent)."""
+    rng = np.random.default_rng(2)
+    order = np.arange(count)
+    rows = rng.permutation(order) if shuffle else order
+    slots = rng.permutation(order) if shuffle else order
+    return [
+        (b"k%d" % i, int(r), int(s))
+        for i, (r, s) in enumerate(zip(rows, slots, strict=True))
+    ]
+
+
 class KvtierSpill:
     def __init__(
         self, directory: str, block: int, count: int, threads: int, shuffle: bool
@@ -179,22 +193,13 @@ class KvtierSpill:
         rng = np.random.default_rng(0)
         self.buf.array[:] = rng.integers(0, 256, (count, block), dtype=np.uint8)
         self.engine = TransferEngine([self.store], [self.buf], threads=threads)
-        self.count, self.job = count, 0
-        # Rows and slots in order (a fresh tier's), or each in a random
-        # order (a tier that churned: no two rows or slots adjacent).
-        rng = np.random.default_rng(2)
-        order = np.arange(count)
-        self.rows = rng.permutation(order) if shuffle else order
-        self.slots = rng.permutation(order) if shuffle else order
+        self.job = 0
+        self.items = _spill_items(count, shuffle)
 
     def run(self, main: str) -> tuple[float, int, list[float]]:
         self.job += 1
-        items = [
-            (b"k%d" % i, int(r), int(s))
-            for i, (r, s) in enumerate(zip(self.rows, self.slots, strict=True))
-        ]
         t0 = time.perf_counter()
-        self.engine.submit_spill(self.job, items)
+        self.engine.submit_spill(self.job, self.items)
         rounds, steps = _drive(
             main,
             lambda: not self.engine.pending(),
@@ -251,19 +256,12 @@ class ChildSpill:
         self.req = Connection(req_w, readable=False)
         self.resp = Connection(resp_r, writable=False)
         self.job = 0
-        rng = np.random.default_rng(2)
-        order = np.arange(count)
-        self.rows = rng.permutation(order) if shuffle else order
-        self.slots = rng.permutation(order) if shuffle else order
+        self.items = _spill_items(count, shuffle)
 
     def run(self, main: str) -> tuple[float, int, list[float]]:
         self.job += 1
-        items = [
-            (b"k%d" % i, int(r), int(s))
-            for i, (r, s) in enumerate(zip(self.rows, self.slots, strict=True))
-        ]
         t0 = time.perf_counter()
-        self.req.send((self.job, items))
+        self.req.send((self.job, self.items))
         rounds, steps = _drive(main, self.resp.poll, lambda: self.resp.poll(None))
         dt = time.perf_counter() - t0
         job, ok = self.resp.recv()
