@@ -69,7 +69,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-from _common import DEFAULT_TRACE, write_json
+from _common import DEFAULT_TRACE, percentile, write_json
 
 from kvtier.host.cpu_tier import CpuBlockBuffer
 from kvtier.store.backends.factory import make_backend
@@ -134,14 +134,9 @@ TORCH_DESCRIPTION = (
 
 def _step_figures(runs: list[list[float]], prefix: str) -> dict[str, float]:
     """Median over runs of each run's step p50, p99 and max, in ms."""
-
-    def pct(steps: list[float], q: float) -> float:
-        ordered = sorted(steps)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
     figures = {}
     for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0)):
-        per_run = [pct(r, q) for r in runs if r]
+        per_run = [percentile(r, q) for r in runs if r]
         figures[f"{prefix}_{name}_ms"] = round(statistics.median(per_run) * 1e3, 3)
     return figures
 
