@@ -54,8 +54,9 @@ class LateCopies:
         self.landed: list[int] = []
         self.unreported: list[int] = []
         # Stream order, as on CUDA: marks handed out (model runner's path),
-        # and the last mark followed when each transfer was submitted (load
-        # thread's path).
+        # and the latest mark followed when each transfer was submitted (load
+        # thread's path). A stream's waits add up: following mark 1 after
+        # mark 2 (job 2's batch read first) leaves mark 2 in force.
         self.marks = 0
         self.followed: list[int] = []
         self.after: dict[int, tuple[int | None, list[int]]] = {}
@@ -63,7 +64,7 @@ class LateCopies:
     def submit(self, area, group, plan, to_host, expedited=False):
         self.next_id += 1
         self.queued[self.next_id] = (area, group, plan, to_host)
-        last = self.followed[-1] if self.followed else None
+        last = max(self.followed) if self.followed else None
         self.after[self.next_id] = (last, [int(b) for b in plan.gpu_ids])
         self.fresh = True
         return self.next_id
