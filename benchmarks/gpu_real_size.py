@@ -865,7 +865,7 @@ def _serve(
     says what the process took to import vLLM (and initialise CUDA). The
     process dies with the driver (run.sh's timeout kills the driver: an
     engine left behind would hold its GPU memory into the next step)."""
-    from kvtier.store.read_process import die_with_parent
+    from kvtier.store.child_process import die_with_parent
     from kvtier.testing.engine import use_in_process_engines
 
     die_with_parent(parent)

@@ -43,14 +43,8 @@ Contract (beyond :class:`~kvtier.store.reader.SlotReads`):
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import fcntl
 import mmap
 import os
-import pickle
-import select
-import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -59,12 +53,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 import numpy as np
 
-from kvtier.host.placement import name_this_thread, without_openmp_binding
+from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
+from kvtier.store.child_process import PipeChannel, die_with_parent, spawn, stop
 from kvtier.store.reader import PendingRead, SlotRead, SlotReader, unallocatable
 from kvtier.store.slabs import SlabFiles, SlabStats
 from kvtier.store.slot import ReadOutcome
@@ -79,12 +73,6 @@ ABANDON_WAIT_S = 5.0
 PIPE_WAIT_S = 0.05
 # The child's name in ps and top (its read threads are kvtier-posix_N).
 CHILD_NAME = "kvtier-read"
-# Linux: F_SETPIPE_SZ. A larger pipe takes a batch's request (about 45
-# bytes per slot) in one write; unprivileged processes may go up to
-# /proc/sys/fs/pipe-max-size (1 MiB by default).
-_F_SETPIPE_SZ = 1031
-PIPE_BYTES = 1 << 20
-_READ_CHUNK = 1 << 20
 
 
 @dataclass(eq=False)
@@ -155,31 +143,10 @@ class ReadProcess:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         try:
-            self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvtier.store.read_process",
-                    str(os.getpid()),
-                    str(self._fd),
-                    str(req_r),
-                    str(resp_w),
-                ],
-                pass_fds=(self._fd, req_r, resp_w),
-                stdin=subprocess.DEVNULL,
-                # Out of the engine's process group: a terminal's Ctrl-C (or
-                # Ctrl-\) goes to the whole foreground group, and is the
-                # engine's to handle; it killed the child with a traceback,
-                # and an engine that lived on read in its own process from
-                # then on. The child still dies with the worker (its pipe,
-                # ``die_with_parent``).
-                start_new_session=True,
-                env=_child_env(),
-                # ``-m`` puts the working directory first on the child's
-                # path: there, this kvtier's own directory, never whatever
-                # the engine's working directory (/tmp, another checkout)
-                # holds.
-                cwd=_kvtier_root(),
+            self._proc = spawn(
+                "kvtier.store.read_process",
+                [str(self._fd), str(req_r), str(resp_w)],
+                (self._fd, req_r, resp_w),
             )
         except OSError as exc:
             os.close(req_w)
@@ -209,20 +176,7 @@ class ReadProcess:
         if self._pipes is not None:
             self._pipes.close()  # the child reads EOF and exits
         if self._proc is not None:
-            try:
-                self._proc.wait(CLOSE_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                try:
-                    self._proc.wait(CLOSE_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    logger.error(
-                        "kvtier: read process %d did not exit %.0f s after "
-                        "SIGKILL (stuck in the kernel: a hung disk or mount?); "
-                        "left behind",
-                        self._proc.pid,
-                        CLOSE_WAIT_S,
-                    )
+            stop(self._proc, CLOSE_WAIT_S, "read process")
         self._local.close()
         # Unmapped once the last view is gone (the worker's copy paths may
         # still hold views of the rows); the memory file goes with the fd.
@@ -359,10 +313,8 @@ class ReadProcess:
     def _lost(self, why: str) -> None:
         """The child is gone: reap it, fail what it held, read here from now."""
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
         if proc is not None:
-            proc.wait()
+            stop(proc, CLOSE_WAIT_S, "read process", kill=True)
         if not self._closed and not self._ready and not self._held:
             logger.warning(
                 "kvtier: the read process did not start (%s, exit status %s); "
@@ -387,166 +339,7 @@ class ReadProcess:
         self._pipes = None
 
 
-def _kvtier_root() -> str:
-    """The directory this kvtier package was imported from."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _child_env() -> dict[str, str]:
-    """This environment, with the directory this kvtier was imported from
-    first on the child's path (it runs the same code as the worker), no
-    accelerator visible, and without an OpenMP binding: the child keeps the
-    CPUs of the load thread that starts it (:mod:`kvtier.host.placement`)."""
-    env = without_openmp_binding(os.environ)
-    # The child reads into host memory: it never needs an accelerator, and a
-    # back end that would make a CUDA context there (kvikio) would take GPU
-    # memory outside vLLM's accounting, on GPU 0 for every rank. Hidden, its
-    # ``auto`` back end is POSIX.
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    # The child runs in another directory (``start``): the worker's relative
-    # entries are made absolute, so they name what they name here.
-    inherited = env.get("PYTHONPATH", "").split(os.pathsep)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [_kvtier_root(), *(os.path.abspath(p) for p in inherited if p)]
-    )
-    return env
-
-
-def frame(obj: Any) -> bytes:
-    """``obj`` pickled, framed as ``Connection.send`` frames it."""
-    payload = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
-    n = len(payload)
-    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
-    return head + payload
-
-
-class PipeChannel:
-    """The worker's end of the request pipe (``send_fd``, written) and the
-    reply pipe (``recv_fd``, read), which never blocks the load thread.
-
-    A blocking ``Connection`` could stop the load thread for as long as the
-    child does not read (a request larger than the pipe's room while the
-    child's one thread waits on a hung read, or a reply the child wrote half
-    of). What is sent goes into an outbox written as far as the pipe takes
-    it (the rest on the next call); what arrives is read into an inbox from
-    which only whole messages come out. The frames are
-    ``Connection.send_bytes``'s (a 4-byte big-endian length, or -1 and an
-    8-byte length), so the child keeps a plain blocking ``Connection``.
-
-    Contract: ``send`` and ``receive(0)`` never wait; ``receive(timeout)``
-    waits at most ``timeout`` seconds (for a message, while the outbox
-    drains). Messages arrive whole and in order. A closed other end raises
-    EOFError from ``receive`` once every whole message before it was
-    returned, BrokenPipeError from ``send``/``receive`` when it stopped
-    reading. Used by one thread; it owns both fds (``close`` closes them)."""
-
-    def __init__(self, send_fd: int, recv_fd: int) -> None:
-        self._send_fd = send_fd
-        self._recv_fd = recv_fd
-        for fd in (send_fd, recv_fd):
-            os.set_blocking(fd, False)
-            with contextlib.suppress(OSError, AttributeError):
-                fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
-        self._outbox = bytearray()
-        self._inbox = bytearray()
-        self._eof = False
-        self._poller = select.poll()  # not select(): fds may exceed 1024
-        self._poller.register(recv_fd, select.POLLIN)
-        self._watching_send = False
-
-    def send(self, obj: Any) -> None:
-        """Queue ``obj`` and write as much of the outbox as the pipe takes."""
-        self._outbox += frame(obj)
-        self._flush()
-
-    def receive(self, timeout: float = 0.0) -> list[Any]:
-        """Every whole message that arrived, waiting up to ``timeout``
-        seconds for the first; ``EOFError`` once the other end closed and
-        nothing whole is left."""
-        self._flush()
-        got = self._take()
-        if got or timeout <= 0 or self._eof:
-            return self._or_eof(got)
-        ms = max(1, int(timeout * 1000))
-        for fd, _events in self._poller.poll(ms):
-            if fd == self._send_fd:
-                self._flush()
-        return self._or_eof(self._take())
-
-    def close(self) -> None:
-        """Close both fds (the other end reads EOF). Idempotent."""
-        for name in ("_send_fd", "_recv_fd"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                setattr(self, name, -1)
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._outbox.clear()
-
-    # ------------------------------------------------------------ internals
-
-    def _flush(self) -> None:
-        while self._outbox:
-            try:
-                n = os.write(self._send_fd, self._outbox)
-            except BlockingIOError:
-                break
-            del self._outbox[:n]
-        want = bool(self._outbox)
-        if want != self._watching_send:  # wake receive() when it drains
-            if want:
-                self._poller.register(self._send_fd, select.POLLOUT)
-            else:
-                self._poller.unregister(self._send_fd)
-            self._watching_send = want
-
-    def _take(self) -> list[Any]:
-        """Read what arrived, then cut whole frames from the inbox."""
-        while not self._eof:
-            try:
-                chunk = os.read(self._recv_fd, _READ_CHUNK)
-            except BlockingIOError:
-                break
-            if not chunk:
-                self._eof = True
-                break
-            self._inbox += chunk
-        out: list[Any] = []
-        buf, at = self._inbox, 0
-        while len(buf) - at >= 4:
-            (n,) = struct.unpack_from("!i", buf, at)
-            head = 4
-            if n == -1:
-                if len(buf) - at < 12:
-                    break
-                (n,) = struct.unpack_from("!Q", buf, at + 4)
-                head = 12
-            if len(buf) - at - head < n:
-                break
-            out.append(pickle.loads(buf[at + head : at + head + n]))
-            at += head + n
-        del buf[:at]
-        return out
-
-    def _or_eof(self, got: list[Any]) -> list[Any]:
-        if not got and self._eof:
-            raise EOFError("the other end closed its pipe")
-        return got
-
-
 # ------------------------------------------------------------ the child
-
-
-def die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL this process when the thread that started it exits
-    (a read process's: the worker's load thread, alive as long as the
-    worker's loads), or exit now if ``parent`` (its pid) is already gone.
-    Elsewhere it outlives its parent until its pipe closes."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it was gone before the line above
-        os._exit(0)
 
 
 def _serve(fd: int, req: Connection, resp: Connection) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvtier.store.read_process import PipeChannel
+from kvtier.store.child_process import PipeChannel
 from kvtier.store.slot import (
     _FIELDS_V1,
     _HEADER_CHECKSUM,

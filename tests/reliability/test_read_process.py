@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 from reliability_common import Rig, key_of, pattern
 
-from kvtier.store import read_process
+from kvtier.store import child_process, read_process
 from kvtier.store.backends.posix import PosixBackend
-from kvtier.store.read_process import CHILD_NAME, ProcessRead, ReadProcess, frame
+from kvtier.store.child_process import frame
+from kvtier.store.read_process import CHILD_NAME, ProcessRead, ReadProcess
 from kvtier.store.reader import PendingRead, SlotReader
 from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome
@@ -224,7 +225,7 @@ def test_a_child_that_stops_reading_never_stops_the_caller(
     """A stopped child (or one whose thread waits on a hung read) drains
     neither pipe. Requests beyond the pipe's room used to block ``submit``
     in ``write``, the load thread with it, CPU-tier loads included."""
-    monkeypatch.setattr(read_process, "PIPE_BYTES", 4096)  # a one-page pipe
+    monkeypatch.setattr(child_process, "PIPE_BYTES", 4096)  # a one-page pipe
     rig = make_rig(num_slots=8)
     keys = _written(rig, 8)
     items = list(enumerate(keys))

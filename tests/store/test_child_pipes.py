@@ -1,5 +1,5 @@
-"""PipeChannel: the worker's end of its read process's pipes never waits on
-the other end (kvtier.store.read_process)."""
+"""PipeChannel: the parent's end of a helper process's pipes never waits on
+the other end (kvtier.store.child_process)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from kvtier.store.read_process import PipeChannel, frame
+from kvtier.store.child_process import PipeChannel, frame
 from kvtier.testing.state import unsent
 
 DEADLINE_S = 30.0

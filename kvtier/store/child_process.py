@@ -1,0 +1,263 @@
+"""What kvtier's helper processes share: how one is started and stopped,
+the pipes to it that never block the parent, and dying with the parent.
+
+A helper process (the worker's read process, :mod:`kvtier.store.read_process`;
+the scheduler's spill process, :mod:`kvtier.store.spill_process`) runs a
+piece of kvtier's disk I/O beside the engine, out of reach of its
+interpreter lock: the engine's loop and kvtier's I/O threads share one, and
+every thread that takes it back from the loop delays the loop
+(docs/benchmarks.md, "Engine step stalls", "Spills next to a busy loop").
+The parent keeps what must touch its own memory and exchanges one message
+per batch or job with the child.
+
+Contract:
+  - :func:`spawn` starts ``python -m <module>`` with this kvtier first on
+    its path, no accelerator visible, in a session of its own (a terminal's
+    Ctrl-C is the engine's to handle), passing only the descriptors named;
+    the child calls :func:`die_with_parent` first.
+  - :func:`stop` ends a child within a bound, however it is stuck: it waits,
+    kills, waits again, and leaves (naming it in the log) a child the kill
+    cannot end (stuck in the kernel on a hung disk) rather than hang the
+    engine's shutdown.
+  - :class:`PipeChannel` is the parent's end of the two pipes; the child
+    keeps plain blocking ``Connection`` objects (the same frames).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.host.placement import without_openmp_binding
+from kvtier.log import get_logger
+
+logger = get_logger("store")
+
+# Linux: F_SETPIPE_SZ. A larger pipe takes a batch's request (about 45
+# bytes per slot) in one write; unprivileged processes may go up to
+# /proc/sys/fs/pipe-max-size (1 MiB by default).
+_F_SETPIPE_SZ = 1031
+PIPE_BYTES = 1 << 20
+_READ_CHUNK = 1 << 20
+
+
+def spawn(
+    module: str, args: Sequence[str], pass_fds: Sequence[int]
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m module parent-pid *args`` (see the module doc),
+    passing ``pass_fds``; OSError when it cannot start."""
+    return subprocess.Popen(
+        [sys.executable, "-m", module, str(os.getpid()), *args],
+        pass_fds=tuple(pass_fds),
+        stdin=subprocess.DEVNULL,
+        # Out of the engine's process group: a terminal's Ctrl-C (or
+        # Ctrl-\) goes to the whole foreground group, and is the engine's
+        # to handle; it killed a read process with a traceback, and an
+        # engine that lived on read in its own process from then on. The
+        # child still dies with its parent (its pipe, ``die_with_parent``).
+        start_new_session=True,
+        env=child_env(),
+        # ``-m`` puts the working directory first on the child's path:
+        # there, this kvtier's own directory, never whatever the engine's
+        # working directory (/tmp, another checkout) holds.
+        cwd=kvtier_root(),
+    )
+
+
+def stop(
+    proc: subprocess.Popen[bytes], wait_s: float, what: str, *, kill: bool = False
+) -> bool:
+    """End ``proc``: wait up to ``wait_s`` for it to exit (at once with
+    ``kill``), then SIGKILL it and wait as long again. Returns whether it
+    was reaped; one the kill does not end in time (stuck in the kernel: a
+    hung disk or mount) is left, logged as ``what``, and dies when its
+    system call returns."""
+    if not kill:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait_s)
+            return True
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(wait_s)
+        return True
+    except subprocess.TimeoutExpired:
+        logger.error(
+            "kvtier: %s %d did not exit %.0f s after SIGKILL (stuck in the "
+            "kernel: a hung disk or mount?); left behind",
+            what,
+            proc.pid,
+            wait_s,
+        )
+        return False
+
+
+def kvtier_root() -> str:
+    """The directory this kvtier package was imported from."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def child_env() -> dict[str, str]:
+    """This environment, with the directory this kvtier was imported from
+    first on the child's path (it runs the same code as its parent), no
+    accelerator visible, and without an OpenMP binding: the child keeps the
+    CPUs of the thread that starts it (:mod:`kvtier.host.placement`)."""
+    env = without_openmp_binding(os.environ)
+    # A child moves bytes between disk and host memory: it never needs an
+    # accelerator, and a back end that would make a CUDA context there
+    # (kvikio) would take GPU memory outside vLLM's accounting, on GPU 0 for
+    # every rank. Hidden, its ``auto`` back end is POSIX.
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    # The child runs in another directory (:func:`spawn`): the parent's
+    # relative entries are made absolute, so they name what they name here.
+    inherited = env.get("PYTHONPATH", "").split(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [kvtier_root(), *(os.path.abspath(p) for p in inherited if p)]
+    )
+    return env
+
+
+def frame(obj: Any) -> bytes:
+    """``obj`` pickled, framed as ``Connection.send`` frames it."""
+    payload = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    n = len(payload)
+    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return head + payload
+
+
+class PipeChannel:
+    """The parent's end of the request pipe (``send_fd``, written) and the
+    reply pipe (``recv_fd``, read), which never blocks the parent's thread
+    (a worker's load thread, the scheduler's engine loop).
+
+    A blocking ``Connection`` could stop that thread for as long as the
+    child does not read (a request larger than the pipe's room while the
+    child's one thread waits on a hung read, or a reply the child wrote half
+    of). What is sent goes into an outbox written as far as the pipe takes
+    it (the rest on the next call); what arrives is read into an inbox from
+    which only whole messages come out. The frames are
+    ``Connection.send_bytes``'s (a 4-byte big-endian length, or -1 and an
+    8-byte length), so the child keeps a plain blocking ``Connection``.
+
+    Contract: ``send`` and ``receive(0)`` never wait; ``receive(timeout)``
+    waits at most ``timeout`` seconds (for a message, while the outbox
+    drains). Messages arrive whole and in order. A closed other end raises
+    EOFError from ``receive`` once every whole message before it was
+    returned, BrokenPipeError from ``send``/``receive`` when it stopped
+    reading. Used by one thread; it owns both fds (``close`` closes them)."""
+
+    def __init__(self, send_fd: int, recv_fd: int) -> None:
+        self._send_fd = send_fd
+        self._recv_fd = recv_fd
+        for fd in (send_fd, recv_fd):
+            os.set_blocking(fd, False)
+            with contextlib.suppress(OSError, AttributeError):
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+        self._outbox = bytearray()
+        self._inbox = bytearray()
+        self._eof = False
+        self._poller = select.poll()  # not select(): fds may exceed 1024
+        self._poller.register(recv_fd, select.POLLIN)
+        self._watching_send = False
+
+    def send(self, obj: Any) -> None:
+        """Queue ``obj`` and write as much of the outbox as the pipe takes."""
+        self._outbox += frame(obj)
+        self._flush()
+
+    def receive(self, timeout: float = 0.0) -> list[Any]:
+        """Every whole message that arrived, waiting up to ``timeout``
+        seconds for the first; ``EOFError`` once the other end closed and
+        nothing whole is left."""
+        self._flush()
+        got = self._take()
+        if got or timeout <= 0 or self._eof:
+            return self._or_eof(got)
+        ms = max(1, int(timeout * 1000))
+        for fd, _events in self._poller.poll(ms):
+            if fd == self._send_fd:
+                self._flush()
+        return self._or_eof(self._take())
+
+    def close(self) -> None:
+        """Close both fds (the other end reads EOF). Idempotent."""
+        for name in ("_send_fd", "_recv_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._outbox.clear()
+
+    # ------------------------------------------------------------ internals
+
+    def _flush(self) -> None:
+        while self._outbox:
+            try:
+                n = os.write(self._send_fd, self._outbox)
+            except BlockingIOError:
+                break
+            del self._outbox[:n]
+        want = bool(self._outbox)
+        if want != self._watching_send:  # wake receive() when it drains
+            if want:
+                self._poller.register(self._send_fd, select.POLLOUT)
+            else:
+                self._poller.unregister(self._send_fd)
+            self._watching_send = want
+
+    def _take(self) -> list[Any]:
+        """Read what arrived, then cut whole frames from the inbox."""
+        while not self._eof:
+            try:
+                chunk = os.read(self._recv_fd, _READ_CHUNK)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self._eof = True
+                break
+            self._inbox += chunk
+        out: list[Any] = []
+        buf, at = self._inbox, 0
+        while len(buf) - at >= 4:
+            (n,) = struct.unpack_from("!i", buf, at)
+            head = 4
+            if n == -1:
+                if len(buf) - at < 12:
+                    break
+                (n,) = struct.unpack_from("!Q", buf, at + 4)
+                head = 12
+            if len(buf) - at - head < n:
+                break
+            out.append(pickle.loads(buf[at + head : at + head + n]))
+            at += head + n
+        del buf[:at]
+        return out
+
+    def _or_eof(self, got: list[Any]) -> list[Any]:
+        if not got and self._eof:
+            raise EOFError("the other end closed its pipe")
+        return got
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the thread that started it exits
+    (a read process's: the worker's load thread, alive as long as the
+    worker's loads; a spill process's: the engine's loop), or exit now if
+    ``parent`` (its pid) is already gone. Elsewhere it outlives its parent
+    until its pipe closes."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it was gone before the line above
+        os._exit(0)
