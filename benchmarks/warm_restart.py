@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import drop_caches  # noqa: E402
 from kvtier.host.cpu_tier import AttachedRows  # noqa: E402
+from kvtier.store.runtime import DiskRuntime  # noqa: E402
 from kvtier.store.slot import LayoutFingerprint, slot_size  # noqa: E402
 from kvtier.store.store import DiskStore, open_stores  # noqa: E402
-from kvtier.store.transfers import DiskRuntime  # noqa: E402
 from kvtier.tiers.hierarchy import TierHierarchy  # noqa: E402
 
 

@@ -334,6 +334,17 @@ class KvtierConfig(BaseModel):
         "area is page-locked like the CPU tier) or off (always in the worker's "
         "process).",
     )
+    disk_spill_process: AutoOnOff = Field(
+        "auto",
+        description="Whether the scheduler side's spills and promotions run in a "
+        "child process of its own (kvtier.store.spill_process: the same slab "
+        "files and CPU tier rows, one message per job), so the spill threads do "
+        "not compete with the engine's loop and forward pass for the "
+        "interpreter lock: auto (on the CPU platform; elsewhere in the engine's "
+        "process), on (every platform) or off (always in the engine's process). "
+        "Jobs run in the engine's process until the child is ready and after it "
+        "is gone.",
+    )
     sync_load_budget_bytes: VllmBytes = Field(
         0,
         ge=0,

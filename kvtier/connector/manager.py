@@ -40,7 +40,7 @@ from kvtier.connector import metrics as m
 from kvtier.connector.specs import CpuTierSpec, TierLoadSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, WorkerReport
 from kvtier.log import get_logger
-from kvtier.store.transfers import DiskRuntime
+from kvtier.store.runtime import DiskRuntime
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
 from kvtier.tiers.events import EVENT_BACKLOG_PER_STEP, MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy

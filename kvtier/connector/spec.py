@@ -53,6 +53,17 @@ from kvtier.store.slot import LayoutFingerprint, slot_size
 logger = get_logger("connector")
 
 
+def spill_in_child(setting: str) -> bool:
+    """Whether ``disk_spill_process`` (auto, on, off) runs the disk jobs in
+    a spill process on this platform: auto does where it was measured, the
+    CPU platform (docs/benchmarks.md, "Spills next to a busy loop"), and
+    keeps them in the engine's process on accelerators until a lent GPU
+    measured the child against them."""
+    from vllm.platforms import current_platform
+
+    return setting == "on" or (setting == "auto" and current_platform.is_cpu())
+
+
 def device_copy_path() -> Any:
     """The worker's copy path for this platform: vLLM's transfer code
     (:class:`kvtier.connector.worker.device_copy.DeviceCopies`) on the platforms
@@ -244,8 +255,8 @@ class TieredOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             from kvtier.connector.manager import TieredOffloadingManager
+            from kvtier.store.runtime import DiskRuntime
             from kvtier.store.store import open_stores
-            from kvtier.store.transfers import DiskRuntime
             from kvtier.tiers.hierarchy import TierHierarchy
 
             cfg = self.kvtier
@@ -278,7 +289,12 @@ class TieredOffloadingSpec(OffloadingSpec):
                     )
                     for r in range(self.world_size)
                 ]
-                runtime = DiskRuntime(stores, rows, threads=cfg.disk_io_threads)
+                runtime = DiskRuntime(
+                    stores,
+                    rows,
+                    threads=cfg.disk_io_threads,
+                    spill_process=spill_in_child(cfg.disk_spill_process),
+                )
                 # Blocks written under weights a trainer since replaced
                 # (weight_transfer_config) must not outlive this engine.
                 adopt = not weights_change_at_runtime(self.settings)

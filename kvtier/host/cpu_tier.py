@@ -66,8 +66,10 @@ class CpuBlockBuffer:
         dead engine's leftover) and otherwise refused with InUseError (a
         live engine uses that name); another user's file is refused, never
         adopted. ``owner=False`` maps an existing file whose owner is alive
-        (its lock is held), else FileNotFoundError. ``owner=None``: the
-        latter if possible, else the former.
+        (its lock is held), else FileNotFoundError; with ``keep_fd`` its
+        descriptor stays open as ``fd`` (close-on-exec, closed by
+        ``close``), for a helper process to map the same rows. ``owner=None``:
+        the latter if possible, else the former.
       - :meth:`unlink_name` removes the file's name once every process that
         needs the rows has them mapped (the module doc has the file's life).
       - ``close`` unmaps and, for the owner, unlinks the file and
@@ -86,6 +88,7 @@ class CpuBlockBuffer:
         shm_path: str | None = None,
         *,
         owner: bool | None = None,
+        keep_fd: bool = False,
     ) -> None:
         if num_blocks < 1 or block_bytes < 1:
             raise ValueError(f"bad buffer geometry: {num_blocks} x {block_bytes}")
@@ -99,14 +102,19 @@ class CpuBlockBuffer:
         self._tensor: torch.Tensor | None = None
         self._release: weakref.finalize | None = None
         self._inode: tuple[int, int] | None = None
+        # An attached (not owned) file's descriptor, kept with ``keep_fd``
+        # for a helper process to map the rows from.
+        self.fd = -1
         if shm_path is None:
             self.owner = True
             self._mmap = mmap.mmap(-1, self._map_size)
         else:
             self._mmap, self.owner, fd, self._inode = _map_shared_file(
-                shm_path, self._map_size, owner
+                shm_path, self._map_size, owner, keep_fd
             )
-            if self.owner:
+            if not self.owner:
+                self.fd = fd
+            else:
                 # Unlinks the file and drops the lock on close(), on garbage
                 # collection or at interpreter exit, whichever comes first.
                 self._release = weakref.finalize(self, _release_owned, shm_path, fd)
@@ -163,6 +171,10 @@ class CpuBlockBuffer:
             )
         if self._release is not None:
             self._release()
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
     def __enter__(self) -> CpuBlockBuffer:
         return self
@@ -373,11 +385,11 @@ def _open_attached(path: str, size: int) -> int:
 
 
 def _map_shared_file(
-    path: str, size: int, owner: bool | None
+    path: str, size: int, owner: bool | None, keep_fd: bool = False
 ) -> tuple[mmap.mmap, bool, int, tuple[int, int]]:
     """Map ``path``; returns (mapping, owner, fd, (st_dev, st_ino)). The
-    owner's fd is open (it holds the lock) and must be closed by the caller;
-    otherwise it is -1."""
+    owner's fd is open (it holds the lock) and must be closed by the caller,
+    as must another's with ``keep_fd``; otherwise it is -1."""
     if owner is None:
         try:
             fd, owner = _open_attached(path, size), False
@@ -405,7 +417,7 @@ def _map_shared_file(
         # descriptors: kvtier.safe_open).
         with contextlib.suppress(AttributeError, OSError):
             mapping.madvise(mmap.MADV_DONTFORK)
-    else:
+    elif not keep_fd:
         os.close(fd)
         fd = -1
     return mapping, owner, fd, (st.st_dev, st.st_ino)
@@ -566,7 +578,8 @@ class AttachedRows:
     """A rank's CPU-tier rows as the scheduler side maps them, once: at
     start-up when the worker created the file (:meth:`attach_at_start`),
     else at first use (``array``), which can only follow a completed store.
-    Mapping removes the name (every process that needs it has it open now).
+    Mapping removes the name (every process that needs it has it open now:
+    the descriptor kept, :attr:`fd`, is what a spill process maps).
     ``array`` raises OSError (FileNotFoundError: no live worker's file yet)
     where it cannot map; the transfers turn that into misses."""
 
@@ -577,10 +590,17 @@ class AttachedRows:
     @property
     def array(self) -> np.ndarray:
         if self.buffer is None:
-            buffer = CpuBlockBuffer(self.num_blocks, self.block_bytes, self.path, owner=False)
+            buffer = CpuBlockBuffer(
+                self.num_blocks, self.block_bytes, self.path, owner=False, keep_fd=True
+            )
             buffer.unlink_name()
             self.buffer = buffer
         return self.buffer.array
+
+    @property
+    def fd(self) -> int | None:
+        """The mapped file's descriptor (close-on-exec), while mapped."""
+        return None if self.buffer is None else self.buffer.fd
 
     def attach_at_start(self, rank: int) -> None:
         """Map now if the worker already created the file, else say so."""

@@ -13,8 +13,9 @@ per batch or job with the child.
 Contract:
   - :func:`spawn` starts ``python -m <module>`` with this kvtier first on
     its path, no accelerator visible, in a session of its own (a terminal's
-    Ctrl-C is the engine's to handle), passing only the descriptors named;
-    the child calls :func:`die_with_parent` first.
+    Ctrl-C is the engine's to handle), passing only the descriptors named
+    and its ends of two pipes; the child calls :func:`die_with_parent`
+    first.
   - :func:`stop` ends a child within a bound, however it is stuck: it waits,
     kills, waits again, and leaves (naming it in the log) a child the kill
     cannot end (stuck in the kernel on a hung disk) rather than hang the
@@ -52,26 +53,49 @@ _READ_CHUNK = 1 << 20
 
 
 def spawn(
-    module: str, args: Sequence[str], pass_fds: Sequence[int]
-) -> subprocess.Popen[bytes]:
-    """Start ``python -m module parent-pid *args`` (see the module doc),
-    passing ``pass_fds``; OSError when it cannot start."""
-    return subprocess.Popen(
-        [sys.executable, "-m", module, str(os.getpid()), *args],
-        pass_fds=tuple(pass_fds),
-        stdin=subprocess.DEVNULL,
-        # Out of the engine's process group: a terminal's Ctrl-C (or
-        # Ctrl-\) goes to the whole foreground group, and is the engine's
-        # to handle; it killed a read process with a traceback, and an
-        # engine that lived on read in its own process from then on. The
-        # child still dies with its parent (its pipe, ``die_with_parent``).
-        start_new_session=True,
-        env=child_env(),
-        # ``-m`` puts the working directory first on the child's path:
-        # there, this kvtier's own directory, never whatever the engine's
-        # working directory (/tmp, another checkout) holds.
-        cwd=kvtier_root(),
-    )
+    module: str, fds: Sequence[int], args: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], PipeChannel]:
+    """Start ``python -m module`` (see the module doc) with two pipes; its
+    arguments: this process's pid, ``args``, its end of the request pipe
+    and of the reply pipe. ``fds`` are passed to it besides those ends.
+    Returns the child and this end of the pipes; OSError, with nothing left
+    open, when it cannot start."""
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                module,
+                str(os.getpid()),
+                *args,
+                str(req_r),
+                str(resp_w),
+            ],
+            pass_fds=(*fds, req_r, resp_w),
+            stdin=subprocess.DEVNULL,
+            # Out of the engine's process group: a terminal's Ctrl-C (or
+            # Ctrl-\) goes to the whole foreground group, and is the
+            # engine's to handle; it killed a read process with a traceback,
+            # and an engine that lived on read in its own process from then
+            # on. The child still dies with its parent (its pipe,
+            # ``die_with_parent``).
+            start_new_session=True,
+            env=child_env(),
+            # ``-m`` puts the working directory first on the child's path:
+            # there, this kvtier's own directory, never whatever the
+            # engine's working directory (/tmp, another checkout) holds.
+            cwd=kvtier_root(),
+        )
+    except BaseException:
+        os.close(req_w)
+        os.close(resp_r)
+        raise
+    finally:  # the child's ends: it has its own copies, or there is none
+        os.close(req_r)
+        os.close(resp_w)
+    return proc, PipeChannel(req_w, resp_r)
 
 
 def stop(
@@ -248,6 +272,19 @@ class PipeChannel:
         if not got and self._eof:
             raise EOFError("the other end closed its pipe")
         return got
+
+
+def receive(pipes: PipeChannel, timeout: float) -> tuple[list[Any], str | None]:
+    """``pipes.receive(timeout)`` as the parent reads it: ``(messages,
+    None)``, or ``([], why)`` once the child is gone (its pipe closed or
+    broke) or wrote what does not unpickle (a bug), after which the parent
+    stops it."""
+    try:
+        return pipes.receive(timeout), None
+    except (EOFError, OSError):
+        return [], "it exited"
+    except Exception as exc:
+        return [], f"its answer could not be read: {exc!r}"
 
 
 def die_with_parent(parent: int) -> None:

@@ -58,7 +58,13 @@ import numpy as np
 
 from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
-from kvtier.store.child_process import PipeChannel, die_with_parent, spawn, stop
+from kvtier.store.child_process import (
+    PipeChannel,
+    die_with_parent,
+    receive,
+    spawn,
+    stop,
+)
 from kvtier.store.reader import PendingRead, SlotRead, SlotReader, unallocatable
 from kvtier.store.slabs import SlabFiles, SlabStats
 from kvtier.store.slot import ReadOutcome
@@ -140,25 +146,15 @@ class ReadProcess:
         """Start the child (once); batches go to it once it is ready."""
         if self._proc is not None or self._closed or not self.spawn:
             return
-        req_r, req_w = os.pipe()
-        resp_r, resp_w = os.pipe()
         try:
-            self._proc = spawn(
-                "kvtier.store.read_process",
-                [str(self._fd), str(req_r), str(resp_w)],
-                (self._fd, req_r, resp_w),
+            self._proc, self._pipes = spawn(
+                "kvtier.store.read_process", [self._fd], [str(self._fd)]
             )
         except OSError as exc:
-            os.close(req_w)
-            os.close(resp_r)
             logger.warning(
                 "kvtier: no read process (%s); loads read in the engine", exc
             )
             return
-        finally:  # the child's ends: it has its own copies, or there is none
-            os.close(req_r)
-            os.close(resp_w)
-        self._pipes = PipeChannel(req_w, resp_r)
         try:
             self._pipes.send(self._child_config)
         except OSError:
@@ -283,13 +279,9 @@ class ReadProcess:
         pipes = self._pipes
         if pipes is None:
             return
-        try:
-            msgs = pipes.receive(timeout)
-        except (EOFError, OSError):
-            self._lost("it exited")
-            return
-        except Exception as exc:  # a message that does not unpickle: a bug
-            self._lost(f"its answer could not be read: {exc!r}")
+        msgs, gone = receive(pipes, timeout)
+        if gone is not None:
+            self._lost(gone)
             return
         for msg in msgs:
             try:

@@ -10,7 +10,7 @@ trusted for reads) and one preallocated slab ``slab-<path index>.kvt``
 ``s // P`` (:func:`locate`), so consecutive slots go to different devices;
 local slot ``l`` starts at byte ``l * slot_size``. See docs/on-disk-format.md.
 
-:class:`SlabFiles` is one store's files, opened in one of three ways:
+:class:`SlabFiles` is one store's files, opened in one of four ways:
 
 - :meth:`SlabFiles.create` (the writer, scheduler side): each directory is
   created private to this user, checked (no link, our owner, not
@@ -22,6 +22,10 @@ local slot ``l`` starts at byte ``l * slot_size``. See docs/on-disk-format.md.
 - :meth:`SlabFiles.open` (the readers, workers): creates nothing; a slab is
   opened read-only on first use and again after a failed open, so a worker
   may start before the scheduler side created the store.
+- :meth:`SlabFiles.reopener` with ``writable`` (the spill process, for
+  the scheduler side's store): creates nothing and takes no lock (the
+  creating store holds them); each slab is opened read-write and must be
+  the inode the creating store opened.
 - :func:`find_stores` (``kvtier inspect``/``verify``/``doctor``): stores
   found on disk, read with ``os.preadv`` on descriptors that refuse links
   and anything but a regular file; the slot size is derived from the slot
@@ -202,6 +206,7 @@ class SlabFiles:
         *,
         owns_backend: bool,
         fingerprint: LayoutFingerprint | None = None,
+        inodes: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         self.name = name
         self.fingerprint = fingerprint
@@ -217,6 +222,10 @@ class SlabFiles:
         self.warnings: list[str] = []
         self._owns_backend = owns_backend
         self.handles: list[Any] = [None] * len(slabs)
+        # Reopened for writing in another process (:meth:`reopener`): each
+        # slab's (st_dev, st_ino) as the writer checked it; a slab opened by
+        # name must be that file.
+        self._inodes = None if inodes is None else list(inodes)
         # Per slab, the bytes it held before this open: slots at or past
         # that offset were made by :meth:`create` just now and hold nothing
         # (the full size where nothing was created: open, find_stores).
@@ -311,10 +320,22 @@ class SlabFiles:
             raise
         return files
 
-    def reopener(self) -> Callable[[DiskBackend], SlabFiles]:
+    def reopener(self, *, writable: bool = False) -> Callable[[DiskBackend], SlabFiles]:
         """The same slabs for another process, picklable: called there with
         that process's back end (which the result owns), it gives these
-        files opened for reading, as :meth:`open` does."""
+        files opened for reading, as :meth:`open` does, or with ``writable``
+        (files made by :meth:`create`, which holds their locks) for writing
+        too: each slab is then opened read-write on first use and refused
+        (PermissionError) unless it is the very file this writer checked
+        and opened, so a file swapped in under the name is never written."""
+        inodes = None
+        if writable:
+            inodes = []
+            for slab, handle in zip(self.slabs, self.handles, strict=True):
+                fd = None if handle is None else self.backend.fileno(handle)
+                if fd is None:
+                    raise ValueError(f"slab {slab.path} is not open for writing here")
+                inodes.append(_dev_ino(fd))
         return functools.partial(
             SlabFiles,
             self.name,
@@ -324,6 +345,7 @@ class SlabFiles:
             self.digest,
             owns_backend=True,
             fingerprint=self.fingerprint,
+            inodes=inodes,
         )
 
     # -- where and how bytes move -----------------------------------------
@@ -338,8 +360,9 @@ class SlabFiles:
         return idx, local * self.slot_size
 
     def handle(self, idx: int) -> Any:
-        """Slab ``idx``'s back-end handle, opened (read-only) on first use;
-        OSError from the open passes through and the next call tries again."""
+        """Slab ``idx``'s back-end handle, opened on first use (read-only,
+        unless reopened for writing); OSError from the open passes through
+        and the next call tries again."""
         handle = self.handles[idx]
         if handle is None:
             with self._open_lock:
@@ -347,8 +370,24 @@ class SlabFiles:
                 if handle is None:
                     if self._closed:
                         raise RuntimeError("the store is closed")
-                    handle = self.backend.open(self.slabs[idx].path, writable=False)
+                    handle = self._open(idx)
                     self.handles[idx] = handle
+        return handle
+
+    def _open(self, idx: int) -> Any:
+        path = self.slabs[idx].path
+        if self._inodes is None:
+            return self.backend.open(path, writable=False)
+        handle = self.backend.open(path, writable=True)
+        fd = self.backend.fileno(handle)
+        if fd is None or _dev_ino(fd) != self._inodes[idx]:
+            self.backend.close(handle)
+            raise PermissionError(
+                errno.EPERM,
+                "kvtier refuses the slab: the file opened by name is not the "
+                "one its store checked and opened (it was swapped?)",
+                path,
+            )
         return handle
 
     def open_all(self) -> int:

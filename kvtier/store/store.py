@@ -17,6 +17,7 @@ reported, never returned. :func:`open_stores` opens one per rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -73,6 +74,27 @@ def flat_u8(arr: np.ndarray, nbytes: int, what: str) -> np.ndarray:
     if flat.size != nbytes:
         raise ValueError(f"{what} has {flat.size} bytes, expected block_bytes={nbytes}")
     return flat
+
+
+def _check_codec(compression: str, elem_size: int, block_bytes: int) -> None:
+    if compression not in COMPRESSION_CHOICES:
+        raise ValueError(
+            f"compression must be one of {COMPRESSION_CHOICES}, got {compression!r}"
+        )
+    if elem_size < 1 or block_bytes % elem_size:
+        raise ValueError(f"elem_size={elem_size} must divide block_bytes={block_bytes}")
+
+
+def _reopened(
+    files: Callable[[DiskBackend], SlabFiles],
+    compression: str,
+    elem_size: int,
+    backend: DiskBackend,
+) -> DiskStore:
+    """:meth:`DiskStore.reopener`'s store, in the other process."""
+    store = DiskStore.__new__(DiskStore)
+    store._setup(files(backend), compression, elem_size)
+    return store
 
 
 def _of_files(name: str) -> Any:
@@ -137,16 +159,32 @@ class DiskStore:
                 f"block_bytes={block_bytes} disagrees with fingerprint "
                 f"block_bytes={fingerprint.block_bytes}"
             )
-        if compression not in COMPRESSION_CHOICES:
-            raise ValueError(
-                f"compression must be one of {COMPRESSION_CHOICES}, got {compression!r}"
-            )
-        if elem_size < 1 or block_bytes % elem_size:
-            raise ValueError(
-                f"elem_size={elem_size} must divide block_bytes={block_bytes}"
-            )
+        _check_codec(compression, elem_size, block_bytes)
+        self._setup(
+            SlabFiles.create(
+                [os.path.abspath(p) for p in paths],
+                fingerprint,
+                num_slots,
+                make_backend(backend, threads=threads)
+                if isinstance(backend, str)
+                else backend,
+                owns_backend=isinstance(backend, str),
+            ),
+            compression,
+            elem_size,
+        )
+        logger.debug(
+            "DiskStore %s: %d slots x %d B on %s via %s",
+            self.files.name,
+            num_slots,
+            self.slot_size,
+            self.paths,
+            self.backend.describe(),
+        )
 
-        self.paths = [os.path.abspath(p) for p in paths]
+    def _setup(self, files: SlabFiles, compression: str, elem_size: int) -> None:
+        self.files = files
+        self.paths = [os.path.dirname(d) for d in files.dirs]
         self.compression = compression
         self.elem_size = elem_size
         # Wall-clock ns as the starting point keeps seq increasing across
@@ -157,24 +195,21 @@ class DiskStore:
         self._after_reset = False
         self._zero_header = aligned_empty(HEADER_SIZE)
         self._zero_header[:] = 0
-
-        self.files = SlabFiles.create(
-            self.paths,
-            fingerprint,
-            num_slots,
-            make_backend(backend, threads=threads)
-            if isinstance(backend, str)
-            else backend,
-            owns_backend=isinstance(backend, str),
-        )
         self._tls = threading.local()  # per thread: bounce buffer, reader
-        logger.debug(
-            "DiskStore %s: %d slots x %d B on %s via %s",
-            self.files.name,
-            num_slots,
-            self.slot_size,
-            self.paths,
-            self.backend.describe(),
+
+    def reopener(self) -> Callable[[DiskBackend], DiskStore]:
+        """This store for another process (the spill process), picklable:
+        called there with that process's back end, it gives a store over
+        the same slab files, reopened for writing
+        (:meth:`~kvtier.store.slabs.SlabFiles.reopener`), with the same
+        compression. It creates and locks nothing (this store keeps the
+        locks) and writes with the seqs it is given (:meth:`reserve_seqs`
+        here), so blocks written there and here order as one store's."""
+        return functools.partial(
+            _reopened,
+            self.files.reopener(writable=True),
+            self.compression,
+            self.elem_size,
         )
 
     def _bounce(self) -> np.ndarray:
@@ -209,6 +244,20 @@ class DiskStore:
         with self._seq_lock:
             self._seq += 1
             return self._seq
+
+    def reserve_seqs(self, n: int) -> int:
+        """The first of ``n`` consecutive sequence numbers, each greater than
+        every one handed out or scanned before (for blocks another process
+        writes: ``write_blocks(seqs=...)`` there)."""
+        with self._seq_lock:
+            first = self._seq + 1
+            self._seq += n
+            return first
+
+    @property
+    def after_reset(self) -> bool:
+        """Whether blocks are written with the after-reset flag now."""
+        return self._after_reset
 
     def mark_reset(self) -> None:
         """Every block written from now on, until this store closes, carries
@@ -317,11 +366,12 @@ class DiskStore:
         row_ids: Sequence[int],
         *,
         on_staged: Callable[[], None] | None = None,
+        seqs: Sequence[int] | None = None,
     ) -> list[bool]:
         """Write blocks: ``rows[row_ids[i]]`` under ``keys[i]`` into slot
         ``slots[i]``, at most :meth:`batch_capacity` of them (else
         ValueError); the batch form of :meth:`write_block`, same slots and
-        headers, each block with its own ``next_seq()``.
+        headers, each block with its own ``next_seq()`` (or ``seqs[i]``).
 
         ``rows`` is a 2-D uint8 array of ``block_bytes`` columns (a CPU
         tier's rows). All blocks are staged first into this thread's batch
@@ -343,6 +393,12 @@ class DiskStore:
         k = len(slots)
         if not k == len(keys) == len(row_ids):
             raise ValueError("slots, keys and row_ids differ in length")
+        if seqs is None:
+            seqs = [self.next_seq() for _ in range(k)]
+        elif len(seqs) != k:
+            raise ValueError("seqs and slots differ in length")
+        else:
+            self._bump_seq(max(seqs, default=0))
         if k > self.batch_capacity():
             raise ValueError(f"{k} blocks exceed the batch of {self.batch_capacity()}")
         if (
@@ -376,17 +432,22 @@ class DiskStore:
         if on_staged is not None:
             on_staged()
         if self.compression == "zstd":
-            return self._write_each(slots, keys, payload, order)
+            return self._write_each(slots, keys, payload, order, seqs)
         after_reset = self._after_reset  # read once: one flag, one version
         if bb % 4 == 0:
             sums = [int(v) for v in device_checksum_rows(payload, bb)]
         else:
             sums = [device_checksum(row) for row in payload]
         for pos, i in enumerate(order):
-            seq = self.next_seq()
             area[pos, :HEADER_SIZE] = np.frombuffer(
                 self._header(
-                    keys[i], payload[pos], bb, Codec.RAW, sums[pos], seq, after_reset
+                    keys[i],
+                    payload[pos],
+                    bb,
+                    Codec.RAW,
+                    sums[pos],
+                    seqs[i],
+                    after_reset,
                 ),
                 dtype=np.uint8,
             )
@@ -448,13 +509,14 @@ class DiskStore:
         keys: Sequence[bytes],
         payload: np.ndarray,
         order: list[int],
+        seqs: Sequence[int],
     ) -> list[bool]:
         """:meth:`write_blocks`' compressed form: each staged block through
         :meth:`write_block` (its own codec and payload length)."""
         written = [False] * len(slots)
         for pos, i in enumerate(order):
             with contextlib.suppress(OSError):  # logged by the files
-                self.write_block(slots[i], keys[i], payload[pos], self.next_seq())
+                self.write_block(slots[i], keys[i], payload[pos], seqs[i])
                 written[i] = True
         return written
 

@@ -4,17 +4,17 @@ of every TP rank, run on background threads off the scheduler's path.
 The scheduler side turns the hierarchy's decisions into jobs; they must
 never block its step, so submitting only enqueues and finished jobs are
 polled. The host rows are the CPU tier's shared memory (or, in tiering
-mode, vLLM's primary tier), mapped in the scheduler process, so the workers
-take no part. Each rank has its own store and rows; a job's items are fanned
+mode, vLLM's primary tier), mapped in the scheduler process (or in its
+spill process, :mod:`kvtier.store.spill_process`, which runs this same
+engine), so the workers take no part. Each rank has its own store and rows; a job's items are fanned
 out per rank onto one pool of threads (a spill in batches, one per thread,
 written by ``DiskStore.write_blocks``; a promotion per item), so one large
 job keeps every thread and disk busy, and promotions (a request waits for
 them) run ahead of spills (which run ahead of need). A key that failed on
 any rank failed.
 
-:class:`TransferEngine` runs the jobs; :class:`DiskRuntime` owns what they
-run on (one :class:`~kvtier.store.store.DiskStore` per rank, the rows, the
-engine), the warm-restart scan and the bounded stop.
+:class:`TransferEngine` runs the jobs;
+:class:`~kvtier.store.runtime.DiskRuntime` owns what they run on.
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvtier.host.cpu_tier import AttachedRows
 from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
 from kvtier.store.slot import ReadOutcome
 from kvtier.store.store import DiskStore
-from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
+from kvtier.tiers.plans import TransferItem
 
 logger = get_logger("store")
 
@@ -294,8 +293,16 @@ class TransferEngine:
 
     # -- public API -----------------------------------------------------------
 
-    def submit_spill(self, job_id: int, items: Iterable[TransferItem | tuple]) -> None:
+    def submit_spill(
+        self,
+        job_id: int,
+        items: Iterable[TransferItem | tuple],
+        first_seqs: Sequence[int] | None = None,
+    ) -> None:
         """Copy CPU rows to disk slots: ``items`` are (key, cpu_slot, disk_slot).
+        Rank ``r`` writes item ``i`` with seq ``first_seqs[r] + i`` (reserved
+        by the caller's store, :meth:`DiskStore.reserve_seqs`), or, without
+        ``first_seqs``, with its own store's next ones.
 
         Each rank's items go out in batches (``DiskStore.write_blocks``) of
         at most ``ceil(items / threads)`` blocks each, so about as many as
@@ -305,7 +312,7 @@ class TransferEngine:
         few hand-offs of the interpreter lock, not ten per block, which is
         what a spill gets next to an engine loop that holds the lock
         (docs/benchmarks.md, "Spills next to a busy loop")."""
-        self._fan_out(job_id, list(items), spill=True)
+        self._fan_out(job_id, list(items), spill=True, first_seqs=first_seqs)
 
     def submit_promote(self, job_id: int, items: Iterable[TransferItem | tuple]) -> None:
         """Load disk slots into CPU rows: ``items`` are (key, disk_slot, cpu_slot),
@@ -314,11 +321,15 @@ class TransferEngine:
         self._fan_out(job_id, list(items), spill=False)
 
     def _spill_batch(
-        self, store: DiskStore, rows: np.ndarray, batch: list[Any]
+        self,
+        store: DiskStore,
+        rows: np.ndarray,
+        batch: list[Any],
+        seqs: Sequence[int] | None = None,
     ) -> list[int | None]:
-        """Write one batch of (key, cpu_slot, disk_slot); per item the bytes
-        written or None (failed). The rows are read only between the guard's
-        ``enter`` and the batch being staged."""
+        """Write one batch of (key, cpu_slot, disk_slot), with ``seqs`` if
+        given; per item the bytes written or None (failed). The rows are
+        read only between the guard's ``enter`` and the batch being staged."""
         guard = self._guard
         if not guard.enter():
             return [None] * len(batch)  # abandoned: the rows may be others' now
@@ -344,6 +355,7 @@ class TransferEngine:
                 rows,
                 [src for _, src, _ in batch],
                 on_staged=staged,
+                seqs=seqs,
             )
             return [store.block_bytes if ok else None for ok in written]
         except _StagedTooLate:
@@ -373,11 +385,21 @@ class TransferEngine:
         return None
 
     def _promote_batch(
-        self, store: DiskStore, rows: np.ndarray, batch: list[Any]
+        self,
+        store: DiskStore,
+        rows: np.ndarray,
+        batch: list[Any],
+        seqs: Sequence[int] | None = None,
     ) -> list[int | None]:
         return [self._promote_one(store, rows, *item) for item in batch]
 
-    def _fan_out(self, job_id: int, items: list[Any], spill: bool) -> None:
+    def _fan_out(
+        self,
+        job_id: int,
+        items: list[Any],
+        spill: bool,
+        first_seqs: Sequence[int] | None = None,
+    ) -> None:
         """Each rank's items as tasks on the pool: a spill's in batches (see
         :meth:`submit_spill`), a promotion's one block each. A task that
         raises fails its items as never moved (logged), never a thread."""
@@ -400,14 +422,19 @@ class TransferEngine:
                 per = min(store.batch_capacity(), -(-len(items) // len(self._threads)))
             for first in range(0, len(items), per):
                 batch = items[first : first + per]
+                seqs = None
+                if first_seqs is not None:
+                    seq0 = first_seqs[rank] + first
+                    seqs = range(seq0, seq0 + len(batch))
 
                 def task(
                     store: DiskStore = store,
                     rows: np.ndarray = rows,
                     batch: list = batch,
+                    seqs: Sequence[int] | None = seqs,
                 ) -> None:
                     try:
-                        moved = move(store, rows, batch)
+                        moved = move(store, rows, batch, seqs)
                     except Exception:
                         logger.exception(
                             "kvtier transfer of %d block(s) in job %d failed",
@@ -421,9 +448,12 @@ class TransferEngine:
 
                 self._enqueue(priority, task)
 
-    def get_finished(self) -> list[FinishedJob]:
-        """Results of jobs finished since the last call (drains them)."""
+    def get_finished(self, timeout: float = 0.0) -> list[FinishedJob]:
+        """Results of jobs finished since the last call (drains them),
+        waiting up to ``timeout`` seconds for one."""
         with self._cond:
+            if timeout > 0:
+                self._cond.wait_for(lambda: self._finished, timeout)
             done, self._finished = self._finished, []
         return [job.final for job in done]
 
@@ -500,207 +530,3 @@ class TransferEngine:
             timeout or 0.0,
         )
         return False
-
-
-@dataclass
-class DiskIOTotals:
-    """Cumulative disk-tier I/O as seen by finished jobs."""
-
-    write_bytes: int = 0
-    write_seconds: float = 0.0
-    read_bytes: int = 0
-    read_seconds: float = 0.0
-
-
-class DiskRuntime:
-    """Runs SpillOrders and PromoteOrders for every TP rank; never blocks.
-
-    ``stores`` (one :class:`~kvtier.store.store.DiskStore` per rank, from
-    :func:`~kvtier.store.store.open_stores`) are the runtime's from the
-    call on: closed by :meth:`close`, or at once if the constructor fails.
-    ``rows``: one :class:`HostRows` per rank; :class:`AttachedRows` (the CPU
-    tier's files) are mapped at start-up when the workers created them, else
-    at the first job, and unmapped by :meth:`close`.
-
-    Contract: ``submit_*`` return at once and never raise for I/O set-up
-    problems (rows that cannot be mapped, a stopped runtime): the job's keys
-    fail instead. ``poll`` returns each job exactly once after every rank
-    finished it. ``drain`` waits for everything submitted (shutdown and
-    reset only), at most ``timeout``; when it times out the runtime is
-    *broken*: its threads never touch a row again (so the caller may reuse
-    every row), the next ``poll`` reports every unfinished job failed, all
-    its keys (no late result of its I/O ever reaches ``poll``), and later
-    jobs fail at once. All I/O threads start in the constructor, so what can
-    fail fails at start-up, with the real error (nothing is left behind)."""
-
-    def __init__(
-        self,
-        stores: Sequence[DiskStore],
-        rows: Sequence[HostRows],
-        *,
-        threads: int = 4,
-    ):
-        self.stores, self.rows = list(stores), list(rows)
-        self.totals = DiskIOTotals()
-        self._broken: str | None = None
-        self._given_up: list[FinishedJob] = []
-        self._lock = threading.Lock()
-        first = self.stores[0]
-        try:
-            # Each rank's own threads' worth, as each rank's stores have.
-            self._engine: TransferEngine | None = TransferEngine(
-                self.stores, self.rows, threads=threads * len(self.stores)
-            )
-        except BaseException:
-            for store in self.stores:
-                store.close()
-            raise
-        for rank, r in enumerate(self.rows):
-            if isinstance(r, AttachedRows):
-                r.attach_at_start(rank)
-        logger.info(
-            "kvtier disk tier: %d blocks of %d B per rank on %s via %s",
-            first.num_slots,
-            first.block_bytes,
-            first.paths,
-            first.backend.describe(),
-        )
-
-    def scan_restore(self) -> list[tuple[bytes, int]]:
-        """Blocks a previous run left on disk that every rank holds intact
-        headers for (same key, same fingerprint), oldest first: one per key,
-        at most one per slot, so never more than the store holds. A block
-        written after a connector reset (``after_reset``, see
-        :meth:`mark_reset`) is never adopted: its slot is free.
-
-        Payload checksums are verified lazily, on promotion: a bad payload
-        then costs one miss, and start-up reads only headers, and only of
-        slots that existed before this start (a new or grown slab's new
-        slots hold nothing)."""
-        per_rank: list[dict[int, tuple[bytes, int]]] = []
-        for store in self.stores:
-            found: dict[int, tuple[bytes, int]] = {}
-            for slot, header, outcome in store.scan(skip_new=True):
-                if (
-                    outcome is ReadOutcome.OK
-                    and header is not None
-                    and not header.after_reset
-                ):
-                    found[slot] = (header.key, header.seq)
-            per_rank.append(found)
-        entries = sorted(
-            (seq, slot, key)
-            for slot, (key, seq) in per_rank[0].items()
-            if all(other.get(slot, (None,))[0] == key for other in per_rank[1:])
-        )
-        # Two slots with the same key can exist after a crash between a
-        # respill and an invalidate; keep the newest.
-        newest = {key: slot for _seq, slot, key in entries}
-        return [(key, slot) for _seq, slot, key in entries if newest[key] == slot]
-
-    def mark_reset(self) -> None:
-        """A connector reset: every rank's blocks written from now on are
-        never adopted by a warm restart (:meth:`DiskStore.mark_reset`).
-        Callers drain first, so the spills of blocks computed before the
-        reset are written without the flag. No I/O."""
-        for store in self.stores:
-            store.mark_reset()
-
-    @property
-    def broken(self) -> str | None:
-        """Why the runtime stopped taking jobs (a drain timed out), or None."""
-        return self._broken
-
-    def submit_spill(self, order: SpillOrder) -> None:
-        self._submit(order.job_id, order.items, True)
-
-    def submit_promote(self, order: PromoteOrder) -> None:
-        self._submit(order.job_id, order.items, False)
-
-    def _submit(self, job_id: int, items: Sequence[TransferItem], spill: bool) -> None:
-        engine = self._engine
-        try:
-            if self._broken is not None or engine is None:
-                raise RuntimeError(self._broken or "the disk tier is closed")
-            if spill:
-                engine.submit_spill(job_id, items)
-            else:
-                engine.submit_promote(job_id, items)
-        except Exception as exc:
-            logger.debug("kvtier disk tier refused job %d: %s", job_id, exc)
-            keys = list(dict.fromkeys(it[0] for it in items))
-            with self._lock:
-                self._given_up.append(FinishedJob(job_id, False, 0, 0.0, keys, keys, spill))
-
-    def poll(self) -> list[FinishedJob]:
-        with self._lock:
-            done, self._given_up = self._given_up, []
-        if self._engine is not None and self._broken is None:
-            for job in self._engine.get_finished():
-                if job.spill:
-                    self.totals.write_bytes += job.bytes
-                    self.totals.write_seconds += job.seconds
-                else:
-                    self.totals.read_bytes += job.bytes
-                    self.totals.read_seconds += job.seconds
-                done.append(job)
-        return done
-
-    @property
-    def pending(self) -> int:
-        return 0 if self._engine is None or self._broken else self._engine.pending()
-
-    def drain(self, timeout: float | None = 60.0) -> bool:
-        """Wait until every submitted job finished (results stay for poll);
-        at most ``timeout`` seconds in all. Returns False on timeout, after
-        which the runtime is broken (see the class docstring)."""
-        engine = self._engine
-        if engine is None or self._broken is not None:
-            return self._broken is None
-        if engine.wait(timeout=timeout):
-            return True
-        self._break(f"disk jobs did not finish within {timeout} s (a hung disk?)")
-        return False
-
-    def _break(self, why: str) -> None:
-        """Stop for good: no thread touches a row again, unfinished jobs fail
-        whole at the next ``poll``, later jobs fail at once (misses)."""
-        engine = self._engine
-        if self._broken is None:
-            self._broken = why
-            logger.error(
-                "kvtier disk tier stopped: %s. Pending spills and promotions are "
-                "dropped and the disk tier takes no more jobs (lookups miss); "
-                "restart the engine once the disk is healthy",
-                why,
-            )
-        if engine is not None:
-            given = engine.give_up()
-            with self._lock:
-                self._given_up.extend(given)
-
-    def checksum_failures(self) -> int:
-        return sum(s.stats().checksum_failures for s in self.stores)
-
-    def io_errors(self) -> int:
-        return sum(s.stats().io_errors for s in self.stores)
-
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Stop the I/O threads (at most ``timeout`` s), unmap the rows and
-        close the stores. Threads still blocked then (a hung disk) are
-        abandoned: the mappings and descriptors they use are left open (a
-        closed descriptor number could be reused by another file) until the
-        process exits. Idempotent."""
-        engine, self._engine = self._engine, None
-        stopped = engine is None or engine.shutdown(timeout=timeout)
-        if not stopped:
-            self._break("I/O threads did not stop at shutdown (a hung disk?)")
-            for store in self.stores:
-                store.abandon()
-        else:
-            for r in self.rows:
-                if isinstance(r, AttachedRows):
-                    r.close()
-            for store in self.stores:
-                store.close()
-        self.rows, self.stores = [], []

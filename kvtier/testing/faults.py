@@ -233,10 +233,12 @@ class FaultInjectingBackend(DiskBackend):
 def inject_faults(monkeypatch: Any, plan: FaultPlan) -> FaultPlan:
     """Wrap every disk back end kvtier builds from now on (the scheduler's
     spills and the workers' loads) in a :class:`FaultInjectingBackend`
-    driven by ``plan`` (a worker's reads stay in its own process: see
-    ``ReadProcess.spawn``); ``monkeypatch`` (pytest's) undoes it. Returns
+    driven by ``plan`` (a worker's reads and the scheduler side's spills
+    stay in their own processes: see ``ReadProcess.spawn`` and
+    ``SpillProcess.spawn``); ``monkeypatch`` (pytest's) undoes it. Returns
     ``plan``, empty until a test adds a rule."""
     from kvtier.store import read_process as read_process_module
+    from kvtier.store import spill_process as spill_process_module
     from kvtier.store import store as disk_store_module
     from kvtier.store.backends import factory as backends_module
 
@@ -250,6 +252,7 @@ def inject_faults(monkeypatch: Any, plan: FaultPlan) -> FaultPlan:
     # A worker's read process would read with a back end of its own, out of
     # the plan's reach: under a plan, its reads stay in the worker's process.
     monkeypatch.setattr(read_process_module.ReadProcess, "spawn", False)
+    monkeypatch.setattr(spill_process_module.SpillProcess, "spawn", False)
     return plan
 
 

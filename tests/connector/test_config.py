@@ -57,6 +57,7 @@ for _key, _frag in (
     ("disk_compression", "none | zstd"),
     ("disk_load_path", "host | device"),
     ("disk_read_process", "auto | on | off"),
+    ("disk_spill_process", "auto | on | off"),
 ):
     for _bad in (1, True, ["lru"], "", "fifo"):
         WRONG_TYPES.append((_key, _bad, _frag))

@@ -496,7 +496,7 @@ def wait_transfer_threads(at_most: int, timeout: float = 60.0) -> None:
 def fail_warm_restart(monkeypatch) -> None:
     """Every disk runtime's warm-restart scan fails with EIO from here on
     (``monkeypatch.undo()`` ends it)."""
-    from kvtier.store.transfers import DiskRuntime
+    from kvtier.store.runtime import DiskRuntime
 
     def failing_scan(self):
         raise OSError(5, "scan failed")

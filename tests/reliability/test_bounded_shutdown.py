@@ -26,9 +26,9 @@ from kvtier.store import slabs as slab_mod
 from kvtier.store import store as disk_store_mod
 from kvtier.store.backends.base import BackendUnavailableError
 from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.runtime import DiskRuntime
 from kvtier.store.slabs import store_dirname
 from kvtier.store.store import open_stores
-from kvtier.store.transfers import DiskRuntime
 from kvtier.testing.faults import FaultInjectingBackend, FaultKind, FaultPlan, FaultRule
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 

@@ -335,7 +335,7 @@ def test_warm_restart_reads_only_the_headers_of_slots_that_existed(
     still finds every block of the slots that were there, a torn one judged
     as before."""
     from kvtier.host.cpu_tier import AttachedRows
-    from kvtier.store.transfers import DiskRuntime
+    from kvtier.store.runtime import DiskRuntime
 
     paths = [str(tmp_path / "a"), str(tmp_path / "b")]
     nowhere = str(tmp_path / "no-cpu-tier")
@@ -390,7 +390,7 @@ def test_blocks_written_after_a_reset_are_read_but_never_adopted(
     older unflagged copy of the same key is adopted instead. The flag ends
     with the store: the next one writes adoptable blocks again."""
     from kvtier.host.cpu_tier import AttachedRows
-    from kvtier.store.transfers import DiskRuntime
+    from kvtier.store.runtime import DiskRuntime
 
     paths = [str(tmp_path / "a")]
     nowhere = str(tmp_path / "no-cpu-tier")

@@ -305,13 +305,13 @@ def test_a_spill_copy_that_outlasts_abandon_is_never_written(
     copying, done_copying = threading.Event(), threading.Event()
     real = store.write_blocks
 
-    def slow_copy(slots, keys, rows, row_ids, *, on_staged=None):
+    def slow_copy(slots, keys, rows, row_ids, *, on_staged=None, seqs=None):
         def staged_late() -> None:  # the row copy takes this long
             copying.set()
             done_copying.wait(30)
             on_staged()
 
-        return real(slots, keys, rows, row_ids, on_staged=staged_late)
+        return real(slots, keys, rows, row_ids, on_staged=staged_late, seqs=seqs)
 
     monkeypatch.setattr(store, "write_blocks", slow_copy)
     eng.submit_spill(1, [(key(0), 0, 0)])

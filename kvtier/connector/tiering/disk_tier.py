@@ -8,7 +8,7 @@ checksummed slot per block (kvtier's on-disk format, so ``kvtier inspect`` /
 the full spec's disk tier, not a second copy: the placement (slots,
 victims, pins, WRITING/READY, the read-failure rule, warm restart, events)
 is a :class:`kvtier.tiers.disk_core.DiskTierCore`, the one the full spec's
-hierarchy uses, and the data path is :class:`kvtier.store.transfers.DiskRuntime`
+hierarchy uses, and the data path is :class:`kvtier.store.runtime.DiskRuntime`
 (one :class:`~kvtier.store.store.DiskStore` per TP rank and one transfer
 engine) pointed at the rows of the primary tier's memoryview instead of
 kvtier's own CPU buffer.
@@ -74,10 +74,10 @@ from kvtier.connector.tiering.pull import PullBack
 from kvtier.connector.worker_report import CounterDeltas
 from kvtier.log import get_logger
 from kvtier.store.compression import element_bytes
+from kvtier.store.runtime import DiskRuntime
 from kvtier.store.slabs import store_dirname
 from kvtier.store.slot import slot_size
 from kvtier.store.store import open_stores
-from kvtier.store.transfers import DiskRuntime
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.events import EVENT_BACKLOG_PER_STEP, MEDIUM_DISK, EventLog
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem

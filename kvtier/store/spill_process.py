@@ -1,0 +1,433 @@
+"""Spills and promotions of the disk tier in a process of their own: both
+ends, and what they say to each other.
+
+:class:`SpillProcess` runs :class:`~kvtier.store.runtime.DiskRuntime`'s
+jobs in a child (:func:`child_main`, ``python -m
+kvtier.store.spill_process``): the same
+:class:`~kvtier.store.transfers.TransferEngine` over the same slab files
+(each rank's :class:`~kvtier.store.store.DiskStore` reopened there for
+writing, :meth:`~kvtier.store.store.DiskStore.reopener`) and the same CPU
+tier rows (the files the workers made, mapped there from the descriptors
+the scheduler side keeps, :attr:`~kvtier.host.cpu_tier.AttachedRows.fd`).
+The engine's process sends one message per job and takes one answer per
+finished job.
+
+Why: the spill threads stage, hash and write whole batches; each of their
+hand-offs of the interpreter lock takes it back from the engine's loop. In
+the engine's process, four spill threads beside steps of small torch ops
+(a CPU forward pass) took the steps' p99 from about 1 ms to 7-9 ms, and a
+busy loop held the spills to 39-219 MB/s; the same spills from a child kept
+1,072-1,153 MB/s (docs/benchmarks.md, "Spills next to a busy loop").
+
+Contract (what :class:`~kvtier.store.runtime.DiskRuntime` relies on):
+  - :meth:`SpillProcess.start` starts the child (once, when every rank's
+    rows are mapped here); until it says it is ready, and after it is gone,
+    :attr:`running` is False and the runtime moves its jobs in this process.
+  - ``submit`` and ``poll(0)`` never wait on the child (its pipes are
+    :class:`~kvtier.store.child_process.PipeChannel`'s). Every job submitted
+    is answered exactly once by ``poll``: the child's result, or, if the
+    child dies, its pipe breaks or :meth:`give_up` stops it, failed whole
+    (every key unread, as I/O failures: nothing showed its bytes bad).
+  - A spill's blocks carry the seqs the runtime reserved from this
+    process's stores (``first_seqs``), so blocks written there and here
+    order as one store's; :meth:`mark_reset` reaches the child's stores in
+    order with the jobs around it.
+  - After :meth:`give_up` or :meth:`close` returned, the child no longer
+    runs (or is left stuck in the kernel on a hung disk, named in the log:
+    it touches no row again, since a spill stages its rows before it
+    writes). The child dies with the thread that started it (the engine's
+    loop) and exits when its request pipe closes.
+  - Used by one thread (the engine's loop); :meth:`stats` from any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import astuple, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from kvtier.host.placement import name_this_thread
+from kvtier.log import get_logger
+from kvtier.store.child_process import (
+    PipeChannel,
+    die_with_parent,
+    receive,
+    spawn,
+    stop,
+)
+from kvtier.store.slabs import SlabStats
+from kvtier.store.store import DiskStore
+from kvtier.store.transfers import CLOSE_TIMEOUT_S, FinishedJob, TransferEngine
+
+logger = get_logger("store")
+
+# How long close() waits for the child to finish its jobs and exit.
+CLOSE_WAIT_S = 10.0
+# How long give_up() waits for a killed child to be reaped.
+KILL_WAIT_S = 5.0
+# The longest one wait on the pipe lasts before a blocking wait looks again.
+PIPE_WAIT_S = 0.05
+# The child's name in ps and top (its I/O threads are kvtier-xfer-N).
+CHILD_NAME = "kvtier-spill"
+
+
+@dataclass
+class _Held:
+    """A job the child holds: enough to fail it whole."""
+
+    keys: list[bytes]
+    spill: bool
+
+
+class SpillProcess:
+    """Runs disk jobs in a child process (see the module doc).
+
+    ``stores`` and ``rows`` are the runtime's (borrowed: every store must
+    have been created here, every row set must have a descriptor once
+    mapped); ``threads``: the child's I/O threads, for all ranks. ``spawn``
+    False (a class attribute, for tests whose fault plans must see every
+    write) keeps every job in the engine's process.
+    """
+
+    spawn = True
+
+    def __init__(
+        self, stores: Sequence[DiskStore], rows: Sequence[Any], *, threads: int
+    ) -> None:
+        self.stores, self.rows, self.threads = list(stores), list(rows), threads
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pipes: PipeChannel | None = None
+        self._ready = False
+        self._ended = False  # started and gone, or closed: never again
+        self._held: dict[int, _Held] = {}
+        self._results: list[FinishedJob] = []  # taken, not returned by poll yet
+        self._child_stats = [SlabStats() for _ in self.stores]
+        self._stats_lock = threading.Lock()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> bool:
+        """Start the child if it can be and was not yet: every rank's rows
+        mapped here (``rows[r].fd``). Returns whether it is running."""
+        if self._proc is not None or self._ended or not self.spawn:
+            return self.running
+        fds = []
+        for r in self.rows:
+            try:
+                r.array  # noqa: B018  (maps it, once the worker made it)
+            except OSError:
+                return False  # tried again at the next job
+            fds.append(r.fd)
+        try:
+            config = {
+                "stores": [store.reopener() for store in self.stores],
+                "rows": [
+                    (fd, r.num_blocks, r.block_bytes) for fd, r in zip(fds, self.rows)
+                ],
+                "threads": self.threads,
+                "after_reset": any(store.after_reset for store in self.stores),
+            }
+            self._proc, self._pipes = spawn("kvtier.store.spill_process", fds)
+        except (OSError, ValueError) as exc:
+            self._ended = True
+            logger.warning(
+                "kvtier: no spill process (%s); disk jobs run in the engine", exc
+            )
+            return False
+        try:
+            self._pipes.send(config)
+        except OSError:
+            self._lose("its pipe broke at start")
+        return self.running
+
+    @property
+    def running(self) -> bool:
+        """Whether jobs go to the child (it said it is ready)."""
+        if self._pipes is not None and not self._ready:
+            self._take(0.0)
+        return self._ready
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, while there is one."""
+        proc = self._proc
+        return None if proc is None or proc.returncode is not None else proc.pid
+
+    def close(self, timeout: float = CLOSE_WAIT_S) -> bool:
+        """Close the pipes (the child finishes the jobs it holds, without
+        answering, and exits), wait up to ``timeout`` for it, then kill it.
+        Returns whether it was reaped. Idempotent."""
+        self._ended = True
+        self._ready = False
+        if self._pipes is not None:
+            self._pipes.close()
+            self._pipes = None
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return True
+        return stop(proc, timeout, "spill process")
+
+    # ------------------------------------------------------------ the jobs
+
+    def submit(
+        self,
+        job_id: int,
+        items: Sequence[tuple[bytes, int, int]],
+        spill: bool,
+        first_seqs: Sequence[int] | None = None,
+    ) -> None:
+        """Send a job to the running child (never waits: what the pipe cannot
+        take yet goes out at later calls)."""
+        if not self._ready or self._pipes is None:
+            raise RuntimeError("the spill process is not running")
+        if job_id in self._held:
+            raise ValueError(f"job {job_id} is already pending")
+        plain = [(key, src, dst) for key, src, dst in items]
+        self._held[job_id] = _Held(list(dict.fromkeys(k for k, _, _ in plain)), spill)
+        kind = "spill" if spill else "promote"
+        msg = (kind, job_id, plain, None if first_seqs is None else list(first_seqs))
+        try:
+            self._pipes.send(msg)
+        except OSError:
+            self._lose("its pipe broke")
+
+    def mark_reset(self) -> None:
+        """Every block the child writes after the jobs sent so far carries
+        the after-reset flag (:meth:`DiskStore.mark_reset`)."""
+        if self._pipes is not None:
+            try:
+                self._pipes.send(("reset",))
+            except OSError:
+                self._lose("its pipe broke")
+
+    def poll(self, timeout: float = 0.0) -> list[FinishedJob]:
+        """Jobs finished since the last call (``FinishedJob``), waiting up to
+        ``timeout`` for the child's next message; the jobs of a lost child
+        come back failed whole."""
+        self._take(timeout)
+        done, self._results = self._results, []
+        return done
+
+    @property
+    def pending(self) -> int:
+        """Jobs sent and not answered yet."""
+        return len(self._held)
+
+    def wait(self, timeout: float | None) -> bool:
+        """Take answers until no job is pending (they stay for ``poll``);
+        False after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._held:
+            left = PIPE_WAIT_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._take(min(left, PIPE_WAIT_S))
+        return True
+
+    def give_up(self) -> list[FinishedJob]:
+        """Stop the child for good (kill it) and fail every job it held, as
+        ``poll`` would; results taken but not returned yet come first."""
+        self._lose("the disk tier stopped", log=False)
+        done, self._results = self._results, []
+        return done
+
+    def stats(self) -> list[SlabStats]:
+        """Per rank, the child's store counters as of its last answer."""
+        with self._stats_lock:
+            return list(self._child_stats)
+
+    # ------------------------------------------------------------ internals
+
+    def _take(self, timeout: float) -> None:
+        """Take the child's messages, waiting up to ``timeout`` for one (and
+        sending on what the request pipe could not take before)."""
+        pipes = self._pipes
+        if pipes is None:
+            return
+        msgs, gone = receive(pipes, timeout)
+        if gone is not None:
+            self._lose(gone)
+            return
+        for msg in msgs:
+            if msg[0] == "ready":
+                self._ready = True
+                continue
+            try:
+                _, job_id, success, nbytes, seconds, failed, io_failed, spill, stats = (
+                    msg
+                )
+                stats = [SlabStats(*s) for s in stats]
+            except Exception as exc:  # not a message of ours: a bug
+                self._lose(f"it answered {str(msg)[:80]} ({exc!r})")
+                return
+            if self._held.pop(job_id, None) is None:
+                continue  # given up meanwhile
+            with self._stats_lock:
+                self._child_stats = stats
+            self._results.append(
+                FinishedJob(job_id, success, nbytes, seconds, failed, io_failed, spill)
+            )
+
+    def _lose(self, why: str, *, log: bool = True) -> None:
+        """The child is gone (or must go): reap it, fail what it held, run
+        every later job in this process."""
+        was_ready = self._ready
+        self._ready = False
+        self._ended = True
+        if self._pipes is not None:
+            self._pipes.close()
+            self._pipes = None
+        proc, self._proc = self._proc, None
+        code = None
+        if proc is not None:
+            stop(proc, KILL_WAIT_S, "spill process", kill=True)
+            code = proc.returncode
+        if not log or proc is None:
+            pass
+        elif was_ready or self._held:
+            logger.error(
+                "kvtier: the spill process stopped (%s, exit status %s); %d disk "
+                "jobs in flight failed (their blocks stay in the CPU tier or are "
+                "recomputed), later ones run in the engine's process",
+                why,
+                code,
+                len(self._held),
+            )
+        else:
+            logger.warning(
+                "kvtier: the spill process did not start (%s, exit status %s); "
+                "disk jobs run in the engine's process",
+                why,
+                code,
+            )
+        for job_id, held in self._held.items():
+            self._results.append(
+                FinishedJob(job_id, False, 0, 0.0, held.keys, held.keys, held.spill)
+            )
+        self._held.clear()
+
+
+# ------------------------------------------------------------ the child
+
+
+@dataclass
+class _MappedRows:
+    """One rank's CPU tier rows, mapped here from the descriptor passed."""
+
+    array: np.ndarray
+    block_bytes: int
+
+
+def _map_rows(fd: int, num_blocks: int, block_bytes: int) -> _MappedRows:
+    area = mmap.mmap(fd, num_blocks * block_bytes, mmap.MAP_SHARED)
+    os.close(fd)  # the mapping keeps the file
+    rows = np.frombuffer(area, dtype=np.uint8).reshape(num_blocks, block_bytes)
+    return _MappedRows(rows, block_bytes)
+
+
+def _serve(req: Connection, resp: Connection) -> None:
+    from kvtier.store.backends.factory import make_backend
+
+    cfg = req.recv()
+    stores: list[Any] = []
+    try:
+        for reopen in cfg["stores"]:
+            stores.append(reopen(make_backend("posix", threads=1)))
+        rows = [_map_rows(*r) for r in cfg["rows"]]
+        for store in stores:
+            store.files.open_all()
+            if cfg["after_reset"]:
+                store.mark_reset()
+        engine = TransferEngine(stores, rows, threads=cfg["threads"])
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise
+    lock = threading.Lock()
+    stopping = threading.Event()
+
+    def send(msg: tuple) -> None:
+        with lock:
+            resp.send(msg)
+
+    def answer() -> None:
+        """Send each finished job's result with the stores' counters."""
+        with contextlib.suppress(BrokenPipeError, OSError):
+            while not (stopping.is_set() and not engine.pending()):
+                for job in engine.get_finished(PIPE_WAIT_S * 10):
+                    stats = [astuple(store.stats()) for store in stores]
+                    send(
+                        (
+                            "done",
+                            job.job_id,
+                            job.success,
+                            job.bytes,
+                            job.seconds,
+                            job.failed_keys,
+                            job.io_failed_keys,
+                            job.spill,
+                            stats,
+                        )
+                    )
+
+    send(("ready",))
+    answerer = threading.Thread(target=answer, name="kvtier-spill-answer", daemon=True)
+    answerer.start()
+    handlers: dict[str, Callable[..., None]] = {
+        "spill": engine.submit_spill,
+        "promote": lambda job_id, items, _seqs: engine.submit_promote(job_id, items),
+    }
+    try:
+        while True:
+            msg = req.recv()  # EOFError: the engine left or closed us
+            if msg[0] == "reset":
+                for store in stores:
+                    store.mark_reset()
+                continue
+            kind, job_id, items, first_seqs = msg
+            try:
+                handlers[kind](job_id, items, first_seqs)
+            except Exception as exc:
+                logger.error("kvtier spill process: job %d refused: %s", job_id, exc)
+                keys = list(dict.fromkeys(k for k, _, _ in items))
+                stats = [astuple(store.stats()) for store in stores]
+                send(
+                    ("done", job_id, False, 0, 0.0, keys, keys, kind == "spill", stats)
+                )
+    finally:
+        stopping.set()
+        if engine.shutdown(timeout=CLOSE_TIMEOUT_S):
+            for store in stores:
+                store.close()
+
+
+def child_main(argv: list[str]) -> int:
+    """The child's side: reopen each rank's store for writing and map its
+    rows (both described by the first message, the rows' descriptors
+    passed), then run each job it is sent on a ``TransferEngine``:
+    ``("ready",)`` once, then one ``("done", job id, success, bytes,
+    seconds, failed keys, I/O-failed keys, spill, per-rank store counters)``
+    per job, in the order they finish. It exits when the request pipe
+    closes, after the jobs it holds finished."""
+    parent, req_fd, resp_fd = (int(a) for a in argv[1:4])
+    die_with_parent(parent)
+    name_this_thread(CHILD_NAME)
+    req = Connection(req_fd, writable=False)
+    resp = Connection(resp_fd, readable=False)
+    with contextlib.suppress(BrokenPipeError, EOFError):
+        _serve(req, resp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv))

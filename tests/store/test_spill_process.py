@@ -1,0 +1,219 @@
+"""The spill process (kvtier.store.spill_process): the scheduler side's disk
+jobs run in a child over the same slab files and CPU tier rows.
+
+Real files, a real child, a real CPU tier file (made here as a worker
+makes it, attached as the scheduler side attaches it). What the child wrote
+is read back here through the store, byte for byte; a stopped or killed
+child costs its jobs (failed whole, as I/O failures), never a hang, and
+later jobs run in the engine's process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import BLOCK_BYTES
+
+from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.runtime import DiskRuntime
+from kvtier.store.slot import LayoutFingerprint, ReadOutcome, SlotHeader
+from kvtier.store.store import DiskStore
+from kvtier.store.transfers import FinishedJob
+from kvtier.tiers.plans import PromoteOrder, SpillOrder
+
+ROWS = 32
+SLOTS = 64
+DEADLINE_S = 30.0
+
+
+def key_of(i: int) -> bytes:
+    return b"spill-process-key-" + i.to_bytes(4, "big")
+
+
+class Rig:
+    """A CPU tier of ROWS rows (the worker's file, random bytes), a store of
+    SLOTS slots and a runtime over them, jobs in a spill process."""
+
+    def __init__(self, tmp_path: Path, fingerprint: LayoutFingerprint) -> None:
+        path = str(tmp_path / "cpu" / "tier.cpu")
+        os.makedirs(os.path.dirname(path), mode=0o700)
+        self.worker = CpuBlockBuffer(ROWS, BLOCK_BYTES, path, owner=True)
+        rng = np.random.default_rng(7)
+        self.worker.array[:] = rng.integers(0, 256, self.worker.array.shape, np.uint8)
+        self.store = DiskStore(
+            [str(tmp_path / "disk")], SLOTS, BLOCK_BYTES, fingerprint, backend="posix"
+        )
+        self.runtime = DiskRuntime(
+            [self.store], [AttachedRows(path, ROWS, BLOCK_BYTES)], spill_process=True
+        )
+        self.next_job = 0
+        self.slot = 0
+
+    def spill(self, rows: list[int]) -> tuple[int, list[tuple[bytes, int, int]]]:
+        """Submit a spill of ``rows`` to fresh slots; (job id, items)."""
+        self.next_job += 1
+        items = []
+        for row in rows:
+            items.append((key_of(self.slot), row, self.slot))
+            self.slot += 1
+        self.runtime.submit_spill(SpillOrder(self.next_job, items))
+        return self.next_job, items
+
+    def finished(self, job_id: int) -> FinishedJob:
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            for job in self.runtime.poll():
+                if job.job_id == job_id:
+                    return job
+            assert time.monotonic() < deadline, f"job {job_id} never finished"
+            time.sleep(0.005)
+
+    def in_child(self) -> int:
+        """Spill one block (the first job starts the child, and runs here),
+        then wait until jobs run in the child; its pid."""
+        job_id, _ = self.spill([0])
+        assert self.finished(job_id).success
+        deadline = time.monotonic() + DEADLINE_S
+        while self.runtime.spill_pid is None:
+            assert time.monotonic() < deadline, "the spill process never started"
+            time.sleep(0.01)
+        pid = self.runtime.spill_pid
+        assert pid is not None and pid != os.getpid()
+        return pid
+
+    def read(self, slot: int) -> tuple[ReadOutcome, np.ndarray]:
+        out = np.zeros(BLOCK_BYTES, np.uint8)
+        return self.store.read_block(slot, key_of(slot), out), out
+
+    def header(self, slot: int) -> SlotHeader:
+        from kvtier.store.slot import HEADER_SIZE
+
+        idx, offset = self.store.files.locate(slot)
+        with open(self.store.files.slabs[idx].path, "rb") as f:
+            f.seek(offset)
+            return SlotHeader.unpack(f.read(HEADER_SIZE))
+
+    def close(self) -> None:
+        self.runtime.close()
+        self.worker.close()
+
+
+@pytest.fixture
+def rig(tmp_path: Path, fingerprint: LayoutFingerprint) -> Iterator[Rig]:
+    r = Rig(tmp_path, fingerprint)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def test_the_child_writes_the_blocks_the_rows_hold(rig: Rig) -> None:
+    rig.in_child()
+    writes_here = rig.store.stats().blocks_written
+    job_id, items = rig.spill(list(range(ROWS)))
+    job = rig.finished(job_id)
+    assert job.success and job.bytes == ROWS * BLOCK_BYTES
+    for _key, row, slot in items:
+        outcome, got = rig.read(slot)
+        assert outcome is ReadOutcome.OK
+        assert np.array_equal(got, rig.worker.array[row]), slot
+    # Written there, not here: the child's counters, which the runtime adds.
+    assert rig.store.stats().blocks_written == writes_here
+    (child,) = rig.runtime._process.stats()
+    assert child.blocks_written == ROWS
+    # Seqs reserved here, in item order, above every earlier block's.
+    seqs = [rig.header(slot).seq for _, _, slot in items]
+    assert seqs == list(range(seqs[0], seqs[0] + ROWS))
+    assert all(rig.header(s).seq < seqs[0] for s in range(items[0][2]))
+    assert rig.store.next_seq() > seqs[-1]
+
+
+def test_promotions_in_the_child_fill_the_rows(rig: Rig) -> None:
+    rig.in_child()
+    job_id, items = rig.spill([3, 4, 5])
+    assert rig.finished(job_id).success
+    want = rig.worker.array[[3, 4, 5]].copy()
+    rig.worker.array[10:13] = 0
+    promote = [(key, slot, 10 + i) for i, (key, _row, slot) in enumerate(items)]
+    rig.runtime.submit_promote(PromoteOrder(99, promote))
+    assert rig.finished(99).success
+    assert np.array_equal(rig.worker.array[10:13], want)
+
+
+def test_a_reset_reaches_the_child_in_order(rig: Rig) -> None:
+    rig.in_child()
+    before, _ = rig.spill([1])
+    rig.runtime.drain(DEADLINE_S)
+    rig.runtime.mark_reset()
+    after, _ = rig.spill([2])
+    assert rig.finished(before).success and rig.finished(after).success
+    first = rig.slot - 2
+    assert not rig.header(first).after_reset
+    assert rig.header(first + 1).after_reset
+
+
+def test_a_killed_child_fails_its_jobs_and_later_ones_run_here(rig: Rig) -> None:
+    pid = rig.in_child()
+    os.kill(pid, signal.SIGSTOP)  # holds the job: it cannot answer
+    job_id, items = rig.spill([6, 7])
+    os.kill(pid, signal.SIGKILL)
+    job = rig.finished(job_id)
+    keys = [key for key, _, _ in items]
+    assert not job.success and job.failed_keys == keys and job.io_failed_keys == keys
+    assert rig.runtime.spill_pid is None
+    # From now on in this process, and still right.
+    writes_here = rig.store.stats().blocks_written
+    job_id, items = rig.spill([8])
+    assert rig.finished(job_id).success
+    assert rig.store.stats().blocks_written == writes_here + 1
+    outcome, got = rig.read(items[0][2])
+    assert outcome is ReadOutcome.OK and np.array_equal(got, rig.worker.array[8])
+
+
+def test_a_stopped_child_is_given_up_by_a_drain_that_times_out(rig: Rig) -> None:
+    pid = rig.in_child()
+    os.kill(pid, signal.SIGSTOP)
+    job_id, items = rig.spill([9])
+    started = time.monotonic()
+    assert rig.runtime.drain(0.5) is False
+    assert time.monotonic() - started < DEADLINE_S
+    assert rig.runtime.broken is not None
+    job = rig.finished(job_id)
+    assert not job.success and job.io_failed_keys == [items[0][0]]
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reaped: gone
+
+
+def test_close_ends_the_child(rig: Rig) -> None:
+    pid = rig.in_child()
+    rig.runtime.close()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_slab_swapped_under_its_name_is_never_written(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    """The child opens the slabs by name: each must be the file the store
+    that made it checked and opened."""
+    with DiskStore([str(tmp_path)], 8, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        reopen = s.reopener()
+        path = s.files.slabs[0].path
+        os.rename(path, path + ".old")
+        with open(path, "wb") as f:
+            f.truncate(os.path.getsize(path + ".old"))
+        other = reopen(PosixBackend())
+        try:
+            with pytest.raises(PermissionError):
+                other.write_block(0, key_of(0), np.zeros(BLOCK_BYTES, np.uint8), 1)
+        finally:
+            other.close()
+        assert os.path.getsize(path) == os.path.getsize(path + ".old")
+        with open(path, "rb") as f:
+            assert not any(f.read())  # nothing written into the planted file
