@@ -6,8 +6,9 @@ thread waiting, in the same run.
         [--blocks 256KiB,2MiB] [--total-mib 256] [--threads 4] [--repeats 3]
 
 Spills run in the scheduler's process (``DiskRuntime``: a
-``TransferEngine`` over ``DiskStore``), on ``disk_io_threads`` Python
-threads, in batches (``DiskStore.write_blocks``): staged, hashed and
+``TransferEngine`` over ``DiskStore``; unless ``disk_spill_process`` puts
+them in a child), on ``disk_io_threads`` Python threads, in batches
+(``DiskStore.write_blocks``): staged, hashed and
 written by calls some of which let the interpreter lock go, and each time
 a thread wants it back it waits for the main thread's next switch interval
 (5 ms) when the main thread never blocks. An engine's loop blocks little while it is busy
@@ -21,12 +22,15 @@ small torch ops until then (``torch``: each op lets the lock go and takes
 it back, as a model's forward pass on the CPU does; its step times during
 the spill are set beside its step times alone just before and after):
 
-- ``kvtier``: ``TransferEngine.submit_spill`` of ``--total-mib`` of
-  blocks from a CPU buffer into a fresh ``DiskStore`` (POSIX back end,
-  O_DIRECT where the file system takes it), ``--threads`` threads;
-- ``kvtier child``: the same spill, engine and threads in a child process
-  (this script with ``--child``) over the same rows, mapped from a memory
-  file: what moving spills out of the engine's interpreter would buy;
+- ``kvtier``: ``DiskRuntime.submit_spill`` of ``--total-mib`` of blocks
+  from a CPU tier file (made and attached as the worker and the scheduler
+  side do) into a fresh ``DiskStore`` (POSIX back end, O_DIRECT where the
+  file system takes it), ``--threads`` threads, ``disk_spill_process``
+  off: the jobs in this process;
+- ``kvtier spill process``: the same with ``disk_spill_process`` on (the
+  product's spill process, ``kvtier.store.spill_process``: the same engine
+  and threads in a child over the same files and rows; the main thread
+  polls for its answer as the scheduler does);
 - ``py pwrite``: the floor of any design that writes from Python threads
   one block per call: ``--threads`` threads each ``os.pwrite`` their share
   of the same blocks, aligned, into one file in the same directory
@@ -58,24 +62,20 @@ import argparse
 import mmap
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 from _common import DEFAULT_TRACE, percentile, write_json
 
-from kvtier.host.cpu_tier import CpuBlockBuffer
-from kvtier.store.backends.factory import make_backend
+from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer
+from kvtier.store.runtime import DiskRuntime
 from kvtier.store.slot import LayoutFingerprint
 from kvtier.store.store import DiskStore
-from kvtier.store.transfers import TransferEngine
+from kvtier.tiers.plans import SpillOrder
 
 MIB = 1 << 20
 
@@ -177,122 +177,74 @@ def _spill_items(count: int, shuffle: bool) -> list[tuple[bytes, int, int]]:
 
 
 class KvtierSpill:
+    """The scheduler side's spill path as the engine runs it: a
+    ``DiskRuntime`` (one ``DiskStore``, ``threads`` I/O threads) spilling
+    rows of a CPU tier file (made here as a worker makes it, attached as
+    the scheduler side attaches it), its jobs in this process or, with
+    ``spill_process``, in its spill process (which must be running before
+    the first timed run: ``ready``)."""
+
     def __init__(
-        self, directory: str, block: int, count: int, threads: int, shuffle: bool
+        self,
+        directory: str,
+        block: int,
+        count: int,
+        threads: int,
+        shuffle: bool,
+        spill_process: bool,
     ):
         fp = LayoutFingerprint("bench", "bfloat16", block, f"busy-{block}", 0, 1)
-        self.store = DiskStore(
-            [directory], count, block, fp, backend=make_backend("posix")
-        )
-        self.buf = CpuBlockBuffer(count, block)
+        store = DiskStore([directory], count, block, fp, backend="posix")
+        path = os.path.join(directory, "cpu", "tier.cpu")
+        os.mkdir(os.path.dirname(path), 0o700)
+        self.buf = CpuBlockBuffer(count, block, path, owner=True)
         rng = np.random.default_rng(0)
         self.buf.array[:] = rng.integers(0, 256, (count, block), dtype=np.uint8)
-        self.engine = TransferEngine([self.store], [self.buf], threads=threads)
+        self.runtime = DiskRuntime(
+            [store],
+            [AttachedRows(path, count, block)],
+            threads=threads,
+            spill_process=spill_process,
+        )
+        self.spill_process = spill_process
         self.job = 0
         self.items = _spill_items(count, shuffle)
+        self.finished: list[Any] = []
 
-    def run(self, main: str) -> tuple[float, int, list[float]]:
+    def _done(self) -> bool:
+        self.finished += self.runtime.poll()
+        return any(job.job_id == self.job for job in self.finished)
+
+    def run(self, main: str, where: bool = True) -> tuple[float, int, list[float]]:
+        """One spill, timed; ``where``: fail unless it ran where it should."""
         self.job += 1
+        self.finished = []
         t0 = time.perf_counter()
-        self.engine.submit_spill(self.job, self.items)
-        rounds, steps = _drive(
-            main,
-            lambda: not self.engine.pending(),
-            lambda: self.engine.wait([self.job]),
-        )
+        self.runtime.submit_spill(SpillOrder(self.job, self.items))
+        rounds, steps = _drive(main, self._done, lambda: self.runtime.drain(600))
+        while not self._done():  # waiting: drained, the result taken now
+            time.sleep(0.001)
         dt = time.perf_counter() - t0
-        results = self.engine.get_finished()
-        if not all(r.success for r in results):
-            raise RuntimeError(f"kvtier spill failed: {results}")
+        if not all(job.success for job in self.finished):
+            raise RuntimeError(f"kvtier spill failed: {self.finished}")
+        if where and self.spill_process and self.runtime.spill_pid is None:
+            raise RuntimeError("kvtier's spill process is gone")
         return dt, rounds, steps
 
+    def ready(self) -> None:
+        """Run untimed spills until jobs run where they should (the spill
+        process starts at the first job and takes jobs once ready)."""
+        deadline = time.monotonic() + 60
+        self.run("waiting", where=False)
+        while self.spill_process and self.runtime.spill_pid is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvtier's spill process did not start")
+            time.sleep(0.01)
+        self.run("waiting")  # untimed: allocate the extents
+
     def close(self) -> None:
-        self.engine.shutdown()
-        self.store.close()
+        self.runtime.close()
         self.buf.close()
-
-
-@dataclass
-class _MappedRows:
-    """HostRows over rows this process mapped (``TransferEngine`` reads
-    ``array`` and ``block_bytes``)."""
-
-    array: np.ndarray
-    block_bytes: int
-
-
-class ChildSpill:
-    """``KvtierSpill``'s spill (the same ``TransferEngine`` over a
-    ``DiskStore``, as many threads) run in a child process (this script
-    with ``--child``), over the same rows, which it maps from a memory file
-    this process filled and passes by fd: what a process boundary between
-    spills and the engine's loop buys. The main thread sends each spill's
-    items down a pipe and polls for the child's answer."""
-
-    def __init__(
-        self, directory: str, block: int, count: int, threads: int, shuffle: bool
-    ):
-        nbytes = count * block
-        self.fd = os.memfd_create("kvtier-busy-rows")
-        os.ftruncate(self.fd, nbytes)
-        self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED)
-        rows = np.frombuffer(self.map, dtype=np.uint8).reshape(count, block)
-        rows[:] = np.random.default_rng(0).integers(0, 256, (count, block), np.uint8)
-        del rows  # the map closes at close(): no view may outlive it
-        req_r, req_w = os.pipe()
-        resp_r, resp_w = os.pipe()
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--child", directory]
-            + [str(v) for v in (block, count, threads, self.fd, req_r, resp_w)],
-            pass_fds=(self.fd, req_r, resp_w),
-        )
-        os.close(req_r)
-        os.close(resp_w)
-        self.req = Connection(req_w, readable=False)
-        self.resp = Connection(resp_r, writable=False)
-        self.job = 0
-        self.items = _spill_items(count, shuffle)
-
-    def run(self, main: str) -> tuple[float, int, list[float]]:
-        self.job += 1
-        t0 = time.perf_counter()
-        self.req.send((self.job, self.items))
-        rounds, steps = _drive(main, self.resp.poll, lambda: self.resp.poll(None))
-        dt = time.perf_counter() - t0
-        job, ok = self.resp.recv()
-        if job != self.job or not ok:
-            raise RuntimeError(f"kvtier child spill {job} failed")
-        return dt, rounds, steps
-
-    def close(self) -> None:
-        self.req.close()  # the child reads EOF and exits
-        self.proc.wait(60)
-        self.resp.close()
-        self.map.close()
-        os.close(self.fd)
-
-
-def _child(argv: list[str]) -> None:
-    """``ChildSpill``'s child: spill each job it is sent, answer when done."""
-    directory = argv[0]
-    block, count, threads, fd, req_fd, resp_fd = (int(a) for a in argv[1:7])
-    area = mmap.mmap(fd, count * block, mmap.MAP_SHARED)
-    rows = np.frombuffer(area, dtype=np.uint8).reshape(count, block)
-    fp = LayoutFingerprint("bench", "bfloat16", block, f"busy-{block}", 0, 1)
-    store = DiskStore([directory], count, block, fp, backend=make_backend("posix"))
-    engine = TransferEngine([store], [_MappedRows(rows, block)], threads=threads)
-    req = Connection(req_fd, writable=False)
-    resp = Connection(resp_fd, readable=False)
-    while True:
-        try:
-            job, items = req.recv()
-        except EOFError:
-            break
-        engine.submit_spill(job, items)
-        engine.wait([job])
-        resp.send((job, all(r.success for r in engine.get_finished())))
-    engine.shutdown()
-    store.close()
 
 
 class PyPwrite:
@@ -316,6 +268,9 @@ class PyPwrite:
         self.block, self.count, self.threads = block, count, threads
         order = np.arange(count)
         self.offsets = np.random.default_rng(3).permutation(order) if shuffle else order
+
+    def ready(self) -> None:
+        self.run("waiting")  # untimed: allocate the extents
 
     def run(self, main: str) -> tuple[float, int, list[float]]:
         left = [self.threads]
@@ -380,9 +335,6 @@ def trace_spill_runs(trace: str, split: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--child"]:
-        _child(sys.argv[2:])
-        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="directory on the disk to test")
     ap.add_argument("--blocks", default="256KiB,2MiB")
@@ -407,15 +359,17 @@ def main() -> None:
             child_dir = os.path.join(root, f"child-{block}")
             os.mkdir(child_dir)
             rigs = {
-                "kvtier": KvtierSpill(kv_dir, block, count, args.threads, args.shuffle),
-                "kvtier child": ChildSpill(
-                    child_dir, block, count, args.threads, args.shuffle
+                "kvtier": KvtierSpill(
+                    kv_dir, block, count, args.threads, args.shuffle, False
+                ),
+                "kvtier spill process": KvtierSpill(
+                    child_dir, block, count, args.threads, args.shuffle, True
                 ),
                 "py pwrite": PyPwrite(root, block, count, args.threads, args.shuffle),
             }
             try:
                 for rig in rigs.values():
-                    rig.run("waiting")  # untimed: allocate the extents
+                    rig.ready()
                 runs = [(name, main) for name in rigs for main in MAINS]
                 seconds: dict[tuple[str, str], list[float]] = {r: [] for r in runs}
                 # busy: the loop's share of its own pace kept during the spill;
