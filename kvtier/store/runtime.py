@@ -278,14 +278,19 @@ class DiskRuntime:
         started = time.monotonic()
         process, self._process = self._process, None
         # The child finishes its jobs and exits; one that does not (a hung
-        # disk) is killed, and touches no row after a spill staged it.
-        if process is not None:
-            process.close(timeout / 2)  # then the kill's wait, as long
+        # disk) is killed, and touches no row after a spill staged it. One
+        # the kill does not end may still write its slots: as with threads
+        # left blocked here, the stores' descriptors and locks stay.
+        reaped = process is None or process.close(timeout / 2)  # + the kill's wait
         engine, self._engine = self._engine, None
         left = max(1.0, timeout - (time.monotonic() - started))
         stopped = engine is None or engine.shutdown(timeout=left)
-        if not stopped:
-            self._break("I/O threads did not stop at shutdown (a hung disk?)")
+        if not (stopped and reaped):
+            self._break(
+                "I/O threads did not stop at shutdown (a hung disk?)"
+                if not stopped
+                else "the spill process did not exit at shutdown (a hung disk?)"
+            )
             for store in self.stores:
                 store.abandon()
         else:

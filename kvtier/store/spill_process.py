@@ -146,8 +146,8 @@ class SpillProcess:
             return False
         try:
             self._pipes.send(config)
-        except OSError:
-            self._lose("its pipe broke at start")
+        except Exception as exc:  # a broken pipe, or a config that does not pickle
+            self._lose(f"its configuration could not be sent: {exc!r}")
         return self.running
 
     @property
@@ -161,7 +161,9 @@ class SpillProcess:
     def pid(self) -> int | None:
         """The child's process id, while there is one."""
         proc = self._proc
-        return None if proc is None or proc.returncode is not None else proc.pid
+        if proc is None or self._ended or proc.returncode is not None:
+            return None
+        return proc.pid
 
     def close(self, timeout: float = CLOSE_WAIT_S) -> bool:
         """Close the pipes (the child finishes the jobs it holds, without
@@ -225,19 +227,28 @@ class SpillProcess:
 
     def wait(self, timeout: float | None) -> bool:
         """Take answers until no job is pending (they stay for ``poll``);
-        False after ``timeout`` seconds."""
+        False after ``timeout`` seconds (answers already in the pipe are
+        taken first, however little time is left)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._take(0.0)
         while self._held:
             left = PIPE_WAIT_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return False
+            if self._pipes is None:  # a killed child not reaped yet
+                time.sleep(min(left, PIPE_WAIT_S))
             self._take(min(left, PIPE_WAIT_S))
         return True
 
     def give_up(self) -> list[FinishedJob]:
-        """Stop the child for good (kill it) and fail every job it held, as
-        ``poll`` would; results taken but not returned yet come first."""
-        self._lose("the disk tier stopped", log=False)
+        """Stop the child for good (kill it, wait up to ``KILL_WAIT_S`` for
+        it to go) and fail every job it held, as ``poll`` would; results
+        taken but not returned yet come first. A child the kill does not end
+        in that time is stuck in the kernel on a write or read of a hung
+        disk: it never touches a row again (a spill stages its rows before
+        it writes; a promotion reads into a buffer of its own first)."""
+        self._lose("the disk tier stopped", log=False, wait=True)
+        self._release(force=True)
         done, self._results = self._results, []
         return done
 
@@ -253,16 +264,17 @@ class SpillProcess:
         sending on what the request pipe could not take before)."""
         pipes = self._pipes
         if pipes is None:
+            self._release()
             return
         msgs, gone = receive(pipes, timeout)
         if gone is not None:
             self._lose(gone)
             return
         for msg in msgs:
-            if msg[0] == "ready":
-                self._ready = True
-                continue
             try:
+                if msg[0] == "ready":
+                    self._ready = True
+                    continue
                 _, job_id, success, nbytes, seconds, failed, io_failed, spill, stats = (
                     msg
                 )
@@ -278,19 +290,27 @@ class SpillProcess:
                 FinishedJob(job_id, success, nbytes, seconds, failed, io_failed, spill)
             )
 
-    def _lose(self, why: str, *, log: bool = True) -> None:
-        """The child is gone (or must go): reap it, fail what it held, run
-        every later job in this process."""
+    def _lose(self, why: str, *, log: bool = True, wait: bool = False) -> None:
+        """The child is gone or must go: kill it and run every later job in
+        this process. The jobs it held fail once it is reaped (at once when
+        it already exited, else at a later call: the engine's loop never
+        waits for it, unless ``wait``), never while it may still touch
+        their rows."""
         was_ready = self._ready
         self._ready = False
         self._ended = True
         if self._pipes is not None:
             self._pipes.close()
             self._pipes = None
-        proc, self._proc = self._proc, None
+        proc = self._proc
         code = None
         if proc is not None:
-            stop(proc, KILL_WAIT_S, "spill process", kill=True)
+            if wait:
+                stop(proc, KILL_WAIT_S, "spill process", kill=True)
+            elif proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    proc.kill()
+                proc.poll()
             code = proc.returncode
         if not log or proc is None:
             pass
@@ -310,6 +330,16 @@ class SpillProcess:
                 why,
                 code,
             )
+        self._release()
+
+    def _release(self, force: bool = False) -> None:
+        """Once the lost child is reaped (or with ``force``: it is left stuck
+        in the kernel), fail every job it held, all keys as I/O failures
+        (nothing showed their bytes bad)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None and not force:
+            return
+        self._proc = None
         for job_id, held in self._held.items():
             self._results.append(
                 FinishedJob(job_id, False, 0, 0.0, held.keys, held.keys, held.spill)
@@ -361,8 +391,10 @@ def _serve(req: Connection, resp: Connection) -> None:
             resp.send(msg)
 
     def answer() -> None:
-        """Send each finished job's result with the stores' counters."""
-        with contextlib.suppress(BrokenPipeError, OSError):
+        """Send each finished job's result with the stores' counters. If it
+        cannot, the child ends at once: the engine reads EOF and fails the
+        jobs it held, rather than wait for answers that never come."""
+        try:
             while not (stopping.is_set() and not engine.pending()):
                 for job in engine.get_finished(PIPE_WAIT_S * 10):
                     stats = [astuple(store.stats()) for store in stores]
@@ -379,6 +411,11 @@ def _serve(req: Connection, resp: Connection) -> None:
                             stats,
                         )
                     )
+        except OSError:  # the engine closed its end: nobody to answer
+            return
+        except BaseException:
+            logger.exception("kvtier spill process: answering failed; exiting")
+            os._exit(1)
 
     send(("ready",))
     answerer = threading.Thread(target=answer, name="kvtier-spill-answer", daemon=True)

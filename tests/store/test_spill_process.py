@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +20,10 @@ import pytest
 from conftest import BLOCK_BYTES
 
 from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer
+from kvtier.store import spill_process
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.runtime import DiskRuntime
+from kvtier.store.slabs import SlabStats
 from kvtier.store.slot import LayoutFingerprint, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import FinishedJob
@@ -99,6 +101,11 @@ class Rig:
             f.seek(offset)
             return SlotHeader.unpack(f.read(HEADER_SIZE))
 
+    def child_stats(self) -> SlabStats:
+        """The spill process's store counters, as of its last answer."""
+        (stats,) = self.runtime._process.stats()
+        return stats
+
     def close(self) -> None:
         self.runtime.close()
         self.worker.close()
@@ -125,8 +132,7 @@ def test_the_child_writes_the_blocks_the_rows_hold(rig: Rig) -> None:
         assert np.array_equal(got, rig.worker.array[row]), slot
     # Written there, not here: the child's counters, which the runtime adds.
     assert rig.store.stats().blocks_written == writes_here
-    (child,) = rig.runtime._process.stats()
-    assert child.blocks_written == ROWS
+    assert rig.child_stats().blocks_written == ROWS
     # Seqs reserved here, in item order, above every earlier block's.
     seqs = [rig.header(slot).seq for _, _, slot in items]
     assert seqs == list(range(seqs[0], seqs[0] + ROWS))
@@ -140,10 +146,14 @@ def test_promotions_in_the_child_fill_the_rows(rig: Rig) -> None:
     assert rig.finished(job_id).success
     want = rig.worker.array[[3, 4, 5]].copy()
     rig.worker.array[10:13] = 0
+    reads_here = rig.store.stats().blocks_read
     promote = [(key, slot, 10 + i) for i, (key, _row, slot) in enumerate(items)]
     rig.runtime.submit_promote(PromoteOrder(99, promote))
     assert rig.finished(99).success
     assert np.array_equal(rig.worker.array[10:13], want)
+    # Read there, not here.
+    assert rig.store.stats().blocks_read == reads_here
+    assert rig.child_stats().blocks_ok == 3
 
 
 def test_a_reset_reaches_the_child_in_order(rig: Rig) -> None:
@@ -156,6 +166,7 @@ def test_a_reset_reaches_the_child_in_order(rig: Rig) -> None:
     first = rig.slot - 2
     assert not rig.header(first).after_reset
     assert rig.header(first + 1).after_reset
+    assert rig.child_stats().blocks_written == 2  # both written there
 
 
 def test_a_killed_child_fails_its_jobs_and_later_ones_run_here(rig: Rig) -> None:
@@ -217,3 +228,84 @@ def test_a_slab_swapped_under_its_name_is_never_written(
         assert os.path.getsize(path) == os.path.getsize(path + ".old")
         with open(path, "rb") as f:
             assert not any(f.read())  # nothing written into the planted file
+
+
+def test_a_child_that_never_starts_leaves_the_jobs_here(
+    tmp_path: Path, fingerprint: LayoutFingerprint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that exits before it is ready (here: a module that does not
+    exist) costs nothing: every job runs in this process, right."""
+    real = spill_process.spawn
+    monkeypatch.setattr(
+        spill_process, "spawn", lambda module, fds: real("kvtier.store.no_such", fds)
+    )
+    rig = Rig(tmp_path, fingerprint)
+    try:
+        for _ in range(3):
+            job_id, items = rig.spill([11, 12])
+            assert rig.finished(job_id).success
+        process = rig.runtime._process
+        assert process.wait(DEADLINE_S)
+        deadline = time.monotonic() + DEADLINE_S
+        while process._proc is not None:  # seen gone at a later call
+            assert time.monotonic() < deadline, "the dead child was never seen"
+            rig.runtime.poll()
+            time.sleep(0.01)
+        assert rig.runtime.spill_pid is None
+        assert rig.child_stats().blocks_written == 0
+        assert rig.store.stats().blocks_written == 6
+        for _key, row, slot in items:
+            outcome, got = rig.read(slot)
+            assert outcome is ReadOutcome.OK and np.array_equal(
+                got, rig.worker.array[row]
+            )
+    finally:
+        rig.close()
+
+
+def test_every_rank_spills_in_the_child(
+    tmp_path: Path, fingerprint_factory: Callable[..., LayoutFingerprint]
+) -> None:
+    """Two TP ranks: two stores, two CPU tier files, each rank's rows into
+    its own store, each with the seqs reserved from its own store."""
+    workers, stores, rows = [], [], []
+    for rank in range(2):
+        path = str(tmp_path / f"cpu{rank}" / "tier.cpu")
+        os.makedirs(os.path.dirname(path), mode=0o700)
+        worker = CpuBlockBuffer(ROWS, BLOCK_BYTES, path, owner=True)
+        worker.array[:] = rank + 1 + np.arange(ROWS, dtype=np.uint8)[:, None]
+        workers.append(worker)
+        fp = fingerprint_factory(tp_rank=rank)
+        stores.append(
+            DiskStore([str(tmp_path / "disk")], SLOTS, BLOCK_BYTES, fp, backend="posix")
+        )
+        rows.append(AttachedRows(path, ROWS, BLOCK_BYTES))
+    runtime = DiskRuntime(stores, rows, spill_process=True)
+    try:
+        runtime.submit_spill(SpillOrder(1, [(key_of(0), 0, 0)]))  # starts it
+        deadline = time.monotonic() + DEADLINE_S
+        while runtime.spill_pid is None:
+            assert time.monotonic() < deadline, "the spill process never started"
+            runtime.poll()
+            time.sleep(0.01)
+        first = [store.next_seq() for store in stores]
+        items = [(key_of(slot), slot, slot) for slot in range(1, 9)]
+        runtime.submit_spill(SpillOrder(2, items))
+        done: list[FinishedJob] = []
+        while not any(job.job_id == 2 for job in done):
+            assert time.monotonic() < deadline, "job 2 never finished"
+            done += runtime.poll()
+            time.sleep(0.005)
+        assert all(job.success for job in done)
+        for rank, store in enumerate(stores):
+            assert store.stats().blocks_written <= 1  # job 1 at most, here
+            for _key, row, slot in items:
+                out = np.zeros(BLOCK_BYTES, np.uint8)
+                assert store.read_block(slot, key_of(slot), out) is ReadOutcome.OK
+                assert np.array_equal(out, workers[rank].array[row]), (rank, slot)
+            assert store.next_seq() > first[rank] + len(items)
+        assert [s.blocks_written >= 8 for s in runtime._process.stats()] == [True, True]
+    finally:
+        runtime.close()
+        for worker in workers:
+            worker.close()

@@ -662,8 +662,8 @@ def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
     WRITING, the tier pending for good)."""
     import threading
 
-    from kvtier.store import store as disk_store
     from kvtier.store import runtime as disk_runtime
+    from kvtier.store import store as disk_store
     from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
 
     release = threading.Event()
