@@ -335,7 +335,7 @@ class KvtierConfig(BaseModel):
         "process).",
     )
     disk_spill_process: AutoOnOff = Field(
-        "auto",
+        "off",
         description="Whether the scheduler side's spills and promotions run in a "
         "child process of its own (kvtier.store.spill_process: the same slab "
         "files and CPU tier rows, one message per job), so the spill threads do "
@@ -343,7 +343,9 @@ class KvtierConfig(BaseModel):
         "interpreter lock: auto (on the CPU platform; elsewhere in the engine's "
         "process), on (every platform) or off (always in the engine's process). "
         "Jobs run in the engine's process until the child is ready and after it "
-        "is gone.",
+        "is gone. off by default: with the child running, make demo's first disk "
+        "loads waited 10-40x longer, not yet explained (docs/benchmarks.md, "
+        "\"Spills next to a busy loop\").",
     )
     sync_load_budget_bytes: VllmBytes = Field(
         0,
