@@ -343,9 +343,9 @@ class KvtierConfig(BaseModel):
         "interpreter lock: auto (on the CPU platform; elsewhere in the engine's "
         "process), on (every platform) or off (always in the engine's process). "
         "Jobs run in the engine's process until the child is ready and after it "
-        "is gone. off by default: with the child running, make demo's first disk "
-        "loads waited 10-40x longer, not yet explained (docs/benchmarks.md, "
-        "\"Spills next to a busy loop\").",
+        "is gone. off by default until re-measured: make demo's first disk loads "
+        "waited 10-40x longer with the child running, before a fix "
+        "(docs/benchmarks.md, \"Spills next to a busy loop\").",
     )
     sync_load_budget_bytes: VllmBytes = Field(
         0,
