@@ -335,16 +335,15 @@ class KvtierConfig(BaseModel):
         "process).",
     )
     disk_spill_process: AutoOnOff = Field(
-        "off",
+        "auto",
         description="Whether the scheduler side's spills and promotions run in a "
         "child process of its own (kvtier.store.spill_process: the same slab "
         "files and CPU tier rows, one message per job), so the spill threads do "
         "not compete with the engine's loop and forward pass for the "
-        "interpreter lock: auto (on the CPU platform; elsewhere in the engine's "
-        "process), on (every platform) or off (always in the engine's process). "
-        "Jobs run in the engine's process until the child is ready and after it "
-        "is gone. off by default until re-measured: make demo's first disk loads "
-        "waited 10-40x longer with the child running, before a fix "
+        "interpreter lock: auto (on the CPU platform, where it was measured; "
+        "elsewhere in the engine's process until measured there), on (every "
+        "platform) or off (always in the engine's process). Jobs run in the "
+        "engine's process until the child is ready and after it is gone "
         "(docs/benchmarks.md, \"Spills next to a busy loop\").",
     )
     sync_load_budget_bytes: VllmBytes = Field(
