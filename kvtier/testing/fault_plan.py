@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 
 # Bound on the total injected delay of one I/O, so no plan can hang a test.
 MAX_DELAY_S = 2.0
+# Bound on a HANG: a test that fails before it sets the release event must
+# not leave a thread blocked for the rest of the run (a pytest process that
+# never exits). Past it the I/O fails with ETIMEDOUT, as a hung disk's
+# request does once the kernel gives up on it.
+MAX_HANG_S = 300.0
 
 
 class Op(str, Enum):

@@ -16,8 +16,10 @@ the failures real disks produce:
             buffer is never modified).
   DELAY     sleep before the operation (at most ``MAX_DELAY_S`` per I/O).
   HANG      block before the operation until the rule's ``release`` event
-            is set (a hung disk); then the I/O runs normally. Unbounded on
-            purpose: tests set the event when done.
+            is set (a hung disk); then the I/O runs normally. A test sets
+            the event when done; one that never does (it failed first)
+            gets ``OSError(ETIMEDOUT)`` after ``fault_plan.MAX_HANG_S``, never a
+            thread blocked for the rest of the run.
 
 Each :class:`FaultRule` selects the I/Os it applies to by operation kind
 (``open``/``read``/``write``), file path, byte ranges the I/O must overlap
@@ -51,21 +53,19 @@ inner handle, ``short_bytes`` of a write must be a multiple of
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvtier.store.backends.base import DiskBackend
 from kvtier.store.slot import aligned_empty
-
-if TYPE_CHECKING:
-    pass
-
+from kvtier.testing import fault_plan
 from kvtier.testing.fault_plan import (
     MAX_DELAY_S,
     Decision,
@@ -161,7 +161,10 @@ class FaultInjectingBackend(DiskBackend):
             raise OSError(rule.errno, os.strerror(rule.errno), handle.path)
         if rule is not None and rule.kind is FaultKind.HANG:
             assert rule.release is not None
-            rule.release.wait()
+            if not rule.release.wait(fault_plan.MAX_HANG_S):
+                raise OSError(
+                    errno.ETIMEDOUT, "injected hang not released", handle.path
+                )
         return decision
 
     def _read(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +33,7 @@ from kvtier.store.backends.factory import make_backend
 from kvtier.store.reader import SlotReader
 from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome
+from kvtier.testing import fault_plan
 from kvtier.testing.events import residency
 from kvtier.testing.faults import (
     MAX_DELAY_S,
@@ -327,6 +329,28 @@ def test_delays_are_bounded_and_change_no_data(make_rig: Callable[..., Rig]) -> 
     # two), one read per promoted block.
     assert rig.plan.count(FaultKind.DELAY, "write") == 2
     assert rig.plan.count(FaultKind.DELAY, "read") == 4
+
+
+def test_a_hang_never_released_fails_its_io_after_the_bound(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test that fails before it releases a HANG must not leave a thread
+    blocked for the rest of the run: past ``MAX_HANG_S`` the I/O fails as
+    a hung disk's request does once the kernel gives up (ETIMEDOUT)."""
+    monkeypatch.setattr(fault_plan, "MAX_HANG_S", 0.2)
+    rig = make_rig(num_slots=4)
+    keys = fill_rows(rig, range(4))
+    assert rig.spill(1, [(k, i, i) for i, k in enumerate(keys)]).success
+    never = threading.Event()
+    rig.plan.add(FaultRule.hang(never, ops="read", **on_slot(rig.store, 2)))
+    rig.cpu.array[8:12] = SENTINEL
+    res = rig.promote(2, [(k, i, 8 + i) for i, k in enumerate(keys)])
+    assert not never.is_set()
+    assert not res.success and res.failed_keys == [keys[2]]
+    assert (rig.cpu.array[10] == SENTINEL).all()
+    for row in (8, 9, 11):
+        assert np.array_equal(rig.cpu.array[row], pattern(keys[row - 8]))
+    assert rig.plan.count(FaultKind.HANG, "read") == 1
 
 
 def test_open_fault_fails_store_creation_clearly(
