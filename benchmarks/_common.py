@@ -336,3 +336,57 @@ def filesystem_of(path: str) -> str | None:
     except OSError:
         return None
     return fs
+
+
+def model_cores_env() -> tuple[dict[str, str], str]:
+    """The environment for an engine child whose model gets cores - 1 CPUs
+    (``OMP_NUM_THREADS``), bound to the first ones in both engine modes
+    (``VLLM_CPU_OMP_THREADS_BIND``: the multiprocess executor binds a CPU
+    worker's OpenMP threads itself, to every CPU unless told), so kvtier's
+    threads and children keep a core. The engine's OpenMP threads on every
+    core would make any other work on the host stall their barriers: one
+    busy neighbour took the decode step's max from 7 to 182 ms on a 2-core
+    VM; vLLM's CPU deployment guide leaves one core free too. Either
+    variable set in the environment wins. Returns (environment, a line
+    saying what was chosen)."""
+    omp = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 2) - 1))
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or ",".join(
+        map(str, cpus[: int(omp)])
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["OMP_NUM_THREADS"] = omp
+    if bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    return env, f"OMP_NUM_THREADS={omp} VLLM_CPU_OMP_THREADS_BIND={bind or 'auto'}"
+
+
+def stall_llm(
+    model: str,
+    bytes_per_block: int,
+    gpu_blocks: int,
+    max_model_len: int,
+    kv_transfer_config: dict[str, Any] | None,
+    block_size: int,
+) -> Any:
+    """The engine of the step-timing benchmarks (``step_stall.py``,
+    ``spill_decode.py``): fp32, eager, prefix caching, 512-token steps, a
+    KV cache of ``gpu_blocks``, stats on (kvtier's counters are read from
+    this process's Prometheus registry)."""
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        block_size=block_size,
+        num_gpu_blocks_override=gpu_blocks,
+        kv_cache_memory_bytes=gpu_blocks * bytes_per_block,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=512,
+        kv_transfer_config=kv_transfer_config,
+        seed=0,
+        disable_log_stats=False,
+        compilation_config={"mode": 0},
+    )

@@ -91,9 +91,11 @@ from benchmarks._common import (  # noqa: E402
     filesystem_of,
     kvtier_counters,
     kvtier_threads_cpu_s,
+    model_cores_env,
     offload_load_totals,
     percentile,
     read_throttle,
+    stall_llm,
     write_json,
 )
 
@@ -131,7 +133,7 @@ def _child(
 ) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from kvtier.store.slot import slot_size
     from kvtier.testing.engine import (
@@ -150,20 +152,8 @@ def _child(
     decoders = [make_prompt(900 + i, DECODE_PROMPT) for i in range(DECODERS)]
 
     def make(kv_transfer_config):
-        return LLM(
-            model=model,
-            dtype="float32",
-            enforce_eager=True,
-            enable_prefix_caching=True,
-            block_size=BLOCK,
-            num_gpu_blocks_override=gpu_blocks,
-            kv_cache_memory_bytes=gpu_blocks * bpb,
-            max_model_len=longest + 128,
-            max_num_batched_tokens=512,
-            kv_transfer_config=kv_transfer_config,
-            seed=0,
-            disable_log_stats=False,
-            compilation_config={"mode": 0},
+        return stall_llm(
+            model, bpb, gpu_blocks, longest + 128, kv_transfer_config, BLOCK
         )
 
     def run_case(
@@ -520,26 +510,9 @@ def main() -> int:
 def _parent(args: argparse.Namespace, lengths: list[int]) -> int:
     """Run each mode's child, write the JSON and print the table."""
     runs = []
-    # The engine's OpenMP threads on every core would make any other work on
-    # the host (a load thread, or an unrelated process) stall their barriers:
-    # one busy neighbour took the decode step's max from 7 to 182 ms on a
-    # 2-core VM. Leave one core free, as vLLM's CPU deployment guide does.
-    omp = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 2) - 1))
-    # The multiprocess executor binds a CPU worker's OpenMP threads itself,
-    # to every CPU unless told (a 2-core host has none to reserve): bind
-    # them to the same first CPUs, so that both modes leave the same one.
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or ",".join(
-        map(str, cpus[: int(omp)])
-    )
-    print(f"OMP_NUM_THREADS={omp} VLLM_CPU_OMP_THREADS_BIND={bind or 'auto'}")
+    env, chosen = model_cores_env()
+    print(chosen)
     for mode in args.modes.split(","):
-        env = {
-            k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
-        }
-        env["OMP_NUM_THREADS"] = omp
-        if bind:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         proc = subprocess.run(
             [
                 sys.executable,
@@ -577,8 +550,8 @@ def _parent(args: argparse.Namespace, lengths: list[int]) -> int:
             "decoders": DECODERS,
             "repeats": args.repeats,
             "warmup": args.warmup,
-            "omp_threads": int(omp),
-            "omp_bind": bind or "auto",
+            "omp_threads": int(env["OMP_NUM_THREADS"]),
+            "omp_bind": env.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "disk_dir_fs": filesystem_of(args.disk_dir or tempfile.gettempdir()),
             "read_mbps": args.read_mbps,
             "disk_read_process": args.disk_read_process,
