@@ -20,10 +20,12 @@ venv: $(VENV)/.kvtier-ready
 vllm-next: $(VLLM_NEXT)/.ready
 
 # Two workers (pytest-xdist, a file per worker at a time), then the tests
-# marked serial alone (they read host-wide state such as Shmem).
+# marked serial alone (they read host-wide state such as Shmem). -rs lists
+# each skipped test with its reason (no shared trace, no GPU, no block
+# device...), so a run that skipped more than it should says so.
 test: $(VENV)/.kvtier-ready $(VLLM_NEXT)/.ready
-	$(PY) -m pytest -q -m "not soak and not serial" -n 2 --dist loadfile
-	$(PY) -m pytest -q -m "serial and not soak"
+	$(PY) -m pytest -q -rs -m "not soak and not serial" -n 2 --dist loadfile
+	$(PY) -m pytest -q -rs -m "serial and not soak"
 
 demo: $(VENV)/.kvtier-ready
 	$(PY) scripts/demo.py
