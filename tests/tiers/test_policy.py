@@ -212,12 +212,17 @@ def test_doorkeeper_rotation_allocates_nothing_the_size_of_the_filter():
     allocated (and zero-filled) a new one there, inside the one ``add`` that
     a store or spill of a 2q/arcdk tier happened to make: O(window) work in
     one scheduler call, ~20 ms at a million-block tier (5 capacities of
-    history: 16 MiB). No single addition may allocate more than a few
-    bytes of bookkeeping, across several rotations."""
+    history: 16 MiB). No single addition may allocate anything near a
+    generation's size, across several rotations. (tracemalloc traces every
+    thread of the process: threads an earlier test of this worker left
+    running may allocate a few KiB meanwhile, so the bound is an eighth of
+    a generation, not a few bytes.)"""
     import tracemalloc
 
     window = 1 << 16  # a 128 KiB generation
     dk = Doorkeeper(window)
+    generation = dk._nbytes
+    assert generation >= 64 << 10
     tracemalloc.start()
     try:
         worst = 0
@@ -228,7 +233,7 @@ def test_doorkeeper_rotation_allocates_nothing_the_size_of_the_filter():
             worst = max(worst, tracemalloc.get_traced_memory()[1] - base)
     finally:
         tracemalloc.stop()
-    assert worst < 1024, worst
+    assert worst < generation // 8, (worst, generation)
 
 
 def test_doorkeeper_answers_as_two_fresh_generations_would():
