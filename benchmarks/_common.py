@@ -111,15 +111,18 @@ def block_device_of(path: str) -> str:
         return f.read().strip()
 
 
-def _cgroup_read_limit_file() -> tuple[str, str]:
-    """This process's cgroup file that limits read rates, and its kind
-    (``v2``: ``io.max``; ``v1``: ``blkio.throttle.read_bps_device``)."""
+def _cgroup_limit_file(op: str) -> tuple[str, str]:
+    """This process's cgroup file that limits ``op``'s (``read`` or
+    ``write``) byte rate, and its kind (``v2``: ``io.max``; ``v1``:
+    ``blkio.throttle.<op>_bps_device``)."""
+    if op not in ("read", "write"):
+        raise ValueError(f"op must be read or write, got {op!r}")
     with open("/proc/self/cgroup") as f:
         lines = [ln.rstrip("\n").split(":", 2) for ln in f]
     for _, controllers, where in lines:
         if "blkio" in controllers.split(","):
             return (
-                f"/sys/fs/cgroup/blkio{where.rstrip('/')}/blkio.throttle.read_bps_device",
+                f"/sys/fs/cgroup/blkio{where.rstrip('/')}/blkio.throttle.{op}_bps_device",
                 "v1",
             )
     for hid, _, where in lines:
@@ -129,27 +132,30 @@ def _cgroup_read_limit_file() -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def read_throttle(path: str, bytes_per_s: int):
-    """Reads of the block device holding ``path`` limited to ``bytes_per_s``
-    for this process's cgroup (its children included) while the block runs:
-    a drive that slow, emulated on a faster one, so a load lasts as long as
-    on the lent GPU's disk. The kernel's throttle (cgroup v1
-    ``blkio.throttle.read_bps_device`` or v2 ``io.max``) counts O_DIRECT
-    reads, kvtier's and dd's alike; writes are not limited. Root only: an
-    OSError naming the cgroup file where the host does not allow it. The
-    limit that was there before is put back on exit."""
+def io_throttle(path: str, bytes_per_s: int, op: str = "read"):
+    """``op`` (``read`` or ``write``) of the block device holding ``path``
+    limited to ``bytes_per_s`` for this process's cgroup (its children
+    included) while the block runs: a drive that slow, emulated on a faster
+    one, so a load or a spill lasts as long as on the lent GPU's disk. The
+    kernel's throttle (cgroup v1 ``blkio.throttle.<op>_bps_device`` or v2
+    ``io.max``'s ``rbps``/``wbps``) counts O_DIRECT I/O, kvtier's and dd's
+    alike (v1 does not count buffered writes, which the page cache absorbs);
+    the other direction is not limited. Root only: an OSError naming the
+    cgroup file where the host does not allow it. The limit that was there
+    before is put back on exit."""
     dev = block_device_of(path)
-    limit_file, kind = _cgroup_read_limit_file()
+    limit_file, kind = _cgroup_limit_file(op)
+    key = "rbps" if op == "read" else "wbps"
     try:
         with open(limit_file) as f:
             before = [ln.split() for ln in f if ln.split()[:1] == [dev]]
         with open(limit_file, "w") as f:
             f.write(
-                f"{dev} {bytes_per_s}" if kind == "v1" else f"{dev} rbps={bytes_per_s}"
+                f"{dev} {bytes_per_s}" if kind == "v1" else f"{dev} {key}={bytes_per_s}"
             )
     except OSError as exc:
         raise OSError(
-            f"cannot limit reads of {dev} in {limit_file}: {exc} (root and a "
+            f"cannot limit {op}s of {dev} in {limit_file}: {exc} (root and a "
             "writable cgroup I/O controller are needed)"
         ) from exc
     try:
@@ -158,8 +164,8 @@ def read_throttle(path: str, bytes_per_s: int):
         if kind == "v1":
             old = before[0][1] if before else "0"  # 0 removes the rule
         else:
-            rbps = [x for x in (before[0] if before else []) if x.startswith("rbps=")]
-            old = rbps[0] if rbps else "rbps=max"
+            bps = [x for x in (before[0] if before else []) if x.startswith(key + "=")]
+            old = bps[0] if bps else f"{key}=max"
         with open(limit_file, "w") as f:
             f.write(f"{dev} {old}")
 

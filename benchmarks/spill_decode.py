@@ -33,7 +33,12 @@ stores and spills 128 MiB. The model gets cores - 1 CPUs, as in
 ``step_stall.py``.
 
     .venv/bin/python benchmarks/spill_decode.py [--length 8192] [--repeats 3]
-        [--rounds 2] [--modes inproc,mp] [--disk-dir DIR]
+        [--rounds 2] [--modes inproc,mp] [--disk-dir DIR] [--write-mbps N]
+
+``--write-mbps N`` limits O_DIRECT writes to the disk tier's drive to N MB/s
+for the whole run (root: the kernel's cgroup throttle,
+:func:`benchmarks._common.io_throttle`): spills that slow outlast the
+prefill, so they run beside the decoders' own steps too.
 
 Prints a table and writes benchmarks/results/spill_decode.json.
 """
@@ -41,6 +46,7 @@ Prints a table and writes benchmarks/results/spill_decode.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -55,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks._common import (  # noqa: E402
     filesystem_of,
+    io_throttle,
     kvtier_counters,
     model_cores_env,
     stall_llm,
@@ -254,21 +261,9 @@ def _table(summary: dict) -> None:
             )
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--length", type=int, default=8192)
-    ap.add_argument("--repeats", type=int, default=3, help="arrivals per engine")
-    ap.add_argument("--rounds", type=int, default=2, help="engines per case")
-    ap.add_argument("--modes", default="inproc,mp")
-    ap.add_argument("--disk-dir", default=None, help="where the disk tier goes")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/spill_decode.json"))
-    ap.add_argument("--child", nargs=3, metavar=("MODE", "CASE", "SEED"))
-    args = ap.parse_args()
-    if args.child:
-        mode, case, seed = args.child
-        result = _child(mode, case, args.length, args.repeats, int(seed), args.disk_dir)
-        print("KVTIER-SPILL-DECODE " + json.dumps(result))
-        return 0
+def _run_children(args: argparse.Namespace) -> list[dict] | None:
+    """Every engine child, cases taking turns round by round; None when one
+    failed (its stderr printed)."""
     env, chosen = model_cores_env()
     print(chosen)
     results: list[dict] = []
@@ -289,9 +284,47 @@ def main() -> int:
                 ]
                 if proc.returncode or not found:
                     print(proc.stderr[-4000:], file=sys.stderr)
-                    return 1
+                    return None
                 results.append(json.loads(found[-1].split(" ", 1)[1]))
                 print(f"  {mode} round {rnd} {case}: done", flush=True)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3, help="arrivals per engine")
+    ap.add_argument("--rounds", type=int, default=2, help="engines per case")
+    ap.add_argument("--modes", default="inproc,mp")
+    ap.add_argument("--disk-dir", default=None, help="where the disk tier goes")
+    ap.add_argument(
+        "--write-mbps",
+        type=float,
+        default=None,
+        help="limit writes to the disk tier's drive to this many MB/s for the "
+        "whole run (root: the kernel's cgroup throttle)",
+    )
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/spill_decode.json"))
+    ap.add_argument("--child", nargs=3, metavar=("MODE", "CASE", "SEED"))
+    args = ap.parse_args()
+    if args.child:
+        mode, case, seed = args.child
+        result = _child(mode, case, args.length, args.repeats, int(seed), args.disk_dir)
+        print("KVTIER-SPILL-DECODE " + json.dumps(result))
+        return 0
+    with contextlib.ExitStack() as stack:
+        if args.write_mbps:
+            where = args.disk_dir or tempfile.gettempdir()
+            try:
+                stack.enter_context(
+                    io_throttle(where, int(args.write_mbps * 1e6), "write")
+                )
+            except OSError as exc:
+                print(f"spill_decode: --write-mbps: {exc}", file=sys.stderr)
+                return 2
+        results = _run_children(args)
+    if results is None:
+        return 1
     summary: dict = {}
     firsts: dict[tuple[int, int], set] = {}  # (round, run): across cases, modes
     problems = []
@@ -319,7 +352,8 @@ def main() -> int:
             "decoders": DECODERS,
             "repeats": args.repeats,
             "rounds": args.rounds,
-            "omp_threads": int(env["OMP_NUM_THREADS"]),
+            "omp_threads": int(model_cores_env()[0]["OMP_NUM_THREADS"]),
+            "write_mbps": args.write_mbps,
             "disk_dir_fs": filesystem_of(args.disk_dir or tempfile.gettempdir()),
             "summary": summary,
             "p99_note": "p99 over every run's steps of that phase together",

@@ -54,7 +54,7 @@ are computed and spilled, so P is on disk only and R in the CPU tier;
 directory; on a tmpfs (``/dev/shm``) the drive is out of the picture and
 what is left is kvtier's own path. ``--read-mbps N`` limits reads of the
 disk tier's drive to N MB/s (the kernel's cgroup throttle, root only;
-:func:`benchmarks._common.read_throttle`) for the whole run: a drive that
+:func:`benchmarks._common.io_throttle`) for the whole run: a drive that
 slow, so a disk hit lasts seconds and hundreds of decoder steps, as a 32k
 prefix at 8B geometry does on the lent H100's ~1 GB/s disk. Each hit's row also gives the CPU time
 of kvtier's threads (``kvtier-*``) from the arrival to the first token.
@@ -89,12 +89,12 @@ from benchmarks._common import (  # noqa: E402
     direct_read_argv,
     direct_read_baseline,
     filesystem_of,
+    io_throttle,
     kvtier_counters,
     kvtier_threads_cpu_s,
     model_cores_env,
     offload_load_totals,
     percentile,
-    read_throttle,
     stall_llm,
     write_json,
 )
@@ -496,9 +496,10 @@ def main() -> int:
         if args.read_mbps:
             try:
                 stack.enter_context(
-                    read_throttle(
+                    io_throttle(
                         args.disk_dir or tempfile.gettempdir(),
                         int(args.read_mbps * 1e6),
+                        "read",
                     )
                 )
             except OSError as exc:

@@ -98,8 +98,9 @@ def test_block_device_of_names_the_whole_disk(tmp_path, monkeypatch):
             common.block_device_of("/dev/shm")
 
 
-def test_read_throttle_sets_the_limit_and_puts_back_the_one_before(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_io_throttle_sets_the_limit_and_puts_back_the_one_before(
+    tmp_path, monkeypatch, op
 ):
     """The limit is in this cgroup's file while the block runs; on exit the
     rule before it is back (an outer limit, or none). Limits far above any
@@ -107,7 +108,7 @@ def test_read_throttle_sets_the_limit_and_puts_back_the_one_before(
     common = _common(monkeypatch)
     try:
         dev = common.block_device_of(str(tmp_path))
-        limit_file, kind = common._cgroup_read_limit_file()
+        limit_file, kind = common._cgroup_limit_file(op)
     except OSError as exc:
         pytest.skip(str(exc))
     if not os.access(limit_file, os.W_OK):
@@ -120,14 +121,15 @@ def test_read_throttle_sets_the_limit_and_puts_back_the_one_before(
             return None
         if kind == "v1":
             return lines[0][1]
-        rbps = [x for x in lines[0] if x.startswith("rbps=")]
-        return rbps[0].split("=")[1] if rbps else None
+        key = "rbps=" if op == "read" else "wbps="
+        bps = [x for x in lines[0] if x.startswith(key)]
+        return bps[0].split("=")[1] if bps else None
 
     before = rule()
     outer, inner = 900_000_000_000, 800_000_000_000
-    with common.read_throttle(str(tmp_path), outer) as named:
+    with common.io_throttle(str(tmp_path), outer, op) as named:
         assert named == dev and rule() == str(outer)
-        with common.read_throttle(str(tmp_path), inner):
+        with common.io_throttle(str(tmp_path), inner, op):
             assert rule() == str(inner)
         assert rule() == str(outer)
     assert rule() == before or (before is None and rule() in (None, "max"))
