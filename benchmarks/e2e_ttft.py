@@ -59,10 +59,10 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
 
     # Before the first engine: vLLM caches its env then.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from benchmarks._common import kvtier_counters, offload_load_totals
+    from benchmarks._common import bench_llm, kvtier_counters, offload_load_totals
     from kvtier.store.slot import slot_size
 
     longest = max(lengths)
@@ -72,19 +72,8 @@ def _child(mode: str, lengths: list[int], repeats: int) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=1)
 
     def make(kv_transfer_config):
-        return LLM(
-            model=model,
-            dtype="float32",
-            enforce_eager=True,
-            enable_prefix_caching=True,
-            block_size=BLOCK,
-            num_gpu_blocks_override=gpu_blocks,
-            kv_cache_memory_bytes=gpu_blocks * bpb,
-            max_model_len=longest + 64,
-            kv_transfer_config=kv_transfer_config,
-            seed=0,
-            disable_log_stats=False,
-            compilation_config={"mode": 0},
+        return bench_llm(
+            model, bpb, gpu_blocks, longest + 64, kv_transfer_config, BLOCK, None
         )
 
     def generate(llm, prompt):

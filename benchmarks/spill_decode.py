@@ -60,14 +60,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks._common import (  # noqa: E402
+    bench_llm,
     filesystem_of,
     io_throttle,
     kvtier_counters,
     model_cores_env,
-    stall_llm,
+    step_summary,
     write_json,
 )
-from benchmarks.step_stall import BLOCK, MODEL, _summary  # noqa: E402
+from benchmarks.step_stall import BLOCK, MODEL  # noqa: E402
 
 DECODERS = 3
 DECODE_PROMPT = 64
@@ -82,29 +83,13 @@ STORED = "vllm:kv_offload_kvtier_write_bytes{cpu}"
 
 def _spill_children() -> list[int]:
     """Pids of this process's descendants running the spill process."""
-    parents: dict[int, int] = {}
-    spill: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-        if b"kvtier.store.spill_process" in cmdline:
-            spill.append(int(entry))
-    mine = []
-    for pid in spill:
-        p = pid
-        while p > 1 and p != os.getpid():
-            p = parents.get(p, 1)
-        if p == os.getpid():
-            mine.append(pid)
-    return mine
+    from kvtier.testing.procs import command, descendants
+
+    return sorted(
+        pid
+        for pid in descendants(os.getpid())
+        if "kvtier.store.spill_process" in (command(pid) or "")
+    )
 
 
 def _child(
@@ -139,7 +124,7 @@ def _child(
             spill_watermark=0.0,
             disk_spill_process=case,
         )
-    llm = stall_llm(model, bpb, gpu_blocks, length + 128, cfg, BLOCK)
+    llm = bench_llm(model, bpb, gpu_blocks, length + 128, cfg, BLOCK)
     engine = llm.llm_engine
     decode_sp = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     first_sp = SamplingParams(temperature=0.0, max_tokens=2)
@@ -228,7 +213,7 @@ def _row(results: list[dict]) -> dict:
     row: dict = {}
     for phase in PHASES:
         steps = [s for r in results for run in r["runs"] for s in run["steps"][phase]]
-        row[phase] = _summary(steps) if steps else {"steps": 0}
+        row[phase] = step_summary(steps) if steps else {"steps": 0}
     prefill = [sum(run["steps"]["prefill"]) for r in results for run in r["runs"]]
     row["ttft_s"] = statistics.median(prefill)
     row["spilled_by_first_token"] = statistics.median(

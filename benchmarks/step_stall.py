@@ -86,6 +86,7 @@ from subprocess import DEVNULL
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks._common import (  # noqa: E402
+    bench_llm,
     direct_read_argv,
     direct_read_baseline,
     filesystem_of,
@@ -95,7 +96,7 @@ from benchmarks._common import (  # noqa: E402
     model_cores_env,
     offload_load_totals,
     percentile,
-    stall_llm,
+    step_summary,
     write_json,
 )
 
@@ -112,15 +113,6 @@ DECODERS = 3
 CASES = ("recompute", "cpu", "disk", "dd-beside", "idle")
 DECODE_PROMPT = 64
 BASELINE_STEPS = 40
-
-
-def _summary(steps: list[float]) -> dict:
-    return {
-        "steps": len(steps),
-        "p50_ms": 1e3 * statistics.median(steps),
-        "p99_ms": 1e3 * percentile(steps, 0.99),
-        "max_ms": 1e3 * max(steps),
-    }
 
 
 def _child(
@@ -152,7 +144,7 @@ def _child(
     decoders = [make_prompt(900 + i, DECODE_PROMPT) for i in range(DECODERS)]
 
     def make(kv_transfer_config):
-        return stall_llm(
+        return bench_llm(
             model, bpb, gpu_blocks, longest + 128, kv_transfer_config, BLOCK
         )
 
@@ -350,10 +342,10 @@ def _child(
         decode = [
             s for case in CASES for run in results[n][case] for s in run["decode"]
         ]
-        row["decode"] = _summary(decode)
+        row["decode"] = step_summary(decode)
         for case in CASES:
             runs = results[n][case]
-            row[case] = _summary([s for run in runs for s in run["during"]])
+            row[case] = step_summary([s for run in runs for s in run["during"]])
             row[case]["ttft_s"] = statistics.median(run["ttft"] for run in runs)
             # The last step computes the fourth request's own tokens (over
             # its whole prefix, whatever the source); the steps before it

@@ -133,3 +133,26 @@ def test_io_throttle_sets_the_limit_and_puts_back_the_one_before(
             assert rule() == str(inner)
         assert rule() == str(outer)
     assert rule() == before or (before is None and rule() in (None, "max"))
+
+
+def test_procs_find_a_child_by_its_command_line():
+    """``children`` and ``command`` (kvtier.testing.procs), with which the
+    benchmarks and the release tests find an engine's processes: a child
+    started here is listed under this process with its command line, and
+    not once it exited."""
+    from kvtier.testing.procs import children, command, descendants
+
+    marker = "kvtier-procs-marker"
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()", marker],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        assert child.pid in children(os.getpid())
+        assert child.pid in descendants(os.getpid())
+        assert marker in command(child.pid)
+        assert os.getpid() not in children(os.getpid())
+    finally:
+        child.communicate(timeout=30)
+    assert child.pid not in children(os.getpid())
+    assert command(child.pid) is None

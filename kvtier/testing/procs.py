@@ -34,6 +34,29 @@ def descendants(pid: int) -> set[int]:
     return below
 
 
+def children(pid: int) -> list[int]:
+    """``pid``'s direct children now; empty without ``/proc``."""
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    return [p for p in entries if parent_pid(p) == pid]
+
+
+def command(pid: int) -> str | None:
+    """``pid``'s name (what ``top`` shows; vLLM renames its processes, e.g.
+    ``VLLM::EngineCore``) and command line, in one string; None once it
+    exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    return stat[stat.index("(") + 1 : stat.rindex(")")] + " " + cmdline.strip()
+
+
 def thread_names(pid: int) -> dict[int, str]:
     """``pid``'s threads and the names ``ps`` and ``top`` show for them;
     empty once it exited."""

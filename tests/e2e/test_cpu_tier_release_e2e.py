@@ -38,7 +38,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.host.cpu_tier import reclaim_stale_cpu_files
 from kvtier.testing.model import build_tiny_llama
-from kvtier.testing.procs import remove_shm_left_behind, shm_entries
+from kvtier.testing.procs import (
+    children,
+    command,
+    remove_shm_left_behind,
+    shm_entries,
+)
 
 # Shmem is host-wide: nothing else may run meanwhile (make test runs these
 # after the parallel part).
@@ -94,26 +99,6 @@ def group_pids(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(entry))
     return pids
-
-
-def children(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of ``pid``'s direct children."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-            out.append(
-                (int(entry), stat[stat.index("(") + 1 : stat.rindex(")")] + " " + cmd)
-            )
-    return out
 
 
 def wait_for(what: str, check, timeout: float, interval: float = 0.25):
@@ -315,8 +300,8 @@ def assert_released(server: Server) -> None:
 
 def engine_core_pid(server: Server) -> int:
     def find() -> int | None:
-        for pid, cmd in children(server.proc.pid):
-            if "EngineCore" in cmd:
+        for pid in children(server.proc.pid):
+            if "EngineCore" in (command(pid) or ""):
                 return pid
         return None
 
