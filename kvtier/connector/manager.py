@@ -139,7 +139,7 @@ class TieredOffloadingManager(OffloadingManager):
         h = self.hierarchy
         for job in runtime.poll():
             assert job.spill
-            h.complete_spill(job.job_id, job.failed_keys)
+            h.complete_spill(job.job_id, job.failed_keys, job.cancelled_keys)
 
     # ------------------------------------------------------------- contract
 
@@ -347,10 +347,16 @@ class TieredOffloadingManager(OffloadingManager):
     @override
     def reset_cache(self) -> None:
         if self.runtime is not None:
-            # Settle every spill in flight, and order no new one: the reset
-            # forgets every block, so a spill ordered now only wrote the
-            # drive for nothing (and its result, dropped, counted in
-            # write_bytes but not in spills).
+            # The reset forgets every block, so a spill not started yet
+            # would write the drive for nothing: cancelled, it fails without
+            # I/O, and the drain waits only for the batches being written.
+            # Waiting for the whole queue held the engine for as long as the
+            # drive took to write it (up to a CPU tier's worth on a slow
+            # disk), and past the drain's bound the disk tier stopped for
+            # good. Then settle every spill in flight, and order no new one
+            # (its result, dropped, would count in write_bytes but not in
+            # spills).
+            self.runtime.cancel_queued()
             self.runtime.drain()
             self._apply_finished_spills(self.runtime)
             # The blocks computed from now on may come from other weights

@@ -147,6 +147,19 @@ class DiskRuntime:
         newest = {key: slot for _seq, slot, key in entries}
         return [(key, slot) for _seq, slot, key in entries if newest[key] == slot]
 
+    def cancel_queued(self) -> None:
+        """Every job item submitted so far that has not started yet fails
+        without I/O, wherever it waits (here or in the spill process), and
+        is named in its job's ``cancelled_keys``; what is moving finishes.
+        For a connector reset, which forgets every block: a ``drain`` right
+        after waits for the batches in progress, not for a queue that may
+        hold a CPU tier's worth of spills. Never blocks."""
+        if self._engine is None or self._broken is not None:
+            return
+        self._engine.cancel_queued()
+        if self._process is not None:
+            self._process.cancel_queued()
+
     def mark_reset(self) -> None:
         """A connector reset: every rank's blocks written from now on are
         never adopted by a warm restart (:meth:`DiskStore.mark_reset`).

@@ -31,7 +31,8 @@ Contract (what :class:`~kvtier.store.runtime.DiskRuntime` relies on):
   - A spill's blocks carry the seqs the runtime reserved from this
     process's stores (``first_seqs``), so blocks written there and here
     order as one store's; :meth:`mark_reset` reaches the child's stores in
-    order with the jobs around it.
+    order with the jobs around it, and so does :meth:`cancel_queued` (the
+    child's engine cancels what it holds queued then).
   - After :meth:`give_up` or :meth:`close` returned, the child no longer
     runs (or is left stuck in the kernel on a hung disk, named in the log:
     it touches no row again, since a spill stages its rows before it
@@ -213,6 +214,16 @@ class SpillProcess:
             except OSError:
                 self._lose("its pipe broke")
 
+    def cancel_queued(self) -> None:
+        """The child cancels the items of the jobs sent so far that have not
+        started there yet (:meth:`TransferEngine.cancel_queued`); their
+        answers name them in ``cancelled_keys``. Never waits."""
+        if self._pipes is not None:
+            try:
+                self._pipes.send(("cancel",))
+            except OSError:
+                self._lose("its pipe broke")
+
     def poll(self, timeout: float = 0.0) -> list[FinishedJob]:
         """Jobs finished since the last call (``FinishedJob``), waiting up to
         ``timeout`` for the child's next message; the jobs of a lost child
@@ -293,9 +304,18 @@ class SpillProcess:
                 if msg[0] == "ready":
                     self._ready = True
                     continue
-                _, job_id, success, nbytes, seconds, failed, io_failed, spill, stats = (
-                    msg
-                )
+                (
+                    _,
+                    job_id,
+                    success,
+                    nbytes,
+                    seconds,
+                    failed,
+                    io_failed,
+                    spill,
+                    cancelled,
+                    stats,
+                ) = msg
                 stats = [SlabStats(*s) for s in stats]
             except Exception as exc:  # not a message of ours: a bug
                 self._lose(f"it answered {str(msg)[:80]} ({exc!r})")
@@ -305,7 +325,16 @@ class SpillProcess:
             with self._stats_lock:
                 self._child_stats = stats
             self._results.append(
-                FinishedJob(job_id, success, nbytes, seconds, failed, io_failed, spill)
+                FinishedJob(
+                    job_id,
+                    success,
+                    nbytes,
+                    seconds,
+                    failed,
+                    io_failed,
+                    spill,
+                    cancelled,
+                )
             )
 
     def _lose(self, why: str, *, log: bool = True, wait: bool = False) -> None:
@@ -426,6 +455,7 @@ def _serve(req: Connection, resp: Connection) -> None:
                             job.failed_keys,
                             job.io_failed_keys,
                             job.spill,
+                            job.cancelled_keys,
                             stats,
                         )
                     )
@@ -449,6 +479,9 @@ def _serve(req: Connection, resp: Connection) -> None:
                 for store in stores:
                     store.mark_reset()
                 continue
+            if msg[0] == "cancel":
+                engine.cancel_queued()
+                continue
             kind, job_id, items, first_seqs = msg
             try:
                 handlers[kind](job_id, items, first_seqs)
@@ -457,7 +490,18 @@ def _serve(req: Connection, resp: Connection) -> None:
                 keys = list(dict.fromkeys(k for k, _, _ in items))
                 stats = [astuple(store.stats()) for store in stores]
                 send(
-                    ("done", job_id, False, 0, 0.0, keys, keys, kind == "spill", stats)
+                    (
+                        "done",
+                        job_id,
+                        False,
+                        0,
+                        0.0,
+                        keys,
+                        keys,
+                        kind == "spill",
+                        [],
+                        stats,
+                    )
                 )
     finally:
         stopping.set()
@@ -471,9 +515,10 @@ def child_main(argv: list[str]) -> int:
     rows (both described by the first message, the rows' descriptors
     passed), then run each job it is sent on a ``TransferEngine``:
     ``("ready",)`` once, then one ``("done", job id, success, bytes,
-    seconds, failed keys, I/O-failed keys, spill, per-rank store counters)``
-    per job, in the order they finish. It exits when the request pipe
-    closes, after the jobs it holds finished."""
+    seconds, failed keys, I/O-failed keys, spill, cancelled keys, per-rank
+    store counters)`` per job, in the order they finish; ``("reset",)`` and
+    ``("cancel",)`` act between the jobs sent before and after them. It
+    exits when the request pipe closes, after the jobs it holds finished."""
     parent, req_fd, resp_fd = (int(a) for a in argv[1:4])
     die_with_parent(parent)
     name_this_thread(CHILD_NAME)

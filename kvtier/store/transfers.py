@@ -50,6 +50,10 @@ _CORRUPT = frozenset(
 # What moving one item returns when it failed with an I/O error or was never
 # done (an abandoned engine, an exception), not on bytes shown bad.
 IO_FAILED = -1
+# What an item returns when ``cancel_queued`` came before it started: never
+# moved (so an I/O failure to the caller too), and named in the job's
+# ``cancelled_keys``.
+CANCELLED = -2
 
 # Bound on waiting for the I/O threads at close(): a hung disk must not hang
 # the engine's shutdown.
@@ -79,6 +83,9 @@ class FinishedJob:
     promotion's slot may be read again. ``bytes``: block bytes moved by the
     items that succeeded, every rank's (DiskStore.stats has the on-disk
     bytes); ``seconds`` from submission to the last item (queueing included).
+    ``cancelled_keys`` (of the I/O-failed ones): keys not moved on some rank
+    because :meth:`TransferEngine.cancel_queued` came before their item
+    started, not for anything the drive did.
     """
 
     job_id: int
@@ -88,6 +95,7 @@ class FinishedJob:
     failed_keys: list[bytes]
     io_failed_keys: list[bytes] = field(default_factory=list)
     spill: bool = False
+    cancelled_keys: list[bytes] = field(default_factory=list)
 
 
 class _Job:
@@ -99,17 +107,20 @@ class _Job:
         self.bytes = 0
         self.failed: dict[bytes, None] = {}  # ordered, each key once
         self.bad: set[bytes] = set()  # failed on bytes shown bad on some rank
+        self.cancelled: set[bytes] = set()  # not moved on some rank: cancelled
         self.lock = threading.Lock()
         self.final: FinishedJob | None = None
 
     def item_done(self, key: bytes, nbytes: int | None) -> bool:
         """Record one item (bytes moved; None: failed on bad bytes;
-        ``IO_FAILED``); True when it was the last."""
+        ``IO_FAILED``; ``CANCELLED``); True when it was the last."""
         with self.lock:
-            if nbytes is None or nbytes == IO_FAILED:
+            if nbytes is None or nbytes < 0:
                 self.failed[key] = None
                 if nbytes is None:
                     self.bad.add(key)
+                elif nbytes == CANCELLED:
+                    self.cancelled.add(key)
             else:
                 self.bytes += nbytes
             self.remaining -= 1
@@ -128,6 +139,7 @@ class _Job:
             list(self.failed),
             [k for k in self.failed if k not in self.bad],
             self.spill,
+            [k for k in self.failed if k in self.cancelled],
         )
 
 
@@ -212,6 +224,9 @@ class TransferEngine:
       - ``abandon`` stops all row access for good: queued items fail without
         I/O, and once it returned True no thread touches a row again, even
         one still blocked in a disk read or write.
+      - ``cancel_queued`` fails, without I/O, every item submitted before it
+        that has not started yet (``CANCELLED``); the engine goes on taking
+        and running jobs.
     """
 
     def __init__(
@@ -234,6 +249,9 @@ class TransferEngine:
         self._jobs: dict[int, _Job] = {}  # submitted, not finished yet
         self._finished: list[_Job] = []  # finished, not returned yet
         self._closed = False
+        # Bumped by cancel_queued: a task submitted under an older epoch
+        # that has not started yet moves nothing.
+        self._epoch = 0
         self._guard = RowGuard()
         self._warned: set[int] = set()
         self._threads = [
@@ -410,6 +428,7 @@ class TransferEngine:
             return
         move = self._spill_batch if spill else self._promote_batch
         priority = SPILL_PRIORITY if spill else PROMOTE_PRIORITY
+        epoch = self._epoch
         for rank, store in enumerate(self.stores):
             rows = self._rows_of(rank)
             if rows is None:
@@ -434,7 +453,10 @@ class TransferEngine:
                     seqs: Sequence[int] | None = seqs,
                 ) -> None:
                     try:
-                        moved = move(store, rows, batch, seqs)
+                        if self._epoch != epoch:
+                            moved = [CANCELLED] * len(batch)  # cancel_queued
+                        else:
+                            moved = move(store, rows, batch, seqs)
                     except Exception:
                         logger.exception(
                             "kvtier transfer of %d block(s) in job %d failed",
@@ -447,6 +469,17 @@ class TransferEngine:
                             self._finish(job)
 
                 self._enqueue(priority, task)
+
+    def cancel_queued(self) -> None:
+        """Fail every item submitted so far that has not started yet, without
+        I/O (``CANCELLED``: in ``failed_keys``, ``io_failed_keys`` and
+        ``cancelled_keys``). Items already moving finish as they would, so
+        a ``wait`` after this lasts as long as the batches in progress, not
+        the queue. For a caller that is about to forget every block (a
+        connector reset): what is queued would write the drive, or rows,
+        for nothing. Never blocks; the engine keeps taking jobs."""
+        with self._cond:
+            self._epoch += 1
 
     def get_finished(self, timeout: float = 0.0) -> list[FinishedJob]:
         """Results of jobs finished since the last call (drains them),

@@ -153,8 +153,15 @@ class SpillQueue:
         orders, self.new_orders = self.new_orders, []
         return orders
 
-    def complete(self, job_id: int, failed_keys: Iterable[Key] = ()) -> None:
-        """A spill job finished; keys in ``failed_keys`` did not reach disk."""
+    def complete(
+        self,
+        job_id: int,
+        failed_keys: Iterable[Key] = (),
+        cancelled_keys: Iterable[Key] = (),
+    ) -> None:
+        """A spill job finished; keys in ``failed_keys`` did not reach disk,
+        those of them in ``cancelled_keys`` because the job was cancelled
+        before they were written (a reset), not counted as failures."""
         keys = self.jobs.pop(job_id)
         failed = set(failed_keys)
         cpu, core, spilling_pop = self.cpu, self.core, self.spilling.pop
@@ -170,7 +177,8 @@ class SpillQueue:
         if failed:
             lost = [k for k in keys if k in failed]
             core.fail(lost)
-            self.stats.spill_failures += len(lost)
+            cancelled = failed.intersection(cancelled_keys)
+            self.stats.spill_failures += len(lost) - len(cancelled)
             for key in lost:
                 if cpu.is_ready(key):
                     # Let the tier drop it later instead of retrying.

@@ -29,6 +29,12 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext  # noqa: E402
 from kvtier.connector import metrics  # noqa: E402
 from kvtier.connector.worker_report import WorkerCounters, WorkerReport  # noqa: E402
 from kvtier.host.block_copy import HostCopies  # noqa: E402
+from kvtier.testing.faults import (  # noqa: E402
+    FaultKind,
+    FaultPlan,
+    FaultRule,
+    inject_faults,
+)
 from kvtier.testing.offloading import tiered_spec, wait_jobs  # noqa: E402
 from kvtier.testing.state import num_loads
 from tests.connector.test_request_runner import (  # noqa: E402
@@ -727,13 +733,68 @@ def test_spills_finishing_in_reset_cache_count_alike_in_spills_and_write_bytes(
         assert h.stats.spills_started == 4
         r.manager.reset_cache()
         exported.collect()
-        spills = exported.grew(metrics.SPILLS)
+        # The reset cancels what had not started (as many as 4, by how far
+        # the I/O threads got): neither a spill nor a failure.
+        spills = exported.grew(metrics.SPILLS).get((), 0)
         written = exported.grew(metrics.WRITE_BYTES).get(("disk",), 0)
-        assert spills == {(): 4}, spills
-        assert written == 4 * r.manager.block_bytes, written
+        assert written == spills * r.manager.block_bytes, (written, spills)
+        assert h.stats.spills_completed == spills
+        assert h.stats.spill_failures == 0
         assert not r.manager.has_pending_work()
         assert len(h.cpu) == len(h.disk) == 0
     finally:
+        r.close()
+
+
+def test_reset_cache_waits_for_the_spills_being_written_not_the_queue(
+    tmp_path, monkeypatch
+):
+    """reset_cache forgets every block, so the spills still queued are
+    cancelled, not written: the reset waits for the batch being written
+    only. Waiting for the whole queue held the engine for as long as the
+    drive took to write it (a CPU tier's worth on a slow disk), and past
+    the drain's bound stopped the disk tier for good. One I/O thread, whose
+    first write hangs until the reset has begun: of four spill jobs the
+    first is written, the other three never reach the drive, and none
+    counts as a failure."""
+    release = threading.Event()
+    plan = inject_faults(monkeypatch, FaultPlan())
+    plan.add(FaultRule.hang(release, ops="write"))
+    config = make_config(
+        tmp_path, cpu_blocks=8, disk_blocks=8, spill_watermark=0.0, disk_io_threads=1
+    )
+    r = RequestRunner(tiered_spec(config))
+    try:
+        exported = _Exported(r.manager)
+        for name, blocks in (("a", [1, 2]), ("b", [3, 4]), ("c", [5, 6]), ("d", [7, 8])):
+            r.store(name, blocks)
+            r.manager.take_events()  # a scheduler step: the spill is submitted
+        h = r.manager.hierarchy
+        assert h.stats.spills_started == 8
+        deadline = time.monotonic() + 30
+        while plan.count(FaultKind.HANG, "write") < 1:
+            assert time.monotonic() < deadline, "the first spill never wrote"
+            time.sleep(0.005)
+        timer = threading.Timer(0.2, release.set)  # the reset is waiting by then
+        timer.start()
+        r.manager.reset_cache()
+        timer.join()
+        exported.collect()
+        spills = exported.grew(metrics.SPILLS).get((), 0)
+        written = exported.grew(metrics.WRITE_BYTES).get(("disk",), 0)
+        assert spills == 2, spills
+        assert written == 2 * r.manager.block_bytes
+        assert plan.count(op="write") == 1  # the three others never wrote
+        assert h.stats.spill_failures == 0
+        assert r.manager.runtime.broken is None
+        assert not r.manager.has_pending_work()
+        assert len(h.cpu) == len(h.disk) == 0
+        # The disk tier goes on: a new block spills and is written.
+        r.store("e", [9])
+        r.settle()
+        assert h.stats.spills_completed == 3
+    finally:
+        release.set()
         r.close()
 
 

@@ -77,6 +77,16 @@ class Rig:
             assert time.monotonic() < deadline, f"job {job_id} never finished"
             time.sleep(0.005)
 
+    def all_finished(self, job_ids: list[int]) -> dict[int, FinishedJob]:
+        """The results of ``job_ids``, by id, whatever order they finish in."""
+        deadline = time.monotonic() + DEADLINE_S
+        done: dict[int, FinishedJob] = {}
+        while len(done) < len(job_ids):
+            done.update((job.job_id, job) for job in self.runtime.poll())
+            assert time.monotonic() < deadline, f"jobs {job_ids} never finished"
+            time.sleep(0.005)
+        return done
+
     def in_child(self) -> int:
         """Spill one block (the first job starts the child, and runs here),
         then wait until jobs run in the child; its pid."""
@@ -168,6 +178,44 @@ def test_a_reset_reaches_the_child_in_order(rig: Rig) -> None:
     assert not rig.header(first).after_reset
     assert rig.header(first + 1).after_reset
     assert rig.child_stats().blocks_written == 2  # both written there
+
+
+def test_a_cancel_reaches_the_child_in_order(rig: Rig) -> None:
+    """The child's engine cancels what it holds queued when the cancel
+    arrives, between the jobs sent before and after it. Sent while the
+    child is stopped, three jobs of 16 blocks (four batches each, on its
+    four threads) are all in its pipe when it reads the cancel: batches its
+    threads started by then are written, the others cancelled. Every block
+    is either written and readable or cancelled (never a failure of the
+    drive), and the job sent after the cancel is written whole."""
+    pid = rig.in_child()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        sent = [rig.spill([(16 * j + i) % ROWS for i in range(16)]) for j in range(3)]
+        rig.runtime.cancel_queued()
+        after = rig.spill([3])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    results = rig.all_finished([job_id for job_id, _ in sent] + [after[0]])
+    cancelled = 0
+    for job_id, items in sent:
+        job = results[job_id]
+        assert job.failed_keys == job.io_failed_keys == job.cancelled_keys
+        cancelled += len(job.cancelled_keys)
+        for key, row, slot in items:
+            outcome, got = rig.read(slot)
+            if key in job.cancelled_keys:
+                assert outcome is not ReadOutcome.OK
+            else:
+                assert outcome is ReadOutcome.OK
+                assert np.array_equal(got, rig.worker.array[row])
+    assert cancelled > 0
+    job = results[after[0]]
+    assert job.success and job.cancelled_keys == []
+    outcome, got = rig.read(after[1][0][2])
+    assert outcome is ReadOutcome.OK and np.array_equal(got, rig.worker.array[3])
+    # (The first spill of in_child ran here, before the child was ready.)
+    assert rig.child_stats().blocks_written == 48 - cancelled + 1
 
 
 def test_the_engines_loop_looks_at_the_pipe_only_when_an_answer_is_due(

@@ -380,6 +380,54 @@ def test_promotes_overtake_queued_spills(engine_on: Any) -> None:
     assert order == [2, 4, 3]
 
 
+def test_cancel_queued_fails_what_has_not_started_without_io(engine_on: Any) -> None:
+    """A connector reset cancels the queue: the items submitted before
+    ``cancel_queued`` that had not started fail without touching a slot or
+    a row (every key failed, I/O-failed and cancelled, nothing shown bad),
+    the one moving finishes, and the engine runs what comes after."""
+    eng: FnEngine = engine_on("tmp", 1, "none", threads=1)
+    buf, store = eng.rows[0], eng.stores[0]
+    fill_kv(buf, range(0, 8), torch.bfloat16)
+    started, gate = threading.Event(), threading.Event()
+
+    def occupy() -> JobOutcome:
+        started.set()
+        gate.wait(10)
+        return JobOutcome(success=True, bytes=1)
+
+    eng.submit(1, occupy)  # moving when the cancel comes
+    assert started.wait(10)
+    spilled = [(key(i), i, i) for i in range(4)]
+    eng.submit_spill(2, spilled)
+    buf.array[20:22] = 0xEE
+    eng.submit_promote(3, [(key(9), 9, 20), (key(10), 10, 21)])
+    eng.cancel_queued()
+    eng.submit_spill(4, [(key(i), i, i) for i in range(4, 6)])
+    gate.set()
+    assert eng.wait([1, 2, 3, 4], timeout=30)
+    results = {r.job_id: r for r in eng.get_finished()}
+    assert results[1].success
+    keys = [k for k, _, _ in spilled]
+    cancelled = results[2]
+    assert not cancelled.success and cancelled.bytes == 0
+    assert cancelled.failed_keys == cancelled.io_failed_keys == keys
+    assert cancelled.cancelled_keys == keys
+    promote = results[3]
+    assert promote.cancelled_keys == promote.io_failed_keys == [key(9), key(10)]
+    assert (buf.array[20:22] == 0xEE).all()  # rows untouched
+    for i in range(4):  # the cancelled spill's slots were never written
+        out = np.zeros(BLOCK_BYTES, np.uint8)
+        assert store.read_block(i, key(i), out) is not ReadOutcome.OK
+    after = results[4]
+    assert after.success and after.cancelled_keys == []
+    assert after.bytes == 2 * BLOCK_BYTES
+    for i in range(4, 6):
+        out = np.zeros(BLOCK_BYTES, np.uint8)
+        assert store.read_block(i, key(i), out) is ReadOutcome.OK
+        assert np.array_equal(out, buf.array[i])
+    assert store.stats().blocks_written == 2
+
+
 def test_shutdown_drains_then_rejects(engine_on: Any) -> None:
     eng: TransferEngine = engine_on("tmp", 1, "none", threads=1)
     fill_kv(eng.rows[0], range(0, 8), torch.float16)
