@@ -235,21 +235,28 @@ class DiskRuntime:
         process = self._process
         return self._engine.pending() + (0 if process is None else process.pending)
 
-    def drain(self, timeout: float | None = 60.0) -> bool:
-        """Wait until every submitted job finished (results stay for poll);
-        at most ``timeout`` seconds in all. Returns False on timeout, after
-        which the runtime is broken (see the class docstring)."""
+    def wait(self, timeout: float | None) -> bool:
+        """Wait until every submitted job finished (results stay for poll),
+        at most ``timeout`` seconds in all; False if some have not, which
+        changes nothing else (they go on)."""
         engine, process = self._engine, self._process
         if engine is None or self._broken is not None:
             return self._broken is None
         deadline = None if timeout is None else time.monotonic() + timeout
-        if engine.wait(timeout=timeout) and (
+        return engine.wait(timeout=timeout) and (
             process is None
             or process.wait(None if deadline is None else deadline - time.monotonic())
-        ):
+        )
+
+    def drain(self, timeout: float | None = 60.0) -> bool:
+        """:meth:`wait`, after which a job still running is a hung disk:
+        returns False on timeout, the runtime then broken (see the class
+        docstring)."""
+        if self.wait(timeout):
             return True
-        self._break(f"disk jobs did not finish within {timeout} s (a hung disk?)")
-        return False
+        if self._broken is None and self._engine is not None:
+            self._break(f"disk jobs did not finish within {timeout} s (a hung disk?)")
+        return self._broken is None
 
     def _break(self, why: str) -> None:
         """Stop for good: no thread touches a row again, unfinished jobs fail

@@ -798,6 +798,62 @@ def test_reset_cache_waits_for_the_spills_being_written_not_the_queue(
         r.close()
 
 
+def test_shutdown_writes_the_queued_spills_for_a_while_then_cancels_the_rest(
+    tmp_path, monkeypatch
+):
+    """Shutdown goes on writing the spills queued for SHUTDOWN_SPILL_S (a
+    warm restart adopts their blocks), then cancels those not started and
+    waits for the batch being written: a slow drive behind a long queue
+    no longer holds the engine's exit for up to the drain's minute (which
+    then also logged the disk tier stopped). One I/O thread, its first
+    write hung past the grace: the first of four spill jobs is written and
+    adopted by the next start, the three others never reach the drive."""
+    from kvtier.connector import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "SHUTDOWN_SPILL_S", 0.2)
+    release = threading.Event()
+    plan = inject_faults(monkeypatch, FaultPlan())
+    plan.add(FaultRule.hang(release, ops="write"))
+    config = make_config(
+        tmp_path, cpu_blocks=8, disk_blocks=8, spill_watermark=0.0, disk_io_threads=1
+    )
+    r = RequestRunner(tiered_spec(config))
+    stored = {}
+    try:
+        for name, blocks in (("a", [1, 2]), ("b", [3, 4]), ("c", [5, 6]), ("d", [7, 8])):
+            stored[name] = r.store(name, blocks)
+            r.manager.take_events()  # a scheduler step: the spill is submitted
+        assert r.manager.hierarchy.stats.spills_started == 8
+        deadline = time.monotonic() + 30
+        while plan.count(FaultKind.HANG, "write") < 1:
+            assert time.monotonic() < deadline, "the first spill never wrote"
+            time.sleep(0.005)
+        runtime = r.manager.runtime
+        timer = threading.Timer(0.6, release.set)  # past the grace
+        timer.start()
+        r.close()
+        timer.join()
+    finally:
+        release.set()
+    assert plan.count(op="write") == 1  # the three others never wrote
+    assert runtime.broken is None  # no "disk tier stopped"
+    r = RequestRunner(tiered_spec(config))
+    try:
+        h = r.manager.hierarchy
+        on_disk = {
+            name: [h.lookup(k).name for k in keys] for name, keys in stored.items()
+        }
+        assert on_disk == {
+            "a": ["HIT_DISK"] * 2,
+            "b": ["MISS"] * 2,
+            "c": ["MISS"] * 2,
+            "d": ["MISS"] * 2,
+        }
+        assert r.lookup("a", stored["a"]) == 2
+    finally:
+        r.close()
+
+
 def _copy_then_stuck_read(r, second):
     """Make the load thread hold in its next batch copy, once issued, until
     ``go_on`` is set (``issued`` says it was), then get stuck starting the
