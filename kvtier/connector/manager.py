@@ -54,10 +54,6 @@ _CPU, _DISK = (MEDIUM_CPU,), (MEDIUM_DISK,)  # the metrics' tier label
 # ``ownership`` of the full spec's disk events (tiering mode's tier uses its
 # tier type, ``KvtierDiskTier``): tells a router which STORAGE tier it is.
 DISK_OWNERSHIP = "kvtier"
-# How long shutdown goes on writing the spills queued before it cancels the
-# rest: vLLM gives an engine core a few seconds to exit before it kills it
-# (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 by default).
-SHUTDOWN_SPILL_S = 2.0
 
 
 class _LoadInFlight:
@@ -379,25 +375,9 @@ class TieredOffloadingManager(OffloadingManager):
 
     @override
     def shutdown(self) -> None:
-        """Write the spills queued for up to ``SHUTDOWN_SPILL_S`` (a warm
-        restart adopts their blocks), cancel those not started by then,
-        wait for the batches being written (a hung disk: at most the
-        drain's bound), and close the disk tier. The blocks cancelled are
-        lost with the CPU tier, as they would be without a disk tier; a
-        slow drive behind a large queue no longer holds the engine's exit
-        for up to a minute (then logging the disk tier stopped), past the
-        few seconds vLLM gives an engine core before it kills it."""
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
-            if not runtime.wait(SHUTDOWN_SPILL_S):
-                runtime.cancel_queued()
-                logger.info(
-                    "kvtier: spills still queued %.0f s into shutdown are "
-                    "cancelled; their blocks are not kept for a warm restart",
-                    SHUTDOWN_SPILL_S,
-                )
-            runtime.drain()
-            runtime.close()
+            runtime.shutdown()
 
     # --------------------------------------------------------------- stats
 

@@ -36,6 +36,11 @@ from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
 
 logger = get_logger("store")
 
+# How long shutdown goes on running the jobs queued before it cancels the
+# rest: vLLM gives an engine core a few seconds to exit before it kills it
+# (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 by default).
+SHUTDOWN_SPILL_S = 2.0
+
 
 @dataclass
 class DiskIOTotals:
@@ -288,6 +293,26 @@ class DiskRuntime:
 
     def io_errors(self) -> int:
         return sum(s.io_errors for s in self._stats())
+
+    def shutdown(self) -> None:
+        """The engine stops: run the jobs queued for up to
+        ``SHUTDOWN_SPILL_S`` (a spill's blocks are adopted by a warm
+        restart), cancel those not started by then, wait for the batches
+        moving (a hung disk: at most the drain's bound), and :meth:`close`.
+        The blocks of spills cancelled are lost with the CPU tier, as they
+        would be without a disk tier; a slow drive behind a long queue
+        held the engine's exit for up to a minute (then logging that the
+        disk tier stopped), past the few seconds vLLM gives an engine core
+        before it kills it."""
+        if not self.wait(SHUTDOWN_SPILL_S):
+            self.cancel_queued()
+            logger.info(
+                "kvtier: disk jobs still queued %.0f s into shutdown are cancelled; "
+                "the blocks of spills among them are not kept for a warm restart",
+                SHUTDOWN_SPILL_S,
+            )
+        self.drain()
+        self.close()
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the I/O threads (at most ``timeout`` s), unmap the rows and

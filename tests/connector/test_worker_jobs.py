@@ -808,9 +808,9 @@ def test_shutdown_writes_the_queued_spills_for_a_while_then_cancels_the_rest(
     then also logged the disk tier stopped). One I/O thread, its first
     write hung past the grace: the first of four spill jobs is written and
     adopted by the next start, the three others never reach the drive."""
-    from kvtier.connector import manager as manager_module
+    from kvtier.store import runtime as runtime_module
 
-    monkeypatch.setattr(manager_module, "SHUTDOWN_SPILL_S", 0.2)
+    monkeypatch.setattr(runtime_module, "SHUTDOWN_SPILL_S", 0.2)
     release = threading.Event()
     plan = inject_faults(monkeypatch, FaultPlan())
     plan.add(FaultRule.hang(release, ops="write"))

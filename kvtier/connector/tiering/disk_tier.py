@@ -578,6 +578,5 @@ class KvtierDiskTier(SecondaryTierManager):
     def shutdown(self) -> None:
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
-            runtime.drain()
-            runtime.close()
+            runtime.shutdown()
 
