@@ -304,38 +304,17 @@ class SpillProcess:
                 if msg[0] == "ready":
                     self._ready = True
                     continue
-                (
-                    _,
-                    job_id,
-                    success,
-                    nbytes,
-                    seconds,
-                    failed,
-                    io_failed,
-                    spill,
-                    cancelled,
-                    stats,
-                ) = msg
+                _, *fields, stats = msg
+                job = FinishedJob(*fields)
                 stats = [SlabStats(*s) for s in stats]
             except Exception as exc:  # not a message of ours: a bug
                 self._lose(f"it answered {str(msg)[:80]} ({exc!r})")
                 return
-            if self._held.pop(job_id, None) is None:
+            if self._held.pop(job.job_id, None) is None:
                 continue  # given up meanwhile
             with self._stats_lock:
                 self._child_stats = stats
-            self._results.append(
-                FinishedJob(
-                    job_id,
-                    success,
-                    nbytes,
-                    seconds,
-                    failed,
-                    io_failed,
-                    spill,
-                    cancelled,
-                )
-            )
+            self._results.append(job)
 
     def _lose(self, why: str, *, log: bool = True, wait: bool = False) -> None:
         """The child is gone or must go: kill it and run every later job in
@@ -445,20 +424,7 @@ def _serve(req: Connection, resp: Connection) -> None:
             while not (stopping.is_set() and not engine.pending()):
                 for job in engine.get_finished(PIPE_WAIT_S * 10):
                     stats = [astuple(store.stats()) for store in stores]
-                    send(
-                        (
-                            "done",
-                            job.job_id,
-                            job.success,
-                            job.bytes,
-                            job.seconds,
-                            job.failed_keys,
-                            job.io_failed_keys,
-                            job.spill,
-                            job.cancelled_keys,
-                            stats,
-                        )
-                    )
+                    send(("done", *astuple(job), stats))
         except OSError:  # the engine closed its end: nobody to answer
             return
         except BaseException:
@@ -489,20 +455,8 @@ def _serve(req: Connection, resp: Connection) -> None:
                 logger.error("kvtier spill process: job %d refused: %s", job_id, exc)
                 keys = list(dict.fromkeys(k for k, _, _ in items))
                 stats = [astuple(store.stats()) for store in stores]
-                send(
-                    (
-                        "done",
-                        job_id,
-                        False,
-                        0,
-                        0.0,
-                        keys,
-                        keys,
-                        kind == "spill",
-                        [],
-                        stats,
-                    )
-                )
+                job = FinishedJob(job_id, False, 0, 0.0, keys, keys, kind == "spill")
+                send(("done", *astuple(job), stats))
     finally:
         stopping.set()
         if engine.shutdown(timeout=CLOSE_TIMEOUT_S):
@@ -514,9 +468,8 @@ def child_main(argv: list[str]) -> int:
     """The child's side: reopen each rank's store for writing and map its
     rows (both described by the first message, the rows' descriptors
     passed), then run each job it is sent on a ``TransferEngine``:
-    ``("ready",)`` once, then one ``("done", job id, success, bytes,
-    seconds, failed keys, I/O-failed keys, spill, cancelled keys, per-rank
-    store counters)`` per job, in the order they finish; ``("reset",)`` and
+    ``("ready",)`` once, then one ``("done", *FinishedJob's fields,
+    per-rank store counters)`` per job, in the order they finish; ``("reset",)`` and
     ``("cancel",)`` act between the jobs sent before and after them. It
     exits when the request pipe closes, after the jobs it holds finished."""
     parent, req_fd, resp_fd = (int(a) for a in argv[1:4])

@@ -746,6 +746,29 @@ def test_spills_finishing_in_reset_cache_count_alike_in_spills_and_write_bytes(
         r.close()
 
 
+def _four_spills_behind_a_hung_write(tmp_path, monkeypatch, release):
+    """A runner with one disk I/O thread and four spill jobs of two blocks
+    (requests "a" to "d"), the first one's write hung until ``release``
+    is set and the other three queued behind it. Returns (runner, fault
+    plan, config, keys stored per request)."""
+    plan = inject_faults(monkeypatch, FaultPlan())
+    plan.add(FaultRule.hang(release, ops="write"))
+    config = make_config(
+        tmp_path, cpu_blocks=8, disk_blocks=8, spill_watermark=0.0, disk_io_threads=1
+    )
+    r = RequestRunner(tiered_spec(config))
+    stored = {}
+    for name, blocks in (("a", [1, 2]), ("b", [3, 4]), ("c", [5, 6]), ("d", [7, 8])):
+        stored[name] = r.store(name, blocks)
+        r.manager.take_events()  # a scheduler step: the spill is submitted
+    assert r.manager.hierarchy.stats.spills_started == 8
+    deadline = time.monotonic() + 30
+    while plan.count(FaultKind.HANG, "write") < 1:
+        assert time.monotonic() < deadline, "the first spill never wrote"
+        time.sleep(0.005)
+    return r, plan, config, stored
+
+
 def test_reset_cache_waits_for_the_spills_being_written_not_the_queue(
     tmp_path, monkeypatch
 ):
@@ -758,23 +781,10 @@ def test_reset_cache_waits_for_the_spills_being_written_not_the_queue(
     first is written, the other three never reach the drive, and none
     counts as a failure."""
     release = threading.Event()
-    plan = inject_faults(monkeypatch, FaultPlan())
-    plan.add(FaultRule.hang(release, ops="write"))
-    config = make_config(
-        tmp_path, cpu_blocks=8, disk_blocks=8, spill_watermark=0.0, disk_io_threads=1
-    )
-    r = RequestRunner(tiered_spec(config))
+    r, plan, _, _ = _four_spills_behind_a_hung_write(tmp_path, monkeypatch, release)
     try:
         exported = _Exported(r.manager)
-        for name, blocks in (("a", [1, 2]), ("b", [3, 4]), ("c", [5, 6]), ("d", [7, 8])):
-            r.store(name, blocks)
-            r.manager.take_events()  # a scheduler step: the spill is submitted
         h = r.manager.hierarchy
-        assert h.stats.spills_started == 8
-        deadline = time.monotonic() + 30
-        while plan.count(FaultKind.HANG, "write") < 1:
-            assert time.monotonic() < deadline, "the first spill never wrote"
-            time.sleep(0.005)
         timer = threading.Timer(0.2, release.set)  # the reset is waiting by then
         timer.start()
         r.manager.reset_cache()
@@ -812,22 +822,10 @@ def test_shutdown_writes_the_queued_spills_for_a_while_then_cancels_the_rest(
 
     monkeypatch.setattr(runtime_module, "SHUTDOWN_SPILL_S", 0.2)
     release = threading.Event()
-    plan = inject_faults(monkeypatch, FaultPlan())
-    plan.add(FaultRule.hang(release, ops="write"))
-    config = make_config(
-        tmp_path, cpu_blocks=8, disk_blocks=8, spill_watermark=0.0, disk_io_threads=1
+    r, plan, config, stored = _four_spills_behind_a_hung_write(
+        tmp_path, monkeypatch, release
     )
-    r = RequestRunner(tiered_spec(config))
-    stored = {}
     try:
-        for name, blocks in (("a", [1, 2]), ("b", [3, 4]), ("c", [5, 6]), ("d", [7, 8])):
-            stored[name] = r.store(name, blocks)
-            r.manager.take_events()  # a scheduler step: the spill is submitted
-        assert r.manager.hierarchy.stats.spills_started == 8
-        deadline = time.monotonic() + 30
-        while plan.count(FaultKind.HANG, "write") < 1:
-            assert time.monotonic() < deadline, "the first spill never wrote"
-            time.sleep(0.005)
         runtime = r.manager.runtime
         timer = threading.Timer(0.6, release.set)  # past the grace
         timer.start()
