@@ -98,6 +98,12 @@ class EvictionPolicy(ABC):
         for key in keys:
             self.remove(key, evicted)
 
+    def clear(self, keys: Iterable[Hashable]) -> None:
+        """Every resident key (``keys``, all of them) leaves, none evicted:
+        a reset. The per-key removals, unless a subclass forgets its state
+        at once (a reset of a million-block tier made a million calls)."""
+        self.remove_many(keys, evicted=False)
+
     def _position_after(self, call: Any, key: Hashable) -> tuple[int, int]:
         call(key)
         return self.position(key)
@@ -225,6 +231,11 @@ class LRUPolicy(EvictionPolicy):
         pop = self._order.pop
         for key in keys:
             pop(key, None)
+
+    def clear(self, keys: Iterable[Hashable]) -> None:
+        if type(self).remove is not LRUPolicy.remove:
+            return super().clear(keys)
+        self._order.clear()
 
     def candidates(self) -> Iterator[Hashable]:
         # Callers collect first, then evict, so iterate directly.

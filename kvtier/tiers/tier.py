@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from itertools import compress, repeat
+from operator import attrgetter, is_
 
 from kvtier.tiers.policy import EvictionPolicy, make_policy
 from kvtier.tiers.slots import BlockState, SlotPool, TierBlock
@@ -25,6 +27,7 @@ from kvtier.tiers.victims import VictimIndex
 
 _READY = BlockState.READY
 _WRITING = BlockState.WRITING
+_state_of = attrgetter("state")
 
 
 class Tier:
@@ -347,9 +350,11 @@ class Tier:
 
     def clear(self) -> list[Hashable]:
         """Forget every block; returns the keys that were READY."""
-        ready = [k for k, b in self._blocks.items() if b.state is _READY]
-        for key in list(self._blocks):
-            self.policy.remove(key, evicted=False)
+        blocks = self._blocks
+        # The READY keys, in C: a reset of a large tier names every block.
+        states = map(_state_of, blocks.values())
+        ready = list(compress(blocks, map(is_, states, repeat(_READY))))
+        self.policy.clear(list(blocks))
         self._blocks.clear()
         self._slots.clear()
         self.index.clear()

@@ -112,7 +112,8 @@ def test_replay_rejects_inconsistent_streams():
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["insert", "touch", "remove", "evict"]), st.integers(0, 15)
+        st.sampled_from(["insert", "touch", "remove", "evict", "clear"]),
+        st.integers(0, 15),
     ),
     max_size=200,
 )
@@ -124,8 +125,8 @@ OPS = st.lists(
 def test_policy_contract(name, ops, capacity):
     """Whatever the calls, ``candidates`` yields every resident key exactly
     once (a tier relies on it to find a victim), the victim order (runs
-    over segments by stamp) is the same order, and a call moves no key but
-    its own."""
+    over segments by stamp) is the same order, a call moves no key but
+    its own, and after a ``clear`` (a reset) nothing is resident."""
     p = make_policy(name, capacity)
     resident: set[int] = set()
     for op, key in ops:
@@ -141,6 +142,9 @@ def test_policy_contract(name, ops, capacity):
             resident.add(key)
         elif op == "touch":
             p.touch(key)  # also for keys not resident: must be a no-op
+        elif op == "clear":  # a reset
+            p.clear(list(resident))
+            resident.clear()
         elif key in resident:
             p.remove(key, evicted=op == "evict")
             resident.discard(key)
