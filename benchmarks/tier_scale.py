@@ -25,9 +25,16 @@ as in a serving engine, after ``gc.freeze()`` of the start-up heap (vLLM's
 engine core freezes it too); the collector's own pauses are reported
 beside the request times (``gc.callbacks``).
 
+After the churn, one reset of the full tiers is timed with the drain of
+events that follows it (kvtier: ``TierHierarchy.reset``, as the
+connector's ``reset_cache`` runs it with no disk job in flight, then one
+step's share of its removal events, which name every block; vLLM:
+``reset_cache``, which announces no removal): what ``reset_prefix_cache()``
+costs one engine step.
+
 Prints a table and writes benchmarks/results/tier_scale.json: per system
 and size, the request time's p50, p99, p99.9 and max (ms), the requests
-over 10 and 100 ms, and the longest collection.
+over 10 and 100 ms, the longest collection and the reset.
 """
 
 from __future__ import annotations
@@ -54,7 +61,10 @@ def _keys(start: int, n: int) -> list[bytes]:
     ]
 
 
-def _kvtier(size: int, cpu_blocks: int) -> Callable[[list[bytes]], None]:
+def _kvtier(
+    size: int, cpu_blocks: int
+) -> tuple[Callable[[list[bytes]], None], Callable[[], None]]:
+    from kvtier.tiers.events import EVENT_BACKLOG_PER_STEP
     from kvtier.tiers.hierarchy import TierHierarchy
     from kvtier.tools.sizing import TraceReplayer
 
@@ -68,10 +78,17 @@ def _kvtier(size: int, cpu_blocks: int) -> Callable[[list[bytes]], None]:
         replayer.store(keys[n:])
         h.take_events()
 
-    return request
+    def reset() -> None:
+        # The connector's reset_cache (no disk jobs in flight here), then
+        # the step's drain of its events: the removals of every block are
+        # a backlog handed out EVENT_BACKLOG_PER_STEP keys a step.
+        h.reset()
+        h.take_events(EVENT_BACKLOG_PER_STEP)
+
+    return request, reset
 
 
-def _vllm(size: int) -> Callable[[list[bytes]], None]:
+def _vllm(size: int) -> tuple[Callable[[list[bytes]], None], Callable[[], None]]:
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
@@ -96,7 +113,11 @@ def _vllm(size: int) -> Callable[[list[bytes]], None]:
         m.on_request_finished(ctx)
         list(m.take_events())
 
-    return request
+    def reset() -> None:
+        m.reset_cache()
+        list(m.take_events())
+
+    return request, reset
 
 
 def run_one(
@@ -105,7 +126,7 @@ def run_one(
     """One system at one size, in this process: fill, then time the churn."""
     gc.collect()
     gc.freeze()  # the start-up heap, as vLLM's engine core freezes it
-    request = _kvtier(size, cpu_blocks) if system == "kvtier" else _vllm(size)
+    request, reset = _kvtier(size, cpu_blocks) if system == "kvtier" else _vllm(size)
     fill = size + (cpu_blocks if system == "kvtier" else 0)
     t0 = time.monotonic()
     next_key = 0
@@ -135,6 +156,9 @@ def run_one(
     finally:
         gc.callbacks.remove(on_gc)
     times.sort()
+    t = ns()
+    reset()
+    reset_ns = ns() - t
 
     def pct(q: float) -> float:
         return times[min(len(times) - 1, int(q * len(times)))] / 1e6
@@ -152,6 +176,7 @@ def run_one(
         "over_100ms": sum(t > 100_000_000 for t in times),
         "full_collections": len(pauses),
         "gc_max_ms": max(pauses, default=0) / 1e6,
+        "reset_ms": reset_ns / 1e6,
     }
 
 
@@ -205,7 +230,7 @@ def main() -> None:
                 f"p99 {row['p99_ms']:6.2f}  p99.9 {row['p999_ms']:7.2f}  "
                 f"max {row['max_ms']:8.1f}  >10ms {row['over_10ms']:3d}  "
                 f">100ms {row['over_100ms']:3d}  gc2 {row['full_collections']} "
-                f"(max {row['gc_max_ms']:.0f} ms)",
+                f"(max {row['gc_max_ms']:.0f} ms)  reset {row['reset_ms']:.0f} ms",
                 flush=True,
             )
     path = write_json(
@@ -216,7 +241,10 @@ def main() -> None:
                 "cpu_blocks": args.cpu_blocks,
                 "churn": args.churn,
                 "request_blocks": args.request_blocks,
-                "unit": "ms per request (all its scheduler calls), churn phase",
+                "unit": "ms per request (all its scheduler calls), churn phase; "
+                "reset_ms: one reset of the full tiers afterwards and the "
+                "step's event drain (kvtier: TierHierarchy.reset, "
+                "take_events(EVENT_BACKLOG_PER_STEP); vLLM: reset_cache)",
                 "vllm_manager": "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager"
                 "(num_chunks=size, cache_policy='lru', enable_events=True)",
                 "kvtier": "TierHierarchy(cpu_blocks, size), lru/lru, spills at once",
