@@ -304,7 +304,7 @@ class DiskRuntime:
         held the engine's exit for up to a minute (then logging that the
         disk tier stopped), past the few seconds vLLM gives an engine core
         before it kills it."""
-        if not self.wait(SHUTDOWN_SPILL_S):
+        if self._broken is None and not self.wait(SHUTDOWN_SPILL_S):
             self.cancel_queued()
             logger.info(
                 "kvtier: disk jobs still queued %.0f s into shutdown are cancelled; "
