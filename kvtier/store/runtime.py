@@ -224,7 +224,10 @@ class DiskRuntime:
             if self._process is not None:
                 finished += self._process.poll()
             for job in finished:
-                if job.spill:
+                whole = job.cancelled_keys and job.cancelled_keys == job.failed_keys
+                if whole and not job.bytes:
+                    pass  # cancelled whole: its time in the queue is no I/O
+                elif job.spill:
                     self.totals.write_bytes += job.bytes
                     self.totals.write_seconds += job.seconds
                 else:
@@ -297,8 +300,9 @@ class DiskRuntime:
     def shutdown(self) -> None:
         """The engine stops: run the jobs queued for up to
         ``SHUTDOWN_SPILL_S`` (a spill's blocks are adopted by a warm
-        restart), cancel those not started by then, wait for the batches
-        moving (a hung disk: at most the drain's bound), and :meth:`close`.
+        restart), cancel those not started by then, and :meth:`close`,
+        which waits for the batches moving (a hung disk: at most
+        ``CLOSE_TIMEOUT_S``, then they are abandoned).
         The blocks of spills cancelled are lost with the CPU tier, as they
         would be without a disk tier; a slow drive behind a long queue
         held the engine's exit for up to a minute (then logging that the
@@ -307,11 +311,12 @@ class DiskRuntime:
         if self._broken is None and not self.wait(SHUTDOWN_SPILL_S):
             self.cancel_queued()
             logger.info(
-                "kvtier: disk jobs still queued %.0f s into shutdown are cancelled; "
+                "kvtier: disk jobs not started %.0f s into shutdown are cancelled; "
                 "the blocks of spills among them are not kept for a warm restart",
                 SHUTDOWN_SPILL_S,
             )
-        self.drain()
+        # close() waits for the batches moving, at most CLOSE_TIMEOUT_S (a
+        # hung disk: then they are abandoned), not the drain's minute.
         self.close()
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:

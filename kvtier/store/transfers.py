@@ -108,6 +108,7 @@ class _Job:
         self.failed: dict[bytes, None] = {}  # ordered, each key once
         self.bad: set[bytes] = set()  # failed on bytes shown bad on some rank
         self.cancelled: set[bytes] = set()  # not moved on some rank: cancelled
+        self.broke: set[bytes] = set()  # failed on some rank for another reason
         self.lock = threading.Lock()
         self.final: FinishedJob | None = None
 
@@ -117,10 +118,12 @@ class _Job:
         with self.lock:
             if nbytes is None or nbytes < 0:
                 self.failed[key] = None
-                if nbytes is None:
-                    self.bad.add(key)
-                elif nbytes == CANCELLED:
+                if nbytes == CANCELLED:
                     self.cancelled.add(key)
+                else:
+                    self.broke.add(key)
+                    if nbytes is None:
+                        self.bad.add(key)
             else:
                 self.bytes += nbytes
             self.remaining -= 1
@@ -139,7 +142,9 @@ class _Job:
             list(self.failed),
             [k for k in self.failed if k not in self.bad],
             self.spill,
-            [k for k in self.failed if k in self.cancelled],
+            # Cancelled on every rank it failed on: a real failure elsewhere
+            # makes it a failure, whatever the cancel did.
+            [k for k in self.failed if k in self.cancelled and k not in self.broke],
         )
 
 

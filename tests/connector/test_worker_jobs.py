@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext  # noqa: E402
 from kvtier.connector import metrics  # noqa: E402
 from kvtier.connector.worker_report import WorkerCounters, WorkerReport  # noqa: E402
 from kvtier.host.block_copy import HostCopies  # noqa: E402
+from kvtier.store.runtime import DiskRuntime  # noqa: E402
 from kvtier.testing.faults import (  # noqa: E402
     FaultKind,
     FaultPlan,
@@ -749,10 +750,19 @@ def test_spills_finishing_in_reset_cache_count_alike_in_spills_and_write_bytes(
 def _four_spills_behind_a_hung_write(tmp_path, monkeypatch, release):
     """A runner with one disk I/O thread and four spill jobs of two blocks
     (requests "a" to "d"), the first one's write hung until ``release``
-    is set and the other three queued behind it. Returns (runner, fault
+    is set, which the runtime's ``cancel_queued`` does, and the other
+    three queued behind it. Returns (runner, fault
     plan, config, keys stored per request)."""
     plan = inject_faults(monkeypatch, FaultPlan())
     plan.add(FaultRule.hang(release, ops="write"))
+    # The hung write goes on once the queue behind it was cancelled.
+    cancel_queued = DiskRuntime.cancel_queued
+
+    def cancel_then_release(runtime):
+        cancel_queued(runtime)
+        release.set()
+
+    monkeypatch.setattr(DiskRuntime, "cancel_queued", cancel_then_release)
     config = make_config(
         tmp_path, cpu_blocks=8, disk_blocks=8, spill_watermark=0.0, disk_io_threads=1
     )
@@ -785,10 +795,7 @@ def test_reset_cache_waits_for_the_spills_being_written_not_the_queue(
     try:
         exported = _Exported(r.manager)
         h = r.manager.hierarchy
-        timer = threading.Timer(0.2, release.set)  # the reset is waiting by then
-        timer.start()
         r.manager.reset_cache()
-        timer.join()
         exported.collect()
         spills = exported.grew(metrics.SPILLS).get((), 0)
         written = exported.grew(metrics.WRITE_BYTES).get(("disk",), 0)
@@ -827,10 +834,7 @@ def test_shutdown_writes_the_queued_spills_for_a_while_then_cancels_the_rest(
     )
     try:
         runtime = r.manager.runtime
-        timer = threading.Timer(0.6, release.set)  # past the grace
-        timer.start()
         r.close()
-        timer.join()
     finally:
         release.set()
     assert plan.count(op="write") == 1  # the three others never wrote

@@ -183,7 +183,7 @@ def test_a_reset_reaches_the_child_in_order(rig: Rig) -> None:
 def test_a_cancel_reaches_the_child_in_order(rig: Rig) -> None:
     """The child's engine cancels what it holds queued when the cancel
     arrives, between the jobs sent before and after it. Sent while the
-    child is stopped, three jobs of 16 blocks (four batches each, on its
+    child is stopped, twelve jobs of 4 blocks (a batch per block, on its
     four threads) are all in its pipe when it reads the cancel: batches its
     threads started by then are written, the others cancelled. Every block
     is either written and readable or cancelled (never a failure of the
@@ -191,7 +191,7 @@ def test_a_cancel_reaches_the_child_in_order(rig: Rig) -> None:
     pid = rig.in_child()
     os.kill(pid, signal.SIGSTOP)
     try:
-        sent = [rig.spill([(16 * j + i) % ROWS for i in range(16)]) for j in range(3)]
+        sent = [rig.spill([(4 * j + i) % ROWS for i in range(4)]) for j in range(12)]
         rig.runtime.cancel_queued()
         after = rig.spill([3])
     finally:

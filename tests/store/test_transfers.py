@@ -16,7 +16,13 @@ from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.compression import Codec
 from kvtier.store.slot import HEADER_SIZE, LayoutFingerprint, ReadOutcome
 from kvtier.store.store import DiskStore
-from kvtier.store.transfers import IO_FAILED, SPILL_PRIORITY, TransferEngine
+from kvtier.store.transfers import (
+    CANCELLED,
+    IO_FAILED,
+    SPILL_PRIORITY,
+    TransferEngine,
+    _Job,
+)
 
 BLOCK_BYTES = 64 * 1024  # matches the conftest fingerprint
 N = 12  # blocks per round trip
@@ -426,6 +432,20 @@ def test_cancel_queued_fails_what_has_not_started_without_io(engine_on: Any) -> 
         assert store.read_block(i, key(i), out) is ReadOutcome.OK
         assert np.array_equal(out, buf.array[i])
     assert store.stats().blocks_written == 2
+
+
+def test_a_key_cancelled_on_one_rank_and_failed_on_another_is_a_failure() -> None:
+    """A job's ``cancelled_keys`` are the keys that failed only because of
+    the cancel, on every rank they failed on: a key whose write failed on
+    another rank is a failure (counted as one), not a cancellation."""
+    job = _Job(1, [key(0), key(1)], 4, spill=True)
+    job.item_done(key(0), CANCELLED)  # rank 0
+    job.item_done(key(1), CANCELLED)
+    job.item_done(key(0), IO_FAILED)  # rank 1: the drive failed it
+    assert job.item_done(key(1), CANCELLED)
+    res = job.result()
+    assert res.failed_keys == res.io_failed_keys == [key(0), key(1)]
+    assert res.cancelled_keys == [key(1)]
 
 
 def test_shutdown_drains_then_rejects(engine_on: Any) -> None:
