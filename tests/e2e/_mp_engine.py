@@ -179,6 +179,12 @@ def main() -> None:
     # a fault plan (the held read) the worker starts none (its reads stay in
     # its process: kvtier.testing.faults), so a scan would wait out its
     # deadline for nothing.
+    # kvtier's counters reach vLLM's metrics with an engine step's stats: a
+    # sub-block prompt (nothing to look up or store) steps once more, so
+    # the last jobs' counts (a promotion reported by the worker after its
+    # request finished) are in before they are read. CI once read
+    # promotions 0 without it.
+    run([list(range(1, 9))])
     read_processes = (
         _read_processes()
         if mode != "decode-while-loading" and hasattr(os, "sched_getaffinity")
