@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from itertools import compress, repeat
 from operator import attrgetter, is_
 
 from kvtier.tiers.policy import EvictionPolicy, make_policy
@@ -353,7 +352,9 @@ class Tier:
         blocks = self._blocks
         # The READY keys, in C: a reset of a large tier names every block.
         states = map(_state_of, blocks.values())
-        ready = list(compress(blocks, map(is_, states, repeat(_READY))))
+        ready = list(
+            itertools.compress(blocks, map(is_, states, itertools.repeat(_READY)))
+        )
         self.policy.clear(list(blocks))
         self._blocks.clear()
         self._slots.clear()
