@@ -410,3 +410,63 @@ def bench_llm(
         disable_log_stats=False,
         compilation_config={"mode": 0},
     )
+
+
+class SpillRig:
+    """A disk tier's spill path without an engine, built as the engine
+    builds it, for the benchmarks that time spills (``spill_busy_loop.py``,
+    ``reset_spills.py``): a CPU tier file of ``rows`` rows of random bytes
+    (made as a worker makes it, attached as the scheduler side attaches
+    it), a ``DiskStore`` of ``slots`` slots in ``directory`` (POSIX back
+    end) and a ``DiskRuntime`` with ``threads`` I/O threads, running its
+    jobs in this process or, with ``spill_process``, in its spill process.
+    ``close()`` releases all of it (the directory stays the caller's)."""
+
+    def __init__(
+        self,
+        directory: str,
+        block: int,
+        rows: int,
+        slots: int,
+        threads: int,
+        spill_process: bool,
+        tag: str,
+    ):
+        import numpy as np
+
+        from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer
+        from kvtier.store.runtime import DiskRuntime
+        from kvtier.store.slot import LayoutFingerprint
+        from kvtier.store.store import DiskStore
+
+        fp = LayoutFingerprint("bench", "bfloat16", block, f"{tag}-{block}", 0, 1)
+        store = DiskStore([directory], slots, block, fp, backend="posix")
+        path = os.path.join(directory, "cpu", "tier.cpu")
+        os.mkdir(os.path.dirname(path), 0o700)
+        self.buf = CpuBlockBuffer(rows, block, path, owner=True)
+        try:
+            rng = np.random.default_rng(0)
+            self.buf.array[:] = rng.integers(0, 256, (rows, block), dtype=np.uint8)
+            self.runtime = DiskRuntime(
+                [store],
+                [AttachedRows(path, rows, block)],
+                threads=threads,
+                spill_process=spill_process,
+            )
+        except BaseException:
+            self.buf.close()
+            raise
+
+    def wait_for_spill_process(self, timeout: float = 60.0) -> None:
+        """Wait until the spill process runs (it starts at the first job
+        and takes jobs once ready); ``RuntimeError`` past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while self.runtime.spill_pid is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the spill process did not start in {timeout} s")
+            self.runtime.poll()
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.runtime.close()
+        self.buf.close()

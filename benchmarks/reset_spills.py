@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
 import statistics
 import sys
@@ -43,15 +42,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks._common import filesystem_of, io_throttle, write_json  # noqa: E402
-from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer  # noqa: E402
-from kvtier.store.runtime import DiskRuntime  # noqa: E402
-from kvtier.store.slot import LayoutFingerprint  # noqa: E402
-from kvtier.store.store import DiskStore  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    SpillRig,
+    filesystem_of,
+    io_throttle,
+    write_json,
+)
 from kvtier.tiers.plans import SpillOrder  # noqa: E402
 
 CASES = ("cancel", "drain")
@@ -70,32 +68,21 @@ def one_reset(
 ) -> dict[str, Any]:
     """Queue ``blocks`` blocks of spills, then time the reset's wait."""
     directory = tempfile.mkdtemp(prefix="reset-spills-", dir=base)
-    fp = LayoutFingerprint("bench", "bfloat16", block, f"reset-{block}", 0, 1)
     # One slot more than the queue: the spill that starts the child.
-    store = DiskStore([directory], blocks + 1, block, fp, backend="posix")
-    path = os.path.join(directory, "cpu", "tier.cpu")
-    os.mkdir(os.path.dirname(path), 0o700)
-    buf = CpuBlockBuffer(blocks, block, path, owner=True)
-    buf.array[:] = np.random.default_rng(0).integers(
-        0, 256, buf.array.shape, dtype=np.uint8
-    )
-    runtime = DiskRuntime(
-        [store],
-        [AttachedRows(path, blocks, block)],
-        threads=threads,
-        spill_process=mode == "child",
-    )
+    try:
+        rig = SpillRig(
+            directory, block, blocks, blocks + 1, threads, mode == "child", "reset"
+        )
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    runtime = rig.runtime
     try:
         job = 0
         if mode == "child":
             # The first job starts the child; later ones go to it once ready.
             runtime.submit_spill(SpillOrder(0, [(b"start", 0, blocks)]))
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while runtime.spill_pid is None:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the spill process did not start")
-                runtime.poll()
-                time.sleep(0.01)
+            rig.wait_for_spill_process(START_TIMEOUT_S)
             runtime.drain(START_TIMEOUT_S)
             runtime.poll()
         for first in range(0, blocks, job_blocks):
@@ -127,8 +114,7 @@ def one_reset(
             "cancelled_blocks": cancelled,
         }
     finally:
-        runtime.close()
-        buf.close()
+        rig.close()
         shutil.rmtree(directory, ignore_errors=True)
 
 

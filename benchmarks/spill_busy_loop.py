@@ -69,12 +69,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from _common import DEFAULT_TRACE, percentile, write_json
+from _common import DEFAULT_TRACE, SpillRig, percentile, write_json
 
-from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer
-from kvtier.store.runtime import DiskRuntime
-from kvtier.store.slot import LayoutFingerprint
-from kvtier.store.store import DiskStore
 from kvtier.tiers.plans import SpillOrder
 
 MIB = 1 << 20
@@ -193,19 +189,10 @@ class KvtierSpill:
         shuffle: bool,
         spill_process: bool,
     ):
-        fp = LayoutFingerprint("bench", "bfloat16", block, f"busy-{block}", 0, 1)
-        store = DiskStore([directory], count, block, fp, backend="posix")
-        path = os.path.join(directory, "cpu", "tier.cpu")
-        os.mkdir(os.path.dirname(path), 0o700)
-        self.buf = CpuBlockBuffer(count, block, path, owner=True)
-        rng = np.random.default_rng(0)
-        self.buf.array[:] = rng.integers(0, 256, (count, block), dtype=np.uint8)
-        self.runtime = DiskRuntime(
-            [store],
-            [AttachedRows(path, count, block)],
-            threads=threads,
-            spill_process=spill_process,
+        self.rig = SpillRig(
+            directory, block, count, count, threads, spill_process, "busy"
         )
+        self.runtime = self.rig.runtime
         self.spill_process = spill_process
         self.job = 0
         self.items = _spill_items(count, shuffle)
@@ -234,17 +221,13 @@ class KvtierSpill:
     def ready(self) -> None:
         """Run untimed spills until jobs run where they should (the spill
         process starts at the first job and takes jobs once ready)."""
-        deadline = time.monotonic() + 60
         self.run("waiting", where=False)
-        while self.spill_process and self.runtime.spill_pid is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError("kvtier's spill process did not start")
-            time.sleep(0.01)
+        if self.spill_process:
+            self.rig.wait_for_spill_process()
         self.run("waiting")  # untimed: allocate the extents
 
     def close(self) -> None:
-        self.runtime.close()
-        self.buf.close()
+        self.rig.close()
 
 
 class PyPwrite:
