@@ -60,7 +60,10 @@ class Tier:
         # The blocks of keys that left, for reuse: a removal appends here.
         self._free = self._slots.free
         self.filter: Callable[[Hashable, TierBlock], bool] | None = None
-        self.index = VictimIndex(self.policy.segments)
+        self.index = VictimIndex(self.policy.segments, self.policy.positions)
+        # The tier copies the policy's positions into the index unless the
+        # policy keeps them where the index reads them.
+        self._copy_positions = self.index.owns_pos
 
     # --- queries ---
 
@@ -111,7 +114,8 @@ class Tier:
             used.add(slot)
             self._blocks[key] = TierBlock(slot, _READY, 0, "restore")
             self.policy.insert(key)
-            self.index.pos[key] = self.policy.position(key)
+            if self._copy_positions:
+                self.index.pos[key] = self.policy.position(key)
             self.refresh(key)
         self._slots.restore(used)
 
@@ -153,7 +157,9 @@ class Tier:
             # never eligible, so only their positions are recorded.
             done = len(slots)
             allocated = keys if done == len(keys) else keys[:done]
-            self.index.pos.update(zip(allocated, self.policy.insert_many(allocated)))
+            placed = self.policy.insert_many(allocated)
+            if self._copy_positions:
+                self.index.pos.update(zip(allocated, placed))
         return slots
 
     def mark_ready_many(self, keys: Sequence[Hashable], accepted: bool = False) -> None:
@@ -239,7 +245,9 @@ class Tier:
                 moved.append(key)
         # A touch moves only the key touched, so the policy can take them
         # all first (the last touch of a key listed twice decides).
-        index.pos.update(zip(resident, self.policy.touch_many(resident)))
+        placed = self.policy.touch_many(resident)
+        if self._copy_positions:
+            index.pos.update(zip(resident, placed))
         if moved:
             index.place_many(moved)
 
@@ -327,10 +335,13 @@ class Tier:
         if chosen:
             # remove_many(chosen, True), minus the index's eligibility
             # (the victims were taken out of it as they were chosen).
-            pop, free, pos_pop = self._blocks.pop, self._free, index.pos.pop
+            pop, free = self._blocks.pop, self._free
             for key in chosen:
                 free.append(pop(key))
-                pos_pop(key)
+            if self._copy_positions:
+                pos_pop = index.pos.pop
+                for key in chosen:
+                    pos_pop(key)
             self.policy.remove_many(chosen, True)
         return chosen
 

@@ -13,9 +13,15 @@ answers at once instead of scanning every block it holds.
 How the keys of one segment are held: a policy stamps a key when it is
 inserted or used, so keys mostly become eligible in stamp order (a stored
 block, a block read and released, a spill's blocks in the order they were
-queued). Each segment has a few *runs*, insertion-ordered dicts (key ->
-stamp) whose stamps increase from front to back: a key is appended to the
-run whose last stamp is the largest one below its own, in O(1). Only a key
+queued). Each segment has a few *runs*, sequences of keys whose stamps
+increase from front to back: a key is appended to the run whose last stamp
+is the largest one below its own, in O(1). A run is a list of *chunks*,
+insertion-ordered dicts (key -> stamp) of at most ``CHUNK_KEYS`` keys, not
+one dict: a dict rebuilds its whole table, O(entries), inside whichever
+call inserts past its room, and a run holds up to the tier's every block
+(a million-block run's rebuild was a 0.15 s pause of the call admitting a
+key). A chunk emptied is dropped when it reaches the run's front, or
+sooner by a sweep each time the run's chunk count doubles. Only a key
 older than the last stamp of every run goes to the segment's heap. A key
 that stops being eligible, is touched or leaves is deleted from its run at
 once; a heap entry of such a key goes stale and is dropped when it reaches
@@ -43,24 +49,53 @@ from kvtier.tiers.policy import Run
 # a comparison per victim.
 RUNS_PER_SEGMENT = 3
 
+# Keys per chunk of a run: the most a chunk's table rebuild walks (about
+# 0.6 ms for an OrderedDict of 4,096 keys here, against 0.15 s for one of a
+# million). Read at each use (tests shrink it).
+CHUNK_KEYS = 4096
+
+# A run's chunk count at which its emptied chunks are first swept out (then
+# at each doubling), so chunks emptied behind a long-lived front key do not
+# pile up.
+_SWEEP_CHUNKS = 64
+
+Chunk = OrderedDict  # key -> stamp, stamps increasing front to back
+
+
+def _prune(run: list[Chunk]) -> None:
+    """Drop the emptied chunks at ``run``'s front (its first is empty):
+    afterwards the run is empty or its first chunk holds its oldest key.
+    Never while keys taken out of a chunk are held to be put back."""
+    i = 1
+    while i < len(run) and not run[i]:
+        i += 1
+    del run[:i]
+
 
 class VictimIndex:
     """Eligible keys of one tier, by (segment, stamp).
 
     ``pos[key]`` is the policy position of every resident key as of its
-    last insert/touch. ``eligible[key]`` is, for each key that may be a
-    victim now, the container holding it: one of its segment's runs, or
-    the dict of its segment's live heap entries (``heaped[seg]``: key ->
-    stamp). Deleting ``key`` from that container makes it ineligible; the
-    tier does that (and ``in``/``len`` on ``eligible``) directly in its hot
-    batch loops, and otherwise changes the index only through the methods
-    below."""
+    last insert/touch: the policy's own ``positions`` when it exposes them
+    (``owns_pos`` False: the policy keeps them current), else the index's
+    dict, which the tier keeps. ``eligible[key]`` is, for each key that
+    may be a victim now, the container holding it: a chunk of one of its
+    segment's runs (``runs[seg][r]``: a list of chunks), or the dict of its
+    segment's live heap entries (``heaped[seg]``: key -> stamp). Deleting
+    ``key`` from that container makes it ineligible; the tier does that
+    (and ``in``/``len`` on ``eligible``) directly in its hot batch loops,
+    and otherwise changes the index only through the methods below."""
 
-    def __init__(self, segments: int) -> None:
-        self.pos: dict[Hashable, tuple[int, int]] = {}
+    def __init__(
+        self, segments: int, positions: dict[Hashable, tuple[int, int]] | None = None
+    ) -> None:
+        self.owns_pos = positions is None
+        self.pos: dict[Hashable, tuple[int, int]] = (
+            {} if positions is None else positions
+        )
         self.eligible: dict[Hashable, dict[Hashable, int]] = {}
-        self.runs: list[list[OrderedDict[Hashable, int]]] = [
-            [OrderedDict() for _ in range(RUNS_PER_SEGMENT)] for _ in range(segments)
+        self.runs: list[list[list[Chunk[Hashable, int]]]] = [
+            [[] for _ in range(RUNS_PER_SEGMENT)] for _ in range(segments)
         ]
         # The last stamp appended to each run (valid while it is not empty).
         self.tails: list[list[int]] = [[-1] * RUNS_PER_SEGMENT for _ in range(segments)]
@@ -95,9 +130,11 @@ class VictimIndex:
             # (an empty run fits anything); the keys after this one in the
             # segment are newer, so they append to it too.
             runs, tails = self.runs[seg], self.tails[seg]
-            run: OrderedDict[Hashable, int] | None = None
+            run: list[Chunk[Hashable, int]] | None = None
             best = -2
             for j, candidate in enumerate(runs):
+                if candidate and not candidate[0]:
+                    _prune(candidate)
                 tail = tails[j] if candidate else -1
                 if best < tail < stamp:
                     best, run, r = tail, candidate, j
@@ -124,17 +161,47 @@ class VictimIndex:
                 group, placed = fresh[i:j], positions[i:j]
             else:
                 group, placed = fresh, positions
-            # A key listed twice gets the same stamp twice: one entry. (A
-            # loop of stores: OrderedDict.update takes the slower generic
-            # MutableMapping path.)
-            for key, (_, stamp) in zip(group, placed):
-                run[key] = stamp
-            tails[r] = stamp  # the group's last, its newest
-            eligible.update(zip(group, repeat(run)))
+            tails[r] = placed[-1][1]  # the group's last, its newest
+            self._append(run, group, placed)
             i = j
         for seg in heaped_into:
             if len(self.heaps[seg]) > 2 * len(self.heaped[seg]) + 64:
                 self._rebuild(seg)
+
+    def _append(
+        self,
+        run: list[Chunk[Hashable, int]],
+        group: list[Hashable],
+        placed: list[tuple[int, int]],
+    ) -> None:
+        """Append ``group`` (positions ``placed``, increasing, all newer
+        than ``run``'s keys) to ``run``: to its last chunk while it has
+        room, then to new chunks."""
+        eligible, size = self.eligible, CHUNK_KEYS
+        chunk = run[-1] if run else None
+        k, end = 0, len(group)
+        while k < end:
+            if chunk is None or len(chunk) >= size:
+                if k and group[k] == group[k - 1]:
+                    k += 1  # listed twice, the first in the chunk just filled
+                    continue
+                chunk = Chunk()
+                run.append(chunk)
+                count = len(run)
+                if count >= _SWEEP_CHUNKS and not count & (count - 1):
+                    run[:] = [c for c in run if c or c is chunk]
+            upto = min(end, k + size - len(chunk))
+            if k or upto != end:
+                part, where = group[k:upto], placed[k:upto]
+            else:
+                part, where = group, placed
+            # A key listed twice gets the same stamp twice: one entry. (A
+            # loop of stores: OrderedDict.update takes the slower generic
+            # MutableMapping path.)
+            for key, (_, stamp) in zip(part, where):
+                chunk[key] = stamp
+            eligible.update(zip(part, repeat(chunk)))
+            k = upto
 
     def drop_many(self, keys: Iterable[Hashable]) -> None:
         """The keys may not be victims any more (pinned, filtered out);
@@ -153,12 +220,11 @@ class VictimIndex:
 
     def forget_many(self, keys: Iterable[Hashable]) -> None:
         """The keys left the tier. O(1) per key."""
-        pos_pop, pop = self.pos.pop, self.eligible.pop
-        for key in keys:
-            pos_pop(key, None)
-            held = pop(key, None)
-            if held is not None:
-                del held[key]
+        if self.owns_pos:
+            pos_pop = self.pos.pop
+            for key in keys:
+                pos_pop(key, None)
+        self.drop_many(keys)
 
     def _rebuild(self, seg: int) -> None:
         """Drop the stale entries of ``seg``'s heap: O(live entries), after
@@ -182,7 +248,8 @@ class VictimIndex:
         return dropped
 
     def clear(self) -> None:
-        self.pos.clear()
+        if self.owns_pos:
+            self.pos.clear()
         self.eligible.clear()
         for runs in self.runs:
             for run in runs:
@@ -205,37 +272,53 @@ class VictimIndex:
         take: bool,
     ) -> int:
         """The inner loop of :meth:`victims` for a run whose front is the
-        oldest: take its keys in turn (each chosen, or held to be put back)
-        while they are older than ``stop`` and every other front, until
-        ``chosen`` has ``n``; then update or remove ``front``. Returns the
-        entries inspected."""
-        run = front[2]
+        oldest: take its keys in turn, chunk after chunk (each chosen, or
+        held to be put back) while they are older than ``stop`` and every
+        other front, until ``chosen`` has ``n``; then update or remove
+        ``front``. Chunks emptied here stay in the run (the keys held go
+        back into them); the next call's pruning drops those left empty.
+        Returns the entries inspected."""
+        _, _, chunk, run, at = front
         bound = stop
         for other in fronts:
             if other is not front and (bound is None or other[0] < bound):
                 bound = other[0]
-        popitem, eligible = run.popitem, self.eligible
+        eligible = self.eligible
         inspected = 0
-        while run:
-            key, stamp = popitem(False)
-            if bound is not None and stamp >= bound:
-                run[key] = stamp  # not this one's turn: back in front
-                run.move_to_end(key, last=False)
+        done = False
+        while True:
+            popitem = chunk.popitem
+            while chunk:
+                key, stamp = popitem(False)
+                if bound is not None and stamp >= bound:
+                    chunk[key] = stamp  # not this one's turn: back in front
+                    chunk.move_to_end(key, last=False)
+                    done = True
+                    break
+                inspected += 1
+                if key in exclude:
+                    held.append((chunk, key, stamp, None))
+                    continue
+                chosen.append(key)
+                if take:
+                    del eligible[key]
+                else:
+                    held.append((chunk, key, stamp, None))
+                if len(chosen) >= n:
+                    done = True
+                    break
+            if done:
                 break
-            inspected += 1
-            if key in exclude:
-                held.append((run, key, stamp, None))
-                continue
-            chosen.append(key)
-            if take:
-                del eligible[key]
-            else:
-                held.append((run, key, stamp, None))
-            if len(chosen) >= n:
+            # This chunk is spent: the run goes on in its next one with keys.
+            at += 1
+            while at < len(run) and not run[at]:
+                at += 1
+            if at == len(run):
                 break
-        if run:
-            front[1] = after = next(iter(run))
-            front[0] = run[after]
+            chunk = run[at]
+        if chunk:
+            front[1] = after = next(iter(chunk))
+            front[0], front[2], front[4] = chunk[after], chunk, at
         else:
             fronts.remove(front)
         return inspected
@@ -263,20 +346,33 @@ class VictimIndex:
         eligible = self.eligible
         heappop = heapq.heappop
         inspected = 0
+        for runs in self.runs:
+            for run in runs:
+                if run and not run[0]:
+                    _prune(run)
         for seg, stop in order:
             heap, live = self.heaps[seg], self.heaped[seg]
-            # [stamp, key, container] of each non-empty run's front and of
-            # the heap's live top: the segment's oldest key is the smallest
-            # (stamps are unique), and only the front taken moves on.
+            # Each non-empty run's front, [stamp, key, chunk, run, index of
+            # the chunk in the run], and the heap's live top, [stamp, key,
+            # live]: the segment's oldest key is the smallest (stamps are
+            # unique, so no comparison goes past the stamp), and only the
+            # front taken moves on.
+            # (A segment's runs may be visited twice; the second time, the
+            # chunks the first emptied are skipped, not dropped: the keys
+            # held go back into them.)
             fronts = []
             for run in self.runs[seg]:
-                if run:
-                    key = next(iter(run))
-                    fronts.append([run[key], key, run])
+                at = 0
+                while at < len(run) and not run[at]:
+                    at += 1
+                if at < len(run):
+                    chunk = run[at]
+                    key = next(iter(chunk))
+                    fronts.append([chunk[key], key, chunk, run, at])
             inspected += self._live_top(seg, fronts)
             while fronts and len(chosen) < n:
                 front = min(fronts) if len(fronts) > 1 else fronts[0]
-                stamp, key, source = front
+                stamp, key, source = front[0], front[1], front[2]
                 if stop is not None and stamp >= stop:
                     break  # the rest of this segment comes in a later run
                 if source is not live:

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from kvtier.testing.events import replay
 from kvtier.testing.state import allocate, pin
+from kvtier.tiers import policy as policy_module
 from kvtier.tiers.doorkeeper import Doorkeeper
 from kvtier.tiers.events import TierEvent
 from kvtier.tiers.policy import LRUPolicy, make_policy, policy_names
@@ -21,6 +22,39 @@ def test_lru_orders_by_last_use():
     assert list(p.candidates()) == ["b", "c", "d", "a"]
     p.remove("c", evicted=True)
     assert list(p.candidates()) == ["b", "d", "a"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("itr"), st.integers(0, 11)), max_size=300))
+def test_lru_in_chunks_of_four_stamps_is_an_ordered_dict(ops):
+    """LRU's order held in chunks of 4 stamps (inserts one by one and in
+    batches across chunk edges, touches, removals emptying chunks) equals
+    an OrderedDict moved to the end on each use, and no chunk holds more
+    than its 4 stamps' keys."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(policy_module, "STAMP_CHUNK_BITS", 2)
+        p = LRUPolicy(12)
+    model: dict[int, None] = {}
+    for op, k in ops:
+        if op == "i" and k not in model:
+            batch = [k] + [j for j in range(k + 1, k + 4) if j not in model][:2]
+            if len(batch) > 1:
+                p.insert_many(batch)
+            else:
+                p.insert(k)
+            model.update(dict.fromkeys(batch))
+        elif op == "t" and k in model:
+            p.touch_many([k])
+            del model[k]
+            model[k] = None
+        elif op == "r" and k in model:
+            p.remove(k, evicted=True)
+            del model[k]
+        assert list(p.candidates()) == list(model)
+        assert [p.position(k)[1] for k in model] == sorted(
+            p.position(k)[1] for k in model
+        )
+        assert all(len(c) <= 4 for c in p._order._chunks.values())
 
 
 def test_arc_is_scan_resistant():

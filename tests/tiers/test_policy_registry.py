@@ -134,8 +134,8 @@ def scanning_policy() -> Iterator[str]:
         summary = "LRU that scans its keys for every victim order (test only)."
 
         def victim_order(self):
-            if self._order:
-                min(self._order, key=self._order.__getitem__)  # O(resident)
+            if self.positions:
+                min(self.positions, key=self.positions.__getitem__)  # O(resident)
             return super().victim_order()
 
     try:

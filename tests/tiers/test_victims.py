@@ -6,6 +6,7 @@ import random
 import pytest
 
 from kvtier.testing.state import allocate, evictable, pin
+from kvtier.tiers import victims
 from kvtier.tiers.policy import LRUPolicy, make_policy, policy_names
 from kvtier.tiers.tier import Tier
 from tests.tiers.index_check import check_index, eligible_in_order
@@ -122,6 +123,62 @@ def test_out_of_order_admissions_use_the_heap_and_keep_the_order(policy):
     )
     order = eligible_in_order(tier)
     assert tier.evict(len(order) // 2) == order[: len(order) // 2]
+    check_index(tier)
+
+
+def _largest_container(tier: Tier) -> int:
+    """The most keys any one chunk of the victim index holds."""
+    return max(
+        (len(chunk) for runs in tier.index.runs for run in runs for chunk in run),
+        default=0,
+    )
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Runs of chunks of 3 keys, emptied chunks swept at 4 chunks: every
+    chunk boundary and sweep path on a small tier."""
+    monkeypatch.setattr(victims, "CHUNK_KEYS", 3)
+    monkeypatch.setattr(victims, "_SWEEP_CHUNKS", 4)
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("seed", range(3))
+def test_chunked_runs_keep_the_order_and_a_bounded_table(policy, seed, small_chunks):
+    """With chunks of 3 keys, a churned tier (runs of many chunks, chunks
+    emptied at the front and in the middle, segments visited twice by one
+    victim order) yields every eligible key in the policy's order, evicts
+    exactly what ``victims`` returns, and no container of the index holds
+    more than a chunk: no table rebuild walks more than a chunk's keys."""
+    a, b = _churned_tier(policy, seed), _churned_tier(policy, seed)
+    check_index(b)
+    assert _largest_container(b) == 3
+    assert max(len(run) for runs in b.index.runs for run in runs) > 4
+    exclude = set(list(a.keys())[::5])
+    for n in (1, 7, 30, 1000):
+        expect = a.victims(n, exclude=exclude)
+        for key in expect:
+            a.remove(key, evicted=True)
+        assert b.evict(n, exclude=exclude) == expect
+        check_index(b)
+        assert eligible_in_order(b) == eligible_in_order(a)
+
+
+def test_a_run_sheds_emptied_chunks_behind_a_long_lived_front(small_chunks):
+    """One key stays the oldest eligible while thousands pass behind it
+    (admitted, then removed): the run's emptied chunks are swept, so its
+    chunk list stays proportional to the keys it holds."""
+    tier = Tier("cpu", 20)
+    allocate(tier, "old")
+    tier.mark_ready("old")
+    for i in range(3000):
+        allocate(tier, i)
+        tier.mark_ready(i)
+        if i >= 3:
+            tier.remove(i - 3)
+    assert tier.victims(5) == ["old", 2997, 2998, 2999]
+    chunks = sum(len(run) for runs in tier.index.runs for run in runs)
+    assert chunks <= 2 * victims._SWEEP_CHUNKS
     check_index(tier)
 
 
