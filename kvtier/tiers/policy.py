@@ -25,9 +25,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
+# A key's position is one int, ``segment << SEGMENT_SHIFT | stamp``, so that
+# ordering positions orders keys by (segment, stamp). An int, not a tuple: a
+# dict of ints is never tracked by the garbage collector, while a dict of a
+# tier's (segment, stamp) tuples was untracked by each full collection and
+# tracked again, in the youngest generation, by the next block stored, whose
+# next collection then walked it whole (0.28 s at a million blocks); and
+# the tuples were 56 bytes a block more.
+SEGMENT_SHIFT = 56
+STAMP_MASK = (1 << SEGMENT_SHIFT) - 1
+
 # One run of a victim order: (segment, stop). The run yields the keys of
-# ``segment`` not yet yielded whose stamp is below ``stop`` (all of them when
-# ``stop`` is None), oldest stamp first.
+# ``segment`` not yet yielded whose position is below ``stop`` (a position
+# in that segment; all of them when ``stop`` is None), oldest first.
 Run = tuple[int, int | None]
 
 
@@ -42,15 +52,16 @@ class EvictionPolicy(ABC):
     Victim order, what lets a tier keep an O(blocks touched) index of its
     evictable keys: the resident keys are split into ``segments`` ordered
     lists (LRU: one; ARC: T1 and T2). ``position(key)`` is a resident key's
-    (segment, stamp), and
+    position, ``segment << SEGMENT_SHIFT | stamp`` (segment 0: the stamp),
+    and
 
     - a key's position changes only when that key is ``insert``-ed or
       ``touch``-ed (never as a side effect of another key's call), and each
       such change gives it a stamp larger than every stamp given before;
     - ``victim_order()`` is a sequence of runs ``(segment, stop)`` such that
       ``candidates()`` equals: for each run in turn, the keys of ``segment``
-      not yet yielded with stamp < ``stop`` (every one when ``stop`` is
-      None), by increasing stamp. Every segment has a run with ``stop``
+      not yet yielded with position < ``stop`` (every one when ``stop`` is
+      None), by increasing position. Every segment has a run with ``stop``
       None. It may depend on the policy's state (ARC's target ``p``).
 
     Both are O(1). ``name`` is what configurations and :func:`make_policy`
@@ -58,7 +69,7 @@ class EvictionPolicy(ABC):
     :func:`register_policy`.
 
     ``positions``: a policy that keeps every resident key's position in a
-    dict (key -> (segment, stamp), current after each call) may expose it
+    dict (key -> position, current after each call) may expose it
     there; a tier then reads it instead of keeping a copy of its own (one
     table of the tier's keys less to update and to rebuild). None: the
     tier keeps the positions ``insert_many``/``touch_many`` return.
@@ -71,7 +82,7 @@ class EvictionPolicy(ABC):
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._clock = itertools.count()  # stamps, shared by all segments
-        self.positions: dict[Hashable, tuple[int, int]] | None = None
+        self.positions: dict[Hashable, int] | None = None
 
     @abstractmethod
     def insert(self, key: Hashable) -> None:
@@ -94,10 +105,10 @@ class EvictionPolicy(ABC):
     # return each key's ``position`` right after its call (touch_many's keys
     # are all resident). A subclass may override them for speed, with
     # exactly that result.
-    def insert_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+    def insert_many(self, keys: Iterable[Hashable]) -> list[int]:
         return [self._position_after(self.insert, key) for key in keys]
 
-    def touch_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+    def touch_many(self, keys: Iterable[Hashable]) -> list[int]:
         return [self._position_after(self.touch, key) for key in keys]
 
     def remove_many(self, keys: Iterable[Hashable], evicted: bool) -> None:
@@ -110,12 +121,12 @@ class EvictionPolicy(ABC):
         at once (a reset of a million-block tier made a million calls)."""
         self.remove_many(keys, evicted=False)
 
-    def _position_after(self, call: Any, key: Hashable) -> tuple[int, int]:
+    def _position_after(self, call: Any, key: Hashable) -> int:
         call(key)
         return self.position(key)
 
     @abstractmethod
-    def position(self, key: Hashable) -> tuple[int, int]:
+    def position(self, key: Hashable) -> int:
         """(segment, stamp) of a resident key. O(1)."""
 
     @abstractmethod
@@ -185,7 +196,8 @@ STAMP_CHUNK_BITS = 12
 
 
 class StampOrder:
-    """Keys in increasing order of their stamps, without one table of them
+    """Keys in increasing order of their stamps (or of their positions in one
+    segment, which order as the stamps do), without one table of them
     all: a dict rebuilds its whole table, O(entries), inside whichever call
     inserts past its room, and an ``OrderedDict`` of a million-block tier's
     keys was a 0.16 s pause of the call that stored a block. Keys are held
@@ -193,14 +205,19 @@ class StampOrder:
     (key -> None, in stamp order), found from the key's stamp, which the
     caller keeps; a chunk emptied is dropped. Stamps added must increase.
 
-    ``add`` and ``discard`` are O(1); iteration is O(keys yielded) plus the
-    chunks' emptied places, at most a chunk's span each."""
+    ``add``, ``discard``, ``pop_last`` and ``len`` are O(1); iteration is
+    O(keys yielded) plus the chunks' emptied places, at most a chunk's span
+    each."""
 
     def __init__(self) -> None:
         # chunk number (stamp >> bits) -> chunk. Numbers grow with stamps,
         # so the dict's insertion order is the chunks' order.
         self._chunks: dict[int, dict[Hashable, None]] = {}
         self._bits = STAMP_CHUNK_BITS
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
 
     def add(self, key: Hashable, stamp: int) -> None:
         """Append ``key`` with ``stamp``, larger than every stamp added."""
@@ -209,6 +226,7 @@ class StampOrder:
         if chunk is None:
             chunk = self._chunks[number] = {}
         chunk[key] = None
+        self._len += 1
 
     def extend(self, keys: list[Hashable], start: int) -> None:
         """Append ``keys`` with the stamps ``start``, ``start + 1``, ...,
@@ -228,17 +246,31 @@ class StampOrder:
             else:
                 chunk.update(dict.fromkeys(part))
             at = upto
+        self._len += len(keys)
 
     def discard(self, key: Hashable, stamp: int) -> None:
         """Take out ``key``, held with ``stamp``."""
         number = stamp >> self._bits
         chunk = self._chunks[number]
         del chunk[key]
+        self._len -= 1
         if not chunk:
             del self._chunks[number]
 
+    def pop_last(self) -> Hashable:
+        """Take out and return the key with the largest stamp (the order
+        must not be empty)."""
+        number = next(reversed(self._chunks))
+        chunk = self._chunks[number]
+        key, _ = chunk.popitem()
+        self._len -= 1
+        if not chunk:
+            del self._chunks[number]
+        return key
+
     def clear(self) -> None:
         self._chunks.clear()
+        self._len = 0
 
     def __iter__(self) -> Iterator[Hashable]:
         return itertools.chain.from_iterable(self._chunks.values())
@@ -254,30 +286,29 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self.positions: dict[Hashable, tuple[int, int]] = {}
+        self.positions: dict[Hashable, int] = {}
         self._order = StampOrder()
 
+    # One segment: a key's position is its stamp.
     def insert(self, key: Hashable) -> None:
-        stamp = next(self._clock)
-        self.positions[key] = (0, stamp)
+        self.positions[key] = stamp = next(self._clock)
         self._order.add(key, stamp)
 
     def touch(self, key: Hashable) -> None:
         old = self.positions.get(key)
         if old is not None:
-            self._order.discard(key, old[1])
-            stamp = next(self._clock)
-            self.positions[key] = (0, stamp)
+            self._order.discard(key, old)
+            self.positions[key] = stamp = next(self._clock)
             self._order.add(key, stamp)
 
     def remove(self, key: Hashable, evicted: bool) -> None:
         old = self.positions.pop(key, None)
         if old is not None:
-            self._order.discard(key, old[1])
+            self._order.discard(key, old)
 
     # The batches inline insert/touch/position and remove, unless a subclass
     # changed those (then the per-key calls decide).
-    def insert_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+    def insert_many(self, keys: Iterable[Hashable]) -> list[int]:
         if type(self).insert is not LRUPolicy.insert:
             return super().insert_many(keys)
         # New keys (none resident, none twice: the tier's contract): each
@@ -288,23 +319,22 @@ class LRUPolicy(EvictionPolicy):
         start = next(self._clock)
         end = start + len(keys)
         self._clock = itertools.count(end)
-        placed = list(zip(itertools.repeat(0), range(start, end)))
-        self.positions.update(zip(keys, placed))
+        stamps = range(start, end)
+        self.positions.update(zip(keys, stamps))
         self._order.extend(keys, start)
-        return placed
+        return list(stamps)
 
-    def touch_many(self, keys: Iterable[Hashable]) -> list[tuple[int, int]]:
+    def touch_many(self, keys: Iterable[Hashable]) -> list[int]:
         if type(self).touch is not LRUPolicy.touch:
             return super().touch_many(keys)
         # Each key (all resident) moves last, with the next stamp.
         positions, clock, out = self.positions, self._clock, []
         add, discard = self._order.add, self._order.discard
         for key in keys:
-            discard(key, positions[key][1])
-            stamp = next(clock)
-            positions[key] = placed = (0, stamp)
+            discard(key, positions[key])
+            positions[key] = stamp = next(clock)
             add(key, stamp)
-            out.append(placed)
+            out.append(stamp)
         return out
 
     def remove_many(self, keys: Iterable[Hashable], evicted: bool) -> None:
@@ -314,7 +344,7 @@ class LRUPolicy(EvictionPolicy):
         for key in keys:
             old = pop(key, None)
             if old is not None:
-                discard(key, old[1])
+                discard(key, old)
 
     def clear(self, keys: Iterable[Hashable]) -> None:
         if type(self).remove is not LRUPolicy.remove:
@@ -326,7 +356,7 @@ class LRUPolicy(EvictionPolicy):
         # Callers collect first, then evict, so iterate directly.
         return iter(self._order)
 
-    def position(self, key: Hashable) -> tuple[int, int]:
+    def position(self, key: Hashable) -> int:
         return self.positions[key]
 
     def victim_order(self) -> tuple[Run, ...]:

@@ -10,10 +10,16 @@ cannot flush the blocks that keep coming back. They implement
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 from kvtier.tiers.doorkeeper import Doorkeeper
-from kvtier.tiers.policy import EvictionPolicy, Run, register_policy
+from kvtier.tiers.policy import (
+    SEGMENT_SHIFT,
+    EvictionPolicy,
+    Run,
+    StampOrder,
+    register_policy,
+)
 
 _T1, _T2 = 0, 1
 
@@ -41,43 +47,47 @@ class ARCPolicy(EvictionPolicy):
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self.p = 0.0
-        # Resident lists: key -> stamp. Ghost lists: key -> None.
-        self._t1: OrderedDict[Hashable, int] = OrderedDict()
-        self._t2: OrderedDict[Hashable, int] = OrderedDict()
+        # Resident lists, StampOrders as large as the tier (their keys'
+        # positions in ``positions``), and ghost lists (key -> None).
+        self.positions: dict[Hashable, int] = {}
+        self._t1 = StampOrder()
+        self._t2 = StampOrder()
+        self._lists = (self._t1, self._t2)
         self._b1: OrderedDict[Hashable, None] = OrderedDict()
         self._b2: OrderedDict[Hashable, None] = OrderedDict()
+
+    def _place(self, key: Hashable, segment: int) -> None:
+        """Append ``key`` to T1 or T2 with the next stamp."""
+        self.positions[key] = position = segment << SEGMENT_SHIFT | next(self._clock)
+        self._lists[segment].add(key, position)
 
     def insert(self, key: Hashable) -> None:
         c = max(self.capacity, 1)
         if key in self._b1:
             self.p = min(c, self.p + max(len(self._b2) / max(len(self._b1), 1), 1))
             del self._b1[key]
-            self._t2[key] = next(self._clock)
+            self._place(key, _T2)
         elif key in self._b2:
             self.p = max(0.0, self.p - max(len(self._b1) / max(len(self._b2), 1), 1))
             del self._b2[key]
-            self._t2[key] = next(self._clock)
+            self._place(key, _T2)
         else:
-            self._t1[key] = next(self._clock)
+            self._place(key, _T1)
 
     def touch(self, key: Hashable) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            self._t2[key] = next(self._clock)
-        elif key in self._t2:
-            self._t2[key] = next(self._clock)
-            self._t2.move_to_end(key)
+        position = self.positions.get(key)
+        if position is not None:
+            self._lists[position >> SEGMENT_SHIFT].discard(key, position)
+            self._place(key, _T2)
 
     def remove(self, key: Hashable, evicted: bool) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            ghost = self._b1
-        elif key in self._t2:
-            del self._t2[key]
-            ghost = self._b2
-        else:
+        position = self.positions.pop(key, None)
+        if position is None:
             return
+        segment = position >> SEGMENT_SHIFT
+        self._lists[segment].discard(key, position)
         if evicted:
+            ghost = self._b1 if segment == _T1 else self._b2
             ghost[key] = None
             # Ghost lists are bounded by the capacity together with their
             # resident lists, as in the paper: |T1|+|B1| <= c, total <= 2c.
@@ -85,6 +95,11 @@ class ARCPolicy(EvictionPolicy):
                 (self._b1 if len(self._b1) >= len(self._b2) else self._b2).popitem(
                     last=False
                 )
+
+    def clear(self, keys: Iterable[Hashable]) -> None:
+        self.positions.clear()
+        self._t1.clear()
+        self._t2.clear()
 
     def _t1_first(self) -> bool:
         # ARC's REPLACE: take from T1 while it exceeds its target p.
@@ -98,9 +113,8 @@ class ARCPolicy(EvictionPolicy):
             yield from self._t2
             yield from self._t1
 
-    def position(self, key: Hashable) -> tuple[int, int]:
-        stamp = self._t1.get(key)
-        return (_T1, stamp) if stamp is not None else (_T2, self._t2[key])
+    def position(self, key: Hashable) -> int:
+        return self.positions[key]
 
     def victim_order(self) -> tuple[Run, ...]:
         if self._t1_first():
@@ -149,54 +163,62 @@ class TwoQueuePolicy(EvictionPolicy):
         super().__init__(capacity)
         self.small_target = max(1, int(small * capacity))
         self.doorkeeper = Doorkeeper(int(history * max(capacity, 1)))
-        # Probation = _old + _young in FIFO order (key -> stamp); _young
-        # holds its newest min(len, small_target) keys.
-        self._old: OrderedDict[Hashable, int] = OrderedDict()
+        self.positions: dict[Hashable, int] = {}
+        # Probation = _old + _young in FIFO order; _young (key -> position)
+        # holds its newest min(len, small_target) keys, at most a tenth of
+        # the tier: _old and _main, as large as the tier, are StampOrders.
+        self._old = StampOrder()
         self._young: OrderedDict[Hashable, int] = OrderedDict()
-        self._main: OrderedDict[Hashable, int] = OrderedDict()
+        self._main = StampOrder()
 
     def insert(self, key: Hashable) -> None:
+        stamp = next(self._clock)
         if self.doorkeeper.add(key):
-            self._main[key] = next(self._clock)
+            self.positions[key] = position = _MAIN << SEGMENT_SHIFT | stamp
+            self._main.add(key, position)
             return
-        self._young[key] = next(self._clock)
+        self.positions[key] = self._young[key] = stamp  # probation: segment 0
         if len(self._young) > self.small_target:
-            oldest, stamp = self._young.popitem(last=False)
-            self._old[oldest] = stamp
+            oldest, position = self._young.popitem(last=False)
+            self._old.add(oldest, position)
 
-    def _leave_probation(self, key: Hashable) -> bool:
-        """Drop ``key`` from probation, keeping _young full; False if it was
-        not there. O(1)."""
-        if self._old.pop(key, None) is not None:
-            return True
-        if self._young.pop(key, None) is None:
-            return False
-        if self._old:  # the newest older key is among the newest again
-            newest, stamp = self._old.popitem(last=True)
-            self._young[newest] = stamp
+    def _leave(self, key: Hashable, position: int) -> None:
+        """Take ``key`` (at ``position``) out of its list, keeping _young
+        full. O(1)."""
+        if position >> SEGMENT_SHIFT == _MAIN:
+            self._main.discard(key, position)
+        elif self._young.pop(key, None) is None:
+            self._old.discard(key, position)
+        elif self._old:  # the newest older key is among the newest again
+            newest = self._old.pop_last()
+            self._young[newest] = self.positions[newest]
             self._young.move_to_end(newest, last=False)
-        return True
 
     def touch(self, key: Hashable) -> None:
-        if self._leave_probation(key) or key in self._main:
-            self._main[key] = next(self._clock)
-            self._main.move_to_end(key)
+        position = self.positions.get(key)
+        if position is not None:
+            self._leave(key, position)
+            self.positions[key] = position = _MAIN << SEGMENT_SHIFT | next(self._clock)
+            self._main.add(key, position)
 
     def remove(self, key: Hashable, evicted: bool) -> None:
-        if not self._leave_probation(key):
-            self._main.pop(key, None)
+        position = self.positions.pop(key, None)
+        if position is not None:
+            self._leave(key, position)
+
+    def clear(self, keys: Iterable[Hashable]) -> None:
+        self.positions.clear()
+        self._old.clear()
+        self._young.clear()
+        self._main.clear()
 
     def candidates(self) -> Iterator[Hashable]:
         yield from self._old  # probation beyond its target
         yield from self._main
         yield from self._young
 
-    def position(self, key: Hashable) -> tuple[int, int]:
-        stamp = self._main.get(key)
-        if stamp is not None:
-            return _MAIN, stamp
-        stamp = self._young.get(key)
-        return _PROBATION, self._old[key] if stamp is None else stamp
+    def position(self, key: Hashable) -> int:
+        return self.positions[key]
 
     def victim_order(self) -> tuple[Run, ...]:
         if not self._old:
@@ -234,6 +256,6 @@ class ARCDoorkeeperPolicy(ARCPolicy):
     def insert(self, key: Hashable) -> None:
         seen = self.doorkeeper.add(key)
         if seen and key not in self._b1 and key not in self._b2:
-            self._t2[key] = next(self._clock)
+            self._place(key, _T2)
         else:
             super().insert(key)

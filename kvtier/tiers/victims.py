@@ -4,32 +4,32 @@ A :class:`~kvtier.tiers.tier.Tier` owns one :class:`VictimIndex` and tells
 it about every change of a resident key's policy position and of whether
 the key may be a victim (*eligible*: READY, unpinned, allowed by the tier's
 filter). The index keeps the eligible keys ordered exactly as the policy
-ranks them, by the (segment, stamp) positions the policy hands out
-(:class:`kvtier.tiers.policy.EvictionPolicy`'s victim order). Choosing
-victims walks only that index, following the policy's ``victim_order``
-runs, so a tier whose blocks are nearly all dirty, pinned or being written
-answers at once instead of scanning every block it holds.
+ranks them, by the positions the policy hands out (ints that order keys by
+segment, then stamp: :class:`kvtier.tiers.policy.EvictionPolicy`'s victim
+order). Choosing victims walks only that index, following the policy's
+``victim_order`` runs, so a tier whose blocks are nearly all dirty, pinned
+or being written answers at once instead of scanning every block it holds.
 
 How the keys of one segment are held: a policy stamps a key when it is
 inserted or used, so keys mostly become eligible in stamp order (a stored
 block, a block read and released, a spill's blocks in the order they were
-queued). Each segment has a few *runs*, sequences of keys whose stamps
-increase from front to back: a key is appended to the run whose last stamp
-is the largest one below its own, in O(1). A run is a list of *chunks*,
-insertion-ordered dicts (key -> stamp) of at most ``CHUNK_KEYS`` keys, not
-one dict: a dict rebuilds its whole table, O(entries), inside whichever
-call inserts past its room, and a run holds up to the tier's every block
-(a million-block run's rebuild was a 0.15 s pause of the call admitting a
-key). A chunk emptied is dropped when it reaches the run's front, or
-sooner by a sweep each time the run's chunk count doubles. Only a key
-older than the last stamp of every run goes to the segment's heap. A key
-that stops being eligible, is touched or leaves is deleted from its run at
-once; a heap entry of such a key goes stale and is dropped when it reaches
-the top (heaps are rebuilt when stale entries outnumber live ones). The
-segment's oldest eligible key is the smallest of the run fronts and the
-heap top. So admitting, dropping and re-placing a key cost O(1) (O(log n)
-when it goes to the heap), and each victim O(runs) plus the stale heap
-entries dropped, each once.
+queued). Each segment has a few *runs*, sequences of keys whose positions
+increase from front to back: a key is appended to the run whose last
+position is the largest one below its own, in O(1). A run is a list of
+*chunks*, insertion-ordered dicts (key -> position) of at most
+``CHUNK_KEYS`` keys, not one dict: a dict rebuilds its whole table,
+O(entries), inside whichever call inserts past its room, and a run holds up
+to the tier's every block (a million-block run's rebuild was a 0.15 s pause
+of the call admitting a key). A chunk emptied is dropped when it reaches
+the run's front, or sooner by a sweep each time the run's chunk count
+doubles. Only a key older than the last position of every run goes to the
+segment's heap. A key that stops being eligible, is touched or leaves is
+deleted from its run at once; a heap entry of such a key goes stale and is
+dropped when it reaches the top (heaps are rebuilt when stale entries
+outnumber live ones). The segment's oldest eligible key is the smallest of
+the run fronts and the heap top. So admitting, dropping and re-placing a
+key cost O(1) (O(log n) when it goes to the heap), and each victim O(runs)
+plus the stale heap entries dropped, each once.
 
 Not thread-safe: the tier's owner serializes calls.
 """
@@ -42,7 +42,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from itertools import filterfalse, repeat
 from typing import Any
 
-from kvtier.tiers.policy import Run
+from kvtier.tiers.policy import SEGMENT_SHIFT, Run
 
 # Ordered runs per segment: with three, no admission of the trace replay
 # goes to a heap (docs/benchmarks.md, "Scheduler cost"); more would only add
@@ -59,7 +59,7 @@ CHUNK_KEYS = 4096
 # pile up.
 _SWEEP_CHUNKS = 64
 
-Chunk = OrderedDict  # key -> stamp, stamps increasing front to back
+Chunk = OrderedDict  # key -> position, increasing front to back
 
 
 def _prune(run: list[Chunk]) -> None:
@@ -73,7 +73,7 @@ def _prune(run: list[Chunk]) -> None:
 
 
 class VictimIndex:
-    """Eligible keys of one tier, by (segment, stamp).
+    """Eligible keys of one tier, by position (segment, then stamp).
 
     ``pos[key]`` is the policy position of every resident key as of its
     last insert/touch: the policy's own ``positions`` when it exposes them
@@ -81,23 +81,22 @@ class VictimIndex:
     dict, which the tier keeps. ``eligible[key]`` is, for each key that
     may be a victim now, the container holding it: a chunk of one of its
     segment's runs (``runs[seg][r]``: a list of chunks), or the dict of its
-    segment's live heap entries (``heaped[seg]``: key -> stamp). Deleting
+    segment's live heap entries (``heaped[seg]``: key -> position). Deleting
     ``key`` from that container makes it ineligible; the tier does that
     (and ``in``/``len`` on ``eligible``) directly in its hot batch loops,
     and otherwise changes the index only through the methods below."""
 
     def __init__(
-        self, segments: int, positions: dict[Hashable, tuple[int, int]] | None = None
+        self, segments: int, positions: dict[Hashable, int] | None = None
     ) -> None:
         self.owns_pos = positions is None
-        self.pos: dict[Hashable, tuple[int, int]] = (
-            {} if positions is None else positions
-        )
+        self.pos: dict[Hashable, int] = {} if positions is None else positions
         self.eligible: dict[Hashable, dict[Hashable, int]] = {}
         self.runs: list[list[list[Chunk[Hashable, int]]]] = [
             [[] for _ in range(RUNS_PER_SEGMENT)] for _ in range(segments)
         ]
-        # The last stamp appended to each run (valid while it is not empty).
+        # The last position appended to each run (valid while it is not
+        # empty).
         self.tails: list[list[int]] = [[-1] * RUNS_PER_SEGMENT for _ in range(segments)]
         self.heaps: list[list[tuple[int, Hashable]]] = [[] for _ in range(segments)]
         self.heaped: list[dict[Hashable, int]] = [{} for _ in range(segments)]
@@ -125,8 +124,9 @@ class VictimIndex:
         i = 0
         heaped_into: set[int] = set()
         while i < end:
-            seg, stamp = positions[i]
-            # The run whose last stamp is the largest one below this one
+            position = positions[i]
+            seg = position >> SEGMENT_SHIFT
+            # The run whose last position is the largest one below this one
             # (an empty run fits anything); the keys after this one in the
             # segment are newer, so they append to it too.
             runs, tails = self.runs[seg], self.tails[seg]
@@ -136,7 +136,7 @@ class VictimIndex:
                 if candidate and not candidate[0]:
                     _prune(candidate)
                 tail = tails[j] if candidate else -1
-                if best < tail < stamp:
+                if best < tail < position:
                     best, run, r = tail, candidate, j
             if run is None:
                 # Older than every run's tail: this key goes to the heap,
@@ -146,14 +146,14 @@ class VictimIndex:
                 while i < end and fresh[i] == key:
                     i += 1  # listed twice (adjacent once sorted)
                 live = self.heaped[seg]
-                live[key] = stamp
-                heapq.heappush(self.heaps[seg], (stamp, key))
+                live[key] = position
+                heapq.heappush(self.heaps[seg], (position, key))
                 eligible[key] = live
                 heaped_into.add(seg)
                 continue
             j = i + 1
-            if positions[-1][0] != seg:
-                while j < end and positions[j][0] == seg:
+            if positions[-1] >> SEGMENT_SHIFT != seg:
+                while j < end and positions[j] >> SEGMENT_SHIFT == seg:
                     j += 1
             else:
                 j = end
@@ -161,7 +161,7 @@ class VictimIndex:
                 group, placed = fresh[i:j], positions[i:j]
             else:
                 group, placed = fresh, positions
-            tails[r] = placed[-1][1]  # the group's last, its newest
+            tails[r] = placed[-1]  # the group's last, its newest
             self._append(run, group, placed)
             i = j
         for seg in heaped_into:
@@ -172,7 +172,7 @@ class VictimIndex:
         self,
         run: list[Chunk[Hashable, int]],
         group: list[Hashable],
-        placed: list[tuple[int, int]],
+        placed: list[int],
     ) -> None:
         """Append ``group`` (positions ``placed``, increasing, all newer
         than ``run``'s keys) to ``run``: to its last chunk while it has
@@ -195,11 +195,11 @@ class VictimIndex:
                 part, where = group[k:upto], placed[k:upto]
             else:
                 part, where = group, placed
-            # A key listed twice gets the same stamp twice: one entry. (A
+            # A key listed twice gets the same position twice: one entry. (A
             # loop of stores: OrderedDict.update takes the slower generic
             # MutableMapping path.)
-            for key, (_, stamp) in zip(part, where):
-                chunk[key] = stamp
+            for key, position in zip(part, where):
+                chunk[key] = position
             eligible.update(zip(part, repeat(chunk)))
             k = upto
 
@@ -229,7 +229,7 @@ class VictimIndex:
     def _rebuild(self, seg: int) -> None:
         """Drop the stale entries of ``seg``'s heap: O(live entries), after
         at least as many pushes."""
-        heap = [(stamp, key) for key, stamp in self.heaped[seg].items()]
+        heap = [(position, key) for key, position in self.heaped[seg].items()]
         heapq.heapify(heap)
         self.heaps[seg] = heap
 
@@ -239,9 +239,9 @@ class VictimIndex:
         heap, live = self.heaps[seg], self.heaped[seg]
         dropped = 0
         while heap:
-            stamp, key = heap[0]
-            if live.get(key) == stamp:
-                fronts.append([stamp, key, live])
+            position, key = heap[0]
+            if live.get(key) == position:
+                fronts.append([position, key, live])
                 break
             heapq.heappop(heap)  # stale: gone for good
             dropped += 1
@@ -289,21 +289,21 @@ class VictimIndex:
         while True:
             popitem = chunk.popitem
             while chunk:
-                key, stamp = popitem(False)
-                if bound is not None and stamp >= bound:
-                    chunk[key] = stamp  # not this one's turn: back in front
+                key, position = popitem(False)
+                if bound is not None and position >= bound:
+                    chunk[key] = position  # not this one's turn: back in front
                     chunk.move_to_end(key, last=False)
                     done = True
                     break
                 inspected += 1
                 if key in exclude:
-                    held.append((chunk, key, stamp, None))
+                    held.append((chunk, key, position, None))
                     continue
                 chosen.append(key)
                 if take:
                     del eligible[key]
                 else:
-                    held.append((chunk, key, stamp, None))
+                    held.append((chunk, key, position, None))
                 if len(chosen) >= n:
                     done = True
                     break
@@ -341,7 +341,7 @@ class VictimIndex:
         stale heap entries, each dropped once."""
         chosen: list[Hashable] = []
         # Entries taken out to be looked at and put back afterwards:
-        # (container, key, stamp, heap or None for a run).
+        # (container, key, position, heap or None for a run).
         held: list[tuple[Any, Hashable, int, Any]] = []
         eligible = self.eligible
         heappop = heapq.heappop
@@ -352,10 +352,10 @@ class VictimIndex:
                     _prune(run)
         for seg, stop in order:
             heap, live = self.heaps[seg], self.heaped[seg]
-            # Each non-empty run's front, [stamp, key, chunk, run, index of
-            # the chunk in the run], and the heap's live top, [stamp, key,
+            # Each non-empty run's front, [position, key, chunk, run, index of
+            # the chunk in the run], and the heap's live top, [position, key,
             # live]: the segment's oldest key is the smallest (stamps are
-            # unique, so no comparison goes past the stamp), and only the
+            # unique, so no comparison goes past the position), and only the
             # front taken moves on.
             # (A segment's runs may be visited twice; the second time, the
             # chunks the first emptied are skipped, not dropped: the keys
@@ -372,8 +372,8 @@ class VictimIndex:
             inspected += self._live_top(seg, fronts)
             while fronts and len(chosen) < n:
                 front = min(fronts) if len(fronts) > 1 else fronts[0]
-                stamp, key, source = front[0], front[1], front[2]
-                if stop is not None and stamp >= stop:
+                position, key, source = front[0], front[1], front[2]
+                if stop is not None and position >= stop:
                     break  # the rest of this segment comes in a later run
                 if source is not live:
                     # A run: its keys are taken in turn while they stay
@@ -389,23 +389,23 @@ class VictimIndex:
                 fronts.remove(front)
                 inspected += self._live_top(seg, fronts)
                 if key in exclude:
-                    held.append((source, key, stamp, heap))
+                    held.append((source, key, position, heap))
                     continue
                 chosen.append(key)
                 if take:
                     del eligible[key]
                 else:
-                    held.append((source, key, stamp, heap))
+                    held.append((source, key, position, heap))
             if len(chosen) >= n:
                 break
         self.inspected += inspected
         # Newest first, so that each run gets its oldest key back in front.
-        for source, key, stamp, from_heap in reversed(held):
-            source[key] = stamp
+        for source, key, position, from_heap in reversed(held):
+            source[key] = position
             if from_heap is None:
                 source.move_to_end(key, last=False)
             else:
-                heapq.heappush(from_heap, (stamp, key))
+                heapq.heappush(from_heap, (position, key))
         return chosen
 
     def scan(
