@@ -2,7 +2,8 @@
 CPUOffloadingManager holding as many blocks, in the same run.
 
     .venv/bin/python benchmarks/tier_scale.py [--sizes 100000,300000,1000000]
-        [--cpu-blocks 20000] [--churn 2] [--request-blocks 64] [--out FILE]
+        [--systems kvtier,kvtier-arcdk-2q,vllm] [--cpu-blocks 20000]
+        [--churn 2] [--request-blocks 64] [--out FILE]
 
 Every scheduler-side call is O(blocks touched), so the mean cost per block
 does not grow with the tier (``scheduler_cost.py``). What does grow is the
@@ -19,7 +20,8 @@ lookup, store, events), then ``--churn`` x N more, each store evicting as
 many old blocks. Only the churn requests are timed, one time per request
 (all of its scheduler calls). kvtier: a CPU tier of ``--cpu-blocks`` over
 a disk tier of N (LRU both, spills completed at once, as ``kvtier size``
-replays them); vLLM: ``CPUOffloadingManager`` of N chunks (LRU, events on),
+replays them); kvtier-arcdk-2q: the same with the policies recommended
+for hit rate (``arcdk`` on the CPU tier, ``2q`` on the disk tier); vLLM: ``CPUOffloadingManager`` of N chunks (LRU, events on),
 as its OffloadingConnector's scheduler drives it. Garbage collection is on,
 as in a serving engine, after ``gc.freeze()`` of the start-up heap (vLLM's
 engine core freezes it too); the collector's own pauses are reported
@@ -61,14 +63,23 @@ def _keys(start: int, n: int) -> list[bytes]:
     ]
 
 
+# System -> (CPU tier policy, disk tier policy) of kvtier's runs: the
+# default, and the pair docs/benchmarks.md recommends for hit rate.
+KVTIER_POLICIES = {"kvtier": ("lru", "lru"), "kvtier-arcdk-2q": ("arcdk", "2q")}
+SYSTEMS = (*KVTIER_POLICIES, "vllm")
+
+
 def _kvtier(
-    size: int, cpu_blocks: int
+    size: int, cpu_blocks: int, policies: tuple[str, str]
 ) -> tuple[Callable[[list[bytes]], None], Callable[[], None]]:
     from kvtier.tiers.events import EVENT_BACKLOG_PER_STEP
     from kvtier.tiers.hierarchy import TierHierarchy
     from kvtier.tools.sizing import TraceReplayer
 
-    replayer = TraceReplayer(TierHierarchy(cpu_blocks, size))
+    cpu_policy, disk_policy = policies
+    replayer = TraceReplayer(
+        TierHierarchy(cpu_blocks, size, cpu_policy=cpu_policy, disk_policy=disk_policy)
+    )
     h = replayer.h
 
     def request(keys: list[bytes]) -> None:
@@ -126,8 +137,12 @@ def run_one(
     """One system at one size, in this process: fill, then time the churn."""
     gc.collect()
     gc.freeze()  # the start-up heap, as vLLM's engine core freezes it
-    request, reset = _kvtier(size, cpu_blocks) if system == "kvtier" else _vllm(size)
-    fill = size + (cpu_blocks if system == "kvtier" else 0)
+    if system in KVTIER_POLICIES:
+        request, reset = _kvtier(size, cpu_blocks, KVTIER_POLICIES[system])
+        fill = size + cpu_blocks
+    else:
+        request, reset = _vllm(size)
+        fill = size
     t0 = time.monotonic()
     next_key = 0
     while next_key < fill:
@@ -183,6 +198,7 @@ def run_one(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="100000,300000,1000000")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--cpu-blocks", type=int, default=20000)
     ap.add_argument("--churn", type=float, default=2.0)
     ap.add_argument("--request-blocks", type=int, default=64)
@@ -201,10 +217,17 @@ def main() -> None:
 
     rows = []
     sizes = [int(s) for s in args.sizes.split(",")]
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(
+            f"--systems: unknown {sorted(unknown)}; accepted: {', '.join(SYSTEMS)}"
+        )
     for i, size in enumerate(sizes):
-        # Interleaved: each size runs both systems back to back, in an order
-        # that alternates, each in a fresh process (its own heap).
-        for system in ("kvtier", "vllm") if i % 2 == 0 else ("vllm", "kvtier"):
+        # Interleaved: each size runs the systems back to back, in an order
+        # that rotates, each in a fresh process (its own heap).
+        shift = i % len(systems)
+        for system in systems[shift:] + systems[:shift]:
             out = subprocess.run(
                 [
                     sys.executable,
@@ -226,7 +249,7 @@ def main() -> None:
             row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
             print(
-                f"{system:7s} {size:>9,} blocks: p50 {row['p50_ms']:6.2f} ms  "
+                f"{system:15s} {size:>9,} blocks: p50 {row['p50_ms']:6.2f} ms  "
                 f"p99 {row['p99_ms']:6.2f}  p99.9 {row['p999_ms']:7.2f}  "
                 f"max {row['max_ms']:8.1f}  >10ms {row['over_10ms']:3d}  "
                 f">100ms {row['over_100ms']:3d}  gc2 {row['full_collections']} "
@@ -248,6 +271,7 @@ def main() -> None:
                 "vllm_manager": "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager"
                 "(num_chunks=size, cache_policy='lru', enable_events=True)",
                 "kvtier": "TierHierarchy(cpu_blocks, size), lru/lru, spills at once",
+                "kvtier-arcdk-2q": "the same with cpu_policy arcdk, disk_policy 2q",
             },
             "results": rows,
         },
