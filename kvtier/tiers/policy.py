@@ -71,8 +71,11 @@ class EvictionPolicy(ABC):
     ``positions``: a policy that keeps every resident key's position in a
     dict (key -> position, current after each call) may expose it
     there; a tier then reads it instead of keeping a copy of its own (one
-    table of the tier's keys less to update and to rebuild). None: the
-    tier keeps the positions ``insert_many``/``touch_many`` return.
+    table of the tier's keys less to update and to rebuild). It must be
+    the same dict for the policy's life (a ``clear`` empties it, never
+    replaces it): the tier holds it. None (what ``EvictionPolicy.__init__``
+    sets): the tier keeps the positions ``insert_many``/``touch_many``
+    return.
     """
 
     name: ClassVar[str] = ""
@@ -127,7 +130,8 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def position(self, key: Hashable) -> int:
-        """(segment, stamp) of a resident key. O(1)."""
+        """The position of a resident key (``segment << SEGMENT_SHIFT |
+        stamp``). O(1)."""
 
     @abstractmethod
     def victim_order(self) -> tuple[Run, ...]:
@@ -205,9 +209,17 @@ class StampOrder:
     (key -> None, in stamp order), found from the key's stamp, which the
     caller keeps; a chunk emptied is dropped. Stamps added must increase.
 
-    ``add``, ``discard``, ``pop_last`` and ``len`` are O(1); iteration is
-    O(keys yielded) plus the chunks' emptied places, at most a chunk's span
-    each."""
+    A dict keeps its largest table until it is rebuilt, and a chunk of old
+    stamps is never rebuilt (nothing is added to it), so a chunk shrunk to
+    a power of two of at most a quarter of its span is compacted, O(its
+    keys): a tier whose keys are touched would otherwise keep a full
+    chunk's table for each chunk's few survivors.
+
+    ``add``, ``discard`` and ``len`` are O(1) (amortized: the compactions
+    cost at most half a chunk's span per chunk); ``pop_last`` too, plus
+    the places of chunks emptied at the end since the chunk map's last
+    rebuild; iteration is O(keys yielded) plus the chunks' emptied places,
+    at most a chunk's span each."""
 
     def __init__(self) -> None:
         # chunk number (stamp >> bits) -> chunk. Numbers grow with stamps,
@@ -215,6 +227,8 @@ class StampOrder:
         self._chunks: dict[int, dict[Hashable, None]] = {}
         self._bits = STAMP_CHUNK_BITS
         self._len = 0
+        # The number of the newest chunk, the one adds go to: not compacted.
+        self._newest = -1
 
     def __len__(self) -> int:
         return self._len
@@ -225,6 +239,7 @@ class StampOrder:
         chunk = self._chunks.get(number)
         if chunk is None:
             chunk = self._chunks[number] = {}
+            self._newest = number
         chunk[key] = None
         self._len += 1
 
@@ -243,6 +258,7 @@ class StampOrder:
             chunk = chunks.get(number)
             if chunk is None:
                 chunks[number] = dict.fromkeys(part)
+                self._newest = number
             else:
                 chunk.update(dict.fromkeys(part))
             at = upto
@@ -254,8 +270,15 @@ class StampOrder:
         chunk = self._chunks[number]
         del chunk[key]
         self._len -= 1
-        if not chunk:
+        left = len(chunk)
+        if not left:
             del self._chunks[number]
+        elif (
+            not left & (left - 1)
+            and left <= (1 << self._bits) >> 2
+            and number != self._newest
+        ):
+            self._chunks[number] = dict.fromkeys(chunk)
 
     def pop_last(self) -> Hashable:
         """Take out and return the key with the largest stamp (the order
@@ -271,6 +294,7 @@ class StampOrder:
     def clear(self) -> None:
         self._chunks.clear()
         self._len = 0
+        self._newest = -1
 
     def __iter__(self) -> Iterator[Hashable]:
         return itertools.chain.from_iterable(self._chunks.values())

@@ -97,6 +97,8 @@ class ARCPolicy(EvictionPolicy):
                 )
 
     def clear(self, keys: Iterable[Hashable]) -> None:
+        if type(self).remove is not ARCPolicy.remove:
+            return super().clear(keys)  # a subclass's remove decides
         self.positions.clear()
         self._t1.clear()
         self._t2.clear()
@@ -207,6 +209,8 @@ class TwoQueuePolicy(EvictionPolicy):
             self._leave(key, position)
 
     def clear(self, keys: Iterable[Hashable]) -> None:
+        if type(self).remove is not TwoQueuePolicy.remove:
+            return super().clear(keys)  # a subclass's remove decides
         self.positions.clear()
         self._old.clear()
         self._young.clear()

@@ -20,16 +20,19 @@ position is the largest one below its own, in O(1). A run is a list of
 ``CHUNK_KEYS`` keys, not one dict: a dict rebuilds its whole table,
 O(entries), inside whichever call inserts past its room, and a run holds up
 to the tier's every block (a million-block run's rebuild was a 0.15 s pause
-of the call admitting a key). A chunk emptied is dropped when it reaches
-the run's front, or sooner by a sweep each time the run's chunk count
-doubles. Only a key older than the last position of every run goes to the
+of the call admitting a key). Each new chunk tidies two older ones, round
+robin: an emptied chunk is dropped, a sparse one compacted (a dict's table
+never shrinks otherwise); the front's emptied chunks are dropped when they
+get there. Only a key older than the last position of every run goes to the
 segment's heap. A key that stops being eligible, is touched or leaves is
 deleted from its run at once; a heap entry of such a key goes stale and is
 dropped when it reaches the top (heaps are rebuilt when stale entries
 outnumber live ones). The segment's oldest eligible key is the smallest of
 the run fronts and the heap top. So admitting, dropping and re-placing a
 key cost O(1) (O(log n) when it goes to the heap), and each victim O(runs)
-plus the stale heap entries dropped, each once.
+plus the stale heap entries dropped, each once, and the emptied chunks
+stepped over, at most a run's chunk count (about its keys / 4,096) a
+call.
 
 Not thread-safe: the tier's owner serializes calls.
 """
@@ -54,10 +57,14 @@ RUNS_PER_SEGMENT = 3
 # million). Read at each use (tests shrink it).
 CHUNK_KEYS = 4096
 
-# A run's chunk count at which its emptied chunks are first swept out (then
-# at each doubling), so chunks emptied behind a long-lived front key do not
-# pile up.
-_SWEEP_CHUNKS = 64
+# Chunks of its run that a new chunk's creation tidies, round robin (the
+# new one excluded): an emptied chunk is dropped, a chunk a quarter full or
+# less is compacted in place. A dict keeps its largest table until it is
+# rebuilt, and a chunk of old keys never is, so without this a tier whose
+# keys are touched keeps a full chunk's table for each chunk's few
+# survivors, and chunks emptied behind a long-lived front key pile up.
+# At most 2 x CHUNK_KEYS / 4 keys moved per new chunk: O(1) per key.
+_TIDY_CHUNKS = 2
 
 Chunk = OrderedDict  # key -> position, increasing front to back
 
@@ -96,8 +103,11 @@ class VictimIndex:
             [[] for _ in range(RUNS_PER_SEGMENT)] for _ in range(segments)
         ]
         # The last position appended to each run (valid while it is not
-        # empty).
+        # empty), and where each run's tidying goes on.
         self.tails: list[list[int]] = [[-1] * RUNS_PER_SEGMENT for _ in range(segments)]
+        self.cursors: list[list[int]] = [
+            [0] * RUNS_PER_SEGMENT for _ in range(segments)
+        ]
         self.heaps: list[list[tuple[int, Hashable]]] = [[] for _ in range(segments)]
         self.heaped: list[dict[Hashable, int]] = [{} for _ in range(segments)]
         # Entries examined by ``victims``, for tests and benchmarks.
@@ -162,7 +172,7 @@ class VictimIndex:
             else:
                 group, placed = fresh, positions
             tails[r] = placed[-1]  # the group's last, its newest
-            self._append(run, group, placed)
+            self._append(run, group, placed, seg, r)
             i = j
         for seg in heaped_into:
             if len(self.heaps[seg]) > 2 * len(self.heaped[seg]) + 64:
@@ -173,10 +183,13 @@ class VictimIndex:
         run: list[Chunk[Hashable, int]],
         group: list[Hashable],
         placed: list[int],
+        seg: int,
+        r: int,
     ) -> None:
         """Append ``group`` (positions ``placed``, increasing, all newer
-        than ``run``'s keys) to ``run``: to its last chunk while it has
-        room, then to new chunks."""
+        than ``run``'s keys) to ``run`` (``runs[seg][r]``): to its last
+        chunk while it has room, then to new chunks, each tidying
+        ``_TIDY_CHUNKS`` older ones."""
         eligible, size = self.eligible, CHUNK_KEYS
         chunk = run[-1] if run else None
         k, end = 0, len(group)
@@ -187,9 +200,7 @@ class VictimIndex:
                     continue
                 chunk = Chunk()
                 run.append(chunk)
-                count = len(run)
-                if count >= _SWEEP_CHUNKS and not count & (count - 1):
-                    run[:] = [c for c in run if c or c is chunk]
+                self._tidy(run, seg, r)
             upto = min(end, k + size - len(chunk))
             if k or upto != end:
                 part, where = group[k:upto], placed[k:upto]
@@ -202,6 +213,30 @@ class VictimIndex:
                 chunk[key] = position
             eligible.update(zip(part, repeat(chunk)))
             k = upto
+
+    def _tidy(self, run: list[Chunk[Hashable, int]], seg: int, r: int) -> None:
+        """Visit the next ``_TIDY_CHUNKS`` chunks of ``run`` before its
+        last: drop an empty one, compact one a quarter full or less in
+        place (the same object: ``eligible`` points to it). Never while
+        keys taken out of a chunk are held to be put back."""
+        at, last = self.cursors[seg][r], len(run) - 1
+        for _ in range(_TIDY_CHUNKS):
+            if at >= last:
+                at = 0
+                if last <= 0:
+                    break
+            chunk = run[at]
+            if not chunk:
+                del run[at]
+                last -= 1
+                continue
+            if len(chunk) <= CHUNK_KEYS >> 2:
+                items = list(chunk.items())
+                chunk.clear()  # frees the table; refilled at its size
+                for key, position in items:
+                    chunk[key] = position
+            at += 1
+        self.cursors[seg][r] = at
 
     def drop_many(self, keys: Iterable[Hashable]) -> None:
         """The keys may not be victims any more (pinned, filtered out);
@@ -254,6 +289,7 @@ class VictimIndex:
         for runs in self.runs:
             for run in runs:
                 run.clear()
+        self.cursors = [[0] * RUNS_PER_SEGMENT for _ in self.cursors]
         for live in self.heaped:
             live.clear()
         self.heaps = [[] for _ in self.heaps]

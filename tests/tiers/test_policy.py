@@ -1,5 +1,7 @@
 """Eviction policies rank keys as their algorithms say."""
 
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -59,6 +61,45 @@ def test_lru_in_chunks_of_four_stamps_is_an_ordered_dict(ops):
         assert list(p.candidates()) == list(model)
         assert [p.position(k) for k in model] == sorted(p.position(k) for k in model)
         assert all(len(c) <= 4 for c in p._order._chunks.values())
+
+
+def test_a_stamp_order_compacts_a_chunk_left_with_few_keys(monkeypatch):
+    """LRU's chunks of 64 stamps, 63 of each chunk's keys touched away:
+    each old chunk is rebuilt at its few keys' size (a dict's table never
+    shrinks otherwise), the newest one, still taking keys, is not, and
+    the order is unchanged."""
+    monkeypatch.setattr(policy_module, "STAMP_CHUNK_BITS", 6)
+    p = LRUPolicy(1000)
+    keys = list(range(512))  # chunks 0-7, full
+    p.insert_many(keys)
+    full = sys.getsizeof(p._order._chunks[0])
+    p.touch_many([k for k in keys if k % 64])  # into chunks 8-15
+    assert list(p.candidates()) == [k for k in keys if not k % 64] + [
+        k for k in keys if k % 64
+    ]
+    olds = [p._order._chunks[n] for n in range(8)]
+    assert all(len(c) == 1 and sys.getsizeof(c) * 4 < full for c in olds)
+    assert len(p._order) == 512
+
+
+@pytest.mark.parametrize("name", ["arc", "2q", "arcdk"])
+def test_a_subclass_remove_still_sees_every_key_at_a_reset(name):
+    """A reset clears ARC's and 2Q's lists at once, unless a subclass
+    changed ``remove``: then each key is removed through it."""
+    base = type(make_policy(name, 4))
+    seen: list = []
+
+    class Logged(base):  # type: ignore[valid-type, misc]
+        def remove(self, key, evicted):
+            seen.append(key)
+            super().remove(key, evicted)
+
+    p = Logged(4)
+    for k in "ab":
+        p.insert(k)
+    p.clear(["a", "b"])
+    assert seen == ["a", "b"]
+    assert not list(p.candidates()) and not p.positions
 
 
 def test_arc_is_scan_resistant():

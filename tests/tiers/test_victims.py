@@ -2,6 +2,7 @@
 but the work done (same keys, same order, same index afterwards)."""
 
 import random
+import sys
 
 import pytest
 
@@ -136,10 +137,9 @@ def _largest_container(tier: Tier) -> int:
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Runs of chunks of 3 keys, emptied chunks swept at 4 chunks: every
-    chunk boundary and sweep path on a small tier."""
+    """Runs of chunks of 3 keys: every chunk boundary and tidying path on
+    a small tier."""
     monkeypatch.setattr(victims, "CHUNK_KEYS", 3)
-    monkeypatch.setattr(victims, "_SWEEP_CHUNKS", 4)
 
 
 @pytest.mark.parametrize("policy", policy_names())
@@ -178,7 +178,32 @@ def test_a_run_sheds_emptied_chunks_behind_a_long_lived_front(small_chunks):
             tier.remove(i - 3)
     assert tier.victims(5) == ["old", 2997, 2998, 2999]
     chunks = sum(len(run) for runs in tier.index.runs for run in runs)
-    assert chunks <= 2 * victims._SWEEP_CHUNKS
+    assert chunks <= 4
+    check_index(tier)
+
+
+def test_sparse_chunks_are_compacted_in_place(monkeypatch):
+    """A chunk whose keys were mostly pinned away keeps its full table
+    until the run's tidying compacts it (the same object, so the index
+    stays whole): memory follows the keys held, not the keys once held."""
+    monkeypatch.setattr(victims, "CHUNK_KEYS", 64)
+    tier = Tier("cpu", 5000)
+    first = list(range(640))  # ten chunks of 64
+    for k in first:
+        allocate(tier, k)
+    tier.mark_ready_many(first)
+    run = tier.index.runs[0][0]
+    old = list(run)
+    assert len(old) == 10
+    tier.pin_many([k for k in first if k % 64])  # one key left in each
+    before = [sys.getsizeof(c) for c in old]
+    more = list(range(640, 640 + 64 * 30))  # 30 new chunks: 60 tidied
+    for k in more:
+        allocate(tier, k)
+    tier.mark_ready_many(more)
+    # The last one had room: the new keys went there first.
+    assert [len(c) for c in old] == [1] * 9 + [64]
+    assert all(sys.getsizeof(c) * 4 < b for c, b in zip(old[:9], before))
     check_index(tier)
 
 
