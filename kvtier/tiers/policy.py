@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 # A key's position is one int, ``segment << SEGMENT_SHIFT | stamp``, so that
@@ -211,12 +211,12 @@ class StampOrder:
 
     A dict keeps its largest table until it is rebuilt, and a chunk of old
     stamps is never rebuilt (nothing is added to it), so a chunk shrunk to
-    a power of two of at most a quarter of its span is compacted, O(its
-    keys): a tier whose keys are touched would otherwise keep a full
-    chunk's table for each chunk's few survivors.
+    an eighth of its span is rebuilt at that size, O(its keys): a tier
+    whose keys are touched would otherwise keep a full chunk's table for
+    each chunk's few survivors.
 
-    ``add``, ``discard`` and ``len`` are O(1) (amortized: the compactions
-    cost at most half a chunk's span per chunk); ``pop_last`` too, plus
+    ``add``, ``discard`` and ``len`` are O(1) (amortized: the rebuild
+    costs an eighth of a chunk's span per chunk); ``pop_last`` too, plus
     the places of chunks emptied at the end since the chunk map's last
     rebuild; iteration is O(keys yielded) plus the chunks' emptied places,
     at most a chunk's span each."""
@@ -271,13 +271,59 @@ class StampOrder:
         del chunk[key]
         self._len -= 1
         left = len(chunk)
-        if not left:
+        if not left or left == (1 << self._bits) >> 3:
+            self._shrunk(number, chunk)
+
+    def discard_many(self, keys: Iterable[Hashable], stamps: Iterable[int]) -> None:
+        """``discard`` of each key with its stamp, in one call."""
+        chunks, bits = self._chunks, self._bits
+        eighth = (1 << bits) >> 3
+        count = 0
+        for key, stamp in zip(keys, stamps):
+            number = stamp >> bits
+            chunk = chunks[number]
+            del chunk[key]
+            count += 1
+            left = len(chunk)
+            if not left or left == eighth:
+                self._shrunk(number, chunk)
+        self._len -= count
+
+    def move_many(
+        self, keys: Sequence[Hashable], olds: Sequence[int], start: int
+    ) -> None:
+        """For each key in turn: take it out (held with ``olds[i]``) and
+        append it with stamp ``start + i``, larger than every stamp added
+        (a key listed twice: its later old stamp is its earlier new one).
+        In one call: LRU's touches."""
+        chunks, bits = self._chunks, self._bits
+        eighth = (1 << bits) >> 3
+        newest = self._newest
+        target = chunks.get(newest)
+        for key, old, stamp in zip(keys, olds, range(start, start + len(keys))):
+            number = old >> bits
+            chunk = chunks[number]
+            del chunk[key]
+            left = len(chunk)
+            if (not left or left == eighth) and number != newest:
+                self._shrunk(number, chunk)
+            number = stamp >> bits
+            if number != newest or target is None:
+                if target is not None and not target:
+                    del chunks[newest]  # emptied here, never added to again
+                target = chunks.get(number)
+                if target is None:
+                    target = chunks[number] = {}
+                self._newest = newest = number
+            target[key] = None
+
+    def _shrunk(self, number: int, chunk: dict[Hashable, None]) -> None:
+        """Chunk ``number`` lost a key and is empty (dropped) or down to an
+        eighth of its span (rebuilt at that size, unless it is the newest:
+        adds go there)."""
+        if not chunk:
             del self._chunks[number]
-        elif (
-            not left & (left - 1)
-            and left <= (1 << self._bits) >> 2
-            and number != self._newest
-        ):
+        elif number != self._newest:
             self._chunks[number] = dict.fromkeys(chunk)
 
     def pop_last(self) -> Hashable:
@@ -351,24 +397,36 @@ class LRUPolicy(EvictionPolicy):
     def touch_many(self, keys: Iterable[Hashable]) -> list[int]:
         if type(self).touch is not LRUPolicy.touch:
             return super().touch_many(keys)
-        # Each key (all resident) moves last, with the next stamp.
-        positions, clock, out = self.positions, self._clock, []
-        add, discard = self._order.add, self._order.discard
-        for key in keys:
-            discard(key, positions[key])
-            positions[key] = stamp = next(clock)
-            add(key, stamp)
-            out.append(stamp)
-        return out
+        # Each key (all resident) moves last, with the next stamp; a key
+        # listed twice ends with its last.
+        keys = list(keys)
+        positions = self.positions
+        start = next(self._clock)
+        end = start + len(keys)
+        self._clock = itertools.count(end)
+        olds = list(map(positions.__getitem__, keys))
+        if len(set(keys)) != len(keys):
+            # A key's later old stamp is its earlier new one.
+            seen: dict[Hashable, int] = {}
+            for i, key in enumerate(keys):
+                if key in seen:
+                    olds[i] = seen[key]
+                seen[key] = start + i
+        stamps = range(start, end)
+        positions.update(zip(keys, stamps))
+        self._order.move_many(keys, olds, start)
+        return list(stamps)
 
     def remove_many(self, keys: Iterable[Hashable], evicted: bool) -> None:
         if type(self).remove is not LRUPolicy.remove:
             return super().remove_many(keys, evicted)
-        pop, discard = self.positions.pop, self._order.discard
-        for key in keys:
-            old = pop(key, None)
-            if old is not None:
-                discard(key, old)
+        pop = self.positions.pop
+        keys = list(keys)
+        olds = [pop(key, None) for key in keys]
+        if None in olds:  # keys not resident (or listed twice): skipped
+            keys = [k for k, old in zip(keys, olds) if old is not None]
+            olds = [old for old in olds if old is not None]
+        self._order.discard_many(keys, olds)
 
     def clear(self, keys: Iterable[Hashable]) -> None:
         if type(self).remove is not LRUPolicy.remove:

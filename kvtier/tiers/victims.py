@@ -58,12 +58,12 @@ RUNS_PER_SEGMENT = 3
 CHUNK_KEYS = 4096
 
 # Chunks of its run that a new chunk's creation tidies, round robin (the
-# new one excluded): an emptied chunk is dropped, a chunk a quarter full or
+# new one excluded): an emptied chunk is dropped, a chunk an eighth full or
 # less is compacted in place. A dict keeps its largest table until it is
 # rebuilt, and a chunk of old keys never is, so without this a tier whose
 # keys are touched keeps a full chunk's table for each chunk's few
 # survivors, and chunks emptied behind a long-lived front key pile up.
-# At most 2 x CHUNK_KEYS / 4 keys moved per new chunk: O(1) per key.
+# At most 2 x CHUNK_KEYS / 8 keys moved per new chunk: O(1) per key.
 _TIDY_CHUNKS = 2
 
 Chunk = OrderedDict  # key -> position, increasing front to back
@@ -216,7 +216,7 @@ class VictimIndex:
 
     def _tidy(self, run: list[Chunk[Hashable, int]], seg: int, r: int) -> None:
         """Visit the next ``_TIDY_CHUNKS`` chunks of ``run`` before its
-        last: drop an empty one, compact one a quarter full or less in
+        last: drop an empty one, compact one an eighth full or less in
         place (the same object: ``eligible`` points to it). Never while
         keys taken out of a chunk are held to be put back."""
         at, last = self.cursors[seg][r], len(run) - 1
@@ -230,7 +230,7 @@ class VictimIndex:
                 del run[at]
                 last -= 1
                 continue
-            if len(chunk) <= CHUNK_KEYS >> 2:
+            if len(chunk) <= CHUNK_KEYS >> 3:
                 items = list(chunk.items())
                 chunk.clear()  # frees the table; refilled at its size
                 for key, position in items:
