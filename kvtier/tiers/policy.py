@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 # A key's position is one int, ``segment << SEGMENT_SHIFT | stamp``, so that
@@ -107,7 +107,8 @@ class EvictionPolicy(ABC):
     # Batches: the per-key calls, in order; insert_many and touch_many
     # return each key's ``position`` right after its call (touch_many's keys
     # are all resident). A subclass may override them for speed, with
-    # exactly that result.
+    # exactly that result (see _BULK_PATHS for what such an override may
+    # assume).
     def insert_many(self, keys: Iterable[Hashable]) -> list[int]:
         return [self._position_after(self.insert, key) for key in keys]
 
@@ -118,11 +119,45 @@ class EvictionPolicy(ABC):
         for key in keys:
             self.remove(key, evicted)
 
+    # A subclass whose state can be dropped at once defines
+    # ``_forget_all(self) -> None``: every resident key leaves, none
+    # evicted, exactly as ``remove(key, False)`` for each would leave it.
+    _forget_all: Callable[[EvictionPolicy], None] | None = None
+
     def clear(self, keys: Iterable[Hashable]) -> None:
         """Every resident key (``keys``, all of them) leaves, none evicted:
-        a reset. The per-key removals, unless a subclass forgets its state
-        at once (a reset of a million-block tier made a million calls)."""
-        self.remove_many(keys, evicted=False)
+        a reset. ``_forget_all`` when the class has one (a reset of a
+        million-block tier made a million calls), else the per-key
+        removals."""
+        if self._forget_all is not None:
+            self._forget_all()
+        else:
+            self.remove_many(keys, evicted=False)
+
+    # A fast bulk path inlines the per-key method its class defines beside
+    # it (bulk name -> per-key name). A subclass that overrides the per-key
+    # method and not the bulk one would see its override skipped; such a
+    # class gets the per-key path back instead (EvictionPolicy's bulk
+    # method, or no _forget_all), so an override always decides. Set per
+    # class by __init_subclass__: the one place this rule lives.
+    _BULK_PATHS: ClassVar[dict[str, str]] = {
+        "insert_many": "insert",
+        "touch_many": "touch",
+        "remove_many": "remove",
+        "_forget_all": "remove",
+    }
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for bulk, single in EvictionPolicy._BULK_PATHS.items():
+            bulk_owner = _definer(cls, bulk)
+            single_owner = _definer(cls, single)
+            if (
+                bulk_owner is not EvictionPolicy
+                and single_owner is not bulk_owner
+                and issubclass(single_owner, bulk_owner)
+            ):
+                setattr(cls, bulk, EvictionPolicy.__dict__[bulk])
 
     def _position_after(self, call: Any, key: Hashable) -> int:
         call(key)
@@ -136,6 +171,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def victim_order(self) -> tuple[Run, ...]:
         """The current order of the segments, as runs. O(1)."""
+
+
+def _definer(cls: type, name: str) -> type:
+    """The class in ``cls``'s MRO whose own body defines ``name``."""
+    return next(c for c in cls.__mro__ if name in c.__dict__)
 
 
 P = TypeVar("P", bound=type[EvictionPolicy])
@@ -376,11 +416,9 @@ class LRUPolicy(EvictionPolicy):
         if old is not None:
             self._order.discard(key, old)
 
-    # The batches inline insert/touch/position and remove, unless a subclass
-    # changed those (then the per-key calls decide).
+    # The batches inline insert/touch/position and remove (a subclass that
+    # changes those gets the per-key calls: EvictionPolicy._BULK_PATHS).
     def insert_many(self, keys: Iterable[Hashable]) -> list[int]:
-        if type(self).insert is not LRUPolicy.insert:
-            return super().insert_many(keys)
         # New keys (none resident, none twice: the tier's contract): each
         # appended with the next stamp.
         keys = list(keys)
@@ -395,8 +433,6 @@ class LRUPolicy(EvictionPolicy):
         return list(stamps)
 
     def touch_many(self, keys: Iterable[Hashable]) -> list[int]:
-        if type(self).touch is not LRUPolicy.touch:
-            return super().touch_many(keys)
         # Each key (all resident) moves last, with the next stamp; a key
         # listed twice ends with its last.
         keys = list(keys)
@@ -418,8 +454,6 @@ class LRUPolicy(EvictionPolicy):
         return list(stamps)
 
     def remove_many(self, keys: Iterable[Hashable], evicted: bool) -> None:
-        if type(self).remove is not LRUPolicy.remove:
-            return super().remove_many(keys, evicted)
         pop = self.positions.pop
         keys = list(keys)
         olds = [pop(key, None) for key in keys]
@@ -428,9 +462,7 @@ class LRUPolicy(EvictionPolicy):
             olds = [old for old in olds if old is not None]
         self._order.discard_many(keys, olds)
 
-    def clear(self, keys: Iterable[Hashable]) -> None:
-        if type(self).remove is not LRUPolicy.remove:
-            return super().clear(keys)
+    def _forget_all(self) -> None:
         self.positions.clear()
         self._order.clear()
 

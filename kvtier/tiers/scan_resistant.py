@@ -10,7 +10,7 @@ cannot flush the blocks that keep coming back. They implement
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterator
 
 from kvtier.tiers.doorkeeper import Doorkeeper
 from kvtier.tiers.policy import (
@@ -96,9 +96,7 @@ class ARCPolicy(EvictionPolicy):
                     last=False
                 )
 
-    def clear(self, keys: Iterable[Hashable]) -> None:
-        if type(self).remove is not ARCPolicy.remove:
-            return super().clear(keys)  # a subclass's remove decides
+    def _forget_all(self) -> None:
         self.positions.clear()
         self._t1.clear()
         self._t2.clear()
@@ -208,9 +206,7 @@ class TwoQueuePolicy(EvictionPolicy):
         if position is not None:
             self._leave(key, position)
 
-    def clear(self, keys: Iterable[Hashable]) -> None:
-        if type(self).remove is not TwoQueuePolicy.remove:
-            return super().clear(keys)  # a subclass's remove decides
+    def _forget_all(self) -> None:
         self.positions.clear()
         self._old.clear()
         self._young.clear()

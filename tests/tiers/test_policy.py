@@ -82,10 +82,11 @@ def test_a_stamp_order_compacts_a_chunk_left_with_few_keys(monkeypatch):
     assert len(p._order) == 512
 
 
-@pytest.mark.parametrize("name", ["arc", "2q", "arcdk"])
+@pytest.mark.parametrize("name", policy_names())
 def test_a_subclass_remove_still_sees_every_key_at_a_reset(name):
-    """A reset clears ARC's and 2Q's lists at once, unless a subclass
-    changed ``remove``: then each key is removed through it."""
+    """A reset forgets a built-in policy's lists at once, unless a subclass
+    changed ``remove``: then each key is removed through it, in batches
+    too; a subclass that also brings its own ``_forget_all`` keeps it."""
     base = type(make_policy(name, 4))
     seen: list = []
 
@@ -94,12 +95,22 @@ def test_a_subclass_remove_still_sees_every_key_at_a_reset(name):
             seen.append(key)
             super().remove(key, evicted)
 
-    p = Logged(4)
-    for k in "ab":
-        p.insert(k)
-    p.clear(["a", "b"])
-    assert seen == ["a", "b"]
-    assert not list(p.candidates()) and not p.positions
+    class LoggedFast(Logged):
+        def _forget_all(self):
+            seen.append("all")
+            base._forget_all(self)
+
+    assert base._forget_all is not None and Logged._forget_all is None
+    for cls, expected in ((Logged, ["a", "b"]), (LoggedFast, ["all"])):
+        seen.clear()
+        p = cls(4)
+        p.insert_many("ab")
+        p.clear(["a", "b"])
+        assert seen == expected
+        assert not list(p.candidates()) and not p.positions
+    p.insert_many("cd")
+    p.remove_many(["d", "c"], evicted=False)  # the batch goes through it
+    assert seen == ["all", "d", "c"]
 
 
 def test_arc_is_scan_resistant():
