@@ -258,17 +258,24 @@ class StampOrder:
     ``add``, ``discard`` and ``len`` are O(1) (amortized: the rebuild
     costs an eighth of a chunk's span per chunk); ``pop_last`` too, plus
     the places of chunks emptied at the end since the chunk map's last
-    rebuild; iteration is O(keys yielded) plus the chunks' emptied places,
-    at most a chunk's span each."""
+    rebuild; ``pop_first`` walks the first chunk's emptied places (at most
+    its span: a queue popped from its front wants small chunks, ``bits``)
+    and is otherwise amortized O(1); iteration is O(keys yielded) plus the
+    chunks' emptied places, at most a chunk's span each."""
 
-    def __init__(self) -> None:
+    def __init__(self, bits: int | None = None) -> None:
         # chunk number (stamp >> bits) -> chunk. Numbers grow with stamps,
         # so the dict's insertion order is the chunks' order.
         self._chunks: dict[int, dict[Hashable, None]] = {}
-        self._bits = STAMP_CHUNK_BITS
+        self._bits = STAMP_CHUNK_BITS if bits is None else bits
         self._len = 0
         # The number of the newest chunk, the one adds go to: not compacted.
         self._newest = -1
+        # No live chunk is numbered below this (None: not known yet).
+        # pop_first steps it up instead of taking the chunk map's first
+        # entry, which walks every chunk dropped from the front since the
+        # map's last rebuild (a queue drops one per chunk's span).
+        self._first: int | None = None
 
     def __len__(self) -> int:
         return self._len
@@ -377,10 +384,33 @@ class StampOrder:
             del self._chunks[number]
         return key
 
+    def pop_first(self) -> Hashable:
+        """Take out and return the key with the smallest stamp (the order
+        must not be empty)."""
+        chunks = self._chunks
+        number = self._first
+        if number is None:
+            number = next(iter(chunks))
+        chunk = chunks.get(number)
+        while chunk is None:  # each number is stepped over once
+            number += 1
+            if number > self._newest:  # never (no add goes below _first)
+                number = next(iter(chunks))
+            chunk = chunks.get(number)
+        self._first = number
+        key = next(iter(chunk))
+        del chunk[key]
+        self._len -= 1
+        left = len(chunk)
+        if not left or left == (1 << self._bits) >> 3:
+            self._shrunk(number, chunk)
+        return key
+
     def clear(self) -> None:
         self._chunks.clear()
         self._len = 0
         self._newest = -1
+        self._first = None
 
     def __iter__(self) -> Iterator[Hashable]:
         return itertools.chain.from_iterable(self._chunks.values())
