@@ -511,12 +511,17 @@ def _error_examples() -> list[tuple[str, str]]:
     # same on every machine (uid 1000, 1 GiB free).
     cfg = c.parse_extra_config(disk)
 
-    def check(isdir: bool, writable: bool, free: int) -> Callable[[], Any]:
+    def check(
+        isdir: bool, writable: bool, free: int, read_only: bool = False
+    ) -> Callable[[], Any]:
+        mount = mock.Mock(f_flag=d.os.ST_RDONLY if read_only else 0)
+
         def run() -> Any:
             with (
                 mock.patch.object(d.os.path, "isdir", return_value=isdir),
                 mock.patch.object(d.os, "access", return_value=writable),
-                mock.patch.object(d.os, "getuid", return_value=1000),
+                mock.patch.object(d.os, "statvfs", return_value=mount),
+                mock.patch.object(d.os, "geteuid", return_value=1000),
                 mock.patch.object(d, "_existing_slab_bytes", return_value=0),
             ):
                 return d.check_disk_paths(cfg, free_bytes=lambda _p: free)
@@ -525,6 +530,7 @@ def _error_examples() -> list[tuple[str, str]]:
 
     out.append(("path does not exist", _message(check(False, True, 0))))
     out.append(("path not writable", _message(check(True, False, 0))))
+    out.append(("path on a read-only mount", _message(check(True, False, 0, True))))
     out.append(("not enough free space", _message(check(True, True, GiB))))
     both = ["/mnt/nvme0/kvtier", "/mnt/nvme0-link/kvtier"]
     twice = c.parse_extra_config({**disk, "disk_path": both})

@@ -29,5 +29,10 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'kvtier.connector' has no attribute {name!r}")
+        # vLLM looks spec_name and kv_connector up here: name what is.
+        raise AttributeError(
+            f"module 'kvtier.connector' has no attribute {name!r}: it provides "
+            'TieredOffloadingSpec ("spec_name") and TieredOffloadingConnector '
+            '("kv_connector"); fix the name in --kv-transfer-config'
+        )
     return getattr(importlib.import_module(module), name)

@@ -43,12 +43,32 @@ def check_disk_paths(
     if same is not None:
         raise ConfigError("disk_path", same)
     for path in cfg.disk_path:
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(
-                "disk_path",
-                f"{path!r} is not writable by this process (uid {os.getuid()})",
-            )
+        refused = not_writable(path)
+        if refused is not None:
+            why, fix = refused
+            raise ConfigError("disk_path", f"{path!r} {why}; {fix}")
         check_disk_space(cfg, path, free_bytes=free_bytes, reusable=reusable)
+
+
+def not_writable(path: str) -> tuple[str, str] | None:
+    """(why, fix) when this process cannot create files in directory
+    ``path``, else None: a read-only mount (the fix is the mount, not the
+    owner) or missing permission."""
+    if os.access(path, os.W_OK | os.X_OK):
+        return None
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return (
+            "is on a read-only file system",
+            "remount it read-write, or choose a disk_path on a writable one",
+        )
+    return (
+        f"is not writable by this process (uid {os.geteuid()})",
+        f"chown <service user> {path} (or run as its owner)",
+    )
 
 
 def same_directory(paths: Sequence[str]) -> str | None:

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from doctor_util import MiB, doctor, flags, mounted
 
+from kvtier.connector.config import ConfigError, parse_extra_config
 from kvtier.connector.identity import model_identity
+from kvtier.connector.preflight import check_disk_paths
 from kvtier.store.slot import LayoutFingerprint
 from kvtier.store.store import DiskStore
 from kvtier.testing.model import build_tiny_llama
@@ -68,16 +70,25 @@ def test_one_directory_under_two_names_is_an_error(capsys, tmp_path, disk, shm):
 
 
 def test_unwritable_path_is_an_error(capsys, disk, shm):
+    """A read-only mount is named as one, with the mount as the fix (a
+    chown cannot help there); a directory of another owner gets chown."""
     if os.geteuid() == 0:
         # Root writes through any mode bits, not onto a read-only file
         # system (CI runs as root: a skip here never ran the test there).
         unwritable = mounted(disk, "tmpfs", "ro,size=1m,mode=0700")
+        why, fix = "read-only file system", "remount it read-write"
     else:
         os.chmod(disk, 0o500)
         unwritable = contextlib.nullcontext()
+        why, fix = "not writable by this process", "chown <service user>"
     with unwritable:
         rc, checks = doctor(capsys, *flags(disk, shm))
-    assert rc == 1 and checks[f"{disk}: writable"]["status"] == "error"
+        found = checks[f"{disk}: writable"]
+        assert rc == 1 and found["status"] == "error"
+        assert why in found["detail"] and fix in found["fix"]
+        engine = {"cpu_bytes_to_use": MiB, "disk_bytes_to_use": MiB}
+        with pytest.raises(ConfigError, match=f"{why}.*; {fix}"):  # engine start
+            check_disk_paths(parse_extra_config({**engine, "disk_path": str(disk)}))
 
 
 def test_tmpfs_is_named_and_odirect_reported(capsys, tmp_path, shm):
@@ -264,18 +275,23 @@ def test_a_store_of_another_user_is_never_called_adopted(capsys, disk, shm):
     store = disk / name
     for p in (store, *store.iterdir()):
         os.chown(p, 65534, 65534)  # as if created by nobody
-    _, checks = doctor(capsys, *flags(disk, shm, "--model", model))
+    rc, checks = doctor(capsys, *flags(disk, shm, "--model", model))
     check = checks[f"store {name}"]
-    assert check["status"] == "warning", check
+    # Written for this model: most likely the engine's own store name, which
+    # it refuses to open, so an error (the doctor said "ready" before).
+    assert check["status"] == "error" and rc == 1, check
     assert check["detail"].startswith("not adopted:")
     assert "owned by uid 65534" in check["detail"]
     assert "adopted store" not in checks[f"{disk}: free space"]["detail"]
+    # Without --model the doctor cannot tell whose it is: a warning.
+    rc, checks = doctor(capsys, *flags(disk, shm))
+    assert checks[f"store {name}"]["status"] == "warning" and rc == 0
     # Ours again but writable by others: refused as well.
     for p in (store, *store.iterdir()):
         os.chown(p, os.geteuid(), os.getegid())
     store.chmod(0o777)
-    _, checks = doctor(capsys, *flags(disk, shm, "--model", model))
-    assert "mode 0777" in checks[f"store {name}"]["detail"]
+    rc, checks = doctor(capsys, *flags(disk, shm, "--model", model))
+    assert "mode 0777" in checks[f"store {name}"]["detail"] and rc == 1
     store.chmod(0o700)
     _, checks = doctor(capsys, *flags(disk, shm, "--model", model))
     assert checks[f"store {name}"]["detail"].startswith("adopted:")

@@ -42,6 +42,42 @@ def test_a_disk_tier_under_the_stock_connector_is_an_error(capsys, tmp_path, dis
     assert "TieredOffloadingConnector" in checks["kv_connector"]["fix"]
 
 
+def test_a_missing_or_misspelt_spec_name_is_told_as_the_engine_tells_it(
+    capsys, tmp_path, disk, shm
+):
+    """Without spec_name vLLM builds its CPUOffloadingSpec, which ignores
+    kvtier's keys: the doctor says so in the engine's words (it said "None
+    is not a kvtier spec"); a misspelt one gets the name it is closest to."""
+    from kvtier.connector.config import ConfigError, check_kvtier_keys_are_read
+
+    doc = good_config(disk)
+    extra = doc["kv_connector_extra_config"]
+    del extra["spec_name"]
+    with pytest.raises(ConfigError) as engine:
+        check_kvtier_keys_are_read(extra, "CPUOffloadingSpec")
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1 and checks["spec_name"]["detail"] == str(engine.value)
+    assert "is missing, so vLLM builds CPUOffloadingSpec" in str(engine.value)
+    extra["spec_name"] = "TieredOffloadSpec"
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    found = checks["spec_name"]
+    assert rc == 1 and "did you mean 'TieredOffloadingSpec'?" in found["detail"]
+
+
+def test_a_size_refused_from_the_flags_names_the_flag(capsys, disk, shm):
+    """The doctor's flags set the config's keys: the fix names the flag the
+    operator typed, not the key."""
+    argv = ["--disk-path", str(disk), "--cpu-bytes", "1MiB", "--shm-dir", str(shm)]
+    rc, checks = doctor(capsys, *argv, "--no-probe")
+    found = checks["disk_bytes_to_use"]
+    assert rc == 1 and found["status"] == "error"
+    assert found["fix"] == "give or fix --disk-bytes (it sets disk_bytes_to_use)"
+    # A --shm-dir that is not there: named, not "the check itself failed".
+    rc, checks = doctor(capsys, *flags(disk, disk / "no-shm"))
+    found = checks[f"{disk / 'no-shm'}: exists"]
+    assert rc == 1 and "--shm-dir does not exist" in found["detail"]
+
+
 def test_missing_recompute_policy_is_an_error(capsys, tmp_path, disk, shm):
     doc = good_config(disk)
     del doc["kv_load_failure_policy"]
@@ -115,6 +151,26 @@ def test_revision_and_download_dir_need_the_model(capsys, tmp_path, disk):
     argv = ["doctor", "--config", path, "--download-dir", str(tmp_path)]
     assert main(argv) == 2
     assert "--download-dir" in capsys.readouterr().err
+
+
+def test_a_model_that_is_no_model_is_refused(capsys, tmp_path, disk, shm):
+    """A mistyped local --model made every store of the real model "written
+    for another model", with "remove it" as the fix: refused instead (a
+    file, a path that is not there); a hub id is left to the hub."""
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    for model, told in (
+        (str(tmp_path / "nope"), "no such directory"),
+        ("./nope", "no such directory"),
+        ("org/name/extra", "no such directory"),
+        (str(config), "is a file"),
+    ):
+        assert main(["doctor", *flags(disk, shm, "--model", model)]) == 2, model
+        err = capsys.readouterr().err
+        assert repr(model) in err and told in err, err
+    assert main(["doctor", *flags(disk, shm, "--model", str(tmp_path))]) == 0
+    assert main(["doctor", *flags(disk, shm, "--model", "org/name")]) == 0
+    capsys.readouterr()
 
 
 def test_text_output_and_exit_status(capsys, tmp_path, shm):

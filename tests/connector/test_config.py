@@ -585,3 +585,18 @@ def test_a_disk_tier_smaller_than_the_cpu_tier_is_said_at_start(caplog) -> None:
     keys = ("disk_bytes_to_use", "cpu_bytes_to_use")
     for fragment in ("(10 blocks)", "(2000 blocks)", *keys):
         assert fragment in said, said
+
+
+@pytest.mark.parametrize("name", ["TieredOffloadSpec", "TieredOffloadingConector"])
+def test_a_misspelt_spec_or_connector_name_is_told_the_right_ones(name) -> None:
+    """vLLM looks ``spec_name`` up in ``spec_module_path`` with getattr; a
+    typo there gets kvtier's names and the fix, not a bare AttributeError."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    with pytest.raises(AttributeError) as info:
+        OffloadingSpecFactory.get_spec_cls(
+            {"spec_name": name, "spec_module_path": "kvtier.connector"}
+        )
+    message = str(info.value)
+    assert repr(name) in message and "fix the name" in message
+    assert '"spec_name"' in message and '"kv_connector"' in message

