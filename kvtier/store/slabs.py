@@ -220,6 +220,9 @@ class SlabFiles:
         self.backend = backend
         self.layout: dict[str, Any] | None = None
         self.warnings: list[str] = []
+        # Found on disk: slabs shorter than layout.json's slots (also in
+        # warnings), damage kvtier verify fails on.
+        self.short: list[str] = []
         self._owns_backend = owns_backend
         self.handles: list[Any] = [None] * len(slabs)
         # Reopened for writing in another process (:meth:`reopener`): each
@@ -300,7 +303,12 @@ class SlabFiles:
                 files._dir_fds.append(dir_fd)
                 _remove_leftovers(d, dir_fd)
                 _write_layout(
-                    d, fingerprint, slab.slot_size, len(files.slabs), dir_fd=dir_fd
+                    d,
+                    fingerprint,
+                    slab.slot_size,
+                    len(files.slabs),
+                    num_slots,
+                    dir_fd=dir_fd,
                 )
                 dev_ino, files.old_sizes[i] = create_slab(
                     slab.path, slab.num_slots, slab.slot_size, dir_fd=dir_fd
@@ -676,18 +684,22 @@ def _write_layout(
     fingerprint: LayoutFingerprint,
     slot_bytes: int,
     stripes: int,
+    slots: int,
     *,
     dir_fd: int,
 ) -> None:
     """Write ``layout.json`` unless it already says the same. It is only an
     aid (reads never trust it), so a failure to write it is a warning, and
     the temporary file goes with it. ``stripes``: how many directories the
-    store stripes over (``kvtier inspect`` of some of them says so)."""
+    store stripes over (``kvtier inspect`` of some of them says so);
+    ``slots``: the store's slots, what its slabs were preallocated to hold
+    (``kvtier verify`` of a slab cut short says how many were lost)."""
     doc = dict(
         fingerprint.describe(),
         header_size=HEADER_SIZE,
         slot_size=slot_bytes,
         stripes=stripes,
+        slots=slots,
     )
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     data = text.encode("utf-8")
@@ -922,6 +934,8 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
     if not any(s.num_slots for s in slabs):
         raise StoreError(f"{where}: every slab is empty (0 bytes, no slots)")
     stripes = _declared_stripes(where, layout, [s.index for s in slabs], warnings)
+    short = _short_slabs(layout, slabs, stripes)
+    warnings += short
     files = SlabFiles(
         name,
         list(directories),
@@ -931,10 +945,34 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
         _ReadOnly(),
         owns_backend=False,
     )
-    files.layout, files.warnings = layout, warnings
+    files.layout, files.warnings, files.short = layout, warnings, short
     if stripes is not None:
         files.stripes = stripes  # slots numbered store-wide, as the engine does
     return files
+
+
+def _short_slabs(
+    layout: dict[str, Any] | None, slabs: list[SlabFile], stripes: int | None
+) -> list[str]:
+    """Each slab shorter than the slots ``layout.json`` says the store was
+    preallocated with (a file cut short: truncated, restored from a partial
+    copy), one line each; the slots past its end, and the blocks they held,
+    are gone. Nothing when layout.json does not say (older stores)."""
+    declared = (layout or {}).get("slots")
+    if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+        return []
+    count = stripes or max(s.index for s in slabs) + 1
+    out = []
+    for slab in slabs:
+        expected = len(range(slab.index, declared, count))  # locate()'s rule
+        if slab.num_slots < expected:
+            out.append(
+                f"{slab.path}: holds {slab.num_slots} of the {expected} slots "
+                f"layout.json says it was made with ({slab.size} bytes): the "
+                f"blocks of the other {expected - slab.num_slots} are lost "
+                "(file truncated?)"
+            )
+    return out
 
 
 def _declared_stripes(

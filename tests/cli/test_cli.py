@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import threading
 import time
@@ -495,6 +496,31 @@ def test_verify_multi_path_store_uses_global_slots(
     assert [(b["slot"], b["local_slot"], b["reason"]) for b in bad] == [
         (3, 1, "checksum_mismatch")
     ]
+
+
+def test_verify_fails_on_a_slab_cut_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A slab truncated to whole slots looked like a smaller, clean store
+    (every slot left checked ok, exit 0) while the blocks past its end were
+    gone: layout.json's ``slots`` says what the slabs were made to hold.
+    Seven slots over two paths: slab 0 holds 4, slab 1 holds 3."""
+    paths = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    store = write_store(paths, n=6, slots=7)
+    rc, out = run_cli(capsys, "verify", *paths)
+    assert rc == 0 and "6 ok, 0 bad" in out and "cut short" not in out
+    slab = store.slabs[1]
+    os.truncate(slab.path, slab.offset(1))  # keeps local slot 0 (global 1)
+    rc, out = run_cli(capsys, "verify", "--json", *paths)
+    doc = json.loads(out)
+    assert rc == 1 and not doc["ok"] and doc["short_slabs"] == 1
+    (rep,) = doc["stores"]
+    assert rep["checked"] == rep["ok"] == 4 and not rep["bad"]
+    (short,) = rep["short_slabs"]
+    assert short.startswith(slab.path) and "holds 1 of the 3 slots" in short
+    assert "the other 2 are lost" in short
+    rc, out = run_cli(capsys, "verify", *paths)
+    assert rc == 1 and "1 slab(s) cut short" in out and "are lost" in out
 
 
 def test_inspect_missing_path_creates_nothing(

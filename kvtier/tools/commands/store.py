@@ -102,6 +102,7 @@ def verify_store(
         "checked": checked,
         "ok": ok,
         "bad": bad,
+        "short_slabs": files.short,
         "warnings": files.warnings,
     }
 
@@ -181,14 +182,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"kvtier verify: {exc}", file=sys.stderr)
         return 2
     nbad = sum(len(r["bad"]) for r in reports)
+    # A slab cut short lost the blocks past its end: damage, as a bad slot.
+    nshort = sum(len(r["short_slabs"]) for r in reports)
 
     if args.json:
-        emit_json({"ok": nbad == 0, "bad_slots": nbad, "stores": reports})
+        emit_json(
+            {
+                "ok": nbad == 0 and nshort == 0,
+                "bad_slots": nbad,
+                "short_slabs": nshort,
+                "stores": reports,
+            }
+        )
     else:
         for rep in reports:
             say(
                 f"{rep['store']}: {rep['checked']} used slots checked, {rep['ok']} ok, "
                 f"{len(rep['bad'])} bad"
+                + (
+                    f", {len(rep['short_slabs'])} slab(s) cut short (see below)"
+                    if rep["short_slabs"]
+                    else ""
+                )
             )
             for b in rep["bad"]:
                 say(
@@ -202,4 +217,4 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 )
             for w in rep["warnings"]:
                 say(f"  warning: {w}")
-    return 1 if nbad else 0
+    return 1 if nbad or nshort else 0
