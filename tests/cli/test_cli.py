@@ -741,6 +741,33 @@ def test_events_cli_duration_bound_without_publisher(
     assert all(c["stored"] == 0 for c in doc["media"].values())
 
 
+def test_events_cli_duration_counts_from_listening(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--duration is time listened: vLLM's decoder classes import in
+    seconds, and the clock started before them, so "--duration 2" listened
+    for none of its 2 s and reported the import's 6 s. Here the (real)
+    decoder takes 2 s to build; the summary's seconds are the 0.3 s
+    listened (and a drain), not the 2.3 s since the command started."""
+    from kvtier.tools import events_sub
+
+    real = events_sub.BatchDecoder
+
+    def slow(kind: str) -> events_sub.BatchDecoder:
+        time.sleep(2.0)  # as vLLM's import does
+        return real(kind)
+
+    monkeypatch.setattr(events_sub, "BatchDecoder", slow)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    argv = ["events", "--endpoint", endpoint, "--duration", "0.3", "--json"]
+    rc, out = run_cli(capsys, *argv, "--decoder", "plain")
+    seconds = json.loads(out)["seconds"]
+    assert rc == 0 and 0.3 <= seconds < 2.0, seconds
+
+
 def test_events_cli_stops_on_sigterm_with_its_summary_even_if_sigint_is_ignored(
     tmp_path: Path,
 ) -> None:

@@ -39,8 +39,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     except Exception as exc:  # zmq.ZMQError: bad endpoint, port in use
         print(f"kvtier events: cannot subscribe to {endpoint}: {exc}", file=sys.stderr)
         return 2
-    start = time.monotonic()
-    deadline = start + args.duration if args.duration else None
+    start = time.monotonic()  # reset once listening (Ctrl-C before: from here)
     live = not args.json
     tty = sys.stdout.isatty()
     # SIGTERM (kill, systemd, a supervisor) ends the watch like Ctrl-C: the
@@ -56,6 +55,10 @@ def cmd_events(args: argparse.Namespace) -> int:
         except ImportError as exc:
             print(f"kvtier events: --decoder vllm needs vLLM: {exc}", file=sys.stderr)
             return 2
+        # --duration and the summary's seconds count from here: vLLM's
+        # classes take seconds to import, which a 2 s watch spent entirely.
+        start = time.monotonic()
+        deadline = start + args.duration if args.duration else None
         listening = (
             f"listening on {endpoint} ({'bound' if args.bind else 'connected'}, "
             f"topic {args.topic!r}, decoder {sub.decoder.kind})"
