@@ -20,6 +20,7 @@ engine start in an operator's log.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -170,7 +171,10 @@ def _paths(value: Any) -> tuple[str, ...]:
 
 
 # kvtier.connector.sizes has the whole rule; docs/configuration.md#sizes.
-_SIZE = Accepts('integer {range}, or a size string ("64G" = 64 GiB, "64g" = 64 GB)')
+_SIZE = Accepts(
+    'integer {range}, or a size string ("64G" or "64GiB" = 64 GiB, "64g" or '
+    '"64GB" = 64 GB)'
+)
 Size = Annotated[int, BeforeValidator(_size), _SIZE]
 Count = Annotated[int, BeforeValidator(_integer), Accepts("integer {range}")]
 Fraction = Annotated[float, BeforeValidator(_number), Accepts("number {range}")]
@@ -480,7 +484,11 @@ def validate_keys(
         str(p["loc"][0]) for p in problems if p["type"] == "extra_forbidden"
     )
     if unknown:
-        raise error(unknown[0], f"unknown key; valid keys are: {', '.join(fields)}")
+        near = difflib.get_close_matches(unknown[0].lower(), list(fields), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise error(
+            unknown[0], f"unknown key; valid keys are: {', '.join(fields)}{hint}"
+        )
     p = problems[0]
     cause = (p.get("ctx") or {}).get("error")
     key = str(p["loc"][0]) if p["loc"] else ""

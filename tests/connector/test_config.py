@@ -127,6 +127,12 @@ def test_unknown_key_lists_valid_keys(key: str) -> None:
     err = _expect({**DISK, key: 1}, key, "unknown key", "valid keys are")
     for name in KvtierConfig.model_fields:
         assert name in str(err)
+    near = {
+        "cpu_bytes": "cpu_bytes_to_use",
+        "disk_paths": "disk_path",
+        "CPU_BYTES_TO_USE": "cpu_bytes_to_use",
+    }.get(key)
+    assert str(err).endswith(f"; did you mean {near!r}?" if near else "canonical_layout")
 
 
 @pytest.mark.parametrize(
