@@ -143,7 +143,9 @@ def local_slot_count(num_slots: int, index: int, stripes: int) -> int:
 class StoreError(ValueError):
     """A store that cannot be read safely: a slab or layout.json that is not
     a regular file, an impossible geometry, no slabs. The message names the
-    file and the problem."""
+    file and the problem; ``errno``, the error of a failed open, if any."""
+
+    errno: int | None = None
 
 
 @dataclass
@@ -813,7 +815,9 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise StoreError(f"{path}: is a symbolic link (refused)") from None
-        raise StoreError(f"{path}: cannot open: {exc.strerror or exc}") from None
+        refused = StoreError(f"{path}: cannot open: {exc.strerror or exc}")
+        refused.errno = exc.errno
+        raise refused from None
     try:
         st = os.fstat(fd)
     except OSError as exc:
@@ -1009,7 +1013,12 @@ def _read_layout(directory: str) -> tuple[dict[str, Any] | None, str | None]:
     path = os.path.join(directory, LAYOUT_FILE)
     if not os.path.lexists(path):
         return None, f"{path}: missing"
-    fd, st = open_regular(path)
+    try:
+        fd, st = open_regular(path)
+    except StoreError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM):
+            raise
+        return None, f"{exc} (an aid only: read without it)"  # as if missing
     try:
         if st.st_size > MAX_LAYOUT_BYTES:
             raise StoreError(f"{path}: {st.st_size} bytes, not a kvtier layout.json")

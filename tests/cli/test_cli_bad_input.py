@@ -290,6 +290,34 @@ def test_unreadable_store_is_an_error(
     assert_usage_error(p, f"kvtier {command}: ", *needles)
 
 
+def test_an_unreadable_layout_json_is_a_warning_as_a_missing_one(
+    good_store: Path, tmp_path: Path
+) -> None:
+    """layout.json is only an aid: unreadable (EACCES) it is a warning and
+    the slots are read without it, as when it is missing or damaged (it
+    stopped the command with exit 2). As root, the read runs without the
+    capabilities that override file modes."""
+    d = _copy(good_store, tmp_path)
+    (d / "layout.json").chmod(0)
+    argv = [sys.executable, "-m", "kvtier.tools.cli", "verify", str(d)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("as root this needs setpriv to drop CAP_DAC_OVERRIDE")
+        drop = "-dac_override,-dac_read_search"
+        argv = ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *argv]
+    p = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )
+    assert p.returncode == 0, p.stderr
+    assert "3 used slots checked, 3 ok, 0 bad" in p.stdout
+    assert "layout.json: cannot open: Permission denied (an aid only" in p.stdout
+
+
 def test_good_store_still_inspects_and_verifies(good_store: Path) -> None:
     p = kvtier("verify", str(good_store))
     assert p.returncode == 0 and "3 used slots checked, 3 ok, 0 bad" in p.stdout
