@@ -791,6 +791,36 @@ def test_bad_tier_config_names_the_key(tmp_path, tier, pattern):
         spec.get_manager()
 
 
+def test_a_failed_start_removes_the_workers_region_file(tmp_path):
+    """The workers map the primary tier's /dev/shm file first (its
+    creator, without a barrier), then the scheduler side's tiers are
+    refused: the file, cpu_bytes_to_use large, outlived every such start.
+    The refusal removes it; the scheduler side alone (no worker) was
+    already cleaned by vLLM."""
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    bad = {"eviction_policy": "x"}
+    spec = PortableTieringSpec(
+        make_config(tmp_path, cpu_chunks=4, disk_blocks=8, tier=bad)
+    )
+    region = SharedOffloadRegion(  # as the worker maps it
+        engine_id=spec._engine_id,
+        num_chunks=spec.num_chunks,
+        rank=0,
+        kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+        cpu_page_size=spec.cpu_page_size_per_worker,
+    )
+    try:
+        assert os.path.exists(region.mmap_path)
+        with pytest.raises(TierConfigError, match="eviction_policy"):
+            spec.get_manager()
+        assert not os.path.exists(region.mmap_path)
+    finally:
+        if not os.path.exists(region.mmap_path):
+            region._creator = False  # its name is gone: nothing to unlink
+        region.cleanup()
+
+
 def test_missing_disk_path_names_the_key(tmp_path):
     entry = {"type": "KvtierDiskTier", "module_path": "kvtier.connector.tiering"}
     entry["disk_bytes_to_use"] = 1 << 20

@@ -14,6 +14,7 @@ tiering mode's package, which names its loadable classes).
 from __future__ import annotations
 
 import os
+import stat
 from typing import TYPE_CHECKING
 
 from typing_extensions import override
@@ -160,6 +161,31 @@ def enable_nixl_telemetry() -> None:
         )
 
 
+# vLLM's SharedOffloadRegion's file (its mmap_path) for an engine id.
+REGION_PATH = "/dev/shm/vllm_offload_{engine_id}.mmap"
+
+
+def remove_region_file(engine_id: str) -> None:
+    """Remove engine ``engine_id``'s primary-tier region file, a regular
+    file of this user, after its start failed. The workers create it before
+    the scheduler side builds the tiers, without a barrier, so its name
+    stays while the engine runs, and only the creator's ``cleanup`` (the
+    worker's shutdown, which a failed start never reaches) unlinks it: each
+    failed start, a misspelt tier key in a restart loop, left
+    ``cpu_bytes_to_use`` of /dev/shm behind. Mappings already taken stay
+    valid."""
+    path = REGION_PATH.format(engine_id=engine_id)
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            os.unlink(path)
+            logger.info("kvtier: removed %s of the engine that did not start", path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("kvtier: could not remove %s: %s", path, exc)
+
+
 class PortableTieringSpec(TieringOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec``, runnable on the CPU platform too
     (see the module doc). Everything scheduler-side is vLLM's
@@ -177,7 +203,12 @@ class PortableTieringSpec(TieringOffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if any(t.get("type") == "obj" for t in self.secondary_tier_configs):
             enable_nixl_telemetry()
-        return super().get_manager()
+        try:
+            return super().get_manager()
+        except BaseException:
+            # The engine does not start: its workers' region file goes too.
+            remove_region_file(self._engine_id)
+            raise
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
