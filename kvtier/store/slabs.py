@@ -586,7 +586,7 @@ def create_slab(
     path: str, num_slots: int, slot_bytes: int, *, dir_fd: int | None = None
 ) -> tuple[tuple[int, int], int]:
     """Create (or reopen) the slab at ``path``, at least ``num_slots *
-    slot_bytes`` bytes and mode 0o600, preallocated; its ``(st_dev,
+    slot_bytes`` bytes and mode 0o600, preallocated (a sparse one too); its ``(st_dev,
     st_ino)`` and the size it had before (0 for a new file: past that
     offset it holds nothing yet). A larger file is never shrunk (its tail
     is unused). A link,
@@ -598,7 +598,11 @@ def create_slab(
     fd = open_private(name, os.O_RDWR | os.O_CREAT, 0o600, dir_fd=dir_fd, fix_mode=True)
     try:
         st = os.fstat(fd)
-        if st.st_size < size:
+        if st.st_size < size or st.st_blocks * 512 < size:
+            # Short, or sparse: a slab copied or restored with its holes
+            # (cp --sparse, rsync -S, tar -S) takes their space only when a
+            # spill writes there, which on a full disk fails with ENOSPC.
+            # Preallocating keeps what is written.
             _preallocate(fd, size, path, st.st_size)
     finally:
         os.close(fd)
@@ -764,7 +768,7 @@ def _preallocate(fd: int, size: int, path: str, old_size: int) -> None:
         logger.info(
             "posix_fallocate unsupported for %s (%s); using ftruncate", path, exc
         )
-    os.ftruncate(fd, size)
+    os.ftruncate(fd, max(size, old_size))  # never shrinks a larger slab
 
 
 # -------------------------------------------------------------------- find
@@ -968,7 +972,7 @@ def _short_slabs(
     count = stripes or max(s.index for s in slabs) + 1
     out = []
     for slab in slabs:
-        expected = len(range(slab.index, declared, count))  # locate()'s rule
+        expected = local_slot_count(declared, slab.index, count)
         if slab.num_slots < expected:
             out.append(
                 f"{slab.path}: holds {slab.num_slots} of the {expected} slots "

@@ -64,6 +64,43 @@ def test_fallocate_unsupported_falls_back_to_ftruncate(
     assert os.path.getsize(s.path) == 3 * 4096
 
 
+def test_a_sparse_slab_is_preallocated_again_keeping_its_blocks(
+    tmp_path: Path,
+) -> None:
+    """A slab copied with its holes (cp --sparse, rsync -S) was left sparse
+    on reopen (only a short one was preallocated), so a spill into a hole
+    on a full disk failed with ENOSPC."""
+    path = tmp_path / "s.kvt"
+    with open(path, "wb") as f:  # slot 1 of 16 written, the rest holes
+        f.truncate(16 * 65536)
+        f.seek(65536)
+        f.write(b"k" * 65536)
+    if os.stat(path).st_blocks * 512 >= 16 * 65536:
+        pytest.skip("this file system writes no sparse files")
+    create(str(path), 16, 65536)
+    assert os.stat(path).st_blocks * 512 >= 16 * 65536
+    data = path.read_bytes()
+    assert data[65536 : 2 * 65536] == b"k" * 65536 and len(data) == 16 * 65536
+    assert data[:65536] == bytes(65536)
+
+
+def test_fallocate_unsupported_never_shrinks_a_larger_slab(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "s.kvt"
+    path.write_bytes(b"x" * 40000)
+
+    def nope(fd: int, off: int, size: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(slab_mod.os, "posix_fallocate", nope)
+    with open(path, "r+b") as f:  # a hole at the end: sparse, as restored
+        f.truncate(3 * 65536)
+    create(str(path), 2, 65536)
+    assert os.path.getsize(path) == 3 * 65536
+    assert path.read_bytes()[:40000] == b"x" * 40000
+
+
 def test_reopen_keeps_contents_never_shrinks_and_tightens_mode(tmp_path: Path) -> None:
     path = tmp_path / "s.kvt"
     path.write_bytes(b"x" * 40000)
