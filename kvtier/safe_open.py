@@ -337,9 +337,22 @@ def lock_holders(fd: int) -> str:
             pids.append(fields[4])
     held = []
     for pid in dict.fromkeys(pids):
-        try:
-            with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
-                held.append(f"pid {pid}, {f.read().strip()!r}")
-        except OSError:
-            held.append(f"pid {pid}")
+        name = _process_name(pid)
+        held.append(f"pid {pid}, {name!r}" if name else f"pid {pid}")
     return f" (held by {'; '.join(held)})" if held else ""
+
+
+def _process_name(pid: str) -> str:
+    """Process ``pid``'s command line (its title, for a process that sets
+    one: vLLM's ``VLLM::EngineCore``), at most 120 characters; else its
+    ``comm`` (cut to 15 by the kernel); "" if neither can be read."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            line = f.read(4096).replace(b"\0", b" ").decode("utf-8", "replace")
+        line = line.strip()
+        if line:
+            return line if len(line) <= 120 else line[:119] + "…"
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

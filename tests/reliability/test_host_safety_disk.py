@@ -263,6 +263,45 @@ def test_second_store_on_one_disk_path_is_refused_until_the_first_closes(
         assert all(read_ok(second, found[k], k) for k in keys)
 
 
+def test_the_refusal_names_the_holder_by_its_whole_title(tmp_path: Path) -> None:
+    """The holder's name was its kernel comm, cut to 15 characters
+    ("VLLM::EngineCor" for vLLM's engine core, whose docs say
+    "VLLM::EngineCore"): now its command line, where a process title is."""
+    import subprocess
+    import sys
+
+    base = tmp_path / "disk"
+    setproctitle = pytest.importorskip("setproctitle")  # vLLM's, for its titles
+    code = (
+        "import sys, time\n"
+        f"import {setproctitle.__name__}\n"
+        "setproctitle.setproctitle(sys.argv[3])  # as vLLM titles its processes\n"
+        "sys.path[:0] = sys.argv[2:3]\n"
+        "from reliability_common import make_fingerprint\n"
+        "from kvtier.store.store import DiskStore\n"
+        f"s = DiskStore([sys.argv[1]], 8, {BLOCK_BYTES}, make_fingerprint(), "
+        "backend='posix')\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    title = "holder-with-a-title-longer-than-fifteen"
+    here = str(Path(__file__).parent)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(base), here, title],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        with pytest.raises(InUseError) as info:
+            open_store(base, slots=8)
+        assert f"held by pid {holder.pid}, " in str(info.value)
+        assert title in str(info.value)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
 def test_a_sigkilled_engine_leaves_no_stale_lock(tmp_path: Path) -> None:
     base = tmp_path / "disk"
     ready_r, ready_w = os.pipe()
