@@ -510,6 +510,17 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
 
     Checks values only; :func:`kvtier.connector.preflight.check_disk_paths`
     checks the file system."""
+    if "secondary_tiers" in extra:
+        # vLLM's tiering mode's key, under the full spec's names: say which
+        # mode takes which keys, not only that the key is unknown.
+        raise ConfigError(
+            "secondary_tiers",
+            "is tiering mode's key (vLLM's OffloadingConnector with "
+            '"spec_name": "PortableTieringSpec" and "spec_module_path": '
+            '"kvtier.connector.tiering", or vLLM\'s TieringOffloadingSpec, the '
+            f"disk keys in a {DISK_TIER_TYPE} entry; docs/tiering-mode.md); the full spec (TieredOffloadingSpec) "
+            "takes disk_path and disk_bytes_to_use directly: use one or the other",
+        )
     return validate_keys(KvtierConfig, extra)
 
 

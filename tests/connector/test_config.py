@@ -132,7 +132,9 @@ def test_unknown_key_lists_valid_keys(key: str) -> None:
         "disk_paths": "disk_path",
         "CPU_BYTES_TO_USE": "cpu_bytes_to_use",
     }.get(key)
-    assert str(err).endswith(f"; did you mean {near!r}?" if near else "canonical_layout")
+    assert str(err).endswith(
+        f"; did you mean {near!r}?" if near else "canonical_layout"
+    )
 
 
 @pytest.mark.parametrize(
@@ -606,3 +608,13 @@ def test_a_misspelt_spec_or_connector_name_is_told_the_right_ones(name) -> None:
     message = str(info.value)
     assert repr(name) in message and "fix the name" in message
     assert '"spec_name"' in message and '"kv_connector"' in message
+
+
+def test_tiering_modes_key_under_the_full_spec_says_which_mode_takes_it() -> None:
+    """secondary_tiers under TieredOffloadingSpec was "unknown key"; it is
+    tiering mode's, whose spec and module the message names."""
+    entry = {"type": "KvtierDiskTier", "disk_path": "/mnt/d"}
+    extra = {**DISK, "secondary_tiers": [entry]}
+    told = str(_expect(extra, "secondary_tiers", "tiering mode"))
+    assert '"PortableTieringSpec"' in told and "kvtier.connector.tiering" in told
+    assert "takes disk_path and disk_bytes_to_use directly" in told
