@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
+        from kvtier.connector import tiering  # cheap: its classes load lazily
+
+        if name in tiering.__all__:
+            raise AttributeError(
+                f"module 'kvtier.connector' has no attribute {name!r}: it is in "
+                '"kvtier.connector.tiering" (tiering mode): set "module_path" '
+                '(an entry of secondary_tiers) or "spec_module_path" to it'
+            )
         # vLLM looks spec_name and kv_connector up here: name what is.
         raise AttributeError(
             f"module 'kvtier.connector' has no attribute {name!r}: it provides "

@@ -930,3 +930,25 @@ def test_a_failed_warm_restart_leaves_no_store_behind(tmp_path, make_driver, mon
     monkeypatch.undo()
     d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
     assert d.tier.runtime is not None  # the store's lock was released
+
+
+@pytest.mark.parametrize("module", ["kvtier.connector.tierin", "kvtier.conector.x", ""])
+def test_a_misspelt_tier_module_path_names_the_key(tmp_path, module):
+    """vLLM's factory imports an entry's module_path before kvtier runs: a
+    typo there ended the start in a bare ModuleNotFoundError."""
+    spec = PortableTieringSpec(
+        make_config(tmp_path, cpu_chunks=4, disk_blocks=8, tier={"module_path": module})
+    )
+    with pytest.raises(TierConfigError) as refused:
+        spec.get_manager()
+    assert refused.value.key == "module_path"
+    assert "KvtierDiskTier is in 'kvtier.connector.tiering'" in str(refused.value)
+
+
+def test_a_tier_looked_up_in_the_wrong_kvtier_module_is_told_where_it_is():
+    """module_path "kvtier.connector" (the full spec's) for a tier type:
+    vLLM's getattr there names the tiering package."""
+    import kvtier.connector
+
+    with pytest.raises(AttributeError, match='is in "kvtier.connector.tiering"'):
+        kvtier.connector.KvtierDiskTier  # noqa: B018

@@ -32,6 +32,10 @@ _EXPORTS = {
 
 __all__ = ["KvtierDiskTier", "PortableTieringSpec", "SharedFsTier"]
 
+# The secondary-tier types named here: an entry of one of them has this
+# package as its module_path.
+TIER_TYPES = ("KvtierDiskTier", "SharedFsTier")
+
 if TYPE_CHECKING:
     from kvtier.connector.tiering.disk_tier import KvtierDiskTier
     from kvtier.connector.tiering.portable import PortableTieringSpec
@@ -42,6 +46,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(
-            f"module 'kvtier.connector.tiering' has no attribute {name!r}"
+            f"module 'kvtier.connector.tiering' has no attribute {name!r}: it "
+            f'provides {", ".join(__all__)}; fix the name (an entry\'s "type", '
+            '"spec_name")'
         )
     return getattr(importlib.import_module(module), name)

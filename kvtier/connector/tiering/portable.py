@@ -13,6 +13,7 @@ tiering mode's package, which names its loadable classes).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import stat
 from typing import TYPE_CHECKING
@@ -25,7 +26,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtier.connector.config import CANONICAL_LAYOUT_REFUSAL, ConfigError
+from kvtier.connector.config import (
+    CANONICAL_LAYOUT_REFUSAL,
+    ConfigError,
+    TierConfigError,
+)
 from kvtier.connector.topology import check_single_node
 from kvtier.host.block_copy import SynchronousCopies
 from kvtier.log import get_logger
@@ -161,6 +166,30 @@ def enable_nixl_telemetry() -> None:
         )
 
 
+def check_tier_modules(secondary_tiers: list[dict]) -> None:
+    """Refuse an entry of one of kvtier's tier types whose ``module_path``
+    does not import: vLLM's factory imports it before any kvtier code runs,
+    and a misspelt one ended the start in a bare ModuleNotFoundError naming
+    no key. Raises :class:`TierConfigError` naming ``module_path`` and the
+    package that has the type."""
+    from kvtier.connector import tiering
+
+    for entry in secondary_tiers:
+        kind, module = entry.get("type"), entry.get("module_path")
+        if kind not in tiering.TIER_TYPES or module in (None, tiering.__name__):
+            continue
+        try:
+            found = importlib.util.find_spec(str(module)) is not None
+        except (ImportError, ValueError):  # a missing parent package, ""
+            found = False
+        if not found:
+            raise TierConfigError(
+                "module_path",
+                f"no module {module!r}; {kind} is in {tiering.__name__!r}",
+                tier=str(kind),
+            )
+
+
 # vLLM's SharedOffloadRegion's file (its mmap_path) for an engine id.
 REGION_PATH = "/dev/shm/vllm_offload_{engine_id}.mmap"
 
@@ -204,6 +233,7 @@ class PortableTieringSpec(TieringOffloadingSpec):
         if any(t.get("type") == "obj" for t in self.secondary_tier_configs):
             enable_nixl_telemetry()
         try:
+            check_tier_modules(self.secondary_tier_configs)
             return super().get_manager()
         except BaseException:
             # The engine does not start: its workers' region file goes too.
