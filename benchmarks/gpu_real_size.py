@@ -746,6 +746,10 @@ class EngineHost:
                 beside, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
             )
             try:
+                # At least one step: a read that ends before the first poll
+                # (a tiny span) still has the step it overlapped, not an
+                # empty window (the CI run at ef2622a saw one).
+                step()
                 while cmd.poll() is None:
                     step()
             finally:
