@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        from kvtier.connector import tiering  # cheap: its classes load lazily
-
+        # Not "from kvtier.connector import tiering": that looks the name up
+        # here first, i.e. in this function, before the submodule exists.
+        tiering = importlib.import_module("kvtier.connector.tiering")  # cheap
         if name in tiering.__all__:
             raise AttributeError(
                 f"module 'kvtier.connector' has no attribute {name!r}: it is in "

@@ -618,3 +618,29 @@ def test_tiering_modes_key_under_the_full_spec_says_which_mode_takes_it() -> Non
     told = str(_expect(extra, "secondary_tiers", "tiering mode"))
     assert '"PortableTieringSpec"' in told and "kvtier.connector.tiering" in told
     assert "takes disk_path and disk_bytes_to_use directly" in told
+
+
+def test_a_missing_name_is_told_before_the_tiering_package_is_imported() -> None:
+    """kvtier.connector's lookup of a missing name imports the tiering
+    package for its message: done as ``from kvtier.connector import
+    tiering`` it recursed into itself (RecursionError, not AttributeError)
+    in a process that had not imported it yet."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvtier.connector as c\n"
+        "assert 'kvtier.connector.tiering' not in sys.modules\n"
+        "print(hasattr(c, 'nope'))\n"
+        "try:\n"
+        "    c.KvtierDiskTier\n"
+        "except AttributeError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "False"
+    assert 'it is in "kvtier.connector.tiering"' in lines[1]
