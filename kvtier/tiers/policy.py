@@ -268,6 +268,8 @@ class StampOrder:
         # so the dict's insertion order is the chunks' order.
         self._chunks: dict[int, dict[Hashable, None]] = {}
         self._bits = STAMP_CHUNK_BITS if bits is None else bits
+        # A chunk left with this many keys is rebuilt at its size (_took).
+        self._eighth = (1 << self._bits) >> 3
         self._len = 0
         # The number of the newest chunk, the one adds go to: not compacted.
         self._newest = -1
@@ -316,15 +318,12 @@ class StampOrder:
         number = stamp >> self._bits
         chunk = self._chunks[number]
         del chunk[key]
-        self._len -= 1
-        left = len(chunk)
-        if not left or left == (1 << self._bits) >> 3:
-            self._shrunk(number, chunk)
+        self._took(number, chunk)
 
     def discard_many(self, keys: Iterable[Hashable], stamps: Iterable[int]) -> None:
         """``discard`` of each key with its stamp, in one call."""
-        chunks, bits = self._chunks, self._bits
-        eighth = (1 << bits) >> 3
+        # _took's test inlined: LRU's evictions and removes come here.
+        chunks, bits, eighth = self._chunks, self._bits, self._eighth
         count = 0
         for key, stamp in zip(keys, stamps):
             number = stamp >> bits
@@ -343,8 +342,7 @@ class StampOrder:
         append it with stamp ``start + i``, larger than every stamp added
         (a key listed twice: its later old stamp is its earlier new one).
         In one call: LRU's touches."""
-        chunks, bits = self._chunks, self._bits
-        eighth = (1 << bits) >> 3
+        chunks, bits, eighth = self._chunks, self._bits, self._eighth
         newest = self._newest
         target = chunks.get(newest)
         for key, old, stamp in zip(keys, olds, range(start, start + len(keys))):
@@ -363,6 +361,14 @@ class StampOrder:
                     target = chunks[number] = {}
                 self._newest = newest = number
             target[key] = None
+
+    def _took(self, number: int, chunk: dict[Hashable, None]) -> None:
+        """A key was taken out of chunk ``number``: one fewer, and the chunk
+        dropped or rebuilt once empty or down to an eighth (``_shrunk``)."""
+        self._len -= 1
+        left = len(chunk)
+        if not left or left == self._eighth:
+            self._shrunk(number, chunk)
 
     def _shrunk(self, number: int, chunk: dict[Hashable, None]) -> None:
         """Chunk ``number`` lost a key and is empty (dropped) or down to an
@@ -400,10 +406,7 @@ class StampOrder:
         self._first = number
         key = next(iter(chunk))
         del chunk[key]
-        self._len -= 1
-        left = len(chunk)
-        if not left or left == (1 << self._bits) >> 3:
-            self._shrunk(number, chunk)
+        self._took(number, chunk)
         return key
 
     def clear(self) -> None:
