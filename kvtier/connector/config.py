@@ -471,9 +471,11 @@ def validate_keys(
     model: type[M],
     doc: Mapping[str, Any],
     error: Callable[[str, str], ConfigError] = ConfigError,
+    elsewhere: Mapping[str, str] | None = None,
 ) -> M:
     """``doc`` validated by ``model``, or ``error(key, message)`` for the
-    first problem: an unknown key first (sorted), else in field order. The
+    first problem: an unknown key first (sorted; one of ``elsewhere``,
+    key -> where it belongs, before the others), else in field order. The
     message says what was given and what is accepted."""
     try:
         return model.model_validate(dict(doc))
@@ -483,6 +485,9 @@ def validate_keys(
     unknown = sorted(
         str(p["loc"][0]) for p in problems if p["type"] == "extra_forbidden"
     )
+    placed = [k for k in unknown if k in (elsewhere or {})]
+    if placed:
+        raise error(placed[0], (elsewhere or {})[placed[0]])
     if unknown:
         near = difflib.get_close_matches(unknown[0].lower(), list(fields), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
@@ -510,18 +515,7 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
 
     Checks values only; :func:`kvtier.connector.preflight.check_disk_paths`
     checks the file system."""
-    if "secondary_tiers" in extra:
-        # vLLM's tiering mode's key, under the full spec's names: say which
-        # mode takes which keys, not only that the key is unknown.
-        raise ConfigError(
-            "secondary_tiers",
-            "is tiering mode's key (vLLM's OffloadingConnector with "
-            '"spec_name": "PortableTieringSpec" and "spec_module_path": '
-            '"kvtier.connector.tiering", or vLLM\'s TieringOffloadingSpec, the '
-            f"disk keys in a {DISK_TIER_TYPE} entry; docs/tiering-mode.md); the full spec (TieredOffloadingSpec) "
-            "takes disk_path and disk_bytes_to_use directly: use one or the other",
-        )
-    return validate_keys(KvtierConfig, extra)
+    return validate_keys(KvtierConfig, extra, elsewhere=_OTHER_MODES_KEYS)
 
 
 @dataclass(frozen=True)
@@ -613,6 +607,20 @@ def blocks_in_budget(
 # ------------------------------------- the tiering mode's KvtierDiskTier entry
 
 DISK_TIER_TYPE = "KvtierDiskTier"
+
+
+# Keys of vLLM's tiering mode that the full spec does not take: where they
+# belong, said instead of "unknown key".
+_OTHER_MODES_KEYS = {
+    "secondary_tiers": (
+        "is tiering mode's key (vLLM's OffloadingConnector with "
+        '"spec_name": "PortableTieringSpec" and "spec_module_path": '
+        '"kvtier.connector.tiering", or vLLM\'s TieringOffloadingSpec, the '
+        f"disk keys in a {DISK_TIER_TYPE} entry; docs/tiering-mode.md); the "
+        "full spec (TieredOffloadingSpec) takes disk_path and "
+        "disk_bytes_to_use directly: use one or the other"
+    ),
+}
 
 
 class _FactoryKeys(BaseModel):
