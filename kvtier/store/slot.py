@@ -286,6 +286,17 @@ class SlotHeader:
             raise CorruptHeaderError(f"bad magic {fixed[: len(MAGIC)]!r}")
         fields = _FIELDS.get(version)
         if fields is None:
+            # A bit flipped in the version field reads as an unknown version
+            # too: only a header whose checksum holds (over this release's
+            # newest layout) is called another release's.
+            newest = _FIELDS[max(HEADER_VERSIONS)]
+            (stored,) = _HEADER_CHECKSUM.unpack_from(fixed, newest.size)
+            if stored != header_checksum(fixed[: newest.size]):
+                raise CorruptHeaderError(
+                    f"header checksum mismatch (its version field reads "
+                    f"{version}, which this kvtier does not read: a corrupt "
+                    "header, or one of another kvtier release)"
+                )
             raise CorruptHeaderError(
                 f"unsupported slot header version {version} (this kvtier reads "
                 f"versions {', '.join(map(str, HEADER_VERSIONS))}): the slot was "

@@ -122,10 +122,19 @@ def test_zeroed_header_is_empty_and_short_is_corrupt() -> None:
 
 
 def test_other_version_and_bad_fields_rejected() -> None:
+    # A later release's header: its own checksum holds.
     newer = bytearray(header().pack())
     newer[8:12] = (max(HEADER_VERSIONS) + 1).to_bytes(4, "little")
+    flipped = bytes(newer)  # the same bytes, but the checksum is the old one
+    size = FIXED_HEADER_LEN - 8
+    newer[size : size + 8] = header_checksum(bytes(newer[:size])).to_bytes(8, "little")
     with pytest.raises(CorruptHeaderError, match="header version 4 .*Upgrade kvtier"):
         SlotHeader.unpack(bytes(newer))
+    # A bit flipped in the version field (bit rot) is a corrupt header, not
+    # a slot to upgrade kvtier for.
+    with pytest.raises(CorruptHeaderError, match="checksum mismatch .*reads 4") as err:
+        SlotHeader.unpack(flipped)
+    assert "Upgrade" not in str(err.value)
     with pytest.raises(ValueError, match="cannot write header version"):
         header(version=FLAGGED_HEADER_VERSION).pack()  # no flag: version 2
     with pytest.raises(ValueError, match="cannot write header version"):
