@@ -16,10 +16,11 @@ in a process of their own they cost the engine one message per batch
 (docs/benchmarks.md, "Engine step stalls").
 
 Contract (beyond :class:`~kvtier.store.reader.SlotReads`):
-  - The child starts in :meth:`ReadProcess.start` (the load thread's first
-    turn), not at construction; until it says it is ready, batches are read
-    in this process by a ``SlotReader`` over the same area (the same
-    outcomes).
+  - The child starts in :meth:`ReadProcess.start` (the load thread's
+    turns), not at construction, once every slab is open here: it is given
+    them as these descriptors, never their names. Until it says it is
+    ready, batches are read in this process by a ``SlotReader`` over the
+    same area (the same outcomes).
   - If the child dies or its pipe breaks, the batches it held fail as
     IO_ERROR (their blocks are recomputed, never served), it is reaped, and
     later batches are read in this process: a missing child costs speed,
@@ -126,7 +127,6 @@ class ReadProcess:
         self.pinned = False
         self.files = self._local.files
         self._child_config = {
-            "files": files.reopener(),
             "disk_io": disk_io,
             "threads": threads,
             "nbytes": nbytes,
@@ -143,12 +143,25 @@ class ReadProcess:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the child (once); batches go to it once it is ready."""
-        if self._proc is not None or self._closed or not self.spawn:
+        """Start the child (once), if every slab can be opened here now;
+        batches go to it once it is ready. Until then they are read here,
+        and each call tries again (the load thread's turns)."""
+        if self._closed:
             return
+        # The child is given the slabs as descriptors open here, never
+        # their names (a store directory removed or swapped under the
+        # engine would fail every read there), so it waits for all of them:
+        # a new store's slabs exist once the scheduler side made them.
+        files = self._local.files
+        opened = files.open_all()
+        if self._proc is not None or not self.spawn or opened < len(files.slabs):
+            return
+        self._child_config["files"] = files.reopener()
         try:
             self._proc, self._pipes = spawn(
-                "kvtier.store.read_process", [self._fd], [str(self._fd)]
+                "kvtier.store.read_process",
+                [self._fd, *files.descriptors()],
+                [str(self._fd)],
             )
         except OSError as exc:
             logger.warning(

@@ -91,10 +91,13 @@ class SlotReads(Protocol):
     decoded blocks: numpy for a host area, torch for a device staging area),
     ``pinned`` (page-locked: device copies from it are asynchronous).
 
-    - ``start()``: start helpers (a read process's child), once, before the
-      first batch; ``files.open_all()`` opens the slabs there are (one not
-      created yet opens at its first read, and again after a failure).
-      Neither raises for I/O.
+    - ``start()``: open the slabs there are (``files.open_all()``) and start
+      helpers (a read process's child, once every slab is open); called
+      before the first batch and again until every slab is open (a new
+      store's slabs exist once the scheduler side made them), so that a
+      store directory removed later leaves the open descriptors reading. A
+      slab not open yet is opened at its first read, and again after a
+      failure. Never raises for I/O.
     - ``submit(items, first_row)``: start reading ``items`` ((global slot,
       key or None) pairs, at most ``capacity - first_row``) into rows
       ``first_row`` onwards and return at once. Rows follow file order, and
@@ -343,7 +346,8 @@ class SlotReader:
     # ----------------------------------------------------------------- API
 
     def start(self) -> None:
-        """Nothing to start: reads run on the back end's threads."""
+        """Open the slabs there are; reads run on the back end's threads."""
+        self.files.open_all()
 
     def read(
         self, items: Sequence[tuple[int, bytes | None]], first_row: int = 0

@@ -22,10 +22,14 @@ local slot ``l`` starts at byte ``l * slot_size``. See docs/on-disk-format.md.
 - :meth:`SlabFiles.open` (the readers, workers): creates nothing; a slab is
   opened read-only on first use and again after a failed open, so a worker
   may start before the scheduler side created the store.
-- :meth:`SlabFiles.reopener` with ``writable`` (the spill process, for
-  the scheduler side's store): creates nothing and takes no lock (the
-  creating store holds them); each slab is opened read-write and must be
-  the inode the creating store opened.
+- :meth:`SlabFiles.reopener` (the read process, for a worker's store;
+  with ``writable`` the spill process, for the scheduler side's store):
+  creates nothing and takes no lock (the creating store holds them); each
+  slab open in the parent is taken over from the descriptor the helper
+  inherited (:meth:`SlabFiles.descriptors`), so a store directory removed
+  or swapped under a running engine changes nothing in its helpers; a
+  slab reopened by name for writing must be the inode the creating store
+  opened.
 - :func:`find_stores` (``kvtier inspect``/``verify``/``doctor``): stores
   found on disk, read with ``os.preadv`` on descriptors that refuse links
   and anything but a regular file; the slot size is derived from the slot
@@ -209,6 +213,8 @@ class SlabFiles:
         owns_backend: bool,
         fingerprint: LayoutFingerprint | None = None,
         inodes: Sequence[tuple[int, int]] | None = None,
+        inherited: Sequence[tuple[int, tuple[int, int]] | None] | None = None,
+        inherited_from: int | None = None,
     ) -> None:
         self.name = name
         self.fingerprint = fingerprint
@@ -231,6 +237,14 @@ class SlabFiles:
         # slab's (st_dev, st_ino) as the writer checked it; a slab opened by
         # name must be that file.
         self._inodes = None if inodes is None else list(inodes)
+        # Reopened in a helper process: per slab, the descriptor it was
+        # given open (and the (st_dev, st_ino) it must be), used instead of
+        # opening by name: a store directory removed or swapped under the
+        # engine keeps working in the helper as it does in the engine.
+        self._inherited = None if inherited is None else list(inherited)
+        # The process that gave them: where it is this one (a reopener
+        # called in its own process), they are its own and are duplicated.
+        self._inherited_from = inherited_from
         # Per slab, the bytes it held before this open: slots at or past
         # that offset were made by :meth:`create` just now and hold nothing
         # (the full size where nothing was created: open, find_stores).
@@ -330,22 +344,33 @@ class SlabFiles:
             raise
         return files
 
+    def descriptors(self) -> list[int]:
+        """The descriptors of the slabs open here: what a helper process
+        started with a :meth:`reopener` made now must be given
+        (``pass_fds``), under the same numbers."""
+        fds = (None if h is None else self.backend.fileno(h) for h in self.handles)
+        return [fd for fd in fds if fd is not None]
+
     def reopener(self, *, writable: bool = False) -> Callable[[DiskBackend], SlabFiles]:
         """The same slabs for another process, picklable: called there with
         that process's back end (which the result owns), it gives these
         files opened for reading, as :meth:`open` does, or with ``writable``
         (files made by :meth:`create`, which holds their locks) for writing
-        too: each slab is then opened read-write on first use and refused
-        (PermissionError) unless it is the very file this writer checked
-        and opened, so a file swapped in under the name is never written."""
-        inodes = None
-        if writable:
-            inodes = []
-            for slab, handle in zip(self.slabs, self.handles, strict=True):
-                fd = None if handle is None else self.backend.fileno(handle)
-                if fd is None:
-                    raise ValueError(f"slab {slab.path} is not open for writing here")
-                inodes.append(_dev_ino(fd))
+        too. A slab open here is taken over from the descriptor the process
+        inherited (:meth:`descriptors`), never reopened by name, so that a
+        store directory removed, renamed or swapped under a running engine
+        changes nothing there either. One not open here is opened on first
+        use by name; with ``writable`` every slab must be open here, and one
+        opened by name after the inherited descriptor was lost is refused
+        (PermissionError) unless it is the very file this writer checked and
+        opened, so a file swapped in under the name is never written."""
+        inherited: list[tuple[int, tuple[int, int]] | None] = []
+        for slab, handle in zip(self.slabs, self.handles, strict=True):
+            fd = None if handle is None else self.backend.fileno(handle)
+            if fd is None and writable:
+                raise ValueError(f"slab {slab.path} is not open for writing here")
+            inherited.append(None if fd is None else (fd, _dev_ino(fd)))
+        inodes = [ino for _, ino in inherited] if writable else None
         return functools.partial(
             SlabFiles,
             self.name,
@@ -356,6 +381,8 @@ class SlabFiles:
             owns_backend=True,
             fingerprint=self.fingerprint,
             inodes=inodes,
+            inherited=inherited,
+            inherited_from=os.getpid(),
         )
 
     # -- where and how bytes move -----------------------------------------
@@ -386,6 +413,12 @@ class SlabFiles:
 
     def _open(self, idx: int) -> Any:
         path = self.slabs[idx].path
+        given = None if self._inherited is None else self._inherited[idx]
+        if given is not None:
+            self._inherited[idx] = None  # taken over once; later opens by name
+            handle = self._adopt(path, *given)
+            if handle is not None:
+                return handle
         if self._inodes is None:
             return self.backend.open(path, writable=False)
         handle = self.backend.open(path, writable=True)
@@ -398,6 +431,22 @@ class SlabFiles:
                 "one its store checked and opened (it was swapped?)",
                 path,
             )
+        return handle
+
+    def _adopt(self, path: str, fd: int, dev_ino: tuple[int, int]) -> Any:
+        """A handle over the inherited ``fd`` of ``path``, or None (the
+        descriptor closed) when it is not the file it was given as, or the
+        back end opens files only by name."""
+        handle = None
+        ours = self._inherited_from != os.getpid()
+        with contextlib.suppress(OSError):
+            if not ours:  # the giver's own descriptor: a copy of it
+                fd, ours = os.dup(fd), True
+            if _dev_ino(fd) == dev_ino:
+                handle = self.backend.adopt(fd, path)
+        if handle is None and ours:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         return handle
 
     def open_all(self) -> int:
@@ -563,6 +612,12 @@ class SlabFiles:
             if handle is not None:
                 with contextlib.suppress(OSError):
                     self.backend.close(handle)
+        mine = self._inherited_from != os.getpid()
+        for given in self._inherited or ():
+            if given is not None and mine:  # inherited, never taken over
+                with contextlib.suppress(OSError):
+                    os.close(given[0])
+        self._inherited = None
         if self._owns_backend:
             self.backend.shutdown()
         for fd in self._dir_fds:  # releases the store-directory locks

@@ -139,7 +139,13 @@ class SpillProcess:
                 "threads": self.threads,
                 "after_reset": any(store.after_reset for store in self.stores),
             }
-            self._proc, self._pipes = spawn("kvtier.store.spill_process", fds)
+            # The slabs go as the descriptors the stores opened: the child
+            # never reopens them by name (a store directory removed or
+            # swapped since engine start would stop every spill there).
+            slab_fds = [fd for store in self.stores for fd in store.files.descriptors()]
+            self._proc, self._pipes = spawn(
+                "kvtier.store.spill_process", [*fds, *slab_fds]
+            )
         except (OSError, ValueError) as exc:
             self._ended = True
             logger.warning(

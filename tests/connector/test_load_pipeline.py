@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import sys
 import threading
 import time
@@ -665,6 +666,25 @@ def test_the_store_is_opened_ahead_of_the_first_load(runner):
     ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
     assert [d.success for d in wait_finished(r.worker)] == [True]
     _complete(r, keys, ctx)
+
+
+def test_a_slab_that_could_not_open_is_opened_before_any_load(tmp_path, plan):
+    """A slab that could not be opened ahead (not made yet, or its open
+    failed) is tried again while the load thread is idle, not left for the
+    first disk hit, maybe hours later: once open, a store directory removed
+    meanwhile still reads."""
+    r = _runner_with_an_unopened_slab(tmp_path, plan)
+    try:
+        files = r.worker.reader.files
+        _wait_for(lambda: files.handles[0] is not None, "the slab opened again")
+        keys = push_to_disk(r, [1, 2, 3, 4])
+        shutil.rmtree(files.dirs[0])
+        ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
+        assert [d.success for d in wait_finished(r.worker)] == [True]
+        _complete(r, keys, ctx)
+        assert all(_landed(r, keys, [40, 41, 42, 43]))
+    finally:
+        r.close()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice")

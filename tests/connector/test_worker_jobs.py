@@ -646,6 +646,11 @@ def test_a_load_that_raises_counts_no_block_as_loaded(runner, monkeypatch):
         TransferJob,
     )
 
+    from kvtier.store.read_process import ReadProcess
+
+    # Reads in this process: a read process's child counts the bytes it
+    # read (read_bytes is the drive's traffic) before the raising complete.
+    monkeypatch.setattr(ReadProcess, "spawn", False)
     r = runner
     with landing_at_once(r):
         on_disk = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
@@ -672,6 +677,7 @@ def test_a_load_that_raises_counts_no_block_as_loaded(runner, monkeypatch):
         assert time.monotonic() < deadline, "the load was never reported"
         time.sleep(0.001)
     assert conn.take_load_errors()[1] == {50, 51, 52, 53}  # nothing landed
+    assert getattr(r.worker.reader, "pid", None) is None  # read here
     meta = conn.build_connector_worker_meta()
     r.manager.note_worker_report(meta.report)
     r.manager.complete_load(keys, ctx)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -394,6 +395,38 @@ def test_without_a_child_every_read_is_made_here(
         got = rp.complete(pending)
         assert [r.outcome for r in got] == [ReadOutcome.OK] * 2
         assert rp.stats().blocks_ok == 2
+    finally:
+        rp.close()
+
+
+def test_the_child_reads_a_store_whose_directory_was_removed(
+    make_rig: Callable[..., Rig],
+) -> None:
+    """The child is given the slabs as the descriptors open here, never
+    their names: the store directory removed (``rm -rf`` under a running
+    engine) once they are open leaves the child's reads verified and exact.
+    Before every slab is open it is not started at all (batches are read
+    here)."""
+    rig = make_rig()
+    keys = _written(rig, 2)
+    rp = _reader(rig)
+    try:
+        slab = rp.files.slabs[0].path
+        os.rename(slab, slab + ".away")
+        rp.start()  # the slab cannot open: no child yet
+        assert rp._proc is None and rp.files.handles == [None]
+        pending = rp.submit([(0, keys[0])])
+        assert isinstance(pending, PendingRead)  # read here (and failed)
+        assert [r.outcome for r in rp.complete(pending)] == [ReadOutcome.IO_ERROR]
+        os.rename(slab + ".away", slab)
+        rp.start()
+        assert rp._proc is not None
+        shutil.rmtree(os.path.dirname(slab))
+        _running(rp)
+        _serves_slot_0(rp, keys[0])
+        pending = rp.submit([(1, keys[1])])
+        assert isinstance(pending, ProcessRead)
+        assert [r.outcome for r in rp.complete(pending)] == [ReadOutcome.OK]
     finally:
         rp.close()
 

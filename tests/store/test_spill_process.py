@@ -10,7 +10,10 @@ later jobs run in the engine's process."""
 from __future__ import annotations
 
 import os
+import pickle
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -297,8 +300,11 @@ def test_close_ends_the_child(rig: Rig) -> None:
 def test_a_slab_swapped_under_its_name_is_never_written(
     tmp_path: Path, fingerprint: LayoutFingerprint
 ) -> None:
-    """The child opens the slabs by name: each must be the file the store
-    that made it checked and opened."""
+    """A reopened store writes through the descriptor the store that made
+    the slab checked and opened (given, here duplicated in its own process),
+    so a file planted under the slab's name is never written; a helper
+    without that descriptor opens the slab by name, and refuses a file that
+    is not the one checked."""
     with DiskStore([str(tmp_path)], 8, BLOCK_BYTES, fingerprint, backend="posix") as s:
         reopen = s.reopener()
         path = s.files.slabs[0].path
@@ -307,13 +313,58 @@ def test_a_slab_swapped_under_its_name_is_never_written(
             f.truncate(os.path.getsize(path + ".old"))
         other = reopen(PosixBackend())
         try:
-            with pytest.raises(PermissionError):
-                other.write_block(0, key_of(0), np.zeros(BLOCK_BYTES, np.uint8), 1)
+            data = np.arange(BLOCK_BYTES, dtype=np.uint8)
+            other.write_block(0, key_of(0), data, 1)
         finally:
             other.close()
+        # Written into the checked file, now named .old; still readable here
+        # (the store's own descriptor outlived the helper's close).
+        out = np.zeros(BLOCK_BYTES, np.uint8)
+        assert s.read_block(0, key_of(0), out) is ReadOutcome.OK
+        assert np.array_equal(out, data)
         assert os.path.getsize(path) == os.path.getsize(path + ".old")
         with open(path, "rb") as f:
             assert not any(f.read())  # nothing written into the planted file
+        # A process that was not given the descriptor (its number is not
+        # that file there): by name, refused.
+        probe = (
+            "import pickle, sys\n"
+            "import numpy as np\n"
+            "from kvtier.store.backends.posix import PosixBackend\n"
+            "store = pickle.loads(sys.stdin.buffer.read())(PosixBackend())\n"
+            "try:\n"
+            f"    store.write_block(1, b'k', np.zeros({BLOCK_BYTES}, np.uint8), 2)\n"
+            "    print('written')\n"
+            "except PermissionError as exc:\n"
+            "    print('refused', exc)\n"
+            "finally:\n"
+            "    store.close()\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", probe],
+            input=pickle.dumps(reopen),
+            capture_output=True,
+            timeout=DEADLINE_S,
+            check=True,
+        )
+        assert done.stdout.decode().startswith("refused"), done
+        with open(path, "rb") as f:
+            assert not any(f.read())
+
+
+def test_a_store_directory_removed_before_the_first_spill(rig: Rig) -> None:
+    """The child is given the slabs as the store's open descriptors: a store
+    directory removed (or swapped) after engine start, before the child
+    started, leaves spills working, as they do in the engine's process."""
+    shutil.rmtree(rig.store.files.dirs[0])
+    rig.in_child()
+    job_id, items = rig.spill(list(range(8)))
+    assert rig.finished(job_id).success
+    assert rig.child_stats().blocks_written == 8
+    for _key, row, slot in items:
+        outcome, got = rig.read(slot)
+        assert outcome is ReadOutcome.OK
+        assert np.array_equal(got, rig.worker.array[row]), slot
 
 
 def test_a_child_that_never_starts_leaves_the_jobs_here(

@@ -32,6 +32,7 @@ that does not return) is the worker's to handle (:meth:`LoadPipeline.overdue`).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -61,6 +62,8 @@ BATCH_DEADLINE_S = 15.0
 LOAD_THREAD_NICE = 10
 # The thread looks at deadlines, cancellations and new work at least this often.
 TICK_S = 0.05
+# How often an idle load thread tries to open slabs that do not exist yet.
+OPEN_RETRY_S = 1.0
 # CPU-row copies per unit: a long CPU-tier hit takes turns with short ones.
 COPY_UNIT_BYTES = 32 << 20
 # The last part's checks and copies follow the last read, so parts stay small.
@@ -329,6 +332,8 @@ class LoadPipeline:
         # The load thread's own.
         self._expedited: deque[LoadTask] = deque()  # first come first
         self._turns: deque[LoadTask] = deque()  # the others, taking turns
+        # When _open_slabs tries next (inf: every slab is open).
+        self._open_at = 0.0
 
     # ------------------------------------------------- worker's thread side
 
@@ -350,7 +355,8 @@ class LoadPipeline:
     def warm_up(self) -> None:
         """Start the thread ahead of the first load: it opens the reader's
         slab files first (the first open probes O_DIRECT, too slow for a
-        disk hit's path). A file not created yet is opened at its first read."""
+        disk hit's path). A file not created yet is tried again each
+        ``OPEN_RETRY_S`` (:meth:`_open_slabs`) and at its first read."""
         with self._cond:
             if self.thread is None and not self._stopping:
                 try:
@@ -417,11 +423,6 @@ class LoadPipeline:
                 # model's work (setting it sets this thread's device too).
                 # Each task's copies follow its ``after`` mark.
                 torch.accelerator.set_stream(current_platform.Stream(device))
-            if self.reader is not None:
-                # The read process's child starts here, off the model's
-                # thread; the slabs that exist open before the first hit.
-                self.reader.start()
-                self.reader.files.open_all()
             while self._turn():
                 pass
         except BaseException as exc:
@@ -436,9 +437,29 @@ class LoadPipeline:
                 if part.state in (READING, STUCK):
                     self.ring.abandon(part, self.reader)
 
+    def _open_slabs(self) -> None:
+        """Until every slab is open, at most once per ``OPEN_RETRY_S``:
+        ``reader.start()``, which opens the slabs that exist and starts a
+        read process's child once all are. Off the model's thread, before
+        the first hit; and as soon as a new store's slabs exist rather
+        than at the first disk hit, hours later maybe: the descriptors keep
+        reading when the store directory is removed or swapped meanwhile."""
+        now = time.monotonic()
+        if now < self._open_at:
+            return
+        reader = self.reader
+        if reader is None:
+            self._open_at = math.inf
+            return
+        reader.start()
+        done = all(h is not None for h in reader.files.handles)
+        self._open_at = math.inf if done else now + OPEN_RETRY_S
+
     def _turn(self) -> bool:
         """One step: a unit of work, a returned batch, or a bounded wait for
         either; False once stopping."""
+        if self._open_at != math.inf:
+            self._open_slabs()
         with self._cond:
             while self._queue:
                 task = self._queue.popleft()
@@ -488,7 +509,12 @@ class LoadPipeline:
             with self._cond:
                 if not self._queue and not self._stopping:
                     held = self._expedited or self._turns or ring.stuck()
-                    self._cond.wait(TICK_S if held else None)
+                    if held:
+                        self._cond.wait(TICK_S)
+                    elif self._open_at != math.inf:  # slabs to open yet
+                        self._cond.wait(OPEN_RETRY_S)
+                    else:
+                        self._cond.wait()
         return True
 
     def _overdue(self, part: Part) -> bool:
@@ -594,12 +620,15 @@ class LoadPipeline:
         if not task.cancelled:  # else the worker gave the job up and said so
             logger.error(
                 "kvtier: disk reads of load job %d have not returned after %.0f s: its "
-                "%d blocks are recomputed; %d of %d bounce parts wait for the reads",
+                "%d blocks are recomputed; %d of %d bounce parts wait for the reads "
+                "(reads run in the %s: a hung drive or mount, or that process "
+                "stopped?)",
                 task.job_id,
                 time.monotonic() - part.since,
                 len(part.positions),
                 len(self.ring.stuck()),
                 len(self.ring.parts),
+                self.reader.describe(),
             )
 
     def _copy(

@@ -63,6 +63,14 @@ class DiskBackend(ABC):
         that the file opened by name is the one checked before), else None."""
         return None
 
+    def adopt(self, fd: int, path: str) -> Any | None:
+        """A handle over ``fd``, a descriptor of ``path`` this process
+        inherited open (a helper process given its parent's slabs:
+        :func:`kvtier.store.child_process.spawn`), which the handle then
+        owns; None where this back end opens files only by name (the
+        caller then opens ``path``). The default: None."""
+        return None
+
     def size(self, handle: Any) -> int | None:
         """The current size of the file open as ``handle`` (``fstat`` of its
         descriptor), or None when there is no descriptor or ``fstat``

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -145,6 +146,12 @@ class PosixBackend(DiskBackend):
 
     def fileno(self, handle: PosixHandle) -> int:
         return handle.fd
+
+    def adopt(self, fd: int, path: str) -> PosixHandle:
+        # An inherited descriptor shares its open file description with the
+        # parent's, O_DIRECT included: the transfers follow its flag.
+        direct = bool(_O_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT)
+        return PosixHandle(fd, path, direct)
 
     def describe(self) -> str:
         with self._lock:
