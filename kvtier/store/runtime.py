@@ -40,6 +40,10 @@ logger = get_logger("store")
 # rest: vLLM gives an engine core a few seconds to exit before it kills it
 # (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 by default).
 SHUTDOWN_SPILL_S = 2.0
+# No disk job finished for this long while some wait: a hung or failing
+# drive, said once per stall (a write has no deadline of its own: a pwrite
+# cannot be taken back).
+STALL_S = 15.0
 
 
 @dataclass
@@ -93,6 +97,12 @@ class DiskRuntime:
         self._given_up: list[FinishedJob] = []
         self._lock = threading.Lock()
         self._attached = [r for r in self.rows if isinstance(r, AttachedRows)]
+        # Jobs submitted and not yet returned by poll, and when one last
+        # returned (or the first was submitted to an idle runtime): a stall
+        # is logged from them at no cost per job (_watch).
+        self._outstanding = 0
+        self._progress_at = time.monotonic()
+        self._stalled = False
         first = self.stores[0]
         try:
             # Each rank's own threads' worth, as each rank's stores have.
@@ -194,6 +204,9 @@ class DiskRuntime:
 
     def _submit(self, job_id: int, items: Sequence[TransferItem], spill: bool) -> None:
         engine, process = self._engine, self._process
+        if not self._outstanding:
+            self._progress_at = time.monotonic()
+        self._outstanding += 1
         try:
             if self._broken is not None or engine is None:
                 raise RuntimeError(self._broken or "the disk tier is closed")
@@ -234,7 +247,41 @@ class DiskRuntime:
                     self.totals.read_bytes += job.bytes
                     self.totals.read_seconds += job.seconds
                 done.append(job)
+        self._watch(len(done))
         return done
+
+    def _watch(self, returned: int) -> None:
+        """Say when no job has returned for ``STALL_S`` while some wait (a
+        hung drive or mount, which nothing else reports until it recovers:
+        a write has no deadline), and when jobs return again."""
+        now = time.monotonic()
+        if returned:
+            self._outstanding = max(0, self._outstanding - returned)
+            if self._stalled:
+                self._stalled = False
+                logger.warning(
+                    "kvtier: disk jobs return again, after %.0f s without one",
+                    now - self._progress_at,
+                )
+            self._progress_at = now
+        elif (
+            self._outstanding
+            and not self._stalled
+            and now - self._progress_at > STALL_S
+            and self._broken is None
+        ):
+            self._stalled = True
+            logger.error(
+                "kvtier: no disk job has finished for %.0f s, %d waiting (spills "
+                "and promotions on %s): a hung or failing drive or mount? Until "
+                "they finish, the CPU tier keeps the rows of the blocks waiting "
+                "to spill, so new blocks are declined as it fills "
+                "(stores_declined). Check the drive (dmesg, smartctl) and the "
+                "mount; kvtier recovers by itself when the writes return",
+                now - self._progress_at,
+                self._outstanding,
+                self.stores[0].paths if self.stores else "?",
+            )
 
     @property
     def pending(self) -> int:

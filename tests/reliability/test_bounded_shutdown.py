@@ -5,6 +5,7 @@ ever letting a late transfer touch a reused CPU row."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ from reliability_common import (
 )
 
 from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer
+from kvtier.store import runtime as runtime_mod
 from kvtier.store import slabs as slab_mod
 from kvtier.store import store as disk_store_mod
 from kvtier.store.backends.base import BackendUnavailableError
@@ -263,6 +265,51 @@ def test_close_with_a_hung_disk_is_bounded(
         assert rt.broken
     finally:
         release.set()
+
+
+def test_a_hung_write_is_said_once_and_its_return_too(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shm_file: Callable[[int], CpuBlockBuffer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A write has no deadline (a pwrite cannot be taken back), so a hung
+    drive held spills without a word until it recovered: the runtime says
+    so once, from the polls, when no job returned for STALL_S while some
+    wait, and again when they return."""
+    release = threading.Event()
+    plan = FaultPlan([FaultRule.hang(release, ops="write")])
+
+    def faulty(name: str, *, threads: int = 4):
+        return FaultInjectingBackend(PosixBackend(threads), plan)
+
+    monkeypatch.setattr(disk_store_mod, "make_backend", faulty)
+    monkeypatch.setattr(runtime_mod, "STALL_S", 0.3)
+    cpu = shm_file(8)
+    rt = make_runtime(tmp_path, cpu.shm_path)
+    caplog.set_level(logging.INFO, logger="vllm.kvtier")
+    try:
+        rt.submit_spill(spill(1, [key_of(0)]))
+        rt.submit_spill(spill(2, [key_of(1)]))
+        deadline = time.monotonic() + 10
+        while "no disk job has finished" not in caplog.text:
+            assert time.monotonic() < deadline, "the stall was never said"
+            assert rt.poll() == []
+            time.sleep(0.01)
+        stalled = [r for r in caplog.records if "no disk job" in r.getMessage()]
+        assert len(stalled) == 1 and stalled[0].levelno == logging.ERROR
+        assert "2 waiting" in stalled[0].getMessage()
+        time.sleep(0.4)
+        rt.poll()  # still stalled: said once
+        assert sum("no disk job" in r.getMessage() for r in caplog.records) == 1
+        release.set()
+        returned: set[int] = set()
+        while returned != {1, 2}:
+            returned |= {j.job_id for j in poll_until(rt)}
+        assert "disk jobs return again" in caplog.text
+    finally:
+        release.set()
+        rt.close()
 
 
 def test_second_runtime_on_one_disk_path_is_refused(tmp_path: Path) -> None:
