@@ -318,6 +318,7 @@ class SlabFiles:
                 dir_fd = _open_store_dir(d, os.path.dirname(d))
                 files._dir_fds.append(dir_fd)
                 _remove_leftovers(d, dir_fd)
+                _take_misplaced_slab(d, dir_fd, slab.index)
                 _write_layout(
                     d,
                     fingerprint,
@@ -738,6 +739,41 @@ def _remove_leftovers(directory: str, dir_fd: int) -> None:
         except OSError:
             continue
         logger.info("removed %s/%s, left by a process that is gone", directory, name)
+
+
+def _take_misplaced_slab(directory: str, dir_fd: int, index: int) -> None:
+    """Name slab ``index`` the one slab of another index this store
+    directory (locked by this process) holds, when it has none of its own:
+    ``disk_path`` was listed in another order, or the striped file systems
+    came up mounted the other way round, or a path left the list. A slab's
+    blocks live anywhere in the store (slot headers name their keys, not
+    their slots), so the warm restart adopts them where they now are (all
+    but those of local slots past the new index's share, with uneven
+    stripes);
+    without this the store started empty, a second slab was preallocated
+    beside the first and the old one was left taking its space. A
+    directory with its own slab, or several others, is left as it is."""
+    try:
+        names = [n for n in os.listdir(dir_fd) if SLAB_RE.match(n)]
+    except OSError:
+        return
+    own = slab_name(index)
+    if own in names or len(names) != 1:
+        return
+    try:
+        os.rename(names[0], own, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as exc:
+        logger.warning("kvtier: %s/%s not renamed %s: %s", directory, names[0], own, exc)
+        return
+    logger.warning(
+        "kvtier: %s held %s of this store, not %s (disk_path listed in another "
+        "order, or its file systems mounted the other way round?): renamed %s, "
+        "its blocks kept",
+        directory,
+        names[0],
+        own,
+        own,
+    )
 
 
 def _write_layout(
