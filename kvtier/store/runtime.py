@@ -15,6 +15,7 @@ job once, wherever it ran.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -390,9 +391,42 @@ class DiskRuntime:
             )
             for store in self.stores:
                 store.abandon()
+            threading.Thread(
+                target=_release_when_returned,
+                args=(engine, None if process is None else process.left),
+                kwargs={"rows": self._attached, "stores": self.stores},
+                name="kvtier-disk-release",
+                daemon=True,
+            ).start()
         else:
             for r in self._attached:
                 r.close()
             for store in self.stores:
                 store.close()
         self.rows, self.stores = [], []
+
+
+def _release_when_returned(
+    engine: TransferEngine | None,
+    process: subprocess.Popen[bytes] | None,
+    *,
+    rows: list[AttachedRows],
+    stores: list[DiskStore],
+) -> None:
+    """What :meth:`DiskRuntime.close` left open for I/O that did not return
+    (a hung disk), closed once it returned: the rows unmapped, the slabs
+    closed and the store directories' locks released, so that a new engine
+    in this process can take the store (an in-process engine made again
+    found it "in use" by its own pid until the process exited)."""
+    if engine is not None:
+        engine.shutdown(timeout=None)  # joins the threads, however long
+    if process is not None:
+        process.wait()
+    for r in rows:
+        r.close()
+    for store in stores:
+        store.close()
+    logger.warning(
+        "kvtier: the disk I/O left blocked at shutdown returned; the store is "
+        "released"
+    )

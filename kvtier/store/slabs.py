@@ -255,6 +255,7 @@ class SlabFiles:
         self._stats = SlabStats()
         self._logged: set[tuple[str, int, int | None]] = set()
         self._closed = False
+        self._abandoned = False  # closed by abandon: close() still releases
         # Optional blocking fast paths (PosixBackend has them): callers on
         # their own threads skip a hop to the back end's pool.
         self._read_sync: Callable[[Any, Any, int], int] | None = getattr(
@@ -605,9 +606,9 @@ class SlabFiles:
         """Close slab handles, the back end when owned, and the directory
         descriptors (releasing the store locks). Idempotent."""
         with self._lock:
-            if self._closed:
+            if self._closed and not self._abandoned:
                 return
-            self._closed = True
+            self._closed, self._abandoned = True, False
             handles, self.handles = self.handles, [None] * len(self.handles)
         for handle in handles:
             if handle is not None:
@@ -630,9 +631,12 @@ class SlabFiles:
         """Mark closed without closing anything: for files whose I/O threads
         may still be blocked in a read or write (a hung disk). The
         descriptors stay open (a closed number could be reused by another
-        file while a blocked write still targets it) and the locks stay held
-        until the process exits."""
-        self._closed = True
+        file while a blocked write still targets it) and the locks stay
+        held, until a later :meth:`close` (once those threads returned) or
+        the process's exit."""
+        with self._lock:
+            self._abandoned = not self._closed or self._abandoned
+            self._closed = True
 
 
 # ------------------------------------------------------------------ create

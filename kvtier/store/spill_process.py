@@ -107,6 +107,8 @@ class SpillProcess:
     ) -> None:
         self.stores, self.rows, self.threads = list(stores), list(rows), threads
         self._proc: subprocess.Popen[bytes] | None = None
+        # The child close() could not reap (stuck in the kernel), if any.
+        self.left: subprocess.Popen[bytes] | None = None
         self._pipes: PipeChannel | None = None
         self._ready = False
         self._ended = False  # started and gone, or closed: never again
@@ -185,7 +187,10 @@ class SpillProcess:
         proc, self._proc = self._proc, None
         if proc is None:
             return True
-        return stop(proc, timeout, "spill process")
+        reaped = stop(proc, timeout, "spill process")
+        if not reaped:
+            self.left = proc
+        return reaped
 
     # ------------------------------------------------------------ the jobs
 

@@ -23,6 +23,7 @@ from reliability_common import (
 )
 
 from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer
+from kvtier.safe_open import InUseError
 from kvtier.store import runtime as runtime_mod
 from kvtier.store import slabs as slab_mod
 from kvtier.store import store as disk_store_mod
@@ -263,6 +264,21 @@ def test_close_with_a_hung_disk_is_bounded(
         rt.close(timeout=1.0)
         assert time.monotonic() - t0 < 20.0  # bounded, not the hung write
         assert rt.broken
+        # The store stays locked while the write is blocked (it may still
+        # land), and is released once it returned: a new runtime in this
+        # process takes it (it had been "in use" by this pid for good).
+        with pytest.raises(InUseError):
+            make_runtime(tmp_path, cpu.shm_path)
+        release.set()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                again = make_runtime(tmp_path, cpu.shm_path)
+                break
+            except InUseError:
+                assert time.monotonic() < deadline, "the store was never released"
+                time.sleep(0.05)
+        again.close()
     finally:
         release.set()
 
@@ -313,8 +329,6 @@ def test_a_hung_write_is_said_once_and_its_return_too(
 
 
 def test_second_runtime_on_one_disk_path_is_refused(tmp_path: Path) -> None:
-    from kvtier.safe_open import InUseError
-
     first = make_runtime(tmp_path, "/nonexistent")
     try:
         with pytest.raises(InUseError, match="disk_path") as info:
