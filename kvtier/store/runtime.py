@@ -233,31 +233,38 @@ class DiskRuntime:
     def poll(self) -> list[FinishedJob]:
         with self._lock:
             done, self._given_up = self._given_up, []
+        answered = 0  # jobs the I/O answered (not refused, given up, cancelled)
         if self._engine is not None and self._broken is None:
             finished = self._engine.get_finished()
             if self._process is not None:
                 finished += self._process.poll()
             for job in finished:
+                done.append(job)
                 whole = job.cancelled_keys and job.cancelled_keys == job.failed_keys
                 if whole and not job.bytes:
-                    pass  # cancelled whole: its time in the queue is no I/O
-                elif job.spill:
+                    continue  # cancelled whole: its time in the queue is no I/O
+                answered += 1
+                if job.spill:
                     self.totals.write_bytes += job.bytes
                     self.totals.write_seconds += job.seconds
                 else:
                     self.totals.read_bytes += job.bytes
                     self.totals.read_seconds += job.seconds
-                done.append(job)
-        self._watch(len(done))
+        self._watch(len(done), answered)
         return done
 
-    def _watch(self, returned: int) -> None:
-        """Say when no job has returned for ``STALL_S`` while some wait (a
-        hung drive or mount, which nothing else reports until it recovers:
-        a write has no deadline), and when jobs return again."""
+    def _watch(self, returned: int, answered: int) -> None:
+        """Say when no job has been answered by the I/O for ``STALL_S``
+        while some wait (a hung drive or mount, which nothing else reports
+        until it recovers: a write has no deadline), and when the I/O
+        answers again. ``returned`` jobs left the runtime, ``answered`` of
+        them through their I/O (the others were refused, given up at a
+        drain's timeout, or cancelled before any I/O: no sign of a drive)."""
         now = time.monotonic()
-        if returned:
-            self._outstanding = max(0, self._outstanding - returned)
+        self._outstanding = max(0, self._outstanding - returned)
+        if not self._outstanding and not self._stalled:
+            self._progress_at = now
+        if answered:
             if self._stalled:
                 self._stalled = False
                 logger.warning(
@@ -370,15 +377,18 @@ class DiskRuntime:
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the I/O threads (at most ``timeout`` s), unmap the rows and
         close the stores. Threads still blocked then (a hung disk) are
-        abandoned: the mappings and descriptors they use are left open (a
-        closed descriptor number could be reused by another file) until the
-        process exits. Idempotent."""
+        abandoned: the mappings and descriptors they use (and the store
+        locks) are left open, since a closed descriptor number could be
+        reused by another file, until that I/O returned (a thread then
+        releases them: :func:`_release_when_returned`) or the process
+        exits. Idempotent."""
         started = time.monotonic()
         process, self._process = self._process, None
         # The child finishes its jobs and exits; one that does not (a hung
         # disk) is killed, and touches no row after a spill staged it. One
         # the kill does not end may still write its slots: as with threads
-        # left blocked here, the stores' descriptors and locks stay.
+        # left blocked here, the stores' descriptors and locks stay until it
+        # is gone.
         reaped = process is None or process.close(timeout / 2)  # + the kill's wait
         engine, self._engine = self._engine, None
         left = max(1.0, timeout - (time.monotonic() - started))

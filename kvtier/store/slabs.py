@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import functools
 import json
 import os
@@ -415,9 +416,11 @@ class SlabFiles:
 
     def _open(self, idx: int) -> Any:
         path = self.slabs[idx].path
-        given = None if self._inherited is None else self._inherited[idx]
+        with self._lock:  # close() takes the rest of the list under it
+            given = None if self._inherited is None else self._inherited[idx]
+            if given is not None:
+                self._inherited[idx] = None  # taken over once; later by name
         if given is not None:
-            self._inherited[idx] = None  # taken over once; later opens by name
             handle = self._adopt(path, *given)
             if handle is not None:
                 return handle
@@ -436,17 +439,25 @@ class SlabFiles:
         return handle
 
     def _adopt(self, path: str, fd: int, dev_ino: tuple[int, int]) -> Any:
-        """A handle over the inherited ``fd`` of ``path``, or None (the
-        descriptor closed) when it is not the file it was given as, or the
-        back end opens files only by name."""
+        """A handle over the inherited ``fd`` of ``path``, or None when it
+        is not the file it was given as (another file of this process under
+        that number: left alone), not open for writing where this store
+        writes, or the back end opens files only by name (then closed)."""
+        if self._inherited_from == os.getpid():
+            try:  # the giver's own descriptor: a copy of it
+                fd = os.dup(fd)
+            except OSError:
+                return None
+        elif not _is_file(fd, dev_ino):
+            return None
         handle = None
-        ours = self._inherited_from != os.getpid()
         with contextlib.suppress(OSError):
-            if not ours:  # the giver's own descriptor: a copy of it
-                fd, ours = os.dup(fd), True
-            if _dev_ino(fd) == dev_ino:
+            writes = self._inodes is not None
+            mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+            if _dev_ino(fd) == dev_ino and (mode == os.O_RDWR or not writes):
+                os.set_inheritable(fd, False)
                 handle = self.backend.adopt(fd, path)
-        if handle is None and ours:
+        if handle is None:
             with contextlib.suppress(OSError):
                 os.close(fd)
         return handle
@@ -610,16 +621,17 @@ class SlabFiles:
                 return
             self._closed, self._abandoned = True, False
             handles, self.handles = self.handles, [None] * len(self.handles)
+            inherited, self._inherited = self._inherited, None
         for handle in handles:
             if handle is not None:
                 with contextlib.suppress(OSError):
                     self.backend.close(handle)
-        mine = self._inherited_from != os.getpid()
-        for given in self._inherited or ():
-            if given is not None and mine:  # inherited, never taken over
-                with contextlib.suppress(OSError):
-                    os.close(given[0])
-        self._inherited = None
+        if self._inherited_from != os.getpid():
+            for given in inherited or ():
+                # Inherited, never taken over: closed if still that file.
+                if given is not None and _is_file(*given):
+                    with contextlib.suppress(OSError):
+                        os.close(given[0])
         if self._owns_backend:
             self.backend.shutdown()
         for fd in self._dir_fds:  # releases the store-directory locks
@@ -672,6 +684,14 @@ def create_slab(
 def _dev_ino(fd: int) -> tuple[int, int]:
     st = os.fstat(fd)
     return st.st_dev, st.st_ino
+
+
+def _is_file(fd: int, dev_ino: tuple[int, int]) -> bool:
+    """Whether descriptor ``fd`` is open here on the file ``dev_ino``."""
+    try:
+        return _dev_ino(fd) == dev_ino
+    except OSError:
+        return False
 
 
 def _open_store_dir(path: str, base: str) -> int:

@@ -328,6 +328,41 @@ def test_a_hung_write_is_said_once_and_its_return_too(
         rt.close()
 
 
+def test_jobs_given_up_at_a_drain_are_no_sign_of_the_drive(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shm_file: Callable[[int], CpuBlockBuffer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Jobs a drain gave up (or refused) leave the runtime without their
+    I/O returning: the write is still hung, so no 'return again' is said."""
+    release = threading.Event()
+    plan = FaultPlan([FaultRule.hang(release, ops="write")])
+
+    def faulty(name: str, *, threads: int = 4):
+        return FaultInjectingBackend(PosixBackend(threads), plan)
+
+    monkeypatch.setattr(disk_store_mod, "make_backend", faulty)
+    monkeypatch.setattr(runtime_mod, "STALL_S", 0.2)
+    cpu = shm_file(8)
+    rt = make_runtime(tmp_path, cpu.shm_path)
+    caplog.set_level(logging.INFO, logger="vllm.kvtier")
+    try:
+        rt.submit_spill(spill(1, [key_of(0)]))
+        deadline = time.monotonic() + 10
+        while "no disk job has finished" not in caplog.text:
+            assert time.monotonic() < deadline, "the stall was never said"
+            assert rt.poll() == []
+            time.sleep(0.01)
+        assert not rt.drain(timeout=0.3)  # a hung disk: broken
+        rt.submit_spill(spill(2, [key_of(1)]))  # refused at once
+        assert {j.job_id for j in rt.poll()} == {1, 2}
+        assert "disk jobs return again" not in caplog.text
+    finally:
+        release.set()
+        rt.close()
+
+
 def test_second_runtime_on_one_disk_path_is_refused(tmp_path: Path) -> None:
     first = make_runtime(tmp_path, "/nonexistent")
     try:

@@ -325,12 +325,15 @@ def test_a_slab_swapped_under_its_name_is_never_written(
         assert os.path.getsize(path) == os.path.getsize(path + ".old")
         with open(path, "rb") as f:
             assert not any(f.read())  # nothing written into the planted file
-        # A process that was not given the descriptor (its number is not
-        # that file there): by name, refused.
+        # A process that was not given the descriptor (its number is a file
+        # of its own there): by name, refused, and its own file left open.
+        (fd,) = s.files.descriptors()
         probe = (
-            "import pickle, sys\n"
+            "import os, pickle, sys\n"
             "import numpy as np\n"
             "from kvtier.store.backends.posix import PosixBackend\n"
+            f"mine = os.open({str(tmp_path / 'mine')!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
+            f"os.dup2(mine, {fd})\n"
             "store = pickle.loads(sys.stdin.buffer.read())(PosixBackend())\n"
             "try:\n"
             f"    store.write_block(1, b'k', np.zeros({BLOCK_BYTES}, np.uint8), 2)\n"
@@ -339,6 +342,7 @@ def test_a_slab_swapped_under_its_name_is_never_written(
             "    print('refused', exc)\n"
             "finally:\n"
             "    store.close()\n"
+            f"os.fstat({fd})  # still this process's own file\n"
         )
         done = subprocess.run(
             [sys.executable, "-c", probe],
