@@ -283,16 +283,15 @@ def test_close_with_a_hung_disk_is_bounded(
         release.set()
 
 
-def test_a_hung_write_is_said_once_and_its_return_too(
+@pytest.fixture
+def stalled(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     shm_file: Callable[[int], CpuBlockBuffer],
     caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A write has no deadline (a pwrite cannot be taken back), so a hung
-    drive held spills without a word until it recovered: the runtime says
-    so once, from the polls, when no job returned for STALL_S while some
-    wait, and again when they return."""
+) -> Iterator[tuple[DiskRuntime, threading.Event]]:
+    """A runtime whose writes hang until the event is set (STALL_S 0.3 s),
+    its log captured; released and closed at the end."""
     release = threading.Event()
     plan = FaultPlan([FaultRule.hang(release, ops="write")])
 
@@ -301,66 +300,59 @@ def test_a_hung_write_is_said_once_and_its_return_too(
 
     monkeypatch.setattr(disk_store_mod, "make_backend", faulty)
     monkeypatch.setattr(runtime_mod, "STALL_S", 0.3)
-    cpu = shm_file(8)
-    rt = make_runtime(tmp_path, cpu.shm_path)
+    rt = make_runtime(tmp_path, shm_file(8).shm_path)
     caplog.set_level(logging.INFO, logger="vllm.kvtier")
     try:
-        rt.submit_spill(spill(1, [key_of(0)]))
-        rt.submit_spill(spill(2, [key_of(1)]))
-        deadline = time.monotonic() + 10
-        while "no disk job has finished" not in caplog.text:
-            assert time.monotonic() < deadline, "the stall was never said"
-            assert rt.poll() == []
-            time.sleep(0.01)
-        stalled = [r for r in caplog.records if "no disk job" in r.getMessage()]
-        assert len(stalled) == 1 and stalled[0].levelno == logging.ERROR
-        assert "2 waiting" in stalled[0].getMessage()
-        time.sleep(0.4)
-        rt.poll()  # still stalled: said once
-        assert sum("no disk job" in r.getMessage() for r in caplog.records) == 1
-        release.set()
-        returned: set[int] = set()
-        while returned != {1, 2}:
-            returned |= {j.job_id for j in poll_until(rt)}
-        assert "disk jobs return again" in caplog.text
+        yield rt, release
     finally:
         release.set()
         rt.close()
+
+
+def _said_stalled(rt: DiskRuntime, caplog: pytest.LogCaptureFixture) -> None:
+    deadline = time.monotonic() + 10
+    while "no disk job has finished" not in caplog.text:
+        assert time.monotonic() < deadline, "the stall was never said"
+        assert rt.poll() == []
+        time.sleep(0.01)
+
+
+def test_a_hung_write_is_said_once_and_its_return_too(
+    stalled: tuple[DiskRuntime, threading.Event], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write has no deadline (a pwrite cannot be taken back), so a hung
+    drive held spills without a word until it recovered: the runtime says
+    so once, from the polls, when no job returned for STALL_S while some
+    wait, and again when they return."""
+    rt, release = stalled
+    rt.submit_spill(spill(1, [key_of(0)]))
+    rt.submit_spill(spill(2, [key_of(1)]))
+    _said_stalled(rt, caplog)
+    said = [r for r in caplog.records if "no disk job" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR
+    assert "2 waiting" in said[0].getMessage()
+    time.sleep(0.4)
+    rt.poll()  # still stalled: said once
+    assert sum("no disk job" in r.getMessage() for r in caplog.records) == 1
+    release.set()
+    returned: set[int] = set()
+    while returned != {1, 2}:
+        returned |= {j.job_id for j in poll_until(rt)}
+    assert "disk jobs return again" in caplog.text
 
 
 def test_jobs_given_up_at_a_drain_are_no_sign_of_the_drive(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    shm_file: Callable[[int], CpuBlockBuffer],
-    caplog: pytest.LogCaptureFixture,
+    stalled: tuple[DiskRuntime, threading.Event], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Jobs a drain gave up (or refused) leave the runtime without their
     I/O returning: the write is still hung, so no 'return again' is said."""
-    release = threading.Event()
-    plan = FaultPlan([FaultRule.hang(release, ops="write")])
-
-    def faulty(name: str, *, threads: int = 4):
-        return FaultInjectingBackend(PosixBackend(threads), plan)
-
-    monkeypatch.setattr(disk_store_mod, "make_backend", faulty)
-    monkeypatch.setattr(runtime_mod, "STALL_S", 0.2)
-    cpu = shm_file(8)
-    rt = make_runtime(tmp_path, cpu.shm_path)
-    caplog.set_level(logging.INFO, logger="vllm.kvtier")
-    try:
-        rt.submit_spill(spill(1, [key_of(0)]))
-        deadline = time.monotonic() + 10
-        while "no disk job has finished" not in caplog.text:
-            assert time.monotonic() < deadline, "the stall was never said"
-            assert rt.poll() == []
-            time.sleep(0.01)
-        assert not rt.drain(timeout=0.3)  # a hung disk: broken
-        rt.submit_spill(spill(2, [key_of(1)]))  # refused at once
-        assert {j.job_id for j in rt.poll()} == {1, 2}
-        assert "disk jobs return again" not in caplog.text
-    finally:
-        release.set()
-        rt.close()
+    rt, _release = stalled
+    rt.submit_spill(spill(1, [key_of(0)]))
+    _said_stalled(rt, caplog)
+    assert not rt.drain(timeout=0.3)  # a hung disk: broken
+    rt.submit_spill(spill(2, [key_of(1)]))  # refused at once
+    assert {j.job_id for j in rt.poll()} == {1, 2}
+    assert "disk jobs return again" not in caplog.text
 
 
 def test_second_runtime_on_one_disk_path_is_refused(tmp_path: Path) -> None:
