@@ -230,7 +230,13 @@ and a sliding-window group's only where a later hit needs its window (a
 prompt prefilled in one step: the window at its end): a prefix of 9 chunks
 of the tiny Gemma-2 (two groups of two layers, 64-token window, 32-token
 blocks) is 11 kvtier blocks of half the model's layers each, 9 of the
-full-attention group and 2 of the sliding-window one.
+full-attention group and 2 of the sliding-window one. vLLM's lookup of a
+longer prompt that extends that prefix may ask for one more sliding-window
+chunk than it stored (its lookup window is rounded up by the new prompt's
+padding to a whole chunk: `load_window_size_in_chunks` in vLLM's offloading
+scheduler): the oldest is then a miss, and the hit ends a chunk early (a
+6-chunk prefix returned 5 chunks, where the GPU prefix cache reused 6). The
+outputs are right; the last chunk is recomputed.
 
 ```
 block_bytes     = worker_kv_bytes_per_block * blocks_per_chunk     # vLLM's OffloadingConfig, per rank
