@@ -414,6 +414,7 @@ class TieredOffloadingManager(OffloadingManager):
                 (m.READ_SECONDS, _DISK, w.read_seconds),
             ]
         if self.runtime is not None:
+            stats.set_gauge(m.DISK_STALLED, self.runtime.stalled_s(), ())
             t = self.runtime.totals
             totals.append((m.WRITE_BYTES, _DISK, t.write_bytes))
             totals.append((m.WRITE_SECONDS, _DISK, t.write_seconds))

@@ -57,6 +57,7 @@ CHECKSUM_FAILURES = PREFIX + "checksum_failures"
 IO_ERRORS = PREFIX + "io_errors"
 STORES_DECLINED = PREFIX + "stores_declined"
 WORKER_EXCEPTIONS = PREFIX + "worker_exceptions"
+DISK_STALLED = PREFIX + "disk_stalled_seconds"
 
 _DEFS: dict[str, OffloadingMetricMetadata] = {
     TIER_USAGE: OffloadingGaugeMetadata(
@@ -164,6 +165,12 @@ _DEFS: dict[str, OffloadingMetricMetadata] = {
         "truncation); each cost a miss, never data."
     ),
     IO_ERRORS: OffloadingCounterMetadata("Disk I/O errors (any errno)."),
+    DISK_STALLED: OffloadingGaugeMetadata(
+        "Seconds since the disk tier's I/O last answered a job (a spill or a "
+        "promotion, done or failed) while some wait; 0 when none waits. "
+        "Growing past seconds: a hung drive or mount (kvtier logs an ERROR "
+        "once at 15 s); a write has no deadline of its own."
+    ),
     STORES_DECLINED: OffloadingCounterMetadata(
         "Stores declined. Full spec: GPU -> CPU stores declined because no CPU "
         "room could be made without waiting for the disk. Tiering mode: blocks "

@@ -291,6 +291,14 @@ class DiskRuntime:
                 self.stores[0].paths if self.stores else "?",
             )
 
+    def stalled_s(self) -> float:
+        """Seconds since a job was last answered by its I/O (or since the
+        first was submitted to an idle runtime) while some wait: 0 when
+        none waits. As of the last ``poll``; the stall watch's measure."""
+        if not self._outstanding or self._broken is not None:
+            return 0.0
+        return time.monotonic() - self._progress_at
+
     @property
     def pending(self) -> int:
         if self._engine is None or self._broken:

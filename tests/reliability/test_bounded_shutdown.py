@@ -334,11 +334,13 @@ def test_a_hung_write_is_said_once_and_its_return_too(
     time.sleep(0.4)
     rt.poll()  # still stalled: said once
     assert sum("no disk job" in r.getMessage() for r in caplog.records) == 1
+    assert rt.stalled_s() > 0.7  # the disk_stalled_seconds gauge
     release.set()
     returned: set[int] = set()
     while returned != {1, 2}:
         returned |= {j.job_id for j in poll_until(rt)}
     assert "disk jobs return again" in caplog.text
+    assert rt.stalled_s() == 0.0
 
 
 def test_jobs_given_up_at_a_drain_are_no_sign_of_the_drive(

@@ -121,6 +121,7 @@ DISK_TIER_METRICS = (
     m.IO_ERRORS,
     m.STORES_DECLINED,
     m.READ_LATENCY,
+    m.DISK_STALLED,
 )
 _DISK = (MEDIUM_DISK,)
 
@@ -514,6 +515,7 @@ class KvtierDiskTier(SecondaryTierManager):
         ]
         runtime = self.runtime
         if runtime is not None:
+            out.set_gauge(m.DISK_STALLED, runtime.stalled_s(), ())
             t = runtime.totals
             self._io = [
                 (m.READ_BYTES, _DISK, t.read_bytes),
