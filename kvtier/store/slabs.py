@@ -51,9 +51,11 @@ Contract:
     the one :class:`SlabStats`.
   - Thread-safe: the counters, the log-once set and lazy opens are guarded
     by one lock. Callers keep one slot to one thread at a time.
-  - ``close`` is idempotent: it closes the handles, shuts the back end down
-    when owned and closes the directory descriptors (releasing the locks).
-    ``abandon`` only marks the files closed (see there).
+  - ``close`` is idempotent: it closes the handles (and inherited
+    descriptors never taken over), shuts the back end down when owned and
+    closes the directory descriptors (releasing the locks). ``abandon``
+    only marks the files closed, for I/O still blocked on them; a later
+    ``close`` closes them (see there).
 """
 
 from __future__ import annotations
