@@ -321,8 +321,9 @@ class SlabFiles:
                 d = files.dirs[i]
                 dir_fd = _open_store_dir(d, os.path.dirname(d))
                 files._dir_fds.append(dir_fd)
-                _remove_leftovers(d, dir_fd)
-                _take_misplaced_slab(d, dir_fd, slab.index)
+                names = _listing(dir_fd)  # once for both tidy-ups
+                _remove_leftovers(d, dir_fd, names)
+                _take_misplaced_slab(d, dir_fd, slab.index, names)
                 _write_layout(
                     d,
                     fingerprint,
@@ -445,18 +446,21 @@ class SlabFiles:
         is not the file it was given as (another file of this process under
         that number: left alone), not open for writing where this store
         writes, or the back end opens files only by name (then closed)."""
-        if self._inherited_from == os.getpid():
-            try:  # the giver's own descriptor: a copy of it
+        copied = self._inherited_from == os.getpid()
+        if copied:  # the giver's own descriptor: a copy of it
+            try:
                 fd = os.dup(fd)
             except OSError:
                 return None
-        elif not _is_file(fd, dev_ino):
+        if not _is_file(fd, dev_ino):
+            if copied:
+                os.close(fd)
             return None
         handle = None
         with contextlib.suppress(OSError):
             writes = self._inodes is not None
             mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
-            if _dev_ino(fd) == dev_ino and (mode == os.O_RDWR or not writes):
+            if mode == os.O_RDWR or not writes:
                 os.set_inheritable(fd, False)
                 handle = self.backend.adopt(fd, path)
         if handle is None:
@@ -746,16 +750,20 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_leftovers(directory: str, dir_fd: int) -> None:
-    """Remove from the store directory (locked by this process) the files
-    that processes killed half-way through creating or removing them left
-    behind, so a crash at such a moment does not leave them for good. Only
-    those of processes that are gone: the engine's own workers probe
-    O_DIRECT here too."""
+def _listing(dir_fd: int) -> list[str]:
+    """The names in a store directory, [] if it cannot be listed."""
     try:
-        names = os.listdir(dir_fd)
+        return os.listdir(dir_fd)
     except OSError:
-        return
+        return []
+
+
+def _remove_leftovers(directory: str, dir_fd: int, names: list[str]) -> None:
+    """Remove from the store directory (locked by this process; ``names``,
+    its listing) the files that processes killed half-way through creating
+    or removing them left behind, so a crash at such a moment does not
+    leave them for good. Only those of processes that are gone: the
+    engine's own workers probe O_DIRECT here too."""
     for name in names:
         m = _LEFTOVER_RE.match(name)
         if m is None or _pid_alive(int(m.group(1) or m.group(2))):
@@ -767,22 +775,21 @@ def _remove_leftovers(directory: str, dir_fd: int) -> None:
         logger.info("removed %s/%s, left by a process that is gone", directory, name)
 
 
-def _take_misplaced_slab(directory: str, dir_fd: int, index: int) -> None:
+def _take_misplaced_slab(
+    directory: str, dir_fd: int, index: int, listing: list[str]
+) -> None:
     """Name slab ``index`` the one slab of another index this store
-    directory (locked by this process) holds, when it has none of its own:
-    ``disk_path`` was listed in another order, or the striped file systems
-    came up mounted the other way round, or a path left the list. A slab's
-    blocks live anywhere in the store (slot headers name their keys, not
-    their slots), so the warm restart adopts them where they now are (all
-    but those of local slots past the new index's share, with uneven
-    stripes);
-    without this the store started empty, a second slab was preallocated
-    beside the first and the old one was left taking its space. A
-    directory with its own slab, or several others, is left as it is."""
-    try:
-        names = [n for n in os.listdir(dir_fd) if SLAB_RE.match(n)]
-    except OSError:
-        return
+    directory (locked by this process; ``listing``, its names) holds, when
+    it has none of its own: ``disk_path`` was listed in another order, the
+    striped file systems came up mounted the other way round, or a path
+    left the list. A slab's blocks live anywhere in the store (slot headers
+    name their keys, not their slots), so the warm restart adopts them
+    where they now are (all but those of local slots past the new index's
+    share, with uneven stripes); without this the store started empty, a
+    second slab was preallocated beside the first and the old one was left
+    taking its space. A directory with its own slab, or several others, is
+    left as it is."""
+    names = [n for n in listing if SLAB_RE.match(n)]
     own = slab_name(index)
     if own in names or len(names) != 1:
         return
