@@ -218,6 +218,18 @@ def run_child(script: str, args: list[str], env: dict, timeout: float) -> dict:
         env=full,
         timeout=timeout,
     )
+    # The child's kvtier lines and tracebacks, for pytest to show beside a
+    # failing test's assertion (a failure seen once under CI's load, with
+    # only counts to go on, could not be explained afterwards).
+    # vLLM's handler, which kvtier's loggers use, writes to stdout.
+    said = [
+        ln
+        for ln in (proc.stdout + proc.stderr).splitlines()
+        if ("kvtier" in ln and not ln.startswith("KVTIER-RESULT "))
+        or "Error" in ln
+        or "Traceback" in ln
+    ]
+    sys.stderr.write("".join(f"{script}: {ln}\n" for ln in said[-300:]))
     found = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVTIER-RESULT ")]
     assert proc.returncode == 0 and found, proc.stderr[-4000:]
     return json.loads(found[-1].split(" ", 1)[1])
