@@ -1,8 +1,9 @@
 """Where a worker's background I/O work runs: its nice level, its CPUs, and
 the name the OS shows for it.
 
-The load thread (and the read process and I/O threads it starts, which
-inherit both) does work that can wait a little; the model's step cannot.
+The load thread (and the I/O threads it starts, which inherit both; the
+read process takes both from it, :func:`thread_placement`) does work that
+can wait a little; the model's step cannot.
 
 Nice level: Linux keeps one per thread, so a background thread can give the
 cores to the thread that started it without touching the rest of the
@@ -15,9 +16,10 @@ OpenMP threads, the model runner's thread among them, to a list of CPUs
 leaves the rest of the engine's CPUs (``VLLM_CPU_NUM_OF_RESERVED_CPU``, one
 more when a KV connector is configured) to the engine core, the API server
 and a KV connector's threads. A thread inherits its creator's affinity, so
-without a move the load thread, and the read process it spawns, would share
-the first OpenMP thread's single CPU: every batch it verified or copied
-would hold back that thread and with it every parallel region of the step.
+without a move the load thread, and the read process that runs where it
+does, would share the first OpenMP thread's single CPU: every batch it
+verified or copied would hold back that thread and with it every parallel
+region of the step.
 :func:`spare_cpus` finds the CPUs left over on the worker's NUMA nodes (not
 another worker's, and not a hyper-thread sibling of a model's core while
 others are left) and the load thread moves there. When the OpenMP threads
@@ -63,12 +65,45 @@ def _lower_thread_priority(by: int) -> None:
     A sandbox without ``setpriority`` leaves it as it is (logged at debug)."""
     if not sys.platform.startswith("linux") or by <= 0:
         return
-    tid = threading.get_native_id()
     try:
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + by))
+        now = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     except OSError as exc:
         logger.debug("kvtier: thread priority unchanged: %s", exc)
+        return
+    lower_thread_priority_to(now + by)
+
+
+def lower_thread_priority_to(nice: int | None) -> None:
+    """Raise the calling thread's nice level to ``nice`` (at most 19) where
+    it is lower; never lowers it (that needs a privilege). Nothing for
+    None, off Linux, or in a sandbox without ``setpriority`` (logged at
+    debug)."""
+    if nice is None or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        if nice > os.getpriority(os.PRIO_PROCESS, tid):
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, nice))
+    except OSError as exc:
+        logger.debug("kvtier: thread priority unchanged: %s", exc)
+
+
+def thread_placement() -> tuple[int | None, set[int] | None]:
+    """The calling thread's nice level and CPUs (Linux; None for what the
+    platform does not keep per thread), for work another thread starts on
+    its behalf to run where, and as, it does: the read process, started for
+    the load thread by a thread that kept the worker's priority."""
+    if not sys.platform.startswith("linux"):
+        return None, None
+    try:
+        nice: int | None = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except OSError:
+        nice = None
+    try:
+        cpus: set[int] | None = set(os.sched_getaffinity(0))  # this thread's
+    except OSError:
+        cpus = None
+    return nice, cpus
 
 
 def name_this_thread(name: str | None = None) -> None:

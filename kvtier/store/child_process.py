@@ -289,8 +289,8 @@ def receive(pipes: PipeChannel, timeout: float) -> tuple[list[Any], str | None]:
 
 def die_with_parent(parent: int) -> None:
     """Linux: SIGKILL this process when the thread that started it exits
-    (a read process's: the worker's load thread, alive as long as the
-    worker's loads; a spill process's: the thread of the scheduler's first
+    (a read process's: its reader's starter thread, alive until the reader
+    closes; a spill process's: the thread of the scheduler's first
     disk job, the engine core's loop in vLLM's engine-core process, the
     caller's thread in an in-process engine, where a thread that exits
     costs the jobs the child held and moves later ones into the engine's

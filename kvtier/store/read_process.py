@@ -16,11 +16,19 @@ in a process of their own they cost the engine one message per batch
 (docs/benchmarks.md, "Engine step stalls").
 
 Contract (beyond :class:`~kvtier.store.reader.SlotReads`):
-  - The child starts in :meth:`ReadProcess.start` (the load thread's
+  - The child is asked for in :meth:`ReadProcess.start` (the load thread's
     turns), not at construction, once every slab is open here: it is given
     them as these descriptors, never their names. Until it says it is
     ready, batches are read in this process by a ``SlotReader`` over the
     same area (the same outcomes).
+  - ``start`` never waits for a process to start: a thread of the reader's
+    own, made at construction (on the worker's thread, at its priority),
+    starts the child on the CPUs of the thread that asked; the child takes
+    that thread's nice level once its imports are done. A child started by
+    the load thread itself held it until the child ran (9 s seen on a CPU
+    the model's OpenMP threads kept busy, past the worker's load deadline:
+    every load in flight failed), then imported at the load thread's low
+    priority for as long again.
   - If the child dies or its pipe breaks, the batches it held fail as
     IO_ERROR (their blocks are recomputed, never served), it is reaped, and
     later batches are read in this process: a missing child costs speed,
@@ -57,7 +65,11 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from kvtier.host.placement import name_this_thread
+from kvtier.host.placement import (
+    lower_thread_priority_to,
+    name_this_thread,
+    thread_placement,
+)
 from kvtier.log import get_logger
 from kvtier.store.child_process import (
     PipeChannel,
@@ -139,13 +151,27 @@ class ReadProcess:
         self._child_stats = SlabStats()
         self._stats_lock = threading.Lock()
         self._closed = False
+        # The child's starter (see the module doc): waits for start() to ask,
+        # starts the child, then stays until close: the kernel's parent-death
+        # signal (die_with_parent) follows the thread that started a child.
+        self._asked = threading.Event()
+        self._done = threading.Event()
+        self._starting = threading.Lock()  # held while a child is started
+        self._cpus: set[int] | None = None
+        self._starter: threading.Thread | None = None
+        if self.spawn:
+            self._starter = threading.Thread(
+                target=self._start_child, name="kvtier-starter", daemon=True
+            )
+            self._starter.start()
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the child (once), if every slab can be opened here now;
+        """Ask for the child (once), if every slab can be opened here now;
         batches go to it once it is ready. Until then they are read here,
-        and each call tries again (the load thread's turns)."""
+        and each call tries again (the load thread's turns). Never waits for
+        the child: the reader's starter thread starts it."""
         if self._closed:
             return
         # The child is given the slabs as descriptors open here, never
@@ -154,24 +180,52 @@ class ReadProcess:
         # a new store's slabs exist once the scheduler side made them.
         files = self._local.files
         opened = files.open_all()
-        if self._proc is not None or not self.spawn or opened < len(files.slabs):
+        if self._asked.is_set() or not self.spawn or opened < len(files.slabs):
             return
         self._child_config["files"] = files.reopener()
-        try:
-            self._proc, self._pipes = spawn(
-                "kvtier.store.read_process",
-                [self._fd, *files.descriptors()],
-                [str(self._fd)],
-            )
-        except OSError as exc:
-            logger.warning(
-                "kvtier: no read process (%s); loads read in the engine", exc
-            )
-            return
-        try:
-            self._pipes.send(self._child_config)
-        except OSError:
-            self._lost("its pipe broke at start")
+        self._child_config["nice"], self._cpus = thread_placement()
+        self._asked.set()
+
+    def _start_child(self) -> None:
+        """The starter thread: once asked, start the child where the asking
+        thread runs; then stay until close (see ``__init__``)."""
+        name_this_thread()
+        self._asked.wait()
+        with self._starting:
+            if self._closed:
+                return
+            if self._cpus:
+                try:  # the child inherits this thread's CPUs
+                    os.sched_setaffinity(0, self._cpus)
+                except OSError as exc:
+                    logger.debug("kvtier: read process CPUs unchanged: %s", exc)
+            files = self._local.files
+            try:
+                proc, pipes = spawn(
+                    "kvtier.store.read_process",
+                    [self._fd, *files.descriptors()],
+                    [str(self._fd)],
+                )
+            except OSError as exc:
+                logger.warning(
+                    "kvtier: no read process (%s); loads read in the engine", exc
+                )
+                return
+            try:
+                pipes.send(self._child_config)
+            except OSError:
+                pipes.close()
+                stop(proc, CLOSE_WAIT_S, "read process", kill=True)
+                logger.warning(
+                    "kvtier: the read process did not start (its pipe broke at "
+                    "start, exit status %s); loads read in the engine's process",
+                    proc.returncode,
+                )
+                return
+            # Published whole, for the load thread: the process, then its pipes.
+            self._proc = proc
+            self._pipes = pipes
+        self._done.wait()
 
     def close(self) -> None:
         """Stop the child (waits up to ``CLOSE_WAIT_S``, then kills it and
@@ -182,10 +236,14 @@ class ReadProcess:
         if self._closed:
             return
         self._closed = True
+        self._asked.set()  # a starter still waiting leaves
+        with self._starting:  # a child being started is published first
+            pass
         if self._pipes is not None:
             self._pipes.close()  # the child reads EOF and exits
         if self._proc is not None:
             stop(self._proc, CLOSE_WAIT_S, "read process")
+        self._done.set()  # the starter leaves (a child left is dead)
         self._local.close()
         # Unmapped once the last view is gone (the worker's copy paths may
         # still hold views of the rows); the memory file goes with the fd.
@@ -351,6 +409,9 @@ def _serve(fd: int, req: Connection, resp: Connection) -> None:
     from kvtier.store.backends.factory import make_backend  # not in the worker
 
     cfg = req.recv()
+    # The asking thread's priority, now that the imports are done; before
+    # the back end's threads start, which inherit it.
+    lower_thread_priority_to(cfg["nice"])
     shared = mmap.mmap(fd, cfg["nbytes"], mmap.MAP_SHARED)
     area = np.frombuffer(shared, dtype=np.uint8)
     backend = make_backend(cfg["disk_io"], threads=cfg["threads"])

@@ -413,14 +413,14 @@ def test_the_child_reads_a_store_whose_directory_was_removed(
     try:
         slab = rp.files.slabs[0].path
         os.rename(slab, slab + ".away")
-        rp.start()  # the slab cannot open: no child yet
-        assert rp._proc is None and rp.files.handles == [None]
+        rp.start()  # the slab cannot open: no child asked for yet
+        assert not rp._asked.is_set() and rp.files.handles == [None]
         pending = rp.submit([(0, keys[0])])
         assert isinstance(pending, PendingRead)  # read here (and failed)
         assert [r.outcome for r in rp.complete(pending)] == [ReadOutcome.IO_ERROR]
         os.rename(slab + ".away", slab)
         rp.start()
-        assert rp._proc is not None
+        assert rp._asked.is_set()
         shutil.rmtree(os.path.dirname(slab))
         _running(rp)
         _serves_slot_0(rp, keys[0])
@@ -474,3 +474,90 @@ def test_the_child_keeps_the_cpus_of_the_thread_that_starts_it(
         assert seen["child"] == allowed - {model_cpu}
     finally:
         rp.close()
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="Linux: nice levels per thread"
+)
+def test_asking_for_the_child_never_waits_for_it_to_start(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load thread asks for the child (``start``) and goes on with its
+    loads. When it started the child itself, it waited until the child ran:
+    9 s under CI's load, on a CPU the model's OpenMP threads kept busy,
+    past the worker's load deadline (every load in flight failed), and the
+    child imported at the load thread's lowered priority for as long again.
+    Now a thread at the priority of the reader's maker starts it, and the
+    child takes the asking thread's nice level once it is up."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    if base >= 19:
+        pytest.skip("already at the lowest priority")
+    lowered = min(19, base + 5)
+    rig = make_rig()
+    (key,) = _written(rig, 1)
+    seen: dict[str, object] = {}
+    release = threading.Event()
+    real_spawn = read_process.spawn
+
+    def slow_spawn(*args):  # a child that takes long to start
+        seen["starter_nice"] = os.getpriority(
+            os.PRIO_PROCESS, threading.get_native_id()
+        )
+        release.wait(DEADLINE_S)
+        seen["spawned"] = True
+        return real_spawn(*args)
+
+    monkeypatch.setattr(read_process, "spawn", slow_spawn)
+    rp = _reader(rig)
+    asked = threading.Event()
+
+    def load_thread() -> None:  # as place_background_thread lowers it
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), lowered)
+        rp.start()
+        seen["spawned_when_start_returned"] = "spawned" in seen
+        asked.set()
+
+    t = threading.Thread(target=load_thread)
+    t.start()
+    try:
+        assert asked.wait(DEADLINE_S + 5), "start() did not return"
+        assert seen["spawned_when_start_returned"] is False
+        release.set()
+        _running(rp)
+        assert seen["starter_nice"] == base
+        _serves_slot_0(rp, key)
+        # Its own threads: the first, and the back end's readers (a thread
+        # numpy's import made, idle, keeps the priority it had).
+        task = Path(f"/proc/{rp.pid}/task")
+        nice = {
+            (t / "comm").read_text().strip(): os.getpriority(
+                os.PRIO_PROCESS, int(t.name)
+            )
+            for t in task.iterdir()
+        }
+        ours = {n: v for n, v in nice.items() if n.startswith("kvtier-")}
+        assert CHILD_NAME in ours and len(ours) > 1, nice
+        assert set(ours.values()) == {lowered}, nice
+    finally:
+        release.set()
+        t.join(DEADLINE_S)
+        rp.close()
+    assert rp._starter is not None
+    rp._starter.join(DEADLINE_S)
+    assert not rp._starter.is_alive()  # it stayed for the child's life only
+
+
+def test_a_reader_closed_before_it_asked_for_a_child_starts_none(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig = make_rig()
+    _written(rig, 1)
+    started: list[tuple] = []
+    monkeypatch.setattr(read_process, "spawn", lambda *a: started.append(a))
+    rp = _reader(rig)
+    rp.close()
+    assert rp._starter is not None
+    rp._starter.join(DEADLINE_S)
+    assert not rp._starter.is_alive() and started == []
+    rp.start()  # after close: nothing
+    assert started == [] and rp.pid is None

@@ -439,7 +439,7 @@ class LoadPipeline:
 
     def _open_slabs(self) -> None:
         """Until every slab is open, at most once per ``OPEN_RETRY_S``:
-        ``reader.start()``, which opens the slabs that exist and starts a
+        ``reader.start()``, which opens the slabs that exist and asks for a
         read process's child once all are. Off the model's thread, before
         the first hit; and as soon as a new store's slabs exist rather
         than at the first disk hit, hours later maybe: the descriptors keep
