@@ -16,6 +16,9 @@ Contract:
     Ctrl-C is the engine's to handle), passing only the descriptors named
     and its ends of two pipes; the child calls :func:`die_with_parent`
     first.
+  - :class:`ChildStarter` starts the child on a thread of its own and keeps
+    that thread for the child's life: the thread that wants the child never
+    waits for a process to start, and the child does not die with it.
   - :func:`stop` ends a child within a bound, however it is stuck: it waits,
     kills, waits again, and leaves (naming it in the log) a child the kill
     cannot end (stuck in the kernel on a hung disk) rather than hang the
@@ -36,10 +39,11 @@ import signal
 import struct
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.host.placement import without_openmp_binding
+from kvtier.host.placement import name_this_thread, without_openmp_binding
 from kvtier.log import get_logger
 
 logger = get_logger("store")
@@ -96,6 +100,100 @@ def spawn(
         os.close(req_r)
         os.close(resp_w)
     return proc, PipeChannel(req_w, resp_r)
+
+
+class ChildStarter:
+    """Starts one helper process on a thread of its own, made with the
+    starter, and keeps that thread for the child's life.
+
+    Why not the thread that wants the child (a worker's load thread, the
+    scheduler's engine loop):
+      - Starting a process waits until the child runs (fork, then exec).
+        From a load thread at nice 10, on a CPU the model's OpenMP threads
+        and another engine kept busy, that took 9.3 s, near the worker's
+        15 s load deadline, with every load in flight waiting.
+      - A child inherits the nice level and CPUs of the thread that starts
+        it; the starter has those of the thread that made it (the owner's
+        maker: the worker's or the engine core's thread), and a child may
+        lower its own priority afterwards, never raise it.
+      - The kernel's parent-death signal (:func:`die_with_parent`) follows
+        the thread that started a child, and a caller's thread may exit
+        long before the engine (an in-process engine driven from a pool's
+        threads): its child died with it.
+
+    Contract:
+      - ``start`` runs once, on the starter's thread, after :meth:`ask`. It
+        returns what the owner takes (:meth:`take`: the process and its
+        pipes), or None when no child could start (having logged why); an
+        exception from it is logged and counts as None.
+      - :meth:`ask` and :meth:`take` never wait. ``take`` hands over what
+        ``start`` returned once, when it has (None before, and after);
+        :attr:`failed` says that no child started.
+      - :meth:`close`: once it returned no ``start`` runs; one under way
+        finishes first, and what it returned, not taken yet, is returned to
+        be stopped.
+      - :meth:`release`: the child is gone (or left stuck in the kernel):
+        the thread leaves; the kernel kills a child still there.
+      - ``ask``, ``take`` and ``close`` from the owner's threads, one at a
+        time.
+    """
+
+    def __init__(self, name: str, start: Callable[[], Any]) -> None:
+        self._start = start
+        self._asked = threading.Event()
+        self._released = threading.Event()
+        self._starting = threading.Lock()  # held while ``start`` runs
+        self._closed = False
+        self._value: Any = None
+        self._done = False
+        self._failed = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    @property
+    def asked(self) -> bool:
+        return self._asked.is_set()
+
+    @property
+    def failed(self) -> bool:
+        """Whether ``start`` returned and no child started."""
+        return self._failed
+
+    def ask(self) -> None:
+        """Have ``start`` run (once); returns at once."""
+        self._asked.set()
+
+    def take(self) -> Any:
+        if not self._done:
+            return None
+        value, self._value = self._value, None
+        return value
+
+    def close(self) -> Any:
+        self._closed = True
+        self._asked.set()  # a starter still waiting leaves
+        with self._starting:  # one under way has finished
+            pass
+        return self.take()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def _run(self) -> None:
+        name_this_thread()
+        self._asked.wait()
+        with self._starting:
+            if self._closed:
+                return
+            try:
+                value = self._start()
+            except Exception:
+                logger.exception("kvtier: a helper process could not start")
+                value = None
+            self._value = value
+            self._failed = value is None
+            self._done = True
+        self._released.wait()
 
 
 def stop(
@@ -289,12 +387,8 @@ def receive(pipes: PipeChannel, timeout: float) -> tuple[list[Any], str | None]:
 
 def die_with_parent(parent: int) -> None:
     """Linux: SIGKILL this process when the thread that started it exits
-    (a read process's: its reader's starter thread, alive until the reader
-    closes; a spill process's: the thread of the scheduler's first
-    disk job, the engine core's loop in vLLM's engine-core process, the
-    caller's thread in an in-process engine, where a thread that exits
-    costs the jobs the child held and moves later ones into the engine's
-    process), or exit now if ``parent`` (its pid) is already gone.
+    (its :class:`ChildStarter`'s, which stays until the owner closes or
+    lost the child), or exit now if ``parent`` (its pid) is already gone.
     Elsewhere it outlives its parent until its pipe closes."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)

@@ -21,14 +21,12 @@ Contract (beyond :class:`~kvtier.store.reader.SlotReads`):
     them as these descriptors, never their names. Until it says it is
     ready, batches are read in this process by a ``SlotReader`` over the
     same area (the same outcomes).
-  - ``start`` never waits for a process to start: a thread of the reader's
-    own, made at construction (on the worker's thread, at its priority),
-    starts the child on the CPUs of the thread that asked; the child takes
-    that thread's nice level once its imports are done. A child started by
-    the load thread itself held it until the child ran (9 s seen on a CPU
-    the model's OpenMP threads kept busy, past the worker's load deadline:
-    every load in flight failed), then imported at the load thread's low
-    priority for as long again.
+  - ``start`` never waits for a process to start: the reader's
+    :class:`~kvtier.store.child_process.ChildStarter`, made at construction
+    (on the worker's thread, at its priority), starts the child on the
+    CPUs of the thread that asked; the child takes that thread's nice level
+    once its imports are done (started at nice 10 on a busy CPU, it took
+    as long again to import).
   - If the child dies or its pipe breaks, the batches it held fail as
     IO_ERROR (their blocks are recomputed, never served), it is reaped, and
     later batches are read in this process: a missing child costs speed,
@@ -72,6 +70,7 @@ from kvtier.host.placement import (
 )
 from kvtier.log import get_logger
 from kvtier.store.child_process import (
+    ChildStarter,
     PipeChannel,
     die_with_parent,
     receive,
@@ -151,19 +150,10 @@ class ReadProcess:
         self._child_stats = SlabStats()
         self._stats_lock = threading.Lock()
         self._closed = False
-        # The child's starter (see the module doc): waits for start() to ask,
-        # starts the child, then stays until close: the kernel's parent-death
-        # signal (die_with_parent) follows the thread that started a child.
-        self._asked = threading.Event()
-        self._done = threading.Event()
-        self._starting = threading.Lock()  # held while a child is started
-        self._cpus: set[int] | None = None
-        self._starter: threading.Thread | None = None
-        if self.spawn:
-            self._starter = threading.Thread(
-                target=self._start_child, name="kvtier-starter", daemon=True
-            )
-            self._starter.start()
+        self._cpus: set[int] | None = None  # the asking thread's
+        self._starter = (
+            ChildStarter("kvtier-starter", self._start_child) if self.spawn else None
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -180,52 +170,53 @@ class ReadProcess:
         # a new store's slabs exist once the scheduler side made them.
         files = self._local.files
         opened = files.open_all()
-        if self._asked.is_set() or not self.spawn or opened < len(files.slabs):
+        starter = self._starter
+        if not self.spawn or starter is None or starter.asked:
+            return  # spawn: a class attribute, False in some tests
+        if opened < len(files.slabs):
             return
         self._child_config["files"] = files.reopener()
         self._child_config["nice"], self._cpus = thread_placement()
-        self._asked.set()
+        starter.ask()
 
-    def _start_child(self) -> None:
-        """The starter thread: once asked, start the child where the asking
-        thread runs; then stay until close (see ``__init__``)."""
-        name_this_thread()
-        self._asked.wait()
-        with self._starting:
-            if self._closed:
-                return
-            if self._cpus:
-                try:  # the child inherits this thread's CPUs
-                    os.sched_setaffinity(0, self._cpus)
-                except OSError as exc:
-                    logger.debug("kvtier: read process CPUs unchanged: %s", exc)
-            files = self._local.files
-            try:
-                proc, pipes = spawn(
-                    "kvtier.store.read_process",
-                    [self._fd, *files.descriptors()],
-                    [str(self._fd)],
-                )
+    def _start_child(self) -> tuple[subprocess.Popen[bytes], PipeChannel] | None:
+        """On the starter's thread: the child, started where the asking
+        thread runs, and its pipes; None (logged) when it cannot start."""
+        if self._cpus:
+            try:  # the child inherits this thread's CPUs
+                os.sched_setaffinity(0, self._cpus)
             except OSError as exc:
-                logger.warning(
-                    "kvtier: no read process (%s); loads read in the engine", exc
-                )
-                return
-            try:
-                pipes.send(self._child_config)
-            except OSError:
-                pipes.close()
-                stop(proc, CLOSE_WAIT_S, "read process", kill=True)
-                logger.warning(
-                    "kvtier: the read process did not start (its pipe broke at "
-                    "start, exit status %s); loads read in the engine's process",
-                    proc.returncode,
-                )
-                return
-            # Published whole, for the load thread: the process, then its pipes.
-            self._proc = proc
-            self._pipes = pipes
-        self._done.wait()
+                logger.debug("kvtier: read process CPUs unchanged: %s", exc)
+        try:
+            proc, pipes = spawn(
+                "kvtier.store.read_process",
+                [self._fd, *self._local.files.descriptors()],
+                [str(self._fd)],
+            )
+        except OSError as exc:
+            logger.warning(
+                "kvtier: no read process (%s); loads read in the engine", exc
+            )
+            return None
+        try:
+            pipes.send(self._child_config)
+        except OSError:
+            pipes.close()
+            stop(proc, CLOSE_WAIT_S, "read process", kill=True)
+            logger.warning(
+                "kvtier: the read process did not start (its pipe broke at start, "
+                "exit status %s); loads read in the engine's process",
+                proc.returncode,
+            )
+            return None
+        return proc, pipes
+
+    def _adopt(self) -> None:
+        """Take the child the starter started, once it has."""
+        if self._starter is not None and self._proc is None:
+            started = self._starter.take()
+            if started is not None:
+                self._proc, self._pipes = started
 
     def close(self) -> None:
         """Stop the child (waits up to ``CLOSE_WAIT_S``, then kills it and
@@ -236,14 +227,16 @@ class ReadProcess:
         if self._closed:
             return
         self._closed = True
-        self._asked.set()  # a starter still waiting leaves
-        with self._starting:  # a child being started is published first
-            pass
+        if self._starter is not None:
+            started = self._starter.close()  # none starts from now on
+            if started is not None:  # started, not taken yet
+                self._proc, self._pipes = started
         if self._pipes is not None:
             self._pipes.close()  # the child reads EOF and exits
         if self._proc is not None:
             stop(self._proc, CLOSE_WAIT_S, "read process")
-        self._done.set()  # the starter leaves (a child left is dead)
+        if self._starter is not None:
+            self._starter.release()  # the kernel kills a child left behind
         self._local.close()
         # Unmapped once the last view is gone (the worker's copy paths may
         # still hold views of the rows); the memory file goes with the fd.
@@ -347,6 +340,7 @@ class ReadProcess:
         """Take the child's messages, waiting up to ``timeout`` for one (and
         sending on what the request pipe could not take before). Never
         longer: a message the child wrote part of waits for the next call."""
+        self._adopt()
         pipes = self._pipes
         if pipes is None:
             return

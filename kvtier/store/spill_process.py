@@ -20,8 +20,10 @@ busy loop held the spills to 39-219 MB/s; the same spills from a child kept
 1,072-1,153 MB/s (docs/benchmarks.md, "Spills next to a busy loop").
 
 Contract (what :class:`~kvtier.store.runtime.DiskRuntime` relies on):
-  - :meth:`SpillProcess.start` starts the child (once, when every rank's
-    rows are mapped here); until it says it is ready, and after it is gone,
+  - :meth:`SpillProcess.start` asks for the child (once, when every rank's
+    rows are mapped here) and never waits for it: the
+    :class:`~kvtier.store.child_process.ChildStarter` made with the object
+    starts it. Until it says it is ready, and after it is gone,
     :attr:`running` is False and the runtime moves its jobs in this process.
   - ``submit`` and ``poll(0)`` never wait on the child (its pipes are
     :class:`~kvtier.store.child_process.PipeChannel`'s). Every job submitted
@@ -36,8 +38,10 @@ Contract (what :class:`~kvtier.store.runtime.DiskRuntime` relies on):
   - After :meth:`give_up` or :meth:`close` returned, the child no longer
     runs (or is left stuck in the kernel on a hung disk, named in the log:
     it touches no row again, since a spill stages its rows before it
-    writes). The child dies with the thread that started it (the engine's
-    loop) and exits when its request pipe closes.
+    writes). The child dies with its starter's thread, which stays until
+    then (not with the thread of the first job, which in an in-process
+    engine may be a pool's thread that exits), and exits when its request
+    pipe closes.
   - Used by one thread (the engine's loop); :meth:`stats` from any.
 """
 
@@ -60,6 +64,7 @@ import numpy as np
 from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
 from kvtier.store.child_process import (
+    ChildStarter,
     PipeChannel,
     die_with_parent,
     receive,
@@ -117,13 +122,21 @@ class SpillProcess:
         self._looked = 0.0  # when a poll without a timeout last read the pipe
         self._child_stats = [SlabStats() for _ in self.stores]
         self._stats_lock = threading.Lock()
+        # What the starter starts the child with: its descriptors, its
+        # configuration (made on the asking thread).
+        self._start_with: tuple[list[int], dict[str, Any]] | None = None
+        self._starter = (
+            ChildStarter("kvtier-starter", self._start_child) if self.spawn else None
+        )
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> bool:
-        """Start the child if it can be and was not yet: every rank's rows
-        mapped here (``rows[r].fd``). Returns whether it is running."""
-        if self._proc is not None or self._ended or not self.spawn:
+        """Ask for the child if it can be started and was not yet: every
+        rank's rows mapped here (``rows[r].fd``). Returns whether it is
+        running; never waits for it to start."""
+        starter = self._starter
+        if not self.spawn or starter is None or self._ended or starter.asked:
             return self.running
         fds = []
         for r in self.rows:
@@ -145,24 +158,59 @@ class SpillProcess:
             # never reopens them by name (a store directory removed or
             # swapped since engine start would stop every spill there).
             slab_fds = [fd for store in self.stores for fd in store.files.descriptors()]
-            self._proc, self._pipes = spawn(
-                "kvtier.store.spill_process", [*fds, *slab_fds]
-            )
         except (OSError, ValueError) as exc:
             self._ended = True
             logger.warning(
                 "kvtier: no spill process (%s); disk jobs run in the engine", exc
             )
             return False
+        self._start_with = ([*fds, *slab_fds], config)
+        starter.ask()
+        return False
+
+    def _start_child(self) -> tuple[subprocess.Popen[bytes], PipeChannel] | None:
+        """On the starter's thread: the child and its pipes, its
+        configuration sent; None (logged) when it cannot start."""
+        assert self._start_with is not None
+        fds, config = self._start_with
         try:
-            self._pipes.send(config)
+            proc, pipes = spawn("kvtier.store.spill_process", fds)
+        except OSError as exc:
+            logger.warning(
+                "kvtier: no spill process (%s); disk jobs run in the engine", exc
+            )
+            return None
+        try:
+            pipes.send(config)
         except Exception as exc:  # a broken pipe, or a config that does not pickle
-            self._lose(f"its configuration could not be sent: {exc!r}")
-        return self.running
+            pipes.close()
+            stop(proc, KILL_WAIT_S, "spill process", kill=True)
+            logger.warning(
+                "kvtier: the spill process did not start (its configuration could "
+                "not be sent: %r, exit status %s); disk jobs run in the engine's "
+                "process",
+                exc,
+                proc.returncode,
+            )
+            return None
+        return proc, pipes
+
+    def _adopt(self) -> None:
+        """Take the child the starter started, once it has (or learn that
+        none will run)."""
+        starter = self._starter
+        if starter is None or self._ended or self._proc is not None:
+            return
+        started = starter.take()
+        if started is not None:
+            self._proc, self._pipes = started
+        elif starter.failed:
+            self._ended = True
 
     @property
     def running(self) -> bool:
         """Whether jobs go to the child (it said it is ready)."""
+        self._adopt()
         if self._pipes is not None and not self._ready:
             self._take(0.0)
         return self._ready
@@ -181,15 +229,19 @@ class SpillProcess:
         Returns whether it was reaped. Idempotent."""
         self._ended = True
         self._ready = False
+        if self._starter is not None:
+            started = self._starter.close()  # none starts from now on
+            if started is not None:  # started, not taken yet
+                self._proc, self._pipes = started
         if self._pipes is not None:
             self._pipes.close()
             self._pipes = None
         proc, self._proc = self._proc, None
-        if proc is None:
-            return True
-        reaped = stop(proc, timeout, "spill process")
+        reaped = proc is None or stop(proc, timeout, "spill process")
         if not reaped:
             self.left = proc
+        if self._starter is not None:
+            self._starter.release()  # the kernel kills a child left behind
         return reaped
 
     # ------------------------------------------------------------ the jobs
@@ -295,6 +347,7 @@ class SpillProcess:
         switches at every step starves every other thread of the process:
         an in-process engine's load thread, whose first disk loads in
         ``make demo`` waited 5.9 s instead of 0.12 s."""
+        self._adopt()
         pipes = self._pipes
         if pipes is None:
             self._release()
@@ -367,6 +420,8 @@ class SpillProcess:
                 why,
                 code,
             )
+        if self._starter is not None:
+            self._starter.release()  # killed: its starter may leave
         self._release()
 
     def _release(self, force: bool = False) -> None:

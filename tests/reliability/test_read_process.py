@@ -414,13 +414,13 @@ def test_the_child_reads_a_store_whose_directory_was_removed(
         slab = rp.files.slabs[0].path
         os.rename(slab, slab + ".away")
         rp.start()  # the slab cannot open: no child asked for yet
-        assert not rp._asked.is_set() and rp.files.handles == [None]
+        assert not rp._starter.asked and rp.files.handles == [None]
         pending = rp.submit([(0, keys[0])])
         assert isinstance(pending, PendingRead)  # read here (and failed)
         assert [r.outcome for r in rp.complete(pending)] == [ReadOutcome.IO_ERROR]
         os.rename(slab + ".away", slab)
         rp.start()
-        assert rp._asked.is_set()
+        assert rp._starter.asked
         shutil.rmtree(os.path.dirname(slab))
         _running(rp)
         _serves_slot_0(rp, keys[0])
@@ -543,8 +543,8 @@ def test_asking_for_the_child_never_waits_for_it_to_start(
         t.join(DEADLINE_S)
         rp.close()
     assert rp._starter is not None
-    rp._starter.join(DEADLINE_S)
-    assert not rp._starter.is_alive()  # it stayed for the child's life only
+    rp._starter.thread.join(DEADLINE_S)
+    assert not rp._starter.thread.is_alive()  # it stayed for the child's life only
 
 
 def test_a_reader_closed_before_it_asked_for_a_child_starts_none(
@@ -557,7 +557,7 @@ def test_a_reader_closed_before_it_asked_for_a_child_starts_none(
     rp = _reader(rig)
     rp.close()
     assert rp._starter is not None
-    rp._starter.join(DEADLINE_S)
-    assert not rp._starter.is_alive() and started == []
+    rp._starter.thread.join(DEADLINE_S)
+    assert not rp._starter.thread.is_alive() and started == []
     rp.start()  # after close: nothing
     assert started == [] and rp.pid is None

@@ -1,5 +1,6 @@
 """PipeChannel: the parent's end of a helper process's pipes never waits on
-the other end (kvtier.store.child_process)."""
+the other end; ChildStarter: a helper process is started once, off the
+asking thread, and handed over once (kvtier.store.child_process)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from kvtier.store.child_process import PipeChannel, frame
+from kvtier.store.child_process import ChildStarter, PipeChannel, frame
 from kvtier.testing.state import unsent
 
 DEADLINE_S = 30.0
@@ -96,3 +97,86 @@ def test_a_reader_gone_breaks_send(ends):
     other.close()
     with pytest.raises(BrokenPipeError):
         chan.send(("x",))
+
+
+# ------------------------------------------------------------ ChildStarter
+
+
+def test_a_starter_starts_once_when_asked_and_hands_over_once() -> None:
+    calls: list[str] = []
+    entered, go = threading.Event(), threading.Event()
+
+    def start() -> str:
+        calls.append(threading.current_thread().name)
+        entered.set()
+        assert go.wait(DEADLINE_S)
+        return "child"
+
+    starter = ChildStarter("kvtier-starter", start)
+    assert starter.take() is None and not starter.asked
+    starter.ask()
+    starter.ask()  # once
+    assert entered.wait(DEADLINE_S)
+    assert starter.take() is None  # not started yet: take never waits
+    go.set()
+    deadline = time.monotonic() + DEADLINE_S
+    while (got := starter.take()) is None:
+        assert time.monotonic() < deadline, "never handed over"
+        time.sleep(0.01)
+    assert got == "child" and starter.take() is None and not starter.failed
+    assert calls == ["kvtier-starter"]
+    assert starter.thread.is_alive()  # stays for the child's life
+    assert starter.close() is None  # taken already
+    starter.release()
+    starter.thread.join(DEADLINE_S)
+    assert not starter.thread.is_alive()
+
+
+def test_close_waits_for_a_start_under_way_and_returns_what_it_made() -> None:
+    """The owner stops what was started: a child started as the owner
+    closed is never left running unseen."""
+    entered, go = threading.Event(), threading.Event()
+
+    def start() -> str:
+        entered.set()
+        assert go.wait(DEADLINE_S)
+        return "child"
+
+    starter = ChildStarter("kvtier-starter", start)
+    starter.ask()
+    assert entered.wait(DEADLINE_S)
+    closed: list[object] = []
+    closer = threading.Thread(target=lambda: closed.append(starter.close()))
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # waits for the start under way
+    go.set()
+    closer.join(DEADLINE_S)
+    assert closed == ["child"]
+    starter.release()
+    starter.thread.join(DEADLINE_S)
+    assert not starter.thread.is_alive()
+
+
+def test_a_start_that_raises_is_no_child() -> None:
+    def start() -> None:
+        raise RuntimeError("no such thing")
+
+    starter = ChildStarter("kvtier-starter", start)
+    starter.ask()
+    deadline = time.monotonic() + DEADLINE_S
+    while not starter.failed:
+        assert time.monotonic() < deadline, "never said it failed"
+        time.sleep(0.01)
+    assert starter.take() is None
+    starter.release()
+    starter.thread.join(DEADLINE_S)
+    assert not starter.thread.is_alive()
+
+
+def test_closed_before_asked_it_never_starts() -> None:
+    calls: list[int] = []
+    starter = ChildStarter("kvtier-starter", lambda: calls.append(1))
+    assert starter.close() is None
+    starter.thread.join(DEADLINE_S)
+    assert not starter.thread.is_alive() and calls == []

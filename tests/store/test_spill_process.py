@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -256,6 +257,50 @@ def test_the_engines_loop_looks_at_the_pipe_only_when_an_answer_is_due(
     assert all(timeout == 0.0 for timeout in looks)
     assert len(looks) <= elapsed / sys.getswitchinterval() + 2, (len(looks), steps)
     assert rig.finished(job_id).success
+
+
+def test_the_first_jobs_thread_neither_waits_for_the_child_nor_takes_it_along(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first job asks for the child and runs here at once. The thread
+    that submitted it once started the child itself: it waited until the
+    child ran (the scheduler's step; 9.3 s seen for the worker's read
+    process on a busy CPU), and the child died with it when it exited (the
+    kernel's parent-death signal follows the starting thread): an
+    in-process engine driven from a pool's threads lost its spill process
+    with the first thread that retired."""
+    release = threading.Event()
+    spawned: list[bool] = []
+    real = spill_process.spawn
+
+    def slow_spawn(*args):
+        release.wait(DEADLINE_S)
+        spawned.append(True)
+        return real(*args)
+
+    monkeypatch.setattr(spill_process, "spawn", slow_spawn)
+    seen: dict[str, object] = {}
+
+    def pool_thread() -> None:  # submits the first job, then retires
+        job_id, _ = rig.spill([0])
+        seen["spawned_when_submit_returned"] = bool(spawned)
+        seen["job"] = rig.finished(job_id)
+
+    t = threading.Thread(target=pool_thread)
+    t.start()
+    t.join(DEADLINE_S + 5)
+    assert not t.is_alive(), "the first job's submit did not return"
+    assert seen["spawned_when_submit_returned"] is False
+    assert seen["job"].success  # ran here
+    release.set()
+    pid = rig.in_child()
+    job_id, items = rig.spill(list(range(1, 9)))
+    assert rig.finished(job_id).success
+    assert rig.runtime.spill_pid == pid  # the same child, alive
+    assert rig.child_stats().blocks_written >= 8
+    for _key, row, slot in items:
+        outcome, got = rig.read(slot)
+        assert outcome is ReadOutcome.OK and np.array_equal(got, rig.worker.array[row])
 
 
 def test_a_killed_child_fails_its_jobs_and_later_ones_run_here(rig: Rig) -> None:
