@@ -132,8 +132,11 @@ class ChildStarter:
       - :meth:`close`: once it returned no ``start`` runs; one under way
         finishes first, and what it returned, not taken yet, is returned to
         be stopped.
-      - :meth:`release`: the child is gone (or left stuck in the kernel):
-        the thread leaves; the kernel kills a child still there.
+      - :meth:`release`: the child is gone (or left stuck in the kernel),
+        or is not wanted: the thread leaves, and none starts; the kernel
+        kills a child still there. Only once what a start made was taken
+        (or :meth:`close` returned it): a child whose starter left before
+        it armed its parent-death signal would outlive it.
       - ``ask``, ``take`` and ``close`` from the owner's threads, one at a
         time.
     """
@@ -177,6 +180,8 @@ class ChildStarter:
         return self.take()
 
     def release(self) -> None:
+        self._closed = True  # a starter not asked yet never starts
+        self._asked.set()
         self._released.set()
 
     def _run(self) -> None:
@@ -193,7 +198,8 @@ class ChildStarter:
             self._value = value
             self._failed = value is None
             self._done = True
-        self._released.wait()
+        if value is not None:  # else there is no child to stay for
+            self._released.wait()
 
 
 def stop(

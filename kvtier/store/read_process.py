@@ -35,8 +35,8 @@ Contract (beyond :class:`~kvtier.store.reader.SlotReads`):
     outcome arrived (or the child is known dead).
   - The child holds nothing beyond its own fds: it exits when the worker's
     end of the request pipe closes (``close``, or the worker's process
-    dying) and, on Linux, is killed with the thread that started it
-    (``PR_SET_PDEATHSIG``).
+    dying) and, on Linux, is killed with the thread that started it (its
+    starter's, which stays until close; ``PR_SET_PDEATHSIG``).
   - No call waits on the child beyond its own timeout (``submit``,
     ``ready``: not at all): :class:`PipeChannel` sends a request the pipe
     cannot take yet on later calls, and takes an answer the child wrote part
@@ -200,7 +200,7 @@ class ReadProcess:
             return None
         try:
             pipes.send(self._child_config)
-        except OSError:
+        except Exception:  # a broken pipe, or a config that does not pickle
             pipes.close()
             stop(proc, CLOSE_WAIT_S, "read process", kill=True)
             logger.warning(
@@ -212,7 +212,9 @@ class ReadProcess:
         return proc, pipes
 
     def _adopt(self) -> None:
-        """Take the child the starter started, once it has."""
+        """Take the child the starter started, once it has. On the load
+        thread; ``close`` takes it instead once the load thread stopped
+        (the worker closes the reader only then), never both at once."""
         if self._starter is not None and self._proc is None:
             started = self._starter.take()
             if started is not None:
@@ -394,6 +396,8 @@ class ReadProcess:
         if self._pipes is not None:
             self._pipes.close()
         self._pipes = None
+        if self._starter is not None:
+            self._starter.release()  # the child is gone: its starter leaves
 
 
 # ------------------------------------------------------------ the child

@@ -204,6 +204,14 @@ class SpillProcess:
         started = starter.take()
         if started is not None:
             self._proc, self._pipes = started
+            assert self._start_with is not None
+            if (
+                any(s.after_reset for s in self.stores)
+                and not (self._start_with[1]["after_reset"])
+            ):
+                # A reset came while the child started (its configuration
+                # predates it): the child hears of it before any job.
+                self.mark_reset()
         elif starter.failed:
             self._ended = True
 
@@ -226,7 +234,9 @@ class SpillProcess:
     def close(self, timeout: float = CLOSE_WAIT_S) -> bool:
         """Close the pipes (the child finishes the jobs it holds, without
         answering, and exits), wait up to ``timeout`` for it, then kill it.
-        Returns whether it was reaped. Idempotent."""
+        Returns whether it was reaped. Idempotent. A start under way is
+        waited for first (the starter's fork and exec: not counted in
+        ``timeout``), so the child it makes is stopped too."""
         self._ended = True
         self._ready = False
         if self._starter is not None:
@@ -386,6 +396,12 @@ class SpillProcess:
         it already exited, else at a later call: the engine's loop never
         waits for it, unless ``wait``), never while it may still touch
         their rows."""
+        if self._starter is not None and self._proc is None:
+            # None starts from now on; one under way (give_up during a
+            # start) is taken, to be killed with the rest.
+            started = self._starter.close()
+            if started is not None:
+                self._proc, self._pipes = started
         was_ready = self._ready
         self._ready = False
         self._ended = True

@@ -169,14 +169,15 @@ def test_a_start_that_raises_is_no_child() -> None:
         assert time.monotonic() < deadline, "never said it failed"
         time.sleep(0.01)
     assert starter.take() is None
-    starter.release()
-    starter.thread.join(DEADLINE_S)
+    starter.thread.join(DEADLINE_S)  # no child to stay for: it left
     assert not starter.thread.is_alive()
 
 
-def test_closed_before_asked_it_never_starts() -> None:
+@pytest.mark.parametrize("end", ["close", "release"])
+def test_ended_before_asked_it_never_starts(end: str) -> None:
     calls: list[int] = []
     starter = ChildStarter("kvtier-starter", lambda: calls.append(1))
-    assert starter.close() is None
+    getattr(starter, end)()
+    starter.ask()
     starter.thread.join(DEADLINE_S)
     assert not starter.thread.is_alive() and calls == []

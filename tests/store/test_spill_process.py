@@ -184,6 +184,69 @@ def test_a_reset_reaches_the_child_in_order(rig: Rig) -> None:
     assert rig.child_stats().blocks_written == 2  # both written there
 
 
+def _held_spawn(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Spawns of the spill process wait for the event returned (a child
+    that takes long to start)."""
+    release = threading.Event()
+    real = spill_process.spawn
+
+    def slow_spawn(*args):
+        release.wait(DEADLINE_S)
+        return real(*args)
+
+    monkeypatch.setattr(spill_process, "spawn", slow_spawn)
+    return release
+
+
+def test_a_reset_while_the_child_starts_reaches_it(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child's configuration says whether the stores were reset; a
+    reset after it was made, while the child was starting, must reach the
+    child too, before any job: blocks it wrote unflagged would be adopted
+    by a warm restart under other weights."""
+    release = _held_spawn(monkeypatch)
+    first, _ = rig.spill([1])  # asks for the child; runs here
+    assert rig.finished(first).success
+    rig.runtime.drain(DEADLINE_S)
+    rig.runtime.mark_reset()  # the child is not there yet
+    release.set()
+    rig.in_child()
+    written = rig.child_stats().blocks_written
+    after, _ = rig.spill([2])
+    assert rig.finished(after).success
+    assert rig.child_stats().blocks_written == written + 1  # written there
+    assert not rig.header(0).after_reset  # before the reset, written here
+    assert rig.header(rig.slot - 1).after_reset
+
+
+def test_giving_up_while_the_child_starts_leaves_no_child(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drain that timed out gives the spill process up; one still being
+    started then is stopped as well, never left running unseen."""
+    release = _held_spawn(monkeypatch)
+    job, _ = rig.spill([1])
+    assert rig.finished(job).success
+    process = rig.runtime._process
+    assert process is not None and process._starter is not None
+    giving_up = threading.Thread(target=process.give_up)
+    giving_up.start()
+    giving_up.join(0.2)
+    release.set()  # the start under way finishes, and is stopped
+    giving_up.join(DEADLINE_S)
+    assert not giving_up.is_alive()
+    assert process.pid is None and process._proc is None
+    process._starter.thread.join(DEADLINE_S)
+    assert not process._starter.thread.is_alive()
+    children = subprocess.run(
+        ["pgrep", "-P", str(os.getpid()), "-f", "kvtier.store.spill_process"],
+        capture_output=True,
+        text=True,
+    )
+    assert children.stdout.strip() == ""  # none left running
+
+
 def test_a_cancel_reaches_the_child_in_order(rig: Rig) -> None:
     """The child's engine cancels what it holds queued when the cancel
     arrives, between the jobs sent before and after it. Sent while the
