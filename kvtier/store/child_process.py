@@ -54,6 +54,8 @@ logger = get_logger("store")
 _F_SETPIPE_SZ = 1031
 PIPE_BYTES = 1 << 20
 _READ_CHUNK = 1 << 20
+# How long start_configured waits for a child it killed to be reaped.
+KILL_WAIT_S = 5.0
 
 
 def spawn(
@@ -200,6 +202,41 @@ class ChildStarter:
             self._done = True
         if value is not None:  # else there is no child to stay for
             self._released.wait()
+
+
+def start_configured(
+    module: str,
+    fds: Sequence[int],
+    args: Sequence[str],
+    config: Any,
+    what: str,
+    fallback: str,
+) -> tuple[subprocess.Popen[bytes], PipeChannel] | None:
+    """:func:`spawn` ``module`` and send it ``config`` as its first message:
+    the child and this end of its pipes, or None when it cannot start (a
+    WARNING naming ``what`` and ``fallback``, where the work runs instead;
+    a child that started is killed and reaped, its pipes closed). For a
+    :class:`ChildStarter`'s ``start``."""
+    try:
+        proc, pipes = spawn(module, fds, args)
+    except OSError as exc:
+        logger.warning("kvtier: no %s (%s); %s", what, exc, fallback)
+        return None
+    try:
+        pipes.send(config)
+    except Exception as exc:  # a broken pipe, or a config that does not pickle
+        pipes.close()
+        stop(proc, KILL_WAIT_S, what, kill=True)
+        logger.warning(
+            "kvtier: the %s did not start (its configuration could not be sent: "
+            "%r, exit status %s); %s",
+            what,
+            exc,
+            proc.returncode,
+            fallback,
+        )
+        return None
+    return proc, pipes
 
 
 def stop(

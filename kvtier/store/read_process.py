@@ -74,7 +74,7 @@ from kvtier.store.child_process import (
     PipeChannel,
     die_with_parent,
     receive,
-    spawn,
+    start_configured,
     stop,
 )
 from kvtier.store.reader import PendingRead, SlotRead, SlotReader, unallocatable
@@ -187,29 +187,14 @@ class ReadProcess:
                 os.sched_setaffinity(0, self._cpus)
             except OSError as exc:
                 logger.debug("kvtier: read process CPUs unchanged: %s", exc)
-        try:
-            proc, pipes = spawn(
-                "kvtier.store.read_process",
-                [self._fd, *self._local.files.descriptors()],
-                [str(self._fd)],
-            )
-        except OSError as exc:
-            logger.warning(
-                "kvtier: no read process (%s); loads read in the engine", exc
-            )
-            return None
-        try:
-            pipes.send(self._child_config)
-        except Exception:  # a broken pipe, or a config that does not pickle
-            pipes.close()
-            stop(proc, CLOSE_WAIT_S, "read process", kill=True)
-            logger.warning(
-                "kvtier: the read process did not start (its pipe broke at start, "
-                "exit status %s); loads read in the engine's process",
-                proc.returncode,
-            )
-            return None
-        return proc, pipes
+        return start_configured(
+            "kvtier.store.read_process",
+            [self._fd, *self._local.files.descriptors()],
+            [str(self._fd)],
+            self._child_config,
+            "read process",
+            "loads read in the engine's process",
+        )
 
     def _adopt(self) -> None:
         """Take the child the starter started, once it has. On the load

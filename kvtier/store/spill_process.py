@@ -68,7 +68,7 @@ from kvtier.store.child_process import (
     PipeChannel,
     die_with_parent,
     receive,
-    spawn,
+    start_configured,
     stop,
 )
 from kvtier.store.slabs import SlabStats
@@ -173,27 +173,14 @@ class SpillProcess:
         configuration sent; None (logged) when it cannot start."""
         assert self._start_with is not None
         fds, config = self._start_with
-        try:
-            proc, pipes = spawn("kvtier.store.spill_process", fds)
-        except OSError as exc:
-            logger.warning(
-                "kvtier: no spill process (%s); disk jobs run in the engine", exc
-            )
-            return None
-        try:
-            pipes.send(config)
-        except Exception as exc:  # a broken pipe, or a config that does not pickle
-            pipes.close()
-            stop(proc, KILL_WAIT_S, "spill process", kill=True)
-            logger.warning(
-                "kvtier: the spill process did not start (its configuration could "
-                "not be sent: %r, exit status %s); disk jobs run in the engine's "
-                "process",
-                exc,
-                proc.returncode,
-            )
-            return None
-        return proc, pipes
+        return start_configured(
+            "kvtier.store.spill_process",
+            fds,
+            [],
+            config,
+            "spill process",
+            "disk jobs run in the engine's process",
+        )
 
     def _adopt(self) -> None:
         """Take the child the starter started, once it has (or learn that

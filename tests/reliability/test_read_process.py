@@ -497,7 +497,7 @@ def test_asking_for_the_child_never_waits_for_it_to_start(
     (key,) = _written(rig, 1)
     seen: dict[str, object] = {}
     release = threading.Event()
-    real_spawn = read_process.spawn
+    real_spawn = child_process.spawn
 
     def slow_spawn(*args):  # a child that takes long to start
         seen["starter_nice"] = os.getpriority(
@@ -507,7 +507,7 @@ def test_asking_for_the_child_never_waits_for_it_to_start(
         seen["spawned"] = True
         return real_spawn(*args)
 
-    monkeypatch.setattr(read_process, "spawn", slow_spawn)
+    monkeypatch.setattr(child_process, "spawn", slow_spawn)
     rp = _reader(rig)
     asked = threading.Event()
 
@@ -553,7 +553,7 @@ def test_a_reader_closed_before_it_asked_for_a_child_starts_none(
     rig = make_rig()
     _written(rig, 1)
     started: list[tuple] = []
-    monkeypatch.setattr(read_process, "spawn", lambda *a: started.append(a))
+    monkeypatch.setattr(child_process, "spawn", lambda *a: started.append(a))
     rp = _reader(rig)
     rp.close()
     assert rp._starter is not None

@@ -25,7 +25,7 @@ import pytest
 from conftest import BLOCK_BYTES
 
 from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer
-from kvtier.store import spill_process
+from kvtier.store import child_process, spill_process
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.runtime import DiskRuntime
 from kvtier.store.slabs import SlabStats
@@ -188,13 +188,13 @@ def _held_spawn(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Spawns of the spill process wait for the event returned (a child
     that takes long to start)."""
     release = threading.Event()
-    real = spill_process.spawn
+    real = child_process.spawn
 
     def slow_spawn(*args):
         release.wait(DEADLINE_S)
         return real(*args)
 
-    monkeypatch.setattr(spill_process, "spawn", slow_spawn)
+    monkeypatch.setattr(child_process, "spawn", slow_spawn)
     return release
 
 
@@ -334,14 +334,14 @@ def test_the_first_jobs_thread_neither_waits_for_the_child_nor_takes_it_along(
     with the first thread that retired."""
     release = threading.Event()
     spawned: list[bool] = []
-    real = spill_process.spawn
+    real = child_process.spawn
 
     def slow_spawn(*args):
         release.wait(DEADLINE_S)
         spawned.append(True)
         return real(*args)
 
-    monkeypatch.setattr(spill_process, "spawn", slow_spawn)
+    monkeypatch.setattr(child_process, "spawn", slow_spawn)
     seen: dict[str, object] = {}
 
     def pool_thread() -> None:  # submits the first job, then retires
@@ -484,9 +484,11 @@ def test_a_child_that_never_starts_leaves_the_jobs_here(
 ) -> None:
     """A child that exits before it is ready (here: a module that does not
     exist) costs nothing: every job runs in this process, right."""
-    real = spill_process.spawn
+    real = child_process.spawn
     monkeypatch.setattr(
-        spill_process, "spawn", lambda module, fds: real("kvtier.store.no_such", fds)
+        child_process,
+        "spawn",
+        lambda module, fds, args=(): real("kvtier.store.no_such", fds, args),
     )
     rig = Rig(tmp_path, fingerprint)
     try:
