@@ -69,7 +69,8 @@ class DiskRuntime:
     (every rank's rows :class:`AttachedRows`): jobs run in a
     :class:`~kvtier.store.spill_process.SpillProcess`, asked for at the
     first job (and started off the caller's thread), once it is ready and
-    until it is gone; in this process's engine before and after. Where a job ran changes nothing below.
+    until it is gone; in this process's engine before and after. Where a
+    job ran changes nothing below.
 
     Contract: ``submit_*`` return at once and never raise for I/O set-up
     problems (rows that cannot be mapped, a stopped runtime): the job's keys
