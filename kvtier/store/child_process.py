@@ -267,6 +267,40 @@ def stop(
         return False
 
 
+def scheduling_state(pid: int) -> str | None:
+    """How the process ``pid``'s threads stand with the CPU scheduler, for a
+    log line about a child that has not answered: their states (R runnable,
+    S sleeping, D in an uninterruptible wait: a hung disk or mount) and,
+    summed over them, the seconds they ran and waited to run since they
+    started. A child starved of CPU shows R and a large wait; one stuck on
+    its disk, D. None without ``/proc`` (or once it exited)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    states: dict[str, int] = {}
+    ran = waited = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                # The name, in parentheses, may hold spaces and ')'.
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                on_cpu, on_queue = (int(v) for v in f.read().split()[:2])
+        except (OSError, IndexError, ValueError):
+            continue  # that thread exited meanwhile
+        states[state] = states.get(state, 0) + 1
+        ran += on_cpu
+        waited += on_queue
+    if not states:
+        return None
+    listed = " ".join(f"{s}{n}" for s, n in sorted(states.items()))
+    return (
+        f"threads {listed}; {ran / 1e9:.2f} s on a CPU, "
+        f"{waited / 1e9:.2f} s waiting for one"
+    )
+
+
 def kvtier_root() -> str:
     """The directory this kvtier package was imported from."""
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -353,6 +387,11 @@ class PipeChannel:
             if fd == self._send_fd:
                 self._flush()
         return self._or_eof(self._take())
+
+    @property
+    def unsent(self) -> int:
+        """Bytes sent that the pipe has not taken yet."""
+        return len(self._outbox)
 
     def close(self) -> None:
         """Close both fds (the other end reads EOF). Idempotent."""

@@ -74,6 +74,7 @@ from kvtier.store.child_process import (
     PipeChannel,
     die_with_parent,
     receive,
+    scheduling_state,
     start_configured,
     stop,
 )
@@ -243,9 +244,18 @@ class ReadProcess:
         return None if proc is None or proc.returncode is not None else proc.pid
 
     def describe(self) -> str:
-        """Where the reads run, for logs and reports."""
-        where = f"read process {self.pid}" if self.running else "engine's process"
-        return f"{where}; {self.backend.describe()}"
+        """Where the reads run, for logs and reports; for the read process,
+        the batches it holds and how its threads stand with the CPU
+        scheduler (why it may not have answered)."""
+        pid = self.pid
+        if not self.running or pid is None:
+            return f"engine's process; {self.backend.describe()}"
+        unsent = 0 if self._pipes is None else self._pipes.unsent
+        state = scheduling_state(pid) or "its state unknown"
+        return (
+            f"read process {pid}: {len(self._held)} batches held, {unsent} bytes "
+            f"not sent yet, {state}; {self.backend.describe()}"
+        )
 
     def stats(self) -> SlabStats:
         local = self._local.stats()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from kvtier.host.cpu_tier import AttachedRows
 from kvtier.log import get_logger
+from kvtier.store.child_process import scheduling_state
 from kvtier.store.slabs import SlabStats
 from kvtier.store.slot import ReadOutcome
 from kvtier.store.spill_process import SpillProcess
@@ -286,11 +287,23 @@ class DiskRuntime:
                 "they finish, the CPU tier keeps the rows of the blocks waiting "
                 "to spill, so new blocks are declined as it fills "
                 "(stores_declined). Check the drive (dmesg, smartctl) and the "
-                "mount; kvtier recovers by itself when the writes return",
+                "mount; kvtier recovers by itself when the writes return (%s)",
                 now - self._progress_at,
                 self._outstanding,
                 self.stores[0].paths if self.stores else "?",
+                self._where(),
             )
+
+    def _where(self) -> str:
+        """Where the jobs run, for the stall's log line: the spill process
+        and how its threads stand with the CPU scheduler (D: waiting on the
+        drive; R with a long wait: starved of CPU), or this process."""
+        process = self._process
+        pid = None if process is None else process.pid
+        if pid is None:
+            return "jobs run in the engine's process"
+        state = scheduling_state(pid) or "its state unknown"
+        return f"jobs run in spill process {pid}: {state}"
 
     def stalled_s(self) -> float:
         """Seconds since a job was last answered by its I/O (or since the

@@ -331,6 +331,7 @@ def test_a_hung_write_is_said_once_and_its_return_too(
     said = [r for r in caplog.records if "no disk job" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.ERROR
     assert "2 waiting" in said[0].getMessage()
+    assert "jobs run in the engine's process" in said[0].getMessage()
     time.sleep(0.4)
     rt.poll()  # still stalled: said once
     assert sum("no disk job" in r.getMessage() for r in caplog.records) == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -99,7 +100,9 @@ def test_the_child_reads_and_verifies_as_the_engines_process_would(
             (4, keys[4]),
             (5, key_of(5)),  # never written
         ]
-        assert rp.describe().startswith(f"read process {rp.pid}; posix")
+        said = rp.describe()
+        assert said.startswith(f"read process {rp.pid}: 0 batches held, 0 bytes not sent yet")
+        assert "; posix" in said
         pending = rp.submit(items, first_row=1)
         assert isinstance(pending, ProcessRead)  # the child read it
         got = rp.complete(pending)
@@ -243,6 +246,13 @@ def test_a_child_that_stops_reading_never_stops_the_caller(
         assert all(isinstance(b, ProcessRead) for b in batches)
         assert _returns_in_time(lambda: rp.wait(batches[-1], 0.2))
         assert not rp.ready(batches[-1])
+        # What a stalled load's log line says of it: every batch held, the
+        # requests the pipe could not take, and its threads stopped (T).
+        said = rp.describe()
+        unsent = re.search(r"200 batches held, (\d+) bytes not sent yet", said)
+        assert unsent and int(unsent[1]) > 0, said
+        if sys.platform == "linux":
+            assert re.search(r", threads T\d+; \d+\.\d\d s on a CPU, ", said), said
         os.kill(rp.pid, signal.SIGCONT)
         for b in batches:  # each sent on, read, verified and answered
             assert rp.wait(b, DEADLINE_S)

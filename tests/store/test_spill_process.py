@@ -9,8 +9,10 @@ later jobs run in the engine's process."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +28,7 @@ from conftest import BLOCK_BYTES
 
 from kvtier.host.cpu_tier import AttachedRows, CpuBlockBuffer
 from kvtier.store import child_process, spill_process
+from kvtier.store import runtime as runtime_mod
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.runtime import DiskRuntime
 from kvtier.store.slabs import SlabStats
@@ -382,6 +385,31 @@ def test_a_killed_child_fails_its_jobs_and_later_ones_run_here(rig: Rig) -> None
     assert rig.store.stats().blocks_written == writes_here + 1
     outcome, got = rig.read(items[0][2])
     assert outcome is ReadOutcome.OK and np.array_equal(got, rig.worker.array[8])
+
+
+def test_a_stall_in_the_child_is_said_with_where_its_threads_stand(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stall watch's line names the spill process and its threads'
+    scheduler states: stopped (T) here; D would be a hung drive, R with a
+    long wait a child starved of CPU."""
+    monkeypatch.setattr(runtime_mod, "STALL_S", 0.3)
+    pid = rig.in_child()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.ERROR, logger="vllm.kvtier"):
+            job_id, _ = rig.spill([5])
+            deadline = time.monotonic() + DEADLINE_S
+            while "no disk job has finished" not in caplog.text:
+                assert time.monotonic() < deadline, "the stall was never said"
+                assert rig.runtime.poll() == []
+                time.sleep(0.01)
+        said = next(m for m in caplog.messages if "no disk job has finished" in m)
+        assert f"jobs run in spill process {pid}: threads T" in said, said
+        assert re.search(r"\d+\.\d\d s on a CPU, \d+\.\d\d s waiting for one", said)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert rig.finished(job_id).success  # and it went on
 
 
 def test_a_stopped_child_is_given_up_by_a_drain_that_times_out(rig: Rig) -> None:
