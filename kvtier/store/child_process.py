@@ -12,10 +12,10 @@ per batch or job with the child.
 
 Contract:
   - :func:`spawn` starts ``python -m <module>`` with this kvtier first on
-    its path, no accelerator visible, in a session of its own (a terminal's
-    Ctrl-C is the engine's to handle), passing only the descriptors named
-    and its ends of two pipes; the child calls :func:`die_with_parent`
-    first.
+    its path, no accelerator visible, in a process group of its own within
+    the engine's session (a terminal's Ctrl-C is the engine's to handle),
+    passing only the descriptors named and its ends of two pipes; the child
+    calls :func:`die_with_parent` and :func:`stay_off_the_terminal` first.
   - :class:`ChildStarter` starts the child on a thread of its own and keeps
     that thread for the child's life: the thread that wants the child never
     waits for a process to start, and the child does not die with it.
@@ -58,6 +58,13 @@ _READ_CHUNK = 1 << 20
 KILL_WAIT_S = 5.0
 
 
+# Python 3.11+ sets the child's process group between fork and exec;
+# before, the child sets it first thing (:func:`stay_off_the_terminal`).
+_OWN_PROCESS_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {}
+)
+
+
 def spawn(
     module: str, fds: Sequence[int], args: Sequence[str] = ()
 ) -> tuple[subprocess.Popen[bytes], PipeChannel]:
@@ -86,8 +93,13 @@ def spawn(
             # engine's to handle; it killed a read process with a traceback,
             # and an engine that lived on read in its own process from then
             # on. The child still dies with its parent (its pipe,
-            # ``die_with_parent``).
-            start_new_session=True,
+            # ``die_with_parent``). A group, not a session of its own: with
+            # the kernel's autogroups (a group per session) a read process
+            # in a session of its own, on the CPU where vLLM's worker waited
+            # for its load, ran 0.13 s in 16 s at nice 10 or 0 alike, every
+            # load past its deadline; in the engine's session, milliseconds
+            # (docs/benchmarks.md, "Helper processes and the CPU scheduler").
+            **_OWN_PROCESS_GROUP,
             env=child_env(),
             # ``-m`` puts the working directory first on the child's path:
             # there, this kvtier's own directory, never whatever the
@@ -465,6 +477,18 @@ def receive(pipes: PipeChannel, timeout: float) -> tuple[list[Any], str | None]:
         return [], "it exited"
     except Exception as exc:
         return [], f"its answer could not be read: {exc!r}"
+
+
+def stay_off_the_terminal() -> None:
+    """In a helper process, first thing: be in a process group of its own
+    (the terminal's Ctrl-C is the engine's; :func:`spawn` made it so from
+    Python 3.11) and never be stopped for writing to the terminal (a
+    background group's write stops it where ``stty tostop`` is set, and
+    its log lines go to the engine's stdout)."""
+    with contextlib.suppress(OSError):
+        if os.getpgid(0) != os.getpid():
+            os.setpgid(0, 0)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
 
 
 def die_with_parent(parent: int) -> None:

@@ -76,6 +76,7 @@ from kvtier.store.child_process import (
     receive,
     scheduling_state,
     start_configured,
+    stay_off_the_terminal,
     stop,
 )
 from kvtier.store.reader import PendingRead, SlotRead, SlotReader, unallocatable
@@ -452,6 +453,7 @@ def child_main(argv: list[str]) -> int:
     pipe closes."""
     parent, fd, req_fd, resp_fd = (int(a) for a in argv[1:5])
     die_with_parent(parent)
+    stay_off_the_terminal()
     name_this_thread(CHILD_NAME)
     req = Connection(req_fd, writable=False)
     resp = Connection(resp_fd, readable=False)

@@ -69,6 +69,7 @@ from kvtier.store.child_process import (
     die_with_parent,
     receive,
     start_configured,
+    stay_off_the_terminal,
     stop,
 )
 from kvtier.store.slabs import SlabStats
@@ -543,6 +544,7 @@ def child_main(argv: list[str]) -> int:
     exits when the request pipe closes, after the jobs it holds finished."""
     parent, req_fd, resp_fd = (int(a) for a in argv[1:4])
     die_with_parent(parent)
+    stay_off_the_terminal()
     name_this_thread(CHILD_NAME)
     req = Connection(req_fd, writable=False)
     resp = Connection(resp_fd, readable=False)

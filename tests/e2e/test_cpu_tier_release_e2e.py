@@ -18,16 +18,11 @@ Every wait has a deadline; teardown kills the process group.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import random
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,12 +40,13 @@ from kvtier.testing.procs import (
     shm_entries,
 )
 
+from .api_server import complete, free_port, get, server_command, server_env
+
 # Shmem is host-wide: nothing else may run meanwhile (make test runs these
 # after the parallel part).
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 BLOCK_TOKENS = 32
-PROMPT_TOKENS = 150
 CPU_TIER = 256 << 20
 # Shared memory is host-wide and other processes use it too: "back near
 # baseline" allows half the tier of noise, "visible" asks for 3/4 of it.
@@ -112,33 +108,9 @@ def wait_for(what: str, check, timeout: float, interval: float = 0.25):
         time.sleep(interval)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
-def _complete(base: str, model: str, seed: int) -> str:
-    rng = random.Random(seed)
-    prompt = [rng.randrange(4, 1000) for _ in range(PROMPT_TOKENS)]
-    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    req = urllib.request.Request(
-        f"{base}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.load(r)["choices"][0]["text"]
-
-
 def cpu_loaded_blocks(base: str) -> float:
     total = 0.0
-    for family in text_string_to_metric_families(_get(f"{base}/metrics")):
+    for family in text_string_to_metric_families(get(f"{base}/metrics")):
         for s in family.samples:
             if (
                 s.name.startswith("vllm:kv_offload_kvtier_loaded_blocks")
@@ -197,19 +169,9 @@ def launch(model, tmp_path) -> Iterator:
                 **extra,
             },
         }
-        port = _free_port()
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--dtype", "float32", "--enforce-eager",
-            "--block-size", str(BLOCK_TOKENS), "--num-gpu-blocks-override", "16",
-            "--kv-cache-memory-bytes", "2000000", "--max-model-len", "256",
-            "--max-num-seqs", "4", "--compilation-config", '{"mode": 0}',
-            "--host", "127.0.0.1", "--port", str(port),
-            "--kv-transfer-config", json.dumps(kv),
-        ]  # fmt: skip
-        env = {
-            k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
-        }
+        port = free_port()
+        cmd = server_command(model, kv, port)
+        env = server_env()
         log = tmp_path / f"server{len(started)}.log"
         # Dead engines' leftovers (an earlier failed run) would be reclaimed
         # by this start and hide its tier in the Shmem delta: clear first.
@@ -253,7 +215,7 @@ def wait_up(server: Server) -> None:
                 f"server exited {server.proc.returncode}: {server.tail()}"
             )
         try:
-            _get(f"{server.base}/health", timeout=2.0)
+            get(f"{server.base}/health", timeout=2.0)
             return True
         except (urllib.error.URLError, OSError):
             return False
@@ -264,10 +226,10 @@ def wait_up(server: Server) -> None:
 def serve_from_cpu_tier(server: Server) -> None:
     """Prompt 1, three others that push its blocks out of the 16 GPU
     blocks, then prompt 1 again: loaded back from the CPU tier."""
-    first = _complete(server.base, server.model, 1)
+    first = complete(server.base, server.model, 1, max_tokens=4)
     for seed in (2, 3, 4):
-        _complete(server.base, server.model, seed)
-    assert _complete(server.base, server.model, 1) == first
+        complete(server.base, server.model, seed, max_tokens=4)
+    assert complete(server.base, server.model, 1, max_tokens=4) == first
     wait_for(
         "CPU-tier loads in /metrics", lambda: cpu_loaded_blocks(server.base) > 0, 30
     )

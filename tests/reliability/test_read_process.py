@@ -372,6 +372,36 @@ def test_a_terminals_ctrl_c_is_the_engines_not_the_childs(
     assert b"KeyboardInterrupt" not in engine.stderr
 
 
+def _terminal_standing(pid: int) -> tuple[bool, bool, bool]:
+    """(in this process's session, leads a process group of its own,
+    ignores SIGTTOU) for the helper process ``pid``."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M)[1], 16)
+    return (
+        os.getsid(pid) == os.getsid(0),
+        os.getpgid(pid) == pid != os.getpgid(0),
+        bool(ignored >> (signal.SIGTTOU - 1) & 1),
+    )
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_the_child_is_in_the_engines_session_and_a_group_of_its_own(
+    make_rig: Callable[..., Rig],
+) -> None:
+    """Its own process group keeps a terminal's Ctrl-C the engine's; the
+    engine's session keeps it in the engine's autogroup: in a session of
+    its own, on the CPU where vLLM's worker waited for the load, it got
+    next to no CPU and every load passed its deadline. In a background
+    group, a terminal with ``tostop`` would stop it at its first log line:
+    it ignores SIGTTOU."""
+    rig = make_rig()
+    rp = _running(_reader(rig))
+    try:
+        assert _terminal_standing(rp.pid) == (True, True, True)
+    finally:
+        rp.close()
+
+
 def test_close_ends_even_a_stuck_child_within_its_deadline(
     make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
 ) -> None:

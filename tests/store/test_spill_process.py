@@ -369,6 +369,21 @@ def test_the_first_jobs_thread_neither_waits_for_the_child_nor_takes_it_along(
         assert outcome is ReadOutcome.OK and np.array_equal(got, rig.worker.array[row])
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_the_child_is_in_the_engines_session_and_a_group_of_its_own(
+    rig: Rig,
+) -> None:
+    """As the read process (tests/reliability/test_read_process.py): the
+    engine's session (its autogroup, its share of the CPU), a process
+    group of its own (Ctrl-C is the engine's), SIGTTOU ignored."""
+    pid = rig.in_child()
+    status = Path(f"/proc/{pid}/status").read_text()
+    ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M)[1], 16)
+    assert os.getsid(pid) == os.getsid(0)
+    assert os.getpgid(pid) == pid != os.getpgid(0)
+    assert ignored >> (signal.SIGTTOU - 1) & 1
+
+
 def test_a_killed_child_fails_its_jobs_and_later_ones_run_here(rig: Rig) -> None:
     pid = rig.in_child()
     os.kill(pid, signal.SIGSTOP)  # holds the job: it cannot answer

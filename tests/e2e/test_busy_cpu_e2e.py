@@ -1,0 +1,102 @@
+"""Disk hits served by the read process while every CPU is busy, under
+``vllm serve``'s multiprocess engine.
+
+While a request waits for its load, vLLM's worker process spins on the
+CPU its model thread is bound to, the CPU the load thread and the read
+process share when no CPU is spare (this VM's two). A read process in a
+session of its own (the kernel's autogroup per session) got next to none
+of that CPU there, at nice 10 or 0 alike: each load passed its deadline
+and was recomputed (load errors counted, a 15 s TTFT), as one clean-clone
+CI run of the dashboard test caught. In the engine's session, as it is
+now, such loads return in milliseconds. Two busy processes besides keep
+the other CPU taken too (the CI run had another test's engine there)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from kvtier.store.read_process import CHILD_NAME
+from kvtier.testing.model import build_tiny_llama
+from kvtier.testing.procs import descendants, thread_names
+
+from .api_server import api_server, complete, get, kv_transfer_config, total
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(sys.platform != "linux", reason="reads /proc"),
+]
+
+BUSY_PROCESSES = 2
+WAIT_S = 120.0
+
+
+def _read_process_reading(server: int) -> int | None:
+    """The server's read process once it read something (its disk back
+    end starts its threads at the first read), else None."""
+    for pid in descendants(server):
+        names = thread_names(pid)
+        if names.get(pid) == CHILD_NAME and any(
+            n.startswith("kvtier-posix_") for n in names.values()
+        ):
+            return pid
+    return None
+
+
+def _round(base: str, model: str, rnd: int) -> None:
+    """Six prompts, then the first again: its blocks went GPU -> CPU ->
+    disk as the next five came, and it comes back from disk (its output as
+    the first time)."""
+    seeds = range(10 * rnd + 1, 10 * rnd + 7)
+    first = [complete(base, model, seed) for seed in seeds][0]
+    assert complete(base, model, seeds[0]) == first
+
+
+def test_disk_hits_on_busy_cpus_come_from_the_read_process_in_time(tmp_path):
+    model = build_tiny_llama()
+    disk = tmp_path / "disk"
+    disk.mkdir(mode=0o700)
+    kv = kv_transfer_config("full", str(disk))
+    kv["engine_id"] = f"kvtier-busy-{uuid.uuid4().hex[:12]}"
+    log_path = tmp_path / "server.log"
+    k = "vllm:kv_offload_kvtier_"
+    with api_server(model, kv, log_path) as (base, server):
+        # Rounds until the read process has read (it starts once the store's
+        # slabs exist, and imports for a while).
+        deadline = time.monotonic() + WAIT_S
+        rounds = 0
+        while (child := _read_process_reading(server.pid)) is None:
+            assert time.monotonic() < deadline, "the read process never read"
+            _round(base, model, rounds)
+            rounds += 1
+        before = get(f"{base}/metrics")
+        busy = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(BUSY_PROCESSES)
+        ]
+        try:
+            for rnd in range(rounds, rounds + 2):
+                _round(base, model, rnd)
+            after = get(f"{base}/metrics")
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+        assert _read_process_reading(server.pid) == child  # the same, alive
+        sessions = os.getsid(child), os.getsid(server.pid)
+    said = log_path.read_text()
+
+    def grew(name: str, **labels: str) -> float:
+        return total(after, k + name, **labels) - total(before, k + name, **labels)
+
+    assert grew("loaded_blocks_total", tier="disk") > 0, said[-3000:]
+    # Every disk hit verified and served: none given up at its deadline.
+    assert grew("load_errors_total") == 0, said[-3000:]
+    assert grew("load_io_errors_total") == 0
+    assert "have not returned" not in said
+    assert sessions[0] == sessions[1]  # the engine's: its autogroup
