@@ -40,6 +40,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,10 +59,12 @@ _READ_CHUNK = 1 << 20
 KILL_WAIT_S = 5.0
 
 
-# Python 3.11+ sets the child's process group between fork and exec;
-# before, the child sets it first thing (:func:`stay_off_the_terminal`).
+# Python 3.11+ sets the child's process group between fork and exec. Python
+# 3.10 cannot without ``preexec_fn`` (unsafe in a process with threads):
+# there the child has a session of its own, out of the terminal's reach as
+# well, with the CPU share that gives it (see spawn).
 _OWN_PROCESS_GROUP: dict[str, Any] = (
-    {"process_group": 0} if sys.version_info >= (3, 11) else {}
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
 )
 
 
@@ -279,38 +282,77 @@ def stop(
         return False
 
 
-def scheduling_state(pid: int) -> str | None:
-    """How the process ``pid``'s threads stand with the CPU scheduler, for a
-    log line about a child that has not answered: their states (R runnable,
-    S sleeping, D in an uninterruptible wait: a hung disk or mount) and,
-    summed over them, the seconds they ran and waited to run since they
-    started. A child starved of CPU shows R and a large wait; one stuck on
-    its disk, D. None without ``/proc`` (or once it exited)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    states: dict[str, int] = {}
-    ran = waited = 0
-    for tid in tids:
+class SchedulingWatch:
+    """What a helper process's threads get from the CPU scheduler, for the
+    log line about a child that has not answered: at each look, their
+    states now (R runnable, S sleeping, D in an uninterruptible wait: a
+    hung disk or mount; T stopped) and, summed over them, the seconds they
+    ran and waited to run since the last look (the first look: since the
+    process started). A child starved of CPU shows R and a wait near the
+    span; one stuck on its disk, D. Linux (``/proc``); elsewhere, and once
+    the process exited, :meth:`look` returns None. Used by one thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        # At the last look: (monotonic seconds, ns run, ns waited to run).
+        self._last: tuple[float, int, int] | None = None
+
+    def look(self) -> str | None:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                # The name, in parentheses, may hold spaces and ')'.
-                state = f.read().rsplit(")", 1)[1].split()[0]
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                on_cpu, on_queue = (int(v) for v in f.read().split()[:2])
+            tids = os.listdir(f"/proc/{self.pid}/task")
+        except OSError:
+            return None
+        states: dict[str, int] = {}
+        ran = waited = 0
+        timed = False
+        for tid in tids:
+            task = f"/proc/{self.pid}/task/{tid}"
+            try:
+                with open(f"{task}/stat") as f:
+                    # The name, in parentheses, may hold spaces and ')'.
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # that thread exited meanwhile
+            states[state] = states.get(state, 0) + 1
+            try:  # absent where the kernel keeps no scheduler statistics
+                with open(f"{task}/schedstat") as f:
+                    on_cpu, on_queue = (int(v) for v in f.read().split()[:2])
+            except (OSError, ValueError):
+                continue
+            ran += on_cpu
+            waited += on_queue
+            timed = True
+        if not states:
+            return None
+        listed = " ".join(f"{s}{n}" for s, n in sorted(states.items()))
+        if not timed:
+            return f"threads {listed}"
+        now = time.monotonic()
+        if self._last is None:
+            span = self._age()
+            since = "since it started" if span is None else f"in its {span:.1f} s"
+            got_ran, got_waited = ran, waited
+        else:
+            last_at, last_ran, last_waited = self._last
+            since = f"in the last {now - last_at:.1f} s"
+            # A thread that exited since took its time with it.
+            got_ran, got_waited = max(0, ran - last_ran), max(0, waited - last_waited)
+        self._last = (now, ran, waited)
+        return (
+            f"threads {listed}; {since}: {got_ran / 1e9:.2f} s on a CPU, "
+            f"{got_waited / 1e9:.2f} s waiting for one"
+        )
+
+    def _age(self) -> float | None:
+        """Seconds since the process started."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+            with open("/proc/uptime") as f:
+                uptime = float(f.read().split()[0])
+            return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
         except (OSError, IndexError, ValueError):
-            continue  # that thread exited meanwhile
-        states[state] = states.get(state, 0) + 1
-        ran += on_cpu
-        waited += on_queue
-    if not states:
-        return None
-    listed = " ".join(f"{s}{n}" for s, n in sorted(states.items()))
-    return (
-        f"threads {listed}; {ran / 1e9:.2f} s on a CPU, "
-        f"{waited / 1e9:.2f} s waiting for one"
-    )
+            return None
 
 
 def kvtier_root() -> str:
@@ -480,14 +522,10 @@ def receive(pipes: PipeChannel, timeout: float) -> tuple[list[Any], str | None]:
 
 
 def stay_off_the_terminal() -> None:
-    """In a helper process, first thing: be in a process group of its own
-    (the terminal's Ctrl-C is the engine's; :func:`spawn` made it so from
-    Python 3.11) and never be stopped for writing to the terminal (a
-    background group's write stops it where ``stty tostop`` is set, and
-    its log lines go to the engine's stdout)."""
-    with contextlib.suppress(OSError):
-        if os.getpgid(0) != os.getpid():
-            os.setpgid(0, 0)
+    """In a helper process, first thing: never be stopped for writing to
+    the terminal. Its log lines go to the engine's stdout, and a process
+    group other than the terminal's foreground one (:func:`spawn`) is
+    stopped at its first write where ``stty tostop`` is set."""
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
 
 

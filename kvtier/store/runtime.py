@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvtier.host.cpu_tier import AttachedRows
 from kvtier.log import get_logger
-from kvtier.store.child_process import scheduling_state
+from kvtier.store.child_process import SchedulingWatch
 from kvtier.store.slabs import SlabStats
 from kvtier.store.slot import ReadOutcome
 from kvtier.store.spill_process import SpillProcess
@@ -119,6 +119,7 @@ class DiskRuntime:
         # Jobs run in a child once it is ready (the CPU tier's files mapped
         # there too), in the engine's process before and after it.
         self._process: SpillProcess | None = None
+        self._child_watch: SchedulingWatch | None = None  # for _where
         if spill_process and len(self._attached) == len(self.rows):
             self._process = SpillProcess(
                 self.stores, self.rows, threads=threads * len(self.stores)
@@ -298,11 +299,13 @@ class DiskRuntime:
         """Where the jobs run, for the stall's log line: the spill process
         and how its threads stand with the CPU scheduler (D: waiting on the
         drive; R with a long wait: starved of CPU), or this process."""
-        process = self._process
-        pid = None if process is None else process.pid
+        pid = self.spill_pid
         if pid is None:
             return "jobs run in the engine's process"
-        state = scheduling_state(pid) or "its state unknown"
+        watch = self._child_watch
+        if watch is None or watch.pid != pid:
+            watch = self._child_watch = SchedulingWatch(pid)
+        state = watch.look() or "its state unknown"
         return f"jobs run in spill process {pid}: {state}"
 
     def stalled_s(self) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvtier.store.child_process import PipeChannel
 from kvtier.store.slot import (
     _FIELDS_V1,
     _HEADER_CHECKSUM,
@@ -88,11 +87,6 @@ def io_error_count(core: DiskTierCore, key: Key) -> int:
     """How many reads of ``key``'s block failed with an I/O error in a row
     (0 after a good read)."""
     return core._io_errors.get(key, 0)
-
-
-def unsent(chan: PipeChannel) -> int:
-    """Bytes sent on ``chan`` that the pipe has not taken yet."""
-    return len(chan._outbox)
 
 
 def pack_version_1(header: SlotHeader) -> bytes:

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection
 
 import pytest
 
-from kvtier.store.child_process import ChildStarter, PipeChannel, frame
-from kvtier.testing.state import unsent
+from kvtier.store.child_process import ChildStarter, PipeChannel, SchedulingWatch, frame
 
 DEADLINE_S = 30.0
 
@@ -47,7 +50,7 @@ def test_send_never_waits_for_a_reader_and_keeps_order(ends):
     msgs = [(i, [(j, bytes([i % 256]) * 36) for j in range(500)]) for i in range(200)]
     # ~5 MB of requests, far above any pipe's room, with nobody reading.
     assert _within_deadline(lambda: [chan.send(m) for m in msgs])
-    assert unsent(chan) > 0  # the pipe took only part of it
+    assert chan.unsent > 0  # the pipe took only part of it
     got: list = []
 
     def read_all() -> None:
@@ -57,11 +60,11 @@ def test_send_never_waits_for_a_reader_and_keeps_order(ends):
     reader = threading.Thread(target=read_all, daemon=True)
     reader.start()
     deadline = time.monotonic() + DEADLINE_S
-    while reader.is_alive() and unsent(chan):
-        assert time.monotonic() < deadline, f"{unsent(chan)} bytes never sent"
+    while reader.is_alive() and chan.unsent:
+        assert time.monotonic() < deadline, f"{chan.unsent} bytes never sent"
         chan.receive(0.01)  # each call sends on what the pipe takes
     reader.join(DEADLINE_S)
-    assert got == msgs and unsent(chan) == 0
+    assert got == msgs and chan.unsent == 0
 
 
 def test_a_message_written_in_part_is_taken_whole_later(ends):
@@ -181,3 +184,38 @@ def test_ended_before_asked_it_never_starts(end: str) -> None:
     starter.ask()
     starter.thread.join(DEADLINE_S)
     assert not starter.thread.is_alive() and calls == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
+def test_a_watch_says_thread_states_and_cpu_since_the_last_look() -> None:
+    """A process that sleeps, then is stopped: its threads' states (S, then
+    T), and the CPU they got and waited for, first over its life, then
+    since the last look; nothing once it exited."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    probe = SchedulingWatch(proc.pid)
+
+    def until(state: str) -> None:
+        deadline = time.monotonic() + 30
+        while not (probe.look() or "").startswith(f"threads {state};"):
+            assert time.monotonic() < deadline, f"never {state}: {probe.look()}"
+            time.sleep(0.01)
+
+    times = r"\d+\.\d s: \d+\.\d\d s on a CPU, \d+\.\d\d s waiting for one"
+    try:
+        until("S1")  # its interpreter started, it sleeps
+        watch = SchedulingWatch(proc.pid)
+        assert re.fullmatch(rf"threads S1; in its {times}", watch.look() or "")
+        assert re.fullmatch(rf"threads S1; in the last {times}", watch.look() or "")
+        os.kill(proc.pid, signal.SIGSTOP)
+        until("T1")
+        watch.look()
+        # Stopped, it runs no more: nothing on a CPU since the last look.
+        assert re.fullmatch(
+            r"threads T1; in the last \d+\.\d s: 0\.00 s on a CPU, "
+            r"0\.00 s waiting for one",
+            watch.look() or "",
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+    assert watch.look() is None

@@ -369,7 +369,10 @@ def test_the_first_jobs_thread_neither_waits_for_the_child_nor_takes_it_along(
         assert outcome is ReadOutcome.OK and np.array_equal(got, rig.worker.array[row])
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.skipif(
+    sys.platform != "linux" or sys.version_info < (3, 11),
+    reason="reads /proc; Python 3.10 gives the child a session of its own",
+)
 def test_the_child_is_in_the_engines_session_and_a_group_of_its_own(
     rig: Rig,
 ) -> None:
