@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.host.placement import lower_thread_priority_to, name_this_thread
+from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
 from kvtier.store.child_process import (
     ChildStarter,
@@ -86,15 +86,6 @@ KILL_WAIT_S = 5.0
 PIPE_WAIT_S = 0.05
 # The child's name in ps and top (its I/O threads are kvtier-xfer-N).
 CHILD_NAME = "kvtier-spill"
-# The child's nice level, as the worker's load thread's: the engine's loop
-# wins a busy core, spills take the slack. In the engine's session (its
-# CPU-share group, see child_process.spawn) a nice-0 spill process took
-# the CPU the loop needed: a busy loop beside it kept 54-74 % of its pace
-# and the torch steps' p99 beside spills rose to 2.4-3.3 ms; at nice 10,
-# 84-94 % and 0.33-0.57 ms, as alone (in a session of its own, as before:
-# 69-93 %, 0.38-2.75 ms). docs/benchmarks.md, "Helper processes and the
-# CPU scheduler".
-SPILL_NICE = 10
 
 
 @dataclass
@@ -474,8 +465,6 @@ def _serve(req: Connection, resp: Connection) -> None:
     from kvtier.store.backends.factory import make_backend
 
     cfg = req.recv()
-    # Before the I/O threads start: they inherit it.
-    lower_thread_priority_to(SPILL_NICE)
     stores: list[Any] = []
     try:
         for reopen in cfg["stores"]:

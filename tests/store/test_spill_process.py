@@ -35,7 +35,6 @@ from kvtier.store.slabs import SlabStats
 from kvtier.store.slot import LayoutFingerprint, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import FinishedJob
-from kvtier.testing.procs import thread_names
 from kvtier.tiers.plans import PromoteOrder, SpillOrder
 
 ROWS = 32
@@ -368,19 +367,6 @@ def test_the_first_jobs_thread_neither_waits_for_the_child_nor_takes_it_along(
     for _key, row, slot in items:
         outcome, got = rig.read(slot)
         assert outcome is ReadOutcome.OK and np.array_equal(got, rig.worker.array[row])
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice levels")
-def test_the_childs_threads_give_way_to_the_engines(rig: Rig) -> None:
-    """In the engine's session the spill process's threads compete with the
-    engine's one by one: they take SPILL_NICE (the load thread's offset),
-    the I/O threads too (they inherit it)."""
-    pid = rig.in_child()
-    names = thread_names(pid)
-    ours = {tid: n for tid, n in names.items() if n.startswith("kvtier-")}
-    assert ours.get(pid) == spill_process.CHILD_NAME and len(ours) > 1, names
-    for tid in ours:
-        assert os.getpriority(os.PRIO_PROCESS, tid) == spill_process.SPILL_NICE, names
 
 
 @pytest.mark.skipif(
