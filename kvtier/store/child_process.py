@@ -290,14 +290,20 @@ class SchedulingWatch:
     ran and waited to run since the last look (the first look: since the
     process started). A child starved of CPU shows R and a wait near the
     span; one stuck on its disk, D. Linux (``/proc``); elsewhere, and once
-    the process exited, :meth:`look` returns None. Used by one thread."""
+    the process exited, :meth:`look` says so. Used by one thread."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self) -> None:
+        self.pid: int | None = None  # the process looked at last
         # At the last look: (monotonic seconds, ns run, ns waited to run).
         self._last: tuple[float, int, int] | None = None
 
-    def look(self) -> str | None:
+    def look(self, pid: int) -> str:
+        """One look at process ``pid`` (a new one: counted from its start)."""
+        if pid != self.pid:
+            self.pid, self._last = pid, None
+        return self._look() or "its state unknown"
+
+    def _look(self) -> str | None:
         try:
             tids = os.listdir(f"/proc/{self.pid}/task")
         except OSError:

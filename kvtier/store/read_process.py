@@ -153,7 +153,7 @@ class ReadProcess:
         self._stats_lock = threading.Lock()
         self._closed = False
         self._cpus: set[int] | None = None  # the asking thread's
-        self._watch: SchedulingWatch | None = None  # the child's, for describe
+        self._watch = SchedulingWatch()  # the child's, for describe
         self._starter = (
             ChildStarter("kvtier-starter", self._start_child) if self.spawn else None
         )
@@ -253,9 +253,7 @@ class ReadProcess:
         if not self.running or pid is None:
             return f"engine's process; {self.backend.describe()}"
         unsent = 0 if self._pipes is None else self._pipes.unsent
-        if self._watch is None or self._watch.pid != pid:
-            self._watch = SchedulingWatch(pid)
-        state = self._watch.look() or "its state unknown"
+        state = self._watch.look(pid)
         return (
             f"read process {pid}: {len(self._held)} batches held, {unsent} bytes "
             f"not sent yet, {state}; {self.backend.describe()}"

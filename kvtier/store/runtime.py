@@ -119,7 +119,7 @@ class DiskRuntime:
         # Jobs run in a child once it is ready (the CPU tier's files mapped
         # there too), in the engine's process before and after it.
         self._process: SpillProcess | None = None
-        self._child_watch: SchedulingWatch | None = None  # for _where
+        self._child_watch = SchedulingWatch()  # the spill process's, for _where
         if spill_process and len(self._attached) == len(self.rows):
             self._process = SpillProcess(
                 self.stores, self.rows, threads=threads * len(self.stores)
@@ -302,11 +302,7 @@ class DiskRuntime:
         pid = self.spill_pid
         if pid is None:
             return "jobs run in the engine's process"
-        watch = self._child_watch
-        if watch is None or watch.pid != pid:
-            watch = self._child_watch = SchedulingWatch(pid)
-        state = watch.look() or "its state unknown"
-        return f"jobs run in spill process {pid}: {state}"
+        return f"jobs run in spill process {pid}: {self._child_watch.look(pid)}"
 
     def stalled_s(self) -> float:
         """Seconds since a job was last answered by its I/O (or since the

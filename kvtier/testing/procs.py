@@ -74,6 +74,23 @@ def thread_names(pid: int) -> dict[int, str]:
     return out
 
 
+def terminal_standing(pid: int) -> tuple[bool, bool, bool]:
+    """For a helper process ``pid`` of this process: (in this process's
+    session, leads a process group of its own, ignores SIGTTOU)."""
+    import re
+    import signal
+
+    with open(f"/proc/{pid}/status") as f:
+        status = f.read()
+    found = re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M)
+    ignored = int(found[1], 16) if found else 0
+    return (
+        os.getsid(pid) == os.getsid(0),
+        os.getpgid(pid) == pid != os.getpgid(0),
+        bool(ignored >> (signal.SIGTTOU - 1) & 1),
+    )
+
+
 SHM = "/dev/shm"
 
 

@@ -33,6 +33,7 @@ from kvtier.store.reader import PendingRead, SlotReader
 from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome
 from kvtier.testing.faults import flip_byte
+from kvtier.testing.procs import terminal_standing
 
 DEADLINE_S = 30.0
 
@@ -101,7 +102,9 @@ def test_the_child_reads_and_verifies_as_the_engines_process_would(
             (5, key_of(5)),  # never written
         ]
         said = rp.describe()
-        assert said.startswith(f"read process {rp.pid}: 0 batches held, 0 bytes not sent yet")
+        assert said.startswith(
+            f"read process {rp.pid}: 0 batches held, 0 bytes not sent yet"
+        )
         assert "; posix" in said
         pending = rp.submit(items, first_row=1)
         assert isinstance(pending, ProcessRead)  # the child read it
@@ -375,18 +378,6 @@ def test_a_terminals_ctrl_c_is_the_engines_not_the_childs(
     assert b"KeyboardInterrupt" not in engine.stderr
 
 
-def _terminal_standing(pid: int) -> tuple[bool, bool, bool]:
-    """(in this process's session, leads a process group of its own,
-    ignores SIGTTOU) for the helper process ``pid``."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M)[1], 16)
-    return (
-        os.getsid(pid) == os.getsid(0),
-        os.getpgid(pid) == pid != os.getpgid(0),
-        bool(ignored >> (signal.SIGTTOU - 1) & 1),
-    )
-
-
 @pytest.mark.skipif(
     sys.platform != "linux" or sys.version_info < (3, 11),
     reason="reads /proc; Python 3.10 gives the child a session of its own",
@@ -403,7 +394,7 @@ def test_the_child_is_in_the_engines_session_and_a_group_of_its_own(
     rig = make_rig()
     rp = _running(_reader(rig))
     try:
-        assert _terminal_standing(rp.pid) == (True, True, True)
+        assert terminal_standing(rp.pid) == (True, True, True)
     finally:
         rp.close()
 

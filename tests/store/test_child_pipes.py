@@ -190,32 +190,32 @@ def test_ended_before_asked_it_never_starts(end: str) -> None:
 def test_a_watch_says_thread_states_and_cpu_since_the_last_look() -> None:
     """A process that sleeps, then is stopped: its threads' states (S, then
     T), and the CPU they got and waited for, first over its life, then
-    since the last look; nothing once it exited."""
+    since the last look; unknown once it exited."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    probe = SchedulingWatch(proc.pid)
+    probe = SchedulingWatch()
 
     def until(state: str) -> None:
         deadline = time.monotonic() + 30
-        while not (probe.look() or "").startswith(f"threads {state};"):
-            assert time.monotonic() < deadline, f"never {state}: {probe.look()}"
+        while not probe.look(proc.pid).startswith(f"threads {state};"):
+            assert time.monotonic() < deadline, f"never {state}: {probe.look(proc.pid)}"
             time.sleep(0.01)
 
     times = r"\d+\.\d s: \d+\.\d\d s on a CPU, \d+\.\d\d s waiting for one"
     try:
         until("S1")  # its interpreter started, it sleeps
-        watch = SchedulingWatch(proc.pid)
-        assert re.fullmatch(rf"threads S1; in its {times}", watch.look() or "")
-        assert re.fullmatch(rf"threads S1; in the last {times}", watch.look() or "")
+        watch = SchedulingWatch()
+        assert re.fullmatch(rf"threads S1; in its {times}", watch.look(proc.pid))
+        assert re.fullmatch(rf"threads S1; in the last {times}", watch.look(proc.pid))
         os.kill(proc.pid, signal.SIGSTOP)
         until("T1")
-        watch.look()
+        watch.look(proc.pid)
         # Stopped, it runs no more: nothing on a CPU since the last look.
         assert re.fullmatch(
             r"threads T1; in the last \d+\.\d s: 0\.00 s on a CPU, "
             r"0\.00 s waiting for one",
-            watch.look() or "",
+            watch.look(proc.pid),
         )
     finally:
         proc.kill()
         proc.wait()
-    assert watch.look() is None
+    assert watch.look(proc.pid) == "its state unknown"  # it exited

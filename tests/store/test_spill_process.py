@@ -35,6 +35,7 @@ from kvtier.store.slabs import SlabStats
 from kvtier.store.slot import LayoutFingerprint, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import FinishedJob
+from kvtier.testing.procs import terminal_standing
 from kvtier.tiers.plans import PromoteOrder, SpillOrder
 
 ROWS = 32
@@ -379,12 +380,7 @@ def test_the_child_is_in_the_engines_session_and_a_group_of_its_own(
     """As the read process (tests/reliability/test_read_process.py): the
     engine's session (its autogroup, its share of the CPU), a process
     group of its own (Ctrl-C is the engine's), SIGTTOU ignored."""
-    pid = rig.in_child()
-    status = Path(f"/proc/{pid}/status").read_text()
-    ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M)[1], 16)
-    assert os.getsid(pid) == os.getsid(0)
-    assert os.getpgid(pid) == pid != os.getpgid(0)
-    assert ignored >> (signal.SIGTTOU - 1) & 1
+    assert terminal_standing(rig.in_child()) == (True, True, True)
 
 
 def test_a_killed_child_fails_its_jobs_and_later_ones_run_here(rig: Rig) -> None:
