@@ -46,7 +46,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kvtier.log import get_logger
 
@@ -63,14 +63,8 @@ OPENMP_BINDING = ("KMP_AFFINITY", "GOMP_CPU_AFFINITY", "OMP_PLACES", "OMP_PROC_B
 def _lower_thread_priority(by: int) -> None:
     """Raise the calling thread's nice level by ``by`` (at most to 19).
     A sandbox without ``setpriority`` leaves it as it is (logged at debug)."""
-    if not sys.platform.startswith("linux") or by <= 0:
-        return
-    try:
-        now = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    except OSError as exc:
-        logger.debug("kvtier: thread priority unchanged: %s", exc)
-        return
-    lower_thread_priority_to(now + by)
+    if by > 0:
+        _raise_nice(lambda now: now + by)
 
 
 def lower_thread_priority_to(nice: int | None) -> None:
@@ -78,11 +72,20 @@ def lower_thread_priority_to(nice: int | None) -> None:
     it is lower; never lowers it (that needs a privilege). Nothing for
     None, off Linux, or in a sandbox without ``setpriority`` (logged at
     debug)."""
-    if nice is None or not sys.platform.startswith("linux"):
+    if nice is not None:
+        _raise_nice(lambda now: nice)
+
+
+def _raise_nice(target: Callable[[int], int]) -> None:
+    """Set the calling thread's nice level to ``target(now)`` (at most 19)
+    where that is above ``now``, its level read once (Linux only)."""
+    if not sys.platform.startswith("linux"):
         return
     tid = threading.get_native_id()
     try:
-        if nice > os.getpriority(os.PRIO_PROCESS, tid):
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        nice = target(now)
+        if nice > now:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, nice))
     except OSError as exc:
         logger.debug("kvtier: thread priority unchanged: %s", exc)

@@ -205,7 +205,10 @@ class SpillProcess:
 
     @property
     def running(self) -> bool:
-        """Whether jobs go to the child (it said it is ready)."""
+        """Whether jobs go to the child (it said it is ready). Until it has,
+        this takes what the child said (:meth:`_take`, without waiting): a
+        read of the pipe, so only the thread that polls asks it, as
+        :meth:`poll` and :meth:`start` do."""
         self._adopt()
         if self._pipes is not None and not self._ready:
             self._take(0.0)

@@ -57,6 +57,27 @@ def command(pid: int) -> str | None:
     return stat[stat.index("(") + 1 : stat.rindex(")")] + " " + cmdline.strip()
 
 
+def read_processes(root: int) -> list[int]:
+    """The kvtier read processes below ``root`` (by their command line,
+    ``python -m kvtier.store.read_process``), named or not yet. A fork of
+    one before its exec carries the same command line but is not one: its
+    back end's import runs ``/sbin/ldconfig -p`` (kvikio's
+    cuda.pathfinder, through ``ctypes.util.find_library``), and CI caught
+    such a fork; a process whose parent has that command line is left out."""
+    found = []
+    for pid in sorted(descendants(root)):
+        if _READ_PROCESS not in (command(pid) or ""):
+            continue
+        parent = parent_pid(pid)
+        if parent is None or _READ_PROCESS in (command(parent) or ""):
+            continue
+        found.append(pid)
+    return found
+
+
+_READ_PROCESS = "-m kvtier.store.read_process"
+
+
 def thread_names(pid: int) -> dict[int, str]:
     """``pid``'s threads and the names ``ps`` and ``top`` show for them;
     empty once it exited."""

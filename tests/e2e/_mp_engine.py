@@ -83,21 +83,13 @@ def _read_processes(timeout: float = 60.0) -> list[dict]:
 
 
 def _scan_read_processes() -> list[dict]:
-    from kvtier.testing.procs import command, descendants, parent_pid, thread_names
+    from kvtier.testing.procs import parent_pid, read_processes, thread_names
 
     found = []
-    for pid in descendants(os.getpid()):
+    for pid in read_processes(os.getpid()):
         try:
-            if b"kvtier.store.read_process" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
             worker = parent_pid(pid)
             if worker is None:
-                continue
-            if "kvtier.store.read_process" in (command(worker) or ""):
-                # A fork of the read process before its exec, which carries
-                # its command line and name: not a read process. Its back
-                # end's import (kvikio's cuda.pathfinder: ctypes.util's
-                # find_library) runs /sbin/ldconfig -p; CI caught one.
                 continue
             found.append(
                 {

@@ -23,9 +23,8 @@ import uuid
 
 import pytest
 
-from kvtier.store.read_process import CHILD_NAME
 from kvtier.testing.model import build_tiny_llama
-from kvtier.testing.procs import descendants, thread_names
+from kvtier.testing.procs import read_processes, thread_names
 
 from .api_server import api_server, complete, get, kv_transfer_config, total
 
@@ -49,11 +48,8 @@ BUSY_S = 300
 def _read_process_reading(server: int) -> int | None:
     """The server's read process once it read something (its disk back
     end starts its threads at the first read), else None."""
-    for pid in descendants(server):
-        names = thread_names(pid)
-        if names.get(pid) == CHILD_NAME and any(
-            n.startswith("kvtier-posix_") for n in names.values()
-        ):
+    for pid in read_processes(server):
+        if any(n.startswith("kvtier-posix_") for n in thread_names(pid).values()):
             return pid
     return None
 
