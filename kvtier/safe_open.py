@@ -94,10 +94,12 @@ def check_private_fd(
 ) -> os.stat_result:
     """Check an open descriptor: type, owner == euid, no group/other bits.
 
-    Group/other *write* bits are always refused. With ``fix_mode`` the mode
-    is then set to exactly 0600 (files) or 0700 (directories): the object is
-    ours, only its mode was loose or too tight. Without it, group/other read
-    or search bits are refused too. Raises
+    Group/other *write* bits are always refused. With ``fix_mode`` (for
+    directories: their mode is checked at every lookup through them, so one
+    made private is private from then on, even for a descriptor opened
+    before) the mode is then set to exactly 0600 (files) or 0700
+    (directories): the object is ours, only its mode was loose or too
+    tight. Without it, group/other read or search bits are refused too. Raises
     PermissionError/OSError naming ``path``; returns the (possibly
     refreshed) ``fstat``."""
     st = os.fstat(fd)
@@ -123,7 +125,6 @@ def open_private(
     mode: int = FILE_MODE,
     *,
     dir_fd: int | None = None,
-    fix_mode: bool = False,
     private: bool = False,
 ) -> int:
     """``os.open`` for kvtier's own regular files; returns the descriptor.
@@ -133,8 +134,10 @@ def open_private(
     for), so a FIFO in place of the file is refused instead of blocking the
     open forever; then checks the opened descriptor: a regular file,
     owned by the effective user, not writable by group or others. With
-    ``private`` any group/other bit is refused too; ``fix_mode`` removes
-    group/other read bits instead. ``path`` is relative to ``dir_fd`` when
+    ``private`` any group/other bit is refused too (a mode is checked only
+    at open: a descriptor another user opened while the file was readable
+    keeps reading it, so a loose file is not made private in place).
+    ``path`` is relative to ``dir_fd`` when
     given. Raises PermissionError (foreign owner, loose mode) or OSError
     (symlink, not a regular file, the open's own errno), always naming the
     path; the descriptor is closed on failure.
@@ -168,8 +171,8 @@ def open_private(
             raise type(exc)(exc.errno, exc.strerror, shown) from exc
         raise
     try:
-        if fix_mode or private:
-            check_private_fd(fd, shown, fix_mode=fix_mode)
+        if private:
+            check_private_fd(fd, shown)
         else:
             # Readable by others is the caller's confidentiality matter (the
             # store keeps its files 0600); type, owner and write bits are

@@ -77,6 +77,7 @@ from typing import Any
 
 from kvtier.log import get_logger
 from kvtier.safe_open import (
+    FILE_MODE,
     InUseError,
     flock_exclusive,
     lock_holders,
@@ -668,13 +669,38 @@ def create_slab(
     st_ino)`` and the size it had before (0 for a new file: past that
     offset it holds nothing yet). A larger file is never shrunk (its tail
     is unused). A link,
-    another owner's file or a group/other-writable one is refused (looser
-    read bits are removed); with ``dir_fd`` the name is resolved inside
-    that (already checked) directory."""
+    another owner's file or a group/other-writable one is refused; with
+    ``dir_fd`` the name is resolved inside that (already checked)
+    directory.
+
+    Our own slab readable by group or others (copied or restored under
+    umask 022) is replaced by a new private file, its blocks not reused,
+    rather than made private with ``chmod``: a mode is checked only when
+    a file is opened, so a descriptor another user opened meanwhile would
+    go on reading every block written from now on."""
     size = num_slots * slot_bytes
     name = os.path.basename(path) if dir_fd is not None else path
-    fd = open_private(name, os.O_RDWR | os.O_CREAT, 0o600, dir_fd=dir_fd, fix_mode=True)
+    fd = open_private(name, os.O_RDWR | os.O_CREAT, FILE_MODE, dir_fd=dir_fd)
     try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & 0o077:
+            os.close(fd)
+            fd = -1
+            os.unlink(name, dir_fd=dir_fd)
+            logger.warning(
+                "kvtier: slab %s was readable by others (mode %04o): a "
+                "descriptor another user opened meanwhile would read every "
+                "block written from now on, so it is replaced by a new "
+                "private file and its blocks are not reused. Keep slabs "
+                "0600 when copying or restoring them (cp -p, umask 077)",
+                path,
+                mode,
+            )
+            fd = open_private(
+                name, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE, dir_fd=dir_fd
+            )
+        elif mode != FILE_MODE:  # ours and private, only too tight
+            os.fchmod(fd, FILE_MODE)
         st = os.fstat(fd)
         if st.st_size < size or st.st_blocks * 512 < size:
             # Short, or sparse: a slab copied or restored with its holes
@@ -683,7 +709,8 @@ def create_slab(
             # Preallocating keeps what is written.
             _preallocate(fd, size, path, st.st_size)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     return (st.st_dev, st.st_ino), st.st_size
 
 

@@ -75,6 +75,7 @@ def test_a_sparse_slab_is_preallocated_again_keeping_its_blocks(
         f.truncate(16 * 65536)
         f.seek(65536)
         f.write(b"k" * 65536)
+    path.chmod(0o600)  # as kvtier keeps it
     if os.stat(path).st_blocks * 512 >= 16 * 65536:
         pytest.skip("this file system writes no sparse files")
     create(str(path), 16, 65536)
@@ -89,6 +90,7 @@ def test_fallocate_unsupported_never_shrinks_a_larger_slab(
 ) -> None:
     path = tmp_path / "s.kvt"
     path.write_bytes(b"x" * 40000)
+    path.chmod(0o600)
 
     def nope(fd: int, off: int, size: int) -> None:
         raise OSError(errno.EOPNOTSUPP, "not supported")
@@ -104,7 +106,7 @@ def test_fallocate_unsupported_never_shrinks_a_larger_slab(
 def test_reopen_keeps_contents_never_shrinks_and_tightens_mode(tmp_path: Path) -> None:
     path = tmp_path / "s.kvt"
     path.write_bytes(b"x" * 40000)
-    os.chmod(path, 0o644)
+    os.chmod(path, 0o400)  # ours and private, only too tight
     s = create(str(path), 2, 8192)
     assert os.path.getsize(path) == 40000
     assert path.read_bytes()[:5] == b"xxxxx"
@@ -112,6 +114,33 @@ def test_reopen_keeps_contents_never_shrinks_and_tightens_mode(tmp_path: Path) -
     create(str(path), 10, 8192)
     assert os.path.getsize(path) == 10 * 8192
     assert path.read_bytes()[:5] == b"xxxxx"
+
+
+def test_a_slab_readable_by_others_is_replaced_not_chmodded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A descriptor opened while the slab was readable (another user's)
+    must not read what is written after the store took it: the store
+    writes to a new private file, the old one keeps only its old bytes."""
+    path = tmp_path / "s.kvt"
+    path.write_bytes(b"x" * 40000)
+    os.chmod(path, 0o644)
+    opened_before = os.open(path, os.O_RDONLY)
+    try:
+        with caplog.at_level("WARNING", logger="vllm.kvtier"):
+            dev_ino, old_size = create_slab(str(path), 2, 8192)
+        assert old_size == 0  # nothing in it is reused
+        assert mode(str(path)) == 0o600
+        assert (os.stat(path).st_dev, os.stat(path).st_ino) == dev_ino
+        assert os.fstat(opened_before).st_ino != dev_ino[1]
+        with open(path, "r+b") as f:
+            f.write(b"secret")
+        assert os.pread(opened_before, 6, 0) == b"xxxxxx"
+        assert path.read_bytes()[:6] == b"secret"
+        assert os.path.getsize(path) == 2 * 8192
+        assert "was readable by others (mode 0644)" in caplog.text
+    finally:
+        os.close(opened_before)
 
 
 def test_striping_rule_round_trips() -> None:
