@@ -495,6 +495,10 @@ def _error_examples() -> list[tuple[str, str]]:
         ("unknown compression", {**disk, "disk_compression": "lz4"}),
         ("boolean as a number", {**base, "promote_on_hit": 1}),
         ("watermark out of range", {**disk, "spill_watermark": 1.5}),
+        (
+            "several keys refused at once (the first in full, the others named)",
+            {**disk, "disk_io": "gds", "spill_watermark": 1.5},
+        ),
         ("zero I/O threads", {**disk, "disk_io_threads": 0}),
         (
             "device loads of zstd slots",
@@ -677,8 +681,11 @@ def errors_section() -> str:
         "",
         "Every bad value raises `kvtier.connector.config.ConfigError` (a "
         "`ValueError`) at engine start. The message names the key, what was "
-        "given and what is accepted. `kvtier doctor --config` (the same JSON "
+        "given and what is accepted; when several keys are refused, the "
+        "others are named after it, so one start shows every key to fix. "
+        "`kvtier doctor --config` (the same JSON "
         "text, or a file holding it) prints the same messages before start, "
+        "each refused key its own, "
         "with the host checks "
         "([operations](operations.md#kvtier-doctor)). Generated from real calls:",
         "",

@@ -43,13 +43,37 @@ from kvtier.tiers.policy import policy_names
 
 class ConfigError(ValueError):
     """A bad ``kv_connector_extra_config`` value; the message names the key
-    (``where``: the config it is a key of)."""
+    (``where``: the config it is a key of).
+
+    ``more``: the other keys the same validation refused, each its own
+    ConfigError (:func:`validate_keys` finds every key-level problem at
+    once). The message names them after the first, so one engine start
+    shows every key to fix; ``kvtier doctor`` reports each with its own
+    message. A rule over several keys (a disk path without a disk budget)
+    is checked only once every key's own value is accepted."""
 
     where = "kv_connector_extra_config"
+    more: tuple[ConfigError, ...] = ()
 
-    def __init__(self, key: str, message: str):
-        self.key, self.message = key, message
+    def __init__(
+        self, key: str, message: str, more: tuple[ConfigError, ...] = ()
+    ) -> None:
+        self.key, self.message, self.more = key, message, more
         super().__init__(f"kvtier: {self.where}[{key!r}]: {message}")
+
+    @property
+    def problem(self) -> str:
+        """This key's problem alone, without the others of ``more``."""
+        return str(self.args[0]) if self.args else ""
+
+    def __str__(self) -> str:
+        if not self.more:
+            return self.problem
+        keys = ", ".join(repr(e.key) for e in self.more)
+        return (
+            f"{self.problem} (and {len(self.more)} more key(s) refused: {keys}; "
+            "`kvtier doctor --config ...` gives each its message)"
+        )
 
 
 class TransferConfigError(ConfigError):
@@ -473,41 +497,76 @@ def validate_keys(
     error: Callable[[str, str], ConfigError] = ConfigError,
     elsewhere: Mapping[str, str] | None = None,
 ) -> M:
-    """``doc`` validated by ``model``, or ``error(key, message)`` for the
-    first problem: an unknown key first (sorted; one of ``elsewhere``,
-    key -> where it belongs, before the others), else in field order. The
-    message says what was given and what is accepted."""
+    """``doc`` validated by ``model``, or ``error(key, message)`` for its
+    first problem, with every other refused key in its ``more``: unknown
+    keys first (sorted; those of ``elsewhere``, key -> where it belongs,
+    before the others), then the refused values in field order, one per
+    key. Each message says what was given and what is accepted."""
     try:
         return model.model_validate(dict(doc))
     except ValidationError as exc:
         problems = exc.errors(include_url=False)
-    fields = model.model_fields
+    given = set(doc)
+    # A key not given whose value was refused took it from another key
+    # (cpu_eviction_policy from eviction_policy): that key is the one named.
+    said = [p for p in problems if p["type"] == "missing" or _key_of(p) in given]
+    refused = _refusals(model.model_fields, said or problems, error, elsewhere or {})
+    first = refused[0]
+    first.more = tuple(refused[1:])
+    raise first
+
+
+def _key_of(problem: Any) -> str:
+    """The key a pydantic error is about (a rule over several keys names
+    its own)."""
+    cause = (problem.get("ctx") or {}).get("error")
+    key = str(problem["loc"][0]) if problem["loc"] else ""
+    return (cause.key or key) if isinstance(cause, _Refusal) else key
+
+
+def _refusals(
+    fields: Mapping[str, FieldInfo],
+    problems: list[Any],
+    error: Callable[[str, str], ConfigError],
+    elsewhere: Mapping[str, str],
+) -> list[ConfigError]:
+    """One error per refused key of a validation's ``problems``, in the
+    order :func:`validate_keys` reports them."""
     unknown = sorted(
-        str(p["loc"][0]) for p in problems if p["type"] == "extra_forbidden"
+        {str(p["loc"][0]) for p in problems if p["type"] == "extra_forbidden"}
     )
-    placed = [k for k in unknown if k in (elsewhere or {})]
-    if placed:
-        raise error(placed[0], (elsewhere or {})[placed[0]])
-    if unknown:
-        near = difflib.get_close_matches(unknown[0].lower(), list(fields), n=1)
+    out = [error(k, elsewhere[k]) for k in unknown if k in elsewhere]
+    for key in (k for k in unknown if k not in elsewhere):
+        near = difflib.get_close_matches(key.lower(), list(fields), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise error(
-            unknown[0], f"unknown key; valid keys are: {', '.join(fields)}{hint}"
+        out.append(
+            error(key, f"unknown key; valid keys are: {', '.join(fields)}{hint}")
         )
-    p = problems[0]
-    cause = (p.get("ctx") or {}).get("error")
-    key = str(p["loc"][0]) if p["loc"] else ""
-    if isinstance(cause, _Refusal):
-        raise error(cause.key or key, str(cause))
-    want = accepted(fields[key])
-    if p["type"] == "missing" or (p["input"] is None and fields[key].is_required()):
-        raise error(key, f"is required: {want}")
-    detail = str(cause or "")
-    raise error(
-        key,
-        f"got {p['input']!r:.200}; accepted values: {want}"
-        + (f" ({detail})" if detail else ""),
-    )
+    seen = set(unknown)
+    for p in problems:
+        if p["type"] == "extra_forbidden":
+            continue
+        cause = (p.get("ctx") or {}).get("error")
+        key = _key_of(p)
+        if key in seen:
+            continue  # one problem per key: its first
+        seen.add(key)
+        if isinstance(cause, _Refusal):
+            out.append(error(key, str(cause)))
+            continue
+        want = accepted(fields[key])
+        if p["type"] == "missing" or (p["input"] is None and fields[key].is_required()):
+            out.append(error(key, f"is required: {want}"))
+            continue
+        detail = str(cause or "")
+        out.append(
+            error(
+                key,
+                f"got {p['input']!r:.200}; accepted values: {want}"
+                + (f" ({detail})" if detail else ""),
+            )
+        )
+    return out
 
 
 def parse_extra_config(extra: Mapping[str, Any]) -> KvtierConfig:
@@ -716,8 +775,11 @@ class TierConfigError(ConfigError):
 
 
 def as_tier_error(exc: ConfigError) -> TierConfigError:
-    """The same complaint, named as a key of the ``secondary_tiers`` entry."""
-    return TierConfigError(exc.key, exc.message)
+    """The same complaint (and those of its ``more``), named as a key of the
+    ``secondary_tiers`` entry."""
+    error = TierConfigError(exc.key, exc.message)
+    error.more = tuple(TierConfigError(e.key, e.message) for e in exc.more)
+    return error
 
 
 def parse_tier_config(

@@ -133,6 +133,22 @@ def test_unknown_keys_name_the_key(capsys, tmp_path, disk, shm):
     assert "kv_connector" in checks["kv_conector"]["detail"]
 
 
+def test_every_refused_key_is_a_check_of_its_own(capsys, tmp_path, disk, shm):
+    doc = good_config(disk)
+    extra = doc["kv_connector_extra_config"]
+    extra.update(disk_io="spdk", disk_io_threads=0, eviction_polcy="lru")
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1
+    for key, fragment in (
+        ("eviction_polcy", "did you mean 'eviction_policy'?"),
+        ("disk_io", "got 'spdk'; accepted values: auto | posix | kvikio"),
+        ("disk_io_threads", "got 0; accepted values: integer in [1, 256]"),
+    ):
+        assert checks[key]["status"] == "error", key
+        assert fragment in checks[key]["detail"]
+        assert "more key(s) refused" not in checks[key]["detail"]
+
+
 def test_config_and_flags_together_or_neither(capsys, tmp_path, disk):
     path = write(tmp_path, good_config(disk))
     assert main(["doctor", "--config", path, "--disk-path", str(disk)]) == 2

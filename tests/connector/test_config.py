@@ -176,6 +176,54 @@ def test_a_huge_value_is_shown_in_part(key: str, value: Any) -> None:
     assert len(str(err)) < 1000, len(str(err))
 
 
+def test_every_refused_key_is_named_at_once() -> None:
+    """One start names every key to fix, not only the first: unknown keys
+    first (sorted), then refused values in field order, each once; each
+    further one is a ConfigError of its own for the doctor."""
+    doc = {
+        **DISK,
+        "eviction_polcy": "lru",
+        "disk_threads": 4,
+        "disk_bytes_to_use": "lots",
+        "disk_io": "spdk",
+    }
+    with pytest.raises(ConfigError) as info:
+        parse_extra_config(doc)
+    err = info.value
+    assert [err.key] + [e.key for e in err.more] == [
+        "disk_threads",
+        "eviction_polcy",
+        "disk_bytes_to_use",
+        "disk_io",
+    ]
+    assert str(err).startswith(err.problem)
+    assert (
+        " (and 3 more key(s) refused: 'eviction_polcy', 'disk_bytes_to_use', "
+        "'disk_io'; `kvtier doctor --config ...` gives each its message)"
+    ) in str(err)
+    assert "did you mean 'disk_io_threads'?" in err.problem
+    assert "did you mean 'eviction_policy'?" in err.more[0].problem
+    assert err.more[1].problem.startswith(
+        "kvtier: kv_connector_extra_config['disk_bytes_to_use']: got 'lots'"
+    )
+    assert "'spdk'" in err.more[2].problem and "auto | posix | kvikio" in str(
+        err.more[2]
+    )
+    assert all(not e.more for e in err.more)
+
+
+@pytest.mark.parametrize(
+    "key, value", [("disk_io", "spdk"), ("eviction_policy", "fifo")]
+)
+def test_one_refused_key_is_said_alone(key: str, value: str) -> None:
+    """Alone: cpu_/disk_eviction_policy take eviction_policy's value when
+    not given, and are not named for it."""
+    with pytest.raises(ConfigError) as info:
+        parse_extra_config({**DISK, key: value})
+    assert info.value.key == key
+    assert info.value.more == () and str(info.value) == info.value.problem
+
+
 def test_disk_budget_without_path() -> None:
     extra = {k: v for k, v in DISK.items() if k != "disk_path"}
     _expect(extra, "disk_path", "required when disk_bytes_to_use > 0")

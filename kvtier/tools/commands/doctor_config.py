@@ -95,7 +95,14 @@ def _config_error(exc: ConfigError, inp: DoctorInput | None = None) -> Check:
         FLAG_OF_KEY.get(exc.key) if inp is not None and inp.transfer is None else None
     )
     fix = f"give or fix {flag} (it sets {exc.key})" if flag else ""
-    return Check("config", exc.key, ERROR, str(exc), fix or "see docs/configuration.md")
+    return Check(
+        "config", exc.key, ERROR, exc.problem, fix or "see docs/configuration.md"
+    )
+
+
+def _config_errors(exc: ConfigError, inp: DoctorInput | None = None) -> list[Check]:
+    """A check for each key the validation refused: ``exc`` and its ``more``."""
+    return [_config_error(e, inp) for e in (exc, *exc.more)]
 
 
 def _transfer_keys() -> tuple[str, ...] | None:
@@ -222,7 +229,7 @@ def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[
             try:
                 parse_guard({k: v for k, v in entry.items() if k not in FACTORY_KEYS})
             except ConfigError as exc:
-                out.append(_config_error(exc))
+                out += _config_errors(exc)
     if extra.get("canonical_layout", False):
         out.append(
             _config_error(ConfigError("canonical_layout", CANONICAL_LAYOUT_REFUSAL))
@@ -303,7 +310,7 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
     except ConfigError as exc:
         if inp.transfer is not None:
             out += _connector_checks(inp.transfer, spec, disk=True)
-        out.append(_config_error(exc, inp))
+        out += _config_errors(exc, inp)
         return out, None
     if inp.transfer is not None:
         out += _connector_checks(inp.transfer, spec, cfg.disk_enabled)
