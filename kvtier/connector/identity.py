@@ -197,11 +197,8 @@ def sampled_digest(path: str, size: int) -> str:
     ``size`` bytes. Cost: ~17 small reads per file, whatever its size.
     Raises OSError."""
     h = hashlib.blake2b(digest_size=16, person=b"kvtier-weights")
-    # O_NONBLOCK: a FIFO planted in a model directory must not hang start-up.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = _open_regular(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
         if path.endswith(".safetensors") and size >= 8:
             (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
             h.update(os.pread(fd, min(hlen, _MAX_HEADER_BYTES), 8))
@@ -211,6 +208,21 @@ def sampled_digest(path: str, size: int) -> str:
     finally:
         os.close(fd)
     return h.hexdigest()
+
+
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path`` (links followed:
+    the hub's cache links snapshots to blobs). Opened ``O_NONBLOCK``: a FIFO
+    planted in a model directory, under any name the walk reads, must not
+    hang engine start or ``kvtier doctor``; it raises OSError (EINVAL)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _describe_files(root: str) -> dict[str, Any]:
@@ -239,9 +251,9 @@ def _describe_files(root: str) -> dict[str, Any]:
                     entry["error"] = exc.errno
             elif st.st_size <= _MAX_HASHED_BYTES:
                 try:
-                    with open(path, "rb") as f:
+                    with open(_open_regular(path), "rb") as f:
                         entry["blake2b"] = hashlib.blake2b(
-                            f.read(), digest_size=16
+                            f.read(_MAX_HASHED_BYTES + 1), digest_size=16
                         ).hexdigest()
                 except OSError as exc:
                     entry["error"] = exc.errno

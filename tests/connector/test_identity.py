@@ -10,7 +10,9 @@ import pickle
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -468,11 +470,24 @@ def test_sampled_digest_reads_the_safetensors_header(tmp_path) -> None:
     )
 
 
-def test_a_fifo_in_the_model_directory_does_not_hang(tmp_path) -> None:
-    os.mkfifo(tmp_path / "model.safetensors")
-    with pytest.raises(OSError):
-        sampled_digest(str(tmp_path / "model.safetensors"), 0)
-    model_identity(str(tmp_path))  # recorded as an error, never a hang
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "x.index.json"])
+def test_a_fifo_in_the_model_directory_does_not_hang(tmp_path, name: str) -> None:
+    """Weights are sampled, configs and indexes hashed whole: a FIFO under
+    either kind of name is recorded as an error, never a hang."""
+    os.mkfifo(tmp_path / name)
+    if name.endswith(".safetensors"):
+        with pytest.raises(OSError):
+            sampled_digest(str(tmp_path / name), 0)
+    done: list[Any] = []
+    walk = threading.Thread(
+        target=lambda: done.append(model_identity(str(tmp_path))), daemon=True
+    )
+    walk.start()
+    walk.join(10)
+    if walk.is_alive():  # unblock the open the thread hangs in
+        os.close(os.open(tmp_path / name, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"model_identity hung on a FIFO named {name}")
+    assert done and done[0] is not None
 
 
 def test_prefix_hash_reproducibility() -> None:
