@@ -520,7 +520,7 @@ def test_a_warm_restart_is_announced_over_several_steps(
     assert sorted(k for s in per_step for k in s) == sorted(keys)
 
 
-def test_warm_restart_and_kvtier_inspect(tmp_path, make_driver, capsys):
+def test_warm_restart_and_kvtier_inspect(tmp_path, make_driver, capsys, caplog):
     from kvtier.tools.cli import main as kvtier_cli
 
     first = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
@@ -543,9 +543,16 @@ def test_warm_restart_and_kvtier_inspect(tmp_path, make_driver, capsys):
     assert "host_layout=vllm-tiering" in rep["layout"]["geometry"]
 
     # A new engine (new engine id, empty primary tier) on the same disk path.
-    second = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
+    with caplog.at_level("WARNING", logger="vllm.kvtier"):
+        second = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
     second.truth = truth
     assert second.tier.stats.restored == 8
+    # What its identity could not compare is said where it counts.
+    (adopted,) = [r for r in caplog.records if "warm restart adopted" in r.message]
+    assert adopted.levelname == "WARNING"
+    assert "adopted 8 disk blocks" in adopted.message
+    assert "hf_overrides, quantization, revision" in adopted.message
+    assert "give it its own disk_path" in adopted.message
     second.step()
     stored, _ = second.storage_events()
     assert sorted(stored) == sorted(keys)  # restored blocks are announced

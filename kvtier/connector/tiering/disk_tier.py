@@ -169,6 +169,17 @@ class _TierJob:
     missing: list[OffloadKey] = field(default_factory=list)
 
 
+# The settings that change KV values which the full spec's store identity
+# holds (kvtier.connector.identity.settings_identity) and a secondary tier's
+# cannot: vLLM gives the tier an OffloadingConfig, not the VllmConfig.
+UNCOMPARED_SETTINGS = (
+    "hf_overrides, quantization, revision, download_dir, load_format (dummy "
+    "weights), the KV-scale settings (calculate_kv_scales, "
+    "kv_cache_dtype_skip_layers), max_model_len (LongRoPE) and a speculative "
+    "draft model"
+)
+
+
 class KvtierDiskTier(SecondaryTierManager):
     """kvtier's checksummed, bounded disk tier behind vLLM's tiering manager.
 
@@ -308,10 +319,19 @@ class KvtierDiskTier(SecondaryTierManager):
             return
         self.core.restore(restored)  # reported as stored
         self.stats.restored = len(restored)
-        logger.info(
-            "kvtier %s: warm restart adopted %d disk blocks",
+        # vLLM hands a secondary tier no VllmConfig: the identity that named
+        # this store holds the model's contents and the KV geometry only
+        # (docs/tiering-mode.md), so the operator is told, where it counts,
+        # what was not compared.
+        logger.warning(
+            "kvtier %s: warm restart adopted %d disk blocks, matched by the "
+            "model's contents, KV dtype and geometry only: vLLM hands a "
+            "secondary tier no VllmConfig, so %s were not compared. If this "
+            "engine changed any of them, its blocks are wrong for it: give it "
+            "its own disk_path (docs/tiering-mode.md)",
             self.tier_type,
             len(restored),
+            UNCOMPARED_SETTINGS,
         )
 
     def _emit(self, keys: Sequence[Any], removed: bool, reason: str = "") -> None:
