@@ -375,8 +375,16 @@ class TieredOffloadingManager(OffloadingManager):
 
     @override
     def shutdown(self) -> None:
+        """Spill every block only the CPU tier holds, newest first
+        (:meth:`~kvtier.tiers.hierarchy.TierHierarchy.spill_everything`),
+        behind the spills queued; the runtime writes them for a bounded
+        time (``SHUTDOWN_SPILL_S``) and cancels the rest."""
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
+            self._apply_finished_spills(runtime)
+            self.hierarchy.spill_everything()
+            for order in self.hierarchy.take_spills():
+                runtime.submit_spill(order)
             runtime.shutdown()
 
     # --------------------------------------------------------------- stats

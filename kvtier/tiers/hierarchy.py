@@ -314,6 +314,19 @@ class TierHierarchy:
 
     # ------------------------------------------------------------------- spill
 
+    def spill_everything(self) -> None:
+        """At shutdown: order spills of every dirty block, as far as the
+        disk has (or can make) room, most recently used first. A block only
+        on CPU is lost with the engine, and the spills queued at shutdown
+        run for a bounded time: newest first, a prompt's head is written
+        before its tail (ranked newer, :meth:`prepare_store`), so what does
+        reach the disk is reachable by a prefix lookup after a restart,
+        where the oldest-first order of the watermark's spills would leave
+        the tails written and their heads lost. O(dirty blocks)."""
+        spills = self._spills
+        if spills is not None and spills.dirty:
+            spills.queue(len(spills.dirty), newest_first=True)
+
     def take_spills(self) -> list[SpillOrder]:
         """Spill orders decided since the last call, for the I/O side."""
         return self._spills.take() if self._spills is not None else []

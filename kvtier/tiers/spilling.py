@@ -105,9 +105,9 @@ class SpillQueue:
         if excess > 0:
             self.queue(excess)
 
-    def queue(self, n: int) -> None:
-        """Order spills of up to ``n`` dirty blocks, oldest use first, as
-        far as the disk has (or can make) room."""
+    def queue(self, n: int, newest_first: bool = False) -> None:
+        """Order spills of up to ``n`` dirty blocks, oldest use first (or
+        ``newest_first``), as far as the disk has (or can make) room."""
         dirty, core, disk = self.dirty, self.core, self.disk
         # No more than the disk can take now (its free slots and its
         # victims): the rest would be listed only to be left dirty, and a
@@ -117,7 +117,9 @@ class SpillQueue:
         n = min(n, disk.num_free + disk.num_eligible)
         if n <= 0:
             return
-        candidates = list(itertools.islice(dirty, n))
+        candidates = list(
+            itertools.islice(reversed(dirty) if newest_first else dirty, n)
+        )
         # One victim choice for the whole batch: per-key choices would pay
         # for the same pinned prefix again and again.
         self.disk_dropped(core.make_room(len(candidates)), evicted=True)
@@ -127,7 +129,7 @@ class SpillQueue:
         disk_slots = core.allocate(spilled)
         # The spills read these CPU slots (READY: dirty blocks are).
         cpu_slots = self.cpu.pin_many(spilled)
-        # The spilled keys are the oldest dirty ones.
+        # The spilled keys are the oldest dirty ones (or the newest).
         for key in spilled:
             del dirty[key]
         # tuple.__new__ builds the NamedTuples in C (their __new__ and

@@ -328,8 +328,10 @@ def test_a_corrupt_block_dropped_before_a_restart_is_a_miss_after_it(tmp_path):
     slot keeps its header (the workers read the slabs; nothing rewrites the
     slot until a later spill reuses it), so a restart adopts it again
     (docs/operations.md#checks-before-and-after-an-incident): its next load
-    fails verification again and is dropped again, never served."""
-    cfg = make_config(tmp_path, cpu_blocks=8, disk_blocks=32)
+    fails verification again and is dropped again, never served. Every
+    block is spilled as soon as stored (watermark 0), so the shutdown has
+    none left to spill, which could take the freed slot."""
+    cfg = make_config(tmp_path, cpu_blocks=8, disk_blocks=32, spill_watermark=0.0)
     r = RequestRunner(tiered_spec(cfg))
     try:
         first = push_to_disk(r, [1, 2, 3, 4])

@@ -862,6 +862,31 @@ def test_shutdown_writes_the_queued_spills_for_a_while_then_cancels_the_rest(
         r.close()
 
 
+def test_shutdown_spills_the_blocks_only_the_cpu_tier_holds(tmp_path):
+    """Below the watermark nothing spills while the engine runs; a
+    shutdown spills what only the CPU tier holds, so the next start adopts
+    every prompt whole, where they were lost with the CPU tier before."""
+    config = make_config(tmp_path, cpu_blocks=8, disk_blocks=16, spill_watermark=1.0)
+    r = RequestRunner(tiered_spec(config))
+    try:
+        stored = {name: r.store(name, blocks) for name, blocks in (
+            ("a", [1, 2, 3]), ("b", [4, 5, 6])
+        )}  # fmt: skip
+        r.manager.take_events()  # a scheduler step
+        assert r.manager.hierarchy.stats.spills_started == 0
+    finally:
+        r.close()
+    r = RequestRunner(tiered_spec(config))
+    try:
+        h = r.manager.hierarchy
+        assert {
+            name: [h.lookup(k).name for k in keys] for name, keys in stored.items()
+        } == {"a": ["HIT_DISK"] * 3, "b": ["HIT_DISK"] * 3}
+        assert r.lookup("b", stored["b"]) == 3
+    finally:
+        r.close()
+
+
 def _copy_then_stuck_read(r, second):
     """Make the load thread hold in its next batch copy, once issued, until
     ``go_on`` is set (``issued`` says it was), then get stuck starting the

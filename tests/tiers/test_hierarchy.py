@@ -71,6 +71,35 @@ def test_store_declines_rather_than_waiting_for_disk():
     assert _store(h, ["c"]).evicted_keys == ["b"]
 
 
+def test_at_shutdown_every_dirty_block_spills_heads_and_newest_first():
+    """Below the watermark nothing spills, and a block only on CPU is lost
+    at shutdown; spill_everything orders them all, newest first: each
+    prompt's head before its tail (the watermark's spills go tail first),
+    so what reaches the disk in the time shutdown has is reachable."""
+    h = TierHierarchy(8, 16, spill_watermark=1.0)
+    _store(h, ["a0", "a1", "a2"])
+    _store(h, ["b0", "b1", "b2"])
+    assert h.take_spills() == []
+    h.spill_everything()
+    orders = h.take_spills()
+    assert [i.key for o in orders for i in o.items] == [
+        "b0", "b1", "b2", "a0", "a1", "a2"
+    ]  # fmt: skip
+    for order in orders:
+        h.complete_spill(order.job_id)
+    assert [h.lookup(k) for k in ("a0", "b2")] == [Residency.HIT_CPU] * 2
+    h.spill_everything()  # nothing dirty is left
+    assert h.take_spills() == []
+
+
+def test_at_shutdown_the_disk_takes_as_many_as_it_has_room_for_heads_first():
+    h = TierHierarchy(8, 2, spill_watermark=1.0)
+    _store(h, ["a0", "a1", "a2"])
+    h.spill_everything()
+    (order,) = h.take_spills()
+    assert [i.key for i in order.items] == ["a0", "a1"]
+
+
 def test_failed_spill_costs_a_miss_not_a_wedge():
     h = TierHierarchy(1, 2, spill_watermark=0.0)
     _store(h, ["a"])
