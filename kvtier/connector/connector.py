@@ -81,6 +81,7 @@ from kvtier.connector.config import (
 from kvtier.connector.identity import (
     HASH_FIX,
     LORA_ON_DISK,
+    SHUTDOWN_TIMEOUT_ZERO,
     prefix_hash_problem,
 )
 from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
@@ -345,11 +346,13 @@ class TieredOffloadingConnector(OffloadingConnector):
         spec = _create_spec(offloading_config, facts)
         if (
             role == KVConnectorRole.SCHEDULER
-            and getattr(vllm_config, "lora_config", None) is not None
             and isinstance(spec, TieredOffloadingSpec)
             and spec.kvtier.disk_enabled
         ):
-            logger.warning("kvtier: %s", LORA_ON_DISK)
+            if getattr(vllm_config, "lora_config", None) is not None:
+                logger.warning("kvtier: %s", LORA_ON_DISK)
+            if getattr(vllm_config, "shutdown_timeout", None) == 0:
+                logger.warning("kvtier: %s", SHUTDOWN_TIMEOUT_ZERO)
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

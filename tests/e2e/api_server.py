@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -113,9 +113,12 @@ def kv_transfer_config(mode: str, disk: str) -> dict:
     )
 
 
-def server_command(model: str, kv: dict, port: int) -> list[str]:
+def server_command(
+    model: str, kv: dict, port: int, extra_args: Sequence[str] = ()
+) -> list[str]:
     """The server's command line: the tiny model, 16 KV-cache blocks of
-    BLOCK_TOKENS tokens, ``kv`` as its --kv-transfer-config."""
+    BLOCK_TOKENS tokens, ``kv`` as its --kv-transfer-config, then
+    ``extra_args``."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--dtype", "float32", "--enforce-eager",
@@ -123,7 +126,7 @@ def server_command(model: str, kv: dict, port: int) -> list[str]:
         "--kv-cache-memory-bytes", "2000000", "--max-model-len", "256",
         "--max-num-seqs", "4", "--compilation-config", '{"mode": 0}',
         "--host", "127.0.0.1", "--port", str(port),
-        "--kv-transfer-config", json.dumps(kv),
+        "--kv-transfer-config", json.dumps(kv), *extra_args,
     ]  # fmt: skip
 
 
@@ -138,14 +141,14 @@ def server_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def api_server(
-    model: str, kv: dict, log_path: Path
+    model: str, kv: dict, log_path: Path, extra_args: Sequence[str] = ()
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """The server with ``kv`` as its --kv-transfer-config (its
-    ``engine_id`` set), its output in ``log_path``: ``(base URL, its
-    process)`` once it answers /health; stopped (its whole process group)
-    at the end."""
+    ``engine_id`` set) and vLLM's ``extra_args``, its output in
+    ``log_path``: ``(base URL, its process)`` once it answers /health;
+    stopped (its whole process group) at the end."""
     port = free_port()
-    cmd = server_command(model, kv, port)
+    cmd = server_command(model, kv, port, extra_args)
     env = server_env()
     base = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:

@@ -249,6 +249,22 @@ def test_a_prefix_hash_that_changes_per_process_is_warned_at_start(
     assert "PYTHONHASHSEED" in warned[0] and "sha256" in warned[0]
 
 
+@pytest.mark.parametrize("shutdown_timeout", [0, 10])
+def test_a_shutdown_that_kills_at_once_is_warned_at_start(
+    model, block_bytes, tmp_path, caplog, shutdown_timeout
+):
+    """vllm serve's default --shutdown-timeout 0 has vLLM kill the engine
+    core at SIGTERM without waiting, before kvtier writes the blocks only
+    the CPU tier holds. Start-up says so, with the fix, under that value
+    only."""
+    cfg = kvtier_config(block_bytes, tmp_path)
+    said = _start_warnings(model, cfg, caplog, shutdown_timeout=shutdown_timeout)
+    warned = [m for m in said if "shutdown_timeout is 0" in m]
+    assert len(warned) == (1 if shutdown_timeout == 0 else 0), said
+    if warned:
+        assert "--shutdown-timeout 10" in warned[0]
+
+
 @pytest.mark.parametrize("disk_tier", [True, False])
 def test_lora_with_a_disk_tier_is_warned_at_start(
     model, block_bytes, tmp_path, caplog, disk_tier
