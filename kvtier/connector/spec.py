@@ -279,6 +279,10 @@ class TieredOffloadingSpec(OffloadingSpec):
                     # Spills only: disk reads happen in the workers, so
                     # kvikio (needing libcuda) is never loaded here.
                     backend="posix",
+                    backend_why=(
+                        f"the scheduler side's spills; disk_io={cfg.disk_io!r} "
+                        "picks the workers' reads"
+                    ),
                     compression=cfg.disk_compression,
                     elem_size=element_bytes(self.config.model.dtype),
                     threads=cfg.disk_io_threads,

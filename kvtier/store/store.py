@@ -122,8 +122,9 @@ class DiskStore:
         header so the caller can rebuild its index. ``seq`` values handed out
         by ``next_seq`` stay above any seq seen on disk by ``scan`` (or at
         least SEQ_CEILING, for a seq above it: they always fit a header).
-      - ``backend`` given as a string is created (via make_backend) and owned,
-        i.e. shut down by ``close``; a DiskBackend instance is only borrowed.
+      - ``backend`` given as a string is created (via make_backend, its
+        choice logged with ``backend_why`` when given) and owned, i.e. shut
+        down by ``close``; a DiskBackend instance is only borrowed.
       - ``files`` is the store's :class:`~kvtier.store.slabs.SlabFiles`,
         which owns its geometry (``num_slots``, ``block_bytes``,
         ``slot_size``, ``fingerprint``, ``dirs``, ``slabs``, ``backend``:
@@ -149,6 +150,7 @@ class DiskStore:
         elem_size: int = 2,
         *,
         threads: int = 4,
+        backend_why: str | None = None,
     ) -> None:
         if not paths:
             raise ValueError("DiskStore needs at least one path")
@@ -165,7 +167,7 @@ class DiskStore:
                 [os.path.abspath(p) for p in paths],
                 fingerprint,
                 num_slots,
-                make_backend(backend, threads=threads)
+                make_backend(backend, threads=threads, why=backend_why)
                 if isinstance(backend, str)
                 else backend,
                 owns_backend=isinstance(backend, str),

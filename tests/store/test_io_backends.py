@@ -54,6 +54,30 @@ def test_posix(caplog: pytest.LogCaptureFixture) -> None:
     assert len(chosen) == 1 and "posix" in chosen[0].getMessage()
 
 
+def test_a_caller_that_does_not_follow_disk_io_says_why(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler side spills with POSIX I/O whatever disk_io says; its
+    line says so instead of naming disk_io='posix', which no one set."""
+    from kvtier.connector.spec import TieredOffloadingSpec
+    from kvtier.testing.offloading import tiered_spec
+    from tests.connector.test_request_runner import make_config
+
+    caplog.set_level(logging.INFO, logger="vllm.kvtier.store")
+    cfg = make_config(tmp_path, cpu_blocks=4, disk_blocks=8, disk_io="auto")
+    spec = tiered_spec(cfg)
+    assert isinstance(spec, TieredOffloadingSpec)
+    manager = spec.get_manager()
+    try:
+        lines = [r.getMessage() for r in caplog.records if "back end" in r.getMessage()]
+        assert lines == [
+            "kvtier disk I/O back end: posix (the scheduler side's spills; "
+            "disk_io='auto' picks the workers' reads)"
+        ]
+    finally:
+        manager.shutdown()
+
+
 def test_auto_without_kvikio_module_is_posix(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

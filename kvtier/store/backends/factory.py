@@ -42,14 +42,19 @@ def kvikio_status() -> tuple[bool, str]:
     return bool(usable), why if usable else f"kvikio unusable: {why}"
 
 
-def make_backend(disk_io: str = "auto", *, threads: int = 4) -> DiskBackend:
+def make_backend(
+    disk_io: str = "auto", *, threads: int = 4, why: str | None = None
+) -> DiskBackend:
     """Build the back end named by ``disk_io``.
 
     - ``"posix"``: PosixBackend.
     - ``"kvikio"``: KvikioBackend; raises BackendUnavailableError naming
       ``disk_io`` if kvikio cannot be used here.
     - ``"auto"``: kvikio when ``kvikio_status()`` says so, otherwise posix.
-    Any other value raises ValueError.
+    Any other value raises ValueError. The choice is logged once with the
+    setting, or with ``why`` from a caller that does not follow the
+    configured ``disk_io`` (the scheduler side's spills: always POSIX), so
+    the line never names a setting the operator did not give.
     """
     if disk_io not in DISK_IO_CHOICES:
         raise ValueError(
@@ -69,7 +74,7 @@ def make_backend(disk_io: str = "auto", *, threads: int = 4) -> DiskBackend:
         if usable:
             module = importlib.import_module("kvtier.store.backends.kvikio")
             backend: DiskBackend = module.KvikioBackend(threads=threads)
-            _log_choice(backend.describe(), setting)
+            _log_choice(backend.describe(), why or setting)
             return backend
-    _log_choice("posix", setting)
+    _log_choice("posix", why or setting)
     return PosixBackend(threads)
