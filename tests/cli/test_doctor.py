@@ -223,6 +223,30 @@ def test_stores_of_another_identity_are_set_aside(capsys, disk, shm, monkeypatch
     )
 
 
+def test_a_store_a_running_engine_holds_is_an_error(capsys, disk, shm):
+    """The doctor said "adopted" and "ready" while a running engine held
+    the store: a second engine with that model and layout is refused at
+    start (InUseError). Its lock is read from /proc/locks, never taken."""
+    model = build_tiny_llama()
+    fp = LayoutFingerprint(
+        model=model, dtype="float32", block_bytes=4096, geometry="g", tp_rank=0,
+        tp_size=1, model_id=model_identity(model, kv_cache_dtype="float32"),
+    )  # fmt: skip
+    with DiskStore([str(disk)], 4, 4096, fp, backend="posix") as running:
+        name = os.path.basename(running.dirs[0])
+        rc, checks = doctor(capsys, *flags(disk, shm, "--model", model))
+        check = checks[f"store {name}"]
+        assert check["status"] == "error" and rc == 1, check
+        held = f"in use by a running kvtier engine (held by pid {os.getpid()}"
+        assert held in check["detail"]
+        assert "InUseError" in check["detail"] and "own disk_path" in check["fix"]
+        # Without --model: said, not judged.
+        rc, checks = doctor(capsys, *flags(disk, shm))
+        assert "in use by a running kvtier engine" in checks[f"store {name}"]["detail"]
+    rc, checks = doctor(capsys, *flags(disk, shm, "--model", model))
+    assert checks[f"store {name}"]["detail"].startswith("adopted:") and rc == 0
+
+
 @pytest.mark.parametrize("identity", [["x"], "x", 7])
 def test_a_layout_identity_that_is_no_object_is_a_warning(
     capsys, disk, shm, identity

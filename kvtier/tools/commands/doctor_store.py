@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.preflight import allocated_bytes
-from kvtier.safe_open import check_owned
+from kvtier.safe_open import check_owned, lock_holders
 from kvtier.tools.commands.common import fmt_bytes, visible
 from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
@@ -101,6 +101,25 @@ def _not_ours(view: Any) -> str | None:
             check_owned(st, path, directory)
         except OSError as exc:
             return visible(exc.strerror or str(exc))
+    return None
+
+
+def _in_use(view: Any) -> str | None:
+    """Who holds store ``view``'s lock (a running engine: its directories'
+    ``flock``, from /proc/locks), or None. Read without taking the lock,
+    so an engine starting meanwhile is never refused because of the
+    doctor; where /proc/locks cannot tell, None."""
+    for d in view.dirs:
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            held = lock_holders(fd)
+        finally:
+            os.close(fd)
+        if held:
+            return held.strip()
     return None
 
 
@@ -192,6 +211,24 @@ def check_stores(
                 )
             )
             continue
+        held = _in_use(view)
+        if held is not None and model is not None and status == OK:
+            # This model's store, so most likely this engine's layout (as
+            # above): a second engine on it is refused at start.
+            out.append(
+                Check(
+                    "warm-restart",
+                    subject,
+                    ERROR,
+                    f"in use by a running kvtier engine {held}: an engine with "
+                    "this model and layout on this disk_path is refused at "
+                    "start (InUseError)",
+                    "stop that engine first, or give this one its own disk_path",
+                )
+            )
+            continue
+        if held is not None:
+            verdict += f"; in use by a running kvtier engine {held}"
         if model is None:
             out.append(Check("warm-restart", subject, status, verdict))
             continue
