@@ -247,8 +247,8 @@ def inject_faults(monkeypatch: Any, plan: FaultPlan) -> FaultPlan:
 
     real = backends_module.make_backend
 
-    def faulty(disk_io: str = "auto", *, threads: int = 4) -> FaultInjectingBackend:
-        return FaultInjectingBackend(real(disk_io, threads=threads), plan)
+    def faulty(disk_io: str = "auto", **kw: Any) -> FaultInjectingBackend:
+        return FaultInjectingBackend(real(disk_io, **kw), plan)
 
     monkeypatch.setattr(disk_store_module, "make_backend", faulty)
     monkeypatch.setattr(backends_module, "make_backend", faulty)

@@ -197,8 +197,8 @@ def test_drain_timeout_breaks_the_runtime_and_fails_what_it_held_once(
     plan = FaultPlan()
     real = disk_store_mod.make_backend
 
-    def faulty(name: str, *, threads: int = 4):
-        return FaultInjectingBackend(real(name, threads=threads), plan)
+    def faulty(name: str, **kw):
+        return FaultInjectingBackend(real(name, **kw), plan)
 
     monkeypatch.setattr(disk_store_mod, "make_backend", faulty)
     cpu = shm_file(8)
@@ -247,7 +247,7 @@ def test_close_with_a_hung_disk_is_bounded(
     plan = FaultPlan([FaultRule.hang(release, ops="write")])
     made: list[FaultInjectingBackend] = []
 
-    def faulty(name: str, *, threads: int = 4):
+    def faulty(name: str, *, threads: int = 4, **_why):
         made.append(FaultInjectingBackend(PosixBackend(threads), plan))
         return made[-1]
 
@@ -295,7 +295,7 @@ def stalled(
     release = threading.Event()
     plan = FaultPlan([FaultRule.hang(release, ops="write")])
 
-    def faulty(name: str, *, threads: int = 4):
+    def faulty(name: str, *, threads: int = 4, **_why):
         return FaultInjectingBackend(PosixBackend(threads), plan)
 
     monkeypatch.setattr(disk_store_mod, "make_backend", faulty)
