@@ -25,6 +25,13 @@ Contract:
     engine's shutdown.
   - :class:`PipeChannel` is the parent's end of the two pipes; the child
     keeps plain blocking ``Connection`` objects (the same frames).
+  - The child logs through the parent (:func:`forward_logs`): its kvtier
+    records go up its reply pipe as ``("log", ...)`` messages, and the
+    parent's :func:`receive` logs each through its own loggers, so they
+    take vLLM's level, handler and format (vLLM's logging costs a
+    4-second, 400 MB import the child does not make) and name the child
+    and its pid; unforwarded, they reached stderr bare, at WARNING and
+    above only.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import logging
 import os
 import pickle
 import select
@@ -45,7 +53,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.host.placement import name_this_thread, without_openmp_binding
-from kvtier.log import get_logger
+from kvtier.log import ROOT, get_logger
 
 logger = get_logger("store")
 
@@ -518,13 +526,86 @@ def receive(pipes: PipeChannel, timeout: float) -> tuple[list[Any], str | None]:
     """``pipes.receive(timeout)`` as the parent reads it: ``(messages,
     None)``, or ``([], why)`` once the child is gone (its pipe closed or
     broke) or wrote what does not unpickle (a bug), after which the parent
-    stops it."""
+    stops it. The child's log records (:func:`forward_logs`) are logged
+    here and not returned: an answer-less return is no timeout."""
     try:
-        return pipes.receive(timeout), None
+        msgs = pipes.receive(timeout)
     except (EOFError, OSError):
         return [], "it exited"
     except Exception as exc:
         return [], f"its answer could not be read: {exc!r}"
+    if any(m[0] == "log" for m in msgs if isinstance(m, tuple) and m):
+        answers = []
+        for m in msgs:
+            if isinstance(m, tuple) and m and m[0] == "log":
+                try:
+                    _log_forwarded(m)
+                except Exception as exc:  # not a record of ours: a bug
+                    return [], f"its log record could not be read: {exc!r}"
+            else:
+                answers.append(m)
+        msgs = answers
+    return msgs, None
+
+
+class _Forward(logging.Handler):
+    """The child's handler: each record as a ``("log", ...)`` message."""
+
+    def __init__(self, send: Callable[[tuple], None], process_name: str) -> None:
+        super().__init__()
+        self._send, self._process_name = send, process_name
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            trace = None
+            if record.exc_info:
+                trace = logging.Formatter().formatException(record.exc_info)
+            self._send(
+                (
+                    "log",
+                    record.levelno,
+                    record.name,
+                    record.pathname,
+                    record.lineno,
+                    text,
+                    trace,
+                    os.getpid(),
+                    self._process_name,
+                    record.created,
+                )
+            )
+        except Exception:  # the parent is gone: the line still shows
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"{record.levelname} {record.getMessage()}\n")
+
+
+def forward_logs(send: Callable[[tuple], None], process_name: str) -> None:
+    """In the child: send kvtier's records (``vllm.kvtier.*``) to the
+    parent through ``send`` (the reply pipe's, safe to call from any of the
+    child's threads), at ``VLLM_LOGGING_LEVEL`` (INFO by default, as
+    vLLM's): the parent logs them as ``process_name``'s."""
+    level = logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    kvtier = logging.getLogger(ROOT)
+    kvtier.setLevel(level if isinstance(level, int) else logging.INFO)
+    kvtier.addHandler(_Forward(send, process_name))
+    kvtier.propagate = False
+
+
+def _log_forwarded(msg: tuple) -> None:
+    """In the parent: log a child's ``("log", ...)`` record through this
+    process's logger of its name (vLLM's handlers, level and format), with
+    the child's time, file, line, pid and name."""
+    _, level, name, path, lineno, text, trace, pid, process_name, created = msg
+    target = logging.getLogger(name)
+    if not target.isEnabledFor(level):
+        return
+    record = target.makeRecord(name, level, path, lineno, text, (), None)
+    record.created, record.msecs = created, (created - int(created)) * 1000
+    record.process, record.processName = pid, process_name
+    record.vllm_process_name = process_name  # vLLM's format shows it
+    record.exc_text = trace
+    target.handle(record)
 
 
 def stay_off_the_terminal() -> None:

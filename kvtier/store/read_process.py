@@ -57,7 +57,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
 from multiprocessing.connection import Connection
 
@@ -74,6 +74,7 @@ from kvtier.store.child_process import (
     PipeChannel,
     SchedulingWatch,
     die_with_parent,
+    forward_logs,
     receive,
     start_configured,
     stay_off_the_terminal,
@@ -400,7 +401,7 @@ class ReadProcess:
 # ------------------------------------------------------------ the child
 
 
-def _serve(fd: int, req: Connection, resp: Connection) -> None:
+def _serve(fd: int, req: Connection, send: Callable[[tuple], None]) -> None:
     from kvtier.store.backends.factory import make_backend  # not in the worker
 
     cfg = req.recv()
@@ -412,7 +413,7 @@ def _serve(fd: int, req: Connection, resp: Connection) -> None:
     backend = make_backend(cfg["disk_io"], threads=cfg["threads"])
     reader = SlotReader(cfg["files"](backend), area=area)
     reader.files.open_all()
-    resp.send(("ready",))
+    send(("ready",))
     # One thread (the reader is single-threaded): start every batch that
     # arrived, then verify and answer the oldest; the back end's threads
     # read the others meanwhile.
@@ -436,7 +437,7 @@ def _serve(fd: int, req: Connection, resp: Connection) -> None:
                     logger.exception("kvtier read process: a batch raised")
             codes = [r.outcome.value for r in out]  # none: all IO_ERROR
             rows = [r.row for r in out]
-            resp.send(("done", rid, codes, rows, astuple(reader.stats())))
+            send(("done", rid, codes, rows, astuple(reader.stats())))
     finally:
         for _rid, pending in started:
             if pending is not None:
@@ -458,8 +459,15 @@ def child_main(argv: list[str]) -> int:
     name_this_thread(CHILD_NAME)
     req = Connection(req_fd, writable=False)
     resp = Connection(resp_fd, readable=False)
+    lock = threading.Lock()  # the answers' thread and any that logs
+
+    def send(msg: tuple) -> None:
+        with lock:
+            resp.send(msg)
+
+    forward_logs(send, CHILD_NAME)
     with contextlib.suppress(BrokenPipeError, EOFError):
-        _serve(fd, req, resp)
+        _serve(fd, req, send)
     return 0
 
 

@@ -67,6 +67,7 @@ from kvtier.store.child_process import (
     ChildStarter,
     PipeChannel,
     die_with_parent,
+    forward_logs,
     receive,
     start_configured,
     stay_off_the_terminal,
@@ -464,14 +465,17 @@ def _map_rows(fd: int, num_blocks: int, block_bytes: int) -> _MappedRows:
     return _MappedRows(rows, block_bytes)
 
 
-def _serve(req: Connection, resp: Connection) -> None:
+def _serve(req: Connection, send: Callable[[tuple], None]) -> None:
     from kvtier.store.backends.factory import make_backend
 
     cfg = req.recv()
     stores: list[Any] = []
     try:
         for reopen in cfg["stores"]:
-            stores.append(reopen(make_backend("posix", threads=1)))
+            backend = make_backend(
+                "posix", threads=1, why="the spill process's writes, as the engine's"
+            )
+            stores.append(reopen(backend))
         rows = [_map_rows(*r) for r in cfg["rows"]]
         for store in stores:
             store.files.open_all()
@@ -482,12 +486,7 @@ def _serve(req: Connection, resp: Connection) -> None:
         for store in stores:
             store.close()
         raise
-    lock = threading.Lock()
     stopping = threading.Event()
-
-    def send(msg: tuple) -> None:
-        with lock:
-            resp.send(msg)
 
     def answer() -> None:
         """Send each finished job's result with the stores' counters. If it
@@ -551,8 +550,15 @@ def child_main(argv: list[str]) -> int:
     name_this_thread(CHILD_NAME)
     req = Connection(req_fd, writable=False)
     resp = Connection(resp_fd, readable=False)
+    lock = threading.Lock()  # the answering thread, the jobs' and the log's
+
+    def send(msg: tuple) -> None:
+        with lock:
+            resp.send(msg)
+
+    forward_logs(send, CHILD_NAME)
     with contextlib.suppress(BrokenPipeError, EOFError):
-        _serve(req, resp)
+        _serve(req, send)
     return 0
 
 

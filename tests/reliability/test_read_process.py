@@ -143,6 +143,36 @@ def test_the_child_reads_and_verifies_as_the_engines_process_would(
         rp.close()
 
 
+def test_the_childs_log_lines_are_logged_by_the_engine_as_the_childs(
+    make_rig: Callable[..., Rig], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its WARNING for a corrupt block reached stderr bare (no level, time
+    or process: log-based alerting missed it, as an operator's walkthrough
+    found) and its INFO lines nowhere. The child sends its records; the
+    engine's loggers (vLLM's handlers and format) log them, naming the
+    child, its pid, file and line."""
+    rig = make_rig()
+    keys = _written(rig, 3)
+    rp = _running(_reader(rig))
+    try:
+        _flip_payload_byte(rig, rp, 1)
+        with caplog.at_level("INFO", logger="vllm.kvtier"):
+            got = rp.complete(rp.submit([(1, keys[1])], first_row=1))
+            assert [r.outcome for r in got] == [ReadOutcome.CHECKSUM_MISMATCH]
+            deadline = time.monotonic() + 30
+            while not [r for r in caplog.records if r.process == rp.pid]:
+                assert time.monotonic() < deadline, caplog.text
+                rp.poll(0.05)
+        (said,) = [r for r in caplog.records if "rejected" in r.getMessage()]
+        assert said.levelname == "WARNING" and said.name.startswith("vllm.kvtier.")
+        assert "payload checksum mismatch" in said.getMessage()
+        assert (said.process, said.processName) == (rp.pid, CHILD_NAME)
+        assert said.pathname.endswith(".py") and "kvtier" in said.pathname
+        assert said.lineno > 0
+    finally:
+        rp.close()
+
+
 def test_the_child_runs_this_kvtier_whatever_the_working_directory_holds(
     make_rig: Callable[..., Rig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

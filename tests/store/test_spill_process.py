@@ -383,6 +383,25 @@ def test_the_child_is_in_the_engines_session_and_a_group_of_its_own(
     assert terminal_standing(rig.in_child()) == (True, True, True)
 
 
+def test_the_childs_log_lines_are_logged_by_the_engine_as_the_childs(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The child's records reach the engine's loggers (vLLM's handlers and
+    format), naming the child: its back-end line, at INFO, reached no one."""
+    with caplog.at_level("INFO", logger="vllm.kvtier"):
+        pid = rig.in_child()
+        deadline = time.monotonic() + DEADLINE_S
+        while not [r for r in caplog.records if r.process == pid]:
+            assert time.monotonic() < deadline, caplog.text
+            rig.runtime.poll()
+            time.sleep(0.01)
+    (said,) = [r for r in caplog.records if r.process == pid]
+    assert said.levelname == "INFO" and said.processName == spill_process.CHILD_NAME
+    assert said.getMessage() == (
+        "kvtier disk I/O back end: posix (the spill process's writes, as the engine's)"
+    )
+
+
 def test_a_killed_child_fails_its_jobs_and_later_ones_run_here(rig: Rig) -> None:
     pid = rig.in_child()
     os.kill(pid, signal.SIGSTOP)  # holds the job: it cannot answer
