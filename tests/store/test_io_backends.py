@@ -86,10 +86,11 @@ def test_auto_without_kvikio_module_is_posix(
     b = make_backend("auto")
     assert type(b) is PosixBackend
     b.shutdown()
-    assert any(
-        "posix" in r.getMessage() and "unavailable" in r.getMessage()
-        for r in caplog.records
-    )
+    (said,) = [r.getMessage() for r in caplog.records if "back end" in r.getMessage()]
+    assert said.startswith(
+        "kvtier disk I/O back end: posix (disk_io='auto': "
+        "kvtier.store.backends.kvikio_probe unavailable: "
+    ), said
 
 
 @pytest.mark.parametrize("usable", [False, RuntimeError("no driver")])

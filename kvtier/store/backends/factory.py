@@ -63,14 +63,14 @@ def make_backend(
         )
     setting = f"disk_io={disk_io!r}"
     if disk_io != "posix":
-        usable, why = kvikio_status()
+        usable, status = kvikio_status()
         if disk_io == "kvikio" and not usable:
             raise BackendUnavailableError(
-                f"{setting} was requested but kvikio cannot be used: {why}; "
+                f"{setting} was requested but kvikio cannot be used: {status}; "
                 "set disk_io='posix' or 'auto'"
             )
         if disk_io == "auto":
-            setting = f"{setting}: {why}"
+            setting = f"{setting}: {status}"
         if usable:
             module = importlib.import_module("kvtier.store.backends.kvikio")
             backend: DiskBackend = module.KvikioBackend(threads=threads)
