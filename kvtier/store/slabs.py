@@ -1072,6 +1072,15 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
     found.sort()
     if not found:
         raise StoreError(f"{where}: no slab-<n>.kvt file in the store")
+    for (i, first, _), (j, second, _) in zip(found, found[1:]):
+        if i == j:
+            # Two copies of one store (a backup beside the original): one
+            # stripe twice would number two slots alike and mix them up.
+            raise StoreError(
+                f"{first} and {second} are both {slab_name(i)} of store {name}: "
+                "two copies of one store, not its stripes; check each copy "
+                "on its own (one path at a time)"
+            )
     if block_bytes is None:
         block_bytes = _infer_block_bytes([p for _i, p, _s in found], warnings)
     if block_bytes is None:

@@ -318,6 +318,25 @@ def test_an_unreadable_layout_json_is_a_warning_as_a_missing_one(
     assert "layout.json: cannot open: Permission denied (an aid only" in p.stdout
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_two_copies_of_one_store_are_not_taken_for_its_stripes(
+    good_store: Path, tmp_path: Path, command: str
+) -> None:
+    """A copy beside the original (a backup) given with it: both hold
+    slab-0 of one store. They were merged into one store of twice the
+    slots, with slot numbers that named two different slots."""
+    copies = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        copies.append(_copy(good_store, tmp_path / name))
+    p = kvtier(command, *map(str, copies))
+    assert_usage_error(
+        p, f"kvtier {command}: ", "are both slab-0.kvt of store", "two copies"
+    )
+    for copy in copies:  # each on its own is a store
+        assert kvtier(command, str(copy)).returncode == 0
+
+
 def test_good_store_still_inspects_and_verifies(good_store: Path) -> None:
     p = kvtier("verify", str(good_store))
     assert p.returncode == 0 and "3 used slots checked, 3 ok, 0 bad" in p.stdout
