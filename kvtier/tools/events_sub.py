@@ -75,6 +75,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def check_endpoint(endpoint: str) -> None:
+    """Raise ValueError for a ``tcp://`` endpoint whose port is not a TCP
+    port: ZMQ connects to ``tcp://127.0.0.1:99999`` without a word, and the
+    watch would wait for events that can never come."""
+    transport, sep, rest = endpoint.partition("://")
+    if not sep or transport != "tcp":
+        return
+    port = rest.rpartition(":")[2]
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(
+            f"{endpoint!r}: port {port!r} is not a TCP port (1-65535); give "
+            "the port of vLLM's kv_events_config endpoint"
+        )
+
+
 def bind_endpoint(endpoint: str, allow_remote: bool = False) -> tuple[str, str | None]:
     """The endpoint a subscriber should bind, and a note for the user.
 

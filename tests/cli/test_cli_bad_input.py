@@ -438,6 +438,9 @@ def test_events_bind_wildcard_uses_loopback() -> None:
             ["--max-message-bytes"],
         ),
         (["--endpoint", "nonsense"], ["cannot subscribe to nonsense"]),
+        (["--endpoint", "tcp://127.0.0.1:99999"], ["port '99999' is not a TCP port"]),
+        (["--endpoint", "tcp://127.0.0.1:0"], ["port '0' is not a TCP port"]),
+        (["--bind", "--endpoint", "tcp://127.0.0.1:x"], ["port 'x' is not a TCP"]),
     ],
 )
 def test_events_rejects_bad_arguments(argv: list[str], needles: list[str]) -> None:

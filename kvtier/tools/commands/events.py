@@ -18,9 +18,19 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from kvtier.tools.events_sub import BatchDecoder, EventSubscriber, bind_endpoint
+    from kvtier.tools.events_sub import (
+        BatchDecoder,
+        EventSubscriber,
+        bind_endpoint,
+        check_endpoint,
+    )
 
     endpoint = args.endpoint
+    try:
+        check_endpoint(endpoint)
+    except ValueError as exc:
+        print(f"kvtier events: {exc}", file=sys.stderr)
+        return 2
     if args.bind:
         try:
             endpoint, note = bind_endpoint(endpoint, args.allow_remote)
