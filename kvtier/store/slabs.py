@@ -79,6 +79,7 @@ from kvtier.log import get_logger
 from kvtier.safe_open import (
     FILE_MODE,
     InUseError,
+    check_owned,
     flock_exclusive,
     lock_holders,
     open_private,
@@ -429,6 +430,7 @@ class SlabFiles:
             if handle is not None:
                 return handle
         if self._inodes is None:
+            _check_store_dir(os.path.dirname(path))
             return self.backend.open(path, writable=False)
         handle = self.backend.open(path, writable=True)
         fd = self.backend.fileno(handle)
@@ -1018,6 +1020,25 @@ def find_stores(paths: Sequence[str]) -> list[SlabFiles]:
         for d in dirs:
             by_name.setdefault(os.path.basename(d), []).append(d)
     return [_found(name, dirs) for name, dirs in sorted(by_name.items())]
+
+
+def _check_store_dir(path: str) -> None:
+    """Before a slab is opened by name for reading (a worker's store): its
+    store directory is a directory of this user's, not writable by others,
+    not a symbolic link. The engine created it so (open_private_dir); one
+    found otherwise was put there since, e.g. a link to another directory,
+    where the back end's O_DIRECT probe would write its probe file and the
+    slab opened would be whatever is there. Raises OSError naming it."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(
+            errno.ELOOP,
+            f"kvtier refuses {path!r}: a symbolic link where the store "
+            "directory belongs (the engine made a directory there; another "
+            "user may have replaced it). Remove it",
+            path,
+        )
+    check_owned(st, path, directory=True)
 
 
 def _store_dir(path: str) -> bool:

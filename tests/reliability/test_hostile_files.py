@@ -135,6 +135,43 @@ def test_worker_reader_refuses_a_fifo_swapped_in_for_the_slab(tmp_path: Path) ->
     assert p.returncode == 0, p.stderr
 
 
+def test_worker_reader_refuses_a_store_directory_swapped_for_a_link(
+    tmp_path: Path,
+) -> None:
+    """The worker opens its slabs by name: a link put in place of the store
+    directory since the scheduler made it (a disk_path others can write)
+    was followed, the back end's O_DIRECT probe wrote its file where it
+    pointed and a slab there was read. Now the read is an I/O error (a
+    miss) and nothing is written there (the hostile-user review)."""
+    d = make_store(tmp_path)
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    d.rename(elsewhere)
+    d.symlink_to(elsewhere, target_is_directory=True)
+    before = sorted(os.listdir(elsewhere))
+    p = run_python(
+        f"""
+    from reliability_common import key_of, make_fingerprint
+    from kvtier.store.slot import ReadOutcome
+    from kvtier.store.backends.posix import PosixBackend
+    from kvtier.store.slabs import SlabFiles
+    from kvtier.store.reader import SlotReader
+    files = SlabFiles.open([{str(tmp_path)!r}], make_fingerprint(), 4,
+                           PosixBackend(threads=1), owns_backend=True)
+    try:
+        files.handle(0)
+        raise AssertionError("the slab was opened through the link")
+    except OSError as exc:
+        assert "symbolic link where the store directory belongs" in str(exc), exc
+    r = SlotReader(files)
+    (res,) = r.read([(0, key_of(0))])
+    assert res.outcome is ReadOutcome.IO_ERROR, res.outcome
+    r.close()
+    """
+    )
+    assert p.returncode == 0, p.stderr
+    assert sorted(os.listdir(elsewhere)) == before  # no probe file there
+
+
 def test_a_directory_in_place_of_the_slab_is_refused_by_name(tmp_path: Path) -> None:
     """A directory where a slab belongs: the store's start refuses it with
     kvtier's message naming the path and the fix, as for a FIFO or a link,
