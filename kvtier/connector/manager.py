@@ -44,7 +44,7 @@ from kvtier.store.runtime import DiskRuntime
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
 from kvtier.tiers.events import EVENT_BACKLOG_PER_STEP, MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
-from kvtier.tiers.plans import Residency
+from kvtier.tiers.plans import Residency, SpillOrder
 from kvtier.tiers.slots import BlockState
 
 logger = get_logger("connector")
@@ -378,14 +378,23 @@ class TieredOffloadingManager(OffloadingManager):
         """Spill every block only the CPU tier holds, newest first
         (:meth:`~kvtier.tiers.hierarchy.TierHierarchy.spill_everything`),
         behind the spills queued; the runtime writes them for a bounded
-        time (``SHUTDOWN_SPILL_S``) and cancels the rest."""
+        time (``SHUTDOWN_SPILL_S``) and cancels the rest. Not after a
+        connector reset: what is stored since is written flagged, never
+        adopted by a restart, into slots the reset freed in the index
+        whose blocks from before it a restart would adopt."""
         runtime, self.runtime = self.runtime, None
-        if runtime is not None:
+        if runtime is None:
+            return
+        spills: list[SpillOrder] = []
+        try:
             self._apply_finished_spills(runtime)
-            self.hierarchy.spill_everything()
-            for order in self.hierarchy.take_spills():
-                runtime.submit_spill(order)
-            runtime.shutdown()
+            if not any(store.after_reset for store in runtime.stores):
+                self.hierarchy.spill_everything()
+                spills = self.hierarchy.take_spills()
+        except Exception:  # a bug here must not keep the stores open
+            logger.exception("kvtier: the shutdown's spills could not be ordered")
+        finally:
+            runtime.shutdown(spills)
 
     # --------------------------------------------------------------- stats
 

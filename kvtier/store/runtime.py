@@ -97,6 +97,7 @@ class DiskRuntime:
         self.stores, self.rows = list(stores), list(rows)
         self.totals = DiskIOTotals()
         self._broken: str | None = None
+        self._final = False  # shutting down: no spill process starts now
         self._given_up: list[FinishedJob] = []
         self._lock = threading.Lock()
         self._attached = [r for r in self.rows if isinstance(r, AttachedRows)]
@@ -214,7 +215,9 @@ class DiskRuntime:
         try:
             if self._broken is not None or engine is None:
                 raise RuntimeError(self._broken or "the disk tier is closed")
-            if process is not None and process.start():
+            if process is not None and (
+                process.running if self._final else process.start()
+            ):
                 # Seqs from this process's stores: blocks written there and
                 # here order as one store's.
                 seqs = (
@@ -373,8 +376,10 @@ class DiskRuntime:
     def io_errors(self) -> int:
         return sum(s.io_errors for s in self._stats())
 
-    def shutdown(self) -> None:
-        """The engine stops: run the jobs queued for up to
+    def shutdown(self, spills: Sequence[SpillOrder] = ()) -> None:
+        """The engine stops: queue ``spills`` (the last ones: they never
+        start a spill process, which would only be closed again), run the
+        jobs queued for up to
         ``SHUTDOWN_SPILL_S`` (a spill's blocks are adopted by a warm
         restart), cancel those not started by then, and :meth:`close`,
         which waits for the batches moving (a hung disk: at most
@@ -384,6 +389,9 @@ class DiskRuntime:
         held the engine's exit for up to a minute (then logging that the
         disk tier stopped), past the few seconds vLLM gives an engine core
         before it kills it."""
+        self._final = True
+        for order in spills:
+            self.submit_spill(order)
         if self._broken is None and not self.wait(SHUTDOWN_SPILL_S):
             self.cancel_queued()
             logger.info(

@@ -887,6 +887,72 @@ def test_shutdown_spills_the_blocks_only_the_cpu_tier_holds(tmp_path):
         r.close()
 
 
+def test_a_shutdown_after_a_reset_leaves_the_blocks_from_before_it(tmp_path):
+    """After a connector reset (a sleep, a weight update) what is stored is
+    written flagged, never adopted, into slots the reset freed in the index
+    while their blocks from before it stay adoptable: spilling it at
+    shutdown overwrote those for nothing (the review's reproduction: "a"
+    was lost to the third start)."""
+    config = make_config(tmp_path, cpu_blocks=8, disk_blocks=4, spill_watermark=1.0)
+    r = RequestRunner(tiered_spec(config))
+    try:
+        a = r.store("a", [1, 2, 3])
+        r.manager.take_events()
+    finally:
+        r.close()  # its shutdown spills "a"
+    r = RequestRunner(tiered_spec(config))
+    try:
+        h = r.manager.hierarchy
+        assert [h.lookup(k).name for k in a] == ["HIT_DISK"] * 3  # adopted
+        r.manager.reset_cache()
+        b = r.store("b", [4, 5, 6])
+        r.manager.take_events()
+    finally:
+        r.close()
+    r = RequestRunner(tiered_spec(config))
+    try:
+        h = r.manager.hierarchy
+        assert [h.lookup(k).name for k in a] == ["HIT_DISK"] * 3
+        assert [h.lookup(k).name for k in b] == ["MISS"] * 3
+    finally:
+        r.close()
+
+
+def test_the_shutdowns_spills_start_no_spill_process(tmp_path, monkeypatch):
+    """Below the watermark no spill ran, so no spill process was asked for:
+    the shutdown's spills run in the engine, not in a child forked and
+    execed only to be closed again within the same two seconds."""
+    from kvtier.store import spill_process
+
+    asked = []
+    start = spill_process.SpillProcess.start
+
+    def counted(process):
+        running = start(process)
+        if process._starter is not None and process._starter.asked:
+            asked.append(process)
+        return running
+
+    monkeypatch.setattr(spill_process.SpillProcess, "start", counted)
+    config = make_config(
+        tmp_path, cpu_blocks=8, disk_blocks=8, spill_watermark=1.0,
+        disk_spill_process="on",
+    )  # fmt: skip
+    r = RequestRunner(tiered_spec(config))
+    try:
+        stored = r.store("a", [1, 2, 3])
+        r.manager.take_events()
+    finally:
+        r.close()
+    assert asked == []
+    r = RequestRunner(tiered_spec(config))
+    try:
+        h = r.manager.hierarchy
+        assert [h.lookup(k).name for k in stored] == ["HIT_DISK"] * 3
+    finally:
+        r.close()
+
+
 def _copy_then_stuck_read(r, second):
     """Make the load thread hold in its next batch copy, once issued, until
     ``go_on`` is set (``issued`` says it was), then get stuck starting the

@@ -106,7 +106,7 @@ def test_fallocate_unsupported_never_shrinks_a_larger_slab(
 def test_reopen_keeps_contents_never_shrinks_and_tightens_mode(tmp_path: Path) -> None:
     path = tmp_path / "s.kvt"
     path.write_bytes(b"x" * 40000)
-    os.chmod(path, 0o400)  # ours and private, only too tight
+    os.chmod(path, 0o700)  # ours and private, only not 0600 (any user opens it)
     s = create(str(path), 2, 8192)
     assert os.path.getsize(path) == 40000
     assert path.read_bytes()[:5] == b"xxxxx"
