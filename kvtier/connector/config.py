@@ -72,8 +72,25 @@ class ConfigError(ValueError):
         keys = ", ".join(repr(e.key) for e in self.more)
         return (
             f"{self.problem} (and {len(self.more)} more key(s) refused: {keys}; "
-            "`kvtier doctor --config ...` gives each its message)"
+            "kvtier doctor --config gives each its message)"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt without __init__ (whose arguments differ per subclass:
+        # TierConfigError's tier, TopologyError's message alone): a
+        # pickled ConfigError (an executor that ships exceptions) keeps
+        # its key, message and the keys in ``more``.
+        return (_rebuilt, (type(self), self.args, self.__dict__))
+
+
+def _rebuilt(
+    cls: type[ConfigError], args: tuple[Any, ...], state: dict[str, Any]
+) -> ConfigError:
+    """A ConfigError from its pickled parts (:meth:`ConfigError.__reduce__`)."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class TransferConfigError(ConfigError):

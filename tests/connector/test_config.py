@@ -199,7 +199,7 @@ def test_every_refused_key_is_named_at_once() -> None:
     assert str(err).startswith(err.problem)
     assert (
         " (and 3 more key(s) refused: 'eviction_polcy', 'disk_bytes_to_use', "
-        "'disk_io'; `kvtier doctor --config ...` gives each its message)"
+        "'disk_io'; kvtier doctor --config gives each its message)"
     ) in str(err)
     assert "did you mean 'disk_io_threads'?" in err.problem
     assert "did you mean 'eviction_policy'?" in err.more[0].problem
@@ -210,6 +210,26 @@ def test_every_refused_key_is_named_at_once() -> None:
         err.more[2]
     )
     assert all(not e.more for e in err.more)
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_config_error_survives_pickling(alone: bool) -> None:
+    """An executor that ships exceptions between processes pickles them:
+    ConfigError's __init__ takes (key, message), its args hold the whole
+    text, so unpickling raised TypeError (missing 'message')."""
+    import pickle
+
+    from kvtier.connector.config import TierConfigError, as_tier_error
+
+    doc = {**DISK, "disk_io": "spdk"} if alone else {**DISK, "disk_io": "x", "y": 1}
+    with pytest.raises(ConfigError) as info:
+        parse_extra_config(doc)
+    for err in (info.value, as_tier_error(info.value)):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert (back.key, back.message) == (err.key, err.message)
+        assert [e.key for e in back.more] == [e.key for e in err.more]
+        assert isinstance(back, TierConfigError) == isinstance(err, TierConfigError)
 
 
 @pytest.mark.parametrize(

@@ -543,13 +543,13 @@ def test_warm_restart_and_kvtier_inspect(tmp_path, make_driver, capsys, caplog):
     assert "host_layout=vllm-tiering" in rep["layout"]["geometry"]
 
     # A new engine (new engine id, empty primary tier) on the same disk path.
-    with caplog.at_level("WARNING", logger="vllm.kvtier"):
+    with caplog.at_level("INFO", logger="vllm.kvtier"):
         second = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
     second.truth = truth
     assert second.tier.stats.restored == 8
-    # What its identity could not compare is said where it counts.
+    # What its identity could not compare is said with the adoption.
     (adopted,) = [r for r in caplog.records if "warm restart adopted" in r.message]
-    assert adopted.levelname == "WARNING"
+    assert adopted.levelname == "INFO"
     assert "adopted 8 disk blocks" in adopted.message
     assert "hf_overrides, quantization, revision" in adopted.message
     assert "give it its own disk_path" in adopted.message

@@ -173,10 +173,12 @@ class _TierJob:
 # holds (kvtier.connector.identity.settings_identity) and a secondary tier's
 # cannot: vLLM gives the tier an OffloadingConfig, not the VllmConfig.
 UNCOMPARED_SETTINGS = (
-    "hf_overrides, quantization, revision, download_dir, load_format (dummy "
-    "weights), the KV-scale settings (calculate_kv_scales, "
-    "kv_cache_dtype_skip_layers), max_model_len (LongRoPE) and a speculative "
-    "draft model"
+    "hf_overrides, quantization, revision, download_dir, the loader "
+    "(load_format: dummy weights, model_loader_extra_config, "
+    "ignore_patterns), the KV-scale settings (calculate_kv_scales, "
+    "kv_cache_dtype_skip_layers), the Mamba and indexer cache dtypes, "
+    "max_model_len (LongRoPE), a speculative draft model and the rest of "
+    "vLLM's model hash factors (runner, model_impl, code_revision, ...)"
 )
 
 
@@ -321,9 +323,10 @@ class KvtierDiskTier(SecondaryTierManager):
         self.stats.restored = len(restored)
         # vLLM hands a secondary tier no VllmConfig: the identity that named
         # this store holds the model's contents and the KV geometry only
-        # (docs/tiering-mode.md), so the operator is told, where it counts,
-        # what was not compared.
-        logger.warning(
+        # (docs/tiering-mode.md), so the start-up says what was not
+        # compared. INFO, as the adoption itself: it is every warm
+        # restart's, not a fault.
+        logger.info(
             "kvtier %s: warm restart adopted %d disk blocks, matched by the "
             "model's contents, KV dtype and geometry only: vLLM hands a "
             "secondary tier no VllmConfig, so %s were not compared. If this "
