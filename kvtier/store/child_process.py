@@ -575,21 +575,34 @@ class _Forward(logging.Handler):
                     record.created,
                 )
             )
-        except Exception:  # the parent is gone: the line still shows
+        except Exception:  # the parent is gone, or the record is broken
             with contextlib.suppress(Exception):
-                sys.stderr.write(f"{record.levelname} {record.getMessage()}\n")
+                sys.stderr.write(f"{record.levelname} {record.msg} {record.args}\n")
 
 
 def forward_logs(send: Callable[[tuple], None], process_name: str) -> None:
     """In the child: send kvtier's records (``vllm.kvtier.*``) to the
     parent through ``send`` (the reply pipe's, safe to call from any of the
     child's threads), at ``VLLM_LOGGING_LEVEL`` (INFO by default, as
-    vLLM's): the parent logs them as ``process_name``'s."""
+    vLLM's) until the configuration says the parent's
+    (:func:`set_log_level`): the parent logs them as ``process_name``'s."""
     level = logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     kvtier = logging.getLogger(ROOT)
     kvtier.setLevel(level if isinstance(level, int) else logging.INFO)
     kvtier.addHandler(_Forward(send, process_name))
     kvtier.propagate = False
+
+
+def log_level() -> int:
+    """In the parent: the level kvtier's records are logged at here (vLLM's,
+    or a ``VLLM_LOGGING_CONFIG_PATH`` entry for ``vllm.kvtier``), for the
+    child's configuration."""
+    return logging.getLogger(ROOT).getEffectiveLevel()
+
+
+def set_log_level(level: int) -> None:
+    """In the child: forward records from ``level`` up (the parent's)."""
+    logging.getLogger(ROOT).setLevel(level)
 
 
 def _log_forwarded(msg: tuple) -> None:

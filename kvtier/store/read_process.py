@@ -75,7 +75,9 @@ from kvtier.store.child_process import (
     SchedulingWatch,
     die_with_parent,
     forward_logs,
+    log_level,
     receive,
+    set_log_level,
     start_configured,
     stay_off_the_terminal,
     stop,
@@ -144,6 +146,7 @@ class ReadProcess:
             "disk_io": disk_io,
             "threads": threads,
             "nbytes": nbytes,
+            "log_level": log_level(),
         }
         self._proc: subprocess.Popen[bytes] | None = None
         self._pipes: PipeChannel | None = None
@@ -405,6 +408,7 @@ def _serve(fd: int, req: Connection, send: Callable[[tuple], None]) -> None:
     from kvtier.store.backends.factory import make_backend  # not in the worker
 
     cfg = req.recv()
+    set_log_level(cfg["log_level"])
     # The asking thread's priority, now that the imports are done; before
     # the back end's threads start, which inherit it.
     lower_thread_priority_to(cfg["nice"])

@@ -68,7 +68,9 @@ from kvtier.store.child_process import (
     PipeChannel,
     die_with_parent,
     forward_logs,
+    log_level,
     receive,
+    set_log_level,
     start_configured,
     stay_off_the_terminal,
     stop,
@@ -155,6 +157,7 @@ class SpillProcess:
                 ],
                 "threads": self.threads,
                 "after_reset": any(store.after_reset for store in self.stores),
+                "log_level": log_level(),
             }
             # The slabs go as the descriptors the stores opened: the child
             # never reopens them by name (a store directory removed or
@@ -469,6 +472,7 @@ def _serve(req: Connection, send: Callable[[tuple], None]) -> None:
     from kvtier.store.backends.factory import make_backend
 
     cfg = req.recv()
+    set_log_level(cfg["log_level"])
     stores: list[Any] = []
     try:
         for reopen in cfg["stores"]:

@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
+from kvtier.store import child_process
 from kvtier.store.child_process import ChildStarter, PipeChannel, SchedulingWatch, frame
 
 DEADLINE_S = 30.0
@@ -219,3 +220,54 @@ def test_a_watch_says_thread_states_and_cpu_since_the_last_look() -> None:
         proc.kill()
         proc.wait()
     assert watch.look(proc.pid) == "its state unknown"  # it exited
+
+
+def test_a_childs_records_go_to_the_parent_at_the_parents_level(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The child forwards kvtier's records at VLLM_LOGGING_LEVEL until its
+    configuration gives the parent's level (a VLLM_LOGGING_CONFIG_PATH entry
+    for vllm.kvtier at DEBUG reached no helper), and the parent logs each
+    as the child's, with its pid, name, file and line; a record whose
+    message cannot be made is said on stderr, not lost."""
+    import logging
+
+    from kvtier.log import ROOT, get_logger
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    kvtier = logging.getLogger(ROOT)
+    saved = kvtier.level, kvtier.propagate, list(kvtier.handlers)
+    sent: list[tuple] = []
+    try:
+        child_process.forward_logs(sent.append, "kvtier-test")
+        log = get_logger("store")
+        log.debug("not at INFO")
+        log.info("at INFO %d", 1)
+        child_process.set_log_level(logging.DEBUG)  # the parent's, configured
+        log.debug("at DEBUG")
+        log.info("broken %d", "x")  # cannot be formatted
+    finally:
+        kvtier.setLevel(saved[0])
+        kvtier.propagate = saved[1]
+        kvtier.handlers[:] = saved[2]
+    assert [m[5] for m in sent] == ["at INFO 1", "at DEBUG"]
+    assert "INFO broken %d ('x',)" in capsys.readouterr().err
+    kind, level, name, path, line, *_rest, pid, who, _created = sent[0]
+    assert (kind, level, name, pid, who) == (
+        "log",
+        logging.INFO,
+        f"{ROOT}.store",
+        os.getpid(),
+        "kvtier-test",
+    )
+    assert path == __file__ and line > 0
+    with caplog.at_level("DEBUG", logger=ROOT):
+        for msg in sent:
+            child_process._log_forwarded(msg)
+    got = [(r.getMessage(), r.processName, r.process) for r in caplog.records]
+    assert got == [
+        ("at INFO 1", "kvtier-test", os.getpid()),
+        ("at DEBUG", "kvtier-test", os.getpid()),
+    ]
