@@ -1018,8 +1018,19 @@ def find_stores(paths: Sequence[str]) -> list[SlabFiles]:
         if not dirs:
             raise StoreError(f"{path}: no kvtier-<digest> store directory found")
         for d in dirs:
-            by_name.setdefault(os.path.basename(d), []).append(d)
+            found = by_name.setdefault(os.path.basename(d), [])
+            # One directory given twice (P and P/, a link to P, P and its
+            # store) is one store, not two copies of it.
+            if not any(_same_dir(d, other) for other in found):
+                found.append(d)
     return [_found(name, dirs) for name, dirs in sorted(by_name.items())]
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # gone meanwhile: the read says so
+        return False
 
 
 def _check_store_dir(path: str) -> None:

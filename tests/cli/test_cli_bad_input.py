@@ -335,6 +335,17 @@ def test_two_copies_of_one_store_are_not_taken_for_its_stripes(
     )
     for copy in copies:  # each on its own is a store
         assert kvtier(command, str(copy)).returncode == 0
+    # One store given twice, under any of its names, is one store.
+    alias = tmp_path / "alias"
+    alias.symlink_to(tmp_path / "a")
+    for twice in (
+        [tmp_path / "a", tmp_path / "a"],
+        [tmp_path / "a", f"{tmp_path / 'a'}/"],
+        [tmp_path / "a", alias],
+        [tmp_path / "a", copies[0]],
+    ):
+        p = kvtier(command, *map(str, twice))
+        assert p.returncode == 0, (twice, p.stderr)
 
 
 def test_good_store_still_inspects_and_verifies(good_store: Path) -> None:
