@@ -108,7 +108,8 @@ def _in_use(view: Any) -> str | None:
     """Who holds store ``view``'s lock (a running engine: its directories'
     ``flock``, from /proc/locks), or None. Read without taking the lock,
     so an engine starting meanwhile is never refused because of the
-    doctor; where /proc/locks cannot tell, None."""
+    doctor; where /proc/locks cannot tell (no /proc, or a holder in
+    another PID namespace, which it does not show), None."""
     for d in view.dirs:
         try:
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
