@@ -220,6 +220,7 @@ class SlabFiles:
         inodes: Sequence[tuple[int, int]] | None = None,
         inherited: Sequence[tuple[int, tuple[int, int]] | None] | None = None,
         inherited_from: int | None = None,
+        engines: bool = False,
     ) -> None:
         self.name = name
         self.fingerprint = fingerprint
@@ -250,6 +251,11 @@ class SlabFiles:
         # The process that gave them: where it is this one (a reopener
         # called in its own process), they are its own and are duplicated.
         self._inherited_from = inherited_from
+        # An engine's store (``engines``: :meth:`open`, and its reopeners):
+        # a slab opened by name for reading must be in the engine's private
+        # directory and private itself (_open). The tools (find_stores)
+        # read any store they are pointed at, another user's too.
+        self._engines = engines
         # Per slab, the bytes it held before this open: slots at or past
         # that offset were made by :meth:`create` just now and hold nothing
         # (the full size where nothing was created: open, find_stores).
@@ -299,6 +305,7 @@ class SlabFiles:
             backend,
             owns_backend=owns_backend,
             fingerprint=fingerprint,
+            engines=True,
         )
 
     @classmethod
@@ -391,6 +398,7 @@ class SlabFiles:
             inodes=inodes,
             inherited=inherited,
             inherited_from=os.getpid(),
+            engines=self._engines,
         )
 
     # -- where and how bytes move -----------------------------------------
@@ -430,8 +438,25 @@ class SlabFiles:
             if handle is not None:
                 return handle
         if self._inodes is None:
+            if not self._engines:
+                return self.backend.open(path, writable=False)
             _check_store_dir(os.path.dirname(path))
-            return self.backend.open(path, writable=False)
+            handle = self.backend.open(path, writable=False)
+            fd = self.backend.fileno(handle)
+            if fd is not None and stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+                # Not the store's slab yet: the engine's scheduler side
+                # replaces a slab others can read by a private one (see
+                # create_slab) when it opens the store, which a worker may
+                # come before. This one's inode would be read for good.
+                self.backend.close(handle)
+                raise PermissionError(
+                    errno.EPERM,
+                    "kvtier refuses the slab for now: others can read it, so "
+                    "the engine has not taken it yet (it replaces such a slab "
+                    "by a private one); tried again later",
+                    path,
+                )
+            return handle
         handle = self.backend.open(path, writable=True)
         fd = self.backend.fileno(handle)
         if fd is None or _dev_ino(fd) != self._inodes[idx]:

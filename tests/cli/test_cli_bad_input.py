@@ -348,6 +348,23 @@ def test_two_copies_of_one_store_are_not_taken_for_its_stripes(
         assert p.returncode == 0, (twice, p.stderr)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's store needs root")
+def test_the_tools_read_another_users_store_and_a_readable_slab(
+    good_store: Path, tmp_path: Path
+) -> None:
+    """The checks a worker makes before it opens its own slabs by name (its
+    private directory, a private slab) are the engine's: root checking the
+    service user's store, or a restored copy, is read as before."""
+    d = _copy(good_store, tmp_path)
+    (d / "slab-0.kvt").chmod(0o644)
+    for p in (d, *d.iterdir()):
+        os.chown(p, 65534, 65534)
+    for command in ("verify", "inspect"):
+        p = kvtier(command, str(d))
+        assert p.returncode == 0, p.stderr
+    assert "3 used slots checked, 3 ok, 0 bad" in kvtier("verify", str(d)).stdout
+
+
 def test_good_store_still_inspects_and_verifies(good_store: Path) -> None:
     p = kvtier("verify", str(good_store))
     assert p.returncode == 0 and "3 used slots checked, 3 ok, 0 bad" in p.stdout

@@ -172,6 +172,42 @@ def test_worker_reader_refuses_a_store_directory_swapped_for_a_link(
     assert sorted(os.listdir(elsewhere)) == before  # no probe file there
 
 
+def test_a_worker_before_the_store_never_keeps_a_slab_it_replaces(
+    tmp_path: Path,
+) -> None:
+    """A slab others can read (restored under umask 022) is replaced by a
+    private one when the scheduler side opens the store; a worker that
+    opened it first kept the old inode for good, every disk hit then a
+    miss (the review's reproduction). The worker leaves such a slab for
+    its next try and then reads the store's."""
+    from kvtier.store.backends.posix import PosixBackend
+    from kvtier.store.reader import SlotReader
+    from kvtier.store.slabs import SlabFiles
+    from kvtier.store.slot import ReadOutcome
+
+    d = make_store(tmp_path)
+    (d / "slab-0.kvt").chmod(0o644)
+    files = SlabFiles.open(
+        [str(tmp_path)], make_fingerprint(), 4, PosixBackend(threads=1),
+        owns_backend=True,
+    )  # fmt: skip
+    reader = SlotReader(files)
+    try:
+        with pytest.raises(PermissionError, match="others can read it"):
+            files.handle(0)
+        with DiskStore(
+            [str(tmp_path)], 4, BLOCK_BYTES, make_fingerprint(), backend="posix"
+        ) as store:  # the scheduler side: the slab replaced
+            store.write_block(3, key_of(3), pattern(key_of(3)), store.next_seq())
+            (got,) = reader.read([(3, key_of(3))])
+            assert got.outcome is ReadOutcome.OK
+            assert os.fstat(files.backend.fileno(files.handles[0])).st_ino == (
+                os.stat(d / "slab-0.kvt").st_ino
+            )
+    finally:
+        reader.close()
+
+
 def test_a_directory_in_place_of_the_slab_is_refused_by_name(tmp_path: Path) -> None:
     """A directory where a slab belongs: the store's start refuses it with
     kvtier's message naming the path and the fix, as for a FIFO or a link,
