@@ -36,6 +36,7 @@ import stat
 
 __all__ = [
     "InUseError",
+    "check_own_dir",
     "check_private_fd",
     "flock_exclusive",
     "is_locked",
@@ -196,6 +197,24 @@ def _display(path: str, dir_fd: int | None) -> str:
         return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
     except OSError:
         return path
+
+
+def check_own_dir(path: str, what: str = "kvtier's own directory") -> None:
+    """Check, without creating or opening it, that ``path`` (``what``, for
+    the message) is still a kvtier-owned directory: not a symbolic link
+    (``lstat``), this user's, not writable by group or others. For a name a
+    process uses after another made and checked the directory (a worker
+    opening the slabs the scheduler side created). Raises
+    OSError/PermissionError naming it."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(
+            errno.ELOOP,
+            f"it is a symbolic link where {what} belongs (another user may "
+            "have planted it). Remove it",
+            path,
+        )
+    check_owned(st, path, directory=True)
 
 
 def open_private_dir(path: str) -> int:

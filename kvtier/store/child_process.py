@@ -50,6 +50,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from typing import Any
 
 from kvtier.host.placement import name_this_thread, without_openmp_binding
@@ -534,18 +535,16 @@ def receive(pipes: PipeChannel, timeout: float) -> tuple[list[Any], str | None]:
         return [], "it exited"
     except Exception as exc:
         return [], f"its answer could not be read: {exc!r}"
-    if any(m[0] == "log" for m in msgs if isinstance(m, tuple) and m):
-        answers = []
-        for m in msgs:
-            if isinstance(m, tuple) and m and m[0] == "log":
-                try:
-                    _log_forwarded(m)
-                except Exception as exc:  # not a record of ours: a bug
-                    return [], f"its log record could not be read: {exc!r}"
-            else:
-                answers.append(m)
-        msgs = answers
-    return msgs, None
+    answers = []
+    for m in msgs:
+        if isinstance(m, tuple) and m and m[0] == "log":
+            try:
+                _log_forwarded(m)
+            except Exception as exc:  # not a record of ours: a bug
+                return [], f"its log record could not be read: {exc!r}"
+        else:
+            answers.append(m)
+    return answers, None
 
 
 class _Forward(logging.Handler):
@@ -591,6 +590,21 @@ def forward_logs(send: Callable[[tuple], None], process_name: str) -> None:
     kvtier.setLevel(level if isinstance(level, int) else logging.INFO)
     kvtier.addHandler(_Forward(send, process_name))
     kvtier.propagate = False
+
+
+def replying(resp_fd: int, process_name: str) -> Callable[[tuple], None]:
+    """In the child: the send of its reply pipe ``resp_fd`` (a blocking
+    ``Connection``), safe from any of its threads, its kvtier records
+    forwarded through it (:func:`forward_logs`) as ``process_name``'s."""
+    resp = Connection(resp_fd, readable=False)
+    lock = threading.Lock()  # the answering thread(s) and any that logs
+
+    def send(msg: tuple) -> None:
+        with lock:
+            resp.send(msg)
+
+    forward_logs(send, process_name)
+    return send
 
 
 def log_level() -> int:

@@ -74,9 +74,9 @@ from kvtier.store.child_process import (
     PipeChannel,
     SchedulingWatch,
     die_with_parent,
-    forward_logs,
     log_level,
     receive,
+    replying,
     set_log_level,
     start_configured,
     stay_off_the_terminal,
@@ -462,14 +462,7 @@ def child_main(argv: list[str]) -> int:
     stay_off_the_terminal()
     name_this_thread(CHILD_NAME)
     req = Connection(req_fd, writable=False)
-    resp = Connection(resp_fd, readable=False)
-    lock = threading.Lock()  # the answers' thread and any that logs
-
-    def send(msg: tuple) -> None:
-        with lock:
-            resp.send(msg)
-
-    forward_logs(send, CHILD_NAME)
+    send = replying(resp_fd, CHILD_NAME)
     with contextlib.suppress(BrokenPipeError, EOFError):
         _serve(fd, req, send)
     return 0

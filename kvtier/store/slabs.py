@@ -79,7 +79,8 @@ from kvtier.log import get_logger
 from kvtier.safe_open import (
     FILE_MODE,
     InUseError,
-    check_owned,
+    check_own_dir,
+    check_private_fd,
     flock_exclusive,
     lock_holders,
     open_private,
@@ -440,10 +441,16 @@ class SlabFiles:
         if self._inodes is None:
             if not self._engines:
                 return self.backend.open(path, writable=False)
-            _check_store_dir(os.path.dirname(path))
+            # The directory the scheduler side made and checked: a link
+            # put in its place since is not followed (the back end's
+            # O_DIRECT probe would write where it points).
+            check_own_dir(os.path.dirname(path), "the store directory")
             handle = self.backend.open(path, writable=False)
             fd = self.backend.fileno(handle)
-            if fd is not None and stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+            try:
+                if fd is not None:
+                    check_private_fd(fd, path)
+            except PermissionError:
                 # Not the store's slab yet: the engine's scheduler side
                 # replaces a slab others can read by a private one (see
                 # create_slab) when it opens the store, which a worker may
@@ -455,7 +462,7 @@ class SlabFiles:
                     "the engine has not taken it yet (it replaces such a slab "
                     "by a private one); tried again later",
                     path,
-                )
+                ) from None
             return handle
         handle = self.backend.open(path, writable=True)
         fd = self.backend.fileno(handle)
@@ -1056,25 +1063,6 @@ def _same_dir(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # gone meanwhile: the read says so
         return False
-
-
-def _check_store_dir(path: str) -> None:
-    """Before a slab is opened by name for reading (a worker's store): its
-    store directory is a directory of this user's, not writable by others,
-    not a symbolic link. The engine created it so (open_private_dir); one
-    found otherwise was put there since, e.g. a link to another directory,
-    where the back end's O_DIRECT probe would write its probe file and the
-    slab opened would be whatever is there. Raises OSError naming it."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise OSError(
-            errno.ELOOP,
-            f"kvtier refuses {path!r}: a symbolic link where the store "
-            "directory belongs (the engine made a directory there; another "
-            "user may have replaced it). Remove it",
-            path,
-        )
-    check_owned(st, path, directory=True)
 
 
 def _store_dir(path: str) -> bool:

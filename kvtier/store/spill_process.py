@@ -67,9 +67,9 @@ from kvtier.store.child_process import (
     ChildStarter,
     PipeChannel,
     die_with_parent,
-    forward_logs,
     log_level,
     receive,
+    replying,
     set_log_level,
     start_configured,
     stay_off_the_terminal,
@@ -553,14 +553,7 @@ def child_main(argv: list[str]) -> int:
     stay_off_the_terminal()
     name_this_thread(CHILD_NAME)
     req = Connection(req_fd, writable=False)
-    resp = Connection(resp_fd, readable=False)
-    lock = threading.Lock()  # the answering thread, the jobs' and the log's
-
-    def send(msg: tuple) -> None:
-        with lock:
-            resp.send(msg)
-
-    forward_logs(send, CHILD_NAME)
+    send = replying(resp_fd, CHILD_NAME)
     with contextlib.suppress(BrokenPipeError, EOFError):
         _serve(req, send)
     return 0
