@@ -11,6 +11,7 @@ costs CPU on the promote path and a few percent of bandwidth is not worth it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from enum import IntEnum
 
 import numpy as np
@@ -156,3 +157,72 @@ def decompress(
     if len(decoded) != raw_len:
         raise CorruptPayloadError(f"decoded {len(decoded)} bytes, expected {raw_len}")
     from_byte_planes(np.frombuffer(decoded, dtype=np.uint8), elem_size, flat_out)
+
+
+def check_decodes(
+    codec: Codec | int,
+    chunks: Iterator[bytes | memoryview],
+    raw_len: int,
+    *,
+    out_chunk: int,
+) -> None:
+    """Raise CorruptPayloadError where :func:`decompress` would, for a
+    payload given as consecutive ``chunks`` and decoded without being kept.
+
+    Memory: the chunk at hand, ``out_chunk`` bytes of output and the
+    decoder's window (zstd's default limit, 128 MiB), whatever ``raw_len``
+    claims: for the tools, which check stores whose block size (up to
+    4 GiB) they do not choose. ``chunks`` is read until the frame's
+    ``raw_len`` bytes are out (bytes after a complete frame are not read:
+    a load ignores them too); errors raised by it propagate. ValueError for
+    an unknown codec.
+    """
+    codec = Codec(codec)
+    if codec is Codec.RAW:
+        size = sum(len(c) for c in chunks)
+        if size != raw_len:
+            raise CorruptPayloadError(
+                f"raw payload is {size} bytes, expected {raw_len}"
+            )
+        return
+    head = next(chunks, b"")
+    try:
+        declared = zstandard.frame_content_size(head)
+    except zstandard.ZstdError as exc:
+        raise CorruptPayloadError(f"zstd: {exc}") from exc
+    if declared != raw_len:
+        size = "no size" if declared < 0 else f"{declared} bytes"
+        raise CorruptPayloadError(f"zstd frame declares {size}, expected {raw_len}")
+    reader = _decompressor().stream_reader(_ChunkSource(head, chunks))
+    decoded = 0
+    try:
+        while decoded < raw_len:
+            n = len(reader.read(min(out_chunk, raw_len - decoded)))
+            if not n:
+                break
+            decoded += n
+    except zstandard.ZstdError as exc:
+        raise CorruptPayloadError(f"zstd: {exc}") from exc
+    if decoded != raw_len:
+        raise CorruptPayloadError(f"decoded {decoded} bytes, expected {raw_len}")
+
+
+class _ChunkSource:
+    """``read(size)`` over ``head`` then ``chunks``, for zstd's stream reader."""
+
+    def __init__(
+        self, head: bytes | memoryview, chunks: Iterator[bytes | memoryview]
+    ) -> None:
+        self._pending = memoryview(head)
+        self._chunks = chunks
+
+    def read(self, size: int = -1) -> bytes:
+        while not self._pending:
+            nxt = next(self._chunks, None)
+            if nxt is None:
+                return b""
+            self._pending = memoryview(nxt)
+        if size < 0:
+            size = len(self._pending)
+        out, self._pending = self._pending[:size], self._pending[size:]
+        return bytes(out)

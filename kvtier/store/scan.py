@@ -18,7 +18,8 @@ Contract of :func:`scan`:
     something that is not a regular file.
   - OK means the header is intact and of this layout; the payload is checked
     only with ``payload`` (its xxh3 and, compressed, its decoding, like a
-    load's). Every OK header goes to
+    load's), read in pieces of at most ``PAYLOAD_PIECE`` bytes through one
+    buffer, never a block whole. Every OK header goes to
     ``on_header`` (the store raises its next ``seq`` above it).
   - With ``skip_new`` (warm restart, slot order) the slots that the files' ``create``
     just made (at or past a slab's size before it, ``SlabFiles.old_sizes``)
@@ -48,19 +49,19 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.store.compression import Codec
 from kvtier.store.slabs import SlabFiles, global_slot
 from kvtier.store.slot import (
     HEADER_SIZE,
     ReadOutcome,
     SlotHeader,
     aligned_empty,
-    check_payload,
-    decode_payload,
+    check_payload_in_pieces,
     header_version,
     round_up,
     verify_header,
 )
+
+PAYLOAD_PIECE = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -109,13 +110,17 @@ def scan(
     if skip_new and file_order:
         raise ValueError("scan: skip_new lists slots in slot order, not file order")
     bufs = aligned_empty(window * HEADER_SIZE).reshape(window, HEADER_SIZE)
+    # Payloads are checked in pieces of at most PAYLOAD_PIECE bytes through
+    # one buffer: a store's block size (up to 4 GiB) is the store's to say.
+    piece = min(PAYLOAD_PIECE, round_up(max(files.slot_size - HEADER_SIZE, 1)))
+    pieces = aligned_empty(piece) if payload else None
     # None for a read: a header in a hole, EMPTY unread (kept in line so
     # that records leave in the order their slots were listed).
     inflight: deque[tuple[int, int, int, Any, Future[int] | OSError | None]] = deque()
     k = 0  # reads submitted: the next one's buffer
     for slot, idx, offset, data in _where(files, file_order, skip_new):
         if len(inflight) == window:
-            yield _judge(files, *inflight.popleft(), payload, on_header)
+            yield _judge(files, *inflight.popleft(), pieces, on_header)
         if not data:
             inflight.append((slot, idx, offset, None, None))
             continue
@@ -127,7 +132,7 @@ def scan(
             read = exc
         inflight.append((slot, idx, offset, buf, read))
     while inflight:
-        yield _judge(files, *inflight.popleft(), payload, on_header)
+        yield _judge(files, *inflight.popleft(), pieces, on_header)
 
 
 def _where(
@@ -231,7 +236,7 @@ def _judge(
     offset: int,
     buf: Any,
     read: Future[int] | OSError | None,
-    payload: bool,
+    payload: np.ndarray | None,
     on_header: Callable[[SlotHeader], None] | None,
 ) -> SlotRecord:
     path, local = files.slabs[idx].path, offset // files.slot_size
@@ -266,23 +271,20 @@ def _judge(
     assert hdr is not None
     if on_header is not None:
         on_header(hdr)
-    if payload:
-        stored = aligned_empty(round_up(hdr.payload_len))
-        got = 0
-        if hdr.payload_len:  # a compressed payload may claim none: not decoded
-            try:
-                got = files.read(idx, stored, offset + HEADER_SIZE)
-            except OSError as exc:
-                files.io_error("read", idx, exc)
-                return record(
-                    ReadOutcome.IO_ERROR, header=hdr, detail=str(exc), version=version
-                )
-            files.count_read(got)
-        verdict = check_payload(hdr, stored, got)
-        if verdict.ok and hdr.codec is not Codec.RAW:
-            # A load decodes it too: one that does not decode is bad here.
-            decoded = np.empty(files.block_bytes, dtype=np.uint8)
-            verdict = decode_payload(hdr, stored[: hdr.payload_len], decoded)
+    if payload is not None:
+
+        def read(pos: int, view: np.ndarray) -> int:
+            n = files.read(idx, view, offset + HEADER_SIZE + pos)
+            files.count_read(n)
+            return n
+
+        try:
+            verdict = check_payload_in_pieces(hdr, read, payload)
+        except OSError as exc:
+            files.io_error("read", idx, exc)
+            return record(
+                ReadOutcome.IO_ERROR, header=hdr, detail=str(exc), version=version
+            )
         if not verdict.ok:
             return record(
                 verdict.outcome, header=hdr, detail=verdict.detail, version=version

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -29,8 +30,13 @@ from typing import Any
 import numpy as np
 
 from kvtier.store.backends.base import IO_ALIGNMENT
-from kvtier.store.checksum import header_checksum, payload_checksum
-from kvtier.store.compression import Codec, CorruptPayloadError, decompress
+from kvtier.store.checksum import header_checksum, payload_checksum, payload_hasher
+from kvtier.store.compression import (
+    Codec,
+    CorruptPayloadError,
+    check_decodes,
+    decompress,
+)
 
 # The store layout version: part of the fingerprint digest (so it names the
 # directory). Bump it on a change old readers must never see (slot geometry,
@@ -473,5 +479,62 @@ def decode_payload(hdr: SlotHeader, stored: Any, out: Any) -> SlotVerdict:
     except (CorruptPayloadError, ValueError) as exc:
         return SlotVerdict(
             ReadOutcome.BAD_HEADER, hdr, f"payload does not decode ({exc})"
+        )
+    return SlotVerdict(ReadOutcome.OK, hdr)
+
+
+def check_payload_in_pieces(
+    hdr: SlotHeader, read: Callable[[int, np.ndarray], int], buf: np.ndarray
+) -> SlotVerdict:
+    """:func:`check_payload`'s and then :func:`decode_payload`'s verdict
+    (TRUNCATED, CHECKSUM_MISMATCH, BAD_HEADER, in that order) on a payload
+    read piece by piece, never whole: ``read(pos, view)`` fills ``view`` (a
+    slice of ``buf`` from its start, a multiple of IO_ALIGNMENT long; give
+    an aligned ``buf`` for O_DIRECT) with the payload's bytes from ``pos``
+    and returns the count read (fewer: the file ends there); its OSError
+    propagates. Memory is ``buf`` and
+    :func:`~kvtier.store.compression.check_decodes`'s, whatever the header
+    claims: the tools check stores whose block size (up to 4 GiB) they do
+    not choose."""
+    hasher = payload_hasher()
+    total = hdr.payload_len
+    got = 0  # payload bytes read and hashed
+
+    def pieces() -> Iterator[memoryview]:
+        # Each piece is a view of buf, read again only when the consumer
+        # asks for the next one (check_decodes holds one piece at a time).
+        nonlocal got
+        while got < total:
+            need = total - got
+            want = min(len(buf), round_up(need))
+            n = read(got, buf[:want])
+            use = min(max(n, 0), need)
+            if use:
+                view = memoryview(buf[:use])
+                hasher.update(view)
+                got += use
+                yield view
+            if use < min(want, need):
+                return  # the slab ends inside the payload
+
+    stream = pieces()
+    problem = ""
+    try:
+        check_decodes(hdr.codec, stream, hdr.raw_len, out_chunk=min(len(buf), 1 << 20))
+    except (CorruptPayloadError, ValueError) as exc:
+        problem = str(exc)
+    for _ in stream:  # the rest, for the checksum (a frame may end early)
+        pass
+    if got < total:
+        return SlotVerdict(
+            ReadOutcome.TRUNCATED, hdr, f"payload: read {got} of {total} bytes"
+        )
+    if hasher.intdigest() != hdr.checksum:
+        return SlotVerdict(
+            ReadOutcome.CHECKSUM_MISMATCH, hdr, "payload checksum mismatch"
+        )
+    if problem:
+        return SlotVerdict(
+            ReadOutcome.BAD_HEADER, hdr, f"payload does not decode ({problem})"
         )
     return SlotVerdict(ReadOutcome.OK, hdr)

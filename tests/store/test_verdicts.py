@@ -524,6 +524,55 @@ def test_a_zstd_frame_declaring_more_than_the_block_is_refused_before_it_is_deco
     assert [recs[slot].outcome for slot in frames] == [RO.BAD_HEADER] * len(frames)
 
 
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_verify_checks_a_block_larger_than_its_piece_without_holding_it(
+    tmp_path: Path, compression: str
+) -> None:
+    """``kvtier verify``'s scan reads a payload in pieces: blocks of three
+    and a half pieces (stored raw, or compressed to about two) are OK
+    whole, one flipped byte in a block's last piece is CHECKSUM_MISMATCH,
+    and the scan never holds a block (its peak stays under two pieces,
+    where reading a block whole takes three blocks)."""
+    import tracemalloc
+
+    from kvtier.store.compression import Codec
+    from kvtier.store.scan import PAYLOAD_PIECE
+
+    block_bytes = 3 * PAYLOAD_PIECE + PAYLOAD_PIECE // 2
+    data = np.zeros(block_bytes, np.uint8)
+    data[: block_bytes // 2] = np.random.default_rng(0).integers(
+        0, 256, block_bytes // 2, dtype=np.uint8
+    )
+    layout = fp(block_bytes)
+    paths = [str(tmp_path)]
+    with DiskStore(
+        paths, 2, block_bytes, layout, backend="posix", compression=compression
+    ) as store:
+        for slot in (0, 1):
+            store.write_block(slot, key_of(slot), data, seq=slot + 1)
+        path, off = _offset(store, 1)
+        with open(path, "r+b") as f:
+            f.seek(off)
+            hdr = SlotHeader.unpack(f.read(HEADER_SIZE))
+            want = Codec.RAW if compression == "none" else Codec.ZSTD_BYTEPLANE
+            assert hdr.codec is want
+            assert hdr.payload_len > PAYLOAD_PIECE  # more than one piece
+            f.seek(off + HEADER_SIZE + hdr.payload_len - 10)
+            byte = f.read(1)[0]
+            f.seek(off + HEADER_SIZE + hdr.payload_len - 10)
+            f.write(bytes([byte ^ 0x40]))
+    (view,) = find_stores(paths)
+    tracemalloc.start()
+    try:
+        recs = {r.slot: r for r in scan(view, file_order=True, payload=True)}
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert recs[0].outcome is RO.OK
+    assert recs[1].outcome is RO.CHECKSUM_MISMATCH
+    assert peak < 2 * PAYLOAD_PIECE
+
+
 # ------------------------------------------------------- device checksum
 
 
