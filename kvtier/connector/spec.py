@@ -44,7 +44,12 @@ from kvtier.connector.identity import (
 from kvtier.connector.metrics import metric_definitions
 from kvtier.connector.preflight import check_disk_paths, prepare_cpu_tier
 from kvtier.connector.topology import check_single_node
-from kvtier.host.cpu_tier import AttachedRows, cpu_buffer_path, open_worker_buffer
+from kvtier.host.cpu_tier import (
+    AttachedRows,
+    cpu_buffer_path,
+    open_worker_buffer,
+    worker_cpu_dir,
+)
 from kvtier.log import get_logger
 from kvtier.store.compression import element_bytes
 from kvtier.store.slabs import store_dirname
@@ -401,8 +406,13 @@ class TieredOffloadingSpec(OffloadingSpec):
             # workers made theirs, and other ranks may have made theirs
             # already (without a disk tier their names go at once): a check
             # there, or of every rank, asked again for room they already hold.
+            directory = worker_cpu_dir()
             prepare_cpu_tier(
-                self._buffer_path(self.rank), self.num_cpu_blocks, self.block_bytes
+                cpu_buffer_path(
+                    self.config.engine_id, self.rank, self.world_size, directory
+                ),
+                self.num_cpu_blocks,
+                self.block_bytes,
             )
             buffer = open_worker_buffer(
                 self.config.engine_id,
@@ -412,6 +422,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                 self.block_bytes,
                 # Only the scheduler's DiskRuntime (disk tier) maps it too.
                 shared=self.num_disk_blocks > 0,
+                directory=directory,
             )
             reader: Any = None
             try:

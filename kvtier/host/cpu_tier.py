@@ -7,7 +7,10 @@ tensors because the disk path needs page-aligned rows for O_DIRECT, one
 registration page-locks it all for device copies, and, backed by a file in
 this user's private shared-memory directory (``/dev/shm/kvtier-<euid>``,
 named by :func:`cpu_buffer_path` from the engine id, rank and world size), the
-scheduler process and the worker see the same bytes.
+scheduler process and the worker see the same bytes. When another user holds
+that directory's name, this user's files go to a fallback directory of its
+own beside it (:func:`worker_cpu_dir`), where the scheduler side finds them
+(:func:`locate_cpu_file`).
 
 Its life: the worker owns the file (:func:`open_worker_buffer`: created
 exclusively, fully reserved, locked with ``flock`` for its lifetime); the
@@ -29,6 +32,7 @@ import errno
 import mmap
 import os
 import secrets
+import stat
 import tempfile
 import time
 import weakref
@@ -48,6 +52,7 @@ from kvtier.safe_open import (
 )
 
 logger = get_logger("host")
+
 
 class CpuBlockBuffer:
     """``num_blocks`` rows of ``block_bytes`` bytes in one page-aligned mapping.
@@ -350,10 +355,11 @@ def _create_owned(path: str, size: int) -> int:
 
 def _open_dir(directory: str) -> int:
     """A descriptor of the directory CPU-tier files are made in. This
-    user's private directory (``kvtier-<euid>``) is created if needed and
-    checked (ours, 0700, no link); any other (tests, tools) is the caller's
-    choice and only opened."""
-    if os.path.basename(directory) == os.path.basename(cpu_tier_dir()):
+    user's private directory (``kvtier-<euid>``, or a fallback
+    ``kvtier-<euid>-<random>``) is created if needed and checked (ours,
+    0700, no link); any other (tests, tools) is the caller's choice and
+    only opened."""
+    if _own_dir_name(os.path.basename(directory)):
         return open_private_dir(directory)
     return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
@@ -433,18 +439,24 @@ def _release_owned(path: str, fd: int) -> None:
     rmdir_if_empty(os.path.dirname(path))
 
 
-def cpu_buffer_path(engine_id: str, rank: int, world_size: int) -> str:
+def cpu_buffer_path(
+    engine_id: str, rank: int, world_size: int, directory: str | None = None
+) -> str:
     """Where rank ``rank``'s CPU tier lives, shared by scheduler and worker.
 
-    Inside this user's private directory, ``<base>/kvtier-<euid>`` (``base``:
-    /dev/shm, or the temp directory where there is no /dev/shm), so other
-    users can neither read the rows nor plant a file under the predictable
-    name. Only a name: the directory is created (0700, owned by the
-    effective user, not a symbolic link, else PermissionError/OSError) when
-    the worker creates the file, and goes with the last file, so an engine
-    that never creates one leaves nothing behind."""
+    Inside ``directory``, by default this user's private directory
+    ``<base>/kvtier-<euid>`` (``base``: /dev/shm, or the temp directory
+    where there is no /dev/shm), so other users can neither read the rows
+    nor plant a file under the predictable name; a worker gets its
+    directory from :func:`worker_cpu_dir`, and the scheduler side finds the
+    file with :func:`locate_cpu_file`. Only a name: the directory is
+    created (0700, owned by the effective user, not a symbolic link, else
+    PermissionError/OSError) when the worker creates the file, and goes
+    with the last file, so an engine that never creates one leaves nothing
+    behind."""
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
-    return os.path.join(cpu_tier_dir(), f"kvtier-{safe}-r{rank}of{world_size}.cpu")
+    name = f"kvtier-{safe}-r{rank}of{world_size}.cpu"
+    return os.path.join(directory or cpu_tier_dir(), name)
 
 
 def cpu_tier_dir(base: str | None = None) -> str:
@@ -454,6 +466,115 @@ def cpu_tier_dir(base: str | None = None) -> str:
     if base is None:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, f"kvtier-{os.geteuid()}")
+
+
+# When another user holds the predictable name (any local user can create
+# ``/dev/shm/kvtier-<euid>`` first, and only root can remove it from the
+# sticky /dev/shm), this user's files go to a directory of its own named
+# ``kvtier-<euid>-<random>`` beside it. The random part is not the defence:
+# the owner is. Another user can create an entry of any name there, but not
+# one owned by this user, and a directory is only used, searched or swept
+# as this user's when it is a real directory owned by this user.
+
+
+def _own_dir_name(name: str) -> bool:
+    """Whether ``name`` is one of this user's CPU-tier directory names."""
+    own = f"kvtier-{os.geteuid()}"
+    return name == own or name.startswith(own + "-")
+
+
+def held_by_another(directory: str) -> int | None:
+    """The uid of the other user whose entry holds ``directory``'s name
+    (not followed), else None (absent, or this user's)."""
+    try:
+        uid = os.lstat(directory).st_uid
+    except OSError:
+        return None
+    return None if uid == os.geteuid() else uid
+
+
+def _own_fallbacks(base: str) -> list[str]:
+    """This user's fallback CPU-tier directories in ``base``, by name: real
+    directories owned by this user (an entry another user made under such
+    a name is ignored). One listing of ``base``: start-up and tools only."""
+    prefix = f"kvtier-{os.geteuid()}-"
+    try:
+        names = sorted(n for n in os.listdir(base) if n.startswith(prefix))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue  # gone meanwhile
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+            found.append(path)
+    return found
+
+
+def cpu_tier_dirs(base: str | None = None) -> list[str]:
+    """Every directory that may hold this user's CPU-tier files under
+    ``base`` (as :func:`cpu_tier_dir`): the predictable one unless another
+    user holds its name, then this user's fallbacks (see
+    :func:`worker_cpu_dir`). Existing or not, checked or not: a caller
+    opens each with its own checks."""
+    primary = cpu_tier_dir(base)
+    own = [] if held_by_another(primary) is not None else [primary]
+    return own + _own_fallbacks(os.path.dirname(primary))
+
+
+def worker_cpu_dir(base: str | None = None) -> str:
+    """The directory a worker makes its CPU-tier file in: this user's
+    predictable one (:func:`cpu_tier_dir`), unless another user holds that
+    name; then a fallback of this user's own, ``kvtier-<euid>-<random>``
+    beside it (the first one there, else one made now: exclusively, mode
+    0700), with a WARNING naming the other user. The scheduler side finds
+    the file there (:func:`locate_cpu_file`). OSError where no fallback can
+    be made (the base is full or not writable)."""
+    primary = cpu_tier_dir(base)
+    holder = held_by_another(primary)
+    if holder is None:
+        return primary
+    parent = os.path.dirname(primary)
+    found = _own_fallbacks(parent)
+    directory = (
+        found[0]
+        if found
+        else tempfile.mkdtemp(prefix=f"kvtier-{os.geteuid()}-", dir=parent)
+    )
+    logger.warning(
+        "kvtier: %s is held by uid %d, not by this user (uid %d); this "
+        "engine's CPU tier is in %s instead. Another local user made it, "
+        "perhaps to keep kvtier from starting: only root can remove it from "
+        "%s (then restart the engine), or run the engine with a /dev/shm of "
+        "its own (a container)",
+        primary,
+        holder,
+        os.geteuid(),
+        directory,
+        parent,
+    )
+    return directory
+
+
+def locate_cpu_file(path: str) -> str:
+    """Where the CPU-tier file named like ``path`` is now. A path in this
+    user's predictable directory (:func:`cpu_buffer_path`'s default) is
+    looked for in each of :func:`cpu_tier_dirs` (a worker whose predictable
+    directory another user holds made it in a fallback); the first that
+    has an entry of that name is returned, else ``path``. Any other path
+    (a test's, a tool's) is returned as given. Only a name: the open
+    checks what it finds (owner, mode, live lock)."""
+    directory, name = os.path.split(path)
+    if os.path.basename(directory) != f"kvtier-{os.geteuid()}":
+        return path
+    for candidate_dir in cpu_tier_dirs(os.path.dirname(directory)):
+        candidate = os.path.join(candidate_dir, name)
+        if os.path.lexists(candidate):
+            return candidate
+    return path
 
 
 def same_name(path: str, fd: int, *, dir_fd: int | None = None) -> bool:
@@ -468,8 +589,9 @@ def same_name(path: str, fd: int, *, dir_fd: int | None = None) -> bool:
 
 
 def rmdir_if_empty(directory: str) -> None:
-    """Remove this user's private CPU-tier directory if no file is left."""
-    if os.path.basename(directory) == os.path.basename(cpu_tier_dir()):
+    """Remove this user's private CPU-tier directory (or a fallback) if no
+    file is left."""
+    if _own_dir_name(os.path.basename(directory)):
         # The last engine leaves no trace in /dev/shm: rmdir fails while
         # other files remain, and a creator racing it re-creates the
         # directory (_create_owned).
@@ -548,6 +670,7 @@ def open_worker_buffer(
     block_bytes: int,
     *,
     shared: bool = True,
+    directory: str | None = None,
 ) -> CpuBlockBuffer:
     """Create and own rank ``rank``'s CPU-tier file for the worker.
 
@@ -556,8 +679,9 @@ def open_worker_buffer(
     engine can reach its rows). A live engine holding a file of the same
     name (before its scheduler side mapped it) means two engines run with
     one ``engine_id`` on this host; they would share rows (wrong outputs), so
-    that is refused with the fix."""
-    path = cpu_buffer_path(engine_id, rank, world_size)
+    that is refused with the fix. ``directory``: where the file is made
+    (:func:`worker_cpu_dir`; by default this user's predictable one)."""
+    path = cpu_buffer_path(engine_id, rank, world_size, directory)
     try:
         buffer = CpuBlockBuffer(num_blocks, block_bytes, path, owner=True)
     except InUseError as exc:
@@ -581,7 +705,9 @@ class AttachedRows:
     Mapping removes the name (every process that needs it has it open now:
     the descriptor kept, :attr:`fd`, is what a spill process maps).
     ``array`` raises OSError (FileNotFoundError: no live worker's file yet)
-    where it cannot map; the transfers turn that into misses."""
+    where it cannot map; the transfers turn that into misses. ``path`` is
+    the file's default name (:func:`cpu_buffer_path`), looked for where the
+    worker put it (:func:`locate_cpu_file`)."""
 
     def __init__(self, path: str, num_blocks: int, block_bytes: int) -> None:
         self.path, self.num_blocks, self.block_bytes = path, num_blocks, block_bytes
@@ -591,7 +717,11 @@ class AttachedRows:
     def array(self) -> np.ndarray:
         if self.buffer is None:
             buffer = CpuBlockBuffer(
-                self.num_blocks, self.block_bytes, self.path, owner=False, keep_fd=True
+                self.num_blocks,
+                self.block_bytes,
+                locate_cpu_file(self.path),
+                owner=False,
+                keep_fd=True,
             )
             buffer.unlink_name()
             self.buffer = buffer

@@ -176,6 +176,29 @@ def test_stale_cpu_tier_files_are_reported_then_reclaimed(capsys, disk, shm):
         os.close(live)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_cpu_tier_dir_held_by_another_user_is_a_warning_and_its_fallback_swept(
+    capsys, disk, shm
+):
+    """Another user holds ``kvtier-<euid>``: a warning naming the uid and the
+    fix; a dead engine's file in this user's fallback beside it is found
+    and reclaimed, the other user's directory left alone."""
+    held = shm / f"kvtier-{os.geteuid()}"
+    held.mkdir(mode=0o777)
+    os.chown(held, 65534, 65534)
+    fallback = shm / f"kvtier-{os.geteuid()}-x1"
+    fallback.mkdir(mode=0o700)
+    os.close(_cpu_file(fallback, "kvtier-dead-r0of1.cpu"))  # no live owner
+    rc, checks = doctor(capsys, *flags(disk, shm))
+    c = checks[f"{held}: owner"]
+    assert c["status"] == "warning" and rc == 0
+    assert "held by uid 65534" in c["detail"] and f"rm -r {held}" in c["fix"]
+    assert "kvtier-dead-r0of1.cpu" in checks[f"{held}: stale files"]["detail"]
+    _, checks = doctor(capsys, *flags(disk, shm, "--reclaim-stale"))
+    assert "removed 1" in checks[f"{held}: stale files"]["detail"]
+    assert os.listdir(fallback) == [] and held.stat().st_uid == 65534
+
+
 def _store(disk: Path, model: str, model_id: str) -> str:
     fp = LayoutFingerprint(
         model=model, dtype="float32", block_bytes=4096, geometry="g", tp_rank=0,

@@ -118,6 +118,44 @@ def test_cpu_buffer_dir_squatted_by_another_user_is_refused(sticky_dir: Path) ->
 
 
 @needs_root
+def test_cpu_tier_moves_beside_a_dir_another_user_holds_and_is_found_there(
+    sticky_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another user made this user's ``kvtier-<euid>`` (and a look-alike
+    fallback name): the worker makes its file in a fallback of this user's
+    own, with a WARNING naming the other uid; the scheduler side, given the
+    default name, maps that file (the same rows); the fallback goes with
+    the last name and the other user's entries are left as they were."""
+    primary = sticky_dir / f"kvtier-{os.geteuid()}"
+    decoy = sticky_dir / f"kvtier-{os.geteuid()}-0"  # sorts first; not ours
+    as_user(NOBODY, lambda: (primary.mkdir(mode=0o777), decoy.mkdir(mode=0o777)))
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtier"):
+        directory = cpu_buffer_mod.worker_cpu_dir(str(sticky_dir))
+    assert directory not in (str(primary), str(decoy))
+    assert os.path.basename(directory).startswith(f"kvtier-{os.geteuid()}-")
+    st = os.lstat(directory)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), 0o700)
+    assert f"is held by uid {NOBODY}" in caplog.text and directory in caplog.text
+    assert cpu_buffer_mod.worker_cpu_dir(str(sticky_dir)) == directory  # reused
+
+    engine_id = unique_engine_id()
+    worker = open_worker_buffer(engine_id, 0, 1, 4, ROW, directory=directory)
+    attached = cpu_buffer_mod.AttachedRows(
+        cpu_buffer_path(engine_id, 0, 1, str(primary)), 4, ROW
+    )
+    try:
+        worker.array[2, :4] = [9, 8, 7, 6]
+        assert list(attached.array[2, :4]) == [9, 8, 7, 6]
+        # Mapped by both: the name is gone, and the empty fallback with it.
+        assert not os.path.exists(directory)
+    finally:
+        attached.close()
+        worker.close()
+    assert os.listdir(primary) == [] and primary.stat().st_uid == NOBODY
+    assert decoy.stat().st_uid == NOBODY
+
+
+@needs_root
 @pytest.mark.parametrize("owner", [True, None, False])
 def test_file_precreated_by_another_user_is_never_adopted(
     sticky_dir: Path, owner: bool | None

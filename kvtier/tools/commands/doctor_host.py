@@ -7,8 +7,9 @@
 - shared memory for the CPU tier (the engine's own space rule,
   :func:`kvtier.connector.preflight.check_shm_space`, which names the other
   kvtier files holding it) and dead engines' files in this user's CPU-tier
-  directory (:func:`kvtier.host.cpu_tier.cpu_tier_dir`,
-  :func:`kvtier.host.cpu_tier.reclaim_stale_cpu_files`);
+  directories (:func:`kvtier.host.cpu_tier.cpu_tier_dirs`,
+  :func:`kvtier.host.cpu_tier.reclaim_stale_cpu_files`), and another user
+  holding its predictable name;
 - prefix hashing: whether block keys survive a restart;
 - on the CPU platform, whether vLLM leaves a CPU outside the model's
   OpenMP threads for kvtier's loads (:mod:`kvtier.host.placement`).
@@ -22,7 +23,12 @@ import shutil
 
 from kvtier.connector.config import ConfigError, KvtierConfig
 from kvtier.connector.preflight import check_shm_space
-from kvtier.host.cpu_tier import cpu_tier_dir, reclaim_stale_cpu_files
+from kvtier.host.cpu_tier import (
+    cpu_tier_dir,
+    cpu_tier_dirs,
+    held_by_another,
+    reclaim_stale_cpu_files,
+)
 from kvtier.host.placement import (
     bind_lists,
     numa_neighbours,
@@ -124,9 +130,24 @@ def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]
     directory = cpu_tier_dir(base)
     base = os.path.dirname(directory)
     out: list[Check] = []
+    holder = held_by_another(directory)
+    if holder is not None:
+        out.append(
+            Check(
+                "shm",
+                f"{directory}: owner",
+                WARNING,
+                f"held by uid {holder}, not by this user: engines put their CPU "
+                f"tier in a directory of this user's own beside it "
+                f"(kvtier-{os.geteuid()}-<random>)",
+                f"another local user made it; root can remove it (rm -r "
+                f"{directory}), or run the engine with a /dev/shm of its own",
+            )
+        )
     stale: list[tuple[str, int]] = []
-    if os.path.isdir(directory) and not os.path.islink(directory):
-        stale = reclaim_stale_cpu_files(directory, dry_run=not reclaim)
+    for each in cpu_tier_dirs(base):
+        if os.path.isdir(each) and not os.path.islink(each):
+            stale += reclaim_stale_cpu_files(each, dry_run=not reclaim)
     stale_bytes = sum(n for _, n in stale)
     names = ", ".join(os.path.basename(p) for p, _ in stale)
     subject = f"{directory}: stale files"
