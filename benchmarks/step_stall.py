@@ -128,12 +128,8 @@ def _child(
     from vllm import SamplingParams
 
     from kvtier.store.slot import slot_size
-    from kvtier.testing.engine import (
-        build_tiny_llama,
-        kv_bytes_per_block,
-        make_prompt,
-        offloading_kv_transfer_config,
-    )
+    from kvtier.testing.engine import offloading_kv_transfer_config
+    from kvtier.testing.model import build_tiny_llama, kv_bytes_per_block, make_prompt
 
     longest = max(lengths)
     model = build_tiny_llama(max_position_embeddings=2 * longest, **MODEL)

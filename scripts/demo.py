@@ -143,8 +143,9 @@ def run_baseline(h, model_dir: str, phases, args) -> dict[str, Any]:
 def kvtier_transfer_config(h, model_dir: str, args, disk_dir: str) -> dict[str, Any]:
     """kv_transfer_config with tiers sized in blocks of this model."""
     from kvtier.store.slot import slot_size
+    from kvtier.testing.model import kv_bytes_per_block
 
-    block_bytes = h.kv_bytes_per_block(model_dir, BLOCK)
+    block_bytes = kv_bytes_per_block(model_dir, BLOCK)
     return h.offloading_kv_transfer_config(
         "TieredOffloadingSpec",
         "kvtier.connector",
@@ -157,11 +158,13 @@ def kvtier_transfer_config(h, model_dir: str, args, disk_dir: str) -> dict[str, 
 
 def run_kvtier(h, model_dir: str, phases, args, disk_dir: str) -> dict[str, Any]:
     """The workload on an engine with kvtier and a KV-event subscriber."""
+    from kvtier.testing.events import KVEventSubscriber
+
     kv_cfg = kvtier_transfer_config(h, model_dir, args, disk_dir)
     lookups: Counter[str] = Counter()
     rows, outputs = [], []
     t0 = time.perf_counter()
-    sub = h.KVEventSubscriber()
+    sub = KVEventSubscriber()
     try:
         with h.engine(
             model_dir,
@@ -435,14 +438,15 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", category=DeprecationWarning)
 
     from kvtier.testing import engine as h
+    from kvtier.testing.model import build_tiny_llama, kv_bytes_per_block, make_prompt
 
     h.use_in_process_engines()  # before vLLM builds an engine
 
-    model_dir = h.build_tiny_llama()
+    model_dir = build_tiny_llama()
     from vllm import __version__ as vllm_version
 
     model_cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    phases = build_workload(h.make_prompt)
+    phases = build_workload(make_prompt)
 
     if args.disk_path:
         root = os.path.abspath(args.disk_path)
@@ -481,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             "model_dir": model_dir,
             "model_layers": model_cfg["num_hidden_layers"],
             "block_tokens": BLOCK,
-            "block_bytes": h.kv_bytes_per_block(model_dir, BLOCK),
+            "block_bytes": kv_bytes_per_block(model_dir, BLOCK),
             "max_tokens": args.max_tokens,
             "gpu_blocks": args.gpu_blocks,
             "cpu_blocks": args.cpu_blocks,

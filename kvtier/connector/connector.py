@@ -400,12 +400,12 @@ class TieredOffloadingConnector(OffloadingConnector):
         vLLM 0.32 flushes the jobs of each preempted request and asserts
         they are stores; a request preempted by that reset (between steps)
         and readmitted with a CPU or disk hit has only its new load, not
-        yet submitted, and the assertion stopped the engine. vLLM 0.33
+        yet submitted, so the assertion would stop the engine. vLLM 0.33
         leaves such loads out of the flush; so does this: those requests
         leave the preempted set that vLLM's connector scheduler reads (the
         worker still gets vLLM's own scheduler output). A load is only
         issued when a request has no other job in flight, so nothing of
-        theirs needed a flush."""
+        theirs needs a flush."""
         sched = self.connector_scheduler
         assert sched is not None
         preempted = scheduler_output.preempted_req_ids
@@ -431,23 +431,22 @@ class TieredOffloadingConnector(OffloadingConnector):
 
         vLLM restarts active requests' stores from chunk 0 after a reset,
         from the GPU block ids it recorded for them. On a model with a
-        sliding-window group, reset while requests ran (the GPU cache then
-        keeps its blocks), those re-stores left a copy whose bytes were not
-        its chunk's KV, which later requests loaded
-        (tests/e2e/test_engine_fuzz_e2e.py, Gemma-2); without them the
-        copies were right. With the progress kept, the chunks they stored
-        before the reset are forgotten like every other block: a miss,
-        never a copy of unknown bytes.
+        sliding-window group, reset while requests run (the GPU cache then
+        keeps its blocks), those re-stores leave a copy whose bytes are not
+        its chunk's KV, which later requests load
+        (tests/e2e/test_engine_fuzz_e2e.py, Gemma-2). With the progress
+        kept, the chunks they stored before the reset are forgotten like
+        every other block: a miss, never a copy of unknown bytes.
 
         With ``self_describing_kv_events``, the removals kvtier's reset
         announces (one per block its tiers held) are translated here, with
         the payloads vLLM's reset drops (``OffloadingEventsTracker.reset``;
         its own CPU manager announces no removal then), and sent first by
-        the next :meth:`take_events`. Translated a step later, a removal
-        named its chunk's last block hash only, so a subscriber kept the
-        chunk's other hashes on CPU and STORAGE for ever; and where that
-        step stored the same blocks again, the removals took the new
-        copies' payload with them."""
+        the next :meth:`take_events`: translated a step later, a removal
+        would name its chunk's last block hash only, so a subscriber would
+        keep the chunk's other hashes on CPU and STORAGE for ever; and
+        where that step stores the same blocks again, the removals would
+        take the new copies' payload with them."""
         sched = self.connector_scheduler
         assert sched is not None
         progress = {
@@ -484,15 +483,15 @@ class TieredOffloadingConnector(OffloadingConnector):
 
         vLLM sets a request's store progress to the end of its planned load
         (the loaded chunks need no store) and keeps it there when the load
-        fails, so the recomputed chunks were never stored: a corrupt block
-        dropped from the disk tier stayed a miss for every later request.
-        From chunk 0, as a new request's stores start (and as vLLM 0.33
-        starts every request it looks up), the tiers skip the chunks they
-        hold and store the others from the request's GPU blocks, once they
-        are computed (the failed ones recomputed).
+        fails, so otherwise the recomputed chunks are never stored: a
+        corrupt block dropped from the disk tier stays a miss for every
+        later request. From chunk 0, as a new request's stores start (and
+        as vLLM 0.33 starts every request it looks up), the tiers skip the
+        chunks they hold and store the others from the request's GPU
+        blocks, once they are computed (the failed ones recomputed).
 
         Only while the request has no GPU block id recorded, as an
-        asynchronous load leaves it (vLLM cleared them at its lookup and
+        asynchronous load leaves it (vLLM clears them at its lookup and
         records them again when it schedules the request): every block id a
         store then uses is recorded after the restart, and vLLM's check for
         sliding-window blocks freed and reused covers every position from

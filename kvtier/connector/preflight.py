@@ -142,8 +142,9 @@ def _existing_slab_bytes(path: str, names: Iterable[str] = ()) -> int:
 
 def _kvtier_shm_files(directory: str, exclude: Sequence[str]) -> list[tuple[str, int]]:
     """Other kvtier CPU-tier files still holding shared memory: in our private
-    directory (live engines) and, from older kvtier versions, directly in its
-    parent (``/dev/shm/kvtier-*.cpu``)."""
+    directory (live engines) and directly in its parent
+    (``/dev/shm/kvtier-*.cpu``), where older kvtier versions put them and
+    where they stay until someone removes them."""
     skip = {os.path.abspath(p) for p in exclude}
     patterns = [
         os.path.join(directory, "*.cpu"),

@@ -1,7 +1,7 @@
 """kvtier's LoadStoreSpecs: where the worker finds or puts a block.
 
 vLLM passes these objects from the scheduler-side manager to the workers
-(pickled when they run in other processes); ``medium`` names the tier.
+(pickled when they run in other processes).
 """
 
 from __future__ import annotations
@@ -11,17 +11,13 @@ from collections.abc import Sequence
 import numpy as np
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, LoadStoreSpec
 
-from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
+from kvtier.tiers.events import MEDIUM_DISK
 from kvtier.tiers.plans import BlockLocation
 
 
 class CpuTierSpec(BlockIDsLoadStoreSpec):
     """CPU-tier rows (the shared host buffer); ``block_ids`` are row numbers.
     Stores always go here."""
-
-    @classmethod
-    def medium(cls) -> str:
-        return MEDIUM_CPU
 
 
 class TierLoadSpec(LoadStoreSpec):
@@ -55,10 +51,6 @@ class TierLoadSpec(LoadStoreSpec):
             np.int64,
             n,
         )
-
-    @classmethod
-    def medium(cls) -> str:
-        return "cpu+disk"
 
     def __repr__(self) -> str:
         disk = int(self.on_disk.sum())

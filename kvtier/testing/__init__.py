@@ -1,8 +1,11 @@
 """Helpers for kvtier's tests, benchmarks and demo; never used by the plugin.
 
-- :mod:`kvtier.testing.engine`: a real vLLM engine on a tiny random model
-  built locally (no download), per-source hit recording, a KV-event
-  subscriber, prompt builders.
+- :mod:`kvtier.testing.engine`: a real vLLM engine on a tiny random model,
+  per-source hit recording.
+- :mod:`kvtier.testing.model`: the tiny random models, built locally (no
+  download), and prompts for them.
+- :mod:`kvtier.testing.events`: a subscriber of vLLM's KV events, and the
+  residency that kvtier's own events imply.
 - :mod:`kvtier.testing.offloading`: vLLM's ``OffloadingConfig`` and kvtier's
   spec built outside an engine.
 - :mod:`kvtier.testing.kv_corruption`: wrong bytes in the KV cache after

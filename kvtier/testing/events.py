@@ -15,10 +15,6 @@ from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.slots import BlockState
 from kvtier.tiers.tier import Tier
 
-# --------------------------------------------------------------------------
-# 4. KV events
-# --------------------------------------------------------------------------
-
 
 @dataclass
 class ReceivedEvent:

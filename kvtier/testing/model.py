@@ -43,11 +43,6 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 FIRST_REGULAR_ID = 4
 
 
-# --------------------------------------------------------------------------
-# 1. Tiny model
-# --------------------------------------------------------------------------
-
-
 def _config_hash(cfg: dict[str, Any]) -> str:
     blob = json.dumps({"v": _BUILDER_VERSION, **cfg}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

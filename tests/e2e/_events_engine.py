@@ -27,13 +27,8 @@ def main() -> None:
         manager_of,
         run_each,
     )
-    from kvtier.testing.engine import (
-        build_tiny_llama,
-        engine,
-        kv_bytes_per_block,
-        last_event_seq,
-        run_prompts,
-    )
+    from kvtier.testing.engine import engine, last_event_seq, run_prompts
+    from kvtier.testing.model import build_tiny_llama, kv_bytes_per_block
 
     disk, endpoint = sys.argv[1], sys.argv[2]
     model = build_tiny_llama()

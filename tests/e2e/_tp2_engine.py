@@ -73,8 +73,9 @@ def main() -> None:
         run_each,
     )
     from kvtier.store.slot import HEADER_SIZE
-    from kvtier.testing.engine import engine, kv_bytes_per_block, settle
+    from kvtier.testing.engine import engine, settle
     from kvtier.testing.faults import flip_byte
+    from kvtier.testing.model import kv_bytes_per_block
 
     model, disk = sys.argv[1], sys.argv[2]
     _record_init_files()

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.testing.engine import (
-    build_tiny_llama,
-    engine,
-    kv_bytes_per_block,
-    run_prompts,
-)
+from kvtier.testing.engine import engine, run_prompts
+from kvtier.testing.model import build_tiny_llama, kv_bytes_per_block
 
 from .workload import FIRST, GPU_BLOCKS, MAX_TOKENS, RETURNING, run_each
 

@@ -264,7 +264,7 @@ def test_an_engine_process_that_fails_or_dies_is_ended_and_reported(
     a call to one that died fails with that, not a hang."""
     import shutil
 
-    from kvtier.testing.engine import build_tiny_llama
+    from kvtier.testing.model import build_tiny_llama
 
     # The children unpickle their target from the script's module by name.
     monkeypatch.syspath_prepend(str(SCRIPT.parent))

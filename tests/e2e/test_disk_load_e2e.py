@@ -25,16 +25,14 @@ import torch
 
 from kvtier.store.slot import HEADER_SIZE, slot_size
 from kvtier.testing.engine import (
-    build_tiny_gemma2,
     engine,
     get_connector,
     get_engine_core,
     get_scheduler,
-    kv_bytes_per_block,
-    make_prompt,
     run_prompts,
 )
 from kvtier.testing.faults import FaultPlan, FaultRule, on_slot
+from kvtier.testing.model import build_tiny_gemma2, kv_bytes_per_block, make_prompt
 from kvtier.testing.state import evict_clean, io_error_count
 from kvtier.tiers.plans import Residency
 

@@ -51,15 +51,9 @@ from vllm import SamplingParams
 from vllm.v1.request import RequestStatus
 
 from kvtier.store.slot import ReadOutcome, slot_size
-from kvtier.testing.engine import (
-    build_tiny_gemma2,
-    engine,
-    get_hit_recorder,
-    get_scheduler,
-    kv_bytes_per_block,
-    make_prompt,
-)
+from kvtier.testing.engine import engine, get_hit_recorder, get_scheduler
 from kvtier.testing.faults import FaultPlan, FaultRule, inject_faults
+from kvtier.testing.model import build_tiny_gemma2, kv_bytes_per_block, make_prompt
 
 from .test_reliability_e2e import assert_at_rest
 from .workload import kvtier_config, manager_of, run_each

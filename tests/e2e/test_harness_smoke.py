@@ -11,14 +11,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.testing.engine import (  # noqa: E402
-    KVEventSubscriber,
-    build_tiny_llama,
-    make_llm,
-    make_prompt,
-    run_prompts,
-    shutdown_llm,
-)
+from kvtier.testing.engine import make_llm, run_prompts, shutdown_llm  # noqa: E402
+from kvtier.testing.events import KVEventSubscriber  # noqa: E402
+from kvtier.testing.model import build_tiny_llama, make_prompt  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

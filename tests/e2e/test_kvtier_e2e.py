@@ -18,13 +18,13 @@ import pytest
 
 from kvtier.store.slot import slot_size
 from kvtier.testing.engine import (
-    KVEventSubscriber,
     engine,
     engine_with_events,
-    make_prompt,
     run_prompts,
     wait_events_delivered,
 )
+from kvtier.testing.events import KVEventSubscriber
+from kvtier.testing.model import make_prompt
 from kvtier.testing.state import evict_clean
 
 from .workload import (

@@ -19,8 +19,9 @@ import pytest
 from vllm import SamplingParams
 
 from kvtier.store.slot import slot_size
-from kvtier.testing.engine import drain, engine, make_prompt, run_prompts
+from kvtier.testing.engine import drain, engine, run_prompts
 from kvtier.testing.faults import FaultPlan, FaultRule, inject_faults
+from kvtier.testing.model import make_prompt
 from kvtier.testing.state import num_loads
 from kvtier.tiers.slots import BlockState
 

@@ -42,14 +42,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvtier.connector.compat import SYNC_LOADS
-from kvtier.testing.engine import (
-    engine,
-    get_engine_core,
-    get_scheduler,
-    make_prompt,
-    run_prompts,
-)
+from kvtier.testing.engine import engine, get_engine_core, get_scheduler, run_prompts
 from kvtier.testing.faults import FaultPlan
+from kvtier.testing.model import make_prompt
 from kvtier.tiers.plans import Residency
 
 from .test_disk_load_e2e import (

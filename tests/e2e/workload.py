@@ -12,11 +12,11 @@ from collections import Counter
 from kvtier.testing.engine import (
     RunResult,
     get_connector,
-    make_prompt,
     offloading_kv_transfer_config,
     run_prompts,
     settle,
 )
+from kvtier.testing.model import make_prompt
 
 BLOCKS_PER_PROMPT = 4
 PROMPT_LEN = BLOCKS_PER_PROMPT * 32 + 5  # 4 full 32-token blocks + a tail

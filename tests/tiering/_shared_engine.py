@@ -66,7 +66,8 @@ def run_engine(
 
 def baseline_outputs() -> dict[str, list]:
     """The workload's outputs on one engine without offloading."""
-    from kvtier.testing.engine import build_tiny_llama, engine, run_prompts
+    from kvtier.testing.engine import engine, run_prompts
+    from kvtier.testing.model import build_tiny_llama
 
     model = build_tiny_llama()
     with engine(model, None, num_gpu_blocks=GPU_BLOCKS) as llm:
@@ -182,13 +183,12 @@ def _event(ev: Any) -> dict[str, Any]:
 
 def main() -> None:
     from kvtier.testing.engine import (
-        build_tiny_llama,
         engine_with_events,
         get_connector,
-        kv_bytes_per_block,
         run_prompts,
         wait_events_delivered,
     )
+    from kvtier.testing.model import build_tiny_llama, kv_bytes_per_block
 
     role, local, shared = sys.argv[1:4]
     obj = role.startswith("obj-")

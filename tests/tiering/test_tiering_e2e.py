@@ -18,16 +18,14 @@ import numpy as np
 import pytest
 
 from kvtier.testing.engine import (
-    build_tiny_llama,
     engine,
     engine_with_events,
     get_connector,
-    kv_bytes_per_block,
-    make_prompt,
     offloading_kv_transfer_config,
     run_prompts,
     wait_events_delivered,
 )
+from kvtier.testing.model import build_tiny_llama, kv_bytes_per_block, make_prompt
 
 pytestmark = pytest.mark.e2e
 

@@ -169,9 +169,9 @@ def enable_nixl_telemetry() -> None:
 def check_tier_modules(secondary_tiers: list[dict]) -> None:
     """Refuse an entry of one of kvtier's tier types whose ``module_path``
     does not import: vLLM's factory imports it before any kvtier code runs,
-    and a misspelt one ended the start in a bare ModuleNotFoundError naming
-    no key. Raises :class:`TierConfigError` naming ``module_path`` and the
-    package that has the type."""
+    so a misspelt one would otherwise end the start in a bare
+    ModuleNotFoundError naming no key. Raises :class:`TierConfigError`
+    naming ``module_path`` and the package that has the type."""
     from kvtier.connector import tiering
 
     for entry in secondary_tiers:
@@ -199,10 +199,10 @@ def remove_region_file(engine_id: str) -> None:
     file of this user, after its start failed. The workers create it before
     the scheduler side builds the tiers, without a barrier, so its name
     stays while the engine runs, and only the creator's ``cleanup`` (the
-    worker's shutdown, which a failed start never reaches) unlinks it: each
-    failed start, a misspelt tier key in a restart loop, left
-    ``cpu_bytes_to_use`` of /dev/shm behind. Mappings already taken stay
-    valid."""
+    worker's shutdown, which a failed start never reaches) unlinks it.
+    Without this, each failed start (a misspelt tier key in a restart loop,
+    say) leaves ``cpu_bytes_to_use`` of /dev/shm behind. Mappings already
+    taken stay valid."""
     path = REGION_PATH.format(engine_id=engine_id)
     try:
         st = os.lstat(path)
