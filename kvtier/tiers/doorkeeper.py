@@ -27,7 +27,7 @@ class Doorkeeper:
     generation, the next one, is zeroed a few bytes per addition, so that it
     is empty when its turn comes and a change of generation only swaps them
     (making a new one there zero-filled ``window`` x 2 to 4 bytes inside one
-    store or spill: ~20 ms at a million-block tier). 6 bytes per key of
+    store or spill, a pause that grows with the tier). 6 bytes per key of
     window whatever the keys are.
 
     ``hash(key)`` is mixed by two multiplications, so keys whose hashes

@@ -27,9 +27,9 @@ VLLM_MEDIA = {"GPU": MEDIUM_GPU, "CPU": MEDIUM_CPU, "STORAGE": MEDIUM_DISK}
 # Keys of bulk events (``BULK_REASONS``) one engine step's drain hands out
 # (``EventLog.take(backlog=...)``), beyond every other event recorded since
 # the last one. vLLM builds and publishes one KV event per key within the
-# step (about 5 us each on a 2-core VM), so a warm restart's event naming a
-# million adopted blocks would otherwise cost the first step seconds; at this
-# rate it goes out over its first steps, about 20 ms of each.
+# step (microseconds each), so a warm restart's event naming a million
+# adopted blocks would otherwise cost the first step seconds; at this rate
+# it goes out over its first steps, a small share of each.
 EVENT_BACKLOG_PER_STEP = 4096
 
 # Reasons of the events that name a whole tier at once (warm restart,

@@ -52,9 +52,9 @@ from kvtier.tiers.policy import SEGMENT_SHIFT, Run
 # a comparison per victim.
 RUNS_PER_SEGMENT = 3
 
-# Keys per chunk of a run: the most a chunk's table rebuild walks (about
-# 0.6 ms for an OrderedDict of 4,096 keys here, against 0.15 s for one of a
-# million). Read at each use (tests shrink it).
+# Keys per chunk of a run: the most a chunk's table rebuild walks (a
+# rebuild's cost grows with its table: one of a million keys would stall a
+# step, one of a few thousand does not). Read at each use (tests shrink it).
 CHUNK_KEYS = 4096
 
 # Chunks of its run that a new chunk's creation tidies, round robin (the
