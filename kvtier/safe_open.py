@@ -14,6 +14,11 @@ directory or a CPU-tier file therefore goes through this module:
 - callers keep using the descriptor (or compare device and inode with it),
   so a name swapped after the check is never used.
 
+Files kvtier only reads and does not own (another user's store that the
+tools inspect, model weights, an operator's trace or config) are opened with
+:func:`open_regular`: a regular file is all it asks for, and the open never
+blocks.
+
 Locks: an engine holds an exclusive ``flock`` on its store directory and on
 its CPU-tier file for its lifetime. ``flock`` locks belong to the open file
 description, so they vanish with the process (SIGKILL, OOM kill included):
@@ -36,6 +41,7 @@ import stat
 
 __all__ = [
     "InUseError",
+    "NotRegularFileError",
     "check_own_dir",
     "check_private_fd",
     "flock_exclusive",
@@ -43,6 +49,7 @@ __all__ = [
     "lock_holders",
     "open_private",
     "open_private_dir",
+    "open_regular",
     "same_file",
 ]
 
@@ -56,6 +63,59 @@ class InUseError(RuntimeError):
     def __init__(self, message: str, path: str):
         self.path = path
         super().__init__(message)
+
+
+class NotRegularFileError(OSError):
+    """:func:`open_regular` found something other than a regular file:
+    ``errno`` EINVAL, ``filename`` the path, ``kind`` what it is
+    (``"directory"``, ``"FIFO"``, ``"character device"``, ``"block
+    device"``, ``"socket"`` or ``"special file"``)."""
+
+    def __init__(self, path: str, kind: str):
+        super().__init__(errno.EINVAL, f"not a regular file ({kind})", path)
+        self.kind = kind
+
+
+_FILE_KINDS = {
+    stat.S_IFDIR: "directory",
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFSOCK: "socket",
+}
+
+
+def open_regular(
+    path: str | os.PathLike[str], *, follow_links: bool = False
+) -> tuple[int, os.stat_result]:
+    """A read-only, close-on-exec descriptor of the regular file ``path``,
+    and its ``fstat``; the caller closes the descriptor.
+
+    The open never blocks: it is made ``O_NONBLOCK`` (a FIFO would otherwise
+    wait for a writer forever), which is cleared again on the descriptor
+    returned, so reads block as usual. The opened descriptor must be a
+    regular file (a device would be read endlessly, a directory not at all):
+    anything else raises :class:`NotRegularFileError`. Without
+    ``follow_links`` a symbolic link as the last component is refused
+    (``O_NOFOLLOW``: OSError with errno ELOOP); with it, links are followed
+    (a file the operator names, model files the hub cache links to). Any
+    other failure of the open is its OSError, naming ``path``. Type only:
+    owner and mode are not checked (see :func:`open_private` for kvtier's
+    own files)."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+    if not follow_links:
+        flags |= os.O_NOFOLLOW
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "special file")
+            raise NotRegularFileError(os.fsdecode(path), kind)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def _refuse(code: int, why: str, path: str) -> OSError:

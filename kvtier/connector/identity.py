@@ -38,16 +38,15 @@ contents are hashed.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.log import get_logger
+from kvtier.safe_open import open_regular
 from kvtier.store.slot import LayoutFingerprint
 
 logger = get_logger("connector")
@@ -195,9 +194,10 @@ def sampled_digest(path: str, size: int) -> str:
     """A 32-hex-digit digest of ``path``'s safetensors header (when it is
     one) and ``_SAMPLES`` reads of ``_SAMPLE_BYTES`` evenly spread over its
     ``size`` bytes. Cost: ~17 small reads per file, whatever its size.
-    Raises OSError."""
+    Raises OSError (EINVAL for anything but a regular file: a FIFO planted
+    in a model directory never hangs engine start or ``kvtier doctor``)."""
     h = hashlib.blake2b(digest_size=16, person=b"kvtier-weights")
-    fd = _open_regular(path)
+    fd, _ = open_regular(path, follow_links=True)  # hub cache: links to blobs
     try:
         if path.endswith(".safetensors") and size >= 8:
             (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
@@ -208,21 +208,6 @@ def sampled_digest(path: str, size: int) -> str:
     finally:
         os.close(fd)
     return h.hexdigest()
-
-
-def _open_regular(path: str) -> int:
-    """A read-only descriptor of the regular file ``path`` (links followed:
-    the hub's cache links snapshots to blobs). Opened ``O_NONBLOCK``: a FIFO
-    planted in a model directory, under any name the walk reads, must not
-    hang engine start or ``kvtier doctor``; it raises OSError (EINVAL)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _describe_files(root: str) -> dict[str, Any]:
@@ -251,7 +236,7 @@ def _describe_files(root: str) -> dict[str, Any]:
                     entry["error"] = exc.errno
             elif st.st_size <= _MAX_HASHED_BYTES:
                 try:
-                    with open(_open_regular(path), "rb") as f:
+                    with open(open_regular(path, follow_links=True)[0], "rb") as f:
                         entry["blake2b"] = hashlib.blake2b(
                             f.read(_MAX_HASHED_BYTES + 1), digest_size=16
                         ).hexdigest()

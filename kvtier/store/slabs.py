@@ -79,12 +79,14 @@ from kvtier.log import get_logger
 from kvtier.safe_open import (
     FILE_MODE,
     InUseError,
+    NotRegularFileError,
     check_own_dir,
     check_private_fd,
     flock_exclusive,
     lock_holders,
     open_private,
     open_private_dir,
+    open_regular,
 )
 from kvtier.store.backends.base import IO_ALIGNMENT, DiskBackend
 from kvtier.store.slot import (
@@ -846,8 +848,8 @@ def _take_misplaced_slab(
     left the list. A slab's blocks live anywhere in the store (slot headers
     name their keys, not their slots), so the warm restart adopts them
     where they now are (all but those of local slots past the new index's
-    share, with uneven stripes); without this the store started empty, a
-    second slab was preallocated beside the first and the old one was left
+    share, with uneven stripes); without this the store would start empty,
+    with a second slab preallocated beside the first and the old one left
     taking its space. A directory with its own slab, or several others, is
     left as it is."""
     names = [n for n in listing if SLAB_RE.match(n)]
@@ -961,12 +963,12 @@ def _preallocate(fd: int, size: int, path: str, old_size: int) -> None:
 
 class _ReadOnly(DiskBackend):
     """The tools' back end: ``os.preadv`` on the calling thread, on
-    descriptors from :func:`open_regular`; it never writes."""
+    descriptors from :func:`_open_store_file`; it never writes."""
 
     name = "pread"
 
     def open(self, path: str, writable: bool = True) -> int:
-        return open_regular(path)[0]
+        return _open_store_file(path)[0]
 
     def submit_read(self, handle: int, buf: Any, offset: int) -> Future[int]:
         fut: Future[int] = Future()
@@ -986,37 +988,19 @@ class _ReadOnly(DiskBackend):
         return handle
 
 
-_FILE_KINDS = {
-    stat.S_IFDIR: "directory",
-    stat.S_IFIFO: "FIFO",
-    stat.S_IFCHR: "character device",
-    stat.S_IFBLK: "block device",
-    stat.S_IFSOCK: "socket",
-}
-
-
-def open_regular(path: str) -> tuple[int, os.stat_result]:
-    """``os.open`` for reading that never blocks or follows a symlink, and
-    accepts only a regular file (a FIFO named like a slab would otherwise
-    block forever, a device would be read endlessly); StoreError otherwise."""
+def _open_store_file(path: str) -> tuple[int, os.stat_result]:
+    """:func:`~kvtier.safe_open.open_regular` (no link followed) for the
+    tools, its refusals as :class:`StoreError`, the open's errno kept."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return open_regular(path)
+    except NotRegularFileError as exc:
+        raise StoreError(f"{path}: not a regular file ({exc.kind})") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise StoreError(f"{path}: is a symbolic link (refused)") from None
         refused = StoreError(f"{path}: cannot open: {exc.strerror or exc}")
         refused.errno = exc.errno
         raise refused from None
-    try:
-        st = os.fstat(fd)
-    except OSError as exc:
-        os.close(fd)
-        raise StoreError(f"{path}: cannot stat: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "special file")
-        raise StoreError(f"{path}: not a regular file ({kind})")
-    return fd, st
 
 
 def find_stores(paths: Sequence[str]) -> list[SlabFiles]:
@@ -1111,7 +1095,7 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
         for n in names:
             m = SLAB_RE.match(n)
             if m is not None:
-                fd, st = open_regular(os.path.join(d, n))
+                fd, st = _open_store_file(os.path.join(d, n))
                 os.close(fd)
                 found.append((int(m.group(1)), os.path.join(d, n), st.st_size))
     found.sort()
@@ -1223,7 +1207,7 @@ def _read_layout(directory: str) -> tuple[dict[str, Any] | None, str | None]:
     if not os.path.lexists(path):
         return None, f"{path}: missing"
     try:
-        fd, st = open_regular(path)
+        fd, st = _open_store_file(path)
     except StoreError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM):
             raise
@@ -1302,7 +1286,7 @@ def _infer_block_bytes(paths: list[str], warnings: list[str]) -> int | None:
     of the first slab that has a valid one (within MAX_BLOCK_BYTES)."""
     for path in paths:
         try:
-            fd, _ = open_regular(path)
+            fd, _ = _open_store_file(path)
         except StoreError:
             continue
         try:

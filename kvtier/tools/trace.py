@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kvtier.safe_open import NotRegularFileError, open_regular
 
 TOKENS_PER_TRACE_BLOCK = 512
 
@@ -87,30 +88,24 @@ def parse_request(obj: Mapping[str, Any]) -> TraceRequest:
     )
 
 
-_SPECIAL_FILES = {stat.S_IFCHR: "character device", stat.S_IFIFO: "FIFO"}
-
-
 def _open_trace(path: str | os.PathLike[str]) -> Any:
-    """A binary reader for a trace, which must be a regular file: devices
-    (``/dev/zero``), FIFOs and directories are refused, and opening never
-    blocks (``O_NONBLOCK``)."""
+    """A binary reader for a trace, which must be a regular file (a link to
+    one is followed): devices (``/dev/zero``), FIFOs and directories are
+    refused, and opening never blocks (:func:`~kvtier.safe_open.open_regular`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd, st = open_regular(path, follow_links=True)
+    except NotRegularFileError as exc:
+        if exc.kind == "directory":
+            raise TraceError(f"{path}: is a directory, not a trace file") from None
+        raise TraceError(f"{path}: is a {exc.kind}, not a regular trace file") from None
     except OSError as exc:
         raise TraceError(f"{path}: {exc.strerror or exc}") from None
     try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise TraceError(f"{path}: is a directory, not a trace file")
-        if not stat.S_ISREG(st.st_mode):
-            kind = _SPECIAL_FILES.get(stat.S_IFMT(st.st_mode), "special file")
-            raise TraceError(f"{path}: is a {kind}, not a regular trace file")
         if st.st_size > MAX_TRACE_BYTES:
             raise TraceError(
                 f"{path}: {st.st_size} bytes, more than the {MAX_TRACE_BYTES} "
                 "a trace may have"
             )
-        os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

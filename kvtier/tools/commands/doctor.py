@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.connector.sizes import expand_bare_sizes
+from kvtier.safe_open import NotRegularFileError, open_regular
 from kvtier.tools.commands.common import emit_json
 
 OK, WARNING, ERROR = "ok", "warning", "error"
@@ -60,16 +60,16 @@ class InputError(ValueError):
 
 
 def _read_config(path: str) -> str:
-    """The text of a regular file of at most MAX_CONFIG_BYTES (a FIFO or a
-    device would block or never end); raises InputError."""
+    """The text of a regular file (a link to one is followed) of at most
+    MAX_CONFIG_BYTES (a FIFO or a device would block or never end); raises
+    InputError."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, st = open_regular(path, follow_links=True)
+    except NotRegularFileError:
+        raise InputError(f"--config {path!r} is not a regular file") from None
     except OSError as exc:
         raise InputError(f"cannot read --config {path!r}: {exc.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"--config {path!r} is not a regular file")
         if st.st_size > MAX_CONFIG_BYTES:
             raise InputError(
                 f"--config {path!r} holds {st.st_size} bytes; a transfer config "
