@@ -38,6 +38,8 @@ from pydantic import (
 from pydantic.fields import FieldInfo, PydanticUndefined
 
 from kvtier.connector.sizes import NotASize, parse_size
+from kvtier.store.backends.factory import DISK_IO_CHOICES
+from kvtier.store.store import COMPRESSION_CHOICES
 from kvtier.tiers.policy import policy_names
 
 
@@ -228,8 +230,8 @@ def _one_of(*choices: str) -> Any:
     ]
 
 
-DiskIo = _one_of("auto", "posix", "kvikio")
-Compression = _one_of("none", "zstd")
+DiskIo = _one_of(*DISK_IO_CHOICES)
+Compression = _one_of(*COMPRESSION_CHOICES)
 LoadPath = _one_of("host", "device")
 AutoOnOff = _one_of("auto", "on", "off")
 
