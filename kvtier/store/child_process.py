@@ -64,8 +64,11 @@ logger = get_logger("store")
 _F_SETPIPE_SZ = 1031
 PIPE_BYTES = 1 << 20
 _READ_CHUNK = 1 << 20
-# How long start_configured waits for a child it killed to be reaped.
+# How long a child is waited for to be reaped once it is killed (stop's
+# ``wait_s`` with ``kill``).
 KILL_WAIT_S = 5.0
+# The longest one wait on the pipe lasts before a blocking wait looks again.
+PIPE_WAIT_S = 0.05
 
 
 # Python 3.11+ sets the child's process group between fork and exec. Python

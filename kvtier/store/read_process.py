@@ -70,6 +70,8 @@ from kvtier.host.placement import (
 )
 from kvtier.log import get_logger
 from kvtier.store.child_process import (
+    KILL_WAIT_S,
+    PIPE_WAIT_S,
     ChildStarter,
     PipeChannel,
     SchedulingWatch,
@@ -92,8 +94,6 @@ logger = get_logger("store")
 CLOSE_WAIT_S = 5.0
 # How long abandon() waits for the child's answer before it stops the child.
 ABANDON_WAIT_S = 5.0
-# The longest one wait on the pipe lasts before a blocking wait looks again.
-PIPE_WAIT_S = 0.05
 # The child's name in ps and top (its read threads are kvtier-posix_N).
 CHILD_NAME = "kvtier-read"
 
@@ -374,7 +374,7 @@ class ReadProcess:
         """The child is gone: reap it, fail what it held, read here from now."""
         proc = self._proc
         if proc is not None:
-            stop(proc, CLOSE_WAIT_S, "read process", kill=True)
+            stop(proc, KILL_WAIT_S, "read process", kill=True)
         if not self._closed and not self._ready and not self._held:
             logger.warning(
                 "kvtier: the read process did not start (%s, exit status %s); "

@@ -14,10 +14,9 @@ finished job.
 
 Why: the spill threads stage, hash and write whole batches; each of their
 hand-offs of the interpreter lock takes it back from the engine's loop. In
-the engine's process, four spill threads beside steps of small torch ops
-(a CPU forward pass) took the steps' p99 from about 1 ms to 7-9 ms, and a
-busy loop held the spills to 39-219 MB/s; the same spills from a child kept
-1,072-1,153 MB/s (docs/benchmarks.md, "Spills next to a busy loop").
+the engine's process they stall its steps, and a busy loop slows them;
+from a child the steps keep their pace and the spills most of theirs
+(docs/benchmarks.md, "Spills next to a busy loop").
 
 Contract (what :class:`~kvtier.store.runtime.DiskRuntime` relies on):
   - :meth:`SpillProcess.start` asks for the child (once, when every rank's
@@ -64,6 +63,8 @@ import numpy as np
 from kvtier.host.placement import name_this_thread
 from kvtier.log import get_logger
 from kvtier.store.child_process import (
+    KILL_WAIT_S,
+    PIPE_WAIT_S,
     ChildStarter,
     PipeChannel,
     die_with_parent,
@@ -77,16 +78,17 @@ from kvtier.store.child_process import (
 )
 from kvtier.store.slabs import SlabStats
 from kvtier.store.store import DiskStore
-from kvtier.store.transfers import CLOSE_TIMEOUT_S, FinishedJob, TransferEngine
+from kvtier.store.transfers import (
+    CLOSE_TIMEOUT_S,
+    ArrayRows,
+    FinishedJob,
+    TransferEngine,
+)
 
 logger = get_logger("store")
 
 # How long close() waits for the child to finish its jobs and exit.
 CLOSE_WAIT_S = 10.0
-# How long give_up() waits for a killed child to be reaped.
-KILL_WAIT_S = 5.0
-# The longest one wait on the pipe lasts before a blocking wait looks again.
-PIPE_WAIT_S = 0.05
 # The child's name in ps and top (its I/O threads are kvtier-xfer-N).
 CHILD_NAME = "kvtier-spill"
 
@@ -453,19 +455,12 @@ class SpillProcess:
 # ------------------------------------------------------------ the child
 
 
-@dataclass
-class _MappedRows:
+def _map_rows(fd: int, num_blocks: int, block_bytes: int) -> ArrayRows:
     """One rank's CPU tier rows, mapped here from the descriptor passed."""
-
-    array: np.ndarray
-    block_bytes: int
-
-
-def _map_rows(fd: int, num_blocks: int, block_bytes: int) -> _MappedRows:
     area = mmap.mmap(fd, num_blocks * block_bytes, mmap.MAP_SHARED)
     os.close(fd)  # the mapping keeps the file
     rows = np.frombuffer(area, dtype=np.uint8).reshape(num_blocks, block_bytes)
-    return _MappedRows(rows, block_bytes)
+    return ArrayRows(rows, block_bytes)
 
 
 def _serve(req: Connection, send: Callable[[tuple], None]) -> None:

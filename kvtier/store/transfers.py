@@ -73,6 +73,15 @@ class HostRows(Protocol):
 
 
 @dataclass(frozen=True)
+class ArrayRows:
+    """:class:`HostRows` over an array already at hand: a view of vLLM's
+    primary tier, or the CPU tier's rows mapped in the spill process."""
+
+    array: np.ndarray
+    block_bytes: int
+
+
+@dataclass(frozen=True)
 class FinishedJob:
     """A job every rank finished.
 

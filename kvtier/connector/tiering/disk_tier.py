@@ -78,6 +78,7 @@ from kvtier.store.runtime import DiskRuntime
 from kvtier.store.slabs import store_dirname
 from kvtier.store.slot import slot_size
 from kvtier.store.store import open_stores
+from kvtier.store.transfers import ArrayRows
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.events import EVENT_BACKLOG_PER_STEP, MEDIUM_DISK, EventLog
 from kvtier.tiers.plans import PromoteOrder, SpillOrder, TransferItem
@@ -124,15 +125,6 @@ DISK_TIER_METRICS = (
     m.DISK_STALLED,
 )
 _DISK = (MEDIUM_DISK,)
-
-
-@dataclass
-class PrimaryRows:
-    """One rank's page of every primary-tier row (``array[row]`` is a
-    contiguous ``block_bytes`` view into vLLM's mmap)."""
-
-    array: np.ndarray
-    block_bytes: int
 
 
 @dataclass
@@ -286,8 +278,8 @@ class KvtierDiskTier(SecondaryTierManager):
         )
         self.runtime: DiskRuntime | None = DiskRuntime(
             stores,
-            [
-                PrimaryRows(
+            [  # each rank's page of every row, a view into vLLM's mmap
+                ArrayRows(
                     rows[:, r * self.block_bytes : (r + 1) * self.block_bytes],
                     self.block_bytes,
                 )
