@@ -33,7 +33,6 @@ and its slot reused only after the spill completed.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvtier.tiers.disk_core import DiskTierCore
@@ -100,14 +99,11 @@ class TierHierarchy:
         self.spill_watermark = spill_watermark
         self.stats = HierarchyStats()
         self._next_job_id = 1
-        # Without a disk tier: no disk core, no write-back of dirty CPU
-        # blocks (``_spills``), no dirty CPU block (``_dirty``, oldest use
-        # first) and no spill in flight (``_spilling``: key -> job id).
+        # Without a disk tier: no disk core and no write-back of dirty CPU
+        # blocks (``_spills``).
         self.disk_core: DiskTierCore | None = None
         self.disk: Tier | None = None
         self._spills: SpillQueue | None = None
-        self._dirty: OrderedDict[Key, None] = OrderedDict()
-        self._spilling: dict[Key, int] = {}
         if disk_blocks > 0:
             # The disk tier's placement (slots, victims, pins, events) is the
             # same engine as the tiering-mode disk tier's; ``disk`` is its
@@ -122,7 +118,6 @@ class TierHierarchy:
                 batch=spill_batch,
                 new_job_id=self._new_job_id,
             )
-            self._dirty, self._spilling = spills.dirty, spills.spilling
             # Victims of the CPU tier are only blocks it may drop now; the
             # tier indexes them, so a tier full of dirty or in-flight
             # blocks costs nothing to ask. The spill queue refreshes a key
@@ -142,7 +137,7 @@ class TierHierarchy:
             self.cpu,
             self.disk_core,
             self.stats,
-            self._dirty,
+            self._spills,
             self._promoted,
             make_cpu_room=self._make_cpu_room,
             disk_dropped=self._disk_dropped,
@@ -176,13 +171,10 @@ class TierHierarchy:
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark keys used; the first key ends up most recent (prefix order)."""
         order = list(keys)
+        if self._spills is not None:
+            self._spills.touched(order)
         order.reverse()
         self.cpu.touch_many(order)
-        dirty = self._dirty
-        if dirty:
-            for key in order:
-                if key in dirty:
-                    dirty.move_to_end(key)
         if self.disk is not None:
             self.disk.touch_many(order)
 

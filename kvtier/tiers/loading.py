@@ -11,7 +11,6 @@ bounded victim scan.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 
@@ -19,6 +18,7 @@ from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.plans import BlockLocation, HierarchyStats, Key, LoadPlan
 from kvtier.tiers.slots import BlockState
+from kvtier.tiers.spilling import SpillQueue
 from kvtier.tiers.tier import Tier
 
 # How many eviction candidates a load may inspect to find a CPU row for a
@@ -33,14 +33,16 @@ class LoadPlanner:
     ``make_cpu_room(n, limit)`` frees up to ``n`` CPU rows and returns how
     many are free; ``disk_dropped(keys, evicted)`` is called after the disk
     core dropped copies; ``emit(keys, medium, removed, reason)`` records a
-    residency event; ``new_job_id()`` numbers the loads."""
+    residency event; ``new_job_id()`` numbers the loads. ``spills`` (None
+    without a disk tier) is told the CPU blocks a load uses
+    (:meth:`~kvtier.tiers.spilling.SpillQueue.touched`)."""
 
     def __init__(
         self,
         cpu: Tier,
         disk_core: DiskTierCore | None,
         stats: HierarchyStats,
-        dirty: OrderedDict[Key, None],
+        spills: SpillQueue | None,
         promoted: set[Key],
         *,
         make_cpu_room: Callable[[int, int | None], int],
@@ -55,7 +57,7 @@ class LoadPlanner:
         self.stats = stats
         self.promote_on_hit = promote_on_hit
         self.loads: dict[int, LoadPlan] = {}
-        self._dirty = dirty
+        self._spills = spills
         self._promoted = promoted
         self._make_cpu_room = make_cpu_room
         self._disk_dropped = disk_dropped
@@ -127,11 +129,8 @@ class LoadPlanner:
         if on_disk:
             disk.touch_many(on_disk[::-1])  # type: ignore[union-attr]
         # Only a READY CPU block can be dirty: the keys read from disk are not.
-        dirty = self._dirty
-        if dirty and on_cpu:
-            for key in reversed(on_cpu):
-                if key in dirty:
-                    dirty.move_to_end(key)
+        if self._spills is not None and on_cpu:
+            self._spills.touched(on_cpu)
         plan = LoadPlan(self._new_job_id(), list(keys), locations)
         self.loads[plan.load_id] = plan
         return plan

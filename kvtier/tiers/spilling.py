@@ -68,6 +68,17 @@ class SpillQueue:
         on_disk = self.disk.get(key)
         return on_disk is not None and on_disk.state is READY
 
+    def touched(self, keys: Sequence[Key]) -> None:
+        """``keys`` were used, in prefix order: the dirty ones move to the
+        newest end of the spill order, the first key newest (a prefix's
+        head serves every request that shares it, so it spills last).
+        O(len(keys))."""
+        dirty = self.dirty
+        if dirty:
+            for key in reversed(keys):
+                if key in dirty:
+                    dirty.move_to_end(key)
+
     def stored(self, keys: Iterable[Key]) -> list[Key]:
         """A store of ``keys`` finished: mark those that are WRITING CPU
         blocks of a store READY, dirty unless already on disk, in order (a

@@ -282,9 +282,9 @@ class HierarchyMachine(RuleBasedStateMachine):
         # block is also on disk or its spill failed; replay already checks
         # consistency, here we check the dirty queue only holds CPU-ready,
         # disk-absent keys.
-        if self.h.disk is None:
+        if self.h._spills is None:
             return
-        for key in self.h._dirty:
+        for key in self.h._spills.dirty:
             assert self.h.cpu.is_ready(key)
             assert not self.h.disk.is_ready(key)
 
