@@ -5,6 +5,12 @@ report their own): vLLM 0.33 added synchronous loads (a hit loaded within
 the step that schedules its request, up to ``sync_load_budget_bytes`` per
 step; ``TransferJob.sync``, ``submit_load(..., expedited=True)``).
 docs/compatibility.md has the whole list.
+
+Also the tools' one way to vLLM (kvtier.connector is the only package that
+imports it): :func:`transfer_config_keys` (``kvtier doctor``) and
+:func:`kv_event_batch_type` (``kvtier events``). The tools import this
+module only when they need vLLM, and do without it where it cannot be
+imported.
 """
 
 from __future__ import annotations
@@ -20,6 +26,22 @@ from kvtier.connector.config import ConfigError, KvtierConfig
 SYNC_LOADS: bool = "sync" in {f.name for f in dataclasses.fields(TransferJob)}
 
 KEY = "sync_load_budget_bytes"
+
+
+def transfer_config_keys() -> tuple[str, ...]:
+    """The keys vLLM's ``--kv-transfer-config`` takes: the fields of its
+    ``KVTransferConfig``."""
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    return tuple(f.name for f in dataclasses.fields(KVTransferConfig))
+
+
+def kv_event_batch_type() -> type:
+    """vLLM's ``KVEventBatch``: the type of the messages its KV-event
+    publisher sends (msgpack)."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    return KVEventBatch
 
 
 def check_sync_load_budget(

@@ -222,9 +222,10 @@ class BatchDecoder:
 
 def _typed_decoder() -> Any:
     import msgspec
-    from vllm.distributed.kv_events import KVEventBatch
 
-    return msgspec.msgpack.Decoder(type=KVEventBatch)
+    from kvtier.connector.compat import kv_event_batch_type
+
+    return msgspec.msgpack.Decoder(type=kv_event_batch_type())
 
 
 def _zero() -> dict[str, int]:

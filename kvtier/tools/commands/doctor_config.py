@@ -9,7 +9,6 @@ what engine start would refuse, with the same message.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib.metadata
 import re
@@ -108,10 +107,11 @@ def _config_errors(exc: ConfigError, inp: DoctorInput | None = None) -> list[Che
 def _transfer_keys() -> tuple[str, ...] | None:
     """vLLM's ``KVTransferConfig`` fields (None if vLLM cannot be imported)."""
     try:
-        from vllm.config.kv_transfer import KVTransferConfig
+        from kvtier.connector.compat import transfer_config_keys
+
+        return transfer_config_keys()
     except Exception:
         return None
-    return tuple(f.name for f in dataclasses.fields(KVTransferConfig))
 
 
 def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[Check]:
