@@ -58,12 +58,15 @@ from kvtier.store.slot import LayoutFingerprint, slot_size
 logger = get_logger("connector")
 
 
-def spill_in_child(setting: str) -> bool:
-    """Whether ``disk_spill_process`` (auto, on, off) runs the disk jobs in
-    a spill process on this platform: auto does where it was measured, the
-    CPU platform (docs/benchmarks.md, "Spills next to a busy loop"), and
-    keeps them in the engine's process on accelerators until a lent GPU
-    measured the child against them."""
+def in_child_process(setting: str) -> bool:
+    """Whether a helper-process setting (``disk_spill_process``,
+    ``disk_read_process``: auto, on, off) runs that disk work in a child
+    process on this platform. ``auto`` does on the CPU platform, where the
+    child keeps the reads, checks and writes from under the engine's
+    interpreter lock (docs/benchmarks.md, "Engine step stalls", "Spills
+    next to a busy loop"), and keeps them in the engine's process on an
+    accelerator, where the child's effect is not measured (docs/benchmarks.md,
+    "Real-size model on GPU")."""
     from vllm.platforms import current_platform
 
     return setting == "on" or (setting == "auto" and current_platform.is_cpu())
@@ -133,9 +136,8 @@ def warn_disk_smaller_than_cpu(num_cpu_blocks: int, num_disk_blocks: int) -> boo
     CPU tier. A CPU block leaves its tier only once it is on disk
     (write-back), so such a disk tier makes CPU stores wait for spills into
     it: the CPU tier is declined stores and holds fewer blocks than it
-    would with no disk tier at all (``kvtier size`` on the shared trace:
-    CPU 2,000 blocks over a 10-block disk, hit rate 0.116, against 0.146
-    without one)."""
+    would with no disk tier at all (docs/configuration.md gives the
+    figures)."""
     if not 0 < num_disk_blocks < num_cpu_blocks:
         return False
     logger.warning(
@@ -302,7 +304,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                     stores,
                     rows,
                     threads=cfg.disk_io_threads,
-                    spill_process=spill_in_child(cfg.disk_spill_process),
+                    spill_process=in_child_process(cfg.disk_spill_process),
                 )
                 # Blocks written under weights a trainer since replaced
                 # (weight_transfer_config) must not outlive this engine.
@@ -372,15 +374,9 @@ class TieredOffloadingSpec(OffloadingSpec):
         try:
             if cfg.disk_load_path == "device":
                 return SlotReader(files, device=device, capacity=capacity)
-            if cfg.disk_read_process == "on" or (
-                cfg.disk_read_process == "auto" and device.type == "cpu"
-            ):
-                # Reads and checks beside the engine, not under its
-                # interpreter lock (docs/benchmarks.md, "Engine step
-                # stalls"). On an accelerator the copy path page-locks the
-                # shared area (DeviceCopies, as it does the CPU tier's);
-                # auto keeps reads in this process there until a lent GPU
-                # measured the child against them ("Real-size model on GPU").
+            if in_child_process(cfg.disk_read_process):
+                # On an accelerator the copy path page-locks the shared
+                # area (DeviceCopies, as it does the CPU tier's).
                 from kvtier.store.read_process import ReadProcess
 
                 return ReadProcess(
