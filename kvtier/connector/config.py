@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -102,11 +103,20 @@ class TransferConfigError(ConfigError):
     where = "kv_transfer_config"
 
 
+# The names an operator's config gives vLLM for kvtier's classes: the full
+# spec, its connector and their module; the tiering mode's spec (kvtier's
+# worker for the CPU platform) and its package.
+SPEC_NAME = "TieredOffloadingSpec"
+CONNECTOR_NAME = "TieredOffloadingConnector"
+SPEC_MODULE = "kvtier.connector"
+PORTABLE_SPEC_NAME = "PortableTieringSpec"
+TIERING_MODULE = "kvtier.connector.tiering"
+
 # How to run under kvtier's connector; a disk tier needs it (kvtier.connector
 # .connector reports a failed disk load to vLLM instead of crashing).
 CONNECTOR_HINT = (
-    'set "kv_connector": "TieredOffloadingConnector", '
-    '"kv_connector_module_path": "kvtier.connector" and '
+    f'set "kv_connector": "{CONNECTOR_NAME}", '
+    f'"kv_connector_module_path": "{SPEC_MODULE}" and '
     '"kv_load_failure_policy": "recompute" in --kv-transfer-config'
 )
 
@@ -650,8 +660,8 @@ def check_kvtier_keys_are_read(extra: Mapping[str, Any], spec: str) -> None:
         raise ConfigError(
             "spec_name",
             f"{named}, which ignores kvtier's keys {', '.join(ignored)}; "
-            'set "spec_name": "TieredOffloadingSpec" and "spec_module_path": '
-            '"kvtier.connector" (in tiering mode the disk keys go in the '
+            f'set "spec_name": "{SPEC_NAME}" and "spec_module_path": '
+            f'"{SPEC_MODULE}" (in tiering mode the disk keys go in the '
             f"{DISK_TIER_TYPE} entry of secondary_tiers)",
         )
 
@@ -818,3 +828,98 @@ def parse_tier_config(
         return parse_extra_config({"cpu_bytes_to_use": cpu_bytes_to_use, **disk})
     except ConfigError as exc:
         raise as_tier_error(exc) from None
+
+
+# ---------------------------------------- the tiering mode's SharedFsTier entry
+
+SHARED_TIER_TYPE = "SharedFsTier"
+# kvtier's secondary-tier types: an entry of one of them names kvtier's
+# tiering package (TIERING_MODULE) as its module_path.
+TIER_TYPES = (DISK_TIER_TYPE, SHARED_TIER_TYPE)
+
+
+def _absolute(value: Any) -> Any:
+    if not isinstance(value, str) or not os.path.isabs(value):
+        raise _Refusal(f"got {value!r:.200}; give the shared mount's absolute path")
+    return value
+
+
+def _seconds(value: Any) -> Any:
+    # A number stays as given, so a refusal quotes it as written.
+    return (
+        value
+        if isinstance(value, int | float) and not isinstance(value, bool)
+        else _number(value)
+    )
+
+
+Seconds = Annotated[float, BeforeValidator(_seconds), Accepts("seconds > 0")]
+AbsolutePath = Annotated[str, BeforeValidator(_absolute), Accepts("absolute path")]
+SharedLocality = _one_of("REMOTE", "LOCAL")
+
+
+class SharedFsTierConfig(BaseModel):
+    """One ``SharedFsTier`` entry of ``secondary_tiers`` as the tier gets it
+    (vLLM's factory has taken :data:`FACTORY_KEYS` out): vLLM's ``fs`` tier
+    keys, passed on, and the guard's timeouts (docs/scale-out.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    root_dir: AbsolutePath = Field(
+        description="The shared mount's directory (vLLM's fs tier's root)."
+    )
+    locality: SharedLocality = Field(
+        "REMOTE", description="Where the storage is, for vLLM's tier filters."
+    )
+    n_read_threads: VllmInteger = Field(None, description="vLLM's fs tier's.")
+    n_write_threads: VllmInteger = Field(None, description="vLLM's fs tier's.")
+    enable_kv_events: VllmFlag = Field(None, description="vLLM's fs tier's.")
+    probe_timeout_s: Seconds = Field(
+        5.0, gt=0, description="Start-up probe of the root, at most."
+    )
+    lookup_timeout_s: Seconds = Field(
+        5.0, gt=0, description="Longest a key's lookup may stay unanswered."
+    )
+    store_timeout_s: Seconds = Field(
+        60.0, gt=0, description="Longest a store may stay unfinished."
+    )
+
+    def fs_keys(self) -> dict[str, Any]:
+        """The keys given for vLLM's ``fs`` tier, as given."""
+        names = ("n_read_threads", "n_write_threads", "enable_kv_events")
+        return {k: getattr(self, k) for k in names if k in self.model_fields_set}
+
+
+def parse_shared_tier_config(entry: Mapping[str, Any]) -> SharedFsTierConfig:
+    """Validate one ``SharedFsTier`` entry (without vLLM's factory keys);
+    raise :class:`TierConfigError` naming the key (and every other refused
+    key in its ``more``)."""
+    return validate_keys(
+        SharedFsTierConfig,
+        entry,
+        lambda key, message: TierConfigError(key, message, SHARED_TIER_TYPE),
+    )
+
+
+def check_tier_modules(secondary_tiers: Any) -> None:
+    """Refuse an entry of one of kvtier's tier types whose ``module_path``
+    does not import: vLLM's factory imports it before any kvtier code runs,
+    so a misspelt one would otherwise end the start in a bare
+    ModuleNotFoundError naming no key. Raises :class:`TierConfigError`
+    naming ``module_path`` and the package that has the type."""
+    for entry in secondary_tiers if isinstance(secondary_tiers, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        kind, module = entry.get("type"), entry.get("module_path")
+        if kind not in TIER_TYPES or module in (None, TIERING_MODULE):
+            continue
+        try:
+            found = importlib.util.find_spec(str(module)) is not None
+        except (ImportError, ValueError):  # a missing parent package, ""
+            found = False
+        if not found:
+            raise TierConfigError(
+                "module_path",
+                f"no module {module!r}; {kind} is in {TIERING_MODULE!r}",
+                tier=str(kind),
+            )

@@ -227,6 +227,27 @@ def test_tiering_mode_config(capsys, tmp_path, disk, shm, shipped):
 
 
 @pytest.mark.parametrize(
+    "shipped", ["vllm-tiering-kvtier-disk.json", "vllm-tiering-kvtier-disk-cpu.json"]
+)
+def test_a_tier_module_path_that_does_not_import_is_an_error(
+    capsys, tmp_path, disk, shm, shipped
+):
+    """Engine start refuses a kvtier tier entry whose module_path does not
+    import (vLLM's factory would end it in a bare ModuleNotFoundError); the
+    doctor says so, naming the key, instead of 'ready'."""
+    doc = shipped_config(shipped, disk)
+    tier = doc["kv_connector_extra_config"]["secondary_tiers"][0]
+    tier["disk_bytes_to_use"] = 1 << 30
+    tier["module_path"] = "kvtier.connector.tierin"
+    rc, checks = run_config(capsys, tmp_path, shm, doc)
+    assert rc == 1
+    c = checks["module_path"]
+    assert c["status"] == "error", c
+    assert "no module 'kvtier.connector.tierin'" in c["detail"], c
+    assert "[type=KvtierDiskTier]" in c["detail"], c
+
+
+@pytest.mark.parametrize(
     "tiers", [5, "KvtierDiskTier", {"type": "KvtierDiskTier"}, None, True]
 )
 def test_secondary_tiers_not_a_list_is_an_error_not_a_traceback(
@@ -293,7 +314,7 @@ def test_sync_load_budget_is_refused_where_the_engine_refuses_it(
 @pytest.mark.parametrize(
     "key,value,needle",
     [
-        ("lookup_timeout_s", 0, "give seconds > 0"),
+        ("lookup_timeout_s", 0, "got 0; accepted values: seconds > 0"),
         ("root_dir", "shared/kvcache", "absolute path"),
         ("lookup_timeout", 5, "unknown key"),
     ],
@@ -301,7 +322,8 @@ def test_sync_load_budget_is_refused_where_the_engine_refuses_it(
 def test_shared_tier_keys_are_refused_as_at_engine_start(
     capsys, tmp_path, disk, shm, key, value, needle
 ):
-    """SharedFsTier refuses a bad key when vLLM builds it (parse_guard); the
+    """SharedFsTier refuses a bad key when vLLM builds it
+    (parse_shared_tier_config); the
     doctor must not call such a config ready for vllm serve."""
     doc = json.loads(
         json.dumps(

@@ -398,17 +398,16 @@ def test_the_store_guard_reads_the_oldest_store_only(tmp_path, drivers):
     [
         ({"root_dir": "relative/kv"}, "root_dir"),
         ({"root_dir": "/x", "lookup_timeout_s": 0}, "lookup_timeout_s"),
-        ({"root_dir": "/x", "probe_timeout_s": "5"}, "probe_timeout_s"),
+        ({"root_dir": "/x", "probe_timeout_s": "five"}, "probe_timeout_s"),
         ({"root_dir": "/x", "locality": "NEAR"}, "locality"),
         ({"root_dir": "/x", "rootdir": "/y"}, "rootdir"),
     ],
 )
 def test_bad_shared_tier_config_names_the_key(entry, key):
-    from kvtier.connector.config import TierConfigError
-    from kvtier.connector.tiering.shared_fs import parse_guard
+    from kvtier.connector.config import TierConfigError, parse_shared_tier_config
 
     with pytest.raises(TierConfigError, match=rf"\[type=SharedFsTier\]\['{key}'\]"):
-        parse_guard(entry)
+        parse_shared_tier_config(entry)
 
 
 def test_ready_shared_config_orders_local_before_shared():
@@ -418,8 +417,8 @@ def test_ready_shared_config_orders_local_before_shared():
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-    from kvtier.connector.config import parse_tier_config
-    from kvtier.connector.tiering.shared_fs import SharedFsTier, parse_guard
+    from kvtier.connector.config import parse_shared_tier_config, parse_tier_config
+    from kvtier.connector.tiering.shared_fs import SharedFsTier
 
     path = Path(__file__).resolve().parents[2] / "configs"
     text = (path / "vllm-tiering-kvtier-disk-shared.json").read_text()
@@ -431,9 +430,10 @@ def test_ready_shared_config_orders_local_before_shared():
     assert SecondaryTierFactory.get_tier_class(shared) is SharedFsTier
     parse_tier_config(local)
     rest = {k: v for k, v in shared.items() if k not in ("type", "module_path")}
-    root, locality, guard, fs_keys = parse_guard(rest)
-    assert root == "/mnt/shared/kvcache" and locality == "REMOTE"
-    assert fs_keys["enable_kv_events"] is True
+    shared_entry = parse_shared_tier_config(rest)
+    assert shared_entry.root_dir == "/mnt/shared/kvcache"
+    assert shared_entry.locality == "REMOTE"
+    assert shared_entry.fs_keys()["enable_kv_events"] is True
     assert extra["self_describing_kv_events"] is True
     args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
         ["--kv-transfer-config", text]

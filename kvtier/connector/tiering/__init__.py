@@ -32,10 +32,6 @@ _EXPORTS = {
 
 __all__ = ["KvtierDiskTier", "PortableTieringSpec", "SharedFsTier"]
 
-# The secondary-tier types named here: an entry of one of them has this
-# package as its module_path.
-TIER_TYPES = ("KvtierDiskTier", "SharedFsTier")
-
 if TYPE_CHECKING:
     from kvtier.connector.tiering.disk_tier import KvtierDiskTier
     from kvtier.connector.tiering.portable import PortableTieringSpec

@@ -13,7 +13,6 @@ tiering mode's package, which names its loadable classes).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import stat
 from typing import TYPE_CHECKING
@@ -29,7 +28,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from kvtier.connector.config import (
     CANONICAL_LAYOUT_REFUSAL,
     ConfigError,
-    TierConfigError,
+    check_tier_modules,
 )
 from kvtier.connector.topology import check_single_node
 from kvtier.host.block_copy import SynchronousCopies
@@ -164,30 +163,6 @@ def enable_nixl_telemetry() -> None:
             "first finished transfer without NIXL telemetry (vLLM 0.33 does not)",
             value,
         )
-
-
-def check_tier_modules(secondary_tiers: list[dict]) -> None:
-    """Refuse an entry of one of kvtier's tier types whose ``module_path``
-    does not import: vLLM's factory imports it before any kvtier code runs,
-    so a misspelt one would otherwise end the start in a bare
-    ModuleNotFoundError naming no key. Raises :class:`TierConfigError`
-    naming ``module_path`` and the package that has the type."""
-    from kvtier.connector import tiering
-
-    for entry in secondary_tiers:
-        kind, module = entry.get("type"), entry.get("module_path")
-        if kind not in tiering.TIER_TYPES or module in (None, tiering.__name__):
-            continue
-        try:
-            found = importlib.util.find_spec(str(module)) is not None
-        except (ImportError, ValueError):  # a missing parent package, ""
-            found = False
-        if not found:
-            raise TierConfigError(
-                "module_path",
-                f"no module {module!r}; {kind} is in {tiering.__name__!r}",
-                tier=str(kind),
-            )
 
 
 # vLLM's SharedOffloadRegion's file (its mmap_path) for an engine id.

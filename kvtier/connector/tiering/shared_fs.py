@@ -31,7 +31,8 @@ tier is offline, and online at most as long as the guard would before calling
 it a hang (``lookup_timeout_s``, or what is left of a store's
 ``store_timeout_s``).
 
-Config (one ``secondary_tiers`` entry; the keys of ``fs`` plus the guard's)::
+Config (one ``secondary_tiers`` entry; the keys of ``fs`` plus the guard's,
+:class:`kvtier.connector.config.SharedFsTierConfig`)::
 
     {"type": "SharedFsTier", "module_path": "kvtier.connector.tiering",
      "root_dir": "/mnt/shared/kv", "locality": "REMOTE",
@@ -69,7 +70,7 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from kvtier.connector.config import TierConfigError
+from kvtier.connector.config import parse_shared_tier_config
 from kvtier.log import get_logger
 
 if TYPE_CHECKING:
@@ -78,39 +79,9 @@ if TYPE_CHECKING:
 
 logger = get_logger("connector")
 
-SHARED_TIER_TYPE = "SharedFsTier"
-# Keys handed to vLLM's FileSystemTierManager unchanged.
-FS_KEYS = ("n_read_threads", "n_write_threads", "enable_kv_events")
-GUARD_KEYS = {"probe_timeout_s": 5.0, "lookup_timeout_s": 5.0, "store_timeout_s": 60.0}
 # Requests with a lookup answered RETRY tracked at most (vLLM reports each
 # finished request; this only bounds the map should one never be).
 _MAX_WAITING_REQUESTS = 65536
-
-
-def parse_guard(config: dict[str, Any]) -> tuple[str, str, dict[str, float], dict]:
-    """(root_dir, locality, guard timeouts, fs keys) of one entry; raise
-    :class:`~kvtier.connector.config.TierConfigError` naming the key."""
-
-    def refuse(key: str, message: str) -> TierConfigError:
-        return TierConfigError(key, message, SHARED_TIER_TYPE)
-
-    valid = ("root_dir", "locality", *FS_KEYS, *GUARD_KEYS)
-    for key in config:
-        if key not in valid:
-            raise refuse(key, f"unknown key; valid keys are: {', '.join(valid)}")
-    root = config.get("root_dir")
-    if not isinstance(root, str) or not os.path.isabs(root):
-        raise refuse("root_dir", f"got {root!r:.200}; give the shared mount's absolute path")
-    locality = config.get("locality", "REMOTE")
-    if locality not in ("LOCAL", "REMOTE"):
-        raise refuse("locality", f"got {locality!r:.200}; accepted values: REMOTE | LOCAL")
-    guard = {}
-    for key, default in GUARD_KEYS.items():
-        value = config.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise refuse(key, f"got {value!r:.200}; give seconds > 0")
-        guard[key] = float(value)
-    return root, locality, guard, {k: config[k] for k in FS_KEYS if k in config}
 
 
 def probe_root(root: str, timeout: float) -> str | None:
@@ -161,12 +132,13 @@ class SharedFsTier(SecondaryTierManager):
         super().__init__(
             offloading_spec, primary_kv_view, tier_type, backpressure_detector
         )
-        root, locality, guard, fs_kwargs = parse_guard(config)
+        entry = parse_shared_tier_config(config)
+        root, locality = entry.root_dir, entry.locality
         self.root_dir = root
         self.locality = Locality(locality)
-        self.probe_timeout_s = guard["probe_timeout_s"]
-        self.lookup_timeout_s = guard["lookup_timeout_s"]
-        self.store_timeout_s = guard["store_timeout_s"]
+        self.probe_timeout_s = entry.probe_timeout_s
+        self.lookup_timeout_s = entry.lookup_timeout_s
+        self.store_timeout_s = entry.store_timeout_s
         self.inner: FileSystemTierManager | None = None
         self.offline_reason: str | None = probe_root(root, self.probe_timeout_s)
         if self.offline_reason is None:
@@ -179,7 +151,7 @@ class SharedFsTier(SecondaryTierManager):
                     tier_type,
                     root_dir=root,
                     locality=locality,
-                    **fs_kwargs,
+                    **entry.fs_keys(),
                 )
             except OSError as exc:
                 self.offline_reason = f"could not be prepared ({exc})"

