@@ -98,6 +98,40 @@ def test_unsupported_layouts_are_refused_with_the_reason(case, message) -> None:
         group_views(_caches(tensors, refs, pages), row, 1, device_kind="cpu")
 
 
+@pytest.mark.parametrize(
+    "case, message",
+    [("permuted", "not contiguous"), ("bad-index", "refers to tensor 3")],
+)
+def test_the_tiering_modes_worker_refuses_what_the_full_specs_refuses(
+    case, message
+) -> None:
+    """The tiering mode's copies over vLLM's region rows check the KV cache
+    as the full spec's worker does, with its reasons, before they take a
+    row of the region."""
+    from kvtier.connector.tiering.portable import _RegionCopies
+
+    class Region:
+        taken = 0
+
+        def create_next_worker_view(self, nbytes: int) -> torch.Tensor:
+            self.taken += 1
+            return torch.zeros(4, nbytes, dtype=torch.uint8)  # 4 chunks
+
+    good = torch.zeros(BLOCKS, PAGE, dtype=torch.uint8)
+    tensors, refs = [good], [[CanonicalKVCacheRef(0, PAGE)]]
+    if case == "permuted":
+        tensors = [torch.zeros(PAGE, BLOCKS, dtype=torch.uint8).t()]
+    else:
+        refs = [[CanonicalKVCacheRef(3, PAGE)]]
+    region = Region()
+    with pytest.raises(KVLayoutError, match=message):
+        _RegionCopies(_caches(tensors, refs), region, blocks_per_chunk=1)
+    assert region.taken == 0
+    # The same cache, laid out right, takes one row per tensor.
+    copies = _RegionCopies(_caches([good], [[CanonicalKVCacheRef(0, PAGE)]]), region, 1)
+    assert region.taken == 1 and copies.block_bytes == [PAGE]
+
+
 def test_tensors_on_two_devices_are_refused() -> None:
     tensors = [
         torch.zeros(BLOCKS, PAGE, dtype=torch.uint8),
@@ -139,9 +173,7 @@ def test_a_good_kv_cache_builds_a_worker(tmp_path: Path) -> None:
     spec = tiered_spec(_spec_config())
     tensors = [torch.zeros(BLOCKS, PAGE, dtype=torch.int8) for _ in range(2)]
     worker = spec.get_worker(
-        _caches(
-            tensors, [[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)]]
-        )
+        _caches(tensors, [[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)]])
     )
     try:
         assert worker.block_bytes == [2 * PAGE]

@@ -57,22 +57,20 @@ class _RegionCopies(SynchronousCopies):
     ):
         import torch
 
+        from kvtier.connector.worker.kv_layout import group_tensors, tensor_pages
         from kvtier.host.block_copy import BlockCopier
 
+        # The checks the full spec's worker makes (kv_layout), on whole
+        # pages: vLLM's region holds each tensor's padded page.
+        pages = tensor_pages(kv_caches)
+        groups = group_tensors(kv_caches, pages)
         per_tensor: list[BlockCopier] = []
-        for t in kv_caches.tensors:
-            page = t.page_size_bytes
-            # .view (not reshape): a KV cache that is not block-contiguous
-            # raises here instead of being copied from a silent copy.
-            gpu = t.tensor.view(torch.int8).view(-1, page).view(torch.uint8)
-            cpu = region.create_next_worker_view(page * blocks_per_chunk)
+        for gpu in pages:
+            cpu = region.create_next_worker_view(gpu.shape[1] * blocks_per_chunk)
             per_tensor.append(
                 BlockCopier([gpu], cpu.view(torch.uint8), blocks_per_chunk)
             )
-        self.groups = [
-            [per_tensor[i] for i in dict.fromkeys(ref.tensor_idx for ref in refs)]
-            for refs in kv_caches.group_data_refs
-        ]
+        self.groups = [[per_tensor[i] for i in seen] for seen in groups]
         self.block_bytes = [sum(c.block_bytes for c in g) for g in self.groups]
 
     def submit(

@@ -28,18 +28,14 @@ class KVLayoutError(ValueError):
     """The KV cache has a layout kvtier's worker cannot copy."""
 
 
-def group_views(
-    kv_caches: CanonicalKVCaches,
-    row_bytes: int,
-    blocks_per_chunk: int,
-    device_kind: str | None = None,
-) -> list[list[torch.Tensor]]:
-    """Validate ``kv_caches`` and return, per KV-cache group, its tensors as
-    byte views ``(num_blocks, unpadded page)``, each tensor once (layers
-    sharing memory appear once), in the order of the group's references.
-
-    ``device_kind`` is the device type the platform's KV cache must live on
-    (``"cpu"`` on the CPU platform); ``None`` accepts any single device."""
+def tensor_pages(
+    kv_caches: CanonicalKVCaches, device_kind: str | None = None
+) -> list[torch.Tensor]:
+    """Validate ``kv_caches``' tensors and return each, in
+    ``kv_caches.tensors`` order, as bytes ``(num_blocks, page_size_bytes)``
+    (its whole page, padding included): one device (of ``device_kind``,
+    ``"cpu"`` on the CPU platform, where given), each block-contiguous,
+    one block count. KVLayoutError says what is wrong."""
     tensors = kv_caches.tensors
     if not tensors or not kv_caches.group_data_refs:
         raise KVLayoutError("kvtier: the KV cache has no tensors or no groups")
@@ -55,15 +51,27 @@ def group_views(
             f"kvtier: the KV cache is on {device}, this platform's worker "
             f"copies {device_kind} tensors"
         )
-    pages: list[torch.Tensor] = []
-    for idx, entry in enumerate(tensors):
-        pages.append(_block_bytes(idx, entry.tensor, entry.page_size_bytes))
+    pages = [
+        _block_bytes(idx, entry.tensor, entry.page_size_bytes)
+        for idx, entry in enumerate(tensors)
+    ]
     counts = {p.shape[0] for p in pages}
     if len(counts) != 1:
         raise KVLayoutError(
             f"kvtier: KV cache tensors hold different block counts {sorted(counts)}"
         )
-    views: list[list[torch.Tensor]] = []
+    return pages
+
+
+def group_tensors(
+    kv_caches: CanonicalKVCaches, pages: list[torch.Tensor]
+) -> list[dict[int, int]]:
+    """Per KV-cache group, the tensors its layers use (``pages`` from
+    :func:`tensor_pages`): tensor index -> the largest unpadded page its
+    references use, each tensor once (layers sharing memory appear once),
+    in the order of the group's references. KVLayoutError for a reference
+    outside its tensor."""
+    groups: list[dict[int, int]] = []
     for group, refs in enumerate(kv_caches.group_data_refs):
         seen: dict[int, int] = {}
         for ref in refs:
@@ -79,6 +87,24 @@ def group_views(
                     f"does not fit tensor {ref.tensor_idx}'s {page} B blocks"
                 )
             seen[ref.tensor_idx] = max(seen.get(ref.tensor_idx, 0), ref.page_size_bytes)
+        groups.append(seen)
+    return groups
+
+
+def group_views(
+    kv_caches: CanonicalKVCaches,
+    row_bytes: int,
+    blocks_per_chunk: int,
+    device_kind: str | None = None,
+) -> list[list[torch.Tensor]]:
+    """Validate ``kv_caches`` (:func:`tensor_pages`, :func:`group_tensors`)
+    and return, per KV-cache group, its tensors as byte views
+    ``(num_blocks, unpadded page)``, each tensor once, in the order of the
+    group's references; a group's offloaded block must fit a CPU-tier row
+    of ``row_bytes``."""
+    pages = tensor_pages(kv_caches, device_kind)
+    views: list[list[torch.Tensor]] = []
+    for group, seen in enumerate(group_tensors(kv_caches, pages)):
         group_views = [pages[i][:, :size] for i, size in seen.items()]
         needed = blocks_per_chunk * sum(v.shape[1] for v in group_views)
         if needed > row_bytes:
