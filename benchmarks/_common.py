@@ -9,14 +9,13 @@ import platform
 import re
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+# Imported as ``benchmarks._common``: a script run as ``python
+# benchmarks/X.py`` puts the repository root on ``sys.path`` first.
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"

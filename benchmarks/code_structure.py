@@ -16,9 +16,14 @@ import argparse
 import ast
 import collections
 import statistics
+import sys
 from pathlib import Path
 
-from _common import REPO_ROOT, write_json
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import write_json  # noqa: E402
 
 
 def package_of(rel: str) -> str:
@@ -74,7 +79,7 @@ def structure(root: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("root", nargs="?", default=str(REPO_ROOT))
+    ap.add_argument("root", nargs="?", default=str(ROOT))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     doc = structure(Path(args.root).resolve())

@@ -26,22 +26,32 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
-from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, RESULTS_DIR, write_json
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
 
-from kvtier.testing.oracles import (
+from benchmarks._common import (  # noqa: E402
+    DEFAULT_CPU_BLOCKS,
+    DEFAULT_TRACE,
+    RESULTS_DIR,
+    write_json,
+)
+from kvtier.testing.oracles import (  # noqa: E402
     oracle_admission_lru_hits,
     rate_oracle_hits,
     static_frequency_hits,
 )
-from kvtier.tiers.policy import policy_names
-from kvtier.tools.sizing import SizingResult, replay_trace
-from kvtier.tools.sizing_compare import trace_optimal_hit_rate
-from kvtier.tools.sizing_plot import plot_tier_split
-from kvtier.tools.trace import infinite_cache_hit_rate, load_trace, unique_blocks
+from kvtier.tiers.policy import policy_names  # noqa: E402
+from kvtier.tools.sizing import SizingResult, replay_trace  # noqa: E402
+from kvtier.tools.sizing_compare import trace_optimal_hit_rate  # noqa: E402
+from kvtier.tools.sizing_plot import plot_tier_split  # noqa: E402
+from kvtier.tools.trace import infinite_cache_hit_rate, load_trace, unique_blocks  # noqa: E402
 
 _TRACE: list[Any] = []
 
@@ -66,8 +76,9 @@ SWEEP_MULTS = (0.5, 1, 2, 4, 8, 20)
 
 
 def vllm_hit_rates(path: str, cpu: int) -> dict[str, float]:
-    from scheduler_cost import run_vllm
     from vllm.v1.kv_offload.base import make_offload_key
+
+    from benchmarks.scheduler_cost import run_vllm
 
     reqs = [
         [make_offload_key(h.to_bytes(32, "big"), 0) for h in r.hash_ids]

@@ -58,10 +58,11 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
 
-from _common import write_json  # noqa: E402
-
+from benchmarks._common import write_json  # noqa: E402
 from kvtier.host.cpu_tier import CpuBlockBuffer  # noqa: E402
 from kvtier.store.backends.base import DiskBackend  # noqa: E402
 from kvtier.store.backends.factory import kvikio_status  # noqa: E402

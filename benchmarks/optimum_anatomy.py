@@ -15,11 +15,16 @@ an online policy has to guess. Writes benchmarks/results/optimum_anatomy.json.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from _common import DEFAULT_TRACE, write_json
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
 
-from kvtier.testing.oracles import optimal_hits_by_reuse_distance
-from kvtier.tools.trace import load_trace
+from benchmarks._common import DEFAULT_TRACE, write_json  # noqa: E402
+from kvtier.testing.oracles import optimal_hits_by_reuse_distance  # noqa: E402
+from kvtier.tools.trace import load_trace  # noqa: E402
 
 MULTS = (1, 2, 4, 8)  # bin edges, in multiples of the capacity
 

@@ -16,18 +16,23 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
+from pathlib import Path
 
-from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json
-from scheduler_cost import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json  # noqa: E402
+from benchmarks.scheduler_cost import (  # noqa: E402
     OpTimes,
     TimedHierarchy,
     TimedReplayer,
     run_vllm,
     total_us_per_block,
 )
-
-from kvtier.tiers.policy import policy_names
-from kvtier.tools.trace import load_trace
+from kvtier.tiers.policy import policy_names  # noqa: E402
+from kvtier.tools.trace import load_trace  # noqa: E402
 
 
 def run_policy(reqs: list, cpu: int, policy: str) -> tuple[float, float]:

@@ -20,14 +20,19 @@ import argparse
 import hashlib
 import inspect
 import json
+import sys
 from dataclasses import fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
-from _common import DEFAULT_TRACE, write_json
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
 
-from kvtier.tiers.hierarchy import TierHierarchy
-from kvtier.tools.sizing import TraceReplayer
-from kvtier.tools.trace import load_trace, request_keys
+from benchmarks._common import DEFAULT_TRACE, write_json  # noqa: E402
+from kvtier.tiers.hierarchy import TierHierarchy  # noqa: E402
+from kvtier.tools.sizing import TraceReplayer  # noqa: E402
+from kvtier.tools.trace import load_trace, request_keys  # noqa: E402
 
 CONFIGS = [
     {"cpu": 2000, "disk": 0, "cp": "lru", "dp": "lru"},

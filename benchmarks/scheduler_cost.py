@@ -39,16 +39,21 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
+from pathlib import Path
 from typing import Any
 
-from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
 
-from kvtier.tiers.hierarchy import TierHierarchy
-from kvtier.tools.sizing import TraceReplayer, replay_trace
-from kvtier.tools.trace import load_trace
+from benchmarks._common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json  # noqa: E402
+from kvtier.tiers.hierarchy import TierHierarchy  # noqa: E402
+from kvtier.tools.sizing import TraceReplayer, replay_trace  # noqa: E402
+from kvtier.tools.trace import load_trace  # noqa: E402
 
 ns = time.perf_counter_ns
 COMMON_OPS = (

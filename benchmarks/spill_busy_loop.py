@@ -62,16 +62,22 @@ import argparse
 import mmap
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import DEFAULT_TRACE, SpillRig, percentile, write_json
 
-from kvtier.tiers.plans import SpillOrder
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import DEFAULT_TRACE, SpillRig, percentile, write_json  # noqa: E402
+from kvtier.tiers.plans import SpillOrder  # noqa: E402
 
 MIB = 1 << 20
 

@@ -48,9 +48,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from _common import write_json
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import write_json  # noqa: E402
 
 ns = time.perf_counter_ns
 

@@ -31,15 +31,20 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from _common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
 
-from kvtier.tools.sizing import replay_trace
-from kvtier.tools.trace import infinite_cache_hit_rate, load_trace
+from benchmarks._common import DEFAULT_CPU_BLOCKS, DEFAULT_TRACE, write_json  # noqa: E402
+from kvtier.tools.sizing import replay_trace  # noqa: E402
+from kvtier.tools.trace import infinite_cache_hit_rate, load_trace  # noqa: E402
 
 ROW_BYTES = 4096  # one trace block's row in the primary tier (page aligned)
 

@@ -4,8 +4,9 @@
   per-source hit recording.
 - :mod:`kvtier.testing.model`: the tiny random models, built locally (no
   download), and prompts for them.
-- :mod:`kvtier.testing.events`: a subscriber of vLLM's KV events, and the
-  residency that kvtier's own events imply.
+- :mod:`kvtier.testing.events`: a subscriber of vLLM's KV events.
+- :mod:`kvtier.testing.residency`: the residency that kvtier's own events
+  imply, and a hierarchy's.
 - :mod:`kvtier.testing.offloading`: vLLM's ``OffloadingConfig`` and kvtier's
   spec built outside an engine.
 - :mod:`kvtier.testing.kv_corruption`: wrong bytes in the KV cache after

@@ -232,7 +232,7 @@ def wait_events_delivered(llm, sub, timeout: float = 60.0) -> bool:
     if last is None:
         return True
     return sub.wait_for(
-        lambda s: s._last_seq is not None and s._last_seq >= last,
+        lambda s: s.last_seq is not None and s.last_seq >= last,
         timeout=max(0.0, deadline - time.monotonic()),
     )
 

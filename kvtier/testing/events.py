@@ -1,19 +1,18 @@
-"""A ZMQ subscriber of vLLM's KV events, counting blocks per event and medium;
-the residency that kvtier's own events (TierEvent) imply, and a hierarchy's."""
+"""A ZMQ subscriber of vLLM's KV events that keeps every event (vLLM's own
+objects) for tests to count and read. The socket, the message format and the
+sequence numbers are :mod:`kvtier.tools.events_sub`'s, as ``kvtier events``
+reads them."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, TierEvent
-from kvtier.tiers.hierarchy import TierHierarchy
-from kvtier.tiers.slots import BlockState
-from kvtier.tiers.tier import Tier
+from kvtier.tools.events_sub import EventSocket, read_message, seq_gap, typed_decoder
 
 
 @dataclass
@@ -33,15 +32,15 @@ class ReceivedEvent:
         return getattr(self.event, "medium", None)
 
 
-class KVEventSubscriber:
+class KVEventSubscriber(EventSocket):
     """ZMQ SUB for vLLM KV-cache events, collecting in a background thread.
 
-    Wire format (vllm/distributed/kv_events.py, ZmqEventPublisher): multipart
-    ``(topic: bytes, seq: 8-byte big-endian int, payload)`` where payload is
-    ``msgspec.msgpack`` of ``KVEventBatch`` (array_like: ``[ts, events,
-    data_parallel_rank]``; events are tagged structs ``BlockStored`` /
-    ``BlockRemoved`` / ``AllBlocksCleared`` carrying ``medium`` "GPU" / "CPU" /
-    "STORAGE", ``block_hashes``, ``group_idx``, ...).
+    Wire format: see :mod:`kvtier.tools.events_sub`. Payloads are decoded
+    with vLLM's ``KVEventBatch``; each event is kept as vLLM's object
+    (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, ``medium``
+    "GPU" / "CPU" / "STORAGE", ``block_hashes``, ...). A message that cannot
+    be read is kept in ``decode_errors``, a sequence number that does not
+    follow the last in ``seq_gaps`` (``(last, seq)``).
 
     By default binds ``tcp://127.0.0.1:<free port>`` (loopback only); pass
     ``self.endpoint`` to ``make_llm(kv_events_endpoint=...)`` and the engine's
@@ -50,28 +49,19 @@ class KVEventSubscriber:
     """
 
     def __init__(self, endpoint: str | None = None, topic: str = "") -> None:
-        import msgspec
         import zmq
-        from vllm.distributed.kv_events import KVEventBatch
 
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self._decoder = typed_decoder()
         if endpoint is None:
-            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-            self.endpoint = f"tcp://127.0.0.1:{port}"
+            super().__init__("tcp://127.0.0.1:*", topic, bind=True)
+            self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
-            self._sock.connect(endpoint)
-            self.endpoint = endpoint
-        self.topic = topic
+            super().__init__(endpoint, topic)
         self.events: list[ReceivedEvent] = []
         self.batches = 0
         self.decode_errors: list[str] = []
         self.seq_gaps: list[tuple[int, int]] = []
-        self._last_seq: int | None = None
+        self.last_seq: int | None = None
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -80,35 +70,21 @@ class KVEventSubscriber:
         self._thread.start()
 
     def _run(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not dict(poller.poll(50)):
-                continue
-            while True:
-                try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(frames)
+            self.poll(50)
 
-    def _handle(self, frames: list[bytes]) -> None:
-        if len(frames) != 3:
-            self.decode_errors.append(f"unexpected {len(frames)} frames")
-            return
-        _topic, seq_b, payload = frames
-        seq = int.from_bytes(seq_b, "big", signed=True)
+    def handle(self, frames: Iterable[bytes], nframes: int | None = None) -> None:
         try:
+            seq, payload = read_message(list(frames), nframes)
             batch = self._decoder.decode(payload)
         except Exception as e:  # keep collecting; tests assert on this list
-            self.decode_errors.append(repr(e))
+            with self._cv:
+                self.decode_errors.append(repr(e))
             return
         with self._cv:
-            if self._last_seq is not None and seq != self._last_seq + 1:
-                self.seq_gaps.append((self._last_seq, seq))
-            self._last_seq = seq
+            if seq_gap(self.last_seq, seq):
+                self.seq_gaps.append((self.last_seq, seq))
+            self.last_seq = seq
             self.batches += 1
             for ev in batch.events:
                 self.events.append(
@@ -159,44 +135,10 @@ class KVEventSubscriber:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self.close()
 
     def __enter__(self) -> KVEventSubscriber:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def replay(events: Iterable[TierEvent]) -> dict[str, set[Hashable]]:
-    """Residency per medium implied by an event stream that starts empty.
-
-    Raises ``ValueError`` on an event that contradicts the state so far (a
-    store of a key already there, a removal of a key that is not): the
-    stream is then not a faithful log.
-    """
-    state: dict[str, set[Hashable]] = {MEDIUM_CPU: set(), MEDIUM_DISK: set()}
-    for ev in events:
-        held = state[ev.medium]
-        for key in ev.keys:
-            if ev.removed:
-                if key not in held:
-                    raise ValueError(f"removed {key!r} from {ev.medium} twice")
-                held.discard(key)
-            else:
-                if key in held:
-                    raise ValueError(f"stored {key!r} on {ev.medium} twice")
-                held.add(key)
-    return state
-
-
-def residency(h: TierHierarchy) -> dict[str, set[Hashable]]:
-    """The keys READY per medium of ``h`` (O(n)): what :func:`replay` of all
-    its events must give."""
-
-    def ready(tier: Tier | None) -> set[Hashable]:
-        items = tier.items() if tier is not None else ()
-        return {k for k, b in items if b.state is BlockState.READY}
-
-    return {MEDIUM_CPU: ready(h.cpu), MEDIUM_DISK: ready(h.disk)}

@@ -31,7 +31,7 @@ import contextlib
 import ipaddress
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +180,33 @@ def decode_plain(payload: bytes) -> tuple[Event, ...]:
     return tuple(events)
 
 
+class MalformedMessage(ValueError):
+    """A ZMQ message that is not ``(topic, seq, payload)``."""
+
+
+def read_message(
+    frames: Sequence[bytes], nframes: int | None = None
+) -> tuple[int, bytes]:
+    """The sequence number and payload of one message, ``frames`` (its first
+    three frames; ``nframes`` its frame count, if it had more); raises
+    MalformedMessage if it has not three frames or an 8-byte sequence
+    number."""
+    if nframes is None:
+        nframes = len(frames)
+    if nframes != 3 or len(frames) != 3:
+        raise MalformedMessage(f"{nframes} frames, expected 3")
+    _topic, seq_b, payload = frames
+    if len(seq_b) != 8:
+        raise MalformedMessage(f"sequence frame of {len(seq_b)} bytes, expected 8")
+    return int.from_bytes(seq_b, "big", signed=True), payload
+
+
+def seq_gap(last_seq: int | None, seq: int) -> bool:
+    """Whether the batch numbered ``seq`` does not follow the one numbered
+    ``last_seq`` (None: it is the first one seen): batches were lost."""
+    return last_seq is not None and seq != last_seq + 1
+
+
 class BatchDecoder:
     """Payload -> the events of one batch (the kinds :class:`EventCounts`
     counts), via vLLM's ``KVEventBatch`` when available."""
@@ -190,7 +217,7 @@ class BatchDecoder:
         self._typed: Any = None
         if mode != "plain":
             try:
-                self._typed = _typed_decoder()
+                self._typed = typed_decoder()
             except Exception:  # no or a broken vLLM: plain msgpack still works
                 if mode == "vllm":
                     raise
@@ -220,7 +247,9 @@ class BatchDecoder:
         return tuple(events)
 
 
-def _typed_decoder() -> Any:
+def typed_decoder() -> Any:
+    """A ``msgspec`` decoder of vLLM's ``KVEventBatch`` (imports vLLM,
+    through :mod:`kvtier.connector.compat`: seconds)."""
     import msgspec
 
     from kvtier.connector.compat import kv_event_batch_type
@@ -257,7 +286,7 @@ class EventCounts:
     def add(self, events: Iterable[Event], seq: int | None = None) -> None:
         """Count one batch's events; ``seq`` is its sequence number."""
         if seq is not None:
-            if self.last_seq is not None and seq != self.last_seq + 1:
+            if seq_gap(self.last_seq, seq):
                 self.seq_gaps += 1
             self.last_seq = seq
         self.batches += 1
@@ -299,12 +328,13 @@ class EventCounts:
         }
 
 
-class EventSubscriber:
-    """ZMQ SUB socket feeding :class:`EventCounts`.
+class EventSocket:
+    """ZMQ SUB socket for vLLM's KV events; subclasses say what a message
+    does (:meth:`handle`) and what a dropped connection does
+    (:meth:`disconnected`).
 
-    Create it (which connects or binds at once), then set ``decoder`` (slow
-    with vLLM), then call :meth:`poll` repeatedly. ``bind`` binds the
-    endpoint as given: pass it through :func:`bind_endpoint` first.
+    Created, it connects (or binds, ``bind``: the endpoint as given) at once;
+    then call :meth:`poll` repeatedly (from one thread), and :meth:`close`.
     """
 
     def __init__(
@@ -334,9 +364,8 @@ class EventSubscriber:
             self._ctx.destroy(linger=0)
             raise
         self.endpoint = endpoint
+        self.topic = topic
         self._bind = bind
-        self.counts = EventCounts()
-        self.decoder: BatchDecoder | None = None
         # A frame over MAXMSGSIZE is a protocol error: ZMQ drops that
         # connection and, on the connecting side, never reconnects. Watch for
         # disconnects to count them and to reconnect ourselves.
@@ -344,6 +373,15 @@ class EventSubscriber:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+
+    def handle(self, frames: Iterable[bytes], nframes: int | None = None) -> None:
+        """Take one message: its first three frames, and its frame count
+        (None: ``len(frames)``). Must not raise on bad input."""
+        raise NotImplementedError
+
+    def disconnected(self) -> None:
+        """A connection was dropped (publisher gone, or a frame over
+        ``max_message_bytes``)."""
 
     def poll(self, timeout_ms: int, max_messages: int = MAX_PER_POLL) -> int:
         """Wait up to ``timeout_ms`` for messages, then take those queued, at
@@ -386,7 +424,7 @@ class EventSubscriber:
                 return
             if msg["event"] != zmq.EVENT_DISCONNECTED:
                 continue
-            self.counts.disconnects += 1
+            self.disconnected()
             if not self._bind:
                 # ZMQ would retry after a plain disconnect, not after a
                 # protocol error (oversized frame): start over either way.
@@ -412,31 +450,49 @@ class EventSubscriber:
             if not self._sock.getsockopt(zmq.RCVMORE):
                 return frames, nframes
 
-    def handle(self, frames: Iterable[bytes], nframes: int | None = None) -> None:
-        """Count one message ``(topic, seq, payload)``; anything else, or
-        anything that fails to decode, is counted as malformed and skipped."""
-        frames = list(frames)
-        if nframes is None:
-            nframes = len(frames)
-        if self.decoder is None:
-            self.decoder = BatchDecoder("plain")
-        if nframes != 3:
-            self.counts.malformed(f"{nframes} frames, expected 3")
-            return
-        _topic, seq_b, payload = frames
-        if len(seq_b) != 8:
-            self.counts.malformed(f"sequence frame of {len(seq_b)} bytes, expected 8")
-            return
-        try:
-            events = self.decoder.decode(payload)
-        except Exception as exc:  # untrusted input: never fatal
-            self.counts.malformed(f"{type(exc).__name__}: {exc}")
-            return
-        self.counts.add(events, int.from_bytes(seq_b, "big", signed=True))
-
     def close(self) -> None:
         with contextlib.suppress(self._zmq.ZMQError):
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
+
+
+class EventSubscriber(EventSocket):
+    """:class:`EventSocket` feeding :class:`EventCounts`.
+
+    Create it (which connects or binds at once), then set ``decoder`` (slow
+    with vLLM), then call :meth:`poll` repeatedly. ``bind`` binds the
+    endpoint as given: pass it through :func:`bind_endpoint` first.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str = "",
+        bind: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        super().__init__(endpoint, topic, bind, max_message_bytes)
+        self.counts = EventCounts()
+        self.decoder: BatchDecoder | None = None
+
+    def disconnected(self) -> None:
+        self.counts.disconnects += 1
+
+    def handle(self, frames: Iterable[bytes], nframes: int | None = None) -> None:
+        """Count one message ``(topic, seq, payload)``; anything else, or
+        anything that fails to decode, is counted as malformed and skipped."""
+        if self.decoder is None:
+            self.decoder = BatchDecoder("plain")
+        try:
+            seq, payload = read_message(list(frames), nframes)
+        except MalformedMessage as exc:
+            self.counts.malformed(str(exc))
+            return
+        try:
+            events = self.decoder.decode(payload)
+        except Exception as exc:  # untrusted input: never fatal
+            self.counts.malformed(f"{type(exc).__name__}: {exc}")
+            return
+        self.counts.add(events, seq)

@@ -32,7 +32,7 @@ from kvtier.connector import metrics  # noqa: E402
 from kvtier.connector.specs import TierLoadSpec  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.store.slot import slot_size  # noqa: E402
-from kvtier.testing.events import residency  # noqa: E402
+from kvtier.testing.residency import residency  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
 from kvtier.testing.offloading import (  # noqa: E402
     offloading_config,

@@ -21,7 +21,7 @@ from kvtier.host.cpu_tier import CpuBlockBuffer
 from kvtier.store.slot import LayoutFingerprint
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import FinishedJob, TransferEngine
-from kvtier.testing.events import replay, residency
+from kvtier.testing.residency import replay, residency
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
 from kvtier.tiers.events import TierEvent
 from kvtier.tiers.hierarchy import TierHierarchy

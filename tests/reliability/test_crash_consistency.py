@@ -25,7 +25,7 @@ from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import TransferEngine
-from kvtier.testing.events import replay, residency
+from kvtier.testing.residency import replay, residency
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
 from kvtier.testing.state import verify
 from kvtier.tiers.events import TierEvent

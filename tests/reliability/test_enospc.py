@@ -35,7 +35,7 @@ from kvtier.store import slabs as slab_mod
 from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.slot import ReadOutcome
 from kvtier.store.store import DiskStore
-from kvtier.testing.events import residency
+from kvtier.testing.residency import residency
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 

@@ -34,7 +34,7 @@ from kvtier.store.reader import SlotReader
 from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome
 from kvtier.testing import fault_plan
-from kvtier.testing.events import residency
+from kvtier.testing.residency import residency
 from kvtier.testing.faults import (
     MAX_DELAY_S,
     FaultKind,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtier.testing.events import replay, residency
+from kvtier.testing.residency import replay, residency
 from kvtier.testing.state import io_error_count
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK

@@ -30,7 +30,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvtier.testing.events import replay, residency
+from kvtier.testing.residency import replay, residency
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.testing.events import replay
+from kvtier.testing.residency import replay
 from kvtier.testing.state import allocate, pin
 from kvtier.tiers import policy as policy_module
 from kvtier.tiers.doorkeeper import Doorkeeper
