@@ -102,7 +102,7 @@ def one_reset(
         done = runtime.poll()
         if len(done) != job:
             raise RuntimeError(f"{len(done)} of {job} jobs answered")
-        failed = sum(len(j.failed_keys) - len(j.cancelled_keys) for j in done)
+        failed = sum(len(j.lost_keys) - len(j.cancelled_keys) for j in done)
         if failed:
             raise RuntimeError(f"{failed} blocks failed (not cancelled)")
         if mode == "child" and runtime.spill_pid is None:

@@ -249,9 +249,9 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
                 if owner is None or error is None:
                     raise RuntimeError(f"kvtier: load job {job_id} failed")
                 report = self._report
-                report.failed_keys.setdefault(owner, []).extend(error.keys)
-                if error.unloaded:
-                    report.unloaded_keys.setdefault(owner, []).extend(error.unloaded)
+                report.corrupt_keys.setdefault(owner, []).extend(error.corrupt)
+                if error.unread:
+                    report.unread_keys.setdefault(owner, []).extend(error.unread)
                 if error.io_failed:
                     report.io_failed_keys.setdefault(owner, []).extend(
                         error.io_failed

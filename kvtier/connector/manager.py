@@ -97,10 +97,10 @@ class TieredOffloadingManager(OffloadingManager):
         self._deltas = CounterDeltas()  # metric totals -> counter increases
         # Disk blocks the workers could not load, per request, until that
         # request's load completes.
-        self._failed_loads: dict[str, set[bytes]] = {}
+        self._corrupt_loads: dict[str, set[bytes]] = {}
         self._io_failed_loads: dict[str, set[bytes]] = {}
         self._io_failed_logged = False
-        self._unloaded_loads: dict[str, set[bytes]] = {}
+        self._unread_loads: dict[str, set[bytes]] = {}
         # Requests whose load a worker failed whole (none of its blocks
         # landed), until that load completes.
         self._failed_whole: set[str] = set()
@@ -139,7 +139,7 @@ class TieredOffloadingManager(OffloadingManager):
         h = self.hierarchy
         for job in runtime.poll():
             assert job.spill
-            h.complete_spill(job.job_id, job.failed_keys, job.cancelled_keys)
+            h.complete_spill(job.job_id, job.lost_keys, job.cancelled_keys)
 
     # ------------------------------------------------------------- contract
 
@@ -186,9 +186,9 @@ class TieredOffloadingManager(OffloadingManager):
         loaded); the CPU rows of stores that failed (their keys are completed as
         failed, see ``complete_store``); and their counters."""
         for reported, pending in (
-            (report.failed_keys, self._failed_loads),
+            (report.corrupt_keys, self._corrupt_loads),
             (report.io_failed_keys, self._io_failed_loads),
-            (report.unloaded_keys, self._unloaded_loads),
+            (report.unread_keys, self._unread_loads),
         ):
             for req_id, keys in reported.items():
                 if req_id in self._loading:
@@ -216,13 +216,13 @@ class TieredOffloadingManager(OffloadingManager):
         req_context.set_state(_LoadInFlight(-1))
         self._loading.discard(req_context.req_id)
         req_id = req_context.req_id
-        failed = self._failed_loads.pop(req_id, ())
+        corrupt = self._corrupt_loads.pop(req_id, ())
         io_failed = self._io_failed_loads.pop(req_id, ())
-        if failed:
+        if corrupt:
             logger.warning(
                 "kvtier: %d disk block(s) of request %s failed verification; "
                 "dropped from the disk tier, their tokens are recomputed",
-                len(failed),
+                len(corrupt),
                 req_id,
             )
         if io_failed:
@@ -240,16 +240,16 @@ class TieredOffloadingManager(OffloadingManager):
                 MAX_READ_IO_ERRORS,
                 "; repeats logged at debug" if first else "",
             )
-        unloaded = self._unloaded_loads.pop(req_id, ())
+        unread = self._unread_loads.pop(req_id, ())
         whole = req_id in self._failed_whole
         self._failed_whole.discard(req_id)
-        if failed or io_failed or unloaded or whole:
+        if corrupt or io_failed or unread or whole:
             req_context.set_state(_LoadFailed())
             self._failed_load_reqs.append(req_id)
         self.hierarchy.complete_load(
             load.load_id,
-            failed,
-            unloaded=unloaded,
+            corrupt,
+            unread=unread,
             io_failed=io_failed,
             whole_failed=whole,
         )
@@ -363,9 +363,9 @@ class TieredOffloadingManager(OffloadingManager):
             # (a sleep, a weight update): no later engine adopts them.
             self.runtime.mark_reset()
         self.hierarchy.reset()
-        self._failed_loads.clear()
+        self._corrupt_loads.clear()
         self._io_failed_loads.clear()
-        self._unloaded_loads.clear()
+        self._unread_loads.clear()
         self._failed_whole.clear()
         self._loading.clear()  # vLLM completes no load from before the reset
         self._failed_load_reqs.clear()

@@ -40,20 +40,20 @@ class WorkerCounters:
 class WorkerReport:
     """One step's report of one worker, or of all (:meth:`merge`).
 
-    ``failed_keys``: per request, the disk blocks its load could not use
+    ``corrupt_keys``: per request, the disk blocks its load could not use
     because their bytes failed verification (the scheduler drops those
     copies). ``io_failed_keys``: per request, disk blocks whose read failed
-    with an I/O error (the copies stay, counted: the disk core's read-fault
-    rule). ``unloaded_keys``: per request, disk blocks not delivered for
-    another reason (not read, the job raised or was given up: the copies
-    are kept).
+    with an I/O error (the copies stay, counted). ``unread_keys``: per
+    request, disk blocks not delivered for another reason (not read, the
+    job raised or was given up: the copies are kept). The three are the
+    disk core's read-failure rule (:mod:`kvtier.tiers.disk_core`).
     ``failed_store_rows``: CPU rows of stores that failed; never readable.
     ``failed_loads``: requests whose load failed whole (the job raised or
     was given up): none of its blocks landed, its CPU-tier blocks included.
     """
 
-    failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
-    unloaded_keys: dict[str, list[bytes]] = field(default_factory=dict)
+    corrupt_keys: dict[str, list[bytes]] = field(default_factory=dict)
+    unread_keys: dict[str, list[bytes]] = field(default_factory=dict)
     failed_store_rows: list[int] = field(default_factory=list)
     counters: WorkerCounters = field(default_factory=WorkerCounters)
     io_failed_keys: dict[str, list[bytes]] = field(default_factory=dict)
@@ -71,8 +71,8 @@ class WorkerReport:
             return out
 
         return WorkerReport(
-            keys(self.failed_keys, other.failed_keys),
-            keys(self.unloaded_keys, other.unloaded_keys),
+            keys(self.corrupt_keys, other.corrupt_keys),
+            keys(self.unread_keys, other.unread_keys),
             self.failed_store_rows + other.failed_store_rows,
             self.counters + other.counters,
             keys(self.io_failed_keys, other.io_failed_keys),

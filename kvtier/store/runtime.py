@@ -246,7 +246,7 @@ class DiskRuntime:
                 finished += self._process.poll()
             for job in finished:
                 done.append(job)
-                whole = job.cancelled_keys and job.cancelled_keys == job.failed_keys
+                whole = job.cancelled_keys and job.cancelled_keys == job.lost_keys
                 if whole and not job.bytes:
                     continue  # cancelled whole: its time in the queue is no I/O
                 answered += 1

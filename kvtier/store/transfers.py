@@ -85,11 +85,12 @@ class ArrayRows:
 class FinishedJob:
     """A job every rank finished.
 
-    ``failed_keys``: the keys whose transfer did not happen on some rank
-    (each once); ``success`` is False iff there is one. ``io_failed_keys``
-    (of them): keys whose failure says nothing against their disk copy on
-    any rank (an I/O error, or never moved: refused, given up), so a
-    promotion's slot may be read again. ``bytes``: block bytes moved by the
+    ``lost_keys``: every key whose transfer did not happen on some rank,
+    whatever the cause (each once); ``success`` is False iff there is one.
+    ``io_failed_keys`` (of them): keys whose failure says nothing against
+    their disk copy on any rank (an I/O error, or never moved: refused,
+    given up), so a promotion's slot may be read again; the others' bytes
+    were shown corrupt on some rank. ``bytes``: block bytes moved by the
     items that succeeded, every rank's (DiskStore.stats has the on-disk
     bytes); ``seconds`` from submission to the last item (queueing included).
     ``cancelled_keys`` (of the I/O-failed ones): keys not moved on some rank
@@ -101,7 +102,7 @@ class FinishedJob:
     success: bool
     bytes: int
     seconds: float
-    failed_keys: list[bytes]
+    lost_keys: list[bytes]
     io_failed_keys: list[bytes] = field(default_factory=list)
     spill: bool = False
     cancelled_keys: list[bytes] = field(default_factory=list)
@@ -114,8 +115,8 @@ class _Job:
         self.job_id, self.keys, self.remaining, self.spill = job_id, keys, count, spill
         self.started = time.perf_counter()
         self.bytes = 0
-        self.failed: dict[bytes, None] = {}  # ordered, each key once
-        self.bad: set[bytes] = set()  # failed on bytes shown bad on some rank
+        self.lost: dict[bytes, None] = {}  # ordered, each key once
+        self.corrupt: set[bytes] = set()  # failed on bytes shown bad on some rank
         self.cancelled: set[bytes] = set()  # not moved on some rank: cancelled
         self.broke: set[bytes] = set()  # failed on some rank for another reason
         self.lock = threading.Lock()
@@ -126,13 +127,13 @@ class _Job:
         ``IO_FAILED``; ``CANCELLED``); True when it was the last."""
         with self.lock:
             if nbytes is None or nbytes < 0:
-                self.failed[key] = None
+                self.lost[key] = None
                 if nbytes == CANCELLED:
                     self.cancelled.add(key)
                 else:
                     self.broke.add(key)
                     if nbytes is None:
-                        self.bad.add(key)
+                        self.corrupt.add(key)
             else:
                 self.bytes += nbytes
             self.remaining -= 1
@@ -145,15 +146,15 @@ class _Job:
     def result(self) -> FinishedJob:
         return FinishedJob(
             self.job_id,
-            not self.failed,
+            not self.lost,
             self.bytes,
             time.perf_counter() - self.started,
-            list(self.failed),
-            [k for k in self.failed if k not in self.bad],
+            list(self.lost),
+            [k for k in self.lost if k not in self.corrupt],
             self.spill,
             # Cancelled on every rank it failed on: a real failure elsewhere
             # makes it a failure, whatever the cancel did.
-            [k for k in self.failed if k in self.cancelled and k not in self.broke],
+            [k for k in self.lost if k in self.cancelled and k not in self.broke],
         )
 
 
@@ -223,7 +224,7 @@ class TransferEngine:
         returned once by ``get_finished`` (which drains); an item that
         raises fails (with a log line), it never kills a thread. A rank whose rows cannot be mapped fails its items at once
         as I/O failures (logged once).
-      - For promote, a key whose read is not OK is in ``failed_keys`` and its
+      - For promote, a key whose read is not OK is in ``lost_keys`` and its
         row was not written (DiskStore.read_block guarantees it), so the
         caller must not mark that row valid. It is in ``io_failed_keys`` too
         when the read failed with an I/O error or was never done; its slot
@@ -486,7 +487,7 @@ class TransferEngine:
 
     def cancel_queued(self) -> None:
         """Fail every item submitted so far that has not started yet, without
-        I/O (``CANCELLED``: in ``failed_keys``, ``io_failed_keys`` and
+        I/O (``CANCELLED``: in ``lost_keys``, ``io_failed_keys`` and
         ``cancelled_keys``). Items already moving finish as they would, so
         a ``wait`` after this lasts as long as the batches in progress, not
         the queue. For a caller that is about to forget every block (a

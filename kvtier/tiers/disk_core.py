@@ -149,8 +149,9 @@ class DiskTierCore:
         ``pin_reads``) and apply the read-failure rule (module doc) to what
         the load found: keys in ``corrupt`` were read and their bytes failed
         verification; keys in ``io_failed`` could not be read (an I/O
-        error); keys in ``unread`` were not read at all (the load was given
-        up before): they stay as they are. Every other key was read and
+        error); keys in ``unread`` were not delivered for a reason that says
+        nothing about their copies (not read, or the load raised or was
+        given up): they stay as they are. Every other key was read and
         verified. A block is dropped only once no other read pins it.
         Returns the dropped keys, reported as removed (``corrupt``, then
         ``unreadable``). O(len(keys))."""

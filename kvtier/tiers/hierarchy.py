@@ -187,13 +187,13 @@ class TierHierarchy:
     def complete_load(
         self,
         load_id: int,
-        failed: Iterable[Key] = (),
-        unloaded: Iterable[Key] = (),
+        corrupt: Iterable[Key] = (),
+        unread: Iterable[Key] = (),
         io_failed: Iterable[Key] = (),
         whole_failed: bool = False,
     ) -> None:
         """See :meth:`kvtier.tiers.loading.LoadPlanner.complete_load`."""
-        self._planner.complete_load(load_id, failed, unloaded, io_failed, whole_failed)
+        self._planner.complete_load(load_id, corrupt, unread, io_failed, whole_failed)
 
     # ------------------------------------------------------------------- store
 

@@ -138,28 +138,28 @@ class LoadPlanner:
     def complete_load(
         self,
         load_id: int,
-        failed: Iterable[Key] = (),
-        unloaded: Iterable[Key] = (),
+        corrupt: Iterable[Key] = (),
+        unread: Iterable[Key] = (),
         io_failed: Iterable[Key] = (),
         whole_failed: bool = False,
     ) -> None:
         """Release a load's pins and apply what it found to the disk copies
-        (the disk core's read-failure rule). Keys in ``failed`` were read from
-        disk and their bytes failed verification: the copy is dropped once
-        no other load reads it. Keys in ``io_failed`` could not be read (an
-        I/O error): the copy stays, counted, unless its reads failed so
-        too often in a row. Keys in ``unloaded`` were not delivered for a
-        reason that says nothing about their copy (the load raised or was
-        given up): it stays as it is. None of them is loaded: their
-        promotion row is given back unwritten. Other promoted keys become
-        ready on CPU. ``whole_failed``: no block of the load landed (the job
-        raised or was given up): its CPU-tier blocks are not counted as
-        loaded, and every disk key not in ``failed`` or ``io_failed`` is
-        treated as ``unloaded``."""
+        (the disk core's read-failure rule). Keys in ``corrupt`` were read
+        from disk and their bytes failed verification: the copy is dropped
+        once no other load reads it. Keys in ``io_failed`` could not be read
+        (an I/O error): the copy stays, counted, unless its reads failed so
+        too often in a row. Keys in ``unread`` were not delivered for a
+        reason that says nothing about their copy (not read, or the load
+        raised or was given up): it stays as it is. None of them is loaded:
+        their promotion row is given back unwritten. Other promoted keys
+        become ready on CPU. ``whole_failed``: no block of the load landed
+        (the job raised or was given up): its CPU-tier blocks are not
+        counted as loaded, and every disk key not in ``corrupt`` or
+        ``io_failed`` is treated as ``unread``."""
         plan = self.loads.pop(load_id)
-        bad = set(failed)
+        bad = set(corrupt)
         failing = set(io_failed) - bad
-        skipped = set(unloaded)
+        skipped = set(unread)
         if whole_failed:
             skipped.update(
                 k for k, loc in zip(plan.keys, plan.locations) if loc.medium != MEDIUM_CPU

@@ -135,7 +135,7 @@ def _run(worker: KvtierConnectorWorker, loads: dict[int, TransferJob]):
 
 
 def test_failed_async_load_is_reported_per_request_and_block() -> None:
-    fake = FakeWorker({1: LoadError(keys=[b"k1"], gpu_block_ids={6})})
+    fake = FakeWorker({1: LoadError(corrupt=[b"k1"], gpu_block_ids={6})})
     worker = _worker(fake)
     sending, recving, errors, meta = _run(
         worker, {1: _load("r1", [5, 6]), 2: _load("r2", [7])}
@@ -144,7 +144,7 @@ def test_failed_async_load_is_reported_per_request_and_block() -> None:
     assert fake.waited == []
     assert sending == set() and recving == {"r1", "r2"}
     assert errors == ({"r1"}, {6}, set())
-    assert meta is not None and meta.report.failed_keys == {"r1": [b"k1"]}
+    assert meta is not None and meta.report.corrupt_keys == {"r1": [b"k1"]}
     assert meta.completed_jobs == {1: 1, 2: 1}
     assert meta.transfer_stats.load.bytes == 400
     assert meta.transfer_stats.store.bytes == 0
@@ -166,7 +166,7 @@ def test_a_failed_store_travels_to_the_scheduler_as_its_rows() -> None:
     assert (sending, recving, errors) == (set(), set(), (set(), set(), set()))
     assert meta is not None and meta.completed_jobs == {3: 1}
     report = meta.report
-    assert report.failed_store_rows == [4, 5] and report.failed_keys == {}
+    assert report.failed_store_rows == [4, 5] and report.corrupt_keys == {}
     assert report.counters.exceptions == 1
     # Every rank reports its rows; the scheduler gets them all.
     other = KvtierWorkerMetadata(
@@ -201,7 +201,7 @@ def test_the_scheduler_refuses_failed_stores_a_manager_cannot_take() -> None:
     output = SimpleNamespace(kv_connector_worker_meta=meta)
 
     def note_worker_report(report):
-        reports.append((report.failed_keys, report.failed_store_rows))
+        reports.append((report.corrupt_keys, report.failed_store_rows))
         assert report.counters.exceptions == 0
 
     inner.manager = SimpleNamespace(note_worker_report=note_worker_report)
@@ -237,13 +237,13 @@ def test_sync_load_counts_as_a_load_without_finished_recving() -> None:
 @needs_sync_loads
 def test_failed_sync_load_is_reported_block_level_with_its_keys() -> None:
     assert SYNC_LOADS, "vLLM >= 0.33 expected to have TransferJob.sync"
-    fake = FakeWorker({5: LoadError(keys=[b"a", b"b"], gpu_block_ids={8, 9})})
+    fake = FakeWorker({5: LoadError(corrupt=[b"a", b"b"], gpu_block_ids={8, 9})})
     worker = _worker(fake)
     _, recving, errors, meta = _run(worker, {5: _load("r5", [7, 8, 9], sync=True)})
     assert recving == set()
     # Never request level: the request is not waiting for its KV.
     assert errors == (set(), set(), {8, 9})
-    assert meta is not None and meta.report.failed_keys == {"r5": [b"a", b"b"]}
+    assert meta is not None and meta.report.corrupt_keys == {"r5": [b"a", b"b"]}
     assert meta.completed_jobs == {5: 1}
 
 
@@ -254,8 +254,8 @@ def test_connector_reports_sync_failures_block_level(request_level: bool) -> Non
 
     fake = FakeWorker(
         {
-            1: LoadError(keys=[b"x"], gpu_block_ids={2}),
-            2: LoadError(keys=[b"y"], gpu_block_ids={5}),
+            1: LoadError(corrupt=[b"x"], gpu_block_ids={2}),
+            2: LoadError(corrupt=[b"y"], gpu_block_ids={5}),
         }
     )
     worker = _worker(fake)
@@ -306,7 +306,7 @@ def test_a_failed_sync_load_drops_the_stores_of_its_step(
     step may be written, and each one's CPU rows go to the scheduler as
     failed, from every rank (a non-writer's too: under tensor parallelism
     the writer's KV went through the same all-reduce)."""
-    fail = {1: LoadError(keys=[b"h1"], gpu_block_ids={4})} if sync_fails else {}
+    fail = {1: LoadError(corrupt=[b"h1"], gpu_block_ids={4})} if sync_fails else {}
     fake = FakeWorker(fail)
     worker = _worker(fake)
     worker._is_store_writer = writer
@@ -363,7 +363,7 @@ def test_a_failed_sync_load_drops_the_stores_of_steps_planned_before_it_was_seen
     over a refilled block. So the store jobs of the sync load's step and of
     the ``max_concurrent_batches - 1`` steps after it are never written and
     their rows go to the scheduler as failed; a later step's are written."""
-    fake = FakeWorker({1: LoadError(keys=[b"h1"], gpu_block_ids={4})})
+    fake = FakeWorker({1: LoadError(corrupt=[b"h1"], gpu_block_ids={4})})
     worker = _worker(fake, batches_in_flight)
     steps = [
         # Step n: "a" loads [3, 4] synchronously (4 fails), computes block 5.

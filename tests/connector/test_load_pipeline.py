@@ -104,8 +104,8 @@ def _complete(r: RequestRunner, keys, ctx, error=None) -> None:
     if error is not None:
         r.manager.note_worker_report(
             WorkerReport(
-                {ctx.req_id: error.keys},
-                {ctx.req_id: error.unloaded},
+                {ctx.req_id: error.corrupt},
+                {ctx.req_id: error.unread},
                 io_failed_keys={ctx.req_id: error.io_failed},
             )
         )
@@ -239,10 +239,10 @@ def test_a_failed_read_in_flight_fails_only_its_block(runner, plan, fault):
     error = r.worker.take_load_error(1)
     assert error.gpu_block_ids == {42}
     if fault == "bit-flip":
-        assert (error.keys, error.io_failed) == ([keys[2]], [])  # shown bad
+        assert (error.corrupt, error.io_failed) == ([keys[2]], [])  # shown bad
     else:
         # An errno, or a short read of a full-size slab: an I/O error.
-        assert (error.keys, error.io_failed) == ([], [keys[2]])
+        assert (error.corrupt, error.io_failed) == ([], [keys[2]])
     # Never a byte of the failed block; the others are whole.
     assert not any(t[42].any() for t in r.kv)
     good = [keys[0], keys[1], keys[3]]
@@ -282,7 +282,7 @@ def test_io_errors_in_a_row_drop_the_block_and_a_good_read_resets_them(runner, p
         assert done.success is not fail
         error = r.worker.take_load_error(job) if fail else None
         if fail:
-            assert (error.keys, error.io_failed) == ([], [victim])
+            assert (error.corrupt, error.io_failed) == ([], [victim])
         _complete(r, keys, ctx, error)
 
     for _ in range(MAX_READ_IO_ERRORS - 1):
@@ -321,7 +321,7 @@ def test_a_read_that_never_returns_is_given_up_at_the_deadline(runner, plan, cap
         error = r.worker.take_load_error(1)
         # A read past its deadline is an I/O error: the copies are kept (one
         # strike) for a later request.
-        assert error.keys == [] and error.io_failed == keys
+        assert error.corrupt == [] and error.io_failed == keys
         assert error.gpu_block_ids == {40, 41, 42, 43}
         _complete(r, keys, ctx, error)
         assert not any(_landed(r, keys, [40, 41, 42, 43]))
@@ -379,7 +379,7 @@ def test_a_hung_read_is_given_up_at_its_deadline_while_other_loads_keep_coming(
         # Given up while CPU-tier loads were still running, not last.
         assert order.index(1) < len(order) - 50, order
         error = r.worker.take_load_error(1)
-        assert error.io_failed == disk and error.keys == []
+        assert error.io_failed == disk and error.corrupt == []
         _complete(r, disk, ctx1, error)
         for _, ctx, _ in cpu_loads:
             _complete(r, on_cpu, ctx)
@@ -418,7 +418,7 @@ def test_an_open_that_never_returns_costs_its_job_not_a_hang(tmp_path, plan):
         done = wait_finished(r.worker)
         assert [(d.job_id, d.success) for d in done] == [(1, False)]
         error = r.worker.take_load_error(1)
-        assert error.unloaded == keys and error.gpu_block_ids == {40, 41, 42, 43}
+        assert error.unread == keys and error.gpu_block_ids == {40, 41, 42, 43}
         _complete(r, keys, ctx, error)
         release.set()  # the open returns: the cancelled job issues nothing
         _wait_for(_idle(r.worker.loads), "the load thread to drop it")
@@ -448,7 +448,7 @@ def test_a_stuck_load_thread_costs_every_load_it_holds(tmp_path, plan):
         assert sorted((d.job_id, d.success) for d in done) == [(1, False), (2, False)]
         for job, keys, ctx in ((1, first, ctx1), (2, second, ctx2)):
             error = r.worker.take_load_error(job)
-            assert error.unloaded == keys and error.keys == error.io_failed == []
+            assert error.unread == keys and error.corrupt == error.io_failed == []
             _complete(r, keys, ctx, error)
         plan.remove(hang)
         release.set()
@@ -550,7 +550,7 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
             for job, keys, ctx in ((1, first, ctx1), (2, second, ctx2)):
                 error = r.worker.take_load_error(job)
                 # The stalled reads' blocks: I/O errors, their copies stay.
-                assert error.io_failed == keys and error.keys == []
+                assert error.io_failed == keys and error.corrupt == []
                 _complete(r, keys, ctx, error)
             h = r.manager.hierarchy
             assert all(h.lookup(k).name == "HIT_DISK" for k in first + second)
@@ -564,8 +564,8 @@ def test_a_stalled_read_costs_its_own_blocks_not_later_loads(runner, plan, caplo
             assert time.monotonic() - started < DEADLINE_S / 2
             assert [(d.job_id, d.success) for d in done] == [(3, False)]
             error = r.worker.take_load_error(3)
-            assert error.unloaded == third and error.gpu_block_ids == {52, 53}
-            assert error.keys == error.io_failed == []  # never read
+            assert error.unread == third and error.gpu_block_ids == {52, 53}
+            assert error.corrupt == error.io_failed == []  # never read
             assert _landed(r, on_cpu, [50, 51]) == [True, True]
             _complete(r, mixed, ctx3, error)
     finally:
@@ -610,7 +610,7 @@ def test_a_job_that_raises_never_waits_for_its_held_read(runner, plan, monkeypat
         done = wait_finished(r.worker)
         assert [(d.job_id, d.success) for d in done] == [(1, False)]
         error = r.worker.take_load_error(1)
-        assert error.keys == [] and error.unloaded == keys
+        assert error.corrupt == [] and error.unread == keys
         _complete(r, keys, ctx, error)
         ctx2 = _submit(r, second, [44, 45], job_id=2)
         assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(2, True)]
@@ -732,7 +732,7 @@ def test_a_load_thread_that_cannot_start_costs_loads_not_the_engine(
         ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
         assert [(d.job_id, d.success) for d in wait_finished(r.worker)] == [(1, False)]
         error = r.worker.take_load_error(1)
-        assert error.unloaded == keys
+        assert error.unread == keys
         _complete(r, keys, ctx, error)
         refuse.clear()
         ctx = _submit(r, keys, [44, 45, 46, 47], job_id=2)
@@ -805,7 +805,7 @@ def test_a_task_that_raises_as_the_thread_takes_it_in_is_still_reported(
     done = wait_finished(r.worker, timeout=10.0)
     assert [(d.job_id, d.success) for d in done] == [(1, False)]
     error = r.worker.take_load_error(1)
-    assert error.whole and error.unloaded == keys
+    assert error.whole and error.unread == keys
     assert error.gpu_block_ids == {40, 41}
     _complete(r, keys, ctx, error)
     ctx2 = _submit(r, second, [44, 45], job_id=2)

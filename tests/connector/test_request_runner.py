@@ -32,13 +32,13 @@ from kvtier.connector import metrics  # noqa: E402
 from kvtier.connector.specs import TierLoadSpec  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.store.slot import slot_size  # noqa: E402
-from kvtier.testing.residency import residency  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
 from kvtier.testing.offloading import (  # noqa: E402
     offloading_config,
     tiered_spec,
     wait_finished,
 )
+from kvtier.testing.residency import residency  # noqa: E402
 from kvtier.testing.state import num_loads  # noqa: E402
 
 NUM_GPU_BLOCKS = 64
@@ -175,12 +175,12 @@ class RequestRunner:
         if bad:
             error = self.worker.take_load_error(result.job_id)
             # Shown bad (dropped) or unreadable (kept): failed either way.
-            assert set(error.keys) | set(error.io_failed) == bad
+            assert set(error.corrupt) | set(error.io_failed) == bad
             want = {b for k, b in zip(keys, gpu_blocks) if k in bad}
             assert error.gpu_block_ids == want
             self.manager.note_worker_report(
                 WorkerReport(
-                    {ctx.req_id: error.keys},
+                    {ctx.req_id: error.corrupt},
                     io_failed_keys={ctx.req_id: error.io_failed},
                 )
             )

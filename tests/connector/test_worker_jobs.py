@@ -392,10 +392,10 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     _no_copy_in_flight(r)
     assert _book_empty(r)
     # Every block of the job counts as failed, the CPU ones included; the
-    # disk copies are reported unloaded, not bad (nothing showed them bad).
+    # disk copies are reported unread, not corrupt (nothing showed them bad).
     error = r.worker.take_load_error(9)
-    assert error.keys == []
-    assert error.unloaded == on_disk[:3]
+    assert error.corrupt == []
+    assert error.unread == on_disk[:3]
     assert error.gpu_block_ids == set(gpu_blocks)
     assert r.worker.take_load_error(9) is None
     assert r.worker.exceptions.count == 1
@@ -405,7 +405,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     # The manager keeps the disk copies (an exception is no evidence
     # against them) and gives their promotion rows back.
     r.manager.note_worker_report(
-        WorkerReport({ctx.req_id: error.keys}, {ctx.req_id: error.unloaded})
+        WorkerReport({ctx.req_id: error.corrupt}, {ctx.req_id: error.unread})
     )
     r.manager.complete_load(keys, ctx)
     r.manager.on_request_finished(ctx)
@@ -436,11 +436,11 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     again = [rec for rec in caplog.records if "load job 12 raised" in rec.message]
     assert len(again) == 1 and again[0].levelname == "DEBUG"
     error = r.worker.take_load_error(12)
-    assert error.keys == [] and error.unloaded == third
+    assert error.corrupt == [] and error.unread == third
     assert error.gpu_block_ids == {60, 61}
     _finish(r, [on_disk[3]], [58], ctx)
     r.manager.note_worker_report(
-        WorkerReport({ctx_c.req_id: error.keys}, {ctx_c.req_id: error.unloaded})
+        WorkerReport({ctx_c.req_id: error.corrupt}, {ctx_c.req_id: error.unread})
     )
     r.manager.complete_load(third, ctx_c)
     assert [h.lookup(k).name for k in third] == ["HIT_DISK"] * 2
@@ -471,13 +471,13 @@ def test_a_batch_copy_that_raises_fails_its_job_not_the_engine(runner, monkeypat
     assert done[0].success is False
     assert r.worker.exceptions.count == 1
     error = r.worker.take_load_error(9)
-    assert error.keys == [] and error.unloaded == on_disk[:3]
+    assert error.corrupt == [] and error.unread == on_disk[:3]
     assert error.gpu_block_ids == {50, 51, 52}
     _no_copy_in_flight(r)
     assert late.landed == [1]  # the first batch's, before the job was reported
     assert _book_empty(r) and not late.queued
     r.manager.note_worker_report(
-        WorkerReport({ctx.req_id: error.keys}, {ctx.req_id: error.unloaded})
+        WorkerReport({ctx.req_id: error.corrupt}, {ctx.req_id: error.unread})
     )
     r.manager.complete_load(on_disk[:3], ctx)
     r.manager.on_request_finished(ctx)
@@ -1007,7 +1007,7 @@ def test_a_stuck_load_thread_never_holds_back_a_job_whose_copies_it_issued(runne
         assert sorted((d.job_id, d.success) for d in done) == [(1, False), (2, False)]
         for job, keys, ctx in ((1, first, ctx_a), (2, second, ctx_b)):
             error = r.worker.take_load_error(job)
-            assert error.whole and error.unloaded == keys
+            assert error.whole and error.unread == keys
             r.manager.complete_load(keys, ctx)
             r.manager.on_request_finished(ctx)
     finally:

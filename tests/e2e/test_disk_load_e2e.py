@@ -391,10 +391,10 @@ class Env:
                 self.stored[rid].extend(out.keys_to_store)
             return out
 
-        def recording_complete_load(load_id, failed=(), **kwargs):
-            failed = list(failed)
-            complete_load(load_id, failed, **kwargs)
-            for key in failed + list(kwargs.get("io_failed", ())):
+        def recording_complete_load(load_id, corrupt=(), **kwargs):
+            corrupt = list(corrupt)
+            complete_load(load_id, corrupt, **kwargs)
+            for key in corrupt + list(kwargs.get("io_failed", ())):
                 self.after_failed_load.append(
                     (key, h.lookup(key), h.disk.get(key) if h.disk else None)
                 )

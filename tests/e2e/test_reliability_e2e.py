@@ -51,8 +51,8 @@ def assert_at_rest(mgr) -> None:
         for key, block in tier.items():
             assert block.pins == 0, (tier.medium, key.hex(), block)
             assert block.state is BlockState.READY, (tier.medium, key.hex(), block)
-    assert num_loads(h) == 0 and not mgr._failed_loads
-    assert not h._spilling
+    assert num_loads(h) == 0 and not mgr._corrupt_loads
+    assert h._spills is None or not h._spills.spilling
 
 
 @pytest.fixture

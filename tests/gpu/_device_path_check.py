@@ -241,7 +241,7 @@ def check(device: str, work: str) -> dict:
         assert not result.success
         error = worker.take_load_error(2)
         assert error is not None
-        assert sorted(error.keys) == sorted(_key(s) for s in want), error
+        assert sorted(error.corrupt) == sorted(_key(s) for s in want), error
         assert error.gpu_block_ids == {20 + s for s in want}, error
         for i in range(SLOTS):
             got = _kv_block(tensors, 20 + i)

@@ -281,7 +281,7 @@ def test_a_corrupt_slot_fails_its_block_and_leaves_it_untouched(disk_worker):
     )
     assert not result.success
     error = worker.take_load_error(2)
-    assert error.keys == [_key(3)] and error.gpu_block_ids == {43}
+    assert error.corrupt == [_key(3)] and error.gpu_block_ids == {43}
     for i, b in enumerate(range(40, 46)):
         got = b"".join(bytes(t[b].view(torch.uint8).cpu().numpy()) for t in tensors)
         assert got == (bytes(len(got)) if i == 3 else bytes(blocks[i])), i

@@ -21,8 +21,8 @@ from kvtier.host.cpu_tier import CpuBlockBuffer
 from kvtier.store.slot import LayoutFingerprint
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import FinishedJob, TransferEngine
-from kvtier.testing.residency import replay, residency
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
+from kvtier.testing.residency import replay, residency
 from kvtier.tiers.events import TierEvent
 from kvtier.tiers.hierarchy import TierHierarchy
 
@@ -183,7 +183,7 @@ def run_hierarchy_spills(h: TierHierarchy, rig: Rig) -> list[FinishedJob]:
     for order in h.take_spills():
         items = [(it.key, it.src_slot, it.dst_slot) for it in order.items]
         result = rig.spill(order.job_id, items)
-        h.complete_spill(order.job_id, result.failed_keys)
+        h.complete_spill(order.job_id, result.lost_keys)
         results.append(result)
     return results
 

@@ -64,7 +64,7 @@ def test_shutdown_with_a_hung_disk_returns_within_its_bound(
     assert rig.engine.wait([1, 2], timeout=5.0)
     results = {r.job_id: r for r in rig.engine.get_finished()}
     assert sorted(results) == [1, 2]
-    assert results[2].failed_keys == [keys[2]]
+    assert results[2].lost_keys == [keys[2]]
 
 
 def test_abandoned_promotion_never_writes_its_row(make_rig: Callable[..., Rig]) -> None:
@@ -82,7 +82,7 @@ def test_abandoned_promotion_never_writes_its_row(make_rig: Callable[..., Rig]) 
     release.set()
     assert rig.engine.wait([2], timeout=5.0)
     (result,) = rig.engine.get_finished()
-    assert result.failed_keys == [key]
+    assert result.lost_keys == [key]
     assert (rig.cpu.array[5] == 0x11).all()
 
 
@@ -182,7 +182,7 @@ def test_unmappable_cpu_tier_costs_misses_not_the_engine(tmp_path: Path) -> None
         keys = [key_of(i) for i in range(2)]
         rt.submit_spill(spill(1, keys))  # does not raise into the step
         (done,) = poll_until(rt)
-        assert done.job_id == 1 and set(done.failed_keys) == set(keys)
+        assert done.job_id == 1 and set(done.lost_keys) == set(keys)
         assert rt.pending == 0
     finally:
         rt.close()
@@ -209,7 +209,7 @@ def test_drain_timeout_breaks_the_runtime_and_fails_what_it_held_once(
             cpu.array[row] = pattern(key)
         rt.submit_spill(spill(1, keys))
         (done,) = poll_until(rt)
-        assert not done.failed_keys
+        assert not done.lost_keys
         plan.add(FaultRule.hang(release, ops=("read", "write")))
         cpu.array[4:7] = SENTINEL
         rt.submit_promote(
@@ -225,7 +225,7 @@ def test_drain_timeout_breaks_the_runtime_and_fails_what_it_held_once(
         # The given-up promotion is reported once, failed whole (vLLM's
         # tiering manager asserts that every job came back after a drain),
         # and the refused spill with it.
-        got = {r.job_id: set(r.failed_keys) for r in rt.poll()}
+        got = {r.job_id: set(r.lost_keys) for r in rt.poll()}
         assert got == {2: set(keys), 3: {keys[0]}}
         release.set()
         time.sleep(0.5)

@@ -25,8 +25,8 @@ from kvtier.store.backends.posix import PosixBackend
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import TransferEngine
-from kvtier.testing.residency import replay, residency
 from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
+from kvtier.testing.residency import replay, residency
 from kvtier.testing.state import verify
 from kvtier.tiers.events import TierEvent
 from kvtier.tiers.hierarchy import TierHierarchy
@@ -122,7 +122,7 @@ def restore_and_reuse(store: DiskStore, s: Survey) -> None:
             assert engine.wait([o.job_id for o in orders], timeout=60)
             for result in engine.get_finished():
                 assert result.success
-                h.complete_spill(result.job_id, result.failed_keys)
+                h.complete_spill(result.job_id, result.lost_keys)
         finally:
             engine.shutdown()
     assert len(h.disk) == SLOTS and h.disk.num_free == 0

@@ -100,10 +100,10 @@ def test_permission_denied_io_is_a_failed_key(
     rig.plan.add(FaultRule.error(errno.EACCES, **on_slot(rig.store, 1)))
     rig.cpu.array[4:7] = SENTINEL
     res = rig.promote(2, [(k, i, 4 + i) for i, k in enumerate(keys)])
-    assert res.failed_keys == [keys[1]]
+    assert res.lost_keys == [keys[1]]
     assert (rig.cpu.array[5] == SENTINEL).all()
     res = rig.spill(3, [(keys[1], 1, 1)])
-    assert res.failed_keys == [keys[1]]
+    assert res.lost_keys == [keys[1]]
     logged = kvtier_warnings(caplog)
     for op in ("read", "write"):  # once per operation and errno
         lines = [m for m in logged if f"disk {op} failed" in m]

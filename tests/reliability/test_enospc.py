@@ -80,7 +80,7 @@ def test_preallocated_slab_keeps_working_on_a_full_fs(
     for i, key in enumerate(keys):
         rig.cpu.array[i] = pattern(key)
     res = rig.spill(1, [(k, i, i) for i, k in enumerate(keys)])
-    assert res.success and res.failed_keys == []
+    assert res.success and res.lost_keys == []
     out = np.empty(BLOCK_BYTES, np.uint8)
     for i, key in enumerate(keys):
         assert rig.store.read_block(i, key, out) is ReadOutcome.OK
@@ -115,7 +115,7 @@ def test_sparse_slab_on_full_fs_fails_keys_then_recovers(
     keys = [key_of(i) for i in range(4)]
     store_keys(h, rig, keys)
     results = run_hierarchy_spills(h, rig)
-    failed = [k for r in results for k in r.failed_keys]
+    failed = [k for r in results for k in r.lost_keys]
     assert sorted(failed) == sorted(keys)
     for key in keys:
         assert h.lookup(key) is Residency.HIT_CPU  # still served from CPU

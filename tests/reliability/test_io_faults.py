@@ -34,7 +34,6 @@ from kvtier.store.reader import SlotReader
 from kvtier.store.slabs import SlabFiles
 from kvtier.store.slot import HEADER_SIZE, ReadOutcome
 from kvtier.testing import fault_plan
-from kvtier.testing.residency import residency
 from kvtier.testing.faults import (
     MAX_DELAY_S,
     FaultKind,
@@ -42,6 +41,7 @@ from kvtier.testing.faults import (
     FaultRule,
     on_slot,
 )
+from kvtier.testing.residency import residency
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency
 
@@ -86,7 +86,7 @@ def test_write_error_fails_only_that_key(
 
     res = rig.spill(1, [(k, i, i) for i, k in enumerate(keys)])
     assert not res.success
-    assert res.failed_keys == [keys[2]]
+    assert res.lost_keys == [keys[2]]
     assert res.bytes == 3 * BLOCK_BYTES
     for slot in (0, 1, 3):
         outcome, out = slot_data(rig, slot, keys[slot])
@@ -97,7 +97,7 @@ def test_write_error_fails_only_that_key(
 
     # The same fault again: counted again, logged only the first time.
     res = rig.spill(2, [(keys[2], 2, 2)])
-    assert res.failed_keys == [keys[2]]
+    assert res.lost_keys == [keys[2]]
     stats = rig.store.stats()
     assert stats.io_errors == 2 and stats.checksum_failures == 0
     assert stats.blocks_written == 3
@@ -149,7 +149,7 @@ def test_short_write_fails_the_key_and_never_reads_back(
     keys = fill_rows(rig, range(2))
     rig.plan.add(FaultRule.short(ops="write", **on_slot(rig.store, 1)))
     res = rig.spill(1, [(k, i, i) for i, k in enumerate(keys)])
-    assert res.failed_keys == [keys[1]]
+    assert res.lost_keys == [keys[1]]
     # Half a slot reached the disk (new header, half the payload): torn.
     outcome, out = slot_data(rig, 1, keys[1])
     assert outcome is ReadOutcome.CHECKSUM_MISMATCH
@@ -227,7 +227,7 @@ def test_read_fault_fails_promote_and_leaves_row_untouched(
 
     res = rig.promote(2, [(k, i, 8 + i) for i, k in enumerate(keys)])
     assert not res.success
-    assert sorted(res.failed_keys) == sorted([keys[1], keys[2]])
+    assert sorted(res.lost_keys) == sorted([keys[1], keys[2]])
     assert res.bytes == 2 * BLOCK_BYTES
     assert (rig.cpu.array[9:11] == SENTINEL).all()  # failed rows untouched
     for row in (8, 11):
@@ -346,7 +346,7 @@ def test_a_hang_never_released_fails_its_io_after_the_bound(
     rig.cpu.array[8:12] = SENTINEL
     res = rig.promote(2, [(k, i, 8 + i) for i, k in enumerate(keys)])
     assert not never.is_set()
-    assert not res.success and res.failed_keys == [keys[2]]
+    assert not res.success and res.lost_keys == [keys[2]]
     assert (rig.cpu.array[10] == SENTINEL).all()
     for row in (8, 9, 11):
         assert np.array_equal(rig.cpu.array[row], pattern(keys[row - 8]))
@@ -412,8 +412,8 @@ def test_failed_jobs_drive_the_hierarchy(
     for order in orders:
         items = [(it.key, it.src_slot, it.dst_slot) for it in order.items]
         res = rig.spill(order.job_id, items)
-        h.complete_spill(order.job_id, res.failed_keys)
-        assert res.failed_keys == [first[1]]
+        h.complete_spill(order.job_id, res.lost_keys)
+        assert res.lost_keys == [first[1]]
     rig.plan.remove(rule)
     assert h.lookup(first[1]) is Residency.HIT_CPU  # stays CPU-only
     assert first[1] not in residency(h)["disk"]

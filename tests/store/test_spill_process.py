@@ -271,7 +271,7 @@ def test_a_cancel_reaches_the_child_in_order(rig: Rig) -> None:
     cancelled = 0
     for job_id, items in sent:
         job = results[job_id]
-        assert job.failed_keys == job.io_failed_keys == job.cancelled_keys
+        assert job.lost_keys == job.io_failed_keys == job.cancelled_keys
         cancelled += len(job.cancelled_keys)
         for key, row, slot in items:
             outcome, got = rig.read(slot)
@@ -409,7 +409,7 @@ def test_a_killed_child_fails_its_jobs_and_later_ones_run_here(rig: Rig) -> None
     os.kill(pid, signal.SIGKILL)
     job = rig.finished(job_id)
     keys = [key for key, _, _ in items]
-    assert not job.success and job.failed_keys == keys and job.io_failed_keys == keys
+    assert not job.success and job.lost_keys == keys and job.io_failed_keys == keys
     assert rig.runtime.spill_pid is None
     # From now on in this process, and still right.
     writes_here = rig.store.stats().blocks_written

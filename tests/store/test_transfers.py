@@ -124,7 +124,7 @@ def test_spill_promote_roundtrip_is_byte_exact(
     eng.submit_spill(1, [(key(i), i, disk_slots[i]) for i in range(N)])
     assert eng.wait([1], timeout=30)
     [spill] = eng.get_finished()
-    assert (spill.job_id, spill.success, spill.failed_keys) == (1, True, [])
+    assert (spill.job_id, spill.success, spill.lost_keys) == (1, True, [])
     assert spill.bytes == N * BLOCK_BYTES and spill.seconds > 0
 
     # Disk -> different CPU rows (2N..3N-1, in reverse order), which hold junk.
@@ -132,7 +132,7 @@ def test_spill_promote_roundtrip_is_byte_exact(
     eng.submit_promote(2, [(key(i), disk_slots[i], 3 * N - 1 - i) for i in range(N)])
     assert eng.wait([2], timeout=30)
     [promote] = eng.get_finished()
-    assert (promote.success, promote.failed_keys, promote.bytes) == (
+    assert (promote.success, promote.lost_keys, promote.bytes) == (
         True,
         [],
         N * BLOCK_BYTES,
@@ -196,7 +196,7 @@ def test_failed_promote_keys_leave_rows_untouched(engine_on: Any) -> None:
     results = {r.job_id: r for r in eng.get_finished()}
     res = results[2]
     assert not res.success
-    assert sorted(res.failed_keys) == sorted([key(1), key(9), key(3)])
+    assert sorted(res.lost_keys) == sorted([key(1), key(9), key(3)])
     assert res.bytes == 2 * BLOCK_BYTES
     assert buf.array[10].tobytes() == buf.array[0].tobytes()
     assert buf.array[14].tobytes() == buf.array[2].tobytes()
@@ -217,7 +217,7 @@ def test_failed_spill_reports_keys(
         eng.submit_spill(7, [(key(0), 0, 0), (key(1), 1, 1)])
         assert eng.wait([7], timeout=30)
         [res] = eng.get_finished()
-        assert (res.success, res.failed_keys, res.bytes) == (
+        assert (res.success, res.lost_keys, res.bytes) == (
             False,
             [key(0)],
             BLOCK_BYTES,
@@ -284,7 +284,7 @@ def test_an_item_that_raises_fails_its_key_and_keeps_the_engine(
             eng.submit_spill(1, [(key(0), 0, 0), (key(1), 1, 1)])  # one batch
             assert eng.wait([1], timeout=30)
             [res] = eng.get_finished()
-            assert (res.success, res.failed_keys, res.io_failed_keys, res.bytes) == (
+            assert (res.success, res.lost_keys, res.io_failed_keys, res.bytes) == (
                 False,
                 [key(0), key(1)],
                 [key(0), key(1)],
@@ -327,7 +327,7 @@ def test_a_spill_copy_that_outlasts_abandon_is_never_written(
     done_copying.set()
     assert eng.wait([1], timeout=30)
     [res] = eng.get_finished()
-    assert res.failed_keys == [key(0)]
+    assert res.lost_keys == [key(0)]
     out = np.zeros(BLOCK_BYTES, dtype=np.uint8)
     assert store.read_block(0, key(0), out) is ReadOutcome.EMPTY  # not written
 
@@ -416,7 +416,7 @@ def test_cancel_queued_fails_what_has_not_started_without_io(engine_on: Any) -> 
     keys = [k for k, _, _ in spilled]
     cancelled = results[2]
     assert not cancelled.success and cancelled.bytes == 0
-    assert cancelled.failed_keys == cancelled.io_failed_keys == keys
+    assert cancelled.lost_keys == cancelled.io_failed_keys == keys
     assert cancelled.cancelled_keys == keys
     promote = results[3]
     assert promote.cancelled_keys == promote.io_failed_keys == [key(9), key(10)]
@@ -444,7 +444,7 @@ def test_a_key_cancelled_on_one_rank_and_failed_on_another_is_a_failure() -> Non
     job.item_done(key(0), IO_FAILED)  # rank 1: the drive failed it
     assert job.item_done(key(1), CANCELLED)
     res = job.result()
-    assert res.failed_keys == res.io_failed_keys == [key(0), key(1)]
+    assert res.lost_keys == res.io_failed_keys == [key(0), key(1)]
     assert res.cancelled_keys == [key(1)]
 
 

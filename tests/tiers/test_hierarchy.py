@@ -122,7 +122,7 @@ def test_disk_hits_load_in_place_with_promotion_and_corrupt_block():
     assert [loc.medium for loc in plan.locations] == [MEDIUM_DISK, MEDIUM_DISK]
     assert all(loc.promote_slot is not None for loc in plan.locations)
     assert h.lookup("a") is Residency.HIT_DISK  # still loadable by others
-    h.complete_load(plan.load_id, failed=["b"])
+    h.complete_load(plan.load_id, corrupt=["b"])
     assert h.lookup("a") is Residency.HIT_CPU
     assert h.source_of("a") == MEDIUM_DISK  # credited to the disk tier
     assert h.lookup("b") is Residency.MISS  # corrupt copy dropped
@@ -191,7 +191,7 @@ def test_a_block_given_up_unread_keeps_its_count():
     plan = h.prepare_load(["a"])
     h.complete_load(plan.load_id, io_failed=["a"])
     plan = h.prepare_load(["a"])
-    h.complete_load(plan.load_id, unloaded=["a"])  # nothing was read
+    h.complete_load(plan.load_id, unread=["a"])  # nothing was read
     assert io_error_count(h.disk_core, "a") == 1
     assert h.lookup("a") is Residency.HIT_DISK
 
@@ -201,7 +201,7 @@ def test_a_corrupt_read_drops_at_once_even_after_io_errors():
     plan = h.prepare_load(["a"])
     h.complete_load(plan.load_id, io_failed=["a"])
     plan = h.prepare_load(["a"])
-    h.complete_load(plan.load_id, failed=["a"])
+    h.complete_load(plan.load_id, corrupt=["a"])
     assert h.lookup("a") is Residency.MISS
     failures = h.disk_core.failures
     assert (failures.io_errors_kept, failures.corrupt, failures.unreadable) == (1, 1, 0)

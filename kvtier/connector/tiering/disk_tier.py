@@ -456,7 +456,7 @@ class KvtierDiskTier(SecondaryTierManager):
         for done in self.runtime.poll():
             job = self._jobs.pop(done.job_id)
             assert job.is_store == done.spill
-            failed = set(done.failed_keys)
+            failed = set(done.lost_keys)
             if done.spill:
                 lost = [k for k in job.moved if k in failed]
                 stored = [k for k in job.moved if k not in failed]

@@ -10,8 +10,8 @@ for the connector: a load's :class:`LoadError`, a store's CPU rows.
 
 Two kinds of failure reach a load. A disk block that fails (I/O error,
 checksum, header, another key's slot) is expected: the reader reports it per
-block and only that block is given up; why it failed (:data:`BAD`,
-:data:`IO_ERROR` or :data:`UNREAD`) tells the scheduler whether its disk
+block and only that block is given up; why it failed (:data:`CORRUPT`,
+:data:`IO_FAILED` or :data:`UNREAD`) tells the scheduler whether its disk
 copy goes or stays (the disk core's read-failure rule). Anything *raised*
 while a job runs (a bug, an error no one foresaw in the reader or the copy
 path) is unexpected: the worker contains it, so that it never reaches vLLM's
@@ -51,42 +51,42 @@ MAX_CAUSES = 64
 # per block of the spec; 0: delivered, or not failed so far).
 # Read, and its bytes failed verification (or the slot holds another block):
 # the disk copy is dropped.
-BAD = 1
+CORRUPT = 1
 # Its read failed (any errno, a batch given up at its deadline, a device's
 # short read): the copy stays, counted.
-IO_ERROR = 2
+IO_FAILED = 2
 # Never read (every bounce part held by reads given up): the copy stays.
 UNREAD = 3
 
 
 def failure_of(outcome: ReadOutcome) -> int:
     """The failure a slot's read outcome (not OK) means."""
-    return IO_ERROR if outcome is ReadOutcome.IO_ERROR else BAD
+    return IO_FAILED if outcome is ReadOutcome.IO_ERROR else CORRUPT
 
 
 @dataclass
 class LoadError:
-    """What a failed load could not deliver: ``keys``, the disk blocks shown
-    bad (failed verification: their copies are dropped); ``io_failed``,
-    disk blocks whose read failed (an I/O error: their copies stay,
-    counted); ``unloaded``, disk blocks not delivered for a reason that says
-    nothing about their copies (not read, or the job raised: the copies
-    stay); and the GPU blocks that were left unfilled. ``whole``: the job
+    """What a failed load could not deliver: ``corrupt``, the disk blocks
+    shown bad (failed verification: their copies are dropped);
+    ``io_failed``, disk blocks whose read failed (an I/O error: their copies
+    stay, counted); ``unread``, disk blocks not delivered for a reason that
+    says nothing about their copies (not read, or the job raised: the
+    copies stay); and the GPU blocks that were left unfilled. ``whole``: the job
     failed whole (it raised or was given up), so no block of it landed,
     its CPU-tier blocks included (which no key here names)."""
 
-    keys: list[bytes] = field(default_factory=list)
+    corrupt: list[bytes] = field(default_factory=list)
     gpu_block_ids: set[int] = field(default_factory=set)
-    unloaded: list[bytes] = field(default_factory=list)
+    unread: list[bytes] = field(default_factory=list)
     io_failed: list[bytes] = field(default_factory=list)
     whole: bool = False
 
     def merge(self, other: LoadError) -> LoadError:
         """One error with everything both name (a job fails once)."""
         return LoadError(
-            keys=list(dict.fromkeys(self.keys + other.keys)),
+            corrupt=list(dict.fromkeys(self.corrupt + other.corrupt)),
             gpu_block_ids=self.gpu_block_ids | other.gpu_block_ids,
-            unloaded=list(dict.fromkeys(self.unloaded + other.unloaded)),
+            unread=list(dict.fromkeys(self.unread + other.unread)),
             io_failed=list(dict.fromkeys(self.io_failed + other.io_failed)),
             whole=self.whole or other.whole,
         )
@@ -96,13 +96,15 @@ def disk_load_error(
     spec: TierLoadSpec, groups: list[GroupPlan], failed: np.ndarray
 ) -> LoadError:
     """A load whose disk blocks ``failed`` (per block of the spec: 0, or
-    why it failed: :data:`BAD`, :data:`IO_ERROR`, :data:`UNREAD`) could not
-    be delivered: their keys by cause and the GPU blocks they were to fill,
-    in every KV-cache group."""
+    why it failed: :data:`CORRUPT`, :data:`IO_FAILED`, :data:`UNREAD`)
+    could not be delivered: their keys by cause and the GPU blocks they were
+    to fill, in every KV-cache group."""
     def keys(cause: int) -> list[bytes]:
         return [spec.keys[p] for p in np.flatnonzero(failed == cause)]
 
-    error = LoadError(keys=keys(BAD), unloaded=keys(UNREAD), io_failed=keys(IO_ERROR))
+    error = LoadError(
+        corrupt=keys(CORRUPT), unread=keys(UNREAD), io_failed=keys(IO_FAILED)
+    )
     for gp in groups:
         mask = failed[gp.plan.row_ids] != 0
         error.gpu_block_ids.update(int(b) for b in gp.plan.gpu_ids[mask])
@@ -161,7 +163,7 @@ class Job:
 
     def whole_error(self) -> LoadError:
         """Every block of this load failed (it raised, or was given up):
-        every disk key as *unloaded* (their promotion rows are given back
+        every disk key as *unread* (their promotion rows are given back
         unwritten; nothing showed the disk copies bad, so they stay for a
         later request) and every GPU block, whether meant for a disk or a CPU
         block (a partial load counts for nothing)."""
@@ -169,7 +171,7 @@ class Job:
         assert src is not None and dst is not None
         keys = [k for k in src.keys if k] if isinstance(src, TierLoadSpec) else []
         return LoadError(
-            unloaded=keys, gpu_block_ids={int(b) for b in dst.block_ids}, whole=True
+            unread=keys, gpu_block_ids={int(b) for b in dst.block_ids}, whole=True
         )
 
 

@@ -45,7 +45,7 @@ from vllm.platforms import current_platform
 
 from kvtier.connector.metrics import Samples
 from kvtier.connector.specs import TierLoadSpec
-from kvtier.connector.worker.jobs import IO_ERROR, UNREAD, failure_of
+from kvtier.connector.worker.jobs import IO_FAILED, UNREAD, failure_of
 from kvtier.connector.worker.plans import GroupPlan, select_rows
 from kvtier.host.block_copy import CopyPath, CopyPlan
 from kvtier.host.placement import name_this_thread, place_background_thread
@@ -99,7 +99,7 @@ class LoadTask:
     :meth:`~kvtier.host.block_copy.CopyPath.mark`: the task's copies follow it).
 
     Results, once taken back: ``failed`` (per block of the spec, 0 or why
-    it failed: :data:`~kvtier.connector.worker.jobs.BAD`, ``IO_ERROR``,
+    it failed: :data:`~kvtier.connector.worker.jobs.CORRUPT`, ``IO_FAILED``,
     ``UNREAD``), ``error`` (an exception it raised: the whole job failed),
     ``seconds`` (wall time from its first unit to its last), ``nbytes``
     (bytes it copied into the KV cache itself).
@@ -615,7 +615,7 @@ class LoadPipeline:
         fail as I/O errors, its part is STUCK until the reads return."""
         task = part.task
         assert task is not None and task.failed is not None
-        task.failed[part.positions] = IO_ERROR  # a stall: the copies stay
+        task.failed[part.positions] = IO_FAILED  # a stall: the copies stay
         part.state = STUCK
         if not task.cancelled:  # else the worker gave the job up and said so
             logger.error(

@@ -45,7 +45,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.connector.worker.jobs import (
-    BAD,
+    CORRUPT,
     Job,
     JobBook,
     JobExceptions,
@@ -324,7 +324,7 @@ class TieredOffloadingWorker(OffloadingWorker):
         if split.spec is not None:
             if self.reader is None:
                 # No disk tier on this worker: nothing can be read.
-                bad = np.where(split.on_disk, BAD, 0)
+                bad = np.where(split.on_disk, CORRUPT, 0)
                 self.book.fail(job, disk_load_error(split.spec, split.groups, bad))
             else:
                 task.spec = split.spec
