@@ -78,17 +78,26 @@ from kvtier.connector.config import (
     TransferConfigError,
     check_kvtier_keys_are_read,
 )
-from kvtier.connector.identity import (
-    HASH_FIX,
-    LORA_ON_DISK,
-    SHUTDOWN_TIMEOUT_ZERO,
-    prefix_hash_problem,
-)
+from kvtier.connector.identity import HASH_FIX, LORA_ON_DISK, prefix_hash_problem
 from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerReport
 from kvtier.log import get_logger
+from kvtier.store.runtime import SHUTDOWN_SPILL_S
 
 logger = get_logger("connector")
+
+# Said at start by a disk tier under vLLM's default shutdown_timeout (0):
+# vllm serve's process manager then kills the engine core at SIGTERM
+# without waiting, before kvtier writes the blocks only its CPU tier holds.
+SHUTDOWN_TIMEOUT_ZERO = (
+    "vLLM's shutdown_timeout is 0 (vllm serve --shutdown-timeout, default 0): "
+    "at SIGTERM vllm serve kills the engine core at once, so the blocks only "
+    "the CPU tier holds are not written to disk and a warm restart finds "
+    "fewer of them; --shutdown-timeout 10 lets the engine drain its requests "
+    f"and kvtier write them for up to {SHUTDOWN_SPILL_S:g} s (docs/operations.md, "
+    "warm restart). An offline LLM's engine core gets 5 s at exit: nothing to "
+    "do there"
+)
 
 
 @dataclass

@@ -559,18 +559,6 @@ LORA_ON_DISK = (
     "adapter version its own path"
 )
 
-# Said at start by a disk tier under vLLM's default shutdown_timeout (0):
-# vllm serve's process manager then kills the engine core at SIGTERM
-# without waiting, before kvtier writes the blocks only its CPU tier holds.
-SHUTDOWN_TIMEOUT_ZERO = (
-    "vLLM's shutdown_timeout is 0 (vllm serve --shutdown-timeout, default 0): "
-    "at SIGTERM vllm serve kills the engine core at once, so the blocks only "
-    "the CPU tier holds are not written to disk and a warm restart finds "
-    "fewer of them; --shutdown-timeout 10 lets the engine drain its requests "
-    "and kvtier write them for up to 2 s (docs/operations.md, warm restart). "
-    "An offline LLM's engine core gets 5 s at exit: nothing to do there"
-)
-
 # The fix, named wherever a non-reproducible prefix hash is reported.
 HASH_FIX = (
     "export PYTHONHASHSEED=<a fixed value> before vllm serve, or "
