@@ -347,7 +347,7 @@ def disk_rows(
     keeps the rounds it finished)."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    from kvtier.connector.specs import TierLoadSpec
+    from kvtier.connector.load_store_specs import TierLoadSpec
     from kvtier.connector.worker.worker import TieredOffloadingWorker
     from kvtier.host.cpu_tier import CpuBlockBuffer
     from kvtier.store.backends.factory import make_backend

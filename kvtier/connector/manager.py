@@ -37,7 +37,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector import metrics as m
-from kvtier.connector.specs import CpuTierSpec, TierLoadSpec
+from kvtier.connector.load_store_specs import CpuTierSpec, TierLoadSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, WorkerReport
 from kvtier.log import get_logger
 from kvtier.store.runtime import DiskRuntime

@@ -156,7 +156,7 @@ def _where(
         return
     if not skip_new:
         for slot in range(files.num_slots):
-            yield slot, *files.locate(slot), True
+            yield slot, *files.offset_of(slot), True
         return
     # Local slots of each slab to scan: those that begin before the slab's
     # size before this open (a slot cut by it is read: it may hold a torn

@@ -37,7 +37,7 @@ local slot ``l`` starts at byte ``l * slot_size``. See docs/on-disk-format.md.
   taken on trust (:class:`StoreError` otherwise). Nothing is written.
 
 Contract:
-  - ``locate(slot)`` gives ``(slab index, byte offset)``, a multiple of
+  - ``offset_of(slot)`` gives ``(slab index, byte offset)``, a multiple of
     IO_ALIGNMENT; IndexError for a slot out of range, RuntimeError once
     closed.
   - ``read``/``submit_read``/``write`` move bytes as the back end does: the
@@ -406,7 +406,7 @@ class SlabFiles:
 
     # -- where and how bytes move -----------------------------------------
 
-    def locate(self, slot: int) -> tuple[int, int]:
+    def offset_of(self, slot: int) -> tuple[int, int]:
         """``(slab index, byte offset)`` of global ``slot``."""
         if self._closed:
             raise RuntimeError("the store is closed")
@@ -616,8 +616,8 @@ class SlabFiles:
         the read cut short by the device: IO_ERROR, transient like an errno
         (counted and logged as an EIO). ``at``: the ``(slab index, byte
         offset)`` that was read, where the caller has it (the slabs of a
-        found store need not cover the striping :meth:`locate` follows)."""
-        idx, offset = self.locate(slot) if at is None else at
+        found store need not cover the striping :func:`locate` follows)."""
+        idx, offset = self.offset_of(slot) if at is None else at
         handle = self.handles[idx]
         size = None if handle is None else self.backend.size(handle)
         if size is not None and size < offset + self.slot_size:

@@ -293,7 +293,7 @@ class DiskStore:
         if len(key) > MAX_KEY_LEN:
             raise ValueError(f"key is {len(key)} bytes, max {MAX_KEY_LEN}")
         flat = flat_u8(data, self.block_bytes, "data")
-        idx, offset = self.files.locate(slot)
+        idx, offset = self.files.offset_of(slot)
         t0 = time.perf_counter()
         bounce = self._bounce()
         if self.compression == "zstd":
@@ -416,7 +416,7 @@ class DiskStore:
             return []
         bb = self.block_bytes
         # Slot order: adjacent slots become one write.
-        where = [self.files.locate(slot) for slot in slots]
+        where = [self.files.offset_of(slot) for slot in slots]
         order = sorted(range(k), key=where.__getitem__)
         area = self._batch_area(k)
         payload = area[:, HEADER_SIZE : HEADER_SIZE + bb]
@@ -527,7 +527,7 @@ class DiskStore:
 
         Raises OSError if the header could not be overwritten.
         """
-        idx, offset = self.files.locate(slot)
+        idx, offset = self.files.offset_of(slot)
         self.files.write_all("invalidate", idx, self._zero_header, offset)
 
     def read_block(

@@ -32,7 +32,7 @@ from kvtier.connector.connector import (  # noqa: E402
     KvtierConnectorWorker,
     KvtierWorkerMetadata,
 )
-from kvtier.connector.specs import CpuTierSpec  # noqa: E402
+from kvtier.connector.load_store_specs import CpuTierSpec  # noqa: E402
 from kvtier.connector.worker.jobs import LoadError  # noqa: E402
 from kvtier.connector.worker_report import WorkerCounters, WorkerReport  # noqa: E402
 

@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 from kvtier.connector import metrics  # noqa: E402
-from kvtier.connector.specs import TierLoadSpec  # noqa: E402
+from kvtier.connector.load_store_specs import TierLoadSpec  # noqa: E402
 from kvtier.connector.worker_report import WorkerReport  # noqa: E402
 from kvtier.store.slot import slot_size  # noqa: E402
 from kvtier.testing.faults import flip_byte  # noqa: E402
@@ -284,7 +284,7 @@ def test_compressed_slots_load_verified(tmp_path):
 def _flip_payload_byte(runner, key: bytes) -> None:
     store = runner.manager.runtime.stores[0]
     slot = runner.manager.hierarchy.disk.get(key).slot
-    idx, offset = store.files.locate(slot)
+    idx, offset = store.files.offset_of(slot)
     flip_byte(store.slabs[idx].path, offset + 4096 + 100)
 
 

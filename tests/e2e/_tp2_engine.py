@@ -148,7 +148,7 @@ def main() -> None:
         before_corrupt = where(keys)
         store = mgr.runtime.stores[CORRUPT_RANK]
         slot = h.disk.get(keys[0]).slot
-        idx, offset = store.files.locate(slot)
+        idx, offset = store.files.offset_of(slot)
         slab = store.files.slabs[idx].path
         flip_byte(slab, offset + HEADER_SIZE + 100)
 

@@ -412,7 +412,7 @@ class Env:
     def slot_file(self, key: bytes) -> tuple[str, int]:
         """Slab file and byte offset of ``key``'s disk slot."""
         store = self.mgr.runtime.stores[0]
-        idx, offset = store.files.locate(self.h.disk.get(key).slot)
+        idx, offset = store.files.offset_of(self.h.disk.get(key).slot)
         return store.slabs[idx].path, offset
 
     def counters(self) -> dict[str, dict]:

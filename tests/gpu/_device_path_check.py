@@ -115,7 +115,7 @@ def _kv_block(tensors: list[torch.Tensor], block: int) -> bytes:
 def _load(worker, job_id: int, slots: list[int], gpu_blocks: list[int]):
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    from kvtier.connector.specs import TierLoadSpec
+    from kvtier.connector.load_store_specs import TierLoadSpec
     from kvtier.tiers.events import MEDIUM_DISK
     from kvtier.tiers.plans import BlockLocation
 

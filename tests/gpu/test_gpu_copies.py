@@ -42,7 +42,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 
-from kvtier.connector.specs import TierLoadSpec  # noqa: E402
+from kvtier.connector.load_store_specs import TierLoadSpec  # noqa: E402
 from kvtier.connector.worker.device_copy import DeviceCopies  # noqa: E402
 from kvtier.connector.worker.kv_layout import group_views  # noqa: E402
 from kvtier.connector.worker.worker import TieredOffloadingWorker  # noqa: E402

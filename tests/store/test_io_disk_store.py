@@ -652,7 +652,7 @@ def test_the_reader_stands_alone_over_slab_files(
         assert seen == [42]
         stats = files.stats()
         assert stats.blocks_read == 2 and stats.blocks_written == 0
-        assert files.locate(3) == (1, files.slabs[1].offset(1))
+        assert files.offset_of(3) == (1, files.slabs[1].offset(1))
     finally:
         reader.close()
     with pytest.raises(RuntimeError):

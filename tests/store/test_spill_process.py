@@ -115,7 +115,7 @@ class Rig:
     def header(self, slot: int) -> SlotHeader:
         from kvtier.store.slot import HEADER_SIZE
 
-        idx, offset = self.store.files.locate(slot)
+        idx, offset = self.store.files.offset_of(slot)
         with open(self.store.files.slabs[idx].path, "rb") as f:
             f.seek(offset)
             return SlotHeader.unpack(f.read(HEADER_SIZE))

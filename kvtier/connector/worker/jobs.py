@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferResult
 
-from kvtier.connector.specs import TierLoadSpec
+from kvtier.connector.load_store_specs import TierLoadSpec
 from kvtier.connector.worker.plans import GroupPlan
 from kvtier.host.block_copy import CopyPath, CopyPlan
 from kvtier.log import get_logger

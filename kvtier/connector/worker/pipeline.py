@@ -43,8 +43,8 @@ import numpy as np
 import torch
 from vllm.platforms import current_platform
 
+from kvtier.connector.load_store_specs import TierLoadSpec
 from kvtier.connector.metrics import Samples
-from kvtier.connector.specs import TierLoadSpec
 from kvtier.connector.worker.jobs import IO_FAILED, UNREAD, failure_of
 from kvtier.connector.worker.plans import GroupPlan, select_rows
 from kvtier.host.block_copy import CopyPath, CopyPlan

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 
-from kvtier.connector.specs import TierLoadSpec
+from kvtier.connector.load_store_specs import TierLoadSpec
 from kvtier.host.block_copy import CopyPlan, plan_copy
 
 
