@@ -86,7 +86,10 @@ _FILE_KINDS = {
 
 
 def open_regular(
-    path: str | os.PathLike[str], *, follow_links: bool = False
+    path: str | os.PathLike[str],
+    *,
+    follow_links: bool = False,
+    dir_fd: int | None = None,
 ) -> tuple[int, os.stat_result]:
     """A read-only, close-on-exec descriptor of the regular file ``path``,
     and its ``fstat``; the caller closes the descriptor.
@@ -99,13 +102,15 @@ def open_regular(
     ``follow_links`` a symbolic link as the last component is refused
     (``O_NOFOLLOW``: OSError with errno ELOOP); with it, links are followed
     (a file the operator names, model files the hub cache links to). Any
-    other failure of the open is its OSError, naming ``path``. Type only:
+    other failure of the open is its OSError, naming ``path``. ``dir_fd``:
+    ``path`` is relative to that directory descriptor (a directory
+    checked once, never looked up by name again). Type only:
     owner and mode are not checked (see :func:`open_private` for kvtier's
     own files)."""
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
     if not follow_links:
         flags |= os.O_NOFOLLOW
-    fd = os.open(path, flags)
+    fd = os.open(path, flags, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -407,7 +407,8 @@ class SlabFiles:
     # -- where and how bytes move -----------------------------------------
 
     def offset_of(self, slot: int) -> tuple[int, int]:
-        """``(slab index, byte offset)`` of global ``slot``."""
+        """``(slab index, byte offset)`` of global ``slot`` (the module's
+        :func:`locate` gives its local slot)."""
         if self._closed:
             raise RuntimeError("the store is closed")
         if not 0 <= slot < self.num_slots:
@@ -963,12 +964,17 @@ def _preallocate(fd: int, size: int, path: str, old_size: int) -> None:
 
 class _ReadOnly(DiskBackend):
     """The tools' back end: ``os.preadv`` on the calling thread, on
-    descriptors from :func:`_open_store_file`; it never writes."""
+    descriptors from :func:`_open_store_file`, each slab opened by its name
+    in its store directory's pinned descriptor (``dirs``: directory path ->
+    descriptor); it never writes."""
 
     name = "pread"
 
+    def __init__(self, dirs: dict[str, int]) -> None:
+        self._dirs = dirs
+
     def open(self, path: str, writable: bool = True) -> int:
-        return _open_store_file(path)[0]
+        return _open_store_file(path, self._dirs[os.path.dirname(path)])[0]
 
     def submit_read(self, handle: int, buf: Any, offset: int) -> Future[int]:
         fut: Future[int] = Future()
@@ -988,11 +994,13 @@ class _ReadOnly(DiskBackend):
         return handle
 
 
-def _open_store_file(path: str) -> tuple[int, os.stat_result]:
+def _open_store_file(path: str, dir_fd: int) -> tuple[int, os.stat_result]:
     """:func:`~kvtier.safe_open.open_regular` (no link followed) for the
-    tools, its refusals as :class:`StoreError`, the open's errno kept."""
+    tools: ``path``'s file opened by its name in ``dir_fd`` (its store
+    directory, pinned by :func:`find_stores`), its refusals as
+    :class:`StoreError` naming ``path``, the open's errno kept."""
     try:
-        return open_regular(path)
+        return open_regular(os.path.basename(path), dir_fd=dir_fd)
     except NotRegularFileError as exc:
         raise StoreError(f"{path}: not a regular file ({exc.kind})") from None
     except OSError as exc:
@@ -1012,8 +1020,14 @@ def find_stores(paths: Sequence[str]) -> list[SlabFiles]:
     path). Raises FileNotFoundError / NotADirectoryError for a bad path, and
     :class:`StoreError` when a path holds no store or a store cannot be read
     safely: a slab or layout.json that is not a regular file, an impossible
-    or inconsistent geometry, no slab, or no slot size to be had."""
+    or inconsistent geometry, no slab, or no slot size to be had.
+
+    Each store directory is opened once (:func:`_pin_dir`) and everything in
+    it is listed, read and opened through that descriptor: a directory
+    swapped for a link afterwards is never followed. The descriptors close
+    with the returned files."""
     by_name: dict[str, list[str]] = {}
+    given: set[str] = set()  # store directories named by the caller
     for path in paths:
         path = os.path.abspath(path)
         if not os.path.exists(path):
@@ -1025,6 +1039,7 @@ def find_stores(paths: Sequence[str]) -> list[SlabFiles]:
             n == LAYOUT_FILE or SLAB_RE.match(n) for n in names
         ):
             dirs = [path]
+            given.add(path)
         else:
             dirs = sorted(
                 os.path.join(path, n)
@@ -1039,7 +1054,36 @@ def find_stores(paths: Sequence[str]) -> list[SlabFiles]:
             # store) is one store, not two copies of it.
             if not any(_same_dir(d, other) for other in found):
                 found.append(d)
-    return [_found(name, dirs) for name, dirs in sorted(by_name.items())]
+    stores: list[SlabFiles] = []
+    try:
+        for name, dirs in sorted(by_name.items()):
+            pinned: dict[str, int] = {}
+            try:
+                for d in dirs:
+                    pinned[d] = _pin_dir(d, follow=d in given)
+                stores.append(_found(name, dirs, pinned))
+            except BaseException:
+                for fd in pinned.values():
+                    os.close(fd)
+                raise
+    except BaseException:
+        for files in stores:
+            files.close()
+        raise
+    return stores
+
+
+def _pin_dir(path: str, *, follow: bool) -> int:
+    """A descriptor of the store directory ``path``; a symbolic link is
+    refused (:func:`_store_dir`'s refusal) unless ``follow`` (a directory
+    the operator named). StoreError if it cannot be opened."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    try:
+        return os.open(path, flags if follow else flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+            raise _link_refused(path) from None
+        raise StoreError(f"{path}: cannot open: {exc.strerror or exc}") from None
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -1055,21 +1099,26 @@ def _store_dir(path: str) -> bool:
     except OSError:
         return False  # gone meanwhile
     if stat.S_ISLNK(mode):
-        raise StoreError(
-            f"{path}: is a symbolic link (refused: kvtier never follows links "
-            "to its store directories). Remove it, or pass the directory it "
-            "points to"
-        )
+        raise _link_refused(path)
     return stat.S_ISDIR(mode)
 
 
-def _found(name: str, directories: Sequence[str]) -> SlabFiles:
-    """One store found on disk: its layout.json, slabs and geometry."""
+def _link_refused(path: str) -> StoreError:
+    return StoreError(
+        f"{path}: is a symbolic link (refused: kvtier never follows links "
+        "to its store directories). Remove it, or pass the directory it "
+        "points to"
+    )
+
+
+def _found(name: str, directories: Sequence[str], pinned: dict[str, int]) -> SlabFiles:
+    """One store found on disk: its layout.json, slabs and geometry, read
+    through each directory's pinned descriptor (which the files then own)."""
     where = ", ".join(directories)
     layout: dict[str, Any] | None = None
     warnings: list[str] = []
     for d in directories:
-        doc, err = _read_layout(d)
+        doc, err = _read_layout(d, pinned[d])
         if err is not None:
             warnings.append(err)
         elif layout is None:
@@ -1089,13 +1138,13 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
     found: list[tuple[int, str, int]] = []
     for d in directories:
         try:
-            names = sorted(os.listdir(d))
+            names = sorted(os.listdir(pinned[d]))
         except OSError as exc:
             raise StoreError(f"{d}: cannot list: {exc.strerror or exc}") from None
         for n in names:
             m = SLAB_RE.match(n)
             if m is not None:
-                fd, st = _open_store_file(os.path.join(d, n))
+                fd, st = _open_store_file(os.path.join(d, n), pinned[d])
                 os.close(fd)
                 found.append((int(m.group(1)), os.path.join(d, n), st.st_size))
     found.sort()
@@ -1111,7 +1160,7 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
                 "on its own (one path at a time)"
             )
     if block_bytes is None:
-        block_bytes = _infer_block_bytes([p for _i, p, _s in found], warnings)
+        block_bytes = _infer_block_bytes([p for _i, p, _s in found], pinned, warnings)
     if block_bytes is None:
         raise StoreError(f"{where}: {warnings[-1]}")
     ssz = slot_size(block_bytes)
@@ -1139,9 +1188,10 @@ def _found(name: str, directories: Sequence[str]) -> SlabFiles:
         slabs,
         block_bytes,
         digest if digest is not None else store_digest_prefix(name),
-        _ReadOnly(),
+        _ReadOnly(pinned),
         owns_backend=False,
     )
+    files._dir_fds = list(pinned.values())  # closed with the files
     files.layout, files.warnings, files.short = layout, warnings, short
     if stripes is not None:
         files.stripes = stripes  # slots numbered store-wide, as the engine does
@@ -1199,15 +1249,21 @@ def _declared_stripes(
     return declared
 
 
-def _read_layout(directory: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(layout, None), or (None, warning) for a missing or unparsable file.
-    StoreError for a layout.json that is not a regular file or is
-    implausibly large."""
+def _read_layout(
+    directory: str, dir_fd: int
+) -> tuple[dict[str, Any] | None, str | None]:
+    """(layout, None), or (None, warning) for a missing or unparsable file
+    (read through ``dir_fd``, ``directory``'s descriptor). StoreError for a
+    layout.json that is not a regular file or is implausibly large."""
     path = os.path.join(directory, LAYOUT_FILE)
-    if not os.path.lexists(path):
-        return None, f"{path}: missing"
     try:
-        fd, st = _open_store_file(path)
+        os.stat(LAYOUT_FILE, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None, f"{path}: missing"
+    except OSError:
+        pass  # the open says what is wrong
+    try:
+        fd, st = _open_store_file(path, dir_fd)
     except StoreError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM):
             raise
@@ -1281,12 +1337,15 @@ def _geometry(
     return block_bytes, None
 
 
-def _infer_block_bytes(paths: list[str], warnings: list[str]) -> int | None:
+def _infer_block_bytes(
+    paths: list[str], pinned: dict[str, int], warnings: list[str]
+) -> int | None:
     """Without a usable layout.json: the block size in the header of slot 0
-    of the first slab that has a valid one (within MAX_BLOCK_BYTES)."""
+    of the first slab that has a valid one (within MAX_BLOCK_BYTES); each
+    opened through its directory's descriptor in ``pinned``."""
     for path in paths:
         try:
-            fd, _ = _open_store_file(path)
+            fd, _ = _open_store_file(path, pinned[os.path.dirname(path)])
         except StoreError:
             continue
         try:

@@ -300,3 +300,26 @@ def test_inspect_refuses_a_symlinked_store_directory(tmp_path: Path) -> None:
         assert p.stdout == ""
     # The directory itself, named by the operator, is still inspected.
     assert kvtier_cli("verify", str(real)).returncode == 0
+
+
+def test_a_store_directory_swapped_for_a_link_after_it_was_found_is_not_followed(
+    tmp_path: Path,
+) -> None:
+    """The tools find a store, then read its slabs: a directory another
+    user swaps for a link meanwhile (in a shared disk path) is never
+    followed; the reads go to the directory that was found."""
+    from kvtier.store.scan import scan
+    from kvtier.store.slabs import find_stores
+    from kvtier.store.slot import ReadOutcome
+
+    real = make_store(tmp_path / "shared", blocks=2)
+    decoy = make_store(tmp_path / "decoy", blocks=0)  # same name, nothing in it
+    (view,) = find_stores([str(tmp_path / "shared")])
+    try:
+        real.rename(tmp_path / "moved")
+        real.symlink_to(decoy)
+        got = {r.slot: r.outcome for r in scan(view, file_order=True, payload=True)}
+    finally:
+        view.close()
+    assert got[0] is ReadOutcome.OK and got[1] is ReadOutcome.OK, got
+
