@@ -147,10 +147,7 @@ def decompress(
         flat_out[:] = src
         return
     try:
-        declared = zstandard.frame_content_size(payload)
-        if declared != raw_len:
-            size = "no size" if declared < 0 else f"{declared} bytes"
-            raise CorruptPayloadError(f"zstd frame declares {size}, expected {raw_len}")
+        _check_frame_header(payload, raw_len)
         decoded = _decompressor().decompress(payload, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
         raise CorruptPayloadError(f"zstd: {exc}") from exc
@@ -167,15 +164,16 @@ def check_decodes(
     out_chunk: int,
 ) -> None:
     """Raise CorruptPayloadError where :func:`decompress` would, for a
-    payload given as consecutive ``chunks`` and decoded without being kept.
+    payload given as consecutive ``chunks`` and decoded without being kept:
+    the frame's header (:func:`_check_frame_header`), its decoding to
+    exactly ``raw_len`` bytes, and the frame whole, through its last block
+    (:class:`_FrameEnd`; bytes after it are ignored, as a load ignores them).
 
     Memory: the chunk at hand, ``out_chunk`` bytes of output and the
     decoder's window (zstd's default limit, 128 MiB), whatever ``raw_len``
     claims: for the tools, which check stores whose block size (up to
-    4 GiB) they do not choose. ``chunks`` is read until the frame's
-    ``raw_len`` bytes are out (bytes after a complete frame are not read:
-    a load ignores them too); errors raised by it propagate. ValueError for
-    an unknown codec.
+    4 GiB) they do not choose. ``chunks`` is read to its end; errors raised
+    by it propagate. ValueError for an unknown codec.
     """
     codec = Codec(codec)
     if codec is Codec.RAW:
@@ -187,13 +185,18 @@ def check_decodes(
         return
     head = next(chunks, b"")
     try:
-        declared = zstandard.frame_content_size(head)
+        _check_frame_header(head, raw_len)
+        end = _FrameEnd(head)
     except zstandard.ZstdError as exc:
         raise CorruptPayloadError(f"zstd: {exc}") from exc
-    if declared != raw_len:
-        size = "no size" if declared < 0 else f"{declared} bytes"
-        raise CorruptPayloadError(f"zstd frame declares {size}, expected {raw_len}")
-    reader = _decompressor().stream_reader(_ChunkSource(head, chunks))
+
+    def fed() -> Iterator[bytes | memoryview]:
+        for chunk in chunks:
+            end.feed(chunk)  # before the reader sees it (chunks are reused)
+            yield chunk
+
+    rest = fed()
+    reader = _decompressor().stream_reader(_ChunkSource(head, rest))
     decoded = 0
     try:
         while decoded < raw_len:
@@ -203,8 +206,66 @@ def check_decodes(
             decoded += n
     except zstandard.ZstdError as exc:
         raise CorruptPayloadError(f"zstd: {exc}") from exc
+    for _ in rest:  # the frame's last blocks, where the reader stopped short
+        pass
     if decoded != raw_len:
         raise CorruptPayloadError(f"decoded {decoded} bytes, expected {raw_len}")
+    end.check()
+
+
+def _check_frame_header(head: bytes | memoryview | np.ndarray, raw_len: int) -> None:
+    """A frame kvtier's :func:`compress` could have written: it declares
+    exactly ``raw_len`` bytes and carries no content checksum (kvtier never
+    writes one; the payload's xxh3 covers it). CorruptPayloadError
+    otherwise; zstandard.ZstdError for no frame header at all."""
+    declared = zstandard.frame_content_size(head)
+    if declared != raw_len:
+        size = "no size" if declared < 0 else f"{declared} bytes"
+        raise CorruptPayloadError(f"zstd frame declares {size}, expected {raw_len}")
+    if zstandard.get_frame_parameters(head).has_checksum:
+        raise CorruptPayloadError(
+            "zstd frame carries a content checksum, which kvtier never writes"
+        )
+
+
+class _FrameEnd:
+    """Where a zstd frame ends, read from its block headers as the payload
+    goes by (3 bytes each: last-block flag, type, size): whether the
+    payload holds the frame whole, as a load's one-shot decode requires.
+    ``feed`` each chunk after ``head`` in order; ``check`` at the end."""
+
+    def __init__(self, head: bytes | memoryview | np.ndarray) -> None:
+        self.next = zstandard.frame_header_size(head)  # the next block header
+        self.seen = 0  # payload bytes fed
+        self.partial = b""  # a block header cut by a chunk's end
+        self.end: int | None = None  # the frame's length, once known
+        self.problem = ""
+        self.feed(head)
+
+    def feed(self, chunk: bytes | memoryview | np.ndarray) -> None:
+        start, data = self.seen, memoryview(chunk).cast("B")
+        self.seen += len(data)
+        while self.end is None and not self.problem and self.next < self.seen:
+            at = self.next + len(self.partial) - start
+            self.partial += bytes(data[at : at + 3 - len(self.partial)])
+            if len(self.partial) < 3:
+                return
+            word, self.partial = int.from_bytes(self.partial, "little"), b""
+            last, kind, size = word & 1, (word >> 1) & 3, word >> 3
+            if kind == 3:
+                self.problem = "a block of the reserved type"
+                return
+            self.next += 3 + (1 if kind == 1 else size)  # kind 1: one byte, repeated
+            if last:
+                self.end = self.next
+
+    def check(self) -> None:
+        if self.problem:
+            raise CorruptPayloadError(f"zstd frame holds {self.problem}")
+        if self.end is None or self.end > self.seen:
+            raise CorruptPayloadError(
+                f"zstd frame is cut short ({self.seen} bytes given)"
+            )
 
 
 class _ChunkSource:

@@ -524,6 +524,86 @@ def test_a_zstd_frame_declaring_more_than_the_block_is_refused_before_it_is_deco
     assert [recs[slot].outcome for slot in frames] == [RO.BAD_HEADER] * len(frames)
 
 
+def _frame(blocks: list[bytes], *, checksum: bool = False, size: int = 16384) -> bytes:
+    """A zstd frame declaring ``size`` bytes, of the given block headers and
+    contents, by hand."""
+    import struct
+
+    fhd = 0xC0 | (0x04 if checksum else 0)
+    return struct.pack("<I", 0xFD2FB528) + bytes([fhd, 0x58]) + struct.pack(
+        "<Q", size
+    ) + b"".join(blocks)
+
+
+def _rle(byte: int, n: int, last: bool) -> bytes:
+    return (int(last) | 2 | n << 3).to_bytes(3, "little") + bytes([byte])
+
+
+_EMPTY_LAST = (1).to_bytes(3, "little")  # a raw block of 0 bytes, the last
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["whole", "cut before its last block", "trailing bytes", "two frames", "checksum"],
+)
+def test_verify_judges_a_zstd_frame_as_a_load_does(
+    tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvtier verify`` reads a payload in pieces and never holds the frame,
+    a load decodes it in one go: their verdicts agree on frames whose
+    payload checksum matches but whose end is odd (a frame without its
+    last block, bytes after it, a second frame, a content checksum, which
+    kvtier never writes), here read in pieces of one page."""
+    import dataclasses
+
+    import xxhash
+
+    from kvtier.store import scan as scan_mod
+    from kvtier.store.checksum import payload_checksum
+
+    block_bytes = 16384
+    whole = _frame([_rle(9, block_bytes, False), _EMPTY_LAST])
+    frame = {
+        "whole": whole,
+        "cut before its last block": whole[: -len(_EMPTY_LAST)],
+        "trailing bytes": whole + b"xyz",
+        "two frames": whole + whole,
+        "checksum": _frame([_rle(9, block_bytes, True)], checksum=True)
+        + (xxhash.xxh64_intdigest(bytes([9]) * block_bytes) & 0xFFFFFFFF).to_bytes(
+            4, "little"
+        ),
+    }[case]
+    layout = fp(block_bytes)
+    paths = [str(tmp_path)]
+    with DiskStore(
+        paths, NUM_SLOTS, block_bytes, layout, backend="posix", compression="zstd"
+    ) as store:
+        store.write_block(1, key_of(1), np.zeros(block_bytes, np.uint8), seq=1)
+        path, off = _offset(store, 1)
+        with open(path, "r+b") as f:
+            f.seek(off)
+            hdr = SlotHeader.unpack(f.read(HEADER_SIZE))
+            forged = dataclasses.replace(
+                hdr,
+                payload_len=len(frame),
+                checksum=payload_checksum(frame),
+                device_checksum=device_checksum(frame),
+            )
+            f.seek(off)
+            f.write(forged.pack() + frame)
+        out = np.empty(block_bytes, np.uint8)
+        loaded = store.read_block(1, key_of(1), out)
+    want = RO.BAD_HEADER if case in ("cut before its last block", "checksum") else RO.OK
+    assert loaded is want
+    monkeypatch.setattr(scan_mod, "PAYLOAD_PIECE", HEADER_SIZE)  # one page
+    (view,) = find_stores(paths)
+    try:
+        recs = {r.slot: r for r in scan(view, file_order=True, payload=True)}
+    finally:
+        view.close()
+    assert recs[1].outcome is want, recs[1]
+
+
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_verify_checks_a_block_larger_than_its_piece_without_holding_it(
     tmp_path: Path, compression: str
