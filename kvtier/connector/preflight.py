@@ -20,7 +20,13 @@ import shutil
 from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.connector.config import ConfigError, KvtierConfig
-from kvtier.host.cpu_tier import mapped_bytes, reclaim_stale_cpu_files
+from kvtier.host.cpu_tier import (
+    cpu_tier_dirs,
+    held_by_another,
+    is_cpu_tier_dir,
+    mapped_bytes,
+    reclaim_stale_cpu_files,
+)
 
 
 def check_disk_paths(
@@ -142,14 +148,12 @@ def _existing_slab_bytes(path: str, names: Iterable[str] = ()) -> int:
 
 def _kvtier_shm_files(directory: str, exclude: Sequence[str]) -> list[tuple[str, int]]:
     """Other kvtier CPU-tier files still holding shared memory: in our private
-    directory (live engines) and directly in its parent
-    (``/dev/shm/kvtier-*.cpu``), where older kvtier versions put them and
-    where they stay until someone removes them."""
+    directories (live engines; the fallbacks too) and directly in their
+    parent (``/dev/shm/kvtier-*.cpu``), where older kvtier versions put them
+    and where they stay until someone removes them."""
     skip = {os.path.abspath(p) for p in exclude}
-    patterns = [
-        os.path.join(directory, "*.cpu"),
-        os.path.join(os.path.dirname(directory), "kvtier-*.cpu"),
-    ]
+    patterns = [os.path.join(d, "*.cpu") for d in _with_fallbacks(directory)]
+    patterns.append(os.path.join(os.path.dirname(directory), "kvtier-*.cpu"))
     found: list[tuple[str, int]] = []
     for pattern in patterns:
         for path in sorted(glob.glob(pattern)):
@@ -211,7 +215,20 @@ def prepare_cpu_tier(path: str, num_blocks: int, block_bytes: int) -> None:
     One rank's file, checked where it is made: other files (other ranks',
     or the scheduler's view of them) already hold their room. A file whose
     owner died (SIGKILL, OOM kill) keeps its shared memory until removed;
-    its lock died with the owner, so it is removed here."""
+    its lock died with the owner, so it is removed here, in every one of
+    this user's CPU-tier directories (the fallbacks too)."""
     directory = os.path.dirname(path)
-    reclaim_stale_cpu_files(directory)
+    for each in _with_fallbacks(directory):
+        reclaim_stale_cpu_files(each)
     check_shm_space(directory, mapped_bytes(num_blocks, block_bytes), [path])
+
+
+def _with_fallbacks(directory: str) -> list[str]:
+    """``directory`` and, when it is one of this user's CPU-tier
+    directories, the others beside it (:func:`cpu_tier_dirs`)."""
+    if not is_cpu_tier_dir(directory):
+        return [directory]
+    found = cpu_tier_dirs(os.path.dirname(directory))
+    if directory in found or held_by_another(directory) is not None:
+        return found  # never another user's directory
+    return [directory, *found]

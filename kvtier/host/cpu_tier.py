@@ -359,7 +359,7 @@ def _open_dir(directory: str) -> int:
     ``kvtier-<euid>-<random>``) is created if needed and checked (ours,
     0700, no link); any other (tests, tools) is the caller's choice and
     only opened."""
-    if _own_dir_name(os.path.basename(directory)):
+    if is_cpu_tier_dir(directory):
         return open_private_dir(directory)
     return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
@@ -477,9 +477,10 @@ def cpu_tier_dir(base: str | None = None) -> str:
 # as this user's when it is a real directory owned by this user.
 
 
-def _own_dir_name(name: str) -> bool:
-    """Whether ``name`` is one of this user's CPU-tier directory names."""
-    own = f"kvtier-{os.geteuid()}"
+def is_cpu_tier_dir(directory: str) -> bool:
+    """Whether ``directory`` is named as one of this user's CPU-tier
+    directories (the predictable one or a fallback); a name only."""
+    own, name = f"kvtier-{os.geteuid()}", os.path.basename(directory)
     return name == own or name.startswith(own + "-")
 
 
@@ -530,7 +531,8 @@ def worker_cpu_dir(base: str | None = None) -> str:
     predictable one (:func:`cpu_tier_dir`), unless another user holds that
     name; then a fallback of this user's own, ``kvtier-<euid>-<random>``
     beside it (the first one there, else one made now: exclusively, mode
-    0700), with a WARNING naming the other user. The scheduler side finds
+    0700; kept, for the engines after this one), with a WARNING naming the
+    other user. The scheduler side finds
     the file there (:func:`locate_cpu_file`). OSError where no fallback can
     be made (the base is full or not writable)."""
     primary = cpu_tier_dir(base)
@@ -589,9 +591,10 @@ def same_name(path: str, fd: int, *, dir_fd: int | None = None) -> bool:
 
 
 def rmdir_if_empty(directory: str) -> None:
-    """Remove this user's private CPU-tier directory (or a fallback) if no
-    file is left."""
-    if _own_dir_name(os.path.basename(directory)):
+    """Remove this user's predictable CPU-tier directory if no file is left.
+    A fallback stays (empty, this user's): removed, its name could be taken
+    by another user before a worker that chose it makes its file there."""
+    if os.path.basename(directory) == f"kvtier-{os.geteuid()}":
         # The last engine leaves no trace in /dev/shm: rmdir fails while
         # other files remain, and a creator racing it re-creates the
         # directory (_create_owned).

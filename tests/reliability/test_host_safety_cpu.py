@@ -124,8 +124,8 @@ def test_cpu_tier_moves_beside_a_dir_another_user_holds_and_is_found_there(
     """Another user made this user's ``kvtier-<euid>`` (and a look-alike
     fallback name): the worker makes its file in a fallback of this user's
     own, with a WARNING naming the other uid; the scheduler side, given the
-    default name, maps that file (the same rows); the fallback goes with
-    the last name and the other user's entries are left as they were."""
+    default name, maps that file (the same rows); the fallback is left
+    empty and the other user's entries as they were."""
     primary = sticky_dir / f"kvtier-{os.geteuid()}"
     decoy = sticky_dir / f"kvtier-{os.geteuid()}-0"  # sorts first; not ours
     as_user(NOBODY, lambda: (primary.mkdir(mode=0o777), decoy.mkdir(mode=0o777)))
@@ -146,11 +146,13 @@ def test_cpu_tier_moves_beside_a_dir_another_user_holds_and_is_found_there(
     try:
         worker.array[2, :4] = [9, 8, 7, 6]
         assert list(attached.array[2, :4]) == [9, 8, 7, 6]
-        # Mapped by both: the name is gone, and the empty fallback with it.
-        assert not os.path.exists(directory)
+        assert os.listdir(directory) == []  # mapped by both: the name is gone
     finally:
         attached.close()
         worker.close()
+    # The fallback stays, empty and this user's: removed, its name could be
+    # taken before the next worker that chose it made its file there.
+    assert os.listdir(directory) == [] and os.lstat(directory).st_uid == os.geteuid()
     assert os.listdir(primary) == [] and primary.stat().st_uid == NOBODY
     assert decoy.stat().st_uid == NOBODY
 
