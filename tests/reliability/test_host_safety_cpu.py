@@ -356,6 +356,24 @@ def test_sigkilled_owner_leaves_a_file_that_a_restart_reclaims(
     assert "reclaimed stale CPU-tier file" in caplog.text
 
 
+def test_a_start_sweeps_dead_files_in_every_fallback(sticky_dir: Path) -> None:
+    """TP ranks starting beside a held ``kvtier-<euid>`` may each make a
+    fallback: a start reclaims dead engines' files in all of this user's
+    CPU-tier directories, not only the one it makes its file in."""
+    own = f"kvtier-{os.geteuid()}"
+    dead = []
+    for suffix in ("a", "b"):
+        d = sticky_dir / f"{own}-{suffix}"
+        d.mkdir(mode=0o700)
+        path = d / f"kvtier-dead{suffix}-r0of1.cpu"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.posix_fallocate(fd, 0, 4 * ROW)
+        os.close(fd)  # no lock: its engine is gone
+        dead.append(path)
+    prepare_cpu_tier(str(sticky_dir / f"{own}-a" / "kvtier-new-r0of1.cpu"), 4, ROW)
+    assert not any(p.exists() for p in dead)
+
+
 def test_shm_space_error_names_the_files_holding_it(private_dir: str) -> None:
     live = os.path.join(private_dir, "kvtier-live-r0of1.cpu")
     dead = os.path.join(private_dir, "kvtier-dead-r0of1.cpu")
