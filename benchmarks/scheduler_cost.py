@@ -115,8 +115,8 @@ class TimedHierarchy(TierHierarchy):
         self.times.add("spill", ns() - t0, sum(len(o.items) for o in orders))
         return orders
 
-    def complete_spill(self, job_id, failed_keys=()):  # type: ignore[override]
-        return self._timed("spill", 0, super().complete_spill, job_id, failed_keys)
+    def complete_spill(self, job_id, lost_keys=()):  # type: ignore[override]
+        return self._timed("spill", 0, super().complete_spill, job_id, lost_keys)
 
 
 class TimedReplayer(TraceReplayer):

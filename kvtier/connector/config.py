@@ -40,7 +40,7 @@ from pydantic.fields import FieldInfo, PydanticUndefined
 
 from kvtier.connector.sizes import NotASize, parse_size
 from kvtier.store.backends.factory import DISK_IO_CHOICES
-from kvtier.store.store import COMPRESSION_CHOICES
+from kvtier.store.compression import COMPRESSION_CHOICES
 from kvtier.tiers.policy import policy_names
 
 
@@ -702,10 +702,10 @@ DISK_TIER_TYPE = "KvtierDiskTier"
 _OTHER_MODES_KEYS = {
     "secondary_tiers": (
         "is tiering mode's key (vLLM's OffloadingConnector with "
-        '"spec_name": "PortableTieringSpec" and "spec_module_path": '
-        '"kvtier.connector.tiering", or vLLM\'s TieringOffloadingSpec, the '
+        f'"spec_name": "{PORTABLE_SPEC_NAME}" and "spec_module_path": '
+        f'"{TIERING_MODULE}", or vLLM\'s TieringOffloadingSpec, the '
         f"disk keys in a {DISK_TIER_TYPE} entry; docs/tiering-mode.md); the "
-        "full spec (TieredOffloadingSpec) takes disk_path and "
+        f"full spec ({SPEC_NAME}) takes disk_path and "
         "disk_bytes_to_use directly: use one or the other"
     ),
 }

@@ -41,6 +41,8 @@ def element_bytes(dtype: object) -> int:
 
 LEVEL = 1
 DEFAULT_MIN_SAVING = 0.05
+# disk_compression's values: stored as is, or zstd over byte planes.
+COMPRESSION_CHOICES = ("none", "zstd")
 
 
 class Codec(IntEnum):

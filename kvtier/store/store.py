@@ -35,7 +35,7 @@ from kvtier.store.checksum import (
     device_checksum_rows,
     payload_checksum,
 )
-from kvtier.store.compression import Codec, compress
+from kvtier.store.compression import COMPRESSION_CHOICES, Codec, compress
 from kvtier.store.reader import SlotReader
 from kvtier.store.scan import scan
 from kvtier.store.slabs import SlabFiles, SlabStats
@@ -53,7 +53,6 @@ from kvtier.store.slot import (
 
 logger = get_logger("store")
 
-COMPRESSION_CHOICES = ("none", "zstd")
 # The most a seq seen on disk raises ``next_seq`` to: it leaves 2^63 writes
 # below a header's u64 (see ``DiskStore._bump_seq``).
 SEQ_CEILING = 1 << 63

@@ -326,13 +326,13 @@ class TierHierarchy:
     def complete_spill(
         self,
         job_id: int,
-        failed_keys: Iterable[Key] = (),
+        lost_keys: Iterable[Key] = (),
         cancelled_keys: Iterable[Key] = (),
     ) -> None:
-        """A spill job finished; keys in ``failed_keys`` did not reach disk
+        """A spill job finished; keys in ``lost_keys`` did not reach disk
         (those in ``cancelled_keys`` as the job was cancelled: no failure)."""
         assert self._spills is not None
-        self._spills.complete(job_id, failed_keys, cancelled_keys)
+        self._spills.complete(job_id, lost_keys, cancelled_keys)
 
     def _queue_spills(self, n: int) -> None:
         if self._spills is not None:

@@ -169,14 +169,14 @@ class SpillQueue:
     def complete(
         self,
         job_id: int,
-        failed_keys: Iterable[Key] = (),
+        lost_keys: Iterable[Key] = (),
         cancelled_keys: Iterable[Key] = (),
     ) -> None:
-        """A spill job finished; keys in ``failed_keys`` did not reach disk,
+        """A spill job finished; keys in ``lost_keys`` did not reach disk,
         those of them in ``cancelled_keys`` because the job was cancelled
         before they were written (a reset), not counted as failures."""
         keys = self.jobs.pop(job_id)
-        failed = set(failed_keys)
+        failed = set(lost_keys)
         cpu, core, spilling_pop = self.cpu, self.core, self.spilling.pop
         # One pass: out of flight, and those still on CPU (all of them
         # unless a reset came in between).

@@ -14,8 +14,9 @@ vLLM's classes. kvtier media: CPU -> ``cpu``, STORAGE -> ``disk``, GPU or
 None -> ``gpu``.
 
 vLLM's publisher *binds* an endpoint containing ``*`` (e.g. the default
-``tcp://*:5557``), and *connects* otherwise; the subscriber does the
-opposite (``bind=True`` for the latter case).
+``tcp://*:5557``) or ``::``, and an ``ipc://`` or ``inproc://`` one, and
+*connects* otherwise; the subscriber does the opposite (``bind=True`` for
+the latter case).
 
 The stream is untrusted input: every message that cannot be read (wrong
 frame count, bad sequence number, any decoding error) is counted in
