@@ -364,6 +364,29 @@ def tier_keys_section() -> str:
     return "\n".join(lines) + "\n"
 
 
+def shared_tier_keys_section() -> str:
+    from kvtier.connector.config import (
+        FACTORY_KEYS,
+        SHARED_TIER_KEYS,
+        SHARED_TIER_TYPE,
+        TIERING_MODULE,
+    )
+
+    factory = ", ".join(f"`{k}`" for k in FACTORY_KEYS)
+    lines = [
+        f"## The `{SHARED_TIER_TYPE}` entry (tiering mode)",
+        "",
+        f"vLLM's `fs` tier on a shared mount behind kvtier's guard, an entry of "
+        f'`secondary_tiers` with `"type": "{SHARED_TIER_TYPE}"` and '
+        f'`"module_path": "{TIERING_MODULE}"` ([scale-out](scale-out.md)); '
+        f"vLLM's tier factory takes {factory} out of the entry, the tier gets "
+        "the rest (`kvtier.connector.config.SharedFsTierConfig`).",
+        "",
+        *_key_table(SHARED_TIER_KEYS),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def configs_section() -> str:
     lines = [
         "## Ready-made files",
@@ -750,6 +773,7 @@ def render() -> str:
         configs_section(),
         keys_section(),
         tier_keys_section(),
+        shared_tier_keys_section(),
         sizes_section(),
         policies_section(),
         sizing_section(),

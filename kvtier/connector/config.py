@@ -866,28 +866,48 @@ class SharedFsTierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     root_dir: AbsolutePath = Field(
-        description="The shared mount's directory (vLLM's fs tier's root)."
+        description="The shared mount's directory (vLLM's fs tier's root); it "
+        "must exist at start, or the tier starts offline."
     )
     locality: SharedLocality = Field(
         "REMOTE", description="Where the storage is, for vLLM's tier filters."
     )
-    n_read_threads: VllmInteger = Field(None, description="vLLM's fs tier's.")
-    n_write_threads: VllmInteger = Field(None, description="vLLM's fs tier's.")
-    enable_kv_events: VllmFlag = Field(None, description="vLLM's fs tier's.")
+    n_read_threads: VllmInteger = Field(
+        None, description="vLLM's fs tier's reader threads (vLLM's default)."
+    )
+    n_write_threads: VllmInteger = Field(
+        None, description="vLLM's fs tier's writer threads (vLLM's default)."
+    )
+    enable_kv_events: VllmFlag = Field(
+        None, description="vLLM's fs tier's KV events (STORAGE medium)."
+    )
     probe_timeout_s: Seconds = Field(
-        5.0, gt=0, description="Start-up probe of the root, at most."
+        5.0,
+        gt=0,
+        description="Start-up probe of the root (exists, is a directory, takes "
+        "an exclusively created file, no symlink followed for it), at most; "
+        "past it the tier is offline.",
     )
     lookup_timeout_s: Seconds = Field(
-        5.0, gt=0, description="Longest a key's lookup may stay unanswered."
+        5.0,
+        gt=0,
+        description="Longest a key's lookup may stay unanswered; past it the "
+        "lookup is a miss and the tier goes offline.",
     )
     store_timeout_s: Seconds = Field(
-        60.0, gt=0, description="Longest a store may stay unfinished."
+        60.0,
+        gt=0,
+        description="Longest a store may stay unfinished; past it the tier "
+        "goes offline.",
     )
 
     def fs_keys(self) -> dict[str, Any]:
         """The keys given for vLLM's ``fs`` tier, as given."""
         names = ("n_read_threads", "n_write_threads", "enable_kv_events")
         return {k: getattr(self, k) for k in names if k in self.model_fields_set}
+
+
+SHARED_TIER_KEYS = key_specs(SharedFsTierConfig)
 
 
 def parse_shared_tier_config(entry: Mapping[str, Any]) -> SharedFsTierConfig:
