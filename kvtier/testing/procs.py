@@ -6,6 +6,24 @@ that started it, and for tests that end one by force."""
 from __future__ import annotations
 
 import os
+import time
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Whether this process's child ``pid``, killed or told to exit, is gone
+    within ``timeout`` seconds: reaped by its owner (a ``Popen``), or reaped
+    here once it exited (its owner's wait for the kill may end before a
+    loaded host lets it exit)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                return True  # it had exited: reaped now
+        except ChildProcessError:
+            return True  # reaped already
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
 
 
 def parent_pid(pid: int) -> int | None:

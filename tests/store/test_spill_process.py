@@ -35,7 +35,7 @@ from kvtier.store.slabs import SlabStats
 from kvtier.store.slot import LayoutFingerprint, ReadOutcome, SlotHeader
 from kvtier.store.store import DiskStore
 from kvtier.store.transfers import FinishedJob
-from kvtier.testing.procs import terminal_standing
+from kvtier.testing.procs import terminal_standing, wait_gone
 from kvtier.tiers.plans import PromoteOrder, SpillOrder
 
 ROWS = 32
@@ -455,15 +455,13 @@ def test_a_stopped_child_is_given_up_by_a_drain_that_times_out(rig: Rig) -> None
     assert rig.runtime.broken is not None
     job = rig.finished(job_id)
     assert not job.success and job.io_failed_keys == [items[0][0]]
-    with pytest.raises(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)  # reaped: gone
+    assert wait_gone(pid, DEADLINE_S)  # killed
 
 
 def test_close_ends_the_child(rig: Rig) -> None:
     pid = rig.in_child()
     rig.runtime.close()
-    with pytest.raises(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
+    assert wait_gone(pid, DEADLINE_S)
 
 
 def test_a_slab_swapped_under_its_name_is_never_written(
