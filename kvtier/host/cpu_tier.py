@@ -465,7 +465,13 @@ def cpu_tier_dir(base: str | None = None) -> str:
     /dev/shm. Only a name: nothing is created."""
     if base is None:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"kvtier-{os.geteuid()}")
+    return os.path.join(base, _dir_name())
+
+
+def _dir_name(fallback: bool = False) -> str:
+    """This user's CPU-tier directory name (``kvtier-<euid>``), or the
+    prefix of its fallbacks' (``kvtier-<euid>-``)."""
+    return f"kvtier-{os.geteuid()}" + ("-" if fallback else "")
 
 
 # When another user holds the predictable name (any local user can create
@@ -480,8 +486,8 @@ def cpu_tier_dir(base: str | None = None) -> str:
 def is_cpu_tier_dir(directory: str) -> bool:
     """Whether ``directory`` is named as one of this user's CPU-tier
     directories (the predictable one or a fallback); a name only."""
-    own, name = f"kvtier-{os.geteuid()}", os.path.basename(directory)
-    return name == own or name.startswith(own + "-")
+    name = os.path.basename(directory)
+    return name == _dir_name() or name.startswith(_dir_name(fallback=True))
 
 
 def held_by_another(directory: str) -> int | None:
@@ -498,7 +504,7 @@ def _own_fallbacks(base: str) -> list[str]:
     """This user's fallback CPU-tier directories in ``base``, by name: real
     directories owned by this user (an entry another user made under such
     a name is ignored). One listing of ``base``: start-up and tools only."""
-    prefix = f"kvtier-{os.geteuid()}-"
+    prefix = _dir_name(fallback=True)
     try:
         names = sorted(n for n in os.listdir(base) if n.startswith(prefix))
     except OSError:
@@ -544,7 +550,7 @@ def worker_cpu_dir(base: str | None = None) -> str:
     directory = (
         found[0]
         if found
-        else tempfile.mkdtemp(prefix=f"kvtier-{os.geteuid()}-", dir=parent)
+        else tempfile.mkdtemp(prefix=_dir_name(fallback=True), dir=parent)
     )
     logger.warning(
         "kvtier: %s is held by uid %d, not by this user (uid %d); this "
@@ -570,9 +576,15 @@ def locate_cpu_file(path: str) -> str:
     (a test's, a tool's) is returned as given. Only a name: the open
     checks what it finds (owner, mode, live lock)."""
     directory, name = os.path.split(path)
-    if os.path.basename(directory) != f"kvtier-{os.geteuid()}":
+    if os.path.basename(directory) != _dir_name():
         return path
-    for candidate_dir in cpu_tier_dirs(os.path.dirname(directory)):
+    # Where the predictable directory is this user's, the file is there
+    # (a worker uses a fallback only when another user holds the name):
+    # found without listing /dev/shm, which this may be asked at each spill
+    # until the worker's file exists.
+    if held_by_another(directory) is None and os.path.lexists(path):
+        return path
+    for candidate_dir in _own_fallbacks(os.path.dirname(directory)):
         candidate = os.path.join(candidate_dir, name)
         if os.path.lexists(candidate):
             return candidate
@@ -594,7 +606,7 @@ def rmdir_if_empty(directory: str) -> None:
     """Remove this user's predictable CPU-tier directory if no file is left.
     A fallback stays (empty, this user's): removed, its name could be taken
     by another user before a worker that chose it makes its file there."""
-    if os.path.basename(directory) == f"kvtier-{os.geteuid()}":
+    if os.path.basename(directory) == _dir_name():
         # The last engine leaves no trace in /dev/shm: rmdir fails while
         # other files remain, and a creator racing it re-creates the
         # directory (_create_owned).
