@@ -32,6 +32,7 @@ import contextlib
 import ipaddress
 import re
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -329,7 +330,7 @@ class EventCounts:
         }
 
 
-class EventSocket:
+class EventSocket(ABC):
     """ZMQ SUB socket for vLLM's KV events; subclasses say what a message
     does (:meth:`handle`) and what a dropped connection does
     (:meth:`disconnected`).
@@ -375,14 +376,15 @@ class EventSocket:
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
 
+    @abstractmethod
     def handle(self, frames: Iterable[bytes], nframes: int | None = None) -> None:
         """Take one message: its first three frames, and its frame count
         (None: ``len(frames)``). Must not raise on bad input."""
-        raise NotImplementedError
 
+    @abstractmethod
     def disconnected(self) -> None:
         """A connection was dropped (publisher gone, or a frame over
-        ``max_message_bytes``)."""
+        ``max_message_bytes``); the socket reconnects by itself."""
 
     def poll(self, timeout_ms: int, max_messages: int = MAX_PER_POLL) -> int:
         """Wait up to ``timeout_ms`` for messages, then take those queued, at
