@@ -902,9 +902,9 @@ class SharedFsTierConfig(BaseModel):
     )
 
     def fs_keys(self) -> dict[str, Any]:
-        """The keys given for vLLM's ``fs`` tier, as given."""
-        names = ("n_read_threads", "n_write_threads", "enable_kv_events")
-        return {k: getattr(self, k) for k in names if k in self.model_fields_set}
+        """The keys given that vLLM's ``fs`` tier reads, as given."""
+        vllms = {k.name for k in SHARED_TIER_KEYS if k.owner == "vllm"}
+        return {k: getattr(self, k) for k in self.model_fields_set & vllms}
 
 
 SHARED_TIER_KEYS = key_specs(SharedFsTierConfig)
