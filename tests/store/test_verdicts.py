@@ -84,6 +84,28 @@ def _offset(store: DiskStore, slot: int) -> tuple[str, int]:
     return store.slabs[f].path, store.slabs[f].offset(local)
 
 
+def _forge_zstd(store: DiskStore, slot: int, frame: bytes) -> None:
+    """Put ``frame`` in ``slot`` as its zstd payload, both checksums made to
+    match (xxh3 is no MAC): only the payload's own decoding can refuse it."""
+    import dataclasses
+
+    from kvtier.store.checksum import payload_checksum
+    from kvtier.store.compression import Codec
+
+    path, off = _offset(store, slot)
+    with open(path, "r+b") as f:
+        f.seek(off)
+        forged = dataclasses.replace(
+            SlotHeader.unpack(f.read(HEADER_SIZE)),
+            codec=Codec.ZSTD_BYTEPLANE,
+            payload_len=len(frame),
+            checksum=payload_checksum(frame),
+            device_checksum=device_checksum(frame),
+        )
+        f.seek(off)
+        f.write(forged.pack() + frame)
+
+
 def _flip(path: str, at: int) -> None:
     with open(path, "r+b") as f:
         f.seek(at)
@@ -467,11 +489,8 @@ def test_a_zstd_frame_declaring_more_than_the_block_is_refused_before_it_is_deco
     is BAD_HEADER for every host reader (``kvtier verify`` too), nothing of
     it reaches ``out``, and no reader allocates more than a few blocks on
     the way."""
-    import dataclasses
     import tracemalloc
 
-    from kvtier.store.checksum import payload_checksum
-    from kvtier.store.compression import Codec
 
     block_bytes = 16384
     chunk = 128 * 1024  # zstd's largest block
@@ -488,19 +507,7 @@ def test_a_zstd_frame_declaring_more_than_the_block_is_refused_before_it_is_deco
     ) as store:
         for slot, frame in frames.items():
             store.write_block(slot, key_of(slot), np.zeros(block_bytes, np.uint8), seq=1)
-            path, off = _offset(store, slot)
-            with open(path, "r+b") as f:
-                f.seek(off)
-                hdr = SlotHeader.unpack(f.read(HEADER_SIZE))
-                forged = dataclasses.replace(
-                    hdr,
-                    codec=Codec.ZSTD_BYTEPLANE,
-                    payload_len=len(frame),
-                    checksum=payload_checksum(frame),
-                    device_checksum=device_checksum(frame),
-                )
-                f.seek(off)
-                f.write(forged.pack() + frame)
+            _forge_zstd(store, slot, frame)
         tracemalloc.start()
         try:
             for slot in frames:
@@ -554,12 +561,10 @@ def test_verify_judges_a_zstd_frame_as_a_load_does(
     payload checksum matches but whose end is odd (a frame without its
     last block, bytes after it, a second frame, a content checksum, which
     kvtier never writes), here read in pieces of one page."""
-    import dataclasses
 
     import xxhash
 
     from kvtier.store import scan as scan_mod
-    from kvtier.store.checksum import payload_checksum
 
     block_bytes = 16384
     whole = _frame([_rle(9, block_bytes, False), _EMPTY_LAST])
@@ -579,18 +584,7 @@ def test_verify_judges_a_zstd_frame_as_a_load_does(
         paths, NUM_SLOTS, block_bytes, layout, backend="posix", compression="zstd"
     ) as store:
         store.write_block(1, key_of(1), np.zeros(block_bytes, np.uint8), seq=1)
-        path, off = _offset(store, 1)
-        with open(path, "r+b") as f:
-            f.seek(off)
-            hdr = SlotHeader.unpack(f.read(HEADER_SIZE))
-            forged = dataclasses.replace(
-                hdr,
-                payload_len=len(frame),
-                checksum=payload_checksum(frame),
-                device_checksum=device_checksum(frame),
-            )
-            f.seek(off)
-            f.write(forged.pack() + frame)
+        _forge_zstd(store, 1, frame)
         out = np.empty(block_bytes, np.uint8)
         loaded = store.read_block(1, key_of(1), out)
     want = RO.BAD_HEADER if case in ("cut before its last block", "checksum") else RO.OK
