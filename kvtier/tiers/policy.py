@@ -233,10 +233,10 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     return cls(capacity)
 
 
-# log2 of the stamps one chunk of a :class:`StampOrder` spans: its table
+# log2 of the stamps one bucket of a :class:`StampOrder` spans: its table
 # rebuild walks at most this many keys. Read when a StampOrder is made
 # (tests shrink it).
-STAMP_CHUNK_BITS = 12
+STAMP_BUCKET_BITS = 12
 
 
 class StampOrder:
@@ -245,38 +245,38 @@ class StampOrder:
     all: a dict rebuilds its whole table, O(entries), inside whichever call
     inserts past its room, and an ``OrderedDict`` of a million-block tier's
     keys was a 0.16 s pause of the call that stored a block. Keys are held
-    in *chunks*, one dict per ``2**STAMP_CHUNK_BITS`` consecutive stamps
+    in *buckets*, one dict per ``2**STAMP_BUCKET_BITS`` consecutive stamps
     (key -> None, in stamp order), found from the key's stamp, which the
-    caller keeps; a chunk emptied is dropped. Stamps added must increase.
+    caller keeps; a bucket emptied is dropped. Stamps added must increase.
 
-    A dict keeps its largest table until it is rebuilt, and a chunk of old
-    stamps is never rebuilt (nothing is added to it), so a chunk shrunk to
+    A dict keeps its largest table until it is rebuilt, and a bucket of old
+    stamps is never rebuilt (nothing is added to it), so a bucket shrunk to
     an eighth of its span is rebuilt at that size, O(its keys): a tier
-    whose keys are touched would otherwise keep a full chunk's table for
-    each chunk's few survivors.
+    whose keys are touched would otherwise keep a full bucket's table for
+    each bucket's few survivors.
 
     ``add``, ``discard`` and ``len`` are O(1) (amortized: the rebuild
-    costs an eighth of a chunk's span per chunk); ``pop_last`` too, plus
-    the places of chunks emptied at the end since the chunk map's last
-    rebuild; ``pop_first`` walks the first chunk's emptied places (at most
-    its span: a queue popped from its front wants small chunks, ``bits``)
+    costs an eighth of a bucket's span per bucket); ``pop_last`` too, plus
+    the places of buckets emptied at the end since the bucket map's last
+    rebuild; ``pop_first`` walks the first bucket's emptied places (at most
+    its span: a queue popped from its front wants small buckets, ``bits``)
     and is otherwise amortized O(1); iteration is O(keys yielded) plus the
-    chunks' emptied places, at most a chunk's span each."""
+    buckets' emptied places, at most a bucket's span each."""
 
     def __init__(self, bits: int | None = None) -> None:
-        # chunk number (stamp >> bits) -> chunk. Numbers grow with stamps,
-        # so the dict's insertion order is the chunks' order.
-        self._chunks: dict[int, dict[Hashable, None]] = {}
-        self._bits = STAMP_CHUNK_BITS if bits is None else bits
-        # A chunk left with this many keys is rebuilt at its size (_took).
+        # bucket number (stamp >> bits) -> bucket. Numbers grow with stamps,
+        # so the dict's insertion order is the buckets' order.
+        self._buckets: dict[int, dict[Hashable, None]] = {}
+        self._bits = STAMP_BUCKET_BITS if bits is None else bits
+        # A bucket left with this many keys is rebuilt at its size (_took).
         self._eighth = (1 << self._bits) >> 3
         self._len = 0
-        # The number of the newest chunk, the one adds go to: not compacted.
+        # The number of the newest bucket, the one adds go to: not compacted.
         self._newest = -1
-        # No live chunk is numbered below this (None: not known yet).
-        # pop_first steps it up instead of taking the chunk map's first
-        # entry, which walks every chunk dropped from the front since the
-        # map's last rebuild (a queue drops one per chunk's span).
+        # No live bucket is numbered below this (None: not known yet).
+        # pop_first steps it up instead of taking the bucket map's first
+        # entry, which walks every bucket dropped from the front since the
+        # map's last rebuild (a queue drops one per bucket's span).
         self._first: int | None = None
 
     def __len__(self) -> int:
@@ -285,17 +285,17 @@ class StampOrder:
     def add(self, key: Hashable, stamp: int) -> None:
         """Append ``key`` with ``stamp``, larger than every stamp added."""
         number = stamp >> self._bits
-        chunk = self._chunks.get(number)
-        if chunk is None:
-            chunk = self._chunks[number] = {}
+        bucket = self._buckets.get(number)
+        if bucket is None:
+            bucket = self._buckets[number] = {}
             self._newest = number
-        chunk[key] = None
+        bucket[key] = None
         self._len += 1
 
     def extend(self, keys: list[Hashable], start: int) -> None:
         """Append ``keys`` with the stamps ``start``, ``start + 1``, ...,
-        each larger than every stamp added; one update per chunk."""
-        bits, chunks = self._bits, self._chunks
+        each larger than every stamp added; one update per bucket."""
+        bits, buckets = self._bits, self._buckets
         end = start + len(keys)
         at = start
         while at < end:
@@ -304,35 +304,35 @@ class StampOrder:
             part = (
                 keys if at == start and upto == end else keys[at - start : upto - start]
             )
-            chunk = chunks.get(number)
-            if chunk is None:
-                chunks[number] = dict.fromkeys(part)
+            bucket = buckets.get(number)
+            if bucket is None:
+                buckets[number] = dict.fromkeys(part)
                 self._newest = number
             else:
-                chunk.update(dict.fromkeys(part))
+                bucket.update(dict.fromkeys(part))
             at = upto
         self._len += len(keys)
 
     def discard(self, key: Hashable, stamp: int) -> None:
         """Take out ``key``, held with ``stamp``."""
         number = stamp >> self._bits
-        chunk = self._chunks[number]
-        del chunk[key]
-        self._took(number, chunk)
+        bucket = self._buckets[number]
+        del bucket[key]
+        self._took(number, bucket)
 
     def discard_many(self, keys: Iterable[Hashable], stamps: Iterable[int]) -> None:
         """``discard`` of each key with its stamp, in one call."""
         # _took's test inlined: LRU's evictions and removes come here.
-        chunks, bits, eighth = self._chunks, self._bits, self._eighth
+        buckets, bits, eighth = self._buckets, self._bits, self._eighth
         count = 0
         for key, stamp in zip(keys, stamps):
             number = stamp >> bits
-            chunk = chunks[number]
-            del chunk[key]
+            bucket = buckets[number]
+            del bucket[key]
             count += 1
-            left = len(chunk)
+            left = len(bucket)
             if not left or left == eighth:
-                self._shrunk(number, chunk)
+                self._shrunk(number, bucket)
         self._len -= count
 
     def move_many(
@@ -342,81 +342,81 @@ class StampOrder:
         append it with stamp ``start + i``, larger than every stamp added
         (a key listed twice: its later old stamp is its earlier new one).
         In one call: LRU's touches."""
-        chunks, bits, eighth = self._chunks, self._bits, self._eighth
+        buckets, bits, eighth = self._buckets, self._bits, self._eighth
         newest = self._newest
-        target = chunks.get(newest)
+        target = buckets.get(newest)
         for key, old, stamp in zip(keys, olds, range(start, start + len(keys))):
             number = old >> bits
-            chunk = chunks[number]
-            del chunk[key]
-            left = len(chunk)
+            bucket = buckets[number]
+            del bucket[key]
+            left = len(bucket)
             if (not left or left == eighth) and number != newest:
-                self._shrunk(number, chunk)
+                self._shrunk(number, bucket)
             number = stamp >> bits
             if number != newest or target is None:
                 if target is not None and not target:
-                    del chunks[newest]  # emptied here, never added to again
-                target = chunks.get(number)
+                    del buckets[newest]  # emptied here, never added to again
+                target = buckets.get(number)
                 if target is None:
-                    target = chunks[number] = {}
+                    target = buckets[number] = {}
                 self._newest = newest = number
             target[key] = None
 
-    def _took(self, number: int, chunk: dict[Hashable, None]) -> None:
-        """A key was taken out of chunk ``number``: one fewer, and the chunk
+    def _took(self, number: int, bucket: dict[Hashable, None]) -> None:
+        """A key was taken out of bucket ``number``: one fewer, and the bucket
         dropped or rebuilt once empty or down to an eighth (``_shrunk``)."""
         self._len -= 1
-        left = len(chunk)
+        left = len(bucket)
         if not left or left == self._eighth:
-            self._shrunk(number, chunk)
+            self._shrunk(number, bucket)
 
-    def _shrunk(self, number: int, chunk: dict[Hashable, None]) -> None:
-        """Chunk ``number`` lost a key and is empty (dropped) or down to an
+    def _shrunk(self, number: int, bucket: dict[Hashable, None]) -> None:
+        """Bucket ``number`` lost a key and is empty (dropped) or down to an
         eighth of its span (rebuilt at that size, unless it is the newest:
         adds go there)."""
-        if not chunk:
-            del self._chunks[number]
+        if not bucket:
+            del self._buckets[number]
         elif number != self._newest:
-            self._chunks[number] = dict.fromkeys(chunk)
+            self._buckets[number] = dict.fromkeys(bucket)
 
     def pop_last(self) -> Hashable:
         """Take out and return the key with the largest stamp (the order
         must not be empty)."""
-        number = next(reversed(self._chunks))
-        chunk = self._chunks[number]
-        key, _ = chunk.popitem()
+        number = next(reversed(self._buckets))
+        bucket = self._buckets[number]
+        key, _ = bucket.popitem()
         self._len -= 1
-        if not chunk:
-            del self._chunks[number]
+        if not bucket:
+            del self._buckets[number]
         return key
 
     def pop_first(self) -> Hashable:
         """Take out and return the key with the smallest stamp (the order
         must not be empty)."""
-        chunks = self._chunks
+        buckets = self._buckets
         number = self._first
         if number is None:
-            number = next(iter(chunks))
-        chunk = chunks.get(number)
-        while chunk is None:  # each number is stepped over once
+            number = next(iter(buckets))
+        bucket = buckets.get(number)
+        while bucket is None:  # each number is stepped over once
             number += 1
             if number > self._newest:  # never (no add goes below _first)
-                number = next(iter(chunks))
-            chunk = chunks.get(number)
+                number = next(iter(buckets))
+            bucket = buckets.get(number)
         self._first = number
-        key = next(iter(chunk))
-        del chunk[key]
-        self._took(number, chunk)
+        key = next(iter(bucket))
+        del bucket[key]
+        self._took(number, bucket)
         return key
 
     def clear(self) -> None:
-        self._chunks.clear()
+        self._buckets.clear()
         self._len = 0
         self._newest = -1
         self._first = None
 
     def __iter__(self) -> Iterator[Hashable]:
-        return itertools.chain.from_iterable(self._chunks.values())
+        return itertools.chain.from_iterable(self._buckets.values())
 
 
 @register_policy

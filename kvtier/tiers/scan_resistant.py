@@ -23,8 +23,8 @@ from kvtier.tiers.policy import (
 )
 
 _T1, _T2 = 0, 1
-# log2 of the stamps one chunk of a ghost list spans (see ARCPolicy).
-_GHOST_CHUNK_BITS = 8
+# log2 of the stamps one bucket of a ghost list spans (see ARCPolicy).
+_GHOST_BUCKET_BITS = 8
 
 
 @register_policy
@@ -60,12 +60,12 @@ class ARCPolicy(EvictionPolicy):
         # list and stamp in one dict (key -> ``list << SEGMENT_SHIFT |
         # stamp``, B1 = 0, B2 = 1), each list's order a StampOrder, so no
         # OrderedDict of them rebuilds (0.35 s at a million keys, five
-        # times a dict's). Small chunks: a ghost list is popped from its
-        # front, and a pop walks the front chunk's emptied places.
+        # times a dict's). Small buckets: a ghost list is popped from its
+        # front, and a pop walks the front bucket's emptied places.
         self._ghosts: dict[Hashable, int] = {}
         self._ghost_clock = itertools.count()
-        self._b1 = StampOrder(_GHOST_CHUNK_BITS)
-        self._b2 = StampOrder(_GHOST_CHUNK_BITS)
+        self._b1 = StampOrder(_GHOST_BUCKET_BITS)
+        self._b2 = StampOrder(_GHOST_BUCKET_BITS)
         self._ghost_lists = (self._b1, self._b2)
 
     def _place(self, key: Hashable, segment: int) -> None:

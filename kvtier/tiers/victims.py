@@ -16,13 +16,13 @@ block, a block read and released, a spill's blocks in the order they were
 queued). Each segment has a few *runs*, sequences of keys whose positions
 increase from front to back: a key is appended to the run whose last
 position is the largest one below its own, in O(1). A run is a list of
-*chunks*, insertion-ordered dicts (key -> position) of at most
-``CHUNK_KEYS`` keys, not one dict: a dict rebuilds its whole table,
+*buckets*, insertion-ordered dicts (key -> position) of at most
+``BUCKET_KEYS`` keys, not one dict: a dict rebuilds its whole table,
 O(entries), inside whichever call inserts past its room, and a run holds up
 to the tier's every block (a million-block run's rebuild was a 0.15 s pause
-of the call admitting a key). Each new chunk tidies two older ones, round
-robin: an emptied chunk is dropped, a sparse one compacted (a dict's table
-never shrinks otherwise); the front's emptied chunks are dropped when they
+of the call admitting a key). Each new bucket tidies two older ones, round
+robin: an emptied bucket is dropped, a sparse one compacted (a dict's table
+never shrinks otherwise); the front's emptied buckets are dropped when they
 get there. Only a key older than the last position of every run goes to the
 segment's heap. A key that stops being eligible, is touched or leaves is
 deleted from its run at once; a heap entry of such a key goes stale and is
@@ -30,8 +30,8 @@ dropped when it reaches the top (heaps are rebuilt when stale entries
 outnumber live ones). The segment's oldest eligible key is the smallest of
 the run fronts and the heap top. So admitting, dropping and re-placing a
 key cost O(1) (O(log n) when it goes to the heap), and each victim O(runs)
-plus the stale heap entries dropped, each once, and the emptied chunks
-stepped over, at most a run's chunk count (about its keys / 4,096) a
+plus the stale heap entries dropped, each once, and the emptied buckets
+stepped over, at most a run's bucket count (about its keys / 4,096) a
 call.
 
 Not thread-safe: the tier's owner serializes calls.
@@ -52,27 +52,27 @@ from kvtier.tiers.policy import SEGMENT_SHIFT, Run
 # a comparison per victim.
 RUNS_PER_SEGMENT = 3
 
-# Keys per chunk of a run: the most a chunk's table rebuild walks (a
+# Keys per bucket of a run: the most a bucket's table rebuild walks (a
 # rebuild's cost grows with its table: one of a million keys would stall a
 # step, one of a few thousand does not). Read at each use (tests shrink it).
-CHUNK_KEYS = 4096
+BUCKET_KEYS = 4096
 
-# Chunks of its run that a new chunk's creation tidies, round robin (the
-# new one excluded): an emptied chunk is dropped, a chunk an eighth full or
+# Buckets of its run that a new bucket's creation tidies, round robin (the
+# new one excluded): an emptied bucket is dropped, a bucket an eighth full or
 # less is compacted in place. A dict keeps its largest table until it is
-# rebuilt, and a chunk of old keys never is, so without this a tier whose
-# keys are touched keeps a full chunk's table for each chunk's few
-# survivors, and chunks emptied behind a long-lived front key pile up.
-# At most 2 x CHUNK_KEYS / 8 keys moved per new chunk: O(1) per key.
-_TIDY_CHUNKS = 2
+# rebuilt, and a bucket of old keys never is, so without this a tier whose
+# keys are touched keeps a full bucket's table for each bucket's few
+# survivors, and buckets emptied behind a long-lived front key pile up.
+# At most 2 x BUCKET_KEYS / 8 keys moved per new bucket: O(1) per key.
+_TIDY_BUCKETS = 2
 
-Chunk = OrderedDict  # key -> position, increasing front to back
+Bucket = OrderedDict  # key -> position, increasing front to back
 
 
-def _prune(run: list[Chunk]) -> None:
-    """Drop the emptied chunks at ``run``'s front (its first is empty):
-    afterwards the run is empty or its first chunk holds its oldest key.
-    Never while keys taken out of a chunk are held to be put back."""
+def _prune(run: list[Bucket]) -> None:
+    """Drop the emptied buckets at ``run``'s front (its first is empty):
+    afterwards the run is empty or its first bucket holds its oldest key.
+    Never while keys taken out of a bucket are held to be put back."""
     i = 1
     while i < len(run) and not run[i]:
         i += 1
@@ -86,8 +86,8 @@ class VictimIndex:
     last insert/touch: the policy's own ``positions`` when it exposes them
     (``owns_pos`` False: the policy keeps them current), else the index's
     dict, which the tier keeps. ``eligible[key]`` is, for each key that
-    may be a victim now, the container holding it: a chunk of one of its
-    segment's runs (``runs[seg][r]``: a list of chunks), or the dict of its
+    may be a victim now, the container holding it: a bucket of one of its
+    segment's runs (``runs[seg][r]``: a list of buckets), or the dict of its
     segment's live heap entries (``heaped[seg]``: key -> position). Deleting
     ``key`` from that container makes it ineligible; the tier does that
     (and ``in``/``len`` on ``eligible``) directly in its hot batch loops,
@@ -99,7 +99,7 @@ class VictimIndex:
         self.owns_pos = positions is None
         self.pos: dict[Hashable, int] = {} if positions is None else positions
         self.eligible: dict[Hashable, dict[Hashable, int]] = {}
-        self.runs: list[list[list[Chunk[Hashable, int]]]] = [
+        self.runs: list[list[list[Bucket[Hashable, int]]]] = [
             [[] for _ in range(RUNS_PER_SEGMENT)] for _ in range(segments)
         ]
         # The last position appended to each run (valid while it is not
@@ -140,7 +140,7 @@ class VictimIndex:
             # (an empty run fits anything); the keys after this one in the
             # segment are newer, so they append to it too.
             runs, tails = self.runs[seg], self.tails[seg]
-            run: list[Chunk[Hashable, int]] | None = None
+            run: list[Bucket[Hashable, int]] | None = None
             best = -2
             for j, candidate in enumerate(runs):
                 if candidate and not candidate[0]:
@@ -180,7 +180,7 @@ class VictimIndex:
 
     def _append(
         self,
-        run: list[Chunk[Hashable, int]],
+        run: list[Bucket[Hashable, int]],
         group: list[Hashable],
         placed: list[int],
         seg: int,
@@ -188,20 +188,20 @@ class VictimIndex:
     ) -> None:
         """Append ``group`` (positions ``placed``, increasing, all newer
         than ``run``'s keys) to ``run`` (``runs[seg][r]``): to its last
-        chunk while it has room, then to new chunks, each tidying
-        ``_TIDY_CHUNKS`` older ones."""
-        eligible, size = self.eligible, CHUNK_KEYS
-        chunk = run[-1] if run else None
+        bucket while it has room, then to new buckets, each tidying
+        ``_TIDY_BUCKETS`` older ones."""
+        eligible, size = self.eligible, BUCKET_KEYS
+        bucket = run[-1] if run else None
         k, end = 0, len(group)
         while k < end:
-            if chunk is None or len(chunk) >= size:
+            if bucket is None or len(bucket) >= size:
                 if k and group[k] == group[k - 1]:
-                    k += 1  # listed twice, the first in the chunk just filled
+                    k += 1  # listed twice, the first in the bucket just filled
                     continue
-                chunk = Chunk()
-                run.append(chunk)
+                bucket = Bucket()
+                run.append(bucket)
                 self._tidy(run, seg, r)
-            upto = min(end, k + size - len(chunk))
+            upto = min(end, k + size - len(bucket))
             if k or upto != end:
                 part, where = group[k:upto], placed[k:upto]
             else:
@@ -210,31 +210,31 @@ class VictimIndex:
             # loop of stores: OrderedDict.update takes the slower generic
             # MutableMapping path.)
             for key, position in zip(part, where):
-                chunk[key] = position
-            eligible.update(zip(part, repeat(chunk)))
+                bucket[key] = position
+            eligible.update(zip(part, repeat(bucket)))
             k = upto
 
-    def _tidy(self, run: list[Chunk[Hashable, int]], seg: int, r: int) -> None:
-        """Visit the next ``_TIDY_CHUNKS`` chunks of ``run`` before its
+    def _tidy(self, run: list[Bucket[Hashable, int]], seg: int, r: int) -> None:
+        """Visit the next ``_TIDY_BUCKETS`` buckets of ``run`` before its
         last: drop an empty one, compact one an eighth full or less in
         place (the same object: ``eligible`` points to it). Never while
-        keys taken out of a chunk are held to be put back."""
+        keys taken out of a bucket are held to be put back."""
         at, last = self.cursors[seg][r], len(run) - 1
-        for _ in range(_TIDY_CHUNKS):
+        for _ in range(_TIDY_BUCKETS):
             if at >= last:
                 at = 0
                 if last <= 0:
                     break
-            chunk = run[at]
-            if not chunk:
+            bucket = run[at]
+            if not bucket:
                 del run[at]
                 last -= 1
                 continue
-            if len(chunk) <= CHUNK_KEYS >> 3:
-                items = list(chunk.items())
-                chunk.clear()  # frees the table; refilled at its size
+            if len(bucket) <= BUCKET_KEYS >> 3:
+                items = list(bucket.items())
+                bucket.clear()  # frees the table; refilled at its size
                 for key, position in items:
-                    chunk[key] = position
+                    bucket[key] = position
             at += 1
         self.cursors[seg][r] = at
 
@@ -308,13 +308,13 @@ class VictimIndex:
         take: bool,
     ) -> int:
         """The inner loop of :meth:`victims` for a run whose front is the
-        oldest: take its keys in turn, chunk after chunk (each chosen, or
+        oldest: take its keys in turn, bucket after bucket (each chosen, or
         held to be put back) while they are older than ``stop`` and every
         other front, until ``chosen`` has ``n``; then update or remove
-        ``front``. Chunks emptied here stay in the run (the keys held go
+        ``front``. Buckets emptied here stay in the run (the keys held go
         back into them); the next call's pruning drops those left empty.
         Returns the entries inspected."""
-        _, _, chunk, run, at = front
+        _, _, bucket, run, at = front
         bound = stop
         for other in fronts:
             if other is not front and (bound is None or other[0] < bound):
@@ -323,38 +323,38 @@ class VictimIndex:
         inspected = 0
         done = False
         while True:
-            popitem = chunk.popitem
-            while chunk:
+            popitem = bucket.popitem
+            while bucket:
                 key, position = popitem(False)
                 if bound is not None and position >= bound:
-                    chunk[key] = position  # not this one's turn: back in front
-                    chunk.move_to_end(key, last=False)
+                    bucket[key] = position  # not this one's turn: back in front
+                    bucket.move_to_end(key, last=False)
                     done = True
                     break
                 inspected += 1
                 if key in exclude:
-                    held.append((chunk, key, position, None))
+                    held.append((bucket, key, position, None))
                     continue
                 chosen.append(key)
                 if take:
                     del eligible[key]
                 else:
-                    held.append((chunk, key, position, None))
+                    held.append((bucket, key, position, None))
                 if len(chosen) >= n:
                     done = True
                     break
             if done:
                 break
-            # This chunk is spent: the run goes on in its next one with keys.
+            # This bucket is spent: the run goes on in its next one with keys.
             at += 1
             while at < len(run) and not run[at]:
                 at += 1
             if at == len(run):
                 break
-            chunk = run[at]
-        if chunk:
-            front[1] = after = next(iter(chunk))
-            front[0], front[2], front[4] = chunk[after], chunk, at
+            bucket = run[at]
+        if bucket:
+            front[1] = after = next(iter(bucket))
+            front[0], front[2], front[4] = bucket[after], bucket, at
         else:
             fronts.remove(front)
         return inspected
@@ -388,13 +388,13 @@ class VictimIndex:
                     _prune(run)
         for seg, stop in order:
             heap, live = self.heaps[seg], self.heaped[seg]
-            # Each non-empty run's front, [position, key, chunk, run, index of
-            # the chunk in the run], and the heap's live top, [position, key,
+            # Each non-empty run's front, [position, key, bucket, run, index of
+            # the bucket in the run], and the heap's live top, [position, key,
             # live]: the segment's oldest key is the smallest (stamps are
             # unique, so no comparison goes past the position), and only the
             # front taken moves on.
             # (A segment's runs may be visited twice; the second time, the
-            # chunks the first emptied are skipped, not dropped: the keys
+            # buckets the first emptied are skipped, not dropped: the keys
             # held go back into them.)
             fronts = []
             for run in self.runs[seg]:
@@ -402,9 +402,9 @@ class VictimIndex:
                 while at < len(run) and not run[at]:
                     at += 1
                 if at < len(run):
-                    chunk = run[at]
-                    key = next(iter(chunk))
-                    fronts.append([chunk[key], key, chunk, run, at])
+                    bucket = run[at]
+                    key = next(iter(bucket))
+                    fronts.append([bucket[key], key, bucket, run, at])
             inspected += self._live_top(seg, fronts)
             while fronts and len(chosen) < n:
                 front = min(fronts) if len(fronts) > 1 else fronts[0]

@@ -35,13 +35,13 @@ def test_lru_orders_by_last_use():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("itr"), st.integers(0, 11)), max_size=300))
-def test_lru_in_chunks_of_four_stamps_is_an_ordered_dict(ops):
-    """LRU's order held in chunks of 4 stamps (inserts one by one and in
-    batches across chunk edges, touches, removals emptying chunks) equals
-    an OrderedDict moved to the end on each use, and no chunk holds more
+def test_lru_in_buckets_of_four_stamps_is_an_ordered_dict(ops):
+    """LRU's order held in buckets of 4 stamps (inserts one by one and in
+    batches across bucket edges, touches, removals emptying buckets) equals
+    an OrderedDict moved to the end on each use, and no bucket holds more
     than its 4 stamps' keys."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(policy_module, "STAMP_CHUNK_BITS", 2)
+        mp.setattr(policy_module, "STAMP_BUCKET_BITS", 2)
         p = LRUPolicy(12)
     model: dict[int, None] = {}
     for op, k in ops:
@@ -61,22 +61,22 @@ def test_lru_in_chunks_of_four_stamps_is_an_ordered_dict(ops):
             del model[k]
         assert list(p.candidates()) == list(model)
         assert [p.position(k) for k in model] == sorted(p.position(k) for k in model)
-        assert all(len(c) <= 4 for c in p._order._chunks.values())
+        assert all(len(c) <= 4 for c in p._order._buckets.values())
 
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("aaadfl"), st.integers(0, 30)), max_size=300))
 def test_a_stamp_order_popped_from_both_ends_is_an_ordered_dict(ops):
-    """A StampOrder of 4-stamp chunks (ARC's ghost lists: appended, taken
+    """A StampOrder of 4-stamp buckets (ARC's ghost lists: appended, taken
     out anywhere, popped from the front) equals an OrderedDict, whatever
-    chunks the front skips over (emptied from the front, in the middle,
+    buckets the front skips over (emptied from the front, in the middle,
     by pop_last) and after a clear; stamps skip ahead by up to 30."""
     order = StampOrder(2)
     model: dict[int, int] = {}  # key -> stamp, in order
     stamp = 0
     for op, k in ops:
         if op == "a" and k not in model:
-            stamp += 1 + k % 7 * (k > 20) * 5  # now and then a gap of chunks
+            stamp += 1 + k % 7 * (k > 20) * 5  # now and then a gap of buckets
             order.add(k, stamp)
             model[k] = stamp
         elif op == "d" and k in model:
@@ -94,21 +94,21 @@ def test_a_stamp_order_popped_from_both_ends_is_an_ordered_dict(ops):
         assert list(order) == list(model) and len(order) == len(model)
 
 
-def test_a_stamp_order_compacts_a_chunk_left_with_few_keys(monkeypatch):
-    """LRU's chunks of 64 stamps, 63 of each chunk's keys touched away:
-    each old chunk is rebuilt at its few keys' size (a dict's table never
+def test_a_stamp_order_compacts_a_bucket_left_with_few_keys(monkeypatch):
+    """LRU's buckets of 64 stamps, 63 of each bucket's keys touched away:
+    each old bucket is rebuilt at its few keys' size (a dict's table never
     shrinks otherwise), the newest one, still taking keys, is not, and
     the order is unchanged."""
-    monkeypatch.setattr(policy_module, "STAMP_CHUNK_BITS", 6)
+    monkeypatch.setattr(policy_module, "STAMP_BUCKET_BITS", 6)
     p = LRUPolicy(1000)
-    keys = list(range(512))  # chunks 0-7, full
+    keys = list(range(512))  # buckets 0-7, full
     p.insert_many(keys)
-    full = sys.getsizeof(p._order._chunks[0])
-    p.touch_many([k for k in keys if k % 64])  # into chunks 8-15
+    full = sys.getsizeof(p._order._buckets[0])
+    p.touch_many([k for k in keys if k % 64])  # into buckets 8-15
     assert list(p.candidates()) == [k for k in keys if not k % 64] + [
         k for k in keys if k % 64
     ]
-    olds = [p._order._chunks[n] for n in range(8)]
+    olds = [p._order._buckets[n] for n in range(8)]
     assert all(len(c) == 1 and sys.getsizeof(c) * 4 < full for c in olds)
     assert len(p._order) == 512
 

@@ -128,28 +128,28 @@ def test_out_of_order_admissions_use_the_heap_and_keep_the_order(policy):
 
 
 def _largest_container(tier: Tier) -> int:
-    """The most keys any one chunk of the victim index holds."""
+    """The most keys any one bucket of the victim index holds."""
     return max(
-        (len(chunk) for runs in tier.index.runs for run in runs for chunk in run),
+        (len(bucket) for runs in tier.index.runs for run in runs for bucket in run),
         default=0,
     )
 
 
 @pytest.fixture
-def small_chunks(monkeypatch):
-    """Runs of chunks of 3 keys: every chunk boundary and tidying path on
+def small_buckets(monkeypatch):
+    """Runs of buckets of 3 keys: every bucket boundary and tidying path on
     a small tier."""
-    monkeypatch.setattr(victims, "CHUNK_KEYS", 3)
+    monkeypatch.setattr(victims, "BUCKET_KEYS", 3)
 
 
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("seed", range(3))
-def test_chunked_runs_keep_the_order_and_a_bounded_table(policy, seed, small_chunks):
-    """With chunks of 3 keys, a churned tier (runs of many chunks, chunks
+def test_bucketed_runs_keep_the_order_and_a_bounded_table(policy, seed, small_buckets):
+    """With buckets of 3 keys, a churned tier (runs of many buckets, buckets
     emptied at the front and in the middle, segments visited twice by one
     victim order) yields every eligible key in the policy's order, evicts
     exactly what ``victims`` returns, and no container of the index holds
-    more than a chunk: no table rebuild walks more than a chunk's keys."""
+    more than a bucket: no table rebuild walks more than a bucket's keys."""
     a, b = _churned_tier(policy, seed), _churned_tier(policy, seed)
     check_index(b)
     assert _largest_container(b) == 3
@@ -164,10 +164,10 @@ def test_chunked_runs_keep_the_order_and_a_bounded_table(policy, seed, small_chu
         assert eligible_in_order(b) == eligible_in_order(a)
 
 
-def test_a_run_sheds_emptied_chunks_behind_a_long_lived_front(small_chunks):
+def test_a_run_sheds_emptied_buckets_behind_a_long_lived_front(small_buckets):
     """One key stays the oldest eligible while thousands pass behind it
-    (admitted, then removed): the run's emptied chunks are swept, so its
-    chunk list stays proportional to the keys it holds."""
+    (admitted, then removed): the run's emptied buckets are swept, so its
+    bucket list stays proportional to the keys it holds."""
     tier = Tier("cpu", 20)
     allocate(tier, "old")
     tier.mark_ready("old")
@@ -177,18 +177,18 @@ def test_a_run_sheds_emptied_chunks_behind_a_long_lived_front(small_chunks):
         if i >= 3:
             tier.remove(i - 3)
     assert tier.victims(5) == ["old", 2997, 2998, 2999]
-    chunks = sum(len(run) for runs in tier.index.runs for run in runs)
-    assert chunks <= 4
+    buckets = sum(len(run) for runs in tier.index.runs for run in runs)
+    assert buckets <= 4
     check_index(tier)
 
 
-def test_sparse_chunks_are_compacted_in_place(monkeypatch):
-    """A chunk whose keys were mostly pinned away keeps its full table
+def test_sparse_buckets_are_compacted_in_place(monkeypatch):
+    """A bucket whose keys were mostly pinned away keeps its full table
     until the run's tidying compacts it (the same object, so the index
     stays whole): memory follows the keys held, not the keys once held."""
-    monkeypatch.setattr(victims, "CHUNK_KEYS", 64)
+    monkeypatch.setattr(victims, "BUCKET_KEYS", 64)
     tier = Tier("cpu", 5000)
-    first = list(range(640))  # ten chunks of 64
+    first = list(range(640))  # ten buckets of 64
     for k in first:
         allocate(tier, k)
     tier.mark_ready_many(first)
@@ -197,7 +197,7 @@ def test_sparse_chunks_are_compacted_in_place(monkeypatch):
     assert len(old) == 10
     tier.pin_many([k for k in first if k % 64])  # one key left in each
     before = [sys.getsizeof(c) for c in old]
-    more = list(range(640, 640 + 64 * 30))  # 30 new chunks: 60 tidied
+    more = list(range(640, 640 + 64 * 30))  # 30 new buckets: 60 tidied
     for k in more:
         allocate(tier, k)
     tier.mark_ready_many(more)
