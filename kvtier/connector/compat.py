@@ -70,7 +70,7 @@ def check_sync_load_budget(
     step that loads them) keeps what it computed over the unfilled one
     (vLLM 0.33's ``_update_requests_with_invalid_blocks`` counts the block
     as recomputed by the loading request): wrong tokens for that request,
-    and wrong KV in every chunk it stores from then on. So a disk tier,
+    and wrong KV in every block it stores from then on. So a disk tier,
     whose loads can fail, is refused there too.
 
     ``model_runner_v2``: whether vLLM runs its Model Runner V2 (vLLM 0.33's

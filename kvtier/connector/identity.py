@@ -473,7 +473,7 @@ def describe_settings(settings: dict[str, Any]) -> dict[str, str]:
 def describe_group(group: Any) -> str:
     """One KV-cache group in a store's geometry: ``id:tokens_per_block x
     layers @ digest of the layer names``. The names, not only their count:
-    a chunk of group ``id`` holds those layers' KV, so an engine that
+    a block of group ``id`` holds those layers' KV, so an engine that
     put other layers in that group (a vLLM that groups layers otherwise,
     another split of the layers) must not read it back."""
     names = _canonical_digest(list(group.layer_names), b"kvtier-layers")[:16]

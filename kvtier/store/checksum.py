@@ -80,8 +80,8 @@ _MASK32 = 0xFFFFFFFF
 # two axes (exact: every sum < n * 2**32 < 2**63); the weights and the
 # modular products touch the small vectors T and K only.
 _COLS = 1024
-# Words per torch chunk: bounds the int64 temporaries to 8 bytes * this.
-_TORCH_CHUNK_WORDS = 1 << 22
+# Words per torch piece: bounds the int64 temporaries to 8 bytes * this.
+_TORCH_PIECE_WORDS = 1 << 22
 _weights: dict[tuple[str, int, int], Any] = {}
 _weights_lock = threading.Lock()
 
@@ -169,7 +169,7 @@ def device_checksums(rows: Any, nbytes: int) -> Any:
     zeros first otherwise). Returns an int64 tensor of one checksum per row on
     ``rows``' device, equal to :func:`device_checksum` of each row's bytes
     (which is < 2**63, so int64 holds it unchanged). Integer ops only (exact,
-    so deterministic on any device); a fixed number of kernels per chunk of
+    so deterministic on any device); a fixed number of kernels per piece of
     rows; never synchronises the device itself.
     """
     import torch
@@ -191,7 +191,7 @@ def device_checksums(rows: Any, nbytes: int) -> Any:
         lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64, device=rows.device),
     )
     words = rows[:, :nbytes].view(torch.int32)
-    step = max(1, _TORCH_CHUNK_WORDS // n)
+    step = max(1, _TORCH_PIECE_WORDS // n)
     for lo in range(0, count, step):
         u = words[lo : lo + step].to(torch.int64) & _MASK32  # uint32 values
         m = u.shape[0]

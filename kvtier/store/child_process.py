@@ -63,7 +63,7 @@ logger = get_logger("store")
 # /proc/sys/fs/pipe-max-size (1 MiB by default).
 _F_SETPIPE_SZ = 1031
 PIPE_BYTES = 1 << 20
-_READ_CHUNK = 1 << 20
+_READ_PIECE = 1 << 20
 # How long a child is waited for to be reaped once it is killed (stop's
 # ``wait_s`` with ``kill``).
 KILL_WAIT_S = 5.0
@@ -496,13 +496,13 @@ class PipeChannel:
         """Read what arrived, then cut whole frames from the inbox."""
         while not self._eof:
             try:
-                chunk = os.read(self._recv_fd, _READ_CHUNK)
+                piece = os.read(self._recv_fd, _READ_PIECE)
             except BlockingIOError:
                 break
-            if not chunk:
+            if not piece:
                 self._eof = True
                 break
-            self._inbox += chunk
+            self._inbox += piece
         out: list[Any] = []
         buf, at = self._inbox, 0
         while len(buf) - at >= 4:

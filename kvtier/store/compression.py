@@ -160,32 +160,32 @@ def decompress(
 
 def check_decodes(
     codec: Codec | int,
-    chunks: Iterator[bytes | memoryview],
+    pieces: Iterator[bytes | memoryview],
     raw_len: int,
     *,
-    out_chunk: int,
+    out_piece: int,
 ) -> None:
     """Raise CorruptPayloadError where :func:`decompress` would, for a
-    payload given as consecutive ``chunks`` and decoded without being kept:
+    payload given as consecutive ``pieces`` and decoded without being kept:
     the frame's header (:func:`_check_frame_header`), its decoding to
     exactly ``raw_len`` bytes, and the frame whole, through its last block
     (:class:`_FrameEnd`; bytes after it are ignored, as a load ignores them).
 
-    Memory: the chunk at hand, ``out_chunk`` bytes of output and the
+    Memory: the piece at hand, ``out_piece`` bytes of output and the
     decoder's window (zstd's default limit, 128 MiB), whatever ``raw_len``
     claims: for the tools, which check stores whose block size (up to
-    4 GiB) they do not choose. ``chunks`` is read to its end; errors raised
+    4 GiB) they do not choose. ``pieces`` is read to its end; errors raised
     by it propagate. ValueError for an unknown codec.
     """
     codec = Codec(codec)
     if codec is Codec.RAW:
-        size = sum(len(c) for c in chunks)
+        size = sum(len(c) for c in pieces)
         if size != raw_len:
             raise CorruptPayloadError(
                 f"raw payload is {size} bytes, expected {raw_len}"
             )
         return
-    head = next(chunks, b"")
+    head = next(pieces, b"")
     try:
         _check_frame_header(head, raw_len)
         end = _FrameEnd(head)
@@ -193,16 +193,16 @@ def check_decodes(
         raise CorruptPayloadError(f"zstd: {exc}") from exc
 
     def fed() -> Iterator[bytes | memoryview]:
-        for chunk in chunks:
-            end.feed(chunk)  # before the reader sees it (chunks are reused)
-            yield chunk
+        for piece in pieces:
+            end.feed(piece)  # before the reader sees it (pieces are reused)
+            yield piece
 
     rest = fed()
-    reader = _decompressor().stream_reader(_ChunkSource(head, rest))
+    reader = _decompressor().stream_reader(_PieceSource(head, rest))
     decoded = 0
     try:
         while decoded < raw_len:
-            n = len(reader.read(min(out_chunk, raw_len - decoded)))
+            n = len(reader.read(min(out_piece, raw_len - decoded)))
             if not n:
                 break
             decoded += n
@@ -234,18 +234,18 @@ class _FrameEnd:
     """Where a zstd frame ends, read from its block headers as the payload
     goes by (3 bytes each: last-block flag, type, size): whether the
     payload holds the frame whole, as a load's one-shot decode requires.
-    ``feed`` each chunk after ``head`` in order; ``check`` at the end."""
+    ``feed`` each piece after ``head`` in order; ``check`` at the end."""
 
     def __init__(self, head: bytes | memoryview | np.ndarray) -> None:
         self.next = zstandard.frame_header_size(head)  # the next block header
         self.seen = 0  # payload bytes fed
-        self.partial = b""  # a block header cut by a chunk's end
+        self.partial = b""  # a block header cut by a piece's end
         self.end: int | None = None  # the frame's length, once known
         self.problem = ""
         self.feed(head)
 
-    def feed(self, chunk: bytes | memoryview | np.ndarray) -> None:
-        start, data = self.seen, memoryview(chunk).cast("B")
+    def feed(self, piece: bytes | memoryview | np.ndarray) -> None:
+        start, data = self.seen, memoryview(piece).cast("B")
         self.seen += len(data)
         while self.end is None and not self.problem and self.next < self.seen:
             at = self.next + len(self.partial) - start
@@ -270,18 +270,18 @@ class _FrameEnd:
             )
 
 
-class _ChunkSource:
-    """``read(size)`` over ``head`` then ``chunks``, for zstd's stream reader."""
+class _PieceSource:
+    """``read(size)`` over ``head`` then ``pieces``, for zstd's stream reader."""
 
     def __init__(
-        self, head: bytes | memoryview, chunks: Iterator[bytes | memoryview]
+        self, head: bytes | memoryview, pieces: Iterator[bytes | memoryview]
     ) -> None:
         self._pending = memoryview(head)
-        self._chunks = chunks
+        self._pieces = pieces
 
     def read(self, size: int = -1) -> bytes:
         while not self._pending:
-            nxt = next(self._chunks, None)
+            nxt = next(self._pieces, None)
             if nxt is None:
                 return b""
             self._pending = memoryview(nxt)

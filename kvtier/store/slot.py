@@ -520,7 +520,7 @@ def check_payload_in_pieces(
     stream = pieces()
     problem = ""
     try:
-        check_decodes(hdr.codec, stream, hdr.raw_len, out_chunk=min(len(buf), 1 << 20))
+        check_decodes(hdr.codec, stream, hdr.raw_len, out_piece=min(len(buf), 1 << 20))
     except (CorruptPayloadError, ValueError) as exc:
         problem = str(exc)
     for _ in stream:  # the rest, for the checksum (a frame may end early)

@@ -350,7 +350,7 @@ class TransferEngine:
     def submit_promote(self, job_id: int, items: Iterable[TransferItem | tuple]) -> None:
         """Load disk slots into CPU rows: ``items`` are (key, disk_slot, cpu_slot),
         one block per task (the tiering mode's disk tier: vLLM asks for its
-        blocks one chunk at a time)."""
+        blocks one at a time)."""
         self._fan_out(job_id, list(items), spill=False)
 
     def _spill_batch(

@@ -86,7 +86,7 @@ def offloading_kv_transfer_config(
     """kv_transfer_config dict for vLLM's OffloadingConnector with a spec.
 
     ``extra`` goes to kv_connector_extra_config (e.g. ``block_size`` = tokens
-    per offloaded chunk, must be a multiple of the GPU block size; or
+    per offloaded block, must be a multiple of the GPU block size; or
     ``blocks_per_chunk``; ``cpu_bytes_to_use`` for CPUOffloadingSpec).
     """
     extra_cfg: dict[str, Any] = {"spec_name": spec_name, **extra}

@@ -7,7 +7,7 @@ the tiering-mode secondary tier
 (:class:`~kvtier.connector.tiering.KvtierDiskTier`, vLLM's primary tier ->
 disk). Both go through the same life of a disk block:
 
-    make_room / allocate  -> WRITING (a chunk is being written)
+    make_room / allocate  -> WRITING (a block is being written)
     complete              -> READY   (event: stored, ``spill``)
     fail                  -> gone    (never readable: no event)
     pin_reads / release_reads: a read in flight pins the block; what the

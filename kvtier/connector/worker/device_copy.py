@@ -25,7 +25,7 @@ by transfer id). Loads and stores never share a handler (nor a stream), and
 vLLM 0.33's expedited loads get handlers of their own, as in vLLM's worker.
 
 The host areas are page-locked with vLLM's ``host_register`` in bounded
-chunks, rolled back on a failure (pinning is an optimisation: the copies are
+pieces, rolled back on a failure (pinning is an optimisation: the copies are
 correct on pageable memory, and vLLM then avoids its Triton kernel).
 """
 
@@ -55,10 +55,10 @@ _HELD_AREAS: list[tuple[dict, list[int]]] = []
 
 
 def pin_host_area(array: np.ndarray) -> list[int]:
-    """Page-lock ``array``'s memory in chunks with vLLM's ``host_register``.
+    """Page-lock ``array``'s memory in pieces with vLLM's ``host_register``.
 
     Returns the registered addresses (for :func:`unpin_host_area`); empty if
-    any chunk failed, in which case the chunks already registered are
+    any piece failed, in which case the pieces already registered are
     released again and the area stays pageable."""
     base, total = array.ctypes.data, array.nbytes
     addresses: list[int] = []

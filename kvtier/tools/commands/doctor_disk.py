@@ -26,8 +26,8 @@ from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
 # Network and shared file systems: the store's lock is host-local.
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "ceph", "glusterfs", "lustre", "gpfs")
-# Throughput probe: chunk size, and at most this much written per path.
-PROBE_CHUNK = 1 << 20
+# Throughput probe: piece size, and at most this much written per path.
+PROBE_PIECE = 1 << 20
 PROBE_MAX_BYTES = 1 << 30
 
 
@@ -188,7 +188,7 @@ def measure_throughput(
     directory: str, seconds: float, max_bytes: int, threads: int
 ) -> tuple[float, float, int, bool]:
     """(write B/s, read B/s, bytes, direct): a bounded probe of ``directory``
-    through kvtier's POSIX back end. Writes ``PROBE_CHUNK`` chunks with
+    through kvtier's POSIX back end. Writes ``PROBE_PIECE`` chunks with
     ``threads`` in flight until half of ``seconds`` or ``max_bytes``, syncs,
     drops the page cache of the file, reads them back the same way, and
     removes the file. Raises OSError."""
@@ -199,9 +199,9 @@ def measure_throughput(
         directory, f".kvtier-doctor-probe-{os.getpid()}-{secrets.token_hex(4)}"
     )
     backend = PosixBackend(threads)
-    bufs = [mmap.mmap(-1, PROBE_CHUNK) for _ in range(threads)]
+    bufs = [mmap.mmap(-1, PROBE_PIECE) for _ in range(threads)]
     for b in bufs:
-        b.write(secrets.token_bytes(4096) * (PROBE_CHUNK // 4096))
+        b.write(secrets.token_bytes(4096) * (PROBE_PIECE // 4096))
     handle = None
     try:
         os.close(open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
@@ -215,7 +215,7 @@ def measure_throughput(
             while offset < limit and time.monotonic() < deadline:
                 while len(pending) < threads and offset < limit:
                     pending.append(op(handle, bufs[len(pending)], offset))
-                    offset += PROBE_CHUNK
+                    offset += PROBE_PIECE
                 for fut in pending:
                     done += fut.result(timeout=max(budget, 1.0) + 30.0)
                 pending = []
@@ -244,8 +244,8 @@ def _probe_check(cfg: KvtierConfig, path: str, seconds: float) -> Check:
         return Check("disk", subject, OK, "not probed (--no-probe)")
     share = cfg.disk_bytes_per_path
     limit = min(PROBE_MAX_BYTES, share, shutil.disk_usage(path).free // 4)
-    limit -= limit % PROBE_CHUNK
-    if limit < PROBE_CHUNK:
+    limit -= limit % PROBE_PIECE
+    if limit < PROBE_PIECE:
         return Check("disk", subject, OK, "not probed: too little free space")
     try:
         w_bps, r_bps, n, direct = measure_throughput(
@@ -264,7 +264,7 @@ def _probe_check(cfg: KvtierConfig, path: str, seconds: float) -> Check:
         f"{fmt_bytes(share)} in about {fill} s; disk hits load at up "
         f"to ~{fmt_bytes(int(r_bps))}/s from this path"
     )
-    if n < 64 * PROBE_CHUNK:
+    if n < 64 * PROBE_PIECE:
         detail += " (a short probe: figures are rough)"
     return Check("disk", subject, OK, detail)
 
