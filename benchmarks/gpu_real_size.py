@@ -124,41 +124,6 @@ LOGPROBS = 5
 # Sources whose outputs reuse stored KV (compared for equality).
 REUSE = ("gpu_cache", "kvtier_cpu", "kvtier_disk", "vllm_cpu_offload")
 
-# meta-llama/Llama-3.1-8B's config.json (the geometry; weights are random).
-LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 4096,
-    "initializer_range": 0.02,
-    "intermediate_size": 14336,
-    "max_position_embeddings": 131072,
-    "mlp_bias": False,
-    "model_type": "llama",
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "factor": 8.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "vocab_size": 128256,
-}
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
 
 @dataclass
 class Setup:
@@ -221,9 +186,7 @@ class Setup:
             "num_hidden_layers": cfg["num_hidden_layers"],
             "num_key_value_heads": cfg["num_key_value_heads"],
             "dtype": self.dtype,
-            "kv_bytes_per_token": kv_bytes_per_block(
-                self.model_dir, 1, DTYPE_BYTES[self.dtype]
-            ),
+            "kv_bytes_per_token": kv_bytes_per_block(self.model_dir, 1, self.dtype),
         }
 
 
@@ -1579,7 +1542,11 @@ def main() -> int:
                 return 0
             model_dir = os.path.join(tmp, "llama-3.1-8b-geometry")
             os.makedirs(model_dir)
-            Path(model_dir, "config.json").write_text(json.dumps(LLAMA_31_8B, indent=1))
+            from kvtier.testing.model import LLAMA_31_8B_CONFIG
+
+            Path(model_dir, "config.json").write_text(
+                json.dumps(LLAMA_31_8B_CONFIG, indent=1)
+            )
             setup = Setup(
                 model_dir=model_dir,
                 dtype="bfloat16",

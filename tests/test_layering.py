@@ -2,7 +2,8 @@
 
 - Only ``kvtier.connector`` (the plugin) and ``kvtier.testing`` (helpers
   that drive a real engine) import vLLM; the tools reach it through
-  ``kvtier.connector.compat``, when they need it.
+  ``kvtier.connector.compat`` and ``kvtier.connector.model_kv``, when they
+  need it.
 - ``kvtier.tiers``, ``kvtier.store``, ``kvtier.host``, ``kvtier.safe_open``,
   ``kvtier.log`` and ``kvtier.tools`` import with ``vllm`` blocked, and
   choosing a disk back end does not need it either.

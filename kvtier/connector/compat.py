@@ -6,11 +6,12 @@ the step that schedules its request, up to ``sync_load_budget_bytes`` per
 step; ``TransferJob.sync``, ``submit_load(..., expedited=True)``).
 docs/compatibility.md has the whole list.
 
-Also the tools' one way to vLLM (kvtier.connector is the only package that
-imports it): :func:`transfer_config_keys` (``kvtier doctor``) and
-:func:`kv_event_batch_type` (``kvtier events``). The tools import this
-module only when they need vLLM, and do without it where it cannot be
-imported.
+Also the tools' way to vLLM's connector types (kvtier.connector is the
+only package that imports vLLM; a model's KV geometry is
+:mod:`kvtier.connector.model_kv`'s): :func:`transfer_config_keys`
+(``kvtier doctor``) and :func:`kv_event_batch_type` (``kvtier events``).
+The tools import this module only when they need vLLM, and do without it
+where it cannot be imported.
 """
 
 from __future__ import annotations

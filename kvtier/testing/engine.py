@@ -77,9 +77,6 @@ def use_in_process_engines() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def offloading_kv_transfer_config(
     spec_name: str, spec_module_path: str | None = None, **extra: Any
 ) -> dict[str, Any]:
@@ -142,7 +139,7 @@ def make_llm(
     assert num_gpu_blocks >= 2, "vLLM reserves one null block"
 
     dtype = kw.pop("dtype", "float32")
-    page = kv_bytes_per_block(model_dir, block_size, _DTYPE_BYTES.get(dtype, 4))
+    page = kv_bytes_per_block(model_dir, block_size, dtype)
     with open(Path(model_dir) / "config.json") as f:
         max_pos = json.load(f)["max_position_embeddings"]
     max_model_len = kw.pop(

@@ -43,6 +43,42 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 FIRST_REGULAR_ID = 4
 
 
+# meta-llama/Llama-3.1-8B's config.json (the geometry of the
+# real-size benchmark and of the sizing tests; weights are random).
+LLAMA_31_8B_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
 def _config_hash(cfg: dict[str, Any]) -> str:
     blob = json.dumps({"v": _BUILDER_VERSION, **cfg}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -202,18 +238,13 @@ def build_tiny_gemma2(
     return _build_cached("tiny-gemma2", cfg, out_dir, write)
 
 
-def kv_bytes_per_block(model_dir: str, block_size: int, dtype_bytes: int = 4) -> int:
-    """GPU KV bytes of one block across all layers (K and V)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return (
-        2
-        * cfg["num_hidden_layers"]
-        * cfg["num_key_value_heads"]
-        * head_dim
-        * block_size
-        * dtype_bytes
-    )
+def kv_bytes_per_block(model_dir: str, block_size: int, dtype: str = "float32") -> int:
+    """KV bytes of one block of ``block_size`` tokens across all layers (K
+    and V), served in ``dtype``: vLLM's resolution of the model's config
+    (:func:`kvtier.connector.model_kv.model_kv`)."""
+    from kvtier.connector.model_kv import model_kv
+
+    return model_kv(model_dir, dtype).bytes_per_token * block_size
 
 
 def make_prompt(seed: int, length: int, vocab_size: int = 1024) -> list[int]:
