@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn, TypeVar
 
+from kvtier.connector.model_kv import KV_CACHE_DTYPES, MODEL_DTYPES
 from kvtier.connector.sizes import SIZE_RULE, parse_size, quoted
 from kvtier.tiers.policy import policy_names
 from kvtier.tools.commands.doctor import cmd_doctor
@@ -82,6 +83,26 @@ _pos_seconds = _bounded(_float, lambda v: v > 0, "> 0 seconds")
 # -------------------------------------------------------------------- parser
 
 
+def _model_kv_flags(p: argparse.ArgumentParser, prefix: str) -> None:
+    """vllm serve's flags that change a model's KV bytes per token, as
+    :mod:`kvtier.connector.model_kv` reads them."""
+    p.add_argument(
+        "--dtype",
+        choices=MODEL_DTYPES,
+        help=f"{prefix}vllm serve's --dtype (default auto: config.json's)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help=f"{prefix}vllm serve's --kv-cache-dtype (default auto: the model's)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_pos_int,
+        help=f"{prefix}vllm serve's --tensor-parallel-size (default 1)",
+    )
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors on one line (argparse prints the whole usage first)."""
 
@@ -106,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Replay a Mooncake-format trace (512-token prefix-hash blocks) through "
             "kvtier's TierHierarchy and report block hit rates per tier. Sizes are "
             "given in blocks, or in bytes with --bytes-per-token (KV bytes of one "
-            "token across all layers), which also prints a disk-size recommendation. "
+            "token across all layers) or --model (read from its config.json), which "
+            "also prints a disk-size recommendation. "
             f"Byte sizes: {SIZE_RULE}."
         ),
     )
@@ -118,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--disk-blocks", type=_nonneg_int, help="disk tier capacity (default 0)"
     )
     s.add_argument("--bytes-per-token", type=_pos_bytes, help="KV bytes per token")
+    s.add_argument(
+        "--model",
+        help="instead of --bytes-per-token: the model's directory (or a hub id "
+        "in the Hugging Face cache), whose config.json gives its KV bytes per "
+        "token",
+    )
+    _model_kv_flags(s, "with --model: ")
     s.add_argument(
         "--cpu-bytes", type=_nonneg_bytes, help="CPU budget, e.g. 64G (= 64 GiB)"
     )
@@ -269,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--model",
         help="the model vllm serve will load: tells whether an existing store "
-        "would be adopted",
+        "would be adopted, and how many tokens each tier holds (from its "
+        "config.json)",
     )
     d.add_argument(
         "--revision",
@@ -281,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="with --model: vllm serve's --download-dir (the Hugging Face cache "
         "a hub id is looked up in; default the hub's own)",
+    )
+    _model_kv_flags(d, "with --model: ")
+    d.add_argument(
+        "--block-size",
+        type=_pos_int,
+        help="with --model: vllm serve's --block-size, tokens per GPU block "
+        "(default 16, vLLM's); the config's block_size or blocks_per_chunk "
+        "make the offloaded block",
     )
     d.add_argument(
         "--hash-algo",

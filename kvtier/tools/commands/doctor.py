@@ -4,7 +4,7 @@ Reads the same JSON as ``--kv-transfer-config`` (``--config``: the JSON
 text itself, or a file holding it), or a disk path and sizes given as
 flags, and reports one line per check: ``ok``, ``warning`` or ``error``,
 each problem with its fix. The checks live by idea in ``doctor_config``,
-``doctor_disk``, ``doctor_host`` and ``doctor_store``.
+``doctor_capacity``, ``doctor_disk``, ``doctor_host`` and ``doctor_store``.
 
 Exit status: 0 when no check is an error (warnings included), 1 when one
 is, 2 when the input cannot be read (missing file, malformed JSON, bad
@@ -29,11 +29,14 @@ from kvtier.tools.commands.common import emit_json
 
 OK, WARNING, ERROR = "ok", "warning", "error"
 MAX_CONFIG_BYTES = 1 << 20
+# vLLM's default --block-size (CacheConfig.DEFAULT_BLOCK_SIZE), tokens per
+# GPU block, where the doctor is not told the engine's.
+GPU_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class Check:
-    """One finding: ``area`` (vllm, config, disk, io, shm, warm-restart, cpu),
+    """One finding: ``area`` (vllm, config, capacity, disk, io, shm, warm-restart, cpu),
     ``subject`` (what was checked, e.g. a path), ``status`` (ok / warning /
     error), ``detail`` (what was found) and ``fix`` (what to do; empty when
     nothing is to be done)."""
@@ -162,13 +165,17 @@ def load_input(args: argparse.Namespace) -> DoctorInput:
         for flag, value in (
             ("--revision", args.revision),
             ("--download-dir", args.download_dir),
+            ("--dtype", args.dtype),
+            ("--kv-cache-dtype", args.kv_cache_dtype),
+            ("--tensor-parallel-size", args.tensor_parallel_size),
+            ("--block-size", args.block_size),
         )
         if value is not None and args.model is None
     ]
     if without_model:
         raise InputError(
-            f"{' and '.join(without_model)} pick the snapshot of --model: give "
-            "--model too (vllm serve's model)"
+            f"{', '.join(without_model)}: only with --model (they pick its "
+            "snapshot or its KV geometry); give --model too (vllm serve's model)"
         )
     if args.model is not None:
         _check_model_arg(args.model)
@@ -231,6 +238,8 @@ def run_checks(inp: DoctorInput) -> list[Check]:
     checks += config_checks
     if cfg is None:
         return checks
+    if args.model is not None:
+        checks += _guarded("capacity", args.model, _capacity, cfg, args)
     if cfg.disk_enabled:
         adopted: dict[str, list[str]] = {}
 
@@ -259,6 +268,23 @@ def run_checks(inp: DoctorInput) -> list[Check]:
     )
     checks += _guarded("cpu", "CPU placement", _cpu_placement)
     return checks
+
+
+def _capacity(cfg: Any, args: argparse.Namespace) -> list[Check]:
+    """Each tier's blocks and tokens of ``--model``
+    (:mod:`kvtier.tools.commands.doctor_capacity`)."""
+    from kvtier.connector.identity import ModelSource
+    from kvtier.tools.commands.doctor_capacity import check_capacity
+
+    source = ModelSource.resolve(args.model, args.revision, args.download_dir)
+    return check_capacity(
+        cfg,
+        source,
+        args.dtype or "auto",
+        args.kv_cache_dtype or "auto",
+        args.tensor_parallel_size or 1,
+        args.block_size or GPU_BLOCK_TOKENS,
+    )
 
 
 def _distinct_paths(paths: tuple[str, ...]) -> list[Check]:

@@ -11,14 +11,48 @@ from typing import Any
 from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
 
+def _model_bytes_per_token(args: argparse.Namespace) -> int:
+    """``--model``'s KV bytes per token (:mod:`kvtier.tools.model_kv`)."""
+    from kvtier.connector.identity import ModelSource
+    from kvtier.connector.model_kv import GeometryError, model_kv
+
+    if args.bytes_per_token is not None:
+        raise ValueError("give --bytes-per-token or --model, not both")
+    source = ModelSource.resolve(args.model)
+    if source.root is None:
+        raise ValueError(
+            f"--model {args.model!r}: no config.json here (give the model's "
+            "directory, or a hub id in the Hugging Face cache), or give "
+            "--bytes-per-token"
+        )
+    try:
+        kv = model_kv(
+            source.root,
+            args.dtype or "auto",
+            args.kv_cache_dtype or "auto",
+            args.tensor_parallel_size or 1,
+        )
+    except GeometryError as exc:
+        raise ValueError(
+            f"--model {args.model!r}: {exc}; give --bytes-per-token"
+        ) from exc
+    return kv.bytes_per_token
+
+
 def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     """(cpu_blocks, disk_blocks, bytes_per_token) from the blocks or bytes form
     (the parser refuses sizes < 0 and bytes per token <= 0)."""
     from kvtier.tools.sizing import bytes_per_block
 
-    bpt = args.bytes_per_token
+    if args.model is None and (
+        args.dtype or args.kv_cache_dtype or args.tensor_parallel_size
+    ):
+        raise ValueError(
+            "--dtype, --kv-cache-dtype and --tensor-parallel-size need --model"
+        )
+    bpt = args.bytes_per_token if args.model is None else _model_bytes_per_token(args)
     if (args.cpu_bytes is not None or args.disk_bytes is not None) and bpt is None:
-        raise ValueError("--cpu-bytes/--disk-bytes need --bytes-per-token")
+        raise ValueError("--cpu-bytes/--disk-bytes need --bytes-per-token or --model")
 
     def blocks(tier: str, n_blocks: int | None, n_bytes: int | None) -> int | None:
         if n_blocks is not None and n_bytes is not None:
