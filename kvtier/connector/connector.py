@@ -79,6 +79,7 @@ from kvtier.connector.config import (
     check_kvtier_keys_are_read,
 )
 from kvtier.connector.identity import HASH_FIX, LORA_ON_DISK, prefix_hash_problem
+from kvtier.connector.manager import TieredOffloadingManager
 from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerReport
 from kvtier.log import get_logger
@@ -365,9 +366,14 @@ class TieredOffloadingConnector(OffloadingConnector):
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = OffloadingConnectorScheduler(
+            self.connector_scheduler = sched = OffloadingConnectorScheduler(
                 spec, vllm_config, kv_cache_config
             )
+            if isinstance(sched.manager, TieredOffloadingManager):
+                # take_events drops the payloads of keys gone from kvtier.
+                sched.manager.collect_left_keys = (
+                    sched._events_tracker.self_describing_enabled
+                )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KvtierConnectorWorker(
                 spec, vllm_config, kv_cache_config
@@ -481,10 +487,30 @@ class TieredOffloadingConnector(OffloadingConnector):
 
     @override
     def take_events(self) -> Iterable[KVCacheEvent]:
+        """vLLM's, after the removals a reset translated; then, with
+        ``self_describing_kv_events``, the payloads vLLM's tracker keeps of
+        keys gone from every tier are dropped.
+
+        vLLM's tracker holds a key's payload (token ids, block hashes) until
+        a removal clears the last residency it recorded, and it records a
+        CPU residency for every hit its lookup sees and every store it
+        builds: vLLM's own managers answer hits from the CPU tier only and
+        announce a failed store (0.33: a metadata-only removal). kvtier also
+        answers disk hits, of which a block may never reach the CPU tier,
+        and fails stores a worker reported, so those payloads would stay
+        for the engine's lifetime: one per such block, a leak of the
+        scheduler process. Only keys in no tier are dropped: a key stored
+        again keeps the payload its new store recorded."""
         if self._reset_events:
             events, self._reset_events = self._reset_events, []
             yield from events
         yield from super().take_events()
+        sched = self.connector_scheduler
+        manager = sched.manager if sched is not None else None
+        if isinstance(manager, TieredOffloadingManager) and manager.collect_left_keys:
+            payloads = sched._events_tracker._pending_event_metadata
+            for key in manager.take_keys_gone():
+                payloads.pop(key, None)
 
     def _restart_stores_after_failed_loads(self) -> None:
         """Start the stores of each request whose load just failed over from

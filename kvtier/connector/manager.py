@@ -114,6 +114,11 @@ class TieredOffloadingManager(OffloadingManager):
         # CPU rows of stores a worker reported failed, until their store
         # completes (vLLM completes it as a success: complete_store).
         self._failed_store_rows: set[int] = set()
+        # With ``collect_left_keys`` (the connector sets it where vLLM keeps
+        # self-describing event payloads): the keys of removals and failed
+        # stores since take_keys_gone last took them.
+        self.collect_left_keys = False
+        self._left_keys: list[OffloadKey] = []
         # What the workers reported of their disk reads and contained
         # exceptions, cumulative, and their read batches' latencies not
         # collected yet.
@@ -288,6 +293,8 @@ class TieredOffloadingManager(OffloadingManager):
         failed = self._failed_stores(keys) if self._failed_store_rows else []
         if failed:
             self.hierarchy.complete_store(failed, success=False)
+            if self.collect_left_keys:
+                self._left_keys.extend(failed)
             bad = set(failed)
             keys = [k for k in keys if k not in bad]
         self.hierarchy.complete_store(keys, success)
@@ -327,6 +334,8 @@ class TieredOffloadingManager(OffloadingManager):
         if not self.enable_events:
             return
         for ev in events:
+            if ev.removed and self.collect_left_keys:
+                self._left_keys.extend(ev.keys)
             if ev.medium == MEDIUM_CPU:
                 yield OffloadingEvent(
                     keys=list(ev.keys), medium=Medium.CPU, removed=ev.removed
@@ -343,6 +352,20 @@ class TieredOffloadingManager(OffloadingManager):
                     ownership=DISK_OWNERSHIP,
                     removal_expected=True,
                 )
+
+    def take_keys_gone(self) -> list[OffloadKey]:
+        """The keys that left every tier since the last call: removed from
+        the last tier holding them, or their store failed (dropped without
+        an event). vLLM's self-describing event tracker keeps a key's
+        payload until a removal clears the last residency it saw, and it
+        records a CPU residency for every hit its lookup sees (a disk-only
+        hit included) and for every store it builds (a failed one
+        included): the connector drops these keys' payloads
+        (:meth:`TieredOffloadingConnector.take_events`). O(keys removed)."""
+        holds = self.hierarchy.holds
+        gone = [key for key in self._left_keys if not holds(key)]
+        self._left_keys = []
+        return gone
 
     @override
     def reset_cache(self) -> None:
@@ -369,6 +392,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._failed_whole.clear()
         self._loading.clear()  # vLLM completes no load from before the reset
         self._failed_load_reqs.clear()
+        self._left_keys.clear()  # vLLM's tracker forgets every payload
         # A report arriving after this (a job vLLM no longer completes) can
         # only fail a later store into the same row: a miss, never data.
         self._failed_store_rows.clear()

@@ -161,6 +161,11 @@ class TierHierarchy:
             return _HIT_DISK
         return _PENDING if block is not None else _MISS
 
+    def holds(self, key: Key) -> bool:
+        """Whether some tier has ``key``, in any state (a store or a spill in
+        flight included). O(1)."""
+        return key in self.cpu or (self.disk is not None and key in self.disk)
+
     def source_of(self, key: Key) -> str:
         """Medium a hit on ``key`` is credited to (disk if its CPU copy was
         promoted from disk)."""

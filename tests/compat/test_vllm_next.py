@@ -32,6 +32,9 @@ UNDER_NEXT = (
     # SharedFsTier over 0.33's fs tier; the connector config's parsing.
     "tiering/test_shared_tier.py",
     "connector/test_config.py",
+    # The payloads 0.33's event tracker keeps (its lookup records a CPU
+    # residency for every hit).
+    "connector/test_event_payloads.py",
     # The doctor's warning where 0.33's CUDA defaults refuse sync loads.
     "cli/test_doctor_config.py::test_sync_load_budget_is_refused_where_the_engine_refuses_it",
 )

@@ -20,6 +20,7 @@ from kvtier.store.slot import slot_size
 from kvtier.testing.engine import (
     engine,
     engine_with_events,
+    get_connector,
     run_prompts,
     wait_events_delivered,
 )
@@ -347,3 +348,9 @@ def test_blocks_stored_again_right_after_a_reset_keep_their_hashes(
         assert _removed_unstored(sub, "STORAGE") == []
         assert len(_hashes_held(sub, "CPU")) == 2 * len(h.cpu)
         assert len(_hashes_held(sub, "STORAGE")) == 2 * len(h.disk)
+        # vLLM's tracker keeps payloads only of blocks some tier holds
+        # (tests/connector/test_event_payloads.py has the cases that leaked).
+        assert manager_of(llm).collect_left_keys
+        tracker = get_connector(llm).connector_scheduler._events_tracker
+        payloads = tracker._pending_event_metadata
+        assert payloads and all(h.holds(key) for key in payloads)
