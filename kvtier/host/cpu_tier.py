@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import mmap
 import os
 import secrets
@@ -453,10 +454,33 @@ def cpu_buffer_path(
     created (0700, owned by the effective user, not a symbolic link, else
     PermissionError/OSError) when the worker creates the file, and goes
     with the last file, so an engine that never creates one leaves nothing
-    behind."""
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
-    name = f"kvtier-{safe}-r{rank}of{world_size}.cpu"
+    behind.
+
+    One name per engine id (:func:`_engine_part`), so an engine is refused
+    only where another running engine has its very id."""
+    name = f"kvtier-{_engine_part(engine_id)}-r{rank}of{world_size}.cpu"
     return os.path.join(directory or cpu_tier_dir(), name)
+
+
+# Engine ids longer than this, or with characters other than letters,
+# digits, "-" and "_", are named by a digest (_engine_part).
+_MAX_ID_CHARS = 64
+
+
+def _engine_part(engine_id: str) -> str:
+    """``engine_id`` in a file name, one name per id: the id itself where
+    it is made of letters, digits, "-" and "_" and fits; else those
+    characters of it (others as "_", cut to 64), "." and a 16-hex-digit
+    digest of the whole id. A "." never appears in a kept id, so a digest
+    name never equals one: "llama.v1" and "llama_v1" get two files, where
+    one name would refuse the second engine as if it had the first's id."""
+    safe = "".join(
+        c if c.isascii() and (c.isalnum() or c in "-_") else "_" for c in engine_id
+    )
+    if safe == engine_id and len(engine_id) <= _MAX_ID_CHARS:
+        return engine_id
+    digest = hashlib.blake2b(engine_id.encode(), digest_size=8).hexdigest()
+    return f"{safe[:_MAX_ID_CHARS]}.{digest}"
 
 
 def cpu_tier_dir(base: str | None = None) -> str:

@@ -91,6 +91,38 @@ def test_two_engines_with_one_engine_id_never_share_rows() -> None:
         assert not again.array.any()
 
 
+@pytest.mark.parametrize(
+    "ids",
+    [
+        ("{u}.v1", "{u}_v1"),  # "." is not kept in a file name
+        ("{u}/a", "{u}_a"),
+        ("{u}-" + "x" * 70, "{u}-" + "x" * 70 + "y"),  # cut to 64 characters
+        ("{u}é", "{u}_"),
+    ],
+    ids=["dot", "slash", "long", "non-ascii"],
+)
+def test_two_engine_ids_never_share_a_file_name(private_dir: str, ids) -> None:
+    """Ids that read alike once made a file name (other characters as "_",
+    cut to fit) still get one file each: the second engine starts, with
+    rows of its own, where one name refused it as a second engine with the
+    first's id."""
+    u = unique_engine_id()
+    a_id, b_id = (i.format(u=u) for i in ids)
+    paths = {cpu_buffer_path(i, 0, 1, private_dir) for i in (a_id, b_id)}
+    assert len(paths) == 2
+    assert all(len(os.path.basename(p)) < 120 for p in paths)
+    a = open_worker_buffer(a_id, 0, 1, 4, ROW, directory=private_dir)
+    try:
+        with open_worker_buffer(b_id, 0, 1, 4, ROW, directory=private_dir) as b:
+            a.array[:] = 1
+            b.array[:] = 2
+            assert int(a.array.max()) == 1 and int(b.array.min()) == 2
+    finally:
+        a.close()
+    # An id of letters, digits, "-" and "_" names its file itself.
+    assert os.path.basename(cpu_buffer_path(u, 3, 4)) == f"kvtier-{u}-r3of4.cpu"
+
+
 def test_cpu_buffer_dir_is_private_and_owner_checked(sticky_dir: Path) -> None:
     d = Path(cpu_buffer_dir(str(sticky_dir)))
     assert d.name == f"kvtier-{os.geteuid()}"
