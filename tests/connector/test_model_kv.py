@@ -23,7 +23,7 @@ LLAMA_70B = {
     "num_attention_heads": 64,
     "num_hidden_layers": 80,
 }
-# DeepSeek-V3's attention (multi-head latent attention), two layers.
+# DeepSeek-V3's geometry (multi-head latent attention).
 DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
@@ -126,8 +126,9 @@ def test_tensor_parallel_ranks_keep_replicated_heads(models):
         ({"architectures": ["MambaForCausalLM"], "model_type": "mamba",
           "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100,
           "state_size": 16}, "state-space"),
+        ({**DEEPSEEK_V3, "index_topk": 2048}, "sparse attention"),
     ],
-    ids=["bad-field", "mamba"],
+    ids=["bad-field", "mamba", "sparse-mla"],
 )  # fmt: skip
 def test_what_it_cannot_describe_is_refused_by_name(tmp_path, doc, told):
     with pytest.raises(GeometryError, match=told):
