@@ -271,6 +271,12 @@ num_disk_blocks = disk_bytes_to_use // (slot_bytes * world_size)
 Worked examples (computed with kvtier's `slot_size`):
 
 {examples}
+
+`kvtier doctor --config FILE --model MODEL` runs this conversion for a
+model on this host: the KV geometry as vLLM resolves the model's
+`config.json`, with `--dtype`, `--kv-cache-dtype`, `--tensor-parallel-size`
+and `--block-size` as `vllm serve` gets them; it fails where a budget holds
+no block ([operations](operations.md#kvtier-doctor), `capacity`).
 """
 
 METRICS_INTRO = """\

