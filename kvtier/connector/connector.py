@@ -479,6 +479,8 @@ class TieredOffloadingConnector(OffloadingConnector):
             tracker._pending_event_metadata.update(payloads)
             while events := list(sched.manager.take_events()):
                 self._reset_events.extend(tracker.take_events(events))
+            if isinstance(sched.manager, TieredOffloadingManager):
+                sched.manager.take_keys_gone()  # the reset's: the tracker forgets all
             tracker.reset()
         for req_id, status in sched._req_status.items():
             for group, stored in zip(status.group_states, progress.get(req_id, ())):

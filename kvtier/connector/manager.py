@@ -392,7 +392,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._failed_whole.clear()
         self._loading.clear()  # vLLM completes no load from before the reset
         self._failed_load_reqs.clear()
-        self._left_keys.clear()  # vLLM's tracker forgets every payload
+        self._left_keys.clear()
         # A report arriving after this (a job vLLM no longer completes) can
         # only fail a later store into the same row: a miss, never data.
         self._failed_store_rows.clear()

@@ -199,8 +199,7 @@ def test_a_failed_store_leaves_no_payload():
 def test_a_block_still_held_keeps_its_payload():
     """The cleanup forgets only keys in no tier: a block evicted from the
     CPU tier but on disk keeps its payload; one that leaves its last tier
-    and is stored again within one step keeps the new store's payload, and
-    its next removal names its block hash, not a placeholder's."""
+    and is stored again within one step keeps the new store's payload."""
     s = _Setup(cpu=2, disk=4)
     (key,) = s.store(_request("A", 1, seed=0))
     s.store(_request("X", 2, seed=7))
