@@ -61,7 +61,7 @@ def test_the_worker_reads_through_a_staging_area_on_the_kv_caches_device(runner)
 def test_a_long_prefix_is_read_in_chunks_through_both_halves(runner):
     r = runner
     first = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
-    r.worker.reader.capacity = 2  # halves of one slot: a chunk per block
+    r.worker.reader.capacity = 2  # halves of one slot: a read batch per block
     calls: list[int] = []
     real = r.worker.reader.submit
 
@@ -72,9 +72,9 @@ def test_a_long_prefix_is_read_in_chunks_through_both_halves(runner):
     r.worker.reader.submit = submit
     assert r.lookup("a", first) == 4
     assert r.load(first, [40, 41, 42, 43]) == {"disk": 4}
-    # Both halves are filled at once; after that a chunk goes into whichever
+    # Both halves are filled at once; after that a batch goes into whichever
     # half was verified first (a slow read may hold its half while the other
-    # serves every later chunk), so neither an order nor a count per half is
+    # serves every later batch), so neither an order nor a count per half is
     # fixed (CI saw [0, 1, 1, 0]).
     assert calls[:2] == [0, 1]
     assert len(calls) == 4 and set(calls) == {0, 1}
@@ -85,7 +85,7 @@ def test_an_io_error_fails_only_its_block(tmp_path, monkeypatch):
     r = _runner(tmp_path, disk_load_path="device")
     try:
         first = push_to_disk(r, [1, 2, 3, 4])
-        r.worker.reader.capacity = 2  # the bad block is a chunk of its own
+        r.worker.reader.capacity = 2  # the bad block is a read batch of its own
         store = r.manager.runtime.stores[0]
         slot = r.manager.hierarchy.disk.get(first[1]).slot
         plan.add(FaultRule.error(errno.EIO, ops="read", **on_slot(store, slot)))

@@ -155,15 +155,15 @@ def test_chunk_reads_overlap_the_previous_chunks_verification(runner):
     r = runner
     keys = push_to_disk(r, [1, 2, 3, 4], others="bcdef")
     reader = r.worker.reader
-    reader.capacity = 2  # two parts of one slot: a chunk per block
+    reader.capacity = 2  # two parts of one slot: a read batch per block
     calls = _log_reads_and_checks(reader)
     ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
     assert [d.success for d in wait_finished(r.worker)] == [True]
-    # Chunk k+1 is read (into the other part) before chunk k is verified.
-    # After the first two, a chunk goes into whichever part was verified
+    # Read batch k+1 is read (into the other part) before batch k is verified.
+    # After the first two, a batch goes into whichever part was verified
     # first (a slow read may hold its part while the other serves every later
-    # chunk): neither an order nor a count per part is fixed, but a part is
-    # never read into again before its chunk was verified.
+    # batch): neither an order nor a count per part is fixed, but a part is
+    # never read into again before its batch was verified.
     parts = [c.split("@")[1] for c in calls if c.startswith("read")]
     assert parts[:2] == ["0", "1"] and len(parts) == 4, calls
     assert calls[1].startswith("read") and calls[2].startswith("verify"), calls
@@ -231,7 +231,7 @@ def test_a_failed_read_in_flight_fails_only_its_block(runner, plan, fault):
             at=[target["ranges"][0][0] + HEADER_SIZE + 100], ops="read", **target
         ),
     }[fault]
-    r.worker.reader.capacity = 2  # the bad block is a chunk of its own
+    r.worker.reader.capacity = 2  # the bad block is a read batch of its own
     plan.add(rule)
     ctx = _submit(r, keys, [40, 41, 42, 43], job_id=1)
     done = wait_finished(r.worker)
@@ -265,7 +265,7 @@ def test_io_errors_in_a_row_drop_the_block_and_a_good_read_resets_them(runner, p
     h = r.manager.hierarchy
     victim = keys[2]
     target = on_slot(r.manager.runtime.stores[0], h.disk.get(victim).slot)
-    r.worker.reader.capacity = 2  # the bad block is a chunk of its own
+    r.worker.reader.capacity = 2  # the bad block is a read batch of its own
     job = 0
 
     def load(fail: bool) -> None:

@@ -257,7 +257,7 @@ def test_prefix_longer_than_the_cpu_tier_loads_from_disk(tmp_path):
             r.settle()
         h = r.manager.hierarchy
         assert sum(h.lookup(k).name == "HIT_DISK" for k in first) == 10
-        # A bounce area of 3 slots: the load is read in four chunks.
+        # A bounce area of 3 slots: the load is read in four read batches.
         r.worker.reader.capacity = 3
         assert r.lookup("a", first) == 10
         assert r.load(first, list(range(40, 50))) == {"disk": 10}

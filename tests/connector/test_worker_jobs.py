@@ -1,7 +1,7 @@
 """A job is done only when every one of its transfers landed.
 
 On accelerators a worker job is several asynchronous transfers (one per
-KV-cache group and host area, and one per bounce-area chunk of a disk
+KV-cache group and host area, and one per read batch of a disk
 load), issued by two threads: the model runner's (stores, CPU-tier rows)
 and the worker's load thread (disk batches), each through a copy path of
 its own. This drives the real spec's manager and worker (real disk tier,
@@ -205,8 +205,8 @@ def test_a_job_is_reported_only_when_every_transfer_landed(runner):
     with landing_at_once(r):
         keys = push_to_disk(r, [1, 2, 3, 4])
     late = r.worker.loads.copies
-    # Two bounce parts of one slot: four chunks, four transfers. The third
-    # and fourth reads reuse a part: each waits for the copy of the chunk
+    # Two bounce parts of one slot: four read batches, four transfers. The third
+    # and fourth reads reuse a part: each waits for the copy of the batch
     # that was in it, which lands only on a later poll (checked at every
     # read, see _guard_reads).
     r.worker.reader.capacity = 2
@@ -234,7 +234,7 @@ def test_a_job_is_reported_only_when_every_transfer_landed(runner):
     assert [(d.job_id, d.success) for d in seen] == [(7, True)]
     assert in_flight_at_return == [[]]
     assert late.landed == [1, 2, 3, 4] and not late.queued
-    # Which part the third and fourth reads reuse depends on which chunk's
+    # Which part the third and fourth reads reuse depends on which batch's
     # read returned (and copy landed) first: a slow first read may hold part
     # 0 while part 1 serves both.
     assert reads[:2] == [(0, 1), (1, 1)] and len(reads) == 4
@@ -384,7 +384,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
     with caplog.at_level("DEBUG", logger="vllm.kvtier.connector"):
         assert r.worker.submit_load(9, spec, dst)  # never raises here
         # The CPU rows' copy left at submission, the first disk block's
-        # copy when its chunk came back; the second chunk raised.
+        # copy when its batch came back; the second batch raised.
         done, _ = _poll_until(r, {9})
     assert done[0].success is False
     assert reads == [1, 1] and late_cpu.landed == [1] and late.landed == [1]
@@ -431,7 +431,7 @@ def test_a_load_that_raises_mid_job_fails_whole_after_its_transfers_landed(
         third = r.keys("c", 4)[:2]
         ctx_c = _submit_disk_load(r, "c", third, [60, 61], job_id=12)
         assert [d.success for d in _poll_until(r, {12})[0]] == [False]
-    assert reads == [1, 1]  # job 12's first chunk raised
+    assert reads == [1, 1]  # job 12's first read batch raised
     assert r.worker.exceptions.count == 2
     again = [rec for rec in caplog.records if "load job 12 raised" in rec.message]
     assert len(again) == 1 and again[0].levelname == "DEBUG"

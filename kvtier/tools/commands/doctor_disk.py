@@ -188,7 +188,7 @@ def measure_throughput(
     directory: str, seconds: float, max_bytes: int, threads: int
 ) -> tuple[float, float, int, bool]:
     """(write B/s, read B/s, bytes, direct): a bounded probe of ``directory``
-    through kvtier's POSIX back end. Writes ``PROBE_PIECE`` chunks with
+    through kvtier's POSIX back end. Writes ``PROBE_PIECE`` pieces with
     ``threads`` in flight until half of ``seconds`` or ``max_bytes``, syncs,
     drops the page cache of the file, reads them back the same way, and
     removes the file. Raises OSError."""
