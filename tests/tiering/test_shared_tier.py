@@ -39,6 +39,7 @@ def shared_config(
     shared: Path,
     *,
     cpu_chunks: int = 4,
+    local_slots: int = 32,
     order: str = "local",
     guarded: bool = False,
     **guard,
@@ -47,7 +48,7 @@ def shared_config(
         "type": "KvtierDiskTier",
         "module_path": "kvtier.connector.tiering",
         "disk_path": str(local),
-        "disk_bytes_to_use": 32 * slot_size(BLOCK_BYTES),
+        "disk_bytes_to_use": local_slots * slot_size(BLOCK_BYTES),
         "disk_io": "posix",
     }
     shared_tier = {
@@ -169,6 +170,42 @@ def test_a_block_from_the_shared_tier_is_kept_locally(tmp_path, drivers):
     assert theirs and all(e.locality is Locality.REMOTE for e in theirs)
 
 
+def test_keeping_a_pulled_block_never_evicts_one_this_step_promotes(tmp_path, drivers):
+    """vLLM submits a step's promotions after the tiers' external requests:
+    a block the local tier answered HIT for (its promotion queued) must not
+    be the victim when the same step keeps blocks a later tier supplied,
+    or its promotion fails and its tokens are recomputed."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    a = drivers(shared_config(tmp_path / "a", shared))
+    supplied = a.store("prompt", 4)
+    a.settle()
+    truth = dict(a.truth)
+    a.close()
+
+    (tmp_path / "b").mkdir()
+    b = drivers(
+        shared_config(tmp_path / "b", shared, cpu_chunks=5, local_slots=4), truth
+    )
+    mine = b.store("mine", 4)  # B's local disk is full of them
+    b.settle()
+    assert all(b.local.tier.is_ready(k) for k in mine)
+    # The shared tier's blocks come into B's primary tier (pushing three of
+    # "mine" out of its 5 chunks); B's tier keeps them at the next step end.
+    hits, ctx = b.lookup("b-first", supplied)
+    assert hits == 4 and all(b.in_primary(k) for k in supplied)
+    victim = next(k for k in mine if not b.in_primary(k))
+    # In that step a request hits the local tier: its promotion is queued
+    # (the lookup steps until it completed).
+    hits, ctx = b.lookup("mine-again", [victim])
+    assert hits == 1
+    assert b.local.stats.pulled == 4
+    assert b.local.stats.promotion_failures == 0
+    assert b.local.stats.promotions_completed == 1
+    assert b.load_and_check([victim], ctx) == {CacheHitSource.DISK.value: 1}
+
+
 def test_local_miss_of_a_fresh_block_is_forgotten(tmp_path, drivers):
     """Keys nobody supplies are dropped at the end of the step: no store job,
     no pending work left behind."""
@@ -191,9 +228,7 @@ def test_local_miss_of_a_fresh_block_is_forgotten(tmp_path, drivers):
 
 
 @pytest.mark.parametrize("case", ["absent", "file"])
-def test_unusable_shared_root_starts_offline_and_costs_misses(
-    tmp_path, drivers, case
-):
+def test_unusable_shared_root_starts_offline_and_costs_misses(tmp_path, drivers, case):
     (tmp_path / "a").mkdir()
     if case == "absent":
         shared = tmp_path / "not-mounted" / "kv"
@@ -480,9 +515,7 @@ def test_ready_obj_config_orders_local_before_the_object_store():
     assert args.kv_transfer_config.kv_connector_extra_config == extra
 
 
-@pytest.mark.parametrize(
-    ("before", "after"), [(None, "y"), ("1", "1"), ("n", "n")]
-)
+@pytest.mark.parametrize(("before", "after"), [(None, "y"), ("1", "1"), ("n", "n")])
 def test_obj_tier_gets_nixl_telemetry_unless_turned_off(monkeypatch, before, after):
     """vLLM 0.32's obj tier reads every transfer's NIXL telemetry; kvtier's
     spec turns capture on (NIXL_TELEMETRY_ENABLE) and keeps a user's value."""

@@ -253,6 +253,10 @@ class KvtierDiskTier(SecondaryTierManager):
         self._jobs: dict[JobId, _TierJob] = {}
         self._done: list[JobResult] = []
         self._pull = PullBack()
+        # Keys this tier answered HIT since its last on_schedule_end: vLLM
+        # submits their promotions at the end of that step, after
+        # serve_external_requests, whose store must not evict them first.
+        self._hit_this_step: set[OffloadKey] = set()
         # Scheduler steps whose lookups still miss after a reset (vLLM 0.32:
         # see drain_jobs), and how many a reset holds: every batch that can
         # be in flight (pp_size with pipeline parallelism, 2 with async
@@ -349,6 +353,7 @@ class KvtierDiskTier(SecondaryTierManager):
         if runtime is None or runtime.broken or self._held_steps:
             return LookupResult.MISS
         if self.tier.is_ready(key):
+            self._hit_this_step.add(key)
             return LookupResult.HIT
         if key not in self.tier:
             self._pull.note(key)  # a later tier may supply it: keep it then
@@ -363,7 +368,7 @@ class KvtierDiskTier(SecondaryTierManager):
         job = self._pull.serve(parent, self.tier.__contains__)
         if job is not None:
             self.stats.pulled += len(job.keys)
-            self.submit_store(job)
+            self._store(job, keep=self._hit_this_step)
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -382,6 +387,11 @@ class KvtierDiskTier(SecondaryTierManager):
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
+        self._store(job_metadata, keep=frozenset())
+
+    def _store(self, job_metadata: TransferJob, keep: Collection[OffloadKey]) -> None:
+        """Store ``job_metadata``'s keys not held yet, evicting for room any
+        block but the job's own and ``keep``'s."""
         if self._refuse_after_shutdown(job_metadata):
             return
         keys = list(job_metadata.keys)
@@ -393,7 +403,7 @@ class KvtierDiskTier(SecondaryTierManager):
                 fresh.setdefault(key, chunk)
         tier.touch_many([key for key in keys if key not in fresh])
         if len(fresh) > tier.num_free:
-            evicted = self.core.make_room(len(fresh), exclude=set(keys))
+            evicted = self.core.make_room(len(fresh), exclude={*keys, *keep})
             self.stats.evictions += len(evicted)
             if len(fresh) > tier.num_free:
                 # Everything else is pinned or in flight: keep the earliest
@@ -588,6 +598,8 @@ class KvtierDiskTier(SecondaryTierManager):
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # vLLM calls this after it submitted the step's promotions.
+        self._hit_this_step.clear()
         if self._held_steps:
             self._held_steps -= 1
 
