@@ -25,6 +25,10 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ReqContext,
     make_offload_key,
 )
+from vllm.v1.kv_offload.tiering.backpressure import (  # noqa: E402
+    BackpressureDetector,
+    DropStorePolicy,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvtier.connector.tiering import KvtierDiskTier  # noqa: E402
@@ -204,6 +208,48 @@ def test_keeping_a_pulled_block_never_evicts_one_this_step_promotes(tmp_path, dr
     assert b.local.stats.promotion_failures == 0
     assert b.local.stats.promotions_completed == 1
     assert b.load_and_check([victim], ctx) == {CacheHitSource.DISK.value: 1}
+
+
+class _Pressured(BackpressureDetector):
+    """A detector whose tier is always under pressure, with vLLM's
+    drop-store policy (what a slow disk's EMA detector turns into)."""
+
+    def __init__(self) -> None:
+        super().__init__(DropStorePolicy())
+
+    def on_store_completed(self, elapsed_s: float, num_bytes: int) -> None:
+        pass
+
+    def is_under_pressure(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        pass
+
+
+def test_keeping_supplied_blocks_respects_back_pressure(tmp_path, drivers):
+    """A tier under back-pressure gets no cascades from vLLM; it takes no
+    blocks a later tier supplied either, and vLLM's policy counts them as
+    dropped."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    a = drivers(shared_config(tmp_path / "a", shared))
+    keys = a.store("prompt", 4)
+    a.settle()
+    truth = dict(a.truth)
+    a.close()
+
+    (tmp_path / "b").mkdir()
+    b = drivers(shared_config(tmp_path / "b", shared), truth)
+    b.local._bp_detector = pressured = _Pressured()
+    hits, ctx = b.lookup("b-first", keys)
+    assert hits == 4
+    assert b.load_and_check(keys, ctx) == {CacheHitSource.DISK.value: 4}
+    b.settle()
+    assert b.local.stats.pulled == 0 and len(b.local.tier) == 0
+    assert len(b.local._pull) == 0
+    assert pressured.policy.pop_stores_dropped()[0] >= 1
 
 
 def test_local_miss_of_a_fresh_block_is_forgotten(tmp_path, drivers):

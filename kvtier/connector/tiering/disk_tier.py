@@ -365,10 +365,16 @@ class KvtierDiskTier(SecondaryTierManager):
         # stored here too (kvtier.connector.tiering.pull).
         if self.runtime is None:
             return
-        job = self._pull.serve(parent, self.tier.__contains__)
+        job = self._pull.serve(parent, self.tier.__contains__, self._admits)
         if job is not None:
             self.stats.pulled += len(job.keys)
             self._store(job, keep=self._hit_this_step)
+
+    def _admits(self, num_blocks: int) -> bool:
+        """Whether this tier's back-pressure takes a store of ``num_blocks``
+        (vLLM's ``_should_store_to_tier``: a refusal is counted as dropped)."""
+        detector = self.bp_detector
+        return detector is None or detector.should_store(num_blocks)
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

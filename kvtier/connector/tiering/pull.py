@@ -22,6 +22,8 @@ wants blocks it was not sent, ``serve_external_requests(parent)``:
    flight, so ask again next step (up to :data:`PATIENCE_S`). ``MISS``:
    nobody supplied it (a fresh block, which reaches this tier through the
    normal cascade once computed), so forget it.
+3. The store goes through this tier's back-pressure as a cascade does
+   (vLLM's ``_should_store_to_tier``): under pressure it is dropped.
 
 Bounded: at most :data:`LIMIT` noted keys (the oldest are dropped), and each
 is given up after :data:`PATIENCE_S`. Costs one primary-tier dict lookup per
@@ -71,10 +73,15 @@ class PullBack:
             self._noted.popitem(last=False)
 
     def serve(
-        self, parent: ParentManager, held: Callable[[OffloadKey], bool]
+        self,
+        parent: ParentManager,
+        held: Callable[[OffloadKey], bool],
+        admit: Callable[[int], bool],
     ) -> TransferJob | None:
         """One step: a store job (pinned in the primary tier) for the noted
-        keys that are ready there now and not ``held`` by this tier yet."""
+        keys that are ready there now and not ``held`` by this tier yet,
+        if ``admit`` takes that many blocks (the tier's back-pressure, as
+        vLLM asks it before a cascade: refused, they are not kept)."""
         if not self._noted:
             return None
         ctx = ReqContext(
@@ -94,7 +101,11 @@ class PullBack:
                 elif result is LookupResult.HIT_PENDING and now - since < PATIENCE_S:
                     continue
                 del self._noted[key]
-            job = parent.create_store_job(ready, ctx) if ready else None
+            job = (
+                parent.create_store_job(ready, ctx)
+                if ready and admit(len(ready))
+                else None
+            )
         finally:
             parent.on_request_finished(ctx)
         return job
