@@ -19,13 +19,15 @@ to the model and settings that wrote it. Two parts enter the store's
   config's hash factors as vLLM computes them (the effective HF config after
   ``hf_overrides``, dtype, quantization and its config, revision, ...) less
   the fields that cannot change a KV value (:data:`KV_NEUTRAL_MODEL_FIELDS`;
-  ``max_model_len`` only where it picks LongRoPE's factors), the exact
+  plus what vLLM's model code decides from them: LongRoPE's factors, Llama
+  4's temperature tuning, an Engram model's tokenizer), the exact
   KV-cache dtype and KV-scale settings, the load format and its loader's
   source (``dummy`` is random weights), the weights' source
   (:func:`weights_source`: a hub id's snapshot commit; weights a trainer
-  pushes at runtime, whose stores are never adopted), and speculative
+  pushes at runtime, whose stores are never adopted), speculative
   decoding's draft model (:func:`draft_identity`: its layers' KV is
-  offloaded in the target's blocks). docs/operations.md
+  offloaded in the target's blocks), context parallelism's interleave and
+  LoRA's target modules. docs/operations.md
   ("Store identity") lists every field in and why each field out is out.
 
 A start looks a hub id up in the cache once (:meth:`ModelSource.of`): the
@@ -130,6 +132,10 @@ DRAFTLESS_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
 # how the draft is fed (method), its own KV-cache dtype (None: the
 # target's, already in), its tensor-parallel size (its heads per rank).
 KV_DRAFT_FIELDS = ("method", "kv_cache_dtype", "draft_tensor_parallel_size")
+# LoRAConfig fields that change an adapter's KV: which modules get its
+# weights (an adapter's blocks are keyed by its name and path only). Its
+# version is the operator's to name (docs/operations.md, LoRA).
+KV_LORA_FIELDS = ("target_modules", "enable_tower_connector_lora")
 
 
 def resolve_model_dir(
@@ -304,7 +310,31 @@ def settings_identity(
     draft = draft_identity(vllm_config)
     if draft is not None:  # absent otherwise: those stores keep their names
         settings["draft"] = draft
+    # Each below only where it applies, so that other stores keep their names.
+    context = _context_parallel(getattr(vllm_config, "parallel_config", None))
+    if context is not None:
+        settings["context_parallel"] = context
+    lora = getattr(vllm_config, "lora_config", None)
+    if lora is not None:
+        settings["lora"] = {f: str(getattr(lora, f, None)) for f in KV_LORA_FIELDS}
     return settings
+
+
+def _context_parallel(parallel: Any) -> dict[str, int] | None:
+    """Under decode or prefill context parallelism, which tokens of a block
+    each rank holds (vLLM's slot mapping, ``cp_kv_cache_interleave_size``:
+    its sizes alone give the same geometry for another interleave); None
+    without it."""
+    if parallel is None:
+        return None
+    sizes = {
+        "dcp": int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+        "pcp": int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+    }
+    if sizes["dcp"] * sizes["pcp"] == 1:
+        return None
+    sizes["interleave"] = int(getattr(parallel, "cp_kv_cache_interleave_size", 1))
+    return sizes
 
 
 def _model_factors(model: Any) -> dict[str, str]:
@@ -320,6 +350,7 @@ def _model_factors(model: Any) -> dict[str, str]:
         if name in factors:
             factors[name] = normalize_value(getattr(loaded, name))
     factors.update(_max_model_len_effects(loaded))
+    factors.update(_model_code_effects(model))
     return {k: str(v) for k, v in sorted(factors.items())}
 
 
@@ -450,6 +481,47 @@ def _max_model_len_effects(model: Any) -> dict[str, Any]:
                 return {"longrope_long_factors": "unknown"}
             return {"longrope_long_factors": model.max_model_len > original}
     return {}
+
+
+# Llama 4's model types: its model class turns on attention temperature
+# tuning (NoPE layers' queries scaled past position 8191) from settings
+# the identity otherwise leaves out.
+_LLAMA4_TYPES = frozenset({"llama4", "llama4_text"})
+
+
+def _model_code_effects(model: Any) -> dict[str, Any]:
+    """What vLLM's model code decides about KV values from fields that are
+    KV-neutral elsewhere, where it does:
+
+    - Llama 4 (``Llama4ForCausalLM.__init__``): attention temperature tuning
+      is ``generation_config``'s ``attn_temperature_tuning`` (the model
+      directory's generation_config.json, after
+      ``override_generation_config``), else ``max_model_len > 32768``;
+    - models with n-gram embedding (Engram) layers build their token map
+      from the tokenizer's strings, so the tokenizer feeds the hidden
+      states."""
+    effects: dict[str, Any] = {}
+    text = getattr(model, "hf_text_config", None)
+    if (
+        getattr(text, "model_type", None) in _LLAMA4_TYPES
+        or getattr(getattr(model, "hf_config", None), "model_type", None)
+        in _LLAMA4_TYPES
+    ):
+        generation = dict(model.try_get_generation_config() or {})
+        generation.update(getattr(model, "override_generation_config", None) or {})
+        effects["llama4_attn_temperature_tuning"] = bool(
+            generation.get("attn_temperature_tuning", model.max_model_len > 32768)
+        )
+    try:
+        from vllm.config.engram import model_has_engram_layers
+    except ImportError:  # a vLLM without Engram models
+        return effects
+    if model_has_engram_layers(model):
+        effects["engram_tokenizer"] = (
+            f"{getattr(model, 'tokenizer', None)}@"
+            f"{getattr(model, 'tokenizer_revision', None)}"
+        )
+    return effects
 
 
 def settings_digest(settings: dict[str, Any]) -> str:

@@ -517,3 +517,134 @@ def test_prefix_hash_problem_follows_vllms_seed_rule(
     reproducible = resolve_none_hash_seed(hash_fn) == resolve_none_hash_seed(hash_fn)
     assert (prefix_hash_problem(algo, seed) is None) == reproducible
     assert "PYTHONHASHSEED" in HASH_FIX
+
+
+_LLAMA4_CHILD = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm.config import set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.model_loader.utils import initialize_model
+from kvtier.connector.identity import settings_digest, settings_identity
+
+out = {}
+for i, (name, spec) in enumerate(json.loads(sys.argv[2]).items()):
+    cfg = EngineArgs(
+        model=spec["model"], dtype="float32", block_size=32, load_format="dummy",
+        skip_tokenizer_init=True, **spec["kw"],
+    ).create_engine_config()
+    digest = settings_digest(settings_identity(cfg))
+    with set_current_vllm_config(cfg):
+        if i == 0:
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method="tcp://127.0.0.1:" + sys.argv[1],
+            )
+            initialize_model_parallel(1, 1)
+        m = initialize_model(vllm_config=cfg)
+    attn = m.model.layers[1].self_attn  # a NoPE layer (no_rope_layers=[1, 0])
+    assert attn.nope
+    out[name] = [digest, bool(attn.attn_temperature_tuning)]
+    del m
+print("RESULT", json.dumps(out))
+"""
+
+
+def _tiny_llama4(root: Path, generation: dict | None = None) -> str:
+    from transformers import Llama4TextConfig
+
+    hf = Llama4TextConfig(
+        vocab_size=1024, hidden_size=128, intermediate_size=128,
+        intermediate_size_mlp=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=2,
+        num_experts_per_tok=1, interleave_moe_layer_step=1,
+        max_position_embeddings=131072, attention_chunk_size=8192,
+        no_rope_layers=[1, 0],
+    )  # fmt: skip
+    hf.architectures = ["Llama4ForCausalLM"]
+    hf.save_pretrained(root)
+    (root / "generation_config.json").unlink(missing_ok=True)
+    if generation is not None:
+        (root / "generation_config.json").write_text(json.dumps(generation))
+    return str(root)
+
+
+def test_llama4_temperature_tuning_is_in_the_identity(tmp_path) -> None:
+    """Llama 4's model code scales its NoPE layers' queries (so every later
+    layer's KV) when generation_config says so, else when max_model_len
+    exceeds 32K: settings the identity otherwise leaves out. The identity
+    follows vLLM's own decision, read here from the model vLLM builds."""
+    import socket
+
+    plain = _tiny_llama4(tmp_path / "plain")
+    tuned = _tiny_llama4(tmp_path / "tuned", {"attn_temperature_tuning": True})
+    variants = {
+        "short": {"model": plain, "kw": {"max_model_len": 8192}},
+        "short2": {"model": plain, "kw": {"max_model_len": 16384}},
+        "long": {"model": plain, "kw": {"max_model_len": 65536}},
+        "override": {
+            "model": plain,
+            "kw": {
+                "max_model_len": 8192,
+                "override_generation_config": {"attn_temperature_tuning": True},
+            },
+        },
+        "file": {"model": tuned, "kw": {"max_model_len": 8192}},
+    }
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", _LLAMA4_CHILD, str(port), json.dumps(variants)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    got = json.loads(line.split(" ", 1)[1])
+    tuning = {name: t for name, (_, t) in got.items()}
+    assert tuning == {
+        "short": False, "short2": False, "long": True, "override": True, "file": True
+    }  # fmt: skip
+    digest = {name: d for name, (d, _) in got.items()}
+    assert digest["short"] == digest["short2"]  # same KV: same store
+    assert digest["short"] != digest["long"]
+    assert digest["long"] == digest["override"]
+    assert digest["short"] != digest["override"]
+
+
+def test_context_parallel_interleave_is_in_the_identity(model) -> None:
+    """Under decode context parallelism vLLM's slot mapping puts a block's
+    tokens on the ranks by cp_kv_cache_interleave_size: with 2 ranks and 1,
+    rank 0 holds the even positions; with 16, positions 0-15, 32-47, ...
+    Same sizes, same geometry, other bytes per slot. Without context
+    parallelism the identity has no such entry (those stores keep their
+    names)."""
+
+    def cfg(interleave: int):
+        return _config(
+            model,
+            tensor_parallel_size=4,  # more ranks than KV heads, as DCP needs
+            decode_context_parallel_size=2,
+            cp_kv_cache_interleave_size=interleave,
+            distributed_executor_backend="mp",
+        )
+
+    one, sixteen = settings_identity(cfg(1)), settings_identity(cfg(16))
+    assert one["context_parallel"] == {"dcp": 2, "pcp": 1, "interleave": 1}
+    assert settings_digest(one) != settings_digest(sixteen)
+    assert "context_parallel" not in settings_identity(_config(model))
+
+
+def test_lora_target_modules_are_in_the_identity(model) -> None:
+    """vLLM applies an adapter to the modules --lora-target-modules names
+    only, while an adapter's blocks are keyed by its name and path: the
+    same adapter gives other KV under another target list."""
+    every = settings_identity(_config(model, enable_lora=True))
+    o_only = settings_identity(
+        _config(model, enable_lora=True, lora_target_modules=["o_proj"])
+    )
+    assert settings_digest(every) != settings_digest(o_only)
+    assert "lora" not in settings_identity(_config(model))
