@@ -648,3 +648,32 @@ def test_lora_target_modules_are_in_the_identity(model) -> None:
     )
     assert settings_digest(every) != settings_digest(o_only)
     assert "lora" not in settings_identity(_config(model))
+
+
+def test_an_engram_models_tokenizer_is_in_the_identity(tmp_path) -> None:
+    """A model with n-gram embedding (Engram) layers builds its token map
+    from the tokenizer's strings: another tokenizer, other hidden states
+    for the same token ids."""
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV41ForCausalLM"],
+                "model_type": "deepseek_v41",
+                "hidden_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "vocab_size": 1024,
+                "intermediate_size": 256,
+                "engram_layer_ids": [1],
+            }
+        )
+    )
+    pytest.importorskip("vllm.config.engram")
+
+    def digest(tokenizer: str) -> str:
+        cfg = _config(str(tmp_path), tokenizer=tokenizer, skip_tokenizer_init=True)
+        return settings_digest(settings_identity(cfg))
+
+    assert digest("/tokenizers/a") == digest("/tokenizers/a")
+    assert digest("/tokenizers/a") != digest("/tokenizers/b")
