@@ -9,7 +9,8 @@ docs/compatibility.md has the whole list.
 Also the tools' way to vLLM's connector types (kvtier.connector is the
 only package that imports vLLM; a model's KV geometry is
 :mod:`kvtier.connector.model_kv`'s): :func:`transfer_config_keys`
-(``kvtier doctor``) and :func:`kv_event_batch_type` (``kvtier events``).
+and :func:`cpu_cache_policies` (``kvtier doctor``) and
+:func:`kv_event_batch_type` (``kvtier events``).
 The tools import this module only when they need vLLM, and do without it
 where it cannot be imported.
 """
@@ -43,6 +44,14 @@ def kv_event_batch_type() -> type:
     from vllm.distributed.kv_events import KVEventBatch
 
     return KVEventBatch
+
+
+def cpu_cache_policies() -> tuple[str, ...]:
+    """The ``eviction_policy`` names vLLM's own CPU tier takes (its
+    ``CachePolicyFactory``; the tiering mode's primary tier)."""
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+    return tuple(CachePolicyFactory._registry)
 
 
 def check_sync_load_budget(

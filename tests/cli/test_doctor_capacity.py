@@ -143,10 +143,11 @@ def test_the_gpu_block_size_vllm_picks_here_is_the_default(capsys, disk, shm, ll
     )
 
 
-def test_tiering_mode_reads_the_top_level_keys_and_only_warns(capsys, disk, shm, llama):
+def test_tiering_mode_reads_the_top_level_keys(capsys, disk, shm, llama):
     """vLLM's tiering mode: its blocks_per_chunk is a top-level key (4 GPU
-    blocks here), and its CPU tier is vLLM's (rows rounded to a page), so
-    the counts are "about" and a budget holding no block is a warning."""
+    blocks here), and its CPU tier is vLLM's (rows rounded up to a page), so
+    the counts are "about"; a budget below one block is refused for sure
+    (vLLM's rounded row is larger still)."""
     doc = {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -178,8 +179,37 @@ def test_tiering_mode_reads_the_top_level_keys_and_only_warns(capsys, disk, shm,
     doc["kv_connector_extra_config"]["cpu_bytes_to_use"] = BLOCK
     argv = ["--config", write(disk.parent, doc), "--shm-dir", str(shm), "--no-probe"]
     rc, checks = doctor(capsys, *argv, "--model", llama, "--block-size", "16")
+    assert rc == 1
     cpu = checks["CPU tier capacity"]
-    assert cpu["status"] == "warning" and "likely refuse" in cpu["detail"]
+    assert cpu["status"] == "error" and "would refuse to start" in cpu["detail"]
+
+
+def test_tiering_under_kvtiers_connector_is_a_warning(capsys, disk, shm, llama):
+    """The tiering mode is made for vLLM's OffloadingConnector; under
+    kvtier's the engine still starts, so the doctor warns, not fails."""
+    doc = {
+        "kv_connector": "TieredOffloadingConnector",
+        "kv_connector_module_path": "kvtier.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": "PortableTieringSpec",
+            "spec_module_path": "kvtier.connector.tiering",
+            "cpu_bytes_to_use": 64 << 30,
+            "secondary_tiers": [
+                {
+                    "type": "KvtierDiskTier",
+                    "module_path": "kvtier.connector.tiering",
+                    "disk_path": str(disk),
+                    "disk_bytes_to_use": 1 << 30,
+                }
+            ],
+        },
+    }
+    argv = ["--config", write(disk.parent, doc), "--shm-dir", str(shm), "--no-probe"]
+    rc, checks = doctor(capsys, *argv)
+    assert rc == 0
+    assert checks["kv_connector"]["status"] == "warning"
 
 
 def test_a_cache_dtype_it_cannot_size_is_a_warning(capsys, disk, shm, llama):

@@ -280,12 +280,8 @@ def _capacity(cfg: Any, inp: DoctorInput) -> list[Check]:
 
     args = inp.args
     tiering = inp.extra.get("spec_name") in doctor_config.TIERING_SPECS
-    if tiering:  # vLLM's keys at the top level, read with int() as vLLM reads them
-        keys = OffloadKeys(
-            *(_as_int(inp.extra.get(k)) for k in ("block_size", "blocks_per_chunk"))
-        )
-    else:
-        keys = OffloadKeys(cfg.block_size, cfg.blocks_per_chunk)
+    # vLLM's keys at the top level in both modes; checked by check_config.
+    keys = OffloadKeys(*doctor_config.offload_keys(inp.extra))
     flags = ServeFlags(
         args.dtype or "auto",
         args.kv_cache_dtype or "auto",
@@ -300,15 +296,6 @@ def _capacity(cfg: Any, inp: DoctorInput) -> list[Check]:
         tiering=tiering,
         cpu_platform=doctor_config.vllm_is_cpu_build(),
     )
-
-
-def _as_int(value: Any) -> int | None:
-    """``int(value)`` where it is a positive whole number, else None."""
-    try:
-        n = int(value) if value is not None and not isinstance(value, bool) else 0
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return n if n > 0 else None
 
 
 def _distinct_paths(paths: tuple[str, ...]) -> list[Check]:

@@ -9,16 +9,22 @@ holds none. The doctor runs the same conversion on the geometry vLLM
 resolves from the model's config.json (:mod:`kvtier.connector.model_kv`),
 with vllm serve's ``--dtype``, ``--kv-cache-dtype``,
 ``--tensor-parallel-size`` and ``--block-size`` as given to it
-(:class:`ServeFlags`). Where the result is the engine's, a budget that
-holds no block is an error; where it is not sure to be, a warning:
+(:class:`ServeFlags`), and vLLM's own refusals that need the GPU block
+size (``block_size`` a multiple of it) and the spec's (a
+``disk_load_buffer_bytes`` that holds no disk slot). Where a refusal is
+certain it is an error; where it is not, a warning:
 
 - a model vLLM splits into several KV-cache groups (interleaved
   sliding-window layers): a block holds one group's layers, so the counts
   are a floor;
 - a GPU block size the doctor assumed where vLLM's choice depends on the
   attention backend (multi-head latent attention off the CPU platform);
-- vLLM's tiering mode, whose CPU tier is vLLM's own (its rows rounded to
-  the page size; one copy for a replicated layout).
+- vLLM's tiering mode with multi-head latent attention over several ranks
+  (vLLM's replicated layout keeps one copy).
+
+The tiering mode's CPU tier is vLLM's own: its rows are rounded up to a
+page, so its counts are "about" (a budget below one rounded row is still
+refused for sure).
 """
 
 from __future__ import annotations
@@ -124,8 +130,27 @@ def check_capacity(
             )
         ]
     gpu_tokens, whence, sure = gpu_block_tokens(flags, kv, cpu_platform)
+    # Where a block is refused, or holds nothing: an error where that is
+    # certain (one KV-cache group, a known GPU block size, and each rank's
+    # copy counted as the engine counts it), else a warning.
+    refused = ERROR if sure and not kv.several_groups else WARNING
+    if tiering and kv.mla and kv.ranks > 1:
+        refused = WARNING  # vLLM's replicated layout keeps one copy
+    if keys.block_size and keys.block_size % gpu_tokens:
+        return [
+            Check(
+                AREA,
+                "block_size",
+                refused,
+                f"{keys.block_size} tokens per offloaded block is no multiple of "
+                f"the GPU block ({gpu_tokens} tokens, {whence}): vllm serve would "
+                "refuse to start",
+                f"set block_size to {round_up(keys.block_size, gpu_tokens)}, or "
+                "blocks_per_chunk (GPU blocks per offloaded block)",
+            )
+        ]
     if keys.block_size:
-        tokens, whence, sure = keys.block_size, "the config's block_size", True
+        tokens, whence = keys.block_size, "the config's block_size"
     else:
         tokens = (keys.blocks_per_chunk or 1) * gpu_tokens
         if keys.blocks_per_chunk:
@@ -140,7 +165,7 @@ def check_capacity(
         )
     if tiering:
         notes.append("the CPU tier is vLLM's: about")
-    exact = sure and not kv.several_groups and not tiering
+    exact = refused == ERROR and not tiering  # counts are the engine's
     out = [
         Check(
             AREA,
@@ -181,10 +206,14 @@ def check_capacity(
                 Check(
                     AREA,
                     subject,
-                    ERROR if exact else WARNING,
+                    refused,
                     f"{key} {fmt_bytes(budget)} holds no block of {tokens} tokens "
                     f"({what}): vllm serve would "
-                    + ("refuse to start" if exact else "likely refuse to start"),
+                    + (
+                        "refuse to start"
+                        if refused == ERROR
+                        else "likely refuse to start"
+                    ),
                     f"raise {key} to at least {per_block} (bytes)",
                 )
             )
@@ -197,6 +226,20 @@ def check_capacity(
                 OK,
                 f"{fmt_bytes(budget)} holds {about}{blocks:,} block"
                 f"{'s' if blocks > 1 else ''}, {blocks * tokens:,} tokens ({what})",
+            )
+        )
+    # The full spec's worker reads disk slots through its load buffer: it
+    # must hold one (the spec refuses it at start otherwise).
+    if cfg.disk_enabled and not tiering and cfg.disk_load_buffer_bytes < slot_size(row):
+        out.append(
+            Check(
+                AREA,
+                "disk_load_buffer_bytes",
+                refused,
+                f"{fmt_bytes(cfg.disk_load_buffer_bytes)} holds no disk slot of "
+                f"{slot_size(row):,} B: vllm serve would "
+                + ("refuse to start" if refused == ERROR else "likely refuse to start"),
+                f"raise disk_load_buffer_bytes to at least {slot_size(row)} (bytes)",
             )
         )
     return out

@@ -149,8 +149,9 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
             found = (OK, "OffloadingConnector (tiering mode)", "")
         else:
             found = (
-                ERROR,
-                f"{connector!r}: {spec} runs under vLLM's OffloadingConnector",
+                WARNING,
+                f"{connector!r}: {spec} is made for vLLM's OffloadingConnector "
+                "(the engine starts under this one, but it is not the tested way)",
                 'set "kv_connector": "OffloadingConnector" (docs/tiering-mode.md)',
             )
         return [*out, Check("config", "kv_connector", *found)]
@@ -179,6 +180,38 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
             'set "kv_load_failure_policy": "recompute"',
         )
     return [*out, Check("config", "kv_load_failure_policy", *found)]
+
+
+def offload_keys(extra: dict[str, Any]) -> tuple[int | None, int | None]:
+    """``block_size`` and ``blocks_per_chunk`` (None: not set) as vLLM's
+    offloading config reads them, with ``int()``; ConfigError where vLLM
+    refuses them at start: both set, or one not a whole number > 0 (that
+    ``block_size`` is a multiple of the GPU block size needs the engine's
+    block size: :mod:`kvtier.tools.commands.doctor_capacity`)."""
+    size, per_chunk = extra.get("block_size"), extra.get("blocks_per_chunk")
+    if size is not None and per_chunk is not None:
+        raise ConfigError(
+            "blocks_per_chunk",
+            "is set with block_size, and vLLM takes one or the other (block_size "
+            "in tokens, blocks_per_chunk in GPU blocks); remove one",
+        )
+    out = []
+    for key, value in (("block_size", size), ("blocks_per_chunk", per_chunk)):
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            n = 0 if isinstance(value, bool) else int(value)
+        except (TypeError, ValueError, OverflowError):
+            n = 0
+        if n <= 0:
+            raise ConfigError(
+                key,
+                f"got {value!r:.200}; accepted values: integer > 0 (vLLM reads "
+                "it with int())",
+            )
+        out.append(n)
+    return out[0], out[1]
 
 
 def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
@@ -213,8 +246,32 @@ def _tiering_config(extra: dict[str, Any]) -> KvtierConfig:
             "reads it with int(); a bare 64G in the --kv-transfer-config text "
             "is expanded by vLLM)",
         )
+    _check_primary_policy(extra)
     check_one_disk_tier(tiers)
     return parse_tier_config(tiers[0], cpu_bytes_to_use=cpu_bytes)
+
+
+def _check_primary_policy(extra: dict[str, Any]) -> None:
+    """The top-level ``eviction_policy`` of the tiering mode is vLLM's own
+    CPU tier's: ConfigError where vLLM's policy registry refuses it (an
+    out-of-tree policy comes with ``cache_policy_module_path``). Without
+    vLLM, unchecked."""
+    name = extra.get("eviction_policy")
+    if name is None or extra.get("cache_policy_module_path") is not None:
+        return
+    try:
+        from kvtier.connector.compat import cpu_cache_policies
+
+        known = cpu_cache_policies()
+    except ImportError:
+        return
+    if name not in known:
+        raise ConfigError(
+            "eviction_policy",
+            f"got {name!r:.200}; vLLM's CPU tier (the tiering mode's primary) "
+            f"takes {', '.join(map(repr, known))} (kvtier's policies go in the "
+            f"{DISK_TIER_TYPE} entry)",
+        )
 
 
 def _spec_refusals(extra: dict[str, Any], spec: str, cfg: KvtierConfig) -> list[Check]:
@@ -322,6 +379,7 @@ def check_config(inp: DoctorInput) -> tuple[list[Check], KvtierConfig | None]:
                     )
                 )
             cfg = parse_extra_config(extra)
+        offload_keys(extra)
     except ConfigError as exc:
         if inp.transfer is not None:
             out += _connector_checks(inp.transfer, spec, disk=True)
