@@ -105,6 +105,33 @@ def offloading_kv_transfer_config(
     }
 
 
+def tiering_kv_transfer_config(
+    cpu_bytes_to_use: int, disk_path: str, disk_bytes_to_use: int, **extra: Any
+) -> dict[str, Any]:
+    """kv_transfer_config dict for vLLM's tiering mode on every platform
+    (``PortableTieringSpec`` under vLLM's OffloadingConnector): vLLM's CPU
+    tier of ``cpu_bytes_to_use`` and one ``KvtierDiskTier`` entry; ``extra``
+    goes to the top level of kv_connector_extra_config."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "PortableTieringSpec",
+            "spec_module_path": "kvtier.connector.tiering",
+            "cpu_bytes_to_use": cpu_bytes_to_use,
+            **extra,
+            "secondary_tiers": [
+                {
+                    "type": "KvtierDiskTier",
+                    "module_path": "kvtier.connector.tiering",
+                    "disk_path": disk_path,
+                    "disk_bytes_to_use": disk_bytes_to_use,
+                }
+            ],
+        },
+    }
+
+
 def make_llm(
     model_dir: str,
     kv_transfer_config: dict[str, Any] | None,

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from doctor_util import doctor, flags, write
 
+from kvtier.testing.engine import tiering_kv_transfer_config
 from kvtier.testing.model import LLAMA_31_8B_CONFIG, build_tiny_gemma2
 from kvtier.tools.cli import main
 
@@ -148,23 +149,7 @@ def test_tiering_mode_reads_the_top_level_keys(capsys, disk, shm, llama):
     blocks here), and its CPU tier is vLLM's (rows rounded up to a page), so
     the counts are "about"; a budget below one block is refused for sure
     (vLLM's rounded row is larger still)."""
-    doc = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": 64 << 30,
-            "blocks_per_chunk": 4,
-            "secondary_tiers": [
-                {
-                    "type": "KvtierDiskTier",
-                    "module_path": "kvtier.connector.tiering",
-                    "disk_path": str(disk),
-                    "disk_bytes_to_use": 1 << 30,
-                }
-            ],
-        },
-    }
+    doc = tiering_kv_transfer_config(64 << 30, str(disk), 1 << 30, blocks_per_chunk=4)
     argv = ["--config", write(disk.parent, doc), "--shm-dir", str(shm), "--no-probe"]
     rc, checks = doctor(capsys, *argv, "--model", llama, "--block-size", "16")
     assert (
@@ -187,25 +172,12 @@ def test_tiering_mode_reads_the_top_level_keys(capsys, disk, shm, llama):
 def test_tiering_under_kvtiers_connector_is_a_warning(capsys, disk, shm, llama):
     """The tiering mode is made for vLLM's OffloadingConnector; under
     kvtier's the engine still starts, so the doctor warns, not fails."""
-    doc = {
-        "kv_connector": "TieredOffloadingConnector",
-        "kv_connector_module_path": "kvtier.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "PortableTieringSpec",
-            "spec_module_path": "kvtier.connector.tiering",
-            "cpu_bytes_to_use": 64 << 30,
-            "secondary_tiers": [
-                {
-                    "type": "KvtierDiskTier",
-                    "module_path": "kvtier.connector.tiering",
-                    "disk_path": str(disk),
-                    "disk_bytes_to_use": 1 << 30,
-                }
-            ],
-        },
-    }
+    doc = tiering_kv_transfer_config(64 << 30, str(disk), 1 << 30)
+    doc.update(
+        kv_connector="TieredOffloadingConnector",
+        kv_connector_module_path="kvtier.connector",
+        kv_load_failure_policy="recompute",
+    )
     argv = ["--config", write(disk.parent, doc), "--shm-dir", str(shm), "--no-probe"]
     rc, checks = doctor(capsys, *argv)
     assert rc == 0

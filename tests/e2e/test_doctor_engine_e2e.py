@@ -14,7 +14,11 @@ import re
 import pytest
 
 from kvtier.store.slot import slot_size
-from kvtier.testing.engine import engine, offloading_kv_transfer_config
+from kvtier.testing.engine import (
+    engine,
+    offloading_kv_transfer_config,
+    tiering_kv_transfer_config,
+)
 from kvtier.testing.model import build_tiny_llama, kv_bytes_per_block
 from kvtier.tools.cli import main
 
@@ -68,27 +72,6 @@ def _full(**extra) -> dict:
     )
 
 
-def _tiering(cpu: int, disk_path: str, disk_bytes: int, **top) -> dict:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "PortableTieringSpec",
-            "spec_module_path": "kvtier.connector.tiering",
-            "cpu_bytes_to_use": cpu,
-            **top,
-            "secondary_tiers": [
-                {
-                    "type": "KvtierDiskTier",
-                    "module_path": "kvtier.connector.tiering",
-                    "disk_path": disk_path,
-                    "disk_bytes_to_use": disk_bytes,
-                }
-            ],
-        },
-    }
-
-
 def _config(case: str, block: int, disk: str) -> dict:
     full = dict(
         cpu_bytes_to_use=8 * 2 * block,
@@ -108,13 +91,13 @@ def _config(case: str, block: int, disk: str) -> dict:
             block_size=1024,
             disk_load_buffer_bytes=1 << 20,
         ),
-        "tiering_disk_below_a_slot": lambda: _tiering(
+        "tiering_disk_below_a_slot": lambda: tiering_kv_transfer_config(
             8 * block, disk, slot_size(block) - 1
         ),
-        "tiering_vllm_policy_fifo": lambda: _tiering(
+        "tiering_vllm_policy_fifo": lambda: tiering_kv_transfer_config(
             8 * block, disk, 64 * slot_size(block), eviction_policy="fifo"
         ),
-        "tiering_cpu_below_a_block": lambda: _tiering(
+        "tiering_cpu_below_a_block": lambda: tiering_kv_transfer_config(
             1000, disk, 64 * slot_size(block)
         ),
     }
