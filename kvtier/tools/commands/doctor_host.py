@@ -92,10 +92,12 @@ def check_io_path(cfg: KvtierConfig) -> list[Check]:
             "",
         )
     out.append(Check("io", "disk I/O path", status, path, fix))
-    try:  # each worker allocates it (page-locked on CUDA) at its first step
+    try:  # each worker allocates it (page-locked on CUDA) as it starts
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         host = 0
+    free = _available_memory()
+    fix = "lower disk_load_buffer_bytes (the default, 64M, keeps a fast drive busy)"
     if host and cfg.disk_load_buffer_bytes > host:
         out.append(
             Check(
@@ -105,11 +107,35 @@ def check_io_path(cfg: KvtierConfig) -> list[Check]:
                 f"disk_load_buffer_bytes, {fmt_bytes(cfg.disk_load_buffer_bytes)} "
                 f"per worker, exceeds this host's {fmt_bytes(host)} of memory: "
                 "every worker fails to start",
-                "lower disk_load_buffer_bytes (the default, 64M, keeps a fast "
-                "drive busy)",
+                fix,
+            )
+        )
+    elif free is not None and cfg.disk_load_buffer_bytes > free:
+        out.append(
+            Check(
+                "io",
+                "disk load buffer",
+                WARNING,
+                f"disk_load_buffer_bytes, {fmt_bytes(cfg.disk_load_buffer_bytes)} "
+                f"per worker, exceeds the {fmt_bytes(free)} of memory available "
+                "now: a worker may be killed for memory as it starts",
+                fix,
             )
         )
     return out
+
+
+def _available_memory() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where unreadable):
+    what can be allocated now without swapping."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def check_shm(cfg: KvtierConfig, base: str | None, reclaim: bool) -> list[Check]:
