@@ -203,9 +203,30 @@ def make_llm(
             ev.update(publisher="null")
         args["kv_events_config"] = ev
     args.update(kw)
-    llm = LLM(**args)
+    try:
+        llm = LLM(**args)
+    except BaseException:
+        _forget_refused_engine()
+        raise
     llm._kvtier_hits = HitRecorder(llm)  # type: ignore[attr-defined]
     return llm
+
+
+def _forget_refused_engine() -> None:
+    """After a start refused half-way: vLLM's process globals it set (the
+    worker's KV connector, the distributed groups) are dropped, or the next
+    engine of this process finds them (an engine without a connector then
+    asserts on missing connector metadata). Errors of the half-built parts
+    are ignored: the refusal is what the caller sees."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        ensure_kv_transfer_shutdown,
+    )
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    with contextlib.suppress(Exception):
+        ensure_kv_transfer_shutdown()
+    with contextlib.suppress(Exception):
+        cleanup_dist_env_and_memory()
 
 
 def get_engine_core(llm):
