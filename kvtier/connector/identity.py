@@ -73,18 +73,18 @@ _MAX_HEADER_BYTES = 16 << 20
 # adds later is in by default (stricter, never wrong).
 KV_NEUTRAL_MODEL_FIELDS = frozenset(
     {
-        "max_model_len",  # how long a sequence may grow (LongRoPE: see below)
+        "max_model_len",  # how long a sequence may grow (LongRoPE, Llama 4: below)
         "spec_target_max_model_len",
         "max_logprobs",
         "logprobs_mode",
         "return_sampling_mask",
         "use_fp64_gumbel",
-        "generation_config",  # sampling defaults
+        "generation_config",  # sampling defaults (Llama 4: _model_code_effects)
         "override_generation_config",
         "logits_processors",
         "seed",  # sampling seed
         "served_model_name",
-        "tokenizer",  # prompts arrive as token ids; hashes cover the ids
+        "tokenizer",  # prompts arrive as token ids (Engram: _model_code_effects)
         "tokenizer_mode",
         "tokenizer_revision",
         "skip_tokenizer_init",
@@ -135,7 +135,12 @@ KV_DRAFT_FIELDS = ("method", "kv_cache_dtype", "draft_tensor_parallel_size")
 # LoRAConfig fields that change an adapter's KV: which modules get its
 # weights (an adapter's blocks are keyed by its name and path only). Its
 # version is the operator's to name (docs/operations.md, LoRA).
-KV_LORA_FIELDS = ("target_modules", "enable_tower_connector_lora")
+KV_LORA_FIELDS = (
+    "target_modules",
+    "enable_tower_connector_lora",
+    "enable_moe_shared_loras",
+    "lora_dtype",
+)
 
 
 def resolve_model_dir(
@@ -316,8 +321,17 @@ def settings_identity(
         settings["context_parallel"] = context
     lora = getattr(vllm_config, "lora_config", None)
     if lora is not None:
-        settings["lora"] = {f: str(getattr(lora, f, None)) for f in KV_LORA_FIELDS}
+        settings["lora"] = {f: _lora_field(lora, f) for f in KV_LORA_FIELDS}
     return settings
+
+
+def _lora_field(lora: Any, name: str) -> str:
+    """A LoRAConfig field as the identity holds it (a module list sorted:
+    vLLM matches modules against it as a set)."""
+    value = getattr(lora, name, None)
+    if isinstance(value, (list, tuple)):
+        value = sorted(map(str, value))
+    return str(value)
 
 
 def _context_parallel(parallel: Any) -> dict[str, int] | None:

@@ -182,6 +182,11 @@ def test_tiering_under_kvtiers_connector_is_a_warning(capsys, disk, shm, llama):
     rc, checks = doctor(capsys, *argv)
     assert rc == 0
     assert checks["kv_connector"]["status"] == "warning"
+    # Any other connector is refused (vLLM's factory, or no offloading).
+    doc["kv_connector"] = "TieredOffloadConnector"
+    argv = ["--config", write(disk.parent, doc), "--shm-dir", str(shm), "--no-probe"]
+    rc, checks = doctor(capsys, *argv)
+    assert rc == 1 and checks["kv_connector"]["status"] == "error"
 
 
 def test_a_cache_dtype_it_cannot_size_is_a_warning(capsys, disk, shm, llama):

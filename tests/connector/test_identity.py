@@ -545,7 +545,10 @@ for i, (name, spec) in enumerate(json.loads(sys.argv[2]).items()):
         m = initialize_model(vllm_config=cfg)
     attn = m.model.layers[1].self_attn  # a NoPE layer (no_rope_layers=[1, 0])
     assert attn.nope
-    out[name] = [digest, bool(attn.attn_temperature_tuning)]
+    settings = settings_identity(cfg)  # after the model class wrote its flag
+    assert settings_digest(settings) == digest, "a worker would name another store"
+    ours = settings["model_factors"]["llama4_attn_temperature_tuning"]
+    out[name] = [digest, bool(attn.attn_temperature_tuning), ours]
     del m
 print("RESULT", json.dumps(out))
 """
@@ -604,11 +607,13 @@ def test_llama4_temperature_tuning_is_in_the_identity(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     got = json.loads(line.split(" ", 1)[1])
-    tuning = {name: t for name, (_, t) in got.items()}
+    # The identity's flag is the one vLLM's model code runs with.
+    assert all(ours == str(t) for _, t, ours in got.values()), got
+    tuning = {name: t for name, (_, t, _) in got.items()}
     assert tuning == {
         "short": False, "short2": False, "long": True, "override": True, "file": True
     }  # fmt: skip
-    digest = {name: d for name, (d, _) in got.items()}
+    digest = {name: d for name, (d, _, _) in got.items()}
     assert digest["short"] == digest["short2"]  # same KV: same store
     assert digest["short"] != digest["long"]
     assert digest["long"] == digest["override"]
@@ -648,6 +653,14 @@ def test_lora_target_modules_are_in_the_identity(model) -> None:
     )
     assert settings_digest(every) != settings_digest(o_only)
     assert "lora" not in settings_identity(_config(model))
+    # vLLM matches modules against the list as a set: its order is no setting.
+    two = settings_identity(
+        _config(model, enable_lora=True, lora_target_modules=["o_proj", "q_proj"])
+    )
+    owt = settings_identity(
+        _config(model, enable_lora=True, lora_target_modules=["q_proj", "o_proj"])
+    )
+    assert settings_digest(two) == settings_digest(owt) != settings_digest(o_only)
 
 
 def test_an_engram_models_tokenizer_is_in_the_identity(tmp_path) -> None:

@@ -169,8 +169,10 @@ UNCOMPARED_SETTINGS = (
     "(load_format: dummy weights, model_loader_extra_config, "
     "ignore_patterns), the KV-scale settings (calculate_kv_scales, "
     "kv_cache_dtype_skip_layers), the Mamba and indexer cache dtypes, "
-    "max_model_len (LongRoPE), a speculative draft model and the rest of "
-    "vLLM's model hash factors (runner, model_impl, code_revision, ...)"
+    "max_model_len (LongRoPE), a speculative draft model, Llama 4's "
+    "temperature tuning, an Engram model's tokenizer, context parallelism's "
+    "KV interleave, LoRA's target modules and the rest of vLLM's model hash "
+    "factors (runner, model_impl, code_revision, ...)"
 )
 
 
@@ -393,7 +395,7 @@ class KvtierDiskTier(SecondaryTierManager):
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._store(job_metadata, keep=frozenset())
+        self._store(job_metadata, keep=self._hit_this_step)
 
     def _store(self, job_metadata: TransferJob, keep: Collection[OffloadKey]) -> None:
         """Store ``job_metadata``'s keys not held yet, evicting for room any

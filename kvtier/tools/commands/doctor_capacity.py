@@ -144,13 +144,16 @@ def check_capacity(
                 refused,
                 f"{keys.block_size} tokens per offloaded block is no multiple of "
                 f"the GPU block ({gpu_tokens} tokens, {whence}): vllm serve would "
-                "refuse to start",
+                + ("refuse to start" if refused == ERROR else "likely refuse to start"),
                 f"set block_size to {round_up(keys.block_size, gpu_tokens)}, or "
                 "blocks_per_chunk (GPU blocks per offloaded block)",
             )
         ]
     if keys.block_size:
         tokens, whence = keys.block_size, "the config's block_size"
+        # The offloaded block's tokens are the config's, whatever the GPU's.
+        if not kv.several_groups and not (tiering and kv.mla and kv.ranks > 1):
+            refused = ERROR
     else:
         tokens = (keys.blocks_per_chunk or 1) * gpu_tokens
         if keys.blocks_per_chunk:

@@ -147,6 +147,12 @@ def _connector_checks(transfer: dict[str, Any], spec: str, disk: bool) -> list[C
     if spec in TIERING_SPECS:
         if connector == "OffloadingConnector":
             found = (OK, "OffloadingConnector (tiering mode)", "")
+        elif connector != CONNECTOR_NAME or module != SPEC_MODULE:
+            found = (
+                ERROR,
+                f"{connector!r}: {spec} runs under vLLM's OffloadingConnector",
+                'set "kv_connector": "OffloadingConnector" (docs/tiering-mode.md)',
+            )
         else:
             found = (
                 WARNING,
@@ -201,7 +207,7 @@ def offload_keys(extra: dict[str, Any]) -> tuple[int | None, int | None]:
             out.append(None)
             continue
         try:
-            n = 0 if isinstance(value, bool) else int(value)
+            n = int(value)  # as vLLM reads it (true is 1)
         except (TypeError, ValueError, OverflowError):
             n = 0
         if n <= 0:
