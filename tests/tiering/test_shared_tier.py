@@ -124,6 +124,20 @@ def fs_files(root: Path) -> list[Path]:
     return sorted(root.rglob("*.bin"))
 
 
+def _stored_in_the_shared_tier(tmp_path, drivers):
+    """Engine A stores a 4-block prompt, which reaches the shared tier, and
+    goes: (the shared root, the prompt's keys, their bytes)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "a").mkdir()
+    a = drivers(shared_config(tmp_path / "a", shared))
+    keys = a.store("prompt", 4)
+    a.settle()
+    truth = dict(a.truth)
+    a.close()
+    return shared, keys, truth
+
+
 def test_a_block_from_the_shared_tier_is_kept_locally(tmp_path, drivers):
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -179,14 +193,7 @@ def test_keeping_a_pulled_block_never_evicts_one_this_step_promotes(tmp_path, dr
     a block the local tier answered HIT for (its promotion queued) must not
     be the victim when the same step keeps blocks a later tier supplied,
     or its promotion fails and its tokens are recomputed."""
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    (tmp_path / "a").mkdir()
-    a = drivers(shared_config(tmp_path / "a", shared))
-    supplied = a.store("prompt", 4)
-    a.settle()
-    truth = dict(a.truth)
-    a.close()
+    shared, supplied, truth = _stored_in_the_shared_tier(tmp_path, drivers)
 
     (tmp_path / "b").mkdir()
     b = drivers(
@@ -231,14 +238,7 @@ def test_keeping_supplied_blocks_respects_back_pressure(tmp_path, drivers):
     """A tier under back-pressure gets no cascades from vLLM; it takes no
     blocks a later tier supplied either, and vLLM's policy counts them as
     dropped."""
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    (tmp_path / "a").mkdir()
-    a = drivers(shared_config(tmp_path / "a", shared))
-    keys = a.store("prompt", 4)
-    a.settle()
-    truth = dict(a.truth)
-    a.close()
+    shared, keys, truth = _stored_in_the_shared_tier(tmp_path, drivers)
 
     (tmp_path / "b").mkdir()
     b = drivers(shared_config(tmp_path / "b", shared), truth)
