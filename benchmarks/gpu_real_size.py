@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -176,8 +177,10 @@ class Setup:
         )
         return cls(prefixes=prefixes, repeats=repeats, **{**fields, **kw})
 
-    @property
+    @functools.cached_property
     def geometry(self) -> dict[str, Any]:
+        """The model's geometry for the JSON, resolved once (vLLM reads its
+        config: model_kv)."""
         from kvtier.testing.model import kv_bytes_per_block
 
         cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
