@@ -779,7 +779,7 @@ class EngineHost:
         timer = self.timer if source != "gpu_cache" else None
         jobs = len(timer.jobs) if timer else 0
         ttft, no_load, window, rid, threads = self._beside_decoders(prompt)
-        hits = get_hit_recorder(self.llm).per_request.get(rid, {})
+        hits = get_hit_recorder(self.llm).take(rid)
         run = Run(source, n, ttft, no_load, [g for _, g in window], dict(hits))
         run.engine = self.label
         run.threads = threads

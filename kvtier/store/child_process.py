@@ -579,7 +579,16 @@ class _Forward(logging.Handler):
             )
         except Exception:  # the parent is gone, or the record is broken
             with contextlib.suppress(Exception):
-                sys.stderr.write(f"{record.levelname} {record.msg} {record.args}\n")
+                sys.stderr.write(f"{record.levelname} {record.name}: {_text(record)}\n")
+
+
+def _text(record: logging.LogRecord) -> str:
+    # The message as a handler would print it; its raw parts where its
+    # arguments do not fit its format.
+    try:
+        return record.getMessage()
+    except Exception:
+        return f"{record.msg} {record.args}"
 
 
 def forward_logs(send: Callable[[tuple], None], process_name: str) -> None:

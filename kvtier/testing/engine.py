@@ -328,7 +328,9 @@ class HitRecorder:
     """Hooks the in-process scheduler to record cache hits per source.
 
     * ``per_request[external_req_id] = {source: tokens}`` for external hits,
-      from ``connector.get_external_cache_hit_sources`` (see module doc).
+      from ``connector.get_external_cache_hit_sources`` (see module doc),
+      until :meth:`take` hands a request's out (so a long run holds only
+      the requests not yet collected).
     * ``aggregate``: Counter of ``{"device": .., "host": .., "disk": ..}``
       tokens plus ``"queries"`` / ``"external_queries"``, accumulated from
       ``Scheduler.make_stats`` (SchedulerStats.prefix_cache_stats and
@@ -337,7 +339,6 @@ class HitRecorder:
 
     def __init__(self, llm) -> None:
         self.per_request: dict[str, dict[str, int]] = {}
-        self.external_tokens: dict[str, int] = {}
         self.aggregate: Counter[str] = Counter()
         self._lock = threading.Lock()
         sched = get_scheduler(llm)
@@ -352,7 +353,6 @@ class HitRecorder:
                 res = orig_sources(request, num_external_tokens)
                 ext = _external_id(request.request_id)
                 with self._lock:
-                    self.external_tokens[ext] = num_external_tokens
                     self.per_request[ext] = {
                         getattr(k, "value", str(k)): int(v) for k, v in res.items()
                     }
@@ -382,6 +382,12 @@ class HitRecorder:
     def snapshot(self) -> Counter[str]:
         with self._lock:
             return Counter(self.aggregate)
+
+    def take(self, request_id: str) -> dict[str, int]:
+        """The tokens per external source recorded for ``request_id``
+        (empty where it had no external hit), dropped from ``per_request``."""
+        with self._lock:
+            return self.per_request.pop(request_id, {})
 
 
 def get_hit_recorder(llm) -> HitRecorder:
@@ -482,7 +488,7 @@ def collect_result(rec: HitRecorder, before, finals, wall_s: float) -> RunResult
         outputs.append(list(o.outputs[0].token_ids))
         n_cached = int(o.num_cached_tokens or 0)
         cached.append(n_cached)
-        ext = dict(rec.per_request.get(o.request_id, {}))
+        ext = rec.take(o.request_id)
         src = {k: v for k, v in ext.items() if v}
         device = n_cached - sum(ext.values())
         if device > 0:

@@ -348,6 +348,7 @@ def fuzz(
                         f" ext={hits} n={len(out.outputs[0].token_ids)}"
                     )
                 if out.finished and live.pop(out.request_id, None) is not None:
+                    get_hit_recorder(llm).take(out.request_id)
                     done[out.request_id] = list(out.outputs[0].token_ids)
                     tally.finished += 1
             step += 1

@@ -21,6 +21,7 @@ from kvtier.testing.engine import (
     engine,
     engine_with_events,
     get_connector,
+    get_hit_recorder,
     run_prompts,
     wait_events_delivered,
 )
@@ -152,6 +153,9 @@ def test_prefix_split_across_cpu_and_disk_loads_fully(model, block_bytes, tmp_pa
         assert evict_clean(h, keys[0]) and evict_clean(h, keys[2])
         assert llm.reset_prefix_cache()  # forget the GPU copies
         again = run_prompts(llm, [prompt], MAX_TOKENS)
+        # The harness hands each request's sources out once: a long run of
+        # it holds no entry per request served.
+        assert get_hit_recorder(llm).per_request == {}
     assert again.hits_by_source[0] == {"disk": 64, "host": 64}
     assert again.outputs == expected
 

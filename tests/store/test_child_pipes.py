@@ -231,7 +231,8 @@ def test_a_childs_records_go_to_the_parent_at_the_parents_level(
     configuration gives the parent's level (a VLLM_LOGGING_CONFIG_PATH entry
     for vllm.kvtier at DEBUG reached no helper), and the parent logs each
     as the child's, with its pid, name, file and line; a record whose
-    message cannot be made is said on stderr, not lost."""
+    message cannot be made, or that cannot be sent, is said on stderr, not
+    lost (formatted where it can be)."""
     import logging
 
     from kvtier.log import ROOT, get_logger
@@ -240,20 +241,31 @@ def test_a_childs_records_go_to_the_parent_at_the_parents_level(
     kvtier = logging.getLogger(ROOT)
     saved = kvtier.level, kvtier.propagate, list(kvtier.handlers)
     sent: list[tuple] = []
+
+    def send(msg: tuple) -> None:
+        if "gone" in msg[5]:
+            raise BrokenPipeError  # the parent's end closed
+        sent.append(msg)
+
     try:
-        child_process.forward_logs(sent.append, "kvtier-test")
+        child_process.forward_logs(send, "kvtier-test")
         log = get_logger("store")
         log.debug("not at INFO")
         log.info("at INFO %d", 1)
         child_process.set_log_level(logging.DEBUG)  # the parent's, configured
         log.debug("at DEBUG")
         log.info("broken %d", "x")  # cannot be formatted
+        log.info("parent gone: back end %s (%s)", "posix", "O_DIRECT")
     finally:
         kvtier.setLevel(saved[0])
         kvtier.propagate = saved[1]
         kvtier.handlers[:] = saved[2]
     assert [m[5] for m in sent] == ["at INFO 1", "at DEBUG"]
-    assert "INFO broken %d ('x',)" in capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"INFO {ROOT}.store: broken %d ('x',)",
+        f"INFO {ROOT}.store: parent gone: back end posix (O_DIRECT)",
+    ]
     kind, level, name, path, line, *_rest, pid, who, _created = sent[0]
     assert (kind, level, name, pid, who) == (
         "log",
