@@ -568,10 +568,12 @@ def test_warm_restart_and_kvtier_inspect(tmp_path, make_driver, capsys, caplog):
     assert other.lookup("a", keys[:1])[0] == 0
 
 
-def test_reset_cache_drains_and_keeps_the_disk(tmp_path, make_driver):
+def test_reset_cache_keeps_the_disk(tmp_path, make_driver):
+    """The blocks on disk at a reset are served after it (what was still
+    queued is not: test_a_reset_cancels_the_cascades_not_yet_started)."""
     d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
     keys = d.store("a", 4)
-    # Cascade jobs still in flight: reset_cache must drain them first.
+    d.settle()  # cascaded
     d.manager.reset_cache()
     assert not d.tier.has_pending_work()
     assert not any(d.in_primary(k) for k in keys)
@@ -592,6 +594,7 @@ def test_blocks_stored_after_a_reset_serve_this_engine_and_are_never_adopted(
     later one. Those from before it are."""
     d = make_driver(make_config(tmp_path, cpu_chunks=4, disk_blocks=32))
     before = d.store("a", 4)
+    d.settle()  # on disk before the reset
     d.manager.reset_cache()
     d.settle()
     after = d.store("b", 4)
@@ -671,6 +674,7 @@ def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
 
     from kvtier.store import runtime as disk_runtime
     from kvtier.store import store as disk_store
+    from kvtier.testing.fault_plan import FaultKind
     from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
 
     release = threading.Event()
@@ -695,6 +699,10 @@ def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
         plan.add(FaultRule.hang(release, ops="write"))  # the disk hangs now
         keys = d.store("c", 2)  # cascades to our tier: its writes hang
         d.step()
+        deadline = time.monotonic() + 30
+        while plan.count(FaultKind.HANG) == 0:  # started, not just queued
+            assert time.monotonic() < deadline, "the cascade never started"
+            time.sleep(0.002)
         assert d.tier.has_pending_work()
         d.manager.reset_cache()  # raised AssertionError in vLLM before
         assert not d.tier.has_pending_work()
@@ -705,6 +713,62 @@ def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
         hits, _ = d.lookup("a-again", before)
         assert hits == 0
         assert not d.tier.has_pending_work()
+    finally:
+        release.set()
+
+
+def test_a_reset_cancels_the_cascades_not_yet_started(
+    tmp_path, make_driver, monkeypatch
+):
+    """reset_cache waits for the batch being written, not for the queue
+    behind it: the queued cascades come back failed (vLLM's contract allows
+    it) and their blocks are not stored; the one being written is. Waiting
+    for the whole queue held the engine as long as the drive took."""
+    import threading
+
+    from kvtier.store import store as disk_store
+    from kvtier.testing.fault_plan import FaultKind
+    from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
+
+    release = threading.Event()
+    plan = FaultPlan()
+    real = disk_store.make_backend
+    monkeypatch.setattr(
+        disk_store,
+        "make_backend",
+        lambda name, **kw: FaultInjectingBackend(real(name, **kw), plan),
+    )
+    config = make_config(
+        tmp_path, cpu_chunks=8, disk_blocks=32, tier={"disk_io_threads": 1}
+    )
+    d = make_driver(config)
+    try:
+        plan.add(FaultRule.hang(release, ops="write", first_n=1))
+        (moving,) = d.store("a", 1)
+        d.step()  # its cascade is written, and hangs
+        deadline = time.monotonic() + 30
+        while plan.count(FaultKind.HANG) == 0:
+            assert time.monotonic() < deadline, "the first cascade never started"
+            time.sleep(0.002)
+        queued = d.store("b", 4)
+        d.step()  # queued behind it: one I/O thread
+        timer = threading.Timer(0.3, release.set)
+        timer.start()
+        try:
+            d.manager.reset_cache()
+        finally:
+            timer.cancel()
+            release.set()
+        d.settle()
+        assert d.tier.tier.is_ready(moving)
+        assert [k for k in queued if k in d.tier.tier] == []
+        assert (d.tier.stats.stores_completed, d.tier.stats.store_failures) == (1, 4)
+        assert not d.tier.runtime.broken
+        # The tier goes on storing after the reset.
+        d.pass_reset_hold()
+        later = d.store("c", 2)
+        d.settle()
+        assert all(d.tier.tier.is_ready(k) for k in later)
     finally:
         release.set()
 

@@ -585,11 +585,17 @@ class KvtierDiskTier(SecondaryTierManager):
 
     @override
     def drain_jobs(self) -> None:
-        """vLLM's reset (``TieringOffloadingManager.reset_cache``): wait for
-        the jobs in flight, as vLLM's contract asks. The tier keeps its
-        blocks (vLLM does not reset secondary tiers), but the blocks stored
-        from now on may come from other weights (a sleep, a weight update),
-        so no later engine adopts them (:meth:`DiskRuntime.mark_reset`).
+        """vLLM's reset (``TieringOffloadingManager.reset_cache``): the jobs
+        not started yet are cancelled, as vLLM's contract allows (each comes
+        back failed: a cascade's block is not stored, a promotion's is
+        promoted again by a later lookup), and the batches being moved are
+        waited for. Waiting for the whole queue held the engine for as long
+        as the drive took to write a primary tier's worth of cascades (0.5-
+        0.75 s for 1 GiB on this project's VM; minutes on a slow drive). The
+        tier keeps its blocks (vLLM does not reset secondary tiers), but the
+        blocks stored from now on may come from other weights (a sleep, a
+        weight update), so no later engine adopts them
+        (:meth:`DiskRuntime.mark_reset`).
 
         Under vLLM 0.32 its lookups then miss for ``reset_hold_steps``
         scheduler steps. The reset frees the primary rows of store jobs the
@@ -599,6 +605,7 @@ class KvtierDiskTier(SecondaryTierManager):
         (tests/tiering/test_tiering_e2e.py). vLLM 0.33 holds promotions
         itself until the flush is reported, and misses as this does."""
         if self.runtime is not None:
+            self.runtime.cancel_queued()
             self.runtime.drain()
             self.runtime.mark_reset()
         if not VLLM_HOLDS_PROMOTIONS_AFTER_RESET:
