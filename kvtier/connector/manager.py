@@ -40,7 +40,7 @@ from kvtier.connector import metrics as m
 from kvtier.connector.load_store_specs import CpuTierSpec, TierLoadSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, WorkerReport
 from kvtier.log import get_logger
-from kvtier.store.runtime import DiskRuntime
+from kvtier.store.runtime import SHUTDOWN_SPILL_BLOCKS, DiskRuntime
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
 from kvtier.tiers.events import EVENT_BACKLOG_PER_STEP, MEDIUM_CPU, MEDIUM_DISK
 from kvtier.tiers.hierarchy import TierHierarchy
@@ -399,7 +399,8 @@ class TieredOffloadingManager(OffloadingManager):
 
     @override
     def shutdown(self) -> None:
-        """Spill every block only the CPU tier holds, newest first
+        """Spill every block only the CPU tier holds, newest first, at most
+        ``SHUTDOWN_SPILL_BLOCKS``
         (:meth:`~kvtier.tiers.hierarchy.TierHierarchy.spill_everything`),
         behind the spills queued; the runtime writes them for a bounded
         time (``SHUTDOWN_SPILL_S``) and cancels the rest. Not after a
@@ -413,7 +414,7 @@ class TieredOffloadingManager(OffloadingManager):
         try:
             self._apply_finished_spills(runtime)
             if not any(store.after_reset for store in runtime.stores):
-                self.hierarchy.spill_everything()
+                self.hierarchy.spill_everything(SHUTDOWN_SPILL_BLOCKS)
                 spills = self.hierarchy.take_spills()
         except Exception:  # a bug here must not keep the stores open
             logger.exception("kvtier: the shutdown's spills could not be ordered")

@@ -311,18 +311,22 @@ class TierHierarchy:
 
     # ------------------------------------------------------------------- spill
 
-    def spill_everything(self) -> None:
-        """At shutdown: order spills of every dirty block, as far as the
-        disk has (or can make) room, most recently used first. A block only
-        on CPU is lost with the engine, and the spills queued at shutdown
-        run for a bounded time: newest first, a prompt's head is written
-        before its tail (ranked newer, :meth:`prepare_store`), so what does
-        reach the disk is reachable by a prefix lookup after a restart,
-        where the oldest-first order of the watermark's spills would leave
-        the tails written and their heads lost. O(dirty blocks)."""
+    def spill_everything(self, most: int | None = None) -> None:
+        """At shutdown: order spills of every dirty block (at most ``most``),
+        as far as the disk has (or can make) room, most recently used first.
+        A block only on CPU is lost with the engine, and the spills queued at
+        shutdown run for a bounded time: newest first, a prompt's head is
+        written before its tail (ranked newer, :meth:`prepare_store`), so
+        what does reach the disk is reachable by a prefix lookup after a
+        restart, where the oldest-first order of the watermark's spills
+        would leave the tails written and their heads lost. ``most`` bounds
+        the work, O(blocks ordered), to what the shutdown can write: each
+        spill ordered also makes a disk victim, and ordering 375,000 took
+        1.9 s of the few seconds vLLM gives an engine core to exit."""
         spills = self._spills
         if spills is not None and spills.dirty:
-            spills.queue(len(spills.dirty), newest_first=True)
+            n = len(spills.dirty) if most is None else min(most, len(spills.dirty))
+            spills.queue(n, newest_first=True)
 
     def take_spills(self) -> list[SpillOrder]:
         """Spill orders decided since the last call, for the I/O side."""

@@ -887,6 +887,30 @@ def test_shutdown_spills_the_blocks_only_the_cpu_tier_holds(tmp_path):
         r.close()
 
 
+def test_a_shutdown_spills_at_most_its_bound_newest_first(tmp_path, monkeypatch):
+    """The shutdown orders no more spills than SHUTDOWN_SPILL_BLOCKS (the
+    newest dirty blocks): the next start adopts those and no others."""
+    from kvtier.connector import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "SHUTDOWN_SPILL_BLOCKS", 3)
+    config = make_config(tmp_path, cpu_blocks=8, disk_blocks=16, spill_watermark=1.0)
+    r = RequestRunner(tiered_spec(config))
+    try:
+        older = r.store("a", [1, 2, 3])
+        newer = r.store("b", [4, 5, 6])
+        r.manager.take_events()
+    finally:
+        r.close()
+    r = RequestRunner(tiered_spec(config))
+    try:
+        h = r.manager.hierarchy
+        assert [h.lookup(k).name for k in newer + older] == ["HIT_DISK"] * 3 + [
+            "MISS"
+        ] * 3
+    finally:
+        r.close()
+
+
 def test_a_shutdown_after_a_reset_leaves_the_blocks_from_before_it(tmp_path):
     """After a connector reset (a sleep, a weight update) what is stored is
     written flagged, never adopted, into slots the reset freed in the index

@@ -92,6 +92,22 @@ def test_at_shutdown_every_dirty_block_spills_heads_and_newest_first():
     assert h.take_spills() == []
 
 
+def test_at_shutdown_at_most_the_given_number_spill_the_newest():
+    """The shutdown's bound: the newest dirty blocks, no more than asked
+    (the rest stay dirty, and no disk block is evicted for them)."""
+    h = TierHierarchy(8, 4, spill_watermark=1.0)
+    _store(h, ["x0", "x1", "x2", "x3"])
+    h.spill_everything()
+    for order in h.take_spills():
+        h.complete_spill(order.job_id)
+    assert len(h.disk) == 4  # full
+    _store(h, ["b0", "b1", "b2"])
+    h.spill_everything(2)
+    orders = h.take_spills()
+    assert [i.key for o in orders for i in o.items] == ["b0", "b1"]
+    assert sorted(k for k in ("x0", "x1", "x2", "x3") if k in h.disk) == ["x2", "x3"]
+
+
 def test_at_shutdown_the_disk_takes_as_many_as_it_has_room_for_heads_first():
     h = TierHierarchy(8, 2, spill_watermark=1.0)
     _store(h, ["a0", "a1", "a2"])
