@@ -139,8 +139,18 @@ class EventLog:
             number = self._bulk_number
             bulk.append((number, bit, list(keys)))
         owed, first = self._owed, number << _KIND_BITS
-        for key in keys:
-            owed[key] = (owed.get(key) or first) | bit
+        if len(owed) >= len(keys):
+            for key in keys:
+                owed[key] = (owed.get(key) or first) | bit
+            return
+        # A whole tier's keys (a reset's, a restore's) against fewer owed:
+        # the map built in C, Python only for the keys owed before (a loop
+        # of two dict operations per key was a third of a million-block
+        # reset). The same map: (owed.get(key) or first) | bit per key.
+        fresh = dict.fromkeys(keys, first | bit)
+        for key, value in owed.items():
+            fresh[key] = value | bit if key in fresh else value
+        self._owed = fresh
 
     def _settle(self, keys: Sequence[Hashable]) -> None:
         """Move out of the backlog, ahead of an event naming ``keys``, the
