@@ -199,6 +199,34 @@ def test_tier_restore_keeps_slots_and_order():
     assert new == {1, 2, 4}
 
 
+@pytest.mark.parametrize("policy", policy_names())
+def test_a_restore_is_the_tier_its_blocks_stored_in_order_make(policy):
+    """Restored blocks (oldest first) leave in the order, and with the
+    positions, that storing them one by one in that order gives."""
+    keys = [f"k{i}" for i in range(40)]
+    restored = Tier("disk", 64, policy)
+    restored.restore([(k, 63 - i) for i, k in enumerate(keys)])
+    stored = Tier("disk", 64, policy)
+    for k in keys:
+        allocate(stored, k)
+        stored.mark_ready(k)
+    assert restored.victims(64) == stored.victims(64)
+    assert [restored.policy.position(k) for k in keys] == [
+        stored.policy.position(k) for k in keys
+    ]
+    assert restored.num_eligible == 40 and restored.num_free == 24
+
+
+@pytest.mark.parametrize(
+    "entries", [[("a", 0), ("b", 0)], [("a", 0), ("a", 1)], [("a", 0), ("b", 5)]]
+)
+def test_a_bad_restore_registers_nothing(entries):
+    t = Tier("disk", 5, "lru")
+    with pytest.raises((KeyError, ValueError)):
+        t.restore(entries)
+    assert len(t) == 0 and t.num_free == 5
+
+
 def test_tier_reuses_the_block_of_a_key_that_left():
     """Free slots are taken last freed first, then a restore's unused ones
     low first, then fresh ones; the block of a key that left comes back
