@@ -762,7 +762,8 @@ def test_a_reset_cancels_the_cascades_not_yet_started(
         d.settle()
         assert d.tier.tier.is_ready(moving)
         assert [k for k in queued if k in d.tier.tier] == []
-        assert (d.tier.stats.stores_completed, d.tier.stats.store_failures) == (1, 4)
+        # Cancelled, not failed: no disk fault to count.
+        assert (d.tier.stats.stores_completed, d.tier.stats.store_failures) == (1, 0)
         assert not d.tier.runtime.broken
         # The tier goes on storing after the reset.
         d.pass_reset_hold()
@@ -771,6 +772,63 @@ def test_a_reset_cancels_the_cascades_not_yet_started(
         assert all(d.tier.tier.is_ready(k) for k in later)
     finally:
         release.set()
+
+
+def test_a_promotion_a_reset_cancelled_is_no_read_error(
+    tmp_path, make_driver, monkeypatch
+):
+    """A promotion cancelled by a reset before its read started was never
+    read: it counts no I/O error and no load error, and its block stays.
+    Counted as one, three resets in a row dropped a healthy block as
+    unreadable (the read-failure rule)."""
+    import threading
+
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from kvtier.store import store as disk_store
+    from kvtier.testing.fault_plan import FaultKind
+    from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
+
+    plan = FaultPlan()
+    real = disk_store.make_backend
+    monkeypatch.setattr(
+        disk_store,
+        "make_backend",
+        lambda name, **kw: FaultInjectingBackend(real(name, **kw), plan),
+    )
+    config = make_config(
+        tmp_path, cpu_chunks=8, disk_blocks=32, tier={"disk_io_threads": 1}
+    )
+    d = make_driver(config)
+    blocker, victim = d.store("a", 2)
+    d.settle()
+    assert d.tier.tier.is_ready(victim)
+    ctx = ReqContext(req_id="p")
+    job = 1000
+    for _ in range(3):
+        release = threading.Event()
+        plan.add(FaultRule.hang(release, ops="read", first_n=1))
+        hangs = plan.count(FaultKind.HANG)
+        d.tier.submit_load(TransferJob(job, [blocker], np.array([4]), True, ctx))
+        deadline = time.monotonic() + 30
+        while plan.count(FaultKind.HANG) == hangs:  # the blocker's read hangs
+            assert time.monotonic() < deadline, "the first read never started"
+            time.sleep(0.002)
+        d.tier.submit_load(TransferJob(job + 1, [victim], np.array([5]), True, ctx))
+        timer = threading.Timer(0.2, release.set)
+        timer.start()
+        try:
+            d.tier.drain_jobs()  # vLLM's reset_cache
+        finally:
+            timer.cancel()
+            release.set()
+        results = {r.job_id: r.success for r in d.tier.get_finished_jobs()}
+        assert results == {job: True, job + 1: False}
+        job += 2
+    failures = d.tier.core.failures
+    assert (failures.io_errors_kept, failures.unreadable) == (0, 0), failures
+    assert d.tier.stats.load_errors == 0
+    assert d.tier.tier.is_ready(victim)
 
 
 def test_portable_worker_shares_the_primary_memory(tmp_path, make_driver):

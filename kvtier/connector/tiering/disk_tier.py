@@ -475,12 +475,16 @@ class KvtierDiskTier(SecondaryTierManager):
             job = self._jobs.pop(done.job_id)
             assert job.is_store == done.spill
             failed = set(done.lost_keys)
+            # Keys a reset cancelled (drain_jobs) were neither read nor
+            # written: no I/O error, no failure of the disk, as the full
+            # spec's cancelled spills; a cancelled promotion's blocks stay.
+            cancelled = failed.intersection(done.cancelled_keys)
             if done.spill:
                 lost = [k for k in job.moved if k in failed]
                 stored = [k for k in job.moved if k not in failed]
                 self.core.fail(lost)  # never READY: no event
                 self.core.complete(stored)  # reported as stored
-                self.stats.store_failures += len(lost)
+                self.stats.store_failures += len(lost) - len(cancelled)
                 self.stats.stores_completed += len(stored)
                 results.append(
                     JobResult(
@@ -497,15 +501,20 @@ class KvtierDiskTier(SecondaryTierManager):
             # lookup is a clean miss; one whose read failed with an I/O
             # error stays for the next lookup to promote again, unless its
             # reads failed too often in a row.
-            io_failed = set(done.io_failed_keys)
+            io_failed = set(done.io_failed_keys) - cancelled
             self.core.release_reads(
                 job.moved,
-                corrupt=[k for k in job.moved if k in failed and k not in io_failed],
+                corrupt=[
+                    k
+                    for k in job.moved
+                    if k in failed and k not in io_failed and k not in cancelled
+                ],
                 io_failed=[k for k in job.moved if k in io_failed],
+                unread=[k for k in job.moved if k in cancelled],
             )
             ok = [k for k in job.moved if k not in failed]
             self.stats.promotions_completed += len(ok)
-            self.stats.load_errors += len(job.moved) - len(ok)
+            self.stats.load_errors += len(job.moved) - len(ok) - len(cancelled)
             self.stats.promotion_failures += len(job.keys) - len(ok)
             self._read_latencies.add(done.seconds)
             success = len(ok) == len(job.keys)
