@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.host.placement import name_this_thread
 from kvtier.store.slabs import SlabFiles, global_slot
 from kvtier.store.slot import (
     HEADER_SIZE,
@@ -127,30 +128,36 @@ def scan(
     depth = max(1, window // size)
     where = _where(files, file_order, skip_new)
     inflight: deque[tuple[list[tuple[int, int, int, Any]], Future[list]]] = deque()
-    with ThreadPoolExecutor(depth, thread_name_prefix="kvtier-scan") as pool:
-        try:
-            while True:
-                while len(inflight) < depth:
-                    batch = list(itertools.islice(where, size))
-                    if not batch:
-                        break
-                    rows = aligned_empty(len(batch) * HEADER_SIZE)
-                    rows = rows.reshape(len(batch), HEADER_SIZE)
-                    slots = [
-                        (slot, idx, offset, rows[i] if data else None)
-                        for i, (slot, idx, offset, data) in enumerate(batch)
-                    ]
-                    inflight.append((slots, pool.submit(_read_batch, files, slots)))
-                if not inflight:
-                    return
-                slots, reads = inflight.popleft()
-                for (slot, idx, offset, buf), read in zip(
-                    slots, reads.result(), strict=True
-                ):
-                    yield _judge(files, slot, idx, offset, buf, read, pieces, on_header)
-        finally:
-            for _, reads in inflight:  # a consumer that stopped early
-                reads.cancel()
+    pool = ThreadPoolExecutor(
+        depth, thread_name_prefix="kvtier-scan", initializer=name_this_thread
+    )
+    finished = False
+    try:
+        while True:
+            while len(inflight) < depth:
+                batch = list(itertools.islice(where, size))
+                if not batch:
+                    break
+                rows = aligned_empty(len(batch) * HEADER_SIZE)
+                rows = rows.reshape(len(batch), HEADER_SIZE)
+                slots = [
+                    (slot, idx, offset, rows[i] if data else None)
+                    for i, (slot, idx, offset, data) in enumerate(batch)
+                ]
+                inflight.append((slots, pool.submit(_read_batch, files, slots)))
+            if not inflight:
+                finished = True
+                return
+            slots, reads = inflight.popleft()
+            for (slot, idx, offset, buf), read in zip(
+                slots, reads.result(), strict=True
+            ):
+                yield _judge(files, slot, idx, offset, buf, read, pieces, on_header)
+    finally:
+        # A consumer that stopped early (or a read that raised) does not
+        # wait for the batches still reading (a hung disk: for ever): they
+        # read into rows of their own, which nobody reads after.
+        pool.shutdown(wait=finished, cancel_futures=True)
 
 
 def _read_batch(

@@ -328,6 +328,56 @@ def test_wrong_key_and_invalidate(store: DiskStore) -> None:
     assert verify(store, 5) is ReadOutcome.EMPTY
 
 
+def test_a_scan_stopped_early_does_not_wait_for_a_hung_read(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    """A consumer that stops a scan (Ctrl-C in ``kvtier inspect``) gets
+    control back while a batch's header read still hangs; the scan's
+    threads end once the read returns."""
+    import threading
+    import time
+
+    from kvtier.store.backends.posix import PosixBackend
+    from kvtier.testing.faults import (
+        FaultInjectingBackend,
+        FaultPlan,
+        FaultRule,
+        on_slot,
+    )
+
+    def scan_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("kvtier-scan")]
+
+    with DiskStore([str(tmp_path)], 64, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        for slot in range(64):
+            s.write_block(slot, KEY + bytes([slot]), block(slot), slot + 1)
+    plan = FaultPlan()
+    backend = FaultInjectingBackend(PosixBackend(), plan)
+    s = DiskStore([str(tmp_path)], 64, BLOCK_BYTES, fingerprint, backend=backend)
+    release, closed = threading.Event(), threading.Event()
+    try:
+        plan.add(FaultRule.hang(release, ops="read", **on_slot(s, 40)))
+        records = scan(s.files)
+        assert [next(records).slot for _ in range(16)] == list(range(16))
+
+        def stop() -> None:
+            records.close()
+            closed.set()
+
+        threading.Thread(target=stop, daemon=True).start()
+        assert closed.wait(30), "closing the scan waited for the hung read"
+        assert scan_threads()  # still reading slot 40
+        release.set()
+        deadline = time.monotonic() + 30
+        while scan_threads():
+            assert time.monotonic() < deadline, "the scan's threads never ended"
+            time.sleep(0.01)
+    finally:
+        release.set()
+        s.close()
+        backend.shutdown()
+
+
 def test_scan_reports_every_slot_and_raises_seq(
     tmp_path: Path, fingerprint: LayoutFingerprint
 ) -> None:
