@@ -10,7 +10,8 @@ length of every dict, set, list and deque it reaches. Each length must stay
 within the tiers' capacity plus the requests in flight; the process's file
 descriptors must not change and its threads grow only by thread pools
 reaching their caps. A per-request or per-step entry that is never dropped
-exceeds that bound long before the run ends.
+exceeds that bound long before the run ends, and one left by aborted
+requests only keeps growing after the tiers filled, which is checked too.
 """
 
 from __future__ import annotations
@@ -239,6 +240,16 @@ def test_state_is_bounded_by_the_tiers_not_the_requests(
         if max(s.get(p, 0) for s in samples) > bound
     }
     assert not over, f"grew past {bound} entries over {REQUESTS} requests: {over}"
+    # Nor does any keep growing once the tiers are full (from the second
+    # sample on) by more than the requests in flight can hold: an entry left
+    # by each aborted request alone (one in five) grows by ~80 there.
+    slack = IN_FLIGHT * (MAX_PREFIX_BLOCKS + 2)
+    growing = {
+        p: [s.get(p, 0) for s in samples]
+        for p in sorted(paths)
+        if max(s.get(p, 0) for s in samples[2:]) - samples[1].get(p, 0) > slack
+    }
+    assert not growing, f"kept growing after the tiers filled: {growing}"
     # The walk reached the state it is meant to bound.
     assert any(".tracker." in p or "event" in p.lower() for p in paths), sorted(paths)
     assert sum(samples[-1].values()) > 0
