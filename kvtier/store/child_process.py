@@ -579,7 +579,13 @@ class _Forward(logging.Handler):
             )
         except Exception:  # the parent is gone, or the record is broken
             with contextlib.suppress(Exception):
-                sys.stderr.write(f"{record.levelname} {record.name}: {_text(record)}\n")
+                trace = ""
+                if record.exc_info:
+                    trace = "\n" + logging.Formatter().formatException(record.exc_info)
+                sys.stderr.write(
+                    f"{record.levelname} {record.name} (pid {os.getpid()}): "
+                    f"{_text(record)}{trace}\n"
+                )
 
 
 def _text(record: logging.LogRecord) -> str:

@@ -43,10 +43,11 @@ logger = get_logger("store")
 # (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 by default).
 SHUTDOWN_SPILL_S = 2.0
 # The most spills a shutdown orders (the newest dirty blocks): more than the
-# spill path moves in SHUTDOWN_SPILL_S on any drive at the smallest blocks
-# (about 70,000 of 4 KiB on this project's VM), so it never drops what
-# could be written, and it bounds the ordering (about 5 us a block, and a
-# disk victim each) where a CPU tier holds hundreds of thousands of blocks.
+# spill path writes in SHUTDOWN_SPILL_S at 4 KiB blocks on this project's VM
+# (docs/benchmarks.md, "Start, reset, shutdown and event backlogs at
+# scale"), while bounding the ordering itself (a disk victim each), which
+# for a CPU tier of hundreds of thousands of blocks took seconds of the few
+# vLLM gives an engine core to exit.
 SHUTDOWN_SPILL_BLOCKS = 131_072
 # No disk job finished for this long while some wait: a hung or failing
 # drive, said once per stall (a write has no deadline of its own: a pwrite

@@ -122,8 +122,7 @@ def scan(
     # few threads of the scan's own (a batch's reads one after another, the
     # interpreter lock let go in each): one hand-off per batch, not one per
     # slot, whose future and locks cost more than the read of a cached
-    # header (22 us a slot on tmpfs, 45 on this VM's disk, a 500,000-slot
-    # warm restart 22 s).
+    # header.
     size = max(1, min(READ_BATCH, window))
     depth = max(1, window // size)
     where = _where(files, file_order, skip_new)

@@ -27,11 +27,11 @@ VLLM_MEDIA = {"GPU": MEDIUM_GPU, "CPU": MEDIUM_CPU, "STORAGE": MEDIUM_DISK}
 # Keys of bulk events (``BULK_REASONS``) one engine step's drain hands out
 # (``EventLog.take(backlog=...)``), beyond every other event recorded since
 # the last one. vLLM builds and publishes one KV event per key within the
-# step (about 3 us each on this project's VM, 4.5 with self-describing
-# payloads), so a warm restart's event naming a million adopted blocks would
+# step, so a warm restart's event naming a million adopted blocks would
 # otherwise cost the first step seconds. At this rate it goes out over its
-# first ~1,000 steps at about 3 ms each (4,096 keys cost 12-18 ms a step:
-# a third or more of a decode step of an 8B model, for ~250 steps).
+# first ~1,000 steps, a few milliseconds of each; four times as many a step
+# took a third of an 8B model's decode step (docs/benchmarks.md, "Start,
+# reset, shutdown and event backlogs at scale").
 EVENT_BACKLOG_PER_STEP = 1024
 
 # Reasons of the events that name a whole tier at once (warm restart,
@@ -144,9 +144,9 @@ class EventLog:
                 owed[key] = (owed.get(key) or first) | bit
             return
         # A whole tier's keys (a reset's, a restore's) against fewer owed:
-        # the map built in C, Python only for the keys owed before (a loop
-        # of two dict operations per key was a third of a million-block
-        # reset). The same map: (owed.get(key) or first) | bit per key.
+        # the map built in C, Python only for the keys owed before, where a
+        # loop of two dict operations per key is much of a large reset. The
+        # same map: (owed.get(key) or first) | bit per key.
         fresh = dict.fromkeys(keys, first | bit)
         for key, value in owed.items():
             fresh[key] = value | bit if key in fresh else value

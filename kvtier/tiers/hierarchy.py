@@ -320,9 +320,8 @@ class TierHierarchy:
         what does reach the disk is reachable by a prefix lookup after a
         restart, where the oldest-first order of the watermark's spills
         would leave the tails written and their heads lost. ``most`` bounds
-        the work, O(blocks ordered), to what the shutdown can write: each
-        spill ordered also makes a disk victim, and ordering 375,000 took
-        1.9 s of the few seconds vLLM gives an engine core to exit."""
+        the work, O(blocks ordered), to what the shutdown can write (each
+        spill ordered also makes a disk victim)."""
         spills = self._spills
         if spills is not None and spills.dirty:
             n = len(spills.dirty) if most is None else min(most, len(spills.dirty))

@@ -102,11 +102,9 @@ class Tier:
         """Register READY blocks at known slots (warm restart).
 
         Only on an empty tier; ``entries`` are oldest first, which becomes
-        the policy's recency order. O(capacity) once, in batches: the
-        policy's ``insert_many`` and one ``refresh_many``, as a store's
-        blocks take them (a refresh per key, a one-key batch each, was
-        half of a 500,000-block restore's 3 s). Invalid entries raise
-        before any block is registered."""
+        the policy's recency order. O(capacity) once, in batches (the
+        policy's ``insert_many``, one ``refresh_many``), as a store's blocks
+        take them. Invalid entries raise before any block is registered."""
         if self._blocks or not self._slots.pristine:
             raise RuntimeError(f"restore into a non-empty {self.medium} tier")
         keys = [key for key, _ in entries]

@@ -256,16 +256,24 @@ def test_a_childs_records_go_to_the_parent_at_the_parents_level(
         log.debug("at DEBUG")
         log.info("broken %d", "x")  # cannot be formatted
         log.info("parent gone: back end %s (%s)", "posix", "O_DIRECT")
+        try:
+            raise ValueError("the cause")
+        except ValueError:
+            log.exception("parent gone while failing")
     finally:
         kvtier.setLevel(saved[0])
         kvtier.propagate = saved[1]
         kvtier.handlers[:] = saved[2]
     assert [m[5] for m in sent] == ["at INFO 1", "at DEBUG"]
     err = capsys.readouterr().err.splitlines()
-    assert err == [
-        f"INFO {ROOT}.store: broken %d ('x',)",
-        f"INFO {ROOT}.store: parent gone: back end posix (O_DIRECT)",
+    who = f"{ROOT}.store (pid {os.getpid()})"
+    assert err[:2] == [
+        f"INFO {who}: broken %d ('x',)",
+        f"INFO {who}: parent gone: back end posix (O_DIRECT)",
     ]
+    assert err[2] == f"ERROR {who}: parent gone while failing"
+    assert err[3] == "Traceback (most recent call last):"
+    assert err[-1] == "ValueError: the cause"
     kind, level, name, path, line, *_rest, pid, who, _created = sent[0]
     assert (kind, level, name, pid, who) == (
         "log",

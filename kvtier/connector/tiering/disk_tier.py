@@ -598,10 +598,10 @@ class KvtierDiskTier(SecondaryTierManager):
         not started yet are cancelled, as vLLM's contract allows (each comes
         back failed: a cascade's block is not stored, a promotion's is
         promoted again by a later lookup), and the batches being moved are
-        waited for. Waiting for the whole queue held the engine for as long
-        as the drive took to write a primary tier's worth of cascades (0.5-
-        0.75 s for 1 GiB on this project's VM; minutes on a slow drive). The
-        tier keeps its blocks (vLLM does not reset secondary tiers), but the
+        waited for: waiting for the whole queue would hold the engine's step
+        for as long as the drive takes to write a primary tier's worth of
+        cascades. Cancelled transfers are neither read errors nor store
+        failures (:meth:`get_finished_jobs`). The tier keeps its blocks (vLLM does not reset secondary tiers), but the
         blocks stored from now on may come from other weights (a sleep, a
         weight update), so no later engine adopts them
         (:meth:`DiskRuntime.mark_reset`).
