@@ -862,16 +862,23 @@ def test_shutdown_writes_the_queued_spills_for_a_while_then_cancels_the_rest(
         r.close()
 
 
-def test_shutdown_spills_the_blocks_only_the_cpu_tier_holds(tmp_path):
+@pytest.mark.parametrize("bound", [None, 3])
+def test_shutdown_spills_the_blocks_only_the_cpu_tier_holds(
+    tmp_path, monkeypatch, bound
+):
     """Below the watermark nothing spills while the engine runs; a
-    shutdown spills what only the CPU tier holds, so the next start adopts
-    every prompt whole, where they were lost with the CPU tier before."""
+    shutdown spills what only the CPU tier holds, newest first and at most
+    SHUTDOWN_SPILL_BLOCKS, so the next start adopts every prompt whole
+    (where they were lost with the CPU tier before), or the newest."""
+    from kvtier.connector import manager as manager_module
+
+    if bound is not None:
+        monkeypatch.setattr(manager_module, "SHUTDOWN_SPILL_BLOCKS", bound)
     config = make_config(tmp_path, cpu_blocks=8, disk_blocks=16, spill_watermark=1.0)
     r = RequestRunner(tiered_spec(config))
     try:
-        stored = {name: r.store(name, blocks) for name, blocks in (
-            ("a", [1, 2, 3]), ("b", [4, 5, 6])
-        )}  # fmt: skip
+        older = r.store("a", [1, 2, 3])
+        newer = r.store("b", [4, 5, 6])
         r.manager.take_events()  # a scheduler step
         assert r.manager.hierarchy.stats.spills_started == 0
     finally:
@@ -879,34 +886,10 @@ def test_shutdown_spills_the_blocks_only_the_cpu_tier_holds(tmp_path):
     r = RequestRunner(tiered_spec(config))
     try:
         h = r.manager.hierarchy
-        assert {
-            name: [h.lookup(k).name for k in keys] for name, keys in stored.items()
-        } == {"a": ["HIT_DISK"] * 3, "b": ["HIT_DISK"] * 3}
-        assert r.lookup("b", stored["b"]) == 3
-    finally:
-        r.close()
-
-
-def test_a_shutdown_spills_at_most_its_bound_newest_first(tmp_path, monkeypatch):
-    """The shutdown orders no more spills than SHUTDOWN_SPILL_BLOCKS (the
-    newest dirty blocks): the next start adopts those and no others."""
-    from kvtier.connector import manager as manager_module
-
-    monkeypatch.setattr(manager_module, "SHUTDOWN_SPILL_BLOCKS", 3)
-    config = make_config(tmp_path, cpu_blocks=8, disk_blocks=16, spill_watermark=1.0)
-    r = RequestRunner(tiered_spec(config))
-    try:
-        older = r.store("a", [1, 2, 3])
-        newer = r.store("b", [4, 5, 6])
-        r.manager.take_events()
-    finally:
-        r.close()
-    r = RequestRunner(tiered_spec(config))
-    try:
-        h = r.manager.hierarchy
-        assert [h.lookup(k).name for k in newer + older] == ["HIT_DISK"] * 3 + [
-            "MISS"
-        ] * 3
+        adopted = [h.lookup(k).name for k in newer + older]
+        kept = 6 if bound is None else bound
+        assert adopted == ["HIT_DISK"] * kept + ["MISS"] * (6 - kept)
+        assert r.lookup("b", newer) == 3
     finally:
         r.close()
 

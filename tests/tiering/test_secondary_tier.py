@@ -227,6 +227,32 @@ def make_driver():
         d.close()
 
 
+@pytest.fixture
+def fault_plan(monkeypatch):
+    """A FaultPlan every store made from now on does its I/O through."""
+    from kvtier.store import store as disk_store
+    from kvtier.testing.faults import FaultInjectingBackend, FaultPlan
+
+    plan = FaultPlan()
+    real = disk_store.make_backend
+    monkeypatch.setattr(
+        disk_store,
+        "make_backend",
+        lambda name, **kw: FaultInjectingBackend(real(name, **kw), plan),
+    )
+    return plan
+
+
+def wait_until_hung(plan, hangs_before: int = 0, timeout: float = 30.0) -> None:
+    """Until an I/O of ``plan``'s hang rules began (started, not queued)."""
+    from kvtier.testing.fault_plan import FaultKind
+
+    deadline = time.monotonic() + timeout
+    while plan.count(FaultKind.HANG) == hangs_before:
+        assert time.monotonic() < deadline, "the I/O to hang never started"
+        time.sleep(0.002)
+
+
 def corrupt_payload(tier: KvtierDiskTier, key: bytes, rank: int = 0) -> None:
     store = tier.runtime.stores[rank]
     slot = tier.tier.get(key).slot
@@ -663,7 +689,7 @@ def test_jobs_after_shutdown_fail_at_once(tmp_path, make_driver):
 
 
 def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
-    tmp_path, make_driver, monkeypatch
+    tmp_path, make_driver, monkeypatch, fault_plan
 ):
     """reset_cache with the tier's writes hung: its drain gives up after
     its deadline and every job it held comes back failed. vLLM's tiering
@@ -673,18 +699,10 @@ def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
     import threading
 
     from kvtier.store import runtime as disk_runtime
-    from kvtier.store import store as disk_store
-    from kvtier.testing.fault_plan import FaultKind
-    from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
+    from kvtier.testing.faults import FaultRule
 
     release = threading.Event()
-    plan = FaultPlan()
-    real = disk_store.make_backend
-    monkeypatch.setattr(
-        disk_store,
-        "make_backend",
-        lambda name, **kw: FaultInjectingBackend(real(name, **kw), plan),
-    )
+    plan = fault_plan
     drain = disk_runtime.DiskRuntime.drain
     monkeypatch.setattr(
         disk_runtime.DiskRuntime, "drain", lambda rt, timeout=0.5: drain(rt, timeout)
@@ -699,10 +717,7 @@ def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
         plan.add(FaultRule.hang(release, ops="write"))  # the disk hangs now
         keys = d.store("c", 2)  # cascades to our tier: its writes hang
         d.step()
-        deadline = time.monotonic() + 30
-        while plan.count(FaultKind.HANG) == 0:  # started, not just queued
-            assert time.monotonic() < deadline, "the cascade never started"
-            time.sleep(0.002)
+        wait_until_hung(plan)
         assert d.tier.has_pending_work()
         d.manager.reset_cache()  # raised AssertionError in vLLM before
         assert not d.tier.has_pending_work()
@@ -718,7 +733,7 @@ def test_a_hung_disk_at_reset_costs_misses_not_the_engine(
 
 
 def test_a_reset_cancels_the_cascades_not_yet_started(
-    tmp_path, make_driver, monkeypatch
+    tmp_path, make_driver, fault_plan
 ):
     """reset_cache waits for the batch being written, not for the queue
     behind it: the queued cascades come back failed (vLLM's contract allows
@@ -726,18 +741,10 @@ def test_a_reset_cancels_the_cascades_not_yet_started(
     for the whole queue held the engine as long as the drive took."""
     import threading
 
-    from kvtier.store import store as disk_store
-    from kvtier.testing.fault_plan import FaultKind
-    from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
+    from kvtier.testing.faults import FaultRule
 
     release = threading.Event()
-    plan = FaultPlan()
-    real = disk_store.make_backend
-    monkeypatch.setattr(
-        disk_store,
-        "make_backend",
-        lambda name, **kw: FaultInjectingBackend(real(name, **kw), plan),
-    )
+    plan = fault_plan
     config = make_config(
         tmp_path, cpu_chunks=8, disk_blocks=32, tier={"disk_io_threads": 1}
     )
@@ -746,10 +753,7 @@ def test_a_reset_cancels_the_cascades_not_yet_started(
         plan.add(FaultRule.hang(release, ops="write", first_n=1))
         (moving,) = d.store("a", 1)
         d.step()  # its cascade is written, and hangs
-        deadline = time.monotonic() + 30
-        while plan.count(FaultKind.HANG) == 0:
-            assert time.monotonic() < deadline, "the first cascade never started"
-            time.sleep(0.002)
+        wait_until_hung(plan)
         queued = d.store("b", 4)
         d.step()  # queued behind it: one I/O thread
         timer = threading.Timer(0.3, release.set)
@@ -775,7 +779,7 @@ def test_a_reset_cancels_the_cascades_not_yet_started(
 
 
 def test_a_promotion_a_reset_cancelled_is_no_read_error(
-    tmp_path, make_driver, monkeypatch
+    tmp_path, make_driver, fault_plan
 ):
     """A promotion cancelled by a reset before its read started was never
     read: it counts no I/O error and no load error, and its block stays.
@@ -785,17 +789,10 @@ def test_a_promotion_a_reset_cancelled_is_no_read_error(
 
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    from kvtier.store import store as disk_store
     from kvtier.testing.fault_plan import FaultKind
-    from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule
+    from kvtier.testing.faults import FaultRule
 
-    plan = FaultPlan()
-    real = disk_store.make_backend
-    monkeypatch.setattr(
-        disk_store,
-        "make_backend",
-        lambda name, **kw: FaultInjectingBackend(real(name, **kw), plan),
-    )
+    plan = fault_plan
     config = make_config(
         tmp_path, cpu_chunks=8, disk_blocks=32, tier={"disk_io_threads": 1}
     )
@@ -810,10 +807,7 @@ def test_a_promotion_a_reset_cancelled_is_no_read_error(
         plan.add(FaultRule.hang(release, ops="read", first_n=1))
         hangs = plan.count(FaultKind.HANG)
         d.tier.submit_load(TransferJob(job, [blocker], np.array([4]), True, ctx))
-        deadline = time.monotonic() + 30
-        while plan.count(FaultKind.HANG) == hangs:  # the blocker's read hangs
-            assert time.monotonic() < deadline, "the first read never started"
-            time.sleep(0.002)
+        wait_until_hung(plan, hangs)  # the blocker's read hangs
         d.tier.submit_load(TransferJob(job + 1, [victim], np.array([5]), True, ctx))
         timer = threading.Timer(0.2, release.set)
         timer.start()
