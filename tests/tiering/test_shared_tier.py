@@ -125,20 +125,9 @@ def fs_files(root: Path) -> list[Path]:
 
 
 def _stored_in_the_shared_tier(tmp_path, drivers):
-    """Engine A stores a 4-block prompt, which reaches the shared tier, and
-    goes: (the shared root, the prompt's keys, their bytes)."""
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    (tmp_path / "a").mkdir()
-    a = drivers(shared_config(tmp_path / "a", shared))
-    keys = a.store("prompt", 4)
-    a.settle()
-    truth = dict(a.truth)
-    a.close()
-    return shared, keys, truth
-
-
-def test_a_block_from_the_shared_tier_is_kept_locally(tmp_path, drivers):
+    """Engine A stores a 4-block prompt, which reaches the shared tier (and
+    A's own disk), and goes: (the shared root, the prompt's keys, their
+    bytes)."""
     shared = tmp_path / "shared"
     shared.mkdir()
     (tmp_path / "a").mkdir()
@@ -149,7 +138,11 @@ def test_a_block_from_the_shared_tier_is_kept_locally(tmp_path, drivers):
     assert all(a.local.tier.is_ready(k) for k in keys)  # and to A's disk
     truth = dict(a.truth)
     a.close()
+    return shared, keys, truth
 
+
+def test_a_block_from_the_shared_tier_is_kept_locally(tmp_path, drivers):
+    shared, keys, truth = _stored_in_the_shared_tier(tmp_path, drivers)
     (tmp_path / "b").mkdir()
     b = drivers(shared_config(tmp_path / "b", shared), truth)
     assert len(b.local.tier) == 0
