@@ -118,11 +118,16 @@ class Tier:
         blocks = self._blocks
         for key, slot in entries:
             blocks[key] = TierBlock(slot, _READY, 0, "restore")
+        self._place(keys)
+        self.refresh_many(keys)
+        self._slots.restore(used)
+
+    def _place(self, keys: Sequence[Hashable]) -> None:
+        """The policy learns of the new resident ``keys``, in order (one
+        batch); their positions go to the index where it keeps its own."""
         placed = self.policy.insert_many(keys)
         if self._copy_positions:
             self.index.pos.update(zip(keys, placed))
-        self.refresh_many(keys)
-        self._slots.restore(used)
 
     def mark_ready(self, key: Hashable) -> None:
         self.mark_ready_many((key,))
@@ -161,10 +166,7 @@ class Tier:
             # those before a failure: one slot each), in order; WRITING:
             # never eligible, so only their positions are recorded.
             done = len(slots)
-            allocated = keys if done == len(keys) else keys[:done]
-            placed = self.policy.insert_many(allocated)
-            if self._copy_positions:
-                self.index.pos.update(zip(allocated, placed))
+            self._place(keys if done == len(keys) else keys[:done])
         return slots
 
     def mark_ready_many(self, keys: Sequence[Hashable], accepted: bool = False) -> None:

@@ -601,10 +601,10 @@ class KvtierDiskTier(SecondaryTierManager):
         waited for: waiting for the whole queue would hold the engine's step
         for as long as the drive takes to write a primary tier's worth of
         cascades. Cancelled transfers are neither read errors nor store
-        failures (:meth:`get_finished_jobs`). The tier keeps its blocks (vLLM does not reset secondary tiers), but the
-        blocks stored from now on may come from other weights (a sleep, a
-        weight update), so no later engine adopts them
-        (:meth:`DiskRuntime.mark_reset`).
+        failures (:meth:`get_finished_jobs`). The tier keeps its blocks
+        (vLLM does not reset secondary tiers), but the blocks stored from
+        now on may come from other weights (a sleep, a weight update), so
+        no later engine adopts them (:meth:`DiskRuntime.mark_reset`).
 
         Under vLLM 0.32 its lookups then miss for ``reset_hold_steps``
         scheduler steps. The reset frees the primary rows of store jobs the
