@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+    OffloadingEventsTracker,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
@@ -69,7 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.v1.kv_offload.base import OffloadingSpec
+from vllm.v1.kv_offload.base import OffloadingEvent, OffloadingSpec, OffloadKey
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -79,7 +82,7 @@ from kvtier.connector.config import (
     check_kvtier_keys_are_read,
 )
 from kvtier.connector.identity import HASH_FIX, LORA_ON_DISK, prefix_hash_problem
-from kvtier.connector.manager import TieredOffloadingManager
+from kvtier.connector.manager import ResetRemoval, TieredOffloadingManager
 from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerReport
 from kvtier.log import get_logger
@@ -325,6 +328,45 @@ def _create_spec(config: OffloadingConfig, facts: ConnectorFacts) -> OffloadingS
     return spec_cls(config)
 
 
+def _translate_after_reset(
+    events: Iterable[OffloadingEvent],
+    tracker: OffloadingEventsTracker,
+    reset_tracker: OffloadingEventsTracker,
+    owed: Callable[[OffloadKey], bool],
+) -> Iterable[KVCacheEvent]:
+    """One step's ``events`` as KV events, in order: a reset's removals
+    (:class:`ResetRemoval`) by ``reset_tracker``, the others by ``tracker``
+    in one call, as vLLM calls it: it keeps a removed key's payload until
+    the call's last event, in case a later one of the batch stores it
+    again. ``reset_tracker`` then forgets the keys of those removals that
+    are ``owed`` no other event: they went out on every medium.
+
+    ``tracker`` reads the events one at a time, as it translates them; the
+    reset's removals met before its next event are translated then, and go
+    out before that event's KV events."""
+    ahead: list[KVCacheEvent] = []
+    removed: list[OffloadKey] = []
+
+    def its_events() -> Iterable[OffloadingEvent]:
+        for event in events:
+            if isinstance(event, ResetRemoval):
+                ahead.extend(reset_tracker.take_events((event,)))
+                removed.extend(event.keys)
+            else:
+                yield event
+
+    for kv_event in tracker.take_events(its_events()):
+        if ahead:
+            yield from ahead
+            ahead.clear()
+        yield kv_event
+    yield from ahead
+    payloads = reset_tracker._pending_event_metadata
+    for key in removed:
+        if not owed(key):
+            payloads.pop(key, None)
+
+
 class TieredOffloadingConnector(OffloadingConnector):
     """OffloadingConnector that turns failed disk loads into recomputation."""
 
@@ -369,10 +411,16 @@ class TieredOffloadingConnector(OffloadingConnector):
             self.connector_scheduler = sched = OffloadingConnectorScheduler(
                 spec, vllm_config, kv_cache_config
             )
-            if isinstance(sched.manager, TieredOffloadingManager):
+            manager = sched.manager
+            if (
+                isinstance(manager, TieredOffloadingManager)
+                and sched._events_tracker.self_describing_enabled
+            ):
                 # take_events drops the payloads of keys gone from kvtier.
-                sched.manager.collect_left_keys = (
-                    sched._events_tracker.self_describing_enabled
+                manager.collect_left_keys = True
+                manager.reset_removal_hashes = max(
+                    group.tokens_per_chunk // group.tokens_per_block
+                    for group in sched.config.kv_group_configs
                 )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KvtierConnectorWorker(
@@ -384,6 +432,9 @@ class TieredOffloadingConnector(OffloadingConnector):
         # KV events a connector reset translated (reset_cache), sent first
         # by the next take_events.
         self._reset_events: list[Any] = []
+        # With self-describing events: the payloads vLLM's tracker held at
+        # the last reset, while its removals are still owed (reset_cache).
+        self._reset_tracker: OffloadingEventsTracker | None = None
 
     @override
     def get_transfer_results(
@@ -454,14 +505,19 @@ class TieredOffloadingConnector(OffloadingConnector):
         every other block: a miss, never a copy of unknown bytes.
 
         With ``self_describing_kv_events``, the removals kvtier's reset
-        announces (one per block its tiers held) are translated here, with
-        the payloads vLLM's reset drops (``OffloadingEventsTracker.reset``;
-        its own CPU manager announces no removal then), and sent first by
-        the next :meth:`take_events`: translated a step later, a removal
-        would name its chunk's last block hash only, so a subscriber would
-        keep the chunk's other hashes on CPU and STORAGE for ever; and
-        where that step stores the same blocks again, the removals would
-        take the new copies' payload with them."""
+        announces (one per block its tiers held) must name every block hash
+        their stores named, so a subscriber keeps none of them on CPU or
+        STORAGE for ever; but vLLM's reset drops the payloads
+        (``OffloadingEventsTracker.reset``; its own CPU manager announces no
+        removal then). The payloads move, before vLLM's reset, to a tracker
+        of the reset's own (:meth:`_keep_payloads_of_reset`), which
+        translates the reset's removals as they go out: one engine step's
+        drain here, the rest over the next steps, at most
+        ``EVENT_BACKLOG_PER_STEP`` block hashes each (:meth:`take_events`;
+        it took seconds inside the reset at a million blocks). vLLM's
+        tracker then describes only what is stored after the reset: a
+        removal owed by the reset never takes a new copy's payload with it
+        where a step stores the same block again."""
         sched = self.connector_scheduler
         assert sched is not None
         progress = {
@@ -469,29 +525,59 @@ class TieredOffloadingConnector(OffloadingConnector):
             for req_id, status in sched._req_status.items()
         }
         tracker = sched._events_tracker
-        payloads = (
-            dict(tracker._pending_event_metadata)
-            if tracker.self_describing_enabled
-            else None
-        )
+        tiered = isinstance(sched.manager, TieredOffloadingManager)
+        payloads = None
+        if tracker.self_describing_enabled:
+            # Moved, not copied: O(1) whatever the tiers hold.
+            payloads = tracker._pending_event_metadata
+            tracker._pending_event_metadata = {}
         done = super().reset_cache()
-        if payloads:
+        if payloads is not None and tiered:
+            reset_tracker = self._keep_payloads_of_reset(tracker, payloads)
+            # Everything pending now predates the reset: the stores and
+            # spills its drain completed, then the reset's removals.
+            self._reset_events.extend(
+                _translate_after_reset(
+                    sched.manager.take_events(),
+                    reset_tracker,
+                    reset_tracker,
+                    sched.manager.hierarchy.event_owed,
+                )
+            )
+            sched.manager.take_keys_gone()  # vLLM's tracker holds none of them
+        elif payloads:
+            # vLLM's manager (tiering mode): translated here, all of them.
             tracker._pending_event_metadata.update(payloads)
             while events := list(sched.manager.take_events()):
                 self._reset_events.extend(tracker.take_events(events))
-            if isinstance(sched.manager, TieredOffloadingManager):
-                sched.manager.take_keys_gone()  # the reset's: the tracker forgets all
             tracker.reset()
         for req_id, status in sched._req_status.items():
             for group, stored in zip(status.group_states, progress.get(req_id, ())):
                 group.next_stored_chunk_idx = stored
         return done
 
+    def _keep_payloads_of_reset(
+        self, tracker: OffloadingEventsTracker, payloads: dict
+    ) -> OffloadingEventsTracker:
+        """The tracker that translates the reset's removals: vLLM's, copied
+        (its configuration and group specs), holding ``payloads``, the ones
+        vLLM's held at the reset. A reset while an earlier one's removals
+        are still owed adds to that one's: a key held at both is described
+        by its newer payload."""
+        kept = self._reset_tracker
+        if kept is None:
+            kept = self._reset_tracker = copy.copy(tracker)
+            kept._pending_event_metadata = payloads
+        else:
+            kept._pending_event_metadata.update(payloads)
+        return kept
+
     @override
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """vLLM's, after the removals a reset translated; then, with
-        ``self_describing_kv_events``, the payloads vLLM's tracker keeps of
-        keys gone from every tier are dropped.
+        """vLLM's, after the events a reset translated; a reset's removals
+        still owed are translated with the payloads from before it; then,
+        with ``self_describing_kv_events``, the payloads vLLM's tracker
+        keeps of keys gone from every tier are dropped.
 
         vLLM's tracker holds a key's payload (token ids, block hashes) until
         a removal clears the last residency it recorded, and it records a
@@ -506,9 +592,21 @@ class TieredOffloadingConnector(OffloadingConnector):
         if self._reset_events:
             events, self._reset_events = self._reset_events, []
             yield from events
-        yield from super().take_events()
         sched = self.connector_scheduler
         manager = sched.manager if sched is not None else None
+        reset_tracker = self._reset_tracker
+        if reset_tracker is None:
+            yield from super().take_events()
+        else:
+            assert isinstance(manager, TieredOffloadingManager)
+            yield from _translate_after_reset(
+                manager.take_events(),
+                sched._events_tracker,
+                reset_tracker,
+                manager.hierarchy.event_owed,
+            )
+            if not manager.hierarchy.has_event_backlog:
+                self._reset_tracker = None  # no removal of the reset is owed
         if isinstance(manager, TieredOffloadingManager) and manager.collect_left_keys:
             payloads = sched._events_tracker._pending_event_metadata
             for key in manager.take_keys_gone():

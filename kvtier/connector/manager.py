@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
 from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -54,6 +55,18 @@ _CPU, _DISK = (MEDIUM_CPU,), (MEDIUM_DISK,)  # the metrics' tier label
 # ``ownership`` of the full spec's disk events (tiering mode's tier uses its
 # tier type, ``KvtierDiskTier``): tells a router which STORAGE tier it is.
 DISK_OWNERSHIP = "kvtier"
+
+
+@dataclass
+class ResetRemoval(OffloadingEvent):
+    """An ``OffloadingEvent`` removing blocks that a connector reset forgot.
+
+    A reset's removals go out over the steps after it, as a bounded backlog
+    (``EVENT_BACKLOG_PER_STEP`` keys a step), while vLLM's event tracker
+    drops every payload at the reset. The connector translates these with
+    the payloads the tracker held before it
+    (:meth:`TieredOffloadingConnector.reset_cache`), every other event with
+    the tracker's own."""
 
 
 class _LoadInFlight:
@@ -119,6 +132,11 @@ class TieredOffloadingManager(OffloadingManager):
         # stores since take_keys_gone last took them.
         self.collect_left_keys = False
         self._left_keys: list[OffloadKey] = []
+        # Block hashes the KV events of a reset's removal of one key name
+        # (the connector sets it: vLLM's self-describing events name every
+        # GPU block of a chunk, one at a time). A step's share of a reset's
+        # removals is EVENT_BACKLOG_PER_STEP hashes, not keys.
+        self.reset_removal_hashes = 1
         # What the workers reported of their disk reads and contained
         # exceptions, cumulative, and their read batches' latencies not
         # collected yet.
@@ -330,18 +348,20 @@ class TieredOffloadingManager(OffloadingManager):
         # vLLM drains this once per engine step and translates every key in
         # the step: a warm restart's one event naming every adopted block
         # goes out over several steps instead.
-        events = self.hierarchy.take_events(EVENT_BACKLOG_PER_STEP)
+        hashes = self.reset_removal_hashes
+        events = self.hierarchy.take_events(
+            EVENT_BACKLOG_PER_STEP, {"reset": hashes} if hashes > 1 else None
+        )
         if not self.enable_events:
             return
         for ev in events:
             if ev.removed and self.collect_left_keys:
                 self._left_keys.extend(ev.keys)
+            event = ResetRemoval if ev.reason == "reset" else OffloadingEvent
             if ev.medium == MEDIUM_CPU:
-                yield OffloadingEvent(
-                    keys=list(ev.keys), medium=Medium.CPU, removed=ev.removed
-                )
+                yield event(keys=list(ev.keys), medium=Medium.CPU, removed=ev.removed)
             else:
-                yield OffloadingEvent(
+                yield event(
                     keys=list(ev.keys),
                     medium=Medium.STORAGE,
                     removed=ev.removed,

@@ -69,7 +69,18 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "build_connector_meta",
             "_events_tracker",
             "take_events",
+            "config",
         ),
+    ),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+        "SchedulerOffloadConfig",
+        ("kv_group_configs",),
+    ),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+        "GroupOffloadConfig",
+        ("tokens_per_chunk", "tokens_per_block"),
     ),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.events",

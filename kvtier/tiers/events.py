@@ -11,7 +11,7 @@ the vLLM adapter maps these events 1:1 onto vLLM's ``OffloadingEvent``
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from itertools import repeat
 from typing import NamedTuple
 
@@ -163,26 +163,48 @@ class EventLog:
                 self._append((key,), kinds[low.bit_length() - 1])
                 bits ^= low
 
-    def take(self, backlog: int | None = None) -> list[TierEvent]:
+    @property
+    def has_backlog(self) -> bool:
+        """Whether bulk events still owe keys to later drains. O(1)."""
+        return bool(self._bulk)
+
+    def owes(self, key: Hashable) -> bool:
+        """Whether a bulk event still owes ``key`` an event. O(1)."""
+        return key in self._owed
+
+    def take(
+        self, backlog: int | None = None, weights: Mapping[str, int] | None = None
+    ) -> list[TierEvent]:
         """Drain the events since the last call: every event but the
         backlog's, in order, then at most ``backlog`` keys of the backlog
-        (None: all of it), oldest first. O(keys returned + ``backlog``)."""
+        (None: all of it), oldest first. O(keys returned + ``backlog``).
+
+        ``weights``: per reason, what one key of a bulk event of that reason
+        counts against ``backlog`` (1 if not named), for a consumer whose
+        cost per key differs by reason. A drain hands out at least one key
+        of the backlog."""
         out = [(tuple(keys), m, r, why) for m, r, why, keys in self._pending]
         self._pending, self._last_kind = [], None
         if self._bulk:
-            self._take_bulk(out, backlog)
+            self._take_bulk(out, backlog, weights or {})
         # tuple.__new__ builds the NamedTuples in C.
         return list(map(tuple.__new__, repeat(TierEvent), out))
 
     def _take_bulk(
-        self, out: list[tuple[tuple[Hashable, ...], str, bool, str]], backlog: int | None
+        self,
+        out: list[tuple[tuple[Hashable, ...], str, bool, str]],
+        backlog: int | None,
+        weights: Mapping[str, int],
     ) -> None:
         owed, bulk = self._owed, self._bulk
         left = backlog
         while bulk and (left is None or left > 0):
             number, bit, keys = bulk[0]
+            kind = self._bulk_kinds[bit.bit_length() - 1]
+            weight = weights.get(kind[2], 1)
             head = self._bulk_head
-            end = len(keys) if left is None else min(len(keys), head + left)
+            # head + ceil(left / weight): at least one key while left > 0.
+            end = len(keys) if left is None else min(len(keys), head - (-left // weight))
             due = []
             for key in keys[head:end]:
                 v = owed.get(key, 0)
@@ -194,9 +216,9 @@ class EventLog:
                         owed[key] = v ^ bit
                     due.append(key)
             if due:
-                out.append((tuple(due), *self._bulk_kinds[bit.bit_length() - 1]))
+                out.append((tuple(due), *kind))
             if left is not None:
-                left -= end - head
+                left -= (end - head) * weight
             if end == len(keys):
                 bulk.popleft()
                 self._bulk_head = 0

@@ -33,7 +33,7 @@ and its slot reused only after the spill completed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvtier.tiers.disk_core import DiskTierCore
 from kvtier.tiers.events import MEDIUM_CPU, MEDIUM_DISK, EventLog, TierEvent
@@ -380,11 +380,25 @@ class TierHierarchy:
         self._promoted.clear()
         self._loads.clear()
 
-    def take_events(self, backlog: int | None = None) -> list[TierEvent]:
+    def take_events(
+        self, backlog: int | None = None, weights: Mapping[str, int] | None = None
+    ) -> list[TierEvent]:
         """Drain the residency events since the last call, in order; with
         ``backlog``, at most that many keys of those left pending by earlier
-        calls (see :meth:`EventLog.take`)."""
-        return self._events.take(backlog)
+        calls, a key of a reason in ``weights`` counting as that many (see
+        :meth:`EventLog.take`)."""
+        return self._events.take(backlog, weights)
+
+    @property
+    def has_event_backlog(self) -> bool:
+        """Whether a bulk event (a warm restart's, a reset's) still owes
+        keys to later :meth:`take_events` calls. O(1)."""
+        return self._events.has_backlog
+
+    def event_owed(self, key: Key) -> bool:
+        """Whether a bulk event still owes ``key`` an event, which a later
+        :meth:`take_events` hands out. O(1)."""
+        return self._events.owes(key)
 
     @property
     def has_pending_io(self) -> bool:

@@ -16,7 +16,10 @@ for every hit, where 0.32 records it only for a key without a payload.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
     OffloadingEventsTracker,
     get_offloading_event_group_spec,
@@ -45,15 +48,16 @@ from kvtier.tiers.hierarchy import TierHierarchy
 TOKENS = 16
 
 
-def _group() -> GroupOffloadConfig:
+def _group(hashes: int = 1) -> GroupOffloadConfig:
+    """One full-attention group of ``hashes`` GPU blocks a chunk."""
     spec = FullAttentionSpec(
         block_size=TOKENS, num_kv_heads=1, head_size=8, dtype=torch.float16
     )
     values = dict(
         group_idx=0,
         tokens_per_block=TOKENS,
-        tokens_per_chunk=TOKENS,
-        hashes_per_chunk=1,
+        tokens_per_chunk=TOKENS * hashes,
+        hashes_per_chunk=hashes,
         kv_event_group_spec=get_offloading_event_group_spec(
             KVCacheGroupSpec(["l0"], spec)
         ),
@@ -79,15 +83,16 @@ def _request(req_id: str, blocks: int, seed: int) -> Request:
     )
 
 
-def _keys(req: Request) -> list:
-    return [make_offload_key(h, 0) for h in req.block_hashes]
+def _keys(req: Request, hashes: int = 1) -> list:
+    """Its chunks' keys: each chunk's last block hash."""
+    return [make_offload_key(h, 0) for h in req.block_hashes[hashes - 1 :: hashes]]
 
 
 class _Setup:
     """kvtier's manager behind vLLM's connector scheduler and kvtier's
     connector, with only the parts their lookup and event paths read."""
 
-    def __init__(self, cpu: int, disk: int) -> None:
+    def __init__(self, cpu: int, disk: int, hashes: int = 1) -> None:
         self.h = TierHierarchy(cpu, disk, spill_watermark=0.0, record_events=True)
         self.manager = TieredOffloadingManager(
             self.h, None, block_bytes=64, enable_events=True
@@ -100,24 +105,40 @@ class _Setup:
         sched = OffloadingConnectorScheduler.__new__(OffloadingConnectorScheduler)
         sched.manager = self.manager
         sched._events_tracker = self.tracker
+        sched._req_status = {}
+        # What vLLM's scheduler reset does to the objects here (no request
+        # or job in flight): kvtier's connector reset runs around it.
+        sched.reset_cache = self._vllm_reset
         self.sched = sched
         conn = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
         conn.connector_scheduler = sched
         conn._reset_events = []
+        conn._reset_tracker = None
         self.connector = conn
         # What TieredOffloadingConnector.__init__ sets for a self-describing
         # tracker.
         self.manager.collect_left_keys = True
-        self.group = _group()
+        self.manager.reset_removal_hashes = hashes
+        self.hashes = hashes
+        self.group = _group(hashes)
+
+        # Every KV event the connector handed out, in order.
+        self.events: list = []
+
+    def _vllm_reset(self) -> None:
+        self.manager.reset_cache()
+        self.tracker.reset()
 
     def step_events(self) -> list:
         """One engine step's events, through kvtier's connector."""
-        return list(self.connector.take_events())
+        events = list(self.connector.take_events())
+        self.events.extend(events)
+        return events
 
     def store(self, req: Request, step: bool = True) -> list:
         """Store ``req``'s blocks as vLLM does, written back; then an engine
         step's events, unless ``step`` is False."""
-        keys = _keys(req)
+        keys = _keys(req, self.hashes)
         ctx = ReqContext(req.request_id)
         self.manager.on_new_request(ctx)
         out = self.manager.prepare_store(keys, ctx)
@@ -134,7 +155,8 @@ class _Setup:
     def look_up(self, req: Request) -> int:
         ctx = ReqContext(req.request_id)
         self.manager.on_new_request(ctx)
-        return self.sched._maximal_prefix_lookup(_keys(req), ctx, req, self.group, 0)
+        keys = _keys(req, self.hashes)
+        return self.sched._maximal_prefix_lookup(keys, ctx, req, self.group, 0)
 
     def payload(self, key):
         return self.tracker._pending_event_metadata.get(key)
@@ -216,3 +238,90 @@ def test_a_block_still_held_keeps_its_payload():
     for i in range(3):
         s.store(_request(f"Z{i}", 2, seed=20 + i))
     assert not s.h.holds(key) and s.payload(key) is None
+
+
+def _replayed(events: list, medium: str) -> tuple[Counter, list, list]:
+    """Per block hash, how many BlockStored minus BlockRemoved on ``medium``
+    name it; the hashes a removal named while none was held; and those a
+    store named while one was (a removal owed went out after its store)."""
+    held: Counter = Counter()
+    unheld, twice = [], []
+    for ev in events:
+        if ev.medium != medium:
+            continue
+        if isinstance(ev, BlockStored):
+            twice.extend(h for h in ev.block_hashes if held[h] > 0)
+            held.update(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            unheld.extend(h for h in ev.block_hashes if held[h] <= 0)
+            held.subtract(ev.block_hashes)
+    return +held, unheld, twice
+
+
+def test_a_reset_s_removals_go_out_over_the_next_steps_with_their_payloads(
+    monkeypatch,
+):
+    """A connector reset hands out its removals over the steps after it, a
+    bounded share a step (it translated them all inside the reset: seconds
+    for a million disk blocks), each naming every block hash its store
+    named although vLLM's tracker dropped the payloads at the reset. A
+    chunk stored again while its removal is still owed keeps its new
+    payload, and its removal goes out first; a second reset while the
+    first one's removals are owed adds to them."""
+    monkeypatch.setattr("kvtier.connector.manager.EVENT_BACKLOG_PER_STEP", 4)
+    s = _Setup(cpu=4, disk=8, hashes=2)
+    reqs = [_request(f"R{i}", 6, seed=i) for i in range(4)]  # 3 chunks each
+    for req in reqs[:3]:
+        s.store(req)
+    while s.step_events() or s.h.has_event_backlog:
+        pass  # the stores' events, all out
+    held = len(s.h.cpu) + len(s.h.disk)
+    assert len(s.h.cpu) == 4 and len(s.h.disk) == 8
+    for resets in (1, 2):
+        s.connector.reset_cache()
+        # One step's share translated: 4 hashes, 2 keys of 2 hashes.
+        assert sum(len(ev.block_hashes) for ev in s.connector._reset_events) == 4
+        assert len(s.h.cpu) == len(s.h.disk) == 0
+        s.store(reqs[2 - resets])  # stored again while its removals are owed
+        assert s.h.has_event_backlog and s.connector._reset_tracker is not None
+    s.store(reqs[3])
+    for _ in range(4 * held):
+        kept = s.connector._reset_tracker
+        if kept is None:
+            break
+        s.step_events()
+    assert s.connector._reset_tracker is None and not s.h.has_event_backlog
+    tiers = {"CPU": s.h.cpu, "STORAGE": s.h.disk}
+    for medium, tier in tiers.items():
+        held_hashes, unheld, twice = _replayed(s.events, medium)
+        assert unheld == [] and twice == [], medium
+        assert len(held_hashes) == 2 * len(tier) and set(held_hashes.values()) == {1}
+    stores = [ev for ev in s.events if isinstance(ev, BlockStored)]
+    assert all(len(ev.block_hashes) == 2 and ev.token_ids for ev in stores)
+    # vLLM's tracker describes exactly the blocks held.
+    chunks = {key for req in reqs for key in _keys(req, 2)}
+    held_now = {key for key in chunks if s.h.holds(key)}
+    assert held_now and s.tracker._pending_event_metadata.keys() == held_now
+
+
+def test_the_reset_s_payloads_go_with_its_last_removal_of_each_block(monkeypatch):
+    """The payloads a reset keeps for its removals go once a block's last
+    one went out, though vLLM's tracker still records a residency for it:
+    a warm-restarted disk block that a lookup hit (its CPU residency) is
+    removed from disk only."""
+    monkeypatch.setattr("kvtier.connector.manager.EVENT_BACKLOG_PER_STEP", 1)
+    s = _Setup(cpu=2, disk=8)
+    restored = _request("W", 1, seed=9)
+    (key,) = _keys(restored)
+    s.h.restore_disk([(key, 0)])
+    for i in range(3):
+        s.store(_request(f"R{i}", 2, seed=i))
+    while s.step_events() or s.h.has_event_backlog:
+        pass
+    assert s.look_up(restored) == 1 and s.payload(key) is not None
+    s.connector.reset_cache()
+    kept = s.connector._reset_tracker
+    while s.connector._reset_tracker is not None:
+        assert all(map(s.h.event_owed, kept._pending_event_metadata))
+        s.step_events()
+    assert kept._pending_event_metadata == {}

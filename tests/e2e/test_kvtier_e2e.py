@@ -291,8 +291,23 @@ def _self_describing_engine(model, block_bytes, tmp_path):
         yield sub, llm
 
 
+# Keys of a reset's removals an engine step hands out: vLLM's, and one, so
+# a reset of the small tiers here goes out over many steps.
+BACKLOGS = pytest.mark.parametrize("backlog", [None, 1], ids=["default", "one-a-step"])
+
+
+def _owe_removals_a_step(monkeypatch, backlog: int | None) -> None:
+    if backlog is not None:
+        monkeypatch.setattr("kvtier.connector.manager.EVENT_BACKLOG_PER_STEP", backlog)
+
+
+def _hashes_named(events) -> int:
+    return sum(len(ev.block_hashes) for ev in events)
+
+
+@BACKLOGS
 def test_a_reset_removes_every_hash_that_self_describing_stores_named(
-    model, block_bytes, tmp_path
+    model, block_bytes, tmp_path, monkeypatch, backlog
 ):
     """With ``self_describing_kv_events`` a store names every GPU block hash
     of its chunk (two here: 64-token chunks over 32-token GPU blocks); the
@@ -300,20 +315,29 @@ def test_a_reset_removes_every_hash_that_self_describing_stores_named(
     subscriber replaying the stream keeps the others on CPU and STORAGE for
     ever. vLLM drops its chunk payloads at the reset (its CPU manager
     publishes no removal then), before kvtier's reset removals went out:
-    they named the chunk's last hash only."""
+    they named the chunk's last hash only. The reset translates one step's
+    share of them; the others go out over the next steps (all of them
+    were translated inside the reset, seconds for a million disk blocks)."""
+    _owe_removals_a_step(monkeypatch, backlog)
     with _self_describing_engine(model, block_bytes, tmp_path) as (sub, llm):
         run_each(llm, FIRST[:3])  # 6 chunks over a 4-chunk CPU tier: spills
         h = manager_of(llm).hierarchy
         assert len(h.cpu) > 0 and len(h.disk) > 0
+        held = len(h.cpu) + len(h.disk)
         assert llm.reset_prefix_cache(reset_connector=True)
+        translated = _hashes_named(get_connector(llm)._reset_events)
+        assert translated == 2 * (held if backlog is None else backlog)
         # Steps the engine (the removals go out with its events); 48
         # tokens fill no 64-token chunk, so nothing is stored again.
-        run_prompts(llm, [make_prompt(77, 40)], MAX_TOKENS)
+        for i in range(held):
+            run_prompts(llm, [make_prompt(77 + i, 40)], 1)
         assert len(h.cpu) == len(h.disk) == 0
         assert wait_events_delivered(llm, sub, timeout=60)
         assert sub.block_counts()[("BlockRemoved", "STORAGE")] > 0
         assert _hashes_held(sub, "CPU") == {}
         assert _hashes_held(sub, "STORAGE") == {}
+        # Nothing of the reset is owed: its payloads are gone.
+        assert get_connector(llm)._reset_tracker is None
 
 
 def _removed_unstored(sub: KVEventSubscriber, medium: str) -> list:
@@ -332,24 +356,54 @@ def _removed_unstored(sub: KVEventSubscriber, medium: str) -> list:
     return bad
 
 
+def _stored_held(sub: KVEventSubscriber, medium: str) -> list:
+    """The block hashes a BlockStored on ``medium`` named while an earlier
+    one there still held them: a removal owed went out after the store."""
+    held: Counter = Counter()
+    bad = []
+    for ev in sub.filter(medium=medium):
+        if type(ev).__name__ == "BlockStored":
+            bad.extend(h for h in ev.block_hashes if held[h] > 0)
+            held.update(ev.block_hashes)
+        elif type(ev).__name__ == "BlockRemoved":
+            held.subtract(ev.block_hashes)
+    return bad
+
+
+@BACKLOGS
+@pytest.mark.parametrize("resets", [1, 2])
 def test_blocks_stored_again_right_after_a_reset_keep_their_hashes(
-    model, block_bytes, tmp_path
+    model, block_bytes, tmp_path, monkeypatch, backlog, resets
 ):
     """The first step after a connector reset stores a prompt the tiers held
     before it: vLLM describes the new copies while the reset's removals of
     the old ones still wait to go out, under the same key. Those removals
     must not take the new copies' payload with them: a CPU store announced
-    as a bare placeholder (its last hash) was then removed by both hashes."""
+    as a bare placeholder (its last hash) was then removed by both hashes.
+    With one removal a step, the new copies are stored while most of the
+    reset's removals are owed, and a second reset comes while the first
+    one's still are."""
+    _owe_removals_a_step(monkeypatch, backlog)
     with _self_describing_engine(model, block_bytes, tmp_path) as (sub, llm):
         run_each(llm, FIRST[:3])
         h = manager_of(llm).hierarchy
-        assert llm.reset_prefix_cache(reset_connector=True)
-        # FIRST[2]'s chunks were on CPU at the reset; stored again now, then
-        # pushed out of the 4-chunk CPU tier.
-        run_each(llm, [FIRST[2], FIRST[3], FIRST[4]])
+        for _ in range(resets):
+            assert llm.reset_prefix_cache(reset_connector=True)
+            # FIRST[2]'s chunks were on CPU at the reset; stored again now,
+            # then pushed out of the 4-chunk CPU tier.
+            run_prompts(llm, [FIRST[2]], 1)
+        if backlog is not None:  # the removals of each reset still owed
+            assert len(get_connector(llm)._reset_tracker._pending_event_metadata)
+        run_each(llm, [FIRST[3], FIRST[4]])
+        for i in range(16):  # until the resets owe nothing; stores nothing
+            run_prompts(llm, [make_prompt(77 + i, 40)], 1)
+        assert get_connector(llm)._reset_tracker is None
         assert wait_events_delivered(llm, sub, timeout=60)
         assert _removed_unstored(sub, "CPU") == []
         assert _removed_unstored(sub, "STORAGE") == []
+        # The prompts name distinct hashes: each store follows its removal.
+        assert _stored_held(sub, "CPU") == []
+        assert _stored_held(sub, "STORAGE") == []
         assert len(_hashes_held(sub, "CPU")) == 2 * len(h.cpu)
         assert len(_hashes_held(sub, "STORAGE")) == 2 * len(h.disk)
         # vLLM's tracker keeps payloads only of blocks some tier holds

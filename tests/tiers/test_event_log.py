@@ -31,6 +31,25 @@ def test_an_event_naming_an_owed_key_takes_its_backlog_event_along():
     assert log.take(backlog=100) == []
 
 
+def test_a_weighted_reason_counts_each_key_as_its_weight():
+    """A key of a reset counts 4 against the backlog, a restored one 1; a
+    drain hands out at least one key whatever the weights."""
+    log = EventLog()
+    log.record([f"r{i}" for i in range(6)], "disk", False, "restore")
+    log.record([f"x{i}" for i in range(6)], "cpu", True, "reset")
+    weights = {"reset": 4}
+    taken = [[list(e.keys) for e in log.take(8, weights)] for _ in range(4)]
+    assert taken == [
+        [["r0", "r1", "r2", "r3", "r4", "r5"], ["x0"]],  # 6 + 4: the last one over
+        [["x1", "x2"]],
+        [["x3", "x4"]],
+        [["x5"]],
+    ]
+    log.record(["y0", "y1"], "cpu", True, "reset")
+    assert [list(e.keys) for e in log.take(1, weights)] == [["y0"]]
+    assert log.has_backlog and log.owes("y1") and not log.owes("y0")
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_random_streams_keep_each_keys_order_and_bound_the_backlog(seed: int):
     rng = random.Random(seed)
