@@ -72,7 +72,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.v1.kv_offload.base import OffloadingEvent, OffloadingSpec, OffloadKey
+from vllm.v1.kv_offload.base import (
+    Medium,
+    OffloadingEvent,
+    OffloadingSpec,
+    OffloadKey,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -367,6 +372,25 @@ def _translate_after_reset(
             payloads.pop(key, None)
 
 
+def _keep_secondary_payloads(payloads: dict[OffloadKey, Any]) -> None:
+    """Keep, of the payloads vLLM's tracker held at a reset in tiering mode,
+    those of the blocks a secondary tier still holds, less their primary
+    residency. vLLM resets only the primary tier (its secondary tiers keep
+    their blocks) but drops every payload, so the later removal of a block
+    from a secondary tier (kvtier's disk tier evicting it) named its chunk's
+    last block hash only: a subscriber kept the chunk's other hashes on
+    STORAGE for ever. O(payloads), as vLLM's own reset of them."""
+    primary = (Medium.CPU, None)  # the tracker's residency of the primary tier
+    for key in [
+        key
+        for key, meta in payloads.items()
+        if not meta.active_residencies - {primary}
+    ]:
+        del payloads[key]
+    for meta in payloads.values():
+        meta.active_residencies.discard(primary)
+
+
 class TieredOffloadingConnector(OffloadingConnector):
     """OffloadingConnector that turns failed disk loads into recomputation."""
 
@@ -546,11 +570,11 @@ class TieredOffloadingConnector(OffloadingConnector):
             )
             sched.manager.take_keys_gone()  # vLLM's tracker holds none of them
         elif payloads:
-            # vLLM's manager (tiering mode): translated here, all of them.
-            tracker._pending_event_metadata.update(payloads)
-            while events := list(sched.manager.take_events()):
-                self._reset_events.extend(tracker.take_events(events))
-            tracker.reset()
+            # vLLM's manager (tiering mode): what is pending predates the
+            # reset, so it is translated with the payloads from before it.
+            tracker._pending_event_metadata = payloads
+            self._reset_events.extend(tracker.take_events(sched.manager.take_events()))
+            _keep_secondary_payloads(payloads)
         for req_id, status in sched._req_status.items():
             for group, stored in zip(status.group_states, progress.get(req_id, ())):
                 group.next_stored_chunk_idx = stored

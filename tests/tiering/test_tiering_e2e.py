@@ -180,6 +180,76 @@ def test_disk_budget_smaller_than_the_workload_stays_under_budget(
     assert all("disk" not in hits for hits in again.hits_by_source)
 
 
+@pytest.mark.parametrize(
+    "connector",
+    [
+        "kvtier",
+        pytest.param(
+            "vllm",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="vLLM's OffloadingConnector drops every payload at a "
+                "reset, of blocks its secondary tiers keep too",
+            ),
+        ),
+    ],
+)
+def test_a_reset_keeps_the_hashes_of_the_blocks_the_disk_tier_keeps(
+    model, tmp_path, connector
+):
+    """With ``self_describing_kv_events``, each of the disk tier's blocks is
+    announced by every GPU block hash of its chunk (two: 64-token chunks
+    over 32-token GPU blocks), and its removal must name them all. vLLM's
+    reset empties the primary tier only (the disk tier keeps its blocks)
+    but drops every payload, so a block evicted from the disk tier after a
+    reset was removed by its last hash only: a subscriber kept the other on
+    STORAGE for ever. kvtier's connector keeps the payloads of the blocks
+    the secondary tiers hold; vLLM's does not (the xfail: a limitation of
+    vLLM's tiering mode, docs/tiering-mode.md)."""
+    from collections import Counter
+
+    from kvtier.store.slot import slot_size
+
+    chunk_bytes = kv_bytes_per_block(model, 2 * BLOCK_TOKENS)
+    cfg = offloading_kv_transfer_config(
+        "PortableTieringSpec",
+        "kvtier.connector.tiering",
+        cpu_bytes_to_use=4 * chunk_bytes,
+        block_size=2 * BLOCK_TOKENS,
+        self_describing_kv_events=True,
+        secondary_tiers=[
+            {
+                "type": "KvtierDiskTier",
+                "module_path": "kvtier.connector.tiering",
+                "disk_path": str(tmp_path),
+                "disk_bytes_to_use": 6 * slot_size(chunk_bytes),
+                "eviction_policy": "lru",
+            }
+        ],
+    )
+    if connector == "kvtier":
+        cfg.update(
+            kv_connector="TieredOffloadingConnector",
+            kv_connector_module_path="kvtier.connector",
+            kv_load_failure_policy="recompute",
+        )
+    with engine_with_events(model, cfg, num_gpu_blocks=GPU_BLOCKS) as (sub, llm):
+        for prompt in FIRST[:3]:  # 6 chunks: the disk tier full
+            run_prompts(llm, [prompt], MAX_TOKENS)
+        assert llm.reset_prefix_cache(reset_connector=True)
+        for prompt in FIRST[3:]:  # they push the first 6 out of the disk
+            run_prompts(llm, [prompt], MAX_TOKENS)
+        on_disk = len(tier_of(llm).tier)
+        assert wait_events_delivered(llm, sub, timeout=30)
+        removed = sub.block_counts()[("BlockRemoved", "STORAGE")]
+        held: Counter = Counter()
+        for ev in sub.filter(medium="STORAGE"):
+            sign = 1 if type(ev).__name__ == "BlockStored" else -1
+            held.update({h: sign for h in ev.block_hashes})
+    assert on_disk == 6 and removed > 0
+    assert sorted(Counter(+held).values()) == [1] * 2 * on_disk
+
+
 def test_a_connector_reset_while_a_store_is_deferred_never_serves_its_row(
     model, block_bytes, tmp_path
 ):
