@@ -43,9 +43,11 @@ import errno
 import heapq
 import itertools
 import os
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,10 +129,7 @@ def scan(
     depth = max(1, window // size)
     where = _where(files, file_order, skip_new)
     inflight: deque[tuple[list[tuple[int, int, int, Any]], Future[list]]] = deque()
-    pool = ThreadPoolExecutor(
-        depth, thread_name_prefix="kvtier-scan", initializer=name_this_thread
-    )
-    finished = False
+    readers = _Readers(files, depth)
     try:
         while True:
             while len(inflight) < depth:
@@ -143,9 +142,8 @@ def scan(
                     (slot, idx, offset, rows[i] if data else None)
                     for i, (slot, idx, offset, data) in enumerate(batch)
                 ]
-                inflight.append((slots, pool.submit(_read_batch, files, slots)))
+                inflight.append((slots, readers.submit(slots)))
             if not inflight:
-                finished = True
                 return
             slots, reads = inflight.popleft()
             for (slot, idx, offset, buf), read in zip(
@@ -156,7 +154,54 @@ def scan(
         # A consumer that stopped early (or a read that raised) does not
         # wait for the batches still reading (a hung disk: for ever): they
         # read into rows of their own, which nobody reads after.
-        pool.shutdown(wait=finished, cancel_futures=True)
+        readers.close([reads for _slots, reads in inflight])
+
+
+class _Readers:
+    """The scan's header readers: ``count`` threads taking batches of slots
+    from one queue, each batch's reads one after another.
+
+    Daemon threads, where a ``ThreadPoolExecutor``'s are joined when the
+    interpreter exits: a scan closed while a read hangs on a failing disk
+    (``kvtier inspect`` stopped, a start given up) would hold the process's
+    exit for as long as the read hangs. A closed scan's threads end once
+    their read returns."""
+
+    def __init__(self, files: SlabFiles, count: int) -> None:
+        self._files = files
+        self._count = count
+        self._tasks: queue.SimpleQueue[tuple[Future[list], list] | None] = (
+            queue.SimpleQueue()
+        )
+        for i in range(count):
+            threading.Thread(
+                target=self._run, name=f"kvtier-scan-{i}", daemon=True
+            ).start()
+
+    def submit(self, slots: list[tuple[int, int, int, Any]]) -> Future[list]:
+        """Read ``slots``' headers (:func:`_read_batch`) on a reader."""
+        future: Future[list] = Future()
+        self._tasks.put((future, slots))
+        return future
+
+    def close(self, pending: list[Future[list]]) -> None:
+        """Cancel the batches of ``pending`` not started; the threads end
+        after the reads under way. Returns at once."""
+        for future in pending:
+            future.cancel()
+        for _ in range(self._count):
+            self._tasks.put(None)
+
+    def _run(self) -> None:
+        name_this_thread()
+        while (task := self._tasks.get()) is not None:
+            future, slots = task
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled by close
+            try:
+                future.set_result(_read_batch(self._files, slots))
+            except BaseException as exc:  # to the consumer, with the result
+                future.set_exception(exc)
 
 
 def _read_batch(

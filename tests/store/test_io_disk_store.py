@@ -378,6 +378,57 @@ def test_a_scan_stopped_early_does_not_wait_for_a_hung_read(
         backend.shutdown()
 
 
+_EXIT_WITH_A_HUNG_READ = """
+import pickle, sys, threading
+from kvtier.store.backends.posix import PosixBackend
+from kvtier.store.scan import scan
+from kvtier.store.store import DiskStore
+from kvtier.testing.faults import FaultInjectingBackend, FaultPlan, FaultRule, on_slot
+
+path, fingerprint, block_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+plan = FaultPlan()
+backend = FaultInjectingBackend(PosixBackend(), plan)
+with open(fingerprint, "rb") as f:
+    s = DiskStore([path], 64, block_bytes, pickle.load(f), backend=backend)
+plan.add(FaultRule.hang(threading.Event(), ops="read", **on_slot(s, 40)))  # for ever
+records = scan(s.files)
+print([next(records).slot for _ in range(16)] == list(range(16)), flush=True)
+records.close()
+print("closed", flush=True)
+"""
+
+
+def test_a_process_exits_while_a_closed_scan_s_read_still_hangs(
+    tmp_path: Path, fingerprint: LayoutFingerprint
+) -> None:
+    """A process that closed a scan exits although one of its header reads
+    hangs on the disk for ever: the scan's threads are not joined at exit
+    (a ``ThreadPoolExecutor``'s are)."""
+    import pickle
+    import subprocess
+    import sys
+
+    with DiskStore([str(tmp_path)], 64, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        for slot in range(64):
+            s.write_block(slot, KEY + bytes([slot]), block(slot), slot + 1)
+    (tmp_path / "fingerprint.pickle").write_bytes(pickle.dumps(fingerprint))
+    args = [str(tmp_path), str(tmp_path / "fingerprint.pickle"), str(BLOCK_BYTES)]
+    with subprocess.Popen(
+        [sys.executable, "-c", _EXIT_WITH_A_HUNG_READ, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as child:
+        try:
+            out, err = child.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, err = child.communicate()
+            pytest.fail(f"the process did not exit: {out!r} {err[-2000:]}")
+    assert out.split() == ["True", "closed"], err[-2000:]
+    assert child.returncode == 0, err[-2000:]
+
+
 def test_scan_reports_every_slot_and_raises_seq(
     tmp_path: Path, fingerprint: LayoutFingerprint
 ) -> None:
