@@ -87,7 +87,7 @@ from kvtier.connector.config import (
     check_kvtier_keys_are_read,
 )
 from kvtier.connector.identity import HASH_FIX, LORA_ON_DISK, prefix_hash_problem
-from kvtier.connector.manager import ResetRemoval, TieredOffloadingManager
+from kvtier.connector.manager import BulkEvent, TieredOffloadingManager
 from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerReport
 from kvtier.log import get_logger
@@ -339,24 +339,25 @@ def _translate_after_reset(
     reset_tracker: OffloadingEventsTracker,
     owed: Callable[[OffloadKey], bool],
 ) -> Iterable[KVCacheEvent]:
-    """One step's ``events`` as KV events, in order: a reset's removals
-    (:class:`ResetRemoval`) by ``reset_tracker``, the others by ``tracker``
-    in one call, as vLLM calls it: it keeps a removed key's payload until
-    the call's last event, in case a later one of the batch stores it
-    again. ``reset_tracker`` then forgets the keys of those removals that
-    are ``owed`` no other event: they went out on every medium.
+    """One step's ``events`` as KV events, in order: those owed from before
+    a reset (:class:`BulkEvent`) by ``reset_tracker``, which holds the
+    payloads from before it; the others by ``tracker`` in one call, as
+    vLLM calls it: it keeps a removed key's payload until the call's last
+    event, in case a later one of the batch stores it again.
+    ``reset_tracker`` then forgets the keys of those events that are
+    ``owed`` no other event.
 
     ``tracker`` reads the events one at a time, as it translates them; the
-    reset's removals met before its next event are translated then, and go
-    out before that event's KV events."""
+    events met before its next one are translated then, and go out before
+    that event's KV events."""
     ahead: list[KVCacheEvent] = []
-    removed: list[OffloadKey] = []
+    done: list[OffloadKey] = []
 
     def its_events() -> Iterable[OffloadingEvent]:
         for event in events:
-            if isinstance(event, ResetRemoval):
+            if isinstance(event, BulkEvent):
                 ahead.extend(reset_tracker.take_events((event,)))
-                removed.extend(event.keys)
+                done.extend(event.keys)
             else:
                 yield event
 
@@ -367,7 +368,7 @@ def _translate_after_reset(
         yield kv_event
     yield from ahead
     payloads = reset_tracker._pending_event_metadata
-    for key in removed:
+    for key in done:
         if not owed(key):
             payloads.pop(key, None)
 
@@ -528,15 +529,21 @@ class TieredOffloadingConnector(OffloadingConnector):
         kept, the chunks they stored before the reset are forgotten like
         every other block: a miss, never a copy of unknown bytes.
 
-        With ``self_describing_kv_events``, the removals kvtier's reset
-        announces (one per block its tiers held) must name every block hash
-        their stores named, so a subscriber keeps none of them on CPU or
-        STORAGE for ever; but vLLM's reset drops the payloads
+        A reset's removals (one per block the tiers held) go out over the
+        steps after it (``EVENT_BACKLOG_PER_STEP``); a reset that comes
+        while an earlier one's are still owed hands those out first, with
+        what else is owed (:meth:`_hand_out_backlog`): what the steps owe
+        stays within one reset's worth, however often resets come.
+
+        With ``self_describing_kv_events``, each removal must name every
+        block hash its store named, so a subscriber keeps none of them on
+        CPU or STORAGE for ever; but vLLM's reset drops the payloads
         (``OffloadingEventsTracker.reset``; its own CPU manager announces no
         removal then). The payloads move, before vLLM's reset, to a tracker
-        of the reset's own (:meth:`_keep_payloads_of_reset`), which
-        translates the reset's removals as they go out: one engine step's
-        drain here, the rest over the next steps, at most
+        of the reset's own, which translates the events owed from before
+        it (:class:`BulkEvent`: the reset's removals, a warm restart's
+        adoptions not announced yet) as they go out: one engine step's
+        drain here, the rest over the next steps, about
         ``EVENT_BACKLOG_PER_STEP`` block hashes each (:meth:`take_events`;
         it took seconds inside the reset at a million blocks). vLLM's
         tracker then describes only what is stored after the reset: a
@@ -549,7 +556,10 @@ class TieredOffloadingConnector(OffloadingConnector):
             for req_id, status in sched._req_status.items()
         }
         tracker = sched._events_tracker
-        tiered = isinstance(sched.manager, TieredOffloadingManager)
+        manager = sched.manager
+        tiered = isinstance(manager, TieredOffloadingManager)
+        if tiered and manager.hierarchy.owes_events_of("reset"):
+            self._hand_out_backlog()
         payloads = None
         if tracker.self_describing_enabled:
             # Moved, not copied: O(1) whatever the tiers hold.
@@ -557,51 +567,45 @@ class TieredOffloadingConnector(OffloadingConnector):
             tracker._pending_event_metadata = {}
         done = super().reset_cache()
         if payloads is not None and tiered:
-            reset_tracker = self._keep_payloads_of_reset(tracker, payloads)
+            kept = self._reset_tracker = copy.copy(tracker)  # its config, specs
+            kept._pending_event_metadata = payloads
             # Everything pending now predates the reset: the stores and
             # spills its drain completed, then the reset's removals.
             self._reset_events.extend(
                 _translate_after_reset(
-                    sched.manager.take_events(),
-                    reset_tracker,
-                    reset_tracker,
-                    sched.manager.hierarchy.event_owed,
+                    manager.take_events(), kept, kept, manager.hierarchy.event_owed
                 )
             )
-            sched.manager.take_keys_gone()  # vLLM's tracker holds none of them
+            manager.take_keys_gone()  # vLLM's tracker holds none of them
         elif payloads:
             # vLLM's manager (tiering mode): what is pending predates the
             # reset, so it is translated with the payloads from before it.
             tracker._pending_event_metadata = payloads
-            self._reset_events.extend(tracker.take_events(sched.manager.take_events()))
+            self._reset_events.extend(tracker.take_events(manager.take_events()))
             _keep_secondary_payloads(payloads)
         for req_id, status in sched._req_status.items():
             for group, stored in zip(status.group_states, progress.get(req_id, ())):
                 group.next_stored_chunk_idx = stored
         return done
 
-    def _keep_payloads_of_reset(
-        self, tracker: OffloadingEventsTracker, payloads: dict
-    ) -> OffloadingEventsTracker:
-        """The tracker that translates the reset's removals: vLLM's, copied
-        (its configuration and group specs), holding ``payloads``, the ones
-        vLLM's held at the reset. A reset while an earlier one's removals
-        are still owed adds to that one's: a key held at both is described
-        by its newer payload."""
-        kept = self._reset_tracker
-        if kept is None:
-            kept = self._reset_tracker = copy.copy(tracker)
-            kept._pending_event_metadata = payloads
-        else:
-            kept._pending_event_metadata.update(payloads)
-        return kept
+    def _hand_out_backlog(self) -> None:
+        """Translate every event owed (an earlier reset's removals, what
+        else is pending), sent first by the next :meth:`take_events`: the
+        steps since that reset did not hand them all out (resets more often
+        than the steps drain them). O(keys owed), at most one reset's
+        worth."""
+        sched = self.connector_scheduler
+        assert sched is not None
+        hierarchy = sched.manager.hierarchy
+        while hierarchy.has_event_backlog:
+            self._reset_events.extend(self._step_events())
 
     @override
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """vLLM's, after the events a reset translated; a reset's removals
-        still owed are translated with the payloads from before it; then,
-        with ``self_describing_kv_events``, the payloads vLLM's tracker
-        keeps of keys gone from every tier are dropped.
+        """vLLM's, after the events a reset translated; the events owed from
+        before a reset are translated with the payloads from before it;
+        then, with ``self_describing_kv_events``, the payloads vLLM's
+        tracker keeps of keys gone from every tier are dropped.
 
         vLLM's tracker holds a key's payload (token ids, block hashes) until
         a removal clears the last residency it recorded, and it records a
@@ -616,6 +620,11 @@ class TieredOffloadingConnector(OffloadingConnector):
         if self._reset_events:
             events, self._reset_events = self._reset_events, []
             yield from events
+        yield from self._step_events()
+
+    def _step_events(self) -> Iterable[KVCacheEvent]:
+        """One drain of the manager's events, translated (see
+        :meth:`take_events`)."""
         sched = self.connector_scheduler
         manager = sched.manager if sched is not None else None
         reset_tracker = self._reset_tracker
@@ -630,7 +639,7 @@ class TieredOffloadingConnector(OffloadingConnector):
                 manager.hierarchy.event_owed,
             )
             if not manager.hierarchy.has_event_backlog:
-                self._reset_tracker = None  # no removal of the reset is owed
+                self._reset_tracker = None  # nothing from before the reset owed
         if isinstance(manager, TieredOffloadingManager) and manager.collect_left_keys:
             payloads = sched._events_tracker._pending_event_metadata
             for key in manager.take_keys_gone():

@@ -43,7 +43,12 @@ from kvtier.connector.worker_report import CounterDeltas, WorkerCounters, Worker
 from kvtier.log import get_logger
 from kvtier.store.runtime import SHUTDOWN_SPILL_BLOCKS, DiskRuntime
 from kvtier.tiers.disk_core import MAX_READ_IO_ERRORS
-from kvtier.tiers.events import EVENT_BACKLOG_PER_STEP, MEDIUM_CPU, MEDIUM_DISK
+from kvtier.tiers.events import (
+    BULK_REASONS,
+    EVENT_BACKLOG_PER_STEP,
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+)
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.plans import Residency, SpillOrder
 from kvtier.tiers.slots import BlockState
@@ -58,15 +63,16 @@ DISK_OWNERSHIP = "kvtier"
 
 
 @dataclass
-class ResetRemoval(OffloadingEvent):
-    """An ``OffloadingEvent`` removing blocks that a connector reset forgot.
+class BulkEvent(OffloadingEvent):
+    """An ``OffloadingEvent`` of a bulk event (``BULK_REASONS``: a warm
+    restart's adopted blocks, a reset's removals), which goes out over the
+    steps after it, as a bounded backlog.
 
-    A reset's removals go out over the steps after it, as a bounded backlog
-    (``EVENT_BACKLOG_PER_STEP`` keys a step), while vLLM's event tracker
-    drops every payload at the reset. The connector translates these with
-    the payloads the tracker held before it
-    (:meth:`TieredOffloadingConnector.reset_cache`), every other event with
-    the tracker's own."""
+    vLLM's event tracker drops every payload at a reset, so where a reset
+    came since, the connector translates these, which it owes from before
+    the reset, with the payloads the tracker held then
+    (:meth:`TieredOffloadingConnector.reset_cache`), every other event
+    with the tracker's own."""
 
 
 class _LoadInFlight:
@@ -357,7 +363,7 @@ class TieredOffloadingManager(OffloadingManager):
         for ev in events:
             if ev.removed and self.collect_left_keys:
                 self._left_keys.extend(ev.keys)
-            event = ResetRemoval if ev.reason == "reset" else OffloadingEvent
+            event = BulkEvent if ev.reason in BULK_REASONS else OffloadingEvent
             if ev.medium == MEDIUM_CPU:
                 yield event(keys=list(ev.keys), medium=Medium.CPU, removed=ev.removed)
             else:

@@ -168,6 +168,12 @@ class EventLog:
         """Whether bulk events still owe keys to later drains. O(1)."""
         return bool(self._bulk)
 
+    def owes_reason(self, reason: str) -> bool:
+        """Whether a bulk event of ``reason`` still owes keys to later
+        drains. O(bulk events pending)."""
+        kinds = self._bulk_kinds
+        return any(kinds[bit.bit_length() - 1][2] == reason for _, bit, _ in self._bulk)
+
     def owes(self, key: Hashable) -> bool:
         """Whether a bulk event still owes ``key`` an event. O(1)."""
         return key in self._owed
@@ -204,7 +210,9 @@ class EventLog:
             weight = weights.get(kind[2], 1)
             head = self._bulk_head
             # head + ceil(left / weight): at least one key while left > 0.
-            end = len(keys) if left is None else min(len(keys), head - (-left // weight))
+            end = (
+                len(keys) if left is None else min(len(keys), head - (-left // weight))
+            )
             due = []
             for key in keys[head:end]:
                 v = owed.get(key, 0)

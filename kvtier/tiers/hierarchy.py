@@ -395,6 +395,11 @@ class TierHierarchy:
         keys to later :meth:`take_events` calls. O(1)."""
         return self._events.has_backlog
 
+    def owes_events_of(self, reason: str) -> bool:
+        """Whether a bulk event of ``reason`` (``restore``, ``reset``) still
+        owes keys to later :meth:`take_events` calls."""
+        return self._events.owes_reason(reason)
+
     def event_owed(self, key: Key) -> bool:
         """Whether a bulk event still owes ``key`` an event, which a later
         :meth:`take_events` hands out. O(1)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
@@ -92,14 +93,17 @@ class _Setup:
     """kvtier's manager behind vLLM's connector scheduler and kvtier's
     connector, with only the parts their lookup and event paths read."""
 
-    def __init__(self, cpu: int, disk: int, hashes: int = 1) -> None:
+    def __init__(
+        self, cpu: int, disk: int, hashes: int = 1, self_describing: bool = True
+    ) -> None:
         self.h = TierHierarchy(cpu, disk, spill_watermark=0.0, record_events=True)
         self.manager = TieredOffloadingManager(
             self.h, None, block_bytes=64, enable_events=True
         )
         self.tracker = OffloadingEventsTracker(
             OffloadingKVEventsConfig(
-                enable_kv_cache_events=True, self_describing_kv_events=True
+                enable_kv_cache_events=True,
+                self_describing_kv_events=self_describing,
             )
         )
         sched = OffloadingConnectorScheduler.__new__(OffloadingConnectorScheduler)
@@ -117,8 +121,11 @@ class _Setup:
         self.connector = conn
         # What TieredOffloadingConnector.__init__ sets for a self-describing
         # tracker.
-        self.manager.collect_left_keys = True
-        self.manager.reset_removal_hashes = hashes
+        if self_describing:
+            self.manager.collect_left_keys = True
+            self.manager.reset_removal_hashes = hashes
+        # Block hashes each event names of a chunk (placeholders: one).
+        self.named = hashes if self_describing else 1
         self.hashes = hashes
         self.group = _group(hashes)
 
@@ -258,6 +265,24 @@ def _replayed(events: list, medium: str) -> tuple[Counter, list, list]:
     return +held, unheld, twice
 
 
+def _step_until_nothing_owed(s: _Setup) -> None:
+    """Engine steps until no event from before a reset is owed."""
+    for _ in range(1000):
+        if s.connector._reset_tracker is None and not s.h.has_event_backlog:
+            return
+        s.step_events()
+    raise AssertionError("the reset's events never all went out")
+
+
+def _subscriber_matches_the_tiers(s: _Setup) -> None:
+    """Replayed, the events hold each block of each tier by every hash of
+    its chunk, once; no removal named a hash not held, no store one held."""
+    for medium, tier in {"CPU": s.h.cpu, "STORAGE": s.h.disk}.items():
+        held, unheld, twice = _replayed(s.events, medium)
+        assert unheld == [] and twice == [], medium
+        assert len(held) == s.named * len(tier) and set(held.values()) <= {1}
+
+
 def test_a_reset_s_removals_go_out_over_the_next_steps_with_their_payloads(
     monkeypatch,
 ):
@@ -267,41 +292,136 @@ def test_a_reset_s_removals_go_out_over_the_next_steps_with_their_payloads(
     named although vLLM's tracker dropped the payloads at the reset. A
     chunk stored again while its removal is still owed keeps its new
     payload, and its removal goes out first; a second reset while the
-    first one's removals are owed adds to them."""
+    first one's removals are owed hands those out first."""
     monkeypatch.setattr("kvtier.connector.manager.EVENT_BACKLOG_PER_STEP", 4)
     s = _Setup(cpu=4, disk=8, hashes=2)
     reqs = [_request(f"R{i}", 6, seed=i) for i in range(4)]  # 3 chunks each
+    chunks = {key for req in reqs for key in _keys(req, 2)}
     for req in reqs[:3]:
         s.store(req)
-    while s.step_events() or s.h.has_event_backlog:
-        pass  # the stores' events, all out
-    held = len(s.h.cpu) + len(s.h.disk)
+    _step_until_nothing_owed(s)
     assert len(s.h.cpu) == 4 and len(s.h.disk) == 8
     for resets in (1, 2):
+        held = {key for key in chunks if s.h.holds(key)}
         s.connector.reset_cache()
-        # One step's share translated: 4 hashes, 2 keys of 2 hashes.
-        assert sum(len(ev.block_hashes) for ev in s.connector._reset_events) == 4
+        translated = sum(len(ev.block_hashes) for ev in s.connector._reset_events)
+        if resets == 1:  # one step's share: 4 hashes, 2 keys of 2 hashes
+            assert translated == 4
+        # Owed now: removals of blocks held at this reset only.
+        assert {key for key in chunks if s.h.event_owed(key)} <= held
         assert len(s.h.cpu) == len(s.h.disk) == 0
         s.store(reqs[2 - resets])  # stored again while its removals are owed
         assert s.h.has_event_backlog and s.connector._reset_tracker is not None
     s.store(reqs[3])
-    for _ in range(4 * held):
-        kept = s.connector._reset_tracker
-        if kept is None:
-            break
-        s.step_events()
-    assert s.connector._reset_tracker is None and not s.h.has_event_backlog
-    tiers = {"CPU": s.h.cpu, "STORAGE": s.h.disk}
-    for medium, tier in tiers.items():
-        held_hashes, unheld, twice = _replayed(s.events, medium)
-        assert unheld == [] and twice == [], medium
-        assert len(held_hashes) == 2 * len(tier) and set(held_hashes.values()) == {1}
+    _step_until_nothing_owed(s)
+    _subscriber_matches_the_tiers(s)
     stores = [ev for ev in s.events if isinstance(ev, BlockStored)]
     assert all(len(ev.block_hashes) == 2 and ev.token_ids for ev in stores)
     # vLLM's tracker describes exactly the blocks held.
-    chunks = {key for req in reqs for key in _keys(req, 2)}
     held_now = {key for key in chunks if s.h.holds(key)}
     assert held_now and s.tracker._pending_event_metadata.keys() == held_now
+
+
+def _prepare_store(s: _Setup, req: Request) -> None:
+    """A step schedules ``req``: its store prepared, its payloads recorded
+    (vLLM's _build_store_jobs), not completed."""
+    keys = _keys(req, s.hashes)
+    ctx = ReqContext(req.request_id)
+    s.manager.on_new_request(ctx)
+    out = s.manager.prepare_store(keys, ctx)
+    for i, key in enumerate(keys):
+        if key in out.keys_to_store:
+            s.tracker.record_store(req, s.group, i, key)
+
+
+def test_a_second_reset_with_a_store_in_flight_of_a_block_still_owed(monkeypatch):
+    """A reset owes a block's CPU and STORAGE removals; the block's store is
+    prepared again (vLLM records its new payload, a CPU residency only) and
+    is still in flight at a second reset. The first reset's removals must
+    go out with the payload from before it: taking the new one, the CPU
+    removal emptied its residencies and the STORAGE removal went out by the
+    chunk's last hash only."""
+    monkeypatch.setattr("kvtier.connector.manager.EVENT_BACKLOG_PER_STEP", 2)
+    s = _Setup(cpu=4, disk=8, hashes=2)
+    req = _request("A", 8, seed=1)  # 4 chunks of 2 blocks
+    s.store(req)
+    _step_until_nothing_owed(s)
+    assert all(s.h.cpu.is_ready(k) and s.h.disk.is_ready(k) for k in _keys(req, 2))
+    s.connector.reset_cache()
+    s.step_events()
+    _prepare_store(s, _request("A2", 8, seed=1))
+    s.step_events()
+    s.connector.reset_cache()  # the store in flight is dropped
+    _step_until_nothing_owed(s)
+    _subscriber_matches_the_tiers(s)
+
+
+def _restored(s: _Setup, n: int) -> list[Request]:
+    """``n`` one-chunk requests whose chunks a warm restart adopted."""
+    reqs = [_request(f"W{i}", s.hashes, seed=i) for i in range(n)]
+    s.h.restore_disk([(_keys(r, s.hashes)[0], i) for i, r in enumerate(reqs)])
+    return reqs
+
+
+def test_a_block_a_reset_finds_not_announced_yet_is_stored_again(monkeypatch):
+    """A warm restart's block is still owed its announcement at a reset,
+    and is stored again: its announcement and its removal go out as they
+    would have before the reset (without the new payload), then the new
+    store with it."""
+    monkeypatch.setattr("kvtier.connector.manager.EVENT_BACKLOG_PER_STEP", 1)
+    s = _Setup(cpu=4, disk=8, hashes=2)
+    reqs = _restored(s, 3)
+    s.step_events()  # one restored block announced
+    s.connector.reset_cache()
+    s.store(reqs[2])  # the last one, still owed its announcement
+    _step_until_nothing_owed(s)
+    _subscriber_matches_the_tiers(s)
+
+
+def test_a_block_a_lookup_described_before_its_announcement_and_a_reset(
+    monkeypatch,
+):
+    """A lookup hits a warm restart's block still owed its announcement
+    (vLLM records its payload), then a reset: the announcement and the
+    removal both name every hash of the chunk."""
+    monkeypatch.setattr("kvtier.connector.manager.EVENT_BACKLOG_PER_STEP", 1)
+    s = _Setup(cpu=4, disk=8, hashes=2)
+    reqs = _restored(s, 3)
+    s.step_events()
+    assert s.look_up(reqs[2]) == 1
+    s.connector.reset_cache()
+    _step_until_nothing_owed(s)
+    _subscriber_matches_the_tiers(s)
+
+
+@pytest.mark.parametrize("self_describing", [True, False])
+def test_resets_faster_than_the_steps_hand_out_their_removals_owe_one_reset(
+    monkeypatch, self_describing
+):
+    """Resets come more often than the steps hand out their removals: each
+    reset first hands out what the last one still owes, so the steps owe
+    the removals of one reset's blocks at most, and the payloads kept for
+    them are those vLLM's tracker held at that reset."""
+    monkeypatch.setattr("kvtier.connector.manager.EVENT_BACKLOG_PER_STEP", 2)
+    s = _Setup(cpu=16, disk=64, hashes=2, self_describing=self_describing)
+    chunks: set = set()
+    seed = 0
+    for _ in range(12):
+        for _ in range(4):  # 8 chunks, on CPU and disk; 5 steps: 10 keys at most
+            seed += 1
+            chunks.update(s.store(_request(f"S{seed}", 4, seed=seed)))
+        seed += 1
+        _prepare_store(s, _request(f"F{seed}", 4, seed=seed))  # in flight
+        s.step_events()
+        held = {key for key in chunks if s.h.holds(key)}
+        live = len(s.tracker._pending_event_metadata)
+        s.connector.reset_cache()
+        assert {key for key in chunks if s.h.event_owed(key)} <= held
+        if self_describing:
+            kept = s.connector._reset_tracker._pending_event_metadata
+            assert len(kept) <= live
+    _step_until_nothing_owed(s)
+    _subscriber_matches_the_tiers(s)
 
 
 def test_the_reset_s_payloads_go_with_its_last_removal_of_each_block(monkeypatch):

@@ -382,18 +382,18 @@ def test_blocks_stored_again_right_after_a_reset_keep_their_hashes(
     as a bare placeholder (its last hash) was then removed by both hashes.
     With one removal a step, the new copies are stored while most of the
     reset's removals are owed, and a second reset comes while the first
-    one's still are."""
+    one's still are (it hands them out first)."""
     _owe_removals_a_step(monkeypatch, backlog)
     with _self_describing_engine(model, block_bytes, tmp_path) as (sub, llm):
         run_each(llm, FIRST[:3])
         h = manager_of(llm).hierarchy
-        for _ in range(resets):
+        for i in range(resets):
+            if i and backlog is not None:  # the last reset's removals owed
+                assert get_connector(llm)._reset_tracker is not None
             assert llm.reset_prefix_cache(reset_connector=True)
             # FIRST[2]'s chunks were on CPU at the reset; stored again now,
             # then pushed out of the 4-chunk CPU tier.
             run_prompts(llm, [FIRST[2]], 1)
-        if backlog is not None:  # the removals of each reset still owed
-            assert len(get_connector(llm)._reset_tracker._pending_event_metadata)
         run_each(llm, [FIRST[3], FIRST[4]])
         for i in range(16):  # until the resets owe nothing; stores nothing
             run_prompts(llm, [make_prompt(77 + i, 40)], 1)
