@@ -38,6 +38,15 @@ EVENT_BACKLOG_PER_STEP = 1024
 # reset): handed out as a bounded backlog (see ``EventLog``).
 BULK_REASONS = frozenset({"restore", "reset"})
 
+# Bulk events of one key come in this order (medium, removed, reason): a
+# restore at start, before any reset; a reset removes a block from the CPU
+# tier, then from the disk tier (``TierHierarchy.reset``).
+BULK_KINDS = (
+    (MEDIUM_DISK, False, "restore"),
+    (MEDIUM_CPU, True, "reset"),
+    (MEDIUM_DISK, True, "reset"),
+)
+
 # ``EventLog._owed``: the low bits name bulk kinds (at most this many).
 _KIND_BITS = 8
 _KIND_MASK = (1 << _KIND_BITS) - 1
@@ -92,11 +101,11 @@ class EventLog:
         self._bulk: deque[tuple[int, int, list[Hashable]]] = deque()
         self._bulk_head = 0
         self._bulk_number = 0
-        # The bulk kinds, bit i naming _bulk_kinds[i] (in the order they
-        # were first recorded, which is each key's order of them: the
-        # hierarchy records a restore once, at start, and a reset's
-        # removals in a fixed order).
-        self._bulk_kinds: list[tuple[str, bool, str]] = []
+        # The bulk kinds, bit i naming _bulk_kinds[i], in each key's order
+        # of them (BULK_KINDS; any other after them, as first recorded).
+        # The order of first recording is not it: a warm restart's blocks
+        # all on disk, the first reset records no CPU removal.
+        self._bulk_kinds: list[tuple[str, bool, str]] = list(BULK_KINDS)
         # Per key, the bulk events it is still owed: kind bits, and above
         # _KIND_BITS the number of the first backlog event it owes one of.
         # An older backlog event naming the key went out ahead of an event

@@ -445,3 +445,34 @@ def test_the_reset_s_payloads_go_with_its_last_removal_of_each_block(monkeypatch
         assert all(map(s.h.event_owed, kept._pending_event_metadata))
         s.step_events()
     assert kept._pending_event_metadata == {}
+
+
+def test_a_promoted_block_s_removals_after_a_first_reset_with_no_cpu_block(
+    monkeypatch,
+):
+    """The engine's first reset finds only a warm restart's disk blocks, so
+    the event log records a disk removal before any CPU one. A block later
+    promoted back to the CPU tier (vLLM 0.32 records no CPU residency for
+    it) is held on both at a second reset and stored again while both its
+    removals are owed: they must go out CPU first, as the tiers held it,
+    or vLLM's tracker drops its payload after the disk removal and the CPU
+    removal names the chunk's last hash only."""
+    monkeypatch.setattr("kvtier.connector.manager.EVENT_BACKLOG_PER_STEP", 1)
+    s = _Setup(cpu=2, disk=8, hashes=2)
+    _restored(s, 1)
+    _step_until_nothing_owed(s)
+    s.connector.reset_cache()
+    _step_until_nothing_owed(s)
+    (key,) = s.store(_request("A", 2, seed=1))
+    s.store(_request("X", 4, seed=2))  # pushes A's block out of the CPU tier
+    assert not s.h.cpu.is_ready(key) and s.h.disk.is_ready(key)
+    assert s.look_up(_request("A1", 2, seed=1)) == 1
+    ctx = ReqContext("A1")
+    s.manager.prepare_load([key], ctx)
+    s.manager.complete_load([key], ctx)  # promoted back to the CPU tier
+    s.step_events()
+    assert s.h.cpu.is_ready(key) and s.h.disk.is_ready(key)
+    s.connector.reset_cache()
+    s.store(_request("A2", 2, seed=1))  # stored again while both are owed
+    _step_until_nothing_owed(s)
+    _subscriber_matches_the_tiers(s)

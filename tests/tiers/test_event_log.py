@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from kvtier.tiers.events import EventLog
+from kvtier.tiers.events import BULK_KINDS, EventLog
 
-BULK = [("disk", False, "restore"), ("cpu", True, "reset"), ("disk", True, "reset")]
+BULK = list(BULK_KINDS)
 OTHER = [
     ("cpu", False, "store"),
     ("disk", False, "spill"),
@@ -50,6 +50,20 @@ def test_a_weighted_reason_counts_each_key_as_its_weight():
     assert log.has_backlog and log.owes("y1") and not log.owes("y0")
 
 
+def test_a_key_s_reset_removals_go_cpu_first_whichever_was_recorded_first():
+    """A reset that found the CPU tier empty records its disk removals
+    first; a later reset's removals of a key still go out CPU then disk
+    (a subscriber's tracker keeps the payload until the last one)."""
+    log = EventLog()
+    log.record(["w"], "disk", True, "reset")  # the first reset: disk only
+    log.take()
+    log.record(["k"], "cpu", True, "reset")
+    log.record(["k"], "disk", True, "reset")
+    log.record(["k"], "cpu", False, "store")  # k stored again: settles both
+    out = [(e.medium, e.reason) for e in log.take(backlog=0)]
+    assert out == [("cpu", "reset"), ("disk", "reset"), ("cpu", "store")]
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_random_streams_keep_each_keys_order_and_bound_the_backlog(seed: int):
     rng = random.Random(seed)
@@ -58,24 +72,21 @@ def test_random_streams_keep_each_keys_order_and_bound_the_backlog(seed: int):
     emitted: dict[str, list[tuple]] = {}
     keys = [f"k{i}" for i in range(30)]
     # What the hierarchy guarantees (EventLog's doc): between two other
-    # events of a key, it owes each bulk kind at most once, in the order
-    # the kinds were first recorded.
-    first_seen: list[tuple] = []
+    # events of a key, it owes each bulk kind at most once, in BULK_KINDS'
+    # order.
     owed: dict[str, list[tuple]] = {}
     for _ in range(200):
         op = rng.random()
         if op < 0.15:
             kind = rng.choice(BULK)
-            rank = first_seen.index(kind) if kind in first_seen else len(first_seen)
+            rank = BULK.index(kind)
             batch = [
                 k
                 for k in rng.sample(keys, rng.randint(1, 20))
-                if all(first_seen.index(o) < rank for o in owed.get(k, ()))
+                if all(BULK.index(o) < rank for o in owed.get(k, ()))
             ]
             if not batch:
                 continue
-            if kind not in first_seen:
-                first_seen.append(kind)
             for k in batch:
                 owed.setdefault(k, []).append(kind)
         elif op < 0.6:
