@@ -164,22 +164,29 @@ class _Readers:
     Daemon threads, where a ``ThreadPoolExecutor``'s are joined when the
     interpreter exits: a scan closed while a read hangs on a failing disk
     (``kvtier inspect`` stopped, a start given up) would hold the process's
-    exit for as long as the read hangs. A closed scan's threads end once
-    their read returns."""
+    exit for as long as the read hangs. Once the scan is closed, a batch
+    under way reads no further slot, and each thread ends after the read
+    it is in."""
 
     def __init__(self, files: SlabFiles, count: int) -> None:
         self._files = files
-        self._count = count
+        self._closed = False
         self._tasks: queue.SimpleQueue[tuple[Future[list], list] | None] = (
             queue.SimpleQueue()
         )
-        for i in range(count):
-            threading.Thread(
-                target=self._run, name=f"kvtier-scan-{i}", daemon=True
-            ).start()
+        self._count = 0
+        try:
+            for i in range(count):
+                threading.Thread(
+                    target=self._run, name=f"kvtier-scan-{i}", daemon=True
+                ).start()
+                self._count += 1
+        except BaseException:
+            self.close([])  # the threads started end, not wait for ever
+            raise
 
     def submit(self, slots: list[tuple[int, int, int, Any]]) -> Future[list]:
-        """Read ``slots``' headers (:func:`_read_batch`) on a reader."""
+        """Read ``slots``' headers (:meth:`_read`) on a reader."""
         future: Future[list] = Future()
         self._tasks.put((future, slots))
         return future
@@ -187,6 +194,7 @@ class _Readers:
     def close(self, pending: list[Future[list]]) -> None:
         """Cancel the batches of ``pending`` not started; the threads end
         after the reads under way. Returns at once."""
+        self._closed = True
         for future in pending:
             future.cancel()
         for _ in range(self._count):
@@ -199,26 +207,26 @@ class _Readers:
             if not future.set_running_or_notify_cancel():
                 continue  # cancelled by close
             try:
-                future.set_result(_read_batch(self._files, slots))
+                future.set_result(self._read(slots))
             except BaseException as exc:  # to the consumer, with the result
                 future.set_exception(exc)
 
-
-def _read_batch(
-    files: SlabFiles, slots: list[tuple[int, int, int, Any]]
-) -> list[int | OSError | None]:
-    """Each slot's header read into its row, in order: the count read, the
-    read's OSError, or None for a slot not read (its header in a hole)."""
-    out: list[int | OSError | None] = []
-    for _slot, idx, offset, buf in slots:
-        if buf is None:
-            out.append(None)
-            continue
-        try:
-            out.append(files.read(idx, buf, offset))
-        except OSError as exc:
-            out.append(exc)
-    return out
+    def _read(
+        self, slots: list[tuple[int, int, int, Any]]
+    ) -> list[int | OSError | None]:
+        """Each slot's header read into its row, in order: the count read,
+        the read's OSError, or None for a slot not read (its header in a
+        hole, or the scan closed)."""
+        out: list[int | OSError | None] = []
+        for _slot, idx, offset, buf in slots:
+            if buf is None or self._closed:
+                out.append(None)
+                continue
+            try:
+                out.append(self._files.read(idx, buf, offset))
+            except OSError as exc:
+                out.append(exc)
+        return out
 
 
 def _where(

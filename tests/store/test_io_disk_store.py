@@ -429,6 +429,37 @@ def test_a_process_exits_while_a_closed_scan_s_read_still_hangs(
     assert child.returncode == 0, err[-2000:]
 
 
+def test_a_scan_whose_reader_cannot_start_leaves_no_thread(
+    tmp_path: Path, fingerprint: LayoutFingerprint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third of a scan's reader threads fails to start ("can't start new
+    thread"): the scan raises, and the two started end instead of waiting
+    for work for ever."""
+    import threading
+    import time
+
+    with DiskStore([str(tmp_path)], 64, BLOCK_BYTES, fingerprint, backend="posix") as s:
+        for slot in range(64):
+            s.write_block(slot, KEY + bytes([slot]), block(slot), slot + 1)
+        real_start, started = threading.Thread.start, []
+
+        def start(thread: threading.Thread) -> None:
+            if thread.name.startswith("kvtier-scan"):
+                if len(started) == 2:
+                    raise RuntimeError("can't start new thread")
+                started.append(thread)
+            real_start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            next(scan(s.files))
+        deadline = time.monotonic() + 30
+        while any(t.is_alive() for t in started):
+            assert time.monotonic() < deadline, "a reader never ended"
+            time.sleep(0.01)
+        assert len(started) == 2
+
+
 def test_scan_reports_every_slot_and_raises_seq(
     tmp_path: Path, fingerprint: LayoutFingerprint
 ) -> None:
