@@ -531,9 +531,11 @@ class TieredOffloadingConnector(OffloadingConnector):
 
         A reset's removals (one per block the tiers held) go out over the
         steps after it (``EVENT_BACKLOG_PER_STEP``); a reset that comes
-        while an earlier one's are still owed hands those out first, with
-        what else is owed (:meth:`_hand_out_backlog`): what the steps owe
-        stays within one reset's worth, however often resets come.
+        while an earlier one's are still owed, and forgets blocks, hands
+        those out first, with what else is owed (:meth:`_hand_out_backlog`):
+        what the steps owe stays within one reset's worth, however often
+        resets come. One that forgets none (back to back) leaves them to
+        the steps.
 
         With ``self_describing_kv_events``, each removal must name every
         block hash its store named, so a subscriber keeps none of them on
@@ -558,10 +560,18 @@ class TieredOffloadingConnector(OffloadingConnector):
         tracker = sched._events_tracker
         manager = sched.manager
         tiered = isinstance(manager, TieredOffloadingManager)
-        if tiered and manager.hierarchy.owes_events_of("reset"):
+        owing = tiered and manager.hierarchy.owes_events_of("reset")
+        back_to_back = owing and manager.hierarchy.empty
+        if back_to_back:
+            # This reset forgets no block (vLLM's sleep resets twice, with no
+            # step between): the earlier one's removals go on going out over
+            # the steps, with its payloads; what is pending goes now, with
+            # vLLM's payloads, before its reset drops them.
+            self._reset_events.extend(self._step_events())
+        elif owing:
             self._hand_out_backlog()
         payloads = None
-        if tracker.self_describing_enabled:
+        if tracker.self_describing_enabled and not back_to_back:
             # Moved, not copied: O(1) whatever the tiers hold.
             payloads = tracker._pending_event_metadata
             tracker._pending_event_metadata = {}

@@ -161,6 +161,11 @@ class TierHierarchy:
             return _HIT_DISK
         return _PENDING if block is not None else _MISS
 
+    @property
+    def empty(self) -> bool:
+        """Whether no tier holds a block, in any state. O(1)."""
+        return not self.cpu and (self.disk is None or not self.disk)
+
     def holds(self, key: Key) -> bool:
         """Whether some tier has ``key``, in any state (a store or a spill in
         flight included). O(1)."""

@@ -476,3 +476,26 @@ def test_a_promoted_block_s_removals_after_a_first_reset_with_no_cpu_block(
     s.store(_request("A2", 2, seed=1))  # stored again while both are owed
     _step_until_nothing_owed(s)
     _subscriber_matches_the_tiers(s)
+
+
+@pytest.mark.parametrize("self_describing", [True, False])
+def test_a_reset_right_after_a_reset_leaves_its_removals_to_the_steps(
+    monkeypatch, self_describing
+):
+    """vLLM's sleep resets the connector twice, with no step between. The
+    second reset forgets no block, so the first one's removals, still owed,
+    go on going out over the steps (handing them out inside the reset cost
+    seconds at a million blocks), with the first one's payloads."""
+    monkeypatch.setattr("kvtier.connector.manager.EVENT_BACKLOG_PER_STEP", 2)
+    s = _Setup(cpu=4, disk=8, hashes=2, self_describing=self_describing)
+    for i in range(3):
+        s.store(_request(f"R{i}", 6, seed=i))
+    _step_until_nothing_owed(s)
+    s.connector.reset_cache()
+    kept = s.connector._reset_tracker
+    s.connector.reset_cache()  # back to back
+    assert s.h.owes_events_of("reset")
+    assert s.connector._reset_tracker is kept
+    assert sum(len(ev.block_hashes) for ev in s.connector._reset_events) <= 4 * 2
+    _step_until_nothing_owed(s)
+    _subscriber_matches_the_tiers(s)
