@@ -575,7 +575,12 @@ class TieredOffloadingConnector(OffloadingConnector):
             # Moved, not copied: O(1) whatever the tiers hold.
             payloads = tracker._pending_event_metadata
             tracker._pending_event_metadata = {}
-        done = super().reset_cache()
+        try:
+            done = super().reset_cache()
+        except BaseException:
+            if payloads is not None:  # as vLLM's failed reset left them
+                tracker._pending_event_metadata = payloads
+            raise
         if payloads is not None and tiered:
             kept = self._reset_tracker = copy.copy(tracker)  # its config, specs
             kept._pending_event_metadata = payloads

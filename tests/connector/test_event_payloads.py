@@ -499,3 +499,18 @@ def test_a_reset_right_after_a_reset_leaves_its_removals_to_the_steps(
     assert sum(len(ev.block_hashes) for ev in s.connector._reset_events) <= 4 * 2
     _step_until_nothing_owed(s)
     _subscriber_matches_the_tiers(s)
+
+
+def test_a_reset_vllm_fails_leaves_the_payloads_where_they_were():
+    """vLLM's part of the reset raises: the payloads the connector moved
+    aside before it are vLLM's tracker's again, as vLLM left them."""
+    s = _Setup(cpu=4, disk=8, hashes=2)
+    keys = s.store(_request("A", 4, seed=1))
+
+    def failing_reset() -> None:
+        raise RuntimeError("vLLM's reset failed")
+
+    s.sched.reset_cache = failing_reset
+    with pytest.raises(RuntimeError, match="reset failed"):
+        s.connector.reset_cache()
+    assert all(s.payload(key) is not None for key in keys)
