@@ -354,9 +354,8 @@ class TieredOffloadingManager(OffloadingManager):
         # vLLM drains this once per engine step and translates every key in
         # the step: a warm restart's one event naming every adopted block
         # goes out over several steps instead.
-        hashes = self.reset_removal_hashes
         events = self.hierarchy.take_events(
-            EVENT_BACKLOG_PER_STEP, {"reset": hashes} if hashes > 1 else None
+            EVENT_BACKLOG_PER_STEP, {"reset": self.reset_removal_hashes}
         )
         if not self.enable_events:
             return
