@@ -145,3 +145,33 @@ class KVEventSubscriber(EventSocket):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One medium's ``BlockStored`` / ``BlockRemoved`` events, replayed in
+    order by a subscriber that counts each block hash's stores."""
+
+    held: dict[Any, int]  # per hash, stores minus removals: the non-zero ones
+    removed_unheld: list[Any]  # hashes a removal named while none was held
+    stored_held: list[Any]  # hashes a store named while one was held
+
+
+def replay(events: Iterable[Any], medium: str | None = None) -> Replay:
+    """Replay ``events`` (vLLM's KV events, or a subscriber's decoded ones),
+    those on ``medium`` (``"CPU"``, ``"STORAGE"``) if given."""
+    counts: Counter[Any] = Counter()
+    unheld: list[Any] = []
+    twice: list[Any] = []
+    for ev in events:
+        if medium is not None and getattr(ev, "medium", None) != medium:
+            continue
+        kind = type(ev).__name__
+        if kind == "BlockStored":
+            twice.extend(h for h in ev.block_hashes if counts[h] > 0)
+            counts.update(ev.block_hashes)
+        elif kind == "BlockRemoved":
+            unheld.extend(h for h in ev.block_hashes if counts[h] <= 0)
+            counts.subtract(ev.block_hashes)
+    held = {h: n for h, n in counts.items() if n}
+    return Replay(held, unheld, twice)

@@ -16,11 +16,9 @@ for every hit, where 0.32 records it only for a key without a payload.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
     OffloadingEventsTracker,
     get_offloading_event_group_spec,
@@ -44,6 +42,7 @@ from vllm.v1.request import Request
 from kvtier.connector.connector import TieredOffloadingConnector
 from kvtier.connector.manager import TieredOffloadingManager
 from kvtier.connector.worker_report import WorkerReport
+from kvtier.testing.events import replay
 from kvtier.tiers.hierarchy import TierHierarchy
 
 TOKENS = 16
@@ -247,24 +246,6 @@ def test_a_block_still_held_keeps_its_payload():
     assert not s.h.holds(key) and s.payload(key) is None
 
 
-def _replayed(events: list, medium: str) -> tuple[Counter, list, list]:
-    """Per block hash, how many BlockStored minus BlockRemoved on ``medium``
-    name it; the hashes a removal named while none was held; and those a
-    store named while one was (a removal owed went out after its store)."""
-    held: Counter = Counter()
-    unheld, twice = [], []
-    for ev in events:
-        if ev.medium != medium:
-            continue
-        if isinstance(ev, BlockStored):
-            twice.extend(h for h in ev.block_hashes if held[h] > 0)
-            held.update(ev.block_hashes)
-        elif isinstance(ev, BlockRemoved):
-            unheld.extend(h for h in ev.block_hashes if held[h] <= 0)
-            held.subtract(ev.block_hashes)
-    return +held, unheld, twice
-
-
 def _step_until_nothing_owed(s: _Setup) -> None:
     """Engine steps until no event from before a reset is owed."""
     for _ in range(1000):
@@ -278,9 +259,10 @@ def _subscriber_matches_the_tiers(s: _Setup) -> None:
     """Replayed, the events hold each block of each tier by every hash of
     its chunk, once; no removal named a hash not held, no store one held."""
     for medium, tier in {"CPU": s.h.cpu, "STORAGE": s.h.disk}.items():
-        held, unheld, twice = _replayed(s.events, medium)
-        assert unheld == [] and twice == [], medium
-        assert len(held) == s.named * len(tier) and set(held.values()) <= {1}
+        seen = replay(s.events, medium)
+        assert seen.removed_unheld == [] and seen.stored_held == [], medium
+        assert len(seen.held) == s.named * len(tier)
+        assert set(seen.held.values()) <= {1}
 
 
 def test_a_reset_s_removals_go_out_over_the_next_steps_with_their_payloads(

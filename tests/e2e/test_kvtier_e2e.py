@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections import Counter
 
 import pytest
 
@@ -25,7 +24,7 @@ from kvtier.testing.engine import (
     run_prompts,
     wait_events_delivered,
 )
-from kvtier.testing.events import KVEventSubscriber
+from kvtier.testing.events import replay
 from kvtier.testing.model import make_prompt
 from kvtier.testing.state import evict_clean
 
@@ -267,18 +266,6 @@ def assert_start_fails(model, cfg, pattern: str) -> None:
     assert any(re.search(pattern, text) for text in chain), chain
 
 
-def _hashes_held(sub: KVEventSubscriber, medium: str) -> dict:
-    """Per block hash, BlockStored minus BlockRemoved events naming it on
-    ``medium``; the non-zero ones."""
-    held: Counter = Counter()
-    for ev in sub.filter(medium=medium):
-        if type(ev).__name__ in ("BlockStored", "BlockRemoved"):
-            sign = 1 if type(ev).__name__ == "BlockStored" else -1
-            for h in ev.block_hashes:
-                held[h] += sign
-    return {h: n for h, n in held.items() if n}
-
-
 @contextlib.contextmanager
 def _self_describing_engine(model, block_bytes, tmp_path):
     """A KV-events subscriber and an engine publishing self-describing
@@ -334,40 +321,10 @@ def test_a_reset_removes_every_hash_that_self_describing_stores_named(
         assert len(h.cpu) == len(h.disk) == 0
         assert wait_events_delivered(llm, sub, timeout=60)
         assert sub.block_counts()[("BlockRemoved", "STORAGE")] > 0
-        assert _hashes_held(sub, "CPU") == {}
-        assert _hashes_held(sub, "STORAGE") == {}
+        assert replay(sub.filter(medium="CPU")).held == {}
+        assert replay(sub.filter(medium="STORAGE")).held == {}
         # Nothing of the reset is owed: its payloads are gone.
         assert get_connector(llm)._reset_tracker is None
-
-
-def _removed_unstored(sub: KVEventSubscriber, medium: str) -> list:
-    """The block hashes a BlockRemoved on ``medium`` named while no
-    BlockStored there held them."""
-    held: Counter = Counter()
-    bad = []
-    for ev in sub.filter(medium=medium):
-        if type(ev).__name__ == "BlockStored":
-            held.update(ev.block_hashes)
-        elif type(ev).__name__ == "BlockRemoved":
-            for h in ev.block_hashes:
-                if held[h] <= 0:
-                    bad.append(h)
-                held[h] -= 1
-    return bad
-
-
-def _stored_held(sub: KVEventSubscriber, medium: str) -> list:
-    """The block hashes a BlockStored on ``medium`` named while an earlier
-    one there still held them: a removal owed went out after the store."""
-    held: Counter = Counter()
-    bad = []
-    for ev in sub.filter(medium=medium):
-        if type(ev).__name__ == "BlockStored":
-            bad.extend(h for h in ev.block_hashes if held[h] > 0)
-            held.update(ev.block_hashes)
-        elif type(ev).__name__ == "BlockRemoved":
-            held.subtract(ev.block_hashes)
-    return bad
 
 
 @BACKLOGS
@@ -399,13 +356,12 @@ def test_blocks_stored_again_right_after_a_reset_keep_their_hashes(
             run_prompts(llm, [make_prompt(77 + i, 40)], 1)
         assert get_connector(llm)._reset_tracker is None
         assert wait_events_delivered(llm, sub, timeout=60)
-        assert _removed_unstored(sub, "CPU") == []
-        assert _removed_unstored(sub, "STORAGE") == []
+        cpu, disk = (replay(sub.filter(medium=m)) for m in ("CPU", "STORAGE"))
+        assert cpu.removed_unheld == [] and disk.removed_unheld == []
         # The prompts name distinct hashes: each store follows its removal.
-        assert _stored_held(sub, "CPU") == []
-        assert _stored_held(sub, "STORAGE") == []
-        assert len(_hashes_held(sub, "CPU")) == 2 * len(h.cpu)
-        assert len(_hashes_held(sub, "STORAGE")) == 2 * len(h.disk)
+        assert cpu.stored_held == [] and disk.stored_held == []
+        assert len(cpu.held) == 2 * len(h.cpu)
+        assert len(disk.held) == 2 * len(h.disk)
         # vLLM's tracker keeps payloads only of blocks some tier holds
         # (tests/connector/test_event_payloads.py has the cases that leaked).
         assert manager_of(llm).collect_left_keys

@@ -206,9 +206,8 @@ def test_a_reset_keeps_the_hashes_of_the_blocks_the_disk_tier_keeps(
     STORAGE for ever. kvtier's connector keeps the payloads of the blocks
     the secondary tiers hold; vLLM's does not (the xfail: a limitation of
     vLLM's tiering mode, docs/tiering-mode.md)."""
-    from collections import Counter
-
     from kvtier.store.slot import slot_size
+    from kvtier.testing.events import replay
 
     chunk_bytes = kv_bytes_per_block(model, 2 * BLOCK_TOKENS)
     cfg = offloading_kv_transfer_config(
@@ -242,12 +241,9 @@ def test_a_reset_keeps_the_hashes_of_the_blocks_the_disk_tier_keeps(
         on_disk = len(tier_of(llm).tier)
         assert wait_events_delivered(llm, sub, timeout=30)
         removed = sub.block_counts()[("BlockRemoved", "STORAGE")]
-        held: Counter = Counter()
-        for ev in sub.filter(medium="STORAGE"):
-            sign = 1 if type(ev).__name__ == "BlockStored" else -1
-            held.update({h: sign for h in ev.block_hashes})
+        held = replay(sub.filter(medium="STORAGE")).held
     assert on_disk == 6 and removed > 0
-    assert sorted(Counter(+held).values()) == [1] * 2 * on_disk
+    assert sorted(held.values()) == [1] * 2 * on_disk
 
 
 def test_a_connector_reset_while_a_store_is_deferred_never_serves_its_row(
