@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,12 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.v1.kv_offload.base import (
-    Medium,
-    OffloadingEvent,
-    OffloadingSpec,
-    OffloadKey,
-)
+from vllm.v1.kv_offload.base import OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -87,7 +82,8 @@ from kvtier.connector.config import (
     check_kvtier_keys_are_read,
 )
 from kvtier.connector.identity import HASH_FIX, LORA_ON_DISK, prefix_hash_problem
-from kvtier.connector.manager import BulkEvent, TieredOffloadingManager
+from kvtier.connector.kv_events import keep_secondary_payloads, translate_after_reset
+from kvtier.connector.manager import TieredOffloadingManager
 from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerReport
 from kvtier.log import get_logger
@@ -333,65 +329,6 @@ def _create_spec(config: OffloadingConfig, facts: ConnectorFacts) -> OffloadingS
     return spec_cls(config)
 
 
-def _translate_after_reset(
-    events: Iterable[OffloadingEvent],
-    tracker: OffloadingEventsTracker,
-    reset_tracker: OffloadingEventsTracker,
-    owed: Callable[[OffloadKey], bool],
-) -> Iterable[KVCacheEvent]:
-    """One step's ``events`` as KV events, in order: those owed from before
-    a reset (:class:`BulkEvent`) by ``reset_tracker``, which holds the
-    payloads from before it; the others by ``tracker`` in one call, as
-    vLLM calls it: it keeps a removed key's payload until the call's last
-    event, in case a later one of the batch stores it again.
-    ``reset_tracker`` then forgets the keys of those events that are
-    ``owed`` no other event.
-
-    ``tracker`` reads the events one at a time, as it translates them; the
-    events met before its next one are translated then, and go out before
-    that event's KV events."""
-    ahead: list[KVCacheEvent] = []
-    done: list[OffloadKey] = []
-
-    def its_events() -> Iterable[OffloadingEvent]:
-        for event in events:
-            if isinstance(event, BulkEvent):
-                ahead.extend(reset_tracker.take_events((event,)))
-                done.extend(event.keys)
-            else:
-                yield event
-
-    for kv_event in tracker.take_events(its_events()):
-        if ahead:
-            yield from ahead
-            ahead.clear()
-        yield kv_event
-    yield from ahead
-    payloads = reset_tracker._pending_event_metadata
-    for key in done:
-        if not owed(key):
-            payloads.pop(key, None)
-
-
-def _keep_secondary_payloads(payloads: dict[OffloadKey, Any]) -> None:
-    """Keep, of the payloads vLLM's tracker held at a reset in tiering mode,
-    those of the blocks a secondary tier still holds, less their primary
-    residency. vLLM resets only the primary tier (its secondary tiers keep
-    their blocks) but drops every payload, so the later removal of a block
-    from a secondary tier (kvtier's disk tier evicting it) named its chunk's
-    last block hash only: a subscriber kept the chunk's other hashes on
-    STORAGE for ever. O(payloads), as vLLM's own reset of them."""
-    primary = (Medium.CPU, None)  # the tracker's residency of the primary tier
-    for key in [
-        key
-        for key, meta in payloads.items()
-        if not meta.active_residencies - {primary}
-    ]:
-        del payloads[key]
-    for meta in payloads.values():
-        meta.active_residencies.discard(primary)
-
-
 class TieredOffloadingConnector(OffloadingConnector):
     """OffloadingConnector that turns failed disk loads into recomputation."""
 
@@ -587,7 +524,7 @@ class TieredOffloadingConnector(OffloadingConnector):
             # Everything pending now predates the reset: the stores and
             # spills its drain completed, then the reset's removals.
             self._reset_events.extend(
-                _translate_after_reset(
+                translate_after_reset(
                     manager.take_events(), kept, kept, manager.hierarchy.event_owed
                 )
             )
@@ -597,7 +534,7 @@ class TieredOffloadingConnector(OffloadingConnector):
             # reset, so it is translated with the payloads from before it.
             tracker._pending_event_metadata = payloads
             self._reset_events.extend(tracker.take_events(manager.take_events()))
-            _keep_secondary_payloads(payloads)
+            keep_secondary_payloads(payloads)
         for req_id, status in sched._req_status.items():
             for group, stored in zip(status.group_states, progress.get(req_id, ())):
                 group.next_stored_chunk_idx = stored
@@ -647,7 +584,7 @@ class TieredOffloadingConnector(OffloadingConnector):
             yield from super().take_events()
         else:
             assert isinstance(manager, TieredOffloadingManager)
-            yield from _translate_after_reset(
+            yield from translate_after_reset(
                 manager.take_events(),
                 sched._events_tracker,
                 reset_tracker,
