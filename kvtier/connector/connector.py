@@ -82,7 +82,11 @@ from kvtier.connector.config import (
     check_kvtier_keys_are_read,
 )
 from kvtier.connector.identity import HASH_FIX, LORA_ON_DISK, prefix_hash_problem
-from kvtier.connector.kv_events import keep_secondary_payloads, translate_after_reset
+from kvtier.connector.kv_events import (
+    KvtierEventsTracker,
+    keep_secondary_payloads,
+    translate_after_reset,
+)
 from kvtier.connector.manager import TieredOffloadingManager
 from kvtier.connector.spec import ConnectorFacts, TieredOffloadingSpec
 from kvtier.connector.worker_report import CounterDeltas, WorkerReport
@@ -372,6 +376,10 @@ class TieredOffloadingConnector(OffloadingConnector):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = sched = OffloadingConnectorScheduler(
                 spec, vllm_config, kv_cache_config
+            )
+            # Removals named as their stores were (a warm restart's blocks).
+            sched._events_tracker = KvtierEventsTracker.taking_over(
+                sched._events_tracker
             )
             manager = sched.manager
             if (

@@ -5,6 +5,9 @@ kvtier's managers announce their blocks as vLLM's ``OffloadingEvent``s
 with ``self_describing_kv_events`` by the payload (every block hash and
 token of a chunk) it recorded while a request described the block. Here:
 
+- :class:`KvtierEventsTracker`, vLLM's tracker with a removal named by what
+  its store named, where the store went out before any payload existed (a
+  warm restart's adopted blocks);
 - :func:`translate_after_reset`, one step's events after a connector reset,
   those owed from before it by the payloads vLLM's tracker held then;
 - :func:`keep_secondary_payloads`, what a tiering-mode reset keeps of those.
@@ -14,9 +17,10 @@ The connector (``kvtier.connector.connector``) decides when each runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from typing_extensions import override
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
     OffloadingEventsTracker,
@@ -24,6 +28,73 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
 from vllm.v1.kv_offload.base import Medium, OffloadingEvent, OffloadKey
 
 from kvtier.connector.manager import BulkEvent
+
+
+class KvtierEventsTracker(OffloadingEventsTracker):
+    """vLLM's tracker, but a removal names the block hashes its store named.
+
+    vLLM's tracker names a store by the payload it holds for the key then,
+    or, with none, by a placeholder: the chunk's last block hash. It has
+    none for a block no request described yet, as a warm restart's adopted
+    blocks, announced on STORAGE at start. A lookup that hits such a block
+    records its payload, and vLLM's tracker then named the block's removal
+    by every hash of its chunk: hashes no store named, which took a
+    reference-counting subscriber (vLLM's events module asks consumers to
+    count repeated announcements) below zero, and told a set-based one of
+    hashes it never held (only with more than one GPU block a chunk: with
+    one, the two name the same hash).
+
+    Where a medium's events expect removals (``removal_expected``: kvtier's
+    disk tiers, the full spec's and ``KvtierDiskTier``), vLLM records the
+    residency (medium, ownership) in the payload at each store it
+    describes. A removal whose payload lacks that residency therefore
+    removes a block whose store was a placeholder: it is translated without
+    the payload (a placeholder too), which stays for the block's other
+    residencies. CPU events expect none (vLLM records a CPU residency at the
+    lookup or store that makes the payload, and kvtier's CPU copies are
+    stored from a request or a load, after both), so they are vLLM's.
+
+    Takes vLLM's tracker's place in the connector scheduler
+    (:meth:`taking_over`); its methods are vLLM's but :meth:`take_events`.
+    Not thread-safe, as vLLM's: the scheduler's thread calls it."""
+
+    @classmethod
+    def taking_over(cls, tracker: OffloadingEventsTracker) -> KvtierEventsTracker:
+        """One in place of ``tracker``, which vLLM's connector scheduler
+        builds itself: its config, group specs (0.33) and payloads."""
+        new = cls.__new__(cls)
+        new.__dict__.update(vars(tracker))
+        return new
+
+    @override
+    def take_events(self, events: Iterable[OffloadingEvent]) -> Iterable[KVCacheEvent]:
+        return super().take_events(self._as_stored(events))
+
+    def _as_stored(
+        self, events: Iterable[OffloadingEvent]
+    ) -> Iterator[OffloadingEvent]:
+        """``events``, each removal's placeholder-stored keys' payloads
+        hidden while vLLM's tracker translates it. The tracker takes the
+        next event once it yielded the last one's KV events, so they are
+        back before it reads another (and before its end-of-call cleanup of
+        payloads without residencies)."""
+        for event in events:
+            hidden: dict[OffloadKey, Any] = {}
+            payloads = self._pending_event_metadata
+            if (
+                event.removed
+                and event.removal_expected
+                and not getattr(event, "metadata_only", False)  # 0.33
+            ):
+                residency = (event.medium, event.ownership)
+                for key in event.keys:
+                    meta = payloads.get(key)
+                    if meta is not None and residency not in meta.active_residencies:
+                        hidden[key] = payloads.pop(key)
+            try:
+                yield event
+            finally:
+                payloads.update(hidden)
 
 
 def translate_after_reset(

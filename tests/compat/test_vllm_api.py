@@ -35,6 +35,7 @@ EXPECTED_CLASSES = {
     "KvtierDiskTier",
     "CpuTierSpec",
     "TierLoadSpec",
+    "KvtierEventsTracker",
 }
 
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
-    OffloadingEventsTracker,
     get_offloading_event_group_spec,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
@@ -40,6 +39,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.request import Request
 
 from kvtier.connector.connector import TieredOffloadingConnector
+from kvtier.connector.kv_events import KvtierEventsTracker
 from kvtier.connector.manager import TieredOffloadingManager
 from kvtier.connector.worker_report import WorkerReport
 from kvtier.testing.events import replay
@@ -99,7 +99,8 @@ class _Setup:
         self.manager = TieredOffloadingManager(
             self.h, None, block_bytes=64, enable_events=True
         )
-        self.tracker = OffloadingEventsTracker(
+        # What TieredOffloadingConnector.__init__ puts in vLLM's place.
+        self.tracker = KvtierEventsTracker(
             OffloadingKVEventsConfig(
                 enable_kv_cache_events=True,
                 self_describing_kv_events=self_describing,
@@ -496,3 +497,38 @@ def test_a_reset_vllm_fails_leaves_the_payloads_where_they_were():
     with pytest.raises(RuntimeError, match="reset failed"):
         s.connector.reset_cache()
     assert all(s.payload(key) is not None for key in keys)
+
+
+@pytest.mark.parametrize("then", ["evicted", "promoted-then-evicted", "reset"])
+def test_a_warm_restart_block_s_removal_names_what_its_announcement_named(then):
+    """A warm restart announces its blocks on STORAGE by their chunk's last
+    hash: no request described them yet. A lookup then records a block's
+    payload (every hash of its chunk), and its STORAGE removal must still
+    name what its store named: naming the chunk's other hashes, it took a
+    reference-counting subscriber (vLLM's events module asks consumers to
+    count) below zero on them, and a set-based one was told of hashes it
+    never held. Its CPU copy, stored with the payload, is named in full."""
+    s = _Setup(cpu=2, disk=4, hashes=2)
+    reqs = _restored(s, 2)
+    keys = [_keys(r, 2)[0] for r in reqs]
+    _step_until_nothing_owed(s)
+    for r in reqs:
+        assert s.look_up(r) == 1  # vLLM records the payload
+    if then == "promoted-then-evicted":
+        ctx = ReqContext("L")
+        s.manager.prepare_load(keys, ctx)
+        s.manager.complete_load(keys, ctx)  # promoted to the CPU tier
+        s.step_events()
+        assert all(s.h.cpu.is_ready(k) for k in keys)
+    if then == "reset":
+        s.connector.reset_cache()
+    else:
+        for i in range(3):  # new blocks push both out of both tiers
+            s.store(_request(f"N{i}", 4, seed=50 + i))
+    _step_until_nothing_owed(s)
+    assert not any(s.h.holds(k) for k in keys)
+    for medium in ("CPU", "STORAGE"):
+        seen = replay(s.events, medium)
+        assert seen.removed_unheld == [] and seen.stored_held == [], medium
+    _subscriber_matches_the_tiers(s)
+    assert [k for k in keys if s.payload(k) is not None] == []

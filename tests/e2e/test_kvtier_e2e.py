@@ -22,6 +22,7 @@ from kvtier.testing.engine import (
     get_connector,
     get_hit_recorder,
     run_prompts,
+    settle,
     wait_events_delivered,
 )
 from kvtier.testing.events import replay
@@ -325,6 +326,50 @@ def test_a_reset_removes_every_hash_that_self_describing_stores_named(
         assert replay(sub.filter(medium="STORAGE")).held == {}
         # Nothing of the reset is owed: its payloads are gone.
         assert get_connector(llm)._reset_tracker is None
+
+
+def test_a_warm_restart_s_blocks_leave_by_the_hashes_they_were_announced_by(
+    model, block_bytes, tmp_path
+):
+    """A warm restart announces the blocks it adopts on STORAGE by their
+    chunk's last hash (no request described them yet); returning prompts
+    then look them up, which makes vLLM record their payloads (every hash
+    of the chunk). When new prompts push them out of the disk tier, each
+    removal names the hash its store named: naming both, it told the
+    subscriber of a hash it never held. Not promoted to the CPU tier on
+    their hit: vLLM's tracker would drop the payload at the CPU removal."""
+    cfg = kvtier_config(
+        block_bytes,
+        tmp_path,
+        block_size=64,
+        self_describing_kv_events=True,
+        promote_on_hit=False,
+    )
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        run_each(llm, FIRST)
+        settle(manager_of(llm))
+    with engine_with_events(model, cfg, num_gpu_blocks=GPU_BLOCKS) as (sub, llm):
+        h = manager_of(llm).hierarchy
+        restored = set(h.disk.keys())
+        again = run_each(llm, RETURNING)
+        for i in range(40):  # new prompts, until no adopted block is held
+            if not any(h.holds(key) for key in restored):
+                break
+            run_prompts(llm, [make_prompt(300 + i, 16 * 32)], 1)
+        assert not any(h.holds(key) for key in restored)
+        assert wait_events_delivered(llm, sub, timeout=60)
+    assert len(restored) == len(FIRST) * BLOCKS_PER_PROMPT // 2
+    assert again.totals.get("disk") == len(RETURNING) * BLOCKS_PER_PROMPT * 32
+    disk = replay(sub.filter(medium="STORAGE"))
+    assert disk.removed_unheld == [] and disk.stored_held == []
+    # Most announced by a placeholder (those a lookup met before their
+    # announcement went out are described), and removed by it.
+    stores = sub.filter("BlockStored", "STORAGE")
+    placeholders = [ev for ev in stores if not ev.token_ids]
+    assert len(placeholders) >= len(restored) // 2
+    assert all(len(ev.block_hashes) == 1 for ev in placeholders)
+    cpu = replay(sub.filter(medium="CPU"))
+    assert cpu.removed_unheld == [] and cpu.stored_held == []
 
 
 @BACKLOGS
