@@ -40,6 +40,7 @@ never read unwritten. Enable with::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections.abc import Iterable
@@ -72,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.v1.kv_offload.base import OffloadingSpec
+from vllm.v1.kv_offload.base import OffloadingEvent, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -533,7 +534,7 @@ class TieredOffloadingConnector(OffloadingConnector):
             # spills its drain completed, then the reset's removals.
             self._reset_events.extend(
                 translate_after_reset(
-                    manager.take_events(), kept, kept, manager.hierarchy.event_owed
+                    self._drain_manager(), kept, kept, manager.hierarchy.event_owed
                 )
             )
             manager.take_keys_gone()  # vLLM's tracker holds none of them
@@ -541,12 +542,25 @@ class TieredOffloadingConnector(OffloadingConnector):
             # vLLM's manager (tiering mode): what is pending predates the
             # reset, so it is translated with the payloads from before it.
             tracker._pending_event_metadata = payloads
-            self._reset_events.extend(tracker.take_events(manager.take_events()))
+            self._reset_events.extend(tracker.take_events(self._drain_manager()))
             keep_secondary_payloads(payloads)
         for req_id, status in sched._req_status.items():
             for group, stored in zip(status.group_states, progress.get(req_id, ())):
                 group.next_stored_chunk_idx = stored
         return done
+
+    def _drain_manager(self) -> list[OffloadingEvent]:
+        """The manager's pending events, drained as vLLM's scheduler drains
+        them for its ``take_events``: at once, and under vLLM 0.33 inside
+        its manager region (``_manager_locked``: a tier's poll thread may
+        enter the manager too, as a p2p tier's in tiering mode); 0.32 has
+        none. Called outside ``schedule()`` only, as vLLM's hooks that take
+        the region are."""
+        sched = self.connector_scheduler
+        assert sched is not None
+        region = getattr(sched, "_manager_locked", None)
+        with region() if region is not None else contextlib.nullcontext():
+            return list(sched.manager.take_events())
 
     def _hand_out_backlog(self) -> None:
         """Translate every event owed (an earlier reset's removals, what
@@ -593,7 +607,7 @@ class TieredOffloadingConnector(OffloadingConnector):
         else:
             assert isinstance(manager, TieredOffloadingManager)
             yield from translate_after_reset(
-                manager.take_events(),
+                self._drain_manager(),
                 sched._events_tracker,
                 reset_tracker,
                 manager.hierarchy.event_owed,

@@ -16,6 +16,8 @@ for every hit, where 0.32 records it only for a key without a payload.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from vllm.distributed.kv_events import BlockStored
@@ -532,3 +534,26 @@ def test_a_warm_restart_block_s_removal_names_what_its_announcement_named(then):
         assert seen.removed_unheld == [] and seen.stored_held == [], medium
     _subscriber_matches_the_tiers(s)
     assert [k for k in keys if s.payload(k) is not None] == []
+
+
+def test_the_connector_drains_the_manager_inside_vllm_s_manager_region(monkeypatch):
+    """vLLM 0.33 drains the manager's events inside its manager region (a
+    tier's poll thread may enter the manager); so does the connector where
+    it drains them itself: at a reset, and in the steps after one."""
+    if not hasattr(OffloadingConnectorScheduler, "_manager_locked"):
+        pytest.skip("vLLM 0.32 has no manager region")
+    lock = threading.Lock()
+    monkeypatch.setattr(TieredOffloadingManager, "lock", property(lambda _: lock))
+    s = _Setup(cpu=4, disk=8, hashes=2)
+    s.store(_request("A", 8, seed=1))
+    held: list[bool] = []
+    take = s.manager.take_events
+
+    def taking():
+        held.append(lock.locked())
+        return take()
+
+    monkeypatch.setattr(s.manager, "take_events", taking)
+    s.connector.reset_cache()
+    _step_until_nothing_owed(s)
+    assert len(held) >= 2 and all(held), held
