@@ -36,27 +36,38 @@ class KvtierEventsTracker(OffloadingEventsTracker):
     vLLM's tracker names a store by the payload it holds for the key then,
     or, with none, by a placeholder: the chunk's last block hash. It has
     none for a block no request described yet, as a warm restart's adopted
-    blocks, announced on STORAGE at start. A lookup that hits such a block
-    records its payload, and vLLM's tracker then named the block's removal
-    by every hash of its chunk: hashes no store named, which took a
-    reference-counting subscriber (vLLM's events module asks consumers to
-    count repeated announcements) below zero, and told a set-based one of
-    hashes it never held (only with more than one GPU block a chunk: with
-    one, the two name the same hash).
+    blocks, announced on STORAGE at start, or a store completed after
+    vLLM dropped the payload it recorded for it (the key's older copy left
+    in the same step). A lookup that hits such a block records its payload,
+    and vLLM's tracker then named the block's removal by every hash of its
+    chunk: hashes no store named, which took a reference-counting
+    subscriber (vLLM's events module asks consumers to count repeated
+    announcements) below zero, and told a set-based one of hashes it never
+    held (only with more than one GPU block a chunk: with one, the two name
+    the same hash).
 
-    Where a medium's events expect removals (``removal_expected``: kvtier's
-    disk tiers, the full spec's and ``KvtierDiskTier``), vLLM records the
-    residency (medium, ownership) in the payload at each store it
-    describes. A removal whose payload lacks that residency therefore
-    removes a block whose store was a placeholder: it is translated without
-    the payload (a placeholder too), which stays for the block's other
-    residencies. CPU events expect none (vLLM records a CPU residency at the
-    lookup or store that makes the payload, and kvtier's CPU copies are
-    stored from a request or a load, after both), so they are vLLM's.
+    So this tracker remembers, of each medium (and ownership) whose events
+    expect removals (``removal_expected``: every tier of kvtier's announces
+    each block's removal, a reset's included), the keys whose copy there
+    went out by a placeholder, and translates such a copy's removal without
+    the payload: by the placeholder too. A key's hashes follow from the key
+    (the chunk's last hash, of a chained hash), so a copy described by a
+    payload is removed by any payload of its key. Those sets hold the
+    placeholder copies still held: a warm restart's adopted blocks until a
+    request describes them (about 32 MB a million).
+
+    With ``removal_expected``, vLLM also records a residency at each store
+    it describes, so a payload outlives a removal of the key that comes
+    with a new store of it in the same step (a set of residencies, not a
+    count: the removal empties it, and the payload was dropped at the end
+    of the call while the new copy was held).
 
     Takes vLLM's tracker's place in the connector scheduler
     (:meth:`taking_over`); its methods are vLLM's but :meth:`take_events`.
     Not thread-safe, as vLLM's: the scheduler's thread calls it."""
+
+    # (medium, ownership) -> the keys whose copy there a placeholder named.
+    _placeholders: dict[tuple[Medium, str | None], set[OffloadKey]]
 
     @classmethod
     def taking_over(cls, tracker: OffloadingEventsTracker) -> KvtierEventsTracker:
@@ -64,33 +75,48 @@ class KvtierEventsTracker(OffloadingEventsTracker):
         builds itself: its config, group specs (0.33) and payloads."""
         new = cls.__new__(cls)
         new.__dict__.update(vars(tracker))
+        new._placeholders = {}
         return new
 
     @override
-    def take_events(self, events: Iterable[OffloadingEvent]) -> Iterable[KVCacheEvent]:
-        return super().take_events(self._as_stored(events))
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._placeholders = {}
 
-    def _as_stored(
+    @override
+    def take_events(self, events: Iterable[OffloadingEvent]) -> Iterable[KVCacheEvent]:
+        if not self.self_describing_enabled:  # every event is a placeholder
+            return super().take_events(events)
+        return super().take_events(self._as_announced(events))
+
+    def _as_announced(
         self, events: Iterable[OffloadingEvent]
     ) -> Iterator[OffloadingEvent]:
-        """``events``, each removal's placeholder-stored keys' payloads
-        hidden while vLLM's tracker translates it. The tracker takes the
-        next event once it yielded the last one's KV events, so they are
+        """``events``, each noted as vLLM's tracker is about to name it; a
+        removal of a copy a placeholder named has its key's payload hidden
+        while the tracker translates it. The tracker takes the next event
+        once it yielded the last one's KV events, so a hidden payload is
         back before it reads another (and before its end-of-call cleanup of
-        payloads without residencies)."""
+        payloads without residencies). O(keys of the events)."""
         for event in events:
             hidden: dict[OffloadKey, Any] = {}
             payloads = self._pending_event_metadata
-            if (
-                event.removed
-                and event.removal_expected
-                and not getattr(event, "metadata_only", False)  # 0.33
-            ):
-                residency = (event.medium, event.ownership)
-                for key in event.keys:
-                    meta = payloads.get(key)
-                    if meta is not None and residency not in meta.active_residencies:
-                        hidden[key] = payloads.pop(key)
+            if event.removal_expected and not getattr(event, "metadata_only", False):
+                # (0.33's metadata-only removal: a store never announced.)
+                where = (event.medium, event.ownership)
+                placeholders = self._placeholders.setdefault(where, set())
+                if event.removed:
+                    for key in event.keys:
+                        if key in placeholders:
+                            placeholders.remove(key)
+                            if (meta := payloads.pop(key, None)) is not None:
+                                hidden[key] = meta
+                else:
+                    for key in event.keys:
+                        if key in payloads:
+                            placeholders.discard(key)
+                        else:
+                            placeholders.add(key)
             try:
                 yield event
             finally:

@@ -364,7 +364,16 @@ class TieredOffloadingManager(OffloadingManager):
                 self._left_keys.extend(ev.keys)
             event = BulkEvent if ev.reason in BULK_REASONS else OffloadingEvent
             if ev.medium == MEDIUM_CPU:
-                yield event(keys=list(ev.keys), medium=Medium.CPU, removed=ev.removed)
+                yield event(
+                    keys=list(ev.keys),
+                    medium=Medium.CPU,
+                    removed=ev.removed,
+                    # Every CPU block leaves with a BlockRemoved too (a
+                    # reset's included): vLLM counts the new copy of a key
+                    # whose old one left in the same step, and keeps its
+                    # payload (kvtier.connector.kv_events).
+                    removal_expected=True,
+                )
             else:
                 yield event(
                     keys=list(ev.keys),

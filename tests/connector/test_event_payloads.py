@@ -501,7 +501,41 @@ def test_a_reset_vllm_fails_leaves_the_payloads_where_they_were():
     assert all(s.payload(key) is not None for key in keys)
 
 
-@pytest.mark.parametrize("then", ["evicted", "promoted-then-evicted", "reset"])
+def _load(s: _Setup, keys: list, req_id: str) -> None:
+    """A load of ``keys`` (looked up), completed: a disk block is promoted
+    to the CPU tier."""
+    ctx = ReqContext(req_id)
+    s.manager.prepare_load(keys, ctx)
+    s.manager.complete_load(keys, ctx)
+
+
+def _keep_hot_until_off_disk(s: _Setup, req: Request) -> None:
+    """``req``'s chunk read from the CPU tier again and again (kept there)
+    while new blocks push its disk copy out."""
+    (key,) = _keys(req, s.hashes)
+    for i in range(8):
+        if not s.h.disk.is_ready(key):
+            break
+        assert s.look_up(req) == 1
+        _load(s, [key], f"hot{i}")
+        s.store(_request(f"Z{i}", 2, seed=10 + i))
+    assert s.h.cpu.is_ready(key) and not s.h.disk.is_ready(key)
+
+
+def _everything_removed_as_announced(s: _Setup) -> None:
+    """After a reset and its removals: the subscriber holds nothing, and no
+    removal named a hash not held, nor a store one held."""
+    s.connector.reset_cache()
+    _step_until_nothing_owed(s)
+    for medium in ("CPU", "STORAGE"):
+        seen = replay(s.events, medium)
+        assert seen.removed_unheld == [] and seen.stored_held == [], medium
+        assert seen.held == {}, medium
+
+
+@pytest.mark.parametrize(
+    "then", ["evicted", "promoted-disk-copy-evicted-first", "reset"]
+)
 def test_a_warm_restart_block_s_removal_names_what_its_announcement_named(then):
     """A warm restart announces its blocks on STORAGE by their chunk's last
     hash: no request described them yet. A lookup then records a block's
@@ -516,12 +550,9 @@ def test_a_warm_restart_block_s_removal_names_what_its_announcement_named(then):
     _step_until_nothing_owed(s)
     for r in reqs:
         assert s.look_up(r) == 1  # vLLM records the payload
-    if then == "promoted-then-evicted":
-        ctx = ReqContext("L")
-        s.manager.prepare_load(keys, ctx)
-        s.manager.complete_load(keys, ctx)  # promoted to the CPU tier
-        s.step_events()
-        assert all(s.h.cpu.is_ready(k) for k in keys)
+    if then == "promoted-disk-copy-evicted-first":
+        _load(s, keys[:1], "L")  # promoted to the CPU tier
+        _keep_hot_until_off_disk(s, reqs[0])
     if then == "reset":
         s.connector.reset_cache()
     else:
@@ -534,6 +565,58 @@ def test_a_warm_restart_block_s_removal_names_what_its_announcement_named(then):
         assert seen.removed_unheld == [] and seen.stored_held == [], medium
     _subscriber_matches_the_tiers(s)
     assert [k for k in keys if s.payload(k) is not None] == []
+
+
+def test_a_block_stored_again_in_the_step_its_cpu_copy_left_keeps_its_payload():
+    """A block leaves the CPU tier and is stored there again within one
+    engine step. vLLM's tracker keeps a set of residencies, not a count:
+    the removal emptied it, a CPU store added none back, and the payload
+    was dropped at the end of the step's events while the new copy was
+    held; that copy's removal then named the chunk's last hash only, and a
+    subscriber kept the others on CPU for ever."""
+    s = _Setup(cpu=1, disk=0, hashes=2)
+    (key,) = s.store(_request("A", 2, seed=1))
+    s.store(_request("B", 2, seed=2), step=False)  # pushes A out
+    s.store(_request("A2", 2, seed=1), step=False)  # and A is back
+    s.step_events()
+    assert s.h.cpu.is_ready(key) and s.payload(key) is not None
+    _everything_removed_as_announced(s)
+
+
+def test_a_store_completed_after_its_old_copy_s_removal_is_removed_as_announced():
+    """A block's new store is in flight when its old copy's removal goes
+    out: vLLM drops the payload there, so the new copy is announced by a
+    placeholder; a lookup records the payload again, and vLLM's tracker
+    named that copy's removal by every hash of the chunk (the CPU twin of
+    a warm restart's blocks)."""
+    s = _Setup(cpu=1, disk=0, hashes=2)
+    (key,) = s.store(_request("A", 2, seed=1))
+    s.store(_request("B", 2, seed=2), step=False)  # pushes A out
+    _prepare_store(s, _request("A2", 2, seed=1))  # A again, in flight
+    s.step_events()  # A's old copy's removal
+    s.manager.complete_store([key], ReqContext("A2"))
+    s.step_events()  # the new copy's store
+    assert s.look_up(_request("A3", 2, seed=1)) == 1
+    s.store(_request("C", 2, seed=3))  # pushes A out again
+    _everything_removed_as_announced(s)
+
+
+def test_a_promoted_block_keeps_its_payload_when_its_disk_copy_leaves_first():
+    """A block on disk only is hit and promoted to the CPU tier, and kept
+    there while its disk copy is evicted. vLLM 0.32's lookup adds no CPU
+    residency to a payload it holds, so the disk removal emptied the
+    payload's residencies and dropped it while the CPU copy was held."""
+    s = _Setup(cpu=2, disk=3, hashes=2)
+    req = _request("A", 2, seed=1)
+    (key,) = s.store(req)
+    s.store(_request("X", 4, seed=2))  # pushes A out of the CPU tier
+    assert not s.h.cpu.is_ready(key) and s.h.disk.is_ready(key)
+    assert s.look_up(req) == 1
+    _load(s, [key], "L")
+    s.step_events()
+    _keep_hot_until_off_disk(s, req)
+    assert s.payload(key) is not None
+    _everything_removed_as_announced(s)
 
 
 def test_the_connector_drains_the_manager_inside_vllm_s_manager_region(monkeypatch):
