@@ -246,6 +246,77 @@ def test_a_reset_keeps_the_hashes_of_the_blocks_the_disk_tier_keeps(
     assert sorted(held.values()) == [1] * 2 * on_disk
 
 
+@pytest.mark.parametrize(
+    "connector",
+    [
+        "kvtier",
+        pytest.param(
+            "vllm",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="vLLM's tracker removes a block announced by a "
+                "placeholder by every hash of its chunk once a lookup "
+                "recorded its payload",
+            ),
+        ),
+    ],
+)
+def test_a_warm_restart_s_blocks_leave_by_the_hash_they_were_announced_by(
+    model, tmp_path, connector
+):
+    """The disk tier's blocks adopted at a warm restart are announced by a
+    placeholder (the chunk's last hash: no request described them yet). A
+    returning prompt's lookup then makes vLLM record their payload (both
+    hashes of a 64-token chunk over 32-token GPU blocks), and, kept in the
+    primary tier while new blocks push their disk copies out, their
+    STORAGE removals must still name the one hash their stores named.
+    vLLM's OffloadingConnector names both (the xfail); kvtier's connector
+    names one (docs/tiering-mode.md)."""
+    from kvtier.store.slot import slot_size
+    from kvtier.testing.events import replay
+
+    chunk_bytes = kv_bytes_per_block(model, 2 * BLOCK_TOKENS)
+    cfg = offloading_kv_transfer_config(
+        "PortableTieringSpec",
+        "kvtier.connector.tiering",
+        cpu_bytes_to_use=4 * chunk_bytes,
+        block_size=2 * BLOCK_TOKENS,
+        self_describing_kv_events=True,
+        secondary_tiers=[
+            {
+                "type": "KvtierDiskTier",
+                "module_path": "kvtier.connector.tiering",
+                "disk_path": str(tmp_path),
+                "disk_bytes_to_use": 6 * slot_size(chunk_bytes),
+                "eviction_policy": "lru",
+            }
+        ],
+    )
+    if connector == "kvtier":
+        cfg.update(
+            kv_connector="TieredOffloadingConnector",
+            kv_connector_module_path="kvtier.connector",
+            kv_load_failure_policy="recompute",
+        )
+    with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
+        for prompt in FIRST[:3]:  # 6 chunks: the disk tier full
+            run_prompts(llm, [prompt], MAX_TOKENS)
+    with engine_with_events(model, cfg, num_gpu_blocks=GPU_BLOCKS) as (sub, llm):
+        adopted = len(tier_of(llm).tier)
+        again = run_prompts(llm, [FIRST[0]], MAX_TOKENS)  # from disk
+        for prompt in FIRST[3:]:  # push the adopted blocks out of the disk
+            assert llm.reset_prefix_cache()  # FIRST[0] from the primary tier
+            run_prompts(llm, [FIRST[0]], MAX_TOKENS)
+            run_prompts(llm, [prompt], MAX_TOKENS)
+        assert wait_events_delivered(llm, sub, timeout=30)
+        stores = sub.filter("BlockStored", "STORAGE")
+        disk = replay(sub.filter(medium="STORAGE"))
+    assert adopted == 6
+    assert again.hits_by_source == [{"disk": BLOCKS_PER_PROMPT * BLOCK_TOKENS}]
+    assert sum(1 for ev in stores if not ev.token_ids) == adopted
+    assert disk.removed_unheld == [] and disk.stored_held == []
+
+
 def test_a_connector_reset_while_a_store_is_deferred_never_serves_its_row(
     model, block_bytes, tmp_path
 ):
