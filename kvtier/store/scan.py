@@ -48,8 +48,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -71,11 +70,14 @@ PAYLOAD_PIECE = 8 << 20
 READ_BATCH = 16
 
 
-@dataclass(frozen=True)
-class SlotRecord:
+class SlotRecord(NamedTuple):
     """What one slot holds. ``header`` is set for OK, FINGERPRINT_MISMATCH
     and a payload that failed its check; ``version`` is the header version
-    of any slot whose magic is kvtier's (even one this kvtier refuses)."""
+    of any slot whose magic is kvtier's (even one this kvtier refuses).
+
+    A named tuple, not a frozen dataclass: a scan makes one a slot, and a
+    frozen dataclass's ``__init__`` sets its fields one ``__setattr__`` at
+    a time."""
 
     slot: int
     slab: str

@@ -25,7 +25,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -400,10 +400,10 @@ class ReadOutcome(Enum):
     HOST_ONLY = "host_only"
 
 
-@dataclass(frozen=True)
-class SlotVerdict:
+class SlotVerdict(NamedTuple):
     """What a check found: the outcome, the header when it parsed (also for
-    some rejections, e.g. another key or layout), and why, in words."""
+    some rejections, e.g. another key or layout), and why, in words. A
+    named tuple: a warm restart's scan makes one a slot."""
 
     outcome: ReadOutcome
     header: SlotHeader | None = None
