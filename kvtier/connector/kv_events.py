@@ -53,8 +53,9 @@ class KvtierEventsTracker(OffloadingEventsTracker):
     the payload: by the placeholder too. A key's hashes follow from the key
     (the chunk's last hash, of a chained hash), so a copy described by a
     payload is removed by any payload of its key. Those sets hold the
-    placeholder copies still held: a warm restart's adopted blocks until a
-    request describes them (about 32 MB a million).
+    placeholder copies still held: a warm restart's adopted blocks until
+    they leave (about 32 MB a million; a set emptied is let go, as a set
+    never shrinks its table).
 
     With ``removal_expected``, vLLM also records a residency at each store
     it describes, so a payload outlives a removal of the key that comes
@@ -117,6 +118,8 @@ class KvtierEventsTracker(OffloadingEventsTracker):
                             placeholders.discard(key)
                         else:
                             placeholders.add(key)
+                if not placeholders:
+                    del self._placeholders[where]
             try:
                 yield event
             finally:

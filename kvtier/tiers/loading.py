@@ -192,14 +192,18 @@ class LoadPlanner:
                 promoted.append(key)
         cpu.unpin_many(on_cpu)
         cpu.remove_many(unwritten, False)
-        assert self.disk_core is not None
-        dropped = self.disk_core.release_reads(
-            on_disk,
-            corrupt=[k for k in plan.keys if k in bad],
-            io_failed=[k for k in plan.keys if k in failing],
-            unread=skipped,
-        )
-        self._disk_dropped(dropped, False)
+        if self.disk_core is None:
+            # A CPU tier alone: every location is a CPU row (a load the
+            # worker failed whole names its keys unread; they stay).
+            assert not on_disk
+        else:
+            dropped = self.disk_core.release_reads(
+                on_disk,
+                corrupt=[k for k in plan.keys if k in bad],
+                io_failed=[k for k in plan.keys if k in failing],
+                unread=skipped,
+            )
+            self._disk_dropped(dropped, False)
         if promoted:
             cpu.mark_ready_many(promoted)
             self._promoted.update(promoted)

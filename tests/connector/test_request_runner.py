@@ -545,3 +545,48 @@ def test_the_models_contents_are_hashed_once_per_spec(tmp_path, monkeypatch):
         assert len(calls) == 1
     finally:
         manager.shutdown()
+
+
+def test_a_cpu_only_load_the_worker_fails_whole_leaves_its_blocks(
+    tmp_path, monkeypatch
+):
+    """A CPU tier alone has loads that can fail too: the worker contains an
+    exception of its own (here, the CPU rows' copy) and fails the job
+    whole, every key unread. The manager completed such a load through the
+    disk tier's read release and asserted there was a disk tier: raised in
+    vLLM's update_connector_output, that stopped the engine instead of
+    recomputing the request."""
+    from kvtier.host.block_copy import BlockCopier
+
+    r = RequestRunner(tiered_spec(make_config(tmp_path, cpu_blocks=4, disk_blocks=0)))
+    try:
+        keys = r.store("a", [1, 2])
+        assert r.lookup("a", keys) == 2
+        ctx = r.ctx
+        spec = r.manager.prepare_load(keys, ctx)
+
+        def broken(self, plan, to_cpu):
+            raise RuntimeError("a bug in the copy")
+
+        monkeypatch.setattr(BlockCopier, "copy", broken)
+        result = r._run_job(
+            r.worker.submit_load, spec, GPULoadStoreSpec([40, 41], [2], [0])
+        )
+        assert not result.success
+        error = r.worker.take_load_error(result.job_id)
+        assert error.whole and error.gpu_block_ids == {40, 41}
+        # What the connector's worker tells the scheduler of it.
+        r.manager.note_worker_report(
+            WorkerReport(
+                {ctx.req_id: error.corrupt},
+                unread_keys={ctx.req_id: error.unread},
+                failed_loads=[ctx.req_id],
+            )
+        )
+        r.manager.complete_load(keys, ctx)
+        monkeypatch.undo()
+        # The blocks stay, unpinned; the next request loads them.
+        assert r.lookup("a", keys) == 2
+        assert r.load(keys, [40, 41]) == {"host": 2}
+    finally:
+        r.close()
