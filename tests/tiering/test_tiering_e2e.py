@@ -180,6 +180,38 @@ def test_disk_budget_smaller_than_the_workload_stays_under_budget(
     assert all("disk" not in hits for hits in again.hits_by_source)
 
 
+def _self_describing_config(model, disk, connector: str) -> dict:
+    """Tiering mode with self-describing events: 64-token chunks over
+    32-token GPU blocks (two hashes a chunk), a primary tier of 4 chunks
+    and a disk tier of 6, under kvtier's connector or vLLM's."""
+    from kvtier.store.slot import slot_size
+
+    chunk_bytes = kv_bytes_per_block(model, 2 * BLOCK_TOKENS)
+    cfg = offloading_kv_transfer_config(
+        "PortableTieringSpec",
+        "kvtier.connector.tiering",
+        cpu_bytes_to_use=4 * chunk_bytes,
+        block_size=2 * BLOCK_TOKENS,
+        self_describing_kv_events=True,
+        secondary_tiers=[
+            {
+                "type": "KvtierDiskTier",
+                "module_path": "kvtier.connector.tiering",
+                "disk_path": str(disk),
+                "disk_bytes_to_use": 6 * slot_size(chunk_bytes),
+                "eviction_policy": "lru",
+            }
+        ],
+    )
+    if connector == "kvtier":
+        cfg.update(
+            kv_connector="TieredOffloadingConnector",
+            kv_connector_module_path="kvtier.connector",
+            kv_load_failure_policy="recompute",
+        )
+    return cfg
+
+
 @pytest.mark.parametrize(
     "connector",
     [
@@ -206,32 +238,9 @@ def test_a_reset_keeps_the_hashes_of_the_blocks_the_disk_tier_keeps(
     STORAGE for ever. kvtier's connector keeps the payloads of the blocks
     the secondary tiers hold; vLLM's does not (the xfail: a limitation of
     vLLM's tiering mode, docs/tiering-mode.md)."""
-    from kvtier.store.slot import slot_size
     from kvtier.testing.events import replay
 
-    chunk_bytes = kv_bytes_per_block(model, 2 * BLOCK_TOKENS)
-    cfg = offloading_kv_transfer_config(
-        "PortableTieringSpec",
-        "kvtier.connector.tiering",
-        cpu_bytes_to_use=4 * chunk_bytes,
-        block_size=2 * BLOCK_TOKENS,
-        self_describing_kv_events=True,
-        secondary_tiers=[
-            {
-                "type": "KvtierDiskTier",
-                "module_path": "kvtier.connector.tiering",
-                "disk_path": str(tmp_path),
-                "disk_bytes_to_use": 6 * slot_size(chunk_bytes),
-                "eviction_policy": "lru",
-            }
-        ],
-    )
-    if connector == "kvtier":
-        cfg.update(
-            kv_connector="TieredOffloadingConnector",
-            kv_connector_module_path="kvtier.connector",
-            kv_load_failure_policy="recompute",
-        )
+    cfg = _self_describing_config(model, tmp_path, connector)
     with engine_with_events(model, cfg, num_gpu_blocks=GPU_BLOCKS) as (sub, llm):
         for prompt in FIRST[:3]:  # 6 chunks: the disk tier full
             run_prompts(llm, [prompt], MAX_TOKENS)
@@ -272,32 +281,9 @@ def test_a_warm_restart_s_blocks_leave_by_the_hash_they_were_announced_by(
     STORAGE removals must still name the one hash their stores named.
     vLLM's OffloadingConnector names both (the xfail); kvtier's connector
     names one (docs/tiering-mode.md)."""
-    from kvtier.store.slot import slot_size
     from kvtier.testing.events import replay
 
-    chunk_bytes = kv_bytes_per_block(model, 2 * BLOCK_TOKENS)
-    cfg = offloading_kv_transfer_config(
-        "PortableTieringSpec",
-        "kvtier.connector.tiering",
-        cpu_bytes_to_use=4 * chunk_bytes,
-        block_size=2 * BLOCK_TOKENS,
-        self_describing_kv_events=True,
-        secondary_tiers=[
-            {
-                "type": "KvtierDiskTier",
-                "module_path": "kvtier.connector.tiering",
-                "disk_path": str(tmp_path),
-                "disk_bytes_to_use": 6 * slot_size(chunk_bytes),
-                "eviction_policy": "lru",
-            }
-        ],
-    )
-    if connector == "kvtier":
-        cfg.update(
-            kv_connector="TieredOffloadingConnector",
-            kv_connector_module_path="kvtier.connector",
-            kv_load_failure_policy="recompute",
-        )
+    cfg = _self_describing_config(model, tmp_path, connector)
     with engine(model, cfg, num_gpu_blocks=GPU_BLOCKS) as llm:
         for prompt in FIRST[:3]:  # 6 chunks: the disk tier full
             run_prompts(llm, [prompt], MAX_TOKENS)
